@@ -1,0 +1,2 @@
+"""rlctl: reinforcement-learning fine-tuning of causal language models from the command line."""
+__version__ = "0.1.0"

@@ -1,0 +1,89 @@
+"""The ``rlctl`` command line: parse, compose the config, call the engine. No math here.
+
+Heavy imports (torch, transformers, wandb) happen inside the commands so that
+``rlctl --help`` stays instant.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+CONF_DIR = Path(__file__).parent / "conf"
+GROUP_NAMES = ("algo", "task", "model", "hardware", "logger")
+
+
+def _groups_help() -> str:
+    lines = []
+    for g in GROUP_NAMES:
+        opts = sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))
+        lines.append(f"{g}={'|'.join(opts)}")
+    return "\n\n".join(lines)
+
+
+TRAIN_HELP = f"""Train a policy with RL. OVERRIDES are Hydra overrides, e.g.
+
+    rlctl train algo=grpo task=sorting algo.clip_eps=0.1 trainer.lr=3e-4
+
+Config groups and their options:
+
+{_groups_help()}
+
+Other sections: rollout.*, trainer.*, run.*, seed. A run writes runs/<time>-<name>/
+with config.yaml, recipe.yaml (replay with --recipe), metrics.jsonl, model/ and
+summary.json.
+"""
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="rlctl: fine-tune language models with reinforcement learning "
+                       "(REINFORCE, RLOO, PPO, GRPO).")
+
+
+@app.callback()
+def _root() -> None:
+    """rlctl: fine-tune language models with reinforcement learning."""
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             help=TRAIN_HELP)
+def train(ctx: typer.Context,
+          recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe YAML to replay (e.g. runs/<id>/recipe.yaml); overrides apply on top."),
+          debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
+    overrides: List[str] = list(ctx.args)
+    bad_flags = [a for a in overrides if a.startswith("--")]
+    if bad_flags:
+        _fail(f"unknown option '{bad_flags[0]}'; options: --recipe PATH, --debug, --help")
+    try:
+        from rlctl.engine.run import run_training
+        run_training(overrides, recipe)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130)
+    except typer.Exit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one line for users, the traceback with --debug
+        from rlctl.errors import user_message
+        if debug:
+            raise
+        message, code = user_message(exc)
+        _fail(message, code)
+
+
+def main() -> None:
+    # Thread limits must be set before torch is imported (STACK.md: the biggest trap).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

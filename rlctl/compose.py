@@ -1,0 +1,212 @@
+"""Compose the run config from ``rlctl/conf`` + a recipe + shell overrides, and validate it.
+
+Every failure here is a ``ConfigError`` whose message is one line naming the key and
+what is valid; the CLI prints it and exits with code 2.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from rlctl.config import GROUPS, register_schemas
+
+CONF_DIR = Path(__file__).parent / "conf"
+RECIPE_GROUP = "recipe"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error (one line, exit code 2)."""
+
+
+def group_options(group: str) -> List[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+def _explain(exc: Exception, overrides: Sequence[str]) -> str:
+    """Turn Hydra/OmegaConf exceptions into one line naming the key and valid values."""
+    parts, seen = [], exc
+    while seen is not None and len(parts) < 5:
+        parts.append(_one_line(seen))
+        seen = seen.__cause__ or seen.__context__
+    msg = " | ".join(parts)
+    m = re.search(r"Could not find '(\w+)/([^']*)'", msg)
+    if m and m.group(1) in GROUPS:
+        group, bad = m.groups()
+        return f"unknown {group} '{bad}'; valid: {', '.join(group_options(group))}"
+    m = re.search(r"Could not override '([^']+)'", msg)
+    if m:
+        key = m.group(1)
+        parent, _, leaf = key.rpartition(".")
+        valid = _valid_keys(parent)
+        hint = f"; valid keys of '{parent or 'the root'}': {', '.join(valid)}" if valid else ""
+        return f"unknown config key '{key}'{hint}"
+    m = re.search(r"Key '([^']+)' not in '(\w+)'", msg)
+    if m:
+        return f"unknown config key '{m.group(1)}' in {m.group(2)}"
+    m = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", msg)
+    if m:
+        key = re.search(r"full_key: ([\w.\[\]]+)", msg)
+        where = f" for '{key.group(1)}'" if key else ""
+        return f"invalid value '{m.group(1)}'{where}: expected {m.group(2).lower()}"
+    if "mismatched input" in msg or "no viable alternative" in msg or "extraneous input" in msg:
+        bad = [o for o in overrides if "=" not in o]
+        what = f"'{bad[0]}'" if bad else "an override"
+        return f"cannot parse {what}; overrides look like key=value (e.g. algo.clip_eps=0.1)"
+    return parts[-1] if len(parts) > 1 and "Error merging" in parts[0] else parts[0]
+
+
+def _valid_keys(parent: str) -> List[str]:
+    from rlctl.config import RLConfig
+
+    node = OmegaConf.structured(RLConfig)
+    try:
+        sub = OmegaConf.select(node, parent) if parent else node
+    except Exception:  # noqa: BLE001 - best-effort hint only
+        return []
+    return sorted(k for k in sub.keys() if k != "defaults") if isinstance(sub, DictConfig) else []
+
+
+def load_recipe(path: str) -> Dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"cannot read recipe '{path}': no such file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read recipe '{path}': {_one_line(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"cannot read recipe '{path}': expected a YAML mapping of config keys")
+    return data
+
+
+def _store_recipe(recipe: Dict, overrides: Sequence[str]) -> None:
+    """Register the recipe as a global config; groups that the shell overrides are
+    dropped from it, so `--recipe R algo=ppo` really gives PPO's defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    chosen = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    switched = {g for g in GROUPS if g in chosen}
+    body = {k: v for k, v in recipe.items() if k not in switched}
+    defaults = []
+    for item in body.get("defaults", []) or []:
+        key = next(iter(item)) if isinstance(item, dict) else str(item)
+        if key.replace("override", "").strip().lstrip("/") not in switched:
+            defaults.append(item)
+    body["defaults"] = defaults
+    ConfigStore.instance().store(group=RECIPE_GROUP, name="replay", node=body, package="_global_")
+
+
+@dataclass
+class Composed:
+    cfg: DictConfig              # unresolved, validated
+    choices: Dict[str, str]      # group -> chosen option, e.g. {"algo": "grpo"}
+    overrides: List[str]         # as given on the command line
+    recipe: Optional[str] = None
+
+
+def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Composed:
+    """The composed (unresolved) config, validated. Raises ConfigError."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    given = overrides = list(overrides)
+    register_schemas()
+    if recipe is not None:
+        _store_recipe(load_recipe(recipe), overrides)
+        overrides = [f"+{RECIPE_GROUP}=replay"] + overrides
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    except Exception as exc:  # noqa: BLE001 - every compose failure is a user error
+        raise ConfigError(_explain(exc, overrides)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    choices = {g: str(cfg.hydra.runtime.choices[g]) for g in GROUPS}
+    with _open_struct(cfg):
+        for key in ("hydra", "defaults"):
+            cfg.pop(key, None)
+    validate(cfg)
+    return Composed(cfg=cfg, choices=choices, overrides=given, recipe=recipe)
+
+
+class _open_struct:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __enter__(self):
+        OmegaConf.set_struct(self.cfg, False)
+
+    def __exit__(self, *exc):
+        OmegaConf.set_struct(self.cfg, True)
+
+
+def _choice(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value not in valid:
+        raise ConfigError(f"invalid {key} '{value}'; valid: {', '.join(valid)}")
+
+
+def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
+    value = OmegaConf.select(cfg, key)
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"invalid {key} '{value}'; must be {bound}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks beyond types: registry names, ranges, and options that must agree."""
+    import torch
+
+    from rlctl.core import get_advantage_estimator, get_policy_loss, kl_estimate, resolve_agg_mode
+    from rlctl.tasks import TASKS
+
+    _z = torch.zeros(1)
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except Exception as exc:  # noqa: BLE001
+        msg = _one_line(exc)
+        key = re.search(r"full_key: ([\w.]+)", msg)
+        if "Missing mandatory value" in msg and key:
+            raise ConfigError(f"missing value for '{key.group(1)}'; set it with {key.group(1)}=...") from None
+        raise ConfigError(msg) from None
+    # Registry names (peers' spellings accepted as aliases by the registries themselves).
+    for key, lookup in (("algo.advantage", get_advantage_estimator),
+                        ("algo.policy_loss", get_policy_loss),
+                        ("algo.loss_agg_mode", resolve_agg_mode),
+                        ("algo.kl.estimator", lambda k: kl_estimate(_z, _z, k))):
+        try:
+            lookup(OmegaConf.select(cfg, key))
+        except ValueError as exc:
+            raise ConfigError(f"invalid {key}: {_one_line(exc)}") from None
+    _choice(cfg, "algo.kl.placement", ["in_loss"])
+    _choice(cfg, "task.name", sorted(TASKS))
+    _choice(cfg, "model.dtype", ["float32", "bfloat16"])
+    _choice(cfg, "hardware.device", ["cpu", "cuda"])
+    _choice(cfg, "hardware.backend", ["torch"])
+    _choice(cfg, "logger.wandb_mode", ["offline", "online", "disabled"])
+    for key in ("algo.group_size", "algo.epochs", "algo.minibatches", "trainer.prompts_per_step",
+                "rollout.max_new_tokens", "hardware.num_threads", "trainer.lr"):
+        _positive(cfg, key)
+    for key in ("trainer.steps", "trainer.eval_every", "algo.clip_eps", "algo.kl.coef",
+                "rollout.temperature", "trainer.max_grad_norm", "trainer.weight_decay"):
+        _positive(cfg, key, allow_zero=True)
+    if cfg.rollout.temperature == 0:
+        raise ConfigError("invalid rollout.temperature '0'; sampling needs > 0 (eval is greedy already)")
+    n = cfg.trainer.prompts_per_step * cfg.algo.group_size
+    if n % cfg.algo.minibatches:
+        raise ConfigError(f"algo.minibatches={cfg.algo.minibatches} must divide the "
+                          f"{n} sequences per step (trainer.prompts_per_step * algo.group_size)")
+    if cfg.model.name == "hf" and not cfg.model.name_or_path:
+        raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")

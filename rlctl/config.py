@@ -1,0 +1,128 @@
+"""Structured config schema (dataclasses registered in Hydra's ConfigStore).
+
+Config flows one way: YAML in ``rlctl/conf`` -> these typed dataclasses -> constructor
+arguments. Defaults for values live in the YAML files; the dataclasses give types and
+the set of valid keys, so an unknown key or a wrong type fails at compose time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class KLConfig:
+    coef: float = MISSING          # beta; 0 disables the reference model entirely
+    estimator: str = MISSING       # k1 | k2 | k3
+    placement: str = MISSING       # in_loss (in_reward comes with the PPO family)
+
+
+@dataclass
+class AlgoConfig:
+    name: str = MISSING
+    advantage: str = MISSING       # registry key in rlctl.core.advantages
+    policy_loss: str = MISSING     # registry key in rlctl.core.losses
+    group_size: int = MISSING      # G completions per prompt
+    loss_agg_mode: str = MISSING   # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    norm_len: Optional[int] = None  # constant normaliser for seq-mean-token-sum-norm (None: T)
+    clip_eps: float = MISSING
+    clip_eps_high: Optional[float] = None  # None: same as clip_eps
+    epochs: int = MISSING          # passes over each rollout
+    minibatches: int = MISSING     # optimizer steps per pass
+    std_eps: float = 1e-6
+    kl: KLConfig = field(default_factory=KLConfig)
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING
+    num_digits: int = MISSING
+    reward: str = MISSING          # exact | positional | inclusion_order
+    num_eval: int = MISSING        # held-out prompts
+    seed: int = MISSING            # seed of the prompt generator (train/eval split)
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING            # tiny | hf
+    name_or_path: Optional[str] = None
+    dtype: str = MISSING           # float32 | bfloat16
+    # Embedded tiny model only (ignored by hf); part of its cache key.
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    warmup_steps: int = 0
+    warmup_lr: float = 1e-3
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class HardwareConfig:
+    name: str = MISSING
+    backend: str = MISSING         # torch
+    device: str = MISSING          # cpu | cuda
+    num_threads: int = MISSING     # torch intra-op threads (see STACK.md: 1 on small CPUs)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING            # wandb | jsonl | none
+    jsonl: bool = MISSING
+    wandb: bool = MISSING
+    wandb_mode: str = "offline"    # offline | online | disabled
+    project: str = "rlctl"
+    console: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    max_new_tokens: int = MISSING
+    temperature: float = MISSING
+    top_k: int = 0                 # 0: full distribution
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = MISSING
+    prompts_per_step: int = MISSING  # B
+    lr: float = MISSING
+    weight_decay: float = MISSING
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0            # linear LR warm-up
+    max_grad_norm: float = MISSING
+    eval_every: int = MISSING
+    log_every: int = 1
+
+
+@dataclass
+class RunConfig:
+    name: str = MISSING
+    output_dir: str = MISSING
+    save_model: bool = True
+
+
+@dataclass
+class RLConfig:
+    defaults: List[Any] = field(default_factory=list)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    seed: int = 0
+
+
+GROUPS = ("algo", "task", "model", "hardware", "logger")
+
+
+def register_schemas() -> None:
+    """Register the schema; ``config.yaml`` lists it first in its defaults, so every
+    group file merged on top is validated against the typed node it lands in."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="rlctl_schema", node=RLConfig)

@@ -1,0 +1,39 @@
+"""rlctl.core: the pure math of RL fine-tuning (stable public API).
+
+Pure torch functions: no I/O, no config objects, no distributed code. Shape letters:
+B prompts, G samples per prompt, N = B*G sequences, T completion tokens, V vocabulary.
+`mask` is 1.0 on completion tokens that count (EOS included; prompt and padding
+excluded). Every function accepts float32 and bfloat16, computes reductions in float32
+(float64 kept), and returns 0, never NaN, for an all-masked row or all-zero mask.
+Losses return `(loss, metrics)` with detached metric tensors.
+"""
+from .advantages import (ADVANTAGE_ESTIMATORS, broadcast_to_tokens, gae,
+                         get_advantage_estimator, group_advantages, reinforce_advantages,
+                         reinforce_baseline_advantages, rloo_advantages)
+from .aggregation import (AGG_ALIASES, AGG_MODES, agg_denominator, aggregate,
+                          aggregate_sum, resolve_agg_mode)
+from .kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
+from .logprobs import (completion_mask, entropy_from_logits, masked_mean, masked_sum,
+                       masked_whiten, token_logprobs)
+from .losses import (POLICY_LOSSES, explained_variance, get_policy_loss, ppo_clip_loss,
+                     ppo_clip_per_token, vanilla_pg_loss, vanilla_pg_per_token,
+                     value_loss, value_loss_per_token)
+
+__all__ = [
+    # logprobs
+    "token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum", "masked_whiten",
+    "completion_mask",
+    # kl
+    "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES",
+    # aggregation
+    "aggregate", "aggregate_sum", "agg_denominator", "resolve_agg_mode", "AGG_MODES",
+    "AGG_ALIASES",
+    # advantages
+    "group_advantages", "rloo_advantages", "reinforce_advantages",
+    "reinforce_baseline_advantages", "gae", "broadcast_to_tokens", "ADVANTAGE_ESTIMATORS",
+    "get_advantage_estimator",
+    # losses
+    "ppo_clip_per_token", "vanilla_pg_per_token", "ppo_clip_loss", "vanilla_pg_loss",
+    "POLICY_LOSSES", "get_policy_loss", "value_loss_per_token", "value_loss",
+    "explained_variance",
+]

@@ -1,0 +1,24 @@
+"""Private dtype helpers shared by the core modules.
+
+Every core function accepts float32 and bfloat16 inputs. Reductions and exponentials
+run in float32 (float64 stays float64, for exact-gradient tests), so a bf16 policy
+never sums thousands of bf16 terms or exponentiates a bf16 log-ratio.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def upcast(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`x` in the accumulation dtype (a no-op for float32 / float64 inputs)."""
+    return x.to(dtype or acc_dtype(x))
+
+
+def keep(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean "this position counts" from a 0/1 (or weight) mask of any dtype."""
+    return mask != 0

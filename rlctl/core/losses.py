@@ -1,0 +1,176 @@
+"""Policy and value losses. Each returns a per-token loss [N, T] plus detached metrics;
+the `*_loss` wrappers aggregate it with `aggregation.aggregate`.
+
+Sources:
+- PPO clipped surrogate (Schulman et al., 2017), seed 002's `ppo_policy_loss`:
+  per token  -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A),
+  rho = exp(logp - old_logp), computed in log space. Asymmetric clip_low / clip_high as
+  in DAPO's "clip-higher" (Yu et al., 2025); equal values give the paper's epsilon.
+- Vanilla policy gradient (REINFORCE, Williams 1992): -A * logp per token; its gradient
+  equals PPO's at rho == 1.
+- Value loss: 0.5 * (V - R)^2, optionally with PPO2's value clipping (max of clipped and
+  unclipped squared errors), as in CleanRL's `ppo.py` and Lambert's lecture (seed 000).
+
+Departures: the log-ratio is zeroed at masked-out positions and clamped to [-20, 20]
+before exp, so padding garbage or a wild token cannot produce inf/NaN (beyond |20| the
+gradient is cut, an extreme that should never be reached). Advantages, old log-probs,
+old values and returns are detached here, so a forgotten `.detach()` upstream cannot
+leak gradient into a baseline or critic (seed 002, "common pitfalls").
+
+Metrics (keys without namespace; the engine prefixes "policy/" or "value/"):
+clip_frac_low  fraction of counted tokens with A < 0 and rho < 1 - clip_low
+clip_frac_high fraction of counted tokens with A > 0 and rho > 1 + clip_high
+clip_frac      their sum (tokens where the clipped branch is the active, zero-grad one)
+approx_kl      masked mean of k3(old -> new) = (rho - 1) - log rho
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from ._util import acc_dtype, keep, upcast
+from .aggregation import aggregate
+from .logprobs import masked_mean
+
+__all__ = ["ppo_clip_per_token", "vanilla_pg_per_token", "ppo_clip_loss", "vanilla_pg_loss",
+           "POLICY_LOSSES", "get_policy_loss", "value_loss_per_token", "value_loss",
+           "explained_variance"]
+
+Metrics = Dict[str, torch.Tensor]
+LOG_RATIO_CLAMP = 20.0
+
+
+def _token_adv(advantages: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor:
+    adv = upcast(advantages, dtype).detach()
+    return adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv  # [N, T]
+
+
+def _zero_out(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _policy_metrics(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                    clip_low: float, clip_high: float) -> Metrics:
+    with torch.no_grad():
+        log_ratio = log_ratio.detach()
+        ratio = torch.exp(log_ratio)  # [N, T]
+        low = masked_mean(((adv < 0) & (ratio < 1.0 - clip_low)).to(ratio.dtype), mask)
+        high = masked_mean(((adv > 0) & (ratio > 1.0 + clip_high)).to(ratio.dtype), mask)
+        approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
+    return {"clip_frac_low": low, "clip_frac_high": high, "clip_frac": low + high,
+            "approx_kl": approx_kl}
+
+
+def ppo_clip_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                       mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2
+                       ) -> Tuple[torch.Tensor, Metrics]:
+    """PPO clipped surrogate per token. logp, old_logp, mask [N, T]; advantages [N, T] or
+    [N] -> (loss_mat [N, T], 0 where mask == 0; metrics)."""
+    dtype = acc_dtype(logp, old_logp, advantages)
+    m = keep(mask)
+    adv = _token_adv(advantages, mask, dtype)  # [N, T]
+    diff = upcast(logp, dtype) - upcast(old_logp, dtype).detach()  # [N, T]
+    log_ratio = _zero_out(diff, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)  # [N, T]
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = _zero_out(torch.maximum(pg_unclipped, pg_clipped), m)  # [N, T]
+    return loss_mat, _policy_metrics(log_ratio, adv, mask, clip_low, clip_high)
+
+
+def vanilla_pg_per_token(logp: torch.Tensor, old_logp: Optional[torch.Tensor],
+                         advantages: torch.Tensor, mask: torch.Tensor,
+                         clip_low: float = 0.2, clip_high: float = 0.2, **ignored
+                         ) -> Tuple[torch.Tensor, Metrics]:
+    """REINFORCE per token: -A * logp (clip arguments ignored; clip fractions are 0).
+    approx_kl is still reported against old_logp when given."""
+    dtype = acc_dtype(logp, advantages)
+    m = keep(mask)
+    lp = upcast(logp, dtype)
+    adv = _token_adv(advantages, mask, dtype)  # [N, T]
+    loss_mat = _zero_out(-adv * lp, m)  # [N, T]
+    if old_logp is None:
+        log_ratio = torch.zeros_like(lp)
+    else:
+        log_ratio = _zero_out(lp - upcast(old_logp, dtype), m)
+    metrics = _policy_metrics(log_ratio, adv, mask, float("inf"), float("inf"))
+    return loss_mat, metrics
+
+
+PolicyLoss = Callable[..., Tuple[torch.Tensor, Metrics]]
+
+# Uniform signature: fn(logp, old_logp, advantages, mask, clip_low, clip_high)
+#                    -> (loss_mat [N, T], metrics)
+POLICY_LOSSES: Dict[str, PolicyLoss] = {
+    "ppo_clip": ppo_clip_per_token,
+    "vanilla_pg": vanilla_pg_per_token,
+}
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """Per-token policy loss by config name ("-" and "_" interchangeable)."""
+    key = name.replace("-", "_")
+    if key not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; valid: {', '.join(sorted(POLICY_LOSSES))}")
+    return POLICY_LOSSES[key]
+
+
+def ppo_clip_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2,
+                  clip_high: float = 0.2, agg_mode: str = "token-mean",
+                  norm_len: int | None = None) -> Tuple[torch.Tensor, Metrics]:
+    """Aggregated PPO clipped loss -> (scalar loss, metrics)."""
+    loss_mat, metrics = ppo_clip_per_token(logp, old_logp, advantages, mask, clip_low,
+                                           clip_high)
+    return aggregate(loss_mat, mask, agg_mode, norm_len), metrics
+
+
+def vanilla_pg_loss(logp, old_logp, advantages, mask, agg_mode: str = "token-mean",
+                    norm_len: int | None = None, **ignored) -> Tuple[torch.Tensor, Metrics]:
+    """Aggregated REINFORCE loss -> (scalar loss, metrics)."""
+    loss_mat, metrics = vanilla_pg_per_token(logp, old_logp, advantages, mask)
+    return aggregate(loss_mat, mask, agg_mode, norm_len), metrics
+
+
+def value_loss_per_token(values: torch.Tensor, old_values: Optional[torch.Tensor],
+                         returns: torch.Tensor, mask: torch.Tensor,
+                         clip: float | None = None) -> Tuple[torch.Tensor, Metrics]:
+    """0.5 * (V - R)^2 per token, or with clipping 0.5 * max((V - R)^2, (V_clip - R)^2),
+    V_clip = old_V + clip(V - old_V, -clip, clip). values, old_values, returns, mask
+    [N, T] -> (loss_mat [N, T], {"clip_frac"})."""
+    dtype = acc_dtype(values, returns)
+    m = keep(mask)
+    v = upcast(values, dtype)
+    ret = upcast(returns, dtype).detach()
+    err = (v - ret) ** 2  # [N, T]
+    if clip is None:
+        loss_mat = 0.5 * err
+        clip_frac = torch.zeros((), dtype=dtype, device=v.device)
+    else:
+        old = upcast(old_values, dtype).detach()
+        v_clipped = old + (v - old).clamp(-clip, clip)  # [N, T]
+        err_clipped = (v_clipped - ret) ** 2
+        loss_mat = 0.5 * torch.maximum(err, err_clipped)
+        clip_frac = masked_mean((err_clipped > err).to(dtype), mask).detach()
+    return _zero_out(loss_mat, m), {"clip_frac": clip_frac}
+
+
+def value_loss(values, old_values, returns, mask, clip: float | None = None,
+               agg_mode: str = "token-mean", norm_len: int | None = None
+               ) -> Tuple[torch.Tensor, Metrics]:
+    """Aggregated value loss -> (scalar loss, {"clip_frac"})."""
+    loss_mat, metrics = value_loss_per_token(values, old_values, returns, mask, clip)
+    return aggregate(loss_mat, mask, agg_mode, norm_len), metrics
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var[R - V] / Var[R] over counted tokens (CleanRL's metric); 0 if Var[R] == 0."""
+    dtype = acc_dtype(values, returns)
+    v, ret = upcast(values, dtype), upcast(returns, dtype)
+    var_r = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
+    res = ret - v
+    var_res = masked_mean((res - masked_mean(res, mask)) ** 2, mask)
+    return torch.where(var_r > 0, 1.0 - var_res / var_r.clamp(min=1e-30),
+                       torch.zeros_like(var_r))

@@ -1,0 +1,35 @@
+"""Held-out evaluation: greedy completions on the task's eval split."""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+
+from rlctl.core.logprobs import completion_mask
+from rlctl.rollout.generate import decode_completions, generate
+from rlctl.tasks.base import Task
+from rlctl.types import Example
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], max_new_tokens: int,
+             batch_size: int = 256) -> Dict[str, float]:
+    """eval/exact_match, eval/reward, eval/length_mean, eval/truncated_frac (greedy)."""
+    was_training = model.training
+    model.eval()
+    exact, reward, length, truncated = 0.0, 0.0, 0.0, 0.0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        seqs, _, plen = generate(model, tokenizer, [e.prompt for e in chunk], max_new_tokens,
+                                 do_sample=False)
+        mask, trunc = completion_mask(seqs[:, plen:], tokenizer.eos_token_id, tokenizer.pad_token_id)
+        texts = decode_completions(tokenizer, seqs[:, plen:], mask)
+        for ex, text in zip(chunk, texts):
+            exact += float(task.is_correct(ex, text))
+            reward += float(task.reward(ex, text))
+        length += mask.sum().item()
+        truncated += trunc.float().sum().item()
+    model.train(was_training)
+    n = max(len(examples), 1)
+    return {"eval/exact_match": exact / n, "eval/reward": reward / n,
+            "eval/length_mean": length / n, "eval/truncated_frac": truncated / n}

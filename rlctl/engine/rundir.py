@@ -1,0 +1,82 @@
+"""Run directories: ``<output_dir>/<time>-<name>/`` with everything needed to replay.
+
+    config.yaml            the resolved config (what ran)
+    config_unresolved.yaml the config with interpolations kept
+    overrides.yaml         the command-line overrides (and the recipe, if any)
+    recipe.yaml            a replayable recipe: `rlctl train --recipe <run>/recipe.yaml`
+    metrics.jsonl          one line per logged step (logger=wandb|jsonl)
+    wandb/                 the W&B offline run (logger=wandb)
+    model/                 final weights (safetensors) and tokenizer, Hugging Face format
+    summary.json           final eval and timing
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Dict
+
+import yaml
+from omegaconf import OmegaConf
+
+from rlctl.compose import Composed
+
+
+class RunDirError(OSError):
+    pass
+
+
+def create_run_dir(output_dir: str, name: str) -> Path:
+    """A new, writable run directory (fails early with a clear message if it is not)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root = Path(output_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for i in range(1000):
+            path = root / (f"{stamp}-{safe}" + (f"-{i}" if i else ""))
+            try:
+                path.mkdir()
+                break
+            except FileExistsError:
+                continue
+        probe = path / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise RunDirError(f"cannot write the run directory under '{output_dir}': "
+                          f"{exc.strerror or exc}; set run.output_dir=WRITABLE_DIR") from None
+    return path
+
+
+def recipe_text(composed: Composed) -> str:
+    """A `# @package _global_` recipe that recomposes exactly this config."""
+    body: Dict[str, Any] = OmegaConf.to_container(composed.cfg, resolve=False)
+    defaults = [{f"override /{g}": opt} for g, opt in composed.choices.items()]
+    head = ("# @package _global_\n# Replay: rlctl train --recipe THIS_FILE [more overrides]\n")
+    return head + yaml.safe_dump({"defaults": defaults, **body}, sort_keys=False)
+
+
+def write_config(run_dir: Path, composed: Composed) -> None:
+    cfg = composed.cfg
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / "config_unresolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=False))
+    (run_dir / "overrides.yaml").write_text(yaml.safe_dump(
+        {"recipe": composed.recipe, "overrides": list(composed.overrides),
+         "choices": dict(composed.choices)}, sort_keys=False))
+    (run_dir / "recipe.yaml").write_text(recipe_text(composed))
+
+
+def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def save_model(run_dir: Path, model, tokenizer) -> Path:
+    out = run_dir / "model"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

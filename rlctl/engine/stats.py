@@ -1,0 +1,43 @@
+"""Rollout-side metrics in the DESIGN.md schema (detached tensors; one sync at log time)."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from rlctl.core.logprobs import masked_mean
+from rlctl.types import RolloutBatch
+
+
+def rollout_metrics(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
+    r = batch.rewards                                          # [N]
+    groups = r.view(-1, batch.group_size)                      # [B, G]
+    lengths = batch.mask.sum(-1)                               # [N]
+    seq_adv = batch.advantages.sum(-1) / lengths.clamp(min=1)  # [N] (constant per row for outcome advantages)
+    zero_std = (groups.max(-1).values == groups.min(-1).values).float()   # [B]
+    return {
+        "reward/mean": r.mean(),
+        "reward/std": r.std() if r.numel() > 1 else torch.zeros(()),
+        "reward/frac_zero_std_groups": zero_std.mean(),
+        "advantage/mean": masked_mean(batch.advantages, batch.mask),
+        "advantage/std": seq_adv.std() if seq_adv.numel() > 1 else torch.zeros(()),
+        "length/mean": lengths.mean(),
+        "length/min": lengths.min(),
+        "length/max": lengths.max(),
+        "length/truncated_frac": batch.truncated.float().mean(),
+    }
+
+
+POLICY_KEYS = {  # update_policy's metric names -> schema names
+    "loss": "policy/loss", "entropy": "policy/entropy", "clip_frac": "policy/clip_frac",
+    "clip_frac_low": "policy/clip_frac_low", "clip_frac_high": "policy/clip_frac_high",
+    "approx_kl": "policy/approx_kl", "kl_ref": "policy/kl_ref", "grad_norm": "optim/grad_norm",
+}
+
+
+def to_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """One host sync for the whole dict."""
+    keys = list(metrics)
+    values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32).detach().cpu()
+                          for k in keys]).tolist() if keys else []
+    return dict(zip(keys, values))

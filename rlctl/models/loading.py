@@ -1,0 +1,80 @@
+"""Load a causal LM and its tokenizer: the embedded tiny model or any HF checkpoint.
+
+Tokenizers come back with ``padding_side="left"`` and a pad token (EOS when the
+checkpoint has none), as batched generation needs.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+from typing import Any, Optional, Tuple
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODELS = ("tiny", "hf")
+
+
+def resolve_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}'; valid: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _looks_like_path(name_or_path: str) -> bool:
+    return (os.path.isabs(name_or_path) or name_or_path.startswith((".", "~"))
+            or name_or_path.count("/") > 1 or os.sep in name_or_path and os.sep != "/")
+
+
+def _prepare_tokenizer(tokenizer, model):
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        if gen.pad_token_id is None:
+            gen.pad_token_id = tokenizer.pad_token_id
+        if gen.eos_token_id is None:
+            gen.eos_token_id = tokenizer.eos_token_id
+    return tokenizer
+
+
+def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
+                             dtype: Any = "float32", device: Any = "cpu",
+                             **tiny_kwargs) -> Tuple[Any, Any]:
+    """(model, tokenizer) for ``name`` "tiny" (built and cached) or "hf" (``name_or_path``).
+
+    ``tiny_kwargs`` are ``build_tiny``'s arguments (hidden_size, num_layers, num_heads,
+    warmup_steps, warmup_lr, seed, warmup_num_digits, cache_dir); unknown keys and, for
+    "hf", all of them are ignored, so a whole ``ModelConfig`` can be passed through.
+    Raises ValueError with a one-line message for an unknown name, dtype or a missing path.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    if name == "tiny":
+        from rlctl.models.tiny import build_tiny
+
+        accepted = inspect.signature(build_tiny).parameters
+        path = str(build_tiny(**{k: v for k, v in tiny_kwargs.items()
+                                 if k in accepted and v is not None}))
+    elif name == "hf":
+        if not name_or_path:
+            raise ValueError("model=hf needs model.name_or_path (a local directory or hub id)")
+        path = str(Path(name_or_path).expanduser()) if _looks_like_path(name_or_path) \
+            else name_or_path
+        if _looks_like_path(name_or_path) and not os.path.isdir(path):
+            raise ValueError(f"model path '{name_or_path}' does not exist or is not a directory")
+    else:
+        raise ValueError(f"unknown model '{name}'; valid: {', '.join(MODELS)}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"cannot load model '{path}': {first}") from err
+    model.to(device)
+    return model, _prepare_tokenizer(tokenizer, model)

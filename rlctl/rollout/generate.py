@@ -1,0 +1,67 @@
+"""Rollout: B prompts x G sampled completions -> a scored ``RolloutBatch``.
+
+Sampling uses the model's KV-cached ``generate`` with the full distribution (top-k and
+top-p switched off, so the behaviour policy is exactly softmax(logits / temperature),
+the same distribution the learner's log-probs are computed from).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+
+from rlctl.core.logprobs import completion_mask
+from rlctl.types import Example, RolloutBatch
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` assigns them. [N, L] -> [N, L]"""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
+             do_sample: bool, temperature: float = 1.0, top_k: int = 0
+             ) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-padded prompts -> (sequences [N, P+T], prompt attention mask [N, P], P).
+
+    T <= max_new_tokens: generation stops early when every row has emitted EOS; rows
+    that finished earlier are right-padded with the pad token.
+    """
+    device = next(model.parameters()).device
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    input_ids = enc["input_ids"].to(device)            # [N, P]
+    prompt_mask = enc["attention_mask"].to(device)     # [N, P]
+    kwargs = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0) \
+        if do_sample else dict(do_sample=False)
+    out = model.generate(
+        input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs)
+    return out, prompt_mask, input_ids.shape[1]       # out: [N, P+T]
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> List[str]:
+    """Text of each completion's counted tokens (EOS and padding dropped)."""
+    lengths = mask.sum(-1).long().tolist()
+    rows = completion_ids.tolist()
+    return [tokenizer.decode(r[:n], skip_special_tokens=True).strip() for r, n in zip(rows, lengths)]
+
+
+def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
+            max_new_tokens: int, temperature: float, top_k: int,
+            score: Callable[[Example, str], float]) -> RolloutBatch:
+    """Sample G completions for each of the B examples and score them."""
+    prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
+    seqs, prompt_mask, plen = generate(model, tokenizer, prompts, max_new_tokens,
+                                       do_sample=True, temperature=temperature, top_k=top_k)
+    completion_ids = seqs[:, plen:]                                          # [N, T]
+    mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)            # [N, P+T]
+    completions = decode_completions(tokenizer, completion_ids, mask)
+    rewards = torch.tensor([score(examples[i // group_size], c) for i, c in enumerate(completions)],
+                           dtype=torch.float32, device=seqs.device)          # [N]
+    group_ids = torch.arange(len(examples), device=seqs.device).repeat_interleave(group_size)
+    return RolloutBatch(
+        input_ids=seqs, attention_mask=attention_mask, mask=mask, truncated=truncated,
+        rewards=rewards, group_ids=group_ids, prompt_len=plen, group_size=group_size,
+        prompts=prompts, completions=completions)

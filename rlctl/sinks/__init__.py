@@ -1,0 +1,78 @@
+"""Metric sinks: console (rich), JSONL, wandb (offline by default), a null sink.
+
+The engine holds one `MultiSink` from `build_sinks` and calls log/summary/close on it;
+which loggers are on is decided here, once (no `if wandb:` branches elsewhere).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from .base import MultiSink, NullSink, Sink
+from .console import ConsoleSink
+from .jsonl import JsonlSink, read_jsonl
+from .wandb_reader import (
+    find_wandb_run_file,
+    read_wandb_config,
+    read_wandb_history,
+    read_wandb_summary,
+)
+
+METRICS_FILE = "metrics.jsonl"
+
+__all__ = [
+    "Sink",
+    "NullSink",
+    "MultiSink",
+    "JsonlSink",
+    "ConsoleSink",
+    "WandbSink",
+    "build_sinks",
+    "read_jsonl",
+    "read_wandb_history",
+    "read_wandb_config",
+    "read_wandb_summary",
+    "find_wandb_run_file",
+    "METRICS_FILE",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WandbSink":  # keeps `import rlctl.sinks` free of wandb's module graph
+        from .wandb_sink import WandbSink
+
+        return WandbSink
+    raise AttributeError(name)
+
+
+def build_sinks(
+    run_dir: Path | str | None,
+    jsonl: bool,
+    wandb: bool,
+    wandb_mode: str,
+    project: str,
+    name: str,
+    config: Mapping[str, Any],
+    console: bool,
+    total_steps: int,
+) -> MultiSink:
+    """The sinks a run asked for, fanned out by one MultiSink (empty = null sink).
+
+    jsonl and wandb write inside `run_dir` (`metrics.jsonl`, `wandb/...`) and are
+    skipped when run_dir is None. Only an unknown wandb_mode raises; otherwise wandb
+    falls back to offline or to disabled with one warning line (see WandbSink).
+    """
+    sinks: list[Sink] = []
+    if console:
+        sinks.append(ConsoleSink(total_steps))
+    if run_dir is not None:
+        run_dir = Path(run_dir)
+        if jsonl:
+            sinks.append(JsonlSink(run_dir / METRICS_FILE))
+        if wandb:
+            from .wandb_sink import WandbSink
+
+            sinks.append(WandbSink(run_dir, project=project, name=name, config=dict(config),
+                                   mode=wandb_mode))
+    return MultiSink(sinks)

@@ -1,0 +1,78 @@
+"""`metrics.jsonl`: one JSON object per log() call, readable with any tool.
+
+Line format: {"step": <int>, "<metric>": <float or null>, ...}.
+- Values go through float(), so 0-d torch tensors and numpy scalars are accepted.
+- Non-finite values (NaN, +-inf) are written as null: the file stays strict JSON
+  (json.dumps(allow_nan=False); `jq` and JavaScript reject NaN), and a null in a
+  metric column means "not a finite number". A diverged loss is then visible as a
+  null rather than silently dropped.
+- Every line is flushed when written, so a killed run keeps all lines logged so far.
+- summary() writes one final line {"summary": {...}} (non-finite floats -> null,
+  other values as JSON allows, else str()).
+
+`read_jsonl(path)` reads the metric lines back (summary lines are skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from .base import finite_or_none, to_float
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return number if math.isfinite(number) else None
+
+
+class JsonlSink:
+    name = "jsonl"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def _write(self, obj: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(obj, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        row: dict[str, Any] = {"step": int(step)}
+        for key, value in metrics.items():
+            row[str(key)] = finite_or_none(to_float(value))
+        self._write(row)
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        self._write({"summary": _json_safe(dict(values))})
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The metric rows of a metrics.jsonl file (a torn last line is skipped)."""
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the last line of a run killed mid-write
+        if "step" in obj:
+            rows.append(obj)
+    return rows

@@ -1,0 +1,275 @@
+"""Weights & Biases sink that never hangs or crashes training.
+
+Offline by default: wandb 0.31 then writes only `run_dir/wandb/offline-run-*/run-<id>.wandb`
+(read it back with `rlctl.sinks.wandb_reader`, or upload it later with `wandb sync`) and
+opens no network connection. `wandb` is imported here, lazily, so `rlctl --help` and
+runs without wandb never pay for it.
+
+Start-up, in order, with at most ONE warning line on stderr:
+  online  -> requires an API key (env, .netrc or wandb settings); without one wandb would
+             prompt on a TTY (forever) or raise, so we check first and go offline.
+             A failing or timed-out online init (init_timeout) also falls back to offline.
+  offline -> a failing offline init leaves the sink disabled (a no-op), training goes on.
+  disabled-> no wandb at all.
+
+Traps handled here (wandb 0.31, measured):
+  * A history row is written only when a later step arrives or at finish(), and that
+    late row also rewrites the summary: a summary set before finish() was overwritten by
+    the last step's values. We buffer one row per step ourselves, commit it explicitly
+    (commit=True) when a higher step comes, and flush it before summary() and close().
+  * wandb silently drops rows whose step is below the last committed one; we warn once.
+  * Environment variables are read once per process, by the wandb singleton; we tear the
+    singleton down at close() (when we created it) so a second run in the same process
+    gets its own directories, and restore the variables we changed.
+  * console="off": wandb otherwise wraps sys.stdout/sys.stderr, which fights the rich
+    live view and copies the console into the run file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from .base import to_float
+
+MODES = ("online", "offline", "disabled")
+
+
+def _warn(message: str) -> None:
+    print(f"rlctl: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly copy of a config / summary value (tensors -> float, Paths -> str)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item"):
+        try:
+            return value.item()
+        except Exception:
+            pass
+    return json.loads(json.dumps(value, default=str))
+
+
+def has_wandb_credentials(base_url: str | None = None) -> bool:
+    """True when wandb would find an API key without prompting (WANDB_API_KEY,
+    WANDB_IDENTITY_TOKEN_FILE, .netrc for the host, or wandb's settings)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:  # wandb's own lookup, without its prompt (internal API: guarded)
+        import wandb
+        from wandb.sdk.lib.wbauth import authenticate
+
+        host = base_url or wandb.setup().settings.base_url
+        auth = authenticate.authenticate_session(
+            host=host, source="rlctl", prompt=False, update_session=False
+        )
+        return auth is not None
+    except Exception:
+        return False
+
+
+class WandbSink:
+    """Log to wandb; see the module docstring for the fallbacks.
+
+    Attributes after construction: `mode` (the mode actually in use: online, offline or
+    disabled), `init_seconds`; after close(): `finish_seconds`, `run_file`.
+    """
+
+    name = "wandb"
+    ENV_DIRS = {
+        "WANDB_DIR": "",  # wandb puts its own `wandb/` folder inside
+        "WANDB_CACHE_DIR": "wandb-cache",
+        "WANDB_CONFIG_DIR": "wandb-config",
+        "WANDB_DATA_DIR": "wandb-data",
+    }
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        project: str,
+        name: str | None,
+        config: Mapping[str, Any] | None,
+        mode: str = "offline",
+        *,
+        init_timeout: float = 30.0,
+        finish_timeout: float = 60.0,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"wandb mode must be one of {MODES}, got {mode!r}")
+        self.run_dir = Path(run_dir).resolve()
+        self.requested_mode = mode
+        self.mode = "disabled"
+        self.init_seconds: float | None = None
+        self.finish_seconds: float | None = None
+        self._run: Any = None
+        self._run_file: Path | None = None
+        self._pending: tuple[int, dict[str, float]] | None = None
+        self._last_step = -1  # last committed step
+        self._warned_order = False
+        self._saved_env: dict[str, str | None] = {}
+        self._owns_setup = False
+        self._closed = False
+        if mode != "disabled":
+            try:
+                self._start(project, name, _plain(dict(config or {})), mode, init_timeout,
+                            finish_timeout)
+            except Exception as exc:  # e.g. an unwritable run_dir: never stop training
+                _warn(f"wandb set-up failed ({type(exc).__name__}: {exc}); wandb logging disabled")
+                self._run = None
+                self.mode = "disabled"
+                self._teardown()
+
+    # ---------------------------------------------------------------- start-up
+    def _set_env(self, mode: str) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        values = {"WANDB_SILENT": "true"}
+        for var, sub in self.ENV_DIRS.items():
+            if var == "WANDB_CONFIG_DIR" and mode == "online":
+                continue  # keep the user's settings (base_url, entity) for online runs
+            values[var] = str(self.run_dir / sub) if sub else str(self.run_dir)
+        for var, value in values.items():
+            self._saved_env.setdefault(var, os.environ.get(var))
+            os.environ[var] = value  # wandb creates these folders when it needs them
+
+    def _restore_env(self) -> None:
+        for var, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        self._saved_env.clear()
+
+    def _start(self, project, name, config, mode, init_timeout, finish_timeout) -> None:
+        self._set_env(mode)
+        try:
+            import wandb
+            from wandb.sdk import wandb_setup
+        except Exception as exc:
+            _warn(f"wandb unavailable ({type(exc).__name__}: {exc}); wandb logging disabled")
+            self._restore_env()
+            return
+        self._owns_setup = getattr(wandb_setup, "_singleton", "unknown") is None
+
+        problems: list[str] = []
+        attempts = [mode] if mode == "offline" else ["online", "offline"]
+        if mode == "online" and not has_wandb_credentials():
+            problems.append("online: no API key configured (wandb login / WANDB_API_KEY)")
+            attempts = ["offline"]
+        for attempt in attempts:
+            settings = wandb.Settings(
+                x_disable_stats=True,  # no system-monitor thread
+                console="off",
+                x_save_requirements=False,
+                save_code=False,
+                disable_git=True,
+                init_timeout=init_timeout,
+                finish_timeout=finish_timeout if attempt == "online" else 0.0,
+                silent=True,
+            )
+            start = time.perf_counter()
+            try:
+                self._run = wandb.init(
+                    project=project,
+                    name=name,
+                    config=config,
+                    dir=str(self.run_dir),
+                    mode=attempt,
+                    settings=settings,
+                )
+            except Exception as exc:
+                first = (str(exc).splitlines() or [""])[0]
+                problems.append(f"{attempt}: {type(exc).__name__}: {first}")
+                self._run = None
+                continue
+            self.init_seconds = time.perf_counter() - start
+            if getattr(self._run, "disabled", False):  # a no-op run: nothing is written
+                self.mode = "disabled"
+            else:
+                self.mode = attempt
+                self._run_file = Path(self._run.settings.sync_file)
+            break
+
+        if self._run is None:
+            _warn(f"wandb init failed ({'; '.join(problems)}); wandb logging disabled")
+            self._teardown()
+        elif problems:
+            _warn(f"wandb {'; '.join(problems)}; logging offline to {self._run_file}")
+
+    # ---------------------------------------------------------------- logging
+    def _commit(self) -> None:
+        if self._pending is None or self._run is None:
+            return
+        step, row = self._pending
+        self._pending = None
+        self._run.log(row, step=step, commit=True)
+        self._last_step = step
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._run is None:
+            return
+        step = int(step)
+        row = {str(k): to_float(v) for k, v in metrics.items()}
+        if self._pending is not None and step == self._pending[0]:
+            self._pending[1].update(row)
+            return
+        if step <= self._last_step or (self._pending is not None and step < self._pending[0]):
+            if not self._warned_order:
+                self._warned_order = True
+                _warn(
+                    f"wandb keeps steps in increasing order only: step {step} came after "
+                    f"step {max(self._last_step, self._pending[0] if self._pending else -1)}"
+                    "; such rows are left out of wandb (they stay in the JSONL)"
+                )
+            return
+        self._commit()
+        self._pending = (step, row)
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        if self._run is None:
+            return
+        self._commit()  # else the last row's late auto-summary would overwrite these
+        self._run.summary.update(_plain(dict(values)))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._run is not None:
+                try:
+                    self._commit()
+                finally:
+                    start = time.perf_counter()
+                    self._run.finish()
+                    self.finish_seconds = time.perf_counter() - start
+        finally:
+            self._run = None
+            self._teardown()
+
+    def _teardown(self) -> None:
+        try:
+            if self._owns_setup:
+                import wandb
+
+                wandb.teardown()
+        except Exception:
+            pass
+        finally:
+            self._owns_setup = False
+            self._restore_env()
+
+    # ---------------------------------------------------------------- results
+    @property
+    def run_file(self) -> Path | None:
+        """The offline run file `.../run-<id>.wandb` (online runs keep one too), or None
+        when wandb is disabled. Complete once close() has returned."""
+        return self._run_file

@@ -1,0 +1,37 @@
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from rlctl.models.tiny import build_tiny  # noqa: E402
+
+TINY_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "rlctl", "conf", "model",
+                         "tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    """The shipped tiny-model config (so the tests check the calibrated values)."""
+    cfg = OmegaConf.to_container(OmegaConf.load(TINY_YAML))
+    return {k: cfg[k] for k in ("hidden_size", "num_layers", "num_heads", "warmup_steps",
+                                "warmup_lr")}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_cfg, tmp_path_factory):
+    """The configured tiny model, built once per session into a temporary cache."""
+    return build_tiny(**tiny_cfg, cache_dir=tmp_path_factory.mktemp("rlctl_cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir, tiny_cfg):
+    from rlctl.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer("tiny", cache_dir=tiny_dir.parent, **tiny_cfg)

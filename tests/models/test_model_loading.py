@@ -1,0 +1,60 @@
+"""load_model_and_tokenizer: tiny (cached build) and hf (any save_pretrained directory)."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from rlctl.models import load_model_and_tokenizer
+
+
+def test_tiny_and_hf_give_the_same_model(tiny, tiny_dir):
+    model, tok = tiny
+    hf_model, hf_tok = load_model_and_tokenizer("hf", name_or_path=str(tiny_dir),
+                                                hidden_size=999)  # tiny keys are ignored
+    a, b = model.state_dict(), hf_model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert hf_tok.padding_side == "left" and hf_tok.pad_token_id == tok.pad_token_id == 0
+    assert type(hf_model).__name__ == "LlamaForCausalLM"
+
+
+def test_hf_dtype(tiny_dir):
+    model, _ = load_model_and_tokenizer("hf", name_or_path=str(tiny_dir), dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_hf_without_pad_token_uses_eos_and_left_padding(tiny_dir, tmp_path):
+    path = tmp_path / "nopad"
+    shutil.copytree(tiny_dir, path)
+    cfg_file = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.pop("pad_token")
+    cfg["padding_side"] = "right"
+    cfg_file.write_text(json.dumps(cfg))
+    tok_file = path / "tokenizer.json"  # its saved padding section names the pad token too
+    tok_json = json.loads(tok_file.read_text())
+    tok_json["padding"] = None
+    tok_file.write_text(json.dumps(tok_json))
+    model, tok = load_model_and_tokenizer("hf", name_or_path=str(path))
+    assert tok.pad_token == "<eos>" and tok.padding_side == "left"
+    assert tok(["1 2 3 =", "4 ="], padding=True)["input_ids"][1][:2] == [2, 2]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="hf", name_or_path="/no/such/model/dir"), "does not exist"),
+    (dict(name="hf", name_or_path="./missing-model"), "does not exist"),
+    (dict(name="hf"), "name_or_path"),
+    (dict(name="gpt5"), "valid: tiny, hf"),
+    (dict(name="tiny", dtype="float8"), "valid: float32, bfloat16"),
+])
+def test_clear_one_line_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message) as err:
+        load_model_and_tokenizer(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_hf_directory_that_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="cannot load model") as err:
+        load_model_and_tokenizer("hf", name_or_path=str(tmp_path / "empty"))
+    assert "\n" not in str(err.value)

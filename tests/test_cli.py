@@ -1,0 +1,56 @@
+"""The console script: help, bad input (one line, exit 2, no traceback)."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
+
+
+def run(*args, cwd=None, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([RLCTL, *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=env)
+
+
+def test_help_does_not_import_heavy_modules():
+    code = ("import sys; import rlctl.cli; "
+            "heavy = [m for m in ('torch', 'transformers', 'wandb', 'deepspeed', 'peft', 'hydra') "
+            "if m in sys.modules]; print(heavy); assert not heavy")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_help_lists_commands_and_groups():
+    top = run("--help")
+    assert top.returncode == 0 and "train" in top.stdout
+    sub = run("train", "--help")
+    assert sub.returncode == 0
+    text = " ".join(sub.stdout.split())
+    for fragment in ("algo=grpo", "task=sorting", "model=hf|tiny", "hardware=cpu",
+                     "logger=jsonl|none|wandb", "--recipe"):
+        assert fragment in text, fragment
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["algo.foo=1"], "unknown config key 'algo.foo'"),
+    (["algo.clip_eps=abc"], "expected float"),
+    (["algo=nope"], "valid: grpo"),
+    (["task=nope"], "valid: sorting"),
+    (["algo.loss_agg_mode=mean"], "valid: token-mean"),
+    (["--recipe", "/nonexistent/recipe.yaml"], "cannot read recipe"),
+    (["--bogus"], "unknown option '--bogus'"),
+    (["task.reward=bogus"], "valid: exact, positional, inclusion_order"),
+    (["model=hf", "model.name_or_path=/nonexistent/model"], "/nonexistent/model"),
+    (["run.output_dir=/proc/forbidden"], "run.output_dir"),
+])
+def test_bad_input_one_line_exit_2(tmp_path, args, fragment):
+    out = run("train", "trainer.steps=1", f"run.output_dir={tmp_path}", *args, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert fragment in lines[0], lines[0]
