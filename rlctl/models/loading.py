@@ -64,10 +64,12 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
     elif name == "hf":
         if not name_or_path:
             raise ValueError("model=hf needs model.name_or_path (a local directory or hub id)")
-        path = str(Path(name_or_path).expanduser()) if _looks_like_path(name_or_path) \
-            else name_or_path
-        if _looks_like_path(name_or_path) and not os.path.isdir(path):
-            raise ValueError(f"model path '{name_or_path}' does not exist or is not a directory")
+        path = str(Path(name_or_path).expanduser())
+        if not os.path.isdir(path):
+            if _looks_like_path(name_or_path):
+                raise ValueError(f"model path '{name_or_path}' does not exist or is not a "
+                                 "directory")
+            path = name_or_path  # a hub id such as "org/name"
     else:
         raise ValueError(f"unknown model '{name}'; valid: {', '.join(MODELS)}")
     try:

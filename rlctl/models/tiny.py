@@ -15,6 +15,12 @@ cannot give "format known, skill not"; the permutation answers teach the format 
 digits, then EOS) with little ordering signal. The prompts come from the *training*
 split of the default sorting task (seed 1234), never from its held-out eval split.
 
+Calibration (hidden 128, 2 layers, 4 heads, lr 1e-3, batch 64, 1 thread; held-out greedy
+exact / format, seeds 0, 1, 2): 40 steps 0.06-0.13 / 0.94-1.0; 80 steps 0.10-0.15 /
+1.0 (the default, conf/model/tiny.yaml); 120 steps 0.22-0.29; 150 steps 0.17-0.34.
+Plain SFT on sorted answers: 20 steps 0.14 / 0.17, 40 steps 0.69 / 0.80, 150-300 steps
+0.93-0.98 (so the architecture can solve the task).
+
 The write is atomic: the model is built in a temporary sibling directory and renamed
 into place, so concurrent builders never see a half-written directory (the loser of a
 race discards its copy and uses the winner's; both are identical).

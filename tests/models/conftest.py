@@ -1,16 +1,11 @@
+"""Fixtures: the shipped tiny model, built once per session into a temporary cache.
+(Threads are pinned to 1 by tests/conftest.py.)"""
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import pytest
+from omegaconf import OmegaConf
 
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
-
-
-import pytest  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from rlctl.models.tiny import build_tiny  # noqa: E402
+from rlctl.models.tiny import build_tiny
 
 TINY_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "rlctl", "conf", "model",
                          "tiny.yaml")
