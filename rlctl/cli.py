@@ -19,7 +19,7 @@ GROUP_NAMES = ("algo", "task", "model", "hardware", "logger")
 def _groups_help() -> str:
     lines = []
     for g in GROUP_NAMES:
-        opts = sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))
+        opts = sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml") if not p.stem.startswith("_"))
         lines.append(f"{g}={'|'.join(opts)}")
     return "\n\n".join(lines)
 

@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 
 def group_options(group: str) -> List[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
 def _one_line(msg: str) -> str:
@@ -168,7 +168,8 @@ def validate(cfg: DictConfig) -> None:
     """Checks beyond types: registry names, ranges, and options that must agree."""
     import torch
 
-    from rlctl.core import get_advantage_estimator, get_policy_loss, kl_estimate, resolve_agg_mode
+    from rlctl.core import get_policy_loss, kl_estimate, resolve_agg_mode
+    from rlctl.engine.advantage import estimator_kind
     from rlctl.tasks import TASKS
 
     _z = torch.zeros(1)
@@ -182,7 +183,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"missing value for '{key.group(1)}'; set it with {key.group(1)}=...") from None
         raise ConfigError(msg) from None
     # Registry names (peers' spellings accepted as aliases by the registries themselves).
-    for key, lookup in (("algo.advantage", get_advantage_estimator),
+    for key, lookup in (("algo.advantage", estimator_kind),
                         ("algo.policy_loss", get_policy_loss),
                         ("algo.loss_agg_mode", resolve_agg_mode),
                         ("algo.kl.estimator", lambda k: kl_estimate(_z, _z, k))):
@@ -190,7 +191,22 @@ def validate(cfg: DictConfig) -> None:
             lookup(OmegaConf.select(cfg, key))
         except ValueError as exc:
             raise ConfigError(f"invalid {key}: {_one_line(exc)}") from None
-    _choice(cfg, "algo.kl.placement", ["in_loss"])
+    _choice(cfg, "algo.kl.placement", ["in_loss", "in_reward"])
+    _choice(cfg, "algo.critic", ["none", "shared", "separate"])
+    _choice(cfg, "algo.baseline", ["none", "batch_mean"])
+    a = cfg.algo
+    token_level = estimator_kind(a.advantage) == "token"
+    if token_level and a.critic == "none":
+        raise ConfigError(f"algo.advantage={a.advantage} needs a critic; set algo.critic=shared or separate")
+    if not token_level and a.critic != "none":
+        raise ConfigError(f"algo.critic={a.critic} trains a value model that algo.advantage="
+                          f"{a.advantage} does not use; set algo.critic=none or algo.advantage=gae")
+    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
+        raise ConfigError(f"invalid algo.clip_ratio_c '{a.clip_ratio_c}'; dual clip needs a value > 1 (or null)")
+    if a.kl.target is not None and (a.kl.coef <= 0 or a.kl.target <= 0):
+        raise ConfigError("an adaptive KL (algo.kl.target) needs algo.kl.coef > 0 and a target > 0")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
+        raise ConfigError(f"algo.gamma and algo.lam must lie in [0, 1] (got {a.gamma}, {a.lam})")
     _choice(cfg, "task.name", sorted(TASKS))
     _choice(cfg, "model.dtype", ["float32", "bfloat16"])
     _choice(cfg, "hardware.device", ["cpu", "cuda"])
@@ -200,12 +216,15 @@ def validate(cfg: DictConfig) -> None:
                 "rollout.max_new_tokens", "hardware.num_threads", "trainer.lr"):
         _positive(cfg, key)
     for key in ("trainer.steps", "trainer.eval_every", "algo.clip_eps", "algo.kl.coef",
+                "algo.vf_coef", "algo.critic_warmup_steps", "algo.overlong_buffer",
+                "trainer.micro_batch_size",
                 "rollout.temperature", "trainer.max_grad_norm", "trainer.weight_decay"):
         _positive(cfg, key, allow_zero=True)
     if cfg.rollout.temperature == 0:
         raise ConfigError("invalid rollout.temperature '0'; sampling needs > 0 (eval is greedy already)")
+    _positive(cfg, "algo.max_sampling_rounds")
     n = cfg.trainer.prompts_per_step * cfg.algo.group_size
-    if n % cfg.algo.minibatches:
+    if n % cfg.algo.minibatches and not cfg.algo.dynamic_sampling:
         raise ConfigError(f"algo.minibatches={cfg.algo.minibatches} must divide the "
                           f"{n} sequences per step (trainer.prompts_per_step * algo.group_size)")
     if cfg.model.name == "hf" and not cfg.model.name_or_path:

@@ -14,9 +14,11 @@ from omegaconf import MISSING
 
 @dataclass
 class KLConfig:
-    coef: float = MISSING          # beta; 0 disables the reference model entirely
+    coef: float = MISSING          # beta (initial beta when adaptive); 0: no reference model
     estimator: str = MISSING       # k1 | k2 | k3
-    placement: str = MISSING       # in_loss (in_reward comes with the PPO family)
+    placement: str = MISSING       # in_loss | in_reward
+    target: Optional[float] = None  # adaptive coefficient: target KL per sequence (nats)
+    horizon: int = MISSING         # adaptive controller horizon (steps)
 
 
 @dataclass
@@ -29,9 +31,24 @@ class AlgoConfig:
     norm_len: Optional[int] = None  # constant normaliser for seq-mean-token-sum-norm (None: T)
     clip_eps: float = MISSING
     clip_eps_high: Optional[float] = None  # None: same as clip_eps
+    clip_ratio_c: Optional[float] = None   # dual clip for A < 0 (> 1), None: off
     epochs: int = MISSING          # passes over each rollout
     minibatches: int = MISSING     # optimizer steps per pass
-    std_eps: float = 1e-6
+    std_eps: float = MISSING
+    baseline: str = MISSING        # reinforce only: none | batch_mean
+    whiten_advantages: bool = MISSING
+    # critic (PPO): none | shared (value head on the policy) | separate (own backbone)
+    critic: str = MISSING
+    vf_coef: float = MISSING
+    value_clip: Optional[float] = None
+    gamma: float = MISSING
+    lam: float = MISSING
+    critic_warmup_steps: int = MISSING
+    # DAPO: drop groups whose rewards are all equal and sample more to refill the batch
+    dynamic_sampling: bool = MISSING
+    max_sampling_rounds: int = MISSING
+    overlong_buffer: int = MISSING     # 0: no overlong penalty
+    overlong_penalty: float = MISSING
     kl: KLConfig = field(default_factory=KLConfig)
 
 
@@ -92,6 +109,7 @@ class TrainerConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0            # linear LR warm-up
     max_grad_norm: float = MISSING
+    micro_batch_size: int = 0        # sequences per forward/backward; 0: whole minibatch
     eval_every: int = MISSING
     log_every: int = 1
 

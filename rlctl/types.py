@@ -37,6 +37,9 @@ class RolloutBatch:
                                   the learner uses its own detached log-probs)
         ref_logprobs:   [N, T]   log pi_ref(token), or None when no KL term is used
         advantages:     [N, T]   float; filled in by the advantage estimator
+        old_values:     [N, T]   critic values V(s_t) at rollout time (critic only), where
+                                  s_t is the prompt plus the first t completion tokens
+        returns:        [N, T]   value targets (GAE advantages + old values), detached
     """
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -51,6 +54,8 @@ class RolloutBatch:
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
+    old_values: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -71,4 +76,5 @@ class RolloutBatch:
             group_size=self.group_size, prompts=[self.prompts[i] for i in idx],
             completions=[self.completions[i] for i in idx],
             old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs),
-            advantages=pick(self.advantages))
+            advantages=pick(self.advantages), old_values=pick(self.old_values),
+            returns=pick(self.returns))

@@ -5,35 +5,41 @@ B prompts, G samples per prompt, N = B*G sequences, T completion tokens, V vocab
 `mask` is 1.0 on completion tokens that count (EOS included; prompt and padding
 excluded). Every function accepts float32 and bfloat16, computes reductions in float32
 (float64 kept), and returns 0, never NaN, for an all-masked row or all-zero mask.
-Losses return `(loss, metrics)` with detached metric tensors.
+Losses return `(loss, metrics)` with detached metric tensors; every policy loss emits the
+same metric keys (clip_frac_low, clip_frac_high, clip_frac, clip_frac_dual, approx_kl).
 """
-from .advantages import (ADVANTAGE_ESTIMATORS, broadcast_to_tokens, gae,
-                         get_advantage_estimator, group_advantages, reinforce_advantages,
-                         reinforce_baseline_advantages, rloo_advantages)
+from .advantages import (ADVANTAGE_ESTIMATORS, REINFORCE_BASELINES, broadcast_to_tokens,
+                         gae, get_advantage_estimator, group_advantages, overlong_penalty,
+                         reinforce_advantages, reinforce_baseline_advantages,
+                         rloo_advantages, zero_std_groups)
 from .aggregation import (AGG_ALIASES, AGG_MODES, agg_denominator, aggregate,
                           aggregate_sum, resolve_agg_mode)
-from .kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
+from .kl import (KL_ALIASES, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
+                 kl_estimate, kl_shaped_rewards)
 from .logprobs import (completion_mask, entropy_from_logits, masked_mean, masked_sum,
                        masked_whiten, token_logprobs)
 from .losses import (POLICY_LOSSES, explained_variance, get_policy_loss, ppo_clip_loss,
                      ppo_clip_per_token, vanilla_pg_loss, vanilla_pg_per_token,
                      value_loss, value_loss_per_token)
+from .policy_variants import cispo_per_token, gspo_per_token
 
 __all__ = [
     # logprobs
     "token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum", "masked_whiten",
     "completion_mask",
     # kl
-    "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES",
+    "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES", "kl_shaped_rewards",
+    "AdaptiveKLController", "FixedKLController",
     # aggregation
     "aggregate", "aggregate_sum", "agg_denominator", "resolve_agg_mode", "AGG_MODES",
     "AGG_ALIASES",
     # advantages
     "group_advantages", "rloo_advantages", "reinforce_advantages",
-    "reinforce_baseline_advantages", "gae", "broadcast_to_tokens", "ADVANTAGE_ESTIMATORS",
-    "get_advantage_estimator",
+    "reinforce_baseline_advantages", "REINFORCE_BASELINES", "gae", "broadcast_to_tokens",
+    "ADVANTAGE_ESTIMATORS", "get_advantage_estimator", "overlong_penalty", "zero_std_groups",
     # losses
-    "ppo_clip_per_token", "vanilla_pg_per_token", "ppo_clip_loss", "vanilla_pg_loss",
+    "ppo_clip_per_token", "vanilla_pg_per_token", "gspo_per_token", "cispo_per_token",
+    "ppo_clip_loss", "vanilla_pg_loss",
     "POLICY_LOSSES", "get_policy_loss", "value_loss_per_token", "value_loss",
     "explained_variance",
 ]

@@ -1,13 +1,16 @@
 """Advantage estimators: outcome (one reward per completion) and token-level GAE.
 
 Sources (seed 002 and Lambert's lecture, seed 000):
-- REINFORCE (Williams, 1992): A = R; with a baseline, A = R - b. Here b is the mean over
-  the whole batch (B*G), as in the seed's toy code (`baseline = R.mean()`); its bias is
+- REINFORCE (Williams, 1992): A = R (`baseline="none"`); with a baseline, A = R - b.
+  `baseline="batch_mean"` (alias estimator `reinforce_baseline`): b is the mean over the
+  whole batch (B*G), as in the seed's toy code (`baseline = R.mean()`); its bias is
   O(1/N).
 - RLOO (Kool et al., 2019; Ahmadian et al., 2024): b_i = mean of the other G-1 rewards of
   the group, which removes that bias. Equal to G/(G-1) * (r - group mean).
 - GRPO (Shao et al., 2024): (r - group mean) / (group std + eps), std unbiased (torch's
   default). Dr. GRPO (Liu et al., 2025): no std scaling.
+- DAPO (Yu et al., 2025): soft overlong punishment (`overlong_penalty`) and the
+  zero-variance groups that dynamic sampling filters (`zero_std_groups`).
 - GAE (Schulman et al., 2015): delta_t = r_t + gamma V_{t+1} - V_t,
   A_t = delta_t + gamma lam A_{t+1}, with V = 0 after the last token (seed 002's loop).
 
@@ -16,6 +19,10 @@ values need not equal them, and eps would turn that rounding into a tiny signal)
 gives zeros. GAE skips masked-out positions instead of treating them as episode ends, so
 right padding and masked gaps (e.g. tool output) both work; it runs under no_grad (its
 outputs are regression targets) and does not whiten. Results are float32 (float64 kept).
+
+Registry: every outcome estimator is fn(rewards [B, G], eps, **options) -> [B, G]; an
+option an estimator does not use is ignored (so the caller can pass its options to any
+of them); `reinforce` reads `baseline`.
 """
 from __future__ import annotations
 
@@ -26,12 +33,20 @@ import torch
 from ._util import acc_dtype, keep, upcast
 
 __all__ = ["group_advantages", "rloo_advantages", "reinforce_advantages",
-           "reinforce_baseline_advantages", "gae", "broadcast_to_tokens",
-           "ADVANTAGE_ESTIMATORS", "get_advantage_estimator"]
+           "reinforce_baseline_advantages", "REINFORCE_BASELINES", "gae",
+           "broadcast_to_tokens", "ADVANTAGE_ESTIMATORS", "get_advantage_estimator",
+           "overlong_penalty", "zero_std_groups"]
+
+REINFORCE_BASELINES = ("none", "batch_mean")
+
+
+def zero_std_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """Groups whose rewards are all exactly equal (no learning signal). [B, G] -> [B] bool."""
+    return (rewards == rewards[:, :1]).all(-1)  # [B]
 
 
 def _zero_constant_groups(adv: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
-    constant = (rewards == rewards[:, :1]).all(-1, keepdim=True)  # [B, 1]
+    constant = zero_std_groups(rewards)[:, None]  # [B, 1]
     return torch.where(constant, torch.zeros_like(adv), adv)  # [B, G]
 
 
@@ -57,28 +72,38 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return _zero_constant_groups(r - loo_mean, r)
 
 
-def reinforce_advantages(rewards: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-    """Plain REINFORCE: the advantage is the reward. [B, G] -> [B, G]."""
-    return upcast(rewards).clone()
+def reinforce_advantages(rewards: torch.Tensor, eps: float = 0.0, baseline: str = "none",
+                         **ignored) -> torch.Tensor:
+    """REINFORCE: A = R ("none") or R - mean of all B*G rewards ("batch_mean").
+    [B, G] -> [B, G]; ValueError listing REINFORCE_BASELINES for another baseline."""
+    if baseline not in REINFORCE_BASELINES:
+        raise ValueError(f"unknown REINFORCE baseline {baseline!r}; valid: "
+                         f"{', '.join(sorted(REINFORCE_BASELINES))}")
+    r = upcast(rewards)  # [B, G]
+    if baseline == "batch_mean":
+        return r - r.mean() if r.numel() else r.clone()  # b = mean of all B*G rewards
+    return r.clone()
 
 
-def reinforce_baseline_advantages(rewards: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-    """Reward minus the mean over the whole batch (all B*G completions). [B, G] -> [B, G]."""
-    r = upcast(rewards)
-    return r - r.mean()
+def reinforce_baseline_advantages(rewards: torch.Tensor, eps: float = 0.0,
+                                  **ignored) -> torch.Tensor:
+    """Alias of reinforce with baseline="batch_mean" (a `baseline` option is ignored).
+    [B, G] -> [B, G]."""
+    return reinforce_advantages(rewards, eps, baseline="batch_mean")
 
 
-# Outcome estimators: uniform signature fn(rewards [B, G], eps) -> [B, G].
-ADVANTAGE_ESTIMATORS: Dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+# Outcome estimators: uniform signature fn(rewards [B, G], eps, **options) -> [B, G].
+AdvantageEstimator = Callable[..., torch.Tensor]
+ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
     "reinforce": reinforce_advantages,
     "reinforce_baseline": reinforce_baseline_advantages,
-    "rloo": lambda rewards, eps=1e-6: rloo_advantages(rewards),
-    "grpo": lambda rewards, eps=1e-6: group_advantages(rewards, True, eps),
-    "dr_grpo": lambda rewards, eps=1e-6: group_advantages(rewards, False, eps),
+    "rloo": lambda rewards, eps=1e-6, **options: rloo_advantages(rewards),
+    "grpo": lambda rewards, eps=1e-6, **options: group_advantages(rewards, True, eps),
+    "dr_grpo": lambda rewards, eps=1e-6, **options: group_advantages(rewards, False, eps),
 }
 
 
-def get_advantage_estimator(name: str) -> Callable[[torch.Tensor, float], torch.Tensor]:
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """Outcome estimator by config name ("-" and "_" interchangeable); ValueError if unknown."""
     key = name.replace("-", "_")
     if key in ADVANTAGE_ESTIMATORS:
@@ -96,6 +121,23 @@ def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"advantages hold {flat.shape[0]} values but mask has "
                          f"{mask.shape[0]} rows")
     return flat[:, None] * upcast(mask, flat.dtype)  # [N, T]
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int,
+                     penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the task reward. lengths [N] -> [N].
+
+    0 for L <= max_len - buffer; (max_len - buffer - L) / buffer * penalty inside the
+    buffer (linear from 0 to -penalty at L = max_len); -penalty beyond max_len.
+    buffer == 0 is a hard cliff at max_len. float32 (float64 kept).
+    """
+    if buffer < 0 or buffer > max_len:
+        raise ValueError(f"overlong buffer must be in [0, max_len={max_len}], got {buffer}")
+    length = upcast(lengths)  # [N]
+    start = float(max_len - buffer)
+    ramp = (start - length) / max(buffer, 1) * penalty  # [N]
+    out = torch.where(length > start, ramp, torch.zeros_like(length))
+    return torch.where(length > max_len, torch.full_like(length, -penalty), out)
 
 
 @torch.no_grad()

@@ -8,18 +8,35 @@ Source: Schulman, "Approximating KL Divergence" (2020), as summarised in seed 00
 All three estimate KL(pi_theta || pi_ref) on samples from pi_theta. Placement (`in_reward`
 shaping vs `in_loss`) is the caller's choice; this module only computes [N, T] values.
 
-Departure: none in the formulas; inputs are upcast to float32 so bf16 log-probs do not
-round the small differences away. Masking and aggregation are left to the caller.
+KL in the reward (seed 002, `kl_shaped_rewards`): r_t = -beta * KL_t on every counted
+token, plus the task reward on the last counted token; then GAE as usual.
+
+KL coefficient controllers: the adaptive one of Ziegler et al. (2019, "Fine-Tuning
+Language Models from Human Preferences", Sec. 2.2), as in TRL's and OpenRLHF's
+`AdaptiveKLController`:
+    e = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon)
+`current_kl` must be in the units of `target` (Ziegler: per-sequence KL, i.e. summed
+over tokens, averaged over the batch; n_steps = sequences in that batch).
+
+Departures: inputs are upcast to float32 so bf16 log-probs do not round the small
+differences away; the KL estimators leave masking and aggregation to the caller.
+`kl_shaped_rewards` is vectorised over ragged rows: "last token" is the last counted
+one (masked gaps allowed), a row with no counted token gets all zeros, and it runs
+under no_grad (its output is a reward). The adaptive controller ignores a non-finite
+KL (the coefficient is kept) and floors the multiplier at 0, so the coefficient never
+becomes NaN or negative.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict
 
 import torch
 
-from ._util import acc_dtype, upcast
+from ._util import acc_dtype, keep, upcast
 
-__all__ = ["kl_k1", "kl_k2", "kl_k3", "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES"]
+__all__ = ["kl_k1", "kl_k2", "kl_k3", "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES",
+           "kl_shaped_rewards", "AdaptiveKLController", "FixedKLController"]
 
 
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -53,3 +70,65 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
                          f" (aliases: {sorted(KL_ALIASES)})")
     dtype = acc_dtype(logp, ref_logp)
     return KL_ESTIMATORS[key](upcast(logp, dtype), upcast(ref_logp, dtype))
+
+
+@torch.no_grad()
+def kl_shaped_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor,
+                      mask: torch.Tensor, beta: float, kind: str = "k1") -> torch.Tensor:
+    """Per-token rewards: -beta * kl_estimate on counted tokens, plus rewards[i] on row
+    i's last counted token. rewards [N] (or [B, G]); logp, ref_logp, mask [N, T] -> [N, T]
+    float32 (float64 kept), 0 where mask == 0."""
+    m = keep(mask)  # [N, T]
+    kl = kl_estimate(logp, ref_logp, kind)  # [N, T]
+    shaped = torch.where(m, -beta * kl, torch.zeros_like(kl))  # [N, T]
+    r = upcast(rewards, shaped.dtype).reshape(-1)  # [N]
+    n, t_len = m.shape
+    if r.shape[0] != n:
+        raise ValueError(f"rewards hold {r.shape[0]} values but mask has {n} rows")
+    if t_len == 0:
+        return shaped
+    pos = torch.arange(t_len, device=m.device).expand(n, t_len)  # [N, T]
+    last = torch.where(m, pos, torch.full_like(pos, -1)).max(-1).values  # [N], -1: empty
+    bonus = torch.where(last >= 0, r, torch.zeros_like(r))  # [N]
+    return shaped.scatter_add(1, last.clamp(min=0)[:, None], bonus[:, None])  # [N, T]
+
+
+class FixedKLController:
+    """A constant KL coefficient with the controller interface (`coef`, `update`,
+    `state_dict`, `load_state_dict`)."""
+
+    def __init__(self, coef: float):
+        self.coef = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """No change; returns the coefficient."""
+        return self.coef
+
+    def state_dict(self) -> Dict[str, float]:
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state: Dict[str, float]) -> None:
+        self.coef = float(state["coef"])
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al.'s proportional controller (see module doc). Pure Python floats."""
+
+    def __init__(self, init_coef: float, target: float, horizon: float):
+        if not target > 0 or not horizon > 0 or not init_coef >= 0:
+            raise ValueError(f"AdaptiveKLController needs init_coef >= 0, target > 0 and "
+                             f"horizon > 0; got {init_coef}, {target}, {horizon}")
+        super().__init__(init_coef)
+        self.target, self.horizon = float(target), float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """coef *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon;
+        returns the new coefficient."""
+        kl = float(current_kl)
+        if n_steps < 0:
+            raise ValueError(f"n_steps must be >= 0, got {n_steps}")
+        if not math.isfinite(kl):
+            return self.coef
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.coef *= max(1.0 + error * n_steps / self.horizon, 0.0)
+        return self.coef

@@ -6,8 +6,12 @@ Sources:
   per token  -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A),
   rho = exp(logp - old_logp), computed in log space. Asymmetric clip_low / clip_high as
   in DAPO's "clip-higher" (Yu et al., 2025); equal values give the paper's epsilon.
+- Dual clip (Ye et al., 2020, "Mastering Complex Control in MOBA Games"; verl's
+  `clip_ratio_c`): with clip_ratio_c = c > 1, a token with A < 0 has its loss capped at
+  -A * c = c * |A|, so a huge ratio on a bad token cannot dominate the batch.
 - Vanilla policy gradient (REINFORCE, Williams 1992): -A * logp per token; its gradient
   equals PPO's at rho == 1.
+- GSPO and CISPO live in `policy_variants.py` and are registered here.
 - Value loss: 0.5 * (V - R)^2, optionally with PPO2's value clipping (max of clipped and
   unclipped squared errors), as in CleanRL's `ppo.py` and Lambert's lecture (seed 000).
 
@@ -17,11 +21,11 @@ gradient is cut, an extreme that should never be reached). Advantages, old log-p
 old values and returns are detached here, so a forgotten `.detach()` upstream cannot
 leak gradient into a baseline or critic (seed 002, "common pitfalls").
 
-Metrics (keys without namespace; the engine prefixes "policy/" or "value/"):
-clip_frac_low  fraction of counted tokens with A < 0 and rho < 1 - clip_low
-clip_frac_high fraction of counted tokens with A > 0 and rho > 1 + clip_high
-clip_frac      their sum (tokens where the clipped branch is the active, zero-grad one)
-approx_kl      masked mean of k3(old -> new) = (rho - 1) - log rho
+Metrics: one schema for every policy loss (see `_policy.py`): clip_frac_low,
+clip_frac_high, clip_frac (= low + high, the ratio clip), clip_frac_dual (0 when the dual
+clip is off or not applicable), approx_kl. For PPO: low = A < 0 and rho < 1 - clip_low,
+high = A > 0 and rho > 1 + clip_high (where the clipped, zero-gradient branch is active),
+dual = A < 0 and rho > c.
 """
 from __future__ import annotations
 
@@ -29,82 +33,70 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from ._policy import (Metrics, check_clip_ratio_c, clip_metrics, dual_clip, token_adv,
+                      token_log_ratio, zero_out)
 from ._util import acc_dtype, keep, upcast
 from .aggregation import aggregate
 from .logprobs import masked_mean
+from .policy_variants import cispo_per_token, gspo_per_token
 
 __all__ = ["ppo_clip_per_token", "vanilla_pg_per_token", "ppo_clip_loss", "vanilla_pg_loss",
            "POLICY_LOSSES", "get_policy_loss", "value_loss_per_token", "value_loss",
            "explained_variance"]
 
-Metrics = Dict[str, torch.Tensor]
-LOG_RATIO_CLAMP = 20.0
-
-
-def _token_adv(advantages: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor:
-    adv = upcast(advantages, dtype).detach()
-    return adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv  # [N, T]
-
-
-def _zero_out(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _policy_metrics(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                    clip_low: float, clip_high: float) -> Metrics:
-    with torch.no_grad():
-        log_ratio = log_ratio.detach()
-        ratio = torch.exp(log_ratio)  # [N, T]
-        low = masked_mean(((adv < 0) & (ratio < 1.0 - clip_low)).to(ratio.dtype), mask)
-        high = masked_mean(((adv > 0) & (ratio > 1.0 + clip_high)).to(ratio.dtype), mask)
-        approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
-    return {"clip_frac_low": low, "clip_frac_high": high, "clip_frac": low + high,
-            "approx_kl": approx_kl}
-
 
 def ppo_clip_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                       mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2
-                       ) -> Tuple[torch.Tensor, Metrics]:
-    """PPO clipped surrogate per token. logp, old_logp, mask [N, T]; advantages [N, T] or
-    [N] -> (loss_mat [N, T], 0 where mask == 0; metrics)."""
+                       mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                       clip_ratio_c: Optional[float] = None) -> Tuple[torch.Tensor, Metrics]:
+    """PPO clipped surrogate per token, with an optional dual clip (c = clip_ratio_c > 1:
+    tokens with A < 0 have their loss capped at c * |A|, zero gradient there).
+
+    logp, old_logp, mask [N, T]; advantages [N, T] or [N] -> (loss_mat [N, T], 0 where
+    mask == 0; metrics)."""
+    check_clip_ratio_c(clip_ratio_c)
     dtype = acc_dtype(logp, old_logp, advantages)
     m = keep(mask)
-    adv = _token_adv(advantages, mask, dtype)  # [N, T]
-    diff = upcast(logp, dtype) - upcast(old_logp, dtype).detach()  # [N, T]
-    log_ratio = _zero_out(diff, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    adv = token_adv(advantages, mask, dtype)  # [N, T]
+    log_ratio = token_log_ratio(upcast(logp, dtype), old_logp, m)  # [N, T]
     ratio = torch.exp(log_ratio)  # [N, T]
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss_mat = _zero_out(torch.maximum(pg_unclipped, pg_clipped), m)  # [N, T]
-    return loss_mat, _policy_metrics(log_ratio, adv, mask, clip_low, clip_high)
+    loss, capped = dual_clip(torch.maximum(pg_unclipped, pg_clipped), adv, ratio,
+                             clip_ratio_c)  # [N, T]
+    low = (adv < 0) & (ratio < 1.0 - clip_low)  # [N, T] clipped branch active
+    high = (adv > 0) & (ratio > 1.0 + clip_high)
+    return zero_out(loss, m), clip_metrics(log_ratio, mask, low, high, capped)
 
 
 def vanilla_pg_per_token(logp: torch.Tensor, old_logp: Optional[torch.Tensor],
                          advantages: torch.Tensor, mask: torch.Tensor,
-                         clip_low: float = 0.2, clip_high: float = 0.2, **ignored
+                         clip_low: float = 0.2, clip_high: float = 0.2,
+                         clip_ratio_c: Optional[float] = None, **ignored
                          ) -> Tuple[torch.Tensor, Metrics]:
     """REINFORCE per token: -A * logp (clip arguments ignored; clip fractions are 0).
     approx_kl is still reported against old_logp when given."""
     dtype = acc_dtype(logp, advantages)
     m = keep(mask)
     lp = upcast(logp, dtype)
-    adv = _token_adv(advantages, mask, dtype)  # [N, T]
-    loss_mat = _zero_out(-adv * lp, m)  # [N, T]
-    if old_logp is None:
-        log_ratio = torch.zeros_like(lp)
-    else:
-        log_ratio = _zero_out(lp - upcast(old_logp, dtype), m)
-    metrics = _policy_metrics(log_ratio, adv, mask, float("inf"), float("inf"))
-    return loss_mat, metrics
+    adv = token_adv(advantages, mask, dtype)  # [N, T]
+    loss_mat = zero_out(-adv * lp, m)  # [N, T]
+    log_ratio = (torch.zeros_like(lp) if old_logp is None
+                 else token_log_ratio(lp, old_logp, m))  # [N, T]
+    never = torch.zeros_like(m)
+    return loss_mat, clip_metrics(log_ratio, mask, never, never)
 
 
 PolicyLoss = Callable[..., Tuple[torch.Tensor, Metrics]]
 
-# Uniform signature: fn(logp, old_logp, advantages, mask, clip_low, clip_high)
-#                    -> (loss_mat [N, T], metrics)
+# Uniform signature: fn(logp, old_logp, advantages, mask, clip_low, clip_high,
+#                       clip_ratio_c=None) -> (loss_mat [N, T], metrics)
+# (the 6-positional-argument call keeps working; clip_ratio_c is ignored where it does
+# not apply: vanilla_pg, cispo)
 POLICY_LOSSES: Dict[str, PolicyLoss] = {
     "ppo_clip": ppo_clip_per_token,
     "vanilla_pg": vanilla_pg_per_token,
+    "gspo": gspo_per_token,
+    "cispo": cispo_per_token,
 }
 
 
@@ -118,10 +110,11 @@ def get_policy_loss(name: str) -> PolicyLoss:
 
 def ppo_clip_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2,
                   clip_high: float = 0.2, agg_mode: str = "token-mean",
-                  norm_len: int | None = None) -> Tuple[torch.Tensor, Metrics]:
-    """Aggregated PPO clipped loss -> (scalar loss, metrics)."""
+                  norm_len: int | None = None, clip_ratio_c: Optional[float] = None
+                  ) -> Tuple[torch.Tensor, Metrics]:
+    """Aggregated PPO clipped loss (optionally dual-clipped) -> (scalar loss, metrics)."""
     loss_mat, metrics = ppo_clip_per_token(logp, old_logp, advantages, mask, clip_low,
-                                           clip_high)
+                                           clip_high, clip_ratio_c)
     return aggregate(loss_mat, mask, agg_mode, norm_len), metrics
 
 
@@ -152,7 +145,7 @@ def value_loss_per_token(values: torch.Tensor, old_values: Optional[torch.Tensor
         err_clipped = (v_clipped - ret) ** 2
         loss_mat = 0.5 * torch.maximum(err, err_clipped)
         clip_frac = masked_mean((err_clipped > err).to(dtype), mask).detach()
-    return _zero_out(loss_mat, m), {"clip_frac": clip_frac}
+    return zero_out(loss_mat, m), {"clip_frac": clip_frac}
 
 
 def value_loss(values, old_values, returns, mask, clip: float | None = None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import time
 from typing import List, Optional
 
@@ -9,6 +10,17 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.errors import UserError
+
+
+def attach_critic(model, critic: str):
+    """(model, separate critic or None) for algo.critic = none | shared | separate."""
+    if critic == "none":
+        return model, None
+    from rlctl.models.value import PolicyValueModel, SeparateCritic
+
+    if critic == "shared":
+        return PolicyValueModel(model), None
+    return model, SeparateCritic(model)
 
 
 def run_training(overrides: List[str], recipe: Optional[str] = None):
@@ -46,12 +58,13 @@ def run_training(overrides: List[str], recipe: Optional[str] = None):
     except (ValueError, OSError) as exc:
         raise UserError(f"cannot load model: {exc}") from None
     torch.manual_seed(cfg.seed)
+    model, critic = attach_critic(model, cfg.algo.critic)
     sink = build_sinks(run_dir=run_dir, jsonl=cfg.logger.jsonl, wandb=cfg.logger.wandb,
                        wandb_mode=cfg.logger.wandb_mode, project=cfg.logger.project,
                        name=run_dir.name, config=OmegaConf.to_container(cfg),
                        console=cfg.logger.console, total_steps=cfg.trainer.steps)
     try:
-        result = Trainer(cfg, model, tokenizer, task, sink).train()
+        result = Trainer(cfg, model, tokenizer, task, sink, critic=critic).train()
         summary = {"run_dir": str(run_dir), "steps": result.steps, "train_seconds": result.seconds,
                    "setup_seconds": time.perf_counter() - t0 - result.seconds,
                    "tokens_per_s": result.tokens_per_s, "eval_start": result.eval_start,
@@ -61,6 +74,9 @@ def run_training(overrides: List[str], recipe: Optional[str] = None):
         sink.close()
     if cfg.run.save_model:
         summary["model_dir"] = str(rundir.save_model(run_dir, model, tokenizer))
+        if critic is not None:
+            critic.save_pretrained(run_dir / "critic")
+    summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     rundir.write_json_atomic(run_dir / "summary.json", summary)
     print_summary(summary)
     return summary

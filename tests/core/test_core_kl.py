@@ -1,10 +1,12 @@
-"""KL estimators: hand values, sign, and exact expectations on a small categorical."""
+"""KL estimators (hand values, sign, exact expectations on a small categorical), KL-shaped
+rewards on ragged rows, and the KL coefficient controllers."""
 import math
 
 import pytest
 import torch
 
-from rlctl.core import KL_ESTIMATORS, kl_estimate
+from rlctl.core import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate,
+                        kl_shaped_rewards)
 
 
 def test_hand_values():
@@ -39,3 +41,86 @@ def test_unknown_kind_aliases_and_dtype():
     torch.testing.assert_close(kl_estimate(a, b, "low_var_kl"), kl_estimate(a, b, "k3"))
     out = kl_estimate(a.bfloat16(), b.bfloat16(), "k3")
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def _seed_kl_shaped_rewards(final_reward, logp, ref, beta, kind="k1"):
+    """Seed 002's one-row function on Python floats (k1), generalised to k2 / k3."""
+    est = {"k1": lambda a, b: a - b, "k2": lambda a, b: 0.5 * (a - b) ** 2,
+           "k3": lambda a, b: math.exp(b - a) - (b - a) - 1}[kind]
+    r = [-beta * est(a, b) for a, b in zip(logp, ref)]
+    r[-1] += final_reward
+    return r
+
+
+def test_kl_shaped_rewards_seed_example_in_ragged_batch():
+    logp, ref = [-1.0, -0.5, -0.2], [-1.2, -0.5, -0.4]
+    assert _seed_kl_shaped_rewards(1.0, logp, ref, 0.05) == pytest.approx([-0.01, 0.0, 0.99])
+    nan = float("nan")
+    lp = torch.tensor([logp + [nan, 3.0], [-0.3, -0.1, -2.0, -0.7, -0.4], [nan] * 5,
+                       [-0.2, nan, -0.9, -0.1, nan]])
+    rf = torch.tensor([ref + [7.0, nan], [-0.5, -0.1, -1.0, -0.6, -0.9], [0.0] * 5,
+                       [-0.4, 5.0, -0.3, -0.2, 1.0]])
+    mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0],
+                         [1, 0, 1, 1, 0]])  # row 3: a masked gap, last counted token t=3
+    rewards = torch.tensor([1.0, -2.0, 9.0, 0.5])
+    out = kl_shaped_rewards(rewards, lp, rf, mask, beta=0.05)
+    torch.testing.assert_close(out[0], torch.tensor([-0.01, 0.0, 0.99, 0.0, 0.0]))
+    assert (out[2] == 0).all()  # no counted token: no KL, no reward
+    for kind in ("k1", "k3"):
+        out = kl_shaped_rewards(rewards, lp, rf, mask, 0.05, kind)
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+        for i in (0, 1, 3):
+            idx = [t for t in range(5) if mask[i, t]]
+            row = _seed_kl_shaped_rewards(rewards[i].item(), [lp[i, t].item() for t in idx],
+                                          [rf[i, t].item() for t in idx], 0.05, kind)
+            expect = torch.zeros(5)
+            expect[idx] = torch.tensor(row)
+            torch.testing.assert_close(out[i], expect)
+
+
+def test_kl_shaped_rewards_shapes_dtype_no_grad():
+    lp = torch.randn(4, 3, requires_grad=True)
+    out = kl_shaped_rewards(torch.ones(2, 2), lp.bfloat16(), lp.detach().bfloat16(),
+                            torch.ones(4, 3), 0.1, "low_var_kl")  # rewards [B, G] ok
+    assert out.shape == (4, 3) and out.dtype == torch.float32 and not out.requires_grad
+    torch.testing.assert_close(out, torch.tensor([[0.0, 0.0, 1.0]] * 4))
+    assert kl_shaped_rewards(torch.ones(2), torch.zeros(2, 0), torch.zeros(2, 0),
+                             torch.zeros(2, 0), 0.1).shape == (2, 0)
+    with pytest.raises(ValueError, match="rows"):
+        kl_shaped_rewards(torch.ones(3), lp, lp, torch.ones(4, 3), 0.1)
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        kl_shaped_rewards(torch.ones(4), lp, lp, torch.ones(4, 3), 0.1, "k9")
+
+
+def test_adaptive_kl_controller_two_updates_by_hand():
+    ctl = AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10000)
+    # KL 9: error 9/6 - 1 = 0.5, clipped to 0.2; coef = 0.1 * (1 + 0.2 * 256/10000)
+    assert ctl.update(9.0, 256) == pytest.approx(0.100512)
+    # KL 5.4: error 0.9 - 1 = -0.1; coef = 0.100512 * (1 - 0.1 * 512/10000) = 0.100512 * 0.99488
+    ctl.update(5.4, n_steps=512)
+    assert ctl.coef == pytest.approx(0.09999737856)
+    # KL 1.0: error -5/6 clipped to -0.2
+    ctl2 = AdaptiveKLController(0.2, 6.0, 100)
+    assert ctl2.update(1.0, 10) == pytest.approx(0.2 * 0.98)
+    assert isinstance(ctl.coef, float)
+
+
+def test_kl_controllers_state_and_edge_cases():
+    ctl = AdaptiveKLController(0.05, 6.0, 1000)
+    ctl.update(12.0, 100)
+    fresh = AdaptiveKLController(0.05, 6.0, 1000)
+    fresh.load_state_dict(ctl.state_dict())
+    assert fresh.coef == ctl.coef == pytest.approx(0.05 * 1.02)
+    before = ctl.coef
+    ctl.update(float("nan"), 100)  # a NaN KL measurement does not poison the coefficient
+    ctl.update(torch.tensor(6.0), 100)  # zero error; a tensor scalar is accepted
+    assert ctl.coef == before
+    ctl.update(0.0, 10_000_000)  # absurd n_steps: floored at 0, never negative
+    assert ctl.coef == 0.0
+    fixed = FixedKLController(0.1)
+    assert fixed.update(100.0, 1000) == 0.1 and fixed.state_dict() == {"coef": 0.1}
+    fixed.load_state_dict({"coef": 0.3})
+    assert fixed.coef == 0.3
+    for args in ((0.1, 0.0, 10), (0.1, 6.0, 0), (-0.1, 6.0, 10)):
+        with pytest.raises(ValueError):
+            AdaptiveKLController(*args)

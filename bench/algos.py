@@ -1,0 +1,77 @@
+"""Every algorithm on the default sorting task for an equal budget; prints a table.
+
+    python bench/algos.py [--steps 300] [--seeds 0] [--algos grpo,ppo,...] [--out bench/algos.md]
+
+Each run is a separate `rlctl train` process (so peak memory is its own), one after the
+other (never in parallel: timings on a shared 2-core machine are noisy enough). Columns:
+final held-out greedy exact-match, the wall time of training, the time at which held-out
+exact-match first reached 0.9 (evaluated every trainer.eval_every steps; the time includes
+those evaluations), completion tokens per second, and the process's peak RSS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ALGOS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce", "rloo", "ppo"]
+
+
+def run_one(algo: str, steps: int, seed: int, out_dir: Path, extra: list[str]) -> dict:
+    rlctl = str(Path(sys.executable).parent / "rlctl")
+    cmd = [rlctl, "train", f"algo={algo}", f"trainer.steps={steps}", f"seed={seed}",
+           "logger=jsonl", "logger.console=false", "run.save_model=false",
+           f"run.output_dir={out_dir}", f"run.name={algo}-s{seed}", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"algo": algo, "seed": seed, "error": proc.stderr.strip().splitlines()[-1:]}
+    run = sorted(p for p in out_dir.iterdir() if p.name.endswith(f"{algo}-s{seed}"))[-1]
+    summary = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+    t90 = next((r.get("time/elapsed_s", 0.0) for r in rows
+                if r.get("eval/exact_match", 0) >= 0.9 and r["step"] > 0), None)
+    return {"algo": algo, "seed": seed, "exact_start": summary["eval_start"]["eval/exact_match"],
+            "exact_end": summary["eval_end"]["eval/exact_match"], "train_s": summary["train_seconds"],
+            "t90_s": t90, "tokens_per_s": summary["tokens_per_s"], "peak_rss_mb": summary["peak_rss_mb"]}
+
+
+def table(results: list[dict]) -> str:
+    head = "| algo | seed | exact start | exact end | train s | s to 0.9 | tokens/s | peak RSS MB |"
+    lines = [head, "|" + "---|" * 8]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['algo']} | {r['seed']} | error: {r['error']} |||||")
+            continue
+        t90 = f"{r['t90_s']:.1f}" if r["t90_s"] is not None else "not reached"
+        lines.append(f"| {r['algo']} | {r['seed']} | {r['exact_start']:.3f} | {r['exact_end']:.3f} | "
+                     f"{r['train_s']:.1f} | {t90} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--algos", default=",".join(ALGOS))
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("extra", nargs="*", help="more overrides for every run")
+    args = ap.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for algo in args.algos.split(","):
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                results.append(run_one(algo, args.steps, seed, Path(tmp), args.extra))
+                print(table(results[-1:]).splitlines()[-1], flush=True)
+    text = table(results)
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

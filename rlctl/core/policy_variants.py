@@ -1,0 +1,101 @@
+"""PPO-family variants that change the importance weight: GSPO and CISPO.
+
+Both have the registry signature fn(logp, old_logp, advantages, mask, clip_low,
+clip_high, clip_ratio_c=None) -> (loss_mat [N, T], metrics) and the metric schema of
+`_policy.py`; they are registered in `losses.POLICY_LOSSES` as "gspo" and "cispo".
+
+GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"), the GSPO-token form:
+    s_i      = (pi(y_i|x) / pi_old(y_i|x)) ** (1/|y_i|)
+             = exp(1/|y_i| * sum_t (logp_t - old_logp_t))  geometric mean of token ratios
+    s_{i,t}  = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]    (numerically s_{i,t} = s_i)
+    J        = 1/G sum_i 1/|y_i| sum_t min(s_{i,t} A_i, clip(s_{i,t}, 1-lo, 1+hi) A_i)
+  Since d s_{i,t} / d logp_t = s_i, the loss -s_{i,t} A_i gives each token
+  d loss / d logp_t = -s_i A_i, and after the paper's 1/|y_i| (seq-mean-token-mean):
+    grad_theta J = 1/G sum_i s_i A_i * 1/|y_i| sum_t grad logp_t        (unclipped i)
+  which is exactly the gradient of the sequence-level objective s_i(theta) A_i. Because
+  s_{i,t} has the same value on every token, the clip acts on whole sequences: when s_i
+  leaves (1-lo, 1+hi) in A_i's direction, every token of the sequence gets 0 gradient.
+  Aggregate with seq-mean-token-mean to get the paper's objective (other modes reweight
+  sequences, e.g. token-mean weights each by its length).
+
+CISPO (MiniMax, 2025, "MiniMax-M1", Eq. 4): clip the importance weight, never the
+gradient:
+    loss_t = -sg[clip(rho_t, 1 - lo, 1 + hi)] * A_t * logp_t,  rho_t = exp(logp_t - old_t)
+    d loss_t / d logp_t = -clip(rho_t) * A_t                  (nonzero for every token)
+  The paper aggregates with token-mean. The loss value is a weighted log-likelihood, not a
+  surrogate of the objective, so its magnitude is not comparable to PPO's.
+
+Departures:
+- GSPO takes one advantage per sequence (as the paper's GSPO, and GSPO-token with equal
+  A_{i,t}): [N] as given, [N, T] reduced by the masked mean of each row (equal to A_i for
+  the outcome estimators, which broadcast one value per row).
+- Default clips: GSPO uses the paper's (3e-4, 4e-4), since a geometric-mean ratio stays
+  far closer to 1 than a token ratio; CISPO uses 0.2 / 0.2 (the paper leaves the lower
+  bound effectively off and tunes only the upper one; pass a large clip_low to match).
+- clip_ratio_c: GSPO applies the dual clip to the sequence ratio (cap -A_i * c when
+  A_i < 0 and s_i > c); CISPO ignores it (its weight is already capped at 1 + clip_high).
+- Clip fractions: GSPO counts every token of a clipped sequence (low: A < 0 and
+  s_i < 1 - lo; high: A > 0 and s_i > 1 + hi); CISPO counts tokens whose weight was
+  clipped, whatever the sign of A. approx_kl is always token-level k3 of old -> new.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ._policy import (Metrics, check_clip_ratio_c, clip_metrics, dual_clip, token_adv,
+                      token_log_ratio, zero_out)
+from ._util import acc_dtype, keep, upcast
+from .logprobs import masked_mean
+
+__all__ = ["gspo_per_token", "cispo_per_token"]
+
+
+def _row_adv(advantages: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor:
+    """One advantage per sequence: [N] as given, [N, T] by its masked row mean. -> [N]."""
+    adv = upcast(advantages, dtype).detach()
+    return adv if adv.dim() == 1 else masked_mean(adv, mask, dim=-1).to(dtype)
+
+
+def gspo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                   mask: torch.Tensor, clip_low: float = 3e-4, clip_high: float = 4e-4,
+                   clip_ratio_c: Optional[float] = None) -> Tuple[torch.Tensor, Metrics]:
+    """GSPO-token loss per token (see module doc). logp, old_logp, mask [N, T];
+    advantages [N] or [N, T] -> (loss_mat [N, T], 0 where mask == 0; metrics)."""
+    check_clip_ratio_c(clip_ratio_c)
+    dtype = acc_dtype(logp, old_logp, advantages)
+    m = keep(mask)
+    lp = zero_out(upcast(logp, dtype), m)  # [N, T]
+    log_ratio = token_log_ratio(lp, old_logp, m)  # [N, T]
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).to(dtype).detach()  # [N] log s_i
+    # s_{i,t} = sg[s_i] * exp(logp_t - sg[logp_t]): value s_i, d/d logp_t = s_i
+    s_tok = torch.exp(seq_log_ratio[:, None] + (lp - lp.detach()))  # [N, T]
+    adv_row = zero_out(_row_adv(advantages, mask, dtype), m.any(-1))  # [N]
+    adv = adv_row[:, None].expand(mask.shape)  # [N, T]
+    pg_unclipped = -adv * s_tok
+    pg_clipped = -adv * s_tok.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss, capped = dual_clip(torch.maximum(pg_unclipped, pg_clipped), adv, s_tok.detach(),
+                             clip_ratio_c)  # [N, T]
+    s = s_tok.detach()  # [N, T], s_i on every token of row i
+    low = (adv < 0) & (s < 1.0 - clip_low)
+    high = (adv > 0) & (s > 1.0 + clip_high)
+    return zero_out(loss, m), clip_metrics(log_ratio, mask, low, high, capped)
+
+
+def cispo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                    clip_ratio_c: Optional[float] = None) -> Tuple[torch.Tensor, Metrics]:
+    """CISPO loss per token: -sg[clip(rho)] * A * logp (see module doc; clip_ratio_c is
+    ignored). logp, old_logp, mask [N, T]; advantages [N, T] or [N] -> (loss_mat [N, T],
+    0 where mask == 0; metrics)."""
+    dtype = acc_dtype(logp, old_logp, advantages)
+    m = keep(mask)
+    lp = zero_out(upcast(logp, dtype), m)  # [N, T]
+    log_ratio = token_log_ratio(lp, old_logp, m)  # [N, T]
+    ratio = torch.exp(log_ratio.detach())  # [N, T], no gradient
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # sg[clip(rho)]
+    adv = token_adv(advantages, mask, dtype)  # [N, T]
+    loss = -weight * adv * lp  # [N, T]
+    low, high = ratio < 1.0 - clip_low, ratio > 1.0 + clip_high
+    return zero_out(loss, m), clip_metrics(log_ratio, mask, low, high)

@@ -1,0 +1,84 @@
+"""From scored rollouts to per-token advantages (and value targets).
+
+Two kinds of estimator, one registry (``estimator_kind``):
+- outcome estimators (``rlctl.core.ADVANTAGE_ESTIMATORS``: reinforce, rloo, grpo, ...)
+  map one return per completion, grouped [B, G], to one advantage per completion,
+  broadcast to its tokens;
+- ``gae`` maps per-token rewards and critic values to per-token advantages and returns.
+
+Rewards reach them the same way for both. With ``kl.placement=in_reward`` each counted
+token gets -beta * KL(pi_old || pi_ref) and the task reward is added on the last counted
+token (classic RLHF shaping, seed 002); GAE consumes those per-token rewards, an outcome
+estimator consumes their per-sequence sum (the shaped return). Optional DAPO overlong
+shaping adds a length penalty to the task reward first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from rlctl.core import (broadcast_to_tokens, gae, get_advantage_estimator, kl_shaped_rewards,
+                        masked_whiten, overlong_penalty)
+from rlctl.types import RolloutBatch
+
+TOKEN_LEVEL = {"gae"}
+
+
+def estimator_kind(name: str) -> str:
+    """'token' (needs a critic) or 'outcome'; raises ValueError for unknown names."""
+    if name in TOKEN_LEVEL:
+        return "token"
+    get_advantage_estimator(name)
+    return "outcome"
+
+
+@dataclass
+class AdvantageSettings:
+    estimator: str
+    std_eps: float
+    baseline: str
+    gamma: float
+    lam: float
+    whiten: bool
+    kl_in_reward: bool
+    kl_estimator: str
+    overlong_buffer: int
+    overlong_penalty: float
+    max_new_tokens: int
+
+
+def shaped_task_rewards(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tensor:
+    """Task reward plus the DAPO overlong penalty when configured. -> [N]"""
+    if s.overlong_buffer <= 0:
+        return batch.rewards
+    lengths = batch.mask.sum(-1)                                          # [N]
+    return batch.rewards + overlong_penalty(lengths, s.max_new_tokens, s.overlong_buffer,
+                                            s.overlong_penalty)
+
+
+def token_rewards(batch: RolloutBatch, rewards: torch.Tensor, s: AdvantageSettings,
+                  kl_coef: float) -> torch.Tensor:
+    """Per-token rewards [N, T]: task reward on the last counted token, KL shaping if any."""
+    if s.kl_in_reward and kl_coef > 0:   # the trainer computes old log-probs for this case
+        return kl_shaped_rewards(rewards, batch.old_logprobs, batch.ref_logprobs, batch.mask,
+                                 kl_coef, s.kl_estimator)
+    return kl_shaped_rewards(rewards, torch.zeros_like(batch.mask), torch.zeros_like(batch.mask),
+                             batch.mask, 0.0)
+
+
+def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float,
+                       values: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(advantages [N, T], returns [N, T] or None). ``values`` [N, T] for GAE."""
+    per_token = token_rewards(batch, shaped_task_rewards(batch, s), s, kl_coef)   # [N, T]
+    returns = None
+    if estimator_kind(s.estimator) == "token":
+        adv, returns = gae(per_token, values, batch.mask, s.gamma, s.lam)        # [N, T] each
+    else:
+        seq_return = (per_token * batch.mask).sum(-1).view(-1, batch.group_size)  # [B, G]
+        fn = get_advantage_estimator(s.estimator)
+        adv = broadcast_to_tokens(fn(seq_return, s.std_eps, baseline=s.baseline), batch.mask)
+    if s.whiten:
+        adv = masked_whiten(adv, batch.mask) * batch.mask
+    return adv, returns

@@ -1,0 +1,199 @@
+"""The PPO critic: a scalar value head on a causal LM's last hidden state.
+
+Two layouts:
+
+* ``PolicyValueModel`` (critic=shared): one backbone pass gives both the policy's logits
+  and the values. The values read ``hidden_states[-1]`` of the policy's own forward, which
+  in transformers 5 is the *final-normed* state that the LM head reads (``capture_outputs``
+  replaces the last layer's raw output by ``last_hidden_state``, unless a config sets
+  ``tie_last_hidden_states=False``); tests/models/test_value.py checks
+  ``lm_head(hidden_states[-1]) == logits`` for the tiny Llama.
+* ``SeparateCritic`` (critic=separate): a trainable deep copy of the backbone without the
+  LM head (``get_decoder()``, which for any HF causal LM returns its base model, e.g.
+  ``LlamaForCausalLM.model``) plus its own head; it shares no parameter with the policy.
+
+Value convention (``completion_values``): with prompt length P, the value aligned with
+completion token t (0-based) is V(s_t), s_t = prompt + the first t completion tokens, i.e.
+the head applied at position P-1+t, the same position whose logits score token t. Run the
+model on ``input_ids[:, :-1]`` exactly as ``rlctl.engine.policy.completion_logits`` does and
+``values[:, P-1:]`` has one value per completion token.
+
+Head init: zeros (weight and bias) by default, so every value starts at 0 and the first
+advantages are the plain returns instead of noise from a random projection of the
+hidden state (which has per-unit scale ~1 after RMSNorm, so even a 1/sqrt(H+1) normal init
+gives O(1) random values). With a zero weight the backbone gets no value-loss gradient
+until the head's first step; pass ``init_std > 0`` for a random init instead.
+The head keeps float32 weights and casts the hidden state up, so values are float32 even
+for a bf16 backbone.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import NamedTuple, Optional
+
+import torch
+from torch import nn
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+class ValueHead(nn.Module):
+    """Linear(hidden_size, 1): hidden states [..., H] -> values [...] (float32)."""
+
+    def __init__(self, hidden_size: int, init_std: float = 0.0, device=None):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1, device=device, dtype=torch.float32)
+        if init_std > 0:
+            nn.init.normal_(self.summary.weight, std=init_std)
+        else:
+            nn.init.zeros_(self.summary.weight)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
+
+    def save(self, directory) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
+                  os.path.join(directory, VALUE_HEAD_FILE))
+
+    def load(self, directory) -> None:
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(directory, VALUE_HEAD_FILE),
+                          device=str(self.summary.weight.device))
+        self.load_state_dict(state)
+
+
+def _hidden_size(model) -> int:
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    return int(config.hidden_size)
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+class PolicyValueOutput(NamedTuple):
+    logits: torch.Tensor  # [N, L, V]
+    values: torch.Tensor  # [N, L], float32
+
+
+class PolicyValueModel(nn.Module):
+    """A causal LM (``self.policy``, plain or peft-wrapped) plus a value head (shared backbone).
+
+    Drop-in for the policy where the learner calls ``model(input_ids=..., ...).logits``,
+    ``generate``, ``parameters()`` (head included), ``save_pretrained`` and ``config``. With a
+    peft policy the head is an ordinary trainable module outside the adapter.
+    """
+
+    def __init__(self, policy, init_std: float = 0.0):
+        super().__init__()
+        self.policy = policy
+        self.value_head = ValueHead(_hidden_size(policy), init_std, device=_device(policy))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False,
+                **kwargs) -> PolicyValueOutput:
+        out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=use_cache,
+                          output_hidden_states=True, **kwargs)
+        return PolicyValueOutput(out.logits, self.value_head(out.hidden_states[-1]))
+
+    def generate(self, *args, **kwargs):
+        return self.policy.generate(*args, **kwargs)
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    @property
+    def generation_config(self):
+        return self.policy.generation_config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.policy.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return _device(self.policy)
+
+    def save_pretrained(self, directory, **kwargs) -> None:
+        """The policy in HF format (an adapter for peft) plus ``value_head.safetensors``."""
+        self.policy.save_pretrained(directory, **kwargs)
+        self.value_head.save(directory)
+
+    def load_value_head(self, directory) -> None:
+        self.value_head.load(directory)
+
+
+def _backbone_copy(policy):
+    """A deep copy of ``policy``'s base model (no LM head); peft adapters merged in."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is optional
+        PeftModel = ()
+    if isinstance(policy, PeftModel):
+        return copy.deepcopy(policy).merge_and_unload().get_decoder()
+    if hasattr(policy, "get_decoder"):
+        return copy.deepcopy(policy.get_decoder())
+    return copy.deepcopy(policy.base_model)
+
+
+class SeparateCritic(nn.Module):
+    """A trainable copy of the policy's backbone plus a value head; no weights shared."""
+
+    def __init__(self, policy=None, init_std: float = 0.0, backbone=None):
+        super().__init__()
+        if (policy is None) == (backbone is None):
+            raise ValueError("SeparateCritic needs exactly one of policy or backbone")
+        self.backbone = _backbone_copy(policy) if backbone is None else backbone
+        self.backbone.requires_grad_(True)
+        self.value_head = ValueHead(_hidden_size(self.backbone), init_std,
+                                    device=_device(self.backbone))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """Values [N, L] (float32) from the backbone's last (final-normed) hidden state."""
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return self.value_head(hidden)
+
+    def save_pretrained(self, directory, **kwargs) -> None:
+        self.backbone.save_pretrained(directory, **kwargs)
+        self.value_head.save(directory)
+
+    def load_value_head(self, directory) -> None:
+        self.value_head.load(directory)
+
+    @classmethod
+    def from_pretrained(cls, directory, **kwargs) -> "SeparateCritic":
+        """Reload a ``save_pretrained`` directory (backbone via ``AutoModel``)."""
+        from transformers import AutoModel
+
+        critic = cls(backbone=AutoModel.from_pretrained(directory, **kwargs))
+        critic.load_value_head(directory)
+        return critic
+
+
+def completion_values(values_full: torch.Tensor, prompt_len: int,
+                      num_tokens: Optional[int] = None) -> torch.Tensor:
+    """[N, L] -> [N, T]: column t is V(s_t), the value at position ``prompt_len - 1 + t``.
+
+    From a forward on ``input_ids[:, :-1]`` (L = P+T-1) leave ``num_tokens`` None. From a
+    forward on the whole sequence (L = P+T) pass ``num_tokens=T`` to drop the last column,
+    the value of the state after the final token.
+    """
+    if prompt_len < 1:
+        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+    start = prompt_len - 1
+    end = values_full.shape[1] if num_tokens is None else start + num_tokens
+    if end > values_full.shape[1]:
+        raise ValueError(f"num_tokens {num_tokens} needs {end} positions, have "
+                         f"{values_full.shape[1]}")
+    return values_full[:, start:end]
