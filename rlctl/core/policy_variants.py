@@ -18,7 +18,7 @@ GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"), the GSPO-token 
   Aggregate with seq-mean-token-mean to get the paper's objective (other modes reweight
   sequences, e.g. token-mean weights each by its length).
 
-CISPO (MiniMax, 2025, "MiniMax-M1", Eq. 4): clip the importance weight, never the
+CISPO (MiniMax, 2025, "MiniMax-M1"): clip the importance weight, never the
 gradient:
     loss_t = -sg[clip(rho_t, 1 - lo, 1 + hi)] * A_t * logp_t,  rho_t = exp(logp_t - old_t)
     d loss_t / d logp_t = -clip(rho_t) * A_t                  (nonzero for every token)
