@@ -31,6 +31,7 @@ def rollout_metrics(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
 POLICY_KEYS = {  # update_policy's metric names -> schema names
     "loss": "policy/loss", "entropy": "policy/entropy", "clip_frac": "policy/clip_frac",
     "clip_frac_low": "policy/clip_frac_low", "clip_frac_high": "policy/clip_frac_high",
+    "clip_frac_dual": "policy/clip_frac_dual",
     "approx_kl": "policy/approx_kl", "kl_ref": "policy/kl_ref", "grad_norm": "optim/grad_norm",
 }
 
