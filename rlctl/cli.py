@@ -77,6 +77,12 @@ def train(ctx: typer.Context,
         _fail(message, code)
 
 
+# eval, rollout, inspect (rlctl/commands; light imports, the work is imported lazily)
+from rlctl.commands import register as _register_commands  # noqa: E402
+
+_register_commands(app)
+
+
 def main() -> None:
     # Thread limits must be set before torch is imported (STACK.md: the biggest trap).
     os.environ.setdefault("OMP_NUM_THREADS", "1")

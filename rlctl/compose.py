@@ -210,7 +210,16 @@ def validate(cfg: DictConfig) -> None:
     _choice(cfg, "task.name", sorted(TASKS))
     _choice(cfg, "model.dtype", ["float32", "bfloat16"])
     _choice(cfg, "hardware.device", ["cpu", "cuda"])
-    _choice(cfg, "hardware.backend", ["torch"])
+    _choice(cfg, "hardware.backend", ["torch", "deepspeed"])
+    _choice(cfg, "hardware.precision", ["fp32", "bf16"])
+    _choice(cfg, "hardware.zero_stage", [0, 1, 2, 3])
+    hw = cfg.hardware
+    if hw.num_processes < 1 or cfg.trainer.prompts_per_step % hw.num_processes:
+        raise ConfigError(f"hardware.num_processes={hw.num_processes} must be >= 1 and divide "
+                          f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} (each rank "
+                          "samples whole prompt groups)")
+    if hw.deepspeed_config is not None and not Path(hw.deepspeed_config).is_file():
+        raise ConfigError(f"hardware.deepspeed_config: no such file '{hw.deepspeed_config}'")
     _choice(cfg, "logger.wandb_mode", ["offline", "online", "disabled"])
     for key in ("algo.group_size", "algo.epochs", "algo.minibatches", "trainer.prompts_per_step",
                 "rollout.max_new_tokens", "hardware.num_threads", "trainer.lr"):

@@ -62,6 +62,17 @@ class TaskConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters via peft (rlctl.models.lora); values in conf/model/*.yaml."""
+    enabled: bool = MISSING
+    r: int = MISSING               # adapter rank (> 0)
+    alpha: int = MISSING           # scaling: alpha / r
+    dropout: float = MISSING       # dropout on the adapter input, [0, 1)
+    target_modules: List[str] = MISSING  # names (or name suffixes) of Linear modules
+    save_merged: bool = MISSING    # also save base + adapter merged to <run>/model/merged
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING            # tiny | hf
     name_or_path: Optional[str] = None
@@ -73,14 +84,19 @@ class ModelConfig:
     warmup_steps: int = 0
     warmup_lr: float = 1e-3
     cache_dir: Optional[str] = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
 class HardwareConfig:
     name: str = MISSING
-    backend: str = MISSING         # torch
+    backend: str = MISSING         # torch | deepspeed
     device: str = MISSING          # cpu | cuda
-    num_threads: int = MISSING     # torch intra-op threads (see STACK.md: 1 on small CPUs)
+    num_threads: int = MISSING     # torch intra-op threads per process (STACK.md: 1 on small CPUs)
+    num_processes: int = MISSING   # data-parallel ranks that `rlctl train` launches itself
+    zero_stage: int = MISSING      # deepspeed: ZeRO stage 0-3
+    precision: str = MISSING       # deepspeed: fp32 | bf16
+    deepspeed_config: Optional[str] = None  # deepspeed: a user JSON merged under rlctl's keys
 
 
 @dataclass

@@ -68,17 +68,37 @@ def token_rewards(batch: RolloutBatch, rewards: torch.Tensor, s: AdvantageSettin
                              batch.mask, 0.0)
 
 
+def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, backend, eps: float = 1e-8) -> torch.Tensor:
+    """``masked_whiten`` with the mean and (unbiased) variance over every rank's tokens."""
+    if backend is None or backend.world_size == 1:
+        return masked_whiten(x, mask, eps=eps) * mask
+    m = mask.float()
+    n, s1, s2 = backend.all_reduce_sum(torch.stack([m.sum(), (x * m).sum(), (x * x * m).sum()]))
+    mean = s1 / n.clamp(min=1)
+    var = (s2 - n * mean * mean) / (n - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var.clamp(min=0) + eps) * m
+
+
 def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float,
-                       values: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(advantages [N, T], returns [N, T] or None). ``values`` [N, T] for GAE."""
+                       values: Optional[torch.Tensor], backend=None
+                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(advantages [N, T], returns [N, T] or None). ``values`` [N, T] for GAE.
+
+    With several data-parallel ranks, outcome estimators see every rank's groups (so a
+    batch-mean baseline is the global one) and whitening uses global statistics."""
     per_token = token_rewards(batch, shaped_task_rewards(batch, s), s, kl_coef)   # [N, T]
     returns = None
     if estimator_kind(s.estimator) == "token":
         adv, returns = gae(per_token, values, batch.mask, s.gamma, s.lam)        # [N, T] each
     else:
         seq_return = (per_token * batch.mask).sum(-1).view(-1, batch.group_size)  # [B, G]
+        first = 0
+        if backend is not None and backend.world_size > 1:
+            seq_return, first = backend.all_gather_rows(seq_return)              # [B_all, G]
         fn = get_advantage_estimator(s.estimator)
-        adv = broadcast_to_tokens(fn(seq_return, s.std_eps, baseline=s.baseline), batch.mask)
+        adv = fn(seq_return, s.std_eps, baseline=s.baseline)                     # [B_all, G]
+        adv = adv[first: first + batch.num_sequences // batch.group_size]         # [B, G]
+        adv = broadcast_to_tokens(adv, batch.mask)                                # [N, T]
     if s.whiten:
-        adv = masked_whiten(adv, batch.mask) * batch.mask
+        adv = whiten_over_ranks(adv, batch.mask, backend)
     return adv, returns

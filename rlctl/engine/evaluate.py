@@ -13,15 +13,16 @@ from rlctl.types import Example
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], max_new_tokens: int,
-             batch_size: int = 256) -> Dict[str, float]:
-    """eval/exact_match, eval/reward, eval/length_mean, eval/truncated_frac (greedy)."""
+             batch_size: int = 256, **backend_kwargs) -> Dict[str, float]:
+    """Greedy completions; SUMS over the examples (the caller divides by ``count``, after
+    adding up the ranks' sums): exact_match, reward, length_mean, truncated_frac."""
     was_training = model.training
     model.eval()
     exact, reward, length, truncated = 0.0, 0.0, 0.0, 0.0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         seqs, _, plen = generate(model, tokenizer, [e.prompt for e in chunk], max_new_tokens,
-                                 do_sample=False)
+                                 do_sample=False, **backend_kwargs)
         mask, trunc = completion_mask(seqs[:, plen:], tokenizer.eos_token_id, tokenizer.pad_token_id)
         texts = decode_completions(tokenizer, seqs[:, plen:], mask)
         for ex, text in zip(chunk, texts):
@@ -30,6 +31,5 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], max_new_
         length += mask.sum().item()
         truncated += trunc.float().sum().item()
     model.train(was_training)
-    n = max(len(examples), 1)
-    return {"eval/exact_match": exact / n, "eval/reward": reward / n,
-            "eval/length_mean": length / n, "eval/truncated_frac": truncated / n}
+    return {"exact_match": exact, "reward": reward, "length_mean": length,
+            "truncated_frac": truncated, "count": float(len(examples))}

@@ -1,12 +1,20 @@
-"""`rlctl train`: compose -> build task, model, sinks -> train -> save the run."""
+"""`rlctl train`: compose -> run directory -> train (1 process, or N launched ranks) -> save.
+
+``run_training`` runs in the user's process: it composes and validates the config,
+creates the run directory and either trains in-process or launches the ranks.
+``train_rank`` is what every rank runs: build task, model (+LoRA, +critic), backend and
+sinks, train, and (rank 0) save the model and ``summary.json``.
+"""
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
+from pathlib import Path
 from typing import List, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from rlctl.compose import compose
 from rlctl.errors import UserError
@@ -23,60 +31,126 @@ def attach_critic(model, critic: str):
     return model, SeparateCritic(model)
 
 
-def run_training(overrides: List[str], recipe: Optional[str] = None):
-    composed = compose(overrides, recipe)
-    cfg = composed.cfg
-    OmegaConf.resolve(cfg)
-
+def _quiet_libraries(cfg: DictConfig) -> None:
     if cfg.hardware.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers may import deepspeed
     import torch
     import transformers
 
-    from rlctl.engine import rundir
-    from rlctl.engine.report import print_summary
-    from rlctl.engine.trainer import Trainer
-    from rlctl.models.loading import load_model_and_tokenizer
-    from rlctl.sinks import build_sinks
-    from rlctl.tasks import build_task
-
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(cfg.hardware.num_threads)
-    t0 = time.perf_counter()
-    task_opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
+
+
+def _build_task(cfg: DictConfig):
+    from rlctl.tasks import build_task
+
+    opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
     try:
-        task = build_task(cfg.task.name, **task_opts)
+        return build_task(cfg.task.name, **opts)
     except (ValueError, TypeError) as exc:
         raise UserError(f"task '{cfg.task.name}': {exc}") from None
-    run_dir = rundir.create_run_dir(cfg.run.output_dir, cfg.run.name)
-    rundir.write_config(run_dir, composed)
-    model_opts = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "name"}
+
+
+def _build_model(cfg: DictConfig):
+    """(policy or PolicyValueModel, separate critic or None, tokenizer, LoRA reference)."""
+    import torch
+
+    from rlctl.models.loading import load_model_and_tokenizer
+
+    opts = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in ("name", "lora")}
     try:
-        model, tokenizer = load_model_and_tokenizer(cfg.model.name, device=cfg.hardware.device,
-                                                    **model_opts)
+        model, tokenizer = load_model_and_tokenizer(cfg.model.name, device=cfg.hardware.device, **opts)
     except (ValueError, OSError) as exc:
         raise UserError(f"cannot load model: {exc}") from None
     torch.manual_seed(cfg.seed)
+    ref_model = None
+    if cfg.model.lora.enabled:
+        from rlctl.models.lora import apply_lora, reference_for
+        lo = cfg.model.lora
+        try:
+            model = apply_lora(model, lo.r, lo.alpha, lo.dropout, list(lo.target_modules))
+        except ValueError as exc:
+            raise UserError(f"model.lora: {exc}") from None
+        if cfg.algo.kl.coef > 0:   # the base with the adapter disabled: no second copy
+            ref_model = reference_for(model)
     model, critic = attach_critic(model, cfg.algo.critic)
-    sink = build_sinks(run_dir=run_dir, jsonl=cfg.logger.jsonl, wandb=cfg.logger.wandb,
-                       wandb_mode=cfg.logger.wandb_mode, project=cfg.logger.project,
-                       name=run_dir.name, config=OmegaConf.to_container(cfg),
-                       console=cfg.logger.console, total_steps=cfg.trainer.steps)
+    return model, critic, tokenizer, ref_model
+
+
+def train_rank(cfg: DictConfig, run_dir: Path) -> Optional[dict]:
+    """Train on this rank; rank 0 saves and returns the summary (other ranks: None)."""
+    _quiet_libraries(cfg)
+    import torch
+
+    from rlctl.backends.base import build_backend
+    from rlctl.engine import rundir
+    from rlctl.engine.trainer import Trainer
+    from rlctl.models.lora import count_parameters
+    from rlctl.sinks import NullSink, build_sinks
+
+    t0 = time.perf_counter()
+    hw = cfg.hardware
+    backend = build_backend(hw.backend, hw.device, hw.zero_stage, hw.precision, hw.deepspeed_config)
     try:
-        result = Trainer(cfg, model, tokenizer, task, sink, critic=critic).train()
+        task = _build_task(cfg)
+        model, critic, tokenizer, ref_model = _build_model(cfg)
+        trainable, total = count_parameters(model, critic)
+        torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
+        sink = build_sinks(
+            run_dir=run_dir, jsonl=cfg.logger.jsonl, wandb=cfg.logger.wandb,
+            wandb_mode=cfg.logger.wandb_mode, project=cfg.logger.project, name=run_dir.name,
+            config=OmegaConf.to_container(cfg), console=cfg.logger.console,
+            total_steps=cfg.trainer.steps) if backend.is_main else NullSink()
+        try:
+            trainer = Trainer(cfg, model, tokenizer, task, sink, critic=critic,
+                              ref_model=ref_model, backend=backend)
+            result = trainer.train()
+            sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
+        finally:
+            sink.close()
+        policy, lora = trainer.policy, bool(cfg.model.lora.enabled)
         summary = {"run_dir": str(run_dir), "steps": result.steps, "train_seconds": result.seconds,
                    "setup_seconds": time.perf_counter() - t0 - result.seconds,
-                   "tokens_per_s": result.tokens_per_s, "eval_start": result.eval_start,
-                   "eval_end": result.eval_end, "final_metrics": result.last_metrics}
-        sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
+                   "tokens_per_s": result.tokens_per_s,
+                   "eval_start": result.eval_start, "eval_end": result.eval_end,
+                   "final_metrics": result.last_metrics, "lora": lora,
+                   "params_trainable": trainable, "params_total": total,
+                   "num_processes": backend.world_size, "backend": backend.name}
+        if cfg.run.save_model:
+            with backend.gathered(policy):
+                if backend.is_main:
+                    summary["model_dir"] = str(rundir.save_model(
+                        run_dir, policy, tokenizer, lora=lora, merged=lora and cfg.model.lora.save_merged))
+            if critic is not None:
+                with backend.gathered(critic):
+                    if backend.is_main:
+                        critic.save_pretrained(run_dir / "critic")
+        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])  # KiB -> MiB
+        summary["peak_rss_mb"] = float(backend.all_reduce(peak, "max"))
+        if backend.is_main:
+            rundir.write_json_atomic(run_dir / "summary.json", summary)
+            return summary
+        return None
     finally:
-        sink.close()
-    if cfg.run.save_model:
-        summary["model_dir"] = str(rundir.save_model(run_dir, model, tokenizer))
-        if critic is not None:
-            critic.save_pretrained(run_dir / "critic")
-    summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    rundir.write_json_atomic(run_dir / "summary.json", summary)
+        backend.close()
+
+
+def run_training(overrides: List[str], recipe: Optional[str] = None) -> dict:
+    composed = compose(overrides, recipe)
+    cfg = composed.cfg
+    OmegaConf.resolve(cfg)
+    from rlctl.engine import rundir
+    from rlctl.engine.report import print_summary
+
+    _build_task(cfg)                       # bad task options fail before anything is written
+    run_dir = rundir.create_run_dir(cfg.run.output_dir, cfg.run.name)
+    rundir.write_config(run_dir, composed)
+    if cfg.hardware.num_processes > 1:
+        from rlctl.backends.launch import launch
+        launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads)
+        summary = json.loads((run_dir / "summary.json").read_text())
+    else:
+        summary = train_rank(cfg, run_dir)
     print_summary(summary)
     return summary

@@ -6,7 +6,10 @@
     recipe.yaml            a replayable recipe: `rlctl train --recipe <run>/recipe.yaml`
     metrics.jsonl          one line per logged step (logger=wandb|jsonl)
     wandb/                 the W&B offline run (logger=wandb)
-    model/                 final weights (safetensors) and tokenizer, Hugging Face format
+    model/                 final weights (safetensors) and tokenizer, Hugging Face format;
+                           LoRA runs: the adapter (adapter_model.safetensors,
+                           adapter_config.json; PeftModel.from_pretrained(base, dir))
+    model/merged/          LoRA runs with model.lora.save_merged: base + adapter merged
     summary.json           final eval and timing
 """
 from __future__ import annotations
@@ -75,8 +78,15 @@ def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def save_model(run_dir: Path, model, tokenizer) -> Path:
+def save_model(run_dir: Path, model, tokenizer, lora: bool = False, merged: bool = False) -> Path:
+    """``<run_dir>/model``: the full model, or for ``lora`` the adapter (and with ``merged``
+    also the merged full model in ``model/merged``). A PolicyValueModel adds its value head."""
     out = run_dir / "model"
+    if lora:
+        from rlctl.models.lora import save_lora
+
+        return save_lora(model, out, tokenizer, merged=merged)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+

@@ -36,6 +36,24 @@ POLICY_KEYS = {  # update_policy's metric names -> schema names
 }
 
 
+SUMMED = {"perf/step_tokens"}
+REDUCE_OP = {"length/min": "min", "length/max": "max"}
+
+
+def reduce_metrics(metrics: Dict[str, torch.Tensor], backend) -> Dict[str, float]:
+    """Floats averaged over data-parallel ranks (min/max/sum where the name says so);
+    one host sync (and one collective per reduction kind) for the whole dict."""
+    keys = sorted(metrics)
+    x = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32).detach().cpu() for k in keys])
+    if backend.world_size > 1:
+        avg = backend.all_reduce(x, "sum") / backend.world_size
+        lo, hi, total = backend.all_reduce(x, "min"), backend.all_reduce(x, "max"), avg * backend.world_size
+        pick = {"min": lo, "max": hi}
+        x = torch.stack([total[i] if k in SUMMED else pick.get(REDUCE_OP.get(k), avg)[i]
+                         for i, k in enumerate(keys)])
+    return dict(zip(keys, x.tolist()))
+
+
 def to_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
     """One host sync for the whole dict."""
     keys = list(metrics)

@@ -25,7 +25,7 @@ from rlctl.core import AdaptiveKLController, FixedKLController, get_policy_loss,
 from rlctl.engine.advantage import AdvantageSettings, compute_advantages
 from rlctl.engine.evaluate import evaluate
 from rlctl.engine.policy import learner_forward
-from rlctl.engine.stats import POLICY_KEYS, rollout_metrics, to_floats
+from rlctl.engine.stats import POLICY_KEYS, reduce_metrics, rollout_metrics
 from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
 from rlctl.rollout.collect import collect
 from rlctl.rollout.generate import rollout
@@ -69,12 +69,16 @@ def frozen_copy(model):
 
 class Trainer:
     """``model``: the policy, or a PolicyValueModel (shared critic); ``critic``: a separate
-    value model or None."""
+    value model or None; ``backend``: how to step and how ranks communicate (each rank
+    samples its own share of the step's prompts, whole groups only)."""
 
     def __init__(self, cfg: DictConfig, model, tokenizer, task: Task, sink, critic=None,
-                 ref_model=None):
-        self.cfg, self.model, self.tokenizer, self.task, self.sink = cfg, model, tokenizer, task, sink
+                 ref_model=None, backend=None):
+        from rlctl.backends.base import TorchBackend
+
+        self.cfg, self.tokenizer, self.task, self.sink = cfg, tokenizer, task, sink
         self.critic = critic
+        self.backend = backend or TorchBackend(cfg.hardware.device)
         algo, tr = cfg.algo, cfg.trainer
         self.settings = UpdateSettings(
             policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
@@ -94,30 +98,32 @@ class Trainer:
                        if algo.kl.target is not None else FixedKLController(algo.kl.coef))
         self.ref_model = ref_model if ref_model is not None else (
             frozen_copy(getattr(model, "policy", model)) if algo.kl.coef > 0 else None)
-        params = list(model.parameters()) + (list(critic.parameters()) if critic is not None else [])
-        policy_ids = {id(p) for p in getattr(model, "policy", model).parameters()}
-        self.critic_only = frozenset(id(p) for p in params if id(p) not in policy_ids)
-        self.optimizer = torch.optim.AdamW(params, lr=tr.lr, betas=tuple(tr.betas),
-                                           weight_decay=tr.weight_decay)
-        warm = max(int(tr.warmup_steps), 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
+        self.model = self.backend.prepare(model, critic, tr.lr, tr.betas, tr.weight_decay,
+                                          tr.warmup_steps, tr.max_grad_norm)
         self.scorer = SafeScorer(task)
         self.train_examples = task.train_examples()
         self.eval_examples = task.eval_examples()
-        self.sampler = random.Random(cfg.seed)
+        self.sampler = random.Random(cfg.seed * 1000 + self.backend.rank)
+        world = self.backend.world_size
+        self.local_prompts = tr.prompts_per_step // world   # compose() checks divisibility
+
+    @property
+    def policy(self):
+        """The plain module (generation, saving): unwrapped from the backend's engine."""
+        return self.backend.unwrap()
 
     # ---- rollout side -------------------------------------------------------------
     def _sample(self, num_groups: int) -> RolloutBatch:
         examples = [self.train_examples[self.sampler.randrange(len(self.train_examples))]
                     for _ in range(num_groups)]
         ro = self.cfg.rollout
-        return rollout(self.model, self.tokenizer, examples, self.cfg.algo.group_size,
-                       ro.max_new_tokens, ro.temperature, ro.top_k, self.scorer)
+        return rollout(self.policy, self.tokenizer, examples, self.cfg.algo.group_size,
+                       ro.max_new_tokens, ro.temperature, ro.top_k, self.scorer,
+                       **self.backend.generate_kwargs())
 
     def _needs_old_forward(self) -> bool:
         s, a = self.settings, self.adv_settings
-        return (s.epochs * s.minibatches > 1 or self.critic_only != frozenset()
+        return (s.epochs * s.minibatches > 1 or self.cfg.algo.critic != "none"
                 or (a.kl_in_reward and self.kl_ctl.coef > 0)
                 or isinstance(self.kl_ctl, AdaptiveKLController))
 
@@ -132,25 +138,32 @@ class Trainer:
         if self.ref_model is not None:
             batch.ref_logprobs = learner_forward(self.ref_model, *args).logp
         batch.advantages, batch.returns = compute_advantages(
-            batch, self.adv_settings, self.kl_ctl.coef, batch.old_values)
+            batch, self.adv_settings, self.kl_ctl.coef, batch.old_values, self.backend)
 
     def _evaluate(self) -> Dict[str, float]:
-        return evaluate(self.model, self.tokenizer, self.task, self.eval_examples,
-                        self.cfg.rollout.max_new_tokens)
+        """Greedy eval; each rank takes every world_size-th example, sums are reduced."""
+        b = self.backend
+        sums = evaluate(self.policy, self.tokenizer, self.task, self.eval_examples[b.rank::b.world_size],
+                        self.cfg.rollout.max_new_tokens, **b.generate_kwargs())
+        keys = sorted(sums)
+        totals = b.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys])).tolist()
+        n = max(totals[keys.index("count")], 1.0)
+        return {f"eval/{k}": v / n for k, v in zip(keys, totals) if k != "count"}
 
     # ---- the loop -------------------------------------------------------------------
     def step(self, step: int) -> Dict[str, float]:
         cfg = self.cfg
         t0 = time.perf_counter()
         self.model.eval()
-        batch, kept = collect(self._sample, cfg.trainer.prompts_per_step, cfg.algo.dynamic_sampling,
+        batch, kept = collect(self._sample, self.local_prompts, cfg.algo.dynamic_sampling,
                               cfg.algo.max_sampling_rounds, self.tokenizer.pad_token_id)
         self._prepare(batch)
         t1 = time.perf_counter()
-        state = UpdateState(kl_coef=self.kl_ctl.coef, critic_only=self.critic_only,
-                            policy_frozen=step <= cfg.algo.critic_warmup_steps)
-        policy = update_policy(self.model, self.optimizer, self.scheduler, batch, self.settings,
-                               state, self.critic)
+        frozen = step <= cfg.algo.critic_warmup_steps
+        if hasattr(self.policy, "detach_backbone"):
+            self.policy.detach_backbone = frozen
+        state = UpdateState(kl_coef=self.kl_ctl.coef, policy_frozen=frozen)
+        policy = update_policy(self.model, self.backend, batch, self.settings, state, self.critic)
         t2 = time.perf_counter()
         metrics = rollout_metrics(batch)
         metrics.update({POLICY_KEYS.get(k, k if "/" in k else f"policy/{k}"): v for k, v in policy.items()})
@@ -159,10 +172,12 @@ class Trainer:
         if batch.ref_logprobs is not None and batch.old_logprobs is not None:
             seq_kl = ((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean()
             metrics["kl/seq_k1"] = seq_kl
-        values = to_floats(metrics)
-        tokens = values["length/mean"] * batch.num_sequences
-        values.update({"kl/coef": self.kl_ctl.coef, "dapo/kept_groups_frac": kept,
-                       "optim/lr": self.scheduler.get_last_lr()[0],
+        metrics["dapo/kept_groups_frac"] = torch.tensor(kept)
+        metrics["perf/step_tokens"] = batch.mask.sum()
+        values = reduce_metrics(metrics, self.backend)
+        tokens = values.pop("perf/step_tokens")
+        values.update({"kl/coef": self.kl_ctl.coef,
+                       "optim/lr": self.backend.lr(),
                        "reward/errors": float(self.scorer.errors),
                        "time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
                        "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9)})

@@ -12,8 +12,8 @@ equals the gradient of the minibatch aggregate (tests/engine/test_update.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -47,8 +47,7 @@ class UpdateSettings:
 class UpdateState:
     """Per-call inputs that change over training."""
     kl_coef: float = 0.0
-    policy_frozen: bool = False            # critic warm-up: only critic-only params move
-    critic_only: FrozenSet[int] = field(default_factory=frozenset)
+    policy_frozen: bool = False            # critic warm-up: only critic-only weights move
 
 
 def _chunks(rows: torch.Tensor, size: int) -> List[torch.Tensor]:
@@ -56,11 +55,16 @@ def _chunks(rows: torch.Tensor, size: int) -> List[torch.Tensor]:
 
 
 def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
-                         critic=None) -> Dict[str, torch.Tensor]:
+                         critic=None, backend=None) -> Dict[str, torch.Tensor]:
     """Backward of one minibatch's loss, micro-batch by micro-batch; returns metrics
-    (token-weighted means of detached tensors). Does not step or zero the optimizer."""
-    denom = agg_denominator(batch.mask, s.agg_mode, s.norm_len)             # policy / KL terms
-    vdenom = batch.mask.sum().clamp(min=1)                                  # value term: token-mean
+    (token-weighted means of detached tensors). Does not step or zero the optimizer.
+
+    With a data-parallel ``backend`` the normalisers are summed over ranks, so each
+    rank's backward carries its exact share of the global minibatch loss."""
+    backend = backend or _LOCAL
+    denom = backend.all_reduce_sum(agg_denominator(batch.mask, s.agg_mode, s.norm_len)).clamp(min=1e-12)
+    vdenom = backend.all_reduce_sum(batch.mask.sum()).clamp(min=1)           # value term: token-mean
+    scale = backend.dp_loss_scale            # undoes the backend's averaging of gradients
     sums: Dict[str, torch.Tensor] = {}       # token-weighted metric sums
     exact: Dict[str, torch.Tensor] = {}      # loss terms: micro-batch shares add up exactly
     for rows in _chunks(torch.arange(batch.num_sequences, device=batch.mask.device),
@@ -72,7 +76,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
         loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mb.mask,
                                           s.clip_low, s.clip_high, s.clip_ratio_c)   # [n, T]
         pg_loss = aggregate_sum(loss_mat, mb.mask, s.agg_mode, s.norm_len) / denom
-        loss = pg_loss * (0.0 if st.policy_frozen else 1.0)
+        loss = pg_loss.new_zeros(()) if st.policy_frozen else pg_loss
         if st.kl_coef > 0 and s.kl_in_loss:
             kl_mat = kl_estimate(f.logp, mb.ref_logprobs, s.kl_estimator)  # [n, T]
             loss = loss + st.kl_coef * aggregate_sum(kl_mat, mb.mask, s.agg_mode, s.norm_len) / denom
@@ -89,7 +93,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
                             "value/explained_var": explained_variance(f.values.detach(), mb.returns,
                                                                       mb.mask),
                             "value/mean": masked_mean(f.values.detach(), mb.mask)})
-        loss.backward()
+        backend.backward(loss * scale)
         weight = mb.mask.sum()
         exact["loss"] = exact.get("loss", 0.0) + pg_loss.detach()
         metrics["entropy"] = masked_mean(f.entropy, mb.mask)
@@ -99,32 +103,42 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     return {**{k: v / total for k, v in sums.items()}, **exact}
 
 
-def update_policy(model, optimizer, scheduler, batch: RolloutBatch, s: UpdateSettings,
-                  st: UpdateState, critic=None) -> Dict[str, torch.Tensor]:
+class _LocalBackend:
+    """Single-process stand-in (tests call ``accumulate_gradients`` without a backend)."""
+    dp_loss_scale = 1.0
+
+    @staticmethod
+    def all_reduce_sum(t):
+        return t
+
+    @staticmethod
+    def backward(loss):
+        loss.backward()
+
+
+_LOCAL = _LocalBackend()
+
+
+def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
+                  critic=None) -> Dict[str, torch.Tensor]:
     """Run the optimizer steps for one rollout; returns detached metric tensors.
 
+    ``model`` is what the backend returned from ``prepare`` (the module to call).
     ``batch.old_logprobs`` None means a single pass (1 epoch, 1 minibatch): the ratio is
     exactly 1 and the old log-probs are the current ones, detached; no extra forward.
+    During critic warm-up (``st.policy_frozen``) the policy loss is left out and the
+    values are computed from a detached backbone, so only critic-only weights move.
     """
     model.train()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     records: Dict[str, List[torch.Tensor]] = {}
     shuffle = s.epochs * s.minibatches > 1
     for _ in range(s.epochs):
         order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
         for rows in order.chunk(s.minibatches):
-            optimizer.zero_grad(set_to_none=True)
-            metrics = accumulate_gradients(model, batch.select(rows.to(batch.mask.device)), s, st, critic)
-            if st.policy_frozen:
-                for p in params:
-                    if id(p) not in st.critic_only:
-                        p.grad = None
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in params if p.grad is not None],
-                s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
-            optimizer.step()
-            scheduler.step()
-            metrics["grad_norm"] = grad_norm.detach()
+            backend.zero_grad()
+            metrics = accumulate_gradients(model, batch.select(rows.to(batch.mask.device)), s, st,
+                                           critic, backend)
+            metrics["grad_norm"] = backend.step()
             for k, v in metrics.items():
                 records.setdefault(k, []).append(v)
     return {k: torch.stack(v).mean() for k, v in records.items()}

@@ -96,13 +96,17 @@ class PolicyValueModel(nn.Module):
         super().__init__()
         self.policy = policy
         self.value_head = ValueHead(_hidden_size(policy), init_std, device=_device(policy))
+        self.detach_backbone = False
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False,
                 **kwargs) -> PolicyValueOutput:
         out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids, use_cache=use_cache,
                           output_hidden_states=True, **kwargs)
-        return PolicyValueOutput(out.logits, self.value_head(out.hidden_states[-1]))
+        hidden = out.hidden_states[-1]
+        if self.detach_backbone:     # critic warm-up: the value loss trains the head only
+            hidden = hidden.detach()
+        return PolicyValueOutput(out.logits, self.value_head(hidden))
 
     def generate(self, *args, **kwargs):
         return self.policy.generate(*args, **kwargs)

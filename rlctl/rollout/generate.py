@@ -21,9 +21,11 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
-             do_sample: bool, temperature: float = 1.0, top_k: int = 0
+             do_sample: bool, temperature: float = 1.0, top_k: int = 0, **backend_kwargs
              ) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """Left-padded prompts -> (sequences [N, P+T], prompt attention mask [N, P], P).
+
+    ``backend_kwargs``: e.g. ``synced_gpus=True`` under ZeRO-3 with several ranks.
 
     T <= max_new_tokens: generation stops early when every row has emitted EOS; rows
     that finished earlier are right-padded with the pad token.
@@ -36,7 +38,8 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
         if do_sample else dict(do_sample=False)
     out = model.generate(
         input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs)
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs,
+        **backend_kwargs)
     return out, prompt_mask, input_ids.shape[1]       # out: [N, P+T]
 
 
@@ -49,11 +52,12 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tens
 
 def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             max_new_tokens: int, temperature: float, top_k: int,
-            score: Callable[[Example, str], float]) -> RolloutBatch:
+            score: Callable[[Example, str], float], **backend_kwargs) -> RolloutBatch:
     """Sample G completions for each of the B examples and score them."""
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
     seqs, prompt_mask, plen = generate(model, tokenizer, prompts, max_new_tokens,
-                                       do_sample=True, temperature=temperature, top_k=top_k)
+                                       do_sample=True, temperature=temperature, top_k=top_k,
+                                       **backend_kwargs)
     completion_ids = seqs[:, plen:]                                          # [N, T]
     mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)            # [N, P+T]

@@ -1,0 +1,175 @@
+"""The backend interface: how the learner runs forward/backward/step, and how ranks talk.
+
+Only ``rlctl/backends`` touches ``torch.distributed`` or imports ``deepspeed``. The
+engine sees a ``Backend``: a module to call for forward passes, ``backward``, ``step``,
+and sum-reductions across data-parallel ranks.
+
+Data parallelism here is exact: every rank holds whole prompt groups, the engine divides
+each rank's loss numerator by the *global* normaliser (token or sequence counts summed
+over ranks), and gradients are summed over ranks. Backends that average gradients over
+ranks (DeepSpeed, and ``TorchBackend`` to match it) get the loss multiplied by
+``world_size`` first (``dp_loss_scale``), so the update is the same for any N.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+
+def dist_env() -> Dict[str, int]:
+    """Rank and world size from the launcher's environment (1 process if unset)."""
+    return {"rank": int(os.environ.get("RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0))}
+
+
+def init_process_group(backend: str = "gloo") -> None:
+    """Join the process group described by the environment (MASTER_ADDR/PORT or
+    RLCTL_DIST_INIT=file://...), once."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    env = dist_env()
+    init = os.environ.get("RLCTL_DIST_INIT")
+    if init:
+        dist.init_process_group(backend, init_method=init, rank=env["rank"], world_size=env["world_size"])
+    else:
+        dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"])
+
+
+class Backend:
+    """Single-process plain torch; the base of the other backends."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "cpu"):
+        env = dist_env()
+        self.rank, self.world_size = env["rank"], env["world_size"]
+        self.device = torch.device(device)
+        self.module = None
+        self.optimizer = None
+        self.scheduler = None
+        self._params: List[torch.nn.Parameter] = []
+
+    # ---- set-up ------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_loss_scale(self) -> float:
+        return float(self.world_size)
+
+    def prepare(self, model, critic, lr: float, betas, weight_decay: float, warmup_steps: int,
+                max_grad_norm: float):
+        """Build the optimizer (AdamW) and LR schedule for ``model`` (+ a separate critic);
+        returns the module to call for training forward passes."""
+        self.max_grad_norm = max_grad_norm
+        extra = list(critic.parameters()) if critic is not None else []
+        self._params = [p for p in list(model.parameters()) + extra if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=tuple(betas),
+                                           weight_decay=weight_decay)
+        warm = max(int(warmup_steps), 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
+        self.module = model
+        return model
+
+    # ---- training ----------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> torch.Tensor:
+        """Average gradients over ranks, clip, step the optimizer and schedule; grad norm."""
+        grads = [p for p in self._params if p.grad is not None]
+        if self.world_size > 1:
+            import torch.distributed as dist
+            for p in grads:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad.div_(self.world_size)
+        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(grads, limit) if grads else torch.zeros(())
+        self.optimizer.step()
+        self.scheduler.step()
+        return norm.detach()
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    # ---- communication -----------------------------------------------------------
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(t, "sum")
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Element-wise sum / min / max over ranks (a new float tensor)."""
+        if self.world_size == 1:
+            return t
+        import torch.distributed as dist
+        out = t.detach().clone().float()
+        dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+                                 "max": dist.ReduceOp.MAX}[op])
+        return out
+
+    def all_gather_rows(self, t: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        """Concatenate every rank's rows (counts may differ) -> (all rows, this rank's
+        first row index)."""
+        if self.world_size == 1:
+            return t, 0
+        import torch.distributed as dist
+        n = torch.tensor([t.shape[0]])
+        counts = [torch.zeros_like(n) for _ in range(self.world_size)]
+        dist.all_gather(counts, n)
+        counts = [int(c) for c in counts]
+        padded = torch.zeros((max(counts),) + tuple(t.shape[1:]), dtype=t.dtype)
+        padded[: t.shape[0]] = t.detach().cpu()
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        rows = torch.cat([p[:c] for p, c in zip(parts, counts)]).to(t.device)
+        return rows, sum(counts[: self.rank])
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def generate_kwargs(self) -> Dict[str, object]:
+        return {}
+
+    def unwrap(self):
+        """The plain module (for generate, save_pretrained)."""
+        return self.module
+
+    def gathered(self, module):
+        """Context in which the module's weights are whole (ZeRO-3 needs it to save)."""
+        import contextlib
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class TorchBackend(Backend):
+    """Plain torch; with several processes, gloo (CPU) or nccl (GPU) all-reduce of grads."""
+
+    def __init__(self, device: str = "cpu"):
+        super().__init__(device)
+        if self.world_size > 1:
+            init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+
+def build_backend(name: str, device: str, zero_stage: int = 0, precision: str = "fp32",
+                  deepspeed_config: Optional[str] = None) -> Backend:
+    if name == "torch":
+        return TorchBackend(device)
+    if name == "deepspeed":
+        from rlctl.backends.deepspeed_backend import DeepSpeedBackend
+        return DeepSpeedBackend(device, zero_stage, precision, deepspeed_config)
+    raise ValueError(f"unknown backend '{name}'; valid: torch, deepspeed")

@@ -1,0 +1,111 @@
+"""The Typer commands `eval`, `rollout` and `inspect`. Only typer is imported here; the
+work (torch, transformers, hydra, matplotlib) is imported inside each command."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import typer
+
+FREE_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+DEBUG = typer.Option(False, "--debug", help="Show full tracebacks.")
+
+EVAL_HELP = """Held-out metrics of a model on the task's eval split.
+
+TARGET: a run directory (its config and model/), a model directory (Hugging Face format,
+e.g. runs/<id>/model), a LoRA adapter directory, or absent (the configured model: the
+starting point). OVERRIDES compose on top, e.g.
+
+    rlctl eval runs/<id> task.num_eval=512 --samples 8
+
+Reports greedy and sampled (rollout.temperature) exact match, the mean of every reward
+design, mean length and truncated fraction, and pass@k for --samples k > 1 (unbiased
+estimator). Writes JSON to --out, else TARGET/eval.json (./eval-<model>.json without a
+TARGET).
+"""
+
+ROLLOUT_HELP = """Sample completions, score them and write one JSON line per completion.
+
+    rlctl rollout [TARGET] [OVERRIDES...] --out FILE.jsonl [--prompts N] [--samples G]
+
+TARGET as for `rlctl eval`. N prompts of the train split (or --split eval), G samples
+each (defaults: trainer.prompts_per_step and algo.group_size). Each row holds prompt,
+completion, token_ids, per-token logprobs (learner forward), reward and every reward
+design, ended_with_eos / truncated, length and group id. Audit the file with
+`rlctl inspect FILE.jsonl`.
+"""
+
+INSPECT_HELP = """Summarise run directories or audit a rollout file.
+
+    rlctl inspect runs/<id>              config vs defaults, metric summary, inspect_*.png
+    rlctl inspect runs/<a> runs/<b> ...  config differences (key x run), overlaid curves
+    rlctl inspect rollout.jsonl          EOS/mask alignment, truncation, zero-std groups,
+                                         reward-hacking signs, samples per reward bucket
+"""
+
+
+def _run(fn: Callable[[], object], debug: bool) -> None:
+    """Run a command: one line on stderr and exit 2 for bad input (traceback with --debug)."""
+    try:
+        fn()
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130)
+    except typer.Exit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one line for users, the traceback with --debug
+        if debug:
+            raise
+        from rlctl.errors import user_message
+
+        message, code = user_message(exc)
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval", context_settings=FREE_ARGS, help=EVAL_HELP)
+    def eval_(ctx: typer.Context,
+              samples: int = typer.Option(1, "--samples", "-k", help="Sampled completions per prompt (pass@k for k > 1)."),
+              out: Optional[str] = typer.Option(None, "--out", help="JSON file to write."),
+              batch_size: int = typer.Option(256, "--batch-size", help="Sequences per generate call."),
+              debug: bool = DEBUG) -> None:
+        def go():
+            from rlctl.commands.eval_cmd import run_eval
+            from rlctl.commands.targets import split_args
+
+            target, overrides = split_args(ctx.args, "rlctl eval [TARGET] [OVERRIDES...] "
+                                           "[--samples K] [--out FILE.json]")
+            run_eval(target, overrides, samples=samples, out=out, batch_size=batch_size)
+        _run(go, debug)
+
+    @app.command("rollout", context_settings=FREE_ARGS, help=ROLLOUT_HELP)
+    def rollout_(ctx: typer.Context,
+                 out: Optional[str] = typer.Option(None, "--out", help="JSONL file to write (required)."),
+                 prompts: Optional[int] = typer.Option(None, "--prompts", "-n", help="Number of prompts N (default trainer.prompts_per_step)."),
+                 samples: Optional[int] = typer.Option(None, "--samples", "-g", help="Completions per prompt G (default algo.group_size)."),
+                 split: str = typer.Option("train", "--split", help="train | eval"),
+                 batch_size: int = typer.Option(256, "--batch-size", help="Sequences per generate call (the chunk streamed to disk)."),
+                 debug: bool = DEBUG) -> None:
+        def go():
+            from rlctl.commands.rollout_cmd import run_rollout
+            from rlctl.commands.targets import split_args
+
+            target, overrides = split_args(ctx.args, "rlctl rollout [TARGET] [OVERRIDES...] "
+                                           "--out FILE.jsonl [--prompts N] [--samples G]")
+            run_rollout(target, overrides, out, prompts=prompts, samples=samples, split=split,
+                        batch_size=batch_size)
+        _run(go, debug)
+
+    @app.command("inspect", context_settings=FREE_ARGS, help=INSPECT_HELP)
+    def inspect_(ctx: typer.Context,
+                 out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Where comparison plots go (default: the current directory)."),
+                 json_out: Optional[str] = typer.Option(None, "--json", help="Also write the report as JSON."),
+                 plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots."),
+                 examples: int = typer.Option(3, "--examples", help="Sample completions per reward bucket (rollout audit)."),
+                 debug: bool = DEBUG) -> None:
+        def go():
+            from rlctl.commands.inspect_cmd import run_inspect
+
+            run_inspect(list(ctx.args), out_dir=out_dir, json_out=json_out, plots=plots,
+                        examples=examples)
+        _run(go, debug)

@@ -1,0 +1,161 @@
+"""`rlctl eval`: held-out metrics of a run, a checkpoint, an adapter or the starting model.
+
+On the task's eval split:
+    greedy   exact_match, reward (the configured design) and reward/<design> for every
+             design the task defines (sorting: exact, positional, inclusion_order),
+             length_mean (tokens, EOS included), truncated_frac (no EOS within
+             rollout.max_new_tokens), well_formed (tasks that define a format)
+    sampled  the same over k = --samples completions per prompt at rollout.temperature
+             (the behaviour policy of training), plus pass@j for j = 1, 2, 4, ..., k from
+             the unbiased estimator (rlctl.commands.passk).
+The greedy numbers match `eval/*` of `rlctl train` for the same model and config.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from rlctl.commands.passk import mean_pass_at_k, report_ks
+from rlctl.commands.targets import (build_task_from, load_config, load_policy, resolve_target,
+                                    task_scores, write_json)
+from rlctl.errors import UserError
+
+# Keys every eval.json holds (reward/<design> keys are added per task design).
+TOP_KEYS = ("target", "target_kind", "model", "run_dir", "task", "reward_name", "split",
+            "num_prompts", "samples", "temperature", "top_k", "max_new_tokens", "seed",
+            "overrides", "greedy", "sampled", "seconds")
+METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")
+
+
+def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
+                temperature: float, top_k: int, max_new_tokens: int, batch_size: int,
+                reward_name: str, on_chunk=None) -> Dict[str, float]:
+    """Mean metrics over ``samples`` completions of each example, plus pass@k."""
+    import torch
+
+    from rlctl.core.logprobs import completion_mask
+    from rlctl.rollout.generate import decode_completions, generate
+
+    well_formed = getattr(task, "is_well_formed", None)
+    sums: Dict[str, float] = defaultdict(float)
+    correct_counts: List[int] = []
+    per_chunk = max(1, batch_size // samples)
+    for start in range(0, len(examples), per_chunk):
+        chunk = examples[start:start + per_chunk]
+        prompts = [ex.prompt for ex in chunk for _ in range(samples)]   # N = B*k, grouped
+        with torch.no_grad():
+            seqs, _, plen = generate(model, tokenizer, prompts, max_new_tokens,
+                                     do_sample=do_sample, temperature=temperature, top_k=top_k)
+        mask, truncated = completion_mask(seqs[:, plen:], tokenizer.eos_token_id,
+                                          tokenizer.pad_token_id)        # [N, T], [N]
+        texts = decode_completions(tokenizer, seqs[:, plen:], mask)
+        sums["length_mean"] += mask.sum().item()
+        sums["truncated_frac"] += truncated.float().sum().item()
+        counts = [0] * len(chunk)
+        for i, text in enumerate(texts):
+            ex = chunk[i // samples]
+            ok = bool(task.is_correct(ex, text))
+            counts[i // samples] += ok
+            sums["exact_match"] += ok
+            sums["reward"] += float(task.reward(ex, text))
+            for design, value in task_scores(task, ex, text, reward_name).items():
+                sums[f"reward/{design}"] += value
+            if callable(well_formed):
+                sums["well_formed"] += bool(well_formed(ex, text))
+        correct_counts.extend(counts)
+        if on_chunk is not None:
+            on_chunk(len(chunk))
+    total = max(len(examples) * samples, 1)
+    metrics = {k: sums.get(k, 0.0) / total for k in METRIC_KEYS}
+    metrics.update({k: v / total for k, v in sorted(sums.items()) if k not in metrics})
+    if do_sample:
+        for k in report_ks(samples):
+            metrics[f"pass@{k}"] = mean_pass_at_k(samples, correct_counts, k)
+    return metrics
+
+
+def default_out(target, cfg) -> Path:
+    if target.kind in ("run", "model", "adapter"):
+        return target.path / "eval.json"
+    label = cfg.model.name_or_path or cfg.model.name
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(label)).strip("-.") or "model"
+    return Path.cwd() / f"eval-{slug}.json"
+
+
+def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int = 1,
+             out: Optional[str] = None, batch_size: int = 256, quiet: bool = False) -> dict:
+    import torch
+    from omegaconf import OmegaConf
+
+    if samples < 1:
+        raise UserError(f"--samples must be >= 1 (got {samples})")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
+    t0 = time.perf_counter()
+    target = resolve_target(target_arg)
+    cfg = load_config(target, overrides)
+    task = build_task_from(cfg)
+    examples = task.eval_examples()
+    if not examples:
+        raise UserError("the task's eval split is empty; set task.num_eval=N")
+    model, tokenizer, what = load_policy(target, cfg)
+    reward_name = str(cfg.task.get("reward", None) or "reward")
+    ro = cfg.rollout
+    top_k = int(ro.get("top_k", 0) or 0)
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    err = Console(stderr=True, quiet=quiet)
+    err.print(f"evaluating {what} on {len(examples)} held-out prompts "
+              f"(greedy, and {samples} sample(s) at temperature {ro.temperature})", soft_wrap=True)
+    common = dict(max_new_tokens=ro.max_new_tokens, batch_size=batch_size,
+                  reward_name=reward_name)
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
+        g = bar.add_task("greedy", total=len(examples))
+        greedy = score_split(model, tokenizer, task, examples, 1, False, 1.0, 0,
+                             on_chunk=lambda n: bar.advance(g, n), **common)
+        s = bar.add_task("sampled", total=len(examples))
+        torch.manual_seed(cfg.seed)
+        sampled = score_split(model, tokenizer, task, examples, samples, True, ro.temperature,
+                              top_k, on_chunk=lambda n: bar.advance(s, n), **common)
+    result = {
+        "target": None if target.path is None else str(target.path),
+        "target_kind": target.kind, "model": what,
+        "run_dir": None if target.run_dir is None else str(target.run_dir),
+        "task": OmegaConf.to_container(cfg.task), "reward_name": reward_name, "split": "eval",
+        "num_prompts": len(examples), "samples": samples, "temperature": float(ro.temperature),
+        "top_k": top_k, "max_new_tokens": int(ro.max_new_tokens), "seed": int(cfg.seed),
+        "overrides": list(overrides), "greedy": greedy, "sampled": sampled,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    path = write_json(Path(out) if out else default_out(target, cfg), result)
+    result["path"] = str(path)
+    if not quiet:
+        print_eval(result)
+    return result
+
+
+def print_eval(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    greedy, sampled = result["greedy"], result["sampled"]
+    table = Table(title=f"rlctl eval: {result['model']}")
+    table.add_column("metric")
+    table.add_column("greedy", justify="right")
+    table.add_column(f"sampled (n={result['samples']}, T={result['temperature']:g})",
+                     justify="right")
+    keys = list(greedy) + [k for k in sampled if k not in greedy]
+    for key in keys:
+        fmt = lambda d: "" if key not in d else f"{d[key]:.4f}"  # noqa: E731
+        label = f"{key} ({result['reward_name']})" if key == "reward" else key
+        table.add_row(label, fmt(greedy), fmt(sampled))
+    console = Console()
+    console.print(table)
+    console.print(f"{result['num_prompts']} prompts (split {result['split']}); "
+                  f"wrote {result['path']}", soft_wrap=True)

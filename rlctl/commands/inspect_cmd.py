@@ -1,0 +1,330 @@
+"""`rlctl inspect`: one run dir, several run dirs, or a rollout JSONL file.
+
+One run: the config keys that differ from the defaults (``compose([])`` vs the run's
+config.yaml, flattened to dotted keys), a metric summary (first / last / min / max, and
+best for the metrics where higher is better) and curves written as
+``<run>/inspect_*.png``.
+Several runs: the config keys whose values differ (key x run), the metric summary side
+by side and overlaid curves ``inspect_compare_*.png`` in --out-dir (default: cwd).
+A rollout file: see rlctl.commands.audit.
+Metrics come from metrics.jsonl, or from the wandb offline run file when the run used
+logger=wandb without the JSONL sink.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from rlctl.commands.fmt import MISSING, flatten, show
+from rlctl.commands.targets import is_run_dir, write_json
+from rlctl.errors import UserError
+
+SUMMARY_KEYS = ("reward/mean", "eval/exact_match", "eval/reward", "policy/kl_ref",
+                "policy/approx_kl", "policy/clip_frac", "policy/entropy", "length/mean",
+                "length/truncated_frac", "reward/frac_zero_std_groups")
+HIGHER_IS_BETTER = ("reward/mean", "eval/exact_match", "eval/reward")
+
+
+@dataclass
+class Run:
+    path: Path
+    config: Dict[str, Any]                 # flattened dotted keys
+    rows: List[dict]                       # metric rows with a "step"
+    metrics_source: Optional[str]
+    overrides: Dict[str, Any] = field(default_factory=dict)
+
+
+def load_run(path: Path) -> Run:
+    import yaml
+
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"cannot read {path}/config.yaml: {' '.join(str(exc).split())[:200]}") \
+            from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}/config.yaml is not a mapping of config keys")
+    overrides = {}
+    if (path / "overrides.yaml").is_file():
+        try:
+            overrides = yaml.safe_load((path / "overrides.yaml").read_text()) or {}
+        except yaml.YAMLError:
+            overrides = {}
+    rows, source = _load_metrics(path)
+    return Run(path, flatten(config), rows, source, overrides)
+
+
+def _load_metrics(path: Path):
+    from rlctl.sinks.jsonl import read_jsonl
+
+    if (path / "metrics.jsonl").is_file():
+        return read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
+    from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
+
+    wandb_file = find_wandb_run_file(path)
+    if wandb_file is None:
+        return [], None
+    try:
+        history = read_wandb_history(wandb_file)
+    except (ValueError, OSError) as exc:
+        raise UserError(f"cannot read {wandb_file}: {exc}") from None
+    rows = []
+    for row in history:
+        step = row.get("step", row.get("_step"))
+        if step is not None:
+            rows.append({**{k: v for k, v in row.items() if not k.startswith("_")},
+                         "step": int(step)})
+    return rows, str(wandb_file.relative_to(path))
+
+
+def default_config() -> Dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    from rlctl.compose import compose
+
+    cfg = compose([]).cfg
+    return flatten(OmegaConf.to_container(cfg, resolve=True))
+
+
+def config_diff(configs: Sequence[Dict[str, Any]]) -> Dict[str, List[Any]]:
+    """Keys whose values differ between the configs (MISSING where a key is absent)."""
+    keys = sorted(set().union(*configs))
+    diff = {}
+    for key in keys:
+        values = [c.get(key, MISSING) for c in configs]
+        if any(_differs(values[0], v) for v in values[1:]):
+            diff[key] = values
+    return diff
+
+
+def _differs(a, b) -> bool:
+    if a is MISSING or b is MISSING:
+        return a is not b
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is not b
+    return a != b
+
+
+def metric_summary(rows: Sequence[dict]) -> Dict[str, Optional[dict]]:
+    from rlctl.commands.plots import series
+
+    out: Dict[str, Optional[dict]] = {}
+    for key in SUMMARY_KEYS:
+        xs, ys = series(rows, key)
+        if not xs:
+            out[key] = None
+            continue
+        entry = {"n": len(ys), "first": ys[0], "last": ys[-1], "min": min(ys), "max": max(ys),
+                 "best": None, "best_step": None}
+        if key in HIGHER_IS_BETTER:
+            i = max(range(len(ys)), key=ys.__getitem__)
+            entry["best"], entry["best_step"] = ys[i], xs[i]
+        out[key] = entry
+    return out
+
+
+def classify(paths: Sequence[str]) -> tuple:
+    """("runs", [Path]) or ("rollout", Path); one-line errors for anything else."""
+    if not paths:
+        raise UserError("inspect needs a PATH: a run directory, several run directories, or a "
+                        "rollout .jsonl file")
+    flags = [p for p in paths if p.startswith("-")]
+    if flags:
+        raise UserError(f"unknown option '{flags[0]}'; options: --out-dir DIR, --json FILE, "
+                        "--no-plots, --examples N, --debug")
+    runs, files = [], []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.exists():
+            raise UserError(f"no such file or directory: '{p}'")
+        if path.is_dir():
+            if not is_run_dir(path):
+                raise UserError(f"'{p}' is not a run directory (no config.yaml)")
+            runs.append(path)
+        elif path.name == "metrics.jsonl" and is_run_dir(path.parent):
+            runs.append(path.parent)
+        elif path.suffix == ".jsonl":
+            files.append(path)
+        else:
+            raise UserError(f"'{p}' is neither a run directory nor a rollout .jsonl file")
+    if files and (runs or len(files) > 1):
+        raise UserError("inspect takes one rollout .jsonl file, or run directories; not both")
+    return ("rollout", files[0]) if files else ("runs", runs)
+
+
+def run_inspect(paths: Sequence[str], out_dir: Optional[str] = None,
+                json_out: Optional[str] = None, plots: bool = True, examples: int = 3,
+                quiet: bool = False) -> dict:
+    kind, what = classify(paths)
+    if examples < 0:
+        raise UserError(f"--examples must be >= 0 (got {examples})")
+    if kind == "rollout":
+        from rlctl.commands.audit import audit_rollout, print_audit
+
+        report = audit_rollout(what, examples=examples)
+        if not quiet:
+            print_audit(report)
+    elif len(what) == 1:
+        report = inspect_run(what[0], Path(out_dir) if out_dir else None, plots)
+        if not quiet:
+            print_run(report)
+    else:
+        report = compare_runs(what, Path(out_dir) if out_dir else Path.cwd(), plots)
+        if not quiet:
+            print_compare(report)
+    if json_out:
+        write_json(Path(json_out), _jsonable(report))
+        if not quiet:
+            print(f"wrote {json_out}")
+    return report
+
+
+def _jsonable(obj):
+    if obj is MISSING:
+        return "(absent)"
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float) and obj != obj:
+        return None
+    return obj
+
+
+def _ensure_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write to '{path}': {exc.strerror or exc}") from None
+    return path
+
+
+def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
+    run = load_run(path)
+    defaults = default_config()
+    diff = config_diff([defaults, run.config])
+    report = {"kind": "run", "run_dir": str(path), "metrics_source": run.metrics_source,
+              "steps": len({r["step"] for r in run.rows}),
+              "overrides": run.overrides.get("overrides", []),
+              "choices": run.overrides.get("choices", {}),
+              "config_diff": {k: {"default": v[0], "run": v[1]} for k, v in diff.items()},
+              "metrics": metric_summary(run.rows), "plots": [], "plots_skipped": []}
+    if plots and run.rows:
+        from rlctl.commands.plots import plot_run
+
+        written, skipped = plot_run(run.rows, _ensure_dir(out_dir or path))
+        report["plots"], report["plots_skipped"] = [str(p) for p in written], skipped
+    return report
+
+
+def _labels(paths: Sequence[Path]) -> List[str]:
+    names = [p.name for p in paths]
+    if len(set(names)) == len(names):
+        return names
+    return [str(p) for p in paths]
+
+
+def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
+    runs = [load_run(p) for p in paths]
+    labels = _labels(paths)
+    diff = config_diff([r.config for r in runs])
+    report = {"kind": "compare", "runs": labels, "run_dirs": [str(p) for p in paths],
+              "config_diff": {k: dict(zip(labels, v)) for k, v in diff.items()},
+              "metrics": {label: metric_summary(r.rows) for label, r in zip(labels, runs)},
+              "plots": [], "plots_skipped": []}
+    if plots and any(r.rows for r in runs):
+        from rlctl.commands.plots import plot_compare
+
+        written, skipped = plot_compare({lb: r.rows for lb, r in zip(labels, runs)},
+                                        _ensure_dir(out_dir))
+        report["plots"], report["plots_skipped"] = [str(p) for p in written], skipped
+    return report
+
+
+# -- printing ----------------------------------------------------------------------------
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def print_run(report: dict) -> None:
+    from rich.table import Table
+
+    console = _console()
+    console.print(f"[bold]run[/bold] {report['run_dir']}", soft_wrap=True)
+    if report["overrides"]:
+        console.print("overrides: " + " ".join(report["overrides"]), soft_wrap=True,
+                      markup=False)
+    table = Table(title="config differing from the defaults")
+    for col in ("key", "default", "run"):
+        table.add_column(col)
+    for key, v in report["config_diff"].items():
+        table.add_row(key, show(v["default"]), show(v["run"]))
+    if not report["config_diff"]:
+        table.add_row("(none)", "", "")
+    console.print(table)
+    _print_metrics(console, report["metrics"], report["metrics_source"], report["steps"])
+    _print_plots(console, report)
+
+
+def _print_metrics(console, metrics: dict, source: Optional[str], steps: int) -> None:
+    from rich.table import Table
+
+    if source is None:
+        console.print("no metrics logged (metrics.jsonl or a wandb run file; logger=none?)")
+        return
+    table = Table(title=f"metrics ({source}, {steps} logged steps)")
+    for col in ("metric", "first", "last", "min", "max", "best (step)"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for key, m in metrics.items():
+        if m is None:
+            table.add_row(key, "not logged", "", "", "", "")
+            continue
+        best = "" if m["best"] is None else f"{show(m['best'])} ({m['best_step']})"
+        table.add_row(key, show(m["first"]), show(m["last"]), show(m["min"]), show(m["max"]),
+                      best)
+    console.print(table)
+
+
+def _print_plots(console, report: dict) -> None:
+    for p in report["plots"]:
+        console.print(f"wrote {p}", soft_wrap=True, markup=False)
+    if report["plots_skipped"]:
+        console.print("no data for plot(s): " + ", ".join(report["plots_skipped"]))
+
+
+def print_compare(report: dict) -> None:
+    from rich.table import Table
+
+    console = _console()
+    labels = report["runs"]
+    table = Table(title=f"config keys that differ between {len(labels)} runs")
+    table.add_column("key")
+    for label in labels:
+        table.add_column(label, overflow="fold")
+    for key, values in report["config_diff"].items():
+        table.add_row(key, *[show(values[lb]) for lb in labels])
+    if not report["config_diff"]:
+        table.add_row("(identical configs)", *[""] * len(labels))
+    console.print(table)
+    table = Table(title="metrics: last (best)")
+    table.add_column("metric")
+    for label in labels:
+        table.add_column(label, justify="right", overflow="fold")
+    for key in SUMMARY_KEYS:
+        cells = []
+        for label in labels:
+            m = report["metrics"][label].get(key)
+            if m is None:
+                cells.append("-")
+            else:
+                best = "" if m["best"] is None else f" ({show(m['best'])})"
+                cells.append(show(m["last"]) + best)
+        if any(c != "-" for c in cells):
+            table.add_row(key, *cells)
+    console.print(table)
+    _print_plots(console, report)

@@ -1,0 +1,132 @@
+"""Training curves as PNG files (matplotlib, Agg backend: no display needed).
+
+A plot is a named set of metric series over `step`; series that a run did not log are
+left out, and a plot with none of its series is skipped (reported to the caller).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+# (file stem, title, series; the first present series is the one overlaid across runs)
+PLOTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
+    ("reward", "Reward (train rollouts; eval = greedy, held-out)", ("reward/mean", "eval/reward")),
+    ("eval_exact_match", "Held-out exact match (greedy)", ("eval/exact_match",)),
+    ("kl", "KL: policy vs reference (kl_ref), vs rollout policy (approx_kl)",
+     ("policy/kl_ref", "policy/approx_kl")),
+    ("clip_frac", "PPO ratio clip fraction", ("policy/clip_frac", "policy/clip_frac_low",
+                                              "policy/clip_frac_high")),
+    ("entropy", "Policy entropy (nats/token)", ("policy/entropy",)),
+    ("length", "Completion length (tokens); dashed: truncated fraction",
+     ("length/mean", "length/truncated_frac")),
+)
+BANDS = {"reward/mean": ("reward/std",), "length/mean": ("length/min", "length/max")}
+
+
+def series(rows: Sequence[dict], key: str) -> Tuple[List[float], List[float]]:
+    """(steps, values) of one metric; rows without it or with null are skipped."""
+    xs, ys = [], []
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            xs.append(row["step"])
+            ys.append(float(value))
+    return xs, ys
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _band(ax, rows, key, color):
+    import math
+
+    extra = BANDS.get(key)
+    if not extra:
+        return
+    xs, ys = series(rows, key)
+    if len(extra) == 1:  # mean +- std
+        sx, sd = series(rows, extra[0])
+        if sx != xs:
+            return
+        lo, hi = [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)]
+    else:
+        lx, lo = series(rows, extra[0])
+        hx, hi = series(rows, extra[1])
+        if not (lx == hx == xs):
+            return
+    if xs and all(math.isfinite(v) for v in lo + hi):
+        ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
+
+
+def plot_run(rows: Sequence[dict], out_dir: Path, prefix: str = "inspect_"
+             ) -> Tuple[List[Path], List[str]]:
+    """One PNG per plot for a single run: (written files, skipped plot names)."""
+    plt = _plt()
+    written, skipped = [], []
+    for stem, title, keys in PLOTS:
+        present = [k for k in keys if series(rows, k)[0]]
+        if not present:
+            skipped.append(stem)
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        twin = None
+        for i, key in enumerate(present):
+            xs, ys = series(rows, key)
+            color = f"C{i}"
+            if key == "length/truncated_frac":
+                twin = twin or ax.twinx()
+                twin.plot(xs, ys, "--", color=color, label=key)
+                twin.set_ylabel("truncated fraction")
+                twin.set_ylim(0, 1)
+                continue
+            marker = "o" if key.startswith("eval/") else None
+            ax.plot(xs, ys, color=color, marker=marker, markersize=3, label=key)
+            _band(ax, rows, key, color)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if twin is not None:
+            h2, l2 = twin.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        ax.legend(handles, labels, fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{prefix}{stem}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written, skipped
+
+
+def plot_compare(runs: Dict[str, Sequence[dict]], out_dir: Path,
+                 prefix: str = "inspect_compare_") -> Tuple[List[Path], List[str]]:
+    """One PNG per plot, the plot's main metric of every run overlaid."""
+    plt = _plt()
+    written, skipped = [], []
+    for stem, title, keys in PLOTS:
+        key = next((k for k in keys if any(series(rows, k)[0] for rows in runs.values())), None)
+        if key is None:
+            skipped.append(stem)
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for i, (label, rows) in enumerate(runs.items()):
+            xs, ys = series(rows, key)
+            if xs:
+                ax.plot(xs, ys, color=f"C{i % 10}", marker="o" if key.startswith("eval/") else None,
+                        markersize=3, label=label)
+        ax.set_title(f"{key}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"{prefix}{stem}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written, skipped

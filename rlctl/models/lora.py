@@ -1,0 +1,188 @@
+"""LoRA adapters (peft): apply, reference policy, save, count.
+
+* ``apply_lora`` wraps a causal LM in a ``PeftModel`` (task CAUSAL_LM): base weights are
+  frozen, only the adapter's ``lora_A``/``lora_B`` matrices train. LoRA B starts at zero,
+  so the adapted policy equals the base model at step 0.
+* ``AdapterDisabledReference`` / ``reference_for``: the KL reference policy is the *same*
+  model run inside ``disable_adapter()``, i.e. the frozen base. No second copy of the
+  weights is kept, and the wrapper registers no submodule, so it adds no parameters.
+* ``save_lora``: the adapter in peft format (``adapter_model.safetensors`` +
+  ``adapter_config.json``; reload with ``PeftModel.from_pretrained(base, dir)``), plus the
+  tokenizer, and on request a merged full model in ``<dir>/merged``.
+
+peft is imported lazily (about 4 s): only LoRA runs pay for it.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+ALL_LINEAR = "all-linear"  # peft's shorthand: every Linear layer except the output head
+
+
+def _linear_types() -> Tuple[type, ...]:
+    types: List[type] = [nn.Linear]
+    try:  # GPT-2 style checkpoints use transformers' Conv1D, which peft also adapts
+        from transformers.pytorch_utils import Conv1D
+        types.append(Conv1D)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+def linear_module_names(model: nn.Module) -> List[str]:
+    """Sorted leaf names of the model's Linear (and Conv1D) modules: valid targets."""
+    kinds = _linear_types()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if name and isinstance(m, kinds)})
+
+
+def _check_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) -> Any:
+    if isinstance(target_modules, str):
+        if target_modules == ALL_LINEAR:
+            return target_modules
+        target_modules = [target_modules]
+    targets = [str(t) for t in target_modules]
+    valid = linear_module_names(model)
+    if targets == [ALL_LINEAR]:
+        return ALL_LINEAR
+    if not targets:
+        raise ValueError("LoRA target_modules is empty; valid Linear module names: "
+                         + ", ".join(valid))
+    kinds = _linear_types()
+    linears = [name for name, m in model.named_modules() if name and isinstance(m, kinds)]
+    missing = [t for t in targets
+               if not any(n == t or n.endswith("." + t) for n in linears)]
+    if missing:
+        raise ValueError(f"LoRA target_modules {missing} not found among the model's Linear "
+                         f"modules; valid: {', '.join(valid)} (or '{ALL_LINEAR}')")
+    return targets
+
+
+def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
+               target_modules: Union[str, Sequence[str]]):
+    """``model`` wrapped as a ``PeftModel`` with fresh LoRA adapters (base weights frozen).
+
+    Raises ValueError with one line for a bad rank, alpha or dropout, a model that already
+    has adapters, or target module names the model lacks (naming the valid ones).
+    """
+    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+
+    if isinstance(model, PeftModel):
+        raise ValueError("the model already has peft adapters; apply_lora expects a plain model")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise ValueError(f"invalid LoRA rank r={r!r}; must be an integer > 0")
+    if alpha is None or alpha <= 0:
+        raise ValueError(f"invalid LoRA alpha={alpha!r}; must be > 0")
+    if dropout is None or not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"invalid LoRA dropout={dropout!r}; must be in [0, 1)")
+    targets = _check_targets(model, target_modules)
+    config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=int(r), lora_alpha=alpha,
+                        lora_dropout=float(dropout), target_modules=targets, bias="none")
+    peft_model = get_peft_model(model, config)
+    for name, p in peft_model.named_parameters():  # get_peft_model already does this
+        p.requires_grad_("lora_" in name)
+    return peft_model
+
+
+def _as_peft(model):
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        return model
+    policy = getattr(model, "policy", None)  # PolicyValueModel(peft policy)
+    if isinstance(policy, PeftModel):
+        return policy
+    raise TypeError(f"expected a PeftModel or a model whose .policy is one, got "
+                    f"{type(model).__name__}")
+
+
+def is_lora(model) -> bool:
+    try:
+        _as_peft(model)
+    except (TypeError, ImportError):
+        return False
+    return True
+
+
+class AdapterDisabledReference(nn.Module):
+    """The reference policy: a ``PeftModel`` run with its adapter disabled (the base model).
+
+    The peft model is held in a plain attribute, not registered as a submodule, so this
+    module has no parameters of its own: ``parameters()``, ``state_dict()`` and ``.to()``
+    see nothing and the policy's weights are neither duplicated nor counted twice. The
+    forward always runs in eval mode and without gradients (the previous mode is restored).
+    """
+
+    def __init__(self, peft_model):
+        super().__init__()
+        object.__setattr__(self, "_peft_ref", [peft_model])
+
+    @property
+    def peft_model(self):
+        return self._peft_ref[0]
+
+    @property
+    def config(self):
+        return self.peft_model.config
+
+    def _run(self, fn, *args, **kwargs):
+        m = self.peft_model
+        was_training = m.training
+        m.eval()
+        try:
+            with torch.no_grad(), m.disable_adapter():
+                return fn(*args, **kwargs)
+        finally:
+            m.train(was_training)
+
+    def forward(self, *args, **kwargs):
+        return self._run(self.peft_model, *args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self._run(self.peft_model.generate, *args, **kwargs)
+
+
+def reference_for(model) -> AdapterDisabledReference:
+    """The adapter-disabled reference of a ``PeftModel`` or a ``PolicyValueModel`` around one."""
+    return AdapterDisabledReference(_as_peft(model))
+
+
+def count_parameters(model: nn.Module, *more: Optional[nn.Module]) -> Tuple[int, int]:
+    """(trainable, total) parameter counts of ``model`` (and any further modules, None
+    skipped, e.g. a separate critic); every tensor is counted once, shared or tied ones too."""
+    seen, trainable, total = set(), 0, 0
+    for m in (model, *more):
+        for p in (m.parameters() if m is not None else ()):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+                trainable += p.numel() if p.requires_grad else 0
+    return trainable, total
+
+
+def save_lora(model, out_dir, tokenizer=None, merged: bool = False) -> Path:
+    """Write the adapter (peft format) and the tokenizer to ``out_dir``; returns it.
+
+    ``model``: a PeftModel, or a PolicyValueModel around one (its ``save_pretrained`` also
+    writes ``value_head.safetensors``). With ``merged``, a deep copy is merged
+    (``merge_and_unload``) and saved as a full model (safetensors) with the tokenizer in
+    ``out_dir/merged``; the live model is left untouched.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model = _as_peft(model)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    if merged:
+        full = copy.deepcopy(peft_model).merge_and_unload()
+        full.save_pretrained(out / "merged")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out / "merged")
+        del full
+    return out
