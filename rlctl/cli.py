@@ -56,12 +56,22 @@ def _fail(message: str, code: int = 2) -> None:
              help=TRAIN_HELP)
 def train(ctx: typer.Context,
           recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe YAML to replay (e.g. runs/<id>/recipe.yaml); overrides apply on top."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Print parameter counts, resident models and a memory estimate per rank; train nothing."),
           debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
     overrides: List[str] = list(ctx.args)
     bad_flags = [a for a in overrides if a.startswith("--")]
     if bad_flags:
-        _fail(f"unknown option '{bad_flags[0]}'; options: --recipe PATH, --debug, --help")
+        _fail(f"unknown option '{bad_flags[0]}'; options: --recipe PATH, --dry-run, --debug, --help")
     try:
+        if dry_run:
+            from omegaconf import OmegaConf
+
+            from rlctl.compose import compose
+            from rlctl.engine.dryrun import dry_run as plan
+            cfg = compose(overrides, recipe).cfg
+            OmegaConf.resolve(cfg)
+            plan(cfg)
+            return
         from rlctl.engine.run import run_training
         run_training(overrides, recipe)
     except KeyboardInterrupt:

@@ -54,3 +54,16 @@ def test_bad_input_one_line_exit_2(tmp_path, args, fragment):
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
     assert fragment in lines[0], lines[0]
+
+
+def test_dry_run_lists_resident_models_and_memory(tmp_path):
+    out = run("train", "--dry-run", "algo=ppo", "algo.kl.coef=0.1", "hardware=deepspeed",
+              "hardware.zero_stage=3", "hardware.num_processes=2", f"run.output_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for fragment in ("policy + value head", "reference (frozen copy", "optimizer state", "total",
+                     "old-policy forward", "reference forward"):
+        assert fragment in text, fragment
+    assert not any(tmp_path.iterdir())                     # nothing written
+    plain = run("train", "--dry-run", f"run.output_dir={tmp_path}").stdout
+    assert "reference" not in plain and "old-policy forward" not in plain   # kl 0, single pass

@@ -15,6 +15,7 @@ TARGET: a run directory (its config and model/), a model directory (Hugging Face
 e.g. runs/<id>/model), a LoRA adapter directory, or absent (the configured model: the
 starting point). OVERRIDES compose on top, e.g.
 
+\b
     rlctl eval runs/<id> task.num_eval=512 --samples 8
 
 Reports greedy and sampled (rollout.temperature) exact match, the mean of every reward
@@ -25,6 +26,7 @@ TARGET).
 
 ROLLOUT_HELP = """Sample completions, score them and write one JSON line per completion.
 
+\b
     rlctl rollout [TARGET] [OVERRIDES...] --out FILE.jsonl [--prompts N] [--samples G]
 
 TARGET as for `rlctl eval`. N prompts of the train split (or --split eval), G samples
@@ -36,6 +38,7 @@ design, ended_with_eos / truncated, length and group id. Audit the file with
 
 INSPECT_HELP = """Summarise run directories or audit a rollout file.
 
+\b
     rlctl inspect runs/<id>              config vs defaults, metric summary, inspect_*.png
     rlctl inspect runs/<a> runs/<b> ...  config differences (key x run), overlaid curves
     rlctl inspect rollout.jsonl          EOS/mask alignment, truncation, zero-std groups,
@@ -62,12 +65,26 @@ def _run(fn: Callable[[], object], debug: bool) -> None:
         raise typer.Exit(code)
 
 
+def _int(name: str, value: Optional[str]) -> Optional[int]:
+    """Integer options are parsed here so that a bad value is one line (click prints
+    a usage block)."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        from rlctl.errors import UserError
+
+        raise UserError(f"{name} expects an integer, got '{value}'") from None
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("eval", context_settings=FREE_ARGS, help=EVAL_HELP)
+    @app.command("eval", context_settings=FREE_ARGS, help=EVAL_HELP,
+                 options_metavar="[TARGET] [OVERRIDES]... [OPTIONS]")
     def eval_(ctx: typer.Context,
-              samples: int = typer.Option(1, "--samples", "-k", help="Sampled completions per prompt (pass@k for k > 1)."),
-              out: Optional[str] = typer.Option(None, "--out", help="JSON file to write."),
-              batch_size: int = typer.Option(256, "--batch-size", help="Sequences per generate call."),
+              samples: str = typer.Option("1", "--samples", "-k", metavar="K", help="Sampled completions per prompt (pass@k for k > 1)."),
+              out: Optional[str] = typer.Option(None, "--out", metavar="FILE", help="JSON file to write."),
+              batch_size: str = typer.Option("256", "--batch-size", metavar="N", help="Sequences per generate call."),
               debug: bool = DEBUG) -> None:
         def go():
             from rlctl.commands.eval_cmd import run_eval
@@ -75,16 +92,18 @@ def register(app: typer.Typer) -> None:
 
             target, overrides = split_args(ctx.args, "rlctl eval [TARGET] [OVERRIDES...] "
                                            "[--samples K] [--out FILE.json]")
-            run_eval(target, overrides, samples=samples, out=out, batch_size=batch_size)
+            run_eval(target, overrides, samples=_int("--samples", samples), out=out,
+                     batch_size=_int("--batch-size", batch_size))
         _run(go, debug)
 
-    @app.command("rollout", context_settings=FREE_ARGS, help=ROLLOUT_HELP)
+    @app.command("rollout", context_settings=FREE_ARGS, help=ROLLOUT_HELP,
+                 options_metavar="[TARGET] [OVERRIDES]... --out FILE.jsonl [OPTIONS]")
     def rollout_(ctx: typer.Context,
-                 out: Optional[str] = typer.Option(None, "--out", help="JSONL file to write (required)."),
-                 prompts: Optional[int] = typer.Option(None, "--prompts", "-n", help="Number of prompts N (default trainer.prompts_per_step)."),
-                 samples: Optional[int] = typer.Option(None, "--samples", "-g", help="Completions per prompt G (default algo.group_size)."),
-                 split: str = typer.Option("train", "--split", help="train | eval"),
-                 batch_size: int = typer.Option(256, "--batch-size", help="Sequences per generate call (the chunk streamed to disk)."),
+                 out: Optional[str] = typer.Option(None, "--out", metavar="FILE", help="JSONL file to write (required)."),
+                 prompts: Optional[str] = typer.Option(None, "--prompts", "-n", metavar="N", help="Number of prompts N (default trainer.prompts_per_step)."),
+                 samples: Optional[str] = typer.Option(None, "--samples", "-g", metavar="G", help="Completions per prompt G (default algo.group_size)."),
+                 split: str = typer.Option("train", "--split", metavar="SPLIT", help="train | eval"),
+                 batch_size: str = typer.Option("256", "--batch-size", metavar="N", help="Sequences per generate call (the chunk streamed to disk)."),
                  debug: bool = DEBUG) -> None:
         def go():
             from rlctl.commands.rollout_cmd import run_rollout
@@ -92,20 +111,22 @@ def register(app: typer.Typer) -> None:
 
             target, overrides = split_args(ctx.args, "rlctl rollout [TARGET] [OVERRIDES...] "
                                            "--out FILE.jsonl [--prompts N] [--samples G]")
-            run_rollout(target, overrides, out, prompts=prompts, samples=samples, split=split,
-                        batch_size=batch_size)
+            run_rollout(target, overrides, out, prompts=_int("--prompts", prompts),
+                        samples=_int("--samples", samples), split=split,
+                        batch_size=_int("--batch-size", batch_size))
         _run(go, debug)
 
-    @app.command("inspect", context_settings=FREE_ARGS, help=INSPECT_HELP)
+    @app.command("inspect", context_settings=FREE_ARGS, help=INSPECT_HELP,
+                 options_metavar="PATH [PATH]... [OPTIONS]")
     def inspect_(ctx: typer.Context,
-                 out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Where comparison plots go (default: the current directory)."),
-                 json_out: Optional[str] = typer.Option(None, "--json", help="Also write the report as JSON."),
+                 out_dir: Optional[str] = typer.Option(None, "--out-dir", metavar="DIR", help="Where comparison plots go (default: the current directory)."),
+                 json_out: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Also write the report as JSON."),
                  plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots."),
-                 examples: int = typer.Option(3, "--examples", help="Sample completions per reward bucket (rollout audit)."),
+                 examples: str = typer.Option("3", "--examples", metavar="N", help="Sample completions per reward bucket (rollout audit)."),
                  debug: bool = DEBUG) -> None:
         def go():
             from rlctl.commands.inspect_cmd import run_inspect
 
             run_inspect(list(ctx.args), out_dir=out_dir, json_out=json_out, plots=plots,
-                        examples=examples)
+                        examples=_int("--examples", examples))
         _run(go, debug)

@@ -206,11 +206,15 @@ def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
     run = load_run(path)
     defaults = default_config()
     diff = config_diff([defaults, run.config])
+    # keys the run's config lacks were added to the schema after the run: not a choice
+    newer = sorted(k for k, v in diff.items() if v[1] is MISSING)
     report = {"kind": "run", "run_dir": str(path), "metrics_source": run.metrics_source,
               "steps": len({r["step"] for r in run.rows}),
               "overrides": run.overrides.get("overrides", []),
               "choices": run.overrides.get("choices", {}),
-              "config_diff": {k: {"default": v[0], "run": v[1]} for k, v in diff.items()},
+              "config_diff": {k: {"default": v[0], "run": v[1]} for k, v in diff.items()
+                              if v[1] is not MISSING},
+              "keys_not_in_run": newer,
               "metrics": metric_summary(run.rows), "plots": [], "plots_skipped": []}
     if plots and run.rows:
         from rlctl.commands.plots import plot_run
@@ -231,8 +235,12 @@ def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
     runs = [load_run(p) for p in paths]
     labels = _labels(paths)
     diff = config_diff([r.config for r in runs])
+    partial = sorted(k for k, v in diff.items() if any(x is MISSING for x in v))
     report = {"kind": "compare", "runs": labels, "run_dirs": [str(p) for p in paths],
-              "config_diff": {k: dict(zip(labels, v)) for k, v in diff.items()},
+              "config_diff": {k: dict(zip(labels, v)) for k, v in diff.items()
+                              if k not in partial},
+              "keys_not_in_every_run": {k: [lb for lb, x in zip(labels, diff[k])
+                                            if x is not MISSING] for k in partial},
               "metrics": {label: metric_summary(r.rows) for label, r in zip(labels, runs)},
               "plots": [], "plots_skipped": []}
     if plots and any(r.rows for r in runs):
@@ -261,12 +269,16 @@ def print_run(report: dict) -> None:
                       markup=False)
     table = Table(title="config differing from the defaults")
     for col in ("key", "default", "run"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col == "key")
     for key, v in report["config_diff"].items():
         table.add_row(key, show(v["default"]), show(v["run"]))
     if not report["config_diff"]:
         table.add_row("(none)", "", "")
     console.print(table)
+    if report["keys_not_in_run"]:
+        console.print(f"{len(report['keys_not_in_run'])} default key(s) not in this run's "
+                      "config (added since the run?): " + ", ".join(report["keys_not_in_run"]),
+                      soft_wrap=True, markup=False)
     _print_metrics(console, report["metrics"], report["metrics_source"], report["steps"])
     _print_plots(console, report)
 
@@ -279,7 +291,8 @@ def _print_metrics(console, metrics: dict, source: Optional[str], steps: int) ->
         return
     table = Table(title=f"metrics ({source}, {steps} logged steps)")
     for col in ("metric", "first", "last", "min", "max", "best (step)"):
-        table.add_column(col, justify="left" if col == "metric" else "right")
+        table.add_column(col, justify="left" if col == "metric" else "right",
+                         no_wrap=col == "metric")
     for key, m in metrics.items():
         if m is None:
             table.add_row(key, "not logged", "", "", "", "")
@@ -303,16 +316,21 @@ def print_compare(report: dict) -> None:
     console = _console()
     labels = report["runs"]
     table = Table(title=f"config keys that differ between {len(labels)} runs")
-    table.add_column("key")
+    table.add_column("key", no_wrap=True)
     for label in labels:
         table.add_column(label, overflow="fold")
     for key, values in report["config_diff"].items():
         table.add_row(key, *[show(values[lb]) for lb in labels])
     if not report["config_diff"]:
-        table.add_row("(identical configs)", *[""] * len(labels))
+        table.add_row("(no differing values)", *[""] * len(labels))
     console.print(table)
+    if report["keys_not_in_every_run"]:
+        console.print("keys only some runs hold (config schema changed between runs?): "
+                      + ", ".join(f"{k} [{', '.join(v)}]"
+                                  for k, v in report["keys_not_in_every_run"].items()),
+                      soft_wrap=True, markup=False)
     table = Table(title="metrics: last (best)")
-    table.add_column("metric")
+    table.add_column("metric", no_wrap=True)
     for label in labels:
         table.add_column(label, justify="right", overflow="fold")
     for key in SUMMARY_KEYS:

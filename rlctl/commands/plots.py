@@ -21,6 +21,8 @@ PLOTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
      ("length/mean", "length/truncated_frac")),
 )
 BANDS = {"reward/mean": ("reward/std",), "length/mean": ("length/min", "length/max")}
+BAND_LABELS = {"reward/mean": "reward/mean (band: +- std)",
+               "length/mean": "length/mean (band: min..max)"}
 
 
 def series(rows: Sequence[dict], key: str) -> Tuple[List[float], List[float]]:
@@ -86,7 +88,8 @@ def plot_run(rows: Sequence[dict], out_dir: Path, prefix: str = "inspect_"
                 twin.set_ylim(0, 1)
                 continue
             marker = "o" if key.startswith("eval/") else None
-            ax.plot(xs, ys, color=color, marker=marker, markersize=3, label=key)
+            ax.plot(xs, ys, color=color, marker=marker, markersize=3,
+                    label=BAND_LABELS.get(key, key))
             _band(ax, rows, key, color)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")

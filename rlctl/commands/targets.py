@@ -179,7 +179,11 @@ def _load_adapter(adapter_dir: Path, dtype: str, device: str):
     except ImportError:
         raise UserError("loading a LoRA adapter needs peft: pip install 'rlctl[scale]'") from None
     base, tok = load_model_and_tokenizer("hf", name_or_path=base_name, dtype=dtype, device=device)
-    model = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    import warnings
+
+    with warnings.catch_warnings():  # peft calls deprecated transformers helpers
+        warnings.simplefilter("ignore", FutureWarning)
+        model = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     model.to(device)
     return model, tok, f"{adapter_dir} (LoRA on {base_name}, merged)"
 

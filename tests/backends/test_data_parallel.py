@@ -66,3 +66,32 @@ def _initial():
         model, _ = load_model_and_tokenizer("tiny", cache_dir=os.environ.get("RLCTL_CACHE"), **TINY)
         _INIT.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     return _INIT
+
+
+def test_deepspeed_two_processes_through_the_console_script(tmp_path):
+    """`rlctl train hardware=deepspeed hardware.zero_stage=2 hardware.num_processes=2`:
+    rlctl launches the ranks itself; only rank 0 writes metrics and the model."""
+    import shutil
+
+    from rlctl.sinks.jsonl import read_jsonl
+    rlctl = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
+    out = subprocess.run([rlctl, "train", "hardware=deepspeed", "hardware.zero_stage=2",
+                          "hardware.num_processes=2", "trainer.steps=3", "trainer.eval_every=3",
+                          "task.num_eval=32", "logger=jsonl", f"run.output_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    run = next(p for p in tmp_path.iterdir() if p.is_dir())
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]         # one writer, not two
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["backend"] == "deepspeed"
+    assert (run / "model" / "model.safetensors").exists() and (run / "rank1.log").exists()
+    # 4 prompts per rank x G=8, summed over ranks: global counts, not per-rank ones
+    assert rows[1]["length/mean"] > 0 and 0 <= rows[3]["eval/exact_match"] <= 1
+
+
+def test_bad_process_count_is_one_line():
+    from rlctl.compose import ConfigError, compose
+    with pytest.raises(ConfigError, match="hardware.num_processes=3 must be >= 1 and divide"):
+        compose(["hardware.num_processes=3"])
