@@ -66,4 +66,5 @@ def test_dry_run_lists_resident_models_and_memory(tmp_path):
         assert fragment in text, fragment
     assert not any(tmp_path.iterdir())                     # nothing written
     plain = run("train", "--dry-run", f"run.output_dir={tmp_path}").stdout
-    assert "reference" not in plain and "old-policy forward" not in plain   # kl 0, single pass
+    assert "reference (" not in plain and "reference forward" not in plain   # kl 0: no reference
+    assert "old-policy forward" not in plain                                 # single pass

@@ -87,16 +87,16 @@ def default_out(target, cfg) -> Path:
 
 def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int = 1,
              out: Optional[str] = None, batch_size: int = 256, quiet: bool = False) -> dict:
-    import torch
-    from omegaconf import OmegaConf
-
     if samples < 1:
         raise UserError(f"--samples must be >= 1 (got {samples})")
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
     t0 = time.perf_counter()
-    target = resolve_target(target_arg)
+    target = resolve_target(target_arg)         # path errors before the heavy imports
     cfg = load_config(target, overrides)
+    import torch
+    from omegaconf import OmegaConf
+
     task = build_task_from(cfg)
     examples = task.eval_examples()
     if not examples:

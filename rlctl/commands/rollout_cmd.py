@@ -45,11 +45,6 @@ ROW_KEYS = ("group", "sample", "split", "prompt_index", "prompt", "completion", 
 def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Optional[str],
                 prompts: Optional[int] = None, samples: Optional[int] = None,
                 split: str = "train", batch_size: int = 256, quiet: bool = False) -> dict:
-    import torch
-
-    from rlctl.engine.policy import learner_forward
-    from rlctl.rollout.generate import rollout
-
     if not out:
         raise UserError("rollout needs --out FILE.jsonl")
     if split not in ("train", "eval"):
@@ -59,8 +54,13 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
         if value is not None and value < 1:
             raise UserError(f"{name} must be >= 1 (got {value})")
     t0 = time.perf_counter()
-    target = resolve_target(target_arg)
+    target = resolve_target(target_arg)         # path errors before the heavy imports
     cfg = load_config(target, overrides)
+    import torch
+
+    from rlctl.engine.policy import learner_forward
+    from rlctl.rollout.generate import rollout
+
     task = build_task_from(cfg)
     examples = task.train_examples() if split == "train" else task.eval_examples()
     n_prompts = prompts or int(cfg.trainer.prompts_per_step)
