@@ -11,28 +11,20 @@ those evaluations), completion tokens per second, and the process's peak RSS.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from common import run_rlctl
 
 ALGOS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce", "rloo", "ppo"]
 
 
 def run_one(algo: str, steps: int, seed: int, out_dir: Path, extra: list[str]) -> dict:
-    rlctl = str(Path(sys.executable).parent / "rlctl")
-    cmd = [rlctl, "train", f"algo={algo}", f"trainer.steps={steps}", f"seed={seed}",
-           "logger=jsonl", "logger.console=false", "run.save_model=false",
-           f"run.output_dir={out_dir}", f"run.name={algo}-s{seed}", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        return {"algo": algo, "seed": seed, "error": proc.stderr.strip().splitlines()[-1:]}
-    run = sorted(p for p in out_dir.iterdir() if p.name.endswith(f"{algo}-s{seed}"))[-1]
-    summary = json.loads((run / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+    try:
+        summary, rows = run_rlctl([f"algo={algo}", f"trainer.steps={steps}", f"seed={seed}", *extra],
+                                  out_dir, f"{algo}-s{seed}")
+    except RuntimeError as exc:
+        return {"algo": algo, "seed": seed, "error": str(exc)}
     t90 = next((r.get("time/elapsed_s", 0.0) for r in rows
                 if r.get("eval/exact_match", 0) >= 0.9 and r["step"] > 0), None)
     return {"algo": algo, "seed": seed, "exact_start": summary["eval_start"]["eval/exact_match"],
