@@ -19,7 +19,8 @@ def run_rlctl(overrides: List[str], out_dir: Path, name: str) -> Tuple[Dict, Lis
     if proc.returncode != 0:
         raise RuntimeError((proc.stderr.strip().splitlines() or ["failed"])[-1])
     run = sorted(p for p in out_dir.iterdir() if p.name.endswith(name))[-1]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x)
+            if "step" in r]                      # (the last line holds the run summary)
     return json.loads((run / "summary.json").read_text()), rows
 
 
