@@ -23,8 +23,8 @@ removes prompt difficulty), for the reward and each reward design.
 Reward-hacking signs (flagged when over the stated threshold):
     reward_rises_with_length   within-group corr(reward, length) > 0.3: longer answers
                                to the same prompt earn more, the reward may pay for length
-    truncated_scores_as_well   mean reward of truncated rows >= that of finished rows:
-                               unfinished answers are not penalised
+    truncated_scores_as_well   mean reward of truncated rows >= that of finished rows
+                               (>= 3 truncated rows): unfinished answers are not penalised
     top_rewards_at_length_cap  >= 25% of the top-quartile rewards are truncated rows
     wrong_beats_correct        an incorrect completion scores above the best correct one
                                (needs `correct`); e.g. sorting's unclipped inclusion_order
@@ -89,7 +89,7 @@ class _Rows:
 
 
 def _read(path: Path):
-    rows, bad, raw = _Rows(), [], []
+    rows, bad, checker = _Rows(), [], _Checker()
     try:
         fh = path.open(encoding="utf-8")
     except OSError as exc:
@@ -107,7 +107,7 @@ def _read(path: Path):
                     _num(row.get("length")) or isinstance(row.get("token_ids"), list)):
                 bad.append(lineno)
                 continue
-            raw.append((lineno, _alignment_fields(row)))
+            checker.row(lineno, row)
             length = int(row["length"]) if _num(row.get("length")) else len(row["token_ids"])
             ended = row.get("ended_with_eos")
             trunc = row.get("truncated")
@@ -125,41 +125,47 @@ def _read(path: Path):
             for name, value in (row.get("rewards") or {}).items():
                 if _num(value):
                     rows.designs[name].append(float(value))
-    return rows, bad, raw
+    return rows, bad, checker
 
 
-def _alignment_fields(row: dict) -> dict:
-    keep = ("length", "token_ids", "logprobs", "ended_with_eos", "truncated", "max_new_tokens",
-            "eos_token_id")
-    return {k: row[k] for k in keep if k in row}
+class _Checker:
+    """The alignment checks, applied row by row while streaming (no row is kept, except
+    (line, length, truncated) of rows without max_new_tokens, checked against the longest
+    length at the end)."""
 
+    def __init__(self):
+        self.checks = {c: {"applicable": 0, "violations": 0, "lines": []} for c in CHECKS}
+        self.deferred: List[tuple] = []
 
-def _check_alignment(raw, cap_default: int) -> Dict[str, dict]:
-    checks = {c: {"applicable": 0, "violations": 0, "lines": []} for c in CHECKS}
-
-    def verdict(name, ok, lineno):
-        c = checks[name]
+    def verdict(self, name: str, ok: bool, lineno: int) -> None:
+        c = self.checks[name]
         c["applicable"] += 1
         if not ok:
             c["violations"] += 1
             if len(c["lines"]) < 5:
                 c["lines"].append(lineno)
 
-    for lineno, r in raw:
+    def _cap(self, lineno: int, length: Optional[int], is_trunc: Optional[bool], cap) -> None:
+        if length is None:
+            return
+        if is_trunc:
+            self.verdict("truncated_at_cap", length == cap, lineno)
+        self.verdict("length_within_cap", length <= cap, lineno)
+
+    def row(self, lineno: int, r: dict) -> None:
+        verdict = self.verdict
         ids = r.get("token_ids") if isinstance(r.get("token_ids"), list) else None
         length = r["length"] if _num(r.get("length")) else (len(ids) if ids is not None else None)
         ended, trunc = r.get("ended_with_eos"), r.get("truncated")
-        cap = r["max_new_tokens"] if _num(r.get("max_new_tokens")) else cap_default
         eos = r.get("eos_token_id")
         if ended is not None and trunc is not None:
             verdict("eos_xor_truncated", bool(ended) != bool(trunc), lineno)
         is_trunc = bool(trunc) if trunc is not None else (
             (not ended) if ended is not None else None)
-        if is_trunc is not None and length is not None:
-            if is_trunc:
-                verdict("truncated_at_cap", length == cap, lineno)
-        if length is not None:
-            verdict("length_within_cap", length <= cap, lineno)
+        if _num(r.get("max_new_tokens")):
+            self._cap(lineno, length, is_trunc, r["max_new_tokens"])
+        else:
+            self.deferred.append((lineno, length, is_trunc))
         if ids is not None and _num(eos):
             if ended:
                 verdict("eos_is_last_token", bool(ids) and ids[-1] == eos, lineno)
@@ -173,7 +179,12 @@ def _check_alignment(raw, cap_default: int) -> Dict[str, dict]:
             verdict("logprobs_match_tokens", len(lps) == len(ids), lineno)
             verdict("logprobs_valid", all(_num(v) and math.isfinite(v) and v <= 1e-4
                                           for v in lps), lineno)
-    return checks
+
+    def finish(self, cap_default: int) -> Dict[str, dict]:
+        for lineno, length, is_trunc in self.deferred:
+            self._cap(lineno, length, is_trunc, cap_default)
+        self.deferred = []
+        return self.checks
 
 
 def _groups(rows: _Rows) -> Dict[object, List[int]]:
@@ -198,14 +209,13 @@ def _mean(xs) -> Optional[float]:
 
 
 def audit_rollout(path: Path, examples: int = 3) -> dict:
-    rows, bad, raw = _read(path)
+    rows, bad, checker = _read(path)
     n = len(rows.reward)
     if n == 0:
         raise UserError(f"'{path}' holds no rollout rows (JSON lines with reward and length, "
                         "as written by rlctl rollout)")
     cap_default = max(rows.length)
-    checks = _check_alignment(raw, cap_default)
-    del raw
+    checks = checker.finish(cap_default)
     # rows without truncated / ended_with_eos: truncated means "reached the cap"
     trunc = [bool(t) if t is not None else length >= cap_default
              for t, length in zip(rows.truncated, rows.length)]
@@ -271,9 +281,9 @@ def _hacking_signs(rows: _Rows, trunc, corr, corr_within, r_trunc, r_eos) -> Lis
          f"> {CORR_FLAG}: longer answers earn more, the reward may pay for length")
     both = r_trunc is not None and r_eos is not None
     sign("truncated_scores_as_well", None if not both else r_trunc - r_eos,
-         both and r_trunc >= r_eos,
-         "mean reward of truncated minus finished rows >= 0: unfinished answers are not "
-         "penalised")
+         both and sum(trunc) >= 3 and r_trunc >= r_eos,
+         "mean reward of truncated minus finished rows >= 0 (with >= 3 truncated): "
+         "unfinished answers are not penalised")
     rewards = rows.reward
     thr = _quantile(rewards, 0.75)
     top = [i for i, r in enumerate(rewards) if r >= thr and r > min(rewards)]

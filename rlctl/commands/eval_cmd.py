@@ -23,10 +23,7 @@ from rlctl.commands.targets import (build_task_from, load_config, load_policy, r
                                     task_scores, write_json)
 from rlctl.errors import UserError
 
-# Keys every eval.json holds (reward/<design> keys are added per task design).
-TOP_KEYS = ("target", "target_kind", "model", "run_dir", "task", "reward_name", "split",
-            "num_prompts", "samples", "temperature", "top_k", "max_new_tokens", "seed",
-            "overrides", "greedy", "sampled", "seconds")
+# The first metrics of each column (then reward/<design>, well_formed, pass@k).
 METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")
 
 

@@ -19,8 +19,8 @@ def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def show(value: Any) -> str:
-    """A compact cell: 4 significant digits for floats, YAML-like null/true/false."""
+def show(value: Any, digits: int = 4) -> str:
+    """A compact cell: ``digits`` significant digits for floats, YAML-like null/true/false."""
     if value is MISSING:
         return "(absent)"
     if value is None:
@@ -30,7 +30,7 @@ def show(value: Any) -> str:
     if isinstance(value, float):
         if math.isnan(value) or math.isinf(value):
             return str(value)
-        return f"{value:.4g}"
+        return f"{value:.{digits}g}"
     return str(value)
 
 

@@ -289,17 +289,16 @@ def _print_metrics(console, metrics: dict, source: Optional[str], steps: int) ->
     if source is None:
         console.print("no metrics logged (metrics.jsonl or a wandb run file; logger=none?)")
         return
-    table = Table(title=f"metrics ({source}, {steps} logged steps)")
-    for col in ("metric", "first", "last", "min", "max", "best (step)"):
+    table = Table(title=f"metrics ({source}, {steps} steps; -: not logged; min in --json)")
+    for col in ("metric", "first", "last", "max", "best@step"):
         table.add_column(col, justify="left" if col == "metric" else "right",
-                         no_wrap=col == "metric")
+                         no_wrap=True)
     for key, m in metrics.items():
         if m is None:
-            table.add_row(key, "not logged", "", "", "", "")
+            table.add_row(key, "-", "-", "-", "-")
             continue
-        best = "" if m["best"] is None else f"{show(m['best'])} ({m['best_step']})"
-        table.add_row(key, show(m["first"]), show(m["last"]), show(m["min"]), show(m["max"]),
-                      best)
+        best = "" if m["best"] is None else f"{show(m['best'], 3)}@{m['best_step']}"
+        table.add_row(key, show(m["first"], 3), show(m["last"], 3), show(m["max"], 3), best)
     console.print(table)
 
 

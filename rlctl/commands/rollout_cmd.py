@@ -37,11 +37,6 @@ from rlctl.commands.targets import (build_task_from, load_config, load_policy, r
                                     task_scores)
 from rlctl.errors import UserError
 
-ROW_KEYS = ("group", "sample", "split", "prompt_index", "prompt", "completion", "token_ids",
-            "logprobs", "logprob_sum", "length", "ended_with_eos", "truncated",
-            "max_new_tokens", "eos_token_id", "reward", "rewards", "correct")
-
-
 def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Optional[str],
                 prompts: Optional[int] = None, samples: Optional[int] = None,
                 split: str = "train", batch_size: int = 256, quiet: bool = False) -> dict:

@@ -179,6 +179,12 @@ def _load_adapter(adapter_dir: Path, dtype: str, device: str):
     except ImportError:
         raise UserError("loading a LoRA adapter needs peft: pip install 'rlctl[scale]'") from None
     base, tok = load_model_and_tokenizer("hf", name_or_path=base_name, dtype=dtype, device=device)
+    if (adapter_dir / "tokenizer_config.json").is_file():  # saved with the adapter: prefer it
+        from transformers import AutoTokenizer
+
+        from rlctl.models.loading import _prepare_tokenizer
+
+        tok = _prepare_tokenizer(AutoTokenizer.from_pretrained(str(adapter_dir)), base)
     import warnings
 
     with warnings.catch_warnings():  # peft calls deprecated transformers helpers

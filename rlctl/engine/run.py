@@ -70,7 +70,7 @@ def _build_model(cfg: DictConfig):
         lo = cfg.model.lora
         try:
             model = apply_lora(model, lo.r, lo.alpha, lo.dropout, list(lo.target_modules))
-        except ValueError as exc:
+        except (ValueError, ImportError) as exc:
             raise UserError(f"model.lora: {exc}") from None
         if cfg.algo.kl.coef > 0:   # the base with the adapter disabled: no second copy
             ref_model = reference_for(model)

@@ -70,7 +70,10 @@ def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
     Raises ValueError with one line for a bad rank, alpha or dropout, a model that already
     has adapters, or target module names the model lacks (naming the valid ones).
     """
-    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+    try:
+        from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+    except ImportError:
+        raise ImportError("LoRA needs peft: pip install 'rlctl[scale]' (peft==0.21.2)") from None
 
     if isinstance(model, PeftModel):
         raise ValueError("the model already has peft adapters; apply_lora expects a plain model")
@@ -99,14 +102,6 @@ def _as_peft(model):
         return policy
     raise TypeError(f"expected a PeftModel or a model whose .policy is one, got "
                     f"{type(model).__name__}")
-
-
-def is_lora(model) -> bool:
-    try:
-        _as_peft(model)
-    except (TypeError, ImportError):
-        return False
-    return True
 
 
 class AdapterDisabledReference(nn.Module):

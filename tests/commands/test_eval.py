@@ -46,6 +46,7 @@ def test_eval_without_target_uses_configured_model(cli, tmp_path):
     assert "pass@1" in data["sampled"] and "pass@2" not in data["sampled"]
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # peft on transformers 5
 def test_eval_model_dir_and_zero_lora_adapter_match_the_run(cli, run_a, tmp_path):
     """A model dir inside a run uses that run's config; a zero-initialised LoRA adapter
     (B = 0) on that model must give exactly the base model's greedy metrics."""
