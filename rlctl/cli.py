@@ -55,14 +55,20 @@ def _fail(message: str, code: int = 2) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
              help=TRAIN_HELP)
 def train(ctx: typer.Context,
-          recipe: Optional[str] = typer.Option(None, "--recipe", help="Recipe YAML to replay (e.g. runs/<id>/recipe.yaml); overrides apply on top."),
+          recipe: Optional[str] = typer.Option(None, "--recipe", help="A recipe name (see `rlctl recipes`) or YAML path (e.g. runs/<id>/recipe.yaml); overrides apply on top."),
+          multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: run the grid of comma-separated overrides (e.g. seed=0,1,2), one run each, then compare."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Print parameter counts, resident models and a memory estimate per rank; train nothing."),
           debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
     overrides: List[str] = list(ctx.args)
     bad_flags = [a for a in overrides if a.startswith("--")]
     if bad_flags:
-        _fail(f"unknown option '{bad_flags[0]}'; options: --recipe PATH, --dry-run, --debug, --help")
+        _fail(f"unknown option '{bad_flags[0]}'; options: --recipe NAME|PATH, -m/--multirun, "
+              "--dry-run, --debug, --help")
     try:
+        if multirun:
+            from rlctl.engine.sweep import run_sweep
+            run_sweep(overrides, recipe)
+            return
         if dry_run:
             from omegaconf import OmegaConf
 
@@ -85,6 +91,19 @@ def train(ctx: typer.Context,
             raise
         message, code = user_message(exc)
         _fail(message, code)
+
+
+@app.command()
+def recipes() -> None:
+    """List the saved experiments (recipes/*.yaml) with a one-line description each."""
+    from rlctl.compose import recipe_description, recipe_files
+
+    files = recipe_files()
+    if not files:
+        typer.echo("no recipes found (looked in ./recipes and the repository's recipes/)")
+    width = max((len(n) for n in files), default=0)
+    for name, path in files.items():
+        typer.echo(f"{name:<{width}}  {recipe_description(path)}")
 
 
 # eval, rollout, inspect (rlctl/commands; light imports, the work is imported lazily)

@@ -75,14 +75,46 @@ def _valid_keys(parent: str) -> List[str]:
     return sorted(k for k in sub.keys() if k != "defaults") if isinstance(sub, DictConfig) else []
 
 
+RECIPE_DIRS = (Path.cwd() / "recipes", Path(__file__).resolve().parents[1] / "recipes")
+
+
+def recipe_files() -> Dict[str, Path]:
+    """Shipped and local recipes by name (./recipes wins over the repository's)."""
+    found: Dict[str, Path] = {}
+    for d in reversed(RECIPE_DIRS):
+        for p in sorted(d.glob("*.yaml")) if d.is_dir() else []:
+            found[p.stem] = p
+    return found
+
+
+def recipe_description(path: Path) -> str:
+    """The first comment line after `# @package _global_`."""
+    for line in path.read_text().splitlines():
+        text = line.lstrip("# ").strip()
+        if line.startswith("#") and text and not text.startswith("@package"):
+            return text
+    return ""
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    known = recipe_files()
+    if name_or_path in known:
+        return known[name_or_path]
+    raise ConfigError(f"cannot read recipe '{name_or_path}': no such file or recipe name; "
+                      f"recipes: {', '.join(known) or 'none'} (list them with `rlctl recipes`)")
+
+
 def load_recipe(path: str) -> Dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"cannot read recipe '{path}': no such file")
+    p = resolve_recipe(path)
     try:
         data = yaml.safe_load(p.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read recipe '{path}': {_one_line(exc)[:200]}") from None
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"cannot read recipe '{path}': expected a YAML mapping of config keys")
     return data
