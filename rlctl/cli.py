@@ -56,6 +56,7 @@ def _fail(message: str, code: int = 2) -> None:
              help=TRAIN_HELP)
 def train(ctx: typer.Context,
           recipe: Optional[str] = typer.Option(None, "--recipe", help="A recipe name (see `rlctl recipes`) or YAML path (e.g. runs/<id>/recipe.yaml); overrides apply on top."),
+          resume: Optional[str] = typer.Option(None, "--resume", help="Continue RUN_DIR from its newest checkpoint (same config; overrides such as trainer.steps apply)."),
           multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: run the grid of comma-separated overrides (e.g. seed=0,1,2), one run each, then compare."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Print parameter counts, resident models and a memory estimate per rank; train nothing."),
           debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
@@ -78,10 +79,17 @@ def train(ctx: typer.Context,
             OmegaConf.resolve(cfg)
             plan(cfg)
             return
+        if resume and (recipe or multirun):
+            _fail("--resume takes the run's own recipe; it cannot be combined with --recipe or -m")
         from rlctl.engine.run import run_training
-        run_training(overrides, recipe)
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
+        run_training(overrides, recipe, resume=resume)
+    except KeyboardInterrupt as exc:
+        run_dir, step = getattr(exc, "run_dir", None), getattr(exc, "step", None)
+        if run_dir is not None and step:
+            typer.echo(f"interrupted after step {step}; checkpoint saved. Resume with: "
+                       f"rlctl train --resume {run_dir}", err=True)
+        else:
+            typer.echo("interrupted (no checkpoint written)", err=True)
         raise typer.Exit(130)
     except typer.Exit:
         raise

@@ -128,6 +128,9 @@ class TrainerConfig:
     micro_batch_size: int = 0        # sequences per forward/backward; 0: whole minibatch
     eval_every: int = MISSING
     log_every: int = 1
+    checkpoint_every: int = MISSING  # steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = MISSING  # the newest K are kept
+    max_bad_steps: int = MISSING     # consecutive non-finite steps before the run stops
 
 
 @dataclass

@@ -10,9 +10,12 @@ class UserError(ValueError):
 
 def user_message(exc: BaseException) -> Tuple[str, int]:
     from rlctl.compose import ConfigError
+    from rlctl.engine.checkpoint import CheckpointError
     from rlctl.engine.rundir import RunDirError
 
     text = " ".join(str(exc).split())
-    if isinstance(exc, (ConfigError, RunDirError, UserError)):
+    if isinstance(exc, (ConfigError, RunDirError, UserError, CheckpointError)):
         return text, 2
+    if type(exc).__name__ in ("TrainingFault", "LaunchError"):
+        return text, 1
     return f"{type(exc).__name__}: {text[:300]} (rerun with --debug for the traceback)", 1

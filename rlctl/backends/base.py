@@ -13,6 +13,7 @@ ranks (DeepSpeed, and ``TorchBackend`` to match it) get the loss multiplied by
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -94,6 +95,9 @@ class Backend:
                 p.grad.div_(self.world_size)
         limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(grads, limit) if grads else torch.zeros(())
+        if not torch.isfinite(norm):       # skip the update; the caller counts it
+            self.zero_grad()
+            return norm.detach()
         self.optimizer.step()
         self.scheduler.step()
         return norm.detach()
@@ -143,6 +147,26 @@ class Backend:
     def unwrap(self):
         """The plain module (for generate, save_pretrained)."""
         return self.module
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def save_state(self, path: Path, critic=None) -> None:
+        """Weights, optimizer and schedule into ``path`` (ranks are identical: rank 0 writes)."""
+        if not self.is_main:
+            return
+        from safetensors.torch import save_model
+        save_model(self.module, str(path / "model.safetensors"))
+        if critic is not None:
+            save_model(critic, str(path / "critic.safetensors"))
+        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+
+    def load_state(self, path: Path, critic=None) -> None:
+        from safetensors.torch import load_model
+        load_model(self.module, str(path / "model.safetensors"), device=str(self.device))
+        if critic is not None:
+            load_model(critic, str(path / "critic.safetensors"), device=str(self.device))
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
 
     def gathered(self, module):
         """Context in which the module's weights are whole (ZeRO-3 needs it to save)."""

@@ -105,6 +105,15 @@ class DeepSpeedBackend(Backend):
         inner = self.engine.module
         return inner.model if isinstance(inner, _Joint) else inner
 
+    def save_state(self, path, critic=None) -> None:
+        """Every rank writes its partition through the engine (critic included)."""
+        self.engine.save_checkpoint(str(path), tag="deepspeed")
+
+    def load_state(self, path, critic=None) -> None:
+        loaded, _ = self.engine.load_checkpoint(str(path), tag="deepspeed")
+        if loaded is None:
+            raise ValueError(f"no DeepSpeed checkpoint in {path}")
+
     def gathered(self, module):
         """Context in which ZeRO-3 partitioned weights are whole on every rank."""
         import contextlib

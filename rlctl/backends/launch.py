@@ -19,7 +19,8 @@ class LaunchError(RuntimeError):
     pass
 
 
-def launch(num_processes: int, run_dir: Path, threads: int, poll_s: float = 0.2) -> None:
+def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False,
+           poll_s: float = 0.2) -> None:
     rendezvous = run_dir / ".dist_init"
     rendezvous.unlink(missing_ok=True)
     procs: List[subprocess.Popen] = []
@@ -29,7 +30,8 @@ def launch(num_processes: int, run_dir: Path, threads: int, poll_s: float = 0.2)
                    RLCTL_DIST_INIT=f"file://{rendezvous.resolve()}", OMP_NUM_THREADS=str(threads))
         log = None if rank == 0 else open(run_dir / f"rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "rlctl.engine.worker", str(run_dir)],
+        args = [sys.executable, "-m", "rlctl.engine.worker", str(run_dir)] + (["--resume"] if resume else [])
+        procs.append(subprocess.Popen(args,
                                       env=env, stdout=log, stderr=subprocess.STDOUT if log else None))
     try:
         while True:

@@ -78,13 +78,29 @@ def _build_model(cfg: DictConfig):
     return model, critic, tokenizer, ref_model
 
 
-def train_rank(cfg: DictConfig, run_dir: Path) -> Optional[dict]:
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metric lines logged after the checkpoint we resume from (they will be redone)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue                     # a line torn by the kill
+        if row.get("step", step + 1) <= step:
+            keep.append(line)
+    path.write_text("".join(x + "\n" for x in keep))
+
+
+def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False) -> Optional[dict]:
     """Train on this rank; rank 0 saves and returns the summary (other ranks: None)."""
     _quiet_libraries(cfg)
     import torch
 
     from rlctl.backends.base import build_backend
-    from rlctl.engine import rundir
+    from rlctl.engine import checkpoint, rundir
     from rlctl.engine.trainer import Trainer
     from rlctl.models.lora import count_parameters
     from rlctl.sinks import NullSink, build_sinks
@@ -97,6 +113,13 @@ def train_rank(cfg: DictConfig, run_dir: Path) -> Optional[dict]:
         model, critic, tokenizer, ref_model = _build_model(cfg)
         trainable, total = count_parameters(model, critic)
         torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
+        resume_from = checkpoint.latest_checkpoint(run_dir) if resume else None
+        if resume and resume_from is None:
+            raise UserError(f"cannot resume '{run_dir}': it has no complete checkpoint "
+                            "(trainer.checkpoint_every writes them)")
+        if resume_from is not None and backend.is_main:
+            _truncate_metrics(run_dir, int(resume_from.name.split("-")[-1]))
+        backend.barrier()
         sink = build_sinks(
             run_dir=run_dir, jsonl=cfg.logger.jsonl, wandb=cfg.logger.wandb,
             wandb_mode=cfg.logger.wandb_mode, project=cfg.logger.project, name=run_dir.name,
@@ -105,7 +128,7 @@ def train_rank(cfg: DictConfig, run_dir: Path) -> Optional[dict]:
         try:
             trainer = Trainer(cfg, model, tokenizer, task, sink, critic=critic,
                               ref_model=ref_model, backend=backend)
-            result = trainer.train()
+            result = trainer.train(run_dir=run_dir, resume_from=resume_from)
             sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
         finally:
             sink.close()
@@ -136,21 +159,32 @@ def train_rank(cfg: DictConfig, run_dir: Path) -> Optional[dict]:
         backend.close()
 
 
-def run_training(overrides: List[str], recipe: Optional[str] = None) -> dict:
-    composed = compose(overrides, recipe)
-    cfg = composed.cfg
-    OmegaConf.resolve(cfg)
+def run_training(overrides: List[str], recipe: Optional[str] = None,
+                 resume: Optional[str] = None) -> dict:
+    """Train a new run, or (``resume`` = a run directory) continue one from its newest
+    checkpoint with the run's own recipe (``overrides`` may change e.g. trainer.steps)."""
     from rlctl.engine import rundir
     from rlctl.engine.report import print_summary
 
+    if resume is not None:
+        run_dir = Path(resume)
+        if not (run_dir / "recipe.yaml").is_file():
+            raise UserError(f"cannot resume '{resume}': not a run directory (no recipe.yaml)")
+        recipe = str(run_dir / "recipe.yaml")
+    composed = compose(overrides, recipe)
+    cfg = composed.cfg
+    OmegaConf.resolve(cfg)
     _build_task(cfg)                       # bad task options fail before anything is written
-    run_dir = rundir.create_run_dir(cfg.run.output_dir, cfg.run.name)
-    rundir.write_config(run_dir, composed)
+    if resume is None:
+        run_dir = rundir.create_run_dir(cfg.run.output_dir, cfg.run.name)
+        rundir.write_config(run_dir, composed)
+    else:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))   # what the rest runs with
     if cfg.hardware.num_processes > 1:
         from rlctl.backends.launch import launch
-        launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads)
+        launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads, resume=resume is not None)
         summary = json.loads((run_dir / "summary.json").read_text())
     else:
-        summary = train_rank(cfg, run_dir)
+        summary = train_rank(cfg, run_dir, resume=resume is not None)
     print_summary(summary)
     return summary

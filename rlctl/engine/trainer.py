@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List
@@ -185,27 +186,103 @@ class Trainer:
             self.kl_ctl.update(values["kl/seq_k1"], 1)
         return values
 
-    def train(self, on_step=None) -> TrainResult:
+    def train(self, run_dir=None, resume_from=None, on_step=None) -> TrainResult:
+        """The loop. With ``run_dir``, checkpoints every ``trainer.checkpoint_every`` steps
+        and at the end; ``resume_from`` (a checkpoint dir) continues after its step.
+        Ctrl-C saves a checkpoint and raises ``Interrupted``; ``trainer.max_bad_steps``
+        consecutive steps whose updates were all skipped (non-finite) raise
+        ``TrainingFault`` (the newest checkpoint predates them)."""
+        from rlctl.engine import checkpoint
+
         tr = self.cfg.trainer
         t_start, tokens = time.perf_counter(), 0.0
         result = TrainResult(steps=tr.steps, seconds=0.0, tokens_per_s=0.0)
-        if tr.eval_every > 0:
+        first, bad_streak = 1, 0
+        if resume_from is not None:
+            state = checkpoint.load(self, resume_from)
+            first, result.eval_start = state["step"] + 1, state.get("eval_start", {})
+            self.scorer.errors = state.get("reward_errors", 0)
+        elif tr.eval_every > 0:
             result.eval_start = self._evaluate()
             self.sink.log(result.eval_start, step=0)
-        for step in range(1, tr.steps + 1):
-            values = self.step(step)
-            tokens += values["perf/tokens_per_s"] * (values["time/rollout_s"] + values["time/update_s"])
-            if tr.eval_every > 0 and (step % tr.eval_every == 0 or step == tr.steps):
-                values.update(self._evaluate())
-            values["time/elapsed_s"] = time.perf_counter() - t_start
-            if step % tr.log_every == 0 or step == tr.steps:
-                self.sink.log(values, step=step)
-            result.last_metrics = values
-            if on_step is not None:
-                on_step(step, values)
+
+        def save(step):
+            if run_dir is not None:
+                checkpoint.save(self, run_dir, step, {"eval_start": result.eval_start,
+                                                      "reward_errors": self.scorer.errors},
+                                tr.keep_checkpoints)
+        stop = _StopFlag()
+        with stop.on_sigint():
+            for step in range(first, tr.steps + 1):
+                values = self.step(step)
+                tokens += values["perf/tokens_per_s"] * (values["time/rollout_s"] + values["time/update_s"])
+                updates = self.settings.epochs * self.settings.minibatches
+                bad_streak = bad_streak + 1 if values.get("fault/skipped_steps", 0) >= updates else 0
+                if tr.eval_every > 0 and (step % tr.eval_every == 0 or step == tr.steps):
+                    values.update(self._evaluate())
+                values["time/elapsed_s"] = time.perf_counter() - t_start
+                if step % tr.log_every == 0 or step == tr.steps:
+                    self.sink.log(values, step=step)
+                result.last_metrics = values
+                if on_step is not None:
+                    on_step(step, values)
+                if bad_streak >= tr.max_bad_steps:
+                    last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
+                    raise TrainingFault(
+                        f"stopped at step {step}: {bad_streak} steps in a row had a non-finite loss "
+                        f"or gradient (trainer.max_bad_steps={tr.max_bad_steps}); last good "
+                        f"checkpoint: {last or 'none'}")
+                if stop.requested and step < tr.steps:      # Ctrl-C: finish the step, save, leave
+                    save(step)
+                    raise Interrupted(run_dir, step)
+                if tr.checkpoint_every > 0 and step % tr.checkpoint_every == 0 and step < tr.steps:
+                    save(step)
+        save(tr.steps)
         result.seconds = time.perf_counter() - t_start
         result.tokens_per_s = tokens / max(result.seconds, 1e-9)
         if tr.eval_every > 0:
             result.eval_end = {k: v for k, v in result.last_metrics.items() if k.startswith("eval/")} \
                 or self._evaluate()
         return result
+
+
+class _StopFlag:
+    """First Ctrl-C asks the loop to stop after the current step (so the checkpoint is
+    exactly a step boundary); a second one interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+
+    def on_sigint(self):
+        import contextlib
+        import signal
+        import threading
+
+        @contextlib.contextmanager
+        def installed():
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
+            def handler(signum, frame):
+                if self.requested:
+                    raise KeyboardInterrupt
+                self.requested = True
+                print("\nstopping after this step and saving a checkpoint (Ctrl-C again to abort)",
+                      file=sys.stderr, flush=True)
+            previous = signal.signal(signal.SIGINT, handler)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        return installed()
+
+
+class TrainingFault(RuntimeError):
+    """Training cannot go on (e.g. non-finite updates); the message says why."""
+
+
+class Interrupted(KeyboardInterrupt):
+    def __init__(self, run_dir, step: int):
+        super().__init__(step)
+        self.run_dir, self.step = run_dir, step

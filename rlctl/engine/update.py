@@ -138,7 +138,17 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
             backend.zero_grad()
             metrics = accumulate_gradients(model, batch.select(rows.to(batch.mask.device)), s, st,
                                            critic, backend)
-            metrics["grad_norm"] = backend.step()
+            # A non-finite loss (on any rank) skips this optimizer step on every rank: one
+            # host sync per optimizer step, the only one in the update.
+            bad = (~torch.isfinite(metrics["loss"] + metrics.get("value/loss", 0.0))).float()
+            if bool(backend.all_reduce(bad.reshape(1), "max").item()):
+                backend.zero_grad()
+                metrics["grad_norm"] = torch.tensor(float("nan"))
+            else:
+                metrics["grad_norm"] = backend.step()   # skips itself on a non-finite gradient
+            metrics["fault/skipped_steps"] = (~torch.isfinite(metrics["grad_norm"])).float()
             for k, v in metrics.items():
                 records.setdefault(k, []).append(v)
-    return {k: torch.stack(v).mean() for k, v in records.items()}
+    out = {k: torch.stack(v).mean() for k, v in records.items()}
+    out["fault/skipped_steps"] = torch.stack(records["fault/skipped_steps"]).sum()
+    return out

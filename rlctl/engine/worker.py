@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 
-def main(run_dir: str) -> int:
+def main(run_dir: str, resume: bool = False) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from omegaconf import OmegaConf
 
@@ -15,7 +15,7 @@ def main(run_dir: str) -> int:
 
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
     try:
-        train_rank(cfg, Path(run_dir))
+        train_rank(cfg, Path(run_dir), resume=resume)
     except Exception as exc:  # noqa: BLE001 - one line for the launcher to report
         if os.environ.get("RLCTL_DEBUG"):
             raise
@@ -25,4 +25,4 @@ def main(run_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], "--resume" in sys.argv[2:]))

@@ -1,0 +1,98 @@
+"""Checkpoints of the full training state, written atomically; resume picks the last one.
+
+    <run>/checkpoints/step-00000040/
+        model.safetensors     the trained module (policy, value head / adapter included)
+        critic.safetensors    a separate critic, if any
+        optimizer.pt          AdamW state (loaded with torch.load(weights_only=True))
+        scheduler.pt          LR schedule state
+        rng-rank<k>.pt        torch RNG and the prompt sampler's state of every rank
+        trainer_state.json    step, KL controller, fault counters, eval at step 0
+
+A checkpoint is built in `step-N.tmp` and renamed when complete, so the newest
+`step-*` directory is always whole; the oldest beyond `trainer.keep_checkpoints` are
+removed. DeepSpeed runs save through the engine (its own layout inside the directory).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    root = checkpoint_dir(run_dir)
+    done = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp")) \
+        if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def _rng_state(sampler: random.Random) -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": sampler.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def save(trainer, run_dir: Path, step: int, extra: Dict[str, Any], keep: int) -> Path:
+    """Write the checkpoint of ``step`` (every rank calls this)."""
+    b = trainer.backend
+    final = checkpoint_dir(run_dir) / f"{PREFIX}{step:08d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if b.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    b.barrier()
+    try:
+        b.save_state(tmp, trainer.critic)
+        torch.save(_rng_state(trainer.sampler), tmp / f"rng-rank{b.rank}.pt")
+        b.barrier()
+        if b.is_main:
+            state = {"step": step, "kl": trainer.kl_ctl.state_dict(), **extra}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in sorted(checkpoint_dir(run_dir).glob(f"{PREFIX}*"))[:-max(keep, 1)]:
+                if not old.name.endswith(".tmp"):
+                    shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {final}: {exc.strerror or exc} "
+                              "(is the disk full or read-only?)") from None
+    b.barrier()
+    return final
+
+
+def load(trainer, path: Path) -> Dict[str, Any]:
+    """Restore everything ``save`` wrote; returns trainer_state.json."""
+    b = trainer.backend
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+        b.load_state(path, trainer.critic)
+        rng = torch.load(path / f"rng-rank{b.rank}.pt", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling, safetensors, shape and key errors alike
+        raise CheckpointError(f"checkpoint {path} is unreadable or incomplete: "
+                              f"{' '.join(str(exc).split())[:200]}") from None
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    trainer.sampler.setstate(_as_tuple(rng["python"]))
+    trainer.kl_ctl.load_state_dict(state["kl"])
+    return state
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

@@ -1,0 +1,179 @@
+"""A verifiable math task with generated data (``task=arithmetic``).
+
+Problems ``a OP b`` with operands of up to ``num_digits`` digits and OP from ``ops``
+(``+``, ``-``, ``*``). Two prompt styles:
+
+- ``symbolic`` (for the embedded tiny model, whose word-level vocabulary has single
+  digits and operators): digits are spaced out, ``"1 2 + 3 4 ="`` -> ``"4 6"``;
+- ``words`` (for real language models): short word problems, e.g. "Ana has 12 marbles
+  and finds 34 more. How many marbles does Ana have now?", answered with a number.
+
+Answers are extracted and verified by ``rlctl.tasks.verify.answers_equivalent``, which
+accepts equivalent forms ("46", "46.0", "4.6e1", "92/2", "\\boxed{46}", "The answer is
+46", "4 6") and uses math-verify. Rewards (``task.reward``):
+
+- ``exact``: 1 if the final answer is right, else 0;
+- ``partial``: 1 if right; otherwise 0.5 * the share of answer digits in the right place
+  (aligned from the units digit, over max(len(answer), len(output))), 0 when the output
+  holds no number.
+
+The held-out split is ``num_eval`` distinct problems drawn with ``random.Random(seed)``;
+the training split is disjoint from it (every other problem when the space is at most
+``max_train``, else ``max_train`` distinct draws).
+"""
+from __future__ import annotations
+
+import random
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from rlctl.tasks.base import register_task
+from rlctl.tasks.verify import answers_equivalent, parse_number
+from rlctl.types import Example
+
+OPS = ("+", "-", "*")
+STYLES = ("symbolic", "words")
+REWARDS = ("exact", "partial")
+
+_WORDS = {
+    "+": ["{n} has {a} {item} and finds {b} more. How many {item} does {n} have now?",
+          "What is {a} plus {b}?",
+          "A shelf holds {a} {item} and another holds {b} {item}. How many {item} are there "
+          "in all?"],
+    "-": ["{n} has {a} {item} and gives away {b}. How many {item} does {n} have left?",
+          "What is {a} minus {b}?",
+          "A box held {a} {item}; {b} were taken out. How many {item} are in the box now?"],
+    "*": ["{n} buys {a} bags with {b} {item} in each. How many {item} does {n} buy?",
+          "What is {a} times {b}?",
+          "There are {a} rows of {b} {item}. How many {item} are there?"],
+}
+_NAMES = ["Ana", "Ben", "Chloe", "Dev", "Eva", "Femi", "Gus", "Hana"]
+_ITEMS = ["marbles", "apples", "stamps", "coins", "shells", "cards"]
+
+
+def compute(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def spaced(n: int) -> str:
+    """12 -> "1 2", -5 -> "- 5" (one token per digit for the tiny vocabulary)."""
+    return ("- " if n < 0 else "") + " ".join(str(abs(n)))
+
+
+def digit_credit(answer: int, out: Optional[int]) -> float:
+    """Share of the answer's digits matched in place, aligned from the units digit."""
+    if out is None:
+        return 0.0
+    t, o = str(abs(answer))[::-1], str(abs(out))[::-1]
+    hits = sum(x == y for x, y in zip(t, o)) if (answer < 0) == (out < 0) else 0
+    return hits / max(len(t), len(o))
+
+
+@register_task("arithmetic")
+class ArithmeticTask:
+    name = "arithmetic"
+
+    def __init__(self, num_digits: int = 2, ops: Sequence[str] = ("+",),
+                 style: str = "symbolic", reward: str = "exact", num_eval: int = 256,
+                 seed: int = 1234, max_train: int = 20000):
+        if isinstance(ops, str):
+            ops = [o for o in ops.replace(",", " ").split() if o]
+        ops = list(ops)
+        bad = [o for o in ops if o not in OPS]
+        if not ops or bad:
+            raise ValueError(f"invalid task.ops {ops}; each must be one of {', '.join(OPS)}")
+        if style not in STYLES:
+            raise ValueError(f"invalid task.style '{style}'; valid: {', '.join(STYLES)}")
+        if reward not in REWARDS:
+            raise ValueError(f"invalid task.reward '{reward}' for arithmetic; valid: "
+                             f"{', '.join(REWARDS)}")
+        if not isinstance(num_digits, int) or not 1 <= num_digits <= 9:
+            raise ValueError(f"invalid task.num_digits '{num_digits}'; must be in [1, 9]")
+        space = len(ops) * 10 ** (2 * num_digits)
+        if not isinstance(num_eval, int) or not 0 <= num_eval < space:
+            raise ValueError(f"invalid task.num_eval '{num_eval}'; must be in [0, {space - 1}] "
+                             f"for {num_digits}-digit operands and ops {ops}")
+        if not isinstance(max_train, int) or max_train < 1:
+            raise ValueError(f"invalid max_train '{max_train}'; must be >= 1")
+        self.num_digits, self.ops, self.style, self.reward_name = num_digits, ops, style, reward
+        self.num_eval, self.seed, self.max_train = num_eval, seed, max_train
+        self._eval, self._train = self._split()
+
+    # -- splits -------------------------------------------------------------------
+    def _draw(self, rng: random.Random) -> Tuple[int, str, int]:
+        hi = 10 ** self.num_digits
+        return rng.randrange(hi), rng.choice(self.ops), rng.randrange(hi)
+
+    def _split(self):
+        rng = random.Random(self.seed)
+        seen, eval_list = set(), []
+        while len(eval_list) < self.num_eval:
+            p = self._draw(rng)
+            if p not in seen:
+                seen.add(p)
+                eval_list.append(p)
+        hi = 10 ** self.num_digits
+        space = len(self.ops) * hi * hi
+        if space - self.num_eval <= self.max_train:
+            train = [(a, op, b) for op in self.ops for a in range(hi) for b in range(hi)
+                     if (a, op, b) not in seen]
+            rng.shuffle(train)
+        else:
+            train = []
+            while len(train) < self.max_train:
+                p = self._draw(rng)
+                if p not in seen:
+                    seen.add(p)
+                    train.append(p)
+        return eval_list, train
+
+    def _example(self, problem: Tuple[int, str, int], index: int) -> Example:
+        a, op, b = problem
+        if self.style == "symbolic":
+            prompt = f"{spaced(a)} {op} {spaced(b)} ="
+        else:
+            rng = random.Random(f"{a}{op}{b}/{self.seed}")  # the same in every process
+            if op == "-" and a < b:
+                a, b = b, a  # word problems take away no more than there is
+            prompt = rng.choice(_WORDS[op]).format(a=a, b=b, n=rng.choice(_NAMES),
+                                                   item=rng.choice(_ITEMS))
+            prompt += " Give the final answer as a number."
+        return Example(prompt=prompt, fields={"a": a, "op": op, "b": b,
+                                              "answer": compute(a, op, b)})
+
+    def train_examples(self) -> List[Example]:
+        return [self._example(p, i) for i, p in enumerate(self._train)]
+
+    def eval_examples(self) -> List[Example]:
+        return [self._example(p, i) for i, p in enumerate(self._eval)]
+
+    # -- scoring ------------------------------------------------------------------
+    def is_correct(self, example: Example, completion: str) -> bool:
+        return answers_equivalent(completion, example.fields["answer"])
+
+    def reward(self, example: Example, completion: str) -> float:
+        return score(self.reward_name, example.fields["answer"], completion)
+
+    def is_well_formed(self, example: Example, completion: str) -> bool:
+        """The output holds a number (right or wrong)."""
+        return parse_number(completion) is not None
+
+    def answer(self, example: Example) -> str:
+        """The correct completion text (without EOS); used by the supervised warm-up."""
+        n = example.fields["answer"]
+        return spaced(n) if self.style == "symbolic" else str(n)
+
+    def score_all(self, example: Example, completion: str) -> Dict[str, float]:
+        return {name: score(name, example.fields["answer"], completion) for name in REWARDS}
+
+    reward_names = staticmethod(lambda: REWARDS)
+
+
+def score(reward: str, answer: int, completion: str) -> float:
+    """``exact`` or ``partial`` reward of a completion for the integer ``answer``."""
+    if answers_equivalent(completion, answer):
+        return 1.0
+    if reward == "exact":
+        return 0.0
+    got = parse_number(completion)
+    out = int(got) if got is not None and got.denominator == 1 else None
+    return 0.5 * digit_credit(answer, out)

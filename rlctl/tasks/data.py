@@ -1,0 +1,299 @@
+"""Data-driven tasks: prompts from files, rewards from the user's functions (``task=jsonl``).
+
+    rlctl train task=jsonl task.train_path=train.jsonl task.eval_path=eval.jsonl \\
+        task.reward_fn=myreward:reward
+
+Files: JSON Lines (``.jsonl``), a JSON array (``.json``), CSV/TSV (``.csv``, ``.tsv``;
+every value is a string), Parquet (``.parquet``, needs pyarrow) or a local Hugging Face
+``datasets`` directory (``Dataset.save_to_disk``; read with pyarrow, ``datasets`` itself
+is not needed; a directory of data files is read whole). ``task.format`` forces a format.
+
+Each row is one prompt: ``task.prompt_field`` holds the prompt (text; with
+``task.prompt_format=chat`` also a list of {role, content} messages), the other columns
+(or those listed in ``task.fields``) are handed to the reward function(s) as keyword
+arguments (see ``rlctl.tasks.rewards``). Without ``task.eval_path``, ``task.num_eval``
+rows (default: 10%) are held out of the training file (shuffled with ``task.seed``);
+with it, ``task.num_eval`` caps the eval rows (null: all). ``eval/exact_match`` is the
+share of eval completions whose total reward is at least ``task.correct_threshold``.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from rlctl.tasks.base import RAW_PROMPT, RewardError, describe_sample, register_task, task_options
+from rlctl.tasks.rewards import RewardFn, parse_rewards
+from rlctl.types import Example
+
+FORMATS = ("auto", "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf")
+_SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv",
+           ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow"}
+
+
+def _pyarrow(what: str, path: Path):
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ValueError(f"reading {what} ('{path}') needs pyarrow: pip install pyarrow") from None
+    import pyarrow
+    return pyarrow
+
+
+def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: each line must be a JSON object, "
+                                 f"got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> List[Dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return _read_jsonl(path)  # JSON Lines saved as .json
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"data": [...]}
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise ValueError(f"{path}: expected a JSON array of objects (or JSON Lines)")
+    return data
+
+
+def _read_csv(path: Path, delimiter: str) -> List[Dict[str, Any]]:
+    with path.open(encoding="utf-8", newline="") as f:
+        return [dict(r) for r in csv.DictReader(f, delimiter=delimiter)]
+
+
+def _read_parquet(path: Path) -> List[Dict[str, Any]]:
+    _pyarrow("Parquet", path)
+    import pyarrow.parquet as pq
+    return pq.read_table(path).to_pylist()
+
+
+def _read_arrow(path: Path) -> List[Dict[str, Any]]:
+    pa = _pyarrow("Arrow", path)
+    with pa.memory_map(str(path)) as f:
+        try:
+            table = pa.ipc.open_stream(f).read_all()   # datasets' save_to_disk
+        except pa.ArrowInvalid:
+            f.seek(0)
+            table = pa.ipc.open_file(f).read_all()
+    return table.to_pylist()
+
+
+_READERS = {"jsonl": _read_jsonl, "json": _read_json, "csv": lambda p: _read_csv(p, ","),
+            "tsv": lambda p: _read_csv(p, "\t"), "parquet": _read_parquet, "arrow": _read_arrow}
+
+
+def _read_hf_dir(path: Path, key: str) -> List[Dict[str, Any]]:
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise ValueError(f"{key}: '{path}' holds the splits {', '.join(splits)}; point it at "
+                         f"one of them (e.g. {path / (splits[0] if splits else 'train')})")
+    state = path / "state.json"
+    if state.is_file():
+        files = [path / d["filename"] for d in json.loads(state.read_text()).get("_data_files", [])]
+        rows: List[Dict[str, Any]] = []
+        for f in files:
+            rows.extend(_read_arrow(f))
+        return rows
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIX)
+    kinds = {_SUFFIX[p.suffix] for p in files}
+    if not files:
+        raise ValueError(f"{key}: directory '{path}' has no data files "
+                         f"({', '.join(sorted(_SUFFIX))}) and is not a saved datasets directory")
+    if len(kinds) > 1:
+        raise ValueError(f"{key}: directory '{path}' mixes formats ({', '.join(sorted(kinds))}); "
+                         "point it at one file")
+    rows = []
+    for f in files:
+        rows.extend(_READERS[_SUFFIX[f.suffix]](f))
+    return rows
+
+
+def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path") -> List[Dict[str, Any]]:
+    """Rows of a data file or directory as dicts; ValueError naming ``key`` on failure."""
+    if fmt not in FORMATS:
+        raise ValueError(f"invalid task.format '{fmt}'; valid: {', '.join(FORMATS)}")
+    p = Path(str(path)).expanduser()
+    if not p.exists():
+        raise ValueError(f"{key}: no such file or directory '{path}'")
+    if fmt == "auto":
+        if p.is_dir():
+            fmt = "hf"
+        elif p.suffix.lower() in _SUFFIX:
+            fmt = _SUFFIX[p.suffix.lower()]
+        else:
+            raise ValueError(f"{key}: cannot tell the format of '{path}' from its name; set "
+                             f"task.format to one of {', '.join(FORMATS[1:])}")
+    try:
+        if fmt == "hf":
+            if not p.is_dir():
+                raise ValueError(f"{key}: task.format=hf needs a directory, got the file '{path}'")
+            rows = _read_hf_dir(p, key)
+        else:
+            if p.is_dir():
+                raise ValueError(f"{key}: '{path}' is a directory; use task.format=hf or auto")
+            rows = _READERS[fmt](p)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{key}: '{path}' is not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise ValueError(f"{key}: cannot read '{path}': {exc.strerror or exc}") from None
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - e.g. pyarrow's errors on a corrupt file
+        raise ValueError(f"{key}: cannot read '{path}' as {fmt}: {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:160]}") from None
+    if not rows:
+        raise ValueError(f"{key}: '{path}' has no rows")
+    return rows
+
+
+@register_task("jsonl")
+class DataTask:
+    """Prompts from data files, scored by the user's reward function(s)."""
+
+    name = "jsonl"
+
+    def __init__(self, train_path: Optional[str] = None, eval_path: Optional[str] = None,
+                 format: str = "auto", prompt_field: str = "prompt",
+                 fields: Optional[Sequence[str]] = None, reward_fn: Optional[str] = None,
+                 rewards: Optional[Sequence[Any]] = None, correct_threshold: float = 1.0,
+                 num_eval: Optional[int] = None, seed: int = 1234):
+        if not train_path:
+            raise ValueError("task=jsonl needs task.train_path=PATH (a .jsonl, .csv, .parquet "
+                             "file or a datasets directory)")
+        if not isinstance(correct_threshold, (int, float)) or not math.isfinite(correct_threshold):
+            raise ValueError(f"invalid task.correct_threshold '{correct_threshold}'; must be a number")
+        if num_eval is not None and (not isinstance(num_eval, int) or num_eval < 1):
+            raise ValueError(f"invalid task.num_eval '{num_eval}'; must be >= 1 (or null)")
+        self.prompt_field, self.correct_threshold = prompt_field, float(correct_threshold)
+        self.rewards: List[RewardFn] = parse_rewards(reward_fn, rewards)
+        self.reward_weights = {r.name: r.weight for r in self.rewards}
+        train_rows = load_records(train_path, format, "task.train_path")
+        if eval_path:
+            eval_rows = load_records(eval_path, format, "task.eval_path")[:num_eval]
+        else:
+            if len(train_rows) < 2:
+                raise ValueError("task.train_path has one row: nothing to hold out for eval; "
+                                 "set task.eval_path")
+            k = num_eval if num_eval is not None else max(1, len(train_rows) // 10)
+            if k >= len(train_rows):
+                raise ValueError(f"task.num_eval={k} leaves no training rows out of "
+                                 f"{len(train_rows)}; set task.eval_path or a smaller num_eval")
+            order = list(range(len(train_rows)))
+            random.Random(seed).shuffle(order)
+            held = set(order[:k])
+            eval_rows = [train_rows[i] for i in sorted(held)]
+            train_rows = [r for i, r in enumerate(train_rows) if i not in held]
+        self.field_names = self._field_names(train_rows, fields)
+        for r in self.rewards:
+            r.check_fields(self.field_names, "task.reward_fn" if reward_fn else "task.rewards")
+        self._train = [self._example(r, n, "task.train_path") for n, r in enumerate(train_rows, 1)]
+        self._eval = [self._example(r, n, "task.eval_path" if eval_path else "task.train_path")
+                      for n, r in enumerate(eval_rows, 1)]
+        self._cache: Dict[tuple, float] = {}
+
+    def _field_names(self, rows, fields) -> List[str]:
+        if self.prompt_field not in rows[0]:
+            raise ValueError(f"task.prompt_field '{self.prompt_field}' is not a column of the "
+                             f"data; columns: {', '.join(map(str, rows[0]))}")
+        if fields is None:
+            return [str(k) for k in rows[0] if k != self.prompt_field]
+        fields = [str(f) for f in fields]
+        for f in fields:
+            if f not in rows[0]:
+                raise ValueError(f"task.fields: '{f}' is not a column of the data; columns: "
+                                 f"{', '.join(map(str, rows[0]))}")
+        return fields
+
+    def _example(self, row: Dict[str, Any], n: int, key: str) -> Example:
+        if self.prompt_field not in row:
+            raise ValueError(f"{key}: row {n} has no '{self.prompt_field}' (task.prompt_field)")
+        prompt = row[self.prompt_field]
+        fields = {f: row.get(f) for f in self.field_names}
+        if isinstance(prompt, str):
+            return Example(prompt=prompt, fields=fields)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            # chat messages: rendered by the chat template (prompt_format=chat) at bind time
+            text = next((m.get("content", "") for m in reversed(prompt)
+                         if m.get("role") == "user"), "")
+            return Example(prompt=str(text), fields={**fields, RAW_PROMPT: prompt})
+        raise ValueError(f"{key}: row {n}: the prompt must be text (or chat messages), got "
+                         f"{type(prompt).__name__}")
+
+    # -- prompts -------------------------------------------------------------------
+    def train_examples(self) -> List[Example]:
+        self._check_messages()
+        return list(self._train)
+
+    def eval_examples(self) -> List[Example]:
+        self._check_messages()
+        return list(self._eval)
+
+    def _check_messages(self) -> None:
+        if task_options(self).prompt_format != "chat" and any(
+                RAW_PROMPT in ex.fields for ex in self._train[:1] + self._eval[:1]):
+            raise ValueError(f"the prompt field '{self.prompt_field}' holds chat messages; "
+                             "set task.prompt_format=chat")
+
+    # -- rewards -------------------------------------------------------------------
+    @staticmethod
+    def _args(example: Example):
+        fields = {k: v for k, v in example.fields.items() if k != RAW_PROMPT}
+        return example.fields.get(RAW_PROMPT, example.prompt), fields
+
+    def reward_components(self, example: Example, completion: str) -> Dict[str, float]:
+        """Each reward function's raw value (raises what the user's function raises)."""
+        prompt, fields = self._args(example)
+        return {r.name: r.call_one(prompt, completion, fields) for r in self.rewards}
+
+    def reward_components_batch(self, examples: Sequence[Example], completions: Sequence[str]
+                                ) -> List[Dict[str, float]]:
+        args = [self._args(ex) for ex in examples]
+        prompts, fields = [a[0] for a in args], [a[1] for a in args]
+        out: List[Dict[str, float]] = [{} for _ in examples]
+        for r in self.rewards:
+            for row, v in zip(out, r.call_batch(prompts, completions, fields)):
+                row[r.name] = v
+        return out
+
+    def reward(self, example: Example, completion: str) -> float:
+        """The weighted total; a failing function scores 0 (or raises RewardError with
+        task.on_reward_error=raise). Prefer RewardScorer, which also enforces the time limit."""
+        key = (id(example), example.prompt, completion)
+        if key in self._cache:
+            return self._cache[key]
+        try:
+            comps = self.reward_components(example, completion)
+            total = sum(self.reward_weights[k] * v for k, v in comps.items())
+            if not math.isfinite(total):
+                raise ValueError(f"the reward is {total}")
+        except Exception as exc:  # noqa: BLE001
+            if task_options(self).on_reward_error == "raise":
+                raise RewardError(f"reward failed on {describe_sample(0, 1, example, completion)}: "
+                                  f"{type(exc).__name__}: {exc}") from None
+            total = 0.0
+        if len(self._cache) > 4096:
+            self._cache.clear()
+        self._cache[key] = total
+        return total
+
+    def correct_from_reward(self, example: Example, reward: float) -> bool:
+        return reward >= self.correct_threshold
+
+    def is_correct(self, example: Example, completion: str) -> bool:
+        return self.correct_from_reward(example, self.reward(example, completion))

@@ -1,0 +1,193 @@
+"""User reward functions: loaded by import path, several with weights.
+
+A reward function is ``reward(prompt, completion, **fields) -> float``: ``prompt`` is the
+data's prompt (text, or the chat messages), ``completion`` the model's decoded reply,
+and ``fields`` the data's other columns (``task.fields`` chooses which). A function that
+does not take ``**fields`` gets only the fields it names. The batched form takes lists
+and returns a list: ``reward(prompts, completions, **fields) -> list[float]`` (each field
+a list too); it is recognised by its first two parameters being named ``prompts`` and
+``completions``, or by ``batched: true`` in ``task.rewards``.
+
+``task.reward_fn`` is one function; ``task.rewards`` a list of
+``{fn: ..., weight: 1.0, name: ..., batched: ...}`` (or plain ``"module:function"``
+strings, weight 1). The total reward is ``sum(weight * value)``; each value is logged as
+``reward/<name>`` (``name`` defaults to the function's name).
+
+``fn`` is ``package.module:function`` (imported; the working directory is searched too),
+``path/to/file.py:function``, or a built-in: ``math`` (the completion's final answer
+equals the ``answer`` field, equivalent forms accepted, via math-verify) or ``exact``
+(the stripped completion equals the ``answer`` field).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+BUILTIN_REWARDS = {"math": "rlctl.tasks.verify:math_reward",
+                   "exact": "rlctl.tasks.verify:exact_reward"}
+SPEC_KEYS = ("fn", "weight", "name", "batched")
+
+
+def load_function(spec: Any, key: str) -> Callable:
+    """The callable named by ``spec`` (see the module doc); ValueError naming ``key``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"{key} must be 'package.module:function', 'path/file.py:function' "
+                         f"or one of {', '.join(BUILTIN_REWARDS)}; got {spec!r}")
+    spec = BUILTIN_REWARDS.get(spec.strip(), spec.strip())
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{key} '{spec}' must look like package.module:function (or "
+                         f"path/file.py:function, or one of {', '.join(BUILTIN_REWARDS)})")
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        path = Path(module_name).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{key} '{spec}': no such file '{module_name}'")
+        mod_name = f"rlctl_user_reward_{path.stem}"
+        try:
+            mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[mod_name] = module
+            mod_spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's module failed to import
+            sys.modules.pop(mod_name, None)
+            raise ValueError(f"{key} '{spec}': importing '{module_name}' failed: "
+                             f"{type(exc).__name__}: {_short(exc)}") from None
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.append(os.getcwd())  # console scripts do not search the working dir
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            raise ValueError(f"{key} '{spec}': cannot import module '{module_name}' ({_short(exc)}); "
+                             "put its directory on PYTHONPATH or give path/file.py:function") from None
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"{key} '{spec}': importing '{module_name}' failed: "
+                             f"{type(exc).__name__}: {_short(exc)}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"{key} '{spec}': module '{module_name}' has no attribute '{attr}'")
+    if not callable(fn):
+        raise ValueError(f"{key} '{spec}': '{attr}' is not callable")
+    return fn
+
+
+def _short(exc: BaseException, limit: int = 160) -> str:
+    s = " ".join(str(exc).split())
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+@dataclass
+class RewardFn:
+    """One reward function with its weight and how it is called."""
+    name: str
+    fn: Callable
+    weight: float
+    batched: bool
+    accepts: Optional[frozenset]   # field names it takes; None: **fields (all)
+    required: frozenset            # field names it cannot do without
+
+    def _select(self, fields: Dict[str, Any]) -> Dict[str, Any]:
+        if self.accepts is None:
+            return fields
+        return {k: v for k, v in fields.items() if k in self.accepts}
+
+    def call_one(self, prompt: Any, completion: str, fields: Dict[str, Any]) -> float:
+        if self.batched:
+            out = self.fn([prompt], [completion],
+                          **{k: [v] for k, v in self._select(fields).items()})
+            out = list(out)
+            if len(out) != 1:
+                raise ValueError(f"batched reward '{self.name}' returned {len(out)} values for 1")
+            return float(out[0])
+        return float(self.fn(prompt, completion, **self._select(fields)))
+
+    def call_batch(self, prompts: Sequence[Any], completions: Sequence[str],
+                   fields: Sequence[Dict[str, Any]]) -> List[float]:
+        if not self.batched:
+            return [self.call_one(p, c, f) for p, c, f in zip(prompts, completions, fields)]
+        names = set().union(*(f.keys() for f in fields)) if fields else set()
+        cols = {k: [f.get(k) for f in fields] for k in names}
+        out = [float(v) for v in self.fn(list(prompts), list(completions), **self._select(cols))]
+        if len(out) != len(prompts):
+            raise ValueError(f"batched reward '{self.name}' returned {len(out)} values "
+                             f"for {len(prompts)} samples")
+        return out
+
+    def check_fields(self, available: Sequence[str], key: str) -> None:
+        missing = sorted(self.required - set(available))
+        if missing:
+            raise ValueError(f"{key}: reward '{self.name}' needs field(s) {', '.join(missing)} "
+                             f"that the data does not provide; available: "
+                             f"{', '.join(sorted(available)) or '(none)'} (see task.fields)")
+
+
+def _describe(fn: Callable, name: str, weight: float, batched: Optional[bool], key: str) -> RewardFn:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: pass everything
+        return RewardFn(name, fn, weight, bool(batched), None, frozenset())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var_pos = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(positional) < 2 and not var_pos:
+        raise ValueError(f"{key}: reward '{name}' must take (prompt, completion, **fields); "
+                         f"its signature is {inspect.signature(fn)}")
+    if batched is None:
+        batched = [p.name for p in positional[:2]] == ["prompts", "completions"]
+    rest = [p for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    accepts = None if var_kw else frozenset(p.name for p in rest)
+    required = frozenset(p.name for p in rest if p.default is inspect.Parameter.empty)
+    return RewardFn(name, fn, weight, bool(batched), accepts, required)
+
+
+def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]]) -> List[RewardFn]:
+    """The reward functions of ``task.reward_fn`` / ``task.rewards`` (exactly one set)."""
+    from rlctl.tasks.base import RESERVED_REWARD_NAMES
+
+    if reward_fn and rewards:
+        raise ValueError("set task.reward_fn or task.rewards, not both")
+    if not reward_fn and not rewards:
+        raise ValueError("a data task needs a reward: task.reward_fn=package.module:function "
+                         "(or task.rewards=[{fn: ..., weight: ...}])")
+    items = [{"fn": reward_fn}] if reward_fn else list(rewards)
+    out: List[RewardFn] = []
+    for i, item in enumerate(items):
+        key = "task.reward_fn" if reward_fn else f"task.rewards[{i}]"
+        if isinstance(item, str):
+            item = {"fn": item}
+        if not isinstance(item, dict):
+            raise ValueError(f"{key} must be 'module:function' or a mapping with keys "
+                             f"{', '.join(SPEC_KEYS)}; got {item!r}")
+        unknown = sorted(set(item) - set(SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"{key}: unknown key '{unknown[0]}'; valid: {', '.join(SPEC_KEYS)}")
+        if "fn" not in item:
+            raise ValueError(f"{key}: missing 'fn' (package.module:function)")
+        weight = item.get("weight", 1.0)
+        if weight is None:
+            weight = 1.0
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ValueError(f"{key}: weight must be a finite number, got {weight!r}")
+        batched = item.get("batched")
+        if batched is not None and not isinstance(batched, bool):
+            raise ValueError(f"{key}: batched must be true, false or null, got {batched!r}")
+        fn = load_function(item["fn"], f"{key}.fn" if not reward_fn else key)
+        name = item.get("name") or (item["fn"] if item["fn"] in BUILTIN_REWARDS
+                                    else getattr(fn, "__name__", f"reward{i}"))
+        name = str(name)
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"{key}: reward name '{name}' must be letters, digits, _ or -")
+        if name in RESERVED_REWARD_NAMES:
+            raise ValueError(f"{key}: reward name '{name}' is taken by the engine's own "
+                             f"reward/{name} metric; set name: to another")
+        if any(r.name == name for r in out):
+            raise ValueError(f"{key}: two rewards are named '{name}'; give one a name:")
+        out.append(_describe(fn, name, float(weight), batched, key))
+    return out
