@@ -17,6 +17,7 @@ from rlctl.config import GROUPS, register_schemas
 
 CONF_DIR = Path(__file__).parent / "conf"
 RECIPE_GROUP = "recipe"
+CRITIC_KEYS = {"algo.vf_coef", "algo.value_clip", "algo.critic_warmup_steps", "algo.lam"}
 
 
 class ConfigError(ValueError):
@@ -57,7 +58,8 @@ def _explain(exc: Exception, overrides: Sequence[str]) -> str:
         key = re.search(r"full_key: ([\w.\[\]]+)", msg)
         where = f" for '{key.group(1)}'" if key else ""
         return f"invalid value '{m.group(1)}'{where}: expected {m.group(2).lower()}"
-    if "mismatched input" in msg or "no viable alternative" in msg or "extraneous input" in msg:
+    if any(t in msg for t in ("mismatched input", "no viable alternative", "extraneous input",
+                              "missing EQUAL")):
         bad = [o for o in overrides if "=" not in o]
         what = f"'{bad[0]}'" if bad else "an override"
         return f"cannot parse {what}; overrides look like key=value (e.g. algo.clip_eps=0.1)"
@@ -169,6 +171,11 @@ def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Comp
         for key in ("hydra", "defaults"):
             cfg.pop(key, None)
     validate(cfg)
+    critic_only = [o.split("=", 1)[0] for o in given if o.split("=", 1)[0] in CRITIC_KEYS]
+    if critic_only and cfg.algo.critic == "none":
+        raise ConfigError(f"{critic_only[0]} is a critic setting, and algo={choices['algo']} has no "
+                          "critic; use an algorithm with one (algo=ppo) or set algo.critic=shared "
+                          "with algo.advantage=gae")
     return Composed(cfg=cfg, choices=choices, overrides=given, recipe=recipe)
 
 
@@ -186,7 +193,7 @@ class _open_struct:
 def _choice(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
     value = OmegaConf.select(cfg, key)
     if value not in valid:
-        raise ConfigError(f"invalid {key} '{value}'; valid: {', '.join(valid)}")
+        raise ConfigError(f"invalid {key} '{value}'; valid: {', '.join(map(str, valid))}")
 
 
 def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:

@@ -54,11 +54,30 @@ class AlgoConfig:
 
 @dataclass
 class TaskConfig:
+    """One schema for every task; each conf/task/*.yaml sets the keys its task takes
+    (the first four in all of them). A key left None does not apply to the chosen task;
+    a task rejects a non-None key it does not take (rlctl.tasks.base.build_task)."""
     name: str = MISSING
-    num_digits: int = MISSING
-    reward: str = MISSING          # exact | positional | inclusion_order
-    num_eval: int = MISSING        # held-out prompts
-    seed: int = MISSING            # seed of the prompt generator (train/eval split)
+    prompt_format: str = MISSING   # raw | chat (prompts through the tokenizer's chat template)
+    system_prompt: Optional[str] = None  # chat only
+    reward_timeout_s: Optional[float] = MISSING  # per reward batch; 0 or null: no limit
+    on_reward_error: str = MISSING  # zero (score 0 and count) | raise
+    # generated tasks (sorting, arithmetic)
+    num_digits: Optional[int] = None
+    reward: Optional[str] = None   # sorting: exact | positional | inclusion_order; arithmetic: exact | partial
+    num_eval: Optional[int] = None  # held-out prompts
+    seed: Optional[int] = None     # seed of the prompt generator (train/eval split)
+    ops: Optional[List[str]] = None  # arithmetic: + - *
+    style: Optional[str] = None    # arithmetic: symbolic | words
+    # data tasks (jsonl)
+    train_path: Optional[str] = None
+    eval_path: Optional[str] = None
+    format: Optional[str] = None   # auto | jsonl | json | csv | tsv | parquet | arrow | hf
+    prompt_field: Optional[str] = None
+    fields: Optional[List[str]] = None  # columns handed to the reward; null: all but the prompt
+    reward_fn: Optional[str] = None     # package.module:function | path/file.py:function | math | exact
+    rewards: Optional[List[Any]] = None  # [{fn: ..., weight: 1.0, name: ..., batched: ...}]
+    correct_threshold: Optional[float] = None  # eval/exact_match: total reward >= this
 
 
 @dataclass
@@ -83,6 +102,7 @@ class ModelConfig:
     num_heads: int = 4
     warmup_steps: int = 0
     warmup_lr: float = 1e-3
+    warmup_task: str = "sorting"   # sorting | arithmetic (other task names: sorting)
     cache_dir: Optional[str] = None
     lora: LoraConfig = field(default_factory=LoraConfig)
 

@@ -49,7 +49,9 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     log_r = ref_logp - logp  # [N, T]
-    return torch.exp(log_r) - log_r - 1.0  # [N, T]
+    # expm1 avoids the cancellation of exp(x) - 1 near x = 0; the clamp removes the last
+    # rounding below 0 (k3 >= 0 exactly in real arithmetic; found by the property test)
+    return (torch.expm1(log_r) - log_r).clamp(min=0.0)  # [N, T]
 
 
 KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {

@@ -175,6 +175,11 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     cfg = composed.cfg
     OmegaConf.resolve(cfg)
     _build_task(cfg)                       # bad task options fail before anything is written
+    from rlctl.models.loading import check_source
+    try:
+        check_source(cfg.model.name, cfg.model.name_or_path)
+    except ValueError as exc:
+        raise UserError(f"cannot load model: {exc}") from None
     if resume is None:
         run_dir = rundir.create_run_dir(cfg.run.output_dir, cfg.run.name)
         rundir.write_config(run_dir, composed)

@@ -42,6 +42,13 @@ def _prepare_tokenizer(tokenizer, model):
     return tokenizer
 
 
+def check_source(name: str, name_or_path: Optional[str]) -> None:
+    """Fail early (before a run directory is made) on a local model path that is missing."""
+    if name == "hf" and name_or_path and _looks_like_path(name_or_path) \
+            and not os.path.isdir(Path(name_or_path).expanduser()):
+        raise ValueError(f"model path '{name_or_path}' does not exist or is not a directory")
+
+
 def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
                              dtype: Any = "float32", device: Any = "cpu",
                              **tiny_kwargs) -> Tuple[Any, Any]:
@@ -73,7 +80,8 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
     else:
         raise ValueError(f"unknown model '{name}'; valid: {', '.join(MODELS)}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        # safetensors only: a pickled .bin checkpoint can run code when loaded
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -51,6 +51,11 @@ MAX_POSITIONS = 64
 WARMUP_BATCH_SIZE = 64
 WARMUP_TASK_SEED = 1234  # the default sorting task's split seed
 WARMUP_SORTED_FRAC = 0.2  # share of warm-up answers that are sorted; the rest are permuted
+# Warm-up tasks (model.warmup_task). Any other registered task name (e.g. jsonl) gets the
+# sorting warm-up. The arithmetic warm-up is on 2-digit addition ("1 2 + 3 4 =" -> "4 6")
+# from the default arithmetic task's training split; its settings are calibrated below.
+WARMUP_TASKS = ("sorting", "arithmetic")
+ARITH_WARMUP = {"batch_size": 256, "correct_frac": 1.0}
 
 
 def build_tokenizer():
@@ -144,17 +149,23 @@ def default_cache_dir() -> Path:
 
 def build_params(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                  warmup_steps: int = 0, warmup_lr: float = 1e-3, seed: int = 0,
-                 warmup_num_digits: int = 5) -> Dict[str, object]:
-    """Everything that determines the built model (the cache key hashes this)."""
+                 warmup_num_digits: int = 5, warmup_task: str = "sorting") -> Dict[str, object]:
+    """Everything that determines the built model (the cache key hashes this). The
+    sorting warm-up adds no key, so its cache keys are those of before warm-up tasks."""
     import transformers
 
-    return {"code_version": CODE_VERSION, "hidden_size": int(hidden_size),
+    params = {"code_version": CODE_VERSION, "hidden_size": int(hidden_size),
             "num_layers": int(num_layers), "num_heads": int(num_heads),
             "warmup_steps": int(warmup_steps), "warmup_lr": float(warmup_lr),
             "warmup_batch_size": WARMUP_BATCH_SIZE, "warmup_num_digits": int(warmup_num_digits),
             "warmup_task_seed": WARMUP_TASK_SEED, "warmup_sorted_frac": WARMUP_SORTED_FRAC,
             "seed": int(seed),
             "torch": torch.__version__, "transformers": transformers.__version__}
+    if warmup_task != "sorting":  # the arithmetic warm-up's own settings replace sorting's
+        params.update({"warmup_task": warmup_task, "warmup_num_digits": 2,
+                       **{f"warmup_{k}": v for k, v in ARITH_WARMUP.items()}})
+        del params["warmup_sorted_frac"]
+    return params
 
 
 def cache_key(params: Dict[str, object]) -> str:
@@ -176,23 +187,55 @@ def warmup_answers(task, examples, sorted_frac: float, seed: int) -> List[str]:
     return answers
 
 
+def arithmetic_warmup_answers(task, examples, correct_frac: float, seed: int) -> List[str]:
+    """The right answer with probability ``correct_frac``, else a random number with as
+    many digits (the format without the skill)."""
+    from rlctl.tasks.arithmetic import spaced
+
+    rng = random.Random(seed)
+    answers = []
+    for ex in examples:
+        n = ex.fields["answer"]
+        if rng.random() < correct_frac:
+            answers.append(task.answer(ex))
+        else:
+            width = len(str(abs(n)))
+            answers.append(spaced(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width)))
+    return answers
+
+
+def _warmup_data(params: Dict[str, object]):
+    """(task, prompts, answers, batch size, eval max_new_tokens) of the warm-up task."""
+    if params.get("warmup_task", "sorting") == "arithmetic":
+        from rlctl.tasks.arithmetic import ArithmeticTask
+
+        task = ArithmeticTask(num_digits=2, ops=["+"], seed=WARMUP_TASK_SEED)
+        train = task.train_examples()
+        return (task, [ex.prompt for ex in train],
+                arithmetic_warmup_answers(task, train, params["warmup_correct_frac"],
+                                          params["seed"]), params["warmup_batch_size"], 8)
+    from rlctl.tasks.sorting import SortingTask
+
+    task = SortingTask(num_digits=params["warmup_num_digits"], seed=WARMUP_TASK_SEED)
+    train = task.train_examples()
+    return (task, [ex.prompt for ex in train],
+            warmup_answers(task, train, params["warmup_sorted_frac"], params["seed"]),
+            WARMUP_BATCH_SIZE, params["warmup_num_digits"] + 3)
+
+
 def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]:
     from rlctl.models.generation import greedy_exact_match
-    from rlctl.tasks.sorting import SortingTask
 
     t0 = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, params["hidden_size"], params["num_layers"],
                         params["num_heads"], params["seed"])
-    task = SortingTask(num_digits=params["warmup_num_digits"], seed=WARMUP_TASK_SEED)
-    train = task.train_examples()
-    losses = supervised_warmup(model, tokenizer, [ex.prompt for ex in train],
-                               warmup_answers(task, train, params["warmup_sorted_frac"],
-                                              params["seed"]), params["warmup_steps"],
-                               params["warmup_lr"], params["seed"])
+    task, prompts, answers, batch_size, eval_tokens = _warmup_data(params)
+    losses = supervised_warmup(model, tokenizer, prompts, answers, params["warmup_steps"],
+                               params["warmup_lr"], params["seed"], batch_size=batch_size)
     t_train = time.perf_counter() - t0
     exact, fmt = greedy_exact_match(model, tokenizer, task, task.eval_examples(),
-                                    max_new_tokens=params["warmup_num_digits"] + 3)
+                                    max_new_tokens=eval_tokens)
     model.save_pretrained(directory)  # safetensors
     tokenizer.save_pretrained(directory)
     meta = dict(params, num_parameters=sum(p.numel() for p in model.parameters()),
@@ -204,16 +247,33 @@ def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]
     return meta
 
 
+def resolve_warmup_task(name: Optional[str]) -> str:
+    """The warm-up for ``name``: itself if it has one, sorting for other registered tasks."""
+    if name is None or name in WARMUP_TASKS:
+        return name or "sorting"
+    from rlctl.tasks import TASKS
+
+    if name in TASKS:
+        return "sorting"
+    raise ValueError(f"invalid model.warmup_task '{name}'; valid: {', '.join(WARMUP_TASKS)} "
+                     f"(other tasks: {', '.join(sorted(set(TASKS) - set(WARMUP_TASKS)))} "
+                     "get the sorting warm-up)")
+
+
 def build_tiny(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                warmup_steps: int = 0, warmup_lr: float = 1e-3, seed: int = 0,
-               warmup_num_digits: int = 5, cache_dir: Optional[os.PathLike] = None) -> Path:
+               warmup_num_digits: int = 5, cache_dir: Optional[os.PathLike] = None,
+               warmup_task: str = "sorting") -> Path:
     """Directory of the tiny model (model + tokenizer), building it on first use.
+
+    ``warmup_task``: sorting | arithmetic; the name of any other registered task (e.g.
+    jsonl, the default config's ``${task.name}``) means sorting.
 
     Cached under ``cache_dir`` (default ``$RLCTL_CACHE`` or ``~/.cache/rlctl``) in
     ``tiny-<hash>``, the hash covering every parameter that affects the weights.
     """
     params = build_params(hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed,
-                          warmup_num_digits)
+                          warmup_num_digits, resolve_warmup_task(warmup_task))
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     final = root / cache_key(params)
     if final.is_dir():
