@@ -39,7 +39,7 @@ def test_help_lists_commands_and_groups():
     (["algo.foo=1"], "unknown config key 'algo.foo'"),
     (["algo.clip_eps=abc"], "expected float"),
     (["algo=nope"], "valid: cispo, dapo, dr_grpo, grpo, gspo, ppo, reinforce, rloo"),
-    (["task=nope"], "valid: sorting"),
+    (["task=nope"], "unknown task 'nope'; valid: "),
     (["algo.loss_agg_mode=mean"], "valid: token-mean"),
     (["--recipe", "/nonexistent/recipe.yaml"], "cannot read recipe"),
     (["--bogus"], "unknown option '--bogus'"),

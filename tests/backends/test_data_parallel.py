@@ -11,8 +11,9 @@ import torch
 from omegaconf import OmegaConf
 
 WORKER = Path(__file__).with_name("dp_worker.py")
-TINY = {k: v for k, v in OmegaConf.load(Path(__file__).parents[2] / "rlctl/conf/model/tiny.yaml").items()
-        if k in ("hidden_size", "num_layers", "num_heads", "warmup_steps", "warmup_lr")}
+TINY = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(
+    Path(__file__).parents[2] / "rlctl/conf/model/tiny.yaml"), resolve=False).items()
+    if k in ("hidden_size", "num_layers", "num_heads", "warmup_steps", "warmup_lr")}
 AGGS = ["token-mean", "seq-mean-token-mean"]
 STAGES = [0, 1, 2, 3]
 
