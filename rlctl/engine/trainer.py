@@ -99,7 +99,9 @@ class Trainer:
                        if algo.kl.target is not None else FixedKLController(algo.kl.coef))
         self.ref_model = ref_model if ref_model is not None else (
             frozen_copy(getattr(model, "policy", model)) if algo.kl.coef > 0 else None)
-        self.model = self.backend.prepare(model, critic, tr.lr, tr.betas, tr.weight_decay,
+        lora = cfg.model.lora
+        lr = lora.lr if lora.enabled and lora.lr is not None else tr.lr
+        self.model = self.backend.prepare(model, critic, lr, tr.betas, tr.weight_decay,
                                           tr.warmup_steps, tr.max_grad_norm)
         self.scorer = SafeScorer(task)
         self.train_examples = task.train_examples()

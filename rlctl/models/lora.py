@@ -73,7 +73,7 @@ def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
     try:
         from peft import LoraConfig, PeftModel, TaskType, get_peft_model
     except ImportError:
-        raise ImportError("LoRA needs peft: pip install 'rlctl[scale]' (peft==0.21.2)") from None
+        raise ImportError("LoRA needs peft (peft==0.21.2, a dependency of rlctl): reinstall rlctl") from None
 
     if isinstance(model, PeftModel):
         raise ValueError("the model already has peft adapters; apply_lora expects a plain model")
