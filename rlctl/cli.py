@@ -63,14 +63,15 @@ def train(ctx: typer.Context,
     overrides: List[str] = list(ctx.args)
     bad_flags = [a for a in overrides if a.startswith("--")]
     if bad_flags:
-        _fail(f"unknown option '{bad_flags[0]}'; options: --recipe NAME|PATH, -m/--multirun, "
+        _fail(f"unknown option '{bad_flags[0]}'; options: --recipe NAME|PATH, --resume RUN_DIR, -m/--multirun, "
               "--dry-run, --debug, --help")
-    try:
+    from rlctl.errors import run_command
+
+    def work() -> None:
         if multirun:
             from rlctl.engine.sweep import run_sweep
             run_sweep(overrides, recipe)
-            return
-        if dry_run:
+        elif dry_run:
             from omegaconf import OmegaConf
 
             from rlctl.compose import compose
@@ -78,27 +79,13 @@ def train(ctx: typer.Context,
             cfg = compose(overrides, recipe).cfg
             OmegaConf.resolve(cfg)
             plan(cfg)
-            return
-        if resume and (recipe or multirun):
-            _fail("--resume takes the run's own recipe; it cannot be combined with --recipe or -m")
-        from rlctl.engine.run import run_training
-        run_training(overrides, recipe, resume=resume)
-    except KeyboardInterrupt as exc:
-        run_dir, step = getattr(exc, "run_dir", None), getattr(exc, "step", None)
-        if run_dir is not None and step:
-            typer.echo(f"interrupted after step {step}; checkpoint saved. Resume with: "
-                       f"rlctl train --resume {run_dir}", err=True)
         else:
-            typer.echo("interrupted (no checkpoint written)", err=True)
-        raise typer.Exit(130)
-    except typer.Exit:
-        raise
-    except Exception as exc:  # noqa: BLE001 - one line for users, the traceback with --debug
-        from rlctl.errors import user_message
-        if debug:
-            raise
-        message, code = user_message(exc)
-        _fail(message, code)
+            from rlctl.engine.run import run_training
+            run_training(overrides, recipe, resume=resume)
+
+    if resume and (recipe or multirun):
+        _fail("--resume takes the run's own recipe; it cannot be combined with --recipe or -m")
+    run_command(work, debug)
 
 
 @app.command()

@@ -47,22 +47,8 @@ INSPECT_HELP = """Summarise run directories or audit a rollout file.
 
 
 def _run(fn: Callable[[], object], debug: bool) -> None:
-    """Run a command: one line on stderr and exit 2 for bad input (traceback with --debug)."""
-    try:
-        fn()
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        raise typer.Exit(130)
-    except typer.Exit:
-        raise
-    except Exception as exc:  # noqa: BLE001 - one line for users, the traceback with --debug
-        if debug:
-            raise
-        from rlctl.errors import user_message
-
-        message, code = user_message(exc)
-        typer.echo(f"error: {message}", err=True)
-        raise typer.Exit(code)
+    from rlctl.errors import run_command
+    run_command(fn, debug)
 
 
 def _int(name: str, value: Optional[str]) -> Optional[int]:

@@ -23,12 +23,20 @@ __all__ = ["token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum",
            "masked_whiten", "completion_mask"]
 
 
+CHUNK_ELEMENTS = 1 << 22   # rows per chunk: as many as fit in 4M elements (at least one)
+
+
 def _rowwise(logits: torch.Tensor, fn) -> torch.Tensor:
-    """Apply `fn` ([T, V] float -> [T]) to each row of [N, T, V]; bounds the float copy."""
+    """Apply `fn` ([..., V] float -> [...]) to chunks of rows of [N, T, V]; bounds the float
+    copy to ``CHUNK_ELEMENTS`` (a large-vocabulary row is its own chunk), while small
+    vocabularies take one call instead of N (the per-row loop cost ~1 ms per step)."""
     dtype = acc_dtype(logits)
     if logits.shape[0] == 0:
         return logits.new_zeros(logits.shape[:-1], dtype=dtype)
-    return torch.stack([fn(row.to(dtype)) for row in logits])  # [N, T]
+    rows = max(1, CHUNK_ELEMENTS // max(logits[0].numel(), 1))
+    if rows >= logits.shape[0]:
+        return fn(logits.to(dtype))                                    # [N, T]
+    return torch.cat([fn(c.to(dtype)) for c in logits.split(rows)])   # [N, T]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -44,8 +52,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def _entropy_row(row: torch.Tensor) -> torch.Tensor:
     # H = logsumexp(z) - sum_v softmax(z)_v * z_v   (stable: no log of a tiny p)
-    p = torch.softmax(row, dim=-1)  # [T, V]
-    return torch.logsumexp(row, dim=-1) - (p * row).sum(-1)  # [T]
+    p = torch.softmax(row, dim=-1)  # [..., T, V]
+    return torch.logsumexp(row, dim=-1) - (p * row).sum(-1)  # [..., T]
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

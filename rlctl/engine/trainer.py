@@ -49,8 +49,16 @@ class SafeScorer:
 
     def __init__(self, task: Task):
         self.task, self.errors = task, 0
+        self.seconds = 0.0           # time spent scoring (bench: time/score_s)
 
     def __call__(self, example: Example, completion: str) -> float:
+        t0 = time.perf_counter()
+        try:
+            return self._score(example, completion)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _score(self, example: Example, completion: str) -> float:
         try:
             value = float(self.task.reward(example, completion))
         except Exception:  # noqa: BLE001 - a reward function must never crash the run
@@ -156,10 +164,11 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------
     def step(self, step: int) -> Dict[str, float]:
         cfg = self.cfg
-        t0 = time.perf_counter()
+        t0, score0 = time.perf_counter(), self.scorer.seconds
         self.model.eval()
         batch, kept = collect(self._sample, self.local_prompts, cfg.algo.dynamic_sampling,
                               cfg.algo.max_sampling_rounds, self.tokenizer.pad_token_id)
+        t_gen, score_s = time.perf_counter(), self.scorer.seconds - score0
         self._prepare(batch)
         t1 = time.perf_counter()
         frozen = step <= cfg.algo.critic_warmup_steps
@@ -183,6 +192,8 @@ class Trainer:
                        "optim/lr": self.backend.lr(),
                        "reward/errors": float(self.scorer.errors),
                        "time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
+                       "time/generate_s": t_gen - t0 - score_s, "time/score_s": score_s,
+                       "time/logprob_s": t1 - t_gen,     # old/reference forwards + advantages
                        "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9)})
         if "kl/seq_k1" in values:
             self.kl_ctl.update(values["kl/seq_k1"], 1)

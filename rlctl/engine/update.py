@@ -39,6 +39,7 @@ class UpdateSettings:
     temperature: float
     clip_ratio_c: Optional[float] = None
     micro_batch_size: int = 0              # sequences per forward; 0: the whole minibatch
+    trim_padding: bool = True              # cut each micro-batch to its longest completion
     vf_coef: float = 0.0
     value_clip: Optional[float] = None
 
@@ -54,22 +55,47 @@ def _chunks(rows: torch.Tensor, size: int) -> List[torch.Tensor]:
     return [rows] if size <= 0 or size >= rows.numel() else list(rows.split(size))
 
 
+def take_rows(batch: RolloutBatch, rows: torch.Tensor, width: Optional[int] = None) -> RolloutBatch:
+    """Rows (a CPU index) of the batch's tensors, completion columns cut to ``width``
+    (None: all T). Unlike ``RolloutBatch.select`` it copies no text lists and makes no
+    host sync (the learner needs neither). Cutting is exact when every dropped column
+    is padding in these rows: causal attention means later columns never change the
+    logits of earlier ones, and mask-0 columns add nothing to any loss sum."""
+    P = batch.prompt_len
+    w = batch.mask.shape[1] if width is None else width
+    rows = rows.to(batch.mask.device)
+    cut = lambda t: None if t is None else t[rows, :w]  # noqa: E731  [n, w] (or [n, 1])
+    return RolloutBatch(
+        input_ids=batch.input_ids[rows, :P + w], attention_mask=batch.attention_mask[rows, :P + w],
+        mask=cut(batch.mask), truncated=batch.truncated[rows], rewards=batch.rewards[rows],
+        group_ids=batch.group_ids[rows], prompt_len=P, group_size=batch.group_size,
+        prompts=[], completions=[], old_logprobs=cut(batch.old_logprobs),
+        ref_logprobs=cut(batch.ref_logprobs), advantages=cut(batch.advantages),
+        old_values=cut(batch.old_values), returns=cut(batch.returns))
+
+
 def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
-                         critic=None, backend=None) -> Dict[str, torch.Tensor]:
+                         critic=None, backend=None, row_len: Optional[torch.Tensor] = None
+                         ) -> Dict[str, torch.Tensor]:
     """Backward of one minibatch's loss, micro-batch by micro-batch; returns metrics
     (token-weighted means of detached tensors). Does not step or zero the optimizer.
 
     With a data-parallel ``backend`` the normalisers are summed over ranks, so each
-    rank's backward carries its exact share of the global minibatch loss."""
+    rank's backward carries its exact share of the global minibatch loss.
+    ``row_len``: counted completion length of each row, on the CPU ([N] long; computed
+    here, with one host sync, when not given): each micro-batch is trimmed to its
+    longest row (``s.trim_padding``)."""
     backend = backend or _LOCAL
+    if row_len is None:
+        row_len = batch.mask.sum(-1).long().cpu()                            # [N]
     denom = backend.all_reduce_sum(agg_denominator(batch.mask, s.agg_mode, s.norm_len)).clamp(min=1e-12)
     vdenom = backend.all_reduce_sum(batch.mask.sum()).clamp(min=1)           # value term: token-mean
     scale = backend.dp_loss_scale            # undoes the backend's averaging of gradients
     sums: Dict[str, torch.Tensor] = {}       # token-weighted metric sums
     exact: Dict[str, torch.Tensor] = {}      # loss terms: micro-batch shares add up exactly
-    for rows in _chunks(torch.arange(batch.num_sequences, device=batch.mask.device),
-                        s.micro_batch_size):
-        mb = batch.select(rows)
+    for rows in _chunks(torch.arange(batch.num_sequences), s.micro_batch_size):   # CPU rows
+        width = max(int(row_len[rows].max()), 1) if s.trim_padding else None
+        mb = take_rows(batch, rows, width)                                    # [n, P + width]
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
                             s.temperature, with_entropy=True, critic=critic)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
@@ -132,12 +158,13 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     model.train()
     records: Dict[str, List[torch.Tensor]] = {}
     shuffle = s.epochs * s.minibatches > 1
+    row_len = batch.mask.sum(-1).long().cpu()          # [N]; one host sync per rollout
     for _ in range(s.epochs):
         order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
         for rows in order.chunk(s.minibatches):
             backend.zero_grad()
-            metrics = accumulate_gradients(model, batch.select(rows.to(batch.mask.device)), s, st,
-                                           critic, backend)
+            mb = batch if not shuffle and s.minibatches == 1 else take_rows(batch, rows)
+            metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_len[rows])
             # A non-finite loss (on any rank) skips this optimizer step on every rank: one
             # host sync per optimizer step, the only one in the update.
             bad = (~torch.isfinite(metrics["loss"] + metrics.get("value/loss", 0.0))).float()
