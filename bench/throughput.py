@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python bench/throughput.py [--steps 30] [--warmup 5] [--t90]
                                                  [--modes floor,sync,async] [--out bench/throughput.md]
 
-Each mode runs in its own subprocess (so peak RSS is its own), one after the other:
+floor and sync run interleaved step by step in one subprocess (the same background
+load for both; their peak RSS is that process's), async in its own subprocess:
 - floor: plain ``model.generate`` (sampling, B*G prompts, same max_new_tokens) + one
   forward / backward / AdamW step on the generated batch (no scoring, no advantages);
 - sync: rlctl's ``Trainer.step`` (default config: GRPO, single pass, no reference);
@@ -48,16 +49,17 @@ def _setup(overrides):
     return cfg, task, model, tok
 
 
-def run_floor(steps: int, warmup: int, overrides) -> dict:
+def floor_stepper(cfg, task, model, tok):
+    """One floor step per call -> completion tokens."""
     import torch
 
-    cfg, task, model, tok = _setup(overrides)
     n = cfg.trainer.prompts_per_step * cfg.algo.group_size
     examples = task.train_examples()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr)
-    times, tokens = [], []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
+    count = iter(range(1 << 30))
+
+    def one() -> float:
+        i = next(count)
         prompts = [examples[(i * n + j) % len(examples)].prompt for j in range(n)]
         enc = tok(prompts, return_tensors="pt", padding=True)
         model.eval()
@@ -77,10 +79,45 @@ def run_floor(steps: int, warmup: int, overrides) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm)
         opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            tokens.append(float(mask.sum()))
-    return {"step_s": statistics.median(times), "tokens": statistics.mean(tokens)}
+        return float(mask.sum())
+    return one
+
+
+def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
+    """Steps of each mode interleaved round-robin in this process (fair under a noisy,
+    shared CPU: every mode sees the same background load)."""
+    import copy
+
+    from rlctl.engine.trainer import Trainer
+    from rlctl.sinks import NullSink
+
+    cfg, task, model, tok = _setup(overrides)
+    steppers = {}
+    for mode in modes:
+        if mode == "floor":
+            steppers[mode] = floor_stepper(cfg, task, copy.deepcopy(model), tok)
+        else:
+            steppers[mode] = Trainer(cfg, copy.deepcopy(model), tok, task, NullSink())
+    res = {m: {"times": [], "tokens": [], **{k: [] for k in PHASES}} for m in modes}
+    for i in range(1, warmup + steps + 1):
+        for mode, st in steppers.items():
+            t0 = time.perf_counter()
+            values = st.step(i) if mode != "floor" else {"tokens": st()}
+            dt = time.perf_counter() - t0
+            if i <= warmup:
+                continue
+            r = res[mode]
+            r["times"].append(dt)
+            r["tokens"].append(values.get("tokens") or values["perf/tokens_per_s"]
+                               * (values["time/rollout_s"] + values["time/update_s"]))
+            for k in PHASES:
+                if k in values:
+                    r[k].append(values[k])
+    out = {}
+    for mode, r in res.items():
+        out[mode] = {"step_s": statistics.median(r["times"]), "tokens": statistics.mean(r["tokens"]),
+                     **{k: statistics.median(r[k]) for k in PHASES if r[k]}}
+    return out
 
 
 def run_trainer(steps: int, warmup: int, overrides) -> dict:
@@ -107,8 +144,8 @@ def run_trainer(steps: int, warmup: int, overrides) -> dict:
 
 
 def child(mode: str, steps: int, warmup: int, overrides) -> None:
-    if mode == "floor":
-        res = run_floor(steps, warmup, overrides)
+    if mode == "floor+sync":
+        res = run_modes(["floor", "sync"], steps, warmup, overrides)
     else:
         extra = ["trainer.async.enabled=true"] if mode == "async" else []
         res = run_trainer(steps, warmup, overrides + extra)
@@ -169,7 +206,14 @@ def main() -> None:
     if args.child:
         return child(args.child, args.steps, args.warmup, args.overrides)
     results, t90 = {}, {}
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    if "floor" in modes and "sync" in modes:     # interleaved in one process (shared RSS)
+        pair = measure("floor+sync", args.steps, args.warmup, args.overrides)
+        rss = pair.pop("peak_rss_mb", float("nan"))
+        for m in ("floor", "sync"):
+            results[m] = {**pair[m], "peak_rss_mb": rss} if m in pair else pair
+            print(m, json.dumps(results[m]), flush=True)
+    for mode in [m for m in modes if m not in results]:
         results[mode] = measure(mode, args.steps, args.warmup, args.overrides)
         print(mode, json.dumps(results[mode]), flush=True)
     if args.t90:

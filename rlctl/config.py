@@ -139,6 +139,13 @@ class RolloutConfig:
 
 
 @dataclass
+class AsyncConfig:
+    enabled: bool = MISSING        # rollout actor process + learner (rlctl/engine/async_rollout.py)
+    max_staleness: int = MISSING   # a rollout is at most this many learner steps old (0: synchronous)
+    sync_every: int = MISSING      # learner steps between weight syncs to the actor
+
+
+@dataclass
 class TrainerConfig:
     steps: int = MISSING
     prompts_per_step: int = MISSING  # B
@@ -153,6 +160,24 @@ class TrainerConfig:
     checkpoint_every: int = MISSING  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = MISSING  # the newest K are kept
     max_bad_steps: int = MISSING     # consecutive non-finite steps before the run stops
+    # + `async: AsyncConfig` (a Python keyword: added after the class, see _add_field)
+
+    def __post_init__(self):
+        setattr(self, "async", AsyncConfig())
+
+
+def _add_field(cls, name: str, typ, factory) -> None:
+    """Register a dataclass field whose name is a Python keyword (OmegaConf reads
+    ``dataclasses.fields``; no generated ``__init__`` has to spell the name)."""
+    import dataclasses
+
+    f = field(default_factory=factory)
+    f.name, f.type, f._field_type = name, typ, dataclasses._FIELD
+    cls.__dataclass_fields__[name] = f
+    cls.__annotations__[name] = typ
+
+
+_add_field(TrainerConfig, "async", AsyncConfig, AsyncConfig)
 
 
 @dataclass

@@ -128,7 +128,10 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False) -> Optional
         try:
             trainer = Trainer(cfg, model, tokenizer, task, sink, critic=critic,
                               ref_model=ref_model, backend=backend)
-            result = trainer.train(run_dir=run_dir, resume_from=resume_from)
+            try:
+                result = trainer.train(run_dir=run_dir, resume_from=resume_from)
+            finally:
+                trainer.close()                  # async mode: stop the rollout actor
             sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
         finally:
             sink.close()

@@ -117,6 +117,12 @@ class Trainer:
         self.sampler = random.Random(cfg.seed * 1000 + self.backend.rank)
         world = self.backend.world_size
         self.local_prompts = tr.prompts_per_step // world   # compose() checks divisibility
+        from rlctl.engine.async_rollout import AsyncSource, LocalSource
+        self.source = AsyncSource(self) if tr["async"].enabled else LocalSource(self)
+
+    def close(self) -> None:
+        """Stop the rollout actor (async mode); the loop calls it at the end."""
+        self.source.close()
 
     @property
     def policy(self):
@@ -145,7 +151,9 @@ class Trainer:
         if self._needs_old_forward():
             self.model.eval()
             f = learner_forward(self.model, *args, critic=self.critic)
-            batch.old_logprobs, batch.old_values = f.logp, f.values
+            if batch.old_logprobs is None:     # async: a stale rollout keeps the behaviour policy's
+                batch.old_logprobs = f.logp
+            batch.old_values = f.values
         if self.ref_model is not None:
             batch.ref_logprobs = learner_forward(self.ref_model, *args).logp
         batch.advantages, batch.returns = compute_advantages(
@@ -166,7 +174,7 @@ class Trainer:
         cfg = self.cfg
         t0, score0 = time.perf_counter(), self.scorer.seconds
         self.model.eval()
-        batch, kept = collect(self._sample, self.local_prompts, cfg.algo.dynamic_sampling,
+        batch, kept = collect(self.source.sample, self.local_prompts, cfg.algo.dynamic_sampling,
                               cfg.algo.max_sampling_rounds, self.tokenizer.pad_token_id)
         t_gen, score_s = time.perf_counter(), self.scorer.seconds - score0
         self._prepare(batch)
@@ -176,6 +184,7 @@ class Trainer:
             self.policy.detach_backbone = frozen
         state = UpdateState(kl_coef=self.kl_ctl.coef, policy_frozen=frozen)
         policy = update_policy(self.model, self.backend, batch, self.settings, state, self.critic)
+        self.source.after_update()
         t2 = time.perf_counter()
         metrics = rollout_metrics(batch)
         metrics.update({POLICY_KEYS.get(k, k if "/" in k else f"policy/{k}"): v for k, v in policy.items()})
@@ -195,6 +204,7 @@ class Trainer:
                        "time/generate_s": t_gen - t0 - score_s, "time/score_s": score_s,
                        "time/logprob_s": t1 - t_gen,     # old/reference forwards + advantages
                        "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9)})
+        values.update(self.source.metrics())      # async: staleness, learner/actor waits
         if "kl/seq_k1" in values:
             self.kl_ctl.update(values["kl/seq_k1"], 1)
         return values

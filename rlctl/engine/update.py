@@ -99,8 +99,16 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
                             s.temperature, with_entropy=True, critic=critic)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
+        if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
+            ratio = torch.exp((f.logp.detach() - old).clamp(-20, 20))                # [n, w]
+            metrics_ratio = {"ratio_std": (masked_mean(ratio.square(), mb.mask)
+                                           - masked_mean(ratio, mb.mask).square()).clamp(min=0).sqrt(),
+                             "ratio_max": torch.where(mb.mask > 0, ratio, 0.0).max()}
+        else:
+            metrics_ratio = {}
         loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mb.mask,
                                           s.clip_low, s.clip_high, s.clip_ratio_c)   # [n, T]
+        metrics.update(metrics_ratio)
         pg_loss = aggregate_sum(loss_mat, mb.mask, s.agg_mode, s.norm_len) / denom
         loss = pg_loss.new_zeros(()) if st.policy_frozen else pg_loss
         if st.kl_coef > 0 and s.kl_in_loss:

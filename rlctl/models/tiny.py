@@ -55,7 +55,7 @@ WARMUP_SORTED_FRAC = 0.2  # share of warm-up answers that are sorted; the rest a
 # sorting warm-up. The arithmetic warm-up is on 2-digit addition ("1 2 + 3 4 =" -> "4 6")
 # from the default arithmetic task's training split; its settings are calibrated below.
 WARMUP_TASKS = ("sorting", "arithmetic")
-ARITH_WARMUP = {"batch_size": 256, "correct_frac": 0.5, "steps_scale": 3}
+ARITH_WARMUP = {"batch_size": 256, "correct_frac": 1.0, "steps_scale": 2.5}
 
 
 def build_tokenizer():
@@ -231,7 +231,7 @@ def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]
     model = build_model(tokenizer, params["hidden_size"], params["num_layers"],
                         params["num_heads"], params["seed"])
     task, prompts, answers, batch_size, eval_tokens = _warmup_data(params)
-    steps = params["warmup_steps"] * params.get("warmup_steps_scale", 1)
+    steps = int(round(params["warmup_steps"] * params.get("warmup_steps_scale", 1)))
     losses = supervised_warmup(model, tokenizer, prompts, answers, steps,
                                params["warmup_lr"], params["seed"], batch_size=batch_size)
     t_train = time.perf_counter() - t0

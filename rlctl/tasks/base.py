@@ -66,6 +66,7 @@ class Task(Protocol):
     #   reward_components(example, completion) -> Dict[str, float]   raw named rewards;
     #       the total is sum(reward_weights.get(name, 1.0) * value), equal to reward().
     #   reward_components_batch(examples, completions) -> List[Dict[str, float]]
+    #       (used unless the task sets score_in_batches = False)
     #   reward_weights: Dict[str, float]
     #   correct_from_reward(example, reward) -> bool   eval correctness from the total.
 
@@ -318,7 +319,7 @@ def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
     A task's ``reward_components_batch`` is tried first; if it raises, the batch is
     scored sample by sample so that the failing sample can be named."""
     batch_fn = getattr(task, "reward_components_batch", None)
-    if batch_fn is not None and len(examples) > 1:
+    if batch_fn is not None and len(examples) > 1 and getattr(task, "score_in_batches", True):
         try:
             rows = batch_fn(list(examples), list(completions))
             if len(rows) != len(examples):

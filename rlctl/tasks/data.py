@@ -29,6 +29,10 @@ from rlctl.tasks.base import RAW_PROMPT, RewardError, describe_sample, register_
 from rlctl.tasks.rewards import RewardFn, parse_rewards
 from rlctl.types import Example
 
+class DataError(ValueError):
+    """Bad data or data options: one line naming the key (exit code 2 from the CLI)."""
+
+
 FORMATS = ("auto", "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf")
 _SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv",
            ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow"}
@@ -38,7 +42,7 @@ def _pyarrow(what: str, path: Path):
     try:
         import pyarrow  # noqa: F401
     except ImportError:
-        raise ValueError(f"reading {what} ('{path}') needs pyarrow: pip install pyarrow") from None
+        raise DataError(f"reading {what} ('{path}') needs pyarrow: pip install pyarrow") from None
     import pyarrow
     return pyarrow
 
@@ -52,9 +56,9 @@ def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
+                raise DataError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: each line must be a JSON object, "
+                raise DataError(f"{path}:{n}: each line must be a JSON object, "
                                  f"got {type(row).__name__}")
             rows.append(row)
     return rows
@@ -68,7 +72,7 @@ def _read_json(path: Path) -> List[Dict[str, Any]]:
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))  # {"data": [...]}
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(f"{path}: expected a JSON array of objects (or JSON Lines)")
+        raise DataError(f"{path}: expected a JSON array of objects (or JSON Lines)")
     return data
 
 
@@ -101,7 +105,7 @@ _READERS = {"jsonl": _read_jsonl, "json": _read_json, "csv": lambda p: _read_csv
 def _read_hf_dir(path: Path, key: str) -> List[Dict[str, Any]]:
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-        raise ValueError(f"{key}: '{path}' holds the splits {', '.join(splits)}; point it at "
+        raise DataError(f"{key}: '{path}' holds the splits {', '.join(splits)}; point it at "
                          f"one of them (e.g. {path / (splits[0] if splits else 'train')})")
     state = path / "state.json"
     if state.is_file():
@@ -113,10 +117,10 @@ def _read_hf_dir(path: Path, key: str) -> List[Dict[str, Any]]:
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIX)
     kinds = {_SUFFIX[p.suffix] for p in files}
     if not files:
-        raise ValueError(f"{key}: directory '{path}' has no data files "
+        raise DataError(f"{key}: directory '{path}' has no data files "
                          f"({', '.join(sorted(_SUFFIX))}) and is not a saved datasets directory")
     if len(kinds) > 1:
-        raise ValueError(f"{key}: directory '{path}' mixes formats ({', '.join(sorted(kinds))}); "
+        raise DataError(f"{key}: directory '{path}' mixes formats ({', '.join(sorted(kinds))}); "
                          "point it at one file")
     rows = []
     for f in files:
@@ -127,38 +131,38 @@ def _read_hf_dir(path: Path, key: str) -> List[Dict[str, Any]]:
 def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path") -> List[Dict[str, Any]]:
     """Rows of a data file or directory as dicts; ValueError naming ``key`` on failure."""
     if fmt not in FORMATS:
-        raise ValueError(f"invalid task.format '{fmt}'; valid: {', '.join(FORMATS)}")
+        raise DataError(f"invalid task.format '{fmt}'; valid: {', '.join(FORMATS)}")
     p = Path(str(path)).expanduser()
     if not p.exists():
-        raise ValueError(f"{key}: no such file or directory '{path}'")
+        raise DataError(f"{key}: no such file or directory '{path}'")
     if fmt == "auto":
         if p.is_dir():
             fmt = "hf"
         elif p.suffix.lower() in _SUFFIX:
             fmt = _SUFFIX[p.suffix.lower()]
         else:
-            raise ValueError(f"{key}: cannot tell the format of '{path}' from its name; set "
+            raise DataError(f"{key}: cannot tell the format of '{path}' from its name; set "
                              f"task.format to one of {', '.join(FORMATS[1:])}")
     try:
         if fmt == "hf":
             if not p.is_dir():
-                raise ValueError(f"{key}: task.format=hf needs a directory, got the file '{path}'")
+                raise DataError(f"{key}: task.format=hf needs a directory, got the file '{path}'")
             rows = _read_hf_dir(p, key)
         else:
             if p.is_dir():
-                raise ValueError(f"{key}: '{path}' is a directory; use task.format=hf or auto")
+                raise DataError(f"{key}: '{path}' is a directory; use task.format=hf or auto")
             rows = _READERS[fmt](p)
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{key}: '{path}' is not UTF-8 text ({exc.reason})") from None
+        raise DataError(f"{key}: '{path}' is not UTF-8 text ({exc.reason})") from None
     except OSError as exc:
-        raise ValueError(f"{key}: cannot read '{path}': {exc.strerror or exc}") from None
-    except ValueError:
+        raise DataError(f"{key}: cannot read '{path}': {exc.strerror or exc}") from None
+    except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - e.g. pyarrow's errors on a corrupt file
-        raise ValueError(f"{key}: cannot read '{path}' as {fmt}: {type(exc).__name__}: "
+        raise DataError(f"{key}: cannot read '{path}' as {fmt}: {type(exc).__name__}: "
                          f"{' '.join(str(exc).split())[:160]}") from None
     if not rows:
-        raise ValueError(f"{key}: '{path}' has no rows")
+        raise DataError(f"{key}: '{path}' has no rows")
     return rows
 
 
@@ -174,25 +178,28 @@ class DataTask:
                  rewards: Optional[Sequence[Any]] = None, correct_threshold: float = 1.0,
                  num_eval: Optional[int] = None, seed: int = 1234):
         if not train_path:
-            raise ValueError("task=jsonl needs task.train_path=PATH (a .jsonl, .csv, .parquet "
+            raise DataError("task=jsonl needs task.train_path=PATH (a .jsonl, .csv, .parquet "
                              "file or a datasets directory)")
         if not isinstance(correct_threshold, (int, float)) or not math.isfinite(correct_threshold):
-            raise ValueError(f"invalid task.correct_threshold '{correct_threshold}'; must be a number")
+            raise DataError(f"invalid task.correct_threshold '{correct_threshold}'; must be a number")
         if num_eval is not None and (not isinstance(num_eval, int) or num_eval < 1):
-            raise ValueError(f"invalid task.num_eval '{num_eval}'; must be >= 1 (or null)")
+            raise DataError(f"invalid task.num_eval '{num_eval}'; must be >= 1 (or null)")
         self.prompt_field, self.correct_threshold = prompt_field, float(correct_threshold)
         self.rewards: List[RewardFn] = parse_rewards(reward_fn, rewards)
         self.reward_weights = {r.name: r.weight for r in self.rewards}
+        # one call per batch only when a function is batched; otherwise sample by sample,
+        # so that a stuck sample leaves the ones before it scored
+        self.score_in_batches = any(r.batched for r in self.rewards)
         train_rows = load_records(train_path, format, "task.train_path")
         if eval_path:
             eval_rows = load_records(eval_path, format, "task.eval_path")[:num_eval]
         else:
             if len(train_rows) < 2:
-                raise ValueError("task.train_path has one row: nothing to hold out for eval; "
+                raise DataError("task.train_path has one row: nothing to hold out for eval; "
                                  "set task.eval_path")
             k = num_eval if num_eval is not None else max(1, len(train_rows) // 10)
             if k >= len(train_rows):
-                raise ValueError(f"task.num_eval={k} leaves no training rows out of "
+                raise DataError(f"task.num_eval={k} leaves no training rows out of "
                                  f"{len(train_rows)}; set task.eval_path or a smaller num_eval")
             order = list(range(len(train_rows)))
             random.Random(seed).shuffle(order)
@@ -209,20 +216,20 @@ class DataTask:
 
     def _field_names(self, rows, fields) -> List[str]:
         if self.prompt_field not in rows[0]:
-            raise ValueError(f"task.prompt_field '{self.prompt_field}' is not a column of the "
+            raise DataError(f"task.prompt_field '{self.prompt_field}' is not a column of the "
                              f"data; columns: {', '.join(map(str, rows[0]))}")
         if fields is None:
             return [str(k) for k in rows[0] if k != self.prompt_field]
         fields = [str(f) for f in fields]
         for f in fields:
             if f not in rows[0]:
-                raise ValueError(f"task.fields: '{f}' is not a column of the data; columns: "
+                raise DataError(f"task.fields: '{f}' is not a column of the data; columns: "
                                  f"{', '.join(map(str, rows[0]))}")
         return fields
 
     def _example(self, row: Dict[str, Any], n: int, key: str) -> Example:
         if self.prompt_field not in row:
-            raise ValueError(f"{key}: row {n} has no '{self.prompt_field}' (task.prompt_field)")
+            raise DataError(f"{key}: row {n} has no '{self.prompt_field}' (task.prompt_field)")
         prompt = row[self.prompt_field]
         fields = {f: row.get(f) for f in self.field_names}
         if isinstance(prompt, str):
@@ -232,7 +239,7 @@ class DataTask:
             text = next((m.get("content", "") for m in reversed(prompt)
                          if m.get("role") == "user"), "")
             return Example(prompt=str(text), fields={**fields, RAW_PROMPT: prompt})
-        raise ValueError(f"{key}: row {n}: the prompt must be text (or chat messages), got "
+        raise DataError(f"{key}: row {n}: the prompt must be text (or chat messages), got "
                          f"{type(prompt).__name__}")
 
     # -- prompts -------------------------------------------------------------------
@@ -247,7 +254,7 @@ class DataTask:
     def _check_messages(self) -> None:
         if task_options(self).prompt_format != "chat" and any(
                 RAW_PROMPT in ex.fields for ex in self._train[:1] + self._eval[:1]):
-            raise ValueError(f"the prompt field '{self.prompt_field}' holds chat messages; "
+            raise DataError(f"the prompt field '{self.prompt_field}' holds chat messages; "
                              "set task.prompt_format=chat")
 
     # -- rewards -------------------------------------------------------------------
@@ -281,7 +288,7 @@ class DataTask:
             comps = self.reward_components(example, completion)
             total = sum(self.reward_weights[k] * v for k, v in comps.items())
             if not math.isfinite(total):
-                raise ValueError(f"the reward is {total}")
+                raise DataError(f"the reward is {total}")
         except Exception as exc:  # noqa: BLE001
             if task_options(self).on_reward_error == "raise":
                 raise RewardError(f"reward failed on {describe_sample(0, 1, example, completion)}: "

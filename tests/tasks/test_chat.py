@@ -1,0 +1,165 @@
+"""task.prompt_format=chat with a tokenizer that has a chat template, built locally:
+prompts go through apply_chat_template(..., add_generation_prompt=True) (optional system
+prompt, no doubled BOS) and rewards see the assistant text only."""
+import json
+
+import pytest
+import torch
+
+from rlctl.tasks import RewardScorer, bind_tokenizer, build_task
+from rlctl.tasks.base import RAW_PROMPT, assistant_text, end_of_turn_markers, render_chat
+
+ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def chat_tokenizer(template=TEMPLATE):
+    """The tiny model's word-level tokenizer plus role tokens and a chat template;
+    EOS is the end-of-turn token, as instruct models have it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from rlctl.models.tiny import SPECIAL_TOKENS, SYMBOLS
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + SYMBOLS + ROLES + ["be", "brief"])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>",
+                                  eos_token="<|end|>", unk_token="<unk>", padding_side="left",
+                                  additional_special_tokens=ROLES[:3])
+    tok.chat_template = template
+    return tok
+
+
+REWARD = '''
+def reward(prompt, completion, answer, **fields):
+    assert isinstance(prompt, (str, list)) and "<|" not in str(prompt), prompt  # the user's prompt
+    return 1.0 if completion == answer else 0.0
+'''
+
+
+@pytest.fixture()
+def data(tmp_path, monkeypatch):
+    (tmp_path / "chat_reward_t.py").write_text(REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": "2 + 2 =", "answer": "4"},
+            {"prompt": [{"role": "system", "content": "be"}, {"role": "user", "content": "3 + 3 ="}],
+             "answer": "6"}]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def _task(data, **kw):
+    return build_task("jsonl", train_path=data, eval_path=data, reward_fn="chat_reward_t:reward",
+                      prompt_format="chat", reward_timeout_s=10, **kw)
+
+
+def test_prompts_are_rendered_by_the_chat_template(data):
+    tok = chat_tokenizer()
+    task = _task(data, system_prompt="be brief")
+    with pytest.raises(ValueError, match="no tokenizer was bound"):
+        task.train_examples()
+    bind_tokenizer(task, tok)
+    a, b = task.train_examples()
+    expect_a = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2 ="}],
+        tokenize=False, add_generation_prompt=True)
+    assert expect_a.startswith("<bos>") and a.prompt == expect_a[len("<bos>"):]
+    assert a.prompt == "<|system|> be brief <|end|> <|user|> 2 + 2 = <|end|> <|assistant|> "
+    # a row's own system message is kept; the configured one is not added twice
+    assert b.prompt == "<|system|> be <|end|> <|user|> 3 + 3 = <|end|> <|assistant|> "
+    assert a.fields[RAW_PROMPT] == "2 + 2 =" and a.fields["answer"] == "4"
+    ids = tok(a.prompt)["input_ids"]
+    assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id   # not doubled
+    assert tok.unk_token_id not in ids
+
+
+def test_without_system_prompt_and_template_without_bos(data):
+    tok = chat_tokenizer(TEMPLATE.replace("{{ bos_token }}", ""))
+    task = _task(data)
+    bind_tokenizer(task, tok)
+    a = task.eval_examples()[0]
+    assert a.prompt == tok.apply_chat_template([{"role": "user", "content": "2 + 2 ="}],
+                                               tokenize=False, add_generation_prompt=True)
+    assert a.prompt == "<|user|> 2 + 2 = <|end|> <|assistant|> "
+
+
+def test_scoring_sees_the_assistant_text_only(data):
+    tok = chat_tokenizer()
+    task = _task(data)
+    bind_tokenizer(task, tok)
+    a, b = task.eval_examples()
+    assert end_of_turn_markers(tok)[0].startswith("<|")
+    assert assistant_text("4 <|end|> <|user|> 9 =", end_of_turn_markers(tok)) == "4"
+    # the reply, then the end-of-turn marker and a hallucinated next turn: only "4" counts
+    assert task.reward(a, "4 <|end|> <|user|> 2 + 2 = <|end|> <|assistant|> 5") == 1.0
+    assert task.is_correct(a, " 4 <|end|>")
+    assert task.reward(a, "5 <|end|> 4") == 0.0
+    # the whole conversation echoed back (prompt + reply) is scored on the reply too
+    assert task.reward(b, b.prompt + "6 <|end|>") == 1.0
+    scorer = RewardScorer(task)
+    try:
+        assert scorer.score_batch([a, b], ["4 <|end|> 9", "6<|end|>"]) == [1.0, 1.0]
+        assert scorer.errors == 0
+    finally:
+        scorer.close()
+
+
+def test_builtin_task_in_chat_format():
+    tok = chat_tokenizer()
+    task = build_task("arithmetic", num_eval=3, prompt_format="chat", system_prompt="be brief")
+    bind_tokenizer(task, tok)
+    ex = task.eval_examples()[0]
+    raw = ex.fields[RAW_PROMPT]
+    assert ex.prompt == f"<|system|> be brief <|end|> <|user|> {raw} <|end|> <|assistant|> "
+    good = task.answer(ex)
+    assert task.is_correct(ex, f"{good} <|end|> <|user|> 1 =")
+    assert task.reward(ex, f"{good} <|end|> 1") == 1.0
+
+
+def test_tokenizer_without_chat_template_fails_in_one_line(data):
+    from rlctl.models.tiny import build_tokenizer
+
+    task = _task(data)
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template; this model's "
+                                         "tokenizer has none"):
+        bind_tokenizer(task, build_tokenizer())
+    with pytest.raises(ValueError):
+        render_chat(build_tokenizer(), "x")
+
+
+def test_rollout_with_a_chat_model(data, tmp_path):
+    """A small Llama with the chat tokenizer, saved and reloaded like an HF checkpoint:
+    the engine's rollout samples from the rendered prompts and the scorer scores the
+    decoded assistant replies."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlctl.models.tiny import build_model
+    from rlctl.rollout.generate import rollout
+
+    tok = chat_tokenizer()
+    build_model(tok, 32, 1, 2, seed=0).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert tok.chat_template == TEMPLATE
+    task = _task(data, system_prompt="be brief")
+    bind_tokenizer(task, tok)
+    exs = task.train_examples()
+    scorer = RewardScorer(task)
+    try:
+        torch.manual_seed(0)
+        batch = rollout(model, tok, exs, 3, 4, 1.0, 0, scorer)
+        assert batch.prompts == [exs[0].prompt] * 3 + [exs[1].prompt] * 3
+        expect = [task.reward(exs[i // 3], c) for i, c in enumerate(batch.completions)]
+        assert batch.rewards.tolist() == expect
+        for c in batch.completions:
+            assert "<|end|>" not in c and "<|user|>" not in c
+        fixed = scorer.score_batch(exs, ["4", "6"])
+        assert fixed == [1.0, 1.0] and scorer.errors == 0
+    finally:
+        scorer.close()
