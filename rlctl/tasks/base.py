@@ -33,7 +33,6 @@ import inspect
 import logging
 import math
 import multiprocessing
-import os
 import queue
 import signal
 import threading
@@ -457,6 +456,9 @@ class _InlineRunner:
         pass
 
 
+FROM_TASK = object()  # RewardScorer's default: the task's own reward_timeout_s
+
+
 class RewardScorer:
     """Scores batches with the task's reward(s) under ``task.reward_timeout_s``.
 
@@ -468,17 +470,20 @@ class RewardScorer:
     (``reward/<name>`` in the logs; ``metrics()`` gives the means).
     """
 
-    def __init__(self, task, timeout_s: Any = "config", on_error: Optional[str] = None):
+    def __init__(self, task, timeout_s: Any = FROM_TASK, on_error: Optional[str] = None):
         opts = task_options(task)
         self.task = task
-        self.timeout_s = opts.reward_timeout_s if timeout_s == "config" else timeout_s
+        self.timeout_s = opts.reward_timeout_s if timeout_s is FROM_TASK else timeout_s
         self.on_error = on_error or opts.on_reward_error
         if self.on_error not in ON_REWARD_ERROR:
             raise ValueError(f"invalid on_reward_error '{self.on_error}'; valid: "
                              f"{', '.join(ON_REWARD_ERROR)}")
-        self.errors = 0
-        self.timeouts = 0
+        self.errors = 0               # samples whose reward raised or was not finite
+        self.timeouts = 0             # samples left unscored at a deadline
+        self.seconds = 0.0            # wall time spent scoring
         self.last_components: Dict[str, List[float]] = {}
+        self._sums: Dict[str, float] = {}   # per-reward sums since the last metrics()
+        self._count = 0
         self._warned = 0
         if not self.timeout_s:
             self._runner = _InlineRunner(task)
@@ -493,6 +498,14 @@ class RewardScorer:
 
     def score_batch(self, examples: Sequence[Example], completions: Sequence[str]
                     ) -> List[float]:
+        t0 = time.perf_counter()
+        try:
+            return self._score_batch(examples, completions)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _score_batch(self, examples: Sequence[Example], completions: Sequence[str]
+                     ) -> List[float]:
         n = len(examples)
         if len(completions) != n:
             raise ValueError(f"{n} examples but {len(completions)} completions")
@@ -529,6 +542,9 @@ class RewardScorer:
                 self._fail(where, why, "error", count=len(missing))
         names = sorted({k for c in comps for k in c})
         self.last_components = {k: [c.get(k, 0.0) for c in comps] for k in names}
+        for k, v in self.last_components.items():
+            self._sums[k] = self._sums.get(k, 0.0) + sum(v)
+        self._count += n
         return [t if t is not None else 0.0 for t in totals]
 
     def _fail(self, where: str, why: str, kind: str, count: int = 1) -> None:
@@ -557,11 +573,22 @@ class RewardScorer:
         return [bool(self.task.is_correct(ex, c)) for ex, c in zip(examples, completions)]
 
     def metrics(self) -> Dict[str, float]:
-        """reward/errors and reward/timeouts (cumulative), reward/<name> (last batch mean)."""
+        """reward/errors and reward/timeouts (cumulative counts) and reward/<name>: each
+        named reward's mean over the samples scored since the previous ``metrics()`` call
+        (a failed sample counts 0). Resets those means."""
         out = {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts)}
-        for k, v in self.last_components.items():
-            out[f"reward/{k}"] = sum(v) / len(v) if v else 0.0
+        for k, v in self._sums.items():
+            out[f"reward/{k}"] = v / max(self._count, 1)
+        self._sums, self._count = {}, 0
         return out
+
+    def state(self) -> Dict[str, float]:
+        """The counters, for a checkpoint (``load_state`` restores them)."""
+        return {"errors": self.errors, "timeouts": self.timeouts}
+
+    def load_state(self, state: Dict[str, float]) -> None:
+        self.errors = int(state.get("errors", 0))
+        self.timeouts = int(state.get("timeouts", 0))
 
     def close(self) -> None:
         self._runner.close()

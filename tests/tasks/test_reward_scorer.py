@@ -4,6 +4,7 @@ scored 0 and counted or raised naming the sample, per-reward components.
 The reward functions live in a module written to tmp_path and loaded by file path, as a
 user's would be (no rlctl component is mocked)."""
 import json
+import signal
 import time
 
 import pytest
@@ -45,6 +46,18 @@ def batch_boom(prompts, completions, **fields):
         raise ValueError("bad batch")
     return [2.0 for _ in completions]
 '''
+
+
+@pytest.fixture(autouse=True)
+def fail_instead_of_hanging():
+    """If the time limit were not enforced these tests would hang: fail them after 60 s."""
+    def expired(signum, frame):
+        raise TimeoutError("the reward time limit was not enforced")
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture()
@@ -149,6 +162,23 @@ def test_components_and_weighted_total(make_task):
     assert scorer.last_components == {"ok": [1.0, 0.0, 1.0], "sleepy": [0.5, 0.5, 0.5]}
     m = scorer.metrics()
     assert m["reward/ok"] == pytest.approx(2 / 3) and m["reward/sleepy"] == 0.5
+    assert scorer.metrics() == {"reward/errors": 0.0, "reward/timeouts": 0.0}   # reset
+
+
+def test_per_sample_calls_accumulate_until_metrics(make_task):
+    task = make_task([("ok", 1.0), ("boom", 0.5)])
+    exs = task.train_examples()
+    scorer = RewardScorer(task)
+    try:
+        values = [scorer(exs[i], c) for i, c in enumerate(["0", "1", "x", "boom"])]
+        assert values == [1.5, 1.5, 0.5, 0.0]
+        m = scorer.metrics()
+        assert m["reward/ok"] == 0.5 and m["reward/boom"] == 0.75 and m["reward/errors"] == 1.0
+        assert scorer.seconds > 0 and scorer.state() == {"errors": 1, "timeouts": 0}
+        scorer.load_state({"errors": 5, "timeouts": 2})
+        assert (scorer.errors, scorer.timeouts) == (5, 2)
+    finally:
+        scorer.close()
 
 
 @pytest.mark.parametrize("timeout", [0, None])
