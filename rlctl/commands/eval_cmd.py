@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from rlctl.commands.passk import mean_pass_at_k, report_ks
-from rlctl.commands.targets import (build_task_from, load_config, load_policy, resolve_target,
+from rlctl.commands.targets import (bind_task, build_task_from, load_config, load_policy, resolve_target,
                                     task_scores, write_json)
 from rlctl.errors import UserError
 
@@ -95,10 +95,11 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     from omegaconf import OmegaConf
 
     task = build_task_from(cfg)
+    model, tokenizer, what = load_policy(target, cfg)
+    bind_task(task, tokenizer)
     examples = task.eval_examples()
     if not examples:
         raise UserError("the task's eval split is empty; set task.num_eval=N")
-    model, tokenizer, what = load_policy(target, cfg)
     reward_name = str(cfg.task.get("reward", None) or "reward")
     ro = cfg.rollout
     top_k = int(ro.get("top_k", 0) or 0)

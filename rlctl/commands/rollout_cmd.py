@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlctl.commands.targets import (build_task_from, load_config, load_policy, resolve_target,
+from rlctl.commands.targets import (bind_task, build_task_from, load_config, load_policy, resolve_target,
                                     task_scores)
 from rlctl.errors import UserError
 
@@ -57,6 +57,8 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     from rlctl.rollout.generate import rollout
 
     task = build_task_from(cfg)
+    model, tokenizer, what = load_policy(target, cfg)
+    bind_task(task, tokenizer)
     examples = task.train_examples() if split == "train" else task.eval_examples()
     n_prompts = prompts or int(cfg.trainer.prompts_per_step)
     group = samples or int(cfg.algo.group_size)
@@ -64,7 +66,6 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
         raise UserError(f"--prompts {n_prompts} exceeds the {len(examples)} prompts of the "
                         f"{split} split")
     examples = examples[:n_prompts]
-    model, tokenizer, what = load_policy(target, cfg)
     ro = cfg.rollout
     temperature, top_k, max_new = float(ro.temperature), int(ro.get("top_k", 0) or 0), \
         int(ro.max_new_tokens)
@@ -88,6 +89,11 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     per_chunk = max(1, batch_size // group)
     rows = truncated = 0
     reward_sum = 0.0
+    import atexit
+
+    from rlctl.tasks.base import RewardScorer
+    scorer = RewardScorer(task)
+    atexit.register(scorer.close)
     with fh, Progress("[progress.description]{task.description}", BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                       console=err, transient=True) as bar:
@@ -95,7 +101,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
         for start in range(0, n_prompts, per_chunk):
             chunk = examples[start:start + per_chunk]
             batch = rollout(model, tokenizer, chunk, group, max_new, temperature, top_k,
-                            task.reward)
+                            scorer.score_batch)
             with torch.no_grad():
                 logp = learner_forward(model, batch.input_ids, batch.attention_mask,
                                        batch.prompt_len, temperature).logp.float()  # [N, T]

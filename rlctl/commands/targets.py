@@ -116,6 +116,16 @@ def setup_torch(cfg) -> None:
     torch.set_num_threads(cfg.hardware.num_threads)
 
 
+def bind_task(task, tokenizer) -> None:
+    """Chat prompts render with the model's template (one-line error without one)."""
+    from rlctl.errors import UserError
+    from rlctl.tasks import bind_tokenizer
+    try:
+        bind_tokenizer(task, tokenizer)
+    except ValueError as exc:
+        raise UserError(f"task.prompt_format: {exc}") from None
+
+
 def build_task_from(cfg):
     from omegaconf import OmegaConf
 

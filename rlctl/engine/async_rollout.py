@@ -175,7 +175,7 @@ def actor_main(cfg_yaml: str, init: str) -> None:
 
     from rlctl.engine.policy import learner_forward
     from rlctl.engine.run import _build_model, _build_task, _quiet_libraries
-    from rlctl.engine.trainer import SafeScorer
+    from rlctl.tasks.base import RewardScorer
     from rlctl.rollout.generate import rollout
 
     cfg = OmegaConf.create(cfg_yaml)
@@ -183,7 +183,7 @@ def actor_main(cfg_yaml: str, init: str) -> None:
     task = _build_task(cfg)
     model, _, tok, _ = _build_model(cfg)
     model.eval()
-    scorer, examples, ro = SafeScorer(task), task.train_examples(), cfg.rollout
+    scorer, examples, ro = RewardScorer(task), task.train_examples(), cfg.rollout
     dist.init_process_group("gloo", init_method=init, rank=1, world_size=2)
     version = -1
     try:
@@ -203,7 +203,7 @@ def actor_main(cfg_yaml: str, init: str) -> None:
             waited = time.perf_counter() - t0
             errors0 = scorer.errors
             b = rollout(model, tok, [examples[i] for i in idx.tolist()], cfg.algo.group_size,
-                        ro.max_new_tokens, ro.temperature, ro.top_k, scorer)
+                        ro.max_new_tokens, ro.temperature, ro.top_k, scorer.score_batch)
             with torch.no_grad():
                 logp = learner_forward(model, b.input_ids, b.attention_mask, b.prompt_len,
                                        ro.temperature).logp                   # [N, T]

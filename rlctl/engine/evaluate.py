@@ -7,14 +7,13 @@ import torch
 
 from rlctl.core.logprobs import completion_mask
 from rlctl.rollout.generate import decode_completions, generate
-from rlctl.tasks.base import Task
 from rlctl.types import Example
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], max_new_tokens: int,
+def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_tokens: int,
              batch_size: int = 256, **backend_kwargs) -> Dict[str, float]:
-    """Greedy completions; SUMS over the examples (the caller divides by ``count``, after
+    """Greedy completions scored by ``scorer`` (a ``RewardScorer``); SUMS over the examples (the caller divides by ``count``, after
     adding up the ranks' sums): exact_match, reward, length_mean, truncated_frac."""
     was_training = model.training
     model.eval()
@@ -25,9 +24,9 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], max_new_
                                  do_sample=False, **backend_kwargs)
         mask, trunc = completion_mask(seqs[:, plen:], tokenizer.eos_token_id, tokenizer.pad_token_id)
         texts = decode_completions(tokenizer, seqs[:, plen:], mask)
-        for ex, text in zip(chunk, texts):
-            exact += float(task.is_correct(ex, text))
-            reward += float(task.reward(ex, text))
+        rewards = scorer.score_batch(chunk, texts)         # user code: under the time limit
+        exact += float(sum(scorer.correct_batch(chunk, texts, rewards)))
+        reward += float(sum(rewards))
         length += mask.sum().item()
         truncated += trunc.float().sum().item()
     model.train(was_training)

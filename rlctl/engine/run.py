@@ -111,6 +111,11 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False) -> Optional
     try:
         task = _build_task(cfg)
         model, critic, tokenizer, ref_model = _build_model(cfg)
+        from rlctl.tasks import bind_tokenizer
+        try:
+            bind_tokenizer(task, tokenizer)      # chat prompts render with the model's template
+        except ValueError as exc:
+            raise UserError(f"task.prompt_format: {exc}") from None
         trainable, total = count_parameters(model, critic)
         torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
         resume_from = checkpoint.latest_checkpoint(run_dir) if resume else None

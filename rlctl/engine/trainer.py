@@ -30,7 +30,7 @@ from rlctl.engine.stats import POLICY_KEYS, reduce_metrics, rollout_metrics
 from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
 from rlctl.rollout.collect import collect
 from rlctl.rollout.generate import rollout
-from rlctl.tasks.base import Task
+from rlctl.tasks.base import RewardScorer, Task
 from rlctl.types import Example, RolloutBatch
 
 
@@ -42,31 +42,6 @@ class TrainResult:
     eval_start: Dict[str, float] = field(default_factory=dict)
     eval_end: Dict[str, float] = field(default_factory=dict)
     last_metrics: Dict[str, float] = field(default_factory=dict)
-
-
-class SafeScorer:
-    """Wraps a task's reward: an exception or a non-finite value scores 0 and is counted."""
-
-    def __init__(self, task: Task):
-        self.task, self.errors = task, 0
-        self.seconds = 0.0           # time spent scoring (bench: time/score_s)
-
-    def __call__(self, example: Example, completion: str) -> float:
-        t0 = time.perf_counter()
-        try:
-            return self._score(example, completion)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def _score(self, example: Example, completion: str) -> float:
-        try:
-            value = float(self.task.reward(example, completion))
-        except Exception:  # noqa: BLE001 - a reward function must never crash the run
-            value = float("nan")
-        if value != value or value in (float("inf"), float("-inf")):
-            self.errors += 1
-            return 0.0
-        return value
 
 
 def frozen_copy(model):
@@ -111,7 +86,8 @@ class Trainer:
         lr = lora.lr if lora.enabled and lora.lr is not None else tr.lr
         self.model = self.backend.prepare(model, critic, lr, tr.betas, tr.weight_decay,
                                           tr.warmup_steps, tr.max_grad_norm)
-        self.scorer = SafeScorer(task)
+        self.scorer = RewardScorer(task)         # training rewards (time limit, error policy)
+        self.eval_scorer = RewardScorer(task)    # kept apart so eval never mixes into reward/*
         self.train_examples = task.train_examples()
         self.eval_examples = task.eval_examples()
         self.sampler = random.Random(cfg.seed * 1000 + self.backend.rank)
@@ -121,8 +97,10 @@ class Trainer:
         self.source = AsyncSource(self) if tr["async"].enabled else LocalSource(self)
 
     def close(self) -> None:
-        """Stop the rollout actor (async mode); the loop calls it at the end."""
+        """Stop the rollout actor (async mode) and the reward workers."""
         self.source.close()
+        self.scorer.close()
+        self.eval_scorer.close()
 
     @property
     def policy(self):
@@ -135,7 +113,7 @@ class Trainer:
                     for _ in range(num_groups)]
         ro = self.cfg.rollout
         return rollout(self.policy, self.tokenizer, examples, self.cfg.algo.group_size,
-                       ro.max_new_tokens, ro.temperature, ro.top_k, self.scorer,
+                       ro.max_new_tokens, ro.temperature, ro.top_k, self.scorer.score_batch,
                        **self.backend.generate_kwargs())
 
     def _needs_old_forward(self) -> bool:
@@ -162,7 +140,7 @@ class Trainer:
     def _evaluate(self) -> Dict[str, float]:
         """Greedy eval; each rank takes every world_size-th example, sums are reduced."""
         b = self.backend
-        sums = evaluate(self.policy, self.tokenizer, self.task, self.eval_examples[b.rank::b.world_size],
+        sums = evaluate(self.policy, self.tokenizer, self.eval_scorer, self.eval_examples[b.rank::b.world_size],
                         self.cfg.rollout.max_new_tokens, **b.generate_kwargs())
         keys = sorted(sums)
         totals = b.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys])).tolist()
@@ -199,7 +177,7 @@ class Trainer:
         tokens = values.pop("perf/step_tokens")
         values.update({"kl/coef": self.kl_ctl.coef,
                        "optim/lr": self.backend.lr(),
-                       "reward/errors": float(self.scorer.errors),
+                       **self.scorer.metrics(),
                        "time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
                        "time/generate_s": t_gen - t0 - score_s, "time/score_s": score_s,
                        "time/logprob_s": t1 - t_gen,     # old/reference forwards + advantages
@@ -224,7 +202,7 @@ class Trainer:
         if resume_from is not None:
             state = checkpoint.load(self, resume_from)
             first, result.eval_start = state["step"] + 1, state.get("eval_start", {})
-            self.scorer.errors = state.get("reward_errors", 0)
+            self.scorer.load_state(state.get("scorer", {}))
         elif tr.eval_every > 0:
             result.eval_start = self._evaluate()
             self.sink.log(result.eval_start, step=0)
@@ -232,7 +210,7 @@ class Trainer:
         def save(step):
             if run_dir is not None:
                 checkpoint.save(self, run_dir, step, {"eval_start": result.eval_start,
-                                                      "reward_errors": self.scorer.errors},
+                                                      "scorer": self.scorer.state()},
                                 tr.keep_checkpoints)
         stop = _StopFlag()
         with stop.on_sigint():

@@ -52,8 +52,10 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tens
 
 def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             max_new_tokens: int, temperature: float, top_k: int,
-            score: Callable[[Example, str], float], **backend_kwargs) -> RolloutBatch:
-    """Sample G completions for each of the B examples and score them."""
+            score_batch: Callable[[List[Example], List[str]], List[float]],
+            **backend_kwargs) -> RolloutBatch:
+    """Sample G completions for each of the B examples and score them in one batch
+    (``score_batch``: e.g. ``RewardScorer.score_batch``, which enforces the time limit)."""
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
     seqs, prompt_mask, plen = generate(model, tokenizer, prompts, max_new_tokens,
                                        do_sample=True, temperature=temperature, top_k=top_k,
@@ -62,8 +64,9 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
     mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)            # [N, P+T]
     completions = decode_completions(tokenizer, completion_ids, mask)
-    rewards = torch.tensor([score(examples[i // group_size], c) for i, c in enumerate(completions)],
-                           dtype=torch.float32, device=seqs.device)          # [N]
+    per_row = [examples[i // group_size] for i in range(len(completions))]
+    rewards = torch.tensor(score_batch(per_row, completions), dtype=torch.float32,
+                           device=seqs.device)                               # [N]
     group_ids = torch.arange(len(examples), device=seqs.device).repeat_interleave(group_size)
     return RolloutBatch(
         input_ids=seqs, attention_mask=attention_mask, mask=mask, truncated=truncated,
