@@ -83,7 +83,8 @@ class AsyncSource:
         self.dir = tempfile.mkdtemp(prefix="rlctl-async-")
         init = f"file://{os.path.join(self.dir, 'rendezvous')}"
         cfg_yaml = OmegaConf.to_yaml(trainer.cfg, resolve=True)
-        self.proc = mp.get_context("spawn").Process(target=actor_main, args=(cfg_yaml, init), daemon=True)
+        # not a daemon: the actor forks its own reward worker (task.reward_timeout_s)
+        self.proc = mp.get_context("spawn").Process(target=actor_main, args=(cfg_yaml, init), daemon=False)
         self.proc.start()
         dist.init_process_group("gloo", init_method=init, rank=0, world_size=2,
                                 timeout=datetime.timedelta(seconds=300))
@@ -215,4 +216,5 @@ def actor_main(cfg_yaml: str, init: str) -> None:
             if use_rng:
                 _send(torch.get_rng_state(), dst=0)
     finally:
+        scorer.close()
         dist.destroy_process_group()
