@@ -21,7 +21,12 @@ def main(run_dir: str, resume: bool = False) -> int:
             raise
         print(f"error: {user_message(exc)[0]}", file=sys.stderr)
         return 1
-    return 0
+    # Leave without running C++ destructors at interpreter exit: gloo/DeepSpeed threads
+    # torn down there can abort ("terminate called without an active exception") after a
+    # run that finished and saved everything.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def test_rollout_with_a_chat_model(data, tmp_path):
     scorer = RewardScorer(task)
     try:
         torch.manual_seed(0)
-        batch = rollout(model, tok, exs, 3, 4, 1.0, 0, scorer)
+        batch = rollout(model, tok, exs, 3, 4, 1.0, 0, scorer.score_batch)
         assert batch.prompts == [exs[0].prompt] * 3 + [exs[1].prompt] * 3
         expect = [task.reward(exs[i // 3], c) for i, c in enumerate(batch.completions)]
         assert batch.rewards.tolist() == expect
