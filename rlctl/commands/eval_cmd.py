@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from rlctl.commands.passk import mean_pass_at_k, report_ks
-from rlctl.commands.targets import (bind_task, build_task_from, load_config, load_policy, resolve_target,
-                                    task_scores, write_json)
+from rlctl.commands.targets import (open_target, task_scores, write_json)
 from rlctl.errors import UserError
 
 # The first metrics of each column (then reward/<design>, well_formed, pass@k).
@@ -89,14 +88,10 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
     t0 = time.perf_counter()
-    target = resolve_target(target_arg)         # path errors before the heavy imports
-    cfg = load_config(target, overrides)
+    target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
     import torch
     from omegaconf import OmegaConf
 
-    task = build_task_from(cfg)
-    model, tokenizer, what = load_policy(target, cfg)
-    bind_task(task, tokenizer)
     examples = task.eval_examples()
     if not examples:
         raise UserError("the task's eval split is empty; set task.num_eval=N")

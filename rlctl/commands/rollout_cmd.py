@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlctl.commands.targets import (bind_task, build_task_from, load_config, load_policy, resolve_target,
-                                    task_scores)
+from rlctl.commands.targets import (open_target, task_scores)
 from rlctl.errors import UserError
 
 def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Optional[str],
@@ -49,16 +48,12 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
         if value is not None and value < 1:
             raise UserError(f"{name} must be >= 1 (got {value})")
     t0 = time.perf_counter()
-    target = resolve_target(target_arg)         # path errors before the heavy imports
-    cfg = load_config(target, overrides)
+    target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
     import torch
 
     from rlctl.engine.policy import learner_forward
     from rlctl.rollout.generate import rollout
 
-    task = build_task_from(cfg)
-    model, tokenizer, what = load_policy(target, cfg)
-    bind_task(task, tokenizer)
     examples = task.train_examples() if split == "train" else task.eval_examples()
     n_prompts = prompts or int(cfg.trainer.prompts_per_step)
     group = samples or int(cfg.algo.group_size)

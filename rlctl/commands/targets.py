@@ -116,6 +116,17 @@ def setup_torch(cfg) -> None:
     torch.set_num_threads(cfg.hardware.num_threads)
 
 
+def open_target(target_arg, overrides):
+    """(target, cfg, task, model, tokenizer, description) for eval/rollout: path errors come
+    before the heavy imports; chat prompts are bound to the model's tokenizer."""
+    target = resolve_target(target_arg)
+    cfg = load_config(target, overrides)
+    task = build_task_from(cfg)
+    model, tokenizer, what = load_policy(target, cfg)
+    bind_task(task, tokenizer)
+    return target, cfg, task, model, tokenizer, what
+
+
 def bind_task(task, tokenizer) -> None:
     """Chat prompts render with the model's template (one-line error without one)."""
     from rlctl.errors import UserError
