@@ -99,12 +99,15 @@ def plot_run(rows: Sequence[dict], out_dir: Path, prefix: str = "inspect_"
             h2, l2 = twin.get_legend_handles_labels()
             handles, labels = handles + h2, labels + l2
         ax.legend(handles, labels, fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}{stem}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, out_dir / f"{prefix}{stem}.png"))
     return written, skipped
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def plot_compare(runs: Dict[str, Sequence[dict]], out_dir: Path,
@@ -127,9 +130,5 @@ def plot_compare(runs: Dict[str, Sequence[dict]], out_dir: Path,
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}{stem}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, out_dir / f"{prefix}{stem}.png"))
     return written, skipped

@@ -86,7 +86,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     reward_sum = 0.0
     import atexit
 
-    from rlctl.tasks.base import RewardScorer
+    from rlctl.tasks.scoring import RewardScorer
     scorer = RewardScorer(task)
     atexit.register(scorer.close)
     with fh, Progress("[progress.description]{task.description}", BarColumn(),

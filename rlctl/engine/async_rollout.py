@@ -176,7 +176,7 @@ def actor_main(cfg_yaml: str, init: str) -> None:
 
     from rlctl.engine.policy import learner_forward
     from rlctl.engine.run import _build_model, _build_task, _quiet_libraries
-    from rlctl.tasks.base import RewardScorer
+    from rlctl.tasks.scoring import RewardScorer
     from rlctl.rollout.generate import rollout
 
     cfg = OmegaConf.create(cfg_yaml)

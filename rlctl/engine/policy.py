@@ -44,10 +44,3 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     if values is not None:
         values = values[:, prompt_len - 1:].float()            # [N, T]
     return Forward(logp, entropy, values)
-
-
-def policy_logprobs(model, input_ids, attention_mask, prompt_len: int, temperature: float = 1.0,
-                    with_entropy: bool = False):
-    """(log pi(token) [N, T], entropy [N, T] or None) of a plain policy (no critic)."""
-    f = learner_forward(model, input_ids, attention_mask, prompt_len, temperature, with_entropy)
-    return f.logp, f.entropy

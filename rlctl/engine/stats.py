@@ -52,11 +52,3 @@ def reduce_metrics(metrics: Dict[str, torch.Tensor], backend) -> Dict[str, float
         x = torch.stack([total[i] if k in SUMMED else pick.get(REDUCE_OP.get(k), avg)[i]
                          for i, k in enumerate(keys)])
     return dict(zip(keys, x.tolist()))
-
-
-def to_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
-    """One host sync for the whole dict."""
-    keys = list(metrics)
-    values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32).detach().cpu()
-                          for k in keys]).tolist() if keys else []
-    return dict(zip(keys, values))

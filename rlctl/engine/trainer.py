@@ -17,7 +17,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict
 
 import torch
 from omegaconf import DictConfig
@@ -30,8 +30,9 @@ from rlctl.engine.stats import POLICY_KEYS, reduce_metrics, rollout_metrics
 from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
 from rlctl.rollout.collect import collect
 from rlctl.rollout.generate import rollout
-from rlctl.tasks.base import RewardScorer, Task
-from rlctl.types import Example, RolloutBatch
+from rlctl.tasks.base import Task
+from rlctl.tasks.scoring import RewardScorer
+from rlctl.types import RolloutBatch
 
 
 @dataclass

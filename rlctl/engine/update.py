@@ -111,12 +111,13 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
         metrics.update(metrics_ratio)
         pg_loss = aggregate_sum(loss_mat, mb.mask, s.agg_mode, s.norm_len) / denom
         loss = pg_loss.new_zeros(()) if st.policy_frozen else pg_loss
-        if st.kl_coef > 0 and s.kl_in_loss:
-            kl_mat = kl_estimate(f.logp, mb.ref_logprobs, s.kl_estimator)  # [n, T]
-            loss = loss + st.kl_coef * aggregate_sum(kl_mat, mb.mask, s.agg_mode, s.norm_len) / denom
         if mb.ref_logprobs is not None:
-            metrics["kl_ref"] = masked_mean(kl_estimate(f.logp.detach(), mb.ref_logprobs,
-                                                        s.kl_estimator), mb.mask)
+            in_loss = st.kl_coef > 0 and s.kl_in_loss
+            kl_mat = kl_estimate(f.logp if in_loss else f.logp.detach(), mb.ref_logprobs,
+                                 s.kl_estimator)                                   # [n, T]
+            if in_loss:
+                loss = loss + st.kl_coef * aggregate_sum(kl_mat, mb.mask, s.agg_mode, s.norm_len) / denom
+            metrics["kl_ref"] = masked_mean(kl_mat.detach(), mb.mask)       # one estimate, two uses
         if mb.returns is not None and f.values is not None:
             v_mat, v_metrics = value_loss_per_token(f.values, mb.old_values, mb.returns, mb.mask,
                                                     s.value_clip)       # [n, T]

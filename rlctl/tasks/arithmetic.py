@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rlctl.tasks.base import register_task
+from rlctl.tasks.base import disjoint_splits, register_task
 from rlctl.tasks.verify import answers_equivalent, parse_number
 from rlctl.types import Example
 
@@ -104,27 +104,11 @@ class ArithmeticTask:
         return rng.randrange(hi), rng.choice(self.ops), rng.randrange(hi)
 
     def _split(self):
-        rng = random.Random(self.seed)
-        seen, eval_list = set(), []
-        while len(eval_list) < self.num_eval:
-            p = self._draw(rng)
-            if p not in seen:
-                seen.add(p)
-                eval_list.append(p)
         hi = 10 ** self.num_digits
-        space = len(self.ops) * hi * hi
-        if space - self.num_eval <= self.max_train:
-            train = [(a, op, b) for op in self.ops for a in range(hi) for b in range(hi)
-                     if (a, op, b) not in seen]
-            rng.shuffle(train)
-        else:
-            train = []
-            while len(train) < self.max_train:
-                p = self._draw(rng)
-                if p not in seen:
-                    seen.add(p)
-                    train.append(p)
-        return eval_list, train
+        return disjoint_splits(self._draw, random.Random(self.seed), self.num_eval, self.max_train,
+                               len(self.ops) * hi * hi,
+                               lambda: ((a, op, b) for op in self.ops for a in range(hi)
+                                        for b in range(hi)))
 
     def _example(self, problem: Tuple[int, str, int], index: int) -> Example:
         a, op, b = problem

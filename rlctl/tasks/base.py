@@ -279,6 +279,25 @@ def bind_tokenizer(task, tokenizer) -> None:
 # ---- scoring ---------------------------------------------------------------------------
 
 
-# Scoring lives in rlctl.tasks.scoring; re-exported here for callers of the old path.
-from rlctl.tasks.scoring import (FROM_TASK, RewardError, RewardScorer,  # noqa: E402,F401
-                                 describe_sample, score_stream)
+def disjoint_splits(draw: Callable[[Any], Any], rng, num_eval: int, max_train: int, space: int,
+                    enumerate_all: Callable[[], Any]) -> Tuple[List[Any], List[Any]]:
+    """(eval, train) items of a generated task, never overlapping: ``num_eval`` distinct
+    draws, then either every other item of the ``space`` (shuffled, when it is small
+    enough) or ``max_train`` more distinct draws. Deterministic given ``rng``'s seed."""
+    seen, eval_list = set(), []
+    while len(eval_list) < num_eval:
+        item = draw(rng)
+        if item not in seen:
+            seen.add(item)
+            eval_list.append(item)
+    if space - num_eval <= max_train:
+        train = [item for item in enumerate_all() if item not in seen]
+        rng.shuffle(train)
+        return eval_list, train
+    train = []
+    while len(train) < max_train:
+        item = draw(rng)
+        if item not in seen:
+            seen.add(item)
+            train.append(item)
+    return eval_list, train

@@ -25,7 +25,8 @@ import random
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from rlctl.tasks.base import RAW_PROMPT, RewardError, describe_sample, register_task, task_options
+from rlctl.tasks.base import RAW_PROMPT, register_task, task_options
+from rlctl.tasks.scoring import RewardError, describe_sample
 from rlctl.tasks.rewards import RewardFn, parse_rewards
 from rlctl.types import Example
 
@@ -40,10 +41,9 @@ _SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv"
 
 def _pyarrow(what: str, path: Path):
     try:
-        import pyarrow  # noqa: F401
+        import pyarrow
     except ImportError:
         raise DataError(f"reading {what} ('{path}') needs pyarrow: pip install pyarrow") from None
-    import pyarrow
     return pyarrow
 
 

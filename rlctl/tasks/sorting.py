@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from rlctl.tasks.base import register_task
+from rlctl.tasks.base import disjoint_splits, register_task
 from rlctl.types import Example
 
 _DIGITS = {str(d): d for d in range(10)}
@@ -118,27 +118,10 @@ class SortingTask:
         return tuple(rng.randrange(10) for _ in range(self.num_digits))
 
     def _split(self) -> Tuple[List[Tuple[int, ...]], List[Tuple[int, ...]]]:
-        rng = random.Random(self.seed)
-        eval_set, eval_list = set(), []
-        while len(eval_list) < self.num_eval:
-            t = self._draw(rng)
-            if t not in eval_set:
-                eval_set.add(t)
-                eval_list.append(t)
-        space = 10 ** self.num_digits
-        if space - self.num_eval <= self.max_train:
-            train = [t for i in range(space)
-                     if (t := tuple(int(c) for c in str(i).zfill(self.num_digits)))
-                     not in eval_set]
-            rng.shuffle(train)
-        else:
-            seen, train = set(eval_set), []
-            while len(train) < self.max_train:
-                t = self._draw(rng)
-                if t not in seen:
-                    seen.add(t)
-                    train.append(t)
-        return eval_list, train
+        n = self.num_digits
+        return disjoint_splits(self._draw, random.Random(self.seed), self.num_eval, self.max_train,
+                               10 ** n, lambda: (tuple(int(c) for c in str(i).zfill(n))
+                                                 for i in range(10 ** n)))
 
     @staticmethod
     def _example(digits: Sequence[int]) -> Example:

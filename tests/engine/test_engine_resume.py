@@ -82,7 +82,7 @@ def test_ctrl_c_saves_and_resumes(uninterrupted, tmp_path):
 
 
 def test_corrupt_checkpoint_and_missing_run_are_one_line(tmp_path):
-    proc = _start_and_stop_after(tmp_path, 5, signal.SIGKILL)
+    assert _start_and_stop_after(tmp_path, 5, signal.SIGKILL).returncode == -signal.SIGKILL
     run = _run_dir(tmp_path)
     (run / "checkpoints" / "step-00000004" / "optimizer.pt").write_bytes(b"not a checkpoint")
     out = subprocess.run([RLCTL, "train", "--resume", str(run)], env=ENV, capture_output=True, text=True)
