@@ -155,6 +155,7 @@ class TrainerConfig:
     warmup_steps: int = 0            # linear LR warm-up
     max_grad_norm: float = MISSING
     micro_batch_size: int = 0        # sequences per forward/backward; 0: whole minibatch
+    share_prompts: bool = True       # one prompt forward per group (rlctl/engine/policy.py)
     eval_every: int = MISSING
     log_every: int = 1
     checkpoint_every: int = MISSING  # steps between checkpoints (0: only at the end)

@@ -99,7 +99,8 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                             scorer.score_batch)
             with torch.no_grad():
                 logp = learner_forward(model, batch.input_ids, batch.attention_mask,
-                                       batch.prompt_len, temperature).logp.float()  # [N, T]
+                                       batch.prompt_len, temperature,
+                                       share_prompts=True).logp.float()  # [N, T]
             ids = batch.completion_ids.tolist()
             lengths = batch.mask.sum(-1).long().tolist()
             logp_rows = logp.tolist()

@@ -174,7 +174,6 @@ def actor_main(cfg_yaml: str, init: str) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from rlctl.engine.policy import learner_forward
     from rlctl.engine.run import _build_model, _build_task, _quiet_libraries
     from rlctl.tasks.scoring import RewardScorer
     from rlctl.rollout.generate import rollout
@@ -204,10 +203,9 @@ def actor_main(cfg_yaml: str, init: str) -> None:
             waited = time.perf_counter() - t0
             errors0 = scorer.errors
             b = rollout(model, tok, [examples[i] for i in idx.tolist()], cfg.algo.group_size,
-                        ro.max_new_tokens, ro.temperature, ro.top_k, scorer.score_batch)
-            with torch.no_grad():
-                logp = learner_forward(model, b.input_ids, b.attention_mask, b.prompt_len,
-                                       ro.temperature).logp                   # [N, T]
+                        ro.max_new_tokens, ro.temperature, ro.top_k, scorer.score_batch,
+                        behaviour_logprobs=True)
+            logp = b.old_logprobs                 # [N, T] from generation's own logits
             N, T = b.mask.shape
             _send(torch.tensor([version, N, b.input_ids.shape[1], b.prompt_len, T,
                                 scorer.errors - errors0, waited, 0], dtype=torch.float64), dst=0)

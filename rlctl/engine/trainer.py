@@ -72,7 +72,7 @@ class Trainer:
             epochs=algo.epochs, minibatches=algo.minibatches, kl_estimator=algo.kl.estimator,
             kl_in_loss=algo.kl.placement == "in_loss", max_grad_norm=tr.max_grad_norm,
             temperature=cfg.rollout.temperature, micro_batch_size=tr.micro_batch_size,
-            vf_coef=algo.vf_coef, value_clip=algo.value_clip)
+            vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=tr.share_prompts)
         self.adv_settings = AdvantageSettings(
             estimator=algo.advantage, std_eps=algo.std_eps, baseline=algo.baseline,
             gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
@@ -127,14 +127,15 @@ class Trainer:
     def _prepare(self, batch: RolloutBatch) -> None:
         """Old/reference log-probs and values where needed, then advantages and returns."""
         args = (batch.input_ids, batch.attention_mask, batch.prompt_len, self.settings.temperature)
+        share = self.settings.share_prompts
         if self._needs_old_forward():
             self.model.eval()
-            f = learner_forward(self.model, *args, critic=self.critic)
+            f = learner_forward(self.model, *args, critic=self.critic, share_prompts=share)
             if batch.old_logprobs is None:     # async: a stale rollout keeps the behaviour policy's
                 batch.old_logprobs = f.logp
             batch.old_values = f.values
         if self.ref_model is not None:
-            batch.ref_logprobs = learner_forward(self.ref_model, *args).logp
+            batch.ref_logprobs = learner_forward(self.ref_model, *args, share_prompts=share).logp
         batch.advantages, batch.returns = compute_advantages(
             batch, self.adv_settings, self.kl_ctl.coef, batch.old_values, self.backend)
 

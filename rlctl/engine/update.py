@@ -40,6 +40,7 @@ class UpdateSettings:
     clip_ratio_c: Optional[float] = None
     micro_batch_size: int = 0              # sequences per forward; 0: the whole minibatch
     trim_padding: bool = True              # cut each micro-batch to its longest completion
+    share_prompts: bool = True             # one prompt forward per distinct prompt
     vf_coef: float = 0.0
     value_clip: Optional[float] = None
 
@@ -97,7 +98,8 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
         width = max(int(row_len[rows].max()), 1) if s.trim_padding else None
         mb = take_rows(batch, rows, width)                                    # [n, P + width]
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
-                            s.temperature, with_entropy=True, critic=critic)
+                            s.temperature, with_entropy=True, critic=critic,
+                            share_prompts=s.share_prompts)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
         if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
             ratio = torch.exp((f.logp.detach() - old).clamp(-20, 20))                # [n, w]

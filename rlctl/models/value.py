@@ -82,6 +82,7 @@ def _device(model) -> torch.device:
 class PolicyValueOutput(NamedTuple):
     logits: torch.Tensor  # [N, L, V]
     values: torch.Tensor  # [N, L], float32
+    cache: object = None  # the policy's key/value cache, when asked for (use_cache=True)
 
 
 class PolicyValueModel(nn.Module):
@@ -106,7 +107,9 @@ class PolicyValueModel(nn.Module):
         hidden = out.hidden_states[-1]
         if self.detach_backbone:     # critic warm-up: the value loss trains the head only
             hidden = hidden.detach()
-        return PolicyValueOutput(out.logits, self.value_head(hidden))
+        cache = getattr(out, "cache", None)
+        cache = cache if cache is not None else getattr(out, "past_key_values", None)
+        return PolicyValueOutput(out.logits, self.value_head(hidden), cache if use_cache else None)
 
     def generate(self, *args, **kwargs):
         return self.policy.generate(*args, **kwargs)

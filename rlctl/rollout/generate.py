@@ -6,11 +6,11 @@ the same distribution the learner's log-probs are computed from).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Sequence
 
 import torch
 
-from rlctl.core.logprobs import completion_mask
+from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.types import Example, RolloutBatch
 
 
@@ -21,9 +21,11 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
-             do_sample: bool, temperature: float = 1.0, top_k: int = 0, **backend_kwargs
-             ) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """Left-padded prompts -> (sequences [N, P+T], prompt attention mask [N, P], P).
+             do_sample: bool, temperature: float = 1.0, top_k: int = 0,
+             return_logits: bool = False, **backend_kwargs):
+    """Left-padded prompts -> (sequences [N, P+T], prompt attention mask [N, P], P), plus
+    the raw (unprocessed: no temperature, no top-k) logits [N, T, V] that scored each
+    generated token when ``return_logits``.
 
     ``backend_kwargs``: e.g. ``synced_gpus=True`` under ZeRO-3 with several ranks.
 
@@ -36,10 +38,14 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
     prompt_mask = enc["attention_mask"].to(device)     # [N, P]
     kwargs = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0) \
         if do_sample else dict(do_sample=False)
+    if return_logits:
+        kwargs.update(output_logits=True, return_dict_in_generate=True)
     out = model.generate(
         input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs,
         **backend_kwargs)
+    if return_logits:
+        return out.sequences, prompt_mask, input_ids.shape[1], torch.stack(out.logits, 1)
     return out, prompt_mask, input_ids.shape[1]       # out: [N, P+T]
 
 
@@ -53,14 +59,17 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tens
 def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             max_new_tokens: int, temperature: float, top_k: int,
             score_batch: Callable[[List[Example], List[str]], List[float]],
-            **backend_kwargs) -> RolloutBatch:
+            behaviour_logprobs: bool = False, **backend_kwargs) -> RolloutBatch:
     """Sample G completions for each of the B examples and score them in one batch
-    (``score_batch``: e.g. ``RewardScorer.score_batch``, which enforces the time limit)."""
+    (``score_batch``: e.g. ``RewardScorer.score_batch``, which enforces the time limit).
+    ``behaviour_logprobs``: also record log softmax(logits / temperature) of each sampled
+    token from generation's own logits (no extra forward) as ``old_logprobs``."""
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
-    seqs, prompt_mask, plen = generate(model, tokenizer, prompts, max_new_tokens,
-                                       do_sample=True, temperature=temperature, top_k=top_k,
-                                       **backend_kwargs)
+    seqs, prompt_mask, plen, *logits = generate(
+        model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=temperature,
+        top_k=top_k, return_logits=behaviour_logprobs, **backend_kwargs)
     completion_ids = seqs[:, plen:]                                          # [N, T]
+    old = token_logprobs(logits[0].float() / temperature, completion_ids) if logits else None  # [N, T]
     mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)            # [N, P+T]
     completions = decode_completions(tokenizer, completion_ids, mask)
@@ -71,4 +80,4 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
     return RolloutBatch(
         input_ids=seqs, attention_mask=attention_mask, mask=mask, truncated=truncated,
         rewards=rewards, group_ids=group_ids, prompt_len=plen, group_size=group_size,
-        prompts=prompts, completions=completions)
+        prompts=prompts, completions=completions, old_logprobs=old)

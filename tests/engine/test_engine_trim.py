@@ -52,7 +52,7 @@ def test_trimmed_micro_batches_give_the_same_gradient(tiny, mode, micro):
         s = UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                            agg_mode=mode, norm_len=None, epochs=1, minibatches=1, kl_estimator="k3",
                            kl_in_loss=True, max_grad_norm=1.0, temperature=1.0,
-                           micro_batch_size=micro, trim_padding=trim)
+                           micro_batch_size=micro, trim_padding=trim, share_prompts=False)
         metrics[trim] = accumulate_gradients(m, batch, s, UpdateState(kl_coef=0.1))
         grads[trim] = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
         widths[trim] = seen

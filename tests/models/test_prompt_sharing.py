@@ -1,0 +1,128 @@
+"""Prompt sharing in the learner's forward (rlctl/engine/policy.py): one prompt forward
+per distinct prompt plus a completion forward over the indexed KV cache must give the
+full forward's log-probs, entropies, values and gradients, on left-padded prompts of
+different lengths, ragged completions and rows in any order."""
+import copy
+
+import pytest
+import torch
+
+from rlctl.core.logprobs import completion_mask
+from rlctl.engine.policy import cache_keyword, learner_forward
+from rlctl.models.value import PolicyValueModel
+from rlctl.rollout.generate import generate
+
+PROMPTS = ["3 1 2 =", "9 =", "5 4 8 7 =", "0 6 6 1 2 ="]
+G = 3
+
+
+@pytest.fixture(scope="module")
+def batch(tiny):
+    """Each prompt G times, sampled completions (ragged: EOS at different steps), rows
+    shuffled so that a group's rows are not adjacent."""
+    model, tok = tiny
+    torch.manual_seed(1)
+    prompts = [p for p in PROMPTS for _ in range(G)]
+    seqs, prompt_mask, P = generate(model, tok, prompts, max_new_tokens=7, do_sample=True,
+                                    temperature=1.5)
+    mask, _ = completion_mask(seqs[:, P:], tok.eos_token_id, tok.pad_token_id)   # [N, T]
+    lengths = mask.sum(-1)
+    assert len(set(lengths.tolist())) > 1 and (prompt_mask == 0).any()           # ragged, padded
+    attn = torch.cat([prompt_mask, mask.long()], 1)                              # [N, P+T]
+    perm = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(0))
+    return seqs[perm], attn[perm], mask[perm], P
+
+
+def _run(model, batch, share, critic_loss=False):
+    seqs, attn, mask, P = batch
+    model.zero_grad(set_to_none=True)
+    f = learner_forward(model, seqs, attn, P, temperature=0.7, with_entropy=True,
+                        share_prompts=share)
+    loss = (f.logp * mask * torch.linspace(-1, 1, mask.shape[1])).sum()
+    if critic_loss:
+        loss = loss + (f.values * mask).square().sum()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return f, grads
+
+
+def _assert_same(a, b, mask):
+    """Float64 models still run Llama's RMSNorm in float32 (transformers upcasts to
+    float32 and casts back), so sums taken in a different order differ at float32's
+    precision: measured 2.5e-6 on gradients of magnitude 33. A wrong sharing (a row
+    reading another prompt's cache) differs by O(1e-1)."""
+    (fa, ga), (fb, gb) = a, b
+    keep = mask > 0
+    torch.testing.assert_close(fa.logp[keep], fb.logp[keep], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fa.entropy[keep], fb.entropy[keep], atol=1e-6, rtol=1e-6)
+    if fa.values is not None:
+        torch.testing.assert_close(fa.values[keep], fb.values[keep], atol=1e-6, rtol=1e-6)
+    assert len(ga) == len(gb) and len(ga) > 0
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-5)
+    assert max(g.abs().max() for g in ga) > 0
+
+
+def test_shared_prompt_forward_equals_full_forward_in_float64(tiny, batch):
+    model = copy.deepcopy(tiny[0]).double().train()
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                    with_kwargs=True)
+    full = _run(model, batch, share=False)
+    n_full = len(calls)
+    shared = _run(model, batch, share=True)
+    seqs, _, mask, P = batch
+    # one forward over all rows, vs one over the distinct prompts + one over the completions
+    assert calls[:n_full] == [(len(seqs), seqs.shape[1] - 1)]
+    assert calls[n_full:] == [(len(PROMPTS), P), (len(seqs), seqs.shape[1] - 1 - P)]
+    _assert_same(full, shared, mask)
+
+
+def test_shared_prompt_forward_with_a_value_head(tiny, batch):
+    model = PolicyValueModel(copy.deepcopy(tiny[0]), init_std=0.1).double().train()
+    full = _run(model, batch, share=False, critic_loss=True)
+    shared = _run(model, batch, share=True, critic_loss=True)
+    assert shared[0].values is not None
+    _assert_same(full, shared, batch[2])
+
+
+def test_shared_prompt_forward_with_lora(tiny, batch):
+    pytest.importorskip("peft")
+    from rlctl.models.lora import apply_lora
+
+    model = apply_lora(copy.deepcopy(tiny[0]), r=4, alpha=8, dropout=0.0,
+                       target_modules=["q_proj", "v_proj"]).double().train()
+    for name, p in model.named_parameters():             # B = 0 at init: move it
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    assert cache_keyword(model) is not None
+    _assert_same(_run(model, batch, share=False), _run(model, batch, share=True), batch[2])
+
+
+def test_one_token_completions_need_only_the_prompt_forward(tiny):
+    model, tok = tiny
+    enc = tok(["3 1 2 =", "3 1 2 =", "9 ="], return_tensors="pt", padding=True)
+    eos = torch.full((3, 1), tok.eos_token_id)
+    seqs = torch.cat([enc["input_ids"], eos], 1)                                  # [3, P+1]
+    attn = torch.cat([enc["attention_mask"], torch.ones(3, 1, dtype=torch.long)], 1)
+    P = enc["input_ids"].shape[1]
+    calls = []
+    h = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[0]),
+                                        with_kwargs=True)
+    try:
+        with torch.no_grad():
+            shared = learner_forward(model, seqs, attn, P, share_prompts=True).logp
+            full = learner_forward(model, seqs, attn, P, share_prompts=False).logp
+    finally:
+        h.remove()
+    assert calls == [2, 3]          # 2 distinct prompts, then the full forward's 3 rows
+    torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
+
+
+def test_models_without_a_cache_argument_use_the_full_forward():
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+            raise AssertionError("not called")
+
+    assert cache_keyword(NoCache()) is None
+    assert cache_keyword(torch.nn.Linear(2, 2)) is None
