@@ -261,11 +261,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"hardware.deepspeed_config: no such file '{hw.deepspeed_config}'")
     _choice(cfg, "logger.wandb_mode", ["offline", "online", "disabled"])
     for key in ("algo.group_size", "algo.epochs", "algo.minibatches", "trainer.prompts_per_step",
-                "rollout.max_new_tokens", "hardware.num_threads", "trainer.lr"):
+                "rollout.max_new_tokens", "hardware.num_threads", "trainer.lr",
+                "trainer.async.sync_every", "trainer.async.num_actors"):
         _positive(cfg, key)
     for key in ("trainer.steps", "trainer.eval_every", "algo.clip_eps", "algo.kl.coef",
                 "algo.vf_coef", "algo.critic_warmup_steps", "algo.overlong_buffer",
-                "trainer.micro_batch_size",
+                "trainer.micro_batch_size", "trainer.async.max_staleness",
                 "rollout.temperature", "trainer.max_grad_norm", "trainer.weight_decay"):
         _positive(cfg, key, allow_zero=True)
     if cfg.rollout.temperature == 0:
@@ -275,5 +276,11 @@ def validate(cfg: DictConfig) -> None:
     if n % cfg.algo.minibatches and not cfg.algo.dynamic_sampling:
         raise ConfigError(f"algo.minibatches={cfg.algo.minibatches} must divide the "
                           f"{n} sequences per step (trainer.prompts_per_step * algo.group_size)")
+    if cfg.trainer.compile and hw.backend != "torch":
+        raise ConfigError("trainer.compile=true needs hardware.backend=torch (DeepSpeed wraps the "
+                          f"model in its own engine; got hardware.backend={hw.backend})")
+    if cfg.trainer["async"].enabled and hw.num_processes > 1:
+        raise ConfigError("trainer.async.enabled=true runs one learner process; it needs "
+                          f"hardware.num_processes=1 (got {hw.num_processes})")
     if cfg.model.name == "hf" and not cfg.model.name_or_path:
         raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")

@@ -143,6 +143,7 @@ class AsyncConfig:
     enabled: bool = MISSING        # rollout actor process + learner (rlctl/engine/async_rollout.py)
     max_staleness: int = MISSING   # a rollout is at most this many learner steps old (0: synchronous)
     sync_every: int = MISSING      # learner steps between weight syncs to the actor
+    num_actors: int = 1            # rollout actor processes
 
 
 @dataclass
@@ -156,6 +157,7 @@ class TrainerConfig:
     max_grad_norm: float = MISSING
     micro_batch_size: int = 0        # sequences per forward/backward; 0: whole minibatch
     share_prompts: bool = True       # one prompt forward per group (rlctl/engine/policy.py)
+    compile: bool = False            # torch.compile the learner's forward (plain torch backend)
     eval_every: int = MISSING
     log_every: int = 1
     checkpoint_every: int = MISSING  # steps between checkpoints (0: only at the end)

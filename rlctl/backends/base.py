@@ -70,8 +70,11 @@ class Backend:
         self.max_grad_norm = max_grad_norm
         extra = list(critic.parameters()) if critic is not None else []
         self._params = [p for p in list(model.parameters()) + extra if p.requires_grad]
+        # The fused kernel: one pass per tensor (CPU: 0.2 ms vs 1.0 ms per step on the
+        # tiny model); the same update as the default loop up to rounding.
+        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in self._params)
         self.optimizer = torch.optim.AdamW(self._params, lr=lr, betas=tuple(betas),
-                                           weight_decay=weight_decay)
+                                           weight_decay=weight_decay, fused=fused or None)
         warm = max(int(warmup_steps), 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)

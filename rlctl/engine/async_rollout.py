@@ -1,27 +1,32 @@
-"""Rollout sources: local (synchronous) and an asynchronous actor process.
+"""Rollout sources: local (synchronous) and asynchronous actor processes.
 
-``AsyncSource`` starts ONE actor process (torch.multiprocessing, spawn) joined to the
-learner in a 2-rank gloo process group (``file://`` rendezvous in a temp dir); the
-learner is rank 0, the actor rank 1. The learner drives a request/reply protocol:
+``AsyncSource`` starts ``trainer.async.num_actors`` actor processes (torch.multiprocessing,
+spawn) joined to the learner in one gloo process group (``file://`` rendezvous in a temp
+dir); the learner is rank 0, actor a is rank a+1. Point-to-point messages, each a fixed
+float64 header followed by one byte payload (rlctl/engine/wire.py):
 
-  learner -> actor: header [go, with_weights, weights_version, use_rng, B]
-                    (with_weights: dist.broadcast of the flattened policy parameters)
-                    example indices [B] long; (use_rng) torch RNG state [S] uint8
-  actor -> learner: header [version, N, L, P, T, reward_errors, actor_wait_s, rng]
-                    input_ids [N, L], attention_mask [N, L], mask [N, T], truncated [N],
-                    rewards [N], behaviour log-probs [N, T]; (use_rng) RNG state [S]
+  learner -> actor: [go, with_weights, weights_version, use_rng, B, payload bytes]
+                    payload: (with_weights) flat policy parameters, example indices [B],
+                    (use_rng) the learner's torch RNG state
+  actor -> learner: [version | error code, N, L, P, T, reward_errors, actor_wait_s, bytes]
+                    payload: input_ids [N, L], attention_mask [N, L], mask [N, T],
+                    truncated [N], rewards [N], behaviour log-probs [N, T], (use_rng)
+                    the advanced RNG state; or an error message
 
-Versions count learner steps. A request is sent ahead of the update (overlapping the
-actor's generation with the learner's update) only when the rollout will then be at
-most ``max_staleness`` steps old; weights travel every ``sync_every`` steps, or sooner
-when staleness would exceed the bound. With ``max_staleness=0`` every request follows
-the update, carries the newest weights and the learner's RNG state (the actor returns
-it advanced): the loop is the synchronous one, bit for bit. A rollout made with the
-current weights is on-policy and gets no correction; a stale one keeps the behaviour
-policy's log-probs (``old_logprobs``: the PPO-clipped ratio is taken against them).
+Versions count learner updates. Rollouts are requested in the order the learner will
+consume them; the rollout for step c may be requested once the learner's version is at
+least c - 1 - max_staleness, so at most ``min(num_actors, max_staleness)`` rollouts are
+made while the learner updates. Weights travel with a request when the actor's copy is
+``sync_every`` updates old, or sooner when the staleness bound needs them. With
+``max_staleness=0`` every request follows the update, carries the newest weights and the
+learner's RNG state (the actor returns it advanced): the loop is the synchronous one, bit
+for bit. A rollout made with the current weights is on-policy and gets no correction; a
+stale one keeps the behaviour policy's log-probs (``old_logprobs``: the PPO-clipped ratio
+is taken against them).
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import tempfile
@@ -30,9 +35,11 @@ from typing import Dict, List
 
 import torch
 
+from rlctl.engine.wire import ActorFailed, pack, recv_message, send_message, unpack
+from rlctl.tasks.scoring import RewardError
 from rlctl.types import RolloutBatch
 
-HEADER = 8
+USER_ERROR, ACTOR_ERROR = -2, -3
 
 
 class LocalSource:
@@ -51,19 +58,6 @@ class LocalSource:
         pass
 
 
-def _send(*tensors: torch.Tensor, dst: int) -> None:
-    import torch.distributed as dist
-    for t in tensors:
-        dist.send(t.contiguous(), dst)
-
-
-def _recv(shape, dtype, src: int) -> torch.Tensor:
-    import torch.distributed as dist
-    t = torch.empty(shape, dtype=dtype)
-    dist.recv(t, src)
-    return t
-
-
 def flat_params(model) -> torch.Tensor:
     return torch.nn.utils.parameters_to_vector([p.detach().float().cpu() for p in model.parameters()])
 
@@ -78,49 +72,63 @@ class AsyncSource:
             raise ValueError("trainer.async.enabled=true needs hardware.num_processes=1")
         acfg = trainer.cfg.trainer["async"]
         self.t, self.max_stale, self.sync_every = trainer, int(acfg.max_staleness), int(acfg.sync_every)
-        self.version, self.actor_version, self.pending = 0, -(1 << 30), None
+        self.num_actors = int(acfg.num_actors)
+        self.version, self.next_step = 0, 1              # updates done; next step to request
+        self.actor_version = [-(1 << 30)] * self.num_actors
+        self.idle = collections.deque(range(self.num_actors))
+        self.failed: set = set()                          # actors that reported an error
+        self.pending: collections.deque = collections.deque()   # (actor, indices, use_rng)
         self.stats: Dict[str, List[float]] = {}
         self.dir = tempfile.mkdtemp(prefix="rlctl-async-")
         init = f"file://{os.path.join(self.dir, 'rendezvous')}"
         cfg_yaml = OmegaConf.to_yaml(trainer.cfg, resolve=True)
-        # not a daemon: the actor forks its own reward worker (task.reward_timeout_s)
-        self.proc = mp.get_context("spawn").Process(target=actor_main, args=(cfg_yaml, init), daemon=False)
-        self.proc.start()
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=2,
+        ctx = mp.get_context("spawn")
+        # not daemons: an actor forks its own reward worker (task.reward_timeout_s)
+        self.procs = [ctx.Process(target=actor_main, args=(cfg_yaml, init, a + 1, self.num_actors + 1),
+                                  daemon=False) for a in range(self.num_actors)]
+        for p in self.procs:
+            p.start()
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=self.num_actors + 1,
                                 timeout=datetime.timedelta(seconds=300))
 
     # ---- learner side ------------------------------------------------------------
-    def _request(self, prefetch: bool) -> None:
+    def _fill(self) -> None:
+        """Request rollouts, in consumption order, while an actor is idle and the next
+        step's rollout would be at most ``max_staleness`` updates old when consumed."""
+        while self.idle and self.next_step - 1 - self.version <= self.max_stale:
+            self._request(self.idle.popleft(), self.next_step)
+            self.next_step += 1
+
+    def _request(self, actor: int, step: int) -> None:
         t = self.t
-        consumed_at = self.version + (1 if prefetch else 0)
-        weights = (self.version - self.actor_version >= self.sync_every
-                   or consumed_at - self.actor_version > self.max_stale)
-        use_rng = not prefetch
+        oldest_allowed = step - 1 - self.max_stale      # weights version the rollout needs
+        weights = (self.version - self.actor_version[actor] >= self.sync_every
+                   or self.actor_version[actor] < oldest_allowed)
+        use_rng = self.max_stale == 0
         idx = torch.tensor([t.sampler.randrange(len(t.train_examples)) for _ in range(t.local_prompts)])
-        _send(torch.tensor([1, weights, self.version, use_rng, idx.numel(), 0, 0, 0], dtype=torch.float64), dst=1)
+        parts = ([flat_params(t.policy)] if weights else []) + [idx] + ([torch.get_rng_state()] if use_rng else [])
+        send_message([1, weights, self.version, use_rng, idx.numel()], pack(parts), dst=actor + 1)
         if weights:
-            import torch.distributed as dist
-            dist.broadcast(flat_params(t.policy), src=0)
-            self.actor_version = self.version
-        _send(idx, dst=1)
-        if use_rng:
-            _send(torch.get_rng_state(), dst=1)
-        self.pending = (idx, use_rng)
+            self.actor_version[actor] = self.version
+        self.pending.append((actor, idx, use_rng))
 
     def _receive(self) -> RolloutBatch:
-        idx, use_rng = self.pending
-        self.pending = None
+        actor, idx, use_rng = self.pending.popleft()
         t0 = time.perf_counter()
-        h = _recv((HEADER,), torch.float64, 1).tolist()
+        h, payload = recv_message(src=actor + 1)
+        self.idle.append(actor)
+        if h[0] in (USER_ERROR, ACTOR_ERROR):
+            self.failed.add(actor)
+            msg = bytes(payload.tolist()).decode("utf-8", "replace")
+            raise (RewardError(msg) if h[0] == USER_ERROR else ActorFailed(f"rollout actor {actor}: {msg}"))
         version, N, L, P, T = (int(x) for x in h[:5])
-        ids = _recv((N, L), torch.long, 1)                             # [N, P+T]
-        attn = _recv((N, L), torch.long, 1)                            # [N, P+T]
-        mask = _recv((N, T), torch.float32, 1)                         # [N, T]
-        truncated = _recv((N,), torch.uint8, 1).bool()                 # [N]
-        rewards = _recv((N,), torch.float32, 1)                        # [N]
-        behaviour = _recv((N, T), torch.float32, 1)                    # [N, T]
+        specs = [((N, L), torch.long), ((N, T), torch.float32), ((N,), torch.float32),
+                 ((N, T), torch.float32), ((N, L), torch.uint8), ((N,), torch.uint8)]
         if use_rng:
-            torch.set_rng_state(_recv(torch.get_rng_state().shape, torch.uint8, 1))
+            specs.append((torch.get_rng_state().shape, torch.uint8))
+        ids, mask, rewards, behaviour, attn, truncated, *rng = unpack(payload, specs)
+        if use_rng:
+            torch.set_rng_state(rng[0])
         self._log("time/learner_wait_s", time.perf_counter() - t0)
         self._log("time/actor_wait_s", h[6])
         self.t.scorer.errors += int(h[5])
@@ -130,18 +138,16 @@ class AsyncSource:
         examples = [self.t.train_examples[i] for i in idx.tolist()]
         dev = self.t.backend.device
         return RolloutBatch(
-            input_ids=ids.to(dev), attention_mask=attn.to(dev), mask=mask.to(dev),
-            truncated=truncated.to(dev), rewards=rewards.to(dev),
+            input_ids=ids.to(dev), attention_mask=attn.long().to(dev), mask=mask.to(dev),
+            truncated=truncated.bool().to(dev), rewards=rewards.to(dev),
             group_ids=torch.arange(len(examples), device=dev).repeat_interleave(G),
             prompt_len=P, group_size=G, prompts=[e.prompt for e in examples for _ in range(G)],
             completions=[""] * N, old_logprobs=behaviour.to(dev) if stale > 0 else None)
 
     def sample(self, num_groups: int) -> RolloutBatch:
-        if self.pending is None:
-            self._request(prefetch=False)
+        self._fill()
         batch = self._receive()
-        if self.max_stale >= 1:              # overlap: the next rollout is made during the update
-            self._request(prefetch=True)
+        self._fill()             # overlap: the freed actor starts the next rollout now
         return batch
 
     def after_update(self) -> None:
@@ -158,61 +164,80 @@ class AsyncSource:
     def close(self) -> None:
         import torch.distributed as dist
         try:
-            if self.pending is not None:
-                self._receive()
-            _send(torch.zeros(HEADER, dtype=torch.float64), dst=1)
-            self.proc.join(timeout=30)
+            while self.pending:
+                actor, *_ = self.pending.popleft()
+                recv_message(src=actor + 1)
+            for a, p in enumerate(self.procs):
+                if p.is_alive() and a not in self.failed:
+                    send_message([0], pack([]), dst=a + 1)
+            for p in self.procs:
+                p.join(timeout=30)
+        except (ActorFailed, RuntimeError):
+            pass                 # an actor already gone: terminated below
         finally:
-            if self.proc.is_alive():
-                self.proc.terminate()
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
 
 
 # ---- actor side --------------------------------------------------------------------
-def actor_main(cfg_yaml: str, init: str) -> None:
+def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
     from rlctl.engine.run import _build_model, _build_task, _quiet_libraries
-    from rlctl.tasks.scoring import RewardScorer
+    from rlctl.errors import UserError
     from rlctl.rollout.generate import rollout
+    from rlctl.tasks.scoring import RewardScorer
 
     cfg = OmegaConf.create(cfg_yaml)
     _quiet_libraries(cfg)
     task = _build_task(cfg)
     model, _, tok, _ = _build_model(cfg)
     model.eval()
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
     scorer, examples, ro = RewardScorer(task), task.train_examples(), cfg.rollout
-    dist.init_process_group("gloo", init_method=init, rank=1, world_size=2)
+    torch.manual_seed(cfg.seed * 1000 + 7919 * rank)      # each actor its own sampling stream
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     version = -1
     try:
         while True:
             t0 = time.perf_counter()
-            go, weights, wver, use_rng, B = (int(x) for x in _recv((HEADER,), torch.float64, 0)[:5].tolist())
+            h, payload = recv_message(src=0)
+            go, weights, wver, use_rng, B = (int(x) for x in h[:5])
             if not go:
                 break
-            if weights:
-                flat = flat_params(model)
-                dist.broadcast(flat, src=0)
-                torch.nn.utils.vector_to_parameters(flat, list(model.parameters()))
-                version = wver
-            idx = _recv((B,), torch.long, 0)
-            if use_rng:
-                torch.set_rng_state(_recv(torch.get_rng_state().shape, torch.uint8, 0))
             waited = time.perf_counter() - t0
-            errors0 = scorer.errors
-            b = rollout(model, tok, [examples[i] for i in idx.tolist()], cfg.algo.group_size,
-                        ro.max_new_tokens, ro.temperature, ro.top_k, scorer.score_batch,
-                        behaviour_logprobs=True)
-            logp = b.old_logprobs                 # [N, T] from generation's own logits
-            N, T = b.mask.shape
-            _send(torch.tensor([version, N, b.input_ids.shape[1], b.prompt_len, T,
-                                scorer.errors - errors0, waited, 0], dtype=torch.float64), dst=0)
-            _send(b.input_ids.cpu(), b.attention_mask.long().cpu(), b.mask.float().cpu(),
-                  b.truncated.to(torch.uint8).cpu(), b.rewards.float().cpu(), logp.float().cpu(), dst=0)
+            specs = ([((n_params,), torch.float32)] if weights else []) + [((B,), torch.long)]
             if use_rng:
-                _send(torch.get_rng_state(), dst=0)
+                specs.append((torch.get_rng_state().shape, torch.uint8))
+            fields = unpack(payload, specs)
+            if weights:
+                torch.nn.utils.vector_to_parameters(fields.pop(0), params)
+                version = wver
+            idx = fields[0]
+            if use_rng:
+                torch.set_rng_state(fields[1])
+            errors0 = scorer.errors
+            try:
+                b = rollout(model, tok, [examples[i] for i in idx.tolist()], cfg.algo.group_size,
+                            ro.max_new_tokens, ro.temperature, ro.top_k, scorer.score_batch,
+                            behaviour_logprobs=True)      # old_logprobs from generate's own logits
+            except Exception as exc:  # noqa: BLE001 - reported to the learner, which stops
+                code = USER_ERROR if isinstance(exc, UserError) else ACTOR_ERROR
+                text = str(exc) if code == USER_ERROR else f"{type(exc).__name__}: {exc}"
+                send_message([code], torch.tensor(list(text.encode()), dtype=torch.uint8), dst=0)
+                break
+            N, T = b.mask.shape
+            parts = [b.input_ids, b.mask.float(), b.rewards.float(), b.old_logprobs.float(),
+                     b.attention_mask.to(torch.uint8), b.truncated.to(torch.uint8)]
+            if use_rng:
+                parts.append(torch.get_rng_state())
+            send_message([version, N, b.input_ids.shape[1], b.prompt_len, T,
+                          scorer.errors - errors0, waited], pack([x.cpu() for x in parts]), dst=0)
     finally:
         scorer.close()
         dist.destroy_process_group()

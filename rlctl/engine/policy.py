@@ -102,7 +102,9 @@ def cache_keyword(model) -> Optional[str]:
     when it takes none (prompt sharing is then off)."""
     inner = model
     for _ in range(8):               # DeepSpeed engine / PolicyValueModel / peft wrappers
-        if hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+        if hasattr(inner, "_orig_mod"):                   # torch.compile's wrapper
+            inner = inner._orig_mod
+        elif hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
             inner = inner.module
         elif hasattr(inner, "policy") and isinstance(inner.policy, torch.nn.Module):
             inner = inner.policy

@@ -87,6 +87,8 @@ class Trainer:
         lr = lora.lr if lora.enabled and lora.lr is not None else tr.lr
         self.model = self.backend.prepare(model, critic, lr, tr.betas, tr.weight_decay,
                                           tr.warmup_steps, tr.max_grad_norm)
+        if tr.compile:           # learner forwards only; generation keeps the eager module
+            self.model = torch.compile(self.model, dynamic=True)
         self.scorer = RewardScorer(task)         # training rewards (time limit, error policy)
         self.eval_scorer = RewardScorer(task)    # kept apart so eval never mixes into reward/*
         self.train_examples = task.train_examples()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -78,10 +79,15 @@ def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
         yield ("ok", i, total, comps)
 
 
-def _worker_main(task, conn) -> None:  # runs in the forked child
+def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     while True:
         try:
+            # A forked child holds copies of its parent's descriptors (the pipe's other
+            # end, distributed sockets): it must leave by itself when the parent dies.
+            while not conn.poll(1.0):
+                if os.getppid() != parent_pid:
+                    return
             msg = conn.recv()
         except (EOFError, OSError):
             return
@@ -105,7 +111,7 @@ class _ProcessRunner:
     def _start(self) -> None:
         ctx = multiprocessing.get_context("fork")
         parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(self.task, child), daemon=True,
+        self.proc = ctx.Process(target=_worker_main, args=(self.task, child, os.getpid()), daemon=True,
                                 name="rlctl-reward")
         self.proc.start()
         child.close()

@@ -48,3 +48,63 @@ def test_async_one_step_stale_uses_behaviour_logprobs():
     assert "policy/ratio_std" not in steps[0]        # on-policy: no correction needed
     assert steps[2]["policy/ratio_std"] > 0          # stale: pi / pi_behaviour != 1
     assert all(s["time/learner_wait_s"] >= 0 and s["time/actor_wait_s"] >= 0 for s in steps)
+
+
+def test_two_actors_work_ahead_within_the_staleness_bound():
+    """num_actors=2, max_staleness=2: while the learner updates, both actors generate;
+    rollouts for steps 1, 2 come from the initial weights, later ones are 2 updates old
+    (hand-traced from the request rule: step c may be requested once version >= c-1-2)."""
+    steps = _run(["trainer.async.enabled=true", "trainer.async.max_staleness=2",
+                  "trainer.async.num_actors=2"], steps=5)
+    assert [s["async/staleness"] for s in steps] == [0, 1, 2, 2, 2]
+    assert all(s["policy/ratio_std"] > 0 for s in steps[1:])
+    assert all(0 <= s["reward/mean"] <= 1 for s in steps)
+
+
+def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
+    """task.on_reward_error=raise inside an actor: the learner raises the RewardError with
+    the actor's message (the CLI prints it as one line), and close() returns."""
+    import json
+    import time
+
+    import pytest
+
+    from rlctl.tasks.scoring import RewardError
+
+    (tmp_path / "bad_reward.py").write_text("def reward(prompt, completion, **f):\n"
+                                            "    raise ValueError('boom from the reward')\n")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} 3 1 ="}) + "\n" for i in range(10)))
+    cfg = compose(BASE + ["task=jsonl", f"task.train_path={data}", "task.num_eval=2",
+                          f"task.reward_fn={tmp_path / 'bad_reward.py'}:reward",
+                          "task.on_reward_error=raise", "trainer.async.enabled=true"]).cfg
+    OmegaConf.resolve(cfg)
+    from rlctl.engine.run import _build_model, _build_task
+    model, _, tok, _ = _build_model(cfg)
+    tr = Trainer(cfg, model, tok, _build_task(cfg), NullSink())
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardError, match="boom from the reward"):
+            tr.step(1)
+    finally:
+        tr.close()
+    assert time.monotonic() - t0 < 120
+
+
+def test_an_actor_that_dies_is_reported_not_waited_for():
+    from rlctl.engine.wire import ActorFailed
+    import pytest
+
+    cfg = compose(BASE + ["trainer.async.enabled=true"]).cfg
+    OmegaConf.resolve(cfg)
+    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
+    task = build_task("sorting", **{k: v for k, v in dict(cfg.task).items() if k != "name"})
+    tr = Trainer(cfg, model, tok, task, NullSink())
+    try:
+        tr.step(1)
+        tr.source.procs[0].kill()
+        with pytest.raises(ActorFailed, match="exited unexpectedly"):
+            tr.step(2)
+            tr.step(3)
+    finally:
+        tr.close()
