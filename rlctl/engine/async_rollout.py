@@ -225,7 +225,8 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
             try:
                 b = rollout(model, tok, [examples[i] for i in idx.tolist()], cfg.algo.group_size,
                             ro.max_new_tokens, ro.temperature, ro.top_k, scorer.score_batch,
-                            behaviour_logprobs=True)      # old_logprobs from generate's own logits
+                            behaviour_logprobs=True,      # old_logprobs from generate's own logits
+                            share_prompts=cfg.trainer.share_prompts)
             except Exception as exc:  # noqa: BLE001 - reported to the learner, which stops
                 code = USER_ERROR if isinstance(exc, UserError) else ACTOR_ERROR
                 text = str(exc) if code == USER_ERROR else f"{type(exc).__name__}: {exc}"

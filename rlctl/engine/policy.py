@@ -1,23 +1,20 @@
 """The learner's forward pass: token log-probs, entropy and (with a critic) values.
 
-Prompt sharing (``share_prompts=True``): the G completions of a group share one prompt,
-so the prompt's forward is run once per distinct prompt and its key/value cache is
-indexed out to every row that uses it; the completions then run on top of that cache.
-Causal attention makes this exact (a prompt position never sees a completion token),
-and gradients flow through the shared cache into the prompt positions, summed over the
-rows that share them, as in the full forward. On the default sorting config it removes
-about half of the learner's tokens. Models whose forward takes no cache fall back to
-the full forward.
+Prompt sharing (``share_prompts=True``, rlctl/models/kv_share.py): the prompt's forward
+runs once per distinct prompt, its key/value cache is indexed out to every row that
+uses it, and the completions run on top of that cache. Gradients flow through the
+shared cache into the prompt positions, summed over the rows that share them, as in the
+full forward. On the default sorting config it removes about half of the learner's
+tokens. Models whose forward takes no cache fall back to the full forward.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import NamedTuple, Optional
 
 import torch
 
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
+from rlctl.models.kv_share import cache_keyword, cache_of, distinct_rows
 from rlctl.rollout.generate import position_ids_from_mask
 
 
@@ -66,26 +63,17 @@ def _values(out) -> Optional[torch.Tensor]:
     return values if isinstance(values, torch.Tensor) else None   # (HF outputs: a method)
 
 
-def _cache_of(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
-
-
 def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str):
     """(logits [N, T, V], values [N, T] or None) from one prompt forward per distinct
     prompt plus one completion forward over the indexed cache."""
-    prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P].long()], 1)       # [N, 2P]
-    _, inv = torch.unique(prompts, dim=0, return_inverse=True)                     # [N] -> group
-    n, U = input_ids.shape[0], int(inv.max()) + 1
-    first = torch.full((U,), n, dtype=torch.long, device=inv.device).scatter_reduce(
-        0, inv, torch.arange(n, device=inv.device), "amin")                       # [U] a row each
+    first, inv = distinct_rows(input_ids[:, :P], attention_mask[:, :P])           # [U], [N]
     p_mask = attention_mask[first, :P]                                             # [U, P]
     out = model(input_ids=input_ids[first, :P], attention_mask=p_mask,
                 position_ids=position_ids_from_mask(p_mask), use_cache=True)
     logits, values = out.logits[inv, -1:], _values(out)                            # [N, 1, V]
     values = values[inv, -1:] if values is not None else None                      # [N, 1]
     if input_ids.shape[1] - P > 1:                 # completion tokens 1..T-1 to score
-        cache = _cache_of(out)
+        cache = cache_of(out)
         cache.batch_select_indices(inv)            # [U, ...] -> [N, ...], differentiable
         pos = position_ids_from_mask(attention_mask[:, :-1])[:, P:]                # [N, T-1]
         rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
@@ -94,31 +82,3 @@ def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str):
         if values is not None:
             values = torch.cat([values, _values(rest)], 1)                         # [N, T]
     return logits, values
-
-
-def cache_keyword(model) -> Optional[str]:
-    """The keyword under which the innermost Hugging Face model's forward takes a
-    key/value cache (``cache`` in transformers 5, ``past_key_values`` before), or None
-    when it takes none (prompt sharing is then off)."""
-    inner = model
-    for _ in range(8):               # DeepSpeed engine / PolicyValueModel / peft wrappers
-        if hasattr(inner, "_orig_mod"):                   # torch.compile's wrapper
-            inner = inner._orig_mod
-        elif hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
-            inner = inner.module
-        elif hasattr(inner, "policy") and isinstance(inner.policy, torch.nn.Module):
-            inner = inner.policy
-        elif hasattr(inner, "get_base_model"):
-            inner = inner.get_base_model()
-        else:
-            break
-    return _forward_cache_keyword(type(inner))
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_cache_keyword(cls) -> Optional[str]:
-    try:
-        params = inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):
-        return None
-    return next((k for k in ("cache", "past_key_values") if k in params), None)

@@ -117,7 +117,7 @@ class Trainer:
         ro = self.cfg.rollout
         return rollout(self.policy, self.tokenizer, examples, self.cfg.algo.group_size,
                        ro.max_new_tokens, ro.temperature, ro.top_k, self.scorer.score_batch,
-                       **self.backend.generate_kwargs())
+                       share_prompts=self.settings.share_prompts, **self.backend.generate_kwargs())
 
     def _needs_old_forward(self) -> bool:
         s, a = self.settings, self.adv_settings

@@ -11,6 +11,7 @@ from typing import Callable, List, Sequence
 import torch
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
+from rlctl.models.kv_share import cache_keyword, shared_prefill
 from rlctl.types import Example, RolloutBatch
 
 
@@ -22,12 +23,14 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
              do_sample: bool, temperature: float = 1.0, top_k: int = 0,
-             return_logits: bool = False, **backend_kwargs):
+             return_logits: bool = False, share_prompts: bool = True, **backend_kwargs):
     """Left-padded prompts -> (sequences [N, P+T], prompt attention mask [N, P], P), plus
     the raw (unprocessed: no temperature, no top-k) logits [N, T, V] that scored each
     generated token when ``return_logits``.
 
     ``backend_kwargs``: e.g. ``synced_gpus=True`` under ZeRO-3 with several ranks.
+    ``share_prompts``: prefill each distinct prompt once (rlctl/models/kv_share.py); the
+    same samples as without, up to float rounding of the logits (tested).
 
     T <= max_new_tokens: generation stops early when every row has emitted EOS; rows
     that finished earlier are right-padded with the pad token.
@@ -40,6 +43,9 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
         if do_sample else dict(do_sample=False)
     if return_logits:
         kwargs.update(output_logits=True, return_dict_in_generate=True)
+    cache = shared_prefill(model, input_ids, prompt_mask) if share_prompts else None
+    if cache is not None:
+        kwargs[cache_keyword(model)] = cache
     out = model.generate(
         input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs,
@@ -59,7 +65,8 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tens
 def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             max_new_tokens: int, temperature: float, top_k: int,
             score_batch: Callable[[List[Example], List[str]], List[float]],
-            behaviour_logprobs: bool = False, **backend_kwargs) -> RolloutBatch:
+            behaviour_logprobs: bool = False, share_prompts: bool = True,
+            **backend_kwargs) -> RolloutBatch:
     """Sample G completions for each of the B examples and score them in one batch
     (``score_batch``: e.g. ``RewardScorer.score_batch``, which enforces the time limit).
     ``behaviour_logprobs``: also record log softmax(logits / temperature) of each sampled
@@ -67,7 +74,7 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
     seqs, prompt_mask, plen, *logits = generate(
         model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=temperature,
-        top_k=top_k, return_logits=behaviour_logprobs, **backend_kwargs)
+        top_k=top_k, return_logits=behaviour_logprobs, share_prompts=share_prompts, **backend_kwargs)
     completion_ids = seqs[:, plen:]                                          # [N, T]
     old = token_logprobs(logits[0].float() / temperature, completion_ids) if logits else None  # [N, T]
     mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)

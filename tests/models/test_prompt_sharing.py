@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlctl.core.logprobs import completion_mask
-from rlctl.engine.policy import cache_keyword, learner_forward
+from rlctl.engine.policy import learner_forward
+from rlctl.models.kv_share import cache_keyword
 from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.generate import generate
 
@@ -126,3 +127,37 @@ def test_models_without_a_cache_argument_use_the_full_forward():
 
     assert cache_keyword(NoCache()) is None
     assert cache_keyword(torch.nn.Linear(2, 2)) is None
+
+
+def test_generation_with_a_shared_prefill_samples_the_same_tokens(tiny):
+    """The rollout's prefill runs once per distinct prompt: with the same seed the same
+    completions are drawn, and the logits that scored them agree to float rounding."""
+    model, tok = tiny
+    prompts = [p for p in PROMPTS for _ in range(G)]
+    runs = {}
+    for share in (False, True):
+        torch.manual_seed(3)
+        runs[share] = generate(model, tok, prompts, max_new_tokens=6, do_sample=True,
+                               return_logits=True, share_prompts=share)
+    (s0, m0, p0, l0), (s1, m1, p1, l1) = runs[False], runs[True]
+    assert torch.equal(s0, s1) and torch.equal(m0, m1) and p0 == p1
+    torch.testing.assert_close(l0, l1, atol=1e-5, rtol=1e-5)
+    assert l0.shape == (len(prompts), s0.shape[1] - p0, len(tok))
+
+
+def test_the_shared_prefill_runs_once_per_distinct_prompt(tiny):
+    from rlctl.models.kv_share import shared_prefill
+
+    model, tok = tiny
+    enc = tok([p for p in PROMPTS for _ in range(G)], return_tensors="pt", padding=True)
+    calls = []
+    h = model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)),
+                                        with_kwargs=True)
+    try:
+        cache = shared_prefill(model, enc["input_ids"], enc["attention_mask"])
+        single = shared_prefill(model, enc["input_ids"][::G], enc["attention_mask"][::G])
+    finally:
+        h.remove()
+    P = enc["input_ids"].shape[1]
+    assert calls == [(len(PROMPTS), P - 1)]          # nothing repeats in `single`: no prefill
+    assert single is None and cache.get_seq_length() == P - 1

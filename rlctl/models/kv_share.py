@@ -1,0 +1,77 @@
+"""Sharing a prompt's key/value cache across the rows that repeat it.
+
+The G completions of a group share one prompt. Both the rollout's prefill and the
+learner's forward can run each distinct prompt once and index its KV cache out to every
+row that uses it. Causal attention makes this exact: a prompt position never sees what
+follows it. Models whose forward takes no cache keep the plain path.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional, Tuple
+
+import torch
+
+
+def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rows [N, P] -> (first [U]: one row index per distinct row, inv [N]: each row's
+    distinct row). Ids and mask both count, so two rows are equal only when identical."""
+    rows = torch.cat([input_ids, attention_mask.long()], 1)                        # [N, 2P]
+    _, inv = torch.unique(rows, dim=0, return_inverse=True)                        # [N]
+    n, U = input_ids.shape[0], int(inv.max()) + 1
+    first = torch.full((U,), n, dtype=torch.long, device=inv.device).scatter_reduce(
+        0, inv, torch.arange(n, device=inv.device), "amin")                       # [U]
+    return first, inv
+
+
+def cache_of(out):
+    """The KV cache in a model output (``cache`` in transformers 5, else ``past_key_values``)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def cache_keyword(model) -> Optional[str]:
+    """The keyword under which the innermost Hugging Face model's forward takes a KV
+    cache (``cache`` in transformers 5, ``past_key_values`` before), or None."""
+    inner = model
+    for _ in range(8):               # compile / DeepSpeed / PolicyValueModel / peft wrappers
+        if hasattr(inner, "_orig_mod"):
+            inner = inner._orig_mod
+        elif hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+            inner = inner.module
+        elif hasattr(inner, "policy") and isinstance(inner.policy, torch.nn.Module):
+            inner = inner.policy
+        elif hasattr(inner, "get_base_model"):
+            inner = inner.get_base_model()
+        else:
+            break
+    return _forward_cache_keyword(type(inner))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_cache_keyword(cls) -> Optional[str]:
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((k for k in ("cache", "past_key_values") if k in params), None)
+
+
+@torch.no_grad()
+def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """A KV cache [N rows] of every prompt but its last token, computed once per distinct
+    prompt; None when nothing repeats, the prompt has one token, or the model takes no
+    cache. ``generate`` given this cache runs only the last prompt token and beyond."""
+    if cache_keyword(model) is None or input_ids.shape[1] < 2:
+        return None
+    first, inv = distinct_rows(input_ids, attention_mask)
+    if len(first) == len(inv):
+        return None
+    mask = attention_mask[first, :-1]                                              # [U, P-1]
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids[first, :-1], attention_mask=mask, position_ids=pos, use_cache=True)
+    cache = cache_of(out)
+    cache.batch_select_indices(inv)                                                # [N, ...]
+    return cache
