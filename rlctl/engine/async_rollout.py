@@ -35,7 +35,7 @@ from typing import Dict, List
 
 import torch
 
-from rlctl.engine.wire import ActorFailed, pack, recv_message, send_message, unpack
+from rlctl.engine.wire import ActorFailed, Posted, Sent, pack, recv_message, send_message, unpack
 from rlctl.tasks.scoring import RewardError
 from rlctl.types import RolloutBatch
 
@@ -77,7 +77,8 @@ class AsyncSource:
         self.actor_version = [-(1 << 30)] * self.num_actors
         self.idle = collections.deque(range(self.num_actors))
         self.failed: set = set()                          # actors that reported an error
-        self.pending: collections.deque = collections.deque()   # (actor, indices, use_rng)
+        self.pending: collections.deque = collections.deque()   # (actor, indices, use_rng, Posted)
+        self.sent: Dict[int, Sent] = {}                   # the last request to each actor
         self.stats: Dict[str, List[float]] = {}
         self.dir = tempfile.mkdtemp(prefix="rlctl-async-")
         init = f"file://{os.path.join(self.dir, 'rendezvous')}"
@@ -107,15 +108,19 @@ class AsyncSource:
         use_rng = self.max_stale == 0
         idx = torch.tensor([t.sampler.randrange(len(t.train_examples)) for _ in range(t.local_prompts)])
         parts = ([flat_params(t.policy)] if weights else []) + [idx] + ([torch.get_rng_state()] if use_rng else [])
-        send_message([1, weights, self.version, use_rng, idx.numel()], pack(parts), dst=actor + 1)
+        if actor in self.sent:           # long done: the actor has answered it
+            self.sent.pop(actor).wait()
+        # sent in the background, and the reply's header receive posted at once: both
+        # transfers overlap the learner's update
+        self.sent[actor] = Sent([1, weights, self.version, use_rng, idx.numel()], pack(parts), dst=actor + 1)
         if weights:
             self.actor_version[actor] = self.version
-        self.pending.append((actor, idx, use_rng))
+        self.pending.append((actor, idx, use_rng, Posted(actor + 1)))
 
     def _receive(self) -> RolloutBatch:
-        actor, idx, use_rng = self.pending.popleft()
+        actor, idx, use_rng, posted = self.pending.popleft()
         t0 = time.perf_counter()
-        h, payload = recv_message(src=actor + 1)
+        h, payload = posted.finish()
         self.idle.append(actor)
         if h[0] in (USER_ERROR, ACTOR_ERROR):
             self.failed.add(actor)
@@ -165,8 +170,9 @@ class AsyncSource:
         import torch.distributed as dist
         try:
             while self.pending:
-                actor, *_ = self.pending.popleft()
-                recv_message(src=actor + 1)
+                self.pending.popleft()[-1].finish()
+            for sent in self.sent.values():
+                sent.wait()
             for a, p in enumerate(self.procs):
                 if p.is_alive() and a not in self.failed:
                     send_message([0], pack([]), dst=a + 1)

@@ -35,28 +35,61 @@ def unpack(buf: torch.Tensor, specs: Sequence[Tuple[Sequence[int], torch.dtype]]
     return out
 
 
-def send_message(header: Sequence[float], payload: torch.Tensor, dst: int) -> None:
-    import torch.distributed as dist
-
+def _header(header: Sequence[float], payload: torch.Tensor) -> torch.Tensor:
     h = torch.zeros(HEADER, dtype=torch.float64)
     h[:len(header)] = torch.tensor([float(x) for x in header], dtype=torch.float64)
     h[HEADER - 1] = payload.numel()
-    dist.send(h, dst)
+    return h
+
+
+def send_message(header: Sequence[float], payload: torch.Tensor, dst: int) -> None:
+    import torch.distributed as dist
+
+    dist.send(_header(header, payload), dst)
     if payload.numel():
         dist.send(payload, dst)
+
+
+class Sent:
+    """A message handed to gloo's background transfer (``isend``); holds its buffers."""
+
+    def __init__(self, header: Sequence[float], payload: torch.Tensor, dst: int):
+        import torch.distributed as dist
+
+        self.buffers = (_header(header, payload), payload)
+        self.works = [dist.isend(self.buffers[0], dst)]
+        if payload.numel():
+            self.works.append(dist.isend(payload, dst))
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+class Posted:
+    """A header receive posted ahead (``irecv``): the header lands while the learner
+    works; ``finish`` waits for it and receives the payload."""
+
+    def __init__(self, src: int):
+        import torch.distributed as dist
+
+        self.src, self.header = src, torch.empty(HEADER, dtype=torch.float64)
+        self.work = dist.irecv(self.header, src)
+
+    def finish(self) -> Tuple[List[float], torch.Tensor]:
+        import torch.distributed as dist
+
+        try:
+            self.work.wait()
+            payload = torch.empty(int(self.header[HEADER - 1]), dtype=torch.uint8)
+            if payload.numel():
+                dist.recv(payload, self.src)
+        except RuntimeError as exc:     # the peer's sockets closed: it died
+            raise ActorFailed(f"rollout process (rank {self.src}) exited unexpectedly ({exc})") from exc
+        return self.header.tolist(), payload
 
 
 def recv_message(src: int) -> Tuple[List[float], torch.Tensor]:
     """(header numbers, uint8 payload). A peer that dies closes its gloo sockets, so the
     wait ends in ``ActorFailed`` instead of a hang (tests/engine/test_engine_async.py)."""
-    import torch.distributed as dist
-
-    h = torch.empty(HEADER, dtype=torch.float64)
-    try:
-        dist.recv(h, src)
-        payload = torch.empty(int(h[HEADER - 1]), dtype=torch.uint8)
-        if payload.numel():
-            dist.recv(payload, src)
-    except RuntimeError as exc:     # the peer's sockets closed: it died
-        raise ActorFailed(f"rollout process (rank {src}) exited unexpectedly ({exc})") from exc
-    return h.tolist(), payload
+    return Posted(src).finish()
