@@ -189,7 +189,11 @@ def report(results: dict, t90: dict) -> str:
                      rel(tps, floor["tokens"] / floor["step_s"]) if "tokens" in floor else "-",
                      *[f"{r[k]:.3f}" if k in r else "-" for k in PHASES],
                      f"{r['peak_rss_mb']:.0f}", t90.get(mode, "-")])
-    return markdown(head, rows)
+    text = markdown(head, rows)
+    sync, asyn = results.get("sync", {}), results.get("async", {})
+    if "step_s" in sync and "step_s" in asyn:
+        text += f"\n\nasync / sync steps/s: {sync['step_s'] / asyn['step_s']:.2f}x"
+    return text
 
 
 def main() -> None:

@@ -26,19 +26,22 @@ class Forward(NamedTuple):
 
 def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     prompt_len: int, temperature: float = 1.0, with_entropy: bool = False,
-                    critic=None, share_prompts: bool = False) -> Forward:
+                    critic=None, share_prompts: bool = False, groups=None) -> Forward:
     """One policy forward for log-probs and entropy (and values, with a shared head).
 
     The logit at position t predicts token t+1, so completion token t is scored by
     position P-1+t: logits[:, P-1:] of the input without its last token. Values use the
     same positions, so values[:, t] = V(prompt + first t completion tokens).
     ``critic``: a separate value model, run on the same inputs (never prompt-shared).
+    ``groups``: (first [U], inv [N]) from ``kv_share.regroup``, on the inputs' device;
+    None: found from the prompts here (a device sync on accelerators).
     """
     inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                   position_ids=position_ids_from_mask(attention_mask[:, :-1]))
     key = cache_keyword(model) if share_prompts else None
     if key is not None:
-        logits, values = _shared_prompt_forward(model, input_ids, attention_mask, prompt_len, key)
+        logits, values = _shared_prompt_forward(model, input_ids, attention_mask, prompt_len, key,
+                                                groups)
     else:
         out = model(**inputs, use_cache=False)
         logits = out.logits[:, prompt_len - 1:]                # [N, T, V]
@@ -63,10 +66,11 @@ def _values(out) -> Optional[torch.Tensor]:
     return values if isinstance(values, torch.Tensor) else None   # (HF outputs: a method)
 
 
-def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str):
+def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, groups=None):
     """(logits [N, T, V], values [N, T] or None) from one prompt forward per distinct
     prompt plus one completion forward over the indexed cache."""
-    first, inv = distinct_rows(input_ids[:, :P], attention_mask[:, :P])           # [U], [N]
+    first, inv = groups if groups is not None else \
+        distinct_rows(input_ids[:, :P], attention_mask[:, :P])                    # [U], [N]
     p_mask = attention_mask[first, :P]                                             # [U, P]
     out = model(input_ids=input_ids[first, :P], attention_mask=p_mask,
                 position_ids=position_ids_from_mask(p_mask), use_cache=True)

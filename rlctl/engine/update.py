@@ -20,6 +20,7 @@ import torch
 from rlctl.core import agg_denominator, aggregate_sum, explained_variance, kl_estimate, masked_mean
 from rlctl.core.losses import value_loss_per_token
 from rlctl.engine.policy import learner_forward
+from rlctl.models.kv_share import distinct_rows, regroup
 from rlctl.types import RolloutBatch
 
 
@@ -76,8 +77,8 @@ def take_rows(batch: RolloutBatch, rows: torch.Tensor, width: Optional[int] = No
 
 
 def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
-                         critic=None, backend=None, row_len: Optional[torch.Tensor] = None
-                         ) -> Dict[str, torch.Tensor]:
+                         critic=None, backend=None, row_len: Optional[torch.Tensor] = None,
+                         prompt_labels: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """Backward of one minibatch's loss, micro-batch by micro-batch; returns metrics
     (token-weighted means of detached tensors). Does not step or zero the optimizer.
 
@@ -85,10 +86,13 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     rank's backward carries its exact share of the global minibatch loss.
     ``row_len``: counted completion length of each row, on the CPU ([N] long; computed
     here, with one host sync, when not given): each micro-batch is trimmed to its
-    longest row (``s.trim_padding``)."""
+    longest row (``s.trim_padding``). ``prompt_labels``: each row's distinct prompt, on
+    the CPU ([N]; computed here when not given), for prompt sharing."""
     backend = backend or _LOCAL
     if row_len is None:
         row_len = batch.mask.sum(-1).long().cpu()                            # [N]
+    if prompt_labels is None and s.share_prompts:
+        prompt_labels = prompt_labels_of(batch)                              # [N]
     denom = backend.all_reduce_sum(agg_denominator(batch.mask, s.agg_mode, s.norm_len)).clamp(min=1e-12)
     vdenom = backend.all_reduce_sum(batch.mask.sum()).clamp(min=1)           # value term: token-mean
     scale = backend.dp_loss_scale            # undoes the backend's averaging of gradients
@@ -97,9 +101,13 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     for rows in _chunks(torch.arange(batch.num_sequences), s.micro_batch_size):   # CPU rows
         width = max(int(row_len[rows].max()), 1) if s.trim_padding else None
         mb = take_rows(batch, rows, width)                                    # [n, P + width]
+        groups = None
+        if s.share_prompts:       # regrouped on the CPU: no device sync in the forward
+            groups = tuple(t.to(mb.input_ids.device, non_blocking=True)
+                           for t in regroup(prompt_labels[rows]))        # [U], [n]
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
                             s.temperature, with_entropy=True, critic=critic,
-                            share_prompts=s.share_prompts)
+                            share_prompts=s.share_prompts, groups=groups)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
         if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
             ratio = torch.exp((f.logp.detach() - old).clamp(-20, 20))                # [n, w]
@@ -140,6 +148,12 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     return {**{k: v / total for k, v in sums.items()}, **exact}
 
 
+def prompt_labels_of(batch: RolloutBatch) -> torch.Tensor:
+    """[N] long on the CPU: equal for rows whose prompt (ids and mask) is equal."""
+    P = batch.prompt_len
+    return distinct_rows(batch.input_ids[:, :P].cpu(), batch.attention_mask[:, :P].cpu())[1]
+
+
 class _LocalBackend:
     """Single-process stand-in (tests call ``accumulate_gradients`` without a backend)."""
     dp_loss_scale = 1.0
@@ -169,13 +183,15 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     model.train()
     records: Dict[str, List[torch.Tensor]] = {}
     shuffle = s.epochs * s.minibatches > 1
-    row_len = batch.mask.sum(-1).long().cpu()          # [N]; one host sync per rollout
+    row_len = batch.mask.sum(-1).long().cpu()          # [N]; host syncs once per rollout
+    labels = prompt_labels_of(batch) if s.share_prompts else None            # [N]
     for _ in range(s.epochs):
         order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
         for rows in order.chunk(s.minibatches):
             backend.zero_grad()
             mb = batch if not shuffle and s.minibatches == 1 else take_rows(batch, rows)
-            metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_len[rows])
+            metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_len[rows],
+                                           None if labels is None else labels[rows])
             # A non-finite loss (on any rank) skips this optimizer step on every rank: one
             # host sync per optimizer step, the only one in the update.
             bad = (~torch.isfinite(metrics["loss"] + metrics.get("value/loss", 0.0))).float()

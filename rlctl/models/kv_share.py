@@ -20,10 +20,21 @@ def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor
     distinct row). Ids and mask both count, so two rows are equal only when identical."""
     rows = torch.cat([input_ids, attention_mask.long()], 1)                        # [N, 2P]
     _, inv = torch.unique(rows, dim=0, return_inverse=True)                        # [N]
-    n, U = input_ids.shape[0], int(inv.max()) + 1
-    first = torch.full((U,), n, dtype=torch.long, device=inv.device).scatter_reduce(
+    return _first_rows(inv), inv
+
+
+def regroup(labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Group labels of some rows [n] -> (first [U], inv [n]) numbered 0..U-1 for them.
+    The learner labels a rollout's rows once on the CPU and regroups each micro-batch
+    there, so no forward needs a device-to-host sync for its data-dependent shapes."""
+    _, inv = torch.unique(labels, return_inverse=True)                             # [n]
+    return _first_rows(inv), inv
+
+
+def _first_rows(inv: torch.Tensor) -> torch.Tensor:
+    n, U = inv.shape[0], int(inv.max()) + 1
+    return torch.full((U,), n, dtype=torch.long, device=inv.device).scatter_reduce(
         0, inv, torch.arange(n, device=inv.device), "amin")                       # [U]
-    return first, inv
 
 
 def cache_of(out):
