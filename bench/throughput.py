@@ -1,6 +1,6 @@
 """Throughput of rlctl's step against a hand-written floor, on the default tiny config.
 
-    OMP_NUM_THREADS=1 python bench/throughput.py [--steps 30] [--warmup 5] [--t90]
+    OMP_NUM_THREADS=1 python bench/throughput.py [--steps 30] [--warmup 5] [--repeats 1] [--t90]
                                                  [--modes floor,sync,async] [--out bench/throughput.md]
 
 floor and sync run interleaved step by step in one subprocess (the same background
@@ -173,6 +173,12 @@ def time_to_90(mode: str, steps: int, out_dir: Path, overrides) -> str:
     return f"{hit:.1f}" if hit is not None else f"not reached in {steps} steps"
 
 
+def _median_round(runs: list) -> dict:
+    """The run with the median step time (errors only if every run failed)."""
+    ok = sorted((r for r in runs if "step_s" in r), key=lambda r: r["step_s"])
+    return ok[len(ok) // 2] if ok else runs[0]
+
+
 def report(results: dict, t90: dict) -> str:
     floor = results.get("floor", {})
     head = ["mode", "steps/s", "compl. tokens/s", "step s vs floor", "tokens/s vs floor",
@@ -193,6 +199,8 @@ def report(results: dict, t90: dict) -> str:
     sync, asyn = results.get("sync", {}), results.get("async", {})
     if "step_s" in sync and "step_s" in asyn:
         text += f"\n\nasync / sync steps/s: {sync['step_s'] / asyn['step_s']:.2f}x"
+        if "step_s" in floor:
+            text += f"; sync step / floor step: {sync['step_s'] / floor['step_s']:.2f}x"
     return text
 
 
@@ -201,6 +209,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--modes", default="floor,sync,async")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure every mode this many times, in rounds; report the median")
     ap.add_argument("--t90", action="store_true", help="also time-to-0.9 exact-match, sync vs async")
     ap.add_argument("--t90-steps", type=int, default=300)
     ap.add_argument("--out", default=None)
@@ -209,23 +219,33 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.steps, args.warmup, args.overrides)
-    results, t90 = {}, {}
+    t90 = {}
     modes = args.modes.split(",")
-    if "floor" in modes and "sync" in modes:     # interleaved in one process (shared RSS)
-        pair = measure("floor+sync", args.steps, args.warmup, args.overrides)
-        rss = pair.pop("peak_rss_mb", float("nan"))
-        for m in ("floor", "sync"):
-            results[m] = {**pair[m], "peak_rss_mb": rss} if m in pair else pair
-            print(m, json.dumps(results[m]), flush=True)
-    for mode in [m for m in modes if m not in results]:
-        results[mode] = measure(mode, args.steps, args.warmup, args.overrides)
-        print(mode, json.dumps(results[mode]), flush=True)
+    rounds = []        # the modes one after another, --repeats times (noise hits all modes)
+    for _ in range(args.repeats):
+        results = {}
+        if "floor" in modes and "sync" in modes:     # interleaved in one process (shared RSS)
+            pair = measure("floor+sync", args.steps, args.warmup, args.overrides)
+            rss = pair.pop("peak_rss_mb", float("nan"))
+            for m in ("floor", "sync"):
+                results[m] = {**pair[m], "peak_rss_mb": rss} if m in pair else pair
+                print(m, json.dumps(results[m]), flush=True)
+        for mode in [m for m in modes if m not in results]:
+            results[mode] = measure(mode, args.steps, args.warmup, args.overrides)
+            print(mode, json.dumps(results[mode]), flush=True)
+        rounds.append(results)
+    results = {m: _median_round([r[m] for r in rounds]) for m in modes}
     if args.t90:
         with tempfile.TemporaryDirectory() as tmp:
             for mode in ("sync", "async"):
                 t90[mode] = time_to_90(mode, args.t90_steps, Path(tmp), args.overrides)
                 print(mode, "t90", t90[mode], flush=True)
     text = report(results, t90)
+    ratios = [r["sync"]["step_s"] / r["async"]["step_s"] for r in rounds
+              if "step_s" in r.get("sync", {}) and "step_s" in r.get("async", {})]
+    if len(ratios) > 1:
+        text += (f"\n\nEach mode measured in {len(ratios)} rounds (the table: each mode's median "
+                 "round); async / sync steps/s per round: " + ", ".join(f"{x:.2f}x" for x in ratios))
     print("\n" + text)
     if args.out:
         cmd = "OMP_NUM_THREADS=1 python bench/throughput.py " + " ".join(sys.argv[1:])

@@ -207,6 +207,9 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
     n_params = sum(p.numel() for p in params)
     scorer, examples, ro = RewardScorer(task), task.train_examples(), cfg.rollout
     torch.manual_seed(cfg.seed * 1000 + 7919 * rank)      # each actor its own sampling stream
+    # The learner is the bottleneck: when the cores are oversubscribed (reward workers,
+    # gloo threads) it keeps its core. Measured: 31.1-31.7 vs 28-31 async steps/s.
+    os.nice(5)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     version = -1
     try:
