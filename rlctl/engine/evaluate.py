@@ -20,8 +20,10 @@ def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_toke
     exact, reward, length, truncated = 0.0, 0.0, 0.0, 0.0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
+        # greedy prompts rarely repeat; and under multi-rank ZeRO-3 every rank must run
+        # the same forwards, which a data-dependent shared prefill would not guarantee
         seqs, _, plen = generate(model, tokenizer, [e.prompt for e in chunk], max_new_tokens,
-                                 do_sample=False, **backend_kwargs)
+                                 do_sample=False, share_prompts=False, **backend_kwargs)
         mask, trunc = completion_mask(seqs[:, plen:], tokenizer.eos_token_id, tokenizer.pad_token_id)
         texts = decode_completions(tokenizer, seqs[:, plen:], mask)
         rewards = scorer.score_batch(chunk, texts)         # user code: under the time limit

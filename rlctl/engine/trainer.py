@@ -65,6 +65,10 @@ class Trainer:
         self.critic = critic
         self.backend = backend or TorchBackend(cfg.hardware.device)
         algo, tr = cfg.algo, cfg.trainer
+        # Prompt sharing changes how many forwards a rank runs when its completions are
+        # all one token long; multi-rank ZeRO-3 needs every rank to run the same ones.
+        zero3 = getattr(self.backend, "zero_stage", 0) == 3 and self.backend.world_size > 1
+        share = bool(tr.share_prompts) and not zero3
         self.settings = UpdateSettings(
             policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
             clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
@@ -72,7 +76,7 @@ class Trainer:
             epochs=algo.epochs, minibatches=algo.minibatches, kl_estimator=algo.kl.estimator,
             kl_in_loss=algo.kl.placement == "in_loss", max_grad_norm=tr.max_grad_norm,
             temperature=cfg.rollout.temperature, micro_batch_size=tr.micro_batch_size,
-            vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=tr.share_prompts)
+            vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share)
         self.adv_settings = AdvantageSettings(
             estimator=algo.advantage, std_eps=algo.std_eps, baseline=algo.baseline,
             gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,

@@ -1,8 +1,10 @@
 """Rollout: B prompts x G sampled completions -> a scored ``RolloutBatch``.
 
-Sampling uses the model's KV-cached ``generate`` with the full distribution (top-k and
-top-p switched off, so the behaviour policy is exactly softmax(logits / temperature),
-the same distribution the learner's log-probs are computed from).
+Sampling draws from the full distribution softmax(logits / temperature) (optional
+top-k; top-p off), the same distribution the learner's log-probs are computed from:
+with a KV cache through rlctl's lean loop (rollout/sampler.py, the same tokens as
+``generate`` for the same seed), otherwise (ZeRO-3 across ranks: ``synced_gpus``) and
+for greedy decoding through the model's ``generate``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.models.kv_share import cache_keyword, shared_prefill
+from rlctl.rollout.sampler import sample
 from rlctl.types import Example, RolloutBatch
 
 
@@ -44,8 +47,13 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
     if return_logits:
         kwargs.update(output_logits=True, return_dict_in_generate=True)
     cache = shared_prefill(model, input_ids, prompt_mask) if share_prompts else None
+    key = cache_keyword(model)
+    if do_sample and not backend_kwargs and key is not None:     # the lean loop (sampler.py)
+        seqs, logits = sample(model, input_ids, prompt_mask, max_new_tokens, temperature, top_k,
+                              tokenizer.eos_token_id, tokenizer.pad_token_id, key, cache)
+        return (seqs, prompt_mask, input_ids.shape[1]) + ((logits,) if return_logits else ())
     if cache is not None:
-        kwargs[cache_keyword(model)] = cache
+        kwargs[key] = cache
     out = model.generate(
         input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs,

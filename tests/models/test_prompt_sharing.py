@@ -161,3 +161,31 @@ def test_the_shared_prefill_runs_once_per_distinct_prompt(tiny):
     P = enc["input_ids"].shape[1]
     assert calls == [(len(PROMPTS), P - 1)]          # nothing repeats in `single`: no prefill
     assert single is None and cache.get_seq_length() == P - 1
+
+
+@pytest.mark.parametrize("temperature,top_k,shared", [(1.0, 0, True), (0.7, 3, False), (1.3, 0, False)])
+def test_the_lean_sampler_draws_what_hf_generate_draws(tiny, temperature, top_k, shared):
+    """rollout/sampler.py against ``model.generate`` with rlctl's settings, same seed:
+    the same tokens (left-padded prompts of different lengths, rows ending early), and
+    the same raw logits."""
+    from rlctl.models.kv_share import shared_prefill
+    from rlctl.rollout.sampler import sample
+
+    model, tok = tiny
+    enc = tok([p for p in PROMPTS for _ in range(G)], return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    key = cache_keyword(model)
+    torch.manual_seed(5)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=True,
+                         temperature=temperature, top_k=top_k or None, top_p=1.0,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         output_logits=True, return_dict_in_generate=True)
+    torch.manual_seed(5)
+    cache = shared_prefill(model, ids, mask) if shared else None
+    assert (cache is not None) == shared
+    seqs, logits = sample(model, ids, mask, 7, temperature, top_k, tok.eos_token_id,
+                          tok.pad_token_id, key, cache)
+    assert torch.equal(seqs, ref.sequences)
+    torch.testing.assert_close(logits, torch.stack(ref.logits, 1), atol=1e-5, rtol=1e-5)
+    ended = (seqs[:, ids.shape[1]:] == tok.eos_token_id).any(-1)
+    assert ended.any()                            # some rows stop before the limit
