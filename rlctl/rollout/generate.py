@@ -14,6 +14,7 @@ import torch
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.models.kv_share import cache_keyword, shared_prefill
+from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.sampler import sample
 from rlctl.types import Example, RolloutBatch
 
@@ -38,6 +39,8 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
     T <= max_new_tokens: generation stops early when every row has emitted EOS; rows
     that finished earlier are right-padded with the pad token.
     """
+    if isinstance(model, PolicyValueModel):    # sample from the LM alone: no value head per token
+        model = model.policy
     device = next(model.parameters()).device
     enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
     input_ids = enc["input_ids"].to(device)            # [N, P]

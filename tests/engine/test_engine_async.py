@@ -1,29 +1,18 @@
 """Asynchronous mode (rollout actor process + learner): with max_staleness=0 it is the
 synchronous loop bit for bit; with max_staleness=1 rollouts are one step old and the
 ratio against the behaviour policy's log-probs is logged."""
-import torch
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.engine.trainer import Trainer
-from rlctl.models import load_model_and_tokenizer
 from rlctl.sinks import NullSink
-from rlctl.tasks import build_task
 
 BASE = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=0", "trainer.lr=1e-3"]
 
 
-def _run(overrides, steps=3):
-    cfg = compose(BASE + overrides).cfg
-    OmegaConf.resolve(cfg)
-    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
-    task = build_task("sorting", **{k: v for k, v in dict(cfg.task).items() if k != "name"})
-    torch.manual_seed(0)
-    tr = Trainer(cfg, model, tok, task, NullSink())
-    try:
-        return [tr.step(i) for i in range(1, steps + 1)]
-    finally:
-        tr.close()
+def _run(make_trainer, overrides, steps=3):
+    tr = make_trainer(BASE + overrides)          # closed by the fixture
+    return [tr.step(i) for i in range(1, steps + 1)]
 
 
 def _same(a, b):
@@ -32,9 +21,9 @@ def _same(a, b):
     return {k: (a[k], b[k]) for k in keys if a[k] != b[k]}
 
 
-def test_async_with_zero_staleness_matches_the_sync_loop():
-    sync = _run([])
-    asyn = _run(["trainer.async.enabled=true", "trainer.async.max_staleness=0"])
+def test_async_with_zero_staleness_matches_the_sync_loop(make_trainer):
+    sync = _run(make_trainer, [])
+    asyn = _run(make_trainer, ["trainer.async.enabled=true", "trainer.async.max_staleness=0"])
     for s, a in zip(sync, asyn):
         assert _same(s, a) == {}                     # exact: same RNG stream, same weights
         assert a["async/staleness"] == 0
@@ -42,19 +31,19 @@ def test_async_with_zero_staleness_matches_the_sync_loop():
     assert _same(sync[0], sync[1]) != {}             # the steps do differ (the check can fail)
 
 
-def test_async_one_step_stale_uses_behaviour_logprobs():
-    steps = _run(["trainer.async.enabled=true", "trainer.async.max_staleness=1"])
+def test_async_one_step_stale_uses_behaviour_logprobs(make_trainer):
+    steps = _run(make_trainer, ["trainer.async.enabled=true", "trainer.async.max_staleness=1"])
     assert [s["async/staleness"] for s in steps] == [0, 1, 1]
     assert "policy/ratio_std" not in steps[0]        # on-policy: no correction needed
     assert steps[2]["policy/ratio_std"] > 0          # stale: pi / pi_behaviour != 1
     assert all(s["time/learner_wait_s"] >= 0 and s["time/actor_wait_s"] >= 0 for s in steps)
 
 
-def test_two_actors_work_ahead_within_the_staleness_bound():
+def test_two_actors_work_ahead_within_the_staleness_bound(make_trainer):
     """num_actors=2, max_staleness=2: while the learner updates, both actors generate;
     rollouts for steps 1, 2 come from the initial weights, later ones are 2 updates old
     (hand-traced from the request rule: step c may be requested once version >= c-1-2)."""
-    steps = _run(["trainer.async.enabled=true", "trainer.async.max_staleness=2",
+    steps = _run(make_trainer, ["trainer.async.enabled=true", "trainer.async.max_staleness=2",
                   "trainer.async.num_actors=2"], steps=5)
     assert [s["async/staleness"] for s in steps] == [0, 1, 2, 2, 2]
     assert all(s["policy/ratio_std"] > 0 for s in steps[1:])
@@ -91,20 +80,13 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
     assert time.monotonic() - t0 < 120
 
 
-def test_an_actor_that_dies_is_reported_not_waited_for():
+def test_an_actor_that_dies_is_reported_not_waited_for(make_trainer):
     from rlctl.engine.wire import ActorFailed
     import pytest
 
-    cfg = compose(BASE + ["trainer.async.enabled=true"]).cfg
-    OmegaConf.resolve(cfg)
-    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
-    task = build_task("sorting", **{k: v for k, v in dict(cfg.task).items() if k != "name"})
-    tr = Trainer(cfg, model, tok, task, NullSink())
-    try:
-        tr.step(1)
-        tr.source.procs[0].kill()
-        with pytest.raises(ActorFailed, match="exited unexpectedly"):
-            tr.step(2)
-            tr.step(3)
-    finally:
-        tr.close()
+    tr = make_trainer(BASE + ["trainer.async.enabled=true"])
+    tr.step(1)
+    tr.source.procs[0].kill()
+    with pytest.raises(ActorFailed, match="exited unexpectedly"):
+        tr.step(2)
+        tr.step(3)

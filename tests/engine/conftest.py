@@ -1,0 +1,27 @@
+"""A factory for Trainers on the shipped tiny model and the sorting task (closed after the test)."""
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlctl.compose import compose
+from rlctl.engine.trainer import Trainer
+from rlctl.models import load_model_and_tokenizer
+from rlctl.sinks import NullSink
+from rlctl.tasks import build_task
+
+
+@pytest.fixture
+def make_trainer():
+    made = []
+
+    def make(overrides):
+        cfg = compose(list(overrides)).cfg
+        OmegaConf.resolve(cfg)
+        model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
+        task = build_task("sorting", **{k: v for k, v in dict(cfg.task).items() if k != "name"})
+        torch.manual_seed(0)
+        made.append(Trainer(cfg, model, tok, task, NullSink()))
+        return made[-1]
+    yield make
+    for tr in made:
+        tr.close()
