@@ -113,14 +113,15 @@ class Backend:
         return self.all_reduce(t, "sum")
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Element-wise sum / min / max over ranks (a new float tensor)."""
+        """Element-wise sum / min / max over ranks (a new float tensor on ``t``'s device).
+        The collective runs on this backend's device (NCCL takes no CPU tensors)."""
         if self.world_size == 1:
             return t
         import torch.distributed as dist
-        out = t.detach().clone().float()
+        out = t.detach().float().to(self.device, copy=True)
         dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                                  "max": dist.ReduceOp.MAX}[op])
-        return out
+        return out.to(t.device)
 
     def all_gather_rows(self, t: torch.Tensor) -> Tuple[torch.Tensor, int]:
         """Concatenate every rank's rows (counts may differ) -> (all rows, this rank's
@@ -128,12 +129,12 @@ class Backend:
         if self.world_size == 1:
             return t, 0
         import torch.distributed as dist
-        n = torch.tensor([t.shape[0]])
-        counts = [torch.zeros_like(n) for _ in range(self.world_size)]
+        n = torch.tensor([t.shape[0]], device=self.device)     # on the backend's device:
+        counts = [torch.zeros_like(n) for _ in range(self.world_size)]   # NCCL needs it
         dist.all_gather(counts, n)
         counts = [int(c) for c in counts]
-        padded = torch.zeros((max(counts),) + tuple(t.shape[1:]), dtype=t.dtype)
-        padded[: t.shape[0]] = t.detach().cpu()
+        padded = torch.zeros((max(counts),) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
+        padded[: t.shape[0]] = t.detach()
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded)
         rows = torch.cat([p[:c] for p, c in zip(parts, counts)]).to(t.device)

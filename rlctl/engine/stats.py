@@ -37,7 +37,7 @@ POLICY_KEYS = {  # update_policy's metric names -> schema names
 
 
 SUMMED = {"perf/step_tokens"}
-REDUCE_OP = {"length/min": "min", "length/max": "max"}
+REDUCE_OP = {"length/min": "min", "length/max": "max", "policy/ratio_max": "max"}
 
 
 def reduce_metrics(metrics: Dict[str, torch.Tensor], backend) -> Dict[str, float]:

@@ -98,6 +98,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     scale = backend.dp_loss_scale            # undoes the backend's averaging of gradients
     sums: Dict[str, torch.Tensor] = {}       # token-weighted metric sums
     exact: Dict[str, torch.Tensor] = {}      # loss terms: micro-batch shares add up exactly
+    peak: Dict[str, torch.Tensor] = {}       # maxima over micro-batches
     for rows in _chunks(torch.arange(batch.num_sequences), s.micro_batch_size):   # CPU rows
         width = max(int(row_len[rows].max()), 1) if s.trim_padding else None
         mb = take_rows(batch, rows, width)                                    # [n, P + width]
@@ -112,8 +113,9 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
         if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
             ratio = torch.exp((f.logp.detach() - old).clamp(-20, 20))                # [n, w]
             metrics_ratio = {"ratio_std": (masked_mean(ratio.square(), mb.mask)
-                                           - masked_mean(ratio, mb.mask).square()).clamp(min=0).sqrt(),
-                             "ratio_max": torch.where(mb.mask > 0, ratio, 0.0).max()}
+                                           - masked_mean(ratio, mb.mask).square()).clamp(min=0).sqrt()}
+            mb_max = torch.where(mb.mask > 0, ratio, 0.0).max()
+            peak["ratio_max"] = torch.maximum(peak["ratio_max"], mb_max) if "ratio_max" in peak else mb_max
         else:
             metrics_ratio = {}
         loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mb.mask,
@@ -122,7 +124,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
         pg_loss = aggregate_sum(loss_mat, mb.mask, s.agg_mode, s.norm_len) / denom
         loss = pg_loss.new_zeros(()) if st.policy_frozen else pg_loss
         if mb.ref_logprobs is not None:
-            in_loss = st.kl_coef > 0 and s.kl_in_loss
+            in_loss = st.kl_coef > 0 and s.kl_in_loss and not st.policy_frozen   # warm-up: critic only
             kl_mat = kl_estimate(f.logp if in_loss else f.logp.detach(), mb.ref_logprobs,
                                  s.kl_estimator)                                   # [n, T]
             if in_loss:
@@ -145,7 +147,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
     total = batch.mask.sum().clamp(min=1)
-    return {**{k: v / total for k, v in sums.items()}, **exact}
+    return {**{k: v / total for k, v in sums.items()}, **exact, **peak}
 
 
 def prompt_labels_of(batch: RolloutBatch) -> torch.Tensor:
@@ -205,4 +207,6 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
                 records.setdefault(k, []).append(v)
     out = {k: torch.stack(v).mean() for k, v in records.items()}
     out["fault/skipped_steps"] = torch.stack(records["fault/skipped_steps"]).sum()
+    if "ratio_max" in records:
+        out["ratio_max"] = torch.stack(records["ratio_max"]).max()
     return out

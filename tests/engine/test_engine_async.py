@@ -27,7 +27,6 @@ def test_async_with_zero_staleness_matches_the_sync_loop(make_trainer):
     for s, a in zip(sync, asyn):
         assert _same(s, a) == {}                     # exact: same RNG stream, same weights
         assert a["async/staleness"] == 0
-    assert sync[0]["reward/mean" if "reward/mean" in sync[0] else next(iter(sync[0]))] is not None
     assert _same(sync[0], sync[1]) != {}             # the steps do differ (the check can fail)
 
 

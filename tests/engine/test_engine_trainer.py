@@ -8,34 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from rlctl.compose import compose
 from rlctl.engine.policy import learner_forward
-from rlctl.engine.trainer import Trainer
-from rlctl.models import load_model_and_tokenizer
 from rlctl.sinks import NullSink
 from rlctl.sinks.jsonl import read_jsonl
-from rlctl.tasks import build_task
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 ALGOS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce", "rloo", "ppo"]
 
 
-def _trainer(overrides):
-    cfg = compose(overrides).cfg
-    OmegaConf.resolve(cfg)
-    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
-    task = build_task("sorting", **{k: v for k, v in dict(cfg.task).items() if k != "name"})
-    torch.manual_seed(0)
-    return Trainer(cfg, model, tok, task, NullSink())
-
-
-def test_old_and_reference_policies_are_distinct():
+def test_old_and_reference_policies_are_distinct(make_trainer):
     """After one update, the next rollout's old log-probs must come from the *current*
     weights and its reference log-probs from the *initial* weights. Swapping either
     (or refreshing the reference) fails this test."""
-    tr = _trainer(["algo.kl.coef=0.1", "algo.epochs=2", "trainer.lr=1e-3",
+    tr = make_trainer(["algo.kl.coef=0.1", "algo.epochs=2", "trainer.lr=1e-3",
                    "trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=0"])
     initial = copy.deepcopy(tr.model)
     tr.step(1)
@@ -59,8 +45,8 @@ def test_old_and_reference_policies_are_distinct():
     torch.testing.assert_close(b.ref_logprobs[m], want_ref[m], atol=1e-5, rtol=0)
 
 
-def test_single_pass_makes_no_old_or_reference_forward():
-    tr = _trainer(["trainer.prompts_per_step=2", "algo.group_size=2", "trainer.eval_every=0"])
+def test_single_pass_makes_no_old_or_reference_forward(make_trainer):
+    tr = make_trainer(["trainer.prompts_per_step=2", "algo.group_size=2", "trainer.eval_every=0"])
     assert tr.ref_model is None
     seen = {}
     prepare = tr._prepare
@@ -69,9 +55,12 @@ def test_single_pass_makes_no_old_or_reference_forward():
     assert seen["b"].old_logprobs is None and seen["b"].ref_logprobs is None
 
 
-def test_critic_warmup_moves_only_the_value_head():
-    tr = _trainer(["algo=ppo", "algo.critic_warmup_steps=1", "trainer.prompts_per_step=2",
-                   "algo.group_size=2", "trainer.eval_every=0"])
+@pytest.mark.parametrize("kl", [[], ["algo.kl.coef=0.5", "algo.kl.placement=in_loss", "algo.kl.estimator=k1"]])
+def test_critic_warmup_moves_only_the_value_head(make_trainer, kl):
+    """Also with a KL term in the loss: during warm-up it must not move the policy (k1,
+    whose gradient is not zero at policy == reference, unlike k3's)."""
+    tr = make_trainer(["algo=ppo", "algo.critic_warmup_steps=1", "trainer.prompts_per_step=2",
+                       "algo.group_size=2", "trainer.eval_every=0", *kl])
     from rlctl.models.value import PolicyValueModel
     tr.model = PolicyValueModel(tr.model, init_std=0.05)
     tr.__init__(tr.cfg, tr.model, tr.tokenizer, tr.task, NullSink())

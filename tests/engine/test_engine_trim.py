@@ -65,3 +65,22 @@ def test_trimmed_micro_batches_give_the_same_gradient(tiny, mode, micro):
     assert grads[True].abs().max() > 0
     for k in metrics[False]:
         torch.testing.assert_close(metrics[True][k], metrics[False][k], atol=1e-6, rtol=1e-5)
+
+
+def test_ratio_max_is_the_maximum_over_micro_batches(tiny):
+    """policy/ratio_max is the largest pi/pi_old over the counted tokens of the whole
+    batch (recomputed here from one full forward), not a mean of micro-batch maxima."""
+    from rlctl.engine.policy import learner_forward
+
+    model, tok = tiny
+    batch = _batch(tok, [2, 1, 0, 3, 5, 1])
+    s = UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+                       agg_mode="token-mean", norm_len=None, epochs=1, minibatches=1,
+                       kl_estimator="k3", kl_in_loss=False, max_grad_norm=1.0, temperature=1.0,
+                       micro_batch_size=2)
+    got = accumulate_gradients(copy.deepcopy(model).train(), batch, s, UpdateState())["ratio_max"]
+    with torch.no_grad():
+        logp = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
+    ratio = torch.exp(logp - batch.old_logprobs)[batch.mask > 0]
+    assert ratio.max() > 1.05 * ratio.mean()         # a max and a mean differ here
+    torch.testing.assert_close(got, ratio.max(), atol=1e-4, rtol=1e-4)
