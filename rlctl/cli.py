@@ -85,6 +85,8 @@ def train(ctx: typer.Context,
 
     if resume and (recipe or multirun):
         _fail("--resume takes the run's own recipe; it cannot be combined with --recipe or -m")
+    if dry_run and (multirun or resume):
+        _fail("--dry-run plans one run from a config; it cannot be combined with -m or --resume")
     run_command(work, debug)
 
 

@@ -52,6 +52,7 @@ CASES = [
     ('--resume /nonexistent/run', 'not a run directory'),
     ('--resume {tmp} --recipe grpo', 'cannot be combined with --recipe'),
     ('--bogus', "unknown option '--bogus'"),
+    ('-m seed=0,1 --dry-run', '--dry-run plans one run from a config; it cannot be combined with -m'),
     ('algo.clip_eps', "cannot parse 'algo.clip_eps'; overrides look like key=value"),
 ]
 

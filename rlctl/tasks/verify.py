@@ -82,7 +82,7 @@ def parse_number(text: Any) -> Optional[Fraction]:
         if isinstance(text, (int, Fraction)) and not isinstance(text, bool):
             return Fraction(text)
         if isinstance(text, float):
-            return Fraction(text)  # noqa: exact float value
+            return Fraction(repr(text))   # 0.1 means 1/10, not the binary float's exact value
         return None
     part = normalize_spacing(final_answer_text(text)).replace("$", " ")
     found = _NUMBER.findall(part)
@@ -112,7 +112,9 @@ def plain_number(answer: Any) -> Optional[Fraction]:
     """``answer`` as a rational number when it is one ("46", "-1,234", "0.5", "1/2", 46)."""
     if isinstance(answer, bool):
         return None
-    if isinstance(answer, (int, float, Fraction)):
+    if isinstance(answer, float):
+        return Fraction(repr(answer))     # 0.1 means 1/10, not the binary float's exact value
+    if isinstance(answer, (int, Fraction)):
         return Fraction(answer)
     if not isinstance(answer, str):
         return None

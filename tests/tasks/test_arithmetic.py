@@ -32,6 +32,7 @@ def test_other_answers_are_rejected(completion):
 @pytest.mark.parametrize("completion, answer", [
     ("1,234", 1234), ("1 234", 1234), ("- 1 2", -12), ("-12", "-12"), ("0.5", "1/2"),
     ("1/2", "0.5"), ("\\frac{1}{2}", "0.5"), ("0.5", "\\frac{1}{2}"), ("1000000", "1,000,000"),
+    ("The answer is 0.1", 0.1), ("2.3", 2.3), ("0.1", 1e-1),     # a float answer means its decimal
 ])
 def test_more_equivalences(completion, answer):
     assert answers_equivalent(completion, answer)
