@@ -27,7 +27,8 @@ from rlctl.engine.advantage import AdvantageSettings, compute_advantages
 from rlctl.engine.evaluate import evaluate
 from rlctl.engine.policy import learner_forward
 from rlctl.engine.stats import POLICY_KEYS, reduce_metrics, rollout_metrics
-from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
+from rlctl.engine.update import UpdateSettings, UpdateState, prompt_labels_of, update_policy
+from rlctl.models.kv_share import regroup
 from rlctl.rollout.collect import collect
 from rlctl.rollout.generate import rollout
 from rlctl.tasks.base import Task
@@ -130,18 +131,22 @@ class Trainer:
                 or isinstance(self.kl_ctl, AdaptiveKLController))
 
     @torch.no_grad()
-    def _prepare(self, batch: RolloutBatch) -> None:
-        """Old/reference log-probs and values where needed, then advantages and returns."""
+    def _prepare(self, batch: RolloutBatch, labels) -> None:
+        """Old/reference log-probs and values where needed, then advantages and returns.
+        ``labels``: each row's distinct prompt ([N] on the CPU; None: no prompt sharing)."""
         args = (batch.input_ids, batch.attention_mask, batch.prompt_len, self.settings.temperature)
-        share = self.settings.share_prompts
-        if self._needs_old_forward():
+        kw = dict(share_prompts=labels is not None,
+                  groups=None if labels is None else tuple(t.to(batch.input_ids.device) for t in regroup(labels)))
+        # async: a stale rollout keeps the behaviour policy's log-probs; the forward is
+        # then only needed for a critic's values
+        if self._needs_old_forward() and (batch.old_logprobs is None or self.cfg.algo.critic != "none"):
             self.model.eval()
-            f = learner_forward(self.model, *args, critic=self.critic, share_prompts=share)
-            if batch.old_logprobs is None:     # async: a stale rollout keeps the behaviour policy's
+            f = learner_forward(self.model, *args, critic=self.critic, **kw)
+            if batch.old_logprobs is None:
                 batch.old_logprobs = f.logp
             batch.old_values = f.values
         if self.ref_model is not None:
-            batch.ref_logprobs = learner_forward(self.ref_model, *args, share_prompts=share).logp
+            batch.ref_logprobs = learner_forward(self.ref_model, *args, **kw).logp
         batch.advantages, batch.returns = compute_advantages(
             batch, self.adv_settings, self.kl_ctl.coef, batch.old_values, self.backend)
 
@@ -163,13 +168,15 @@ class Trainer:
         batch, kept = collect(self.source.sample, self.local_prompts, cfg.algo.dynamic_sampling,
                               cfg.algo.max_sampling_rounds, self.tokenizer.pad_token_id)
         t_gen, score_s = time.perf_counter(), self.scorer.seconds - score0
-        self._prepare(batch)
+        labels = prompt_labels_of(batch) if self.settings.share_prompts else None   # [N] CPU
+        self._prepare(batch, labels)
         t1 = time.perf_counter()
         frozen = step <= cfg.algo.critic_warmup_steps
         if hasattr(self.policy, "detach_backbone"):
             self.policy.detach_backbone = frozen
         state = UpdateState(kl_coef=self.kl_ctl.coef, policy_frozen=frozen)
-        policy = update_policy(self.model, self.backend, batch, self.settings, state, self.critic)
+        policy = update_policy(self.model, self.backend, batch, self.settings, state, self.critic,
+                               labels)
         self.source.after_update()
         t2 = time.perf_counter()
         metrics = rollout_metrics(batch)

@@ -173,7 +173,7 @@ _LOCAL = _LocalBackend()
 
 
 def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
-                  critic=None) -> Dict[str, torch.Tensor]:
+                  critic=None, prompt_labels: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """Run the optimizer steps for one rollout; returns detached metric tensors.
 
     ``model`` is what the backend returned from ``prepare`` (the module to call).
@@ -186,7 +186,8 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     records: Dict[str, List[torch.Tensor]] = {}
     shuffle = s.epochs * s.minibatches > 1
     row_len = batch.mask.sum(-1).long().cpu()          # [N]; host syncs once per rollout
-    labels = prompt_labels_of(batch) if s.share_prompts else None            # [N]
+    labels = prompt_labels if prompt_labels is not None or not s.share_prompts \
+        else prompt_labels_of(batch)                                         # [N]
     for _ in range(s.epochs):
         order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
         for rows in order.chunk(s.minibatches):

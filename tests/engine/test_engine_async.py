@@ -89,3 +89,24 @@ def test_an_actor_that_dies_is_reported_not_waited_for(make_trainer):
     with pytest.raises(ActorFailed, match="exited unexpectedly"):
         tr.step(2)
         tr.step(3)
+
+
+def test_stale_rollouts_need_no_old_forward(make_trainer):
+    """Two epochs need pi_old: an on-policy rollout gets it from a forward, a stale one
+    already carries the behaviour log-probs, so (without a critic) no forward is made."""
+    tr = make_trainer(BASE + ["trainer.async.enabled=true", "algo.epochs=2"])
+    prepare, calls = tr._prepare, []
+
+    def spy(batch, labels):
+        n = len(calls)
+        h = tr.model.register_forward_pre_hook(lambda *a: calls.append(1))
+        try:
+            prepare(batch, labels)
+        finally:
+            h.remove()
+        forwards.append(len(calls) - n)
+    forwards = []
+    tr._prepare = spy
+    steps = [tr.step(i) for i in (1, 2)]
+    assert [s["async/staleness"] for s in steps] == [0, 1]
+    assert forwards[0] > 0 and forwards[1] == 0

@@ -29,8 +29,8 @@ def test_old_and_reference_policies_are_distinct(make_trainer):
     seen = {}
     prepare = tr._prepare
 
-    def spy(batch):
-        prepare(batch)
+    def spy(batch, labels):
+        prepare(batch, labels)
         seen["batch"] = batch
     tr._prepare = spy
     tr.step(2)
@@ -50,7 +50,7 @@ def test_single_pass_makes_no_old_or_reference_forward(make_trainer):
     assert tr.ref_model is None
     seen = {}
     prepare = tr._prepare
-    tr._prepare = lambda b: (prepare(b), seen.setdefault("b", b))
+    tr._prepare = lambda b, labels: (prepare(b, labels), seen.setdefault("b", b))
     tr.step(1)
     assert seen["b"].old_logprobs is None and seen["b"].ref_logprobs is None
 

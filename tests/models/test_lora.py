@@ -246,7 +246,7 @@ def test_ppo_trainer_with_lora_reference(tiny):
     tr = Trainer(cfg, pv, tiny[1], task, NullSink(), ref_model=reference_for(pv))
     assert isinstance(tr.ref_model, AdapterDisabledReference)
     seen, prepare = [], tr._prepare
-    tr._prepare = lambda b: (prepare(b), seen.append(b))
+    tr._prepare = lambda b, labels: (prepare(b, labels), seen.append(b))
     tr.step(1)
     tr.step(2)
     for i, b in enumerate(seen):                 # the reference is the base at every step
