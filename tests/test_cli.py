@@ -68,3 +68,6 @@ def test_dry_run_lists_resident_models_and_memory(tmp_path):
     plain = run("train", "--dry-run", f"run.output_dir={tmp_path}").stdout
     assert "reference (" not in plain and "reference forward" not in plain   # kl 0: no reference
     assert "old-policy forward" not in plain                                 # single pass
+    adaptive = run("train", "--dry-run", "algo.kl.coef=0.1", "algo.kl.target=0.05",
+                   f"run.output_dir={tmp_path}").stdout      # the controller needs pi_old
+    assert "old-policy forward" in " ".join(adaptive.split())

@@ -11,14 +11,9 @@ Python; treat the total as a lower bound.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 from omegaconf import DictConfig
-
-
-def _count(module) -> Tuple[int, int]:
-    params = list(module.parameters()) if module is not None else []
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
 def memory_estimate(cfg: DictConfig, trainable: int, total: int, hidden: int, layers: int,
@@ -47,13 +42,15 @@ def dry_run(cfg: DictConfig) -> List[str]:
     from rich.table import Table
 
     from rlctl.engine.run import _build_model, _build_task, _quiet_libraries
+    from rlctl.engine.trainer import needs_old_forward
+    from rlctl.models.lora import count_parameters
 
     _quiet_libraries(cfg)
     _build_task(cfg)
     model, critic, _, ref = _build_model(cfg)
     policy = getattr(model, "policy", model)
-    pt, ptotal = _count(model)
-    ct, ctotal = _count(critic)
+    pt, ptotal = count_parameters(model)
+    ct, ctotal = count_parameters(critic)
     conf = getattr(policy, "config", None)
     hidden = getattr(conf, "hidden_size", 0) or 0
     layers = getattr(conf, "num_hidden_layers", 0) or 0
@@ -66,7 +63,7 @@ def dry_run(cfg: DictConfig) -> List[str]:
         what = "adapter disabled: no copy" if ref is not None else "frozen copy of the policy"
         resident.append((f"reference ({what})", "0" if ref is not None else f"{ptotal:,}", "0"))
     passes = cfg.algo.epochs * cfg.algo.minibatches
-    needs_old = passes > 1 or cfg.algo.critic != "none" or (kl and cfg.algo.kl.placement == "in_reward")
+    needs_old = needs_old_forward(cfg.algo)
     est = memory_estimate(cfg, pt + ct, ptotal + ctotal, hidden, layers)
     console = Console()
     table = Table(title="rlctl dry run: resident models")
@@ -84,9 +81,8 @@ def dry_run(cfg: DictConfig) -> List[str]:
         mem.add_row(k, f"{v / 2**20:.1f}")
     mem.add_row("total", f"{sum(est.values()) / 2**20:.1f}")
     console.print(mem)
-    lines = [f"forward passes per step: rollout generate, "
-             f"{'old-policy forward, ' if needs_old else ''}{'reference forward, ' if kl else ''}"
-             f"{passes} update pass(es)"]
-    for line in lines:
-        console.print(line, soft_wrap=True)
-    return lines
+    line = (f"forward passes per step: rollout generate, "
+            f"{'old-policy forward, ' if needs_old else ''}{'reference forward, ' if kl else ''}"
+            f"{passes} update pass(es)")
+    console.print(line, soft_wrap=True)
+    return [line]

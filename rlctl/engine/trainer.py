@@ -46,6 +46,13 @@ class TrainResult:
     last_metrics: Dict[str, float] = field(default_factory=dict)
 
 
+def needs_old_forward(algo) -> bool:
+    """Whether a step needs pi_old's forward before the update: several passes over the
+    rollout, a critic's values, KL shaped into the reward, or an adaptive KL coefficient."""
+    return (algo.epochs * algo.minibatches > 1 or algo.critic != "none"
+            or (algo.kl.placement == "in_reward" and algo.kl.coef > 0) or algo.kl.target is not None)
+
+
 def frozen_copy(model):
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
@@ -124,12 +131,6 @@ class Trainer:
                        ro.max_new_tokens, ro.temperature, ro.top_k, self.scorer.score_batch,
                        share_prompts=self.settings.share_prompts, **self.backend.generate_kwargs())
 
-    def _needs_old_forward(self) -> bool:
-        s, a = self.settings, self.adv_settings
-        return (s.epochs * s.minibatches > 1 or self.cfg.algo.critic != "none"
-                or (a.kl_in_reward and self.kl_ctl.coef > 0)
-                or isinstance(self.kl_ctl, AdaptiveKLController))
-
     @torch.no_grad()
     def _prepare(self, batch: RolloutBatch, labels) -> None:
         """Old/reference log-probs and values where needed, then advantages and returns.
@@ -139,7 +140,7 @@ class Trainer:
                   groups=None if labels is None else tuple(t.to(batch.input_ids.device) for t in regroup(labels)))
         # async: a stale rollout keeps the behaviour policy's log-probs; the forward is
         # then only needed for a critic's values
-        if self._needs_old_forward() and (batch.old_logprobs is None or self.cfg.algo.critic != "none"):
+        if needs_old_forward(self.cfg.algo) and (batch.old_logprobs is None or self.cfg.algo.critic != "none"):
             self.model.eval()
             f = learner_forward(self.model, *args, critic=self.critic, **kw)
             if batch.old_logprobs is None:

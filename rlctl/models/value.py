@@ -35,6 +35,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from rlctl.models.kv_share import cache_of
+
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
@@ -107,9 +109,7 @@ class PolicyValueModel(nn.Module):
         hidden = out.hidden_states[-1]
         if self.detach_backbone:     # critic warm-up: the value loss trains the head only
             hidden = hidden.detach()
-        cache = getattr(out, "cache", None)
-        cache = cache if cache is not None else getattr(out, "past_key_values", None)
-        return PolicyValueOutput(out.logits, self.value_head(hidden), cache if use_cache else None)
+        return PolicyValueOutput(out.logits, self.value_head(hidden), cache_of(out) if use_cache else None)
 
     def generate(self, *args, **kwargs):
         return self.policy.generate(*args, **kwargs)
