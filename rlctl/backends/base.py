@@ -93,9 +93,12 @@ class Backend:
         grads = [p for p in self._params if p.grad is not None]
         if self.world_size > 1:
             import torch.distributed as dist
-            for p in grads:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-                p.grad.div_(self.world_size)
+            from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+            flat = _flatten_dense_tensors([p.grad for p in grads])   # one collective, not one per tensor
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat.div_(self.world_size)
+            for p, g in zip(grads, _unflatten_dense_tensors(flat, [p.grad for p in grads])):
+                p.grad.copy_(g)
         limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(grads, limit) if grads else torch.zeros(())
         if not torch.isfinite(norm):       # skip the update; the caller counts it

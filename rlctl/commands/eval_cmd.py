@@ -28,7 +28,7 @@ METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")
 
 def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
                 temperature: float, top_k: int, max_new_tokens: int, batch_size: int,
-                reward_name: str, on_chunk=None) -> Dict[str, float]:
+                reward_name: str, scorer, on_chunk=None) -> Dict[str, float]:
     """Mean metrics over ``samples`` completions of each example, plus pass@k."""
     import torch
 
@@ -51,13 +51,15 @@ def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
         sums["length_mean"] += mask.sum().item()
         sums["truncated_frac"] += truncated.float().sum().item()
         counts = [0] * len(chunk)
+        per_row = [chunk[i // samples] for i in range(len(texts))]
+        rewards = scorer.score_batch(per_row, texts)         # user code: under the time limit
+        oks = scorer.correct_batch(per_row, texts, rewards)
         for i, text in enumerate(texts):
-            ex = chunk[i // samples]
-            ok = bool(task.is_correct(ex, text))
+            ex, ok = per_row[i], bool(oks[i])
             counts[i // samples] += ok
             sums["exact_match"] += ok
-            sums["reward"] += float(task.reward(ex, text))
-            for design, value in task_scores(task, ex, text, reward_name).items():
+            sums["reward"] += float(rewards[i])
+            for design, value in task_scores(task, ex, text, reward_name, rewards[i]).items():
                 sums[f"reward/{design}"] += value
             if callable(well_formed):
                 sums["well_formed"] += bool(well_formed(ex, text))
@@ -105,9 +107,12 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     err = Console(stderr=True, quiet=quiet)
     err.print(f"evaluating {what} on {len(examples)} held-out prompts "
               f"(greedy, and {samples} sample(s) at temperature {ro.temperature})", soft_wrap=True)
+    from rlctl.tasks.scoring import RewardScorer
+
+    scorer = RewardScorer(task)
     common = dict(max_new_tokens=ro.max_new_tokens, batch_size=batch_size,
-                  reward_name=reward_name)
-    with Progress("[progress.description]{task.description}", BarColumn(),
+                  reward_name=reward_name, scorer=scorer)
+    with scorer, Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
         g = bar.add_task("greedy", total=len(examples))
         greedy = score_split(model, tokenizer, task, examples, 1, False, 1.0, 0,

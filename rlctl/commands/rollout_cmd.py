@@ -84,19 +84,22 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     per_chunk = max(1, batch_size // group)
     rows = truncated = 0
     reward_sum = 0.0
-    import atexit
-
     from rlctl.tasks.scoring import RewardScorer
     scorer = RewardScorer(task)
-    atexit.register(scorer.close)
-    with fh, Progress("[progress.description]{task.description}", BarColumn(),
+    totals: list = []
+
+    def score(rows, texts):        # keep the exact totals (the batch holds float32)
+        totals[:] = scorer.score_batch(rows, texts)
+        return totals
+    with scorer, fh, Progress("[progress.description]{task.description}", BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                       console=err, transient=True) as bar:
         job = bar.add_task("prompts", total=n_prompts)
         for start in range(0, n_prompts, per_chunk):
             chunk = examples[start:start + per_chunk]
-            batch = rollout(model, tokenizer, chunk, group, max_new, temperature, top_k,
-                            scorer.score_batch)
+            batch = rollout(model, tokenizer, chunk, group, max_new, temperature, top_k, score)
+            per_row = [chunk[i // group] for i in range(len(totals))]
+            oks = scorer.correct_batch(per_row, batch.completions, totals)
             with torch.no_grad():
                 logp = learner_forward(model, batch.input_ids, batch.attention_mask,
                                        batch.prompt_len, temperature,
@@ -118,9 +121,9 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                                            and not batch.truncated[i].item()),
                     "truncated": bool(batch.truncated[i].item()),
                     "max_new_tokens": max_new, "eos_token_id": eos,
-                    "reward": float(task.reward(ex, text)),  # exact, not float32
-                    "rewards": task_scores(task, ex, text, reward_name),
-                    "correct": bool(task.is_correct(ex, text)),
+                    "reward": float(totals[i]),  # exact, not float32
+                    "rewards": task_scores(task, ex, text, reward_name, totals[i]),
+                    "correct": bool(oks[i]),
                 }
                 rows += 1
                 truncated += row["truncated"]

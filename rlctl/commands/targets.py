@@ -215,12 +215,13 @@ def _load_adapter(adapter_dir: Path, dtype: str, device: str):
     return model, tok, f"{adapter_dir} (LoRA on {base_name}, merged)"
 
 
-def task_scores(task, example, completion: str, reward_name: str) -> dict:
-    """Every reward design of the task ({design: value}); a generic task: its reward."""
+def task_scores(task, example, completion: str, reward_name: str, reward: float) -> dict:
+    """Every reward design of the task ({design: value}); a generic task: its ``reward``
+    (the scorer's total: user code is not run again outside the scorer's time limit)."""
     score_all = getattr(task, "score_all", None)
     if callable(score_all):
         return {k: float(v) for k, v in score_all(example, completion).items()}
-    return {reward_name: float(task.reward(example, completion))}
+    return {reward_name: float(reward)}
 
 
 def write_json(path: Path, data) -> Path:

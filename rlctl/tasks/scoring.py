@@ -272,7 +272,8 @@ class RewardScorer:
         status = self._runner.run(examples, completions, self.timeout_s, on_item) if n else None
         for i, why in failures:
             self._fail(describe_sample(i, n, examples[i], completions[i]), why, "error")
-        missing = [i for i in range(n) if totals[i] is None and i not in dict(failures)]
+        failed = {i for i, _ in failures}
+        missing = [i for i in range(n) if totals[i] is None and i not in failed]
         if missing:
             first = missing[0]
             where = describe_sample(first, n, examples[first], completions[first])
@@ -335,6 +336,12 @@ class RewardScorer:
 
     def close(self) -> None:
         self._runner.close()
+
+    def __enter__(self) -> "RewardScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __del__(self):  # best effort; the worker is a daemon anyway
         try:
