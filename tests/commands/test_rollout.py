@@ -80,3 +80,23 @@ def test_rollout_eval_split_at_a_short_cap_is_truncated(cli, run_a, tmp_path):
     assert all(r["length"] <= 3 for r in rows)
     truncated = [r for r in rows if r["truncated"]]
     assert truncated and all(r["length"] == 3 and not r["ended_with_eos"] for r in truncated)
+
+
+def test_rollout_scores_under_the_reward_time_limit(tmp_path):
+    """The rewards come from the RewardScorer: a reward that never returns is cut off at
+    task.reward_timeout_s (scored 0) instead of hanging `rlctl rollout`."""
+    from typer.testing import CliRunner
+
+    from rlctl.cli import app
+
+    (tmp_path / "slow.py").write_text("def reward(prompt, completion, **f):\n    while True:\n        pass\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} 3 1 ="}) + "\n" for i in range(6)))
+    out = tmp_path / "ro.jsonl"
+    res = CliRunner().invoke(app, ["rollout", "task=jsonl", f"task.train_path={data}", "task.num_eval=2",
+                                   f"task.reward_fn={tmp_path / 'slow.py'}:reward",
+                                   "task.reward_timeout_s=1", "--out", str(out), "--prompts", "2",
+                                   "--samples", "2"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    assert len(rows) == 4 and all(r["reward"] == 0.0 and r["correct"] is False for r in rows)
