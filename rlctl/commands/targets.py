@@ -27,9 +27,6 @@ class Target:
     path: Optional[Path] = None     # what the user named
     run_dir: Optional[Path] = None  # the run whose config is used, if any
 
-    def describe(self) -> str:
-        return "the configured model" if self.path is None else f"{self.kind} {self.path}"
-
 
 def is_run_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.yaml").is_file()
@@ -105,23 +102,14 @@ def _config_yaml_with_overrides(path: Path, overrides: Sequence[str]):
     return cfg
 
 
-def setup_torch(cfg) -> None:
-    if cfg.hardware.device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers may import deepspeed
-    import torch
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    torch.set_num_threads(cfg.hardware.num_threads)
-
-
 def open_target(target_arg, overrides):
     """(target, cfg, task, model, tokenizer, description) for eval/rollout: path errors come
     before the heavy imports; chat prompts are bound to the model's tokenizer."""
+    from rlctl.engine.run import _build_task
+
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
-    task = build_task_from(cfg)
+    task = _build_task(cfg)
     model, tokenizer, what = load_policy(target, cfg)
     bind_task(task, tokenizer)
     return target, cfg, task, model, tokenizer, what
@@ -137,25 +125,15 @@ def bind_task(task, tokenizer) -> None:
         raise UserError(f"task.prompt_format: {exc}") from None
 
 
-def build_task_from(cfg):
-    from omegaconf import OmegaConf
-
-    from rlctl.tasks import build_task
-
-    opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
-    try:
-        return build_task(cfg.task.name, **opts)
-    except (ValueError, TypeError) as exc:
-        raise UserError(f"task '{cfg.task.name}': {exc}") from None
-
-
 def load_policy(target: Target, cfg):
     """(model in eval mode, tokenizer, a one-line description of what was loaded)."""
     from omegaconf import OmegaConf
 
     from rlctl.models.loading import load_model_and_tokenizer
 
-    setup_torch(cfg)
+    from rlctl.engine.run import _quiet_libraries
+
+    _quiet_libraries(cfg)
     device, dtype = cfg.hardware.device, cfg.model.dtype
     model_dir = target.path
     if target.kind == "run":
