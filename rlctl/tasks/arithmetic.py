@@ -88,36 +88,46 @@ class ArithmeticTask:
                              f"{', '.join(REWARDS)}")
         if not isinstance(num_digits, int) or not 1 <= num_digits <= 9:
             raise ValueError(f"invalid task.num_digits '{num_digits}'; must be in [1, 9]")
-        space = len(ops) * 10 ** (2 * num_digits)
+        self.num_digits, self.ops, self.style = num_digits, ops, style
+        space = self._space()
         if not isinstance(num_eval, int) or not 0 <= num_eval < space:
             raise ValueError(f"invalid task.num_eval '{num_eval}'; must be in [0, {space - 1}] "
                              f"for {num_digits}-digit operands and ops {ops}")
         if not isinstance(max_train, int) or max_train < 1:
             raise ValueError(f"invalid max_train '{max_train}'; must be >= 1")
-        self.num_digits, self.ops, self.style, self.reward_name = num_digits, ops, style, reward
+        self.reward_name = reward
         self.num_eval, self.seed, self.max_train = num_eval, seed, max_train
         self._eval, self._train = self._split()
 
     # -- splits -------------------------------------------------------------------
+    # Word problems take away no more than there is: "a - b" with a < b is asked as
+    # "b - a", so the problem (a, '-', b) is stored that way, and the splits (which compare
+    # problems) never put the same word problem in both.
+    def _ordered(self, op: str) -> bool:
+        return self.style == "words" and op == "-"
+
+    def _space(self) -> int:
+        hi = 10 ** self.num_digits
+        return sum(hi * (hi + 1) // 2 if self._ordered(op) else hi * hi for op in self.ops)
+
     def _draw(self, rng: random.Random) -> Tuple[int, str, int]:
         hi = 10 ** self.num_digits
-        return rng.randrange(hi), rng.choice(self.ops), rng.randrange(hi)
+        a, op, b = rng.randrange(hi), rng.choice(self.ops), rng.randrange(hi)
+        return (b, op, a) if self._ordered(op) and a < b else (a, op, b)
 
     def _split(self):
         hi = 10 ** self.num_digits
         return disjoint_splits(self._draw, random.Random(self.seed), self.num_eval, self.max_train,
-                               len(self.ops) * hi * hi,
+                               self._space(),
                                lambda: ((a, op, b) for op in self.ops for a in range(hi)
-                                        for b in range(hi)))
+                                        for b in range(hi) if not (self._ordered(op) and a < b)))
 
-    def _example(self, problem: Tuple[int, str, int], index: int) -> Example:
+    def _example(self, problem: Tuple[int, str, int]) -> Example:
         a, op, b = problem
         if self.style == "symbolic":
             prompt = f"{spaced(a)} {op} {spaced(b)} ="
         else:
             rng = random.Random(f"{a}{op}{b}/{self.seed}")  # the same in every process
-            if op == "-" and a < b:
-                a, b = b, a  # word problems take away no more than there is
             prompt = rng.choice(_WORDS[op]).format(a=a, b=b, n=rng.choice(_NAMES),
                                                    item=rng.choice(_ITEMS))
             prompt += " Give the final answer as a number."
@@ -125,10 +135,10 @@ class ArithmeticTask:
                                               "answer": compute(a, op, b)})
 
     def train_examples(self) -> List[Example]:
-        return [self._example(p, i) for i, p in enumerate(self._train)]
+        return [self._example(p) for p in self._train]
 
     def eval_examples(self) -> List[Example]:
-        return [self._example(p, i) for i, p in enumerate(self._eval)]
+        return [self._example(p) for p in self._eval]
 
     # -- scoring ------------------------------------------------------------------
     def is_correct(self, example: Example, completion: str) -> bool:

@@ -68,11 +68,11 @@ def test_symbolic_prompts_fit_the_tiny_vocabulary():
 
 def test_prompt_and_answer_by_hand():
     task = ArithmeticTask(num_eval=4)
-    ex = task._example((12, "+", 34), 0)
+    ex = task._example((12, "+", 34))
     assert ex.prompt == "1 2 + 3 4 =" and task.answer(ex) == "4 6"
     assert ex.fields == {"a": 12, "op": "+", "b": 34, "answer": 46}
     assert spaced(-105) == "- 1 0 5"
-    neg = ArithmeticTask(ops=["-"], num_eval=4)._example((3, "-", 45), 0)
+    neg = ArithmeticTask(ops=["-"], num_eval=4)._example((3, "-", 45))
     assert neg.prompt == "3 - 4 5 =" and neg.fields["answer"] == -42
     assert ArithmeticTask(ops=["-"], num_eval=4).is_correct(neg, "- 4 2")
 
@@ -80,7 +80,7 @@ def test_prompt_and_answer_by_hand():
 def test_rewards_by_hand():
     exact = ArithmeticTask(num_eval=4, reward="exact")
     partial = ArithmeticTask(num_eval=4, reward="partial")
-    ex = exact._example((58, "+", 67), 0)                     # 125
+    ex = exact._example((58, "+", 67))                     # 125
     assert exact.reward(ex, "1 2 5") == partial.reward(ex, "1 2 5") == 1.0
     assert exact.reward(ex, "1 3 5") == 0.0
     assert partial.reward(ex, "1 3 5") == pytest.approx(0.5 * 2 / 3)   # 1 and 5 in place
@@ -100,6 +100,16 @@ def test_splits_are_disjoint_and_deterministic():
     big = ArithmeticTask(num_digits=4, ops=["*"], num_eval=50, max_train=300)
     assert len(big.train_examples()) == 300
     assert not set(key(big.eval_examples())) & set(key(big.train_examples()))
+
+
+def test_word_subtraction_splits_share_no_problem():
+    """Words style asks a - b with a < b as b - a, so (3, '-', 5) and (5, '-', 3) are one
+    problem: 1-digit operands give 10 * 11 / 2 = 55 of them, split without overlap."""
+    task = ArithmeticTask(style="words", ops=["-"], num_digits=1, num_eval=10)
+    key = lambda exs: [(e.fields["a"], e.fields["b"]) for e in exs]  # noqa: E731
+    ev, tr = key(task.eval_examples()), key(task.train_examples())
+    assert len(ev) == 10 and len(tr) == 45 and len(set(ev + tr)) == 55
+    assert all(a >= b for a, b in ev + tr)
 
 
 def test_word_problems_are_the_same_in_every_process():
