@@ -14,8 +14,9 @@ from .advantages import (ADVANTAGE_ESTIMATORS, REINFORCE_BASELINES, broadcast_to
                          rloo_advantages, zero_std_groups)
 from .aggregation import (AGG_ALIASES, AGG_MODES, agg_denominator, aggregate,
                           aggregate_sum, resolve_agg_mode)
-from .kl import (KL_ALIASES, KL_ESTIMATORS, AdaptiveKLController, FixedKLController,
-                 kl_estimate, kl_shaped_rewards)
+from .kl import (KL_ALIASES, KL_DEFAULT_ESTIMATOR, KL_ESTIMATORS, KL_PLACEMENT_NOTES,
+                 KL_PLACEMENTS, AdaptiveKLController, FixedKLController, kl_estimate,
+                 kl_shaped_rewards, resolve_kl_estimator)
 from .logprobs import (completion_mask, entropy_from_logits, masked_mean, masked_sum,
                        masked_whiten, token_logprobs)
 from .losses import (POLICY_LOSSES, explained_variance, get_policy_loss, ppo_clip_loss,
@@ -28,7 +29,8 @@ __all__ = [
     "token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum", "masked_whiten",
     "completion_mask",
     # kl
-    "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES", "kl_shaped_rewards",
+    "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES", "kl_shaped_rewards", "resolve_kl_estimator",
+    "KL_PLACEMENTS", "KL_DEFAULT_ESTIMATOR", "KL_PLACEMENT_NOTES",
     "AdaptiveKLController", "FixedKLController",
     # aggregation
     "aggregate", "aggregate_sum", "agg_denominator", "resolve_agg_mode", "AGG_MODES",

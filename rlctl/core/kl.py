@@ -1,14 +1,28 @@
 """Per-token KL estimators between the policy and the reference model.
 
-Source: Schulman, "Approximating KL Divergence" (2020), as summarised in seed 002
-(KL penalty section): with tokens sampled from pi_theta and log r = ref_logp - logp,
+Source: Schulman, "Approximating KL Divergence" (2020): with tokens sampled from
+pi_theta and log r = ref_logp - logp,
     k1 = logp - ref_logp                         unbiased, high variance, can be < 0
     k2 = 0.5 * (logp - ref_logp)**2              biased, low variance, >= 0
     k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1   unbiased, low variance, >= 0
-All three estimate KL(pi_theta || pi_ref) on samples from pi_theta. Placement (`in_reward`
-shaping vs `in_loss`) is the caller's choice; this module only computes [N, T] values.
+As *values*, k1 and k3 estimate KL(pi_theta || pi_ref) on samples from pi_theta. What
+their *gradients* optimise depends on where the estimate is placed (checked by exact
+enumeration on a categorical in tests/core/test_kl_placement.py):
 
-KL in the reward (seed 002, `kl_shaped_rewards`): r_t = -beta * KL_t on every counted
+  in_reward: r_t = -beta * k_t enters the return as a constant (no gradient through k);
+    the policy gradient of the penalty is E_pi[k(a) grad log pi(a)] = sum_a k(a) grad pi(a).
+      k1 -> grad KL(pi || ref), exactly (the classic RLHF shaping, Ziegler et al. 2019);
+      k2 -> grad E_pi[k2] - grad KL(pi || ref)        (biased);
+      k3 -> grad KL(pi || ref) - grad KL(ref || pi)   (biased).
+  in_loss: beta * k is added to the loss and differentiated through log pi at the sampled
+    tokens; the expected gradient is E_pi[grad k(a)].
+      k1 -> 0: E_pi[grad log pi] = 0, the term does nothing on average;
+      k2 -> grad KL(pi || ref)          (the same direction as k1 in the reward);
+      k3 -> grad KL(ref || pi)   (the reverse KL: GRPO's choice, a valid regulariser).
+So k1 belongs in the reward and k2 or k3 in the loss; ``KL_DEFAULT_ESTIMATOR`` holds the
+default of each placement and ``KL_PLACEMENT_NOTES`` the warning for the other pairs.
+
+KL in the reward (`kl_shaped_rewards`): r_t = -beta * KL_t on every counted
 token, plus the task reward on the last counted token; then GAE as usual.
 
 KL coefficient controllers: the adaptive one of Ziegler et al. (2019, "Fine-Tuning
@@ -16,7 +30,10 @@ Language Models from Human Preferences", Sec. 2.2), as in TRL's and OpenRLHF's
 `AdaptiveKLController`:
     e = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon)
 `current_kl` must be in the units of `target` (Ziegler: per-sequence KL, i.e. summed
-over tokens, averaged over the batch; n_steps = sequences in that batch).
+over tokens, averaged over the batch); `n_steps` is the number of sequences in that
+batch (summed over data-parallel ranks) and `horizon` counts sequences too, as in
+Ziegler et al. and TRL: at the clip, the coefficient changes by about a factor e^(+-0.2) every
+`horizon` sequences.
 
 Departures: inputs are upcast to float32 so bf16 log-probs do not round the small
 differences away; the KL estimators leave masking and aggregation to the caller.
@@ -29,13 +46,14 @@ becomes NaN or negative.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
 from ._util import acc_dtype, keep, upcast
 
 __all__ = ["kl_k1", "kl_k2", "kl_k3", "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES",
+           "KL_PLACEMENTS", "KL_DEFAULT_ESTIMATOR", "KL_PLACEMENT_NOTES", "resolve_kl_estimator",
            "kl_shaped_rewards", "AdaptiveKLController", "FixedKLController"]
 
 
@@ -64,12 +82,41 @@ KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate. logp, ref_logp [N, T] -> [N, T] float32 (float64 kept)."""
-    key = KL_ALIASES.get(kind, kind)
+KL_PLACEMENTS = ("in_loss", "in_reward")
+# The estimator whose gradient in that placement follows a KL divergence without bias.
+KL_DEFAULT_ESTIMATOR = {"in_reward": "k1", "in_loss": "k3"}
+# (estimator, placement) pairs whose gradient is not what a KL penalty is meant to give.
+KL_PLACEMENT_NOTES = {
+    ("k1", "in_loss"): "k1 in the loss has zero expected gradient (E[grad log pi] = 0); "
+                       "use k2 (grad KL(pi||ref)) or k3 (grad KL(ref||pi)) in the loss",
+    ("k2", "in_reward"): "k2 in the reward gives a biased gradient of KL(pi||ref); use k1 in the reward",
+    ("k3", "in_reward"): "k3 in the reward gives grad KL(pi||ref) - grad KL(ref||pi), a biased "
+                         "gradient; use k1 in the reward",
+}
+
+
+def resolve_kl_estimator(kind: Optional[str], placement: str) -> str:
+    """Canonical estimator name (aliases mapped); None: the placement's default
+    (k1 in the reward, k3 in the loss). Raises ValueError for unknown names."""
+    if placement not in KL_PLACEMENTS:
+        raise ValueError(f"unknown KL placement {placement!r}; valid: {', '.join(KL_PLACEMENTS)}")
+    key = KL_DEFAULT_ESTIMATOR[placement] if kind is None else KL_ALIASES.get(kind, kind)
     if key not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(sorted(KL_ESTIMATORS))}"
                          f" (aliases: {sorted(KL_ALIASES)})")
+    return key
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate. logp, ref_logp [N, T] -> [N, T] float32 (float64 kept).
+
+    Differentiable in both inputs; which divergence its gradient follows depends on the
+    placement (module doc): in the reward k1 gives grad KL(pi||ref) exactly and k2, k3 a
+    biased gradient; in the loss k1 gives zero expected gradient, k2 grad KL(pi||ref)
+    and k3 grad KL(ref||pi)."""
+    if kind is None:
+        raise ValueError("KL estimator None: resolve it with resolve_kl_estimator(kind, placement)")
+    key = resolve_kl_estimator(kind, "in_loss")
     dtype = acc_dtype(logp, ref_logp)
     return KL_ESTIMATORS[key](upcast(logp, dtype), upcast(ref_logp, dtype))
 
