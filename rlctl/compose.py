@@ -225,7 +225,7 @@ def validate(cfg: DictConfig) -> None:
     for key, lookup in (("algo.advantage", estimator_kind),
                         ("algo.policy_loss", get_policy_loss),
                         ("algo.loss_agg_mode", resolve_agg_mode),
-                        ("algo.kl.estimator", lambda k: kl_estimate(_z, _z, k))):
+                        ("algo.kl.estimator", lambda k: k is None or kl_estimate(_z, _z, k))):
         try:
             lookup(OmegaConf.select(cfg, key))
         except ValueError as exc:
