@@ -15,10 +15,13 @@ from omegaconf import MISSING
 @dataclass
 class KLConfig:
     coef: float = MISSING          # beta (initial beta when adaptive); 0: no reference model
-    estimator: str = MISSING       # k1 | k2 | k3
+    # k1 | k2 | k3 | null (the placement's unbiased default: k1 in_reward, k3 in_loss;
+    # rlctl.core.kl explains which divergence each pair follows, and train warns otherwise)
+    estimator: Optional[str] = None
     placement: str = MISSING       # in_loss | in_reward
     target: Optional[float] = None  # adaptive coefficient: target KL per sequence (nats)
-    horizon: int = MISSING         # adaptive controller horizon (steps)
+    horizon: int = MISSING         # adaptive controller horizon, in sequences (Ziegler et al.,
+                                   # TRL): each update moves beta by up to 0.2 * n_seq / horizon
 
 
 @dataclass
@@ -28,7 +31,7 @@ class AlgoConfig:
     policy_loss: str = MISSING     # registry key in rlctl.core.losses
     group_size: int = MISSING      # G completions per prompt
     loss_agg_mode: str = MISSING   # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    norm_len: Optional[int] = None  # constant normaliser for seq-mean-token-sum-norm (None: T)
+    norm_len: Optional[int] = None  # constant normaliser for seq-mean-token-sum-norm (conf: rollout.max_new_tokens)
     clip_eps: float = MISSING
     clip_eps_high: Optional[float] = None  # None: same as clip_eps
     clip_ratio_c: Optional[float] = None   # dual clip for A < 0 (> 1), None: off
@@ -213,3 +216,144 @@ def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="rlctl_schema", node=RLConfig)
+
+
+# -- value ranges ---------------------------------------------------------------------
+# One table for every numeric key with a meaningful range, checked by one loop
+# (``check_values``, called by rlctl.compose.validate). Every float key also rejects nan
+# and inf. A new numeric key must be listed here or in FREE_NUMBERS (a test checks).
+
+@dataclass(frozen=True)
+class Range:
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False          # lo itself excluded
+    hi_open: bool = False
+    why: str = ""                  # appended to the message, e.g. what 0 would mean
+
+    def contains(self, x: float) -> bool:
+        return not ((self.lo is not None and (x < self.lo or (self.lo_open and x == self.lo)))
+                    or (self.hi is not None and (x > self.hi or (self.hi_open and x == self.hi))))
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, lo_open=True), Range(0), Range(1)
+UNIT = Range(0, 1)
+
+RANGES = {
+    "seed": Range(0, 2 ** 31, hi_open=True),
+    "algo.group_size": AT_LEAST_1, "algo.norm_len": AT_LEAST_1,
+    "algo.clip_eps": NON_NEGATIVE, "algo.clip_eps_high": NON_NEGATIVE,
+    "algo.clip_ratio_c": Range(1, lo_open=True, why="dual clip needs a value > 1 (or null)"),
+    "algo.epochs": AT_LEAST_1, "algo.minibatches": AT_LEAST_1,
+    "algo.std_eps": Range(0, lo_open=True, why="it keeps the std normaliser away from 0"),
+    "algo.vf_coef": NON_NEGATIVE, "algo.value_clip": POSITIVE,
+    "algo.gamma": UNIT, "algo.lam": UNIT,
+    "algo.critic_warmup_steps": NON_NEGATIVE, "algo.max_sampling_rounds": AT_LEAST_1,
+    "algo.overlong_buffer": NON_NEGATIVE, "algo.overlong_penalty": NON_NEGATIVE,
+    "algo.kl.coef": NON_NEGATIVE, "algo.kl.target": POSITIVE, "algo.kl.horizon": AT_LEAST_1,
+    "task.reward_timeout_s": Range(0, why="0 or null: no limit"),
+    "task.num_digits": AT_LEAST_1, "task.num_eval": AT_LEAST_1, "task.seed": NON_NEGATIVE,
+    "model.hidden_size": AT_LEAST_1, "model.num_layers": AT_LEAST_1,
+    "model.num_heads": AT_LEAST_1, "model.warmup_steps": NON_NEGATIVE,
+    "model.warmup_lr": POSITIVE,
+    "model.lora.r": AT_LEAST_1, "model.lora.alpha": POSITIVE,
+    "model.lora.dropout": Range(0, 1, hi_open=True), "model.lora.lr": POSITIVE,
+    "hardware.num_threads": AT_LEAST_1, "hardware.num_processes": AT_LEAST_1,
+    "hardware.zero_stage": Range(0, 3),
+    "rollout.max_new_tokens": AT_LEAST_1,
+    "rollout.temperature": Range(0, lo_open=True, why="sampling needs > 0 (eval is greedy already)"),
+    "rollout.top_k": Range(0, why="0: the full distribution"),
+    "trainer.steps": NON_NEGATIVE, "trainer.prompts_per_step": AT_LEAST_1,
+    "trainer.lr": POSITIVE, "trainer.weight_decay": NON_NEGATIVE,
+    "trainer.betas": Range(0, 1, hi_open=True),
+    "trainer.warmup_steps": NON_NEGATIVE,
+    "trainer.max_grad_norm": Range(0, why="0: no clipping"),
+    "trainer.micro_batch_size": Range(0, why="0: the whole minibatch"),
+    "trainer.eval_every": Range(0, why="0: only at the start and the end"),
+    "trainer.log_every": AT_LEAST_1,
+    "trainer.checkpoint_every": Range(0, why="0: only at the end"),
+    "trainer.keep_checkpoints": AT_LEAST_1, "trainer.max_bad_steps": AT_LEAST_1,
+    "trainer.async.max_staleness": NON_NEGATIVE, "trainer.async.sync_every": AT_LEAST_1,
+    "trainer.async.num_actors": AT_LEAST_1,
+}
+FREE_NUMBERS = ("task.correct_threshold",)   # any finite number
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    key: str                       # dotted, e.g. "trainer.lr"
+    kind: str                      # float | int | bool | str | list | group | any
+    optional: bool
+    item: str = "any"              # a list's item kind
+
+
+def _kind(tp) -> str:
+    import dataclasses
+
+    if dataclasses.is_dataclass(tp):
+        return "group"
+    names = {float: "float", int: "int", bool: "bool", str: "str"}
+    return names.get(tp, "list" if getattr(tp, "__origin__", None) in (list, List) else "any")
+
+
+def schema_fields(cls=None, prefix: str = "") -> List[FieldSpec]:
+    """Every key of the schema, depth first (groups and their keys), with its kind."""
+    import dataclasses
+    import typing
+
+    cls = cls or RLConfig
+    hints = typing.get_type_hints(cls)
+    out: List[FieldSpec] = []
+    for f in dataclasses.fields(cls):
+        if f.name == "defaults":
+            continue
+        tp, args = hints[f.name], getattr(hints[f.name], "__args__", ()) or ()
+        optional = getattr(tp, "__origin__", None) is typing.Union and type(None) in args
+        if optional:
+            tp = next(a for a in args if a is not type(None))
+        kind, key = _kind(tp), prefix + f.name
+        item = _kind(tp.__args__[0]) if kind == "list" and getattr(tp, "__args__", None) else "any"
+        out.append(FieldSpec(key, kind, optional, item))
+        if kind == "group":
+            out.extend(schema_fields(tp, key + "."))
+    return out
+
+
+EXAMPLES = {"float": "0.5", "int": "1", "bool": "true", "str": "name", "any": "1"}
+
+
+def example_value(spec: FieldSpec) -> str:
+    """A value of the right type (and inside the key's range) to show in a message."""
+    if spec.kind == "list":
+        return {"float": "[0.9,0.999]", "str": "[a,b]"}.get(spec.item, "[1,2]")
+    if spec.kind == "group":
+        return "{...}"
+    rng = RANGES.get(spec.key)
+    if spec.kind in ("float", "int") and rng is not None:
+        for x in (1, 0, 0.5, 3, 4):
+            if rng.contains(x) and (spec.kind == "float" or float(x).is_integer()):
+                return f"{x:g}" if spec.kind == "int" else f"{float(x):g}"
+    return EXAMPLES[spec.kind]
+
+
+def range_problem(spec: FieldSpec, value: Any) -> Optional[str]:
+    """What is wrong with one value of a numeric key (None: nothing), for the message
+    "invalid KEY 'VALUE'; must be ..."."""
+    import math
+
+    kind = spec.item if spec.kind == "list" else spec.kind
+    if value is None or kind not in ("float", "int") or isinstance(value, bool):
+        return None
+    rng = RANGES.get(spec.key)
+    finite = math.isfinite(value)
+    if finite and (rng is None or rng.contains(value)):
+        return None
+    what = rng.describe() if rng is not None else "a number"
+    tail = " and finite" if kind == "float" and rng is not None else (" (finite)" if kind == "float" else "")
+    why = f"; {rng.why}" if rng is not None and rng.why and finite else ""
+    return f"must be {what}{tail}{why}"

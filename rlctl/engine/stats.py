@@ -36,7 +36,9 @@ POLICY_KEYS = {  # update_policy's metric names -> schema names
 }
 
 
-SUMMED = {"perf/step_tokens"}
+# Summed over ranks: counts, and the loss terms (each rank's value is its share of the
+# global batch's loss: its numerator over the normaliser summed over every rank).
+SUMMED = {"perf/step_tokens", "perf/step_sequences", "policy/loss", "value/loss"}
 REDUCE_OP = {"length/min": "min", "length/max": "max", "policy/ratio_max": "max"}
 
 

@@ -22,7 +22,8 @@ from typing import Dict
 import torch
 from omegaconf import DictConfig
 
-from rlctl.core import AdaptiveKLController, FixedKLController, get_policy_loss, masked_mean
+from rlctl.core import (AdaptiveKLController, FixedKLController, get_policy_loss, masked_mean,
+                        resolve_kl_estimator)
 from rlctl.engine.advantage import AdvantageSettings, compute_advantages
 from rlctl.engine.evaluate import evaluate
 from rlctl.engine.policy import learner_forward
@@ -77,18 +78,19 @@ class Trainer:
         # all one token long; multi-rank ZeRO-3 needs every rank to run the same ones.
         zero3 = getattr(self.backend, "zero_stage", 0) == 3 and self.backend.world_size > 1
         share = bool(tr.share_prompts) and not zero3
+        self.kl_kind = resolve_kl_estimator(algo.kl.estimator, algo.kl.placement)  # null: by placement
         self.settings = UpdateSettings(
             policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
             clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
             clip_ratio_c=algo.clip_ratio_c, agg_mode=algo.loss_agg_mode, norm_len=algo.norm_len,
-            epochs=algo.epochs, minibatches=algo.minibatches, kl_estimator=algo.kl.estimator,
+            epochs=algo.epochs, minibatches=algo.minibatches, kl_estimator=self.kl_kind,
             kl_in_loss=algo.kl.placement == "in_loss", max_grad_norm=tr.max_grad_norm,
             temperature=cfg.rollout.temperature, micro_batch_size=tr.micro_batch_size,
             vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share)
         self.adv_settings = AdvantageSettings(
             estimator=algo.advantage, std_eps=algo.std_eps, baseline=algo.baseline,
             gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
-            kl_in_reward=algo.kl.placement == "in_reward", kl_estimator=algo.kl.estimator,
+            kl_in_reward=algo.kl.placement == "in_reward", kl_estimator=self.kl_kind,
             overlong_buffer=algo.overlong_buffer, overlong_penalty=algo.overlong_penalty,
             max_new_tokens=cfg.rollout.max_new_tokens)
         self.kl_ctl = (AdaptiveKLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
@@ -189,8 +191,10 @@ class Trainer:
             metrics["kl/seq_k1"] = seq_kl
         metrics["dapo/kept_groups_frac"] = torch.tensor(kept)
         metrics["perf/step_tokens"] = batch.mask.sum()
+        metrics["perf/step_sequences"] = torch.tensor(float(batch.num_sequences))   # summed over ranks
         values = reduce_metrics(metrics, self.backend)
         tokens = values.pop("perf/step_tokens")
+        sequences = int(values.pop("perf/step_sequences"))
         values.update({"kl/coef": self.kl_ctl.coef,
                        "optim/lr": self.backend.lr(),
                        **self.scorer.metrics(),
@@ -200,7 +204,7 @@ class Trainer:
                        "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9)})
         values.update(self.source.metrics())      # async: staleness, learner/actor waits
         if "kl/seq_k1" in values:
-            self.kl_ctl.update(values["kl/seq_k1"], 1)
+            self.kl_ctl.update(values["kl/seq_k1"], sequences)   # horizon counts sequences (Ziegler et al.)
         return values
 
     def train(self, run_dir=None, resume_from=None, on_step=None) -> TrainResult:
