@@ -188,6 +188,8 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
         check_source(cfg.model.name, cfg.model.name_or_path)
     except ValueError as exc:
         raise UserError(f"cannot load model: {exc}") from None
+    from rlctl.engine.checks import warn_config
+    warn_config(cfg.algo)                  # e.g. a KL estimator whose gradient is biased where placed
     if resume is None:
         run_dir = rundir.create_run_dir(cfg.run.output_dir, cfg.run.name)
         rundir.write_config(run_dir, composed)
