@@ -15,6 +15,13 @@ scores 0 under every design; no reward ever raises.
   the reward-hacking risk the seed warns about: long wrong answers earn more credit.
 
 ``is_correct`` is the exact match whatever reward is used for training.
+
+Every design is scored on every training sample and logged (``reward/exact``,
+``reward/positional``, ``reward/inclusion_order``) through the scorer's named
+components: the task's ``reward_weights`` give the training design weight 1 and the
+others weight 0, so the total (``reward/mean``) is the training reward alone while the
+others are monitored. Training on ``inclusion_order`` then shows its length hacking as
+it happens: ``reward/inclusion_order`` rising above 1 while ``reward/exact`` falls.
 """
 from __future__ import annotations
 
@@ -111,6 +118,8 @@ class SortingTask:
         self.num_digits, self.reward_name, self.num_eval = num_digits, reward, num_eval
         self.seed, self.max_train = seed, max_train
         self._reward_fn = REWARDS[reward]
+        # monitored designs weigh 0: the total is the training reward (scoring.py)
+        self.reward_weights = {name: float(name == reward) for name in REWARDS}
         self._eval, self._train = self._split()
 
     # -- splits -------------------------------------------------------------------
@@ -149,6 +158,11 @@ class SortingTask:
 
     def score_all(self, example: Example, completion: str) -> Dict[str, float]:
         return score_all(example.fields["digits"], completion)
+
+    def reward_components(self, example: Example, completion: str) -> Dict[str, float]:
+        """Every design (``reward/<name>`` each step); ``reward_weights`` keeps the total
+        equal to ``reward()``."""
+        return self.score_all(example, completion)
 
     @staticmethod
     def answer(example: Example) -> str:

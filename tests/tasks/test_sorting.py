@@ -122,3 +122,49 @@ def test_small_space_train_is_the_complement():
 def test_num_eval_must_leave_room():
     with pytest.raises(ValueError):
         SortingTask(num_digits=1, num_eval=10)
+
+
+@pytest.mark.parametrize("name", ["exact", "positional", "inclusion_order"])
+def test_every_design_is_logged_and_the_training_one_is_the_total(name):
+    """Through the RewardScorer (the path reward/<name> metrics take): each step logs all
+    three designs, and the total that trains (reward/mean) is the chosen one alone. The
+    expected means are the hand-worked CASES above."""
+    from rlctl.tasks.scoring import RewardScorer
+
+    task = SortingTask(num_eval=4, reward=name)
+    completions = list(CASES)
+    with RewardScorer(task, timeout_s=0) as scorer:
+        totals = scorer.score_batch([EX] * len(completions), completions)
+        metrics = scorer.metrics()
+    k = ["exact", "positional", "inclusion_order"].index(name)
+    assert totals == pytest.approx([CASES[c][k] for c in completions])
+    for j, design in enumerate(["exact", "positional", "inclusion_order"]):
+        want = sum(CASES[c][j] for c in completions) / len(completions)
+        assert metrics[f"reward/{design}"] == pytest.approx(want)
+
+
+def test_reward_hacking_recipe_logs_every_design(tmp_path):
+    """`rlctl train --recipe reward-hacking` (a short run): trains on inclusion_order, so
+    reward/mean equals reward/inclusion_order each step, and the other designs are there."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rlctl = str(Path(sys.executable).parent / "rlctl")
+    out = subprocess.run([rlctl, "train", "--recipe", "reward-hacking", "trainer.steps=2",
+                          "trainer.eval_every=2", "task.num_eval=16", "trainer.prompts_per_step=2",
+                          "algo.group_size=4", "logger=jsonl", "run.save_model=false",
+                          f"run.output_dir={tmp_path}"], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    run = next(p for p in tmp_path.iterdir() if p.is_dir())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    steps = [r for r in rows if r.get("step", 0) > 0 and "reward/mean" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert {"reward/exact", "reward/positional", "reward/inclusion_order"} <= set(r)
+        # reward/mean goes through a float32 tensor: |value| < 3, so rounding < 3e-7
+        assert r["reward/mean"] == pytest.approx(r["reward/inclusion_order"], abs=1e-6)
+        assert r["reward/exact"] <= r["reward/positional"] + 1e-9   # exact 1 => positional 1
