@@ -14,6 +14,7 @@ from .advantages import (ADVANTAGE_ESTIMATORS, REINFORCE_BASELINES, broadcast_to
                          rloo_advantages, zero_std_groups)
 from .aggregation import (AGG_ALIASES, AGG_MODES, agg_denominator, aggregate,
                           aggregate_sum, resolve_agg_mode)
+from .chunked_logprobs import chunked_token_logprobs
 from .kl import (KL_ALIASES, KL_DEFAULT_ESTIMATOR, KL_ESTIMATORS, KL_PLACEMENT_NOTES,
                  KL_PLACEMENTS, AdaptiveKLController, FixedKLController, kl_estimate,
                  kl_shaped_rewards, resolve_kl_estimator)
@@ -28,6 +29,8 @@ __all__ = [
     # logprobs
     "token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum", "masked_whiten",
     "completion_mask",
+    # chunked_logprobs (LM head fused with the log-softmax, memory-bounded)
+    "chunked_token_logprobs",
     # kl
     "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES", "kl_shaped_rewards", "resolve_kl_estimator",
     "KL_PLACEMENTS", "KL_DEFAULT_ESTIMATOR", "KL_PLACEMENT_NOTES",

@@ -1,0 +1,181 @@
+"""Token log-probs and entropy straight from the final hidden states, in chunks of tokens.
+
+The learner's usual path is ``logits = lm_head(h)`` ([N, T, V]) and then a log-softmax:
+at a 152k vocabulary, 64 sequences of 128 tokens that is 5 GB of float32 logits, kept for
+the backward, plus as much again for their gradient. `chunked_token_logprobs` fuses the
+LM head into the log-prob computation, the idea behind fused linear cross-entropy
+kernels (Liger-Kernel, Hsu et al. 2024, arXiv:2410.10989; Wijmans et al. 2024, "Cut
+Your Losses in Large-Vocabulary Language Models", arXiv:2411.09009):
+
+- forward: the flattened rows of h ([M, H], M = N*T) are taken ``chunk_tokens`` at a
+  time; each chunk's logits z = (h_c W^T + b) / temperature ([C, V]) give log-sum-exp,
+  the target's log-prob z[y] - lse and, on request, the entropy; only [M] vectors (lse,
+  entropy) are kept for the backward, besides the inputs themselves.
+- backward: each chunk's logits are recomputed from (h, W, b), turned into dL/dz and
+  folded into grad_h (its own rows) and grad_W, grad_b (accumulated over chunks).
+  One more LM-head matmul than autograd's backward (it recomputes instead of storing).
+
+Gradients, with p = softmax(z), upstream gradients gL (on log-prob) and gE (on entropy):
+    d logp_y / dz = onehot(y) - p
+    d H / dz      = -p * (log p + H)        (H = -sum_v p_v log p_v)
+    dL/dz = gL * (onehot(y) - p) - gE * p * (log p + H); the temperature divides it once.
+Exact: the chunked result equals the unchunked computation (float64 tests to 1e-12).
+
+Dtype policy: the matmuls run in the inputs' dtype (as the model's own bf16 LM head
+would); logits are upcast per chunk and the softmax, log-sum-exp and entropy run in
+float32 (float64 for float64 inputs). log-probs and entropy are returned in that
+accumulation dtype (float32 for bf16/float32, float64 for float64), like
+`token_logprobs`; gradients come back in each input's own dtype, grad_W and grad_b
+accumulated over chunks in the accumulation dtype. Not twice differentiable.
+
+Memory beyond the inputs and outputs: a few [C, V] float buffers, [M] vectors, and in the
+backward one [V, H] accumulator (the gradient of W itself). Padding positions need no
+special case: any token id in [0, V) gives finite values; callers mask afterwards.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from ._util import acc_dtype
+from .logprobs import CHUNK_ELEMENTS
+
+__all__ = ["chunked_token_logprobs", "default_chunk_tokens"]
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk so one chunk's logits hold about ``CHUNK_ELEMENTS`` (4M) floats
+    (16 MB in float32; 27 tokens at a 151,936 vocabulary), at least one token."""
+    return max(1, CHUNK_ELEMENTS // max(int(vocab_size), 1))
+
+
+def _chunk_logits(h_c, weight, bias, temperature, acc):
+    """(h_c [C, H] @ W^T + b) / temperature as [C, V] in `acc`, a fresh tensor."""
+    z = F.linear(h_c, weight, bias)  # [C, V], the inputs' dtype
+    z = z.to(acc) if z.dtype != acc else z
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _ChunkedLinearLogprobs(torch.autograd.Function):
+    """h [M, H], W [V, H], b [V] | None, tokens [M] -> (logp [M], entropy [M] | [0])."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, tokens, temperature, chunk, want_entropy):
+        acc = acc_dtype(h, weight)
+        m = h.shape[0]
+        logp = h.new_empty(m, dtype=acc)  # [M]
+        lse = h.new_empty(m, dtype=acc)  # [M]
+        ent = h.new_empty(m if want_entropy else 0, dtype=acc)  # [M] or [0]
+        for s in range(0, m, chunk):
+            e = min(s + chunk, m)
+            z = _chunk_logits(h[s:e], weight, bias, temperature, acc)  # [C, V]
+            lse_c = torch.logsumexp(z, dim=-1)  # [C]
+            lse[s:e] = lse_c
+            logp[s:e] = z.gather(1, tokens[s:e, None]).squeeze(1) - lse_c
+            if want_entropy:
+                logq = z.sub_(lse_c[:, None])  # [C, V] log p, in place
+                ent[s:e] = -(logq.exp() * logq).sum(-1)  # [C]  (p = 0 gives 0, not NaN)
+        ctx.save_for_backward(h, weight, bias, tokens, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.want_entropy = temperature, chunk, want_entropy
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logp, g_ent):
+        h, weight, bias, tokens, lse, ent = ctx.saved_tensors
+        if not ctx.want_entropy:
+            g_ent = None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None, None, None
+        acc = lse.dtype
+        grad_h = torch.zeros_like(h) if need_h else None  # [M, H]
+        grad_w = weight.new_zeros(weight.shape, dtype=acc) if need_w else None  # [V, H]
+        grad_b = bias.new_zeros(bias.shape, dtype=acc) if need_b else None  # [V]
+        for s in range(0, h.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, h.shape[0])
+            dz = _chunk_grad(h[s:e], weight, bias, tokens[s:e], lse[s:e],
+                             ent[s:e] if g_ent is not None else None,
+                             _part(g_logp, s, e, acc), _part(g_ent, s, e, acc),
+                             ctx.temperature)  # [C, V] dL/d(h W^T + b)
+            if grad_h is not None:
+                grad_h[s:e] = (dz.to(weight.dtype) @ weight).to(h.dtype)  # [C, H]
+            if grad_w is not None:
+                grad_w += (dz.t().to(h.dtype) @ h[s:e]).to(acc)  # [V, H]
+            if grad_b is not None:
+                grad_b += dz.sum(0)  # [V]
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _part(g: Optional[torch.Tensor], s: int, e: int, acc) -> Optional[torch.Tensor]:
+    return None if g is None else g[s:e].to(acc)
+
+
+def _chunk_grad(h_c, weight, bias, tok_c, lse_c, ent_c, gl, ge, temperature):
+    """dL/d(raw logits) for one chunk, [C, V] in the accumulation dtype.
+
+    logq = z - lse is log p; dL/dz = gl * (onehot - p) - ge * p * (logq + H), divided by
+    the temperature (z = raw / temperature). Two [C, V] buffers at most.
+    """
+    logq = _chunk_logits(h_c, weight, bias, temperature, lse_c.dtype)
+    logq.sub_(lse_c[:, None])  # [C, V] log p
+    p = logq.exp()  # [C, V]
+    if ge is not None:
+        dz = logq.add_(ent_c[:, None]).mul_(p).mul_(-ge[:, None])  # [C, V] entropy part
+        if gl is not None:
+            dz.sub_(p.mul_(gl[:, None]))
+    else:
+        dz = p.mul_(-gl[:, None])  # [C, V]
+    if gl is not None:
+        dz.scatter_add_(1, tok_c[:, None], gl[:, None])  # + gl * onehot(y)
+    return dz.div_(temperature) if temperature != 1.0 else dz
+
+
+def _check(hidden, weight, bias, tokens, temperature, chunk_tokens) -> None:
+    """One clear ValueError per bad argument (shapes, temperature, chunk, token range)."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"chunked_token_logprobs: hidden [..., H] and weight [V, H] must "
+                         f"share H; got hidden {tuple(hidden.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    if tuple(tokens.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"chunked_token_logprobs: tokens must have shape "
+                         f"{tuple(hidden.shape[:-1])} (hidden without H); got {tuple(tokens.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"chunked_token_logprobs: bias must have shape ({weight.shape[0]},); "
+                         f"got {tuple(bias.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"chunked_token_logprobs: temperature must be > 0; got {temperature}")
+    if chunk_tokens is not None and int(chunk_tokens) < 1:
+        raise ValueError(f"chunked_token_logprobs: chunk_tokens must be >= 1; got {chunk_tokens}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= weight.shape[0]):
+        raise ValueError(f"chunked_token_logprobs: token ids must be in [0, {weight.shape[0]}); "
+                         f"got min {int(tokens.min())}, max {int(tokens.max())}")
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
+                           bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
+                           chunk_tokens: Optional[int] = None, with_entropy: bool = False
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log softmax((hidden @ weight^T + bias) / temperature) at `tokens`, never holding more
+    than `chunk_tokens` rows of logits at once (forward and backward).
+
+    hidden [N, T, H] (any leading shape), weight [V, H] (an LM head or a tied input
+    embedding), bias [V] or None, tokens [N, T] long in [0, V) where hidden[n, t] scores
+    tokens[n, t] (the caller has shifted). Returns (logp [N, T], entropy [N, T] or None),
+    float32 (float64 for float64 inputs); both differentiable w.r.t. hidden, weight, bias.
+    chunk_tokens: rows of the flattened N*T per chunk (default `default_chunk_tokens(V)`).
+    """
+    _check(hidden, weight, bias, tokens, temperature, chunk_tokens)
+    chunk = int(chunk_tokens) if chunk_tokens is not None else default_chunk_tokens(weight.shape[0])
+    lead = tuple(hidden.shape[:-1])
+    h = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
+    tok = tokens.reshape(-1).long()  # [M]
+    logp, ent = _ChunkedLinearLogprobs.apply(h, weight, bias, tok, float(temperature), chunk,
+                                             bool(with_entropy))
+    return logp.view(lead), (ent.view(lead) if with_entropy else None)
