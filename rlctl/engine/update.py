@@ -130,6 +130,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
             if in_loss:
                 loss = loss + st.kl_coef * aggregate_sum(kl_mat, mb.mask, s.agg_mode, s.norm_len) / denom
             metrics["kl_ref"] = masked_mean(kl_mat.detach(), mb.mask)       # one estimate, two uses
+            metrics.update(kl_side_by_side(f.logp.detach(), mb.ref_logprobs, mb.mask))
         if mb.returns is not None and f.values is not None:
             v_mat, v_metrics = value_loss_per_token(f.values, mb.old_values, mb.returns, mb.mask,
                                                     s.value_clip)       # [n, T]
@@ -148,6 +149,13 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
             sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
     total = batch.mask.sum().clamp(min=1)
     return {**{k: v / total for k, v in sums.items()}, **exact, **peak}
+
+
+def kl_side_by_side(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor
+                    ) -> Dict[str, torch.Tensor]:
+    """``kl/k1`` and ``kl/k3``: masked token means of two estimates of KL(pi || ref),
+    logged whatever the training estimator so runs stay comparable. [n, T] -> scalars."""
+    return {f"kl/{k}": masked_mean(kl_estimate(logp, ref_logp, k).detach(), mask) for k in ("k1", "k3")}
 
 
 def prompt_labels_of(batch: RolloutBatch) -> torch.Tensor:

@@ -124,3 +124,14 @@ def test_kl_controllers_state_and_edge_cases():
     for args in ((0.1, 0.0, 10), (0.1, 6.0, 0), (-0.1, 6.0, 10)):
         with pytest.raises(ValueError):
             AdaptiveKLController(*args)
+
+
+def test_adaptive_kl_controller_counts_sequences_closed_form():
+    """Ziegler et al. / TRL: n_steps = sequences in the update. KL held at 10x the target:
+    the error 10 - 1 = 9 is clipped to 0.2, so each update of 64 sequences with horizon
+    1000 multiplies beta by 1 + 0.2 * 64 / 1000 = 1.0128; after 100 updates 1.0128**100."""
+    ctl = AdaptiveKLController(init_coef=0.05, target=2.0, horizon=1000)
+    for _ in range(100):
+        ctl.update(20.0, 64)
+    assert abs(ctl.coef / 0.05 - 1.0128 ** 100) < 1e-12 * 1.0128 ** 100
+    assert 3.5 < 1.0128 ** 100 < 3.6       # a real move (the old per-update count gave 1.002)

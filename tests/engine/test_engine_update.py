@@ -124,3 +124,143 @@ def test_dynamic_sampling_keeps_informative_groups_and_concat_pads(tiny):
     assert both.mask.shape == (6, 5) and both.mask[:3, 2:].sum() == 0
     assert both.input_ids.shape == (6, b.prompt_len + 5)
     assert both.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_kl_side_by_side_metrics_are_token_means_of_k1_and_k3(tiny):
+    """kl/k1 and kl/k3 are logged whatever the training estimator (here k2 in the loss):
+    masked token means over the batch of log pi - log ref and of exp(d) - d - 1,
+    d = log ref - log pi, recomputed here from an independent forward."""
+    model, tok = tiny
+    batch = _batch(tok)
+    torch.manual_seed(3)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        batch.ref_logprobs = learner_forward(ref, batch.input_ids, batch.attention_mask,
+                                             batch.prompt_len).logp
+        logp = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
+    s = _settings("token-mean", 0)
+    s.kl_estimator, s.kl_in_loss = "k2", True
+    metrics = accumulate_gradients(copy.deepcopy(model), batch, s, UpdateState(kl_coef=0.1))
+    m = batch.mask.double()
+    d = (batch.ref_logprobs - logp).double()                          # [N, T]
+    k1 = float((-d * m).sum() / m.sum())
+    k3 = float(((d.exp() - d - 1) * m).sum() / m.sum())
+    assert metrics["kl/k1"].item() == pytest.approx(k1, rel=1e-4, abs=1e-7)
+    assert metrics["kl/k3"].item() == pytest.approx(k3, rel=1e-4, abs=1e-7)
+    assert k3 > 1e-5 and not metrics["kl/k1"].requires_grad
+
+
+def test_adaptive_kl_moves_by_the_global_sequence_count(make_trainer):
+    """At step 1 the policy is the reference, so kl/seq_k1 = 0 and the error -1 clips to
+    -0.2: beta <- beta * (1 - 0.2 * n / horizon) with n = 4 prompts x 4 samples = 16
+    sequences (the controller counts sequences, not updates)."""
+    tr = make_trainer(["algo=grpo", "algo.kl.coef=0.1", "algo.kl.target=6", "algo.kl.horizon=1000",
+                       "trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=0"])
+    values = tr.step(1)
+    assert values["kl/seq_k1"] == 0.0 and "perf/step_sequences" not in values
+    assert tr.kl_ctl.coef == pytest.approx(0.1 * (1 - 0.2 * 16 / 1000), rel=1e-12)
+
+
+@pytest.mark.parametrize("placement,kind", [("in_reward", "k1"), ("in_loss", "k3")])
+def test_kl_estimator_and_norm_len_defaults_resolve_once(make_trainer, placement, kind):
+    """algo.kl.estimator null -> k1 in the reward, k3 in the loss; norm_len -> the
+    generation limit (not the step's generated length), for every algorithm's preset."""
+    tr = make_trainer(["algo=rloo", f"algo.kl.placement={placement}", "algo.kl.coef=0.05",
+                       "algo.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_new_tokens=6"])
+    assert tr.cfg.algo.kl.estimator is None
+    assert tr.settings.kl_estimator == tr.adv_settings.kl_estimator == kind
+    assert tr.settings.norm_len == 6
+    assert compose(["algo=ppo"]).cfg.algo.kl.estimator is None          # PPO: k1 in the reward
+    assert compose(["algo=ppo"]).cfg.algo.kl.placement == "in_reward"
+
+
+def test_norm_len_default_makes_the_loss_independent_of_the_step_width(tiny):
+    """seq-mean-token-sum-norm with the configured norm_len: padding the batch to a wider
+    T (a step whose longest completion is longer) leaves the loss unchanged; with
+    norm_len None (T) it would change by the width ratio."""
+    model, tok = tiny
+    norm_len = compose(["rollout.max_new_tokens=9"]).cfg.algo.norm_len
+    assert norm_len == 9
+    batch = _batch(tok)
+    wide = copy.copy(batch)
+    pad = torch.full((batch.num_sequences, 3), tok.pad_token_id)
+    wide.input_ids = torch.cat([batch.input_ids, pad], 1)
+    wide.attention_mask = torch.cat([batch.attention_mask, torch.zeros_like(pad)], 1)
+    wide.mask = torch.cat([batch.mask, torch.zeros(batch.num_sequences, 3)], 1)
+    wide.advantages = torch.cat([batch.advantages, torch.zeros(batch.num_sequences, 3).double()], 1)
+    losses = {}
+    for name, b in (("narrow", batch), ("wide", wide)):
+        s = _settings("seq-mean-token-sum-norm", 0)
+        s.norm_len, s.trim_padding = norm_len, False
+        losses[name] = accumulate_gradients(copy.deepcopy(model), b, s, UpdateState())["loss"].item()
+    assert losses["wide"] == pytest.approx(losses["narrow"], rel=1e-5)
+    assert abs(losses["narrow"]) > 1e-4
+
+
+# ---- policy/loss with W data-parallel ranks: the loss of the whole global batch --------
+
+def _dp_loss_worker(out_dir: str) -> None:
+    """One rank (run in a subprocess by the test below): its share of dp_worker's
+    synthetic batch, one update, metrics reduced as the trainer reduces them."""
+    import json
+    import os
+
+    from dp_worker import B, G, synthetic_batch
+    from rlctl.backends.base import build_backend
+    from rlctl.engine.stats import POLICY_KEYS, reduce_metrics
+    from rlctl.engine.update import update_policy
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = build_backend("torch", "cpu")
+    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(compose([]).cfg.model).items()
+                                                     if k != "name"})
+    per = B // world
+    batch = synthetic_batch(tok).select(torch.arange(rank * per * G, (rank + 1) * per * G))
+    engine = backend.prepare(model, None, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0,
+                             warmup_steps=0, max_grad_norm=1.0)
+    start = copy.deepcopy(backend.unwrap().state_dict())
+    out = {}
+    for mode in ("token-mean", "seq-mean-token-sum"):
+        backend.unwrap().load_state_dict(start)      # the loss is taken before the step
+        s = _settings(mode, 0)
+        s.kl_in_loss, s.share_prompts = False, False
+        m = update_policy(engine, backend, batch, s, UpdateState())
+        m = {POLICY_KEYS.get(k, k): v for k, v in m.items()}
+        m["perf/step_sequences"] = torch.tensor(float(batch.num_sequences))
+        out[mode] = reduce_metrics(m, backend)
+    if rank == 0:
+        with open(os.path.join(out_dir, f"w{world}.json"), "w") as f:
+            json.dump(out, f)
+    backend.close()
+
+
+def test_logged_policy_loss_of_two_ranks_is_the_global_batch_loss(tmp_path):
+    """2 gloo ranks, each with half of the groups, log the same policy/loss as one process
+    on the whole batch (before the fix each rank's share was averaged: half the value).
+    float32, same weights, only the summation order differs: rel 1e-5 is ample."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent / 'backends')!r}]; "
+            f"import test_engine_update as t; t._dp_loss_worker({str(tmp_path)!r})")
+    for world in (1, 2):
+        procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world),
+                                           LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
+                                           RLCTL_DIST_INIT=f"file://{tmp_path / f'.init{world}'}"))
+                 for r in range(world)]
+        for p in procs:
+            out = p.communicate(timeout=300)[0]
+            assert p.returncode == 0, out[-3000:]
+    one, two = (json.loads((tmp_path / f"w{w}.json").read_text()) for w in (1, 2))
+    for mode in one:
+        assert abs(one[mode]["policy/loss"]) > 1e-3
+        assert two[mode]["policy/loss"] == pytest.approx(one[mode]["policy/loss"], rel=1e-5)
+        assert one[mode]["perf/step_sequences"] == two[mode]["perf/step_sequences"] == 12
