@@ -137,6 +137,7 @@ class AsyncSource:
         self._log("time/learner_wait_s", time.perf_counter() - t0)
         self._log("time/actor_wait_s", h[6])
         self.t.scorer.errors += int(h[5])
+        self.t.scorer.calls += N            # the actor scored the N rows it sent
         stale = self.version - version
         self._log("async/staleness", float(stale))
         G = self.t.cfg.algo.group_size

@@ -1,7 +1,42 @@
-"""The short table printed at the end of a run."""
+"""What a run tells its user at the end: the summary table, and the reward-health
+fields of ``summary.json`` (reward calls, errors and timeouts, and ``warnings``)."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Sequence
+
+# (what the scorer scored, what a run whose every call failed means)
+_KINDS = (("reward", "training", "the policy was trained on all-zero rewards"),
+          ("eval_reward", "held-out eval", "the eval/* metrics say nothing about the policy"))
+
+
+def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0)) -> Dict[str, Any]:
+    """summary.json fields from the (calls, errors, timeouts) counts of the training and
+    the held-out eval rewards (summed over ranks); ``warnings`` names any failures and
+    says so plainly when every call failed (each such call scored 0)."""
+    out: Dict[str, Any] = {}
+    warnings: List[str] = []
+    for (prefix, what, meaning), (calls, errors, timeouts) in zip(_KINDS, (train, evaluation)):
+        calls, errors, timeouts = int(calls), int(errors), int(timeouts)
+        out.update({f"{prefix}_calls": calls, f"{prefix}_errors": errors,
+                    f"{prefix}_timeouts": timeouts})
+        failed = errors + timeouts
+        detail = f"{errors} raised or were not finite, {timeouts} timed out"
+        if calls and failed >= calls:
+            warnings.append(f"every {what} reward call failed ({failed} of {calls}: {detail}) and "
+                            f"scored 0: {meaning}; the log's 'reward failed' lines show why")
+        elif failed:
+            warnings.append(f"{failed} of {calls} {what} reward calls failed ({detail}) and scored 0")
+    out["warnings"] = warnings
+    return out
+
+
+def reward_summary(scorers: Sequence[Any], backend) -> Dict[str, Any]:
+    """``reward_report`` of the (training, eval) RewardScorers, counts summed over ranks
+    (a collective: every rank calls it)."""
+    import torch
+
+    counts = torch.tensor([[float(s.calls), float(s.errors), float(s.timeouts)] for s in scorers])  # [2, 3]
+    return reward_report(*backend.all_reduce(counts, "sum").tolist())
 
 
 def print_summary(summary: Dict[str, Any]) -> None:
@@ -18,6 +53,11 @@ def print_summary(summary: Dict[str, Any]) -> None:
         table.add_row(key, fmt(start.get(key)), fmt(end.get(key)))
     table.add_row("train time (s)", "", f"{summary['train_seconds']:.1f}")
     table.add_row("tokens/s", "", f"{summary['tokens_per_s']:.0f}")
+    if "reward_calls" in summary:
+        failed = summary["reward_errors"] + summary["reward_timeouts"]
+        table.add_row("reward calls failed", "", f"{failed} of {summary['reward_calls']}")
     console = Console()
     console.print(table)
-    console.print(f"run dir: {summary['run_dir']}")
+    for line in summary.get("warnings", []):
+        console.print(f"warning: {line}", highlight=False)
+    console.print(f"run dir: {summary['run_dir']}", highlight=False, soft_wrap=True)  # no newline in the path

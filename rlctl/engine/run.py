@@ -17,7 +17,7 @@ from typing import List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from rlctl.compose import compose
-from rlctl.errors import UserError
+from rlctl.errors import Interrupted, UserError
 
 
 def attach_critic(model, critic: str):
@@ -94,13 +94,16 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
     path.write_text("".join(x + "\n" for x in keep))
 
 
-def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False) -> Optional[dict]:
-    """Train on this rank; rank 0 saves and returns the summary (other ranks: None)."""
+def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
+               on_step=None) -> Optional[dict]:
+    """Train on this rank; rank 0 saves and returns the summary (other ranks: None).
+    ``stop``: the StopFlag the loop checks; ``on_step(step, metrics)`` after each step."""
     _quiet_libraries(cfg)
     import torch
 
     from rlctl.backends.base import build_backend
     from rlctl.engine import checkpoint, rundir
+    from rlctl.engine.report import reward_summary
     from rlctl.engine.trainer import Trainer
     from rlctl.models.lora import count_parameters
     from rlctl.sinks import NullSink, build_sinks
@@ -123,7 +126,7 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False) -> Optional
             raise UserError(f"cannot resume '{run_dir}': it has no complete checkpoint "
                             "(trainer.checkpoint_every writes them)")
         if resume_from is not None and backend.is_main:
-            _truncate_metrics(run_dir, int(resume_from.name.split("-")[-1]))
+            _truncate_metrics(run_dir, checkpoint.step_of(resume_from))
         backend.barrier()
         sink = build_sinks(
             run_dir=run_dir, jsonl=cfg.logger.jsonl, wandb=cfg.logger.wandb,
@@ -134,7 +137,8 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False) -> Optional
             trainer = Trainer(cfg, model, tokenizer, task, sink, critic=critic,
                               ref_model=ref_model, backend=backend)
             try:
-                result = trainer.train(run_dir=run_dir, resume_from=resume_from)
+                result = trainer.train(run_dir=run_dir, resume_from=resume_from, on_step=on_step,
+                                       stop=stop)
             finally:
                 trainer.close()                  # async mode: stop the rollout actor
             sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
@@ -159,6 +163,7 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False) -> Optional
                         critic.save_pretrained(run_dir / "critic")
         peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])  # KiB -> MiB
         summary["peak_rss_mb"] = float(backend.all_reduce(peak, "max"))
+        summary.update(reward_summary((trainer.scorer, trainer.eval_scorer), backend))  # every rank
         if backend.is_main:
             rundir.write_json_atomic(run_dir / "summary.json", summary)
             return summary
@@ -170,9 +175,15 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False) -> Optional
 def run_training(overrides: List[str], recipe: Optional[str] = None,
                  resume: Optional[str] = None) -> dict:
     """Train a new run, or (``resume`` = a run directory) continue one from its newest
-    checkpoint with the run's own recipe (``overrides`` may change e.g. trainer.steps)."""
+    checkpoint with the run's own recipe (``overrides`` may raise trainer.steps to extend).
+
+    Everything that can be checked is checked before anything is written: a refused
+    resume leaves the run untouched, and a new run that fails during set-up (before its
+    first step) leaves no directory behind. The run directory is locked for the whole
+    run; SIGINT/SIGTERM stop every rank after the same step with a checkpoint saved."""
     from rlctl.engine import rundir
     from rlctl.engine.report import print_summary
+    from rlctl.engine.stopping import StopFlag
 
     if resume is not None:
         run_dir = Path(resume)
@@ -188,18 +199,113 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
         check_source(cfg.model.name, cfg.model.name_or_path)
     except ValueError as exc:
         raise UserError(f"cannot load model: {exc}") from None
-    from rlctl.engine.checks import warn_config
-    warn_config(cfg.algo)                  # e.g. a KL estimator whose gradient is biased where placed
-    if resume is None:
-        run_dir = rundir.create_run_dir(cfg.run.output_dir, cfg.run.name)
-        rundir.write_config(run_dir, composed)
-    else:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))   # what the rest runs with
-    if cfg.hardware.num_processes > 1:
-        from rlctl.backends.launch import launch
-        launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads, resume=resume is not None)
-        summary = json.loads((run_dir / "summary.json").read_text())
-    else:
-        summary = train_rank(cfg, run_dir, resume=resume is not None)
+    stop = StopFlag()
+    with stop.installed():
+        if resume is None:
+            run_dir = rundir.create_run_dir(cfg.run.output_dir, cfg.run.name)
+        with rundir.RunLock(run_dir):
+            if resume is None:
+                summary = _train_new(cfg, composed, run_dir, stop)
+            else:
+                _check_resumable(run_dir, cfg, overrides)
+                rundir.write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+                summary = _train_here_or_launched(cfg, run_dir, True, stop, [0])
     print_summary(summary)
     return summary
+
+
+def _train_new(cfg: DictConfig, composed, run_dir: Path, stop) -> dict:
+    """Write the config and train; a failure before step 1 removes the fresh directory."""
+    import shutil
+
+    from rlctl.engine import rundir
+
+    done = [0]                                   # steps finished (this process or rank 0)
+    try:
+        rundir.write_config(run_dir, composed)
+        return _train_here_or_launched(cfg, run_dir, False, stop, done)
+    except BaseException as exc:
+        if not done[0] and getattr(exc, "before_training", True):   # launched: set by LaunchError
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, done: list) -> dict:
+    """Train in this process, or launch hardware.num_processes ranks and wait for them.
+    ``done[0]`` counts the steps this process saw finish (launched: 1 once any did)."""
+    from rlctl.engine import checkpoint
+
+    def on_step(step, values):
+        done[0] += 1
+    try:
+        if cfg.hardware.num_processes == 1:
+            return train_rank(cfg, run_dir, resume=resume, stop=stop, on_step=on_step)
+        from rlctl.backends.launch import launch
+        signum = launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads,
+                        resume=resume, stop=stop)
+        last = checkpoint.latest_checkpoint(run_dir)
+        done[0] = int(last is not None or (run_dir / "summary.json").is_file())
+        if signum:
+            raise Interrupted(run_dir, checkpoint.step_of(last) if last else 0, signum)
+        return json.loads((run_dir / "summary.json").read_text())
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:                    # a second Ctrl-C: abandoned mid-step
+        last = checkpoint.latest_checkpoint(run_dir)
+        done[0] = done[0] or int(last is not None)
+        raise Interrupted(run_dir, checkpoint.step_of(last) if last else 0, aborted=True) from None
+
+
+# Config keys a checkpoint's tensors depend on: a resume cannot change them.
+_KEEP_EXCEPT = ("model.lora.dropout", "model.lora.save_merged", "model.lora.lr", "model.warmup_steps",
+                "model.warmup_lr", "model.warmup_task", "model.cache_dir")
+
+
+def _shape_keys(cfg) -> dict:
+    flat = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                walk(v, key + ".")
+            elif key not in _KEEP_EXCEPT:
+                flat[key] = v
+    walk({"model": OmegaConf.to_container(cfg.model, resolve=True)}, "")
+    flat["algo.critic"] = cfg.algo.critic
+    flat["hardware.backend"] = cfg.hardware.backend
+    if cfg.hardware.backend == "deepspeed":      # ZeRO partitions: per stage and per rank
+        flat["hardware.zero_stage"] = cfg.hardware.zero_stage
+        flat["hardware.num_processes"] = cfg.hardware.num_processes
+    return flat
+
+
+def _check_resumable(run_dir: Path, cfg: DictConfig, overrides: List[str]) -> None:
+    """Refuse (one line) a resume that has nothing to do or cannot load the checkpoint."""
+    import shlex
+
+    from rlctl.engine import checkpoint
+
+    last = checkpoint.latest_checkpoint(run_dir)
+    if last is None:
+        raise UserError(f"cannot resume '{run_dir}': it has no complete checkpoint "
+                        "(trainer.checkpoint_every writes them)")
+    step = checkpoint.read_state(last)["step"]
+    q = shlex.quote(str(run_dir))
+    if cfg.trainer.steps <= step:
+        done = "finished" if (run_dir / "summary.json").is_file() else "trained"
+        raise UserError(f"run '{run_dir}' is already {done} at step {step} (trainer.steps="
+                        f"{cfg.trainer.steps}); nothing to resume. To extend it, raise trainer.steps: "
+                        f"rlctl train --resume {q} trainer.steps={max(2 * step, step + 1)}")
+    try:
+        before = _shape_keys(OmegaConf.load(run_dir / "config.yaml"))
+    except Exception:  # noqa: BLE001 - an unreadable config.yaml: the recipe still rules
+        return
+    after = _shape_keys(cfg)
+    changed = [f"{k}: {before.get(k)} -> {after.get(k)}" for k in sorted(set(before) | set(after))
+               if before.get(k) != after.get(k)]
+    if changed:
+        raise UserError(f"cannot resume '{run_dir}' with {' '.join(overrides)}: the override changes "
+                        f"the model's shape or the checkpoint's layout ({'; '.join(changed[:3])}), so it "
+                        f"cannot apply to a resume; start a new run from the recipe instead: rlctl train "
+                        f"--recipe {shlex.quote(str(run_dir / 'recipe.yaml'))} {' '.join(overrides)}")

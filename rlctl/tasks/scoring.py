@@ -81,6 +81,7 @@ def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
 
 def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    os.setpgrp()   # nor do signals sent to the run's process group (a terminal, `timeout`) reach it
     while True:
         try:
             # A forked child holds copies of its parent's descriptors (the pipe's other
@@ -223,6 +224,7 @@ class RewardScorer:
                              f"{', '.join(ON_REWARD_ERROR)}")
         self.errors = 0               # samples whose reward raised or was not finite
         self.timeouts = 0             # samples left unscored at a deadline
+        self.calls = 0                # samples scored (or failed), for the run's summary
         self.seconds = 0.0            # wall time spent scoring
         self.last_components: Dict[str, List[float]] = {}
         self._sums: Dict[str, float] = {}   # per-reward sums since the last metrics()
@@ -252,6 +254,7 @@ class RewardScorer:
         n = len(examples)
         if len(completions) != n:
             raise ValueError(f"{n} examples but {len(completions)} completions")
+        self.calls += n
         totals: List[Optional[float]] = [None] * n
         comps: List[Dict[str, float]] = [{} for _ in range(n)]
         failures: List[Tuple[int, str]] = []
@@ -328,11 +331,12 @@ class RewardScorer:
 
     def state(self) -> Dict[str, float]:
         """The counters, for a checkpoint (``load_state`` restores them)."""
-        return {"errors": self.errors, "timeouts": self.timeouts}
+        return {"errors": self.errors, "timeouts": self.timeouts, "calls": self.calls}
 
     def load_state(self, state: Dict[str, float]) -> None:
         self.errors = int(state.get("errors", 0))
         self.timeouts = int(state.get("timeouts", 0))
+        self.calls = int(state.get("calls", 0))
 
     def close(self) -> None:
         self._runner.close()

@@ -174,7 +174,7 @@ def test_per_sample_calls_accumulate_until_metrics(make_task):
         assert values == [1.5, 1.5, 0.5, 0.0]
         m = scorer.metrics()
         assert m["reward/ok"] == 0.5 and m["reward/boom"] == 0.75 and m["reward/errors"] == 1.0
-        assert scorer.seconds > 0 and scorer.state() == {"errors": 1, "timeouts": 0}
+        assert scorer.seconds > 0 and scorer.state() == {"errors": 1, "timeouts": 0, "calls": 4}
         scorer.load_state({"errors": 5, "timeouts": 2})
         assert (scorer.errors, scorer.timeouts) == (5, 2)
     finally:
