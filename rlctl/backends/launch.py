@@ -3,58 +3,93 @@
 Each rank is `python -m rlctl.engine.worker RUN_DIR` with RANK / WORLD_SIZE /
 LOCAL_RANK set and a `file://` rendezvous inside the run directory (no port to clash).
 Rank 0 keeps the terminal; the other ranks write `rank<k>.log` in the run directory. If
-any rank fails, the others are stopped and the error names the rank and its last line.
+any rank fails, the others are killed and the error names the rank and its last line.
+
+Signals: the ranks run in their own sessions, so a terminal's Ctrl-C (sent to the
+foreground process group) reaches only this launcher, which passes each SIGINT/SIGTERM
+it handles on to every rank exactly once (``stop.forward``). The ranks then agree on the
+step to stop after, save one checkpoint and exit 128 + the signal. A rank whose launcher
+dies (even by SIGKILL) gets SIGTERM from the kernel (worker.py), so none lingers.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import List
 
+EXIT_SETUP = 3          # a rank failed before its first training step (set-up)
+STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+
 
 class LaunchError(RuntimeError):
-    pass
+    def __init__(self, message: str, before_training: bool = False):
+        super().__init__(message)
+        self.before_training = before_training
 
 
-def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False,
-           poll_s: float = 0.2) -> None:
+def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False, stop=None,
+           poll_s: float = 0.2) -> int:
+    """Run the ranks to the end. Returns 0 when they finished, or the signal number after
+    a forwarded SIGINT/SIGTERM made every rank save and stop; raises LaunchError if one
+    failed (every other rank is killed)."""
     rendezvous = run_dir / ".dist_init"
     rendezvous.unlink(missing_ok=True)
     procs: List[subprocess.Popen] = []
     logs = []
-    for rank in range(num_processes):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
-                   RLCTL_DIST_INIT=f"file://{rendezvous.resolve()}", OMP_NUM_THREADS=str(threads))
-        log = None if rank == 0 else open(run_dir / f"rank{rank}.log", "w")
-        logs.append(log)
-        args = [sys.executable, "-m", "rlctl.engine.worker", str(run_dir)] + (["--resume"] if resume else [])
-        procs.append(subprocess.Popen(args,
-                                      env=env, stdout=log, stderr=subprocess.STDOUT if log else None))
+    if stop is not None:
+        stop.forward = lambda signum: _signal_all(procs, signum)
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                raise LaunchError(_failure(run_dir, failed[0], codes[failed[0]]))
-            if all(c == 0 for c in codes):
-                return
-            time.sleep(poll_s)
+        for rank in range(num_processes):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
+                       RLCTL_DIST_INIT=f"file://{rendezvous.resolve()}", OMP_NUM_THREADS=str(threads),
+                       RLCTL_LAUNCHER_PID=str(os.getpid()))
+            log = None if rank == 0 else open(run_dir / f"rank{rank}.log", "w")
+            logs.append(log)
+            args = [sys.executable, "-m", "rlctl.engine.worker", str(run_dir)] + (["--resume"] if resume else [])
+            procs.append(subprocess.Popen(args, env=env, stdout=log, start_new_session=True,
+                                          stderr=subprocess.STDOUT if log else None))
+            if stop is not None and stop.requested:    # a signal came while ranks were starting
+                _signal_all(procs[-1:], stop.signum)
+        return _wait(procs, run_dir, stop, poll_s)
     finally:
-        for p in procs:
+        if stop is not None:
+            stop.forward = None
+        for p in procs:                 # failed, aborted, or done: nothing left to wait for
             if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
                 p.kill()
+        for p in procs:
+            p.wait()
         for log in logs:
             if log:
                 log.close()
         rendezvous.unlink(missing_ok=True)
+
+
+def _wait(procs: List[subprocess.Popen], run_dir: Path, stop, poll_s: float) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        stopping = stop is not None and stop.requested
+        failed = [r for r, c in enumerate(codes)
+                  if c not in (None, 0) and not (stopping and c in STOPPED)]
+        if failed:
+            r = failed[0]
+            raise LaunchError(_failure(run_dir, r, codes[r]), before_training=codes[r] == EXIT_SETUP)
+        if all(c is not None for c in codes):
+            return 0 if all(c == 0 for c in codes) else stop.signum
+        time.sleep(poll_s)
+
+
+def _signal_all(procs: List[subprocess.Popen], signum: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
 
 
 def _failure(run_dir: Path, rank: int, code: int) -> str:

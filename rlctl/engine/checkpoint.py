@@ -41,6 +41,31 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return done[-1] if done else None
 
 
+def step_of(path: Path) -> int:
+    """The step of a checkpoint directory, from its name (``step-00000040`` -> 40)."""
+    return int(path.name[len(PREFIX):])
+
+
+REQUIRED = {"step": int, "kl": dict}
+
+
+def read_state(path: Path) -> Dict[str, Any]:
+    """``path``/trainer_state.json, checked: a JSON object with an integer ``step`` and
+    the KL controller's ``kl`` state; anything else is one CheckpointError naming the file."""
+    file = Path(path) / "trainer_state.json"
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {file}: {' '.join(str(exc).split())[:200]} "
+                              "(the checkpoint is damaged; delete it to resume from an earlier one)") from None
+    missing = [k for k, t in REQUIRED.items() if not isinstance(state, dict) or not isinstance(state.get(k), t)]
+    if missing:
+        raise CheckpointError(f"{file} lacks {', '.join(repr(k) for k in missing)} (it should hold the "
+                              "step, the KL controller and the counters; the checkpoint is damaged: "
+                              "delete it to resume from an earlier one)")
+    return state
+
+
 def _rng_state(sampler: random.Random) -> Dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": sampler.getstate()}
     if torch.cuda.is_available():
@@ -79,8 +104,8 @@ def save(trainer, run_dir: Path, step: int, extra: Dict[str, Any], keep: int) ->
 def load(trainer, path: Path) -> Dict[str, Any]:
     """Restore everything ``save`` wrote; returns trainer_state.json."""
     b = trainer.backend
+    state = read_state(path)
     try:
-        state = json.loads((path / "trainer_state.json").read_text())
         b.load_state(path, trainer.critic)
         rng = torch.load(path / f"rng-rank{b.rank}.pt", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - unpickling, safetensors, shape and key errors alike
@@ -90,7 +115,12 @@ def load(trainer, path: Path) -> Dict[str, Any]:
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     trainer.sampler.setstate(_as_tuple(rng["python"]))
-    trainer.kl_ctl.load_state_dict(state["kl"])
+    try:
+        trainer.kl_ctl.load_state_dict(state["kl"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'trainer_state.json'}: the KL controller's state 'kl' is "
+                              f"damaged ({type(exc).__name__}: {exc}); delete the checkpoint to resume "
+                              "from an earlier one") from None
     return state
 
 

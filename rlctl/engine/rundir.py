@@ -11,15 +11,17 @@
                            adapter_config.json; PeftModel.from_pretrained(base, dir))
     model/merged/          LoRA runs with model.lora.save_merged: base + adapter merged
     summary.json           final eval and timing
+    .lock                  while a run writes: the writer's pid (see RunLock)
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import yaml
 from omegaconf import OmegaConf
@@ -29,6 +31,70 @@ from rlctl.compose import Composed
 
 class RunDirError(OSError):
     pass
+
+
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """One writer per run directory: ``<run>/.lock`` holds the writer's pid, and an
+    exclusive ``flock`` on it is held for the whole run (the launched ranks run inside
+    it). The kernel drops the flock when its process dies, so a lock file left by a
+    killed run is stale and simply taken over; a live holder is refused by pid."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        for _ in range(20):       # a holder may unlink the file between our open and flock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = _holder_pid(fd)
+                os.close(fd)
+                raise RunDirError(f"run directory '{self.path.parent}' is in use by another rlctl "
+                                  f"process (pid {holder}); wait for it to finish or stop it") from None
+            if _same_file(fd, self.path):
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self.fd = fd
+                return self
+            os.close(fd)
+        raise RunDirError(f"cannot lock the run directory '{self.path.parent}'")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        if _same_file(self.fd, self.path):
+            self.path.unlink(missing_ok=True)      # while still holding it: no one locks a ghost
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self if self.fd is not None else self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _holder_pid(fd: int) -> str:
+    """The pid in a held lock file (the holder writes it just after locking)."""
+    for _ in range(20):
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if text:
+            return text
+        time.sleep(0.05)
+    return "unknown"
 
 
 def create_run_dir(output_dir: str, name: str) -> Path:
@@ -72,10 +138,14 @@ def write_config(run_dir: Path, composed: Composed) -> None:
     (run_dir / "recipe.yaml").write_text(recipe_text(composed))
 
 
-def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 def save_model(run_dir: Path, model, tokenizer, lora: bool = False, merged: bool = False) -> Path:

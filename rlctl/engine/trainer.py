@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict
@@ -28,7 +27,9 @@ from rlctl.engine.advantage import AdvantageSettings, compute_advantages
 from rlctl.engine.evaluate import evaluate
 from rlctl.engine.policy import learner_forward
 from rlctl.engine.stats import POLICY_KEYS, reduce_metrics, rollout_metrics
+from rlctl.engine.stopping import StopFlag
 from rlctl.engine.update import UpdateSettings, UpdateState, prompt_labels_of, update_policy
+from rlctl.errors import Interrupted
 from rlctl.models.kv_share import regroup
 from rlctl.rollout.collect import collect
 from rlctl.rollout.generate import rollout
@@ -207,10 +208,11 @@ class Trainer:
             self.kl_ctl.update(values["kl/seq_k1"], sequences)   # horizon counts sequences (Ziegler et al.)
         return values
 
-    def train(self, run_dir=None, resume_from=None, on_step=None) -> TrainResult:
+    def train(self, run_dir=None, resume_from=None, on_step=None, stop=None) -> TrainResult:
         """The loop. With ``run_dir``, checkpoints every ``trainer.checkpoint_every`` steps
         and at the end; ``resume_from`` (a checkpoint dir) continues after its step.
-        Ctrl-C saves a checkpoint and raises ``Interrupted``; ``trainer.max_bad_steps``
+        SIGINT/SIGTERM (``stop``: a StopFlag, else one is installed here) finish the step,
+        save a checkpoint and raise ``Interrupted``; ``trainer.max_bad_steps``
         consecutive steps whose updates were all skipped (non-finite) raise
         ``TrainingFault`` (the newest checkpoint predates them)."""
         from rlctl.engine import checkpoint
@@ -232,8 +234,8 @@ class Trainer:
                 checkpoint.save(self, run_dir, step, {"eval_start": result.eval_start,
                                                       "scorer": self.scorer.state()},
                                 tr.keep_checkpoints)
-        stop = _StopFlag()
-        with stop.on_sigint():
+        stop = stop or StopFlag()
+        with stop.installed():
             for step in range(first, tr.steps + 1):
                 values = self.step(step)
                 tokens += values["perf/tokens_per_s"] * (values["time/rollout_s"] + values["time/update_s"])
@@ -253,9 +255,10 @@ class Trainer:
                         f"stopped at step {step}: {bad_streak} steps in a row had a non-finite loss "
                         f"or gradient (trainer.max_bad_steps={tr.max_bad_steps}); last good "
                         f"checkpoint: {last or 'none'}")
-                if stop.requested and step < tr.steps:      # Ctrl-C: finish the step, save, leave
+                signum = stop.agreed(self.backend)       # all ranks stop after the same step
+                if signum and step < tr.steps:           # finish the step, save, leave
                     save(step)
-                    raise Interrupted(run_dir, step)
+                    raise Interrupted(run_dir, step, signum)
                 if tr.checkpoint_every > 0 and step % tr.checkpoint_every == 0 and step < tr.steps:
                     save(step)
         save(tr.steps)
@@ -267,43 +270,5 @@ class Trainer:
         return result
 
 
-class _StopFlag:
-    """First Ctrl-C asks the loop to stop after the current step (so the checkpoint is
-    exactly a step boundary); a second one interrupts at once."""
-
-    def __init__(self):
-        self.requested = False
-
-    def on_sigint(self):
-        import contextlib
-        import signal
-        import threading
-
-        @contextlib.contextmanager
-        def installed():
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-
-            def handler(signum, frame):
-                if self.requested:
-                    raise KeyboardInterrupt
-                self.requested = True
-                print("\nstopping after this step and saving a checkpoint (Ctrl-C again to abort)",
-                      file=sys.stderr, flush=True)
-            previous = signal.signal(signal.SIGINT, handler)
-            try:
-                yield
-            finally:
-                signal.signal(signal.SIGINT, previous)
-        return installed()
-
-
 class TrainingFault(RuntimeError):
     """Training cannot go on (e.g. non-finite updates); the message says why."""
-
-
-class Interrupted(KeyboardInterrupt):
-    def __init__(self, run_dir, step: int):
-        super().__init__(step)
-        self.run_dir, self.step = run_dir, step

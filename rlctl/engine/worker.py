@@ -1,32 +1,67 @@
-"""One data-parallel rank: `python -m rlctl.engine.worker RUN_DIR` (started by launch.py)."""
+"""One data-parallel rank: `python -m rlctl.engine.worker RUN_DIR` (started by launch.py).
+
+Exit codes: 0 done; 128 + signal after a SIGINT/SIGTERM stop with the checkpoint saved
+(130 also after an abort); 3 (``EXIT_SETUP``) failed before the first step; 1 failed.
+"""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
 
+def _leave_with_launcher() -> None:
+    """Ask the kernel for SIGTERM when the launcher dies (PR_SET_PDEATHSIG): the rank
+    then saves after its step and leaves instead of lingering in its own session."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):       # not Linux: the launcher's kill still applies
+        return
+    launcher = os.environ.get("RLCTL_LAUNCHER_PID")
+    if launcher and os.getppid() != int(launcher):     # it died before the request
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(run_dir: str, resume: bool = False) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from omegaconf import OmegaConf
+    from rlctl.engine.stopping import StopFlag
 
-    from rlctl.engine.run import train_rank
-    from rlctl.errors import user_message
-
-    cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
-    try:
-        train_rank(cfg, Path(run_dir), resume=resume)
-    except Exception as exc:  # noqa: BLE001 - one line for the launcher to report
-        if os.environ.get("RLCTL_DEBUG"):
-            raise
-        print(f"error: {user_message(exc)[0]}", file=sys.stderr)
-        return 1
+    stop = StopFlag(announce=False)          # the launcher owns the terminal and says it
+    with stop.installed():
+        _leave_with_launcher()
+        code = _train(Path(run_dir), resume, stop)
     # Leave without running C++ destructors at interpreter exit: gloo/DeepSpeed threads
     # torn down there can abort ("terminate called without an active exception") after a
     # run that finished and saved everything.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
+
+
+def _train(run_dir: Path, resume: bool, stop) -> int:
+    from omegaconf import OmegaConf
+
+    from rlctl.backends.launch import EXIT_SETUP
+    from rlctl.engine.run import train_rank
+    from rlctl.errors import Interrupted, user_message
+
+    steps = [0]
+    try:
+        cfg = OmegaConf.load(run_dir / "config.yaml")
+        train_rank(cfg, run_dir, resume=resume, stop=stop,
+                   on_step=lambda step, values: steps.__setitem__(0, step))
+    except Interrupted as exc:
+        return 128 + exc.signum
+    except KeyboardInterrupt:                # a second Ctrl-C: abandon at once
+        return 128 + signal.SIGINT
+    except Exception as exc:  # noqa: BLE001 - one line for the launcher to report
+        if os.environ.get("RLCTL_DEBUG"):
+            raise
+        print(f"error: {user_message(exc)[0]}", file=sys.stderr)
+        return 1 if steps[0] else EXIT_SETUP
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""Stopping a run on SIGINT or SIGTERM at a step boundary, the same way on every rank.
+
+The first SIGINT (Ctrl-C) or SIGTERM (what SLURM, Kubernetes and `timeout` send before
+they kill) only sets a flag; the loop checks it after each step, and with several ranks
+the check is an all-reduce (max) of the flag, so every rank stops after the same step
+even when the signal reached them at different moments. A second SIGINT aborts at once;
+further SIGTERMs are ignored (the run is already stopping; a scheduler that runs out of
+patience sends SIGKILL).
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from typing import Callable, Optional
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopFlag:
+    """``announce``: print a notice on the first signal (the process that owns the
+    terminal); ``forward``: called with every signal handled, before anything else (the
+    launcher passes them to its ranks)."""
+
+    def __init__(self, announce: bool = True):
+        self.signum = 0                   # the first signal received; 0: none
+        self.aborted = False
+        self.announce = announce
+        self.forward: Optional[Callable[[int], None]] = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
+
+    def handle(self, signum, frame=None) -> None:
+        if self.requested and signum != signal.SIGINT:
+            return                        # a repeated SIGTERM: already stopping
+        if self.forward is not None:
+            self.forward(signum)
+        if self.requested:                # a second Ctrl-C
+            self.aborted = True
+            raise KeyboardInterrupt
+        self.signum = int(signum)
+        if self.announce:
+            again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
+            print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a "
+                  f"checkpoint{again}", file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Handle SIGINT and SIGTERM in this block (main thread only; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self.handle) for s in SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def agreed(self, backend) -> int:
+        """The signal every rank acts on now: the largest requested on any rank (0: go
+        on). A collective with several ranks: each calls it at the same step boundary."""
+        if backend.world_size == 1:
+            return self.signum
+        import torch
+
+        return int(backend.all_reduce(torch.tensor([float(self.signum)]), "max").item())
