@@ -199,6 +199,8 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
         check_source(cfg.model.name, cfg.model.name_or_path)
     except ValueError as exc:
         raise UserError(f"cannot load model: {exc}") from None
+    from rlctl.engine.checks import warn_config
+    warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
     stop = StopFlag()
     with stop.installed():
         if resume is None:
