@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rlctl.config import GROUPS, register_schemas
 
@@ -43,27 +43,98 @@ def _explain(exc: Exception, overrides: Sequence[str]) -> str:
     if m and m.group(1) in GROUPS:
         group, bad = m.groups()
         return f"unknown {group} '{bad}'; valid: {', '.join(group_options(group))}"
-    m = re.search(r"Could not override '([^']+)'", msg)
+    m = re.search(r"Could not override '([^']+)'", msg) or re.search(
+        r"Key '[^']+' not in '\w+' full_key: ([\w.]+)", msg)
     if m:
-        key = m.group(1)
-        parent, _, leaf = key.rpartition(".")
-        valid = _valid_keys(parent)
-        hint = f"; valid keys of '{parent or 'the root'}': {', '.join(valid)}" if valid else ""
-        return f"unknown config key '{key}'{hint}"
-    m = re.search(r"Key '([^']+)' not in '(\w+)'", msg)
-    if m:
-        return f"unknown config key '{m.group(1)}' in {m.group(2)}"
-    m = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", msg)
-    if m:
-        key = re.search(r"full_key: ([\w.\[\]]+)", msg)
-        where = f" for '{key.group(1)}'" if key else ""
-        return f"invalid value '{m.group(1)}'{where}: expected {m.group(2).lower()}"
-    if any(t in msg for t in ("mismatched input", "no viable alternative", "extraneous input",
-                              "missing EQUAL")):
-        bad = [o for o in overrides if "=" not in o]
-        what = f"'{bad[0]}'" if bad else "an override"
-        return f"cannot parse {what}; overrides look like key=value (e.g. algo.clip_eps=0.1)"
+        return _unknown_key(m.group(1))
+    m = re.search(r"full_key: ([\w.]+)", msg)
+    if m and any(t in msg for t in TYPE_ERRORS):
+        return _type_message(m.group(1), msg, overrides)
+    if any(t in msg for t in GRAMMAR_ERRORS):
+        return grammar_message(msg, overrides)
     return parts[-1] if len(parts) > 1 and "Error merging" in parts[0] else parts[0]
+
+
+TYPE_ERRORS = ("could not be converted", "is not a valid bool", "is not a ListConfig",
+               "is not a subclass of", "is not Optional", "Incompatible value")
+GRAMMAR_ERRORS = ("mismatched input", "no viable alternative", "extraneous input", "missing EQUAL",
+                  "token recognition error")
+KIND_NAMES = {"float": "a float", "int": "an integer", "bool": "a boolean",
+              "str": "a string", "list": "a list", "any": "a value"}
+
+
+def _unknown_key(key: str) -> str:
+    parent, _, _ = key.rpartition(".")
+    valid = _valid_keys(parent)
+    hint = f"; valid keys of '{parent or 'the root'}': {', '.join(valid)}" if valid else ""
+    return f"unknown config key '{key}'{hint}"
+
+
+def _given_value(key: str, msg: str, overrides: Sequence[str]) -> str:
+    """The value as the user typed it (the override), else as OmegaConf quotes it."""
+    for o in overrides:
+        k, eq, v = o.partition("=")
+        if eq and k.lstrip("+~") == key:
+            return v
+    m = re.search(r"[Vv]alue '(.*?)'(?: of type| is not a valid| for field)", msg) \
+        or re.search(r"value: (\S+)", msg)
+    return m.group(1) if m else "null" if "not Optional" in msg else "?"
+
+
+def _type_message(key: str, msg: str, overrides: Sequence[str]) -> str:
+    """'invalid value V for KEY: expected TYPE (e.g. KEY=EXAMPLE)', from the schema."""
+    from rlctl.config import example_value, schema_fields
+
+    spec = next((s for s in schema_fields() if s.key == key), None)
+    value = _given_value(key, msg, overrides)
+    if spec is None:
+        return f"invalid value '{value}' for '{key}': {msg.split(' full_key')[0][-160:]}"
+    if spec.kind == "group":
+        keys = ", ".join(_valid_keys(key))
+        return (f"invalid value '{value}' for '{key}': it is a group of keys ({keys}); set one of "
+                f"them, e.g. {key}.{_valid_keys(key)[0]}=...")
+    what = KIND_NAMES[spec.kind]
+    if spec.kind == "list":
+        what = {"str": "a list of strings", "float": "a list of floats"}.get(spec.item, "a list")
+    if spec.optional:
+        what += " or null"
+    elif value in ("null", "None"):
+        what += " (null is not allowed)"
+    return f"invalid value '{value}' for '{key}': expected {what} (e.g. {key}={example_value(spec)})"
+
+
+def grammar_message(msg: str, overrides: Sequence[str]) -> str:
+    """Hydra's override grammar error as one line: which override, and what it looks like."""
+    m = re.search(r"Error parsing override '([^']*)'", msg)
+    bad = m.group(1) if m else _first_unparsable(overrides)
+    reason = re.search(r"(mismatched input|no viable alternative at input|extraneous input|"
+                       r"missing EQUAL at|token recognition error at:) ?('[^']*')?", msg)
+    why = f" ({reason.group(1)} {reason.group(2) or ''})".replace(" )", ")") if reason else ""
+    what = f"'{bad}'" if bad is not None else "an override"
+    return (f"cannot parse {what}{why}; overrides look like key=value (e.g. algo.clip_eps=0.1), "
+            "a sweep (-m) lists values like seed=0,1,2")
+
+
+def _first_unparsable(overrides: Sequence[str]) -> Optional[str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_override(o)
+        except Exception:  # noqa: BLE001 - Hydra's grammar errors
+            return o
+    return None
+
+
+def check_override_syntax(overrides: Sequence[str]) -> None:
+    """Parse overrides with Hydra's grammar (sweep lists included); ConfigError on failure."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as exc:  # noqa: BLE001 - Hydra's grammar errors
+        raise ConfigError(grammar_message(_one_line(exc), overrides)) from None
 
 
 def _valid_keys(parent: str) -> List[str]:
@@ -91,7 +162,7 @@ def recipe_files() -> Dict[str, Path]:
 
 def recipe_description(path: Path) -> str:
     """The first comment line after `# @package _global_`."""
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         text = line.lstrip("# ").strip()
         if line.startswith("#") and text and not text.startswith("@package"):
             return text
@@ -112,7 +183,10 @@ def resolve_recipe(name_or_path: str) -> Path:
 def load_recipe(path: str) -> Dict:
     p = resolve_recipe(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read recipe '{path}': not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                          f"at offset {exc.start}); a recipe is a YAML file of config keys") from None
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read recipe '{path}': {_one_line(exc)[:200]}") from None
     if data is None:
@@ -167,7 +241,7 @@ def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Comp
     finally:
         GlobalHydra.instance().clear()
     choices = {g: str(cfg.hydra.runtime.choices[g]) for g in GROUPS}
-    with _open_struct(cfg):
+    with open_dict(cfg):
         for key in ("hydra", "defaults"):
             cfg.pop(key, None)
     validate(cfg)
@@ -179,40 +253,13 @@ def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Comp
     return Composed(cfg=cfg, choices=choices, overrides=given, recipe=recipe)
 
 
-class _open_struct:
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def __enter__(self):
-        OmegaConf.set_struct(self.cfg, False)
-
-    def __exit__(self, *exc):
-        OmegaConf.set_struct(self.cfg, True)
-
-
 def _choice(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
     value = OmegaConf.select(cfg, key)
     if value not in valid:
         raise ConfigError(f"invalid {key} '{value}'; valid: {', '.join(map(str, valid))}")
 
 
-def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value is None or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"invalid {key} '{value}'; must be {bound}")
-
-
-def validate(cfg: DictConfig) -> None:
-    """Checks beyond types: registry names, ranges, and options that must agree."""
-    import torch
-
-    from rlctl.core import get_policy_loss, kl_estimate, resolve_agg_mode
-    from rlctl.engine.advantage import estimator_kind
-    from rlctl.tasks import TASKS
-
-    _z = torch.zeros(1)
-
+def _check_resolved(cfg: DictConfig) -> None:
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except Exception as exc:  # noqa: BLE001
@@ -221,15 +268,80 @@ def validate(cfg: DictConfig) -> None:
         if "Missing mandatory value" in msg and key:
             raise ConfigError(f"missing value for '{key.group(1)}'; set it with {key.group(1)}=...") from None
         raise ConfigError(msg) from None
-    # Registry names (peers' spellings accepted as aliases by the registries themselves).
-    for key, lookup in (("algo.advantage", estimator_kind),
-                        ("algo.policy_loss", get_policy_loss),
-                        ("algo.loss_agg_mode", resolve_agg_mode),
-                        ("algo.kl.estimator", lambda k: k is None or kl_estimate(_z, _z, k))):
-        try:
-            lookup(OmegaConf.select(cfg, key))
-        except ValueError as exc:
-            raise ConfigError(f"invalid {key}: {_one_line(exc)}") from None
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Every numeric key against rlctl.config.RANGES (and finite, for floats); no torch."""
+    from rlctl.config import schema_fields, range_problem
+
+    for spec in schema_fields():
+        if spec.kind not in ("float", "int", "list"):
+            continue
+        value = OmegaConf.select(cfg, spec.key)
+        items = list(value) if spec.kind == "list" and value is not None else [value]
+        for item in items:
+            problem = range_problem(spec, item)
+            if problem:
+                shown = list(value) if spec.kind == "list" else value
+                raise ConfigError(f"invalid {spec.key} '{shown}'; {problem}")
+
+
+def read_deepspeed_config(path: str) -> Dict:
+    """The user's DeepSpeed JSON (hardware.deepspeed_config) as a dict; ConfigError naming
+    the file and what is wrong with it."""
+    import json
+
+    where = f"hardware.deepspeed_config '{path}'"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"hardware.deepspeed_config: no such file '{path}'") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not UTF-8 text; it must be a DeepSpeed JSON config") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} column "
+                          f"{exc.colno}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {where}: {exc.strerror or exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a JSON object ({{\"key\": value, ...}}), "
+                          f"got a {type(data).__name__}")
+    return data
+
+
+def _check_cuda(hw: DictConfig) -> None:
+    import torch
+
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(f"hardware.device=cuda (hardware={hw.name}) needs a CUDA GPU, and {why}; "
+                          "use hardware=cpu (or hardware.device=cpu)")
+
+
+def _check_hardware(cfg: DictConfig) -> None:
+    _choice(cfg, "hardware.device", ["cpu", "cuda"])
+    _choice(cfg, "hardware.backend", ["torch", "deepspeed"])
+    _choice(cfg, "hardware.precision", ["fp32", "bf16"])
+    _choice(cfg, "hardware.zero_stage", [0, 1, 2, 3])
+    hw = cfg.hardware
+    if cfg.trainer.prompts_per_step % hw.num_processes:
+        raise ConfigError(f"hardware.num_processes={hw.num_processes} must be >= 1 and divide "
+                          f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} (each rank "
+                          "samples whole prompt groups)")
+    if hw.deepspeed_config is not None:
+        read_deepspeed_config(hw.deepspeed_config)
+    _check_cuda(hw)
+    if cfg.trainer.compile and hw.backend != "torch":
+        raise ConfigError("trainer.compile=true needs hardware.backend=torch (DeepSpeed wraps the "
+                          f"model in its own engine; got hardware.backend={hw.backend})")
+    if cfg.trainer["async"].enabled and hw.num_processes > 1:
+        raise ConfigError("trainer.async.enabled=true runs one learner process; it needs "
+                          f"hardware.num_processes=1 (got {hw.num_processes})")
+
+
+def _check_algo(cfg: DictConfig) -> None:
+    from rlctl.engine.advantage import estimator_kind
+
     _choice(cfg, "algo.kl.placement", ["in_loss", "in_reward"])
     _choice(cfg, "algo.critic", ["none", "shared", "separate"])
     _choice(cfg, "algo.baseline", ["none", "batch_mean"])
@@ -240,47 +352,39 @@ def validate(cfg: DictConfig) -> None:
     if not token_level and a.critic != "none":
         raise ConfigError(f"algo.critic={a.critic} trains a value model that algo.advantage="
                           f"{a.advantage} does not use; set algo.critic=none or algo.advantage=gae")
-    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
-        raise ConfigError(f"invalid algo.clip_ratio_c '{a.clip_ratio_c}'; dual clip needs a value > 1 (or null)")
-    if a.kl.target is not None and (a.kl.coef <= 0 or a.kl.target <= 0):
+    if a.kl.target is not None and a.kl.coef <= 0:
         raise ConfigError("an adaptive KL (algo.kl.target) needs algo.kl.coef > 0 and a target > 0")
-    if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
-        raise ConfigError(f"algo.gamma and algo.lam must lie in [0, 1] (got {a.gamma}, {a.lam})")
+    n = cfg.trainer.prompts_per_step * a.group_size
+    if n % a.minibatches and not a.dynamic_sampling:
+        raise ConfigError(f"algo.minibatches={a.minibatches} must divide the "
+                          f"{n} sequences per step (trainer.prompts_per_step * algo.group_size)")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks beyond types: ranges (every numeric key), registry names, options that must
+    agree, and the machine (CUDA, the DeepSpeed JSON). Raises ConfigError (one line)."""
+    import torch
+
+    from rlctl.core import get_policy_loss, kl_estimate, resolve_agg_mode
+    from rlctl.engine.advantage import estimator_kind
+    from rlctl.tasks import TASKS
+
+    _z = torch.zeros(1)
+    _check_resolved(cfg)
+    check_ranges(cfg)
+    # Registry names (peers' spellings accepted as aliases by the registries themselves).
+    for key, lookup in (("algo.advantage", estimator_kind),
+                        ("algo.policy_loss", get_policy_loss),
+                        ("algo.loss_agg_mode", resolve_agg_mode),
+                        ("algo.kl.estimator", lambda k: k is None or kl_estimate(_z, _z, k))):
+        try:
+            lookup(OmegaConf.select(cfg, key))
+        except ValueError as exc:
+            raise ConfigError(f"invalid {key}: {_one_line(exc)}") from None
+    _check_algo(cfg)
     _choice(cfg, "task.name", sorted(TASKS))
     _choice(cfg, "model.dtype", ["float32", "bfloat16"])
-    _choice(cfg, "hardware.device", ["cpu", "cuda"])
-    _choice(cfg, "hardware.backend", ["torch", "deepspeed"])
-    _choice(cfg, "hardware.precision", ["fp32", "bf16"])
-    _choice(cfg, "hardware.zero_stage", [0, 1, 2, 3])
-    hw = cfg.hardware
-    if hw.num_processes < 1 or cfg.trainer.prompts_per_step % hw.num_processes:
-        raise ConfigError(f"hardware.num_processes={hw.num_processes} must be >= 1 and divide "
-                          f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} (each rank "
-                          "samples whole prompt groups)")
-    if hw.deepspeed_config is not None and not Path(hw.deepspeed_config).is_file():
-        raise ConfigError(f"hardware.deepspeed_config: no such file '{hw.deepspeed_config}'")
     _choice(cfg, "logger.wandb_mode", ["offline", "online", "disabled"])
-    for key in ("algo.group_size", "algo.epochs", "algo.minibatches", "trainer.prompts_per_step",
-                "rollout.max_new_tokens", "hardware.num_threads", "trainer.lr",
-                "trainer.async.sync_every", "trainer.async.num_actors"):
-        _positive(cfg, key)
-    for key in ("trainer.steps", "trainer.eval_every", "algo.clip_eps", "algo.kl.coef",
-                "algo.vf_coef", "algo.critic_warmup_steps", "algo.overlong_buffer",
-                "trainer.micro_batch_size", "trainer.async.max_staleness",
-                "rollout.temperature", "trainer.max_grad_norm", "trainer.weight_decay"):
-        _positive(cfg, key, allow_zero=True)
-    if cfg.rollout.temperature == 0:
-        raise ConfigError("invalid rollout.temperature '0'; sampling needs > 0 (eval is greedy already)")
-    _positive(cfg, "algo.max_sampling_rounds")
-    n = cfg.trainer.prompts_per_step * cfg.algo.group_size
-    if n % cfg.algo.minibatches and not cfg.algo.dynamic_sampling:
-        raise ConfigError(f"algo.minibatches={cfg.algo.minibatches} must divide the "
-                          f"{n} sequences per step (trainer.prompts_per_step * algo.group_size)")
-    if cfg.trainer.compile and hw.backend != "torch":
-        raise ConfigError("trainer.compile=true needs hardware.backend=torch (DeepSpeed wraps the "
-                          f"model in its own engine; got hardware.backend={hw.backend})")
-    if cfg.trainer["async"].enabled and hw.num_processes > 1:
-        raise ConfigError("trainer.async.enabled=true runs one learner process; it needs "
-                          f"hardware.num_processes=1 (got {hw.num_processes})")
     if cfg.model.name == "hf" and not cfg.model.name_or_path:
         raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")
+    _check_hardware(cfg)

@@ -117,7 +117,7 @@ class HardwareConfig:
     name: str = MISSING
     backend: str = MISSING         # torch | deepspeed
     device: str = MISSING          # cpu | cuda
-    num_threads: int = MISSING     # torch intra-op threads per process (STACK.md: 1 on small CPUs)
+    num_threads: int = MISSING     # torch intra-op threads per process (1 on small shared CPUs)
     num_processes: int = MISSING   # data-parallel ranks that `rlctl train` launches itself
     zero_stage: int = MISSING      # deepspeed: ZeRO stage 0-3
     precision: str = MISSING       # deepspeed: fp32 | bf16
@@ -264,7 +264,6 @@ RANGES = {
     "model.lora.r": AT_LEAST_1, "model.lora.alpha": POSITIVE,
     "model.lora.dropout": Range(0, 1, hi_open=True), "model.lora.lr": POSITIVE,
     "hardware.num_threads": AT_LEAST_1, "hardware.num_processes": AT_LEAST_1,
-    "hardware.zero_stage": Range(0, 3),
     "rollout.max_new_tokens": AT_LEAST_1,
     "rollout.temperature": Range(0, lo_open=True, why="sampling needs > 0 (eval is greedy already)"),
     "rollout.top_k": Range(0, why="0: the full distribution"),
@@ -274,14 +273,15 @@ RANGES = {
     "trainer.warmup_steps": NON_NEGATIVE,
     "trainer.max_grad_norm": Range(0, why="0: no clipping"),
     "trainer.micro_batch_size": Range(0, why="0: the whole minibatch"),
-    "trainer.eval_every": Range(0, why="0: only at the start and the end"),
+    "trainer.eval_every": Range(0, why="0: no held-out evaluation"),
     "trainer.log_every": AT_LEAST_1,
     "trainer.checkpoint_every": Range(0, why="0: only at the end"),
     "trainer.keep_checkpoints": AT_LEAST_1, "trainer.max_bad_steps": AT_LEAST_1,
     "trainer.async.max_staleness": NON_NEGATIVE, "trainer.async.sync_every": AT_LEAST_1,
     "trainer.async.num_actors": AT_LEAST_1,
 }
-FREE_NUMBERS = ("task.correct_threshold",)   # any finite number
+# any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
+FREE_NUMBERS = ("task.correct_threshold", "hardware.zero_stage")
 
 
 @dataclass(frozen=True)
@@ -324,7 +324,7 @@ def schema_fields(cls=None, prefix: str = "") -> List[FieldSpec]:
     return out
 
 
-EXAMPLES = {"float": "0.5", "int": "1", "bool": "true", "str": "name", "any": "1"}
+EXAMPLES = {"float": "0.1", "int": "1", "bool": "true", "str": "name", "any": "1"}
 
 
 def example_value(spec: FieldSpec) -> str:
@@ -334,10 +334,9 @@ def example_value(spec: FieldSpec) -> str:
     if spec.kind == "group":
         return "{...}"
     rng = RANGES.get(spec.key)
-    if spec.kind in ("float", "int") and rng is not None:
-        for x in (1, 0, 0.5, 3, 4):
-            if rng.contains(x) and (spec.kind == "float" or float(x).is_integer()):
-                return f"{x:g}" if spec.kind == "int" else f"{float(x):g}"
+    candidates = {"float": (0.1, 0.5, 1.0, 3.0), "int": (1, 0, 4)}.get(spec.kind, ())
+    if rng is not None:
+        return next((repr(x) for x in candidates if rng.contains(x)), EXAMPLES[spec.kind])
     return EXAMPLES[spec.kind]
 
 

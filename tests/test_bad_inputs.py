@@ -9,8 +9,8 @@ from rlctl.cli import app
 
 CASES = [
     ('algo.foo=1', "unknown config key 'algo.foo'"),
-    ('algo.clip_eps=abc', "invalid value 'abc' for 'algo.clip_eps': expected float"),
-    ('seed=abc', 'expected integer'),
+    ('algo.clip_eps=abc', "invalid value 'abc' for 'algo.clip_eps': expected a float (e.g. algo.clip_eps=0.1)"),
+    ('seed=abc', "invalid value 'abc' for 'seed': expected an integer (e.g. seed=1)"),
     ('algo=nope', "unknown algo 'nope'; valid: cispo, dapo"),
     ('task=nope', "unknown task 'nope'; valid:"),
     ('model=nope', "unknown model 'nope'; valid: hf, tiny"),
@@ -36,13 +36,13 @@ CASES = [
     ('algo.vf_coef=0.3', 'algo.vf_coef is a critic setting, and algo=grpo has no critic'),
     ('algo.clip_ratio_c=0.5', 'dual clip needs a value > 1'),
     ('algo.kl.target=0.1', 'an adaptive KL (algo.kl.target) needs algo.kl.coef > 0'),
-    ('algo.gamma=1.5', 'must lie in [0, 1]'),
+    ('algo.gamma=1.5', "invalid algo.gamma '1.5'; must be in [0, 1] and finite"),
     ('rollout.temperature=0', 'sampling needs > 0'),
-    ('trainer.async.num_actors=0', "invalid trainer.async.num_actors '0'; must be > 0"),
+    ('trainer.async.num_actors=0', "invalid trainer.async.num_actors '0'; must be >= 1"),
     ('trainer.async.max_staleness=-1', "invalid trainer.async.max_staleness '-1'; must be >= 0"),
     ('trainer.async.enabled=true hardware.num_processes=2', 'it needs hardware.num_processes=1'),
     ('task.reward=bogus', 'valid: exact, positional, inclusion_order'),
-    ('task.num_digits=0', 'num_digits must be >= 1'),
+    ('task.num_digits=0', "invalid task.num_digits '0'; must be >= 1"),
     ('logger.wandb_mode=sometimes', 'valid: offline, online, disabled'),
     ('run.output_dir=/proc/forbidden', "cannot write the run directory under '/proc/forbidden'"),
     ('--recipe /nonexistent/recipe.yaml', "cannot read recipe '/nonexistent/recipe.yaml'"),
@@ -53,7 +53,7 @@ CASES = [
     ('--resume {tmp} --recipe grpo', 'cannot be combined with --recipe'),
     ('--bogus', "unknown option '--bogus'"),
     ('-m seed=0,1 --dry-run', '--dry-run plans one run from a config; it cannot be combined with -m'),
-    ('algo.clip_eps', "cannot parse 'algo.clip_eps'; overrides look like key=value"),
+    ('algo.clip_eps', "cannot parse 'algo.clip_eps' (missing EQUAL at '<EOF>'); overrides look like key=value"),
 ]
 
 

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO 0-3 behind the ``Backend`` interface (the only importer of deepspeed).
 
-Traps handled (STACK.md): ``DS_ACCELERATOR=cpu`` on CPU; the shared-memory comm op that
+Traps handled: ``DS_ACCELERATOR=cpu`` on CPU; the shared-memory comm op that
 compiles for ~49 s is switched off; a client torch AdamW (no FusedAdam build);
 ``gradient_clipping`` always set; ``LOCAL_RANK`` set even for one process, with a gloo
 group initialised from the environment (never MPI discovery); client optimizers allowed
@@ -13,13 +13,13 @@ minibatch may have any number of micro-batches.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, Optional
 
 import torch
 
 from rlctl.backends.base import Backend, init_process_group
+from rlctl.compose import read_deepspeed_config
 
 
 def merge(base: Dict, override: Dict) -> Dict:
@@ -50,8 +50,7 @@ class DeepSpeedBackend(Backend):
         self.zero_stage, self.precision = zero_stage, precision
         self.user_config = {}
         if user_config:
-            with open(user_config) as f:
-                self.user_config = json.load(f)
+            self.user_config = read_deepspeed_config(user_config)   # ConfigError naming the file
         self.engine = None
 
     def ds_config(self, max_grad_norm: float) -> Dict:
