@@ -66,7 +66,13 @@ def test_sweep_through_the_cli(tmp_path):
     data = json.loads((sweep / "sweep.json").read_text())
     assert len(data["jobs"]) == 4
     assert sorted(c["cell"] for c in data["cells"]) == ["algo.group_size=2", "algo.group_size=4"]
-    assert all(c["runs"] == 2 for c in data["cells"])
+    assert all(c["runs"] == 2 and c["failed"] == 0 for c in data["cells"])
+    assert data["failed"] == 0 and all(j["status"] == "ok" and j["warnings"] == [] for j in data["jobs"])
+    for job in data["jobs"]:             # sorting's rewards never fail: every call counted, none failed
+        s = json.loads((Path(job["run_dir"]) / "summary.json").read_text())
+        G = int(job["cell"].split("=")[1])
+        assert (s["reward_calls"], s["reward_errors"], s["reward_timeouts"]) == (2 * 2 * G, 0, 0)
+        assert (s["eval_reward_calls"], s["eval_reward_errors"]) == (2 * 16, 0)   # eval at 0 and 2
     assert (sweep / "sweep.png").stat().st_size > 1000 and (sweep / "sweep.md").exists()
     assert len([p for p in sweep.iterdir() if p.is_dir()]) == 4
     assert "sweep dir:" in out.stdout
