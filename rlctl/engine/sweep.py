@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from rlctl.compose import ConfigError
-from rlctl.errors import UserError
+from rlctl.errors import UserError, user_message
 
 METRICS = ("eval/exact_match", "eval/reward", "eval/length_mean")
 COLUMNS = METRICS + ("train_seconds",)
@@ -102,7 +102,6 @@ def _run_job(pos: str, job: List[str], swept: List[str], sweep_dir: Path,
              recipe: Optional[str]) -> Dict:
     """One job of the sweep: its result row, ``status`` "ok" or "failed" (+ ``error``)."""
     from rlctl.engine.run import run_training
-    from rlctl.errors import user_message
 
     label = " ".join(_pick(job, swept, skip_seed=False)) or "(one job)"
     print(f"[sweep {pos}] {label}", flush=True)
