@@ -7,8 +7,10 @@ Two kinds of estimator, one registry (``estimator_kind``):
 - ``gae`` maps per-token rewards and critic values to per-token advantages and returns.
 
 Rewards reach them the same way for both. With ``kl.placement=in_reward`` each counted
-token gets -beta * KL(pi_old || pi_ref) and the task reward is added on the last counted
-token (classic RLHF shaping, seed 002); GAE consumes those per-token rewards, an outcome
+token gets -beta * k, an estimate of KL(pi_old || pi_ref) (k1 by default: only k1 makes
+the policy gradient of this constant reward the gradient of KL(pi || ref), see
+rlctl/core/kl.py), and the task reward is added on the last counted token (classic RLHF
+shaping, Ziegler et al., 2019); GAE consumes those per-token rewards, an outcome
 estimator consumes their per-sequence sum (the shaped return). Optional DAPO overlong
 shaping adds a length penalty to the task reward first.
 """

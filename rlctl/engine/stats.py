@@ -1,4 +1,5 @@
-"""Rollout-side metrics in the DESIGN.md schema (detached tensors; one sync at log time)."""
+"""Rollout-side metrics in the schema every algorithm shares (reward/, advantage/, length/;
+detached tensors; one sync at log time) and their reduction over data-parallel ranks."""
 from __future__ import annotations
 
 from typing import Dict

@@ -110,37 +110,24 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
                             s.temperature, with_entropy=True, critic=critic,
                             share_prompts=s.share_prompts, groups=groups)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
+        metrics_ratio = {}
         if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
-            ratio = torch.exp((f.logp.detach() - old).clamp(-20, 20))                # [n, w]
-            metrics_ratio = {"ratio_std": (masked_mean(ratio.square(), mb.mask)
-                                           - masked_mean(ratio, mb.mask).square()).clamp(min=0).sqrt()}
-            mb_max = torch.where(mb.mask > 0, ratio, 0.0).max()
+            metrics_ratio, mb_max = _ratio_spread(f.logp.detach(), old, mb.mask)
             peak["ratio_max"] = torch.maximum(peak["ratio_max"], mb_max) if "ratio_max" in peak else mb_max
-        else:
-            metrics_ratio = {}
         loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mb.mask,
                                           s.clip_low, s.clip_high, s.clip_ratio_c)   # [n, T]
         metrics.update(metrics_ratio)
         pg_loss = aggregate_sum(loss_mat, mb.mask, s.agg_mode, s.norm_len) / denom
         loss = pg_loss.new_zeros(()) if st.policy_frozen else pg_loss
         if mb.ref_logprobs is not None:
-            in_loss = st.kl_coef > 0 and s.kl_in_loss and not st.policy_frozen   # warm-up: critic only
-            kl_mat = kl_estimate(f.logp if in_loss else f.logp.detach(), mb.ref_logprobs,
-                                 s.kl_estimator)                                   # [n, T]
-            if in_loss:
-                loss = loss + st.kl_coef * aggregate_sum(kl_mat, mb.mask, s.agg_mode, s.norm_len) / denom
-            metrics["kl_ref"] = masked_mean(kl_mat.detach(), mb.mask)       # one estimate, two uses
-            metrics.update(kl_side_by_side(f.logp.detach(), mb.ref_logprobs, mb.mask))
+            kl_loss, kl_metrics = _kl_term(f.logp, mb, s, st)
+            loss = loss + kl_loss / denom
+            metrics.update(kl_metrics)
         if mb.returns is not None and f.values is not None:
-            v_mat, v_metrics = value_loss_per_token(f.values, mb.old_values, mb.returns, mb.mask,
-                                                    s.value_clip)       # [n, T]
-            v_loss = (v_mat * mb.mask).sum() / vdenom
+            v_loss, v_metrics = _value_term(f.values, mb, s, vdenom)
             loss = loss + s.vf_coef * v_loss
             exact["value/loss"] = exact.get("value/loss", 0.0) + v_loss.detach()
-            metrics.update({"value/clip_frac": v_metrics.get("clip_frac", torch.zeros(())),
-                            "value/explained_var": explained_variance(f.values.detach(), mb.returns,
-                                                                      mb.mask),
-                            "value/mean": masked_mean(f.values.detach(), mb.mask)})
+            metrics.update(v_metrics)
         backend.backward(loss * scale)
         weight = mb.mask.sum()
         exact["loss"] = exact.get("loss", 0.0) + pg_loss.detach()
@@ -149,6 +136,35 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
             sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
     total = batch.mask.sum().clamp(min=1)
     return {**{k: v / total for k, v in sums.items()}, **exact, **peak}
+
+
+def _ratio_spread(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor):
+    """({"ratio_std"}, max ratio over counted tokens) of pi / pi_old; logp, old [n, T]."""
+    ratio = torch.exp((logp - old).clamp(-20, 20))                                    # [n, T]
+    std = (masked_mean(ratio.square(), mask) - masked_mean(ratio, mask).square()).clamp(min=0).sqrt()
+    return {"ratio_std": std}, torch.where(mask > 0, ratio, 0.0).max()
+
+
+def _kl_term(logp: torch.Tensor, mb: RolloutBatch, s: "UpdateSettings", st: "UpdateState"):
+    """(kl_coef * aggregate_sum of the KL estimate when it is in the loss, else 0; metrics).
+    One estimate serves the loss and ``kl_ref``; ``kl/k1``, ``kl/k3`` are logged beside it."""
+    in_loss = st.kl_coef > 0 and s.kl_in_loss and not st.policy_frozen   # warm-up: critic only
+    kl_mat = kl_estimate(logp if in_loss else logp.detach(), mb.ref_logprobs, s.kl_estimator)  # [n, T]
+    term = st.kl_coef * aggregate_sum(kl_mat, mb.mask, s.agg_mode, s.norm_len) if in_loss \
+        else logp.new_zeros(())
+    metrics = {"kl_ref": masked_mean(kl_mat.detach(), mb.mask)}
+    metrics.update(kl_side_by_side(logp.detach(), mb.ref_logprobs, mb.mask))
+    return term, metrics
+
+
+def _value_term(values: torch.Tensor, mb: RolloutBatch, s: "UpdateSettings", vdenom: torch.Tensor):
+    """(this micro-batch's share of the token-mean value loss, value metrics); values [n, T]."""
+    v_mat, v_metrics = value_loss_per_token(values, mb.old_values, mb.returns, mb.mask,
+                                            s.value_clip)                            # [n, T]
+    metrics = {"value/clip_frac": v_metrics.get("clip_frac", torch.zeros(())),
+               "value/explained_var": explained_variance(values.detach(), mb.returns, mb.mask),
+               "value/mean": masked_mean(values.detach(), mb.mask)}
+    return (v_mat * mb.mask).sum() / vdenom, metrics
 
 
 def kl_side_by_side(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor
