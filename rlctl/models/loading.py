@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Tuple
 
 import torch
+from safetensors import SafetensorError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODELS = ("tiny", "hf")
@@ -83,8 +84,10 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
         # safetensors only: a pickled .bin checkpoint can run code when loaded
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, SafetensorError):   # e.g. a truncated or overwritten file
+            first = f"its .safetensors weights are corrupt or truncated ({first})"
         raise ValueError(f"cannot load model '{path}': {first}") from err
     model.to(device)
     return model, _prepare_tokenizer(tokenizer, model)

@@ -23,7 +23,7 @@ import json
 import math
 import random
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.base import RAW_PROMPT, register_task, task_options
 from rlctl.tasks.scoring import RewardError, describe_sample
@@ -33,6 +33,12 @@ from rlctl.types import Example
 class DataError(ValueError):
     """Bad data or data options: one line naming the key (exit code 2 from the CLI)."""
 
+
+# A prompt longer than this is refused when the file is read, before any tokenizer or
+# model sees it: far beyond any model's context, and a single such row would otherwise
+# make the first forward try to allocate terabytes (attention over T^2 positions).
+MAX_PROMPT_CHARS = 1_000_000
+Located = List[Tuple[str, Dict[str, Any]]]   # (where in the file, e.g. "a.jsonl:7", row)
 
 FORMATS = ("auto", "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf")
 _SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv",
@@ -47,7 +53,7 @@ def _pyarrow(what: str, path: Path):
     return pyarrow
 
 
-def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
+def _read_jsonl(path: Path) -> Located:
     rows = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -60,11 +66,11 @@ def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{n}: each line must be a JSON object, "
                                  f"got {type(row).__name__}")
-            rows.append(row)
+            rows.append((f"{path}:{n}", row))
     return rows
 
 
-def _read_json(path: Path) -> List[Dict[str, Any]]:
+def _read_json(path: Path) -> Located:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
@@ -73,21 +79,26 @@ def _read_json(path: Path) -> List[Dict[str, Any]]:
         data = next(iter(data.values()))  # {"data": [...]}
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise DataError(f"{path}: expected a JSON array of objects (or JSON Lines)")
-    return data
+    return _numbered(path, data, "item")
 
 
-def _read_csv(path: Path, delimiter: str) -> List[Dict[str, Any]]:
+def _numbered(path: Path, rows: List[Dict[str, Any]], what: str) -> Located:
+    return [(f"{path}: {what} {n}", r) for n, r in enumerate(rows, 1)]
+
+
+def _read_csv(path: Path, delimiter: str) -> Located:
     with path.open(encoding="utf-8", newline="") as f:
-        return [dict(r) for r in csv.DictReader(f, delimiter=delimiter)]
+        reader = csv.DictReader(f, delimiter=delimiter)
+        return [(f"{path}:{reader.line_num}", dict(r)) for r in reader]
 
 
-def _read_parquet(path: Path) -> List[Dict[str, Any]]:
+def _read_parquet(path: Path) -> Located:
     _pyarrow("Parquet", path)
     import pyarrow.parquet as pq
-    return pq.read_table(path).to_pylist()
+    return _numbered(path, pq.read_table(path).to_pylist(), "row")
 
 
-def _read_arrow(path: Path) -> List[Dict[str, Any]]:
+def _read_arrow(path: Path) -> Located:
     pa = _pyarrow("Arrow", path)
     with pa.memory_map(str(path)) as f:
         try:
@@ -95,14 +106,14 @@ def _read_arrow(path: Path) -> List[Dict[str, Any]]:
         except pa.ArrowInvalid:
             f.seek(0)
             table = pa.ipc.open_file(f).read_all()
-    return table.to_pylist()
+    return _numbered(path, table.to_pylist(), "row")
 
 
 _READERS = {"jsonl": _read_jsonl, "json": _read_json, "csv": lambda p: _read_csv(p, ","),
             "tsv": lambda p: _read_csv(p, "\t"), "parquet": _read_parquet, "arrow": _read_arrow}
 
 
-def _read_hf_dir(path: Path, key: str) -> List[Dict[str, Any]]:
+def _read_hf_dir(path: Path, key: str) -> Located:
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         raise DataError(f"{key}: '{path}' holds the splits {', '.join(splits)}; point it at "
@@ -110,7 +121,7 @@ def _read_hf_dir(path: Path, key: str) -> List[Dict[str, Any]]:
     state = path / "state.json"
     if state.is_file():
         files = [path / d["filename"] for d in json.loads(state.read_text()).get("_data_files", [])]
-        rows: List[Dict[str, Any]] = []
+        rows: Located = []
         for f in files:
             rows.extend(_read_arrow(f))
         return rows
@@ -128,8 +139,10 @@ def _read_hf_dir(path: Path, key: str) -> List[Dict[str, Any]]:
     return rows
 
 
-def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path") -> List[Dict[str, Any]]:
-    """Rows of a data file or directory as dicts; ValueError naming ``key`` on failure."""
+def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
+                 located: bool = False) -> List[Any]:
+    """Rows of a data file or directory as dicts (``located``: (where, row) pairs, where
+    names the file and line or row); ValueError naming ``key`` on failure."""
     if fmt not in FORMATS:
         raise DataError(f"invalid task.format '{fmt}'; valid: {', '.join(FORMATS)}")
     p = Path(str(path)).expanduser()
@@ -163,7 +176,7 @@ def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path") -> 
                          f"{' '.join(str(exc).split())[:160]}") from None
     if not rows:
         raise DataError(f"{key}: '{path}' has no rows")
-    return rows
+    return rows if located else [r for _, r in rows]
 
 
 @register_task("jsonl")
@@ -190,9 +203,9 @@ class DataTask:
         # one call per batch only when a function is batched; otherwise sample by sample,
         # so that a stuck sample leaves the ones before it scored
         self.score_in_batches = any(r.batched for r in self.rewards)
-        train_rows = load_records(train_path, format, "task.train_path")
+        train_rows = load_records(train_path, format, "task.train_path", located=True)
         if eval_path:
-            eval_rows = load_records(eval_path, format, "task.eval_path")[:num_eval]
+            eval_rows = load_records(eval_path, format, "task.eval_path", located=True)[:num_eval]
         else:
             if len(train_rows) < 2:
                 raise DataError("task.train_path has one row: nothing to hold out for eval; "
@@ -206,16 +219,16 @@ class DataTask:
             held = set(order[:k])
             eval_rows = [train_rows[i] for i in sorted(held)]
             train_rows = [r for i, r in enumerate(train_rows) if i not in held]
-        self.field_names = self._field_names(train_rows, fields)
+        self.field_names = self._field_names([r for _, r in train_rows], fields)
         for r in self.rewards:
             r.check_fields(self.field_names, "task.reward_fn" if reward_fn else "task.rewards")
-        self._train = [self._example(r, n, "task.train_path") for n, r in enumerate(train_rows, 1)]
-        self._eval = [self._example(r, n, "task.eval_path" if eval_path else "task.train_path")
-                      for n, r in enumerate(eval_rows, 1)]
+        self._train = [self._example(r, where, "task.train_path") for where, r in train_rows]
+        self._eval = [self._example(r, where, "task.eval_path" if eval_path else "task.train_path")
+                      for where, r in eval_rows]
         self._cache: Dict[tuple, float] = {}
 
     def _field_names(self, rows, fields) -> List[str]:
-        if self.prompt_field not in rows[0]:
+        if not any(self.prompt_field in r for r in rows):
             raise DataError(f"task.prompt_field '{self.prompt_field}' is not a column of the "
                              f"data; columns: {', '.join(map(str, rows[0]))}")
         if fields is None:
@@ -227,11 +240,15 @@ class DataTask:
                                  f"{', '.join(map(str, rows[0]))}")
         return fields
 
-    def _example(self, row: Dict[str, Any], n: int, key: str) -> Example:
+    def _example(self, row: Dict[str, Any], where: str, key: str) -> Example:
         if self.prompt_field not in row:
-            raise DataError(f"{key}: row {n} has no '{self.prompt_field}' (task.prompt_field)")
+            raise DataError(f"{key}: {where} has no '{self.prompt_field}' (task.prompt_field)")
         prompt = row[self.prompt_field]
         fields = {f: row.get(f) for f in self.field_names}
+        size = len(prompt) if isinstance(prompt, str) else len(json.dumps(prompt, default=str))
+        if size > MAX_PROMPT_CHARS:
+            raise DataError(f"{key}: {where}: the prompt has {size} characters, more than the "
+                            f"{MAX_PROMPT_CHARS} any model here can take; shorten or drop that row")
         if isinstance(prompt, str):
             return Example(prompt=prompt, fields=fields)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -239,7 +256,7 @@ class DataTask:
             text = next((m.get("content", "") for m in reversed(prompt)
                          if m.get("role") == "user"), "")
             return Example(prompt=str(text), fields={**fields, RAW_PROMPT: prompt})
-        raise DataError(f"{key}: row {n}: the prompt must be text (or chat messages), got "
+        raise DataError(f"{key}: {where}: the prompt must be text (or chat messages), got "
                          f"{type(prompt).__name__}")
 
     # -- prompts -------------------------------------------------------------------
