@@ -117,7 +117,14 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    app()
+    try:
+        app()
+    except SystemExit as exc:
+        if exc.code in (130, 143):   # stopped by a signal, all saved: skip torch's slow teardown
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exc.code)
+        raise
 
 
 if __name__ == "__main__":

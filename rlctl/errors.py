@@ -38,7 +38,7 @@ def user_message(exc: BaseException) -> Tuple[str, int]:
     if isinstance(exc, (ConfigError, RunDirError, UserError, CheckpointError)):
         return text, 2
     if type(exc).__name__ in ("TrainingFault", "LaunchError"):
-        return text, 1
+        return text, int(getattr(exc, "code", 1))
     return f"{type(exc).__name__}: {text[:300]} (rerun with --debug for the traceback)", 1
 
 

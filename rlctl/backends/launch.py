@@ -13,6 +13,7 @@ dies (even by SIGKILL) gets SIGTERM from the kernel (worker.py), so none lingers
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,9 +27,22 @@ STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 class LaunchError(RuntimeError):
-    def __init__(self, message: str, before_training: bool = False):
+    """A rank failed: the message is its own one line where it left one; ``code`` the
+    exit code to give (2 for bad input); ``before_training``: it failed in set-up."""
+
+    def __init__(self, message: str, before_training: bool = False, code: int = 1):
         super().__init__(message)
-        self.before_training = before_training
+        self.before_training, self.code = before_training, code
+
+
+def _error_file(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / f".rank{rank}.error"
+
+
+def write_error(run_dir: Path, message: str, code: int) -> None:
+    """A rank's one-line error and exit code, for the launcher to report."""
+    rank = int(os.environ.get("RANK", 0))
+    _error_file(run_dir, rank).write_text(json.dumps({"message": message, "code": code}))
 
 
 def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False, stop=None,
@@ -38,6 +52,8 @@ def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False
     failed (every other rank is killed)."""
     rendezvous = run_dir / ".dist_init"
     rendezvous.unlink(missing_ok=True)
+    for rank in range(num_processes):
+        _error_file(run_dir, rank).unlink(missing_ok=True)
     procs: List[subprocess.Popen] = []
     logs = []
     if stop is not None:
@@ -77,7 +93,7 @@ def _wait(procs: List[subprocess.Popen], run_dir: Path, stop, poll_s: float) -> 
                   if c not in (None, 0) and not (stopping and c in STOPPED)]
         if failed:
             r = failed[0]
-            raise LaunchError(_failure(run_dir, r, codes[r]), before_training=codes[r] == EXIT_SETUP)
+            raise _failure(run_dir, r, codes[r])
         if all(c is not None for c in codes):
             return 0 if all(c == 0 for c in codes) else stop.signum
         time.sleep(poll_s)
@@ -92,10 +108,19 @@ def _signal_all(procs: List[subprocess.Popen], signum: int) -> None:
                 pass
 
 
-def _failure(run_dir: Path, rank: int, code: int) -> str:
+def _failure(run_dir: Path, rank: int, code: int) -> LaunchError:
+    """The failed rank's own message (the lowest rank that left one), else its exit code
+    and the last line of its log."""
+    setup = code == EXIT_SETUP
+    for r in sorted({0, rank}):
+        try:
+            err = json.loads(_error_file(run_dir, r).read_text())
+            return LaunchError(str(err["message"]), setup, int(err["code"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
     where = "see the output above" if rank == 0 else f"see {run_dir / f'rank{rank}.log'}"
     last = ""
     if rank:
         lines = [ln for ln in (run_dir / f"rank{rank}.log").read_text().splitlines() if ln.strip()]
         last = f": {lines[-1][:200]}" if lines else ""
-    return f"rank {rank} exited with code {code}{last} ({where})"
+    return LaunchError(f"rank {rank} exited with code {code}{last} ({where})", setup)

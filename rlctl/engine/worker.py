@@ -43,7 +43,7 @@ def main(run_dir: str, resume: bool = False) -> int:
 def _train(run_dir: Path, resume: bool, stop) -> int:
     from omegaconf import OmegaConf
 
-    from rlctl.backends.launch import EXIT_SETUP
+    from rlctl.backends.launch import EXIT_SETUP, write_error
     from rlctl.engine.run import train_rank
     from rlctl.errors import Interrupted, user_message
 
@@ -59,7 +59,10 @@ def _train(run_dir: Path, resume: bool, stop) -> int:
     except Exception as exc:  # noqa: BLE001 - one line for the launcher to report
         if os.environ.get("RLCTL_DEBUG"):
             raise
-        print(f"error: {user_message(exc)[0]}", file=sys.stderr)
+        message, code = user_message(exc)
+        write_error(run_dir, message, code)      # the launcher says it, once
+        if os.environ.get("RANK", "0") != "0":
+            print(f"error: {message}", file=sys.stderr)   # into rank<k>.log
         return 1 if steps[0] else EXIT_SETUP
     return 0
 

@@ -81,6 +81,7 @@ def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
 
 def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's stop handler (forked)
     os.setpgrp()   # nor do signals sent to the run's process group (a terminal, `timeout`) reach it
     while True:
         try:
