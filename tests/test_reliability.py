@@ -1,0 +1,222 @@
+"""Nothing lost: signals on one and two ranks, safe resumes, the run-directory lock, and
+set-up failures that leave nothing behind. Every case runs `rlctl` as a user does (a
+subprocess) and checks the exit code, the one line on stderr and the files on disk."""
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
+STEPS = 16
+FAST = ["trainer.eval_every=0", "trainer.prompts_per_step=4", "trainer.checkpoint_every=0",
+        "logger=jsonl", "logger.console=false", "run.save_model=false"]
+HINT = re.compile(r"^interrupted by (SIGINT|SIGTERM) after step (\d+); checkpoint saved\. "
+                  r"Resume with: (rlctl train --resume .+)$")
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([RLCTL, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _steps(run: Path):
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "step" in r]
+
+
+def _run_dir(root: Path) -> Path:
+    (run,) = [p for p in root.iterdir() if p.is_dir()]
+    return run
+
+
+def _stop_after(root: Path, step: int, sig, group: bool, extra=()) -> subprocess.CompletedProcess:
+    """Start a run, send ``sig`` once ``step`` is logged: to the whole process group (as a
+    terminal's Ctrl-C or `timeout` do) or to the rlctl process alone (as Kubernetes does)."""
+    proc = subprocess.Popen([RLCTL, "train", f"trainer.steps={STEPS}", *FAST, *extra,
+                             f"run.output_dir={root}"], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        metrics = list(root.glob("*/metrics.jsonl"))
+        if metrics and f'"step": {step},' in metrics[0].read_text():
+            (os.killpg if group else os.kill)(proc.pid, sig)
+            break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", err)
+
+
+def _lingering(run: Path):
+    """Processes whose command line names the run directory (launched ranks)."""
+    found = []
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(run).encode() in cmd.read_bytes():
+                found.append(cmd.parent.name)
+        except OSError:
+            continue
+    return found
+
+
+def _check_stopped(out, root: Path, sig):
+    """Exit 128 + sig, the last stderr line names the step and a resume command that
+    works when pasted as printed, the checkpoint of that step is on disk, no rank left."""
+    assert out.returncode == 128 + sig, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    m = HINT.match(last)
+    assert m and m.group(1) == signal.Signals(sig).name, last
+    step, command = int(m.group(2)), m.group(3)
+    run = _run_dir(root)
+    assert shlex.split(command)[3:] == [str(run)]          # quoted: the path has a space
+    assert 2 <= step < STEPS
+    (ckpt,) = sorted((run / "checkpoints").iterdir())
+    assert ckpt.name == f"step-{step:08d}"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == step
+    assert _steps(run) == list(range(1, step + 1))
+    assert not _lingering(run)
+    return run, shlex.split(command)
+
+
+def _resumed_to_end(command, run: Path):
+    out = subprocess.run([RLCTL, *command[1:]], env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _steps(run) == list(range(1, STEPS + 1))          # none lost, none twice
+    assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
+    assert not (run / ".lock").exists()
+
+
+def test_ctrl_c_to_the_process_group_one_rank_saves_and_a_stale_lock_is_taken_over(tmp_path):
+    root = tmp_path / "my runs"
+    run, command = _check_stopped(_stop_after(root, 2, signal.SIGINT, group=True), root, signal.SIGINT)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (run / ".lock").write_text(f"{dead.pid}\n")              # left by a killed run
+    _resumed_to_end(command, run)
+
+
+def test_sigterm_one_rank_saves_and_two_resumes_at_once_one_is_refused(tmp_path):
+    root = tmp_path / "my runs"
+    run, command = _check_stopped(_stop_after(root, 2, signal.SIGTERM, group=False), root, signal.SIGTERM)
+    procs = [subprocess.Popen([RLCTL, *command[1:]], env=ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], errs
+    loser = [i for i, p in enumerate(procs) if p.returncode == 2][0]
+    line = _one_line(errs[loser])
+    assert f"in use by another rlctl process (pid {procs[1 - loser].pid})" in line, line
+    assert _steps(run) == list(range(1, STEPS + 1))          # one writer: no interleaved rows
+
+
+@pytest.mark.parametrize("sig,group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl-c-group", "sigterm"])
+def test_two_ranks_stop_after_the_same_step_save_and_resume(tmp_path, sig, group):
+    root = tmp_path / "my runs"
+    out = _stop_after(root, 2, sig, group, extra=["hardware.num_processes=2"])
+    run, command = _check_stopped(out, root, sig)
+    assert (run / "rank1.log").read_text().count("Traceback") == 0
+    _resumed_to_end(command, run)
+
+
+# ---- resume: refused before anything is written, or extended ----------------------------
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finished")
+    out = _run("train", "trainer.steps=3", *FAST, f"run.output_dir={root}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return _run_dir(root)
+
+
+def _snapshot(run: Path):
+    return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_resume_of_a_finished_run_is_refused_and_changes_nothing(finished):
+    before = _snapshot(finished)
+    for extra in ([], ["trainer.steps=2"]):
+        out = _run("train", "--resume", str(finished), *extra)
+        assert out.returncode == 2
+        line = _one_line(out.stderr)
+        assert "already finished at step 3" in line and "raise trainer.steps" in line, line
+    assert _snapshot(finished) == before                       # summary.json, config.yaml: same bytes
+
+
+@pytest.mark.parametrize("override,changed", [("algo=ppo", "algo.critic: none -> shared"),
+                                              ("model.lora.enabled=true", "model.lora.enabled")])
+def test_resume_with_a_shape_changing_override_is_refused(finished, override, changed):
+    before = _snapshot(finished)
+    out = _run("train", "--resume", str(finished), override, "trainer.steps=5")
+    assert out.returncode == 2
+    line = _one_line(out.stderr)
+    assert "changes the model's shape" in line and "cannot apply to a resume" in line, line
+    assert changed in line and "unreadable" not in line, line
+    assert _snapshot(finished) == before
+
+
+def test_empty_trainer_state_is_one_line_naming_the_file(finished, tmp_path):
+    run = tmp_path / "copy"
+    shutil.copytree(finished, run)
+    state = run / "checkpoints" / "step-00000003" / "trainer_state.json"
+    state.write_text("{}")
+    out = _run("train", "--resume", str(run), "trainer.steps=5")
+    assert out.returncode == 2
+    line = _one_line(out.stderr)
+    assert str(state) in line and "'step'" in line and "KeyError" not in line, line
+
+
+def test_resume_with_more_steps_extends_the_run(finished, tmp_path):
+    run = tmp_path / "copy"
+    shutil.copytree(finished, run)
+    out = _run("train", "--resume", str(run), "trainer.steps=5")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _steps(run) == [1, 2, 3, 4, 5]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 5
+
+
+# ---- set-up failures leave no run directory -----------------------------------------------
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_bad_lora_target_leaves_no_run_directory(tmp_path, ranks):
+    out = _run("train", "trainer.steps=2", *FAST, "model.lora.enabled=true",
+               "model.lora.target_modules=[nope]", f"hardware.num_processes={ranks}",
+               f"run.output_dir={tmp_path}")
+    assert out.returncode == 2
+    line = _one_line(out.stderr)
+    assert line.startswith("error: model.lora:") and "valid:" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- the lock, in-process -----------------------------------------------------------------
+def test_run_lock_refuses_a_live_holder_by_pid_and_takes_over_a_dead_ones(tmp_path):
+    from rlctl.engine.rundir import RunDirError, RunLock
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from rlctl.engine.rundir import RunLock; "
+                               f"RunLock(Path({str(tmp_path)!r})).acquire(); print('ok', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        with pytest.raises(RunDirError, match=rf"in use by another rlctl process \(pid {holder.pid}\)"):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / ".lock").read_text().strip() == str(holder.pid)   # stale: its holder is dead
+    with RunLock(tmp_path):
+        assert (tmp_path / ".lock").read_text().strip() == str(os.getpid())
+    assert not (tmp_path / ".lock").exists()
