@@ -46,7 +46,9 @@ def test_offline_round_trip_no_network_and_fast(tmp_path, wandb_env, listener, i
     assert [line for line in open_sockets if port not in line] == []  # all but the listener
     print(f"\nwandb offline: init {sink.init_seconds:.2f}s finish {sink.finish_seconds:.3f}s "
           f"total {wall:.2f}s")
-    assert sink.init_seconds < 10 and sink.finish_seconds < 5 and wall < 15
+    # Hang bounds, not a benchmark (absolute times vary by machine and load): measured
+    # init 1.1 s, total 2.6 s on 2 shared cores at load 3; 10x that still means "fast".
+    assert sink.init_seconds < 15 and sink.finish_seconds < 10 and wall < 30
 
     run_file = sink.run_file
     assert run_file.name.startswith("run-") and run_file.suffix == ".wandb"
@@ -102,7 +104,7 @@ def test_online_without_api_key_falls_back_offline(tmp_path, wandb_env, listener
     sink = WandbSink(tmp_path, project="p", name="nokey", config={}, mode="online")
     sink.log({"reward/mean": 1.0}, step=1)
     sink.close()
-    assert time.perf_counter() - t0 < 15
+    assert time.perf_counter() - t0 < 30      # a hang bound (no server wait): 10x the measured
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert len(err) == 1 and "no API key" in err[0] and "offline" in err[0]
     assert sink.mode == "offline" and listener.connections == 0
@@ -119,7 +121,7 @@ def test_online_unreachable_server_times_out_then_offline(tmp_path, wandb_env, l
     sink.log({"reward/mean": 1.0}, step=1)
     sink.close()
     assert listener.connections >= 1  # it really tried (the probe works)
-    assert elapsed < 2 + 10
+    assert elapsed < 2 + 15          # init_timeout + a start-up allowance (~1 s idle) for a loaded machine
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert len(err) == 1 and "online" in err[0] and "logging offline" in err[0]
     assert sink.mode == "offline"
