@@ -274,9 +274,12 @@ def check_ranges(cfg: DictConfig) -> None:
     """Every numeric key against rlctl.config.RANGES (and finite, for floats); no torch."""
     from rlctl.config import schema_fields, range_problem
 
-    for spec in schema_fields():
-        if spec.kind not in ("float", "int", "list"):
-            continue
+    def interpolated(key: str) -> bool:   # checked last: a bad source is named, not its copy
+        parent, _, leaf = key.rpartition(".")
+        return OmegaConf.is_interpolation(OmegaConf.select(cfg, parent) if parent else cfg, leaf)
+
+    numeric = [s for s in schema_fields() if s.kind in ("float", "int", "list")]
+    for spec in sorted(numeric, key=lambda s: interpolated(s.key)):
         value = OmegaConf.select(cfg, spec.key)
         items = list(value) if spec.kind == "list" and value is not None else [value]
         for item in items:

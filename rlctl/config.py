@@ -236,9 +236,10 @@ class Range:
                     or (self.hi is not None and (x > self.hi or (self.hi_open and x == self.hi))))
 
     def describe(self) -> str:
+        lo, hi = (str(int(x)) if float(x).is_integer() else f"{x:g}" for x in (self.lo, self.hi or 0))
         if self.hi is None:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+            return f"{'>' if self.lo_open else '>='} {lo}"
+        return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
 
 
 POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, lo_open=True), Range(0), Range(1)

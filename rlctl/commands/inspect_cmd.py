@@ -39,8 +39,8 @@ def load_run(path: Path) -> Run:
     import yaml
 
     try:
-        config = yaml.safe_load((path / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        config = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read {path}/config.yaml: {' '.join(str(exc).split())[:200]}") \
             from None
     if not isinstance(config, dict):
@@ -48,8 +48,8 @@ def load_run(path: Path) -> Run:
     overrides = {}
     if (path / "overrides.yaml").is_file():
         try:
-            overrides = yaml.safe_load((path / "overrides.yaml").read_text()) or {}
-        except yaml.YAMLError:
+            overrides = yaml.safe_load((path / "overrides.yaml").read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError):
             overrides = {}
     rows, source = _load_metrics(path)
     return Run(path, flatten(config), rows, source, overrides)
@@ -59,7 +59,10 @@ def _load_metrics(path: Path):
     from rlctl.sinks.jsonl import read_jsonl
 
     if (path / "metrics.jsonl").is_file():
-        return read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
+        try:
+            return read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
+        except ValueError as exc:       # not UTF-8: one line naming the file
+            raise UserError(str(exc)) from None
     from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
 
     wandb_file = find_wandb_run_file(path)
@@ -162,7 +165,11 @@ def run_inspect(paths: Sequence[str], out_dir: Optional[str] = None,
     if kind == "rollout":
         from rlctl.commands.audit import audit_rollout, print_audit
 
-        report = audit_rollout(what, examples=examples)
+        try:
+            report = audit_rollout(what, examples=examples)
+        except UnicodeDecodeError as exc:
+            raise UserError(f"cannot read '{what}': not UTF-8 text (byte {exc.object[exc.start]:#04x}); "
+                            "a rollout file is JSON Lines, as `rlctl rollout --out` writes") from None
         if not quiet:
             print_audit(report)
     elif len(what) == 1:

@@ -10,7 +10,8 @@ Line format: {"step": <int>, "<metric>": <float or null>, ...}.
 - summary() writes one final line {"summary": {...}} (non-finite floats -> null,
   other values as JSON allows, else str()).
 
-`read_jsonl(path)` reads the metric lines back (summary lines are skipped).
+`read_jsonl(path)` reads the metric lines back (summary lines are skipped); a file that
+is not UTF-8 raises ValueError with one line naming it.
 """
 
 from __future__ import annotations
@@ -68,7 +69,12 @@ class JsonlSink:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The metric rows of a metrics.jsonl file (a torn last line is skipped)."""
     rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:   # not a file this sink wrote
+        raise ValueError(f"cannot read {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                         f"offset {exc.start}); metrics.jsonl holds one JSON object per line") from None
+    for line in text.splitlines():
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
