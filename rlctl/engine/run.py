@@ -94,6 +94,47 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
     path.write_text("".join(x + "\n" for x in keep))
 
 
+def _resume_point(run_dir: Path, backend) -> Path:
+    """The newest checkpoint; rank 0 drops the metric lines logged after it."""
+    from rlctl.engine import checkpoint
+
+    resume_from = checkpoint.latest_checkpoint(run_dir)
+    if resume_from is None:
+        raise UserError(f"cannot resume '{run_dir}': it has no complete checkpoint "
+                        "(trainer.checkpoint_every writes them)")
+    if backend.is_main:
+        _truncate_metrics(run_dir, checkpoint.step_of(resume_from))
+    backend.barrier()
+    return resume_from
+
+
+def _sink(cfg: DictConfig, run_dir: Path, backend):
+    """Metric sinks on rank 0 (the others log nothing)."""
+    from rlctl.sinks import NullSink, build_sinks
+
+    if not backend.is_main:
+        return NullSink()
+    lg = cfg.logger
+    return build_sinks(run_dir=run_dir, jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode,
+                       project=lg.project, name=run_dir.name, config=OmegaConf.to_container(cfg),
+                       console=lg.console, total_steps=cfg.trainer.steps)
+
+
+def _save_model(cfg: DictConfig, backend, run_dir: Path, policy, critic, tokenizer, summary: dict) -> None:
+    """The final policy (the adapter for LoRA) and a separate critic, written by rank 0."""
+    from rlctl.engine import rundir
+
+    lora = bool(cfg.model.lora.enabled)
+    with backend.gathered(policy):
+        if backend.is_main:
+            summary["model_dir"] = str(rundir.save_model(
+                run_dir, policy, tokenizer, lora=lora, merged=lora and cfg.model.lora.save_merged))
+    if critic is not None:
+        with backend.gathered(critic):
+            if backend.is_main:
+                critic.save_pretrained(run_dir / "critic")
+
+
 def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
                on_step=None) -> Optional[dict]:
     """Train on this rank; rank 0 saves and returns the summary (other ranks: None).
@@ -102,11 +143,10 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
     import torch
 
     from rlctl.backends.base import build_backend
-    from rlctl.engine import checkpoint, rundir
+    from rlctl.engine import rundir
     from rlctl.engine.report import reward_summary
     from rlctl.engine.trainer import Trainer
     from rlctl.models.lora import count_parameters
-    from rlctl.sinks import NullSink, build_sinks
 
     t0 = time.perf_counter()
     hw = cfg.hardware
@@ -121,18 +161,8 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
             raise UserError(f"task.prompt_format: {exc}") from None
         trainable, total = count_parameters(model, critic)
         torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
-        resume_from = checkpoint.latest_checkpoint(run_dir) if resume else None
-        if resume and resume_from is None:
-            raise UserError(f"cannot resume '{run_dir}': it has no complete checkpoint "
-                            "(trainer.checkpoint_every writes them)")
-        if resume_from is not None and backend.is_main:
-            _truncate_metrics(run_dir, checkpoint.step_of(resume_from))
-        backend.barrier()
-        sink = build_sinks(
-            run_dir=run_dir, jsonl=cfg.logger.jsonl, wandb=cfg.logger.wandb,
-            wandb_mode=cfg.logger.wandb_mode, project=cfg.logger.project, name=run_dir.name,
-            config=OmegaConf.to_container(cfg), console=cfg.logger.console,
-            total_steps=cfg.trainer.steps) if backend.is_main else NullSink()
+        resume_from = _resume_point(run_dir, backend) if resume else None
+        sink = _sink(cfg, run_dir, backend)
         try:
             trainer = Trainer(cfg, model, tokenizer, task, sink, critic=critic,
                               ref_model=ref_model, backend=backend)
@@ -153,14 +183,7 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
                    "params_trainable": trainable, "params_total": total,
                    "num_processes": backend.world_size, "backend": backend.name}
         if cfg.run.save_model:
-            with backend.gathered(policy):
-                if backend.is_main:
-                    summary["model_dir"] = str(rundir.save_model(
-                        run_dir, policy, tokenizer, lora=lora, merged=lora and cfg.model.lora.save_merged))
-            if critic is not None:
-                with backend.gathered(critic):
-                    if backend.is_main:
-                        critic.save_pretrained(run_dir / "critic")
+            _save_model(cfg, backend, run_dir, policy, critic, tokenizer, summary)
         peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])  # KiB -> MiB
         summary["peak_rss_mb"] = float(backend.all_reduce(peak, "max"))
         summary.update(reward_summary((trainer.scorer, trainer.eval_scorer), backend))  # every rank
