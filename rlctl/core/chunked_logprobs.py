@@ -52,11 +52,23 @@ def default_chunk_tokens(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(int(vocab_size), 1))
 
 
-def _chunk_logits(h_c, weight, bias, temperature, acc):
-    """(h_c [C, H] @ W^T + b) / temperature as [C, V] in `acc`, a fresh tensor."""
-    z = F.linear(h_c, weight, bias)  # [C, V], the inputs' dtype
-    z = z.to(acc) if z.dtype != acc else z
-    return z.div_(temperature) if temperature != 1.0 else z
+def _chunk_logits(h_c, weight, bias, temperature, out):
+    """(h_c [C, H] @ W^T + b) / temperature written into `out` ([C, V], the accumulation
+    dtype). Same-dtype inputs go straight into the reused buffer (no fresh [C, V]
+    allocation, so no page faults per chunk); bf16 inputs are multiplied in bf16, upcast."""
+    if weight.dtype == out.dtype:
+        if bias is None:
+            torch.mm(h_c, weight.t(), out=out)  # [C, V]
+        else:
+            torch.addmm(bias, h_c, weight.t(), out=out)  # [C, V], as F.linear
+    else:
+        out.copy_(F.linear(h_c, weight, bias))  # [C, V] bf16 -> float32
+    return out.div_(temperature) if temperature != 1.0 else out
+
+
+def _buffers(h, weight, rows, count, acc):
+    """`count` reusable [rows, V] buffers in the accumulation dtype."""
+    return [h.new_empty((rows, weight.shape[0]), dtype=acc) for _ in range(count)]
 
 
 class _ChunkedLinearLogprobs(torch.autograd.Function):
@@ -69,15 +81,17 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         logp = h.new_empty(m, dtype=acc)  # [M]
         lse = h.new_empty(m, dtype=acc)  # [M]
         ent = h.new_empty(m if want_entropy else 0, dtype=acc)  # [M] or [0]
+        bufs = _buffers(h, weight, min(chunk, m), 2 if want_entropy else 1, acc)
         for s in range(0, m, chunk):
             e = min(s + chunk, m)
-            z = _chunk_logits(h[s:e], weight, bias, temperature, acc)  # [C, V]
+            z = _chunk_logits(h[s:e], weight, bias, temperature, bufs[0][:e - s])  # [C, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [C]
             lse[s:e] = lse_c
             logp[s:e] = z.gather(1, tokens[s:e, None]).squeeze(1) - lse_c
             if want_entropy:
                 logq = z.sub_(lse_c[:, None])  # [C, V] log p, in place
-                ent[s:e] = -(logq.exp() * logq).sum(-1)  # [C]  (p = 0 gives 0, not NaN)
+                p = torch.exp(logq, out=bufs[1][:e - s])  # [C, V]
+                ent[s:e] = -p.mul_(logq).sum(-1)  # [C]  (p = 0 gives 0, not NaN)
         ctx.save_for_backward(h, weight, bias, tokens, lse, ent)
         ctx.temperature, ctx.chunk, ctx.want_entropy = temperature, chunk, want_entropy
         ctx.set_materialize_grads(False)
@@ -87,25 +101,25 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_logp, g_ent):
         h, weight, bias, tokens, lse, ent = ctx.saved_tensors
-        if not ctx.want_entropy:
-            g_ent = None
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g_ent = g_ent if ctx.want_entropy else None
         if g_logp is None and g_ent is None:
             return None, None, None, None, None, None, None
-        acc = lse.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc, m = lse.dtype, h.shape[0]
         grad_h = torch.zeros_like(h) if need_h else None  # [M, H]
         grad_w = weight.new_zeros(weight.shape, dtype=acc) if need_w else None  # [V, H]
         grad_b = bias.new_zeros(bias.shape, dtype=acc) if need_b else None  # [V]
-        for s in range(0, h.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, h.shape[0])
+        bufs = _buffers(h, weight, min(ctx.chunk, m), 2, acc)
+        for s in range(0, m, ctx.chunk):
+            e = min(s + ctx.chunk, m)
             dz = _chunk_grad(h[s:e], weight, bias, tokens[s:e], lse[s:e],
                              ent[s:e] if g_ent is not None else None,
                              _part(g_logp, s, e, acc), _part(g_ent, s, e, acc),
-                             ctx.temperature)  # [C, V] dL/d(h W^T + b)
+                             ctx.temperature, [b[:e - s] for b in bufs])  # [C, V]
             if grad_h is not None:
-                grad_h[s:e] = (dz.to(weight.dtype) @ weight).to(h.dtype)  # [C, H]
+                _matmul_into(grad_h[s:e], dz, weight)  # [C, H] = [C, V] @ [V, H]
             if grad_w is not None:
-                grad_w += (dz.t().to(h.dtype) @ h[s:e]).to(acc)  # [V, H]
+                _matmul_into(grad_w, dz.t(), h[s:e], accumulate=True)  # [V, H]
             if grad_b is not None:
                 grad_b += dz.sum(0)  # [V]
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
@@ -113,19 +127,28 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
+def _matmul_into(out, a, b, accumulate=False):
+    """out (+)= a @ b with no fresh output allocation when the dtypes agree; otherwise
+    (bf16 inputs, float32 dz) a is cast to b's dtype, multiplied there, and upcast."""
+    if a.dtype == b.dtype == out.dtype:
+        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    prod = (a.to(b.dtype) @ b).to(out.dtype)
+    return out.add_(prod) if accumulate else out.copy_(prod)
+
+
 def _part(g: Optional[torch.Tensor], s: int, e: int, acc) -> Optional[torch.Tensor]:
     return None if g is None else g[s:e].to(acc)
 
 
-def _chunk_grad(h_c, weight, bias, tok_c, lse_c, ent_c, gl, ge, temperature):
-    """dL/d(raw logits) for one chunk, [C, V] in the accumulation dtype.
+def _chunk_grad(h_c, weight, bias, tok_c, lse_c, ent_c, gl, ge, temperature, bufs):
+    """dL/d(raw logits) for one chunk, [C, V] in the accumulation dtype, in `bufs`.
 
     logq = z - lse is log p; dL/dz = gl * (onehot - p) - ge * p * (logq + H), divided by
-    the temperature (z = raw / temperature). Two [C, V] buffers at most.
+    the temperature (z = raw / temperature). Uses the two [C, V] buffers only.
     """
-    logq = _chunk_logits(h_c, weight, bias, temperature, lse_c.dtype)
+    logq = _chunk_logits(h_c, weight, bias, temperature, bufs[0])
     logq.sub_(lse_c[:, None])  # [C, V] log p
-    p = logq.exp()  # [C, V]
+    p = torch.exp(logq, out=bufs[1])  # [C, V]
     if ge is not None:
         dz = logq.add_(ent_c[:, None]).mul_(p).mul_(-ge[:, None])  # [C, V] entropy part
         if gl is not None:
