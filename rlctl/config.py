@@ -331,7 +331,7 @@ EXAMPLES = {"float": "0.1", "int": "1", "bool": "true", "str": "name", "any": "1
 def example_value(spec: FieldSpec) -> str:
     """A value of the right type (and inside the key's range) to show in a message."""
     if spec.kind == "list":
-        return {"float": "[0.9,0.999]", "str": "[a,b]"}.get(spec.item, "[1,2]")
+        return {"float": "[0.9,0.999]", "str": "[a,b]"}.get(spec.item, "[...]")
     if spec.kind == "group":
         return "{...}"
     rng = RANGES.get(spec.key)
