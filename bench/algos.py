@@ -4,13 +4,15 @@
 
 Each run is a separate `rlctl train` process (so peak memory is its own), one after the
 other (never in parallel: timings on a shared 2-core machine are noisy enough). Columns:
-final held-out greedy exact-match, the wall time of training, the time at which held-out
-exact-match first reached 0.9 (evaluated every trainer.eval_every steps; the time includes
-those evaluations), completion tokens per second, and the process's peak RSS.
+final held-out greedy exact-match, the wall time of training, the step and the time at
+which held-out exact-match first reached 0.9 (evaluated every trainer.eval_every steps;
+the time includes those evaluations; the step does not depend on the machine's load),
+completion tokens per second, and the process's peak RSS.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -25,23 +27,24 @@ def run_one(algo: str, steps: int, seed: int, out_dir: Path, extra: list[str]) -
                                   out_dir, f"{algo}-s{seed}")
     except RuntimeError as exc:
         return {"algo": algo, "seed": seed, "error": str(exc)}
-    t90 = next((r.get("time/elapsed_s", 0.0) for r in rows
-                if r.get("eval/exact_match", 0) >= 0.9 and r["step"] > 0), None)
+    hit = next((r for r in rows if r.get("eval/exact_match", 0) >= 0.9 and r["step"] > 0), None)
+    t90 = None if hit is None else hit.get("time/elapsed_s", 0.0)
     return {"algo": algo, "seed": seed, "exact_start": summary["eval_start"]["eval/exact_match"],
             "exact_end": summary["eval_end"]["eval/exact_match"], "train_s": summary["train_seconds"],
-            "t90_s": t90, "tokens_per_s": summary["tokens_per_s"], "peak_rss_mb": summary["peak_rss_mb"]}
+            "t90_s": t90, "step90": None if hit is None else hit["step"], "tokens_per_s": summary["tokens_per_s"], "peak_rss_mb": summary["peak_rss_mb"]}
 
 
 def table(results: list[dict]) -> str:
-    head = "| algo | seed | exact start | exact end | train s | s to 0.9 | tokens/s | peak RSS MB |"
-    lines = [head, "|" + "---|" * 8]
+    head = "| algo | seed | exact start | exact end | train s | step to 0.9 | s to 0.9 | tokens/s | peak RSS MB |"
+    lines = [head, "|" + "---|" * 9]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['algo']} | {r['seed']} | error: {r['error']} |||||")
+            lines.append(f"| {r['algo']} | {r['seed']} | error: {r['error']} ||||||")
             continue
         t90 = f"{r['t90_s']:.1f}" if r["t90_s"] is not None else "not reached"
+        s90 = str(r["step90"]) if r["step90"] is not None else "-"
         lines.append(f"| {r['algo']} | {r['seed']} | {r['exact_start']:.3f} | {r['exact_end']:.3f} | "
-                     f"{r['train_s']:.1f} | {t90} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |")
+                     f"{r['train_s']:.1f} | {s90} | {t90} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |")
     return "\n".join(lines)
 
 
@@ -54,12 +57,14 @@ def main() -> None:
     ap.add_argument("extra", nargs="*", help="more overrides for every run")
     args = ap.parse_args()
     results = []
+    load0 = os.getloadavg()[0]       # timings on a shared machine: say how busy it was
     with tempfile.TemporaryDirectory() as tmp:
         for algo in args.algos.split(","):
             for seed in [int(s) for s in args.seeds.split(",")]:
                 results.append(run_one(algo, args.steps, seed, Path(tmp), args.extra))
                 print(table(results[-1:]).splitlines()[-1], flush=True)
-    text = table(results)
+    text = table(results) + (f"\n\nload average (1 min) {load0:.2f} at the start, "
+                              f"{os.getloadavg()[0]:.2f} at the end")
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text + "\n")
