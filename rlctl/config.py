@@ -138,7 +138,7 @@ class LoggerConfig:
 class RolloutConfig:
     max_new_tokens: int = MISSING
     temperature: float = MISSING
-    top_k: int = 0                 # 0: full distribution
+    top_k: int = 0                 # 0: full distribution; > 0 for eval/rollout only (train refuses it)
 
 
 @dataclass

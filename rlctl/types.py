@@ -40,6 +40,11 @@ class RolloutBatch:
         old_values:     [N, T]   critic values V(s_t) at rollout time (critic only), where
                                   s_t is the prompt plus the first t completion tokens
         returns:        [N, T]   value targets (GAE advantages + old values), detached
+        behaviour_rows: [N]      bool, or None; set when old_logprobs hold the behaviour
+                                  policy's log-probs in some rows only (a step that mixes
+                                  stale and on-policy async rollouts): the False rows are
+                                  placeholders the learner fills from its pi_old forward.
+                                  None: old_logprobs (when present) hold in every row
     """
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -56,6 +61,7 @@ class RolloutBatch:
     advantages: Optional[torch.Tensor] = None
     old_values: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
+    behaviour_rows: Optional[torch.Tensor] = None
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -77,4 +83,4 @@ class RolloutBatch:
             completions=[self.completions[i] for i in idx],
             old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs),
             advantages=pick(self.advantages), old_values=pick(self.old_values),
-            returns=pick(self.returns))
+            returns=pick(self.returns), behaviour_rows=pick(self.behaviour_rows))

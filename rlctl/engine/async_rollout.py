@@ -11,13 +11,20 @@ float64 header followed by one byte payload (rlctl/engine/wire.py):
   actor -> learner: [version | error code, N, L, P, T, reward_errors, actor_wait_s, bytes]
                     payload: input_ids [N, L], attention_mask [N, L], mask [N, T],
                     truncated [N], rewards [N], behaviour log-probs [N, T], (use_rng)
-                    the advanced RNG state; or an error message
+                    the advanced RNG state, each named reward's sum over the rows
+                    (``_named_rewards``); or an error message
 
 Versions count learner updates. Rollouts are requested in the order the learner will
-consume them; the rollout for step c may be requested once the learner's version is at
-least c - 1 - max_staleness, so at most ``min(num_actors, max_staleness)`` rollouts are
-made while the learner updates. Weights travel with a request when the actor's copy is
-``sync_every`` updates old, or sooner when the staleness bound needs them. With
+consume them. A step consumes one rollout, or several with dynamic sampling (DAPO), so
+a rollout requested ahead is consumed at the latest when every rollout before it takes a
+step of its own: with k rollouts pending, at version + k (+ 1 once the current step has
+taken one). It is requested ahead only while that latest version is within
+``max_staleness`` of the weights it is made with, so at most ``min(num_actors,
+max_staleness)`` rollouts are made while the learner updates; a step that needs another
+rollout when none is pending (an extra sampling round) asks for one at once, made with
+weights at most ``max_staleness`` updates old. Weights travel with a request when the
+actor's copy is ``sync_every`` updates old, or sooner when the staleness bound needs
+them. With
 ``max_staleness=0`` every request follows the update, carries the newest weights and the
 learner's RNG state (the actor returns it advanced): the loop is the synchronous one, bit
 for bit. A rollout made with the current weights is on-policy and gets no correction; a
@@ -73,13 +80,16 @@ class AsyncSource:
         acfg = trainer.cfg.trainer["async"]
         self.t, self.max_stale, self.sync_every = trainer, int(acfg.max_staleness), int(acfg.sync_every)
         self.num_actors = int(acfg.num_actors)
-        self.version, self.next_step = 0, 1              # updates done; next step to request
+        self.version = 0                                  # updates done
+        self.took = False                                 # the current step consumed a rollout
         self.actor_version = [-(1 << 30)] * self.num_actors
         self.idle = collections.deque(range(self.num_actors))
         self.failed: set = set()                          # actors that reported an error
         self.pending: collections.deque = collections.deque()   # (actor, indices, use_rng, Posted)
         self.sent: Dict[int, Sent] = {}                   # the last request to each actor
         self.stats: Dict[str, List[float]] = {}
+        self.reward_sums: Dict[str, float] = {}           # named rewards (sorting: each design)
+        self.reward_count = 0
         self.dir = tempfile.mkdtemp(prefix="rlctl-async-")
         init = f"file://{os.path.join(self.dir, 'rendezvous')}"
         cfg_yaml = OmegaConf.to_yaml(trainer.cfg, resolve=True)
@@ -94,15 +104,19 @@ class AsyncSource:
 
     # ---- learner side ------------------------------------------------------------
     def _fill(self) -> None:
-        """Request rollouts, in consumption order, while an actor is idle and the next
-        step's rollout would be at most ``max_staleness`` updates old when consumed."""
-        while self.idle and self.next_step - 1 - self.version <= self.max_stale:
-            self._request(self.idle.popleft(), self.next_step)
-            self.next_step += 1
+        """Request rollouts ahead, in consumption order, while an actor is idle and the
+        next one would be at most ``max_staleness`` updates old when consumed."""
+        while self.idle:
+            latest = self.version + len(self.pending) + int(self.took)   # consumed by then
+            if latest - self.version > self.max_stale:
+                break
+            self._request(self.idle.popleft(), latest)
 
-    def _request(self, actor: int, step: int) -> None:
+    def _request(self, actor: int, consumed_at: int) -> None:
+        """Ask ``actor`` for a rollout the learner consumes at version ``consumed_at`` at
+        the latest; its weights must then be at most ``max_staleness`` updates old."""
         t = self.t
-        oldest_allowed = step - 1 - self.max_stale      # weights version the rollout needs
+        oldest_allowed = consumed_at - self.max_stale    # weights version the rollout needs
         weights = (self.version - self.actor_version[actor] >= self.sync_every
                    or self.actor_version[actor] < oldest_allowed)
         use_rng = self.max_stale == 0
@@ -131,9 +145,15 @@ class AsyncSource:
                  ((N, T), torch.float32), ((N, L), torch.uint8), ((N,), torch.uint8)]
         if use_rng:
             specs.append((torch.get_rng_state().shape, torch.uint8))
-        ids, mask, rewards, behaviour, attn, truncated, *rng = unpack(payload, specs)
+        K, M = payload[-16:].clone().view(torch.int64).tolist()       # the named rewards' tail
+        specs += [((K,), torch.float64), ((M,), torch.uint8), ((2,), torch.int64)]
+        ids, mask, rewards, behaviour, attn, truncated, *rest = unpack(payload, specs)
         if use_rng:
-            torch.set_rng_state(rng[0])
+            torch.set_rng_state(rest[0])
+        names = bytes(rest[-2].tolist()).decode().split("\n") if K else []
+        for name, total in zip(names, rest[-3].tolist()):   # summed as RewardScorer sums them
+            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + total
+        self.reward_count += N
         self._log("time/learner_wait_s", time.perf_counter() - t0)
         self._log("time/actor_wait_s", h[6])
         self.t.scorer.errors += int(h[5])
@@ -152,16 +172,23 @@ class AsyncSource:
 
     def sample(self, num_groups: int) -> RolloutBatch:
         self._fill()
+        if not self.pending:     # another round within this step: consumed right away
+            self._request(self.idle.popleft(), self.version)
         batch = self._receive()
+        self.took = True
         self._fill()             # overlap: the freed actor starts the next rollout now
         return batch
 
     def after_update(self) -> None:
         self.version += 1
+        self.took = False
 
     def metrics(self) -> Dict[str, float]:
+        """Staleness (max), waits (sums) and each named reward's mean over the rows the
+        actors scored since the last call, as ``RewardScorer.metrics`` gives it in sync."""
         out = {k: (max(v) if k == "async/staleness" else sum(v)) for k, v in self.stats.items()}
-        self.stats = {}
+        out.update({f"reward/{k}": v / max(self.reward_count, 1) for k, v in self.reward_sums.items()})
+        self.stats, self.reward_sums, self.reward_count = {}, {}, 0
         return out
 
     def _log(self, key: str, value: float) -> None:
@@ -190,6 +217,29 @@ class AsyncSource:
 
 
 # ---- actor side --------------------------------------------------------------------
+def _send_rollout(b: RolloutBatch, info: List[float], use_rng: bool,
+                  components: Dict[str, List[float]]) -> None:
+    """The reply to the learner; ``info``: [weights version, reward errors, wait s]."""
+    N, T = b.mask.shape
+    parts = [b.input_ids, b.mask.float(), b.rewards.float(), b.old_logprobs.float(),
+             b.attention_mask.to(torch.uint8), b.truncated.to(torch.uint8)]
+    if use_rng:
+        parts.append(torch.get_rng_state())
+    parts += _named_rewards(components)
+    version, errors, waited = info
+    send_message([version, N, b.input_ids.shape[1], b.prompt_len, T, errors, waited],
+                 pack([x.cpu() for x in parts]), dst=0)
+
+
+def _named_rewards(components: Dict[str, List[float]]) -> List[torch.Tensor]:
+    """The payload's tail: each named reward's sum over the rows [K] float64, the names
+    ("\n"-joined utf-8) [M] uint8, then (K, M) int64, so the learner reads it from the end."""
+    names = sorted(components)
+    text = torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)
+    return [torch.tensor([sum(components[k]) for k in names], dtype=torch.float64), text,
+            torch.tensor([len(names), text.numel()], dtype=torch.int64)]
+
+
 def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -199,6 +249,7 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
     from rlctl.rollout.generate import rollout
     from rlctl.tasks.scoring import RewardScorer
 
+    os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
     cfg = OmegaConf.create(cfg_yaml)
     _quiet_libraries(cfg)
     task = _build_task(cfg)
@@ -242,13 +293,8 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
                 text = str(exc) if code == USER_ERROR else f"{type(exc).__name__}: {exc}"
                 send_message([code], torch.tensor(list(text.encode()), dtype=torch.uint8), dst=0)
                 break
-            N, T = b.mask.shape
-            parts = [b.input_ids, b.mask.float(), b.rewards.float(), b.old_logprobs.float(),
-                     b.attention_mask.to(torch.uint8), b.truncated.to(torch.uint8)]
-            if use_rng:
-                parts.append(torch.get_rng_state())
-            send_message([version, N, b.input_ids.shape[1], b.prompt_len, T,
-                          scorer.errors - errors0, waited], pack([x.cpu() for x in parts]), dst=0)
+            _send_rollout(b, [version, scorer.errors - errors0, waited], use_rng,
+                          scorer.last_components)
     finally:
         scorer.close()
         dist.destroy_process_group()

@@ -33,6 +33,7 @@ from rlctl.errors import Interrupted
 from rlctl.models.kv_share import regroup
 from rlctl.rollout.collect import collect
 from rlctl.rollout.generate import rollout
+from rlctl.rollout.sampler import check_training_sampling
 from rlctl.tasks.base import Task
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import RolloutBatch
@@ -71,6 +72,7 @@ class Trainer:
                  ref_model=None, backend=None):
         from rlctl.backends.base import TorchBackend
 
+        check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
         self.cfg, self.tokenizer, self.task, self.sink = cfg, tokenizer, task, sink
         self.critic = critic
         self.backend = backend or TorchBackend(cfg.hardware.device)
@@ -142,12 +144,18 @@ class Trainer:
         kw = dict(share_prompts=labels is not None,
                   groups=None if labels is None else tuple(t.to(batch.input_ids.device) for t in regroup(labels)))
         # async: a stale rollout keeps the behaviour policy's log-probs; the forward is
-        # then only needed for a critic's values
-        if needs_old_forward(self.cfg.algo) and (batch.old_logprobs is None or self.cfg.algo.critic != "none"):
+        # then only needed for a critic's values, or (a step mixing stale and on-policy
+        # rollouts: behaviour_rows) for pi_old of the on-policy rows
+        mixed = batch.behaviour_rows is not None
+        if mixed or needs_old_forward(self.cfg.algo) and (
+                batch.old_logprobs is None or self.cfg.algo.critic != "none"):
             self.model.eval()
             f = learner_forward(self.model, *args, critic=self.critic, **kw)
             if batch.old_logprobs is None:
                 batch.old_logprobs = f.logp
+            elif mixed:          # stale rows keep the behaviour log-probs exactly
+                batch.old_logprobs = torch.where(batch.behaviour_rows[:, None], batch.old_logprobs, f.logp)
+                batch.behaviour_rows = None
             batch.old_values = f.values
         if self.ref_model is not None:
             batch.ref_logprobs = learner_forward(self.ref_model, *args, **kw).logp

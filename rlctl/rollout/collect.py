@@ -35,6 +35,8 @@ def concat_batches(batches: List[RolloutBatch], pad_id: int) -> RolloutBatch:
             return None
         return torch.cat([pad(b, p, 0.0, prompt_part=False) for b, p in zip(batches, parts)])
 
+    old, behaviour = _cat_behaviour(batches, T)
+
     offsets = torch.cumsum(torch.tensor([0] + [int(b.group_ids.max()) + 1 for b in batches[:-1]]), 0)
     return RolloutBatch(
         input_ids=torch.cat([pad(b, b.input_ids, pad_id) for b in batches]),
@@ -46,9 +48,29 @@ def concat_batches(batches: List[RolloutBatch], pad_id: int) -> RolloutBatch:
         prompt_len=P, group_size=batches[0].group_size,
         prompts=[p for b in batches for p in b.prompts],
         completions=[c for b in batches for c in b.completions],
-        old_logprobs=cat_opt("old_logprobs"), ref_logprobs=cat_opt("ref_logprobs"),
+        old_logprobs=old, ref_logprobs=cat_opt("ref_logprobs"),
         advantages=cat_opt("advantages"), old_values=cat_opt("old_values"),
-        returns=cat_opt("returns"))
+        returns=cat_opt("returns"), behaviour_rows=behaviour)
+
+
+def _cat_behaviour(batches: List[RolloutBatch], T: int):
+    """(old_logprobs [N, T] or None, behaviour_rows [N] bool or None) of the stacked
+    batches. When only some batches carry old log-probs (stale async rollouts next to
+    on-policy ones), theirs are kept exactly, the others' rows are 0-filled placeholders
+    and ``behaviour_rows`` marks which rows hold real values (the learner fills the rest)."""
+    have = [b.old_logprobs is not None for b in batches]
+    if not any(have):
+        return None, None
+    olds, rows = [], []
+    for b in batches:
+        n, t = b.mask.shape
+        old = b.old_logprobs if b.old_logprobs is not None else b.mask.new_zeros(n, t)   # [n, t]
+        olds.append(F.pad(old, (0, T - t)))                                              # [n, T]
+        kept = b.behaviour_rows if b.behaviour_rows is not None else \
+            torch.full((n,), b.old_logprobs is not None, dtype=torch.bool, device=b.mask.device)
+        rows.append(kept)                                                                # [n]
+    behaviour = torch.cat(rows)                                                          # [N]
+    return torch.cat(olds), (None if bool(behaviour.all()) else behaviour)
 
 
 def keep_informative_groups(batch: RolloutBatch) -> RolloutBatch:

@@ -1,7 +1,8 @@
 """Rollout: B prompts x G sampled completions -> a scored ``RolloutBatch``.
 
-Sampling draws from the full distribution softmax(logits / temperature) (optional
-top-k; top-p off), the same distribution the learner's log-probs are computed from:
+Sampling draws from the full distribution softmax(logits / temperature) (top-p off),
+the same distribution the learner's log-probs are computed from (optional top-k for
+eval and rollout only: ``rlctl train`` refuses it, rollout/sampler.py says why):
 with a KV cache through rlctl's lean loop (rollout/sampler.py, the same tokens as
 ``generate`` for the same seed), otherwise (ZeRO-3 across ranks: ``synced_gpus``) and
 for greedy decoding through the model's ``generate``.

@@ -5,7 +5,7 @@ It draws exactly what Hugging Face's sampling draws for rlctl's settings (softma
 logits / temperature, optional top-k, ``torch.multinomial`` on the same RNG, finished
 rows padded, one attention-mask column per step), so the same seed gives the same
 tokens (tests/models/test_prompt_sharing.py). The behaviour policy is then exactly
-softmax(logits / temperature) (top-k applied): no processor from a checkpoint's
+softmax(logits / temperature) (top-k applied, outside training): no processor from a checkpoint's
 generation config (repetition penalty and the like) changes it behind the learner's back.
 """
 from __future__ import annotations
@@ -14,7 +14,21 @@ from typing import Tuple
 
 import torch
 
+from rlctl.errors import UserError
 from rlctl.models.kv_share import cache_of
+
+
+def check_training_sampling(top_k: int) -> None:
+    """Training samples from exactly the distribution its log-probs are taken from:
+    softmax(logits / temperature). Top-k is refused for ``rlctl train`` (eval and rollout
+    may use it): the truncated policy's support moves with the weights, so a token the
+    behaviour policy sampled can have probability 0 under the learner (a stale async
+    rollout, a later epoch, float rounding at the k-th logit), where log-probs, ratios and
+    KL estimates stop being finite. Raises UserError (one line, exit 2)."""
+    if top_k:
+        raise UserError(f"rollout.top_k={top_k} is for rlctl eval and rollout only: training "
+                        "samples from the full softmax(logits / rollout.temperature) that its "
+                        "log-probs and ratios use; set rollout.top_k=0 for rlctl train")
 
 
 @torch.no_grad()
