@@ -45,8 +45,11 @@ def dry_run(cfg: DictConfig) -> List[str]:
     from rlctl.engine.trainer import needs_old_forward
     from rlctl.models.lora import count_parameters
 
+    from rlctl.rollout.sampler import check_training_sampling
+
     _quiet_libraries(cfg)
     _build_task(cfg)
+    check_training_sampling(cfg.rollout.top_k)
     model, critic, _, ref = _build_model(cfg)
     policy = getattr(model, "policy", model)
     pt, ptotal = count_parameters(model)

@@ -223,6 +223,8 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     except ValueError as exc:
         raise UserError(f"cannot load model: {exc}") from None
     from rlctl.engine.checks import warn_config
+    from rlctl.rollout.sampler import check_training_sampling
+    check_training_sampling(cfg.rollout.top_k)   # refused before a run directory exists
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
     stop = StopFlag()
     with stop.installed():

@@ -82,3 +82,4 @@ def test_rlctl_train_with_top_k_is_one_line_and_exit_2(tmp_path):
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "rollout.top_k=5" in lines[0] and "rollout.top_k=0" in lines[0]
     assert "Traceback" not in out.stderr
+    assert not any(tmp_path.glob("*-grpo-*")), "refused before a run directory is made"
