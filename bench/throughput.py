@@ -38,13 +38,13 @@ def _setup(overrides):
     from omegaconf import OmegaConf
 
     from rlctl.compose import compose
-    from rlctl.engine.run import _build_model, _build_task, _quiet_libraries
+    from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
 
     cfg = compose(["trainer.eval_every=0", "logger=none", *overrides]).cfg
     OmegaConf.resolve(cfg)
-    _quiet_libraries(cfg)
-    task = _build_task(cfg)
-    model, critic, tok, ref = _build_model(cfg)
+    quiet_libraries(cfg)
+    task = task_from_config(cfg)
+    model, critic, tok, ref = model_from_config(cfg)
     torch.manual_seed(cfg.seed * 1000)
     return cfg, task, model, tok
 

@@ -14,14 +14,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rlctl.config import GROUPS, register_schemas
+from rlctl.errors import ConfigError
 
 CONF_DIR = Path(__file__).parent / "conf"
 RECIPE_GROUP = "recipe"
 CRITIC_KEYS = {"algo.vf_coef", "algo.value_clip", "algo.critic_warmup_steps", "algo.lam"}
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration error (one line, exit code 2)."""
 
 
 def group_options(group: str) -> List[str]:

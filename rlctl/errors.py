@@ -1,4 +1,8 @@
-"""Map exceptions to the one-line messages and exit codes users see."""
+"""Every exception rlctl raises on purpose, and how the CLI shows it: one line and an exit
+code (2 for bad input, 1 for a run that cannot go on, 128 + signal for a stopped run).
+
+This module imports nothing from the rest of the package, so any module may raise these.
+"""
 from __future__ import annotations
 
 import shlex
@@ -8,6 +12,43 @@ from typing import Callable, Tuple
 
 class UserError(ValueError):
     """Bad input from the user: one line, exit code 2."""
+
+
+class ConfigError(UserError):
+    """A configuration value, key, group option or recipe that cannot be used."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, unreadable or does not fit the run."""
+
+
+class DataError(UserError):
+    """Bad data or data options: one line naming the key or the row."""
+
+
+class RewardError(UserError):
+    """A reward function failed or ran out of time with task.on_reward_error=raise."""
+
+
+class RunDirError(OSError):
+    """A run directory that cannot be created, read or locked (exit code 2)."""
+
+
+class TrainingFault(RuntimeError):
+    """Training cannot go on (e.g. non-finite updates); the message says why (exit 1)."""
+
+
+class ActorFailed(RuntimeError):
+    """A rollout actor died or raised; the message says which and why (exit 1)."""
+
+
+class LaunchError(RuntimeError):
+    """A rank failed: the message is its own one line where it left one; ``code`` the
+    exit code to give (2 for bad input); ``before_training``: it failed in set-up."""
+
+    def __init__(self, message: str, before_training: bool = False, code: int = 1):
+        super().__init__(message)
+        self.before_training, self.code = before_training, code
 
 
 class Interrupted(KeyboardInterrupt):
@@ -30,14 +71,11 @@ class Interrupted(KeyboardInterrupt):
 
 
 def user_message(exc: BaseException) -> Tuple[str, int]:
-    from rlctl.compose import ConfigError
-    from rlctl.engine.checkpoint import CheckpointError
-    from rlctl.engine.rundir import RunDirError
-
+    """(the one line users see, the exit code) for any exception."""
     text = " ".join(str(exc).split())
-    if isinstance(exc, (ConfigError, RunDirError, UserError, CheckpointError)):
+    if isinstance(exc, (UserError, RunDirError)):
         return text, 2
-    if type(exc).__name__ in ("TrainingFault", "LaunchError"):
+    if isinstance(exc, (TrainingFault, LaunchError, ActorFailed)):
         return text, int(getattr(exc, "code", 1))
     return f"{type(exc).__name__}: {text[:300]} (rerun with --debug for the traceback)", 1
 
@@ -46,7 +84,7 @@ def run_command(fn: Callable[[], object], debug: bool) -> None:
     """Run a CLI command: bad input is one line on stderr and exit code 2 (other failures
     1); --debug re-raises for the traceback. Ctrl-C exits 130 and SIGTERM 143, with the
     resume command when the trainer saved a checkpoint."""
-    import typer
+    import typer  # the CLI's own dependency; errors.py stays importable without it
 
     try:
         fn()

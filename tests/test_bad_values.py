@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlctl.compose import ConfigError, _explain, compose, validate
+from rlctl.compose import _explain, compose, validate
+
+from rlctl.errors import ConfigError
 from rlctl.config import (FREE_NUMBERS, RANGES, RLConfig, example_value, range_problem,
                           schema_fields)
 

@@ -2,7 +2,9 @@
 import pytest
 from omegaconf import OmegaConf
 
-from rlctl.compose import ConfigError, compose
+from rlctl.compose import compose
+
+from rlctl.errors import ConfigError
 from rlctl.engine.rundir import recipe_text
 
 

@@ -203,7 +203,8 @@ def test_bad_lora_target_leaves_no_run_directory(tmp_path, ranks):
 
 # ---- the lock, in-process -----------------------------------------------------------------
 def test_run_lock_refuses_a_live_holder_by_pid_and_takes_over_a_dead_ones(tmp_path):
-    from rlctl.engine.rundir import RunDirError, RunLock
+    from rlctl.engine.rundir import RunLock
+    from rlctl.errors import RunDirError
 
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
                                "from rlctl.engine.rundir import RunLock; "

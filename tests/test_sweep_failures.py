@@ -160,7 +160,7 @@ def test_ctrl_c_stops_the_sweep_and_keeps_what_finished(monkeypatch, tmp_path):
 
 def test_a_training_fault_fails_the_sweep_with_exit_1_after_the_rest(monkeypatch, tmp_path, capsys):
     import rlctl.engine.run as run_mod
-    from rlctl.engine.trainer import TrainingFault
+    from rlctl.errors import TrainingFault
     calls = []
 
     def fake_training(overrides, recipe=None, resume=None):

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.compose import ConfigError, compose, recipe_files
+from rlctl.compose import compose, recipe_files
+
+from rlctl.errors import ConfigError
 from rlctl.engine.sweep import expand, summarize
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")

@@ -21,18 +21,10 @@ import sys
 import time
 from pathlib import Path
 from typing import List
+from rlctl.errors import LaunchError
 
 EXIT_SETUP = 3          # a rank failed before its first training step (set-up)
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
-
-
-class LaunchError(RuntimeError):
-    """A rank failed: the message is its own one line where it left one; ``code`` the
-    exit code to give (2 for bad input); ``before_training``: it failed in set-up."""
-
-    def __init__(self, message: str, before_training: bool = False, code: int = 1):
-        super().__init__(message)
-        self.before_training, self.code = before_training, code
 
 
 def _error_file(run_dir: Path, rank: int) -> Path:

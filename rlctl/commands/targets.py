@@ -90,7 +90,7 @@ def load_config(target: Target, overrides: Sequence[str]):
 def _config_yaml_with_overrides(path: Path, overrides: Sequence[str]):
     from omegaconf import OmegaConf
 
-    from rlctl.compose import ConfigError
+    from rlctl.errors import ConfigError
 
     cfg = OmegaConf.load(path)
     OmegaConf.set_struct(cfg, True)
@@ -105,11 +105,11 @@ def _config_yaml_with_overrides(path: Path, overrides: Sequence[str]):
 def open_target(target_arg, overrides):
     """(target, cfg, task, model, tokenizer, description) for eval/rollout: path errors come
     before the heavy imports; chat prompts are bound to the model's tokenizer."""
-    from rlctl.engine.run import _build_task
+    from rlctl.engine.build import task_from_config
 
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
-    task = _build_task(cfg)
+    task = task_from_config(cfg)
     model, tokenizer, what = load_policy(target, cfg)
     bind_task(task, tokenizer)
     return target, cfg, task, model, tokenizer, what
@@ -131,9 +131,9 @@ def load_policy(target: Target, cfg):
 
     from rlctl.models.loading import load_model_and_tokenizer
 
-    from rlctl.engine.run import _quiet_libraries
+    from rlctl.engine.build import quiet_libraries
 
-    _quiet_libraries(cfg)
+    quiet_libraries(cfg)
     device, dtype = cfg.hardware.device, cfg.model.dtype
     model_dir = target.path
     if target.kind == "run":

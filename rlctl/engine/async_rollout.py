@@ -42,8 +42,9 @@ from typing import Dict, List
 
 import torch
 
-from rlctl.engine.wire import ActorFailed, Posted, Sent, pack, recv_message, send_message, unpack
-from rlctl.tasks.scoring import RewardError
+from rlctl.engine.wire import Posted, Sent, pack, recv_message, send_message, unpack
+
+from rlctl.errors import ActorFailed, RewardError
 from rlctl.types import RolloutBatch
 
 USER_ERROR, ACTOR_ERROR = -2, -3
@@ -244,16 +245,16 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from rlctl.engine.run import _build_model, _build_task, _quiet_libraries
+    from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
     from rlctl.errors import UserError
     from rlctl.rollout.generate import rollout
     from rlctl.tasks.scoring import RewardScorer
 
     os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
     cfg = OmegaConf.create(cfg_yaml)
-    _quiet_libraries(cfg)
-    task = _build_task(cfg)
-    model, _, tok, _ = _build_model(cfg)
+    quiet_libraries(cfg)
+    task = task_from_config(cfg)
+    model, _, tok, _ = model_from_config(cfg)
     model.eval()
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)

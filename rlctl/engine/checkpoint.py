@@ -22,12 +22,9 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
+from rlctl.errors import CheckpointError
 
 PREFIX = "step-"
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

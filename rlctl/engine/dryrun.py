@@ -41,16 +41,16 @@ def dry_run(cfg: DictConfig) -> List[str]:
     from rich.console import Console
     from rich.table import Table
 
-    from rlctl.engine.run import _build_model, _build_task, _quiet_libraries
+    from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
     from rlctl.engine.trainer import needs_old_forward
     from rlctl.models.lora import count_parameters
 
     from rlctl.rollout.sampler import check_training_sampling
 
-    _quiet_libraries(cfg)
-    _build_task(cfg)
+    quiet_libraries(cfg)
+    task_from_config(cfg)
     check_training_sampling(cfg.rollout.top_k)
-    model, critic, _, ref = _build_model(cfg)
+    model, critic, _, ref = model_from_config(cfg)
     policy = getattr(model, "policy", model)
     pt, ptotal = count_parameters(model)
     ct, ctotal = count_parameters(critic)

@@ -17,65 +17,8 @@ from typing import List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from rlctl.compose import compose
+from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
 from rlctl.errors import Interrupted, UserError
-
-
-def attach_critic(model, critic: str):
-    """(model, separate critic or None) for algo.critic = none | shared | separate."""
-    if critic == "none":
-        return model, None
-    from rlctl.models.value import PolicyValueModel, SeparateCritic
-
-    if critic == "shared":
-        return PolicyValueModel(model), None
-    return model, SeparateCritic(model)
-
-
-def _quiet_libraries(cfg: DictConfig) -> None:
-    if cfg.hardware.device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers may import deepspeed
-    import torch
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    torch.set_num_threads(cfg.hardware.num_threads)
-
-
-def _build_task(cfg: DictConfig):
-    from rlctl.tasks import build_task
-
-    opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
-    try:
-        return build_task(cfg.task.name, **opts)
-    except (ValueError, TypeError) as exc:
-        raise UserError(f"task '{cfg.task.name}': {exc}") from None
-
-
-def _build_model(cfg: DictConfig):
-    """(policy or PolicyValueModel, separate critic or None, tokenizer, LoRA reference)."""
-    import torch
-
-    from rlctl.models.loading import load_model_and_tokenizer
-
-    opts = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in ("name", "lora")}
-    try:
-        model, tokenizer = load_model_and_tokenizer(cfg.model.name, device=cfg.hardware.device, **opts)
-    except (ValueError, OSError) as exc:
-        raise UserError(f"cannot load model: {exc}") from None
-    torch.manual_seed(cfg.seed)
-    ref_model = None
-    if cfg.model.lora.enabled:
-        from rlctl.models.lora import apply_lora, reference_for
-        lo = cfg.model.lora
-        try:
-            model = apply_lora(model, lo.r, lo.alpha, lo.dropout, list(lo.target_modules))
-        except (ValueError, ImportError) as exc:
-            raise UserError(f"model.lora: {exc}") from None
-        if cfg.algo.kl.coef > 0:   # the base with the adapter disabled: no second copy
-            ref_model = reference_for(model)
-    model, critic = attach_critic(model, cfg.algo.critic)
-    return model, critic, tokenizer, ref_model
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:
@@ -139,7 +82,7 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
                on_step=None) -> Optional[dict]:
     """Train on this rank; rank 0 saves and returns the summary (other ranks: None).
     ``stop``: the StopFlag the loop checks; ``on_step(step, metrics)`` after each step."""
-    _quiet_libraries(cfg)
+    quiet_libraries(cfg)
     import torch
 
     from rlctl.backends.base import build_backend
@@ -152,8 +95,8 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
     hw = cfg.hardware
     backend = build_backend(hw.backend, hw.device, hw.zero_stage, hw.precision, hw.deepspeed_config)
     try:
-        task = _build_task(cfg)
-        model, critic, tokenizer, ref_model = _build_model(cfg)
+        task = task_from_config(cfg)
+        model, critic, tokenizer, ref_model = model_from_config(cfg)
         from rlctl.tasks import bind_tokenizer
         try:
             bind_tokenizer(task, tokenizer)      # chat prompts render with the model's template
@@ -216,7 +159,7 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     composed = compose(overrides, recipe)
     cfg = composed.cfg
     OmegaConf.resolve(cfg)
-    _build_task(cfg)                       # bad task options fail before anything is written
+    task_from_config(cfg)                       # bad task options fail before anything is written
     from rlctl.models.loading import check_source
     try:
         check_source(cfg.model.name, cfg.model.name_or_path)

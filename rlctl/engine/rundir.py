@@ -27,10 +27,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlctl.compose import Composed
-
-
-class RunDirError(OSError):
-    pass
+from rlctl.errors import RunDirError
 
 
 LOCK_FILE = ".lock"

@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from rlctl.compose import ConfigError
-from rlctl.errors import UserError, user_message
+from rlctl.errors import ConfigError, TrainingFault, UserError, user_message
 
 METRICS = ("eval/exact_match", "eval/reward", "eval/length_mean")
 COLUMNS = METRICS + ("train_seconds",)
@@ -137,7 +136,6 @@ def _raise_if_failed(results: List[Dict]) -> None:
                "sweep.json and sweep.md give each one's error")
     if all(r.get("exit_code") == 2 for r in failed):
         raise UserError(message)
-    from rlctl.engine.trainer import TrainingFault
     raise TrainingFault(message)
 
 

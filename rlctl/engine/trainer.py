@@ -29,7 +29,7 @@ from rlctl.engine.policy import learner_forward
 from rlctl.engine.stats import POLICY_KEYS, reduce_metrics, rollout_metrics
 from rlctl.engine.stopping import StopFlag
 from rlctl.engine.update import UpdateSettings, UpdateState, prompt_labels_of, update_policy
-from rlctl.errors import Interrupted
+from rlctl.errors import Interrupted, TrainingFault
 from rlctl.models.kv_share import regroup
 from rlctl.rollout.collect import collect
 from rlctl.rollout.generate import rollout
@@ -276,7 +276,3 @@ class Trainer:
             result.eval_end = {k: v for k, v in result.last_metrics.items() if k.startswith("eval/")} \
                 or self._evaluate()
         return result
-
-
-class TrainingFault(RuntimeError):
-    """Training cannot go on (e.g. non-finite updates); the message says why."""

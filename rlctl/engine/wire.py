@@ -7,12 +7,9 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 import torch
+from rlctl.errors import ActorFailed
 
 HEADER = 8
-
-
-class ActorFailed(RuntimeError):
-    """A rollout actor died or raised; the message says which and why."""
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -26,13 +26,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.base import RAW_PROMPT, register_task, task_options
-from rlctl.tasks.scoring import RewardError, describe_sample
+from rlctl.tasks.scoring import describe_sample
+from rlctl.errors import DataError, RewardError
 from rlctl.tasks.rewards import RewardFn, parse_rewards
 from rlctl.types import Example
-
-class DataError(ValueError):
-    """Bad data or data options: one line naming the key (exit code 2 from the CLI)."""
-
 
 # A prompt longer than this is refused when the file is read, before any tokenizer or
 # model sees it: far beyond any model's context, and a single such row would otherwise

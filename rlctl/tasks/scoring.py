@@ -15,14 +15,11 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from rlctl.errors import UserError
+from rlctl.errors import RewardError, UserError
 from rlctl.tasks.base import ON_REWARD_ERROR, RAW_PROMPT, task_options
 from rlctl.types import Example
 
 log = logging.getLogger(__name__)
-
-class RewardError(UserError):
-    """A reward function failed or ran out of time with task.on_reward_error=raise."""
 
 
 def _one_line(text: Any, limit: int = 60) -> str:

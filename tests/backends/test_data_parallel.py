@@ -182,6 +182,7 @@ def test_deepspeed_two_processes_through_the_console_script(tmp_path):
 
 
 def test_bad_process_count_is_one_line():
-    from rlctl.compose import ConfigError, compose
+    from rlctl.compose import compose
+    from rlctl.errors import ConfigError
     with pytest.raises(ConfigError, match="hardware.num_processes=3 must be >= 1 and divide"):
         compose(["hardware.num_processes=3"])

@@ -57,7 +57,7 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
 
     import pytest
 
-    from rlctl.tasks.scoring import RewardError
+    from rlctl.errors import RewardError
 
     (tmp_path / "bad_reward.py").write_text("def reward(prompt, completion, **f):\n"
                                             "    raise ValueError('boom from the reward')\n")
@@ -67,9 +67,9 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
                           f"task.reward_fn={tmp_path / 'bad_reward.py'}:reward",
                           "task.on_reward_error=raise", "trainer.async.enabled=true"]).cfg
     OmegaConf.resolve(cfg)
-    from rlctl.engine.run import _build_model, _build_task
-    model, _, tok, _ = _build_model(cfg)
-    tr = Trainer(cfg, model, tok, _build_task(cfg), NullSink())
+    from rlctl.engine.build import model_from_config, task_from_config
+    model, _, tok, _ = model_from_config(cfg)
+    tr = Trainer(cfg, model, tok, task_from_config(cfg), NullSink())
     t0 = time.monotonic()
     try:
         with pytest.raises(RewardError, match="boom from the reward"):
@@ -80,7 +80,7 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
 
 
 def test_an_actor_that_dies_is_reported_not_waited_for(make_trainer):
-    from rlctl.engine.wire import ActorFailed
+    from rlctl.errors import ActorFailed
     import pytest
 
     tr = make_trainer(BASE + ["trainer.async.enabled=true"])
@@ -166,9 +166,9 @@ def test_a_step_mixing_stale_and_fresh_rollouts_keeps_behaviour_logprobs(tmp_pat
     cfg = compose(BASE + ["algo=dapo", "task=jsonl", f"task.train_path={data}", "task.num_eval=2",
                           f"task.reward_fn={tmp_path / 'half.py'}:reward", "trainer.async.enabled=true"]).cfg
     OmegaConf.resolve(cfg)
-    from rlctl.engine.run import _build_model, _build_task
-    model, _, tok, _ = _build_model(cfg)
-    tr = Trainer(cfg, model, tok, _build_task(cfg), NullSink())
+    from rlctl.engine.build import model_from_config, task_from_config
+    model, _, tok, _ = model_from_config(cfg)
+    tr = Trainer(cfg, model, tok, task_from_config(cfg), NullSink())
     try:
         _check_mixed_steps(tr)
     finally:

@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
-from rlctl.engine.run import _build_model, _build_task
+from rlctl.engine.build import model_from_config, task_from_config
 from rlctl.engine.trainer import Trainer
 from rlctl.sinks import NullSink
 
@@ -16,9 +16,9 @@ SMALL = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=
 def _trainer(overrides):
     cfg = compose(["algo=ppo", *SMALL, *overrides]).cfg
     OmegaConf.resolve(cfg)
-    model, critic, tok, _ = _build_model(cfg)
+    model, critic, tok, _ = model_from_config(cfg)
     torch.manual_seed(0)
-    return cfg, Trainer(cfg, model, tok, _build_task(cfg), NullSink(), critic=critic)
+    return cfg, Trainer(cfg, model, tok, task_from_config(cfg), NullSink(), critic=critic)
 
 
 def _run(overrides, steps):

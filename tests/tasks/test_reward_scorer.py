@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from rlctl.tasks import RewardError, RewardScorer, build_task
+from rlctl.errors import RewardError
+from rlctl.tasks import RewardScorer, build_task
 
 USER_MODULE = '''
 import math, os, time
