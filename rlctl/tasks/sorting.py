@@ -1,18 +1,19 @@
-"""Sort n digits (seed 001): prompt ``"3 1 4 1 5 ="``, correct completion ``"1 1 3 4 5"``.
+"""Sort n digits: prompt ``"3 1 4 1 5 ="``, correct completion ``"1 1 3 4 5"``.
 
-Three reward designs from the seed, all computed on the completion split on whitespace.
+Three reward designs, all computed on the completion split on whitespace.
 A completion holding any token that is not a single ASCII digit is *malformed* and
 scores 0 under every design; no reward ever raises.
 
 - ``exact``: 1 iff the output equals the sorted digits. Sparse.
 - ``positional``: partial credit, the number of positions i with out[i] == target[i].
-  Departure from the seed: divided by max(n, len(out)) rather than n, so that an
-  over-long answer is penalised (the seed's count alone is blind to extra tokens).
-- ``inclusion_order``: the seed's design as written: +1 for each output digit that
+  Divided by max(n, len(out)) rather than n, so that an over-long answer is
+  penalised (the count of matches alone is blind to extra tokens).
+- ``inclusion_order``: a naive shaping, on purpose: +1 for each output digit that
   occurs in the prompt, +1 for each adjacent non-decreasing pair, divided by 2n-1 (the
   score of the correct answer). Deliberately *not* clipped: an output longer than n can
   score above 1 (e.g. ten 1s for the prompt "3 1 4 1 5" score 19/9), which is exactly
-  the reward-hacking risk the seed warns about: long wrong answers earn more credit.
+  its reward-hacking risk: long wrong answers earn more credit (``--recipe
+  reward-hacking`` shows a policy find it).
 
 ``is_correct`` is the exact match whatever reward is used for training.
 
