@@ -28,9 +28,11 @@ accumulation dtype (float32 for bf16/float32, float64 for float64), like
 `token_logprobs`; gradients come back in each input's own dtype, grad_W and grad_b
 accumulated over chunks in the accumulation dtype. Not twice differentiable.
 
-Memory beyond the inputs and outputs: a few [C, V] float buffers, [M] vectors, and in the
-backward one [V, H] accumulator (the gradient of W itself). Padding positions need no
-special case: any token id in [0, V) gives finite values; callers mask afterwards.
+Memory beyond the inputs and outputs: two [C, V] buffers in the accumulation dtype,
+allocated once per call and reused by every chunk (bf16 inputs add a bf16 [C, V] matmul
+output per chunk, and a float32 [V, H] accumulator for grad_W), and [M] vectors. Padding
+positions need no special case: any token id in [0, V) gives finite values; callers mask
+afterwards.
 """
 from __future__ import annotations
 
