@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from rlctl.core import (broadcast_to_tokens, gae, get_advantage_estimator, kl_shaped_rewards,
-                        masked_whiten, overlong_penalty)
+                        masked_whiten, overlong_penalty, resolve_kl_estimator)
 from rlctl.types import RolloutBatch
 
 TOKEN_LEVEL = {"gae"}
@@ -49,6 +49,17 @@ class AdvantageSettings:
     overlong_buffer: int
     overlong_penalty: float
     max_new_tokens: int
+
+    @classmethod
+    def from_config(cls, cfg) -> "AdvantageSettings":
+        """From the composed config's ``algo`` and ``rollout`` sections."""
+        algo = cfg.algo
+        return cls(estimator=algo.advantage, std_eps=algo.std_eps, baseline=algo.baseline,
+                   gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
+                   kl_in_reward=algo.kl.placement == "in_reward",
+                   kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
+                   overlong_buffer=algo.overlong_buffer, overlong_penalty=algo.overlong_penalty,
+                   max_new_tokens=cfg.rollout.max_new_tokens)
 
 
 def shaped_task_rewards(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tensor:
