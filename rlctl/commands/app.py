@@ -1,10 +1,16 @@
-"""The Typer commands `eval`, `rollout` and `inspect`. Only typer is imported here; the
-work (torch, transformers, hydra, matplotlib) is imported inside each command."""
+"""The Typer commands `eval`, `rollout` and `inspect`. Only typer and rlctl.errors (which
+imports nothing) are imported here; each command's module is imported inside the command."""
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import typer
+
+from rlctl.errors import UserError, run_command
+
+# The command modules (rlctl.commands.eval_cmd, rollout_cmd, inspect_cmd) are imported
+# inside the command bodies below, on purpose: they pull in torch, transformers and hydra
+# (seconds), and `rlctl --help` must not pay for them.
 
 FREE_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 DEBUG = typer.Option(False, "--debug", help="Show full tracebacks.")
@@ -47,7 +53,6 @@ INSPECT_HELP = """Summarise run directories or audit a rollout file.
 
 
 def _run(fn: Callable[[], object], debug: bool) -> None:
-    from rlctl.errors import run_command
     run_command(fn, debug)
 
 
@@ -59,8 +64,6 @@ def _int(name: str, value: Optional[str]) -> Optional[int]:
     try:
         return int(value)
     except ValueError:
-        from rlctl.errors import UserError
-
         raise UserError(f"{name} expects an integer, got '{value}'") from None
 
 

@@ -18,9 +18,19 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
+
+from rlctl.commands.files import write_json
 from rlctl.commands.passk import mean_pass_at_k, report_ks
-from rlctl.commands.targets import (open_target, task_scores, write_json)
+from rlctl.commands.targets import open_target, task_scores
+from rlctl.core.logprobs import completion_mask
 from rlctl.errors import UserError
+from rlctl.rollout.generate import decode_completions, generate
+from rlctl.tasks.scoring import RewardScorer
 
 # The first metrics of each column (then reward/<design>, well_formed, pass@k).
 METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")
@@ -30,11 +40,6 @@ def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
                 temperature: float, top_k: int, max_new_tokens: int, batch_size: int,
                 reward_name: str, scorer, on_chunk=None) -> Dict[str, float]:
     """Mean metrics over ``samples`` completions of each example, plus pass@k."""
-    import torch
-
-    from rlctl.core.logprobs import completion_mask
-    from rlctl.rollout.generate import decode_completions, generate
-
     well_formed = getattr(task, "is_well_formed", None)
     sums: Dict[str, float] = defaultdict(float)
     correct_counts: List[int] = []
@@ -91,9 +96,6 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
         raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
     t0 = time.perf_counter()
     target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
-    import torch
-    from omegaconf import OmegaConf
-
     examples = task.eval_examples()
     if not examples:
         raise UserError("the task's eval split is empty; set task.num_eval=N")
@@ -101,14 +103,9 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     ro = cfg.rollout
     top_k = int(ro.get("top_k", 0) or 0)
 
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     err = Console(stderr=True, quiet=quiet)
     err.print(f"evaluating {what} on {len(examples)} held-out prompts "
               f"(greedy, and {samples} sample(s) at temperature {ro.temperature})", soft_wrap=True)
-    from rlctl.tasks.scoring import RewardScorer
-
     scorer = RewardScorer(task)
     common = dict(max_new_tokens=ro.max_new_tokens, batch_size=batch_size,
                   reward_name=reward_name, scorer=scorer)
@@ -139,9 +136,6 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
 
 
 def print_eval(result: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     greedy, sampled = result["greedy"], result["sampled"]
     table = Table(title=f"rlctl eval: {result['model']}")
     table.add_column("metric")

@@ -16,9 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import yaml
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from rlctl.commands.audit import audit_rollout
+from rlctl.commands.audit_print import print_audit
+from rlctl.commands.files import is_run_dir, write_json
 from rlctl.commands.fmt import MISSING, flatten, show
-from rlctl.commands.targets import is_run_dir, write_json
+from rlctl.commands.plots import plot_compare, plot_run, series
+from rlctl.compose import compose
 from rlctl.errors import UserError
+from rlctl.sinks.jsonl import read_jsonl
+from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
 
 SUMMARY_KEYS = ("reward/mean", "eval/exact_match", "eval/reward", "policy/kl_ref",
                 "policy/approx_kl", "policy/clip_frac", "policy/entropy", "length/mean",
@@ -36,8 +47,6 @@ class Run:
 
 
 def load_run(path: Path) -> Run:
-    import yaml
-
     try:
         config = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -56,15 +65,11 @@ def load_run(path: Path) -> Run:
 
 
 def _load_metrics(path: Path):
-    from rlctl.sinks.jsonl import read_jsonl
-
     if (path / "metrics.jsonl").is_file():
         try:
             return read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
         except ValueError as exc:       # not UTF-8: one line naming the file
             raise UserError(str(exc)) from None
-    from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
-
     wandb_file = find_wandb_run_file(path)
     if wandb_file is None:
         return [], None
@@ -82,10 +87,6 @@ def _load_metrics(path: Path):
 
 
 def default_config() -> Dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    from rlctl.compose import compose
-
     cfg = compose([]).cfg
     return flatten(OmegaConf.to_container(cfg, resolve=True))
 
@@ -110,8 +111,6 @@ def _differs(a, b) -> bool:
 
 
 def metric_summary(rows: Sequence[dict]) -> Dict[str, Optional[dict]]:
-    from rlctl.commands.plots import series
-
     out: Dict[str, Optional[dict]] = {}
     for key in SUMMARY_KEYS:
         xs, ys = series(rows, key)
@@ -163,8 +162,6 @@ def run_inspect(paths: Sequence[str], out_dir: Optional[str] = None,
     if examples < 0:
         raise UserError(f"--examples must be >= 0 (got {examples})")
     if kind == "rollout":
-        from rlctl.commands.audit import audit_rollout, print_audit
-
         try:
             report = audit_rollout(what, examples=examples)
         except UnicodeDecodeError as exc:
@@ -224,8 +221,6 @@ def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
               "keys_not_in_run": newer,
               "metrics": metric_summary(run.rows), "plots": [], "plots_skipped": []}
     if plots and run.rows:
-        from rlctl.commands.plots import plot_run
-
         written, skipped = plot_run(run.rows, _ensure_dir(out_dir or path))
         report["plots"], report["plots_skipped"] = [str(p) for p in written], skipped
     return report
@@ -251,8 +246,6 @@ def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
               "metrics": {label: metric_summary(r.rows) for label, r in zip(labels, runs)},
               "plots": [], "plots_skipped": []}
     if plots and any(r.rows for r in runs):
-        from rlctl.commands.plots import plot_compare
-
         written, skipped = plot_compare({lb: r.rows for lb, r in zip(labels, runs)},
                                         _ensure_dir(out_dir))
         report["plots"], report["plots_skipped"] = [str(p) for p in written], skipped
@@ -261,14 +254,10 @@ def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
 
 # -- printing ----------------------------------------------------------------------------
 def _console():
-    from rich.console import Console
-
     return Console()
 
 
 def print_run(report: dict) -> None:
-    from rich.table import Table
-
     console = _console()
     console.print(f"[bold]run[/bold] {report['run_dir']}", soft_wrap=True)
     if report["overrides"]:
@@ -291,8 +280,6 @@ def print_run(report: dict) -> None:
 
 
 def _print_metrics(console, metrics: dict, source: Optional[str], steps: int) -> None:
-    from rich.table import Table
-
     if source is None:
         console.print("no metrics logged (metrics.jsonl or a wandb run file; logger=none?)")
         return
@@ -317,8 +304,6 @@ def _print_plots(console, report: dict) -> None:
 
 
 def print_compare(report: dict) -> None:
-    from rich.table import Table
-
     console = _console()
     labels = report["runs"]
     table = Table(title=f"config keys that differ between {len(labels)} runs")

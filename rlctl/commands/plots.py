@@ -5,6 +5,7 @@ left out, and a plot with none of its series is skipped (reported to the caller)
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -37,6 +38,7 @@ def series(rows: Sequence[dict], key: str) -> Tuple[List[float], List[float]]:
 
 
 def _plt():
+    # matplotlib is optional and slow to import (about a second): only when plotting
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,8 +48,6 @@ def _plt():
 
 
 def _band(ax, rows, key, color):
-    import math
-
     extra = BANDS.get(key)
     if not extra:
         return

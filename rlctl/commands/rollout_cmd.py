@@ -30,15 +30,79 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
-from rlctl.commands.targets import (open_target, task_scores)
+import torch
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn,
+                           TimeRemainingColumn)
+
+from rlctl.commands.targets import open_target, task_scores
+from rlctl.engine.policy import learner_forward
 from rlctl.errors import UserError
+from rlctl.rollout.generate import rollout
+from rlctl.tasks.scoring import RewardScorer
+
+
+@dataclass
+class _Plan:
+    """What to sample: the prompts and the rollout settings of the composed config."""
+    split: str
+    examples: list          # the first N prompts of the split
+    group: int              # G completions per prompt
+    per_chunk: int          # prompts per generate call
+    temperature: float
+    top_k: int
+    max_new: int
+    reward_name: str
+    eos: int
+
 
 def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Optional[str],
                 prompts: Optional[int] = None, samples: Optional[int] = None,
                 split: str = "train", batch_size: int = 256, quiet: bool = False) -> dict:
+    _check_options(out, split, prompts, samples, batch_size)
+    t0 = time.perf_counter()
+    target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
+    plan = _plan(cfg, task, tokenizer, split, prompts, samples, batch_size)
+    path, fh = _open_out(out)
+    n_prompts = len(plan.examples)
+    err = Console(stderr=True, quiet=quiet)
+    err.print(f"rollout: {what}, {n_prompts} {split} prompts x {plan.group} samples "
+              f"(temperature {plan.temperature:g}, max_new_tokens {plan.max_new}) -> {path}",
+              soft_wrap=True)
+    torch.manual_seed(cfg.seed)
+    rows = truncated = 0
+    reward_sum = 0.0
+    scorer = RewardScorer(task)
+    with scorer, fh, Progress("[progress.description]{task.description}", BarColumn(),
+                              MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                              console=err, transient=True) as bar:
+        job = bar.add_task("prompts", total=n_prompts)
+        for start in range(0, n_prompts, plan.per_chunk):
+            chunk = plan.examples[start:start + plan.per_chunk]
+            lines = _chunk_rows(plan, model, tokenizer, task, scorer, start, chunk)
+            for row in lines:
+                rows += 1
+                truncated += row["truncated"]
+                reward_sum += row["reward"]
+            fh.write("\n".join(json.dumps(row, allow_nan=False) for row in lines) + "\n")
+            fh.flush()
+            bar.advance(job, len(chunk))
+    summary = {"path": str(path), "rows": rows, "prompts": n_prompts, "samples": plan.group,
+               "split": split, "truncated_frac": truncated / max(rows, 1),
+               "reward_mean": reward_sum / max(rows, 1),
+               "seconds": round(time.perf_counter() - t0, 3)}
+    if not quiet:
+        print(f"wrote {rows} completions ({n_prompts} prompts x {plan.group}) to {path}; "
+              f"reward/mean {summary['reward_mean']:.4f}, truncated "
+              f"{summary['truncated_frac']:.3f}, {summary['seconds']:.1f}s")
+    return summary
+
+
+def _check_options(out, split, prompts, samples, batch_size) -> None:
     if not out:
         raise UserError("rollout needs --out FILE.jsonl")
     if split not in ("train", "eval"):
@@ -47,97 +111,72 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                         ("--batch-size", batch_size)):
         if value is not None and value < 1:
             raise UserError(f"{name} must be >= 1 (got {value})")
-    t0 = time.perf_counter()
-    target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
-    import torch
 
-    from rlctl.engine.policy import learner_forward
-    from rlctl.rollout.generate import rollout
 
+def _plan(cfg, task, tokenizer, split, prompts, samples, batch_size) -> _Plan:
     examples = task.train_examples() if split == "train" else task.eval_examples()
     n_prompts = prompts or int(cfg.trainer.prompts_per_step)
     group = samples or int(cfg.algo.group_size)
     if n_prompts > len(examples):
         raise UserError(f"--prompts {n_prompts} exceeds the {len(examples)} prompts of the "
                         f"{split} split")
-    examples = examples[:n_prompts]
     ro = cfg.rollout
-    temperature, top_k, max_new = float(ro.temperature), int(ro.get("top_k", 0) or 0), \
-        int(ro.max_new_tokens)
-    reward_name = str(cfg.task.get("reward", None) or "reward")
-    eos = int(tokenizer.eos_token_id)
+    return _Plan(split=split, examples=examples[:n_prompts], group=group,
+                 per_chunk=max(1, batch_size // group), temperature=float(ro.temperature),
+                 top_k=int(ro.get("top_k", 0) or 0), max_new=int(ro.max_new_tokens),
+                 reward_name=str(cfg.task.get("reward", None) or "reward"),
+                 eos=int(tokenizer.eos_token_id))
+
+
+def _open_out(out: str):
     path = Path(out).expanduser()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fh = path.open("w", encoding="utf-8")
+        return path, path.open("w", encoding="utf-8")
     except OSError as exc:
         raise UserError(f"cannot write '{out}': {exc.strerror or exc}") from None
 
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn,
-                               TimeRemainingColumn)
 
-    err = Console(stderr=True, quiet=quiet)
-    err.print(f"rollout: {what}, {n_prompts} {split} prompts x {group} samples "
-              f"(temperature {temperature:g}, max_new_tokens {max_new}) -> {path}", soft_wrap=True)
-    torch.manual_seed(cfg.seed)
-    per_chunk = max(1, batch_size // group)
-    rows = truncated = 0
-    reward_sum = 0.0
-    from rlctl.tasks.scoring import RewardScorer
-    scorer = RewardScorer(task)
+def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) -> List[dict]:
+    """Sample G completions of each prompt in ``chunk``, score them, and return one row
+    per completion (group ids count from ``start``)."""
     totals: list = []
 
     def score(rows, texts):        # keep the exact totals (the batch holds float32)
         totals[:] = scorer.score_batch(rows, texts)
         return totals
-    with scorer, fh, Progress("[progress.description]{task.description}", BarColumn(),
-                      MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-                      console=err, transient=True) as bar:
-        job = bar.add_task("prompts", total=n_prompts)
-        for start in range(0, n_prompts, per_chunk):
-            chunk = examples[start:start + per_chunk]
-            batch = rollout(model, tokenizer, chunk, group, max_new, temperature, top_k, score)
-            per_row = [chunk[i // group] for i in range(len(totals))]
-            oks = scorer.correct_batch(per_row, batch.completions, totals)
-            with torch.no_grad():
-                logp = learner_forward(model, batch.input_ids, batch.attention_mask,
-                                       batch.prompt_len, temperature,
-                                       share_prompts=True).logp.float()  # [N, T]
-            ids = batch.completion_ids.tolist()
-            lengths = batch.mask.sum(-1).long().tolist()
-            logp_rows = logp.tolist()
-            lines = []
-            for i, text in enumerate(batch.completions):
-                b, n = i // group, lengths[i]
-                ex = chunk[b]
-                token_ids, lps = ids[i][:n], logp_rows[i][:n]
-                row = {
-                    "group": start + b, "sample": i % group, "split": split,
-                    "prompt_index": start + b, "prompt": ex.prompt, "completion": text,
-                    "token_ids": token_ids, "logprobs": [round(v, 6) for v in lps],
-                    "logprob_sum": round(sum(lps), 6), "length": n,
-                    "ended_with_eos": bool(n > 0 and token_ids[-1] == eos
-                                           and not batch.truncated[i].item()),
-                    "truncated": bool(batch.truncated[i].item()),
-                    "max_new_tokens": max_new, "eos_token_id": eos,
-                    "reward": float(totals[i]),  # exact, not float32
-                    "rewards": task_scores(task, ex, text, reward_name, totals[i]),
-                    "correct": bool(oks[i]),
-                }
-                rows += 1
-                truncated += row["truncated"]
-                reward_sum += row["reward"]
-                lines.append(json.dumps(row, allow_nan=False))
-            fh.write("\n".join(lines) + "\n")
-            fh.flush()
-            bar.advance(job, len(chunk))
-    summary = {"path": str(path), "rows": rows, "prompts": n_prompts, "samples": group,
-               "split": split, "truncated_frac": truncated / max(rows, 1),
-               "reward_mean": reward_sum / max(rows, 1),
-               "seconds": round(time.perf_counter() - t0, 3)}
-    if not quiet:
-        print(f"wrote {rows} completions ({n_prompts} prompts x {group}) to {path}; "
-              f"reward/mean {summary['reward_mean']:.4f}, truncated "
-              f"{summary['truncated_frac']:.3f}, {summary['seconds']:.1f}s")
-    return summary
+    g = plan.group
+    batch = rollout(model, tokenizer, chunk, g, plan.max_new, plan.temperature, plan.top_k,
+                    score)
+    per_row = [chunk[i // g] for i in range(len(totals))]
+    oks = scorer.correct_batch(per_row, batch.completions, totals)
+    with torch.no_grad():
+        logp = learner_forward(model, batch.input_ids, batch.attention_mask,
+                               batch.prompt_len, plan.temperature,
+                               share_prompts=True).logp.float()  # [N, T]
+    ids, logp_rows = batch.completion_ids.tolist(), logp.tolist()    # [N, T] lists
+    lengths = batch.mask.sum(-1).long().tolist()                     # [N]
+    truncated = batch.truncated.tolist()                             # [N]
+    rows = []
+    for i, text in enumerate(batch.completions):
+        n = lengths[i]
+        rows.append(_row(plan, task, start + i // g, i % g, chunk[i // g], text, ids[i][:n],
+                         logp_rows[i][:n], bool(truncated[i]), totals[i], bool(oks[i])))
+    return rows
+
+
+def _row(plan: _Plan, task, group: int, sample: int, ex, text: str, token_ids, lps,
+         truncated: bool, total: float, correct: bool) -> dict:
+    n = len(token_ids)
+    return {
+        "group": group, "sample": sample, "split": plan.split,
+        "prompt_index": group, "prompt": ex.prompt, "completion": text,
+        "token_ids": token_ids, "logprobs": [round(v, 6) for v in lps],
+        "logprob_sum": round(sum(lps), 6), "length": n,
+        "ended_with_eos": bool(n > 0 and token_ids[-1] == plan.eos and not truncated),
+        "truncated": truncated,
+        "max_new_tokens": plan.max_new, "eos_token_id": plan.eos,
+        "reward": float(total),  # exact, not float32
+        "rewards": task_scores(task, ex, text, plan.reward_name, total),
+        "correct": correct,
+    }

@@ -13,12 +13,20 @@ settings from that run; elsewhere from the default config plus overrides.
 from __future__ import annotations
 
 import json
-import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from rlctl.errors import UserError
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+from rlctl.commands.files import is_run_dir
+from rlctl.compose import compose
+from rlctl.engine.build import quiet_libraries, task_from_config
+from rlctl.errors import ConfigError, UserError
+from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer
+from rlctl.tasks import bind_tokenizer
 
 
 @dataclass
@@ -26,10 +34,6 @@ class Target:
     kind: str                       # "run" | "model" | "adapter" | "config"
     path: Optional[Path] = None     # what the user named
     run_dir: Optional[Path] = None  # the run whose config is used, if any
-
-
-def is_run_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "config.yaml").is_file()
 
 
 def split_args(args: Sequence[str], usage: str) -> Tuple[Optional[str], List[str]]:
@@ -71,10 +75,6 @@ def resolve_target(target: Optional[str]) -> Target:
 
 def load_config(target: Target, overrides: Sequence[str]):
     """The resolved config: the run's recipe (when there is a run) + overrides."""
-    from omegaconf import OmegaConf
-
-    from rlctl.compose import compose
-
     if target.run_dir is not None:
         recipe = target.run_dir / "recipe.yaml"
         if recipe.is_file():
@@ -88,10 +88,6 @@ def load_config(target: Target, overrides: Sequence[str]):
 
 
 def _config_yaml_with_overrides(path: Path, overrides: Sequence[str]):
-    from omegaconf import OmegaConf
-
-    from rlctl.errors import ConfigError
-
     cfg = OmegaConf.load(path)
     OmegaConf.set_struct(cfg, True)
     for item in overrides:
@@ -104,9 +100,8 @@ def _config_yaml_with_overrides(path: Path, overrides: Sequence[str]):
 
 def open_target(target_arg, overrides):
     """(target, cfg, task, model, tokenizer, description) for eval/rollout: path errors come
-    before the heavy imports; chat prompts are bound to the model's tokenizer."""
-    from rlctl.engine.build import task_from_config
-
+    before the config is composed and the model loaded; chat prompts are bound to the
+    model's tokenizer."""
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
     task = task_from_config(cfg)
@@ -117,8 +112,6 @@ def open_target(target_arg, overrides):
 
 def bind_task(task, tokenizer) -> None:
     """Chat prompts render with the model's template (one-line error without one)."""
-    from rlctl.errors import UserError
-    from rlctl.tasks import bind_tokenizer
     try:
         bind_tokenizer(task, tokenizer)
     except ValueError as exc:
@@ -127,12 +120,6 @@ def bind_task(task, tokenizer) -> None:
 
 def load_policy(target: Target, cfg):
     """(model in eval mode, tokenizer, a one-line description of what was loaded)."""
-    from omegaconf import OmegaConf
-
-    from rlctl.models.loading import load_model_and_tokenizer
-
-    from rlctl.engine.build import quiet_libraries
-
     quiet_libraries(cfg)
     device, dtype = cfg.hardware.device, cfg.model.dtype
     model_dir = target.path
@@ -164,8 +151,6 @@ def load_policy(target: Target, cfg):
 
 def _load_adapter(adapter_dir: Path, dtype: str, device: str):
     """A peft LoRA adapter on its base model (from adapter_config.json), merged."""
-    from rlctl.models.loading import load_model_and_tokenizer
-
     try:
         base_name = json.loads((adapter_dir / "adapter_config.json").read_text()).get(
             "base_model_name_or_path")
@@ -174,18 +159,12 @@ def _load_adapter(adapter_dir: Path, dtype: str, device: str):
     if not base_name:
         raise UserError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path")
     try:
-        from peft import PeftModel
+        from peft import PeftModel   # optional and slow to import (seconds): only for adapters
     except ImportError:
         raise UserError("loading a LoRA adapter needs peft: pip install 'rlctl[scale]'") from None
     base, tok = load_model_and_tokenizer("hf", name_or_path=base_name, dtype=dtype, device=device)
     if (adapter_dir / "tokenizer_config.json").is_file():  # saved with the adapter: prefer it
-        from transformers import AutoTokenizer
-
-        from rlctl.models.loading import _prepare_tokenizer
-
-        tok = _prepare_tokenizer(AutoTokenizer.from_pretrained(str(adapter_dir)), base)
-    import warnings
-
+        tok = prepare_tokenizer(AutoTokenizer.from_pretrained(str(adapter_dir)), base)
     with warnings.catch_warnings():  # peft calls deprecated transformers helpers
         warnings.simplefilter("ignore", FutureWarning)
         model = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
@@ -200,15 +179,3 @@ def task_scores(task, example, completion: str, reward_name: str, reward: float)
     if callable(score_all):
         return {k: float(v) for k, v in score_all(example, completion).items()}
     return {reward_name: float(reward)}
-
-
-def write_json(path: Path, data) -> Path:
-    path = Path(path).expanduser()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=False, allow_nan=False))
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise UserError(f"cannot write '{path}': {exc.strerror or exc}") from None
-    return path

@@ -12,6 +12,9 @@ from typing import Any, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlctl.models.tiny import build_tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODELS = ("tiny", "hf")
@@ -30,7 +33,9 @@ def _looks_like_path(name_or_path: str) -> bool:
             or name_or_path.count("/") > 1 or os.sep in name_or_path and os.sep != "/")
 
 
-def _prepare_tokenizer(tokenizer, model):
+def prepare_tokenizer(tokenizer, model):
+    """Left padding and a pad token (EOS if none) on ``tokenizer``; the model's generation
+    config gets the tokenizer's pad/EOS ids where it has none. Returns ``tokenizer``."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -60,12 +65,8 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
     "hf", all of them are ignored, so a whole ``ModelConfig`` can be passed through.
     Raises ValueError with a one-line message for an unknown name, dtype or a missing path.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     torch_dtype = resolve_dtype(dtype)
     if name == "tiny":
-        from rlctl.models.tiny import build_tiny
-
         accepted = inspect.signature(build_tiny).parameters
         path = str(build_tiny(**{k: v for k, v in tiny_kwargs.items()
                                  if k in accepted and v is not None}))
@@ -90,4 +91,4 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
             first = f"its .safetensors weights are corrupt or truncated ({first})"
         raise ValueError(f"cannot load model '{path}': {first}") from err
     model.to(device)
-    return model, _prepare_tokenizer(tokenizer, model)
+    return model, prepare_tokenizer(tokenizer, model)

@@ -51,6 +51,16 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import transformers
+from tokenizers import Tokenizer, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
+
+from rlctl.models.generation import greedy_exact_match
+from rlctl.tasks import TASKS
+from rlctl.tasks.arithmetic import ArithmeticTask, spaced
+from rlctl.tasks.sorting import SortingTask
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +82,8 @@ ARITH_WARMUP = {"batch_size": 256, "correct_frac": 1.0, "steps_scale": 2.5}
 
 def build_tokenizer():
     """Word-level tokenizer over digits and a few operators; prepends <bos>; pads left."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + SYMBOLS)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B:1", special_tokens=[("<bos>", vocab["<bos>"])])
@@ -88,8 +95,6 @@ def build_tokenizer():
 
 def build_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, seed: int):
     """A freshly initialised LlamaForCausalLM; the global RNG state is left untouched."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
     config = LlamaConfig(
@@ -164,8 +169,6 @@ def build_params(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4
                  warmup_num_digits: int = 5, warmup_task: str = "sorting") -> Dict[str, object]:
     """Everything that determines the built model (the cache key hashes this). The
     sorting warm-up adds no key, so its cache keys are those of before warm-up tasks."""
-    import transformers
-
     params = {"code_version": CODE_VERSION, "hidden_size": int(hidden_size),
             "num_layers": int(num_layers), "num_heads": int(num_heads),
             "warmup_steps": int(warmup_steps), "warmup_lr": float(warmup_lr),
@@ -202,8 +205,6 @@ def warmup_answers(task, examples, sorted_frac: float, seed: int) -> List[str]:
 def arithmetic_warmup_answers(task, examples, correct_frac: float, seed: int) -> List[str]:
     """The right answer with probability ``correct_frac``, else a random number with as
     many digits (the format without the skill)."""
-    from rlctl.tasks.arithmetic import spaced
-
     rng = random.Random(seed)
     answers = []
     for ex in examples:
@@ -219,15 +220,11 @@ def arithmetic_warmup_answers(task, examples, correct_frac: float, seed: int) ->
 def _warmup_data(params: Dict[str, object]):
     """(task, prompts, answers, batch size, eval max_new_tokens) of the warm-up task."""
     if params.get("warmup_task", "sorting") == "arithmetic":
-        from rlctl.tasks.arithmetic import ArithmeticTask
-
         task = ArithmeticTask(num_digits=2, ops=["+"], seed=WARMUP_TASK_SEED)
         train = task.train_examples()
         return (task, [ex.prompt for ex in train],
                 arithmetic_warmup_answers(task, train, params["warmup_correct_frac"],
                                           params["seed"]), params["warmup_batch_size"], 8)
-    from rlctl.tasks.sorting import SortingTask
-
     task = SortingTask(num_digits=params["warmup_num_digits"], seed=WARMUP_TASK_SEED)
     train = task.train_examples()
     return (task, [ex.prompt for ex in train],
@@ -236,8 +233,6 @@ def _warmup_data(params: Dict[str, object]):
 
 
 def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]:
-    from rlctl.models.generation import greedy_exact_match
-
     t0 = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, params["hidden_size"], params["num_layers"],
@@ -264,8 +259,6 @@ def resolve_warmup_task(name: Optional[str]) -> str:
     """The warm-up for ``name``: itself if it has one, sorting for other registered tasks."""
     if name is None or name in WARMUP_TASKS:
         return name or "sorting"
-    from rlctl.tasks import TASKS
-
     if name in TASKS:
         return "sorting"
     raise ValueError(f"invalid model.warmup_task '{name}'; valid: {', '.join(WARMUP_TASKS)} "

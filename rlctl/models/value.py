@@ -33,7 +33,9 @@ import os
 from typing import NamedTuple, Optional
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoModel
 
 from rlctl.models.kv_share import cache_of
 
@@ -56,15 +58,11 @@ class ValueHead(nn.Module):
         return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
 
     def save(self, directory) -> None:
-        from safetensors.torch import save_file
-
         os.makedirs(directory, exist_ok=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
                   os.path.join(directory, VALUE_HEAD_FILE))
 
     def load(self, directory) -> None:
-        from safetensors.torch import load_file
-
         state = load_file(os.path.join(directory, VALUE_HEAD_FILE),
                           device=str(self.summary.weight.device))
         self.load_state_dict(state)
@@ -142,7 +140,7 @@ class PolicyValueModel(nn.Module):
 def _backbone_copy(policy):
     """A deep copy of ``policy``'s base model (no LM head); peft adapters merged in."""
     try:
-        from peft import PeftModel
+        from peft import PeftModel   # optional, and seconds to import: only when copying
     except ImportError:  # pragma: no cover - peft is optional
         PeftModel = ()
     if isinstance(policy, PeftModel):
@@ -181,8 +179,6 @@ class SeparateCritic(nn.Module):
     @classmethod
     def from_pretrained(cls, directory, **kwargs) -> "SeparateCritic":
         """Reload a ``save_pretrained`` directory (backbone via ``AutoModel``)."""
-        from transformers import AutoModel
-
         critic = cls(backbone=AutoModel.from_pretrained(directory, **kwargs))
         critic.load_value_head(directory)
         return critic
