@@ -90,7 +90,7 @@ class LoraConfig:
     r: int = MISSING               # adapter rank (> 0)
     alpha: int = MISSING           # scaling: alpha / r
     dropout: float = MISSING       # dropout on the adapter input, [0, 1)
-    target_modules: List[str] = MISSING  # names (or name suffixes) of Linear modules
+    target_modules: List[str] = MISSING  # [all-linear] or names (suffixes) of Linear modules
     save_merged: bool = MISSING    # also save base + adapter merged to <run>/model/merged
     lr: Optional[float] = None     # learning rate while LoRA is on (adapters want a larger
                                    # one than full fine-tuning); null: trainer.lr

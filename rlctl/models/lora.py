@@ -2,7 +2,11 @@
 
 * ``apply_lora`` wraps a causal LM in a ``PeftModel`` (task CAUSAL_LM): base weights are
   frozen, only the adapter's ``lora_A``/``lora_B`` matrices train. LoRA B starts at zero,
-  so the adapted policy equals the base model at step 0.
+  so the adapted policy equals the base model at step 0. The default targets
+  (conf/model/*.yaml) are ``[all-linear]``: every ``nn.Linear`` and transformers
+  ``Conv1D`` (GPT-2's c_attn, c_fc, c_proj) except the output head, as peft's
+  ``all-linear`` shorthand (from QLoRA, Dettmers et al., 2023, who found adapting every
+  linear layer needed to match full fine-tuning), so any architecture works unconfigured.
 * ``AdapterDisabledReference`` / ``reference_for``: the KL reference policy is the *same*
   model run inside ``disable_adapter()``, i.e. the frozen base. No second copy of the
   weights is kept, and the wrapper registers no submodule, so it adds no parameters.
@@ -50,6 +54,9 @@ def _check_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) 
     valid = linear_module_names(model)
     if targets == [ALL_LINEAR]:
         return ALL_LINEAR
+    if ALL_LINEAR in targets:
+        raise ValueError(f"LoRA target_modules: '{ALL_LINEAR}' stands alone (got {targets}); "
+                         f"use [{ALL_LINEAR}] or module names from: {', '.join(valid)}")
     if not targets:
         raise ValueError("LoRA target_modules is empty; valid Linear module names: "
                          + ", ".join(valid))
