@@ -18,6 +18,7 @@ from .wandb_reader import (
     read_wandb_history,
     read_wandb_summary,
 )
+from .wandb_sink import WandbSink  # light: wandb itself is imported when a run starts
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -36,14 +37,6 @@ __all__ = [
     "find_wandb_run_file",
     "METRICS_FILE",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "WandbSink":  # keeps `import rlctl.sinks` free of wandb's module graph
-        from .wandb_sink import WandbSink
-
-        return WandbSink
-    raise AttributeError(name)
 
 
 def build_sinks(
@@ -71,8 +64,6 @@ def build_sinks(
         if jsonl:
             sinks.append(JsonlSink(run_dir / METRICS_FILE))
         if wandb:
-            from .wandb_sink import WandbSink
-
             sinks.append(WandbSink(run_dir, project=project, name=name, config=dict(config),
                                    mode=wandb_mode))
     return MultiSink(sinks)

@@ -1,9 +1,9 @@
 """The metric sink protocol, a null sink and a fan-out that survives broken sinks.
 
 The engine logs through one `Sink` and never asks which loggers are on: a missing
-logger is a `NullSink`, several are a `MultiSink` (DESIGN.md: "a null sink instead of
-`if wandb:` branches"). Metric keys follow the schema in DESIGN.md (`reward/mean`,
-`policy/clip_frac`, ...).
+logger is a `NullSink`, several are a `MultiSink` (a null sink instead of `if wandb:`
+branches). Metric keys follow the schema listed in `rlctl/engine/stats.py`
+(`reward/mean`, `policy/clip_frac`, ...).
 """
 
 from __future__ import annotations

@@ -18,6 +18,17 @@ import sys
 import time
 from typing import Any, Mapping, Sequence, TextIO
 
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+
 from .base import to_float
 
 DEFAULT_KEYS = (
@@ -114,28 +125,6 @@ class ConsoleSink:
 
     # ------------------------------------------------------------ sink API
     def _start_live(self) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-        from rich.text import Text
-
-        class FiguresProgress(Progress):
-            """The bar row, then the key figures on a line of their own (an 80-column
-            terminal has no room for both on one row)."""
-
-            figures = ""
-
-            def get_renderables(self):
-                yield self.make_tasks_table(self.tasks)
-                if self.figures:
-                    yield Text(self.figures, overflow="ellipsis")
-
         console = Console(file=self.file) if self.file is not None else None
         self._progress = FiguresProgress(
             TextColumn("[bold]{task.description}"),
@@ -192,3 +181,15 @@ class ConsoleSink:
             self._progress = None
         elif not self.live and self._last_step is not None and self._last_step != self._printed_step:
             self._print(self._last_step)
+
+
+class FiguresProgress(Progress):
+    """The bar row, then the key figures on a line of their own (an 80-column terminal
+    has no room for both on one row)."""
+
+    figures = ""
+
+    def get_renderables(self):
+        yield self.make_tasks_table(self.tasks)
+        if self.figures:
+            yield Text(self.figures, overflow="ellipsis")

@@ -92,6 +92,7 @@ def iter_raw_records(path: str | Path) -> Iterator[bytes]:
 
 def iter_records(path: str | Path) -> Iterator[Any]:
     """Yield parsed `wandb.proto.wandb_internal_pb2.Record` messages."""
+    # wandb is optional and slow to import: only for reading a W&B run file
     from wandb.proto import wandb_internal_pb2 as pb
 
     for raw in iter_raw_records(path):

@@ -65,7 +65,7 @@ def has_wandb_credentials(base_url: str | None = None) -> bool:
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
     try:  # wandb's own lookup, without its prompt (internal API: guarded)
-        import wandb
+        import wandb   # optional and slow to import: only when a W&B run is asked for
         from wandb.sdk.lib.wbauth import authenticate
 
         host = base_url or wandb.setup().settings.base_url
@@ -151,7 +151,7 @@ class WandbSink:
     def _start(self, project, name, config, mode, init_timeout, finish_timeout) -> None:
         self._set_env(mode)
         try:
-            import wandb
+            import wandb   # optional and slow to import: only when a W&B run is asked for
             from wandb.sdk import wandb_setup
         except Exception as exc:
             _warn(f"wandb unavailable ({type(exc).__name__}: {exc}); wandb logging disabled")
@@ -258,7 +258,7 @@ class WandbSink:
     def _teardown(self) -> None:
         try:
             if self._owns_setup:
-                import wandb
+                import wandb   # optional: imported (and set up) by _start already
 
                 wandb.teardown()
         except Exception:
