@@ -1,10 +1,10 @@
 """Advantage estimators: outcome (one reward per completion) and token-level GAE.
 
-Sources (seed 002 and Lambert's lecture, seed 000):
+Sources:
 - REINFORCE (Williams, 1992): A = R (`baseline="none"`); with a baseline, A = R - b.
   `baseline="batch_mean"` (alias estimator `reinforce_baseline`): b is the mean over the
-  whole batch (B*G), as in the seed's toy code (`baseline = R.mean()`); its bias is
-  O(1/N).
+  whole batch (B*G), the simplest baseline; its bias is O(1/N) (the sample's own reward
+  is in its baseline).
 - RLOO (Kool et al., 2019; Ahmadian et al., 2024): b_i = mean of the other G-1 rewards of
   the group, which removes that bias. Equal to G/(G-1) * (r - group mean).
 - GRPO (Shao et al., 2024): (r - group mean) / (group std + eps), std unbiased (torch's
@@ -12,7 +12,7 @@ Sources (seed 002 and Lambert's lecture, seed 000):
 - DAPO (Yu et al., 2025): soft overlong punishment (`overlong_penalty`) and the
   zero-variance groups that dynamic sampling filters (`zero_std_groups`).
 - GAE (Schulman et al., 2015): delta_t = r_t + gamma V_{t+1} - V_t,
-  A_t = delta_t + gamma lam A_{t+1}, with V = 0 after the last token (seed 002's loop).
+  A_t = delta_t + gamma lam A_{t+1}, with V = 0 after the last token (docs/math.md).
 
 Departures: a group whose rewards are all equal gets exactly 0 (the float mean of equal
 values need not equal them, and eps would turn that rounding into a tiny signal); G == 1
@@ -20,22 +20,28 @@ gives zeros. GAE skips masked-out positions instead of treating them as episode 
 right padding and masked gaps (e.g. tool output) both work; it runs under no_grad (its
 outputs are regression targets) and does not whiten. Results are float32 (float64 kept).
 
-Registry: every outcome estimator is fn(rewards [B, G], eps, **options) -> [B, G]; an
-option an estimator does not use is ignored (so the caller can pass its options to any
-of them); `reinforce` reads `baseline`.
+Registry (``ADVANTAGE_ESTIMATORS``, entries added with ``@register_advantage``): every
+entry has a ``level``. Outcome entries are fn(rewards [B, G], eps, **options) -> [B, G];
+an option an estimator does not use is ignored (so the caller can pass its options to
+any of them); `reinforce` reads `baseline`. The token-level entry `gae` is
+fn(rewards [N, T], values [N, T], mask [N, T], gamma, lam) -> (advantages, returns).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
-
 import torch
+
+from rlctl.registry import Registry
 
 from ._util import acc_dtype, keep, upcast
 
-__all__ = ["group_advantages", "rloo_advantages", "reinforce_advantages",
-           "reinforce_baseline_advantages", "REINFORCE_BASELINES", "gae",
-           "broadcast_to_tokens", "ADVANTAGE_ESTIMATORS", "get_advantage_estimator",
-           "overlong_penalty", "zero_std_groups"]
+__all__ = ["group_advantages", "rloo_advantages", "grpo_advantages", "dr_grpo_advantages",
+           "reinforce_advantages", "reinforce_baseline_advantages", "REINFORCE_BASELINES",
+           "gae", "broadcast_to_tokens", "ADVANTAGE_ESTIMATORS", "register_advantage",
+           "get_advantage_estimator", "overlong_penalty", "zero_std_groups"]
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", attrs={"level": ("outcome", "token")},
+                                dashes=True)
+register_advantage = ADVANTAGE_ESTIMATORS.register
 
 REINFORCE_BASELINES = ("none", "batch_mean")
 
@@ -62,8 +68,10 @@ def group_advantages(rewards: torch.Tensor, scale_std: bool = True,
     return _zero_constant_groups(adv, r)
 
 
-def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """r_i minus the mean of the other G-1 rewards of its group. [B, G] -> [B, G]."""
+@register_advantage("rloo")
+def rloo_advantages(rewards: torch.Tensor, eps: float = 0.0, **ignored) -> torch.Tensor:
+    """r_i minus the mean of the other G-1 rewards of its group (eps unused).
+    [B, G] -> [B, G]."""
     r = upcast(rewards)  # [B, G]
     g = r.shape[-1]
     if g < 2:
@@ -72,6 +80,19 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return _zero_constant_groups(r - loo_mean, r)
 
 
+@register_advantage("grpo")
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, **ignored) -> torch.Tensor:
+    """GRPO: group_advantages with std scaling. [B, G] -> [B, G]."""
+    return group_advantages(rewards, True, eps)
+
+
+@register_advantage("dr_grpo")
+def dr_grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, **ignored) -> torch.Tensor:
+    """Dr. GRPO: r - group mean, no std scaling (eps unused). [B, G] -> [B, G]."""
+    return group_advantages(rewards, False, eps)
+
+
+@register_advantage("reinforce")
 def reinforce_advantages(rewards: torch.Tensor, eps: float = 0.0, baseline: str = "none",
                          **ignored) -> torch.Tensor:
     """REINFORCE: A = R ("none") or R - mean of all B*G rewards ("batch_mean").
@@ -85,6 +106,7 @@ def reinforce_advantages(rewards: torch.Tensor, eps: float = 0.0, baseline: str 
     return r.clone()
 
 
+@register_advantage("reinforce_baseline")
 def reinforce_baseline_advantages(rewards: torch.Tensor, eps: float = 0.0,
                                   **ignored) -> torch.Tensor:
     """Alias of reinforce with baseline="batch_mean" (a `baseline` option is ignored).
@@ -92,26 +114,10 @@ def reinforce_baseline_advantages(rewards: torch.Tensor, eps: float = 0.0,
     return reinforce_advantages(rewards, eps, baseline="batch_mean")
 
 
-# Outcome estimators: uniform signature fn(rewards [B, G], eps, **options) -> [B, G].
-AdvantageEstimator = Callable[..., torch.Tensor]
-ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
-    "reinforce": reinforce_advantages,
-    "reinforce_baseline": reinforce_baseline_advantages,
-    "rloo": lambda rewards, eps=1e-6, **options: rloo_advantages(rewards),
-    "grpo": lambda rewards, eps=1e-6, **options: group_advantages(rewards, True, eps),
-    "dr_grpo": lambda rewards, eps=1e-6, **options: group_advantages(rewards, False, eps),
-}
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """Outcome estimator by config name ("-" and "_" interchangeable); ValueError if unknown."""
-    key = name.replace("-", "_")
-    if key in ADVANTAGE_ESTIMATORS:
-        return ADVANTAGE_ESTIMATORS[key]
-    hint = (" 'gae' is token-level (needs values and a mask): call rlctl.core.gae."
-            if key == "gae" else "")
-    raise ValueError(f"unknown advantage estimator {name!r}; valid outcome estimators: "
-                     f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}.{hint}")
+def get_advantage_estimator(name: str):
+    """Estimator by config name ("-" and "_" interchangeable) or import path
+    "package.module:function"; ValueError listing the valid names if unknown."""
+    return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -140,6 +146,7 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int,
     return torch.where(length > max_len, torch.full_like(length, -penalty), out)
 
 
+@register_advantage("gae", level="token")
 @torch.no_grad()
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,10 @@ enumeration on a categorical in tests/core/test_kl_placement.py):
 So k1 belongs in the reward and k2 or k3 in the loss; ``KL_DEFAULT_ESTIMATOR`` holds the
 default of each placement and ``KL_PLACEMENT_NOTES`` the warning for the other pairs.
 
+Registry: ``KL_ESTIMATORS`` (entries added with ``@register_kl(name)``), every entry
+fn(logp [N, T], ref_logp [N, T]) -> [N, T]; peers' names are aliases (``KL_ALIASES``);
+``kl_estimate`` also takes "package.module:function" (no placement note applies to it).
+
 KL in the reward (`kl_shaped_rewards`): r_t = -beta * KL_t on every counted
 token, plus the task reward on the last counted token; then GAE as usual.
 
@@ -46,40 +50,42 @@ becomes NaN or negative.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
+from rlctl.registry import Registry
+
 from ._util import acc_dtype, keep, upcast
 
-__all__ = ["kl_k1", "kl_k2", "kl_k3", "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES",
+__all__ = ["kl_k1", "kl_k2", "kl_k3", "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES", "register_kl",
            "KL_PLACEMENTS", "KL_DEFAULT_ESTIMATOR", "KL_PLACEMENT_NOTES", "resolve_kl_estimator",
            "kl_shaped_rewards", "AdaptiveKLController", "FixedKLController"]
 
 
+# Peers' names (verl: kl / mse / low_var_kl) accepted as aliases.
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+KL_ESTIMATORS = Registry("KL estimator", aliases=KL_ALIASES)
+register_kl = KL_ESTIMATORS.register
+
+
+@register_kl("k1")
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return logp - ref_logp  # [N, T]
 
 
+@register_kl("k2")
 def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp - ref_logp) ** 2  # [N, T]
 
 
+@register_kl("k3")
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     log_r = ref_logp - logp  # [N, T]
     # expm1 avoids the cancellation of exp(x) - 1 near x = 0; the clamp removes the last
     # rounding below 0 (k3 >= 0 exactly in real arithmetic; found by the property test)
     return (torch.expm1(log_r) - log_r).clamp(min=0.0)  # [N, T]
 
-
-KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "k1": kl_k1,
-    "k2": kl_k2,
-    "k3": kl_k3,
-}
-
-# Peers' names (verl: kl / mse / low_var_kl) accepted as aliases.
-KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
 KL_PLACEMENTS = ("in_loss", "in_reward")
@@ -96,15 +102,14 @@ KL_PLACEMENT_NOTES = {
 
 
 def resolve_kl_estimator(kind: Optional[str], placement: str) -> str:
-    """Canonical estimator name (aliases mapped); None: the placement's default
-    (k1 in the reward, k3 in the loss). Raises ValueError for unknown names."""
+    """Canonical estimator name (aliases mapped; an import path "package.module:function"
+    is loaded and returned as given); None: the placement's default (k1 in the reward,
+    k3 in the loss). Raises ValueError for unknown names."""
     if placement not in KL_PLACEMENTS:
         raise ValueError(f"unknown KL placement {placement!r}; valid: {', '.join(KL_PLACEMENTS)}")
-    key = KL_DEFAULT_ESTIMATOR[placement] if kind is None else KL_ALIASES.get(kind, kind)
-    if key not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(sorted(KL_ESTIMATORS))}"
-                         f" (aliases: {sorted(KL_ALIASES)})")
-    return key
+    if kind is None:
+        return KL_DEFAULT_ESTIMATOR[placement]
+    return KL_ESTIMATORS.entry(kind).name
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -116,9 +121,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     and k3 grad KL(ref||pi)."""
     if kind is None:
         raise ValueError("KL estimator None: resolve it with resolve_kl_estimator(kind, placement)")
-    key = resolve_kl_estimator(kind, "in_loss")
+    fn = KL_ESTIMATORS.get(kind)
     dtype = acc_dtype(logp, ref_logp)
-    return KL_ESTIMATORS[key](upcast(logp, dtype), upcast(ref_logp, dtype))
+    return fn(upcast(logp, dtype), upcast(ref_logp, dtype))
 
 
 @torch.no_grad()

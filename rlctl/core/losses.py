@@ -2,7 +2,7 @@
 the `*_loss` wrappers aggregate it with `aggregation.aggregate`.
 
 Sources:
-- PPO clipped surrogate (Schulman et al., 2017), seed 002's `ppo_policy_loss`:
+- PPO clipped surrogate (Schulman et al., 2017):
   per token  -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A),
   rho = exp(logp - old_logp), computed in log space. Asymmetric clip_low / clip_high as
   in DAPO's "clip-higher" (Yu et al., 2025); equal values give the paper's epsilon.
@@ -11,15 +11,19 @@ Sources:
   -A * c = c * |A|, so a huge ratio on a bad token cannot dominate the batch.
 - Vanilla policy gradient (REINFORCE, Williams 1992): -A * logp per token; its gradient
   equals PPO's at rho == 1.
-- GSPO and CISPO live in `policy_variants.py` and are registered here.
+- GSPO and CISPO live in `policy_variants.py`.
+
+Registry: ``POLICY_LOSSES`` (entries added with ``@register_policy_loss(name)``), every
+entry fn(logp, old_logp, advantages, mask, clip_low, clip_high, clip_ratio_c=None) ->
+(loss_mat [N, T], metrics); ``get_policy_loss`` also takes "package.module:function".
 - Value loss: 0.5 * (V - R)^2, optionally with PPO2's value clipping (max of clipped and
-  unclipped squared errors), as in CleanRL's `ppo.py` and Lambert's lecture (seed 000).
+  unclipped squared errors), as in CleanRL's `ppo.py` (docs/math.md discusses both).
 
 Departures: the log-ratio is zeroed at masked-out positions and clamped to [-20, 20]
 before exp, so padding garbage or a wild token cannot produce inf/NaN (beyond |20| the
 gradient is cut, an extreme that should never be reached). Advantages, old log-probs,
 old values and returns are detached here, so a forgotten `.detach()` upstream cannot
-leak gradient into a baseline or critic (seed 002, "common pitfalls").
+leak gradient into a baseline or critic (a common bug in hand-written PPO).
 
 Metrics: one schema for every policy loss (see `_policy.py`): clip_frac_low,
 clip_frac_high, clip_frac (= low + high, the ratio clip), clip_frac_dual (0 when the dual
@@ -29,7 +33,7 @@ dual = A < 0 and rho > c.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -38,13 +42,14 @@ from ._policy import (Metrics, check_clip_ratio_c, clip_metrics, dual_clip, toke
 from ._util import acc_dtype, keep, upcast
 from .aggregation import aggregate
 from .logprobs import masked_mean
-from .policy_variants import cispo_per_token, gspo_per_token
+from .policy_variants import POLICY_LOSSES, register_policy_loss
 
 __all__ = ["ppo_clip_per_token", "vanilla_pg_per_token", "ppo_clip_loss", "vanilla_pg_loss",
-           "POLICY_LOSSES", "get_policy_loss", "value_loss_per_token", "value_loss",
-           "explained_variance"]
+           "POLICY_LOSSES", "register_policy_loss", "get_policy_loss", "value_loss_per_token",
+           "value_loss", "explained_variance"]
 
 
+@register_policy_loss("ppo_clip")
 def ppo_clip_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                        mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                        clip_ratio_c: Optional[float] = None) -> Tuple[torch.Tensor, Metrics]:
@@ -68,6 +73,7 @@ def ppo_clip_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: t
     return zero_out(loss, m), clip_metrics(log_ratio, mask, low, high, capped)
 
 
+@register_policy_loss("vanilla_pg")
 def vanilla_pg_per_token(logp: torch.Tensor, old_logp: Optional[torch.Tensor],
                          advantages: torch.Tensor, mask: torch.Tensor,
                          clip_low: float = 0.2, clip_high: float = 0.2,
@@ -86,26 +92,10 @@ def vanilla_pg_per_token(logp: torch.Tensor, old_logp: Optional[torch.Tensor],
     return loss_mat, clip_metrics(log_ratio, mask, never, never)
 
 
-PolicyLoss = Callable[..., Tuple[torch.Tensor, Metrics]]
-
-# Uniform signature: fn(logp, old_logp, advantages, mask, clip_low, clip_high,
-#                       clip_ratio_c=None) -> (loss_mat [N, T], metrics)
-# (the 6-positional-argument call keeps working; clip_ratio_c is ignored where it does
-# not apply: vanilla_pg, cispo)
-POLICY_LOSSES: Dict[str, PolicyLoss] = {
-    "ppo_clip": ppo_clip_per_token,
-    "vanilla_pg": vanilla_pg_per_token,
-    "gspo": gspo_per_token,
-    "cispo": cispo_per_token,
-}
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    """Per-token policy loss by config name ("-" and "_" interchangeable)."""
-    key = name.replace("-", "_")
-    if key not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; valid: {', '.join(sorted(POLICY_LOSSES))}")
-    return POLICY_LOSSES[key]
+def get_policy_loss(name: str):
+    """Per-token policy loss by config name ("-" and "_" interchangeable) or import path
+    "package.module:function"; ValueError listing the valid names if unknown."""
+    return POLICY_LOSSES.get(name)
 
 
 def ppo_clip_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2,

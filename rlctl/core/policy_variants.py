@@ -1,8 +1,9 @@
 """PPO-family variants that change the importance weight: GSPO and CISPO.
 
-Both have the registry signature fn(logp, old_logp, advantages, mask, clip_low,
+Both have the policy-loss signature fn(logp, old_logp, advantages, mask, clip_low,
 clip_high, clip_ratio_c=None) -> (loss_mat [N, T], metrics) and the metric schema of
-`_policy.py`; they are registered in `losses.POLICY_LOSSES` as "gspo" and "cispo".
+`_policy.py`; they are registered in ``POLICY_LOSSES`` (defined here, the module every
+policy loss imports) as "gspo" and "cispo".
 
 GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"), the GSPO-token form:
     s_i      = (pi(y_i|x) / pi_old(y_i|x)) ** (1/|y_i|)
@@ -44,12 +45,17 @@ from typing import Optional, Tuple
 
 import torch
 
+from rlctl.registry import Registry
+
 from ._policy import (Metrics, check_clip_ratio_c, clip_metrics, dual_clip, token_adv,
                       token_log_ratio, zero_out)
 from ._util import acc_dtype, keep, upcast
 from .logprobs import masked_mean
 
-__all__ = ["gspo_per_token", "cispo_per_token"]
+__all__ = ["gspo_per_token", "cispo_per_token", "POLICY_LOSSES", "register_policy_loss"]
+
+POLICY_LOSSES = Registry("policy loss", dashes=True)
+register_policy_loss = POLICY_LOSSES.register
 
 
 def _row_adv(advantages: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor:
@@ -58,6 +64,7 @@ def _row_adv(advantages: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tenso
     return adv if adv.dim() == 1 else masked_mean(adv, mask, dim=-1).to(dtype)
 
 
+@register_policy_loss("gspo")
 def gspo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                    mask: torch.Tensor, clip_low: float = 3e-4, clip_high: float = 4e-4,
                    clip_ratio_c: Optional[float] = None) -> Tuple[torch.Tensor, Metrics]:
@@ -83,6 +90,7 @@ def gspo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
     return zero_out(loss, m), clip_metrics(log_ratio, mask, low, high, capped)
 
 
+@register_policy_loss("cispo")
 def cispo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                     clip_ratio_c: Optional[float] = None) -> Tuple[torch.Tensor, Metrics]:

@@ -1,17 +1,18 @@
 """From scored rollouts to per-token advantages (and value targets).
 
-Two kinds of estimator, one registry (``estimator_kind``):
-- outcome estimators (``rlctl.core.ADVANTAGE_ESTIMATORS``: reinforce, rloo, grpo, ...)
-  map one return per completion, grouped [B, G], to one advantage per completion,
-  broadcast to its tokens;
-- ``gae`` maps per-token rewards and critic values to per-token advantages and returns.
+One registry (``rlctl.core.ADVANTAGE_ESTIMATORS``), two levels, asked of the entry
+(``estimator_kind``), never of its name:
+- outcome estimators (reinforce, rloo, grpo, ...) map one return per completion,
+  grouped [B, G], to one advantage per completion, broadcast to its tokens;
+- token-level estimators (``gae``) map per-token rewards and critic values to per-token
+  advantages and returns.
 
 Rewards reach them the same way for both. With ``kl.placement=in_reward`` each counted
 token gets -beta * k, an estimate of KL(pi_old || pi_ref) (k1 by default: only k1 makes
 the policy gradient of this constant reward the gradient of KL(pi || ref), see
 rlctl/core/kl.py), and the task reward is added on the last counted token (classic RLHF
-shaping, Ziegler et al., 2019); GAE consumes those per-token rewards, an outcome
-estimator consumes their per-sequence sum (the shaped return). Optional DAPO overlong
+shaping, Ziegler et al., 2019); a token-level estimator consumes those per-token
+rewards, an outcome estimator their per-sequence sum (the shaped return). Optional DAPO overlong
 shaping adds a length penalty to the task reward first.
 """
 from __future__ import annotations
@@ -21,19 +22,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from rlctl.core import (broadcast_to_tokens, gae, get_advantage_estimator, kl_shaped_rewards,
+from rlctl.core import (ADVANTAGE_ESTIMATORS, broadcast_to_tokens, kl_shaped_rewards,
                         masked_whiten, overlong_penalty, resolve_kl_estimator)
 from rlctl.types import RolloutBatch
 
-TOKEN_LEVEL = {"gae"}
-
 
 def estimator_kind(name: str) -> str:
-    """'token' (needs a critic) or 'outcome'; raises ValueError for unknown names."""
-    if name in TOKEN_LEVEL:
-        return "token"
-    get_advantage_estimator(name)
-    return "outcome"
+    """The entry's level: 'token' (needs a critic) or 'outcome'; raises ValueError for
+    unknown names (a user import path is loaded)."""
+    return ADVANTAGE_ESTIMATORS.entry(name).level
 
 
 @dataclass
@@ -101,15 +98,15 @@ def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float
     batch-mean baseline is the global one) and whitening uses global statistics."""
     per_token = token_rewards(batch, shaped_task_rewards(batch, s), s, kl_coef)   # [N, T]
     returns = None
-    if estimator_kind(s.estimator) == "token":
-        adv, returns = gae(per_token, values, batch.mask, s.gamma, s.lam)        # [N, T] each
+    entry = ADVANTAGE_ESTIMATORS.entry(s.estimator)
+    if entry.level == "token":
+        adv, returns = entry.fn(per_token, values, batch.mask, s.gamma, s.lam)   # [N, T] each
     else:
         seq_return = (per_token * batch.mask).sum(-1).view(-1, batch.group_size)  # [B, G]
         first = 0
         if backend is not None and backend.world_size > 1:
             seq_return, first = backend.all_gather_rows(seq_return)              # [B_all, G]
-        fn = get_advantage_estimator(s.estimator)
-        adv = fn(seq_return, s.std_eps, baseline=s.baseline)                     # [B_all, G]
+        adv = entry.fn(seq_return, s.std_eps, baseline=s.baseline)               # [B_all, G]
         adv = adv[first: first + batch.num_sequences // batch.group_size]         # [B, G]
         adv = broadcast_to_tokens(adv, batch.mask)                                # [N, T]
     if s.whiten:

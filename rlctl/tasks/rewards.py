@@ -20,15 +20,12 @@ equals the ``answer`` field, equivalent forms accepted, via math-verify) or ``ex
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from rlctl.registry import load_object
 
 BUILTIN_REWARDS = {"math": "rlctl.tasks.verify:math_reward",
                    "exact": "rlctl.tasks.verify:exact_reward"}
@@ -41,46 +38,10 @@ def load_function(spec: Any, key: str) -> Callable:
         raise ValueError(f"{key} must be 'package.module:function', 'path/file.py:function' "
                          f"or one of {', '.join(BUILTIN_REWARDS)}; got {spec!r}")
     spec = BUILTIN_REWARDS.get(spec.strip(), spec.strip())
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in spec:
         raise ValueError(f"{key} '{spec}' must look like package.module:function (or "
                          f"path/file.py:function, or one of {', '.join(BUILTIN_REWARDS)})")
-    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
-        path = Path(module_name).expanduser()
-        if not path.is_file():
-            raise ValueError(f"{key} '{spec}': no such file '{module_name}'")
-        mod_name = f"rlctl_user_reward_{path.stem}"
-        try:
-            mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(mod_spec)
-            sys.modules[mod_name] = module
-            mod_spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the user's module failed to import
-            sys.modules.pop(mod_name, None)
-            raise ValueError(f"{key} '{spec}': importing '{module_name}' failed: "
-                             f"{type(exc).__name__}: {_short(exc)}") from None
-    else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.append(os.getcwd())  # console scripts do not search the working dir
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            raise ValueError(f"{key} '{spec}': cannot import module '{module_name}' ({_short(exc)}); "
-                             "put its directory on PYTHONPATH or give path/file.py:function") from None
-        except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"{key} '{spec}': importing '{module_name}' failed: "
-                             f"{type(exc).__name__}: {_short(exc)}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"{key} '{spec}': module '{module_name}' has no attribute '{attr}'")
-    if not callable(fn):
-        raise ValueError(f"{key} '{spec}': '{attr}' is not callable")
-    return fn
-
-
-def _short(exc: BaseException, limit: int = 160) -> str:
-    s = " ".join(str(exc).split())
-    return s if len(s) <= limit else s[:limit - 3] + "..."
+    return load_object(spec, key)
 
 
 @dataclass

@@ -1,0 +1,204 @@
+"""One registry shape for every pluggable kind: advantage estimators, policy losses, KL
+estimators, tasks and backends.
+
+An entry is registered with a decorator where it is defined::
+
+    ADVANTAGES = Registry("advantage estimator", attrs={"level": ("outcome", "token")})
+
+    @ADVANTAGES.register("gae", level="token")
+    def gae(rewards, values, mask, gamma, lam): ...
+
+and looked up by its config name with ``get(name)`` (the callable) or ``entry(name)``
+(the callable with its attributes). A name of the form ``package.module:attr`` (or
+``path/to/file.py:attr``) is a user entry: the module is imported, the attribute must
+be callable, and its attributes are the registry's defaults, each replaced by the
+callable's own attribute of that name when it has one (``my_adv.level = "token"``).
+Every failure is a ``ValueError`` whose message is one line: an unknown name lists the
+valid ones; a user entry names the missing module or attribute.
+
+Calling conventions (one per kind; a user entry must follow its kind's):
+
+- advantage estimator, level "outcome": ``fn(rewards [B, G], eps, **options) -> [B, G]``
+  (``options`` holds every advantage option, e.g. ``baseline``; ignore what you do not
+  use); level "token": ``fn(rewards [N, T], values [N, T], mask [N, T], gamma, lam) ->
+  (advantages [N, T], returns [N, T])``.
+- policy loss: ``fn(logp, old_logp, advantages, mask, clip_low, clip_high,
+  clip_ratio_c=None) -> (loss [N, T], metrics dict of detached scalar tensors)``.
+- KL estimator: ``fn(logp [N, T], ref_logp [N, T]) -> [N, T]``.
+- task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage,
+  precision, deepspeed_config)``.
+
+This module imports nothing of rlctl and no torch, so any layer can use it.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+__all__ = ["Registry", "Entry", "load_object", "is_import_path"]
+
+
+def _short(exc: BaseException, limit: int = 160) -> str:
+    s = " ".join(str(exc).split())
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def is_import_path(name: Any) -> bool:
+    """True for a user entry ``package.module:attr`` / ``path/file.py:attr``."""
+    return isinstance(name, str) and ":" in name
+
+
+def _import_file(key: str, spec: str, module_name: str):
+    path = Path(module_name).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{key} '{spec}': no such file '{module_name}'")
+    mod_name = f"rlctl_user_{path.stem}"
+    try:
+        mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_name] = module
+        mod_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's module failed to import
+        sys.modules.pop(mod_name, None)
+        raise ValueError(f"{key} '{spec}': importing '{module_name}' failed: "
+                         f"{type(exc).__name__}: {_short(exc)}") from None
+    return module
+
+
+def _import_module(key: str, spec: str, module_name: str):
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # console scripts do not search the working dir
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"{key} '{spec}': cannot import module '{module_name}' ({_short(exc)}); "
+                         "put its directory on PYTHONPATH or give path/file.py:function") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed to import
+        raise ValueError(f"{key} '{spec}': importing '{module_name}' failed: "
+                         f"{type(exc).__name__}: {_short(exc)}") from None
+
+
+def load_object(spec: str, key: str) -> Callable:
+    """The callable named ``package.module:attr`` or ``path/file.py:attr`` (``attr`` may
+    be dotted, e.g. ``Class.method``). ValueError, one line naming ``key``."""
+    module_name, sep, attr = spec.strip().rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{key} '{spec}' must look like package.module:function "
+                         "(or path/file.py:function)")
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        module = _import_file(key, spec, module_name)
+    else:
+        module = _import_module(key, spec, module_name)
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(f"{key} '{spec}': module '{module_name}' has no attribute '{attr}'")
+    if not callable(obj):
+        raise ValueError(f"{key} '{spec}': '{attr}' is not callable "
+                         f"(it is a {type(obj).__name__})")
+    return obj
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered callable, its canonical name and its attributes (e.g. level)."""
+    name: str
+    fn: Callable
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, key: str) -> Any:
+        attrs = self.__dict__.get("attrs") or {}   # not yet set while copying
+        if key in attrs:
+            return attrs[key]
+        raise AttributeError(key)
+
+
+class Registry:
+    """Entries of one kind by config name (see the module doc).
+
+    ``kind``: what an entry is, for messages ("policy loss"). ``attrs``: attribute name ->
+    the values it may take, the first being the default. ``aliases``: other spellings ->
+    canonical names. ``dashes``: "-" and "_" are interchangeable in names."""
+
+    def __init__(self, kind: str, attrs: Optional[Dict[str, Tuple[Any, ...]]] = None,
+                 aliases: Optional[Dict[str, str]] = None, dashes: bool = False):
+        self.kind = kind
+        self.attr_choices = dict(attrs or {})
+        self.aliases = dict(aliases or {})
+        self.dashes = dashes
+        self._entries: Dict[str, Entry] = {}
+        self._loaded: Dict[str, Entry] = {}
+
+    def register(self, name: str, **attrs: Any) -> Callable[[Callable], Callable]:
+        """Decorator: register ``fn`` as ``name`` with ``attrs``; returns ``fn`` unchanged."""
+        def deco(fn: Callable) -> Callable:
+            self._entries[name] = Entry(name, fn, self._attrs(name, attrs))
+            return fn
+        return deco
+
+    def _attrs(self, name: str, given: Mapping[str, Any]) -> Dict[str, Any]:
+        unknown = sorted(set(given) - set(self.attr_choices))
+        if unknown:
+            raise ValueError(f"{self.kind} '{name}': unknown attribute '{unknown[0]}'; "
+                             f"valid: {', '.join(sorted(self.attr_choices)) or 'none'}")
+        out = {}
+        for key, choices in self.attr_choices.items():
+            value = given.get(key, choices[0])
+            if value not in choices:
+                raise ValueError(f"{self.kind} '{name}': invalid {key} {value!r}; valid: "
+                                 f"{', '.join(map(str, choices))}")
+            out[key] = value
+        return out
+
+    def canonical(self, name: str) -> str:
+        """The registered name ``name`` stands for (aliases, dashes); user paths as given."""
+        if is_import_path(name):
+            return name
+        key = self.aliases.get(name, name)
+        if key not in self._entries and self.dashes and isinstance(key, str):
+            key = key.replace("-", "_")
+        return key
+
+    def entry(self, name: str) -> Entry:
+        """The entry for a registered name, alias or user import path; ValueError if none."""
+        if is_import_path(name):
+            return self._user_entry(name)
+        key = self.canonical(name)
+        if key in self._entries:
+            return self._entries[key]
+        alias = f" (aliases: {', '.join(sorted(self.aliases))})" if self.aliases else ""
+        raise ValueError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}"
+                         f"{alias}, or package.module:function for your own")
+
+    def _user_entry(self, spec: str) -> Entry:
+        if spec not in self._loaded:
+            fn = load_object(spec, self.kind)
+            own = {k: getattr(fn, k) for k in self.attr_choices if hasattr(fn, k)}
+            self._loaded[spec] = Entry(spec, fn, self._attrs(spec, own))
+        return self._loaded[spec]
+
+    def get(self, name: str) -> Callable:
+        """The callable registered as ``name`` (or named by a user import path)."""
+        return self.entry(name).fn
+
+    def names(self) -> List[str]:
+        """Registered names, sorted (aliases and user entries not included)."""
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.canonical(name) in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self.names())})"
