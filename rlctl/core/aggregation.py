@@ -1,6 +1,6 @@
 """Loss aggregation: how a per-token loss matrix [N, T] becomes one scalar.
 
-Source: Lambert's lecture (seed 000, "loss aggregation"); DAPO (Yu et al., 2025) for
+Sources (formulas in docs/math.md): DAPO (Yu et al., 2025) for
 token-mean; GRPO (Shao et al., 2024) for seq-mean-token-mean; Dr. GRPO (Liu et al., 2025)
 for the constant length normaliser. Names follow verl's `loss_agg_mode`.
 

@@ -1,7 +1,7 @@
 """Token log-probs, entropy, masked statistics and completion masks.
 
-Sources: the log-prob helper and completion mask of Lambert's RL-implementation lecture
-(seed 000); the "log-space for stability" rule of seed 002.
+The log-prob helper and completion mask every RL-for-LM codebase has (formulas in
+docs/math.md); everything stays in log space (logsumexp) for numerical stability.
 
 Departures from the usual one-liner `log_softmax(logits).gather(...)`:
 - `token_logprobs` computes `gather(logits) - logsumexp(logits)` row by row, so no

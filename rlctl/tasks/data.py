@@ -43,7 +43,7 @@ _SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv"
 
 
 def _pyarrow(what: str, path: Path):
-    try:
+    try:   # imported only for the Parquet/Arrow/datasets formats (a one-line error without it)
         import pyarrow
     except ImportError:
         raise DataError(f"reading {what} ('{path}') needs pyarrow: pip install pyarrow") from None
@@ -91,7 +91,7 @@ def _read_csv(path: Path, delimiter: str) -> Located:
 
 def _read_parquet(path: Path) -> Located:
     _pyarrow("Parquet", path)
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq   # only for Parquet files; _pyarrow checked it is installed
     return _numbered(path, pq.read_table(path).to_pylist(), "row")
 
 

@@ -1,4 +1,4 @@
-"""RLOO is unbiased on seed 002's 3-token bandit; a baseline that includes the sample
+"""RLOO is unbiased on a 3-token bandit; a baseline that includes the sample
 itself shrinks the gradient by (G-1)/G.
 
 Bandit: one-token answers from {A, B, C}, logits z = 0 (p = 1/3 each), R = 1 iff A.
