@@ -44,7 +44,8 @@ def test_unknown_kind_aliases_and_dtype():
 
 
 def _seed_kl_shaped_rewards(final_reward, logp, ref, beta, kind="k1"):
-    """Seed 002's one-row function on Python floats (k1), generalised to k2 / k3."""
+    """A one-row reference on Python floats: -beta * k per token, the final reward added at
+    the last token (k1; also k2 / k3)."""
     est = {"k1": lambda a, b: a - b, "k2": lambda a, b: 0.5 * (a - b) ** 2,
            "k3": lambda a, b: math.exp(b - a) - (b - a) - 1}[kind]
     r = [-beta * est(a, b) for a, b in zip(logp, ref)]

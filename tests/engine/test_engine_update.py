@@ -72,7 +72,7 @@ def test_micro_batch_accumulation_matches_one_batch(tiny, mode):
 
 
 def test_in_reward_shaping_then_gae_gives_the_seed_example():
-    """Seed 002: final reward 1, logp [-1,-.5,-.2], ref [-1.2,-.5,-.4], beta .05, values
+    """Worked by hand: final reward 1, logp [-1,-.5,-.2], ref [-1.2,-.5,-.4], beta .05, values
     [.5,.6,.8], gamma 1, lam .95. Shaped rewards [-.01, 0, .99]; by hand, deltas
     [.09, .2, .19] and advantages [.09 + .95 * .3805, .2 + .95 * .19, .19]."""
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])                # one padded position

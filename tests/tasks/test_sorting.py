@@ -50,7 +50,7 @@ def test_is_correct_is_exact_whatever_the_reward():
     task = SortingTask(num_eval=4, reward="inclusion_order")
     assert task.is_correct(EX, "1 1 3 4 5")
     assert not task.is_correct(EX, "1 1 1 1 1 1 1 1 1 1")
-    assert task.reward(EX, "1 1 1 1 1 1 1 1 1 1") > 1.0  # the seed's reward-hacking risk
+    assert task.reward(EX, "1 1 1 1 1 1 1 1 1 1") > 1.0  # the naive design pays for repetition
 
 
 def test_well_formed():
