@@ -30,3 +30,18 @@ def tiny(tiny_dir, tiny_cfg):
     from rlctl.models import load_model_and_tokenizer
 
     return load_model_and_tokenizer("tiny", cache_dir=tiny_dir.parent, **tiny_cfg)
+
+
+@pytest.fixture(scope="session")
+def real_arch(tmp_path_factory):
+    """``real_arch(family)`` -> directory of that family's small random-init model
+    (tests/models/real_arch.py: llama, qwen2, gpt2, gemma), built once per session."""
+    from real_arch import build_family
+
+    root, built = tmp_path_factory.mktemp("real_arch"), {}
+
+    def get(name):
+        if name not in built:
+            built[name] = build_family(name, root / name)
+        return built[name]
+    return get
