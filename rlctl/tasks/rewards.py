@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from rlctl.registry import load_object
+from rlctl.tasks.base import RESERVED_REWARD_NAMES
 
 BUILTIN_REWARDS = {"math": "rlctl.tasks.verify:math_reward",
                    "exact": "rlctl.tasks.verify:exact_reward"}
@@ -110,8 +111,6 @@ def _describe(fn: Callable, name: str, weight: float, batched: Optional[bool], k
 
 def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]]) -> List[RewardFn]:
     """The reward functions of ``task.reward_fn`` / ``task.rewards`` (exactly one set)."""
-    from rlctl.tasks.base import RESERVED_REWARD_NAMES
-
     if reward_fn and rewards:
         raise ValueError("set task.reward_fn or task.rewards, not both")
     if not reward_fn and not rewards:
