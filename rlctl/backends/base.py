@@ -9,14 +9,29 @@ each rank's loss numerator by the *global* normaliser (token or sequence counts 
 over ranks), and gradients are summed over ranks. Backends that average gradients over
 ranks (DeepSpeed, and ``TorchBackend`` to match it) get the loss multiplied by
 ``world_size`` first (``dp_loss_scale``), so the update is the same for any N.
+
+Registry: ``BACKENDS`` (``hardware.backend``), entries added with
+``@register_backend(name)`` on a ``Backend`` subclass; every entry is called
+``cls(device, zero_stage, precision, deepspeed_config)`` (the torch backend ignores the
+last three). ``rlctl.backends`` imports this module, then the DeepSpeed one, so both
+are registered whichever is imported first.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_model, save_model
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from rlctl.registry import Registry
+
+BACKENDS = Registry("backend")
+register_backend = BACKENDS.register
 
 
 def dist_env() -> Dict[str, int]:
@@ -28,8 +43,6 @@ def dist_env() -> Dict[str, int]:
 def init_process_group(backend: str = "gloo") -> None:
     """Join the process group described by the environment (MASTER_ADDR/PORT or
     RLCTL_DIST_INIT=file://...), once."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     env = dist_env()
@@ -92,8 +105,6 @@ class Backend:
         """Average gradients over ranks, clip, step the optimizer and schedule; grad norm."""
         grads = [p for p in self._params if p.grad is not None]
         if self.world_size > 1:
-            import torch.distributed as dist
-            from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
             flat = _flatten_dense_tensors([p.grad for p in grads])   # one collective, not one per tensor
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             flat.div_(self.world_size)
@@ -120,7 +131,6 @@ class Backend:
         The collective runs on this backend's device (NCCL takes no CPU tensors)."""
         if self.world_size == 1:
             return t
-        import torch.distributed as dist
         out = t.detach().float().to(self.device, copy=True)
         dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                                  "max": dist.ReduceOp.MAX}[op])
@@ -131,7 +141,6 @@ class Backend:
         first row index)."""
         if self.world_size == 1:
             return t, 0
-        import torch.distributed as dist
         n = torch.tensor([t.shape[0]], device=self.device)     # on the backend's device:
         counts = [torch.zeros_like(n) for _ in range(self.world_size)]   # NCCL needs it
         dist.all_gather(counts, n)
@@ -145,7 +154,6 @@ class Backend:
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            import torch.distributed as dist
             dist.barrier()
 
     def generate_kwargs(self) -> Dict[str, object]:
@@ -160,7 +168,6 @@ class Backend:
         """Weights, optimizer and schedule into ``path`` (ranks are identical: rank 0 writes)."""
         if not self.is_main:
             return
-        from safetensors.torch import save_model
         save_model(self.module, str(path / "model.safetensors"))
         if critic is not None:
             save_model(critic, str(path / "critic.safetensors"))
@@ -168,7 +175,6 @@ class Backend:
         torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
 
     def load_state(self, path: Path, critic=None) -> None:
-        from safetensors.torch import load_model
         load_model(self.module, str(path / "model.safetensors"), device=str(self.device))
         if critic is not None:
             load_model(critic, str(path / "critic.safetensors"), device=str(self.device))
@@ -177,20 +183,21 @@ class Backend:
 
     def gathered(self, module):
         """Context in which the module's weights are whole (ZeRO-3 needs it to save)."""
-        import contextlib
         return contextlib.nullcontext()
 
     def close(self) -> None:
         if self.world_size > 1:
-            import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
 
 
+@register_backend("torch")
 class TorchBackend(Backend):
-    """Plain torch; with several processes, gloo (CPU) or nccl (GPU) all-reduce of grads."""
+    """Plain torch; with several processes, gloo (CPU) or nccl (GPU) all-reduce of grads.
+    ``zero_stage``, ``precision`` and ``deepspeed_config`` are DeepSpeed's (ignored)."""
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", zero_stage: int = 0, precision: str = "fp32",
+                 deepspeed_config: Optional[str] = None):
         super().__init__(device)
         if self.world_size > 1:
             init_process_group("nccl" if self.device.type == "cuda" else "gloo")
@@ -198,9 +205,5 @@ class TorchBackend(Backend):
 
 def build_backend(name: str, device: str, zero_stage: int = 0, precision: str = "fp32",
                   deepspeed_config: Optional[str] = None) -> Backend:
-    if name == "torch":
-        return TorchBackend(device)
-    if name == "deepspeed":
-        from rlctl.backends.deepspeed_backend import DeepSpeedBackend
-        return DeepSpeedBackend(device, zero_stage, precision, deepspeed_config)
-    raise ValueError(f"unknown backend '{name}'; valid: torch, deepspeed")
+    """The backend registered as ``name`` (``hardware.backend``); ValueError if unknown."""
+    return BACKENDS.get(name)(device, zero_stage, precision, deepspeed_config)

@@ -42,12 +42,14 @@ def dry_run(cfg: DictConfig) -> List[str]:
     from rich.table import Table
 
     from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
+    from rlctl.engine.entries import check_entries
     from rlctl.engine.trainer import needs_old_forward
     from rlctl.models.lora import count_parameters
 
     from rlctl.rollout.sampler import check_training_sampling
 
     quiet_libraries(cfg)
+    check_entries(cfg)
     task_from_config(cfg)
     check_training_sampling(cfg.rollout.top_k)
     model, critic, _, ref = model_from_config(cfg)

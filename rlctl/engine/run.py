@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlctl.compose import compose
 from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
+from rlctl.engine.entries import check_entries
 from rlctl.errors import Interrupted, UserError
 
 
@@ -159,6 +160,7 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     composed = compose(overrides, recipe)
     cfg = composed.cfg
     OmegaConf.resolve(cfg)
+    check_entries(cfg)                          # registry names and user entries, likewise
     task_from_config(cfg)                       # bad task options fail before anything is written
     from rlctl.models.loading import check_source
     try:

@@ -74,10 +74,11 @@ def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optio
     """Run every job; raise UserError (every failure was bad input: exit 2) or
     TrainingFault (exit 1) at the end if any job failed, after the table and files."""
     from rlctl.compose import compose
+    from rlctl.engine.entries import check_entries
 
     jobs = expand(overrides)
     for job in jobs:                     # validate every cell before the first one runs
-        compose(job, recipe)
+        check_entries(compose(job, recipe).cfg)
     root = Path(output_dir or compose(jobs[0], recipe).cfg.run.output_dir)
     sweep_dir = root / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,9 @@ prompts, and reward scoring under a time limit.
 
 A task gives prompts (``train_examples``/``eval_examples``) and scores completions
 (``reward``, ``is_correct``). ``build_task(name, **options)`` is the only constructor the
-engine uses. It takes the keys every task has (``COMMON_OPTIONS``: ``prompt_format``,
-``system_prompt``, ``reward_timeout_s``, ``on_reward_error``) out of ``options``, drops
+engine uses (``name``: a registered task or "package.module:factory"). It takes the
+keys every task has (``COMMON_OPTIONS``: ``prompt_format``, ``system_prompt``,
+``reward_timeout_s``, ``on_reward_error``) out of ``options``, drops
 ``None`` values of keys the task does not take (``TaskConfig`` is shared by all tasks),
 rejects a non-``None`` value for such a key with a one-line ``ValueError``, builds the
 task and attaches the common options to it as ``task.rlctl_options``.
@@ -35,6 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+from rlctl.registry import Registry
 from rlctl.types import Example
 
 log = logging.getLogger(__name__)
@@ -65,14 +67,10 @@ class Task(Protocol):
 
 
 TaskFactory = Callable[..., Task]
-TASKS: Dict[str, TaskFactory] = {}
-
-
-def register_task(name: str):
-    def deco(factory: TaskFactory) -> TaskFactory:
-        TASKS[name] = factory
-        return factory
-    return deco
+# factory(**task options) -> Task, registered with @register_task(name); task.name may
+# also be "package.module:factory" for a task of the user's own.
+TASKS = Registry("task")
+register_task = TASKS.register
 
 
 # ---- options every task has ------------------------------------------------------------
@@ -126,13 +124,11 @@ def _factory_params(factory) -> Tuple[Dict[str, inspect.Parameter], bool]:
 
 def build_task(name: str, **options) -> Task:
     """The task ``name`` built from config keys (all of ``TaskConfig`` but ``name``)."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task '{name}'; valid: {', '.join(sorted(TASKS))}")
+    factory = TASKS.get(name)
     common = {k: options.pop(k) for k in COMMON_OPTIONS if k in options}
     opts = check_options(TaskOptions(**{k: v for k, v in common.items()
                                         if v is not None or k in ("reward_timeout_s",
                                                                   "system_prompt")}))
-    factory = TASKS[name]
     params, var_kw = _factory_params(factory)
     kwargs = {}
     for key, value in options.items():

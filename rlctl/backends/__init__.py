@@ -1,0 +1,13 @@
+"""How the learner runs and how ranks talk: the ``Backend`` interface and its registry.
+
+``build_backend(hardware.backend, ...)`` looks the name up in ``BACKENDS``: ``torch``
+(plain torch, ``base.py``) and ``deepspeed`` (ZeRO 0-3, ``deepspeed_backend.py``, which
+imports ``deepspeed`` only when it is used). Importing this package registers both;
+``launch.py`` starts the ranks of ``hardware.num_processes``.
+"""
+from rlctl.backends.base import (BACKENDS, Backend, TorchBackend, build_backend, dist_env,
+                                 register_backend)
+from rlctl.backends import deepspeed_backend  # noqa: F401  (registers "deepspeed")
+
+__all__ = ["BACKENDS", "Backend", "TorchBackend", "build_backend", "dist_env",
+           "register_backend"]
