@@ -4,6 +4,7 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 
+from rlctl.engine.entries import check_entries
 from rlctl.errors import ConfigError
 from rlctl.engine.rundir import recipe_text
 
@@ -38,8 +39,8 @@ def test_bad_overrides_give_one_line_naming_key(overrides, fragments):
     if not fragments:
         compose(overrides)  # composes; the task rejects the reward at build time
         return
-    with pytest.raises(ConfigError) as err:
-        compose(overrides)
+    with pytest.raises(ConfigError) as err:   # registry names: checked at the engine boundary
+        check_entries(compose(overrides).cfg)
     msg = str(err.value)
     assert "\n" not in msg
     for frag in fragments:
