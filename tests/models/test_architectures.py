@@ -235,6 +235,16 @@ def test_left_padding_with_absolute_positions_matches_the_prompt_alone(real_arch
             batch = learner_forward(model, seqs, full, P, share_prompts=share).logp  # [2, T]
             single = learner_forward(model, alone, full1, P1, share_prompts=share).logp
             torch.testing.assert_close(batch[0], single[0], rtol=0, atol=1e-10)
+        for share in (False, True):                # the lean sampler, near-greedy (T = 1e-4)
+            torch.manual_seed(0)
+            s_b, _, _, lg_b = generate(model, tok, prompts, 6, do_sample=True, temperature=1e-4,
+                                       return_logits=True, share_prompts=share)   # [2, T, V]
+            s_1, _, _, lg_1 = generate(model, tok, prompts[:1], 6, do_sample=True,
+                                       temperature=1e-4, return_logits=True, share_prompts=share)
+            assert torch.equal(s_b[0, P:], seqs[0, P:]) and torch.equal(s_1[0, P1:], alone[0, P1:])
+            # the sampler keeps float32 logits of float64 values: equal up to one float32
+            # ulp (< 8e-6 for |logit| < 64)
+            torch.testing.assert_close(lg_b[0, :lg_1.shape[1]], lg_1[0], rtol=0, atol=1e-5)
         naive = model(input_ids=seqs, attention_mask=full).logits     # positions 0..P+T-1
     shifted = torch.log_softmax(naive[0, P - 1:-1], -1).gather(-1, seqs[0, P:, None])[:, 0]
     assert (shifted - single[0]).abs().max() > 1e-3                  # the test can fail
