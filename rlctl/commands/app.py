@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import typer
 
 from rlctl.errors import UserError, run_command
+from rlctl.commands.reward_model_cmd import rm_app  # light: typer and rlctl.errors only
 
 # The command modules (rlctl.commands.eval_cmd, rollout_cmd, inspect_cmd) are imported
 # inside the command bodies below, on purpose: they pull in torch, transformers and hydra
@@ -119,3 +120,5 @@ def register(app: typer.Typer) -> None:
             run_inspect(list(ctx.args), out_dir=out_dir, json_out=json_out, plots=plots,
                         examples=_int("--examples", examples))
         _run(go, debug)
+
+    app.add_typer(rm_app, name="reward-model")   # rlctl reward-model train|eval

@@ -1,0 +1,92 @@
+"""`rlctl reward-model train|eval`: the Typer sub-app. Only typer and rlctl.errors are
+imported here; the work (torch, transformers) is imported inside each command, on
+purpose, so that `rlctl --help` stays instant (as in rlctl/commands/app.py)."""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional
+
+import typer
+
+from rlctl.errors import UserError, run_command
+
+FREE_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+TRAIN_HELP = """Fit a Bradley-Terry reward model on preference pairs.
+
+\b
+    rlctl reward-model train PREFS [--eval PREFS_EVAL] [OVERRIDES]...
+    rlctl reward-model train prefs.jsonl rm.steps=300 rm.lr=1e-3
+    rlctl reward-model train prefs.parquet model=hf model.name_or_path=/path/to/lm
+
+PREFS: a JSONL, JSON, CSV, Parquet file or datasets directory with prompt, chosen and
+rejected columns (and optionally a numeric margin). Without --eval a seeded
+rm.eval_frac of the pairs is held out. Loss per pair: -log sigmoid(r_chosen - r_rejected
+- margin) + rm.center_coef * (r_chosen + r_rejected)^2. OVERRIDES: model=..., hardware=...,
+logger=..., seed=..., run.output_dir=... and rm.* (lr, steps, batch_size, margin,
+center_coef, weight_decay, max_grad_norm, eval_frac, eval_every, eval_batch_size,
+max_length). Writes runs/<time>-rm/ with model/ (a Hugging Face sequence classifier,
+num_labels=1: use it as task.reward_model=RUN/model), metrics.jsonl
+(eval/pairwise_accuracy), config.yaml and summary.json.
+"""
+
+EVAL_HELP = """Pairwise accuracy and score distribution of a reward model on preference pairs.
+
+\b
+    rlctl reward-model eval PATH PREFS [--out FILE.json]
+
+PATH: a reward-model directory (sequence classifier, num_labels=1) or a run directory of
+`rlctl reward-model train`. PREFS as for train.
+"""
+
+rm_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                     help="Train and evaluate reward models (Bradley-Terry, on preference pairs).")
+
+
+def format_eval(stats: Dict[str, float]) -> List[str]:
+    """The lines `rlctl reward-model eval` prints."""
+    lines = [f"pairwise accuracy  {stats['pairwise_accuracy']:.4f}  "
+             f"({int(stats['num_pairs'])} pairs, mean margin {stats['mean_margin']:+.4f})",
+             f"{'scores':<9} {'mean':>9} {'std':>9} {'p10':>9} {'p50':>9} {'p90':>9}"]
+    for name in ("chosen", "rejected"):
+        lines.append(f"{name:<9} " + " ".join(f"{stats[f'{name}_{k}']:>9.4f}"
+                                               for k in ("mean", "std", "p10", "p50", "p90")))
+    return lines
+
+
+@rm_app.command("train", context_settings=FREE_ARGS, help=TRAIN_HELP,
+                options_metavar="PREFS [OVERRIDES]... [OPTIONS]")
+def train_(ctx: typer.Context,
+           eval_prefs: Optional[str] = typer.Option(None, "--eval", metavar="PREFS_EVAL", help="Held-out preference pairs (default: a seeded rm.eval_frac of PREFS)."),
+           debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
+    def go():
+        from rlctl.engine.reward_model_train import train_reward_model
+
+        args = list(ctx.args)
+        if not args or "=" in args[0] or args[0].startswith("-"):
+            raise UserError("missing PREFS: rlctl reward-model train PREFS [--eval PREFS_EVAL] "
+                            "[OVERRIDES]...")
+        run_dir = train_reward_model(args[1:], args[0], eval_prefs)
+        typer.echo(f"reward model: {run_dir / 'model'}")
+    run_command(go, debug)
+
+
+@rm_app.command("eval", context_settings=FREE_ARGS, help=EVAL_HELP,
+                options_metavar="PATH PREFS [OPTIONS]")
+def eval_(ctx: typer.Context,
+          out: Optional[str] = typer.Option(None, "--out", metavar="FILE", help="Also write the numbers as JSON."),
+          debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
+    def go():
+        args = list(ctx.args)
+        if len(args) != 2 or any(a.startswith("-") for a in args):
+            raise UserError("rlctl reward-model eval takes PATH PREFS (a reward model or run "
+                            f"directory, then a preference file); got {' '.join(args) or 'nothing'}")
+        from rlctl.engine.reward_model_train import eval_reward_model
+
+        stats = eval_reward_model(args[0], args[1])
+        for line in format_eval(stats):
+            typer.echo(line)
+        if out:
+            with open(out, "w", encoding="utf-8") as f:
+                json.dump(stats, f, indent=2, sort_keys=True)
+    run_command(go, debug)

@@ -1,0 +1,289 @@
+"""`rlctl reward-model train|eval`: fit a Bradley-Terry reward model on preference pairs
+and measure one.
+
+Config: the model, hardware and logger groups, ``seed`` and ``run.output_dir`` are
+composed as for ``rlctl train`` (rlctl.compose, same validation); the fit's own knobs are
+``rm.*`` (rlctl/conf/reward_model.yaml, typed by ``RMConfig``), kept apart from the RL
+schema. A run writes ``<run.output_dir>/<time>-rm/`` with ``model/`` (a standard
+``AutoModelForSequenceClassification`` directory, num_labels=1, safetensors, tokenizer),
+``metrics.jsonl``, ``config.yaml`` (resolved: model, hardware, logger, seed, run, rm),
+``overrides.yaml`` and ``summary.json``.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from rlctl.compose import CONF_DIR, compose
+from rlctl.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range
+from rlctl.engine.build import quiet_libraries
+from rlctl.engine.rundir import create_run_dir, write_json_atomic
+from rlctl.errors import ConfigError, DataError, UserError
+from rlctl.models.loading import resolve_dtype
+from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
+                                     pairwise_accuracy, prepare_for_scoring, score_pairs)
+from rlctl.models.tiny import build_tiny
+from rlctl.sinks import build_sinks
+from rlctl.tasks.data import load_records
+
+COLUMNS = ("prompt", "chosen", "rejected")
+SECTIONS = ("model", "hardware", "logger", "seed", "run")   # composed like `rlctl train`
+
+
+@dataclass
+class RMConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    steps: int = 200
+    batch_size: int = 16
+    margin: float = 0.0
+    center_coef: float = 0.01
+    max_grad_norm: float = 1.0
+    eval_frac: float = 0.1
+    eval_every: int = 50
+    eval_batch_size: int = 64
+    max_length: Optional[int] = None
+
+
+RM_RANGES = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "steps": AT_LEAST_1,
+             "batch_size": AT_LEAST_1, "margin": Range(), "center_coef": NON_NEGATIVE,
+             "max_grad_norm": Range(0, why="0: no clipping"),
+             "eval_frac": Range(0, 1, lo_open=True, hi_open=True),
+             "eval_every": Range(0, why="0: only at the end"), "eval_batch_size": AT_LEAST_1,
+             "max_length": AT_LEAST_1}
+
+
+def rm_config(overrides: Sequence[str]) -> RMConfig:
+    """conf/reward_model.yaml with ``rm.KEY=VALUE`` overrides, typed and range-checked."""
+    base = OmegaConf.merge(OmegaConf.structured(RMConfig),
+                           OmegaConf.load(CONF_DIR / "reward_model.yaml"))
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        leaf = key[len("rm."):]
+        if not eq or leaf not in RM_RANGES:
+            raise ConfigError(f"unknown reward-model key '{key}'; valid: "
+                              f"{', '.join('rm.' + k for k in RM_RANGES)}")
+        try:
+            base[leaf] = yaml.safe_load(value)
+        except Exception:  # noqa: BLE001 - OmegaConf's type errors
+            kind = type(getattr(RMConfig(), leaf, 0.0) or 0.0).__name__
+            raise ConfigError(f"invalid value '{value}' for '{key}': expected "
+                              f"{'an integer' if kind == 'int' else 'a float'}") from None
+    cfg = RMConfig(**OmegaConf.to_container(base))
+    for leaf, rng in RM_RANGES.items():
+        v = getattr(cfg, leaf)
+        if v is not None and (not math.isfinite(v) or not rng.contains(v)):
+            what = f"{rng.describe()} and finite" if rng.lo is not None else "finite"
+            why = f"; {rng.why}" if rng.why else ""
+            raise ConfigError(f"invalid rm.{leaf} '{v}'; must be {what}{why}")
+    return cfg
+
+
+def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(the composed sections' overrides, the rm.* ones); other sections are refused."""
+    bad = [o for o in overrides if o.startswith("--")]
+    if bad:
+        raise UserError(f"unknown option '{bad[0]}'; options: --eval PREFS, --debug, --help")
+    base, rm = [], []
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key.startswith("rm.") or key == "rm":
+            rm.append(o)
+        elif key.split(".")[0] in SECTIONS:
+            base.append(o)
+        else:
+            raise ConfigError(f"rlctl reward-model train takes overrides of "
+                              f"{', '.join(SECTIONS)} and rm.* (e.g. rm.lr=1e-4); got '{o}'")
+    return base, rm
+
+
+def read_pairs(path: str, key: str) -> List[Pair]:
+    """Preference rows (prompt, chosen, rejected text; an optional numeric margin)."""
+    rows = load_records(path, "auto", key, located=True)
+    pairs = []
+    for where, row in rows:
+        missing = [c for c in COLUMNS if c not in row]
+        if missing:
+            raise DataError(f"{key}: {where} has no '{missing[0]}' column; a preference row "
+                            f"needs {', '.join(COLUMNS)} (and optionally margin); it has "
+                            f"{', '.join(map(str, row)) or 'none'}")
+        bad = next((c for c in COLUMNS if not isinstance(row[c], str)), None)
+        if bad:
+            raise DataError(f"{key}: {where}: '{bad}' must be text, got "
+                            f"{type(row[bad]).__name__}")
+        margin = row.get("margin")
+        if margin is not None and margin != "":
+            try:
+                margin = float(margin)
+            except (TypeError, ValueError):
+                margin = float("nan")
+            if not math.isfinite(margin):
+                raise DataError(f"{key}: {where}: 'margin' must be a finite number, got "
+                                f"'{row.get('margin')}'")
+        pairs.append(Pair(row["prompt"], row["chosen"], row["rejected"],
+                          None if margin in (None, "") else margin))
+    return pairs
+
+
+def hold_out(pairs: List[Pair], frac: float, seed: int) -> Tuple[List[Pair], List[Pair]]:
+    """(train, held out): a seeded ``frac`` of the pairs (at least 1) held out."""
+    if len(pairs) < 2:
+        raise DataError("PREFS has one pair: nothing to hold out; pass --eval PREFS_EVAL")
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:max(1, round(frac * len(pairs)))])
+    return ([p for i, p in enumerate(pairs) if i not in held],
+            [p for i, p in enumerate(pairs) if i in held])
+
+
+def backbone_path(cfg) -> str:
+    """The causal LM (or classifier) directory the reward model starts from."""
+    m = cfg.model
+    if m.name == "tiny":
+        return str(build_tiny(hidden_size=m.hidden_size, num_layers=m.num_layers,
+                              num_heads=m.num_heads, warmup_steps=m.warmup_steps,
+                              warmup_lr=m.warmup_lr, seed=cfg.seed, cache_dir=m.cache_dir,
+                              warmup_task=m.warmup_task))
+    path = Path(str(m.name_or_path)).expanduser()
+    if not path.is_dir():
+        raise UserError(f"model path '{m.name_or_path}' does not exist or is not a directory")
+    return str(path)
+
+
+def load_classifier(path: str, dtype: str, seed: int, device: str):
+    """(1-output sequence classifier, tokenizer) from a model directory; UserError if not."""
+    try:
+        model = classifier_from_lm(path, resolve_dtype(dtype), seed)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"cannot load model '{path}' as a sequence classifier: {first}") from None
+    prepare_for_scoring(model, tokenizer)
+    return model.to(device), tokenizer
+
+
+def score_stats(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> Dict[str, float]:
+    """Pairwise accuracy and the score distribution of chosen and rejected answers."""
+    out = {"pairwise_accuracy": pairwise_accuracy(r_chosen, r_rejected),
+           "num_pairs": float(len(r_chosen)),
+           "mean_margin": float((r_chosen - r_rejected).mean())}
+    q = torch.tensor([0.1, 0.5, 0.9])
+    for name, r in (("chosen", r_chosen), ("rejected", r_rejected)):
+        r = r.double()
+        qs = torch.quantile(r, q.double()).tolist()
+        out.update({f"{name}_mean": float(r.mean()),
+                    f"{name}_std": float(r.std()) if len(r) > 1 else 0.0,
+                    f"{name}_p10": qs[0], f"{name}_p50": qs[1], f"{name}_p90": qs[2]})
+    return out
+
+
+def _evaluate(model, tokenizer, held: Sequence[Pair], rm: RMConfig) -> Dict[str, float]:
+    r_c, r_r = score_pairs(model, tokenizer, held, rm.eval_batch_size, rm.max_length)  # [P] each
+    stats = score_stats(r_c, r_r)
+    return {"eval/pairwise_accuracy": stats["pairwise_accuracy"],
+            "eval/margin": stats["mean_margin"], "eval/chosen_mean": stats["chosen_mean"],
+            "eval/rejected_mean": stats["rejected_mean"]}
+
+
+def _plan(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str]):
+    """Everything checked before a run directory is made: (composed, rm, train, held)."""
+    base, rm_overrides = split_overrides(overrides)
+    composed = compose(base)
+    rm = rm_config(rm_overrides)
+    hw = composed.cfg.hardware
+    if hw.backend != "torch" or hw.num_processes != 1:
+        raise ConfigError("rlctl reward-model train runs one process on the torch backend; got "
+                          f"hardware.backend={hw.backend}, hardware.num_processes={hw.num_processes}")
+    pairs = read_pairs(prefs, "PREFS")
+    if eval_prefs:
+        train, held = pairs, read_pairs(eval_prefs, "--eval")
+    else:
+        train, held = hold_out(pairs, rm.eval_frac, int(composed.cfg.seed))
+    return composed, rm, train, held
+
+
+def _write_config(run_dir: Path, cfg, rm: RMConfig, composed, prefs, eval_prefs) -> Dict:
+    resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) if k != "seed" else cfg.seed
+                for k in SECTIONS}
+    resolved["rm"] = asdict(rm)
+    resolved["data"] = {"prefs": str(prefs), "eval": None if eval_prefs is None else str(eval_prefs)}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    (run_dir / "overrides.yaml").write_text(yaml.safe_dump(
+        {"overrides": list(composed.overrides)}, sort_keys=False))
+    return resolved
+
+
+def train_reward_model(overrides: Sequence[str], prefs: str,
+                       eval_prefs: Optional[str] = None) -> Path:
+    """Fit a reward model; returns its run directory (the model in ``model/``)."""
+    composed, rm, train, held = _plan(overrides, prefs, eval_prefs)
+    cfg = composed.cfg
+    quiet_libraries(cfg)
+    model, tokenizer = load_classifier(backbone_path(cfg), cfg.model.dtype, int(cfg.seed),
+                                       cfg.hardware.device)
+    run_dir = create_run_dir(cfg.run.output_dir, "rm")
+    resolved = _write_config(run_dir, cfg, rm, composed, prefs, eval_prefs)
+    lg = cfg.logger
+    sink = build_sinks(run_dir=run_dir, jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode,
+                       project=lg.project, name=run_dir.name, config=resolved,
+                       console=lg.console, total_steps=rm.steps)
+    t0 = time.perf_counter()
+
+    def on_step(step: int, metrics: Dict[str, float]) -> None:
+        metrics = dict(metrics, **{"optim/lr": rm.lr})
+        if step == rm.steps or (rm.eval_every and step % rm.eval_every == 0):
+            metrics.update(_evaluate(model, tokenizer, held, rm))
+        sink.log(metrics, step)
+
+    settings = FitSettings(steps=rm.steps, lr=rm.lr, batch_size=rm.batch_size, margin=rm.margin,
+                           center_coef=rm.center_coef, weight_decay=rm.weight_decay,
+                           max_grad_norm=rm.max_grad_norm, max_length=rm.max_length,
+                           seed=int(cfg.seed))
+    try:
+        torch.manual_seed(int(cfg.seed))
+        fit(model, tokenizer, train, settings, on_step)
+        final = _evaluate(model, tokenizer, held, rm)
+        model.save_pretrained(run_dir / "model")     # safetensors
+        tokenizer.save_pretrained(run_dir / "model")
+        summary = dict(final, train_pairs=len(train), eval_pairs=len(held),
+                       train_seconds=round(time.perf_counter() - t0, 3),
+                       model_dir=str(run_dir / "model"))
+        write_json_atomic(run_dir / "summary.json", summary)
+        sink.summary(summary)
+    finally:
+        sink.close()
+    return run_dir
+
+
+def eval_reward_model(path: str, prefs: str, batch_size: int = 64, device: str = "cpu"
+                      ) -> Dict[str, float]:
+    """Pairwise accuracy and score distribution of the reward model at ``path`` (a model
+    directory or a run directory holding ``model/``) on the pairs in ``prefs``."""
+    p = Path(path).expanduser()
+    if (p / "model" / "config.json").is_file():
+        p = p / "model"
+    if not (p / "config.json").is_file():
+        raise UserError(f"'{path}' is not a reward model directory (no config.json; expected "
+                        "a sequence-classifier directory or a run directory with model/)")
+    pairs = read_pairs(prefs, "PREFS")
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(str(p), use_safetensors=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"cannot load reward model '{path}': {first}") from None
+    if model.config.num_labels != 1:
+        raise UserError(f"'{path}' has {model.config.num_labels} labels; a reward model has one "
+                        "(num_labels=1)")
+    prepare_for_scoring(model, tokenizer)
+    r_c, r_r = score_pairs(model.to(device), tokenizer, pairs, batch_size)   # [P] each
+    return score_stats(r_c, r_r)

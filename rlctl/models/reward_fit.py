@@ -1,0 +1,153 @@
+"""Reward models as Hugging Face sequence classifiers: build one from a causal LM, score
+texts, and fit it on preference pairs with the Bradley-Terry loss (rlctl.core.preference).
+
+A reward model here is a standard ``AutoModelForSequenceClassification`` directory with
+``num_labels=1``, safetensors weights and its own tokenizer (pad token set); its score is
+the head's output at the last non-pad token of prompt + completion (transformers finds
+that token from ``config.pad_token_id``, for left and right padding alike).
+
+Text of a (prompt, completion) pair (``render``): the tokenizer's chat template as
+[user: prompt, assistant: completion] when it has one, else ``prompt + completion`` with
+one space between them when neither side has whitespace at the join (the tiny model's
+word-level tokenizer needs "5 = 1 2" rather than "5 =1 2"; BPE completions that start with
+a space are left alone).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rlctl.core.preference import bradley_terry_loss
+
+
+@dataclass
+class Pair:
+    prompt: str
+    chosen: str
+    rejected: str
+    margin: Optional[float] = None     # per-pair margin (a `margin` column); None: the default
+
+
+def render(tokenizer, prompt: str, completion: str) -> str:
+    """The text a reward model scores for ``prompt`` answered by ``completion``."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
+            tokenize=False)
+    if prompt and completion and not prompt[-1].isspace() and not completion[0].isspace():
+        return prompt + " " + completion
+    return prompt + completion
+
+
+def classifier_from_lm(path: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A 1-output sequence classifier with the backbone of the causal LM at ``path`` (the
+    LM head dropped, a new score head initialised under ``seed``)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, use_safetensors=True)
+    return model
+
+
+def prepare_for_scoring(model, tokenizer) -> None:
+    """A pad token on the tokenizer (EOS if none) and the same id on the model's config."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def scores(model, tokenizer, prompts: Sequence[str], completions: Sequence[str],
+           max_length: Optional[int] = None) -> torch.Tensor:
+    """The model's score of each rendered pair, [n] float32 (grad flows when enabled)."""
+    texts = [render(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=max_length is not None,
+                    max_length=max_length)
+    device = next(model.parameters()).device
+    out = model(input_ids=enc["input_ids"].to(device),                 # [n, L]
+                attention_mask=enc["attention_mask"].to(device))
+    return out.logits[:, 0].float()                                     # [n]
+
+
+def pair_scores(model, tokenizer, pairs: Sequence[Pair], max_length: Optional[int] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(r_chosen [P], r_rejected [P]) in one forward of 2P rows."""
+    prompts = [p.prompt for p in pairs] * 2
+    comps = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    r = scores(model, tokenizer, prompts, comps, max_length)          # [2P]
+    return r[:len(pairs)], r[len(pairs):]
+
+
+@torch.no_grad()
+def score_pairs(model, tokenizer, pairs: Sequence[Pair], batch_size: int = 64,
+                max_length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Held-out scores of every pair, batched: (r_chosen [P], r_rejected [P])."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    for i in range(0, len(pairs), batch_size):
+        c, r = pair_scores(model, tokenizer, pairs[i:i + batch_size], max_length)
+        chosen.append(c.cpu())
+        rejected.append(r.cpu())
+    model.train(was_training)
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+def pairwise_accuracy(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> float:
+    """Share of pairs the model ranks right (a tie counts as wrong)."""
+    return float((r_chosen > r_rejected).float().mean()) if len(r_chosen) else float("nan")
+
+
+@dataclass
+class FitSettings:
+    steps: int
+    lr: float
+    batch_size: int
+    margin: float = 0.0
+    center_coef: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_length: Optional[int] = None
+    seed: int = 0
+
+
+def _margins(batch: Sequence[Pair], default: float) -> torch.Tensor:
+    return torch.tensor([default if p.margin is None else float(p.margin) for p in batch])  # [P]
+
+
+def fit(model, tokenizer, pairs: Sequence[Pair], s: FitSettings,
+        on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> List[float]:
+    """``s.steps`` AdamW steps of the Bradley-Terry loss on shuffled batches of ``pairs``
+    (reshuffled each epoch under ``s.seed``); ``on_step(step, metrics)`` after each.
+    Returns the losses."""
+    rng = random.Random(s.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+    model.train()
+    order: List[int] = []
+    losses = []
+    for step in range(1, s.steps + 1):
+        if len(order) < s.batch_size:
+            fresh = list(range(len(pairs)))
+            rng.shuffle(fresh)
+            order += fresh
+        batch = [pairs[i] for i in order[:s.batch_size]]
+        order = order[s.batch_size:]
+        r_c, r_r = pair_scores(model, tokenizer, batch, s.max_length)   # [P], [P]
+        loss, m = bradley_terry_loss(r_c, r_r, _margins(batch, s.margin).to(r_c.device),
+                                     s.center_coef)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
+        opt.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, {"train/loss": losses[-1], "train/accuracy": float(m["accuracy"]),
+                           "train/bt_loss": float(m["bt_loss"]),
+                           "train/margin": float(m["margin"]),
+                           "optim/grad_norm": float(grad_norm)})
+    model.eval()
+    return losses

@@ -1,0 +1,149 @@
+"""The embedded tiny reward model for the sorting task (``task.reward_model=tiny``).
+
+``tiny_reward_model_dir()`` builds on first use, and caches like the tiny policy (under
+``$RLCTL_CACHE`` or ``~/.cache/rlctl``, in ``tiny-rm-<hash>`` of every input that affects
+the weights), a Bradley-Terry reward model: the default tiny policy's backbone (the
+warmed-up Llama of conf/model/tiny.yaml) with a 1-output score head, trained by
+``rlctl.models.reward_fit.fit`` (the code of ``rlctl reward-model train``) on preference
+pairs from the *training* split of the default 5-digit sorting task (seed 1234).
+
+The pairs: for a training prompt, two candidate answers are drawn (the sorted answer,
+the sorted answer with one or two random swaps, a random permutation of the prompt's
+digits, or one of these with a digit dropped or repeated), ranked by the positional
+reward (share of positions holding the right digit); ties are skipped. Only
+``NUM_PAIRS`` pairs and ``STEPS`` steps on purpose: the result is an imperfect proxy of
+the positional reward, which is what a study of reward over-optimisation needs.
+
+Measured (seed 0, 1 thread): held-out pairwise accuracy 0.82 on 512 pairs made the same
+way from the task's *eval* split prompts (``rlctl_tiny_rm.json`` in the directory holds
+the measured value of each build, ``heldout_pairwise_accuracy``); about 10 s to build.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import transformers
+
+from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
+                                     pairwise_accuracy, prepare_for_scoring, score_pairs)
+from rlctl.models.tiny import build_tiny, build_tokenizer, default_cache_dir
+from rlctl.tasks.sorting import SortingTask, positional_reward
+
+log = logging.getLogger(__name__)
+
+CODE_VERSION = 1        # bump when a change here alters the built model (in the cache key)
+TASK_SEED = 1234        # the default sorting task's split seed
+NUM_DIGITS = 5
+NUM_PAIRS = 384         # training pairs: limited on purpose (an imperfect proxy)
+NUM_HELDOUT = 512       # held-out pairs from the eval split, for the stated accuracy
+STEPS = 120
+BATCH_SIZE = 32
+LR = 1e-3
+CENTER_COEF = 0.01
+POLICY_WARMUP_STEPS = 80   # conf/model/tiny.yaml's warmup_steps: the policy's backbone
+
+
+def _candidate(digits: Sequence[int], rng: random.Random) -> List[int]:
+    """One answer: sorted, nearly sorted, permuted, or of the wrong length."""
+    out = sorted(digits)
+    kind = rng.random()
+    if kind < 0.45:                       # one or two random swaps of the sorted answer
+        for _ in range(rng.choice((1, 2))):
+            i, j = rng.sample(range(len(out)), 2)
+            out[i], out[j] = out[j], out[i]
+    elif kind < 0.8:                      # a random permutation of the prompt's digits
+        rng.shuffle(out)
+    if rng.random() < 0.1:                # a digit dropped or repeated
+        i = rng.randrange(len(out))
+        out = out[:i] + out[i + 1:] if rng.random() < 0.5 else out[:i + 1] + out[i:]
+    return out
+
+
+def sorting_pairs(examples, n: int, seed: int) -> List[Pair]:
+    """``n`` preference pairs ranked by the positional reward, one per example in turn
+    (cycling through ``examples``), ties skipped."""
+    rng = random.Random(seed)
+    pairs: List[Pair] = []
+    i = 0
+    while len(pairs) < n:
+        ex = examples[i % len(examples)]
+        i += 1
+        digits = ex.fields["digits"]
+        a, b = _candidate(digits, rng), _candidate(digits, rng)
+        ra, rb = positional_reward(digits, a), positional_reward(digits, b)
+        if ra == rb:
+            continue
+        win, lose = (a, b) if ra > rb else (b, a)
+        pairs.append(Pair(ex.prompt, " ".join(map(str, win)), " ".join(map(str, lose))))
+    return pairs
+
+
+def build_params(seed: int = 0) -> Dict[str, object]:
+    """Everything that determines the built reward model (hashed into the cache key)."""
+    return {"code_version": CODE_VERSION, "task_seed": TASK_SEED, "num_digits": NUM_DIGITS,
+            "num_pairs": NUM_PAIRS, "num_heldout": NUM_HELDOUT, "steps": STEPS,
+            "batch_size": BATCH_SIZE, "lr": LR, "center_coef": CENTER_COEF,
+            "policy_warmup_steps": POLICY_WARMUP_STEPS, "seed": int(seed),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _build_into(directory: Path, params: Dict[str, object], cache_dir: Optional[Path]) -> Dict:
+    t0 = time.perf_counter()
+    policy = build_tiny(warmup_steps=POLICY_WARMUP_STEPS, cache_dir=cache_dir)
+    tokenizer = build_tokenizer()
+    model = classifier_from_lm(str(policy), seed=params["seed"])
+    prepare_for_scoring(model, tokenizer)
+    task = SortingTask(num_digits=NUM_DIGITS, seed=TASK_SEED)
+    train = sorting_pairs(task.train_examples(), NUM_PAIRS, params["seed"])
+    held = sorting_pairs(task.eval_examples(), NUM_HELDOUT, params["seed"] + 1)
+    settings = FitSettings(steps=STEPS, lr=LR, batch_size=BATCH_SIZE, center_coef=CENTER_COEF,
+                           seed=params["seed"])
+    losses = fit(model, tokenizer, train, settings)
+    acc = pairwise_accuracy(*score_pairs(model, tokenizer, held))
+    model.save_pretrained(directory)   # safetensors
+    tokenizer.save_pretrained(directory)
+    meta = dict(params, heldout_pairwise_accuracy=round(acc, 4), final_loss=losses[-1],
+                build_seconds=round(time.perf_counter() - t0, 3))
+    (directory / "rlctl_tiny_rm.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def cache_key(params: Dict[str, object]) -> str:
+    return "tiny-rm-" + hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tiny_reward_model_dir(seed: int = 0, cache_dir: Optional[os.PathLike] = None) -> Path:
+    """Directory of the tiny sorting reward model (sequence classifier + tokenizer),
+    built and cached on first use; later calls return the cached directory at once.
+    The build is atomic (a temporary sibling renamed into place), as for the tiny policy."""
+    params = build_params(seed)
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    final = root / cache_key(params)
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        meta = _build_into(tmp, params, Path(cache_dir).expanduser() if cache_dir else None)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            return final           # a concurrent builder won the race; identical copy
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("built tiny reward model in %.1f s (held-out pairwise accuracy %.3f): %s",
+             meta["build_seconds"], meta["heldout_pairwise_accuracy"], final)
+    return final
