@@ -4,6 +4,7 @@ dry run, the async rollout actors and `rlctl eval`/`rollout`, so all of them see
 objects for the same config."""
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -13,7 +14,11 @@ from rlctl.errors import UserError
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora, reference_for
 from rlctl.models.value import PolicyValueModel, SeparateCritic
-from rlctl.tasks import build_task as _task_from_registry
+from rlctl.tasks import TASKS, build_task as _task_from_registry
+from rlctl.tasks.reward_model import (LearnedRewards, attach, build_learned_rewards, check_names,
+                                      model_entries)
+
+LEARNED_KEYS = ("reward_model", "reward_norm", "reward_clip")   # read here, not by the task
 
 
 def attach_critic(model, critic: str):
@@ -36,11 +41,56 @@ def quiet_libraries(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.hardware.num_threads)
 
 
+def _takes_rewards(name: str) -> bool:
+    try:
+        return "rewards" in inspect.signature(TASKS.get(name)).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
+    """The reward models of ``task.reward_model`` / ``{model: ...}`` entries of
+    ``task.rewards`` (None without); ``opts`` is left with what the task itself takes."""
+    rm, norm, clip = (opts.pop(k, None) for k in LEARNED_KEYS)
+    entries = model_entries(opts.get("rewards"))
+    rules = [r for r in opts.get("rewards") or [] if not any(r is e for _, e in entries)]
+    if entries and not rules and not _takes_rewards(cfg.task.name):
+        opts["rewards"] = None
+    elif rm and _takes_rewards(cfg.task.name) and not opts.get("rewards") and not opts.get("reward_fn"):
+        opts["rewards"] = [{"model": rm}]     # a data task scored by the reward model alone
+    learned = build_learned_rewards(rm, entries, norm, clip, cfg.hardware.device)
+    if learned is not None and norm == "running" and (
+            cfg.trainer.async_rollout.enabled or cfg.hardware.num_processes > 1):
+        raise ValueError("task.reward_norm=running keeps its statistics in one process; it "
+                         "needs hardware.num_processes=1 and trainer.async_rollout.enabled=false")
+    _check_critic_init(cfg, learned)
+    return learned
+
+
+def _check_critic_init(cfg: DictConfig, learned) -> None:
+    if (cfg.algo.critic_init or "policy") == "policy":
+        return
+    if cfg.algo.critic_init != "reward_model":
+        raise ValueError(f"invalid algo.critic_init '{cfg.algo.critic_init}'; valid: policy, reward_model")
+    if cfg.algo.critic != "separate":
+        raise ValueError(f"algo.critic_init={cfg.algo.critic_init} needs algo.critic=separate "
+                         f"(got {cfg.algo.critic})")
+    if learned is None or len(learned.models) != 1:
+        raise ValueError("algo.critic_init=reward_model needs exactly one reward model "
+                         "(task.reward_model=PATH)")
+
+
 def task_from_config(cfg: DictConfig):
-    """The task named by ``cfg.task.name`` with the rest of ``cfg.task`` as its options."""
+    """The task named by ``cfg.task.name`` with the rest of ``cfg.task`` as its options,
+    with its reward models attached (``rlctl.tasks.reward_model``)."""
     opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
     try:
-        return _task_from_registry(cfg.task.name, **opts)
+        learned = _learned_rewards(cfg, opts)
+        task = _task_from_registry(cfg.task.name, **opts)
+        if learned is not None:
+            check_names(learned.models, list(getattr(task, "reward_weights", {}) or {}))
+        attach(task, learned)
+        return task
     except (ValueError, TypeError) as exc:
         raise UserError(f"task '{cfg.task.name}': {exc}") from None
 
@@ -68,4 +118,17 @@ def model_from_config(cfg: DictConfig):
         if cfg.algo.kl.coef > 0:   # the base with the adapter disabled: no second copy
             ref_model = reference_for(model)
     model, critic = attach_critic(model, cfg.algo.critic)
+    if critic is not None and (cfg.algo.critic_init or "policy") == "reward_model":
+        critic = _critic_from_reward_model(cfg, tokenizer)
     return model, critic, tokenizer, ref_model
+
+
+def _critic_from_reward_model(cfg: DictConfig, tokenizer) -> SeparateCritic:
+    """algo.critic_init=reward_model: the reward model's backbone, its score head as the
+    value head (the critic reads the policy's ids: the vocabularies must agree)."""
+    reward_model = task_from_config(cfg).rlctl_learned_rewards.models[0]
+    if reward_model.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"algo.critic_init=reward_model: the reward model '{reward_model.path}' "
+                        "has another vocabulary than the policy's tokenizer; the critic reads "
+                        "the policy's token ids (use algo.critic_init=policy)")
+    return SeparateCritic.from_sequence_classifier(reward_model.load())

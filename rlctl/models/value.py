@@ -177,6 +177,22 @@ class SeparateCritic(nn.Module):
         self.value_head.load(directory)
 
     @classmethod
+    def from_sequence_classifier(cls, classifier) -> "SeparateCritic":
+        """A critic from a reward model (``*ForSequenceClassification``, one label): a
+        copy of its backbone, and a value head initialised from its score head, so that
+        at the start the value at a sequence's last token is the reward model's score
+        (InstructGPT's critic initialisation, Ouyang et al., 2022)."""
+        head = getattr(classifier, "score", None) or getattr(classifier, "classifier", None)
+        if not isinstance(head, nn.Linear) or head.out_features != 1:
+            raise ValueError(f"{type(classifier).__name__} has no one-output linear score head")
+        critic = cls(backbone=copy.deepcopy(getattr(classifier, classifier.base_model_prefix)))
+        with torch.no_grad():
+            critic.value_head.summary.weight.copy_(head.weight.float())
+            if head.bias is not None:
+                critic.value_head.summary.bias.copy_(head.bias.float())
+        return critic
+
+    @classmethod
     def from_pretrained(cls, directory, **kwargs) -> "SeparateCritic":
         """Reload a ``save_pretrained`` directory (backbone via ``AutoModel``)."""
         critic = cls(backbone=AutoModel.from_pretrained(directory, **kwargs))

@@ -13,6 +13,10 @@ a list too); it is recognised by its first two parameters being named ``prompts`
 strings, weight 1). The total reward is ``sum(weight * value)``; each value is logged as
 ``reward/<name>`` (``name`` defaults to the function's name).
 
+An entry ``{model: PATH, weight: w, name: n}`` is a learned reward model
+(``rlctl.tasks.reward_model``), scored in the trainer's process beside these functions:
+``parse_rewards`` leaves such entries out (a list of them alone gives no function).
+
 ``fn`` is ``package.module:function`` (imported; the working directory is searched too),
 ``path/to/file.py:function``, or a built-in: ``math`` (the completion's final answer
 equals the ``answer`` field, equivalent forms accepted, via math-verify) or ``exact``
@@ -27,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from rlctl.registry import load_object
 from rlctl.tasks.base import RESERVED_REWARD_NAMES
+from rlctl.tasks.reward_model import is_model_entry
 
 BUILTIN_REWARDS = {"math": "rlctl.tasks.verify:math_reward",
                    "exact": "rlctl.tasks.verify:exact_reward"}
@@ -111,8 +116,13 @@ def _describe(fn: Callable, name: str, weight: float, batched: Optional[bool], k
 
 def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]]) -> List[RewardFn]:
     """The reward functions of ``task.reward_fn`` / ``task.rewards`` (exactly one set)."""
-    if reward_fn and rewards:
+    has_models = any(is_model_entry(r) for r in rewards or [])
+    if reward_fn and rewards and not all(is_model_entry(r) for r in rewards):
         raise ValueError("set task.reward_fn or task.rewards, not both")
+    if reward_fn or has_models and all(is_model_entry(r) for r in rewards):
+        rewards = None      # the function alone (the reward models score elsewhere)
+    if not reward_fn and not rewards and has_models:
+        return []
     if not reward_fn and not rewards:
         raise ValueError("a data task needs a reward: task.reward_fn=package.module:function "
                          "(or task.rewards=[{fn: ..., weight: ...}])")
@@ -120,6 +130,8 @@ def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]]) ->
     out: List[RewardFn] = []
     for i, item in enumerate(items):
         key = "task.reward_fn" if reward_fn else f"task.rewards[{i}]"
+        if is_model_entry(item):
+            continue
         if isinstance(item, str):
             item = {"fn": item}
         if not isinstance(item, dict):

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from rlctl.errors import RewardError, UserError
 from rlctl.tasks.base import ON_REWARD_ERROR, RAW_PROMPT, task_options
+from rlctl.tasks.reward_model import learned_of
 from rlctl.types import Example
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,13 @@ class RewardScorer:
     ``on_reward_error=raise`` either raises ``RewardError`` naming the sample.
     ``last_components`` holds each named reward of the last batch, one value per sample
     (``reward/<name>`` in the logs; ``metrics()`` gives the means).
+
+    Reward models attached to the task (``rlctl.tasks.reward_model``) score the whole
+    batch in this process, after the task's own rewards: their raw scores join the
+    components, their shaped scores the total (with ``task.reward_model`` the total is
+    theirs alone: the task's rewards are logged, and eval correctness still comes from
+    them). The first scorer built for a task updates the running reward statistics and
+    carries them in ``state()``; later ones (eval) read them.
     """
 
     def __init__(self, task, timeout_s: Any = FROM_TASK, on_error: Optional[str] = None):
@@ -228,6 +236,9 @@ class RewardScorer:
         self._sums: Dict[str, float] = {}   # per-reward sums since the last metrics()
         self._count = 0
         self._warned = 0
+        self.learned = learned_of(task)
+        self._owns_norm = self.learned.claim(self) if self.learned is not None else False
+        self._last_gold: List[float] = []     # the task's own totals of the last batch
         if not self.timeout_s:
             self._runner = _InlineRunner(task)
         elif "fork" in multiprocessing.get_all_start_methods():
@@ -285,12 +296,37 @@ class RewardScorer:
             else:
                 why = fatal[0] if fatal else "the reward worker process died"
                 self._fail(where, why, "error", count=len(missing))
+        out = [t if t is not None else 0.0 for t in totals]
+        if self.learned is not None and n:
+            out = self._learned_totals(examples, completions, out, comps)
         names = sorted({k for c in comps for k in c})
         self.last_components = {k: [c.get(k, 0.0) for c in comps] for k in names}
         for k, v in self.last_components.items():
             self._sums[k] = self._sums.get(k, 0.0) + sum(v)
         self._count += n
-        return [t if t is not None else 0.0 for t in totals]
+        return out
+
+    def _learned_totals(self, examples, completions, gold: List[float],
+                        comps: List[Dict[str, float]]) -> List[float]:
+        """The training totals with the reward models' scores; ``comps`` gains their raw
+        scores (and, for a task without named rewards, its own total as reward/<its name>)."""
+        self._last_gold = list(gold)
+        own = str(getattr(self.task, "reward_name", None) or "task")
+        for g, c in zip(gold, comps):
+            if not c:
+                c[own] = g
+        proxy, raw = self.learned.score(examples, completions, update=self._owns_norm)
+        totals = []
+        for i, p in enumerate(proxy):
+            if not math.isfinite(p):
+                self._fail(describe_sample(i, len(proxy), examples[i], completions[i]),
+                           f"the reward model's score is {p}", "error")
+                p = 0.0
+            totals.append(p if self.learned.replace_task else gold[i] + p)
+        for name, values in raw.items():
+            for c, v in zip(comps, values):
+                c[name] = v
+        return totals
 
     def _fail(self, where: str, why: str, kind: str, count: int = 1) -> None:
         if self.on_error == "raise":
@@ -313,6 +349,8 @@ class RewardScorer:
         (data tasks: reward >= task.correct_threshold; no user code runs again), else
         ``task.is_correct``."""
         from_reward = getattr(self.task, "correct_from_reward", None)
+        if self.learned is not None and len(self._last_gold) == len(rewards):
+            rewards = self._last_gold       # the task's own reward, not the proxy
         if from_reward is not None:
             return [bool(from_reward(ex, r)) for ex, r in zip(examples, rewards)]
         return [bool(self.task.is_correct(ex, c)) for ex, c in zip(examples, completions)]
@@ -327,11 +365,17 @@ class RewardScorer:
         self._sums, self._count = {}, 0
         return out
 
-    def state(self) -> Dict[str, float]:
-        """The counters, for a checkpoint (``load_state`` restores them)."""
-        return {"errors": self.errors, "timeouts": self.timeouts, "calls": self.calls}
+    def state(self) -> Dict[str, Any]:
+        """The counters (and the running reward statistics this scorer owns), for a
+        checkpoint (``load_state`` restores them)."""
+        state = {"errors": self.errors, "timeouts": self.timeouts, "calls": self.calls}
+        if self._owns_norm:
+            state["reward_norm"] = self.learned.state()
+        return state
 
-    def load_state(self, state: Dict[str, float]) -> None:
+    def load_state(self, state: Dict[str, Any]) -> None:
+        if self._owns_norm and "reward_norm" in state:
+            self.learned.load_state(state["reward_norm"])
         self.errors = int(state.get("errors", 0))
         self.timeouts = int(state.get("timeouts", 0))
         self.calls = int(state.get("calls", 0))

@@ -1,0 +1,329 @@
+"""Learned reward models: a sequence classifier's score as a reward, beside or instead of
+a task's own (verifiable) rewards.
+
+A reward model is a Hugging Face ``AutoModelForSequenceClassification`` directory with one
+label, safetensors weights and its own tokenizer (optionally a chat template), the form
+in which TRL, OpenRLHF and Hugging Face save Bradley-Terry reward models (Ouyang et al.,
+2022, "Training language models to follow instructions with human feedback").
+
+Scoring (``RewardModel.score``): the prompt and the decoded completion are re-rendered as
+text and tokenised with the reward model's *own* tokenizer (through its chat template as
+[user: prompt, assistant: completion] when it has one; else ``prompt + completion``, a
+space put between them when neither side has one), so nothing assumes the policy's ids.
+The backbone runs with position ids counted over the attention mask (so a left-padded row
+sees the positions it would see alone) and the score head reads the final hidden state
+at the last non-pad token: the reward is ``score(h[last])``. Batched (``BATCH_ROWS`` rows
+per forward) on the training device, under ``no_grad``, in the model's saved dtype. The
+weights load on the first score (so that checking a config costs no weight loading).
+
+``task.reward_norm=running`` whitens each model's scores with running statistics over
+every training score seen so far (count, mean, M2: the batched form of Welford's update,
+Chan et al., 1979), updated with the batch before the batch is normalised, as OpenRLHF's
+and TRL's reward normalisation do; ``task.reward_clip=c`` then clips to [-c, c]. The
+statistics are part of the scorer's checkpointed state (``LearnedRewards.state``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
+from rlctl.types import Example
+
+NORMS = ("none", "running")
+MODEL_KEYS = ("model", "weight", "name")
+DEFAULT_NAME = "reward_model"
+BATCH_ROWS = 64          # rows per reward-model forward (bounds activation memory)
+STD_FLOOR = 1e-6         # running std below this divides by 1 (all scores so far equal)
+
+
+# ---- running statistics ------------------------------------------------------------------
+@dataclass
+class RunningNorm:
+    """Count, mean and M2 (sum of squared deviations) of every value seen, float64."""
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def update(self, xs: Sequence[float]) -> None:
+        """Merge a batch (Chan et al.'s pairwise update; one value at a time is Welford's)."""
+        m = len(xs)
+        if m == 0:
+            return
+        b_mean = math.fsum(xs) / m
+        b_m2 = math.fsum((x - b_mean) ** 2 for x in xs)
+        n = self.count + m
+        delta = b_mean - self.mean
+        self.mean += delta * m / n
+        self.m2 += b_m2 + delta * delta * self.count * m / n
+        self.count = n
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation of the values seen (0 before two values)."""
+        return math.sqrt(self.m2 / self.count) if self.count else 0.0
+
+    def normalize(self, x: float) -> float:
+        std = self.std
+        return (x - self.mean) / (std if std > STD_FLOOR else 1.0)
+
+    def state(self) -> Dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state(self, state: Dict[str, Any]) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+# ---- one reward model --------------------------------------------------------------------
+def _weights_problem(path: Path) -> Optional[str]:
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
+        return None
+    if any(path.glob("pytorch_model*.bin")) or any(path.glob("*.pt")):
+        return ("has pickled weights only (pytorch_model.bin); rlctl loads safetensors only: "
+                "re-save it with save_pretrained(..., safe_serialization=True)")
+    return "has no model.safetensors"
+
+
+def _check_config(path: Path, key: str):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{key}: '{path}' is not a Hugging Face model directory "
+                         f"({' '.join(str(exc).split())[:120]})") from None
+    archs = list(getattr(config, "architectures", None) or [])
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"{key}: '{path}' is not a sequence classifier (architectures: "
+                         f"{', '.join(archs) or 'none'}); a reward model is an "
+                         "AutoModelForSequenceClassification with num_labels=1")
+    if config.num_labels != 1:
+        raise ValueError(f"{key}: '{path}' has {config.num_labels} labels; a reward model "
+                         "has one (num_labels=1, a scalar score)")
+    return config
+
+
+def _load_tokenizer(path: Path, key: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"{key}: '{path}' has no tokenizer the reward model can use "
+                         f"({' '.join(str(exc).split())[:100]}); save it beside the "
+                         "weights with tokenizer.save_pretrained") from None
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"{key}: the tokenizer in '{path}' has neither a pad nor an "
+                             "EOS token; set tokenizer.pad_token and save it again")
+        tok.pad_token = tok.eos_token   # masked out: which id pads does not matter
+    return tok
+
+
+def join_text(prompt: str, completion: str) -> str:
+    """Prompt and completion as one text, a space between them when neither has one."""
+    if not prompt or not completion or prompt[-1].isspace() or completion[0].isspace():
+        return prompt + completion
+    return prompt + " " + completion
+
+
+class RewardModel:
+    """A sequence-classifier reward model (see the module doc); ``device`` as in
+    ``hardware.device``. Raises ValueError (one line naming ``key``) on a bad directory."""
+
+    def __init__(self, path: Any, name: str = DEFAULT_NAME, weight: float = 1.0,
+                 device: str = "cpu", key: str = "task.reward_model"):
+        self.path, self.name, self.weight, self.key = Path(str(path)).expanduser(), name, weight, key
+        if not self.path.is_dir():
+            raise ValueError(f"{key}: no such reward model directory '{path}'")
+        self.config = _check_config(self.path, key)
+        problem = _weights_problem(self.path)
+        if problem:
+            raise ValueError(f"{key}: '{path}' {problem}")
+        self.tokenizer = _load_tokenizer(self.path, key)
+        self.device_name = device
+        self.model = None
+
+    def load(self):
+        """The classifier, loaded once (on the device, in its saved dtype, eval mode)."""
+        if self.model is None:
+            from transformers import AutoModelForSequenceClassification
+
+            device = torch.device(self.device_name)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            model = AutoModelForSequenceClassification.from_pretrained(
+                str(self.path), dtype="auto", use_safetensors=True)
+            self.model = model.to(device).eval().requires_grad_(False)
+        return self.model
+
+    def text(self, example: Example, completion: str) -> str:
+        prompt = example.fields.get(RAW_PROMPT, example.prompt)
+        if getattr(self.tokenizer, "chat_template", None):
+            msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+            return self.tokenizer.apply_chat_template(
+                [*msgs, {"role": "assistant", "content": completion}], tokenize=False)
+        return join_text(str(prompt), completion)
+
+    @torch.no_grad()
+    def score_texts(self, texts: Sequence[str]) -> List[float]:
+        """Raw scores, one per text (the head at each row's last non-pad token)."""
+        model = self.load()
+        out: List[float] = []
+        for start in range(0, len(texts), BATCH_ROWS):
+            chunk = list(texts[start:start + BATCH_ROWS])
+            enc = self.tokenizer(chunk, return_tensors="pt", padding=True, truncation=True,
+                                 add_special_tokens=not getattr(self.tokenizer, "chat_template", None))
+            ids = enc["input_ids"].to(model.device)                     # [n, L]
+            mask = enc["attention_mask"].to(model.device)               # [n, L]
+            out.extend(last_token_scores(model, ids, mask).tolist())
+        return out
+
+    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> List[float]:
+        return self.score_texts([self.text(e, c) for e, c in zip(examples, completions)])
+
+
+def backbone_of(model):
+    """The classifier's base model (``LlamaForSequenceClassification.model``, GPT-2's
+    ``transformer`` ...): its ``base_model_prefix`` attribute."""
+    return getattr(model, model.base_model_prefix)
+
+
+def score_head(model):
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"the reward model {type(model).__name__} has no linear score head "
+                         "(score or classifier)")
+    return head
+
+
+def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[n, L] ids and mask -> [n] float32 scores: head(final hidden state at the last
+    position whose mask is 1), positions counted over the mask (left padding exact)."""
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [n, L]
+    out = backbone_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                             use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [n, L, H]
+    L = mask.shape[1]
+    last = L - 1 - mask.flip(-1).long().argmax(-1)                      # [n] last non-pad index
+    h = hidden[torch.arange(ids.shape[0], device=ids.device), last]     # [n, H]
+    return score_head(model)(h).squeeze(-1).float()                    # [n]
+
+
+# ---- several models, attached to a task ----------------------------------------------------
+def is_model_entry(item: Any) -> bool:
+    return isinstance(item, dict) and "model" in item
+
+
+def model_entries(rewards: Optional[Sequence[Any]]) -> List[Tuple[int, dict]]:
+    """The ``{model: ...}`` entries of ``task.rewards`` with their indices."""
+    return [(i, item) for i, item in enumerate(rewards or []) if is_model_entry(item)]
+
+
+def _parse_entry(i: int, item: dict, device: str) -> RewardModel:
+    key = f"task.rewards[{i}]"
+    unknown = sorted(set(item) - set(MODEL_KEYS))
+    if unknown:
+        raise ValueError(f"{key}: unknown key '{unknown[0]}' for a reward model; valid: "
+                         f"{', '.join(MODEL_KEYS)}")
+    weight = item.get("weight", 1.0)
+    weight = 1.0 if weight is None else weight
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise ValueError(f"{key}: weight must be a finite number, got {weight!r}")
+    return RewardModel(item["model"], str(item.get("name") or DEFAULT_NAME), float(weight),
+                       device, f"{key}.model")
+
+
+@dataclass
+class LearnedRewards:
+    """The reward models of a run. ``replace_task``: the task's own rewards weigh 0 in
+    training (``task.reward_model``) but are still scored and logged (the gold reward
+    beside the proxy). Scores are ``clip(norm(raw))`` per model, weighted and summed."""
+    models: List[RewardModel]
+    replace_task: bool
+    norm: str = "none"
+    clip: Optional[float] = None
+    norms: Dict[str, RunningNorm] = field(default_factory=dict)
+    owner: Any = None      # the first RewardScorer of the task: it updates the statistics
+
+    def __post_init__(self):
+        self.norms = {m.name: RunningNorm() for m in self.models}
+
+    def claim(self, scorer) -> bool:
+        """True for the scorer that updates (and checkpoints) the running statistics:
+        the first one built for the task (training's), not the eval scorer built after it."""
+        if self.owner is None:
+            self.owner = scorer
+        return self.owner is scorer
+
+    def shaped(self, name: str, raw: Sequence[float], update: bool) -> List[float]:
+        values = list(raw)
+        if self.norm == "running":
+            if update:
+                self.norms[name].update(values)
+            values = [self.norms[name].normalize(v) for v in values]
+        if self.clip is not None:
+            values = [min(max(v, -self.clip), self.clip) for v in values]
+        return values
+
+    def score(self, examples, completions, update: bool) -> Tuple[List[float], Dict[str, List[float]]]:
+        """(weighted sum of the shaped scores [n], raw scores by name)."""
+        total = [0.0] * len(examples)
+        raw: Dict[str, List[float]] = {}
+        for m in self.models:
+            raw[m.name] = m.score(examples, completions)
+            for i, v in enumerate(self.shaped(m.name, raw[m.name], update)):
+                total[i] += m.weight * v
+        return total, raw
+
+    def state(self) -> Dict[str, Dict[str, float]]:
+        return {k: n.state() for k, n in self.norms.items()}
+
+    def load_state(self, state: Dict[str, Dict[str, float]]) -> None:
+        for k, s in (state or {}).items():
+            if k in self.norms:
+                self.norms[k].load_state(s)
+
+
+def check_names(models: List[RewardModel], taken: Sequence[str]) -> None:
+    seen = set(taken)
+    for m in models:
+        if m.name in RESERVED_REWARD_NAMES or m.name in seen:
+            raise ValueError(f"{m.key}: the reward name '{m.name}' is already used; set "
+                             "name: to another")
+        if not m.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"{m.key}: reward name '{m.name}' must be letters, digits, _ or -")
+        seen.add(m.name)
+
+
+def build_learned_rewards(reward_model: Optional[str], entries: Sequence[Tuple[int, dict]], norm: Optional[str],
+                          clip: Optional[float], device: str,
+                          taken: Sequence[str] = ()) -> Optional[LearnedRewards]:
+    """The run's ``LearnedRewards`` (None without a reward model); ValueError, one line."""
+    norm = norm or "none"
+    if norm not in NORMS:
+        raise ValueError(f"invalid task.reward_norm '{norm}'; valid: {', '.join(NORMS)}")
+    if reward_model and entries:
+        raise ValueError("set task.reward_model or {model: ...} entries in task.rewards, not both")
+    if not reward_model and not entries:
+        if norm != "none" or clip is not None:
+            raise ValueError("task.reward_norm and task.reward_clip apply to reward models; "
+                             "set task.reward_model=PATH")
+        return None
+    models = ([RewardModel(reward_model, device=device)] if reward_model
+              else [_parse_entry(i, e, device) for i, e in entries])
+    check_names(models, taken)
+    return LearnedRewards(models, replace_task=bool(reward_model), norm=norm, clip=clip)
+
+
+def attach(task, learned: Optional[LearnedRewards]) -> None:
+    """Give ``task`` its reward models (``RewardScorer`` finds them there)."""
+    task.rlctl_learned_rewards = learned
+
+
+def learned_of(task) -> Optional[LearnedRewards]:
+    return getattr(task, "rlctl_learned_rewards", None)
