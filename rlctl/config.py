@@ -47,6 +47,7 @@ class AlgoConfig:
     gamma: float = MISSING
     lam: float = MISSING
     critic_warmup_steps: int = MISSING
+    critic_init: Optional[str] = None  # separate critic: policy (null) | reward_model (its backbone + score head)
     # DAPO: drop groups whose rewards are all equal and sample more to refill the batch
     dynamic_sampling: bool = MISSING
     max_sampling_rounds: int = MISSING
@@ -81,6 +82,10 @@ class TaskConfig:
     reward_fn: Optional[str] = None     # package.module:function | path/file.py:function | math | exact
     rewards: Optional[List[Any]] = None  # [{fn: ..., weight: 1.0, name: ..., batched: ...}]
     correct_threshold: Optional[float] = None  # eval/exact_match: total reward >= this
+    # learned reward models, any task (rlctl/tasks/reward_model.py)
+    reward_model: Optional[str] = None  # sequence-classifier dir; the task's own rewards then weigh 0 (still logged)
+    reward_norm: Optional[str] = None   # none | running (mean/std whitening, checkpointed)
+    reward_clip: Optional[float] = None  # clip the (normalised) score to [-c, c]; null: no clip
 
 
 @dataclass
@@ -258,6 +263,7 @@ RANGES = {
     "algo.overlong_buffer": NON_NEGATIVE, "algo.overlong_penalty": NON_NEGATIVE,
     "algo.kl.coef": NON_NEGATIVE, "algo.kl.target": POSITIVE, "algo.kl.horizon": AT_LEAST_1,
     "task.reward_timeout_s": Range(0, why="0 or null: no limit"),
+    "task.reward_clip": POSITIVE,
     "task.num_digits": AT_LEAST_1, "task.num_eval": AT_LEAST_1, "task.seed": NON_NEGATIVE,
     "model.hidden_size": AT_LEAST_1, "model.num_layers": AT_LEAST_1,
     "model.num_heads": AT_LEAST_1, "model.warmup_steps": NON_NEGATIVE,
