@@ -213,8 +213,11 @@ def test_train_ppo_with_critic_from_the_reward_model(tmp_path):
                  f"run.output_dir={tmp_path}/runs", *FAST)
     assert out.returncode == 0, out.stderr[-2000:]
     run = next((tmp_path / "runs").iterdir())
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert "value/loss" in last or "final/eval/exact_match" in last or last
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 2 and all("value/loss" in r and "reward/reward_model" in r for r in steps)
+    assert all(abs(r["reward/mean"]) <= 3 for r in steps)          # clipped to [-3, 3]
+    assert (run / "critic").is_dir()
 
 
 def _bad_dirs(tmp_path):
