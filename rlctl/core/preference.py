@@ -28,7 +28,7 @@ import torch.nn.functional as F
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor,
                        margin: Optional[Union[float, torch.Tensor]] = None,
                        center_coef: float = 0.0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Mean over P pairs of the loss above; scores [P] (any float dtype), margin [P] or a
+    """Mean over P pairs of the loss above; scores [P] (computed in float32 or wider), margin [P] or a
     float or None (0). Returns (loss: scalar, metrics: detached tensors):
     ``accuracy`` (share of pairs with r_chosen > r_rejected; a tie counts as wrong),
     ``bt_loss`` (the Bradley-Terry part alone), ``center_loss`` (the centring part before
@@ -36,12 +36,14 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor,
     if r_chosen.shape != r_rejected.shape or r_chosen.dim() != 1:
         raise ValueError(f"r_chosen and r_rejected must both be [P]; got "
                          f"{tuple(r_chosen.shape)} and {tuple(r_rejected.shape)}")
-    diff = r_chosen.float() - r_rejected.float()              # [P]
+    dtype = torch.promote_types(r_chosen.dtype, torch.float32)  # bf16 -> fp32; fp64 stays
+    r_chosen, r_rejected = r_chosen.to(dtype), r_rejected.to(dtype)
+    diff = r_chosen - r_rejected                                # [P]
     m = 0.0 if margin is None else margin
     if isinstance(m, torch.Tensor):
         m = m.to(diff)                                          # [P]
     bt = F.softplus(-(diff - m))                                # [P] = -log sigmoid(diff - m)
-    center = (r_chosen.float() + r_rejected.float()) ** 2       # [P]
+    center = (r_chosen + r_rejected) ** 2                       # [P]
     loss = bt.mean() + center_coef * center.mean()
     metrics = {"accuracy": (diff > 0).float().mean().detach(),
                "bt_loss": bt.mean().detach(), "center_loss": center.mean().detach(),
