@@ -8,7 +8,7 @@ load for both; their peak RSS is that process's), async in its own subprocess:
 - floor: plain ``model.generate`` (sampling, B*G prompts, same max_new_tokens) + one
   forward / backward / AdamW step on the generated batch (no scoring, no advantages);
 - sync: rlctl's ``Trainer.step`` (default config: GRPO, single pass, no reference);
-- async: rlctl's asynchronous mode (trainer.async.enabled=true), 1 actor + 1 learner.
+- async: rlctl's asynchronous mode (trainer.async_rollout.enabled=true), 1 actor + 1 learner.
 Reported: steps/s, completion tokens/s, each as a ratio to the floor, the per-phase
 breakdown (medians of time/generate_s, score_s, logprob_s, update_s) and peak RSS.
 ``--t90`` also trains sync and async through ``rlctl train`` and reports the wall time
@@ -147,7 +147,7 @@ def child(mode: str, steps: int, warmup: int, overrides) -> None:
     if mode == "floor+sync":
         res = run_modes(["floor", "sync"], steps, warmup, overrides)
     else:
-        extra = ["trainer.async.enabled=true"] if mode == "async" else []
+        extra = ["trainer.async_rollout.enabled=true"] if mode == "async" else []
         res = run_trainer(steps, warmup, overrides + extra)
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(res), flush=True)
@@ -164,7 +164,7 @@ def measure(mode: str, steps: int, warmup: int, overrides) -> dict:
 
 
 def time_to_90(mode: str, steps: int, out_dir: Path, overrides) -> str:
-    extra = ["trainer.async.enabled=true"] if mode == "async" else []
+    extra = ["trainer.async_rollout.enabled=true"] if mode == "async" else []
     try:
         _, rows = run_rlctl([f"trainer.steps={steps}", *overrides, *extra], out_dir, f"t90-{mode}")
     except RuntimeError as exc:

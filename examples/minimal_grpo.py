@@ -132,7 +132,7 @@ def main() -> None:
         if step % 25 == 0 or step == args.steps:  # with --epochs 1 the ratio is 1, so the
             # loss value is -mean(A) = 0 (A sums to 0 in each group); its gradient is not 0
             print(f"step {step:4d}  reward {r.mean():.3f}  loss {loss.item():+.4f}  "
-                  f"clip_frac {m['clip_frac']:.3f}  len {mask.sum(-1).mean():.2f}  "
+                  f"clip_frac {m['policy/clip_frac']:.3f}  len {mask.sum(-1).mean():.2f}  "
                   f"truncated {truncated.float().mean():.2f}  grad_norm {grad_norm:.3f}  "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:

@@ -5,15 +5,22 @@ what is valid; the CLI prints it and exits with code 2.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import yaml
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from rlctl.config import GROUPS, register_schemas
+from rlctl.config import (GROUPS, RLConfig, example_value, range_problem, register_schemas,
+                          rename_deprecated, schema_fields)
 from rlctl.errors import ConfigError
 
 CONF_DIR = Path(__file__).parent / "conf"
@@ -80,8 +87,6 @@ def _given_value(key: str, msg: str, overrides: Sequence[str]) -> str:
 
 def _type_message(key: str, msg: str, overrides: Sequence[str]) -> str:
     """'invalid value V for KEY: expected TYPE (e.g. KEY=EXAMPLE)', from the schema."""
-    from rlctl.config import example_value, schema_fields
-
     spec = next((s for s in schema_fields() if s.key == key), None)
     value = _given_value(key, msg, overrides)
     if spec is None:
@@ -113,8 +118,6 @@ def grammar_message(msg: str, overrides: Sequence[str]) -> str:
 
 
 def _first_unparsable(overrides: Sequence[str]) -> Optional[str]:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser = OverridesParser.create()
     for o in overrides:
         try:
@@ -126,8 +129,6 @@ def _first_unparsable(overrides: Sequence[str]) -> Optional[str]:
 
 def check_override_syntax(overrides: Sequence[str]) -> None:
     """Parse overrides with Hydra's grammar (sweep lists included); ConfigError on failure."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
         OverridesParser.create().parse_overrides(list(overrides))
     except Exception as exc:  # noqa: BLE001 - Hydra's grammar errors
@@ -135,8 +136,6 @@ def check_override_syntax(overrides: Sequence[str]) -> None:
 
 
 def _valid_keys(parent: str) -> List[str]:
-    from rlctl.config import RLConfig
-
     node = OmegaConf.structured(RLConfig)
     try:
         sub = OmegaConf.select(node, parent) if parent else node
@@ -196,8 +195,6 @@ def load_recipe(path: str) -> Dict:
 def _store_recipe(recipe: Dict, overrides: Sequence[str]) -> None:
     """Register the recipe as a global config; groups that the shell overrides are
     dropped from it, so `--recipe R algo=ppo` really gives PPO's defaults."""
-    from hydra.core.config_store import ConfigStore
-
     chosen = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
     switched = {g for g in GROUPS if g in chosen}
     body = {k: v for k, v in recipe.items() if k not in switched}
@@ -220,14 +217,11 @@ class Composed:
 
 def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Composed:
     """The composed (unresolved) config, validated. Raises ConfigError."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    given = overrides = list(overrides)
+    given, loaded = rename_deprecated(list(overrides), load_recipe(recipe) if recipe is not None else None)
+    overrides = given
     register_schemas()
     if recipe is not None:
-        _store_recipe(load_recipe(recipe), overrides)
+        _store_recipe(loaded, overrides)
         overrides = [f"+{RECIPE_GROUP}=replay"] + overrides
     GlobalHydra.instance().clear()
     try:
@@ -269,8 +263,6 @@ def _check_resolved(cfg: DictConfig) -> None:
 
 def check_ranges(cfg: DictConfig) -> None:
     """Every numeric key against rlctl.config.RANGES (and finite, for floats); no torch."""
-    from rlctl.config import schema_fields, range_problem
-
     def interpolated(key: str) -> bool:   # checked last: a bad source is named, not its copy
         parent, _, leaf = key.rpartition(".")
         return OmegaConf.is_interpolation(OmegaConf.select(cfg, parent) if parent else cfg, leaf)
@@ -289,8 +281,6 @@ def check_ranges(cfg: DictConfig) -> None:
 def read_deepspeed_config(path: str) -> Dict:
     """The user's DeepSpeed JSON (hardware.deepspeed_config) as a dict; ConfigError naming
     the file and what is wrong with it."""
-    import json
-
     where = f"hardware.deepspeed_config '{path}'"
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -335,8 +325,8 @@ def _check_hardware(cfg: DictConfig) -> None:
     if cfg.trainer.compile and hw.backend != "torch":
         raise ConfigError("trainer.compile=true needs hardware.backend=torch (DeepSpeed wraps the "
                           f"model in its own engine; got hardware.backend={hw.backend})")
-    if cfg.trainer["async"].enabled and hw.num_processes > 1:
-        raise ConfigError("trainer.async.enabled=true runs one learner process; it needs "
+    if cfg.trainer.async_rollout.enabled and hw.num_processes > 1:
+        raise ConfigError("trainer.async_rollout.enabled=true runs one learner process; it needs "
                           f"hardware.num_processes=1 (got {hw.num_processes})")
 
 

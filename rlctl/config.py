@@ -6,9 +6,14 @@ the set of valid keys, so an unknown key or a wrong type fails at compose time.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+import sys
+import typing
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
@@ -148,7 +153,7 @@ class RolloutConfig:
 
 @dataclass
 class AsyncConfig:
-    enabled: bool = MISSING        # rollout actor process + learner (rlctl/engine/async_rollout.py)
+    enabled: bool = MISSING        # rollout actor processes + learner (rlctl/engine/async_rollout.py)
     max_staleness: int = MISSING   # a rollout is at most this many learner steps old (0: synchronous)
     sync_every: int = MISSING      # learner steps between weight syncs to the actor
     num_actors: int = 1            # rollout actor processes
@@ -171,24 +176,40 @@ class TrainerConfig:
     checkpoint_every: int = MISSING  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = MISSING  # the newest K are kept
     max_bad_steps: int = MISSING     # consecutive non-finite steps before the run stops
-    # + `async: AsyncConfig` (a Python keyword: added after the class, see _add_field)
-
-    def __post_init__(self):
-        setattr(self, "async", AsyncConfig())
+    async_rollout: AsyncConfig = field(default_factory=AsyncConfig)
 
 
-def _add_field(cls, name: str, typ, factory) -> None:
-    """Register a dataclass field whose name is a Python keyword (OmegaConf reads
-    ``dataclasses.fields``; no generated ``__init__`` has to spell the name)."""
-    import dataclasses
-
-    f = field(default_factory=factory)
-    f.name, f.type, f._field_type = name, typ, dataclasses._FIELD
-    cls.__dataclass_fields__[name] = f
-    cls.__annotations__[name] = typ
+# Old names still accepted (overrides and recipes), with a one-line notice.
+RENAMED = {"trainer.async": "trainer.async_rollout"}
 
 
-_add_field(TrainerConfig, "async", AsyncConfig, AsyncConfig)
+def _renamed_notice(old: str, new: str, told: set, stream) -> None:
+    if old not in told:
+        told.add(old)
+        print(f"rlctl: warning: {old} is deprecated, renamed {new} (e.g. {new}.enabled=true)",
+              file=stream or sys.stderr, flush=True)
+
+
+def rename_deprecated(overrides: List[str], recipe: Optional[Dict] = None, stream=None):
+    """(overrides, recipe) with renamed keys moved to their new names."""
+    told: set = set()
+    out = []
+    for o in overrides:
+        bare = o.lstrip("+~")
+        prefix, key = o[:len(o) - len(bare)], bare
+        for old, new in RENAMED.items():
+            if key == old or key.startswith((old + ".", old + "=")):
+                key = new + key[len(old):]
+                _renamed_notice(old, new, told, stream)
+        out.append(prefix + key)
+    for old, new in RENAMED.items():
+        (section, leaf), (_, new_leaf) = old.split("."), new.split(".")
+        node = (recipe or {}).get(section)
+        if isinstance(node, dict) and leaf in node:
+            _renamed_notice(old, new, told, stream)
+            node = {(new_leaf if k == leaf else k): v for k, v in node.items()}
+            recipe = {**recipe, section: node}
+    return out, recipe
 
 
 @dataclass
@@ -218,8 +239,6 @@ GROUPS = ("algo", "task", "model", "hardware", "logger")
 def register_schemas() -> None:
     """Register the schema; ``config.yaml`` lists it first in its defaults, so every
     group file merged on top is validated against the typed node it lands in."""
-    from hydra.core.config_store import ConfigStore
-
     ConfigStore.instance().store(name="rlctl_schema", node=RLConfig)
 
 
@@ -284,8 +303,8 @@ RANGES = {
     "trainer.log_every": AT_LEAST_1,
     "trainer.checkpoint_every": Range(0, why="0: only at the end"),
     "trainer.keep_checkpoints": AT_LEAST_1, "trainer.max_bad_steps": AT_LEAST_1,
-    "trainer.async.max_staleness": NON_NEGATIVE, "trainer.async.sync_every": AT_LEAST_1,
-    "trainer.async.num_actors": AT_LEAST_1,
+    "trainer.async_rollout.max_staleness": NON_NEGATIVE, "trainer.async_rollout.sync_every": AT_LEAST_1,
+    "trainer.async_rollout.num_actors": AT_LEAST_1,
 }
 # any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
 FREE_NUMBERS = ("task.correct_threshold", "hardware.zero_stage")
@@ -300,8 +319,6 @@ class FieldSpec:
 
 
 def _kind(tp) -> str:
-    import dataclasses
-
     if dataclasses.is_dataclass(tp):
         return "group"
     names = {float: "float", int: "int", bool: "bool", str: "str"}
@@ -310,9 +327,6 @@ def _kind(tp) -> str:
 
 def schema_fields(cls=None, prefix: str = "") -> List[FieldSpec]:
     """Every key of the schema, depth first (groups and their keys), with its kind."""
-    import dataclasses
-    import typing
-
     cls = cls or RLConfig
     hints = typing.get_type_hints(cls)
     out: List[FieldSpec] = []
@@ -350,8 +364,6 @@ def example_value(spec: FieldSpec) -> str:
 def range_problem(spec: FieldSpec, value: Any) -> Optional[str]:
     """What is wrong with one value of a numeric key (None: nothing), for the message
     "invalid KEY 'VALUE'; must be ..."."""
-    import math
-
     kind = spec.item if spec.kind == "list" else spec.kind
     if value is None or kind not in ("float", "int") or isinstance(value, bool):
         return None

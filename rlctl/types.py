@@ -6,10 +6,12 @@ V vocabulary size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -17,6 +19,18 @@ class Example:
     """One prompt of a task: the text fed to the model and what its reward needs."""
     prompt: str
     fields: Dict[str, Any] = field(default_factory=dict)
+
+
+# How each field of a RolloutBatch is laid out; the operations below go by this alone.
+TOKENS = "tokens"              # [N, P+T]: prompt left-padded, completion right-padded
+COMPLETION = "completion"      # [N, T] (or [N, 1], broadcast along T)
+ROW = "row"                    # [N]
+TEXT = "text"                  # a list of N strings
+SCALAR = "scalar"              # one value for the whole batch
+
+
+def _axis(kind: str, optional: bool = False):
+    return field(default=None, metadata={"axis": kind}) if optional else field(metadata={"axis": kind})
 
 
 @dataclass
@@ -46,22 +60,22 @@ class RolloutBatch:
                                   placeholders the learner fills from its pi_old forward.
                                   None: old_logprobs (when present) hold in every row
     """
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    mask: torch.Tensor
-    truncated: torch.Tensor
-    rewards: torch.Tensor
-    group_ids: torch.Tensor
-    prompt_len: int
-    group_size: int
-    prompts: List[str]
-    completions: List[str]
-    old_logprobs: Optional[torch.Tensor] = None
-    ref_logprobs: Optional[torch.Tensor] = None
-    advantages: Optional[torch.Tensor] = None
-    old_values: Optional[torch.Tensor] = None
-    returns: Optional[torch.Tensor] = None
-    behaviour_rows: Optional[torch.Tensor] = None
+    input_ids: torch.Tensor = _axis(TOKENS)
+    attention_mask: torch.Tensor = _axis(TOKENS)
+    mask: torch.Tensor = _axis(COMPLETION)
+    truncated: torch.Tensor = _axis(ROW)
+    rewards: torch.Tensor = _axis(ROW)
+    group_ids: torch.Tensor = _axis(ROW)
+    prompt_len: int = _axis(SCALAR)
+    group_size: int = _axis(SCALAR)
+    prompts: List[str] = _axis(TEXT)
+    completions: List[str] = _axis(TEXT)
+    old_logprobs: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    ref_logprobs: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    advantages: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    old_values: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    returns: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    behaviour_rows: Optional[torch.Tensor] = _axis(ROW, optional=True)
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -71,16 +85,70 @@ class RolloutBatch:
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, rows: torch.Tensor) -> "RolloutBatch":
-        """A view on some rows (a micro-batch); tensors are indexed, lists filtered."""
-        idx = rows.tolist()
-        pick = lambda t: None if t is None else t[rows]  # noqa: E731
-        return RolloutBatch(
-            input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
-            mask=self.mask[rows], truncated=self.truncated[rows], rewards=self.rewards[rows],
-            group_ids=self.group_ids[rows], prompt_len=self.prompt_len,
-            group_size=self.group_size, prompts=[self.prompts[i] for i in idx],
-            completions=[self.completions[i] for i in idx],
-            old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs),
-            advantages=pick(self.advantages), old_values=pick(self.old_values),
-            returns=pick(self.returns), behaviour_rows=pick(self.behaviour_rows))
+    @classmethod
+    def axis(cls, name: str) -> str:
+        """How field ``name`` is laid out: TOKENS, COMPLETION, ROW, TEXT or SCALAR."""
+        return next(f.metadata["axis"] for f in fields(cls) if f.name == name)
+
+    def _tensors(self, kinds) -> Dict[str, torch.Tensor]:
+        """The fields laid out along ``kinds`` that are set (None ones left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.metadata["axis"] in kinds and getattr(self, f.name) is not None}
+
+    def replace(self, **changes) -> "RolloutBatch":
+        """A new batch with some fields changed (the others shared, not copied)."""
+        return dataclasses.replace(self, **changes)
+
+    def select(self, rows: torch.Tensor, text: bool = True) -> "RolloutBatch":
+        """Some rows (a micro-batch, the kept groups): every per-row field is indexed.
+        ``text=False`` leaves the text lists empty: no host sync for ``rows``."""
+        picked = {k: v[rows] for k, v in self._tensors((TOKENS, COMPLETION, ROW)).items()}
+        idx = rows.tolist() if text else []
+        for f in fields(self):
+            if f.metadata["axis"] == TEXT:
+                picked[f.name] = [getattr(self, f.name)[i] for i in idx]
+        return self.replace(**picked)
+
+    def cut(self, width: int) -> "RolloutBatch":
+        """The first ``width`` completion columns (prompt kept). Exact when every dropped
+        column is padding: causal attention means later columns never change the logits
+        of earlier ones, and mask-0 columns add nothing to any loss sum."""
+        P = self.prompt_len
+        cut = {k: v[:, :P + width] for k, v in self._tensors((TOKENS,)).items()}     # [N, P+w]
+        cut.update({k: v[:, :width] for k, v in self._tensors((COMPLETION,)).items()})  # [N, w]
+        return self.replace(**cut)
+
+    @staticmethod
+    def concat(batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+        """Batches stacked: prompts left-padded to the longest P, completions right-padded
+        to the longest T (``pad_id`` in input_ids, 0 elsewhere: mask and attention 0);
+        group ids renumbered so groups stay distinct. An optional field set in only some
+        batches is None in the result."""
+        P = max(b.prompt_len for b in batches)
+        T = max(b.mask.shape[1] for b in batches)
+        offsets = torch.tensor([0] + [int(b.group_ids.max()) + 1 for b in batches[:-1]]).cumsum(0)
+        parts = [b.replace(group_ids=b.group_ids + int(o)) for b, o in zip(batches, offsets)]
+        out: Dict[str, Any] = {"prompt_len": P}
+        for f in fields(RolloutBatch):
+            kind, values = f.metadata["axis"], [getattr(b, f.name) for b in parts]
+            if kind == SCALAR or any(v is None for v in values):
+                continue
+            if kind == TEXT:
+                out[f.name] = [x for v in values for x in v]
+                continue
+            pad = pad_id if f.name == "input_ids" else 0
+            out[f.name] = torch.cat([_pad(v, kind, P - b.prompt_len, b.mask.shape[1], T, pad)
+                                     for b, v in zip(parts, values)])
+        out.update({f.name: None for f in fields(RolloutBatch)
+                    if f.name not in out and f.default is None})
+        return parts[0].replace(**out)
+
+
+def _pad(x: torch.Tensor, kind: str, left: int, t: int, T: int, value) -> torch.Tensor:
+    """One batch's field (``t`` completion columns) padded to ``T`` columns, and its
+    prompt to ``left`` more columns on the left (tokens only)."""
+    if kind == TOKENS:
+        return F.pad(x, (left, T - t), value=value)                  # [n, P+T]
+    if kind == COMPLETION and x.shape[1] == t:
+        return F.pad(x, (0, T - t), value=value)                     # [n, T]
+    return x                                                         # [n], or [n, 1] broadcast

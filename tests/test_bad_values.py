@@ -77,7 +77,7 @@ def test_the_walk_sees_the_whole_schema():
         return out
     walked = {s.key for s in SPECS if s.kind != "group"}
     assert walked == set(leaves(OmegaConf.structured(RLConfig)))
-    assert {"trainer.async.num_actors", "algo.kl.horizon", "model.lora.lr"} <= walked
+    assert {"trainer.async_rollout.num_actors", "algo.kl.horizon", "model.lora.lr"} <= walked
     assert len(FLOATS) >= 20 and len(BOOLS) >= 10
 
 
@@ -306,6 +306,6 @@ def test_a_sweep_grammar_error_is_one_line(tmp_path):
 
 
 def test_dataclass_fields_walk_matches_the_dataclasses():
-    """schema_fields follows dataclasses.fields, keyword-named fields (trainer.async) included."""
+    """schema_fields follows dataclasses.fields (every section, trainer.async_rollout included)."""
     top = [f.name for f in dataclasses.fields(RLConfig) if f.name != "defaults"]
     assert [s.key for s in SPECS if "." not in s.key] == top

@@ -1,12 +1,11 @@
 """Private helpers shared by the policy losses (`losses.py`, `policy_variants.py`).
 
-One metric schema for every policy loss (keys without namespace; the engine prefixes
-"policy/"):
-clip_frac_low  fraction of counted tokens whose importance weight was clipped low
-clip_frac_high fraction of counted tokens whose importance weight was clipped high
-clip_frac      their sum (the ratio clip; the dual-clip cap is counted separately)
-clip_frac_dual fraction of counted tokens with A < 0 whose loss the dual clip capped
-approx_kl      masked mean of k3(old -> new) = (rho - 1) - log rho, rho per token
+One metric schema for every policy loss, named as they are logged:
+policy/clip_frac_low  fraction of counted tokens whose importance weight was clipped low
+policy/clip_frac_high fraction of counted tokens whose importance weight was clipped high
+policy/clip_frac      their sum (the ratio clip; the dual-clip cap is counted separately)
+policy/clip_frac_dual fraction of counted tokens with A < 0 whose loss the dual clip capped
+policy/approx_kl      masked mean of k3(old -> new) = (rho - 1) - log rho, rho per token
 """
 from __future__ import annotations
 
@@ -73,6 +72,6 @@ def clip_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, low: torch.Tensor,
         frac_dual = (masked_mean(dual.to(dtype), mask) if dual is not None
                      else torch.zeros((), dtype=dtype, device=log_ratio.device))
         approx_kl = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
-    return {"clip_frac_low": frac_low, "clip_frac_high": frac_high,
-            "clip_frac": frac_low + frac_high, "clip_frac_dual": frac_dual,
-            "approx_kl": approx_kl}
+    return {"policy/clip_frac_low": frac_low, "policy/clip_frac_high": frac_high,
+            "policy/clip_frac": frac_low + frac_high, "policy/clip_frac_dual": frac_dual,
+            "policy/approx_kl": approx_kl}

@@ -1,6 +1,6 @@
-"""Rollout sources: local (synchronous) and asynchronous actor processes.
+"""The asynchronous rollout source, and ``build_source``: the one the config asks for.
 
-``AsyncSource`` starts ``trainer.async.num_actors`` actor processes (torch.multiprocessing,
+``AsyncSource`` starts ``trainer.async_rollout.num_actors`` actor processes (torch.multiprocessing,
 spawn) joined to the learner in one gloo process group (``file://`` rendezvous in a temp
 dir); the learner is rank 0, actor a is rank a+1. Point-to-point messages, each a fixed
 float64 header followed by one byte payload (rlctl/engine/wire.py):
@@ -9,8 +9,9 @@ float64 header followed by one byte payload (rlctl/engine/wire.py):
                     payload: (with_weights) flat policy parameters, example indices [B],
                     (use_rng) the learner's torch RNG state
   actor -> learner: [version | error code, N, L, P, T, reward_errors, actor_wait_s, bytes]
-                    payload: input_ids [N, L], attention_mask [N, L], mask [N, T],
-                    truncated [N], rewards [N], behaviour log-probs [N, T], (use_rng)
+                    payload: the batch's ``WIRE`` fields (input_ids [N, L],
+                    attention_mask [N, L], mask [N, T], truncated [N], rewards [N],
+                    behaviour log-probs [N, T]), (use_rng)
                     the advanced RNG state, each named reward's sum over the rows
                     (``_named_rewards``); or an error message
 
@@ -41,29 +42,43 @@ import time
 from typing import Dict, List
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
 
+from rlctl.backends.base import Backend
+from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
+from rlctl.engine.policy import prompt_sharing
 from rlctl.engine.wire import Posted, Sent, pack, recv_message, send_message, unpack
-
-from rlctl.errors import ActorFailed, RewardError
-from rlctl.types import RolloutBatch
+from rlctl.errors import ActorFailed, RewardError, UserError
+from rlctl.rollout.generate import rollout
+from rlctl.rollout.source import LocalSource, SamplingSettings
+from rlctl.tasks.scoring import RewardScorer
+from rlctl.types import COMPLETION, ROW, RolloutBatch
 
 USER_ERROR, ACTOR_ERROR = -2, -3
+# The batch fields an actor sends: name -> (dtype on the wire, dtype in the batch).
+WIRE = {"input_ids": (torch.long, torch.long), "attention_mask": (torch.uint8, torch.long),
+        "mask": (torch.float32, torch.float32), "truncated": (torch.uint8, torch.bool),
+        "rewards": (torch.float32, torch.float32), "old_logprobs": (torch.float32, torch.float32)}
 
 
-class LocalSource:
-    """The synchronous loop: the trainer samples with its own weights."""
-
-    def __init__(self, trainer):
-        self.sample = trainer._sample
-
-    def after_update(self) -> None:
-        pass
-
-    def metrics(self) -> Dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        pass
+def build_source(cfg, policy, tokenizer, task, backend=None):
+    """The rollout source ``cfg`` asks for: ``LocalSource`` sampling with ``policy`` (the
+    module the backend will train), or ``AsyncSource`` with
+    ``trainer.async_rollout.enabled``. ``backend`` None: one process on
+    ``hardware.device``."""
+    rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
+    settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
+    local = LocalSource(policy, tokenizer, task.train_examples(), RewardScorer(task), settings,
+                        seed=cfg.seed * 1000 + rank,
+                        generate_kwargs=backend.generate_kwargs() if backend is not None else None)
+    if not cfg.trainer.async_rollout.enabled:
+        return local
+    if world > 1 or dist.is_initialized():
+        raise ValueError("trainer.async_rollout.enabled=true needs hardware.num_processes=1")
+    device = backend.device if backend is not None else Backend(cfg.hardware.device).device
+    return AsyncSource(cfg, local, device)
 
 
 def flat_params(model) -> torch.Tensor:
@@ -71,15 +86,15 @@ def flat_params(model) -> torch.Tensor:
 
 
 class AsyncSource:
-    def __init__(self, trainer):
-        import torch.distributed as dist
-        import torch.multiprocessing as mp
-        from omegaconf import OmegaConf
+    """Rollouts from actor processes; prompts drawn, and rewards counted, by ``local``
+    (its sampler, examples and scorer), weights read from its policy module."""
 
-        if trainer.backend.world_size > 1 or dist.is_initialized():
-            raise ValueError("trainer.async.enabled=true needs hardware.num_processes=1")
-        acfg = trainer.cfg.trainer["async"]
-        self.t, self.max_stale, self.sync_every = trainer, int(acfg.max_staleness), int(acfg.sync_every)
+    def __init__(self, cfg, local: LocalSource, device):
+        acfg = cfg.trainer.async_rollout
+        self.local, self.device, self.group_size = local, device, cfg.algo.group_size
+        self.sampler, self.scorer, self.settings = local.sampler, local.scorer, local.settings
+        self.num_prompts = cfg.trainer.prompts_per_step        # one learner process
+        self.max_stale, self.sync_every = int(acfg.max_staleness), int(acfg.sync_every)
         self.num_actors = int(acfg.num_actors)
         self.version = 0                                  # updates done
         self.took = False                                 # the current step consumed a rollout
@@ -91,9 +106,11 @@ class AsyncSource:
         self.stats: Dict[str, List[float]] = {}
         self.reward_sums: Dict[str, float] = {}           # named rewards (sorting: each design)
         self.reward_count = 0
+        self._start(OmegaConf.to_yaml(cfg, resolve=True))
+
+    def _start(self, cfg_yaml: str) -> None:
         self.dir = tempfile.mkdtemp(prefix="rlctl-async-")
         init = f"file://{os.path.join(self.dir, 'rendezvous')}"
-        cfg_yaml = OmegaConf.to_yaml(trainer.cfg, resolve=True)
         ctx = mp.get_context("spawn")
         # not daemons: an actor forks its own reward worker (task.reward_timeout_s)
         self.procs = [ctx.Process(target=actor_main, args=(cfg_yaml, init, a + 1, self.num_actors + 1),
@@ -116,13 +133,13 @@ class AsyncSource:
     def _request(self, actor: int, consumed_at: int) -> None:
         """Ask ``actor`` for a rollout the learner consumes at version ``consumed_at`` at
         the latest; its weights must then be at most ``max_staleness`` updates old."""
-        t = self.t
         oldest_allowed = consumed_at - self.max_stale    # weights version the rollout needs
         weights = (self.version - self.actor_version[actor] >= self.sync_every
                    or self.actor_version[actor] < oldest_allowed)
         use_rng = self.max_stale == 0
-        idx = torch.tensor([t.sampler.randrange(len(t.train_examples)) for _ in range(t.local_prompts)])
-        parts = ([flat_params(t.policy)] if weights else []) + [idx] + ([torch.get_rng_state()] if use_rng else [])
+        idx = torch.tensor(self.local.draw(self.num_prompts))
+        parts = ([flat_params(self.local.policy)] if weights else []) + [idx] + \
+            ([torch.get_rng_state()] if use_rng else [])
         if actor in self.sent:           # long done: the actor has answered it
             self.sent.pop(actor).wait()
         # sent in the background, and the reply's header receive posted at once: both
@@ -142,34 +159,36 @@ class AsyncSource:
             msg = bytes(payload.tolist()).decode("utf-8", "replace")
             raise (RewardError(msg) if h[0] == USER_ERROR else ActorFailed(f"rollout actor {actor}: {msg}"))
         version, N, L, P, T = (int(x) for x in h[:5])
-        specs = [((N, L), torch.long), ((N, T), torch.float32), ((N,), torch.float32),
-                 ((N, T), torch.float32), ((N, L), torch.uint8), ((N,), torch.uint8)]
+        dims = {ROW: (N,), COMPLETION: (N, T)}
+        specs = [(dims.get(RolloutBatch.axis(k), (N, L)), wire) for k, (wire, _) in WIRE.items()]
         if use_rng:
             specs.append((torch.get_rng_state().shape, torch.uint8))
         K, M = payload[-16:].clone().view(torch.int64).tolist()       # the named rewards' tail
         specs += [((K,), torch.float64), ((M,), torch.uint8), ((2,), torch.int64)]
-        ids, mask, rewards, behaviour, attn, truncated, *rest = unpack(payload, specs)
+        parts = unpack(payload, specs)
         if use_rng:
-            torch.set_rng_state(rest[0])
-        names = bytes(rest[-2].tolist()).decode().split("\n") if K else []
-        for name, total in zip(names, rest[-3].tolist()):   # summed as RewardScorer sums them
-            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + total
-        self.reward_count += N
-        self._log("time/learner_wait_s", time.perf_counter() - t0)
-        self._log("time/actor_wait_s", h[6])
-        self.t.scorer.errors += int(h[5])
-        self.t.scorer.calls += N            # the actor scored the N rows it sent
+            torch.set_rng_state(parts[len(WIRE)])
+        self._count(N, parts[-3], parts[-2], h, time.perf_counter() - t0)
         stale = self.version - version
         self._log("async/staleness", float(stale))
-        G = self.t.cfg.algo.group_size
-        examples = [self.t.train_examples[i] for i in idx.tolist()]
-        dev = self.t.backend.device
-        return RolloutBatch(
-            input_ids=ids.to(dev), attention_mask=attn.long().to(dev), mask=mask.to(dev),
-            truncated=truncated.bool().to(dev), rewards=rewards.to(dev),
-            group_ids=torch.arange(len(examples), device=dev).repeat_interleave(G),
-            prompt_len=P, group_size=G, prompts=[e.prompt for e in examples for _ in range(G)],
-            completions=[""] * N, old_logprobs=behaviour.to(dev) if stale > 0 else None)
+        G, dev = self.group_size, self.device
+        fields = {k: x.to(dev, batch_dtype) for (k, (_, batch_dtype)), x in zip(WIRE.items(), parts)}
+        if stale == 0:           # on-policy: no correction, the learner's pi_old serves
+            fields["old_logprobs"] = None
+        prompts = [self.local.examples[i].prompt for i in idx.tolist() for _ in range(G)]
+        return RolloutBatch(**fields, group_ids=torch.arange(N // G, device=dev).repeat_interleave(G),
+                            prompt_len=P, group_size=G, prompts=prompts, completions=[""] * N)
+
+    def _count(self, N: int, sums: torch.Tensor, names: torch.Tensor, h, waited: float) -> None:
+        """Book a reply: named reward sums, reward errors and calls, the waits."""
+        keys = bytes(names.tolist()).decode().split("\n") if sums.numel() else []
+        for name, total in zip(keys, sums.tolist()):     # summed as RewardScorer sums them
+            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + total
+        self.reward_count += N
+        self._log("time/learner_wait_s", waited)
+        self._log("time/actor_wait_s", h[6])
+        self.scorer.errors += int(h[5])
+        self.scorer.calls += N              # the actor scored the N rows it sent
 
     def sample(self, num_groups: int) -> RolloutBatch:
         self._fill()
@@ -196,7 +215,6 @@ class AsyncSource:
         self.stats.setdefault(key, []).append(value)
 
     def close(self) -> None:
-        import torch.distributed as dist
         try:
             while self.pending:
                 self.pending.popleft()[-1].finish()
@@ -215,6 +233,7 @@ class AsyncSource:
                     p.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            self.local.close()
 
 
 # ---- actor side --------------------------------------------------------------------
@@ -222,8 +241,7 @@ def _send_rollout(b: RolloutBatch, info: List[float], use_rng: bool,
                   components: Dict[str, List[float]]) -> None:
     """The reply to the learner; ``info``: [weights version, reward errors, wait s]."""
     N, T = b.mask.shape
-    parts = [b.input_ids, b.mask.float(), b.rewards.float(), b.old_logprobs.float(),
-             b.attention_mask.to(torch.uint8), b.truncated.to(torch.uint8)]
+    parts = [getattr(b, k).to(wire) for k, (wire, _) in WIRE.items()]
     if use_rng:
         parts.append(torch.get_rng_state())
     parts += _named_rewards(components)
@@ -242,60 +260,62 @@ def _named_rewards(components: Dict[str, List[float]]) -> List[torch.Tensor]:
 
 
 def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
-    import torch.distributed as dist
-    from omegaconf import OmegaConf
-
-    from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
-    from rlctl.errors import UserError
-    from rlctl.rollout.generate import rollout
-    from rlctl.tasks.scoring import RewardScorer
-
     os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
     cfg = OmegaConf.create(cfg_yaml)
     quiet_libraries(cfg)
     task = task_from_config(cfg)
     model, _, tok, _ = model_from_config(cfg)
     model.eval()
-    params = list(model.parameters())
-    n_params = sum(p.numel() for p in params)
-    scorer, examples, ro = RewardScorer(task), task.train_examples(), cfg.rollout
+    scorer = RewardScorer(task)
+    actor = LocalSource(model, tok, task.train_examples(), scorer,
+                        SamplingSettings.from_config(cfg, bool(cfg.trainer.share_prompts)), seed=0)
     torch.manual_seed(cfg.seed * 1000 + 7919 * rank)      # each actor its own sampling stream
     # The learner is the bottleneck: when the cores are oversubscribed (reward workers,
     # gloo threads) it keeps its core. Measured: 31.1-31.7 vs 28-31 async steps/s.
     os.nice(5)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-    version = -1
     try:
-        while True:
-            t0 = time.perf_counter()
-            h, payload = recv_message(src=0)
-            go, weights, wver, use_rng, B = (int(x) for x in h[:5])
-            if not go:
-                break
-            waited = time.perf_counter() - t0
-            specs = ([((n_params,), torch.float32)] if weights else []) + [((B,), torch.long)]
-            if use_rng:
-                specs.append((torch.get_rng_state().shape, torch.uint8))
-            fields = unpack(payload, specs)
-            if weights:
-                torch.nn.utils.vector_to_parameters(fields.pop(0), params)
-                version = wver
-            idx = fields[0]
-            if use_rng:
-                torch.set_rng_state(fields[1])
-            errors0 = scorer.errors
-            try:
-                b = rollout(model, tok, [examples[i] for i in idx.tolist()], cfg.algo.group_size,
-                            ro.max_new_tokens, ro.temperature, ro.top_k, scorer.score_batch,
-                            behaviour_logprobs=True,      # old_logprobs from generate's own logits
-                            share_prompts=cfg.trainer.share_prompts)
-            except Exception as exc:  # noqa: BLE001 - reported to the learner, which stops
-                code = USER_ERROR if isinstance(exc, UserError) else ACTOR_ERROR
-                text = str(exc) if code == USER_ERROR else f"{type(exc).__name__}: {exc}"
-                send_message([code], torch.tensor(list(text.encode()), dtype=torch.uint8), dst=0)
-                break
-            _send_rollout(b, [version, scorer.errors - errors0, waited], use_rng,
-                          scorer.last_components)
+        _serve(actor)
     finally:
         scorer.close()
         dist.destroy_process_group()
+
+
+def _serve(actor: LocalSource) -> None:
+    """Answer the learner's requests until it says stop (or a rollout fails)."""
+    params = list(actor.policy.parameters())
+    n_params, version = sum(p.numel() for p in params), -1
+    while True:
+        t0 = time.perf_counter()
+        h, payload = recv_message(src=0)
+        go, weights, wver, use_rng, B = (int(x) for x in h[:5])
+        if not go:
+            return
+        waited = time.perf_counter() - t0
+        specs = ([((n_params,), torch.float32)] if weights else []) + [((B,), torch.long)]
+        if use_rng:
+            specs.append((torch.get_rng_state().shape, torch.uint8))
+        fields = unpack(payload, specs)
+        if weights:
+            torch.nn.utils.vector_to_parameters(fields.pop(0), params)
+            version = wver
+        if use_rng:
+            torch.set_rng_state(fields[1])
+        errors0 = actor.scorer.errors
+        try:
+            b = _rollout(actor, fields[0].tolist())
+        except Exception as exc:  # noqa: BLE001 - reported to the learner, which stops
+            code = USER_ERROR if isinstance(exc, UserError) else ACTOR_ERROR
+            text = str(exc) if code == USER_ERROR else f"{type(exc).__name__}: {exc}"
+            send_message([code], torch.tensor(list(text.encode()), dtype=torch.uint8), dst=0)
+            return
+        _send_rollout(b, [version, actor.scorer.errors - errors0, waited], use_rng,
+                      actor.scorer.last_components)
+
+
+def _rollout(actor: LocalSource, indices: List[int]) -> RolloutBatch:
+    """The learner's prompts, sampled with ``old_logprobs`` from generation's own logits."""
+    s = actor.settings
+    return rollout(actor.policy, actor.tokenizer, [actor.examples[i] for i in indices], s.group_size,
+                   s.max_new_tokens, s.temperature, s.top_k, actor.scorer.score_batch,
+                   behaviour_logprobs=True, share_prompts=s.share_prompts)

@@ -17,8 +17,10 @@ from typing import List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from rlctl.compose import compose
+from rlctl.engine.async_rollout import build_source
 from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
 from rlctl.engine.entries import check_entries
+from rlctl.engine.trainer import Trainer
 from rlctl.errors import Interrupted, UserError
 
 
@@ -89,7 +91,6 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
     from rlctl.backends.base import build_backend
     from rlctl.engine import rundir
     from rlctl.engine.report import reward_summary
-    from rlctl.engine.trainer import Trainer
     from rlctl.models.lora import count_parameters
 
     t0 = time.perf_counter()
@@ -108,7 +109,8 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
         resume_from = _resume_point(run_dir, backend) if resume else None
         sink = _sink(cfg, run_dir, backend)
         try:
-            trainer = Trainer(cfg, model, tokenizer, task, sink, critic=critic,
+            source = build_source(cfg, model, tokenizer, task, backend)
+            trainer = Trainer(cfg, model, tokenizer, task, sink, source=source, critic=critic,
                               ref_model=ref_model, backend=backend)
             try:
                 result = trainer.train(run_dir=run_dir, resume_from=resume_from, on_step=on_step,

@@ -1,5 +1,38 @@
-"""Rollout-side metrics in the schema every algorithm shares (reward/, advantage/, length/;
-detached tensors; one sync at log time) and their reduction over data-parallel ranks."""
+"""The metric schema every algorithm shares, and its reduction over data-parallel ranks.
+
+Each name is made where its value is computed (given here as ``where``); values are
+detached tensors until one host sync at log time. The schema:
+
+  reward/mean, reward/std            task reward over the step's N rows (stats.py)
+  reward/frac_zero_std_groups        groups whose G rewards are all equal (stats.py)
+  reward/errors, reward/<name>       failed reward calls; each named reward design's mean
+                                     (tasks/scoring.py; async: engine/async_rollout.py)
+  rollout/kept_groups_frac           groups kept by dynamic sampling / groups sampled (stats.py)
+  advantage/mean, advantage/std      token mean; std of per-row means (stats.py)
+  length/mean, length/min, length/max  counted completion tokens per row (stats.py)
+  length/truncated_frac              rows with no EOS within the limit (stats.py)
+  policy/loss                        the policy loss, this rank's share summed (engine/update.py)
+  policy/entropy                     token-mean entropy of the learner's distribution (update.py)
+  policy/clip_frac_low, policy/clip_frac_high, policy/clip_frac   ratio clipped low / high /
+                                     either, fraction of counted tokens (core/_policy.py)
+  policy/clip_frac_dual              tokens with A < 0 capped by the dual clip (core/_policy.py)
+  policy/approx_kl                   k3(pi_old -> pi) token mean (core/_policy.py)
+  policy/ratio_std, policy/ratio_max spread of pi / pi_old when pi_old is given (update.py)
+  policy/kl_ref                      the training KL estimate to the reference (update.py)
+  kl/k1, kl/k3                       both estimates of KL(pi || ref), token means (update.py)
+  kl/seq_k1                          per-sequence KL(pi_old || ref), adaptive KL's input (trainer.py)
+  kl/coef                            the KL coefficient beta (trainer.py)
+  value/loss, value/clip_frac, value/explained_var, value/mean   critic (update.py)
+  value/return_mean                  token mean of the value targets (trainer.py)
+  optim/grad_norm, optim/lr          before clipping; the schedule's (update.py, trainer.py)
+  fault/skipped_steps                optimizer steps skipped as non-finite (update.py)
+  time/rollout_s, time/update_s, time/generate_s, time/score_s, time/logprob_s,
+  time/elapsed_s                     wall seconds (trainer.py)
+  time/learner_wait_s, time/actor_wait_s, async/staleness   async mode (async_rollout.py)
+  perf/tokens_per_s                  counted tokens / step time (trainer.py)
+  eval/exact_match, eval/reward, eval/length_mean, eval/truncated_frac   held-out greedy
+                                     evaluation (trainer.py, evaluate.py)
+"""
 from __future__ import annotations
 
 from typing import Dict
@@ -10,7 +43,8 @@ from rlctl.core.logprobs import masked_mean
 from rlctl.types import RolloutBatch
 
 
-def rollout_metrics(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
+def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[str, torch.Tensor]:
+    """reward/, advantage/, length/ and rollout/kept_groups_frac of one step's batch."""
     r = batch.rewards                                          # [N]
     groups = r.view(-1, batch.group_size)                      # [B, G]
     lengths = batch.mask.sum(-1)                               # [N]
@@ -26,15 +60,8 @@ def rollout_metrics(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
         "length/min": lengths.min(),
         "length/max": lengths.max(),
         "length/truncated_frac": batch.truncated.float().mean(),
+        "rollout/kept_groups_frac": torch.tensor(float(kept_groups_frac)),
     }
-
-
-POLICY_KEYS = {  # update_policy's metric names -> schema names
-    "loss": "policy/loss", "entropy": "policy/entropy", "clip_frac": "policy/clip_frac",
-    "clip_frac_low": "policy/clip_frac_low", "clip_frac_high": "policy/clip_frac_high",
-    "clip_frac_dual": "policy/clip_frac_dual",
-    "approx_kl": "policy/approx_kl", "kl_ref": "policy/kl_ref", "grad_norm": "optim/grad_norm",
-}
 
 
 # Summed over ranks: counts, and the loss terms (each rank's value is its share of the

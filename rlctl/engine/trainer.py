@@ -13,26 +13,24 @@ are distinct: ``old_logprobs`` come from ``self.model`` before the update,
 from __future__ import annotations
 
 import copy
-import random
 import time
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from omegaconf import DictConfig
 
-from rlctl.core import (AdaptiveKLController, FixedKLController, get_policy_loss, masked_mean,
-                        resolve_kl_estimator)
+from rlctl.backends.base import TorchBackend
+from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
+from rlctl.engine import checkpoint
 from rlctl.engine.advantage import AdvantageSettings, compute_advantages
 from rlctl.engine.evaluate import evaluate
-from rlctl.engine.policy import learner_forward
-from rlctl.engine.stats import POLICY_KEYS, reduce_metrics, rollout_metrics
+from rlctl.engine.policy import PromptGroups, learner_forward
+from rlctl.engine.stats import reduce_metrics, rollout_metrics
 from rlctl.engine.stopping import StopFlag
-from rlctl.engine.update import UpdateSettings, UpdateState, prompt_labels_of, update_policy
+from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
 from rlctl.errors import Interrupted, TrainingFault
-from rlctl.models.kv_share import regroup
 from rlctl.rollout.collect import collect
-from rlctl.rollout.generate import rollout
 from rlctl.rollout.sampler import check_training_sampling
 from rlctl.tasks.base import Task
 from rlctl.tasks.scoring import RewardScorer
@@ -64,38 +62,21 @@ def frozen_copy(model):
 
 
 class Trainer:
-    """``model``: the policy, or a PolicyValueModel (shared critic); ``critic``: a separate
-    value model or None; ``backend``: how to step and how ranks communicate (each rank
-    samples its own share of the step's prompts, whole groups only)."""
+    """``model``: the policy, or a PolicyValueModel (shared critic); ``source``: where
+    rollouts come from (``async_rollout.build_source``: it samples with this same
+    ``model``, and owns the prompt sampler and the training reward scorer); ``critic``: a
+    separate value model or None; ``backend``: how to step and how ranks communicate
+    (each rank samples its own share of the step's prompts, whole groups only)."""
 
-    def __init__(self, cfg: DictConfig, model, tokenizer, task: Task, sink, critic=None,
+    def __init__(self, cfg: DictConfig, model, tokenizer, task: Task, sink, *, source, critic=None,
                  ref_model=None, backend=None):
-        from rlctl.backends.base import TorchBackend
-
         check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
-        self.cfg, self.tokenizer, self.task, self.sink = cfg, tokenizer, task, sink
+        self.cfg, self.tokenizer, self.task, self.sink, self.source = cfg, tokenizer, task, sink, source
         self.critic = critic
         self.backend = backend or TorchBackend(cfg.hardware.device)
         algo, tr = cfg.algo, cfg.trainer
-        # Prompt sharing changes how many forwards a rank runs when its completions are
-        # all one token long; multi-rank ZeRO-3 needs every rank to run the same ones.
-        zero3 = getattr(self.backend, "zero_stage", 0) == 3 and self.backend.world_size > 1
-        share = bool(tr.share_prompts) and not zero3
-        self.kl_kind = resolve_kl_estimator(algo.kl.estimator, algo.kl.placement)  # null: by placement
-        self.settings = UpdateSettings(
-            policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
-            clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
-            clip_ratio_c=algo.clip_ratio_c, agg_mode=algo.loss_agg_mode, norm_len=algo.norm_len,
-            epochs=algo.epochs, minibatches=algo.minibatches, kl_estimator=self.kl_kind,
-            kl_in_loss=algo.kl.placement == "in_loss", max_grad_norm=tr.max_grad_norm,
-            temperature=cfg.rollout.temperature, micro_batch_size=tr.micro_batch_size,
-            vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share)
-        self.adv_settings = AdvantageSettings(
-            estimator=algo.advantage, std_eps=algo.std_eps, baseline=algo.baseline,
-            gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
-            kl_in_reward=algo.kl.placement == "in_reward", kl_estimator=self.kl_kind,
-            overlong_buffer=algo.overlong_buffer, overlong_penalty=algo.overlong_penalty,
-            max_new_tokens=cfg.rollout.max_new_tokens)
+        self.settings = UpdateSettings.from_config(cfg, source.settings.share_prompts)
+        self.adv_settings = AdvantageSettings.from_config(cfg)
         self.kl_ctl = (AdaptiveKLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
                        if algo.kl.target is not None else FixedKLController(algo.kl.coef))
         self.ref_model = ref_model if ref_model is not None else (
@@ -106,20 +87,14 @@ class Trainer:
                                           tr.warmup_steps, tr.max_grad_norm)
         if tr.compile:           # learner forwards only; generation keeps the eager module
             self.model = torch.compile(self.model, dynamic=True)
-        self.scorer = RewardScorer(task)         # training rewards (time limit, error policy)
+        self.scorer = source.scorer              # training rewards (time limit, error policy)
         self.eval_scorer = RewardScorer(task)    # kept apart so eval never mixes into reward/*
-        self.train_examples = task.train_examples()
         self.eval_examples = task.eval_examples()
-        self.sampler = random.Random(cfg.seed * 1000 + self.backend.rank)
-        world = self.backend.world_size
-        self.local_prompts = tr.prompts_per_step // world   # compose() checks divisibility
-        from rlctl.engine.async_rollout import AsyncSource, LocalSource
-        self.source = AsyncSource(self) if tr["async"].enabled else LocalSource(self)
+        self.local_prompts = tr.prompts_per_step // self.backend.world_size   # compose() checks
 
     def close(self) -> None:
-        """Stop the rollout actor (async mode) and the reward workers."""
+        """Stop the rollout source (actors, reward workers) and the eval reward workers."""
         self.source.close()
-        self.scorer.close()
         self.eval_scorer.close()
 
     @property
@@ -127,40 +102,42 @@ class Trainer:
         """The plain module (generation, saving): unwrapped from the backend's engine."""
         return self.backend.unwrap()
 
-    # ---- rollout side -------------------------------------------------------------
-    def _sample(self, num_groups: int) -> RolloutBatch:
-        examples = [self.train_examples[self.sampler.randrange(len(self.train_examples))]
-                    for _ in range(num_groups)]
-        ro = self.cfg.rollout
-        return rollout(self.policy, self.tokenizer, examples, self.cfg.algo.group_size,
-                       ro.max_new_tokens, ro.temperature, ro.top_k, self.scorer.score_batch,
-                       share_prompts=self.settings.share_prompts, **self.backend.generate_kwargs())
+    @property
+    def sampler(self):
+        """The prompt sampler (a ``random.Random``; its state is checkpointed)."""
+        return self.source.sampler
 
+    # ---- rollout side -------------------------------------------------------------
     @torch.no_grad()
-    def _prepare(self, batch: RolloutBatch, labels) -> None:
-        """Old/reference log-probs and values where needed, then advantages and returns.
-        ``labels``: each row's distinct prompt ([N] on the CPU; None: no prompt sharing)."""
+    def _prepare(self, batch: RolloutBatch, prompts: Optional[PromptGroups]) -> RolloutBatch:
+        """The batch with old/reference log-probs and values where needed, advantages and
+        returns. ``prompts``: which rows share a prompt (None: no prompt sharing)."""
         args = (batch.input_ids, batch.attention_mask, batch.prompt_len, self.settings.temperature)
-        kw = dict(share_prompts=labels is not None,
-                  groups=None if labels is None else tuple(t.to(batch.input_ids.device) for t in regroup(labels)))
-        # async: a stale rollout keeps the behaviour policy's log-probs; the forward is
-        # then only needed for a critic's values, or (a step mixing stale and on-policy
-        # rollouts: behaviour_rows) for pi_old of the on-policy rows
+        share = prompts if prompts is not None else False
+        old, values = self._old_forward(batch, args, share)
+        ref = learner_forward(self.ref_model, *args, share_prompts=share).logp \
+            if self.ref_model is not None else None
+        out = batch.replace(old_logprobs=old, old_values=values, ref_logprobs=ref, behaviour_rows=None)
+        advantages, returns = compute_advantages(out, self.adv_settings, self.kl_ctl.coef, values,
+                                                 self.backend)
+        return out.replace(advantages=advantages, returns=returns)
+
+    def _old_forward(self, batch: RolloutBatch, args, share):
+        """(old log-probs [N, T] or None, critic values [N, T] or None). Async: a stale
+        rollout keeps the behaviour policy's log-probs; the forward is then only needed
+        for a critic's values, or (a step mixing stale and on-policy rollouts:
+        ``behaviour_rows``) for pi_old of the on-policy rows."""
         mixed = batch.behaviour_rows is not None
-        if mixed or needs_old_forward(self.cfg.algo) and (
-                batch.old_logprobs is None or self.cfg.algo.critic != "none"):
-            self.model.eval()
-            f = learner_forward(self.model, *args, critic=self.critic, **kw)
-            if batch.old_logprobs is None:
-                batch.old_logprobs = f.logp
-            elif mixed:          # stale rows keep the behaviour log-probs exactly
-                batch.old_logprobs = torch.where(batch.behaviour_rows[:, None], batch.old_logprobs, f.logp)
-                batch.behaviour_rows = None
-            batch.old_values = f.values
-        if self.ref_model is not None:
-            batch.ref_logprobs = learner_forward(self.ref_model, *args, **kw).logp
-        batch.advantages, batch.returns = compute_advantages(
-            batch, self.adv_settings, self.kl_ctl.coef, batch.old_values, self.backend)
+        if not (mixed or needs_old_forward(self.cfg.algo) and (
+                batch.old_logprobs is None or self.cfg.algo.critic != "none")):
+            return batch.old_logprobs, batch.old_values
+        self.model.eval()
+        f = learner_forward(self.model, *args, critic=self.critic, share_prompts=share)
+        if batch.old_logprobs is None:
+            return f.logp, f.values
+        if mixed:                # stale rows keep the behaviour log-probs exactly
+            return torch.where(batch.behaviour_rows[:, None], batch.old_logprobs, f.logp), f.values
+        return batch.old_logprobs, f.values
 
     def _evaluate(self) -> Dict[str, float]:
         """Greedy eval; each rank takes every world_size-th example, sums are reduced."""
@@ -180,27 +157,20 @@ class Trainer:
         batch, kept = collect(self.source.sample, self.local_prompts, cfg.algo.dynamic_sampling,
                               cfg.algo.max_sampling_rounds, self.tokenizer.pad_token_id)
         t_gen, score_s = time.perf_counter(), self.scorer.seconds - score0
-        labels = prompt_labels_of(batch) if self.settings.share_prompts else None   # [N] CPU
-        self._prepare(batch, labels)
+        prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len) \
+            if self.settings.share_prompts else None                         # found on the CPU
+        batch = self._prepare(batch, prompts)
         t1 = time.perf_counter()
         frozen = step <= cfg.algo.critic_warmup_steps
         if hasattr(self.policy, "detach_backbone"):
             self.policy.detach_backbone = frozen
         state = UpdateState(kl_coef=self.kl_ctl.coef, policy_frozen=frozen)
-        policy = update_policy(self.model, self.backend, batch, self.settings, state, self.critic,
-                               labels)
+        metrics = update_policy(self.model, self.backend, batch, self.settings, state, self.critic,
+                                prompts)
         self.source.after_update()
         t2 = time.perf_counter()
-        metrics = rollout_metrics(batch)
-        metrics.update({POLICY_KEYS.get(k, k if "/" in k else f"policy/{k}"): v for k, v in policy.items()})
-        if batch.returns is not None:
-            metrics["return/mean"] = masked_mean(batch.returns, batch.mask)
-        if batch.ref_logprobs is not None and batch.old_logprobs is not None:
-            seq_kl = ((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean()
-            metrics["kl/seq_k1"] = seq_kl
-        metrics["dapo/kept_groups_frac"] = torch.tensor(kept)
-        metrics["perf/step_tokens"] = batch.mask.sum()
-        metrics["perf/step_sequences"] = torch.tensor(float(batch.num_sequences))   # summed over ranks
+        metrics.update(rollout_metrics(batch, kept))
+        metrics.update(_step_metrics(batch))
         values = reduce_metrics(metrics, self.backend)
         tokens = values.pop("perf/step_tokens")
         sequences = int(values.pop("perf/step_sequences"))
@@ -223,25 +193,10 @@ class Trainer:
         save a checkpoint and raise ``Interrupted``; ``trainer.max_bad_steps``
         consecutive steps whose updates were all skipped (non-finite) raise
         ``TrainingFault`` (the newest checkpoint predates them)."""
-        from rlctl.engine import checkpoint
-
         tr = self.cfg.trainer
-        t_start, tokens = time.perf_counter(), 0.0
+        t_start, tokens, bad_streak = time.perf_counter(), 0.0, 0
         result = TrainResult(steps=tr.steps, seconds=0.0, tokens_per_s=0.0)
-        first, bad_streak = 1, 0
-        if resume_from is not None:
-            state = checkpoint.load(self, resume_from)
-            first, result.eval_start = state["step"] + 1, state.get("eval_start", {})
-            self.scorer.load_state(state.get("scorer", {}))
-        elif tr.eval_every > 0:
-            result.eval_start = self._evaluate()
-            self.sink.log(result.eval_start, step=0)
-
-        def save(step):
-            if run_dir is not None:
-                checkpoint.save(self, run_dir, step, {"eval_start": result.eval_start,
-                                                      "scorer": self.scorer.state()},
-                                tr.keep_checkpoints)
+        first = self._start(result, resume_from)
         stop = stop or StopFlag()
         with stop.installed():
             for step in range(first, tr.steps + 1):
@@ -257,22 +212,57 @@ class Trainer:
                 result.last_metrics = values
                 if on_step is not None:
                     on_step(step, values)
-                if bad_streak >= tr.max_bad_steps:
-                    last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
-                    raise TrainingFault(
-                        f"stopped at step {step}: {bad_streak} steps in a row had a non-finite loss "
-                        f"or gradient (trainer.max_bad_steps={tr.max_bad_steps}); last good "
-                        f"checkpoint: {last or 'none'}")
-                signum = stop.agreed(self.backend)       # all ranks stop after the same step
-                if signum and step < tr.steps:           # finish the step, save, leave
-                    save(step)
-                    raise Interrupted(run_dir, step, signum)
-                if tr.checkpoint_every > 0 and step % tr.checkpoint_every == 0 and step < tr.steps:
-                    save(step)
-        save(tr.steps)
+                self._after_step(step, bad_streak, run_dir, result, stop)
+        self._save(run_dir, tr.steps, result)
         result.seconds = time.perf_counter() - t_start
         result.tokens_per_s = tokens / max(result.seconds, 1e-9)
         if tr.eval_every > 0:
             result.eval_end = {k: v for k, v in result.last_metrics.items() if k.startswith("eval/")} \
                 or self._evaluate()
         return result
+
+    def _start(self, result: TrainResult, resume_from) -> int:
+        """The first step to run: after the checkpoint's, or 1 (after the start's eval)."""
+        if resume_from is not None:
+            state = checkpoint.load(self, resume_from)
+            result.eval_start = state.get("eval_start", {})
+            self.scorer.load_state(state.get("scorer", {}))
+            return state["step"] + 1
+        if self.cfg.trainer.eval_every > 0:
+            result.eval_start = self._evaluate()
+            self.sink.log(result.eval_start, step=0)
+        return 1
+
+    def _save(self, run_dir, step: int, result: TrainResult) -> None:
+        if run_dir is not None:
+            checkpoint.save(self, run_dir, step, {"eval_start": result.eval_start,
+                                                  "scorer": self.scorer.state()},
+                            self.cfg.trainer.keep_checkpoints)
+
+    def _after_step(self, step: int, bad_streak: int, run_dir, result: TrainResult, stop) -> None:
+        """Stop on too many non-finite steps or on a signal (saved first); checkpoint."""
+        tr = self.cfg.trainer
+        if bad_streak >= tr.max_bad_steps:
+            last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
+            raise TrainingFault(
+                f"stopped at step {step}: {bad_streak} steps in a row had a non-finite loss "
+                f"or gradient (trainer.max_bad_steps={tr.max_bad_steps}); last good "
+                f"checkpoint: {last or 'none'}")
+        signum = stop.agreed(self.backend)       # all ranks stop after the same step
+        if signum and step < tr.steps:           # finish the step, save, leave
+            self._save(run_dir, step, result)
+            raise Interrupted(run_dir, step, signum)
+        if tr.checkpoint_every > 0 and step % tr.checkpoint_every == 0 and step < tr.steps:
+            self._save(run_dir, step, result)
+
+
+def _step_metrics(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
+    """Value targets' mean, the per-sequence KL to the reference, and the counts the
+    throughput needs (summed over ranks)."""
+    out = {"perf/step_tokens": batch.mask.sum(),
+           "perf/step_sequences": torch.tensor(float(batch.num_sequences))}
+    if batch.returns is not None:
+        out["value/return_mean"] = masked_mean(batch.returns, batch.mask)
+    if batch.ref_logprobs is not None and batch.old_logprobs is not None:
+        out["kl/seq_k1"] = ((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean()
+    return out

@@ -8,7 +8,7 @@ Gradient accumulation over micro-batches is exact for every aggregation mode: ea
 micro-batch contributes ``aggregate_sum(...) / agg_denominator(minibatch mask)``, i.e.
 its share of the numerator over the *minibatch's* denominator (token count, or count of
 non-empty rows, times norm_len for seq-mean-token-sum-norm), so the summed gradient
-equals the gradient of the minibatch aggregate (tests/engine/test_update.py).
+equals the gradient of the minibatch aggregate (tested against the full-batch loss).
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from rlctl.core import agg_denominator, aggregate_sum, explained_variance, kl_estimate, masked_mean
+from rlctl.core import (agg_denominator, aggregate_sum, explained_variance, get_policy_loss, kl_estimate,
+                        masked_mean, resolve_kl_estimator)
 from rlctl.core.losses import value_loss_per_token
-from rlctl.engine.policy import learner_forward
-from rlctl.models.kv_share import distinct_rows, regroup
+from rlctl.engine.policy import PromptGroups, learner_forward
 from rlctl.types import RolloutBatch
 
 
@@ -45,6 +45,21 @@ class UpdateSettings:
     vf_coef: float = 0.0
     value_clip: Optional[float] = None
 
+    @classmethod
+    def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
+        """From the composed config's ``algo``, ``trainer`` and ``rollout`` sections;
+        ``share_prompts``: ``trainer.share_prompts`` as it applies on the backend
+        (``policy.prompt_sharing``)."""
+        algo, tr = cfg.algo, cfg.trainer
+        return cls(policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
+                   clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
+                   clip_ratio_c=algo.clip_ratio_c, agg_mode=algo.loss_agg_mode, norm_len=algo.norm_len,
+                   epochs=algo.epochs, minibatches=algo.minibatches,
+                   kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
+                   kl_in_loss=algo.kl.placement == "in_loss", max_grad_norm=tr.max_grad_norm,
+                   temperature=cfg.rollout.temperature, micro_batch_size=tr.micro_batch_size,
+                   vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share_prompts)
+
 
 @dataclass
 class UpdateState:
@@ -58,27 +73,15 @@ def _chunks(rows: torch.Tensor, size: int) -> List[torch.Tensor]:
 
 
 def take_rows(batch: RolloutBatch, rows: torch.Tensor, width: Optional[int] = None) -> RolloutBatch:
-    """Rows (a CPU index) of the batch's tensors, completion columns cut to ``width``
-    (None: all T). Unlike ``RolloutBatch.select`` it copies no text lists and makes no
-    host sync (the learner needs neither). Cutting is exact when every dropped column
-    is padding in these rows: causal attention means later columns never change the
-    logits of earlier ones, and mask-0 columns add nothing to any loss sum."""
-    P = batch.prompt_len
-    w = batch.mask.shape[1] if width is None else width
-    rows = rows.to(batch.mask.device)
-    cut = lambda t: None if t is None else t[rows, :w]  # noqa: E731  [n, w] (or [n, 1])
-    return RolloutBatch(
-        input_ids=batch.input_ids[rows, :P + w], attention_mask=batch.attention_mask[rows, :P + w],
-        mask=cut(batch.mask), truncated=batch.truncated[rows], rewards=batch.rewards[rows],
-        group_ids=batch.group_ids[rows], prompt_len=P, group_size=batch.group_size,
-        prompts=[], completions=[], old_logprobs=cut(batch.old_logprobs),
-        ref_logprobs=cut(batch.ref_logprobs), advantages=cut(batch.advantages),
-        old_values=cut(batch.old_values), returns=cut(batch.returns))
+    """Rows (a CPU index) of the batch, completion columns cut to ``width`` (None: all
+    T); no text lists and no host sync (the learner needs neither)."""
+    out = batch.select(rows.to(batch.mask.device), text=False)             # [n, P+T]
+    return out if width is None else out.cut(width)                        # [n, P+width]
 
 
 def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                          critic=None, backend=None, row_len: Optional[torch.Tensor] = None,
-                         prompt_labels: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                         prompts: Optional[PromptGroups] = None) -> Dict[str, torch.Tensor]:
     """Backward of one minibatch's loss, micro-batch by micro-batch; returns metrics
     (token-weighted means of detached tensors). Does not step or zero the optimizer.
 
@@ -86,13 +89,13 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     rank's backward carries its exact share of the global minibatch loss.
     ``row_len``: counted completion length of each row, on the CPU ([N] long; computed
     here, with one host sync, when not given): each micro-batch is trimmed to its
-    longest row (``s.trim_padding``). ``prompt_labels``: each row's distinct prompt, on
-    the CPU ([N]; computed here when not given), for prompt sharing."""
+    longest row (``s.trim_padding``). ``prompts``: which rows share a prompt (found
+    here when not given), for prompt sharing."""
     backend = backend or _LOCAL
     if row_len is None:
         row_len = batch.mask.sum(-1).long().cpu()                            # [N]
-    if prompt_labels is None and s.share_prompts:
-        prompt_labels = prompt_labels_of(batch)                              # [N]
+    if prompts is None and s.share_prompts:
+        prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
     denom = backend.all_reduce_sum(agg_denominator(batch.mask, s.agg_mode, s.norm_len)).clamp(min=1e-12)
     vdenom = backend.all_reduce_sum(batch.mask.sum()).clamp(min=1)           # value term: token-mean
     scale = backend.dp_loss_scale            # undoes the backend's averaging of gradients
@@ -102,18 +105,15 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     for rows in _chunks(torch.arange(batch.num_sequences), s.micro_batch_size):   # CPU rows
         width = max(int(row_len[rows].max()), 1) if s.trim_padding else None
         mb = take_rows(batch, rows, width)                                    # [n, P + width]
-        groups = None
-        if s.share_prompts:       # regrouped on the CPU: no device sync in the forward
-            groups = tuple(t.to(mb.input_ids.device, non_blocking=True)
-                           for t in regroup(prompt_labels[rows]))        # [U], [n]
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
                             s.temperature, with_entropy=True, critic=critic,
-                            share_prompts=s.share_prompts, groups=groups)
+                            share_prompts=prompts.rows(rows) if s.share_prompts else False)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
         metrics_ratio = {}
         if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
             metrics_ratio, mb_max = _ratio_spread(f.logp.detach(), old, mb.mask)
-            peak["ratio_max"] = torch.maximum(peak["ratio_max"], mb_max) if "ratio_max" in peak else mb_max
+            peak["policy/ratio_max"] = torch.maximum(peak["policy/ratio_max"], mb_max) \
+                if "policy/ratio_max" in peak else mb_max
         loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mb.mask,
                                           s.clip_low, s.clip_high, s.clip_ratio_c)   # [n, T]
         metrics.update(metrics_ratio)
@@ -130,8 +130,8 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
             metrics.update(v_metrics)
         backend.backward(loss * scale)
         weight = mb.mask.sum()
-        exact["loss"] = exact.get("loss", 0.0) + pg_loss.detach()
-        metrics["entropy"] = masked_mean(f.entropy, mb.mask)
+        exact["policy/loss"] = exact.get("policy/loss", 0.0) + pg_loss.detach()
+        metrics["policy/entropy"] = masked_mean(f.entropy, mb.mask)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
     total = batch.mask.sum().clamp(min=1)
@@ -139,20 +139,20 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
 
 
 def _ratio_spread(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor):
-    """({"ratio_std"}, max ratio over counted tokens) of pi / pi_old; logp, old [n, T]."""
+    """({"policy/ratio_std"}, max ratio over counted tokens) of pi / pi_old; logp, old [n, T]."""
     ratio = torch.exp((logp - old).clamp(-20, 20))                                    # [n, T]
     std = (masked_mean(ratio.square(), mask) - masked_mean(ratio, mask).square()).clamp(min=0).sqrt()
-    return {"ratio_std": std}, torch.where(mask > 0, ratio, 0.0).max()
+    return {"policy/ratio_std": std}, torch.where(mask > 0, ratio, 0.0).max()
 
 
 def _kl_term(logp: torch.Tensor, mb: RolloutBatch, s: "UpdateSettings", st: "UpdateState"):
     """(kl_coef * aggregate_sum of the KL estimate when it is in the loss, else 0; metrics).
-    One estimate serves the loss and ``kl_ref``; ``kl/k1``, ``kl/k3`` are logged beside it."""
+    One estimate serves the loss and ``policy/kl_ref``; ``kl/k1``, ``kl/k3`` are logged beside it."""
     in_loss = st.kl_coef > 0 and s.kl_in_loss and not st.policy_frozen   # warm-up: critic only
     kl_mat = kl_estimate(logp if in_loss else logp.detach(), mb.ref_logprobs, s.kl_estimator)  # [n, T]
     term = st.kl_coef * aggregate_sum(kl_mat, mb.mask, s.agg_mode, s.norm_len) if in_loss \
         else logp.new_zeros(())
-    metrics = {"kl_ref": masked_mean(kl_mat.detach(), mb.mask)}
+    metrics = {"policy/kl_ref": masked_mean(kl_mat.detach(), mb.mask)}
     metrics.update(kl_side_by_side(logp.detach(), mb.ref_logprobs, mb.mask))
     return term, metrics
 
@@ -174,12 +174,6 @@ def kl_side_by_side(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tens
     return {f"kl/{k}": masked_mean(kl_estimate(logp, ref_logp, k).detach(), mask) for k in ("k1", "k3")}
 
 
-def prompt_labels_of(batch: RolloutBatch) -> torch.Tensor:
-    """[N] long on the CPU: equal for rows whose prompt (ids and mask) is equal."""
-    P = batch.prompt_len
-    return distinct_rows(batch.input_ids[:, :P].cpu(), batch.attention_mask[:, :P].cpu())[1]
-
-
 class _LocalBackend:
     """Single-process stand-in (tests call ``accumulate_gradients`` without a backend)."""
     dp_loss_scale = 1.0
@@ -197,7 +191,7 @@ _LOCAL = _LocalBackend()
 
 
 def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
-                  critic=None, prompt_labels: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                  critic=None, prompts: Optional[PromptGroups] = None) -> Dict[str, torch.Tensor]:
     """Run the optimizer steps for one rollout; returns detached metric tensors.
 
     ``model`` is what the backend returned from ``prepare`` (the module to call).
@@ -210,28 +204,28 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     records: Dict[str, List[torch.Tensor]] = {}
     shuffle = s.epochs * s.minibatches > 1
     row_len = batch.mask.sum(-1).long().cpu()          # [N]; host syncs once per rollout
-    labels = prompt_labels if prompt_labels is not None or not s.share_prompts \
-        else prompt_labels_of(batch)                                         # [N]
+    if prompts is None and s.share_prompts:
+        prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
     for _ in range(s.epochs):
         order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
         for rows in order.chunk(s.minibatches):
             backend.zero_grad()
             mb = batch if not shuffle and s.minibatches == 1 else take_rows(batch, rows)
             metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_len[rows],
-                                           None if labels is None else labels[rows])
+                                           None if prompts is None else prompts.rows(rows))
             # A non-finite loss (on any rank) skips this optimizer step on every rank: one
             # host sync per optimizer step, the only one in the update.
-            bad = (~torch.isfinite(metrics["loss"] + metrics.get("value/loss", 0.0))).float()
+            bad = (~torch.isfinite(metrics["policy/loss"] + metrics.get("value/loss", 0.0))).float()
             if bool(backend.all_reduce(bad.reshape(1), "max").item()):
                 backend.zero_grad()
-                metrics["grad_norm"] = torch.tensor(float("nan"))
+                metrics["optim/grad_norm"] = torch.tensor(float("nan"))
             else:
-                metrics["grad_norm"] = backend.step()   # skips itself on a non-finite gradient
-            metrics["fault/skipped_steps"] = (~torch.isfinite(metrics["grad_norm"])).float()
+                metrics["optim/grad_norm"] = backend.step()   # skips itself on a non-finite gradient
+            metrics["fault/skipped_steps"] = (~torch.isfinite(metrics["optim/grad_norm"])).float()
             for k, v in metrics.items():
                 records.setdefault(k, []).append(v)
     out = {k: torch.stack(v).mean() for k, v in records.items()}
     out["fault/skipped_steps"] = torch.stack(records["fault/skipped_steps"]).sum()
-    if "ratio_max" in records:
-        out["ratio_max"] = torch.stack(records["ratio_max"]).max()
+    if "policy/ratio_max" in records:
+        out["policy/ratio_max"] = torch.stack(records["policy/ratio_max"]).max()
     return out

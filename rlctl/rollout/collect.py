@@ -17,40 +17,14 @@ from rlctl.types import RolloutBatch
 
 
 def concat_batches(batches: List[RolloutBatch], pad_id: int) -> RolloutBatch:
-    """Stack rollouts: prompts left-padded to the longest P, completions right-padded to
-    the longest T (padding has mask 0 and attention 0)."""
+    """Stack rollouts (``RolloutBatch.concat``: prompts left-padded, completions
+    right-padded); old log-probs present in only some of them are kept with
+    ``behaviour_rows`` marking their rows."""
     if len(batches) == 1:
         return batches[0]
-    P = max(b.prompt_len for b in batches)
     T = max(b.mask.shape[1] for b in batches)
-
-    def pad(b: RolloutBatch, x: torch.Tensor, value, prompt_part: bool = True) -> torch.Tensor:
-        left = P - b.prompt_len if prompt_part else 0
-        right = T - b.mask.shape[1]
-        return F.pad(x, (left, right), value=value)
-
-    def cat_opt(name: str):
-        parts = [getattr(b, name) for b in batches]
-        if any(p is None for p in parts):
-            return None
-        return torch.cat([pad(b, p, 0.0, prompt_part=False) for b, p in zip(batches, parts)])
-
     old, behaviour = _cat_behaviour(batches, T)
-
-    offsets = torch.cumsum(torch.tensor([0] + [int(b.group_ids.max()) + 1 for b in batches[:-1]]), 0)
-    return RolloutBatch(
-        input_ids=torch.cat([pad(b, b.input_ids, pad_id) for b in batches]),
-        attention_mask=torch.cat([pad(b, b.attention_mask, 0) for b in batches]),
-        mask=torch.cat([pad(b, b.mask, 0.0, prompt_part=False) for b in batches]),
-        truncated=torch.cat([b.truncated for b in batches]),
-        rewards=torch.cat([b.rewards for b in batches]),
-        group_ids=torch.cat([b.group_ids + int(o) for b, o in zip(batches, offsets)]),
-        prompt_len=P, group_size=batches[0].group_size,
-        prompts=[p for b in batches for p in b.prompts],
-        completions=[c for b in batches for c in b.completions],
-        old_logprobs=old, ref_logprobs=cat_opt("ref_logprobs"),
-        advantages=cat_opt("advantages"), old_values=cat_opt("old_values"),
-        returns=cat_opt("returns"), behaviour_rows=behaviour)
+    return RolloutBatch.concat(batches, pad_id).replace(old_logprobs=old, behaviour_rows=behaviour)
 
 
 def _cat_behaviour(batches: List[RolloutBatch], T: int):
@@ -77,10 +51,12 @@ def keep_informative_groups(batch: RolloutBatch) -> RolloutBatch:
     """Rows of the groups whose rewards are not all equal."""
     keep = ~zero_std_groups(batch.rewards.view(-1, batch.group_size))        # [B]
     rows = keep.repeat_interleave(batch.group_size).nonzero().squeeze(-1)  # [N_kept]
-    out = batch.select(rows)
     # renumber groups 0..kept-1 so rows of group g stay at g*G .. g*G+G-1
-    out.group_ids = torch.arange(int(keep.sum()), device=rows.device).repeat_interleave(batch.group_size)
-    return out
+    return batch.select(rows).replace(group_ids=_group_ids(int(keep.sum()), batch.group_size, rows.device))
+
+
+def _group_ids(num_groups: int, G: int, device) -> torch.Tensor:
+    return torch.arange(num_groups, device=device).repeat_interleave(G)        # [B*G]
 
 
 def collect(sample: Callable[[int], RolloutBatch], num_groups: int, dynamic: bool,
@@ -104,5 +80,4 @@ def collect(sample: Callable[[int], RolloutBatch], num_groups: int, dynamic: boo
     if not kept:              # every group constant: train on the last batch (zero advantages)
         return batch, 0.0
     out = concat_batches(kept, pad_id)
-    out.group_ids = torch.arange(have, device=out.mask.device).repeat_interleave(out.group_size)
-    return out, have / sampled
+    return out.replace(group_ids=_group_ids(have, out.group_size, out.mask.device)), have / sampled

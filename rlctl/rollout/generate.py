@@ -15,14 +15,10 @@ import torch
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.models.kv_share import cache_keyword, shared_prefill
+from rlctl.models.positions import position_ids_from_mask  # noqa: F401 - also imported from here
 from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.sampler import sample
 from rlctl.types import Example, RolloutBatch
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, as ``generate`` assigns them. [N, L] -> [N, L]"""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @torch.no_grad()

@@ -40,10 +40,10 @@ def test_dual_clip_hand_table_values_gradients_metrics():
     expect_grad = [g for _, _, _, g in DUAL_TABLE] + [0.0]
     torch.testing.assert_close(grad, torch.tensor([expect_grad], dtype=torch.float64))
     n = len(DUAL_TABLE)  # the padded token (A < 0, rho 100) is not counted
-    assert m["clip_frac_dual"].item() == pytest.approx(2 / n)
-    assert m["clip_frac_low"].item() == pytest.approx(1 / n)
-    assert m["clip_frac_high"].item() == pytest.approx(1 / n)
-    assert m["clip_frac"].item() == pytest.approx(2 / n)  # ratio clip only, dual separate
+    assert m["policy/clip_frac_dual"].item() == pytest.approx(2 / n)
+    assert m["policy/clip_frac_low"].item() == pytest.approx(1 / n)
+    assert m["policy/clip_frac_high"].item() == pytest.approx(1 / n)
+    assert m["policy/clip_frac"].item() == pytest.approx(2 / n)  # ratio clip only, dual separate
     assert all(not v.requires_grad for v in m.values())
 
 
@@ -55,7 +55,7 @@ def test_dual_clip_off_is_plain_ppo():
         want_loss, want_grad = NO_DUAL.get(j, (loss, g))
         assert loss_mat[0, j].item() == pytest.approx(want_loss)
         assert grad[0, j].item() == pytest.approx(want_grad)
-    assert m["clip_frac_dual"].item() == 0.0
+    assert m["policy/clip_frac_dual"].item() == 0.0
     # the 6-positional-argument call (the engine's) is the same as clip_ratio_c=None
     a, _ = ppo_clip_per_token(logp, old, adv, mask, 0.2, 0.2)
     b, _ = ppo_clip_per_token(logp, old, adv, mask, 0.2, 0.2, None)
@@ -70,7 +70,7 @@ def test_dual_clip_never_changes_positive_advantages():
     mask = torch.ones(5, 7)
     with_c, m = ppo_clip_per_token(logp, old, adv, mask, 0.2, 0.28, 1.5)
     without, _ = ppo_clip_per_token(logp, old, adv, mask, 0.2, 0.28)
-    assert torch.equal(with_c, without) and m["clip_frac_dual"].item() == 0.0
+    assert torch.equal(with_c, without) and m["policy/clip_frac_dual"].item() == 0.0
 
 
 def test_dual_clip_gradcheck_away_from_kinks():
@@ -99,10 +99,11 @@ def test_dual_clip_validation_and_wrapper():
             get_policy_loss("gspo")(logp, old, adv, mask, 0.2, 0.2, bad)
     loss, m = ppo_clip_loss(logp, old, adv, mask, clip_ratio_c=3.0)
     assert loss.item() == pytest.approx(sum(x for _, _, x, _ in DUAL_TABLE) / len(DUAL_TABLE))
-    assert m["clip_frac_dual"].item() == pytest.approx(2 / len(DUAL_TABLE))
+    assert m["policy/clip_frac_dual"].item() == pytest.approx(2 / len(DUAL_TABLE))
 
 
-SCHEMA = {"clip_frac_low", "clip_frac_high", "clip_frac", "clip_frac_dual", "approx_kl"}
+SCHEMA = {"policy/clip_frac_low", "policy/clip_frac_high", "policy/clip_frac", "policy/clip_frac_dual",
+          "policy/approx_kl"}
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
@@ -141,4 +142,4 @@ def test_masked_garbage_empty_rows_and_bf16(name):
                   0.2, 0.2)
     aggregate(out, torch.ones(2, 5)).backward()
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
-    assert lp16.grad.dtype == torch.bfloat16 and math.isfinite(m16["approx_kl"].item())
+    assert lp16.grad.dtype == torch.bfloat16 and math.isfinite(m16["policy/approx_kl"].item())

@@ -45,8 +45,8 @@ def test_gspo_sequence_ratio_is_geometric_mean_of_token_ratios():
     expect = torch.tensor([[-s0, -s0, -s0], [1.1, 1.1, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
     torch.testing.assert_close(loss_mat.detach(), expect)
     kl = sum(r - 1 - math.log(r) for r in (2.0, 0.5, 4.0, 1.1, 1.1)) / 5  # token-level k3
-    assert m["approx_kl"].item() == pytest.approx(kl)
-    assert m["clip_frac"].item() == 0.0 and m["clip_frac_dual"].item() == 0.0
+    assert m["policy/approx_kl"].item() == pytest.approx(kl)
+    assert m["policy/clip_frac"].item() == 0.0 and m["policy/clip_frac_dual"].item() == 0.0
 
 
 @pytest.mark.parametrize("adv_as_tokens", [False, True])
@@ -104,8 +104,8 @@ def test_gspo_clip_zeroes_whole_sequences_in_the_advantage_direction():
     torch.testing.assert_close(grad, hand)  # -A s / (|y| R), R = 4, |y| = 2
     torch.testing.assert_close(loss_mat[:2].detach(), torch.tensor(
         [[-1.2, -1.2], [0.8, 0.8]], dtype=F64))  # clipped values -A * (1 +- eps)
-    assert m["clip_frac_high"].item() == pytest.approx(2 / 8)  # per token of clipped rows
-    assert m["clip_frac_low"].item() == pytest.approx(2 / 8)
+    assert m["policy/clip_frac_high"].item() == pytest.approx(2 / 8)  # per token of clipped rows
+    assert m["policy/clip_frac_low"].item() == pytest.approx(2 / 8)
     # token-level PPO on row 0 would still push token 1 (ratio 0.9 < 1.2) up
     ppo_mat, _ = ppo_clip_per_token(logp, old, adv, mask, 0.2, 0.2)
     (g_ppo,) = torch.autograd.grad(ppo_mat.sum(), logp)
@@ -120,7 +120,7 @@ def test_gspo_dual_clip_on_the_sequence_ratio():
     torch.testing.assert_close(loss_mat.detach(), torch.tensor([[3.0, 3.0], [2.0, 2.0]],
                                                                dtype=F64))
     torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0], [2.0, 2.0]], dtype=F64))
-    assert m["clip_frac_dual"].item() == pytest.approx(0.5)
+    assert m["policy/clip_frac_dual"].item() == pytest.approx(0.5)
 
 
 # --- CISPO -------------------------------------------------------------------------
@@ -141,9 +141,9 @@ def test_cispo_hand_table_gradient_never_zero():
     torch.testing.assert_close(grad, -w * adv)
     assert (grad != 0).all()
     # clipped weights whatever the sign of A: rho 1.5 twice (high), rho 0.5 twice (low)
-    assert m["clip_frac_high"].item() == pytest.approx(2 / 5)
-    assert m["clip_frac_low"].item() == pytest.approx(2 / 5)
-    assert m["clip_frac_dual"].item() == 0.0
+    assert m["policy/clip_frac_high"].item() == pytest.approx(2 / 5)
+    assert m["policy/clip_frac_low"].item() == pytest.approx(2 / 5)
+    assert m["policy/clip_frac_dual"].item() == 0.0
     # PPO gives tokens 0 (A>0, rho>1.2) and 1 (A<0, rho<0.8) no gradient at all
     ppo_mat, _ = ppo_clip_per_token(logp, old, adv, mask, 0.2, 0.2)
     (g_ppo,) = torch.autograd.grad(ppo_mat.sum(), logp)

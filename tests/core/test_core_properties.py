@@ -55,7 +55,7 @@ def test_first_pass_ratio_is_one(data, mode, eps):
     logp = (-torch.rand_like(adv) * 3).requires_grad_()
     loss, m = ppo_clip_loss(logp, logp.detach(), adv, mask, eps, eps, agg_mode=mode)
     assert torch.isfinite(loss)
-    assert m["clip_frac"] == 0 and m["approx_kl"] == 0
+    assert m["policy/clip_frac"] == 0 and m["policy/approx_kl"] == 0
     torch.testing.assert_close(loss, aggregate(-adv, mask, mode), atol=1e-4, rtol=1e-4)
 
 

@@ -4,6 +4,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
+from rlctl.engine.async_rollout import build_source
 from rlctl.engine.trainer import Trainer
 from rlctl.models import load_model_and_tokenizer
 from rlctl.sinks import NullSink
@@ -20,7 +21,7 @@ def make_trainer():
         model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
         task = build_task("sorting", **{k: v for k, v in dict(cfg.task).items() if k != "name"})
         torch.manual_seed(0)
-        made.append(Trainer(cfg, model, tok, task, NullSink()))
+        made.append(Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task)))
         return made[-1]
     yield make
     for tr in made:

@@ -4,6 +4,7 @@ ratio against the behaviour policy's log-probs is logged."""
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
+from rlctl.engine.async_rollout import build_source
 from rlctl.engine.trainer import Trainer
 from rlctl.sinks import NullSink
 
@@ -23,7 +24,7 @@ def _same(a, b):
 
 def test_async_with_zero_staleness_matches_the_sync_loop(make_trainer):
     sync = _run(make_trainer, [])
-    asyn = _run(make_trainer, ["trainer.async.enabled=true", "trainer.async.max_staleness=0"])
+    asyn = _run(make_trainer, ["trainer.async_rollout.enabled=true", "trainer.async_rollout.max_staleness=0"])
     for s, a in zip(sync, asyn):
         assert _same(s, a) == {}                     # exact: same RNG stream, same weights
         assert a["async/staleness"] == 0
@@ -31,7 +32,7 @@ def test_async_with_zero_staleness_matches_the_sync_loop(make_trainer):
 
 
 def test_async_one_step_stale_uses_behaviour_logprobs(make_trainer):
-    steps = _run(make_trainer, ["trainer.async.enabled=true", "trainer.async.max_staleness=1"])
+    steps = _run(make_trainer, ["trainer.async_rollout.enabled=true", "trainer.async_rollout.max_staleness=1"])
     assert [s["async/staleness"] for s in steps] == [0, 1, 1]
     assert "policy/ratio_std" not in steps[0]        # on-policy: no correction needed
     assert steps[2]["policy/ratio_std"] > 0          # stale: pi / pi_behaviour != 1
@@ -42,8 +43,8 @@ def test_two_actors_work_ahead_within_the_staleness_bound(make_trainer):
     """num_actors=2, max_staleness=2: while the learner updates, both actors generate;
     rollouts for steps 1, 2 come from the initial weights, later ones are 2 updates old
     (hand-traced from the request rule: step c may be requested once version >= c-1-2)."""
-    steps = _run(make_trainer, ["trainer.async.enabled=true", "trainer.async.max_staleness=2",
-                  "trainer.async.num_actors=2"], steps=5)
+    steps = _run(make_trainer, ["trainer.async_rollout.enabled=true", "trainer.async_rollout.max_staleness=2",
+                  "trainer.async_rollout.num_actors=2"], steps=5)
     assert [s["async/staleness"] for s in steps] == [0, 1, 2, 2, 2]
     assert all(s["policy/ratio_std"] > 0 for s in steps[1:])
     assert all(0 <= s["reward/mean"] <= 1 for s in steps)
@@ -65,11 +66,12 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"{i} 3 1 ="}) + "\n" for i in range(10)))
     cfg = compose(BASE + ["task=jsonl", f"task.train_path={data}", "task.num_eval=2",
                           f"task.reward_fn={tmp_path / 'bad_reward.py'}:reward",
-                          "task.on_reward_error=raise", "trainer.async.enabled=true"]).cfg
+                          "task.on_reward_error=raise", "trainer.async_rollout.enabled=true"]).cfg
     OmegaConf.resolve(cfg)
     from rlctl.engine.build import model_from_config, task_from_config
     model, _, tok, _ = model_from_config(cfg)
-    tr = Trainer(cfg, model, tok, task_from_config(cfg), NullSink())
+    task = task_from_config(cfg)
+    tr = Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
     t0 = time.monotonic()
     try:
         with pytest.raises(RewardError, match="boom from the reward"):
@@ -83,7 +85,7 @@ def test_an_actor_that_dies_is_reported_not_waited_for(make_trainer):
     from rlctl.errors import ActorFailed
     import pytest
 
-    tr = make_trainer(BASE + ["trainer.async.enabled=true"])
+    tr = make_trainer(BASE + ["trainer.async_rollout.enabled=true"])
     tr.step(1)
     tr.source.procs[0].kill()
     with pytest.raises(ActorFailed, match="exited unexpectedly"):
@@ -94,17 +96,17 @@ def test_an_actor_that_dies_is_reported_not_waited_for(make_trainer):
 def test_stale_rollouts_need_no_old_forward(make_trainer):
     """Two epochs need pi_old: an on-policy rollout gets it from a forward, a stale one
     already carries the behaviour log-probs, so (without a critic) no forward is made."""
-    tr = make_trainer(BASE + ["trainer.async.enabled=true", "algo.epochs=2"])
+    tr = make_trainer(BASE + ["trainer.async_rollout.enabled=true", "algo.epochs=2"])
     prepare, calls = tr._prepare, []
 
-    def spy(batch, labels):
+    def spy(batch, prompts):
         n = len(calls)
         h = tr.model.register_forward_pre_hook(lambda *a: calls.append(1))
         try:
-            prepare(batch, labels)
+            return prepare(batch, prompts)
         finally:
             h.remove()
-        forwards.append(len(calls) - n)
+            forwards.append(len(calls) - n)
     forwards = []
     tr._prepare = spy
     steps = [tr.step(i) for i in (1, 2)]
@@ -138,14 +140,14 @@ def test_dapo_steps_with_three_or_more_sampling_rounds_run_async(make_trainer):
     must ask for rollouts beyond the staleness window within one step (this raised
     IndexError: pop from an empty deque), and no rollout may be more than
     max_staleness=1 updates old."""
-    tr = make_trainer(BASE + ["algo=dapo", "task.reward=exact", "trainer.async.enabled=true",
+    tr = make_trainer(BASE + ["algo=dapo", "task.reward=exact", "trainer.async_rollout.enabled=true",
                               "algo.max_sampling_rounds=4"])
     rounds = _count_rounds(tr)
     for i in (1, 2, 3):
         rounds.append([])
         values = tr.step(i)
         assert 0 <= values["async/staleness"] <= 1
-        assert 0 <= values["dapo/kept_groups_frac"] <= 1
+        assert 0 <= values["rollout/kept_groups_frac"] <= 1
     assert max(len(r) for r in rounds) >= 3          # the case that crashed did happen
 
 
@@ -164,11 +166,12 @@ def test_a_step_mixing_stale_and_fresh_rollouts_keeps_behaviour_logprobs(tmp_pat
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i} 3 1 ="}) + "\n" for i in range(40)))
     cfg = compose(BASE + ["algo=dapo", "task=jsonl", f"task.train_path={data}", "task.num_eval=2",
-                          f"task.reward_fn={tmp_path / 'half.py'}:reward", "trainer.async.enabled=true"]).cfg
+                          f"task.reward_fn={tmp_path / 'half.py'}:reward", "trainer.async_rollout.enabled=true"]).cfg
     OmegaConf.resolve(cfg)
     from rlctl.engine.build import model_from_config, task_from_config
     model, _, tok, _ = model_from_config(cfg)
-    tr = Trainer(cfg, model, tok, task_from_config(cfg), NullSink())
+    task = task_from_config(cfg)
+    tr = Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
     try:
         _check_mixed_steps(tr)
     finally:
@@ -182,11 +185,12 @@ def _check_mixed_steps(tr):
 
     rounds, prepare, seen = _count_rounds(tr), tr._prepare, []
 
-    def spy(batch, labels):
-        prepare(batch, labels)
+    def spy(batch, prompts):
+        batch = prepare(batch, prompts)
         with torch.no_grad():              # pi_old: the weights before this step's update
             logp = learner_forward(tr.model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
         seen.append((_rows(batch, batch.old_logprobs), _rows(batch, logp)))
+        return batch
     tr._prepare = spy
     for i in (1, 2, 3):
         rounds.append([])

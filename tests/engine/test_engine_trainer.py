@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlctl.engine.async_rollout import build_source
 from rlctl.engine.policy import learner_forward
 from rlctl.sinks import NullSink
 from rlctl.sinks.jsonl import read_jsonl
@@ -29,9 +30,9 @@ def test_old_and_reference_policies_are_distinct(make_trainer):
     seen = {}
     prepare = tr._prepare
 
-    def spy(batch, labels):
-        prepare(batch, labels)
-        seen["batch"] = batch
+    def spy(batch, prompts):
+        seen["batch"] = prepare(batch, prompts)
+        return seen["batch"]
     tr._prepare = spy
     tr.step(2)
     b = seen["batch"]
@@ -50,7 +51,7 @@ def test_single_pass_makes_no_old_or_reference_forward(make_trainer):
     assert tr.ref_model is None
     seen = {}
     prepare = tr._prepare
-    tr._prepare = lambda b, labels: (prepare(b, labels), seen.setdefault("b", b))
+    tr._prepare = lambda b, prompts: seen.setdefault("b", prepare(b, prompts))
     tr.step(1)
     assert seen["b"].old_logprobs is None and seen["b"].ref_logprobs is None
 
@@ -63,7 +64,9 @@ def test_critic_warmup_moves_only_the_value_head(make_trainer, kl):
                        "algo.group_size=2", "trainer.eval_every=0", *kl])
     from rlctl.models.value import PolicyValueModel
     tr.model = PolicyValueModel(tr.model, init_std=0.05)
-    tr.__init__(tr.cfg, tr.model, tr.tokenizer, tr.task, NullSink())
+    tr.source.close()
+    tr.__init__(tr.cfg, tr.model, tr.tokenizer, tr.task, NullSink(),
+                source=build_source(tr.cfg, tr.model, tr.tokenizer, tr.task))
     before = copy.deepcopy(tr.model)
     tr.step(1)
     moved = {n for (n, p), q in zip(tr.model.named_parameters(), before.parameters())
@@ -87,6 +90,6 @@ def test_every_algorithm_runs_through_the_cli(algo, tmp_path):
         assert r["policy/entropy"] > 0 and r["reward/mean"] >= 0
         if algo == "ppo":
             assert {"value/loss", "value/explained_var", "value/clip_frac", "value/mean",
-                    "return/mean"} <= set(r)
+                    "value/return_mean"} <= set(r)
         if algo == "dapo":
-            assert 0 < r["dapo/kept_groups_frac"] <= 1
+            assert 0 < r["rollout/kept_groups_frac"] <= 1

@@ -78,7 +78,7 @@ def test_ratio_max_is_the_maximum_over_micro_batches(tiny):
                        agg_mode="token-mean", norm_len=None, epochs=1, minibatches=1,
                        kl_estimator="k3", kl_in_loss=False, max_grad_norm=1.0, temperature=1.0,
                        micro_batch_size=2)
-    got = accumulate_gradients(copy.deepcopy(model).train(), batch, s, UpdateState())["ratio_max"]
+    got = accumulate_gradients(copy.deepcopy(model).train(), batch, s, UpdateState())["policy/ratio_max"]
     with torch.no_grad():
         logp = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
     ratio = torch.exp(logp - batch.old_logprobs)[batch.mask > 0]

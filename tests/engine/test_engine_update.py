@@ -194,7 +194,7 @@ def test_norm_len_default_makes_the_loss_independent_of_the_step_width(tiny):
     for name, b in (("narrow", batch), ("wide", wide)):
         s = _settings("seq-mean-token-sum-norm", 0)
         s.norm_len, s.trim_padding = norm_len, False
-        losses[name] = accumulate_gradients(copy.deepcopy(model), b, s, UpdateState())["loss"].item()
+        losses[name] = accumulate_gradients(copy.deepcopy(model), b, s, UpdateState())["policy/loss"].item()
     assert losses["wide"] == pytest.approx(losses["narrow"], rel=1e-5)
     assert abs(losses["narrow"]) > 1e-4
 
@@ -209,7 +209,7 @@ def _dp_loss_worker(out_dir: str) -> None:
 
     from dp_worker import B, G, synthetic_batch
     from rlctl.backends.base import build_backend
-    from rlctl.engine.stats import POLICY_KEYS, reduce_metrics
+    from rlctl.engine.stats import reduce_metrics
     from rlctl.engine.update import update_policy
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -227,7 +227,6 @@ def _dp_loss_worker(out_dir: str) -> None:
         s = _settings(mode, 0)
         s.kl_in_loss, s.share_prompts = False, False
         m = update_policy(engine, backend, batch, s, UpdateState())
-        m = {POLICY_KEYS.get(k, k): v for k, v in m.items()}
         m["perf/step_sequences"] = torch.tensor(float(batch.num_sequences))
         out[mode] = reduce_metrics(m, backend)
     if rank == 0:

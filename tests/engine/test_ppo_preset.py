@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.engine.build import model_from_config, task_from_config
+from rlctl.engine.async_rollout import build_source
 from rlctl.engine.trainer import Trainer
 from rlctl.sinks import NullSink
 
@@ -18,7 +19,9 @@ def _trainer(overrides):
     OmegaConf.resolve(cfg)
     model, critic, tok, _ = model_from_config(cfg)
     torch.manual_seed(0)
-    return cfg, Trainer(cfg, model, tok, task_from_config(cfg), NullSink(), critic=critic)
+    task = task_from_config(cfg)
+    return cfg, Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task),
+                        critic=critic)
 
 
 def _run(overrides, steps):

@@ -229,6 +229,7 @@ def test_ppo_trainer_with_lora_reference(tiny):
     from omegaconf import OmegaConf
 
     from rlctl.compose import compose
+    from rlctl.engine.async_rollout import build_source
     from rlctl.engine.trainer import Trainer
     from rlctl.sinks import NullSink
     from rlctl.tasks import build_task
@@ -243,10 +244,11 @@ def test_ppo_trainer_with_lora_reference(tiny):
     pv = PolicyValueModel(apply_lora(copy.deepcopy(tiny[0]), lc.r, lc.alpha, lc.dropout,
                                      list(lc.target_modules)))
     before = {n: p.detach().clone() for n, p in pv.named_parameters()}
-    tr = Trainer(cfg, pv, tiny[1], task, NullSink(), ref_model=reference_for(pv))
+    tr = Trainer(cfg, pv, tiny[1], task, NullSink(), source=build_source(cfg, pv, tiny[1], task),
+                 ref_model=reference_for(pv))
     assert isinstance(tr.ref_model, AdapterDisabledReference)
     seen, prepare = [], tr._prepare
-    tr._prepare = lambda b, labels: (prepare(b, labels), seen.append(b))
+    tr._prepare = lambda b, prompts: seen.append(prepare(b, prompts)) or seen[-1]
     tr.step(1)
     tr.step(2)
     for i, b in enumerate(seen):                 # the reference is the base at every step

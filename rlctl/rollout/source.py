@@ -1,0 +1,67 @@
+"""Where a training step's rollouts come from: the synchronous local source.
+
+A source has ``sample(num_groups) -> RolloutBatch``, ``after_update()`` (the learner
+stepped), ``metrics()``, ``close()``, a prompt ``sampler`` (a ``random.Random`` whose
+state the checkpoint saves) and the training ``scorer``. ``LocalSource`` samples with
+the learner's own policy module: the very object the backend trains, so each rollout
+is made with the newest weights. The asynchronous source (rollout actor processes)
+is ``rlctl.engine.async_rollout.AsyncSource``; the caller picks one and hands it to
+the Trainer.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from rlctl.rollout.generate import rollout
+from rlctl.types import Example, RolloutBatch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How completions are sampled for training (``rollout`` and ``algo`` sections)."""
+    group_size: int                 # G
+    max_new_tokens: int             # T at most
+    temperature: float
+    top_k: int = 0                  # 0: the full distribution (train refuses > 0)
+    share_prompts: bool = True      # prefill each distinct prompt once
+
+    @classmethod
+    def from_config(cls, cfg, share_prompts: bool) -> "SamplingSettings":
+        ro = cfg.rollout
+        return cls(group_size=cfg.algo.group_size, max_new_tokens=ro.max_new_tokens,
+                   temperature=ro.temperature, top_k=ro.top_k, share_prompts=share_prompts)
+
+
+class LocalSource:
+    """The synchronous loop: B prompts drawn from ``examples`` with ``sampler``, G
+    completions each from ``policy``, scored by ``scorer`` (a ``RewardScorer``).
+    ``generate_kwargs``: the backend's (e.g. ``synced_gpus`` under multi-rank ZeRO-3)."""
+
+    def __init__(self, policy, tokenizer, examples: Sequence[Example], scorer,
+                 settings: SamplingSettings, seed: int, generate_kwargs: Optional[Dict] = None):
+        self.policy, self.tokenizer, self.examples = policy, tokenizer, list(examples)
+        self.scorer, self.settings = scorer, settings
+        self.sampler = random.Random(seed)
+        self.generate_kwargs = dict(generate_kwargs or {})
+
+    def draw(self, num_groups: int) -> List[int]:
+        """Indices of the next ``num_groups`` prompts (with replacement)."""
+        return [self.sampler.randrange(len(self.examples)) for _ in range(num_groups)]
+
+    def sample(self, num_groups: int) -> RolloutBatch:
+        s = self.settings
+        examples = [self.examples[i] for i in self.draw(num_groups)]
+        return rollout(self.policy, self.tokenizer, examples, s.group_size, s.max_new_tokens,
+                       s.temperature, s.top_k, self.scorer.score_batch,
+                       share_prompts=s.share_prompts, **self.generate_kwargs)
+
+    def after_update(self) -> None:
+        pass
+
+    def metrics(self) -> Dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.scorer.close()
