@@ -84,9 +84,9 @@ def test_score_is_the_head_at_the_last_non_pad_token(tmp_path, side):
     texts = [rm.text(e, c) for e, c in zip(EXAMPLES, COMPLETIONS)]
     assert texts[0] == "3 1 4 = 1 3 4"
     assert rm.load().dtype == torch.float64           # the saved dtype, not float32
-    # float64, yet not to 1e-15: the batched and the single forward take different attention
-    # kernels (masked vs causal-only) and Llama's rotary tables are float32; measured 7e-10.
-    # A wrong token or position (one off, a pad read) moves the score by >= 1e-3 here.
+    # float64, yet not to 1e-15: Llama's rotary cos/sin tables are float32, so the same
+    # token at another absolute position (padding) rounds differently; measured 7e-10.
+    # Reading the token before the last one moves these scores by >= 5e-4 (measured).
     np.testing.assert_allclose(got, [_manual(rm, t) for t in texts], rtol=0, atol=1e-8)
     assert len(set(got)) == 3
 
