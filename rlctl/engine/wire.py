@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+
 from rlctl.errors import ActorFailed
 
 HEADER = 8
@@ -40,7 +42,6 @@ def _header(header: Sequence[float], payload: torch.Tensor) -> torch.Tensor:
 
 
 def send_message(header: Sequence[float], payload: torch.Tensor, dst: int) -> None:
-    import torch.distributed as dist
 
     dist.send(_header(header, payload), dst)
     if payload.numel():
@@ -51,7 +52,6 @@ class Sent:
     """A message handed to gloo's background transfer (``isend``); holds its buffers."""
 
     def __init__(self, header: Sequence[float], payload: torch.Tensor, dst: int):
-        import torch.distributed as dist
 
         self.buffers = (_header(header, payload), payload)
         self.works = [dist.isend(self.buffers[0], dst)]
@@ -68,13 +68,11 @@ class Posted:
     works; ``finish`` waits for it and receives the payload."""
 
     def __init__(self, src: int):
-        import torch.distributed as dist
 
         self.src, self.header = src, torch.empty(HEADER, dtype=torch.float64)
         self.work = dist.irecv(self.header, src)
 
     def finish(self) -> Tuple[List[float], torch.Tensor]:
-        import torch.distributed as dist
 
         try:
             self.work.wait()

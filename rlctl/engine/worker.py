@@ -5,17 +5,26 @@ Exit codes: 0 done; 128 + signal after a SIGINT/SIGTERM stop with the checkpoint
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
 from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")      # before torch is imported (below)
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from rlctl.backends.launch import EXIT_SETUP, write_error  # noqa: E402
+from rlctl.engine.run import train_rank  # noqa: E402
+from rlctl.engine.stopping import StopFlag  # noqa: E402
+from rlctl.errors import Interrupted, user_message  # noqa: E402
 
 
 def _leave_with_launcher() -> None:
     """Ask the kernel for SIGTERM when the launcher dies (PR_SET_PDEATHSIG): the rank
     then saves after its step and leaves instead of lingering in its own session."""
     try:
-        import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):       # not Linux: the launcher's kill still applies
         return
@@ -25,9 +34,6 @@ def _leave_with_launcher() -> None:
 
 
 def main(run_dir: str, resume: bool = False) -> int:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from rlctl.engine.stopping import StopFlag
-
     stop = StopFlag(announce=False)          # the launcher owns the terminal and says it
     with stop.installed():
         _leave_with_launcher()
@@ -41,12 +47,6 @@ def main(run_dir: str, resume: bool = False) -> int:
 
 
 def _train(run_dir: Path, resume: bool, stop) -> int:
-    from omegaconf import OmegaConf
-
-    from rlctl.backends.launch import EXIT_SETUP, write_error
-    from rlctl.engine.run import train_rank
-    from rlctl.errors import Interrupted, user_message
-
     steps = [0]
     try:
         cfg = OmegaConf.load(run_dir / "config.yaml")
