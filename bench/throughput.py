@@ -88,6 +88,7 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
     shared CPU: every mode sees the same background load)."""
     import copy
 
+    from rlctl.engine.async_rollout import build_source
     from rlctl.engine.trainer import Trainer
     from rlctl.sinks import NullSink
 
@@ -97,7 +98,9 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
         if mode == "floor":
             steppers[mode] = floor_stepper(cfg, task, copy.deepcopy(model), tok)
         else:
-            steppers[mode] = Trainer(cfg, copy.deepcopy(model), tok, task, NullSink())
+            policy = copy.deepcopy(model)
+            steppers[mode] = Trainer(cfg, policy, tok, task, NullSink(),
+                                     source=build_source(cfg, policy, tok, task))
     res = {m: {"times": [], "tokens": [], **{k: [] for k in PHASES}} for m in modes}
     for i in range(1, warmup + steps + 1):
         for mode, st in steppers.items():
@@ -121,11 +124,12 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
 
 
 def run_trainer(steps: int, warmup: int, overrides) -> dict:
+    from rlctl.engine.async_rollout import build_source
     from rlctl.engine.trainer import Trainer
     from rlctl.sinks import NullSink
 
     cfg, task, model, tok = _setup(overrides)
-    trainer = Trainer(cfg, model, tok, task, NullSink())
+    trainer = Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
     times, tokens, phases = [], [], {k: [] for k in PHASES}
     try:
         for i in range(1, warmup + steps + 1):
