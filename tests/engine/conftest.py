@@ -5,10 +5,10 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.engine.async_rollout import build_source
+from rlctl.engine.build import task_from_config
 from rlctl.engine.trainer import Trainer
 from rlctl.models import load_model_and_tokenizer
 from rlctl.sinks import NullSink
-from rlctl.tasks import build_task
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def make_trainer():
         cfg = compose(list(overrides)).cfg
         OmegaConf.resolve(cfg)
         model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
-        task = build_task("sorting", **{k: v for k, v in dict(cfg.task).items() if k != "name"})
+        task = task_from_config(cfg)
         torch.manual_seed(0)
         made.append(Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task)))
         return made[-1]
