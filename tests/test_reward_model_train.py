@@ -178,29 +178,54 @@ def test_eval_command_matches_a_manual_forward_at_the_last_token(trained, tmp_pa
 
 # -- bad input -------------------------------------------------------------------------------
 
-def test_bad_inputs_one_line_exit_2(tmp_path):
+@pytest.fixture()
+def bad_files(tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", swapped_pairs(4, 0))
     missing = tmp_path / "missing.jsonl"
     missing.write_text('{"prompt": "1 =", "chosen": "1", "rejected": "2"}\n'
                        '{"prompt": "2 =", "chosen": "2"}\n')
     (tmp_path / "empty.jsonl").write_text("")
-    out_dir = f"run.output_dir={tmp_path / 'runs'}"
+    return tmp_path, good, missing, f"run.output_dir={tmp_path / 'runs'}"
+
+
+def test_bad_inputs_through_the_console_script(bad_files):
+    tmp_path, good, missing, out_dir = bad_files
     cases = [
         (["train", missing, out_dir], "missing.jsonl:2 has no 'rejected' column"),
-        (["train", tmp_path / "empty.jsonl", out_dir], "has no rows"),
-        (["train", tmp_path / "nope.jsonl", out_dir], "no such file or directory"),
         (["train", good, "rm.bogus=1", out_dir], "unknown reward-model key 'rm.bogus'"),
-        (["train", good, "rm.lr=abc", out_dir], "invalid value 'abc' for 'rm.lr'"),
-        (["train", good, "rm.eval_frac=1.5", out_dir], "invalid rm.eval_frac '1.5'"),
-        (["train", good, "algo=ppo", out_dir], "takes overrides of model, hardware"),
-        (["train", out_dir], "missing PREFS"),
         (["eval", tmp_path, good], "is not a reward model directory"),
-        (["eval", good], "takes PATH PREFS"),
     ]
     for args, fragment in cases:
         line = one_error_line(run("reward-model", *args, cwd=tmp_path))
         assert fragment in line, (args, line)
     assert not (tmp_path / "runs").exists()      # every check runs before a run directory
+
+
+def test_more_bad_inputs_in_process(bad_files):
+    """The same CLI app in-process (CliRunner), to keep the suite fast."""
+    from typer.testing import CliRunner
+
+    from rlctl.cli import app
+
+    tmp_path, good, _, out_dir = bad_files
+    cases = [
+        (["train", tmp_path / "empty.jsonl", out_dir], "has no rows"),
+        (["train", tmp_path / "nope.jsonl", out_dir], "PREFS: no such file or directory"),
+        (["train", good, "--eval", tmp_path / "nope.jsonl", out_dir], "--eval: no such file"),
+        (["train", good, "rm.lr=abc", out_dir], "invalid value 'abc' for 'rm.lr'"),
+        (["train", good, "rm.eval_frac=1.5", out_dir], "invalid rm.eval_frac '1.5'"),
+        (["train", good, "rm.steps=0", out_dir], "invalid rm.steps '0'; must be >= 1"),
+        (["train", good, "algo=ppo", out_dir], "takes overrides of model, hardware"),
+        (["train", good, "model.bogus=1", out_dir], "unknown config key 'model.bogus'"),
+        (["train", out_dir], "missing PREFS"),
+        (["eval", good], "takes PATH PREFS"),
+    ]
+    for args, fragment in cases:
+        res = CliRunner().invoke(app, ["reward-model", *map(str, args)], catch_exceptions=False)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and len(lines) == 1, (args, res.stdout, res.stderr)
+        assert lines[0].startswith("error: ") and fragment in lines[0], (args, lines[0])
+    assert not (tmp_path / "runs").exists()
 
 
 def test_read_pairs_takes_csv_and_a_margin_column(tmp_path):

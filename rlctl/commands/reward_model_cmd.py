@@ -60,12 +60,12 @@ def train_(ctx: typer.Context,
            eval_prefs: Optional[str] = typer.Option(None, "--eval", metavar="PREFS_EVAL", help="Held-out preference pairs (default: a seeded rm.eval_frac of PREFS)."),
            debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
     def go():
-        from rlctl.engine.reward_model_train import train_reward_model
-
         args = list(ctx.args)
         if not args or "=" in args[0] or args[0].startswith("-"):
             raise UserError("missing PREFS: rlctl reward-model train PREFS [--eval PREFS_EVAL] "
                             "[OVERRIDES]...")
+        from rlctl.engine.reward_model_train import train_reward_model
+
         run_dir = train_reward_model(args[1:], args[0], eval_prefs)
         typer.echo(f"reward model: {run_dir / 'model'}")
     run_command(go, debug)

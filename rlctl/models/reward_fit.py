@@ -4,7 +4,10 @@ texts, and fit it on preference pairs with the Bradley-Terry loss (rlctl.core.pr
 A reward model here is a standard ``AutoModelForSequenceClassification`` directory with
 ``num_labels=1``, safetensors weights and its own tokenizer (pad token set); its score is
 the head's output at the last non-pad token of prompt + completion (transformers finds
-that token from ``config.pad_token_id``, for left and right padding alike).
+that token from ``config.pad_token_id``, for left and right padding alike; position ids
+are counted over the attention mask, so a padded row sees the positions it has alone).
+With a chat template the tokenizer adds no special tokens of its own (the template has
+them), as in ``rlctl.tasks.reward_model``, which scores with the same text and tokens.
 
 Text of a (prompt, completion) pair (``render``): the tokenizer's chat template as
 [user: prompt, assistant: completion] when it has one, else ``prompt + completion`` with
@@ -64,11 +67,14 @@ def scores(model, tokenizer, prompts: Sequence[str], completions: Sequence[str],
            max_length: Optional[int] = None) -> torch.Tensor:
     """The model's score of each rendered pair, [n] float32 (grad flows when enabled)."""
     texts = [render(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    templated = bool(getattr(tokenizer, "chat_template", None))   # the template adds BOS itself
     enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=max_length is not None,
-                    max_length=max_length)
+                    max_length=max_length, add_special_tokens=not templated)
     device = next(model.parameters()).device
-    out = model(input_ids=enc["input_ids"].to(device),                 # [n, L]
-                attention_mask=enc["attention_mask"].to(device))
+    mask = enc["attention_mask"].to(device)                            # [n, L]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)                     # [n, L] as if unpadded
+    out = model(input_ids=enc["input_ids"].to(device), attention_mask=mask,
+                position_ids=positions)
     return out.logits[:, 0].float()                                     # [n]
 
 

@@ -14,9 +14,11 @@ reward (share of positions holding the right digit); ties are skipped. Only
 ``NUM_PAIRS`` pairs and ``STEPS`` steps on purpose: the result is an imperfect proxy of
 the positional reward, which is what a study of reward over-optimisation needs.
 
-Measured (seed 0, 1 thread): held-out pairwise accuracy 0.82 on 512 pairs made the same
-way from the task's *eval* split prompts (``rlctl_tiny_rm.json`` in the directory holds
-the measured value of each build, ``heldout_pairwise_accuracy``); about 10 s to build.
+Measured (seed 0, 1 thread): held-out pairwise accuracy 0.84 (0.8379) on 512 pairs made
+the same way from the task's *eval* split prompts (``rlctl_tiny_rm.json`` in the
+directory holds each build's measured ``heldout_pairwise_accuracy``); about 10 s to
+build (the tiny policy included). Its errors are the kind a policy can exploit: for the
+prompt "3 9 1 4 1 =" the over-long "1 1 3 4 9 9" scores 3.06, the correct "1 1 3 4 9" 2.79.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from rlctl.tasks.sorting import SortingTask, positional_reward
 
 log = logging.getLogger(__name__)
 
-CODE_VERSION = 1        # bump when a change here alters the built model (in the cache key)
+CODE_VERSION = 2        # bump when a change here alters the built model (in the cache key)
 TASK_SEED = 1234        # the default sorting task's split seed
 NUM_DIGITS = 5
 NUM_PAIRS = 384         # training pairs: limited on purpose (an imperfect proxy)
