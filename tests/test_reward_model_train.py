@@ -217,6 +217,7 @@ def test_more_bad_inputs_in_process(bad_files):
         (["train", good, "rm.steps=0", out_dir], "invalid rm.steps '0'; must be >= 1"),
         (["train", good, "algo=ppo", out_dir], "takes overrides of model, hardware"),
         (["train", good, "model.bogus=1", out_dir], "unknown config key 'model.bogus'"),
+        (["train", good, "model.lora.enabled=true", out_dir], "model.lora.enabled=true is not"),
         (["train", out_dir], "missing PREFS"),
         (["eval", good], "takes PATH PREFS"),
     ]
@@ -226,6 +227,19 @@ def test_more_bad_inputs_in_process(bad_files):
         assert res.exit_code == 2 and len(lines) == 1, (args, res.stdout, res.stderr)
         assert lines[0].startswith("error: ") and fragment in lines[0], (args, lines[0])
     assert not (tmp_path / "runs").exists()
+
+
+def test_hold_out_is_seeded_and_never_takes_every_pair():
+    from rlctl.engine.reward_model_train import hold_out
+    from rlctl.models.reward_fit import Pair
+
+    pairs = [Pair(str(i), "a", "b") for i in range(20)]
+    train, held = hold_out(pairs, 0.1, seed=3)
+    assert len(held) == 2 and len(train) == 18
+    assert hold_out(pairs, 0.1, seed=3)[1] == held            # the same seed, the same split
+    assert {p.prompt for p in train} | {p.prompt for p in held} == {str(i) for i in range(20)}
+    train, held = hold_out(pairs[:2], 0.9, seed=0)
+    assert len(train) == 1 and len(held) == 1
 
 
 def test_read_pairs_takes_csv_and_a_margin_column(tmp_path):
@@ -269,3 +283,31 @@ def test_tiny_reward_model_builds_caches_and_has_the_stated_accuracy(tmp_path):
     assert acc == pytest.approx(meta["heldout_pairwise_accuracy"], abs=1e-4)
     # stated in the docstring and README: 0.84 (an imperfect proxy on purpose)
     assert 0.78 <= acc <= 0.92, acc
+
+
+def test_fit_uses_each_pairs_margin_else_the_default():
+    """The first step's logged loss equals the loss of the starting model's scores with
+    margins [0.5 (the row's), 2.0 (rm.margin)]: the margin reaches the loss."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from rlctl.models.reward_fit import FitSettings, Pair, fit, pair_scores, prepare_for_scoring
+    from rlctl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_labels=1))
+    prepare_for_scoring(model, tok)
+    pairs = [Pair("3 1 =", "1 3", "3 1", margin=0.5), Pair("2 2 1 =", "1 2 2", "2 1")]
+    with torch.no_grad():
+        r_c, r_r = pair_scores(model.eval(), tok, pairs)
+    expected, _ = bradley_terry_loss(r_c, r_r, torch.tensor([0.5, 2.0]), center_coef=0.1)
+    logged = []
+    fit(model, tok, pairs, FitSettings(steps=1, lr=1e-3, batch_size=2, margin=2.0,
+                                       center_coef=0.1),
+        on_step=lambda step, m: logged.append(m["train/loss"]))
+    # the same float32 forward on the same two pairs (in another order): ~1e-7
+    assert logged[0] == pytest.approx(float(expected), abs=1e-5)
+    without, _ = bradley_terry_loss(r_c, r_r, None, center_coef=0.1)
+    assert abs(float(without) - logged[0]) > 0.1           # the margins do change it

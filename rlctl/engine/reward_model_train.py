@@ -135,23 +135,24 @@ def read_pairs(path: str, key: str) -> List[Pair]:
 
 
 def hold_out(pairs: List[Pair], frac: float, seed: int) -> Tuple[List[Pair], List[Pair]]:
-    """(train, held out): a seeded ``frac`` of the pairs (at least 1) held out."""
+    """(train, held out): a seeded ``frac`` of the pairs held out (at least 1, never all)."""
     if len(pairs) < 2:
         raise DataError("PREFS has one pair: nothing to hold out; pass --eval PREFS_EVAL")
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
-    held = set(order[:max(1, round(frac * len(pairs)))])
+    held = set(order[:min(len(pairs) - 1, max(1, round(frac * len(pairs))))])
     return ([p for i, p in enumerate(pairs) if i not in held],
             [p for i, p in enumerate(pairs) if i in held])
 
 
 def backbone_path(cfg) -> str:
-    """The causal LM (or classifier) directory the reward model starts from."""
+    """The causal LM (or classifier) directory the reward model starts from: for
+    model=tiny the same cached policy that `rlctl train` starts from."""
     m = cfg.model
     if m.name == "tiny":
         return str(build_tiny(hidden_size=m.hidden_size, num_layers=m.num_layers,
                               num_heads=m.num_heads, warmup_steps=m.warmup_steps,
-                              warmup_lr=m.warmup_lr, seed=cfg.seed, cache_dir=m.cache_dir,
+                              warmup_lr=m.warmup_lr, cache_dir=m.cache_dir,
                               warmup_task=m.warmup_task))
     path = Path(str(m.name_or_path)).expanduser()
     if not path.is_dir():
@@ -203,6 +204,9 @@ def _plan(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str]):
     if hw.backend != "torch" or hw.num_processes != 1:
         raise ConfigError("rlctl reward-model train runs one process on the torch backend; got "
                           f"hardware.backend={hw.backend}, hardware.num_processes={hw.num_processes}")
+    if composed.cfg.model.lora.enabled:
+        raise ConfigError("rlctl reward-model train fits the whole model; model.lora.enabled=true "
+                          "is not supported here (leave it false)")
     pairs = read_pairs(prefs, "PREFS")
     if eval_prefs:
         train, held = pairs, read_pairs(eval_prefs, "--eval")
