@@ -1,0 +1,123 @@
+"""The package's shape: imports flow one way (no cycles, function-level imports included),
+modules and functions small enough to read, no references to files outside the repository."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "rlctl"
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules():
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _resolve(mod: str, node: ast.ImportFrom, is_pkg: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph():
+    """{module: set of rlctl modules it imports anywhere (top level or inside functions)}."""
+    mods = _modules()
+    graph = {}
+    for mod, path in mods.items():
+        deps = set()
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(mod, node, is_pkg)
+                names = [target] + [f"{target}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                # the longest prefix that is a module of the package
+                while name and name not in mods:
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    deps.add(name)
+        graph[mod] = deps
+    return graph
+
+
+def _is_ancestor_package(a: str, b: str) -> bool:
+    """Importing a.b runs a/__init__.py: that edge is the package's own, not a cycle."""
+    return b.startswith(a + ".")
+
+
+def find_cycle(graph):
+    """One import cycle as a list of modules, or None (iterative DFS)."""
+    state = {}
+    for root in graph:
+        if state.get(root):
+            continue
+        stack = [(root, iter(sorted(graph[root])))]
+        path = [root]
+        state[root] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+                continue
+            if _is_ancestor_package(nxt, node):
+                continue
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if not state.get(nxt):
+                state[nxt] = 1
+                stack.append((nxt, iter(sorted(graph[nxt]))))
+                path.append(nxt)
+    return None
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_modules_are_short():
+    long = {m: n for m, p in _modules().items()
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_functions_are_short():
+    long = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{mod}.{node.name} ({n})")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_no_references_outside_the_repository():
+    # the project's specification documents and design notes live outside the repository
+    banned = re.compile(r"seeds? 00\d|seeds?/|seed doc|DESIGN\.md|STACK\.md|shared/")
+    hits = [f"{p.relative_to(PKG.parent)}:{i}: {line.strip()}"
+            for p in PKG.rglob("*") if p.suffix in (".py", ".yaml")
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if banned.search(line)]
+    assert not hits, "references to files outside the repository:\n" + "\n".join(hits)
