@@ -231,14 +231,14 @@ def test_ppo_trainer_with_lora_reference(tiny):
     from rlctl.compose import compose
     from rlctl.engine.async_rollout import build_source
     from rlctl.engine.trainer import Trainer
+    from rlctl.engine.build import task_from_config
     from rlctl.sinks import NullSink
-    from rlctl.tasks import build_task
 
     cfg = compose(["algo=ppo", "model.lora.enabled=true", "algo.kl.coef=0.05",
                    "trainer.prompts_per_step=2", "algo.group_size=4", "trainer.eval_every=0",
                    "trainer.lr=1e-3"]).cfg
     OmegaConf.resolve(cfg)
-    task = build_task("sorting", **{k: v for k, v in dict(cfg.task).items() if k != "name"})
+    task = task_from_config(cfg)
     torch.manual_seed(0)
     lc = cfg.model.lora
     pv = PolicyValueModel(apply_lora(copy.deepcopy(tiny[0]), lc.r, lc.alpha, lc.dropout,
