@@ -33,12 +33,12 @@ def test_ppo_seed_table_values_and_gradients():
         else:
             assert grad[0, j].item() == 0.0
     # case 3 is clipped low (A<0, rho<0.8), case 2 clipped high (A>0, rho>1.2)
-    assert metrics["clip_frac_low"].item() == pytest.approx(0.25)
-    assert metrics["clip_frac_high"].item() == pytest.approx(0.25)
-    assert metrics["clip_frac"].item() == pytest.approx(0.5)
+    assert metrics["policy/clip_frac_low"].item() == pytest.approx(0.25)
+    assert metrics["policy/clip_frac_high"].item() == pytest.approx(0.25)
+    assert metrics["policy/clip_frac"].item() == pytest.approx(0.5)
     rhos = [r for _, r, _, _ in PPO_TABLE]
     kl = sum((r - 1) - math.log(r) for r in rhos) / 4
-    assert metrics["approx_kl"].item() == pytest.approx(kl)
+    assert metrics["policy/approx_kl"].item() == pytest.approx(kl)
     assert all(not v.requires_grad for v in metrics.values())
 
 
@@ -49,13 +49,13 @@ def test_ppo_seed_self_test_and_asymmetric_clip():
     loss, m = ppo_clip_loss(logp, old, adv, mask)
     assert loss.item() == pytest.approx(-1.2)
     loss.backward()
-    assert logp.grad.item() == 0.0 and m["clip_frac_high"].item() == 1.0
+    assert logp.grad.item() == 0.0 and m["policy/clip_frac_high"].item() == 1.0
     # clip-higher 0.4: 1.3 is inside the range, gradient flows, objective 1.3
     logp.grad = None
     loss, m = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.4)
     loss.backward()
     assert loss.item() == pytest.approx(-1.3)
-    assert logp.grad.item() == pytest.approx(-1.3) and m["clip_frac"].item() == 0.0
+    assert logp.grad.item() == pytest.approx(-1.3) and m["policy/clip_frac"].item() == 0.0
 
 
 def _reinforce_grads(baseline):
@@ -93,7 +93,7 @@ def test_ratio_one_matches_vanilla_pg(mode):
     mask = (torch.arange(6)[None, :] < torch.tensor([[6], [3], [1], [5]])).double()
     loss, m = ppo_clip_loss(logp, logp.detach(), adv, mask, agg_mode=mode)
     (g_ppo,) = torch.autograd.grad(loss, logp)
-    for key in ("clip_frac_low", "clip_frac_high", "clip_frac", "approx_kl"):
+    for key in ("policy/clip_frac_low", "policy/clip_frac_high", "policy/clip_frac", "policy/approx_kl"):
         assert m[key].item() == 0.0
     # independent REINFORCE objective: -A * logp, aggregated by hand for token-mean
     vpg, _ = vanilla_pg_loss(logp, logp.detach(), adv, mask, agg_mode=mode)
