@@ -5,13 +5,15 @@ Alignment checks (each counts violations and names the first offending lines):
     truncated_at_cap       a truncated row has length == max_new_tokens (the mask of a row
                            without EOS covers all T sampled tokens)
     length_within_cap      length <= max_new_tokens
-    eos_is_last_token      a row that ended with EOS has token_ids[-1] == eos_token_id
-    no_eos_inside          no EOS before the last counted token (the mask stops at the
-                           *first* EOS; a truncated row holds no EOS at all)
+    eos_is_last_token      a row that ended with EOS has token_ids[-1] in the stop set
+    no_eos_inside          no stop id before the last counted token (the mask stops at
+                           the *first* stop id; a truncated row holds none at all)
     length_matches_tokens  length == len(token_ids)
     logprobs_match_tokens  len(logprobs) == len(token_ids)
     logprobs_valid         every log-prob finite and <= 0
-A check whose fields a file lacks is reported as not applicable. Without
+"EOS" here is the row's stop set: `stop_token_ids` (the tokenizer's EOS, the model's
+generation_config.eos_token_id and rollout.stop_token_ids) or, in files without it,
+`eos_token_id` alone. A check whose fields a file lacks is reported as not applicable. Without
 max_new_tokens the cap is taken as the longest length in the file.
 
 Statistics: truncation rate, length and reward spread, the fraction of groups (rows
@@ -157,7 +159,7 @@ class _Checker:
         ids = r.get("token_ids") if isinstance(r.get("token_ids"), list) else None
         length = r["length"] if _num(r.get("length")) else (len(ids) if ids is not None else None)
         ended, trunc = r.get("ended_with_eos"), r.get("truncated")
-        eos = r.get("eos_token_id")
+        stops = _stop_set(r)
         if ended is not None and trunc is not None:
             verdict("eos_xor_truncated", bool(ended) != bool(trunc), lineno)
         is_trunc = bool(trunc) if trunc is not None else (
@@ -166,12 +168,12 @@ class _Checker:
             self._cap(lineno, length, is_trunc, r["max_new_tokens"])
         else:
             self.deferred.append((lineno, length, is_trunc))
-        if ids is not None and _num(eos):
+        if ids is not None and stops:
             if ended:
-                verdict("eos_is_last_token", bool(ids) and ids[-1] == eos, lineno)
+                verdict("eos_is_last_token", bool(ids) and ids[-1] in stops, lineno)
             if is_trunc is not None:
                 inside = ids[:-1] if (ids and not is_trunc) else ids
-                verdict("no_eos_inside", eos not in inside, lineno)
+                verdict("no_eos_inside", not stops.intersection(inside), lineno)
         if ids is not None and _num(r.get("length")):
             verdict("length_matches_tokens", r["length"] == len(ids), lineno)
         lps = r.get("logprobs")
@@ -185,6 +187,15 @@ class _Checker:
             self._cap(lineno, length, is_trunc, cap_default)
         self.deferred = []
         return self.checks
+
+
+def _stop_set(r: dict) -> frozenset:
+    """The ids that end row ``r``'s completion: ``stop_token_ids`` if the row lists them
+    (any non-numeric entry: none), else ``eos_token_id``; empty when neither is usable."""
+    listed = r.get("stop_token_ids")
+    if isinstance(listed, list) and listed:
+        return frozenset(listed) if all(_num(v) for v in listed) else frozenset()
+    return frozenset([r["eos_token_id"]]) if _num(r.get("eos_token_id")) else frozenset()
 
 
 def _groups(rows: _Rows) -> Dict[object, List[int]]:

@@ -29,6 +29,7 @@ from rlctl.commands.passk import mean_pass_at_k, report_ks
 from rlctl.commands.targets import open_target, task_scores
 from rlctl.core.logprobs import completion_mask
 from rlctl.errors import UserError
+from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
 from rlctl.tasks.scoring import RewardScorer
 
@@ -44,15 +45,15 @@ def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
     sums: Dict[str, float] = defaultdict(float)
     correct_counts: List[int] = []
     per_chunk = max(1, batch_size // samples)
+    stops = stop_ids(model, tokenizer)     # open_target resolved rollout.stop_token_ids
     for start in range(0, len(examples), per_chunk):
         chunk = examples[start:start + per_chunk]
         prompts = [ex.prompt for ex in chunk for _ in range(samples)]   # N = B*k, grouped
         with torch.no_grad():
-            seqs, _, plen = generate(model, tokenizer, prompts, max_new_tokens,
-                                     do_sample=do_sample, temperature=temperature, top_k=top_k)
-        mask, truncated = completion_mask(seqs[:, plen:], tokenizer.eos_token_id,
-                                          tokenizer.pad_token_id)        # [N, T], [N]
-        texts = decode_completions(tokenizer, seqs[:, plen:], mask)
+            seqs, _, plen = generate(model, tokenizer, prompts, max_new_tokens, do_sample=do_sample,
+                                     temperature=temperature, top_k=top_k, stops=stops)
+        mask, truncated = completion_mask(seqs[:, plen:], stops)         # [N, T], [N]
+        texts = decode_completions(tokenizer, seqs[:, plen:], mask, stops)
         sums["length_mean"] += mask.sum().item()
         sums["truncated_frac"] += truncated.float().sum().item()
         counts = [0] * len(chunk)
@@ -125,6 +126,7 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
         "task": OmegaConf.to_container(cfg.task), "reward_name": reward_name, "split": "eval",
         "num_prompts": len(examples), "samples": samples, "temperature": float(ro.temperature),
         "top_k": top_k, "max_new_tokens": int(ro.max_new_tokens), "seed": int(cfg.seed),
+        "stop_token_ids": list(stop_ids(model, tokenizer)),
         "overrides": list(overrides), "greedy": greedy, "sampled": sampled,
         "seconds": round(time.perf_counter() - t0, 3),
     }

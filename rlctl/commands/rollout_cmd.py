@@ -7,18 +7,20 @@ One JSON object per completion (the fields `rlctl inspect FILE.jsonl` audits):
     split           str   "train" | "eval"
     prompt_index    int   index of the prompt in the task's split
     prompt          str
-    completion      str   decoded counted tokens (EOS and padding dropped)
+    completion      str   decoded counted tokens (the closing stop id and padding dropped)
     token_ids       [int] the counted completion tokens: up to and including the first
-                          EOS, or all max_new_tokens tokens of a truncated row
+                          stop id, or all max_new_tokens tokens of a truncated row
     logprobs        [float] log pi(token) for each of token_ids, from the learner's forward
                           (rlctl.engine.policy.learner_forward) at rollout.temperature,
                           i.e. the sampling distribution; same length as token_ids
     logprob_sum     float
     length          int   == len(token_ids)
-    ended_with_eos  bool  token_ids[-1] is EOS
-    truncated       bool  no EOS within max_new_tokens (then length == max_new_tokens)
+    ended_with_eos  bool  token_ids[-1] is a stop id
+    truncated       bool  no stop id within max_new_tokens (then length == max_new_tokens)
     max_new_tokens  int
-    eos_token_id    int
+    eos_token_id    int   the tokenizer's EOS
+    stop_token_ids  [int] every id that ends a completion: the tokenizer's EOS, the model's
+                          generation_config.eos_token_id and rollout.stop_token_ids
     reward          float the configured reward (task.reward; also the training reward)
     rewards         {design: float} every reward design of the task
     correct         bool  task.is_correct
@@ -42,6 +44,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedC
 from rlctl.commands.targets import open_target, task_scores
 from rlctl.engine.policy import learner_forward
 from rlctl.errors import UserError
+from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import rollout
 from rlctl.tasks.scoring import RewardScorer
 
@@ -58,6 +61,7 @@ class _Plan:
     max_new: int
     reward_name: str
     eos: int
+    stops: tuple            # every stop id (rlctl.models.stop_ids)
 
 
 def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Optional[str],
@@ -66,7 +70,8 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     _check_options(out, split, prompts, samples, batch_size)
     t0 = time.perf_counter()
     target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
-    plan = _plan(cfg, task, tokenizer, split, prompts, samples, batch_size)
+    plan = _plan(cfg, task, tokenizer, split, prompts, samples, batch_size,
+                 stop_ids(model, tokenizer))
     path, fh = _open_out(out)
     n_prompts = len(plan.examples)
     err = Console(stderr=True, quiet=quiet)
@@ -113,7 +118,7 @@ def _check_options(out, split, prompts, samples, batch_size) -> None:
             raise UserError(f"{name} must be >= 1 (got {value})")
 
 
-def _plan(cfg, task, tokenizer, split, prompts, samples, batch_size) -> _Plan:
+def _plan(cfg, task, tokenizer, split, prompts, samples, batch_size, stops) -> _Plan:
     examples = task.train_examples() if split == "train" else task.eval_examples()
     n_prompts = prompts or int(cfg.trainer.prompts_per_step)
     group = samples or int(cfg.algo.group_size)
@@ -125,7 +130,7 @@ def _plan(cfg, task, tokenizer, split, prompts, samples, batch_size) -> _Plan:
                  per_chunk=max(1, batch_size // group), temperature=float(ro.temperature),
                  top_k=int(ro.get("top_k", 0) or 0), max_new=int(ro.max_new_tokens),
                  reward_name=str(cfg.task.get("reward", None) or "reward"),
-                 eos=int(tokenizer.eos_token_id))
+                 eos=int(tokenizer.eos_token_id), stops=tuple(stops))
 
 
 def _open_out(out: str):
@@ -147,7 +152,7 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
         return totals
     g = plan.group
     batch = rollout(model, tokenizer, chunk, g, plan.max_new, plan.temperature, plan.top_k,
-                    score)
+                    score, stops=plan.stops)
     per_row = [chunk[i // g] for i in range(len(totals))]
     oks = scorer.correct_batch(per_row, batch.completions, totals)
     with torch.no_grad():
@@ -173,9 +178,10 @@ def _row(plan: _Plan, task, group: int, sample: int, ex, text: str, token_ids, l
         "prompt_index": group, "prompt": ex.prompt, "completion": text,
         "token_ids": token_ids, "logprobs": [round(v, 6) for v in lps],
         "logprob_sum": round(sum(lps), 6), "length": n,
-        "ended_with_eos": bool(n > 0 and token_ids[-1] == plan.eos and not truncated),
+        "ended_with_eos": bool(n > 0 and token_ids[-1] in plan.stops and not truncated),
         "truncated": truncated,
         "max_new_tokens": plan.max_new, "eos_token_id": plan.eos,
+        "stop_token_ids": list(plan.stops),
         "reward": float(total),  # exact, not float32
         "rewards": task_scores(task, ex, text, plan.reward_name, total),
         "correct": correct,

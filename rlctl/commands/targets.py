@@ -26,6 +26,7 @@ from rlctl.compose import compose
 from rlctl.engine.build import quiet_libraries, task_from_config
 from rlctl.errors import ConfigError, UserError
 from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer
+from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.tasks import bind_tokenizer
 
 
@@ -101,11 +102,13 @@ def _config_yaml_with_overrides(path: Path, overrides: Sequence[str]):
 def open_target(target_arg, overrides):
     """(target, cfg, task, model, tokenizer, description) for eval/rollout: path errors come
     before the config is composed and the model loaded; chat prompts are bound to the
-    model's tokenizer."""
+    model's tokenizer; the model's generation config holds the full stop set."""
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
     task = task_from_config(cfg)
     model, tokenizer, what = load_policy(target, cfg)
+    # the stop set (tokenizer EOS, generation config, rollout.stop_token_ids) onto the model
+    resolve_stop_ids(model, tokenizer, cfg.rollout.get("stop_token_ids", None))
     bind_task(task, tokenizer)
     return target, cfg, task, model, tokenizer, what
 

@@ -6,6 +6,7 @@ from typing import Dict, Sequence
 import torch
 
 from rlctl.core.logprobs import completion_mask
+from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
 from rlctl.types import Example
 
@@ -14,18 +15,21 @@ from rlctl.types import Example
 def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_tokens: int,
              batch_size: int = 256, **backend_kwargs) -> Dict[str, float]:
     """Greedy completions scored by ``scorer`` (a ``RewardScorer``); SUMS over the examples (the caller divides by ``count``, after
-    adding up the ranks' sums): exact_match, reward, length_mean, truncated_frac."""
+    adding up the ranks' sums): exact_match, reward, length_mean, truncated_frac.
+    Completions end at the first stop id of ``stop_ids(model, tokenizer)``."""
     was_training = model.training
     model.eval()
     exact, reward, length, truncated = 0.0, 0.0, 0.0, 0.0
+    stops = stop_ids(model, tokenizer)
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         # greedy prompts rarely repeat; and under multi-rank ZeRO-3 every rank must run
         # the same forwards, which a data-dependent shared prefill would not guarantee
         seqs, _, plen = generate(model, tokenizer, [e.prompt for e in chunk], max_new_tokens,
-                                 do_sample=False, share_prompts=False, **backend_kwargs)
-        mask, trunc = completion_mask(seqs[:, plen:], tokenizer.eos_token_id, tokenizer.pad_token_id)
-        texts = decode_completions(tokenizer, seqs[:, plen:], mask)
+                                 do_sample=False, share_prompts=False, stops=stops,
+                                 **backend_kwargs)
+        mask, trunc = completion_mask(seqs[:, plen:], stops)          # [n, T], [n]
+        texts = decode_completions(tokenizer, seqs[:, plen:], mask, stops)
         rewards = scorer.score_batch(chunk, texts)         # user code: under the time limit
         exact += float(sum(scorer.correct_batch(chunk, texts, rewards)))
         reward += float(sum(rewards))

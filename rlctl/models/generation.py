@@ -1,7 +1,8 @@
 """Greedy decoding for evaluation: the same decoding the trainer's eval uses.
 
-``model.generate(do_sample=False)`` on left-padded prompts, with pad/eos ids set; only
-the completion tokens are decoded, with special tokens skipped.
+``model.generate(do_sample=False)`` on left-padded prompts, stopping at every stop id
+(rlctl/models/stop_ids.py); only the completion tokens up to the first stop id are
+decoded, with special tokens skipped.
 """
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ from typing import List, Sequence, Tuple
 
 import torch
 
+from rlctl.core.logprobs import completion_mask
+from rlctl.models.stop_ids import decode_completions, stop_ids
+
 
 @torch.no_grad()
 def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 8,
                     batch_size: int = 256) -> Tuple[List[str], List[bool]]:
-    """Greedy completions of ``prompts``: (decoded texts, ended_with_eos flags)."""
+    """Greedy completions of ``prompts``: (decoded texts, ended_with_a_stop_id flags).
+    Generation stops at any id of ``stop_ids(model, tokenizer)``; the text is the
+    completion up to its first stop id (that id and the padding after it dropped)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    stops = stop_ids(model, tokenizer)
     texts, ended = [], []
     try:
         for start in range(0, len(prompts), batch_size):
@@ -24,10 +31,11 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
                             padding=True).to(device)
             out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
                                  pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)  # [b, P+T']
+                                 eos_token_id=list(stops))  # [b, P+T']
             completion = out[:, enc["input_ids"].shape[1]:]  # [b, T'], T' <= max_new_tokens
-            ended.extend((completion == tokenizer.eos_token_id).any(dim=1).tolist())
-            texts.extend(tokenizer.batch_decode(completion, skip_special_tokens=True))
+            mask, truncated = completion_mask(completion, stops)     # [b, T'], [b]
+            ended.extend((~truncated).tolist())
+            texts.extend(decode_completions(tokenizer, completion, mask, stops))
     finally:
         model.train(was_training)
     return texts, ended

@@ -9,12 +9,13 @@ for greedy decoding through the model's ``generate``.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.models.kv_share import cache_keyword, shared_prefill
+from rlctl.models.stop_ids import decode_completions, stop_ids  # noqa: F401 - re-exported
 from rlctl.models.positions import position_ids_from_mask  # noqa: F401 - also imported from here
 from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.sampler import sample
@@ -24,70 +25,73 @@ from rlctl.types import Example, RolloutBatch
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
              do_sample: bool, temperature: float = 1.0, top_k: int = 0,
-             return_logits: bool = False, share_prompts: bool = True, **backend_kwargs):
+             return_logprobs: bool = False, share_prompts: bool = True,
+             stops: Optional[Sequence[int]] = None, **backend_kwargs):
     """Left-padded prompts -> (sequences [N, P+T], prompt attention mask [N, P], P), plus
-    the raw (unprocessed: no temperature, no top-k) logits [N, T, V] that scored each
-    generated token when ``return_logits``.
+    the behaviour log-probs log softmax(logits / temperature) [N, T] of each generated
+    token (top-k not applied) when ``return_logprobs``; no [N, T, V] logits are kept.
 
-    ``backend_kwargs``: e.g. ``synced_gpus=True`` under ZeRO-3 with several ranks.
-    ``share_prompts``: prefill each distinct prompt once (rlctl/models/kv_share.py); the
-    same samples as without, up to float rounding of the logits (tested).
+    ``stops``: the stop ids (default ``stop_ids(model, tokenizer)``: tokenizer EOS and the
+    generation config's ids). ``backend_kwargs``: e.g. ``synced_gpus=True`` under ZeRO-3
+    with several ranks. ``share_prompts``: prefill each distinct prompt once
+    (rlctl/models/kv_share.py); the same samples as without, up to float rounding.
 
-    T <= max_new_tokens: generation stops early when every row has emitted EOS; rows
-    that finished earlier are right-padded with the pad token.
+    T <= max_new_tokens: generation stops early when every row has emitted a stop id;
+    rows that finished earlier are right-padded with the pad token.
     """
     if isinstance(model, PolicyValueModel):    # sample from the LM alone: no value head per token
         model = model.policy
+    stops = tuple(stops) if stops is not None else stop_ids(model, tokenizer)
     device = next(model.parameters()).device
     enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
     input_ids = enc["input_ids"].to(device)            # [N, P]
     prompt_mask = enc["attention_mask"].to(device)     # [N, P]
-    kwargs = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0) \
-        if do_sample else dict(do_sample=False)
-    if return_logits:
-        kwargs.update(output_logits=True, return_dict_in_generate=True)
     cache = shared_prefill(model, input_ids, prompt_mask) if share_prompts else None
     key = cache_keyword(model)
     if do_sample and not backend_kwargs and key is not None:     # the lean loop (sampler.py)
-        seqs, logits = sample(model, input_ids, prompt_mask, max_new_tokens, temperature, top_k,
-                              tokenizer.eos_token_id, tokenizer.pad_token_id, key, cache)
-        return (seqs, prompt_mask, input_ids.shape[1]) + ((logits,) if return_logits else ())
+        seqs, logp = sample(model, input_ids, prompt_mask, max_new_tokens, temperature, top_k,
+                            stops, tokenizer.pad_token_id, key, cache, keep_logprobs=return_logprobs)
+        return (seqs, prompt_mask, input_ids.shape[1]) + ((logp,) if return_logprobs else ())
+    kwargs = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0) \
+        if do_sample else dict(do_sample=False)
+    if return_logprobs:
+        kwargs.update(output_logits=True, return_dict_in_generate=True)
     if cache is not None:
         kwargs[key] = cache
     out = model.generate(
         input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=list(stops), **kwargs,
         **backend_kwargs)
-    if return_logits:
-        return out.sequences, prompt_mask, input_ids.shape[1], torch.stack(out.logits, 1)
-    return out, prompt_mask, input_ids.shape[1]       # out: [N, P+T]
-
-
-def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> List[str]:
-    """Text of each completion's counted tokens (EOS and padding dropped)."""
-    lengths = mask.sum(-1).long().tolist()
-    rows = completion_ids.tolist()
-    return [tokenizer.decode(r[:n], skip_special_tokens=True).strip() for r, n in zip(rows, lengths)]
+    if not return_logprobs:
+        return out, prompt_mask, input_ids.shape[1]       # out: [N, P+T]
+    new = out.sequences[:, input_ids.shape[1]:]                                    # [N, T]
+    logp = torch.stack([token_logprobs(lg[:, None].float() / temperature, new[:, t, None])[:, 0]
+                        for t, lg in enumerate(out.logits)], 1)                    # [N, T]
+    return out.sequences, prompt_mask, input_ids.shape[1], logp
 
 
 def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             max_new_tokens: int, temperature: float, top_k: int,
             score_batch: Callable[[List[Example], List[str]], List[float]],
             behaviour_logprobs: bool = False, share_prompts: bool = True,
-            **backend_kwargs) -> RolloutBatch:
+            stops: Optional[Sequence[int]] = None, **backend_kwargs) -> RolloutBatch:
     """Sample G completions for each of the B examples and score them in one batch
     (``score_batch``: e.g. ``RewardScorer.score_batch``, which enforces the time limit).
     ``behaviour_logprobs``: also record log softmax(logits / temperature) of each sampled
-    token from generation's own logits (no extra forward) as ``old_logprobs``."""
+    token from generation's own logits (no extra forward) as ``old_logprobs``.
+    ``stops``: the stop ids (default: ``stop_ids(model, tokenizer)``); the mask counts
+    each completion up to and including its first stop id."""
+    stops = tuple(stops) if stops is not None else stop_ids(model, tokenizer)
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
-    seqs, prompt_mask, plen, *logits = generate(
+    seqs, prompt_mask, plen, *old = generate(
         model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=temperature,
-        top_k=top_k, return_logits=behaviour_logprobs, share_prompts=share_prompts, **backend_kwargs)
+        top_k=top_k, return_logprobs=behaviour_logprobs, share_prompts=share_prompts,
+        stops=stops, **backend_kwargs)
     completion_ids = seqs[:, plen:]                                          # [N, T]
-    old = token_logprobs(logits[0].float() / temperature, completion_ids) if logits else None  # [N, T]
-    mask, truncated = completion_mask(completion_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    old = old[0] if old else None                                            # [N, T]
+    mask, truncated = completion_mask(completion_ids, stops, tokenizer.pad_token_id)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)            # [N, P+T]
-    completions = decode_completions(tokenizer, completion_ids, mask)
+    completions = decode_completions(tokenizer, completion_ids, mask, stops)
     per_row = [examples[i // group_size] for i in range(len(completions))]
     rewards = torch.tensor(score_batch(per_row, completions), dtype=torch.float32,
                            device=seqs.device)                               # [N]

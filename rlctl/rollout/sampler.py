@@ -10,7 +10,7 @@ generation config (repetition penalty and the like) changes it behind the learne
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -33,16 +33,22 @@ def check_training_sampling(top_k: int) -> None:
 
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-           temperature: float, top_k: int, eos_id: int, pad_id: int, key: str, cache=None
-           ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts [N, P] -> (sequences [N, P+T], raw logits [N, T, V] float32).
+           temperature: float, top_k: int, stop_ids: Sequence[int], pad_id: int, key: str,
+           cache=None, keep_logprobs: bool = False
+           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Left-padded prompts [N, P] -> (sequences [N, P+T], behaviour log-probs [N, T] float32
+    or None).
 
-    ``cache``: a KV cache of every prompt token but the last (``kv_share.shared_prefill``);
-    None: the whole prompt is run here. ``key``: the forward's cache keyword.
-    T <= max_new_tokens: stops when every row has emitted ``eos_id``.
+    ``keep_logprobs``: record log softmax(logits / temperature) of each sampled token
+    (top-k not applied: training refuses top-k) at its own step; only these [N, T] values
+    are kept, never the [N, T, V] rows. ``cache``: a KV cache of every prompt token but the
+    last (``kv_share.shared_prefill``); None: the whole prompt is run here. ``key``: the
+    forward's cache keyword. T <= max_new_tokens: stops when every row has emitted one of
+    ``stop_ids``; finished rows are padded with ``pad_id`` (which may itself be a stop id).
     """
     n = input_ids.shape[0]
     mask = attention_mask.long()
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=input_ids.device)  # [S]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)                                     # [N, P]
     if cache is not None:
         out = model(input_ids=input_ids[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
@@ -51,22 +57,28 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True)
     pos = pos[:, -1:]                                                              # [N, 1]
     unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
-    tokens, logits = [], []
+    tokens, logps = [], []
     for t in range(max_new_tokens):
-        step_logits = out.logits[:, -1].float()                                    # [N, V]
-        logits.append(step_logits)
-        scores = step_logits / temperature
-        if top_k:
-            kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        nxt = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)           # [N]
+        scores = out.logits[:, -1].float() / temperature                           # [N, V]
+        nxt = _draw(scores, top_k)                                                 # [N]
         nxt = nxt * unfinished + pad_id * (1 - unfinished)
         tokens.append(nxt)
-        unfinished = unfinished & (nxt != eos_id).long()
+        if keep_logprobs:                                                          # [N]
+            logps.append(scores.gather(-1, nxt[:, None])[:, 0] - torch.logsumexp(scores, -1))
+        unfinished = unfinished & (~torch.isin(nxt, stops)).long()
         if t == max_new_tokens - 1 or not bool(unfinished.any()):
             break
         mask = torch.cat([mask, mask.new_ones(n, 1)], 1)                           # [N, P+t+1]
         pos = pos + 1
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                     use_cache=True, **{key: cache_of(out)})
-    return torch.cat([input_ids, torch.stack(tokens, 1)], 1), torch.stack(logits, 1)
+    old = torch.stack(logps, 1) if keep_logprobs else None                         # [N, T]
+    return torch.cat([input_ids, torch.stack(tokens, 1)], 1), old
+
+
+def _draw(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """One token per row from softmax(scores) [N, V], top-k applied when > 0 -> [N]."""
+    if top_k:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)

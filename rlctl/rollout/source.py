@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.generate import rollout
 from rlctl.types import Example, RolloutBatch
 
@@ -26,18 +27,23 @@ class SamplingSettings:
     temperature: float
     top_k: int = 0                  # 0: the full distribution (train refuses > 0)
     share_prompts: bool = True      # prefill each distinct prompt once
+    stop_token_ids: Tuple = ()      # extra stop ids or token strings (rollout.stop_token_ids)
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "SamplingSettings":
         ro = cfg.rollout
         return cls(group_size=cfg.algo.group_size, max_new_tokens=ro.max_new_tokens,
-                   temperature=ro.temperature, top_k=ro.top_k, share_prompts=share_prompts)
+                   temperature=ro.temperature, top_k=ro.top_k, share_prompts=share_prompts,
+                   stop_token_ids=tuple(ro.get("stop_token_ids", None) or ()))
 
 
 class LocalSource:
     """The synchronous loop: B prompts drawn from ``examples`` with ``sampler``, G
     completions each from ``policy``, scored by ``scorer`` (a ``RewardScorer``).
-    ``generate_kwargs``: the backend's (e.g. ``synced_gpus`` under multi-rank ZeRO-3)."""
+    ``generate_kwargs``: the backend's (e.g. ``synced_gpus`` under multi-rank ZeRO-3).
+    The stop ids are resolved here once (``resolve_stop_ids``: tokenizer EOS, the model's
+    generation config and ``settings.stop_token_ids``, validated) and written into the
+    policy's generation config, so eval and the saved model use the same set."""
 
     def __init__(self, policy, tokenizer, examples: Sequence[Example], scorer,
                  settings: SamplingSettings, seed: int, generate_kwargs: Optional[Dict] = None):
@@ -45,6 +51,7 @@ class LocalSource:
         self.scorer, self.settings = scorer, settings
         self.sampler = random.Random(seed)
         self.generate_kwargs = dict(generate_kwargs or {})
+        self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
 
     def draw(self, num_groups: int) -> List[int]:
         """Indices of the next ``num_groups`` prompts (with replacement)."""
@@ -55,7 +62,7 @@ class LocalSource:
         examples = [self.examples[i] for i in self.draw(num_groups)]
         return rollout(self.policy, self.tokenizer, examples, s.group_size, s.max_new_tokens,
                        s.temperature, s.top_k, self.scorer.score_batch,
-                       share_prompts=s.share_prompts, **self.generate_kwargs)
+                       share_prompts=s.share_prompts, stops=self.stops, **self.generate_kwargs)
 
     def after_update(self) -> None:
         pass

@@ -132,18 +132,18 @@ def test_cache_keyword_is_none_without_a_cache_argument():
 
 def test_generation_with_a_shared_prefill_samples_the_same_tokens(tiny):
     """The rollout's prefill runs once per distinct prompt: with the same seed the same
-    completions are drawn, and the logits that scored them agree to float rounding."""
+    completions are drawn, and their behaviour log-probs agree to float rounding."""
     model, tok = tiny
     prompts = [p for p in PROMPTS for _ in range(G)]
     runs = {}
     for share in (False, True):
         torch.manual_seed(3)
         runs[share] = generate(model, tok, prompts, max_new_tokens=6, do_sample=True,
-                               return_logits=True, share_prompts=share)
+                               return_logprobs=True, share_prompts=share)
     (s0, m0, p0, l0), (s1, m1, p1, l1) = runs[False], runs[True]
     assert torch.equal(s0, s1) and torch.equal(m0, m1) and p0 == p1
     torch.testing.assert_close(l0, l1, atol=1e-5, rtol=1e-5)
-    assert l0.shape == (len(prompts), s0.shape[1] - p0, len(tok))
+    assert l0.shape == (len(prompts), s0.shape[1] - p0)          # [N, T]: no vocabulary axis
 
 
 def test_the_shared_prefill_runs_once_per_distinct_prompt(tiny):
@@ -168,7 +168,7 @@ def test_the_shared_prefill_runs_once_per_distinct_prompt(tiny):
 def test_the_lean_sampler_draws_what_hf_generate_draws(tiny, temperature, top_k, shared):
     """rollout/sampler.py against ``model.generate`` with rlctl's settings, same seed:
     the same tokens (left-padded prompts of different lengths, rows ending early), and
-    the same raw logits."""
+    the same behaviour log-probs (HF's raw logits, log-softmaxed at the temperature)."""
     from rlctl.models.kv_share import shared_prefill
     from rlctl.rollout.sampler import sample
 
@@ -184,9 +184,12 @@ def test_the_lean_sampler_draws_what_hf_generate_draws(tiny, temperature, top_k,
     torch.manual_seed(5)
     cache = shared_prefill(model, ids, mask) if shared else None
     assert (cache is not None) == shared
-    seqs, logits = sample(model, ids, mask, 7, temperature, top_k, tok.eos_token_id,
-                          tok.pad_token_id, key, cache)
+    seqs, logp = sample(model, ids, mask, 7, temperature, top_k, [tok.eos_token_id],
+                        tok.pad_token_id, key, cache, keep_logprobs=True)
     assert torch.equal(seqs, ref.sequences)
-    torch.testing.assert_close(logits, torch.stack(ref.logits, 1), atol=1e-5, rtol=1e-5)
+    new = seqs[:, ids.shape[1]:]                                              # [N, T]
+    want = torch.log_softmax(torch.stack(ref.logits, 1).double() / temperature, -1)
+    want = want.gather(-1, new[..., None])[..., 0]                            # [N, T]
+    torch.testing.assert_close(logp.double(), want, atol=1e-5, rtol=1e-5)
     ended = (seqs[:, ids.shape[1]:] == tok.eos_token_id).any(-1)
     assert ended.any()                            # some rows stop before the limit

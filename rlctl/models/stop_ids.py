@@ -1,0 +1,101 @@
+"""The set of stop ids: where a completion ends.
+
+Chat checkpoints end a turn with a token that is often not the tokenizer's EOS: Qwen2.5-
+Instruct declares ``generation_config.eos_token_id = [<|im_end|>, <|endoftext|>]`` (and
+``<|endoftext|>`` is also its pad token), Llama-3-Instruct three ids, Gemma two. Hugging
+Face ``generate`` stops at any of them; so must sampling, masks, ``truncated``, eval,
+rollout dumps and the audit. The set is
+
+    {tokenizer.eos_token_id} | set(generation_config.eos_token_id) | rollout.stop_token_ids
+
+computed here and nowhere else. ``resolve_stop_ids`` writes the full set back into the
+model's generation config, so every later reader (``stop_ids``, the model's own
+``generate``, a saved checkpoint's generation_config.json) sees the same set.
+
+A stop id may equal the pad id (Qwen2): the completion mask is defined by the first stop
+id, never by padding (rlctl.core.logprobs.completion_mask), so such a token still ends the
+completion and counts once.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from rlctl.errors import UserError
+
+__all__ = ["stop_ids", "resolve_stop_ids", "parse_stop_override", "decode_completions"]
+
+
+def _generation_config(model):
+    """The generation config behind ``model`` (DeepSpeed engine, value-head wrapper and
+    peft model forward to the language model's), or None."""
+    inner = getattr(model, "module", model)          # a DeepSpeed engine wraps .module
+    return getattr(inner, "generation_config", None)
+
+
+def _as_ids(value) -> Tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (int(value),)
+    return tuple(int(v) for v in value)
+
+
+def _ordered(ids: Iterable[int]) -> Tuple[int, ...]:
+    """Distinct ids, first occurrence first (stable order for configs and dumps)."""
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def stop_ids(model, tokenizer) -> Tuple[int, ...]:
+    """The tokenizer's EOS, then every id of the model's generation_config.eos_token_id
+    (an int or a list), without repeats."""
+    gen = _generation_config(model)
+    declared = _as_ids(getattr(gen, "eos_token_id", None)) if gen is not None else ()
+    return _ordered(_as_ids(tokenizer.eos_token_id) + declared)
+
+
+def parse_stop_override(tokenizer, override: Optional[Sequence]) -> Tuple[int, ...]:
+    """``rollout.stop_token_ids`` (ids, or token strings such as "<|im_end|>") -> ids.
+    Each must be in the vocabulary; UserError (one line, exit 2) otherwise."""
+    if override is None:
+        return ()
+    if isinstance(override, (str, int)):
+        override = [override]
+    size = len(tokenizer)
+    vocab = tokenizer.get_vocab()
+    out = []
+    for item in override:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise UserError(f"invalid rollout.stop_token_ids entry {item!r}: each entry is a "
+                            "token id (int) or a token string such as '<|im_end|>'")
+        if isinstance(item, str) and item not in vocab:
+            raise UserError(f"invalid rollout.stop_token_ids entry '{item}': not a token of the "
+                            f"model's vocabulary (give a single token, e.g. "
+                            f"'{tokenizer.eos_token}', or its id in [0, {size - 1}])")
+        tid = vocab[item] if isinstance(item, str) else int(item)
+        if not 0 <= tid < size:
+            raise UserError(f"invalid rollout.stop_token_ids entry {item}: token ids must be "
+                            f"in [0, {size - 1}] (the tokenizer's vocabulary)")
+        out.append(tid)
+    return _ordered(out)
+
+
+def resolve_stop_ids(model, tokenizer, override: Optional[Sequence] = None) -> Tuple[int, ...]:
+    """The full stop set (``stop_ids`` plus the validated ``override``), also written into
+    the model's generation config as its ``eos_token_id`` list. Returns the set."""
+    ids = _ordered(stop_ids(model, tokenizer) + parse_stop_override(tokenizer, override))
+    gen = _generation_config(model)
+    if gen is not None and ids:
+        gen.eos_token_id = list(ids) if len(ids) > 1 else ids[0]
+    return ids
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor,
+                       stops: Sequence[int] = ()) -> List[str]:
+    """Text of each completion's counted tokens, the closing stop id (any of ``stops``,
+    special or not), other special tokens and padding dropped."""
+    lengths = mask.sum(-1).long().tolist()
+    rows, end = completion_ids.tolist(), set(int(i) for i in stops)
+    cut = [n - 1 if n and r[n - 1] in end else n for r, n in zip(rows, lengths)]
+    return [tokenizer.decode(r[:n], skip_special_tokens=True).strip() for r, n in zip(rows, cut)]
