@@ -149,6 +149,9 @@ class RolloutConfig:
     max_new_tokens: int = MISSING
     temperature: float = MISSING
     top_k: int = 0                 # 0: full distribution; > 0 for eval/rollout only (train refuses it)
+    # extra stop ids (ints) or token strings, added to the tokenizer EOS and the model's
+    # generation_config.eos_token_id; each is checked against the vocabulary when the model loads
+    stop_token_ids: List[Any] = field(default_factory=list)
 
 
 @dataclass
