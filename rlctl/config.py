@@ -58,6 +58,8 @@ class AlgoConfig:
     max_sampling_rounds: int = MISSING
     overlong_buffer: int = MISSING     # 0: no overlong penalty
     overlong_penalty: float = MISSING
+    entropy_coef: float = 0.0      # entropy bonus: loss -= coef * aggregated entropy (rlctl.core.terms)
+    mask_truncated: bool = False   # completions with no stop id left out of the loss (DAPO)
     kl: KLConfig = field(default_factory=KLConfig)
 
 
@@ -71,6 +73,7 @@ class TaskConfig:
     system_prompt: Optional[str] = None  # chat only
     reward_timeout_s: Optional[float] = MISSING  # per reward batch; 0 or null: no limit
     on_reward_error: str = MISSING  # zero (score 0 and count) | raise
+    long_prompts: str = "skip"     # over rollout.max_prompt_tokens: skip | truncate_left | error
     # generated tasks (sorting, arithmetic)
     num_digits: Optional[int] = None
     reward: Optional[str] = None   # sorting: exact | positional | inclusion_order; arithmetic: exact | partial
@@ -132,6 +135,11 @@ class HardwareConfig:
     zero_stage: int = MISSING      # deepspeed: ZeRO stage 0-3
     precision: str = MISSING       # deepspeed: fp32 | bf16
     deepspeed_config: Optional[str] = None  # deepspeed: a user JSON merged under rlctl's keys
+    dist_timeout_s: float = 300.0  # seconds a rank waits for the others to join (or answer)
+    nnodes: int = 1                # rlctl's own launcher across nodes: machines in the job
+    node_rank: int = 0             # this machine's index, 0 .. nnodes-1 (node 0 hosts the master)
+    master_addr: str = "127.0.0.1"  # node 0's address every rank can reach (TCP rendezvous)
+    master_port: int = 29500       # its free TCP port (also SLURM's when MASTER_PORT is unset)
 
 
 @dataclass
@@ -149,6 +157,7 @@ class RolloutConfig:
     max_new_tokens: int = MISSING
     temperature: float = MISSING
     top_k: int = 0                 # 0: full distribution; > 0 for eval/rollout only (train refuses it)
+    max_prompt_tokens: Optional[int] = None  # null: the model's context minus max_new_tokens
     # extra stop ids (ints) or token strings, added to the tokenizer EOS and the model's
     # generation_config.eos_token_id; each is checked against the vocabulary when the model loads
     stop_token_ids: List[Any] = field(default_factory=list)
@@ -220,6 +229,7 @@ class RunConfig:
     name: str = MISSING
     output_dir: str = MISSING
     save_model: bool = True
+    dir: Optional[str] = None      # this exact run directory (instead of output_dir/<time>-<name>)
 
 
 @dataclass
@@ -283,6 +293,7 @@ RANGES = {
     "algo.gamma": UNIT, "algo.lam": UNIT,
     "algo.critic_warmup_steps": NON_NEGATIVE, "algo.max_sampling_rounds": AT_LEAST_1,
     "algo.overlong_buffer": NON_NEGATIVE, "algo.overlong_penalty": NON_NEGATIVE,
+    "algo.entropy_coef": Range(0, why="an entropy bonus; 0: off"),
     "algo.kl.coef": NON_NEGATIVE, "algo.kl.target": POSITIVE, "algo.kl.horizon": AT_LEAST_1,
     "task.reward_timeout_s": Range(0, why="0 or null: no limit"),
     "task.reward_clip": POSITIVE,
@@ -293,9 +304,12 @@ RANGES = {
     "model.lora.r": AT_LEAST_1, "model.lora.alpha": POSITIVE,
     "model.lora.dropout": Range(0, 1, hi_open=True), "model.lora.lr": POSITIVE,
     "hardware.num_threads": AT_LEAST_1, "hardware.num_processes": AT_LEAST_1,
+    "hardware.dist_timeout_s": POSITIVE, "hardware.nnodes": AT_LEAST_1,
+    "hardware.node_rank": NON_NEGATIVE, "hardware.master_port": Range(1, 65535),
     "rollout.max_new_tokens": AT_LEAST_1,
     "rollout.temperature": Range(0, lo_open=True, why="sampling needs > 0 (eval is greedy already)"),
     "rollout.top_k": Range(0, why="0: the full distribution"),
+    "rollout.max_prompt_tokens": AT_LEAST_1,
     "trainer.steps": NON_NEGATIVE, "trainer.prompts_per_step": AT_LEAST_1,
     "trainer.lr": POSITIVE, "trainer.weight_decay": NON_NEGATIVE,
     "trainer.betas": Range(0, 1, hi_open=True),

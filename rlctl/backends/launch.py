@@ -13,6 +13,7 @@ dies (even by SIGKILL) gets SIGTERM from the kernel (worker.py), so none lingers
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -116,3 +117,70 @@ def _failure(run_dir: Path, rank: int, code: int) -> LaunchError:
         lines = [ln for ln in (run_dir / f"rank{rank}.log").read_text().splitlines() if ln.strip()]
         last = f": {lines[-1][:200]}" if lines else ""
     return LaunchError(f"rank {rank} exited with code {code}{last} ({where})", setup)
+
+
+def leave_with_launcher() -> None:
+    """Ask the kernel for SIGTERM when the launcher dies (PR_SET_PDEATHSIG): the rank
+    then saves after its step and leaves instead of lingering in its own session."""
+    launcher = os.environ.get("RLCTL_LAUNCHER_PID")
+    if not launcher:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):       # not Linux: the launcher's kill still applies
+        return
+    if os.getppid() != int(launcher):       # it died before the request
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def node_argv(overrides: List[str], recipe, resume) -> List[str]:
+    """The `rlctl train` command line each rank of a multi-node launch runs."""
+    head = [sys.executable, "-m", "rlctl.cli", "train"]
+    if resume is not None:
+        head += ["--resume", str(resume)]
+    elif recipe is not None:
+        head += ["--recipe", str(recipe)]
+    return head + list(overrides)
+
+
+def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
+    """rlctl's own launcher on node ``hw.node_rank`` of ``hw.nnodes``: start this node's
+    ``hw.num_processes`` ranks (each runs ``argv``, the same `rlctl train` command, in a
+    TCP group at ``hw.master_addr:hw.master_port``, like torchrun's static rendezvous) and
+    wait. Returns the first failed rank's exit code (it printed its own line; the others
+    are then stopped), 128 + signal after a forwarded SIGINT/SIGTERM, else 0."""
+    if hw.node_rank >= hw.nnodes:
+        raise LaunchError(f"hardware.node_rank={hw.node_rank} must be below hardware.nnodes="
+                          f"{hw.nnodes} (nodes are numbered 0 .. nnodes-1)", True, 2)
+    n, world = hw.num_processes, hw.nnodes * hw.num_processes
+    procs: List[subprocess.Popen] = []
+    if stop is not None:
+        stop.forward = lambda signum: _signal_all(procs, signum)
+    try:
+        for local in range(n):
+            env = dict(os.environ, RANK=str(hw.node_rank * n + local), WORLD_SIZE=str(world),
+                       LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR=hw.master_addr,
+                       MASTER_PORT=str(hw.master_port), OMP_NUM_THREADS=str(hw.num_threads),
+                       RLCTL_LAUNCHER_PID=str(os.getpid()))
+            procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
+        while True:
+            codes = [p.poll() for p in procs]
+            stopping = stop is not None and stop.requested
+            failed = [c for c in codes if c not in (None, 0) and not (stopping and c in STOPPED)]
+            if failed:
+                return failed[0]
+            if all(c is not None for c in codes):
+                return max(codes)
+            time.sleep(poll_s)
+    finally:
+        if stop is not None:
+            stop.forward = None
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()           # SIGTERM: a healthy rank saves after its step
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

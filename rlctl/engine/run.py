@@ -81,6 +81,21 @@ def _save_model(cfg: DictConfig, backend, run_dir: Path, policy, critic, tokeniz
                 critic.save_pretrained(run_dir / "critic")
 
 
+def _on_local_gpu(cfg: DictConfig) -> DictConfig:
+    """With several ranks on GPUs, each uses cuda:LOCAL_RANK (its launcher's local index)."""
+    if cfg.hardware.device != "cuda" or int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        return cfg
+    import copy
+
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    cfg = copy.deepcopy(cfg)
+    cfg.hardware.device = f"cuda:{local}"
+    return cfg
+
+
 def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
                on_step=None) -> Optional[dict]:
     """Train on this rank; rank 0 saves and returns the summary (other ranks: None).
@@ -94,16 +109,14 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
     from rlctl.models.lora import count_parameters
 
     t0 = time.perf_counter()
+    cfg = _on_local_gpu(cfg)
     hw = cfg.hardware
     backend = build_backend(hw.backend, hw.device, hw.zero_stage, hw.precision, hw.deepspeed_config)
     try:
         task = task_from_config(cfg)
         model, critic, tokenizer, ref_model = model_from_config(cfg)
-        from rlctl.tasks import bind_tokenizer
-        try:
-            bind_tokenizer(task, tokenizer)      # chat prompts render with the model's template
-        except ValueError as exc:
-            raise UserError(f"task.prompt_format: {exc}") from None
+        from rlctl.engine.prompt_budget import bind_task
+        bind_task(cfg, task, tokenizer, model)   # chat template; prompts kept within the context
         trainable, total = count_parameters(model, critic)
         torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
         resume_from = _resume_point(run_dir, backend) if resume else None
@@ -173,22 +186,110 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     from rlctl.rollout.sampler import check_training_sampling
     check_training_sampling(cfg.rollout.top_k)   # refused before a run directory exists
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
+    from rlctl.backends import tcp_group
+    group = tcp_group.from_environment(cfg.hardware.master_port)
     stop = StopFlag()
     with stop.installed():
-        if resume is None:
-            run_dir = rundir.create_run_dir(cfg.run.output_dir, cfg.run.name)
-        with rundir.RunLock(run_dir):
-            if resume is None:
-                summary = _train_new(cfg, composed, run_dir, stop)
-            else:
-                _check_resumable(run_dir, cfg, overrides)
-                rundir.write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
-                summary = _train_here_or_launched(cfg, run_dir, True, stop, [0])
+        if group is not None and group.world_size > 1:
+            summary = _train_in_group(group, cfg, composed, resume, overrides, stop)
+        elif cfg.hardware.nnodes > 1:
+            from rlctl.backends.launch import launch_node, node_argv
+            code = launch_node(node_argv(overrides, recipe, resume), cfg.hardware, stop)
+            if code:
+                raise SystemExit(code)        # the failed rank printed its own line
+            return {}
+        else:
+            summary = _train_alone(cfg, composed, resume, overrides, stop)
+    if summary is None:                       # not rank 0: it prints the summary
+        return {}
     print_summary(summary)
     return summary
 
 
-def _train_new(cfg: DictConfig, composed, run_dir: Path, stop) -> dict:
+def _train_alone(cfg: DictConfig, composed, resume: Optional[str], overrides: List[str], stop) -> dict:
+    """This process owns the run: train here or launch hardware.num_processes local ranks."""
+    from rlctl.engine import rundir
+
+    run_dir = Path(resume) if resume is not None else rundir.new_run_dir(cfg.run)
+    with rundir.RunLock(run_dir):
+        if resume is None:
+            return _train_new(cfg, composed, run_dir, stop)
+        _check_resumable(run_dir, cfg, overrides, cfg.hardware.num_processes)
+        rundir.write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        return _train_here_or_launched(cfg, run_dir, True, stop, [0])
+
+
+def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], overrides: List[str],
+                    stop) -> Optional[dict]:
+    """One rank of a job an external launcher (or rlctl's on several nodes) started: join
+    the TCP group; rank 0 makes (or checks) the run directory, holds its lock, writes the
+    config and shares the path; every rank trains. Rank 0 returns the summary."""
+    from rlctl.backends import tcp_group
+    from rlctl.backends.launch import leave_with_launcher
+    from rlctl.engine import rundir
+    from rlctl.errors import user_message
+
+    _check_group(group, cfg)
+    leave_with_launcher()
+    tcp_group.join(group, cfg.hardware.device, cfg.hardware.dist_timeout_s)
+    if group.rank != 0:
+        run_dir = Path(tcp_group.share(group, None))
+        return _lost_rank_is_one_line(group, run_dir, lambda: train_rank(cfg, run_dir, resume=resume is not None,
+                                                                         stop=stop))
+    try:
+        run_dir = Path(resume) if resume is not None else rundir.new_run_dir(cfg.run)
+        lock = rundir.RunLock(run_dir).acquire()
+    except Exception as exc:
+        tcp_group.share(group, None, error=user_message(exc)[0])
+        raise
+    with lock:
+        try:
+            if resume is not None:
+                _check_resumable(run_dir, cfg, overrides, group.world_size)
+                rundir.write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        except Exception as exc:
+            tcp_group.share(group, None, error=user_message(exc)[0])
+            raise
+        tcp_group.share(group, str(run_dir))
+        if resume is not None:
+            return _lost_rank_is_one_line(group, run_dir, lambda: _train_here_or_launched(
+                cfg, run_dir, True, stop, [0], here=True))
+        return _lost_rank_is_one_line(group, run_dir, lambda: _train_new(cfg, composed, run_dir, stop,
+                                                                         here=True))
+
+
+def _check_group(group, cfg: DictConfig) -> None:
+    """The launcher decides the ranks: rlctl's own rank counts must not contradict it."""
+    hw = cfg.hardware
+    if group.source != "rlctl" and (hw.num_processes != 1 or hw.nnodes != 1):
+        raise UserError(f"hardware.num_processes={hw.num_processes} / hardware.nnodes={hw.nnodes} "
+                        f"with {group.source} already starting {group.world_size} ranks: leave both "
+                        "at 1 (the launcher's WORLD_SIZE is the number of ranks)")
+    if cfg.trainer.prompts_per_step % group.world_size:
+        raise UserError(f"the launcher's world size {group.world_size} ({group.source}) must divide "
+                        f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} (each rank samples "
+                        "whole prompt groups)")
+
+
+def _lost_rank_is_one_line(group, run_dir: Path, train):
+    """A collective that fails mid-run (another rank or node died) is one line naming the
+    newest checkpoint, not a gloo/NCCL traceback."""
+    from rlctl.engine import checkpoint
+    from rlctl.errors import LaunchError, TrainingFault, ActorFailed
+
+    try:
+        return train()
+    except (UserError, TrainingFault, ActorFailed, LaunchError):
+        raise
+    except RuntimeError as exc:
+        last = checkpoint.latest_checkpoint(run_dir)
+        saved = f"the newest checkpoint is {last}" if last else "no checkpoint was saved yet"
+        raise LaunchError(f"rank {group.rank} of {group.world_size}: lost contact with another rank "
+                          f"({' '.join(str(exc).split())[:160]}); {saved}; once every node is back, "
+                          f"run the same launch with rlctl train --resume {run_dir}") from None
+
+
+def _train_new(cfg: DictConfig, composed, run_dir: Path, stop, here: bool = False) -> dict:
     """Write the config and train; a failure before step 1 removes the fresh directory."""
     import shutil
 
@@ -197,14 +298,15 @@ def _train_new(cfg: DictConfig, composed, run_dir: Path, stop) -> dict:
     done = [0]                                   # steps finished (this process or rank 0)
     try:
         rundir.write_config(run_dir, composed)
-        return _train_here_or_launched(cfg, run_dir, False, stop, done)
+        return _train_here_or_launched(cfg, run_dir, False, stop, done, here)
     except BaseException as exc:
         if not done[0] and getattr(exc, "before_training", True):   # launched: set by LaunchError
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
 
-def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, done: list) -> dict:
+def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, done: list,
+                            here: bool = False) -> dict:
     """Train in this process, or launch hardware.num_processes ranks and wait for them.
     ``done[0]`` counts the steps this process saw finish (launched: 1 once any did)."""
     from rlctl.engine import checkpoint
@@ -212,7 +314,7 @@ def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, 
     def on_step(step, values):
         done[0] += 1
     try:
-        if cfg.hardware.num_processes == 1:
+        if here or cfg.hardware.num_processes == 1:
             return train_rank(cfg, run_dir, resume=resume, stop=stop, on_step=on_step)
         from rlctl.backends.launch import launch
         signum = launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads,
@@ -254,7 +356,7 @@ def _shape_keys(cfg) -> dict:
     return flat
 
 
-def _check_resumable(run_dir: Path, cfg: DictConfig, overrides: List[str]) -> None:
+def _check_resumable(run_dir: Path, cfg: DictConfig, overrides: List[str], world: int) -> None:
     """Refuse (one line) a resume that has nothing to do or cannot load the checkpoint."""
     import shlex
 
@@ -265,6 +367,10 @@ def _check_resumable(run_dir: Path, cfg: DictConfig, overrides: List[str]) -> No
         raise UserError(f"cannot resume '{run_dir}': it has no complete checkpoint "
                         "(trainer.checkpoint_every writes them)")
     step = checkpoint.read_state(last)["step"]
+    saved = len(list(last.glob("rng-rank*.pt")))       # one per rank that wrote it
+    if saved and saved != world:
+        raise UserError(f"cannot resume '{run_dir}' with {world} rank(s): its checkpoint {last.name} "
+                        f"was written by {saved}; resume with the same number of ranks")
     q = shlex.quote(str(run_dir))
     if cfg.trainer.steps <= step:
         done = "finished" if (run_dir / "summary.json").is_file() else "trained"

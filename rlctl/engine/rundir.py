@@ -10,7 +10,8 @@
                            LoRA runs: the adapter (adapter_model.safetensors,
                            adapter_config.json; PeftModel.from_pretrained(base, dir))
     model/merged/          LoRA runs with model.lora.save_merged: base + adapter merged
-    summary.json           final eval and timing
+    summary.json           final eval and timing (rank 0 writes it, and the metrics,
+                           W&B run and model; every rank writes its part of a checkpoint)
     .lock                  while a run writes: the writer's pid (see RunLock)
 """
 from __future__ import annotations
@@ -114,6 +115,26 @@ def create_run_dir(output_dir: str, name: str) -> Path:
     except OSError as exc:
         raise RunDirError(f"cannot write the run directory under '{output_dir}': "
                           f"{exc.strerror or exc}; set run.output_dir=WRITABLE_DIR") from None
+    return path
+
+
+def new_run_dir(run_cfg) -> Path:
+    """``run.dir`` when set (created; it must not already hold a run), else a fresh
+    ``run.output_dir/<time>-<name>``."""
+    if not run_cfg.get("dir"):
+        return create_run_dir(run_cfg.output_dir, run_cfg.name)
+    path = Path(run_cfg.dir)
+    if (path / "recipe.yaml").exists():
+        raise RunDirError(f"run.dir='{path}' already holds a run; continue it with "
+                          f"rlctl train --resume {path}, or name a new directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise RunDirError(f"cannot write run.dir='{path}': {exc.strerror or exc}; "
+                          "set run.dir to a writable directory") from None
     return path
 
 

@@ -5,7 +5,6 @@ Exit codes: 0 done; 128 + signal after a SIGINT/SIGTERM stop with the checkpoint
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -15,28 +14,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")      # before torch is imported (b
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from rlctl.backends.launch import EXIT_SETUP, write_error  # noqa: E402
+from rlctl.backends.launch import EXIT_SETUP, leave_with_launcher, write_error  # noqa: E402
 from rlctl.engine.run import train_rank  # noqa: E402
 from rlctl.engine.stopping import StopFlag  # noqa: E402
 from rlctl.errors import Interrupted, user_message  # noqa: E402
 
 
-def _leave_with_launcher() -> None:
-    """Ask the kernel for SIGTERM when the launcher dies (PR_SET_PDEATHSIG): the rank
-    then saves after its step and leaves instead of lingering in its own session."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):       # not Linux: the launcher's kill still applies
-        return
-    launcher = os.environ.get("RLCTL_LAUNCHER_PID")
-    if launcher and os.getppid() != int(launcher):     # it died before the request
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def main(run_dir: str, resume: bool = False) -> int:
     stop = StopFlag(announce=False)          # the launcher owns the terminal and says it
     with stop.installed():
-        _leave_with_launcher()
+        leave_with_launcher()
         code = _train(Path(run_dir), resume, stop)
     # Leave without running C++ destructors at interpreter exit: gloo/DeepSpeed threads
     # torn down there can abort ("terminate called without an active exception") after a
