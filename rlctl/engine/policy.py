@@ -1,11 +1,24 @@
 """The learner's forward pass: token log-probs, entropy and (with a critic) values.
 
+Memory-bounded log-probs: where the model allows it (``fused_head``), the forward runs
+with ``output_hidden_states=True, logits_to_keep=1``, so the LM head scores only one
+position, and the log-probs and entropy come from the final hidden states [N, T, H] and
+the head's weight through `rlctl.core.chunked_logprobs.chunked_token_logprobs`, which
+never holds more than one chunk of [N, T, V] logits (forward or backward; the idea behind
+fused linear cross-entropy kernels, Hsu et al. 2024, arXiv:2410.10989). Exact to the full
+logits path (tests/engine/test_chunked_learner.py, float64). Models that transform the
+logits after the head (Gemma-2/3's final soft-capping, Cohere's logit scale), whose head
+is not a plain ``nn.Linear`` (a LoRA-wrapped head), whose weight is partitioned (ZeRO-3)
+or whose forward takes no ``logits_to_keep`` keep the full-logits path.
+
 Prompt sharing (``share_prompts``, rlctl/models/kv_share.py): the prompt's forward
 runs once per distinct prompt, its key/value cache is indexed out to every row that
 uses it, and the completions run on top of that cache. Gradients flow through the
 shared cache into the prompt positions, summed over the rows that share them, as in the
 full forward. On the default sorting config it removes about half of the learner's
-tokens. Models whose forward takes no cache fall back to the full forward.
+tokens. Models whose forward takes no cache fall back to the full forward, and so does
+a training forward under gradient checkpointing (Hugging Face's checkpointed layers
+drop the cache).
 """
 from __future__ import annotations
 
@@ -14,8 +27,9 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from rlctl.core.chunked_logprobs import chunked_token_logprobs
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
-from rlctl.models.kv_share import cache_keyword, cache_of, distinct_rows, regroup
+from rlctl.models.kv_share import cache_keyword, cache_of, distinct_rows, forward_takes, innermost, regroup
 from rlctl.models.positions import position_ids_from_mask
 
 
@@ -48,15 +62,55 @@ def prompt_sharing(enabled: bool, backend) -> bool:
     return bool(enabled) and not zero3
 
 
+# Config fields that change the logits after the LM head (value that changes nothing).
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+
+def fused_head(model) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """(weight [V, H], bias [V] or None) of the LM head when log-probs can be computed
+    from the final hidden states exactly; None: use the full logits."""
+    inner = innermost(model)
+    if not forward_takes(model, "logits_to_keep"):
+        return None
+    conf = getattr(inner, "config", None)
+    if getattr(conf, "tie_last_hidden_states", True) is False:   # hidden_states[-1] not normed
+        return None
+    if any(getattr(conf, k, same) not in (None, same) for k, same in _LOGIT_TRANSFORMS.items()):
+        return None     # e.g. Gemma-2's tanh soft-capping: not a linear head (full logits)
+    get = getattr(inner, "get_output_embeddings", None)
+    lm_head = get() if callable(get) else None
+    if type(lm_head) is not torch.nn.Linear or lm_head.weight.dim() != 2 or lm_head.weight.numel() == 0:
+        return None     # a LoRA-wrapped head, or a ZeRO-3 partitioned weight
+    return lm_head.weight, lm_head.bias
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """``model.gradient_checkpointing``: Hugging Face activation checkpointing on the
+    policy (non-reentrant, so frozen inputs and LoRA work); ValueError if unsupported."""
+    inner = innermost(model)
+    if not getattr(inner, "supports_gradient_checkpointing", False):
+        raise ValueError(f"model.gradient_checkpointing: {type(inner).__name__} does not support "
+                         "gradient checkpointing; set model.gradient_checkpointing=false")
+    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _checkpointing_now(model) -> bool:
+    inner = innermost(model)
+    on = getattr(inner, "is_activation_checkpointing", None)     # transformers >= 5.x name
+    on = getattr(inner, "is_gradient_checkpointing", False) if on is None else on
+    return bool(on) and inner.training and torch.is_grad_enabled()
+
+
 class Forward(NamedTuple):
     logp: torch.Tensor                 # [N, T] log pi(completion token t)
-    entropy: Optional[torch.Tensor]    # [N, T] (no grad), when asked for
+    entropy: Optional[torch.Tensor]    # [N, T] (no grad unless entropy_grad), when asked for
     values: Optional[torch.Tensor]     # [N, T] V(s_t), when the model has a critic
 
 
 def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     prompt_len: int, temperature: float = 1.0, with_entropy: bool = False,
-                    critic=None, share_prompts: Union[bool, PromptGroups] = False) -> Forward:
+                    critic=None, share_prompts: Union[bool, PromptGroups] = False,
+                    entropy_grad: bool = False, fused: bool = True) -> Forward:
     """One policy forward for log-probs and entropy (and values, with a shared head).
 
     The logit at position t predicts token t+1, so completion token t is scored by
@@ -65,31 +119,57 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ``critic``: a separate value model, run on the same inputs (never prompt-shared).
     ``share_prompts``: False, True (rows sharing a prompt found here: a device sync on
     accelerators) or the rows' ``PromptGroups`` (found on the CPU beforehand).
+    ``entropy_grad``: the entropy keeps its graph (an entropy bonus); else detached.
+    ``fused``: chunked log-probs from the hidden states where possible (False: always
+    the full [N, T, V] logits, the reference path).
     """
+    P = prompt_len
     inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                   position_ids=position_ids_from_mask(attention_mask[:, :-1]))
-    key = cache_keyword(model) if share_prompts else None
+    head = fused_head(model) if fused else None
+    extra = {} if head is None else {"output_hidden_states": True, "logits_to_keep": 1}
+    key = cache_keyword(model) if share_prompts and not _checkpointing_now(model) else None
     if key is not None:
         groups = share_prompts.on(input_ids.device) if isinstance(share_prompts, PromptGroups) else None
-        logits, values = _shared_prompt_forward(model, input_ids, attention_mask, prompt_len, key,
-                                                groups)
+        scores, values = _shared_prompt_forward(model, input_ids, attention_mask, P, key,
+                                                groups, extra)
     else:
-        out = model(**inputs, use_cache=False)
-        logits = out.logits[:, prompt_len - 1:]                # [N, T, V]
+        out = model(**inputs, use_cache=False, **extra)
+        scores = _scores(out, extra)[:, P - 1:]                # [N, T, V] or [N, T, H]
         values = _values(out)
-        values = values[:, prompt_len - 1:] if values is not None else None
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = token_logprobs(logits, input_ids[:, prompt_len:])   # [N, T]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach())     # [N, T]
+        values = values[:, P - 1:] if values is not None else None
+    logp, entropy = _logprobs(scores, head, input_ids[:, P:], temperature, with_entropy, entropy_grad)
     if critic is not None:
-        values = critic(**inputs)[:, prompt_len - 1:]
+        values = critic(**inputs)[:, P - 1:]
     if values is not None:
         values = values.float()                                # [N, T]
     return Forward(logp, entropy, values)
+
+
+def _scores(out, extra) -> torch.Tensor:
+    """The logits [N, L, V], or with ``extra`` (fused) the final hidden states [N, L, H]."""
+    if not extra:
+        return out.logits
+    hidden = getattr(out, "hidden", None)           # PolicyValueOutput
+    return hidden if isinstance(hidden, torch.Tensor) else out.hidden_states[-1]
+
+
+def _logprobs(scores, head, tokens, temperature, with_entropy, entropy_grad):
+    """(logp [N, T], entropy [N, T] or None) from logits or, with ``head``, hidden states."""
+    if head is not None:
+        weight, bias = head
+        # the hidden state in the head's dtype (bf16 autocast: an fp32 head, as autocast leaves norms)
+        logp, entropy = chunked_token_logprobs(scores.to(weight.dtype), weight, tokens, bias,
+                                               temperature, with_entropy=with_entropy)
+        return logp, (entropy if entropy is None or entropy_grad else entropy.detach())
+    logits = scores / temperature if temperature != 1.0 else scores        # [N, T, V]
+    logp = token_logprobs(logits, tokens)                                   # [N, T]
+    if not with_entropy:
+        return logp, None
+    if entropy_grad:
+        return logp, entropy_from_logits(logits)
+    with torch.no_grad():
+        return logp, entropy_from_logits(logits.detach())                  # [N, T]
 
 
 def _values(out) -> Optional[torch.Tensor]:
@@ -97,23 +177,24 @@ def _values(out) -> Optional[torch.Tensor]:
     return values if isinstance(values, torch.Tensor) else None   # (HF outputs: a method)
 
 
-def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, groups=None):
-    """(logits [N, T, V], values [N, T] or None) from one prompt forward per distinct
-    prompt plus one completion forward over the indexed cache."""
+def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, groups=None, extra=None):
+    """(scores [N, T, V] logits or [N, T, H] hidden states, values [N, T] or None) from
+    one prompt forward per distinct prompt plus one completion forward over the indexed cache."""
+    extra = extra or {}
     first, inv = groups if groups is not None else \
         distinct_rows(input_ids[:, :P], attention_mask[:, :P])                    # [U], [N]
     p_mask = attention_mask[first, :P]                                             # [U, P]
     out = model(input_ids=input_ids[first, :P], attention_mask=p_mask,
-                position_ids=position_ids_from_mask(p_mask), use_cache=True)
-    logits, values = out.logits[inv, -1:], _values(out)                            # [N, 1, V]
+                position_ids=position_ids_from_mask(p_mask), use_cache=True, **extra)
+    scores, values = _scores(out, extra)[inv, -1:], _values(out)                   # [N, 1, V|H]
     values = values[inv, -1:] if values is not None else None                      # [N, 1]
     if input_ids.shape[1] - P > 1:                 # completion tokens 1..T-1 to score
         cache = cache_of(out)
         cache.batch_select_indices(inv)            # [U, ...] -> [N, ...], differentiable
         pos = position_ids_from_mask(attention_mask[:, :-1])[:, P:]                # [N, T-1]
         rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
-                     position_ids=pos, use_cache=True, **{key: cache})
-        logits = torch.cat([logits, rest.logits], 1)                               # [N, T, V]
+                     position_ids=pos, use_cache=True, **{key: cache}, **extra)
+        scores = torch.cat([scores, _scores(rest, extra)], 1)                      # [N, T, V|H]
         if values is not None:
             values = torch.cat([values, _values(rest)], 1)                         # [N, T]
-    return logits, values
+    return scores, values

@@ -43,11 +43,11 @@ def cache_of(out):
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-def cache_keyword(model) -> Optional[str]:
-    """The keyword under which the innermost Hugging Face model's forward takes a KV
-    cache (``cache`` in transformers 5, ``past_key_values`` before), or None."""
+def innermost(model):
+    """The innermost Hugging Face model under compile / DeepSpeed / PolicyValueModel /
+    autocast / peft wrappers (the module whose class defines the forward's keywords)."""
     inner = model
-    for _ in range(8):               # compile / DeepSpeed / PolicyValueModel / peft wrappers
+    for _ in range(8):
         if hasattr(inner, "_orig_mod"):
             inner = inner._orig_mod
         elif hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
@@ -58,16 +58,27 @@ def cache_keyword(model) -> Optional[str]:
             inner = inner.get_base_model()
         else:
             break
-    return _forward_cache_keyword(type(inner))
+    return inner
+
+
+def cache_keyword(model) -> Optional[str]:
+    """The keyword under which the innermost Hugging Face model's forward takes a KV
+    cache (``cache`` in transformers 5, ``past_key_values`` before), or None."""
+    params = _forward_parameters(type(innermost(model)))
+    return next((k for k in ("cache", "past_key_values") if k in params), None)
+
+
+def forward_takes(model, keyword: str) -> bool:
+    """Whether the innermost model's forward has a parameter named ``keyword``."""
+    return keyword in _forward_parameters(type(innermost(model)))
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_cache_keyword(cls) -> Optional[str]:
+def _forward_parameters(cls) -> frozenset:
     try:
-        params = inspect.signature(cls.forward).parameters
+        return frozenset(inspect.signature(cls.forward).parameters)
     except (TypeError, ValueError):
-        return None
-    return next((k for k in ("cache", "past_key_values") if k in params), None)
+        return frozenset()
 
 
 @torch.no_grad()

@@ -83,6 +83,7 @@ class PolicyValueOutput(NamedTuple):
     logits: torch.Tensor  # [N, L, V]
     values: torch.Tensor  # [N, L], float32
     cache: object = None  # the policy's key/value cache, when asked for (use_cache=True)
+    hidden: object = None  # [N, L, H] the final-normed hidden state the LM head reads
 
 
 class PolicyValueModel(nn.Module):
@@ -101,13 +102,16 @@ class PolicyValueModel(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False,
                 **kwargs) -> PolicyValueOutput:
+        """``kwargs`` go to the policy (e.g. ``logits_to_keep=1`` when the caller computes
+        log-probs from ``hidden`` itself, rlctl/engine/policy.py)."""
+        kwargs.pop("output_hidden_states", None)     # always on: the values need them
         out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids, use_cache=use_cache,
                           output_hidden_states=True, **kwargs)
-        hidden = out.hidden_states[-1]
-        if self.detach_backbone:     # critic warm-up: the value loss trains the head only
-            hidden = hidden.detach()
-        return PolicyValueOutput(out.logits, self.value_head(hidden), cache_of(out) if use_cache else None)
+        hidden = out.hidden_states[-1]                                    # [N, L, H]
+        v_in = hidden.detach() if self.detach_backbone else hidden   # critic warm-up: head only
+        return PolicyValueOutput(out.logits, self.value_head(v_in),
+                                 cache_of(out) if use_cache else None, hidden)
 
     def generate(self, *args, **kwargs):
         return self.policy.generate(*args, **kwargs)
