@@ -122,6 +122,7 @@ class ModelConfig:
     warmup_lr: float = 1e-3
     warmup_task: str = "sorting"   # sorting | arithmetic (other task names: sorting)
     cache_dir: Optional[str] = None
+    gradient_checkpointing: bool = False  # recompute activations in the backward (HF checkpointing)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -133,7 +134,7 @@ class HardwareConfig:
     num_threads: int = MISSING     # torch intra-op threads per process (1 on small shared CPUs)
     num_processes: int = MISSING   # data-parallel ranks that `rlctl train` launches itself
     zero_stage: int = MISSING      # deepspeed: ZeRO stage 0-3
-    precision: str = MISSING       # deepspeed: fp32 | bf16
+    precision: str = MISSING       # fp32 | bf16 (torch: autocast, fp32 weights and AdamW state)
     deepspeed_config: Optional[str] = None  # deepspeed: a user JSON merged under rlctl's keys
     dist_timeout_s: float = 300.0  # seconds a rank waits for the others to join (or answer)
     nnodes: int = 1                # rlctl's own launcher across nodes: machines in the job
@@ -181,6 +182,7 @@ class TrainerConfig:
     warmup_steps: int = 0            # linear LR warm-up
     max_grad_norm: float = MISSING
     micro_batch_size: int = 0        # sequences per forward/backward; 0: whole minibatch
+    micro_batch_tokens: int = 0      # padded tokens per forward/backward; 0: no token budget
     share_prompts: bool = True       # one prompt forward per group (rlctl/engine/policy.py)
     compile: bool = False            # torch.compile the learner's forward (plain torch backend)
     eval_every: int = MISSING
@@ -316,6 +318,7 @@ RANGES = {
     "trainer.warmup_steps": NON_NEGATIVE,
     "trainer.max_grad_norm": Range(0, why="0: no clipping"),
     "trainer.micro_batch_size": Range(0, why="0: the whole minibatch"),
+    "trainer.micro_batch_tokens": Range(0, why="0: no token budget"),
     "trainer.eval_every": Range(0, why="0: no held-out evaluation"),
     "trainer.log_every": AT_LEAST_1,
     "trainer.checkpoint_every": Range(0, why="0: only at the end"),
