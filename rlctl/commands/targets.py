@@ -27,7 +27,7 @@ from rlctl.engine.build import quiet_libraries, task_from_config
 from rlctl.errors import ConfigError, UserError
 from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.tasks import bind_tokenizer
+from rlctl.engine.prompt_budget import bind_task
 
 
 @dataclass
@@ -109,16 +109,8 @@ def open_target(target_arg, overrides):
     model, tokenizer, what = load_policy(target, cfg)
     # the stop set (tokenizer EOS, generation config, rollout.stop_token_ids) onto the model
     resolve_stop_ids(model, tokenizer, cfg.rollout.get("stop_token_ids", None))
-    bind_task(task, tokenizer)
+    bind_task(cfg, task, tokenizer, model)   # chat template; prompts kept within the context
     return target, cfg, task, model, tokenizer, what
-
-
-def bind_task(task, tokenizer) -> None:
-    """Chat prompts render with the model's template (one-line error without one)."""
-    try:
-        bind_tokenizer(task, tokenizer)
-    except ValueError as exc:
-        raise UserError(f"task.prompt_format: {exc}") from None
 
 
 def load_policy(target: Target, cfg):

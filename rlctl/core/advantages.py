@@ -39,7 +39,9 @@ __all__ = ["group_advantages", "rloo_advantages", "grpo_advantages", "dr_grpo_ad
            "gae", "broadcast_to_tokens", "ADVANTAGE_ESTIMATORS", "register_advantage",
            "get_advantage_estimator", "overlong_penalty", "zero_std_groups"]
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator", attrs={"level": ("outcome", "token")},
+# ``group``: the estimator compares a completion with the others of its group (G >= 2 needed)
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator",
+                                attrs={"level": ("outcome", "token"), "group": (False, True)},
                                 dashes=True)
 register_advantage = ADVANTAGE_ESTIMATORS.register
 
@@ -68,7 +70,7 @@ def group_advantages(rewards: torch.Tensor, scale_std: bool = True,
     return _zero_constant_groups(adv, r)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", group=True)
 def rloo_advantages(rewards: torch.Tensor, eps: float = 0.0, **ignored) -> torch.Tensor:
     """r_i minus the mean of the other G-1 rewards of its group (eps unused).
     [B, G] -> [B, G]."""
@@ -80,13 +82,13 @@ def rloo_advantages(rewards: torch.Tensor, eps: float = 0.0, **ignored) -> torch
     return _zero_constant_groups(r - loo_mean, r)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", group=True)
 def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, **ignored) -> torch.Tensor:
     """GRPO: group_advantages with std scaling. [B, G] -> [B, G]."""
     return group_advantages(rewards, True, eps)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", group=True)
 def dr_grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, **ignored) -> torch.Tensor:
     """Dr. GRPO: r - group mean, no std scaling (eps unused). [B, G] -> [B, G]."""
     return group_advantages(rewards, False, eps)

@@ -48,6 +48,7 @@ from omegaconf import OmegaConf
 
 from rlctl.backends.base import Backend
 from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
+from rlctl.engine.prompt_budget import bind_task
 from rlctl.engine.policy import prompt_sharing
 from rlctl.engine.wire import Posted, Sent, pack, recv_message, send_message, unpack
 from rlctl.errors import ActorFailed, RewardError, UserError
@@ -265,6 +266,7 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
     quiet_libraries(cfg)
     task = task_from_config(cfg)
     model, _, tok, _ = model_from_config(cfg)
+    bind_task(cfg, task, tok, model, quiet=True)   # the learner's prompts (it prints the count)
     model.eval()
     scorer = RewardScorer(task)
     actor = LocalSource(model, tok, task.train_examples(), scorer,

@@ -1,8 +1,13 @@
 """The learner's update: epochs x minibatches of optimizer steps on one rollout.
 
 Algorithm-free: the policy loss comes from the ``POLICY_LOSSES`` registry, the KL term
-from ``kl_estimate``, the value loss from ``value_loss_per_token``; this module never
-looks at an algorithm's name.
+from ``kl_estimate``, the value loss from ``value_loss_per_token``, extra terms (an
+entropy bonus) from ``rlctl.core.terms``; this module never looks at an algorithm's name.
+
+``mask_truncated`` (DAPO's overlong filtering, Yu et al., 2025): rows with no stop id
+have their mask zeroed here, before the update, so they add nothing to any loss term or
+metric; their rewards still counted in the advantages (group means and stds are computed
+before, unchanged). A minibatch left with no token takes no optimizer step.
 
 Gradient accumulation over micro-batches is exact for every aggregation mode: each
 micro-batch contributes ``aggregate_sum(...) / agg_denominator(minibatch mask)``, i.e.
@@ -13,13 +18,14 @@ equals the gradient of the minibatch aggregate (tested against the full-batch lo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from rlctl.core import (agg_denominator, aggregate_sum, explained_variance, get_policy_loss, kl_estimate,
                         masked_mean, resolve_kl_estimator)
 from rlctl.core.losses import value_loss_per_token
+from rlctl.core.terms import active_terms
 from rlctl.engine.policy import PromptGroups, learner_forward
 from rlctl.types import RolloutBatch
 
@@ -44,6 +50,8 @@ class UpdateSettings:
     share_prompts: bool = True             # one prompt forward per distinct prompt
     vf_coef: float = 0.0
     value_clip: Optional[float] = None
+    terms: Tuple[Tuple[str, float, Callable], ...] = ()   # (name, coef, fn): rlctl.core.terms
+    mask_truncated: bool = False           # rows with no stop id out of the loss (DAPO)
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
@@ -58,7 +66,9 @@ class UpdateSettings:
                    kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
                    kl_in_loss=algo.kl.placement == "in_loss", max_grad_norm=tr.max_grad_norm,
                    temperature=cfg.rollout.temperature, micro_batch_size=tr.micro_batch_size,
-                   vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share_prompts)
+                   vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share_prompts,
+                   terms=tuple(active_terms({"entropy": algo.get("entropy_coef", 0.0)})),
+                   mask_truncated=bool(algo.get("mask_truncated", False)))
 
 
 @dataclass
@@ -106,7 +116,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
         width = max(int(row_len[rows].max()), 1) if s.trim_padding else None
         mb = take_rows(batch, rows, width)                                    # [n, P + width]
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
-                            s.temperature, with_entropy=True, critic=critic,
+                            s.temperature, with_entropy=True, critic=critic, entropy_grad=bool(s.terms),
                             share_prompts=prompts.rows(rows) if s.share_prompts else False)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
         metrics_ratio = {}
@@ -118,7 +128,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
                                           s.clip_low, s.clip_high, s.clip_ratio_c)   # [n, T]
         metrics.update(metrics_ratio)
         pg_loss = aggregate_sum(loss_mat, mb.mask, s.agg_mode, s.norm_len) / denom
-        loss = pg_loss.new_zeros(()) if st.policy_frozen else pg_loss
+        loss = pg_loss.new_zeros(()) if st.policy_frozen else pg_loss + _extra_terms(f, mb, s, denom)
         if mb.ref_logprobs is not None:
             kl_loss, kl_metrics = _kl_term(f.logp, mb, s, st)
             loss = loss + kl_loss / denom
@@ -136,6 +146,16 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
             sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
     total = batch.mask.sum().clamp(min=1)
     return {**{k: v / total for k, v in sums.items()}, **exact, **peak}
+
+
+def _extra_terms(f, mb: RolloutBatch, s: "UpdateSettings", denom: torch.Tensor) -> torch.Tensor:
+    """Sum of coef * aggregated term matrix (rlctl.core.terms), each over the minibatch's
+    policy-loss denominator like the policy loss; 0 without terms."""
+    total = f.logp.new_zeros(())
+    for _, coef, fn in s.terms:
+        term = fn(f.logp, f.entropy, mb.mask)                                         # [n, T]
+        total = total + coef * aggregate_sum(term, mb.mask, s.agg_mode, s.norm_len) / denom
+    return total
 
 
 def _ratio_spread(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor):
@@ -201,6 +221,8 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     values are computed from a detached backbone, so only critic-only weights move.
     """
     model.train()
+    if s.mask_truncated:     # DAPO's overlong filtering; the advantages were computed before
+        batch = batch.replace(mask=batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype))
     records: Dict[str, List[torch.Tensor]] = {}
     shuffle = s.epochs * s.minibatches > 1
     row_len = batch.mask.sum(-1).long().cpu()          # [N]; host syncs once per rollout
@@ -216,7 +238,10 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
             # A non-finite loss (on any rank) skips this optimizer step on every rank: one
             # host sync per optimizer step, the only one in the update.
             bad = (~torch.isfinite(metrics["policy/loss"] + metrics.get("value/loss", 0.0))).float()
-            if bool(backend.all_reduce(bad.reshape(1), "max").item()):
+            if s.mask_truncated and not bool(backend.all_reduce(mb.mask.sum().reshape(1), "sum").item()):
+                backend.zero_grad()                  # every row truncated: no step (Adam would move)
+                metrics["optim/grad_norm"] = torch.zeros(())
+            elif bool(backend.all_reduce(bad.reshape(1), "max").item()):
                 backend.zero_grad()
                 metrics["optim/grad_norm"] = torch.tensor(float("nan"))
             else:

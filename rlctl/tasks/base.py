@@ -77,6 +77,7 @@ register_task = TASKS.register
 PROMPT_FORMATS = ("raw", "chat")
 ON_REWARD_ERROR = ("zero", "raise")
 RESERVED_REWARD_NAMES = ("mean", "std", "errors", "timeouts", "frac_zero_std_groups")
+LONG_PROMPTS = ("skip", "truncate_left", "error")   # rlctl.tasks.long_prompts
 
 
 @dataclass
@@ -86,6 +87,7 @@ class TaskOptions:
     system_prompt: Optional[str] = None   # chat only
     reward_timeout_s: Optional[float] = 60.0  # per batch; 0/None: in-process, no limit
     on_reward_error: str = "zero"         # zero: score 0 and count; raise: stop the run
+    long_prompts: str = "skip"            # prompts over rollout.max_prompt_tokens: skip | truncate_left | error
 
 
 COMMON_OPTIONS = tuple(TaskOptions.__dataclass_fields__)
@@ -98,6 +100,9 @@ def check_options(opts: TaskOptions) -> TaskOptions:
     if opts.on_reward_error not in ON_REWARD_ERROR:
         raise ValueError(f"invalid task.on_reward_error '{opts.on_reward_error}'; valid: "
                          f"{', '.join(ON_REWARD_ERROR)}")
+    if opts.long_prompts not in LONG_PROMPTS:
+        raise ValueError(f"invalid task.long_prompts '{opts.long_prompts}'; valid: "
+                         f"{', '.join(LONG_PROMPTS)}")
     t = opts.reward_timeout_s
     if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or t < 0
                           or not math.isfinite(t)):
@@ -153,7 +158,8 @@ def build_task(name: str, **options) -> Task:
 
 
 # ---- chat prompts ----------------------------------------------------------------------
-RAW_PROMPT = "_raw_prompt"   # Example.fields key: the prompt before the chat template
+RAW_PROMPT = "_raw_prompt"   # Example.fields key: the prompt before the chat template (or truncation)
+SOURCE = "_source"           # Example.fields key: where the prompt came from, e.g. "d.jsonl:3"
 
 
 def chat_messages(prompt: Any, system_prompt: Optional[str]) -> List[Dict[str, str]]:

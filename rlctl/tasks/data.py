@@ -25,7 +25,7 @@ import random
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from rlctl.tasks.base import RAW_PROMPT, register_task, task_options
+from rlctl.tasks.base import RAW_PROMPT, SOURCE, register_task, task_options
 from rlctl.tasks.scoring import describe_sample
 from rlctl.errors import DataError, RewardError
 from rlctl.tasks.rewards import RewardFn, parse_rewards
@@ -241,7 +241,7 @@ class DataTask:
         if self.prompt_field not in row:
             raise DataError(f"{key}: {where} has no '{self.prompt_field}' (task.prompt_field)")
         prompt = row[self.prompt_field]
-        fields = {f: row.get(f) for f in self.field_names}
+        fields = {**{f: row.get(f) for f in self.field_names}, SOURCE: where}
         size = len(prompt) if isinstance(prompt, str) else len(json.dumps(prompt, default=str))
         if size > MAX_PROMPT_CHARS:
             raise DataError(f"{key}: {where}: the prompt has {size} characters, more than the "
@@ -274,7 +274,7 @@ class DataTask:
     # -- rewards -------------------------------------------------------------------
     @staticmethod
     def _args(example: Example):
-        fields = {k: v for k, v in example.fields.items() if k != RAW_PROMPT}
+        fields = {k: v for k, v in example.fields.items() if k not in (RAW_PROMPT, SOURCE)}
         return example.fields.get(RAW_PROMPT, example.prompt), fields
 
     def reward_components(self, example: Example, completion: str) -> Dict[str, float]:
