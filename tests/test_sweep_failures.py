@@ -141,7 +141,6 @@ def test_table_uses_one_column_per_key_when_it_fits(monkeypatch, capsys, tmp_pat
 
 
 def test_ctrl_c_stops_the_sweep_and_keeps_what_finished(monkeypatch, tmp_path):
-    import rlctl.engine.run as run_mod
     calls = []
 
     def fake_training(overrides, recipe=None, resume=None):
@@ -150,7 +149,7 @@ def test_ctrl_c_stops_the_sweep_and_keeps_what_finished(monkeypatch, tmp_path):
             raise KeyboardInterrupt
         return {"run_dir": str(tmp_path / "r1"), "eval_end": {"eval/exact_match": 0.5}, "train_seconds": 1.0}
 
-    monkeypatch.setattr(run_mod, "run_training", fake_training)
+    monkeypatch.setattr(sweep, "run_training", fake_training)
     with pytest.raises(KeyboardInterrupt):
         sweep.run_sweep(["trainer.lr=0.1,0.2,0.3"], None, output_dir=str(tmp_path))
     assert len(calls) == 2                                        # the third never started
@@ -159,7 +158,6 @@ def test_ctrl_c_stops_the_sweep_and_keeps_what_finished(monkeypatch, tmp_path):
 
 
 def test_a_training_fault_fails_the_sweep_with_exit_1_after_the_rest(monkeypatch, tmp_path, capsys):
-    import rlctl.engine.run as run_mod
     from rlctl.errors import TrainingFault
     calls = []
 
@@ -169,7 +167,7 @@ def test_a_training_fault_fails_the_sweep_with_exit_1_after_the_rest(monkeypatch
             raise TrainingFault("stopped at step 3: non-finite loss")
         return {"run_dir": str(tmp_path / "r"), "eval_end": {}, "train_seconds": 1.0}
 
-    monkeypatch.setattr(run_mod, "run_training", fake_training)
+    monkeypatch.setattr(sweep, "run_training", fake_training)
     with pytest.raises(TrainingFault, match=r"^1 of 2 sweep jobs failed \(trainer.lr=0.1\)"):
         sweep.run_sweep(["trainer.lr=0.1,0.2"], None, output_dir=str(tmp_path))
     assert len(calls) == 2

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
 # (what the scorer scored, what a run whose every call failed means)
 _KINDS = (("reward", "training", "the policy was trained on all-zero rewards"),
           ("eval_reward", "held-out eval", "the eval/* metrics say nothing about the policy"))
@@ -33,16 +37,11 @@ def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0
 def reward_summary(scorers: Sequence[Any], backend) -> Dict[str, Any]:
     """``reward_report`` of the (training, eval) RewardScorers, counts summed over ranks
     (a collective: every rank calls it)."""
-    import torch
-
     counts = torch.tensor([[float(s.calls), float(s.errors), float(s.timeouts)] for s in scorers])  # [2, 3]
     return reward_report(*backend.all_reduce(counts, "sum").tolist())
 
 
 def print_summary(summary: Dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="rlctl run summary", show_header=True)
     table.add_column("metric")
     table.add_column("start", justify="right")

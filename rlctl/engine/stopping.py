@@ -15,6 +15,8 @@ import sys
 import threading
 from typing import Callable, Optional
 
+import torch
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -65,6 +67,4 @@ class StopFlag:
         on). A collective with several ranks: each calls it at the same step boundary."""
         if backend.world_size == 1:
             return self.signum
-        import torch
-
         return int(backend.all_reduce(torch.tensor([float(self.signum)]), "max").item())

@@ -25,6 +25,15 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from rich.cells import cell_len
+from rich.console import Console
+from rich.table import Table
+
+from rlctl.compose import compose
+from rlctl.engine.entries import check_entries
+from rlctl.engine.run import run_training
 from rlctl.errors import ConfigError, TrainingFault, UserError, user_message
 
 METRICS = ("eval/exact_match", "eval/reward", "eval/length_mean")
@@ -35,8 +44,6 @@ HEADERS = {"eval/exact_match": "exact_match", "eval/reward": "reward",
 
 def expand(overrides: Sequence[str]) -> List[List[str]]:
     """The jobs of a sweep: each a plain override list (ConfigError on bad syntax)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
@@ -73,8 +80,6 @@ def _curve(run_dir: Path) -> List[tuple]:
 def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optional[str] = None) -> Dict:
     """Run every job; raise UserError (every failure was bad input: exit 2) or
     TrainingFault (exit 1) at the end if any job failed, after the table and files."""
-    from rlctl.compose import compose
-    from rlctl.engine.entries import check_entries
 
     jobs = expand(overrides)
     for job in jobs:                     # validate every cell before the first one runs
@@ -101,7 +106,6 @@ def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optio
 def _run_job(pos: str, job: List[str], swept: List[str], sweep_dir: Path,
              recipe: Optional[str]) -> Dict:
     """One job of the sweep: its result row, ``status`` "ok" or "failed" (+ ``error``)."""
-    from rlctl.engine.run import run_training
 
     label = " ".join(_pick(job, swept, skip_seed=False)) or "(one job)"
     print(f"[sweep {pos}] {label}", flush=True)
@@ -210,7 +214,6 @@ def _metric_cells(row: Dict) -> List[str]:
 
 def _natural_width(t) -> int:
     """The width a borderless table needs with no cell wrapped or cut."""
-    from rich.cells import cell_len
 
     widths = [max([cell_len(str(c.header))] + [cell_len(str(x)) for x in c.cells]) for c in t.columns]
     return sum(widths) + 2 * (len(widths) - 1)
@@ -218,7 +221,6 @@ def _natural_width(t) -> int:
 
 def _table(title: str, first: Dict[str, str], rows: List[List[str]]):
     """A borderless table: ``first`` columns (header -> overflow) then runs and metrics."""
-    from rich.table import Table
 
     t = Table(title=title, box=None, padding=(0, 1), pad_edge=False, title_justify="left")
     for head, overflow in first.items():
@@ -236,7 +238,6 @@ def print_table(table: List[Dict], sweep_dir: Path, keys: Sequence[str] = (),
     """One column per swept key (headed by its shortest unique suffix, the full keys
     listed above) when that fits the terminal; else numbered cells with a legend line
     each above the table. Either way no value is cut."""
-    from rich.console import Console
 
     console = Console()
     title = "sweep: final held-out eval/* metrics, mean±std over seeds"
@@ -262,7 +263,7 @@ def print_table(table: List[Dict], sweep_dir: Path, keys: Sequence[str] = (),
 
 
 def plot(results: List[Dict], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional and slow to import (~1 s): only when a sweep is plotted
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
