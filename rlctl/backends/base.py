@@ -191,16 +191,49 @@ class Backend:
                 dist.destroy_process_group()
 
 
+class BF16Autocast(torch.nn.Module):
+    """The training module under ``hardware.precision=bf16`` on the torch backend: its
+    forward runs in ``torch.autocast(bfloat16)`` (matmuls in bf16, reductions and norms as
+    autocast keeps them), while the weights, their gradients and AdamW's state stay in the
+    wrapped model's own dtype (float32 by default: the fp32 master weights of mixed
+    precision, Micikevicius et al., 2018). bf16 keeps fp32's exponent range, so no loss
+    scaling is needed. Attributes the engine reads (config, train/eval, adapters) pass through."""
+
+    def __init__(self, module: torch.nn.Module, device_type: str):
+        super().__init__()
+        self.module, self.device_type = module, device_type
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
 @register_backend("torch")
 class TorchBackend(Backend):
     """Plain torch; with several processes, gloo (CPU) or nccl (GPU) all-reduce of grads.
-    ``zero_stage``, ``precision`` and ``deepspeed_config`` are DeepSpeed's (ignored)."""
+    ``precision``: fp32, or bf16 (autocast forward, `BF16Autocast`); ``zero_stage`` and
+    ``deepspeed_config`` are DeepSpeed's (ignored)."""
 
     def __init__(self, device: str = "cpu", zero_stage: int = 0, precision: str = "fp32",
                  deepspeed_config: Optional[str] = None):
         super().__init__(device)
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"hardware.precision must be fp32 or bf16; got {precision!r}")
+        self.precision = precision
         if self.world_size > 1:
             init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    def prepare(self, model, critic, *args, **kwargs):
+        """As `Backend.prepare`; under bf16 the returned module autocasts its forward
+        (``unwrap`` and checkpoints still see the plain model)."""
+        module = super().prepare(model, critic, *args, **kwargs)
+        return BF16Autocast(module, self.device.type) if self.precision == "bf16" else module
 
 
 def build_backend(name: str, device: str, zero_stage: int = 0, precision: str = "fp32",

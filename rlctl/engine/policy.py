@@ -91,7 +91,11 @@ def enable_gradient_checkpointing(model) -> None:
     if not getattr(inner, "supports_gradient_checkpointing", False):
         raise ValueError(f"model.gradient_checkpointing: {type(inner).__name__} does not support "
                          "gradient checkpointing; set model.gradient_checkpointing=false")
-    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(inner, "activation_checkpointing_enable", None)   # transformers >= 5.x name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _checkpointing_now(model) -> bool:

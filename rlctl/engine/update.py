@@ -14,6 +14,8 @@ micro-batch contributes ``aggregate_sum(...) / agg_denominator(minibatch mask)``
 its share of the numerator over the *minibatch's* denominator (token count, or count of
 non-empty rows, times norm_len for seq-mean-token-sum-norm), so the summed gradient
 equals the gradient of the minibatch aggregate (tested against the full-batch loss).
+Micro-batches are rows (``micro_batch_size``) or a padded-token budget
+(``micro_batch_tokens``, `micro_batches`), or both.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class UpdateSettings:
     temperature: float
     clip_ratio_c: Optional[float] = None
     micro_batch_size: int = 0              # sequences per forward; 0: the whole minibatch
+    micro_batch_tokens: int = 0            # padded tokens per forward; 0: no token budget
     trim_padding: bool = True              # cut each micro-batch to its longest completion
     share_prompts: bool = True             # one prompt forward per distinct prompt
     vf_coef: float = 0.0
@@ -66,6 +69,7 @@ class UpdateSettings:
                    kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
                    kl_in_loss=algo.kl.placement == "in_loss", max_grad_norm=tr.max_grad_norm,
                    temperature=cfg.rollout.temperature, micro_batch_size=tr.micro_batch_size,
+                   micro_batch_tokens=tr.micro_batch_tokens,
                    vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share_prompts,
                    terms=tuple(active_terms({"entropy": algo.get("entropy_coef", 0.0)})),
                    mask_truncated=bool(algo.get("mask_truncated", False)))
@@ -80,6 +84,29 @@ class UpdateState:
 
 def _chunks(rows: torch.Tensor, size: int) -> List[torch.Tensor]:
     return [rows] if size <= 0 or size >= rows.numel() else list(rows.split(size))
+
+
+def micro_batches(row_len: torch.Tensor, prompt_len: int, size: int = 0, tokens: int = 0,
+                  width: Optional[int] = None) -> List[torch.Tensor]:
+    """Row indices (CPU) of each micro-batch: at most ``size`` rows (0: any number) and at
+    most ``tokens`` padded tokens, rows x (prompt_len + longest completion among them)
+    (0: no budget). ``row_len`` [n]: counted completion lengths; ``width``: the completion
+    width every micro-batch keeps (None: trimmed to its longest row). Rows are taken
+    longest first, so similar lengths share a micro-batch; a row is never split, so one
+    longer than the budget alone is a micro-batch by itself."""
+    rows = torch.arange(row_len.numel())
+    if tokens <= 0:
+        return _chunks(rows, size)
+    out: List[List[int]] = []
+    for r in torch.argsort(row_len, descending=True, stable=True).tolist():
+        if out:
+            w = width if width is not None else max(int(row_len[out[-1][0]]), 1)   # its longest row
+            fits = (len(out[-1]) + 1) * (prompt_len + w) <= tokens
+            if fits and (size <= 0 or len(out[-1]) < size):
+                out[-1].append(r)
+                continue
+        out.append([r])
+    return [torch.tensor(m, dtype=torch.long) for m in out]
 
 
 def take_rows(batch: RolloutBatch, rows: torch.Tensor, width: Optional[int] = None) -> RolloutBatch:
@@ -112,7 +139,8 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     sums: Dict[str, torch.Tensor] = {}       # token-weighted metric sums
     exact: Dict[str, torch.Tensor] = {}      # loss terms: micro-batch shares add up exactly
     peak: Dict[str, torch.Tensor] = {}       # maxima over micro-batches
-    for rows in _chunks(torch.arange(batch.num_sequences), s.micro_batch_size):   # CPU rows
+    for rows in micro_batches(row_len, batch.prompt_len, s.micro_batch_size, s.micro_batch_tokens,
+                              None if s.trim_padding else batch.mask.shape[1]):   # CPU rows
         width = max(int(row_len[rows].max()), 1) if s.trim_padding else None
         mb = take_rows(batch, rows, width)                                    # [n, P + width]
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
