@@ -10,6 +10,7 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlctl.engine.policy import enable_gradient_checkpointing
 from rlctl.errors import UserError
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora, reference_for
@@ -117,6 +118,11 @@ def model_from_config(cfg: DictConfig):
             raise UserError(f"model.lora: {exc}") from None
         if cfg.algo.kl.coef > 0:   # the base with the adapter disabled: no second copy
             ref_model = reference_for(model)
+    if cfg.model.get("gradient_checkpointing", False):   # model.gradient_checkpointing
+        try:
+            enable_gradient_checkpointing(model)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     model, critic = attach_critic(model, cfg.algo.critic)
     if critic is not None and (cfg.algo.critic_init or "policy") == "reward_model":
         critic = _critic_from_reward_model(cfg, tokenizer)
