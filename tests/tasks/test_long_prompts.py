@@ -168,3 +168,15 @@ def test_group_size_one_warning(overrides, warns):
     if warns:
         assert message.startswith(f"algo.group_size=1 with algo.advantage={algo.advantage}: ")
         assert "\n" not in message
+
+
+def test_train_warns_once_for_group_size_one_and_trains(tmp_path):
+    args = ["train", f"run.output_dir={tmp_path}", "trainer.steps=1", "trainer.eval_every=0",
+            "trainer.prompts_per_step=2", "algo.group_size=1", "logger=jsonl", "run.save_model=false"]
+    out = subprocess.run([RLCTL, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline"))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert _lines(out.stderr, "warning") == [
+        "rlctl: warning: algo.group_size=1 with algo.advantage=grpo: a group-relative advantage "
+        "compares a completion with the others of its group, so every advantage is 0 and the "
+        "policy does not learn; use algo.group_size >= 2"]
