@@ -7,7 +7,7 @@ import torch
 
 ROW_KEYS = {"group", "sample", "split", "prompt_index", "prompt", "completion", "token_ids",
             "logprobs", "logprob_sum", "length", "ended_with_eos", "truncated",
-            "max_new_tokens", "eos_token_id", "reward", "rewards", "correct"}
+            "max_new_tokens", "eos_token_id", "stop_token_ids", "reward", "rewards", "correct"}
 
 
 def _rows(path):
