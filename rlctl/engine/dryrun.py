@@ -6,8 +6,12 @@ DeepSpeed ZeRO's partitioning (stage 1: optimizer state / N, 2: + gradients / N,
 3: + weights / N), the reference model (a full frozen copy; none with LoRA, whose
 reference is the base with the adapter disabled, nor when algo.kl.coef = 0), and a rough
 activation term for one micro-batch (about 16 values per hidden unit, layer and token,
-kept for backward). Real peaks also include the allocator, generation's KV cache and
-Python; treat the total as a lower bound.
+kept for backward), generation's key/value cache for a rank's rows, and the logits: with
+the fused learner path (rlctl/engine/policy.py) two reused chunk buffers of
+``CHUNK_ELEMENTS`` floats plus one decoding step's [n, V] logits in the sampler; on the
+full-logits fallback about 4 x tokens x V floats (logits, log-softmax, their gradients).
+Real peaks also include the allocator, the framework's own buffers and Python; the
+README's Memory section states how far this is from measured runs.
 """
 from __future__ import annotations
 
@@ -15,10 +19,12 @@ from typing import Dict, List
 
 from omegaconf import DictConfig
 
+from rlctl.core.logprobs import CHUNK_ELEMENTS
+
 
 def memory_estimate(cfg: DictConfig, trainable: int, total: int, hidden: int, layers: int,
-                    ) -> Dict[str, float]:
-    """Bytes per rank by component."""
+                    vocab: int = 0, fused: bool = True) -> Dict[str, float]:
+    """Bytes per rank by component (``fused``: log-probs from hidden states in chunks)."""
     hw, world = cfg.hardware, cfg.hardware.num_processes
     b = 2 if hw.backend == "deepspeed" and hw.precision == "bf16" else 4
     stage = hw.zero_stage if hw.backend == "deepspeed" else 0
@@ -33,6 +39,8 @@ def memory_estimate(cfg: DictConfig, trainable: int, total: int, hidden: int, la
     micro = cfg.trainer.micro_batch_size or n // cfg.algo.minibatches
     tokens = micro * (16 + cfg.rollout.max_new_tokens)   # a short prompt + the completion budget
     out["activations (rough)"] = 16.0 * tokens * hidden * layers * b
+    out["generation KV cache"] = 2.0 * layers * n * (16 + cfg.rollout.max_new_tokens) * hidden * b
+    out["logits"] = (2.0 * CHUNK_ELEMENTS * 4 + n * vocab * 4) if fused else 4.0 * tokens * vocab * 4
     return out
 
 
@@ -69,7 +77,9 @@ def dry_run(cfg: DictConfig) -> List[str]:
         resident.append((f"reference ({what})", "0" if ref is not None else f"{ptotal:,}", "0"))
     passes = cfg.algo.epochs * cfg.algo.minibatches
     needs_old = needs_old_forward(cfg.algo)
-    est = memory_estimate(cfg, pt + ct, ptotal + ctotal, hidden, layers)
+    from rlctl.engine.policy import fused_head
+    est = memory_estimate(cfg, pt + ct, ptotal + ctotal, hidden, layers,
+                          getattr(conf, "vocab_size", 0) or 0, fused_head(model) is not None)
     console = Console()
     table = Table(title="rlctl dry run: resident models")
     for col in ("model", "parameters", "trainable"):
