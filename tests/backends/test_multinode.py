@@ -183,7 +183,7 @@ def test_own_launcher_two_nodes_kill_one_then_resume(tmp_path):
     SIGKILL) after the first checkpoint: node 0 stops with one line naming the newest
     checkpoint within hardware.dist_timeout_s, that checkpoint is whole, and --resume on
     both nodes continues to the end with every step logged once."""
-    run, port, steps = tmp_path / "job", free_port(), 12
+    run, port, steps = tmp_path / "job", free_port(), 8
     args = [*TINY_RUN, f"trainer.steps={steps}", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
             f"run.dir={run}", "hardware.dist_timeout_s=20"]
     node0, node1 = _own_node(0, port, *args), _own_node(1, port, *args)
