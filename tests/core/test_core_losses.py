@@ -7,7 +7,7 @@ import torch
 from rlctl.core import (AGG_MODES, get_policy_loss, ppo_clip_loss, ppo_clip_per_token,
                         token_logprobs, vanilla_pg_loss, value_loss)
 
-# Seed 002, "手算 PPO 裁剪 (eps = 0.2)": (A, rho, min-objective, gradient flows?)
+# PPO clipping worked by hand (eps = 0.2): (A, rho, min-objective, gradient flows?)
 PPO_TABLE = [(+2.0, 1.1, 2.2, True), (+2.0, 1.5, 2.4, False),
              (-1.0, 0.6, -0.8, False), (-1.0, 1.5, -1.5, True)]
 
@@ -59,7 +59,7 @@ def test_ppo_seed_self_test_and_asymmetric_clip():
 
 
 def _reinforce_grads(baseline):
-    """Per-action gradient of the objective (minus the loss gradient) for the seed bandit."""
+    """Per-action gradient of the objective (minus the loss gradient) for the 3-action bandit."""
     grads = []
     for a in range(3):
         logits = torch.zeros(3, dtype=torch.float64, requires_grad=True)
