@@ -53,6 +53,7 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
     """The reward models of ``task.reward_model`` / ``{model: ...}`` entries of
     ``task.rewards`` (None without); ``opts`` is left with what the task itself takes."""
     rm, norm, clip = (opts.pop(k, None) for k in LEARNED_KEYS)
+    rm = _resolve_reward_model(rm)
     entries = model_entries(opts.get("rewards"))
     rules = [r for r in opts.get("rewards") or [] if not any(r is e for _, e in entries)]
     if entries and not rules and not _takes_rewards(cfg.task.name):
@@ -66,6 +67,15 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
                          "needs hardware.num_processes=1 and trainer.async_rollout.enabled=false")
     _check_critic_init(cfg, learned)
     return learned
+
+
+def _resolve_reward_model(path):
+    """``task.reward_model=tiny``: the embedded sorting reward model, built and cached on
+    first use (``rlctl.models.tiny_reward``); any other value is a directory."""
+    if path != "tiny":
+        return path
+    from rlctl.models.tiny_reward import tiny_reward_model_dir   # builds ~10 s on first use
+    return str(tiny_reward_model_dir())
 
 
 def _check_critic_init(cfg: DictConfig, learned) -> None:
