@@ -25,7 +25,7 @@ from rlctl.commands.audit import audit_rollout
 from rlctl.commands.audit_print import print_audit
 from rlctl.commands.files import is_run_dir, write_json
 from rlctl.commands.fmt import MISSING, flatten, show
-from rlctl.commands.plots import plot_compare, plot_run, series
+from rlctl.commands.plots import plot_compare, plot_proxy_gold, plot_run, series
 from rlctl.compose import compose
 from rlctl.errors import UserError
 from rlctl.sinks.jsonl import read_jsonl
@@ -222,8 +222,20 @@ def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
               "metrics": metric_summary(run.rows), "plots": [], "plots_skipped": []}
     if plots and run.rows:
         written, skipped = plot_run(run.rows, _ensure_dir(out_dir or path))
-        report["plots"], report["plots_skipped"] = [str(p) for p in written], skipped
+        extra = plot_proxy_gold(run.rows, proxy_keys(run.config),
+                                (out_dir or path) / "inspect_proxy_gold.png")
+        report["plots"], report["plots_skipped"] = [str(p) for p in written + [extra] if p], skipped
     return report
+
+
+def proxy_keys(config: Dict[str, Any]) -> List[str]:
+    """The metrics of a run's reward-model scores: ``reward/<name>`` (name defaults to
+    ``reward_model``, as rlctl.tasks.reward_model names it), and the held-out
+    ``eval/reward`` when ``task.reward_model`` alone trains."""
+    if config.get("task.reward_model"):
+        return ["reward/reward_model", "eval/reward"]
+    entries = [e for e in config.get("task.rewards") or [] if isinstance(e, dict) and "model" in e]
+    return [f"reward/{e.get('name') or 'reward_model'}" for e in entries]
 
 
 def _labels(paths: Sequence[Path]) -> List[str]:

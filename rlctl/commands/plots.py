@@ -132,3 +132,47 @@ def plot_compare(runs: Dict[str, Sequence[dict]], out_dir: Path,
         ax.legend(fontsize=7)
         written.append(_save(plt, fig, out_dir / f"{prefix}{stem}.png"))
     return written, skipped
+
+
+GOLD_KEYS = ("reward/exact", "eval/exact_match")   # the task's own check, logged beside a proxy
+KL_KEYS = ("kl/k1", "policy/kl_ref")
+
+
+def plot_proxy_gold(rows: Sequence[dict], proxy_keys: Sequence[str], path: Path):
+    """Proxy (reward-model) score and gold reward of one run, over steps and against
+    KL(pi||ref): the picture of reward over-optimisation. None when the run lacks a
+    proxy series or every gold series."""
+    proxies = [k for k in proxy_keys if series(rows, k)[0]]
+    golds = [k for k in GOLD_KEYS if series(rows, k)[0]]
+    if not proxies or not golds:
+        return None
+    kl_key = next((k for k in KL_KEYS if series(rows, k)[0]), None)
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2 if kl_key else 1, figsize=(11 if kl_key else 6.4, 4.0),
+                             squeeze=False)
+    _proxy_gold_axes(axes[0][0], rows, proxies, golds, "step", lambda r: r["step"])
+    if kl_key:
+        kl_at = {r["step"]: r[kl_key] for r in rows if isinstance(r.get(kl_key), (int, float))}
+        _proxy_gold_axes(axes[0][1], [r for r in rows if r["step"] in kl_at], proxies, golds,
+                         f"{kl_key} (KL(pi||ref) per token)", lambda r: kl_at[r["step"]])
+    fig.suptitle("Proxy (reward model) vs gold (task's own check)", fontsize=10)
+    return _save(plt, fig, path)
+
+
+def _proxy_gold_axes(ax, rows, proxies, golds, xlabel, x_of) -> None:
+    twin = ax.twinx()
+    for i, (axis, keys) in enumerate(((ax, proxies), (twin, golds))):
+        for j, key in enumerate(keys):
+            pts = sorted((x_of(r), float(r[key])) for r in rows
+                         if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool))
+            style = "o-" if key.startswith("eval/") else "-"
+            axis.plot([p[0] for p in pts], [p[1] for p in pts], style, markersize=3,
+                      color=f"C{2 * i + j}", label=key, alpha=0.9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("proxy score")
+    twin.set_ylabel("gold (fraction correct)")
+    twin.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = twin.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7)
