@@ -121,3 +121,48 @@ def test_no_references_outside_the_repository():
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if banned.search(line)]
     assert not hits, "references to files outside the repository:\n" + "\n".join(hits)
+
+
+# Imports inside functions hide the dependency graph. Allowed only (a) in the CLI's lazy
+# boundary, which keeps `rlctl --help` from importing torch, and (b) for heavy optional
+# dependencies, each with a comment on its line saying why.
+LAZY_BOUNDARY = {"rlctl.cli", "rlctl.commands.app", "rlctl.commands.reward_model_cmd"}
+OPTIONAL_HEAVY = {"deepspeed", "peft", "wandb", "matplotlib", "pyarrow", "math_verify",
+                  "transformers", "torch", "typer"}
+
+
+def function_level_imports(path: Path):
+    """(line number, top-level module name, has a comment) of each import inside a function."""
+    src = path.read_text()
+    lines = src.splitlines()
+    found = {}
+    for fn in ast.walk(ast.parse(src)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    name = node.names[0].name
+                elif isinstance(node, ast.ImportFrom):
+                    name = node.module or "" if node.level == 0 else "rlctl"
+                else:
+                    continue
+                found[node.lineno] = (name.split(".")[0], "#" in lines[node.lineno - 1])
+    return [(n, top, commented) for n, (top, commented) in sorted(found.items())]
+
+
+def test_function_level_imports_only_where_allowed():
+    bad = []
+    for mod, path in _modules().items():
+        if mod in LAZY_BOUNDARY:
+            continue
+        for line, top, commented in function_level_imports(path):
+            if top not in OPTIONAL_HEAVY or (not commented and top in ("transformers", "torch", "typer")):
+                bad.append(f"{path.relative_to(PKG.parent)}:{line} ({top})")
+    assert not bad, "imports inside functions (move them to the top, or comment why): " + ", ".join(bad)
+
+
+def test_function_level_import_rule_can_fail(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from rlctl.engine import run\n    import torch\n"
+                   "    import peft\n    import torch  # needs CUDA only\n")
+    assert function_level_imports(src) == [(2, "rlctl", False), (3, "torch", False),
+                                           (4, "peft", False), (5, "torch", True)]

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Dict, List, Optional
 
+import torch
+import torch.distributed as dist
+
 from rlctl.errors import UserError
 
 _KEY = "rlctl/run_dir"
@@ -101,8 +104,6 @@ def _checked(group: Group) -> Group:
 
 def join(group: Group, device: str, timeout_s: float) -> None:
     """Export ``group`` to this process's environment and join it (gloo, nccl on CUDA)."""
-    import torch
-    import torch.distributed as dist
 
     os.environ.update(group.env())
     if dist.is_initialized():
@@ -126,7 +127,6 @@ def join(group: Group, device: str, timeout_s: float) -> None:
 def share(group: Group, value: Optional[str], error: Optional[str] = None) -> str:
     """Rank 0 passes ``value`` (or its ``error`` line) to every rank; the others wait for it
     within the group's timeout and raise that error as theirs."""
-    import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
     if group.rank == 0:

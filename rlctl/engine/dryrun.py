@@ -18,8 +18,16 @@ from __future__ import annotations
 from typing import Dict, List
 
 from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
 
 from rlctl.core.logprobs import CHUNK_ELEMENTS
+from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
+from rlctl.engine.entries import check_entries
+from rlctl.engine.policy import fused_head
+from rlctl.engine.trainer import needs_old_forward
+from rlctl.models.lora import count_parameters
+from rlctl.rollout.sampler import check_training_sampling
 
 
 def memory_estimate(cfg: DictConfig, trainable: int, total: int, hidden: int, layers: int,
@@ -46,15 +54,7 @@ def memory_estimate(cfg: DictConfig, trainable: int, total: int, hidden: int, la
 
 def dry_run(cfg: DictConfig) -> List[str]:
     """Build the models as `train` would, print the plan; returns the printed lines."""
-    from rich.console import Console
-    from rich.table import Table
 
-    from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
-    from rlctl.engine.entries import check_entries
-    from rlctl.engine.trainer import needs_old_forward
-    from rlctl.models.lora import count_parameters
-
-    from rlctl.rollout.sampler import check_training_sampling
 
     quiet_libraries(cfg)
     check_entries(cfg)
@@ -77,7 +77,6 @@ def dry_run(cfg: DictConfig) -> List[str]:
         resident.append((f"reference ({what})", "0" if ref is not None else f"{ptotal:,}", "0"))
     passes = cfg.algo.epochs * cfg.algo.minibatches
     needs_old = needs_old_forward(cfg.algo)
-    from rlctl.engine.policy import fused_head
     est = memory_estimate(cfg, pt + ct, ptotal + ctotal, hidden, layers,
                           getattr(conf, "vocab_size", 0) or 0, fused_head(model) is not None)
     console = Console()

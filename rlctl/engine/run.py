@@ -7,21 +7,44 @@ sinks, train, and (rank 0) save the model and ``summary.json``.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import resource
+import shlex
+import shutil
 import time
 from pathlib import Path
 from typing import List, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlctl.backends import tcp_group
+from rlctl.backends.base import build_backend
+from rlctl.backends.launch import launch, launch_node, leave_with_launcher, node_argv
 from rlctl.compose import compose
+from rlctl.engine import checkpoint, rundir
 from rlctl.engine.async_rollout import build_source
-from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
+from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
+from rlctl.engine.checks import warn_config
 from rlctl.engine.entries import check_entries
+from rlctl.engine.prompt_budget import bind_task
+from rlctl.engine.report import print_summary, reward_summary
+from rlctl.engine.stopping import StopFlag
 from rlctl.engine.trainer import Trainer
-from rlctl.errors import Interrupted, UserError
+from rlctl.errors import (
+    ActorFailed,
+    Interrupted,
+    LaunchError,
+    TrainingFault,
+    UserError,
+    user_message,
+)
+from rlctl.models.loading import check_source
+from rlctl.models.lora import count_parameters
+from rlctl.rollout.sampler import check_training_sampling
+from rlctl.sinks import NullSink, build_sinks
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:
@@ -42,7 +65,6 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
 
 def _resume_point(run_dir: Path, backend) -> Path:
     """The newest checkpoint; rank 0 drops the metric lines logged after it."""
-    from rlctl.engine import checkpoint
 
     resume_from = checkpoint.latest_checkpoint(run_dir)
     if resume_from is None:
@@ -56,7 +78,6 @@ def _resume_point(run_dir: Path, backend) -> Path:
 
 def _sink(cfg: DictConfig, run_dir: Path, backend):
     """Metric sinks on rank 0 (the others log nothing)."""
-    from rlctl.sinks import NullSink, build_sinks
 
     if not backend.is_main:
         return NullSink()
@@ -68,7 +89,6 @@ def _sink(cfg: DictConfig, run_dir: Path, backend):
 
 def _save_model(cfg: DictConfig, backend, run_dir: Path, policy, critic, tokenizer, summary: dict) -> None:
     """The final policy (the adapter for LoRA) and a separate critic, written by rank 0."""
-    from rlctl.engine import rundir
 
     lora = bool(cfg.model.lora.enabled)
     with backend.gathered(policy):
@@ -85,9 +105,7 @@ def _on_local_gpu(cfg: DictConfig) -> DictConfig:
     """With several ranks on GPUs, each uses cuda:LOCAL_RANK (its launcher's local index)."""
     if cfg.hardware.device != "cuda" or int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return cfg
-    import copy
 
-    import torch
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -101,12 +119,7 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
     """Train on this rank; rank 0 saves and returns the summary (other ranks: None).
     ``stop``: the StopFlag the loop checks; ``on_step(step, metrics)`` after each step."""
     quiet_libraries(cfg)
-    import torch
 
-    from rlctl.backends.base import build_backend
-    from rlctl.engine import rundir
-    from rlctl.engine.report import reward_summary
-    from rlctl.models.lora import count_parameters
 
     t0 = time.perf_counter()
     cfg = _on_local_gpu(cfg)
@@ -115,7 +128,6 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
     try:
         task = task_from_config(cfg)
         model, critic, tokenizer, ref_model = model_from_config(cfg)
-        from rlctl.engine.prompt_budget import bind_task
         bind_task(cfg, task, tokenizer, model)   # chat template; prompts kept within the context
         trainable, total = count_parameters(model, critic)
         torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
@@ -163,9 +175,6 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     resume leaves the run untouched, and a new run that fails during set-up (before its
     first step) leaves no directory behind. The run directory is locked for the whole
     run; SIGINT/SIGTERM stop every rank after the same step with a checkpoint saved."""
-    from rlctl.engine import rundir
-    from rlctl.engine.report import print_summary
-    from rlctl.engine.stopping import StopFlag
 
     if resume is not None:
         run_dir = Path(resume)
@@ -177,23 +186,18 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     OmegaConf.resolve(cfg)
     check_entries(cfg)                          # registry names and user entries, likewise
     task_from_config(cfg)                       # bad task options fail before anything is written
-    from rlctl.models.loading import check_source
     try:
         check_source(cfg.model.name, cfg.model.name_or_path)
     except ValueError as exc:
         raise UserError(f"cannot load model: {exc}") from None
-    from rlctl.engine.checks import warn_config
-    from rlctl.rollout.sampler import check_training_sampling
     check_training_sampling(cfg.rollout.top_k)   # refused before a run directory exists
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
-    from rlctl.backends import tcp_group
     group = tcp_group.from_environment(cfg.hardware.master_port)
     stop = StopFlag()
     with stop.installed():
         if group is not None and group.world_size > 1:
             summary = _train_in_group(group, cfg, composed, resume, overrides, stop)
         elif cfg.hardware.nnodes > 1:
-            from rlctl.backends.launch import launch_node, node_argv
             code = launch_node(node_argv(overrides, recipe, resume), cfg.hardware, stop)
             if code:
                 raise SystemExit(code)        # the failed rank printed its own line
@@ -208,7 +212,6 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
 
 def _train_alone(cfg: DictConfig, composed, resume: Optional[str], overrides: List[str], stop) -> dict:
     """This process owns the run: train here or launch hardware.num_processes local ranks."""
-    from rlctl.engine import rundir
 
     run_dir = Path(resume) if resume is not None else rundir.new_run_dir(cfg.run)
     with rundir.RunLock(run_dir):
@@ -224,10 +227,6 @@ def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], ove
     """One rank of a job an external launcher (or rlctl's on several nodes) started: join
     the TCP group; rank 0 makes (or checks) the run directory, holds its lock, writes the
     config and shares the path; every rank trains. Rank 0 returns the summary."""
-    from rlctl.backends import tcp_group
-    from rlctl.backends.launch import leave_with_launcher
-    from rlctl.engine import rundir
-    from rlctl.errors import user_message
 
     _check_group(group, cfg)
     leave_with_launcher()
@@ -274,8 +273,6 @@ def _check_group(group, cfg: DictConfig) -> None:
 def _lost_rank_is_one_line(group, run_dir: Path, train):
     """A collective that fails mid-run (another rank or node died) is one line naming the
     newest checkpoint, not a gloo/NCCL traceback."""
-    from rlctl.engine import checkpoint
-    from rlctl.errors import LaunchError, TrainingFault, ActorFailed
 
     try:
         return train()
@@ -291,9 +288,6 @@ def _lost_rank_is_one_line(group, run_dir: Path, train):
 
 def _train_new(cfg: DictConfig, composed, run_dir: Path, stop, here: bool = False) -> dict:
     """Write the config and train; a failure before step 1 removes the fresh directory."""
-    import shutil
-
-    from rlctl.engine import rundir
 
     done = [0]                                   # steps finished (this process or rank 0)
     try:
@@ -309,14 +303,12 @@ def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, 
                             here: bool = False) -> dict:
     """Train in this process, or launch hardware.num_processes ranks and wait for them.
     ``done[0]`` counts the steps this process saw finish (launched: 1 once any did)."""
-    from rlctl.engine import checkpoint
 
     def on_step(step, values):
         done[0] += 1
     try:
         if here or cfg.hardware.num_processes == 1:
             return train_rank(cfg, run_dir, resume=resume, stop=stop, on_step=on_step)
-        from rlctl.backends.launch import launch
         signum = launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads,
                         resume=resume, stop=stop)
         last = checkpoint.latest_checkpoint(run_dir)
@@ -358,9 +350,6 @@ def _shape_keys(cfg) -> dict:
 
 def _check_resumable(run_dir: Path, cfg: DictConfig, overrides: List[str], world: int) -> None:
     """Refuse (one line) a resume that has nothing to do or cannot load the checkpoint."""
-    import shlex
-
-    from rlctl.engine import checkpoint
 
     last = checkpoint.latest_checkpoint(run_dir)
     if last is None:

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import Composed
 from rlctl.errors import RunDirError
-
+from rlctl.models.lora import save_lora
 
 LOCK_FILE = ".lock"
 
@@ -171,7 +171,6 @@ def save_model(run_dir: Path, model, tokenizer, lora: bool = False, merged: bool
     also the merged full model in ``model/merged``). A PolicyValueModel adds its value head."""
     out = run_dir / "model"
     if lora:
-        from rlctl.models.lora import save_lora
 
         return save_lora(model, out, tokenizer, merged=merged)
     model.save_pretrained(out)

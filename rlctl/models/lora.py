@@ -24,18 +24,13 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every Linear layer except the output head
 
 
 def _linear_types() -> Tuple[type, ...]:
-    types: List[type] = [nn.Linear]
-    try:  # GPT-2 style checkpoints use transformers' Conv1D, which peft also adapts
-        from transformers.pytorch_utils import Conv1D
-        types.append(Conv1D)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(types)
+    return (nn.Linear, Conv1D)   # GPT-2 style checkpoints use transformers' Conv1D; peft adapts both
 
 
 def linear_module_names(model: nn.Module) -> List[str]:

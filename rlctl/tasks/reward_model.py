@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.types import Example
@@ -89,8 +90,6 @@ def _weights_problem(path: Path) -> Optional[str]:
 
 
 def _check_config(path: Path, key: str):
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
@@ -108,8 +107,6 @@ def _check_config(path: Path, key: str):
 
 
 def _load_tokenizer(path: Path, key: str):
-    from transformers import AutoTokenizer
-
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as exc:
@@ -151,8 +148,6 @@ class RewardModel:
     def load(self):
         """The classifier, loaded once (on the device, in its saved dtype, eval mode)."""
         if self.model is None:
-            from transformers import AutoModelForSequenceClassification
-
             device = torch.device(self.device_name)
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
