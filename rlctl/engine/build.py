@@ -14,6 +14,7 @@ from rlctl.engine.policy import enable_gradient_checkpointing
 from rlctl.errors import UserError
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora, reference_for
+from rlctl.models.tiny_reward import tiny_reward_model_dir
 from rlctl.models.value import PolicyValueModel, SeparateCritic
 from rlctl.tasks import TASKS, build_task as _task_from_registry
 from rlctl.tasks.reward_model import (LearnedRewards, attach, build_learned_rewards, check_names,
@@ -74,8 +75,7 @@ def _resolve_reward_model(path):
     first use (``rlctl.models.tiny_reward``); any other value is a directory."""
     if path != "tiny":
         return path
-    from rlctl.models.tiny_reward import tiny_reward_model_dir   # builds ~10 s on first use
-    return str(tiny_reward_model_dir())
+    return str(tiny_reward_model_dir())   # builds ~10 s on first use, then cached
 
 
 def _check_critic_init(cfg: DictConfig, learned) -> None:
