@@ -201,6 +201,19 @@ def test_bad_lora_target_leaves_no_run_directory(tmp_path, ranks):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_set_up_failure_in_the_users_own_run_dir_keeps_their_files(tmp_path):
+    mine = tmp_path / "mydir"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    (mine / "sub" / "data.txt").write_text("also mine")
+    out = _run("train", "trainer.steps=2", *FAST, f"run.dir={mine}", "model.lora.enabled=true",
+               "model.lora.target_modules=[nope]")
+    assert out.returncode == 2
+    assert _one_line(out.stderr).startswith("error: model.lora:")
+    assert sorted(str(p.relative_to(mine)) for p in mine.rglob("*")) == ["notes.txt", "sub", "sub/data.txt"]
+    assert (mine / "notes.txt").read_text() == "mine"
+
+
 # ---- the lock, in-process -----------------------------------------------------------------
 def test_run_lock_refuses_a_live_holder_by_pid_and_takes_over_a_dead_ones(tmp_path):
     from rlctl.engine.rundir import RunLock

@@ -12,7 +12,6 @@ import json
 import os
 import resource
 import shlex
-import shutil
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -213,10 +212,13 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
 def _train_alone(cfg: DictConfig, composed, resume: Optional[str], overrides: List[str], stop) -> dict:
     """This process owns the run: train here or launch hardware.num_processes local ranks."""
 
-    run_dir = Path(resume) if resume is not None else rundir.new_run_dir(cfg.run)
+    if resume is None:
+        run_dir, kept = rundir.new_run_dir(cfg.run)
+    else:
+        run_dir, kept = Path(resume), None
     with rundir.RunLock(run_dir):
         if resume is None:
-            return _train_new(cfg, composed, run_dir, stop)
+            return _train_new(cfg, composed, run_dir, kept, stop)
         _check_resumable(run_dir, cfg, overrides, cfg.hardware.num_processes)
         rundir.write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
         return _train_here_or_launched(cfg, run_dir, True, stop, [0])
@@ -236,7 +238,7 @@ def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], ove
         return _lost_rank_is_one_line(group, run_dir, lambda: train_rank(cfg, run_dir, resume=resume is not None,
                                                                          stop=stop))
     try:
-        run_dir = Path(resume) if resume is not None else rundir.new_run_dir(cfg.run)
+        run_dir, kept = (Path(resume), None) if resume is not None else rundir.new_run_dir(cfg.run)
         lock = rundir.RunLock(run_dir).acquire()
     except Exception as exc:
         tcp_group.share(group, None, error=user_message(exc)[0])
@@ -253,8 +255,8 @@ def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], ove
         if resume is not None:
             return _lost_rank_is_one_line(group, run_dir, lambda: _train_here_or_launched(
                 cfg, run_dir, True, stop, [0], here=True))
-        return _lost_rank_is_one_line(group, run_dir, lambda: _train_new(cfg, composed, run_dir, stop,
-                                                                         here=True))
+        return _lost_rank_is_one_line(group, run_dir, lambda: _train_new(cfg, composed, run_dir, kept,
+                                                                         stop, here=True))
 
 
 def _check_group(group, cfg: DictConfig) -> None:
@@ -286,8 +288,9 @@ def _lost_rank_is_one_line(group, run_dir: Path, train):
                           f"run the same launch with rlctl train --resume {run_dir}") from None
 
 
-def _train_new(cfg: DictConfig, composed, run_dir: Path, stop, here: bool = False) -> dict:
-    """Write the config and train; a failure before step 1 removes the fresh directory."""
+def _train_new(cfg: DictConfig, composed, run_dir: Path, kept, stop, here: bool = False) -> dict:
+    """Write the config and train; a failure before step 1 removes what rlctl wrote
+    (``kept``: see rundir.new_run_dir)."""
 
     done = [0]                                   # steps finished (this process or rank 0)
     try:
@@ -295,7 +298,7 @@ def _train_new(cfg: DictConfig, composed, run_dir: Path, stop, here: bool = Fals
         return _train_here_or_launched(cfg, run_dir, False, stop, done, here)
     except BaseException as exc:
         if not done[0] and getattr(exc, "before_training", True):   # launched: set by LaunchError
-            shutil.rmtree(run_dir, ignore_errors=True)
+            rundir.discard_new(run_dir, kept)
         raise
 
 

@@ -20,9 +20,10 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 import yaml
 from omegaconf import OmegaConf
@@ -118,16 +119,19 @@ def create_run_dir(output_dir: str, name: str) -> Path:
     return path
 
 
-def new_run_dir(run_cfg) -> Path:
+def new_run_dir(run_cfg) -> Tuple[Path, Optional[FrozenSet[str]]]:
     """``run.dir`` when set (created; it must not already hold a run), else a fresh
-    ``run.output_dir/<time>-<name>``."""
+    ``run.output_dir/<time>-<name>``. Also returns what to keep if the run fails before
+    its first step (see ``discard_new``): None when rlctl created the directory, else the
+    names of the entries the user's directory already held."""
     if not run_cfg.get("dir"):
-        return create_run_dir(run_cfg.output_dir, run_cfg.name)
+        return create_run_dir(run_cfg.output_dir, run_cfg.name), None
     path = Path(run_cfg.dir)
     if (path / "recipe.yaml").exists():
         raise RunDirError(f"run.dir='{path}' already holds a run; continue it with "
                           f"rlctl train --resume {path}, or name a new directory")
     try:
+        kept = frozenset(p.name for p in path.iterdir()) if path.is_dir() else None
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write_test"
         probe.write_text("ok")
@@ -135,7 +139,22 @@ def new_run_dir(run_cfg) -> Path:
     except OSError as exc:
         raise RunDirError(f"cannot write run.dir='{path}': {exc.strerror or exc}; "
                           "set run.dir to a writable directory") from None
-    return path
+    return path, kept
+
+
+def discard_new(path: Path, kept: Optional[FrozenSet[str]]) -> None:
+    """Undo a new run that failed before its first step: remove the directory if rlctl
+    created it (``kept`` None), else only the entries rlctl added to the user's directory."""
+    if kept is None:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for entry in path.iterdir():
+        if entry.name in kept:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def recipe_text(composed: Composed) -> str:
