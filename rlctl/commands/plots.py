@@ -150,22 +150,25 @@ def plot_proxy_gold(rows: Sequence[dict], proxy_keys: Sequence[str], path: Path)
     plt = _plt()
     fig, axes = plt.subplots(1, 2 if kl_key else 1, figsize=(11 if kl_key else 6.4, 4.0),
                              squeeze=False)
-    _proxy_gold_axes(axes[0][0], rows, proxies, golds, "step", lambda r: r["step"])
+    _proxy_gold_axes(axes[0][0], rows, proxies, golds, "step", lambda r: r["step"], True)
     if kl_key:
         kl_at = {r["step"]: r[kl_key] for r in rows if isinstance(r.get(kl_key), (int, float))}
         _proxy_gold_axes(axes[0][1], [r for r in rows if r["step"] in kl_at], proxies, golds,
-                         f"{kl_key} (KL(pi||ref) per token)", lambda r: kl_at[r["step"]])
+                         f"{kl_key} (KL(pi||ref) per token)", lambda r: kl_at[r["step"]], False)
     fig.suptitle("Proxy (reward model) vs gold (task's own check)", fontsize=10)
     return _save(plt, fig, path)
 
 
-def _proxy_gold_axes(ax, rows, proxies, golds, xlabel, x_of) -> None:
+def _proxy_gold_axes(ax, rows, proxies, golds, xlabel, x_of, lines: bool) -> None:
+    """Proxy series on the left axis, gold on the right; points only (no lines) when x is
+    a noisy per-step quantity such as the KL."""
     twin = ax.twinx()
     for i, (axis, keys) in enumerate(((ax, proxies), (twin, golds))):
         for j, key in enumerate(keys):
             pts = sorted((x_of(r), float(r[key])) for r in rows
                          if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool))
-            style = "o-" if key.startswith("eval/") else "-"
+            marker = "o" if key.startswith("eval/") else "" if lines else "."
+            style = marker + ("-" if lines else "")
             axis.plot([p[0] for p in pts], [p[1] for p in pts], style, markersize=3,
                       color=f"C{2 * i + j}", label=key, alpha=0.9)
     ax.set_xlabel(xlabel)
