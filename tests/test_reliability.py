@@ -169,6 +169,22 @@ def test_resume_with_a_shape_changing_override_is_refused(finished, override, ch
     assert _snapshot(finished) == before
 
 
+@pytest.mark.parametrize("case", ["gradient-checkpointing", "key-missing-from-an-older-run"])
+def test_resume_accepts_what_does_not_change_the_shape(finished, tmp_path, case):
+    run = tmp_path / "copy"
+    shutil.copytree(finished, run)
+    extra = ["model.gradient_checkpointing=true"] if case == "gradient-checkpointing" else []
+    if case == "key-missing-from-an-older-run":        # a run made before the key existed
+        config = run / "config.yaml"
+        lines = config.read_text().splitlines(keepends=True)
+        kept = [ln for ln in lines if not ln.strip().startswith("gradient_checkpointing:")]
+        assert len(kept) == len(lines) - 1
+        config.write_text("".join(kept))
+    out = _run("train", "--resume", str(run), "trainer.steps=4", *extra)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _steps(run) == [1, 2, 3, 4]
+
+
 def test_empty_trainer_state_is_one_line_naming_the_file(finished, tmp_path):
     run = tmp_path / "copy"
     shutil.copytree(finished, run)

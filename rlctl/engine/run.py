@@ -327,28 +327,21 @@ def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, 
         raise Interrupted(run_dir, checkpoint.step_of(last) if last else 0, aborted=True) from None
 
 
-# Config keys a checkpoint's tensors depend on: a resume cannot change them.
-_KEEP_EXCEPT = ("model.lora.dropout", "model.lora.save_merged", "model.lora.lr", "model.warmup_steps",
-                "model.warmup_lr", "model.warmup_task", "model.cache_dir")
+# The config keys a checkpoint's tensors and layout depend on: a resume cannot change
+# them (everything else, e.g. the learning rate or gradient checkpointing, may change).
+_SHAPE_KEYS = ("model.name", "model.name_or_path", "model.hidden_size", "model.num_layers",
+               "model.num_heads", "model.lora.enabled", "model.lora.r", "model.lora.alpha",
+               "model.lora.target_modules", "algo.critic", "hardware.backend")
+_DEEPSPEED_KEYS = ("hardware.zero_stage", "hardware.num_processes")   # ZeRO partitions
 
 
 def _shape_keys(cfg) -> dict:
-    flat = {}
-
-    def walk(node, prefix):
-        for k, v in node.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict):
-                walk(v, key + ".")
-            elif key not in _KEEP_EXCEPT:
-                flat[key] = v
-    walk({"model": OmegaConf.to_container(cfg.model, resolve=True)}, "")
-    flat["algo.critic"] = cfg.algo.critic
-    flat["hardware.backend"] = cfg.hardware.backend
-    if cfg.hardware.backend == "deepspeed":      # ZeRO partitions: per stage and per rank
-        flat["hardware.zero_stage"] = cfg.hardware.zero_stage
-        flat["hardware.num_processes"] = cfg.hardware.num_processes
-    return flat
+    """The shape keys ``cfg`` sets (a key missing from an older run's config is left out)."""
+    keys = _SHAPE_KEYS + (_DEEPSPEED_KEYS if OmegaConf.select(cfg, "hardware.backend") == "deepspeed" else ())
+    missing = object()
+    found = {k: OmegaConf.select(cfg, k, default=missing) for k in keys}
+    return {k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)
+            for k, v in found.items() if v is not missing}
 
 
 def _check_resumable(run_dir: Path, cfg: DictConfig, overrides: List[str], world: int) -> None:
@@ -374,8 +367,8 @@ def _check_resumable(run_dir: Path, cfg: DictConfig, overrides: List[str], world
     except Exception:  # noqa: BLE001 - an unreadable config.yaml: the recipe still rules
         return
     after = _shape_keys(cfg)
-    changed = [f"{k}: {before.get(k)} -> {after.get(k)}" for k in sorted(set(before) | set(after))
-               if before.get(k) != after.get(k)]
+    changed = [f"{k}: {before[k]} -> {after.get(k)}" for k in sorted(before)   # keys both know
+               if k in after and before[k] != after[k]]
     if changed:
         raise UserError(f"cannot resume '{run_dir}' with {' '.join(overrides)}: the override changes "
                         f"the model's shape or the checkpoint's layout ({'; '.join(changed[:3])}), so it "
