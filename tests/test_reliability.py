@@ -205,6 +205,25 @@ def test_resume_with_more_steps_extends_the_run(finished, tmp_path):
     assert json.loads((run / "summary.json").read_text())["steps"] == 5
 
 
+def test_a_resume_keeps_its_overrides_for_the_next_resume(finished, tmp_path):
+    """Extend 3 -> 6 steps with a new lr, lose the last two checkpoints (as a kill after
+    step 4 would), then resume as the interrupt hint says: no overrides."""
+    run = tmp_path / "copy"
+    shutil.copytree(finished, run)
+    out = _run("train", "--resume", str(run), "trainer.steps=6", "trainer.lr=0.000123",
+               "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for step in (5, 6):
+        shutil.rmtree(run / "checkpoints" / f"step-{step:08d}")
+    out = _run("train", "--resume", str(run))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _steps(run) == [1, 2, 3, 4, 5, 6]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+    config = (run / "config.yaml").read_text()
+    assert "lr: 0.000123" in config and "steps: 6" in config, config
+    assert "trainer.lr=0.000123" in (run / "overrides.yaml").read_text()
+
+
 # ---- set-up failures leave no run directory -----------------------------------------------
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_bad_lora_target_leaves_no_run_directory(tmp_path, ranks):

@@ -220,7 +220,7 @@ def _train_alone(cfg: DictConfig, composed, resume: Optional[str], overrides: Li
         if resume is None:
             return _train_new(cfg, composed, run_dir, kept, stop)
         _check_resumable(run_dir, cfg, overrides, cfg.hardware.num_processes)
-        rundir.write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        rundir.record_resume(run_dir, composed)
         return _train_here_or_launched(cfg, run_dir, True, stop, [0])
 
 
@@ -247,7 +247,7 @@ def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], ove
         try:
             if resume is not None:
                 _check_resumable(run_dir, cfg, overrides, group.world_size)
-                rundir.write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+                rundir.record_resume(run_dir, composed)
         except Exception as exc:
             tcp_group.share(group, None, error=user_message(exc)[0])
             raise
@@ -344,6 +344,14 @@ def _shape_keys(cfg) -> dict:
             for k, v in found.items() if v is not missing}
 
 
+def _summary_steps(run_dir: Path) -> Optional[int]:
+    """The steps ``summary.json`` reports (written when a run, or a resume, ended); None without one."""
+    try:
+        return int(json.loads((run_dir / "summary.json").read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _check_resumable(run_dir: Path, cfg: DictConfig, overrides: List[str], world: int) -> None:
     """Refuse (one line) a resume that has nothing to do or cannot load the checkpoint."""
 
@@ -358,7 +366,7 @@ def _check_resumable(run_dir: Path, cfg: DictConfig, overrides: List[str], world
                         f"was written by {saved}; resume with the same number of ranks")
     q = shlex.quote(str(run_dir))
     if cfg.trainer.steps <= step:
-        done = "finished" if (run_dir / "summary.json").is_file() else "trained"
+        done = "finished" if _summary_steps(run_dir) == step else "trained"
         raise UserError(f"run '{run_dir}' is already {done} at step {step} (trainer.steps="
                         f"{cfg.trainer.steps}); nothing to resume. To extend it, raise trainer.steps: "
                         f"rlctl train --resume {q} trainer.steps={max(2 * step, step + 1)}")

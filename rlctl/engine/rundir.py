@@ -2,8 +2,10 @@
 
     config.yaml            the resolved config (what ran)
     config_unresolved.yaml the config with interpolations kept
-    overrides.yaml         the command-line overrides (and the recipe, if any)
+    overrides.yaml         the command-line overrides (and the recipe, if any; under
+                           `resumes`, each resume's overrides)
     recipe.yaml            a replayable recipe: `rlctl train --recipe <run>/recipe.yaml`
+                           (a resume rewrites it and config.yaml with its overrides)
     metrics.jsonl          one line per logged step (logger=wandb|jsonl)
     wandb/                 the W&B offline run (logger=wandb)
     model/                 final weights (safetensors) and tokenizer, Hugging Face format;
@@ -173,6 +175,22 @@ def write_config(run_dir: Path, composed: Composed) -> None:
         {"recipe": composed.recipe, "overrides": list(composed.overrides),
          "choices": dict(composed.choices)}, sort_keys=False))
     (run_dir / "recipe.yaml").write_text(recipe_text(composed))
+
+
+def record_resume(run_dir: Path, composed: Composed) -> None:
+    """A resume's config becomes the run's: config.yaml and recipe.yaml are rewritten (so
+    the next `rlctl train --resume` keeps e.g. a raised trainer.steps or a new trainer.lr)
+    and overrides.yaml lists each resume's overrides after the original ones."""
+    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(composed.cfg, resolve=True))
+    write_text_atomic(run_dir / "recipe.yaml", recipe_text(composed))
+    path = run_dir / "overrides.yaml"
+    try:
+        record = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        record = {}
+    record = record if isinstance(record, dict) else {}
+    record["resumes"] = list(record.get("resumes") or []) + [list(composed.overrides)]
+    write_text_atomic(path, yaml.safe_dump(record, sort_keys=False))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
