@@ -204,9 +204,13 @@ def _renamed_notice(old: str, new: str, told: set, stream) -> None:
               file=stream or sys.stderr, flush=True)
 
 
+_TOLD_RENAMES: set = set()   # renames already announced in this process
+
+
 def rename_deprecated(overrides: List[str], recipe: Optional[Dict] = None, stream=None):
-    """(overrides, recipe) with renamed keys moved to their new names."""
-    told: set = set()
+    """(overrides, recipe) with renamed keys moved to their new names; each rename's notice
+    is printed once per process (a sweep composes every cell: one line, not one per cell)."""
+    told = _TOLD_RENAMES
     out = []
     for o in overrides:
         bare = o.lstrip("+~")
@@ -299,7 +303,7 @@ RANGES = {
     "algo.kl.coef": NON_NEGATIVE, "algo.kl.target": POSITIVE, "algo.kl.horizon": AT_LEAST_1,
     "task.reward_timeout_s": Range(0, why="0 or null: no limit"),
     "task.reward_clip": POSITIVE,
-    "task.num_digits": AT_LEAST_1, "task.num_eval": AT_LEAST_1, "task.seed": NON_NEGATIVE,
+    "task.num_digits": AT_LEAST_1, "task.num_eval": NON_NEGATIVE, "task.seed": NON_NEGATIVE,
     "model.hidden_size": AT_LEAST_1, "model.num_layers": AT_LEAST_1,
     "model.num_heads": AT_LEAST_1, "model.warmup_steps": NON_NEGATIVE,
     "model.warmup_lr": POSITIVE,

@@ -88,7 +88,7 @@ def test_broadcast_to_tokens():
 
 
 def _gae_one(rewards, values, gamma, lam):
-    """Seed 002's loop, on plain Python floats, for one unpadded sequence."""
+    """The textbook GAE loop, on plain Python floats, for one unpadded sequence."""
     adv, next_value, running = [0.0] * len(rewards), 0.0, 0.0
     for t in reversed(range(len(rewards))):
         delta = rewards[t] + gamma * next_value - values[t]
@@ -97,7 +97,7 @@ def _gae_one(rewards, values, gamma, lam):
     return adv
 
 
-def test_gae_seed_example_in_padded_batch():
+def test_gae_hand_example_in_padded_batch():
     beta, logp, ref = 0.05, [-1.0, -0.5, -0.2], [-1.2, -0.5, -0.4]
     r = [-beta * (a - b) for a, b in zip(logp, ref)]  # kl_shaped_rewards
     r[-1] += 1.0

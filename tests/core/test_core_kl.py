@@ -43,7 +43,7 @@ def test_unknown_kind_aliases_and_dtype():
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
-def _seed_kl_shaped_rewards(final_reward, logp, ref, beta, kind="k1"):
+def _loop_kl_shaped_rewards(final_reward, logp, ref, beta, kind="k1"):
     """A one-row reference on Python floats: -beta * k per token, the final reward added at
     the last token (k1; also k2 / k3)."""
     est = {"k1": lambda a, b: a - b, "k2": lambda a, b: 0.5 * (a - b) ** 2,
@@ -53,9 +53,9 @@ def _seed_kl_shaped_rewards(final_reward, logp, ref, beta, kind="k1"):
     return r
 
 
-def test_kl_shaped_rewards_seed_example_in_ragged_batch():
+def test_kl_shaped_rewards_hand_example_in_ragged_batch():
     logp, ref = [-1.0, -0.5, -0.2], [-1.2, -0.5, -0.4]
-    assert _seed_kl_shaped_rewards(1.0, logp, ref, 0.05) == pytest.approx([-0.01, 0.0, 0.99])
+    assert _loop_kl_shaped_rewards(1.0, logp, ref, 0.05) == pytest.approx([-0.01, 0.0, 0.99])
     nan = float("nan")
     lp = torch.tensor([logp + [nan, 3.0], [-0.3, -0.1, -2.0, -0.7, -0.4], [nan] * 5,
                        [-0.2, nan, -0.9, -0.1, nan]])
@@ -72,7 +72,7 @@ def test_kl_shaped_rewards_seed_example_in_ragged_batch():
         assert out.dtype == torch.float32 and torch.isfinite(out).all()
         for i in (0, 1, 3):
             idx = [t for t in range(5) if mask[i, t]]
-            row = _seed_kl_shaped_rewards(rewards[i].item(), [lp[i, t].item() for t in idx],
+            row = _loop_kl_shaped_rewards(rewards[i].item(), [lp[i, t].item() for t in idx],
                                           [rf[i, t].item() for t in idx], 0.05, kind)
             expect = torch.zeros(5)
             expect[idx] = torch.tensor(row)

@@ -1,4 +1,4 @@
-"""Policy / value losses against the seed-002 tables and hand derivations."""
+"""Policy / value losses against hand-worked tables and derivations."""
 import math
 
 import pytest

@@ -58,3 +58,33 @@ def test_old_async_key_is_renamed_with_one_notice(tmp_path):
     assert notices == ["rlctl: warning: trainer.async is deprecated, renamed trainer.async_rollout "
                        "(e.g. trainer.async_rollout.enabled=true)"]
     assert "Traceback" not in proc.stderr
+
+
+def test_concat_keeps_old_logprobs_and_behaviour_rows_as_a_pair():
+    """behaviour_rows None means old_logprobs hold in every row. A mixed batch (rows
+    [real, placeholder]) stacked with a fully valid one must mark exactly the one
+    placeholder row; a batch without old log-probs contributes 0-filled placeholder rows."""
+    mixed, valid, none = _batch(2, 2, 2), _batch(2, 2, 3), _batch(2, 1, 2)
+    mixed = mixed.replace(old_logprobs=torch.tensor([[-1.0, -2.0], [0.0, 0.0]]),
+                          behaviour_rows=torch.tensor([True, False]))
+    valid = valid.replace(old_logprobs=torch.full((2, 3), -3.0))
+    out = RolloutBatch.concat([mixed, valid], pad_id=0)
+    assert out.behaviour_rows.tolist() == [True, False, True, True]
+    assert out.old_logprobs.tolist() == [[-1, -2, 0], [0, 0, 0], [-3, -3, -3], [-3, -3, -3]]
+    out = RolloutBatch.concat([valid, none], pad_id=0)
+    assert out.behaviour_rows.tolist() == [True, True, False, False]
+    assert out.old_logprobs[2:].abs().sum() == 0 and out.old_logprobs.shape == (4, 3)
+    both = RolloutBatch.concat([valid, valid], pad_id=0)
+    assert both.behaviour_rows is None and both.old_logprobs.shape == (4, 3)
+    assert RolloutBatch.concat([none, none], pad_id=0).old_logprobs is None
+
+
+def test_rename_notice_is_printed_once_per_process(monkeypatch):
+    import io
+
+    import rlctl.config as config
+    monkeypatch.setattr(config, "_TOLD_RENAMES", set())
+    err = io.StringIO()
+    for _ in range(3):      # a sweep composes every cell with the same overrides
+        rename_deprecated(["trainer.async.enabled=false"], {"trainer": {"async": {}}}, stream=err)
+    assert err.getvalue().count("deprecated") == 1

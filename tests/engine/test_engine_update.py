@@ -10,7 +10,7 @@ from rlctl.engine.advantage import AdvantageSettings, compute_advantages
 from rlctl.engine.policy import learner_forward
 from rlctl.engine.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models import load_model_and_tokenizer
-from rlctl.rollout.collect import concat_batches, keep_informative_groups
+from rlctl.rollout.collect import keep_informative_groups
 from rlctl.types import RolloutBatch
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -71,7 +71,7 @@ def test_micro_batch_accumulation_matches_one_batch(tiny, mode):
         torch.testing.assert_close(other, grads[0], atol=1e-6, rtol=1e-6)
 
 
-def test_in_reward_shaping_then_gae_gives_the_seed_example():
+def test_in_reward_shaping_then_gae_gives_the_hand_worked_example():
     """Worked by hand: final reward 1, logp [-1,-.5,-.2], ref [-1.2,-.5,-.4], beta .05, values
     [.5,.6,.8], gamma 1, lam .95. Shaped rewards [-.01, 0, .99]; by hand, deltas
     [.09, .2, .19] and advantages [.09 + .95 * .3805, .2 + .95 * .19, .19]."""
@@ -120,7 +120,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_concat_pads(tiny):
     short.mask, short.input_ids = short.mask[:, :2], short.input_ids[:, :-3]
     short.attention_mask = short.attention_mask[:, :-3]
     short.advantages = short.advantages[:, :2]
-    both = concat_batches([short, kept], tok.pad_token_id)
+    both = RolloutBatch.concat([short, kept], tok.pad_token_id)
     assert both.mask.shape == (6, 5) and both.mask[:3, 2:].sum() == 0
     assert both.input_ids.shape == (6, b.prompt_len + 5)
     assert both.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
