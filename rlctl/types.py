@@ -123,7 +123,8 @@ class RolloutBatch:
         """Batches stacked: prompts left-padded to the longest P, completions right-padded
         to the longest T (``pad_id`` in input_ids, 0 elsewhere: mask and attention 0);
         group ids renumbered so groups stay distinct. An optional field set in only some
-        batches is None in the result."""
+        batches is None in the result, except old_logprobs, which goes with behaviour_rows
+        (``_cat_behaviour``)."""
         P = max(b.prompt_len for b in batches)
         T = max(b.mask.shape[1] for b in batches)
         offsets = torch.tensor([0] + [int(b.group_ids.max()) + 1 for b in batches[:-1]]).cumsum(0)
@@ -131,7 +132,7 @@ class RolloutBatch:
         out: Dict[str, Any] = {"prompt_len": P}
         for f in fields(RolloutBatch):
             kind, values = f.metadata["axis"], [getattr(b, f.name) for b in parts]
-            if kind == SCALAR or any(v is None for v in values):
+            if kind == SCALAR or f.name in _PAIRED or any(v is None for v in values):
                 continue
             if kind == TEXT:
                 out[f.name] = [x for v in values for x in v]
@@ -139,9 +140,33 @@ class RolloutBatch:
             pad = pad_id if f.name == "input_ids" else 0
             out[f.name] = torch.cat([_pad(v, kind, P - b.prompt_len, b.mask.shape[1], T, pad)
                                      for b, v in zip(parts, values)])
+        out["old_logprobs"], out["behaviour_rows"] = _cat_behaviour(parts, T)
         out.update({f.name: None for f in fields(RolloutBatch)
                     if f.name not in out and f.default is None})
         return parts[0].replace(**out)
+
+
+_PAIRED = ("old_logprobs", "behaviour_rows")    # stacked together by _cat_behaviour
+
+
+def _cat_behaviour(batches: Sequence[RolloutBatch], T: int):
+    """(old_logprobs [N, T] or None, behaviour_rows [N] bool or None) of the stacked
+    batches, kept as a pair: behaviour_rows None means old_logprobs hold in every row.
+    When only some rows carry old log-probs (stale async rollouts next to on-policy
+    ones), theirs are kept exactly, the others are 0-filled placeholders and
+    ``behaviour_rows`` marks the rows that hold real values (the learner fills the rest)."""
+    if all(b.old_logprobs is None for b in batches):
+        return None, None
+    olds, rows = [], []
+    for b in batches:
+        n, t = b.mask.shape
+        has = b.old_logprobs is not None
+        old = b.old_logprobs if has else b.mask.new_zeros(n, t)                          # [n, t]
+        olds.append(F.pad(old, (0, T - t)))                                              # [n, T]
+        rows.append(b.behaviour_rows if b.behaviour_rows is not None and has else
+                    torch.full((n,), has, dtype=torch.bool, device=b.mask.device))       # [n]
+    behaviour = torch.cat(rows)                                                          # [N]
+    return torch.cat(olds), (None if bool(behaviour.all()) else behaviour)
 
 
 def _pad(x: torch.Tensor, kind: str, left: int, t: int, T: int, value) -> torch.Tensor:

@@ -10,41 +10,9 @@ from __future__ import annotations
 from typing import Callable, List, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from rlctl.core import zero_std_groups
 from rlctl.types import RolloutBatch
-
-
-def concat_batches(batches: List[RolloutBatch], pad_id: int) -> RolloutBatch:
-    """Stack rollouts (``RolloutBatch.concat``: prompts left-padded, completions
-    right-padded); old log-probs present in only some of them are kept with
-    ``behaviour_rows`` marking their rows."""
-    if len(batches) == 1:
-        return batches[0]
-    T = max(b.mask.shape[1] for b in batches)
-    old, behaviour = _cat_behaviour(batches, T)
-    return RolloutBatch.concat(batches, pad_id).replace(old_logprobs=old, behaviour_rows=behaviour)
-
-
-def _cat_behaviour(batches: List[RolloutBatch], T: int):
-    """(old_logprobs [N, T] or None, behaviour_rows [N] bool or None) of the stacked
-    batches. When only some batches carry old log-probs (stale async rollouts next to
-    on-policy ones), theirs are kept exactly, the others' rows are 0-filled placeholders
-    and ``behaviour_rows`` marks which rows hold real values (the learner fills the rest)."""
-    have = [b.old_logprobs is not None for b in batches]
-    if not any(have):
-        return None, None
-    olds, rows = [], []
-    for b in batches:
-        n, t = b.mask.shape
-        old = b.old_logprobs if b.old_logprobs is not None else b.mask.new_zeros(n, t)   # [n, t]
-        olds.append(F.pad(old, (0, T - t)))                                              # [n, T]
-        kept = b.behaviour_rows if b.behaviour_rows is not None else \
-            torch.full((n,), b.old_logprobs is not None, dtype=torch.bool, device=b.mask.device)
-        rows.append(kept)                                                                # [n]
-    behaviour = torch.cat(rows)                                                          # [N]
-    return torch.cat(olds), (None if bool(behaviour.all()) else behaviour)
 
 
 def keep_informative_groups(batch: RolloutBatch) -> RolloutBatch:
@@ -79,5 +47,5 @@ def collect(sample: Callable[[int], RolloutBatch], num_groups: int, dynamic: boo
             break
     if not kept:              # every group constant: train on the last batch (zero advantages)
         return batch, 0.0
-    out = concat_batches(kept, pad_id)
+    out = RolloutBatch.concat(kept, pad_id)     # stale and fresh old log-probs kept as a pair
     return out.replace(group_ids=_group_ids(have, out.group_size, out.mask.device)), have / sampled
