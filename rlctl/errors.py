@@ -67,6 +67,8 @@ class Interrupted(KeyboardInterrupt):
         if self.aborted:
             saved = f"the newest checkpoint is step {self.step}" if self.step else "no checkpoint was saved"
             return f"aborted by a second Ctrl-C; {saved}{hint}"
+        if not self.step:                 # e.g. while launched ranks were starting
+            return f"interrupted by {name} before the first step; nothing was saved"
         return f"interrupted by {name} after step {self.step}; checkpoint saved{hint}"
 
 

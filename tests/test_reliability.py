@@ -134,6 +134,44 @@ def test_two_ranks_stop_after_the_same_step_save_and_resume(tmp_path, sig, group
     _resumed_to_end(command, run)
 
 
+def _workers_of(root: Path):
+    """Pids of launched ranks (`python -m rlctl.engine.worker RUN`) whose run is under ``root``."""
+    found = []
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmd.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rlctl.engine.worker" in argv and any(str(root).encode() in a for a in argv):
+            found.append(int(cmd.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3], ids=["at-start", "while-importing"])
+def test_sigterm_while_ranks_start_is_a_clean_stop(tmp_path, delay):
+    """Either no step ran (exit 143, nothing left behind) or the ranks finished a step and
+    saved it (exit 143 and the resume hint); never a rank 'exited with code -15'."""
+    root = tmp_path / "runs"
+    proc = subprocess.Popen([RLCTL, "train", "trainer.steps=4", *FAST, "hardware.num_processes=2",
+                             f"run.output_dir={root}"], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(_workers_of(root)) < 2 and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    last = _one_line(err.replace("SIGTERM: stopping after this step and saving a checkpoint", ""))
+    if "before the first step" in last:
+        assert last == "interrupted by SIGTERM before the first step; nothing was saved"
+        assert list(root.iterdir()) == []
+    else:
+        assert HINT.match(last), last
+        assert (_run_dir(root) / "checkpoints").is_dir()
+    assert not _workers_of(root)
+
+
 # ---- resume: refused before anything is written, or extended ----------------------------
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):

@@ -8,7 +8,9 @@ any rank fails, the others are killed and the error names the rank and its last 
 Signals: the ranks run in their own sessions, so a terminal's Ctrl-C (sent to the
 foreground process group) reaches only this launcher, which passes each SIGINT/SIGTERM
 it handles on to every rank exactly once (``stop.forward``). The ranks then agree on the
-step to stop after, save one checkpoint and exit 128 + the signal. A rank whose launcher
+step to stop after, save one checkpoint and exit 128 + the signal; a rank the signal
+reached before it could handle it (Python still starting) ends the launch as a stop too
+(the others are killed: no step ran with it). A rank whose launcher
 dies (even by SIGKILL) gets SIGTERM from the kernel (worker.py), so none lingers.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rlctl.errors import LaunchError
 
 EXIT_SETUP = 3          # a rank failed before its first training step (set-up)
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+KILLED = (-signal.SIGINT, -signal.SIGTERM)   # a rank the signal reached before its handler
 
 
 def _error_file(run_dir: Path, rank: int) -> Path:
@@ -83,7 +86,9 @@ def _wait(procs: List[subprocess.Popen], run_dir: Path, stop, poll_s: float) -> 
         codes = [p.poll() for p in procs]
         stopping = stop is not None and stop.requested
         failed = [r for r, c in enumerate(codes)
-                  if c not in (None, 0) and not (stopping and c in STOPPED)]
+                  if c not in (None, 0) and not (stopping and c in STOPPED + KILLED)]
+        if stopping and any(c in KILLED for c in codes):
+            return stop.signum      # the group cannot meet again: launch() kills the rest
         if failed:
             r = failed[0]
             raise _failure(run_dir, r, codes[r])

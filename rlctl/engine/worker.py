@@ -5,10 +5,17 @@ Exit codes: 0 done; 128 + signal after a SIGINT/SIGTERM stop with the checkpoint
 """
 from __future__ import annotations
 
-import os
 import signal
-import sys
-from pathlib import Path
+
+# A signal the launcher forwards while this rank is still importing torch (seconds) is
+# recorded here and handed to the StopFlag below, instead of killing the rank outright.
+_EARLY = []
+for _s in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_s, lambda signum, frame: _EARLY.append(signum))
+
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")      # before torch is imported (below)
 
@@ -36,6 +43,8 @@ def main(run_dir: str, resume: bool = False) -> int:
 def _train(run_dir: Path, resume: bool, stop) -> int:
     steps = [0]
     try:
+        for signum in _EARLY:                 # came before the StopFlag was installed
+            stop.handle(signum)
         cfg = OmegaConf.load(run_dir / "config.yaml")
         train_rank(cfg, run_dir, resume=resume, stop=stop,
                    on_step=lambda step, values: steps.__setitem__(0, step))
