@@ -25,7 +25,7 @@ from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
 from rlctl.engine import checkpoint
 from rlctl.engine.advantage import AdvantageSettings, compute_advantages
 from rlctl.engine.evaluate import evaluate
-from rlctl.engine.policy import PromptGroups, learner_forward
+from rlctl.engine.policy import PromptGroups, learner_forward, prompt_sharing
 from rlctl.engine.stats import reduce_metrics, rollout_metrics
 from rlctl.engine.stopping import StopFlag
 from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
@@ -75,7 +75,9 @@ class Trainer:
         self.critic = critic
         self.backend = backend or TorchBackend(cfg.hardware.device)
         algo, tr = cfg.algo, cfg.trainer
-        self.settings = UpdateSettings.from_config(cfg, source.settings.share_prompts)
+        # the learner's prompt sharing goes by its own backend (off under multi-rank ZeRO-3),
+        # whatever the source was built with
+        self.settings = UpdateSettings.from_config(cfg, prompt_sharing(tr.share_prompts, self.backend))
         self.adv_settings = AdvantageSettings.from_config(cfg)
         self.kl_ctl = (AdaptiveKLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
                        if algo.kl.target is not None else FixedKLController(algo.kl.coef))

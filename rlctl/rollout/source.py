@@ -2,7 +2,8 @@
 
 A source has ``sample(num_groups) -> RolloutBatch``, ``after_update()`` (the learner
 stepped), ``metrics()``, ``close()``, a prompt ``sampler`` (a ``random.Random`` whose
-state the checkpoint saves) and the training ``scorer``. ``LocalSource`` samples with
+state the checkpoint saves) and the training ``scorer``; nothing else is read by the
+Trainer (it decides its own prompt sharing from its backend). ``LocalSource`` samples with
 the learner's own policy module: the very object the backend trains, so each rollout
 is made with the newest weights. The asynchronous source (rollout actor processes)
 is ``rlctl.engine.async_rollout.AsyncSource``; the caller picks one and hands it to

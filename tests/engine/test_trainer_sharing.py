@@ -1,0 +1,37 @@
+"""The Trainer decides prompt sharing from its own backend, not from how the source was built."""
+from omegaconf import OmegaConf
+
+from rlctl.backends.base import TorchBackend
+from rlctl.compose import compose
+from rlctl.engine.async_rollout import build_source
+from rlctl.engine.build import task_from_config
+from rlctl.engine.trainer import Trainer
+from rlctl.models import load_model_and_tokenizer
+from rlctl.sinks import NullSink
+
+
+def _trainer(backend):
+    cfg = compose(["trainer.prompts_per_step=2", "algo.group_size=2", "trainer.eval_every=0",
+                   "trainer.share_prompts=true"]).cfg
+    OmegaConf.resolve(cfg)
+    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
+    task = task_from_config(cfg)
+    source = build_source(cfg, model, tok, task)          # built without a backend: sharing on
+    return Trainer(cfg, model, tok, task, NullSink(), source=source, backend=backend)
+
+
+def test_multi_rank_zero3_backend_turns_learner_prompt_sharing_off():
+    """Multi-rank ZeRO-3 needs every rank to run the same forwards, so sharing is off
+    there even when the source (built without a backend, as tests and bench do) shares."""
+    zero3 = TorchBackend("cpu")
+    zero3.zero_stage, zero3.world_size = 3, 2             # what a 2-rank ZeRO-3 backend reports
+    tr = _trainer(zero3)
+    try:
+        assert tr.source.settings.share_prompts is True and tr.settings.share_prompts is False
+    finally:
+        tr.close()
+    tr = _trainer(TorchBackend("cpu"))                     # one rank: sharing as configured
+    try:
+        assert tr.settings.share_prompts is True
+    finally:
+        tr.close()
