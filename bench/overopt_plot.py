@@ -33,13 +33,13 @@ KL, PROXY, GOLD, EVAL = "kl/k1", "reward/reward_model", "reward/exact", "eval/ex
 def read_runs(sweep: Path) -> Dict[float, List[List[dict]]]:
     """{kl coef: [metric rows of each seed's run]}."""
     runs: Dict[float, List[List[dict]]] = defaultdict(list)
-    for run in sorted(p for p in sweep.iterdir() if (p / "config.yaml").is_file()):
+    for run in sorted(p for p in sweep.iterdir() if (p / "summary.json").is_file()):  # finished
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         lines = (run / "metrics.jsonl").read_text().splitlines()
         rows = [r for r in map(json.loads, filter(None, lines)) if "step" in r]
         runs[float(cfg["algo"]["kl"]["coef"])].append(rows)
     if not runs:
-        raise SystemExit(f"no run directories (with config.yaml) under {sweep}")
+        raise SystemExit(f"no finished run directories (with summary.json) under {sweep}")
     return dict(sorted(runs.items()))
 
 
