@@ -343,6 +343,13 @@ def _check_algo(cfg: DictConfig) -> None:
                           f"{n} sequences per step (trainer.prompts_per_step * algo.group_size)")
 
 
+def _check_eval(cfg: DictConfig) -> None:
+    if cfg.task.get("num_eval") == 0 and cfg.trainer.eval_every > 0:
+        raise ConfigError("task.num_eval=0 leaves no held-out set to evaluate every "
+                          f"trainer.eval_every={cfg.trainer.eval_every} steps; set "
+                          "trainer.eval_every=0 (no evaluation) or task.num_eval >= 1")
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks beyond types that need no torch: ranges (every numeric key), options that
     must agree, and the machine (CUDA, the DeepSpeed JSON). Raises ConfigError (one line).
@@ -352,6 +359,7 @@ def validate(cfg: DictConfig) -> None:
     _check_resolved(cfg)
     check_ranges(cfg)
     _check_algo(cfg)
+    _check_eval(cfg)
     _choice(cfg, "model.dtype", ["float32", "bfloat16"])
     _choice(cfg, "logger.wandb_mode", ["offline", "online", "disabled"])
     if cfg.model.name == "hf" and not cfg.model.name_or_path:
