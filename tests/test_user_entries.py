@@ -77,8 +77,8 @@ def test_user_loss_advantage_and_kl_are_used(project):
         assert r["policy/loss"] == 7.0, r["policy/loss"]
         assert r["advantage/mean"] == 2.0, r["advantage/mean"]
         assert r["policy/kl_ref"] == 0.25, r["policy/kl_ref"]
-        mine = [v for k, v in r.items() if k.rpartition("/")[2] == "my_metric"]
-        assert mine == [1.5], r                  # the loss's own metrics are logged too
+        mine = {k: v for k, v in r.items() if k.rpartition("/")[2] == "my_metric"}
+        assert mine == {"my_metric": 1.5}, r     # the loss's own metrics, logged as given
     calls = (project / "calls.log").read_text().splitlines()
     assert "loss clip_low=0.15 shape=True" in calls
     assert any(c.startswith("adv dim=2 options=") and "'baseline'" in c for c in calls), calls

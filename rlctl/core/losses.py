@@ -25,9 +25,10 @@ gradient is cut, an extreme that should never be reached). Advantages, old log-p
 old values and returns are detached here, so a forgotten `.detach()` upstream cannot
 leak gradient into a baseline or critic (a common bug in hand-written PPO).
 
-Metrics: one schema for every policy loss (see `_policy.py`): clip_frac_low,
-clip_frac_high, clip_frac (= low + high, the ratio clip), clip_frac_dual (0 when the dual
-clip is off or not applicable), approx_kl. For PPO: low = A < 0 and rho < 1 - clip_low,
+Metrics are named where they are computed and logged as named. One schema for every
+policy loss (see `_policy.py`): policy/clip_frac_low, policy/clip_frac_high,
+policy/clip_frac (= low + high, the ratio clip), policy/clip_frac_dual (0 when the dual
+clip is off or not applicable), policy/approx_kl; the value loss gives value/clip_frac. For PPO: low = A < 0 and rho < 1 - clip_low,
 high = A > 0 and rho > 1 + clip_high (where the clipped, zero-gradient branch is active),
 dual = A < 0 and rho > c.
 """
@@ -120,7 +121,8 @@ def value_loss_per_token(values: torch.Tensor, old_values: Optional[torch.Tensor
                          clip: float | None = None) -> Tuple[torch.Tensor, Metrics]:
     """0.5 * (V - R)^2 per token, or with clipping 0.5 * max((V - R)^2, (V_clip - R)^2),
     V_clip = old_V + clip(V - old_V, -clip, clip). values, old_values, returns, mask
-    [N, T] -> (loss_mat [N, T], {"clip_frac"})."""
+    [N, T] -> (loss_mat [N, T], {"value/clip_frac"}: fraction of counted tokens where
+    the clipped error is the larger one; 0 without clipping)."""
     dtype = acc_dtype(values, returns)
     m = keep(mask)
     v = upcast(values, dtype)
@@ -135,13 +137,13 @@ def value_loss_per_token(values: torch.Tensor, old_values: Optional[torch.Tensor
         err_clipped = (v_clipped - ret) ** 2
         loss_mat = 0.5 * torch.maximum(err, err_clipped)
         clip_frac = masked_mean((err_clipped > err).to(dtype), mask).detach()
-    return zero_out(loss_mat, m), {"clip_frac": clip_frac}
+    return zero_out(loss_mat, m), {"value/clip_frac": clip_frac}
 
 
 def value_loss(values, old_values, returns, mask, clip: float | None = None,
                agg_mode: str = "token-mean", norm_len: int | None = None
                ) -> Tuple[torch.Tensor, Metrics]:
-    """Aggregated value loss -> (scalar loss, {"clip_frac"})."""
+    """Aggregated value loss -> (scalar loss, {"value/clip_frac"})."""
     loss_mat, metrics = value_loss_per_token(values, old_values, returns, mask, clip)
     return aggregate(loss_mat, mask, agg_mode, norm_len), metrics
 

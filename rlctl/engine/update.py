@@ -209,7 +209,7 @@ def _value_term(values: torch.Tensor, mb: RolloutBatch, s: "UpdateSettings", vde
     """(this micro-batch's share of the token-mean value loss, value metrics); values [n, T]."""
     v_mat, v_metrics = value_loss_per_token(values, mb.old_values, mb.returns, mb.mask,
                                             s.value_clip)                            # [n, T]
-    metrics = {"value/clip_frac": v_metrics.get("clip_frac", torch.zeros(())),
+    metrics = {**v_metrics,                                         # value/clip_frac
                "value/explained_var": explained_variance(values.detach(), mb.returns, mb.mask),
                "value/mean": masked_mean(values.detach(), mb.mask)}
     return (v_mat * mb.mask).sum() / vdenom, metrics

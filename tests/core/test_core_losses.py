@@ -139,9 +139,10 @@ def test_value_loss_clipping_by_hand():
     # tok2: V moved 0.1 < 0.2, V_clip = V -> 2.56 both, not counted as clipped.
     loss, m = value_loss(values, old, returns, mask, clip=0.2)
     assert loss.item() == pytest.approx(0.5 * (1.69 + 1.69 + 2.56) / 3)
-    assert m["clip_frac"].item() == pytest.approx(2 / 3)
+    assert set(m) == {"value/clip_frac"}      # named where computed, logged as is
+    assert m["value/clip_frac"].item() == pytest.approx(2 / 3)
     loss.backward()  # clipped tokens give zero grad; tok2 grad = (V - R) / 3
     torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.0, 1.6 / 3]],
                                                          dtype=torch.float64))
     loss, m = value_loss(values, None, returns, mask)
-    assert loss.item() == pytest.approx(0.5 * (1 + 1 + 2.56) / 3) and m["clip_frac"] == 0
+    assert loss.item() == pytest.approx(0.5 * (1 + 1 + 2.56) / 3) and m["value/clip_frac"] == 0
