@@ -5,12 +5,16 @@ detached tensors until one host sync at log time. The schema:
 
   reward/mean, reward/std            task reward over the step's N rows (stats.py)
   reward/frac_zero_std_groups        groups whose G rewards are all equal (stats.py)
-  reward/errors, reward/<name>       failed reward calls; each named reward design's mean
+  reward/errors, reward/timeouts     failed reward calls; samples left unscored at the
+                                     deadline (cumulative counts, tasks/scoring.py)
+  reward/<name>                      each named reward's mean since the last log: the task's
+                                     designs (e.g. reward/exact) and each learned reward
+                                     model's raw score (reward/reward_model by default)
                                      (tasks/scoring.py; async: engine/async_rollout.py)
   rollout/kept_groups_frac           groups kept by dynamic sampling / groups sampled (stats.py)
   advantage/mean, advantage/std      token mean; std of per-row means (stats.py)
   length/mean, length/min, length/max  counted completion tokens per row (stats.py)
-  length/truncated_frac              rows with no EOS within the limit (stats.py)
+  length/truncated_frac              rows with no stop id within the limit (stats.py)
   policy/loss                        the policy loss, this rank's share summed (engine/update.py)
   policy/entropy                     token-mean entropy of the learner's distribution (update.py)
   policy/clip_frac_low, policy/clip_frac_high, policy/clip_frac   ratio clipped low / high /
@@ -32,6 +36,9 @@ detached tensors until one host sync at log time. The schema:
   perf/tokens_per_s                  counted tokens / step time (trainer.py)
   eval/exact_match, eval/reward, eval/length_mean, eval/truncated_frac   held-out greedy
                                      evaluation (trainer.py, evaluate.py)
+The reward-model command logs its own: train/loss, train/bt_loss, train/accuracy,
+train/margin, optim/grad_norm (models/reward_fit.py); eval/pairwise_accuracy, eval/margin,
+eval/chosen_mean, eval/rejected_mean (engine/reward_model_train.py).
 """
 from __future__ import annotations
 
