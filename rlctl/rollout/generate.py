@@ -5,13 +5,19 @@ the same distribution the learner's log-probs are computed from (optional top-k 
 eval and rollout only: ``rlctl train`` refuses it, rollout/sampler.py says why):
 with a KV cache through rlctl's lean loop (rollout/sampler.py, the same tokens as
 ``generate`` for the same seed), otherwise (ZeRO-3 across ranks: ``synced_gpus``) and
-for greedy decoding through the model's ``generate``.
+for greedy decoding through the model's ``generate``. That fallback runs with the
+library's default generation settings in place of the checkpoint's own
+(``generation_config.json``: repetition penalty, top-k/top-p, min-p, banned words, ...),
+so its only logits processor is the temperature: the tokens are drawn from the same
+softmax(logits / temperature) the behaviour and learner log-probs are computed from.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List, Optional, Sequence
 
 import torch
+from transformers import GenerationConfig
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.models.kv_share import cache_keyword, shared_prefill
@@ -52,22 +58,40 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
         seqs, logp = sample(model, input_ids, prompt_mask, max_new_tokens, temperature, top_k,
                             stops, tokenizer.pad_token_id, key, cache, keep_logprobs=return_logprobs)
         return (seqs, prompt_mask, input_ids.shape[1]) + ((logp,) if return_logprobs else ())
-    kwargs = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0) \
-        if do_sample else dict(do_sample=False)
+    kwargs = dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=1.0) \
+        if do_sample else dict(do_sample=False)        # top_k=0: no top-k (HF's default is 50)
     if return_logprobs:
         kwargs.update(output_logits=True, return_dict_in_generate=True)
     if cache is not None:
         kwargs[key] = cache
-    out = model.generate(
-        input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=list(stops), **kwargs,
-        **backend_kwargs)
+    with library_generation_defaults(model):
+        out = model.generate(
+            input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=list(stops), **kwargs,
+            **backend_kwargs)
     if not return_logprobs:
         return out, prompt_mask, input_ids.shape[1]       # out: [N, P+T]
     new = out.sequences[:, input_ids.shape[1]:]                                    # [N, T]
     logp = torch.stack([token_logprobs(lg[:, None].float() / temperature, new[:, t, None])[:, 0]
                         for t, lg in enumerate(out.logits)], 1)                    # [N, T]
     return out.sequences, prompt_mask, input_ids.shape[1], logp
+
+
+@contextlib.contextmanager
+def library_generation_defaults(model):
+    """Within: every (sub)module's ``generation_config`` is a fresh ``GenerationConfig()``.
+    ``generate`` fills each setting the call leaves unset from the model's config, so
+    passing a clean config is not enough (a checkpoint's repetition_penalty or min_p
+    would still apply); wrappers (PEFT, DeepSpeed) hold the config on an inner module."""
+    saved = [(m, m.generation_config) for m in model.modules()
+             if isinstance(getattr(m, "generation_config", None), GenerationConfig)]
+    try:
+        for m, _ in saved:
+            m.generation_config = GenerationConfig()
+        yield
+    finally:
+        for m, config in saved:
+            m.generation_config = config
 
 
 def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
