@@ -287,6 +287,85 @@ def test_a_set_up_failure_in_the_users_own_run_dir_keeps_their_files(tmp_path):
     assert (mine / "notes.txt").read_text() == "mine"
 
 
+def _wait_until(cond, seconds=120.0):
+    deadline = time.time() + seconds
+    while time.time() < deadline and not cond():
+        time.sleep(0.05)
+    return cond()
+
+
+def test_launched_ranks_keep_the_run_locked_after_the_launcher_is_killed(tmp_path):
+    from rlctl.engine.rundir import RunLock
+    from rlctl.errors import RunDirError
+
+    root = tmp_path / "runs"
+    proc = subprocess.Popen([RLCTL, "train", f"trainer.steps={STEPS}", *FAST, "hardware.num_processes=2",
+                             f"run.output_dir={root}"], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    assert _wait_until(lambda: any('"step": 1,' in m.read_text() for m in root.glob("*/metrics.jsonl")))
+    ranks = _workers_of(root)
+    proc.kill()                                  # SIGKILL: the launcher's flock goes with it
+    proc.wait()
+    run = _run_dir(root)
+    try:
+        with pytest.raises(RunDirError, match=r"in use by another rlctl process \(pid (\d+)\)") as err:
+            RunLock(run).acquire()               # the ranks are still saving: refused
+        assert int(re.search(r"pid (\d+)", str(err.value)).group(1)) in ranks
+    finally:
+        proc.wait()
+    assert _wait_until(lambda: _can_lock(run))   # every rank has exited: stale, taken over
+    assert checkpoint_steps(run)                 # SIGTERM from the kernel: they saved
+
+
+def _can_lock(run: Path) -> bool:
+    from rlctl.engine.rundir import RunLock
+    from rlctl.errors import RunDirError
+    try:
+        RunLock(run).acquire().release()
+    except RunDirError:
+        return False
+    return True
+
+
+def checkpoint_steps(run: Path):
+    return sorted(p.name for p in (run / "checkpoints").iterdir()) if (run / "checkpoints").is_dir() else []
+
+
+SLOW_REWARD = """import os, time
+def slow(prompt, completion, **fields):
+    open(os.environ["SLOW_MARK"], "w").write(str(os.getpid()))
+    time.sleep(120)
+    return 0.0
+"""
+
+
+def test_a_reward_worker_stuck_in_a_call_does_not_keep_the_run_locked(tmp_path):
+    from rlctl.engine.rundir import RunLock
+
+    (tmp_path / "slow.py").write_text(SLOW_REWARD)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i} 3 1 ="}) + "\n"
+                                                  for i in range(12)))
+    mark, root = tmp_path / "reward.pid", tmp_path / "runs"
+    env = dict(ENV, PYTHONPATH=str(tmp_path), SLOW_MARK=str(mark))
+    proc = subprocess.Popen([RLCTL, "train", "trainer.steps=2", *FAST, "task=jsonl", "task.train_path=train.jsonl",
+                             "task.reward_fn=slow:slow", f"run.output_dir={root}"], env=env, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert _wait_until(lambda: mark.exists() and mark.read_text()), "the reward was never called"
+        proc.kill()                              # the trainer dies; its reward worker sleeps on
+        proc.wait()
+        with RunLock(_run_dir(root)):            # not held by the worker's copy of the descriptor
+            pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if mark.exists() and mark.read_text():
+            try:
+                os.kill(int(mark.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 # ---- the lock, in-process -----------------------------------------------------------------
 def test_run_lock_refuses_a_live_holder_by_pid_and_takes_over_a_dead_ones(tmp_path):
     from rlctl.engine.rundir import RunLock

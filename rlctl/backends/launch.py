@@ -23,12 +23,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 from rlctl.errors import LaunchError
 
 EXIT_SETUP = 3          # a rank failed before its first training step (set-up)
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 KILLED = (-signal.SIGINT, -signal.SIGTERM)   # a rank the signal reached before its handler
+LOCK_FD_ENV = "RLCTL_LOCK_FD"   # the run-directory lock's descriptor a rank inherits
 
 
 def _error_file(run_dir: Path, rank: int) -> Path:
@@ -42,10 +43,11 @@ def write_error(run_dir: Path, message: str, code: int) -> None:
 
 
 def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False, stop=None,
-           poll_s: float = 0.2) -> int:
+           poll_s: float = 0.2, lock_fd: Optional[int] = None) -> int:
     """Run the ranks to the end. Returns 0 when they finished, or the signal number after
     a forwarded SIGINT/SIGTERM made every rank save and stop; raises LaunchError if one
-    failed (every other rank is killed)."""
+    failed (every other rank is killed). ``lock_fd``: the locked run-directory lock, which
+    every rank inherits (the run stays locked while any rank lives)."""
     rendezvous = run_dir / ".dist_init"
     rendezvous.unlink(missing_ok=True)
     for rank in range(num_processes):
@@ -59,11 +61,14 @@ def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(num_processes), LOCAL_RANK=str(rank),
                        RLCTL_DIST_INIT=f"file://{rendezvous.resolve()}", OMP_NUM_THREADS=str(threads),
                        RLCTL_LAUNCHER_PID=str(os.getpid()))
+            if lock_fd is not None:
+                env[LOCK_FD_ENV] = str(lock_fd)
             log = None if rank == 0 else open(run_dir / f"rank{rank}.log", "w")
             logs.append(log)
             args = [sys.executable, "-m", "rlctl.engine.worker", str(run_dir)] + (["--resume"] if resume else [])
             procs.append(subprocess.Popen(args, env=env, stdout=log, start_new_session=True,
-                                          stderr=subprocess.STDOUT if log else None))
+                                          stderr=subprocess.STDOUT if log else None,
+                                          pass_fds=() if lock_fd is None else (lock_fd,)))
             if stop is not None and stop.requested:    # a signal came while ranks were starting
                 _signal_all(procs[-1:], stop.signum)
         return _wait(procs, run_dir, stop, poll_s)

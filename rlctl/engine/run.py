@@ -313,7 +313,7 @@ def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, 
         if here or cfg.hardware.num_processes == 1:
             return train_rank(cfg, run_dir, resume=resume, stop=stop, on_step=on_step)
         signum = launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads,
-                        resume=resume, stop=stop)
+                        resume=resume, stop=stop, lock_fd=rundir.held_fd(run_dir))
         last = checkpoint.latest_checkpoint(run_dir)
         done[0] = int(last is not None or (run_dir / "summary.json").is_file())
         if signum:

@@ -30,18 +30,36 @@ from typing import Any, Dict, FrozenSet, Optional, Tuple
 import yaml
 from omegaconf import OmegaConf
 
+from rlctl.backends.launch import LOCK_FD_ENV
 from rlctl.compose import Composed
 from rlctl.errors import RunDirError
 from rlctl.models.lora import save_lora
 
 LOCK_FILE = ".lock"
+_HELD: Dict[str, int] = {}         # run directory -> the descriptor holding its lock here
+
+
+def _close_held_in_child() -> None:
+    """A forked child (the reward worker) must not keep a run locked after its parent
+    dies: it closes its copies (closing a copy leaves the parent's lock as it is)."""
+    for fd in _HELD.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunLock:
     """One writer per run directory: ``<run>/.lock`` holds the writer's pid, and an
-    exclusive ``flock`` on it is held for the whole run (the launched ranks run inside
-    it). The kernel drops the flock when its process dies, so a lock file left by a
-    killed run is stale and simply taken over; a live holder is refused by pid."""
+    exclusive ``flock`` on it is held for the whole run. Launched ranks inherit the
+    locked descriptor (``held_fd``, ``adopt_inherited``), so the run stays locked until
+    the launcher and every rank have exited, even when the launcher is killed. The kernel
+    drops the flock when the last holder dies, so a lock file left by a killed run is
+    stale and simply taken over; a live holder is refused by pid."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
@@ -61,6 +79,7 @@ class RunLock:
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()}\n".encode())
                 self.fd = fd
+                _HELD[str(self.path.parent)] = fd
                 return self
             os.close(fd)
         raise RunDirError(f"cannot lock the run directory '{self.path.parent}'")
@@ -68,6 +87,7 @@ class RunLock:
     def release(self) -> None:
         if self.fd is None:
             return
+        _HELD.pop(str(self.path.parent), None)
         if _same_file(self.fd, self.path):
             self.path.unlink(missing_ok=True)      # while still holding it: no one locks a ghost
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -81,6 +101,25 @@ class RunLock:
         self.release()
 
 
+def held_fd(run_dir: Path) -> Optional[int]:
+    """The descriptor by which this process holds ``run_dir``'s lock (None: it does not)."""
+    return _HELD.get(str(Path(run_dir)))
+
+
+def adopt_inherited(run_dir: Path) -> None:
+    """In a launched rank: keep the launcher's lock descriptor (``LOCK_FD_ENV``) open for
+    this rank's life, close it in the rank's forks, and add this rank's pid to the file
+    (named when another process is refused). Never unlocks: that would free the run."""
+    fd = os.environ.get(LOCK_FD_ENV)
+    if not fd:
+        return
+    path = Path(run_dir) / LOCK_FILE
+    _HELD[str(path.parent)] = int(fd)
+    if _same_file(int(fd), path):
+        with open(path, "a") as f:             # O_APPEND: ranks do not overwrite each other
+            f.write(f"{os.getpid()}\n")
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         return os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -89,13 +128,24 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _holder_pid(fd: int) -> str:
-    """The pid in a held lock file (the holder writes it just after locking)."""
+    """A live pid in a held lock file (the holder writes it just after locking; launched
+    ranks add theirs): the first one alive, else the first."""
     for _ in range(20):
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        if text:
-            return text
+        pids = os.pread(fd, 4096, 0).decode("ascii", "replace").split()
+        if pids:
+            return next((p for p in pids if _alive(p)), pids[0])
         time.sleep(0.05)
     return "unknown"
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def create_run_dir(output_dir: str, name: str) -> Path:

@@ -22,6 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")      # before torch is imported (b
 from omegaconf import OmegaConf  # noqa: E402
 
 from rlctl.backends.launch import EXIT_SETUP, leave_with_launcher, write_error  # noqa: E402
+from rlctl.engine import rundir  # noqa: E402
 from rlctl.engine.run import train_rank  # noqa: E402
 from rlctl.engine.stopping import StopFlag  # noqa: E402
 from rlctl.errors import Interrupted, user_message  # noqa: E402
@@ -43,6 +44,7 @@ def main(run_dir: str, resume: bool = False) -> int:
 def _train(run_dir: Path, resume: bool, stop) -> int:
     steps = [0]
     try:
+        rundir.adopt_inherited(run_dir)       # the run stays locked while this rank lives
         for signum in _EARLY:                 # came before the StopFlag was installed
             stop.handle(signum)
         cfg = OmegaConf.load(run_dir / "config.yaml")
