@@ -341,6 +341,9 @@ def _check_algo(cfg: DictConfig) -> None:
     if n % a.minibatches and not a.dynamic_sampling:
         raise ConfigError(f"algo.minibatches={a.minibatches} must divide the "
                           f"{n} sequences per step (trainer.prompts_per_step * algo.group_size)")
+    if a.dynamic_sampling and a.minibatches > a.group_size:   # a rank keeps >= 1 group
+        raise ConfigError(f"algo.minibatches={a.minibatches} with algo.dynamic_sampling=true must be "
+                          f"<= algo.group_size={a.group_size} (a step may keep a single group)")
 
 
 def _check_eval(cfg: DictConfig) -> None:

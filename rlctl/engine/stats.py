@@ -24,7 +24,9 @@ detached tensors until one host sync at log time. The schema:
   policy/ratio_std, policy/ratio_max spread of pi / pi_old when pi_old is given (update.py)
   policy/kl_ref                      the training KL estimate to the reference (update.py)
   kl/k1, kl/k3                       both estimates of KL(pi || ref), token means (update.py)
-  kl/seq_k1                          per-sequence KL(pi_old || ref), adaptive KL's input (trainer.py)
+  kl/seq_k1                          per-sequence KL(pi_old || ref), adaptive KL's input (trainer.py);
+                                     like reward/mean and length/mean, weighted by rank's sequences
+                                     (per-sequence means are weighted by each rank's sequences)
   kl/coef                            the KL coefficient beta (trainer.py)
   value/loss, value/clip_frac, value/explained_var, value/mean   critic (update.py)
   value/return_mean                  token mean of the value targets (trainer.py)
@@ -75,6 +77,9 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
 # global batch's loss: its numerator over the normaliser summed over every rank).
 SUMMED = {"perf/step_tokens", "perf/step_sequences", "policy/loss", "value/loss"}
 REDUCE_OP = {"length/min": "min", "length/max": "max", "policy/ratio_max": "max"}
+# Per-sequence means, weighted by each rank's sequence count (dynamic sampling leaves
+# ranks with different counts, where a plain average over ranks is biased).
+PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_frac"}
 
 
 def reduce_metrics(metrics: Dict[str, torch.Tensor], backend) -> Dict[str, float]:
@@ -83,9 +88,12 @@ def reduce_metrics(metrics: Dict[str, torch.Tensor], backend) -> Dict[str, float
     keys = sorted(metrics)
     x = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32).detach().cpu() for k in keys])
     if backend.world_size > 1:
-        avg = backend.all_reduce(x, "sum") / backend.world_size
-        lo, hi, total = backend.all_reduce(x, "min"), backend.all_reduce(x, "max"), avg * backend.world_size
+        n = x[keys.index("perf/step_sequences")] if "perf/step_sequences" in metrics else torch.ones(())
+        weighted = torch.stack([x[i] * n if k in PER_SEQUENCE else x[i] for i, k in enumerate(keys)])
+        total = backend.all_reduce(torch.cat([weighted, n.reshape(1)]), "sum")
+        total, n_all = total[:-1], total[-1]
+        lo, hi, avg = backend.all_reduce(x, "min"), backend.all_reduce(x, "max"), total / backend.world_size
         pick = {"min": lo, "max": hi}
-        x = torch.stack([total[i] if k in SUMMED else pick.get(REDUCE_OP.get(k), avg)[i]
-                         for i, k in enumerate(keys)])
+        x = torch.stack([total[i] if k in SUMMED else total[i] / n_all if k in PER_SEQUENCE
+                         else pick.get(REDUCE_OP.get(k), avg)[i] for i, k in enumerate(keys)])
     return dict(zip(keys, x.tolist()))

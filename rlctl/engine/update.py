@@ -258,7 +258,9 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
     for _ in range(s.epochs):
         order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
-        for rows in order.chunk(s.minibatches):
+        # exactly s.minibatches pieces (chunk gives fewer when N / minibatches is not whole:
+        # ranks keeping different numbers of groups would step a different number of times)
+        for rows in torch.tensor_split(order, s.minibatches):
             backend.zero_grad()
             mb = batch if not shuffle and s.minibatches == 1 else take_rows(batch, rows)
             metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_len[rows],
