@@ -208,8 +208,7 @@ _TOLD_RENAMES: set = set()   # renames already announced in this process
 
 
 def rename_deprecated(overrides: List[str], recipe: Optional[Dict] = None, stream=None):
-    """(overrides, recipe) with renamed keys moved to their new names; each rename's notice
-    is printed once per process (a sweep composes every cell: one line, not one per cell)."""
+    """(overrides, recipe) with renamed keys moved to their new names; one notice a process."""
     told = _TOLD_RENAMES
     out = []
     for o in overrides:
