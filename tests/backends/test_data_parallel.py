@@ -4,7 +4,7 @@ engines and torch.distributed on CPU with gloo), for ZeRO 0-3 and two aggregatio
 Where the equivalence is exact it is tested exactly: one step's gradient in float64
 (plain torch; DeepSpeed reduces no float64 gradients) and in float32 against that exact
 value with a float32 rounding bound. After several AdamW steps in float32 it holds only
-up to Adam's amplification of rounding, with the bound derived in the test."""
+up to Adam's amplification of rounding: there the rule is measured, not derived."""
 import json
 import os
 import subprocess
@@ -39,7 +39,6 @@ def _run(out_dir: Path, world: int, cases: list, timeout=600) -> None:
 # One step of plain SGD with lr=1 and no clipping leaves w0 - g: the gradient, read off
 # the weights whatever the backend does with them (ZeRO partitions, averaging).
 GRAD = {"optim": "sgd", "steps": 1, "lr": 1.0, "max_grad_norm": 0.0}
-LR, STEPS = 1e-3, 3                      # the float32 AdamW runs (dp_worker's defaults)
 
 
 @pytest.fixture(scope="module")
@@ -102,48 +101,34 @@ def test_two_ranks_give_the_exact_gradient_in_float32(results, name, agg):
         torch.testing.assert_close(got[k], ref[k], atol=1e-4 * scale, rtol=0, msg=f"{name}/{agg}: {k}")
 
 
-def _adam_step_bound(steps: int, b1: float = 0.9, b2: float = 0.999) -> float:
-    """max over steps t <= ``steps`` of |m_hat / sqrt(v_hat)|, Adam's update in units of
-    lr: by Cauchy-Schwarz, (sum a_i g_i)^2 <= (sum a_i^2 / b_i)(sum b_i g_i^2) with a, b
-    the bias-corrected weights of m_hat and v_hat (eps only shrinks the update)."""
-    out = 0.0
-    for t in range(1, steps + 1):
-        a = [(1 - b1) * b1 ** (t - i) / (1 - b1 ** t) for i in range(1, t + 1)]
-        b = [(1 - b2) * b2 ** (t - i) / (1 - b2 ** t) for i in range(1, t + 1)]
-        out = max(out, sum(x * x / y for x, y in zip(a, b)) ** 0.5)
-    return out
-
-
-def test_adam_step_bound_by_hand():
-    assert _adam_step_bound(1) == pytest.approx(1.0)
-    # t=2: a = (0.09, 0.1)/0.19, b = (0.000999, 0.001)/0.001999 -> sqrt(1.00273)
-    assert _adam_step_bound(2) == pytest.approx(1.00273 ** 0.5, rel=1e-5)
+def _far_entries(ref: dict, got: dict, limit: float = 1e-6):
+    """(entries of ``got`` more than ``limit`` from ``ref``, all entries)."""
+    far = sum(int(((got[k] - ref[k]).abs() > limit).sum()) for k in ref)
+    return far, sum(v.numel() for v in ref.values())
 
 
 @pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize("name", ["torch2"] + [f"z{z}" for z in STAGES])
 def test_two_ranks_match_one_process(results, name, agg):
-    """The real optimizer (float32 AdamW, 3 steps, lr 1e-3). Float32 rounding differs by
-    CPU and summation order (1e-7 relative) and Adam amplifies it on entries whose
-    gradient is within that rounding of 0 (g / sqrt(v) turns 1e-9 vs -1e-9 into +-1): such
-    an entry can move by up to lr * R a step either way (R: _adam_step_bound, 1.004 for 3
-    steps), so two correct runs differ by at most 2 * STEPS * LR * R = 6e-3 on any entry.
-    That bound holds on any machine; every other entry, with a gradient well above the
-    rounding, moves the same up to float32 rounding of the update (~1e-7 * lr * STEPS).
-    So: all entries within the bound, and all but a sliver (entries whose gradient is
-    near 0 at some step) within 1e-6: measured 3-8 of 333,184 entries (max difference
-    8e-6); the test allows 0.1% (333). A lost rank's share or a wrong normaliser moves
-    most entries by ~lr, far past both limits."""
+    """The real optimizer (float32 AdamW, 3 steps, lr 1e-3), a check of the optimizer path
+    (ZeRO's partitioned AdamW state and update), not of the gradient's normaliser: Adam's
+    update m / sqrt(v) ignores a uniform scale of the gradient, so a wrong normaliser
+    barely shows here (halving every gradient left 0.07% of entries more than 1e-6
+    apart, measured). The gradient tests above catch normalisers exactly.
+
+    No per-entry bound can be derived: float32 rounding differs by CPU and summation
+    order (1e-7 relative) and Adam turns an entry whose gradient is within that rounding
+    of 0 into a +-lr step either way, so any entry may differ by up to the most Adam can
+    move it (about 2 * steps * lr = 6e-3, which no run can exceed: not a test).
+    What holds is measured: all but 3-8 of 333,184 entries (max 8e-6) agree within 1e-6;
+    the test allows 0.1% (333), a margin of 40 on this machine. A lost rank's share
+    changes the gradient's direction, not its scale, and fails it (rank 1's advantages
+    zeroed in dp_worker: 332,926 of 333,184 entries past 1e-6, measured)."""
     ref, got, init = _load(results, f"ref-{agg}"), _load(results, f"{name}-{agg}"), _initial()
     assert ref.keys() == got.keys()
     moved = max((ref[k] - init[k]).abs().max().item() for k in ref)
     assert moved > 1e-3                                      # training really changed weights
-    bound = 2 * STEPS * LR * _adam_step_bound(STEPS)
-    far, total = 0, 0
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], atol=bound, rtol=0, msg=f"{name}/{agg}: {k}")
-        far += int(((got[k] - ref[k]).abs() > 1e-6).sum())
-        total += ref[k].numel()
+    far, total = _far_entries(ref, got)
     assert far <= 1e-3 * total, f"{far} of {total} entries differ by more than 1e-6"
 
 
