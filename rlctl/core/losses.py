@@ -136,7 +136,10 @@ def value_loss_per_token(values: torch.Tensor, old_values: Optional[torch.Tensor
         v_clipped = old + (v - old).clamp(-clip, clip)  # [N, T]
         err_clipped = (v_clipped - ret) ** 2
         loss_mat = 0.5 * torch.maximum(err, err_clipped)
-        clip_frac = masked_mean((err_clipped > err).to(dtype), mask).detach()
+        # the clipped branch is taken only where the clamp moved V (old + (V - old) can
+        # differ from V by rounding, which must not count as clipping)
+        taken = ((v - old).abs() > clip) & (err_clipped > err)  # [N, T]
+        clip_frac = masked_mean(taken.to(dtype), mask).detach()
     return zero_out(loss_mat, m), {"value/clip_frac": clip_frac}
 
 

@@ -146,3 +146,19 @@ def test_value_loss_clipping_by_hand():
                                                          dtype=torch.float64))
     loss, m = value_loss(values, None, returns, mask)
     assert loss.item() == pytest.approx(0.5 * (1 + 1 + 2.56) / 3) and m["value/clip_frac"] == 0
+
+
+def test_value_clip_frac_is_zero_when_the_clip_is_too_wide_to_act():
+    """old + (V - old) differs from V by rounding; that must not count as clipping. In
+    float32 with V, old ~ N(0, 1) some tokens round so that the 'clipped' error is larger
+    by an ulp (measured here: 11% of these 1024 tokens, all counted as clipped before)."""
+    from rlctl.core.losses import value_loss_per_token
+    g = torch.Generator().manual_seed(0)
+    v, old, ret = (torch.randn(64, 16, generator=g) for _ in range(3))
+    mask = torch.ones(64, 16)
+    _, wide = value_loss_per_token(v, old, ret, mask, clip=100.0)
+    assert wide["value/clip_frac"] == 0
+    # and where the clamp does move V, the larger clipped error is counted
+    _, tight = value_loss_per_token(v, old, ret, mask, clip=0.01)
+    moved = ((v - old).abs() > 0.01) & (((old + (v - old).clamp(-0.01, 0.01)) - ret) ** 2 > (v - ret) ** 2)
+    assert tight["value/clip_frac"] == pytest.approx(moved.float().mean().item(), abs=1e-7)

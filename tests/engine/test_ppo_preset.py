@@ -38,22 +38,26 @@ def _run(overrides, steps, recipe=None):
 
 
 def test_preset_reuses_each_rollout_and_clips():
-    """The preset as shipped (its own batch sizes and learning rate), 60 steps (~10 s).
-    The policy clip acts from the first step (measured: 19% of tokens at step 1). The
-    value clip (0.02) acts only once the value head has learnt enough for one optimizer
-    step to move V by more than 0.02 toward the return: measured on this seed, 4 of 60
-    steps clip some value tokens (0.1-0.5%), the first at step 32. So this asserts that
-    it acts at all within the run; with a clip too wide to act (algo.value_clip=100)
-    value/clip_frac is 0 in every step (measured), and this test fails."""
-    cfg, rows, optimizer_steps = _run(NO_EVAL, steps=60)
+    """The preset as shipped (its own batch sizes and learning rate), 3 steps: two
+    optimizer steps per rollout, and the second pass over a rollout sees pi != pi_old, so
+    some tokens leave [1 - eps, 1 + eps] (measured: 19% of tokens at step 1)."""
+    cfg, rows, optimizer_steps = _run(NO_EVAL, steps=3)
     a = cfg.algo
     assert a.epochs * a.minibatches >= 2 and a.clip_eps > 0 and a.value_clip is not None
-    assert optimizer_steps == 60 * a.epochs * a.minibatches >= 120
-    # the second pass over a rollout sees pi != pi_old: some tokens leave [1-eps, 1+eps]
-    assert rows[0]["policy/clip_frac"] > 0
-    assert max(r["policy/approx_kl"] for r in rows) > 0
-    assert max(r["value/clip_frac"] for r in rows) > 0
-    assert all(0 <= r["value/clip_frac"] <= 1 for r in rows)
+    assert optimizer_steps == 3 * a.epochs * a.minibatches >= 6
+    assert all(r["policy/clip_frac"] > 0 and r["policy/approx_kl"] > 0 for r in rows)
+
+
+def test_preset_value_clip_acts():
+    """The value clip (0.02) acts once one optimizer step moves V by more than 0.02 toward
+    the return. At the preset's learning rate that takes ~30 steps (measured on seed 0:
+    4 of 60 steps clip 0.1-0.5% of tokens, seed- and machine-dependent); at lr 1e-3 the
+    first step already does (measured 27-29% of value tokens in each of 3 steps), so the
+    check does not hang on a borderline trajectory. Control: a clip too wide to act."""
+    _, rows, _ = _run([*NO_EVAL, "trainer.lr=1e-3"], steps=3)
+    assert all(r["value/clip_frac"] > 0 for r in rows)
+    _, wide, _ = _run([*NO_EVAL, "trainer.lr=1e-3", "algo.value_clip=100"], steps=3)
+    assert all(r["value/clip_frac"] == 0 for r in wide)
 
 
 def test_single_pass_recipe_never_clips():
