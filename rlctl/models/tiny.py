@@ -281,25 +281,34 @@ def build_tiny(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
     params = build_params(hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed,
                           warmup_num_digits, resolve_warmup_task(warmup_task))
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    final = root / cache_key(params)
+    final, meta = build_cached(root, cache_key(params), lambda tmp: _build_into(tmp, params))
+    if meta is not None:
+        log.info("built tiny model in %.1f s (%d params, %d warm-up steps, held-out greedy exact "
+                 "%.2f, format %.2f): %s", meta["build_seconds"], meta["num_parameters"],
+                 params["warmup_steps"], meta["greedy_exact_heldout"],
+                 meta["greedy_format_heldout"], final)
+    return final
+
+
+def build_cached(root: Path, name: str, build):
+    """(root / name, what ``build(tmp_dir)`` returned, or None when the directory was
+    already there or a concurrent builder won). The build goes into a temporary sibling
+    that is renamed into place (atomic), so a reader never sees a half-written model."""
+    final = root / name
     if final.is_dir():
-        return final
+        return final, None
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
-        meta = _build_into(tmp, params)
+        meta = build(tmp)
         try:
             os.rename(tmp, final)  # atomic; fails if a racing builder got there first
         except OSError:
             if not final.is_dir():
                 raise
-            log.info("tiny model %s was built concurrently; using that copy", final.name)
-            return final
+            log.info("%s was built concurrently; using that copy", final.name)
+            return final, None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    log.info("built tiny model in %.1f s (%d params, %d warm-up steps, held-out greedy exact "
-             "%.2f, format %.2f): %s", meta["build_seconds"], meta["num_parameters"],
-             params["warmup_steps"], meta["greedy_exact_heldout"],
-             meta["greedy_format_heldout"], final)
-    return final
+    return final, meta

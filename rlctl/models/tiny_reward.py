@@ -27,8 +27,6 @@ import json
 import logging
 import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -38,7 +36,7 @@ import transformers
 
 from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
                                      pairwise_accuracy, prepare_for_scoring, score_pairs)
-from rlctl.models.tiny import build_tiny, build_tokenizer, default_cache_dir
+from rlctl.models.tiny import build_cached, build_tiny, build_tokenizer, default_cache_dir
 from rlctl.tasks.sorting import SortingTask, positional_reward
 
 log = logging.getLogger(__name__)
@@ -130,22 +128,10 @@ def tiny_reward_model_dir(seed: int = 0, cache_dir: Optional[os.PathLike] = None
     The build is atomic (a temporary sibling renamed into place), as for the tiny policy."""
     params = build_params(seed)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    final = root / cache_key(params)
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
-        meta = _build_into(tmp, params, Path(cache_dir).expanduser() if cache_dir else None)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-            return final           # a concurrent builder won the race; identical copy
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    log.info("built tiny reward model in %.1f s (held-out pairwise accuracy %.3f): %s",
-             meta["build_seconds"], meta["heldout_pairwise_accuracy"], final)
+    policy_cache = Path(cache_dir).expanduser() if cache_dir else None
+    final, meta = build_cached(root, cache_key(params),
+                               lambda tmp: _build_into(tmp, params, policy_cache))
+    if meta is not None:
+        log.info("built tiny reward model in %.1f s (held-out pairwise accuracy %.3f): %s",
+                 meta["build_seconds"], meta["heldout_pairwise_accuracy"], final)
     return final

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from rlctl.errors import RewardError, UserError
+from rlctl.errors import RewardError
 from rlctl.tasks.base import ON_REWARD_ERROR, RAW_PROMPT, task_options
 from rlctl.tasks.reward_model import learned_of
 from rlctl.types import Example

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("peft")
 
-from real_arch import FAMILIES, SPECS  # noqa: E402
+from real_arch import FAMILIES  # noqa: E402
 
 from rlctl.models import load_model_and_tokenizer  # noqa: E402
 from rlctl.models.lora import apply_lora  # noqa: E402

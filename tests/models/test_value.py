@@ -4,8 +4,7 @@ import copy
 import pytest
 import torch
 
-from rlctl.models.value import (VALUE_HEAD_FILE, PolicyValueModel, SeparateCritic, ValueHead,
-                                completion_values)
+from rlctl.models.value import (VALUE_HEAD_FILE, PolicyValueModel, SeparateCritic, completion_values)
 from rlctl.rollout.generate import generate, position_ids_from_mask
 
 PROMPTS = ["3 1 2 =", "9 =", "5 4 8 7 ="]
