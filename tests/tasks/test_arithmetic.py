@@ -143,9 +143,14 @@ def test_compose_defaults_and_the_tiny_warmup_key():
     from rlctl.compose import compose
     from rlctl.models.tiny import build_params, cache_key, resolve_warmup_task
 
+    from omegaconf import OmegaConf
+
+    from rlctl.engine.build import task_from_config
+
     cfg = compose(["task=arithmetic"]).cfg
+    OmegaConf.resolve(cfg)
     assert cfg.model.warmup_task == "arithmetic" and list(cfg.task.ops) == ["+"]
-    task = build_task("arithmetic", **{k: v for k, v in cfg.task.items() if k != "name"})
+    task = task_from_config(cfg)           # as train/eval/rollout build it
     assert task.num_digits == 2 and task.style == "symbolic" and len(task.eval_examples()) == 256
     assert compose([]).cfg.model.warmup_task == "sorting"
     assert resolve_warmup_task("jsonl") == "sorting" == resolve_warmup_task("sorting")
