@@ -178,9 +178,13 @@ def _check(hidden, weight, bias, tokens, temperature, chunk_tokens) -> None:
         raise ValueError(f"chunked_token_logprobs: temperature must be > 0; got {temperature}")
     if chunk_tokens is not None and int(chunk_tokens) < 1:
         raise ValueError(f"chunked_token_logprobs: chunk_tokens must be >= 1; got {chunk_tokens}")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= weight.shape[0]):
-        raise ValueError(f"chunked_token_logprobs: token ids must be in [0, {weight.shape[0]}); "
-                         f"got min {int(tokens.min())}, max {int(tokens.max())}")
+    # the id range is read on the CPU only: on an accelerator it would cost a host sync per
+    # forward (gather there fails loudly on a bad id anyway)
+    if tokens.numel() and tokens.device.type == "cpu":
+        lo, hi = torch.aminmax(tokens)
+        if int(lo) < 0 or int(hi) >= weight.shape[0]:
+            raise ValueError(f"chunked_token_logprobs: token ids must be in [0, {weight.shape[0]}); "
+                             f"got min {int(lo)}, max {int(hi)}")
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,

@@ -92,7 +92,13 @@ def test_entropy_bonus_gradient_matches_hand_derivation_float64():
     assert expected.abs().max() > 1e-3                 # not a vacuous zero
     # and the value: -coef * the token-mean entropy of the counted positions
     ent = entropy_from_logits(z.expand(N, -1, -1)[:, P - 1:P - 1 + T])      # [N, T]
-    assert float(aggregate(-coef * ent, mask, "token-mean")) < 0
+    hand = 0.0                                  # sum over counted tokens of H(p_t), by hand
+    for t in range(T):
+        p = [math.exp(v) for v in z[0, P - 1 + t].tolist()]
+        p = [v / sum(p) for v in p]
+        hand += -sum(v * math.log(v) for v in p) * float(mask[:, t].sum())
+    assert float(aggregate(-coef * ent, mask, "token-mean")) == pytest.approx(
+        -coef * hand / float(mask.sum()), abs=1e-12)
 
 
 def test_entropy_bonus_off_leaves_no_gradient():
