@@ -3,11 +3,12 @@ imported here; the work (torch, transformers) is imported inside each command, o
 purpose, so that `rlctl --help` stays instant (as in rlctl/commands/app.py)."""
 from __future__ import annotations
 
-import json
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import typer
 
+from rlctl.commands.files import write_json
 from rlctl.errors import UserError, run_command
 
 FREE_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -87,6 +88,5 @@ def eval_(ctx: typer.Context,
         for line in format_eval(stats):
             typer.echo(line)
         if out:
-            with open(out, "w", encoding="utf-8") as f:
-                json.dump(stats, f, indent=2, sort_keys=True)
+            write_json(Path(out), stats)
     run_command(go, debug)

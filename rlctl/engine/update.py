@@ -265,13 +265,16 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
             mb = batch if not shuffle and s.minibatches == 1 else take_rows(batch, rows)
             metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_len[rows],
                                            None if prompts is None else prompts.rows(rows))
-            # A non-finite loss (on any rank) skips this optimizer step on every rank: one
-            # host sync per optimizer step, the only one in the update.
+            # A non-finite loss (on any rank) skips this optimizer step on every rank, and so
+            # does a minibatch with no counted token on any rank (mask_truncated): one
+            # collective and one host sync per optimizer step, the only ones in the update.
             bad = (~torch.isfinite(metrics["policy/loss"] + metrics.get("value/loss", 0.0))).float()
-            if s.mask_truncated and not bool(backend.all_reduce(mb.mask.sum().reshape(1), "sum").item()):
+            has_tokens = (mb.mask.sum() > 0).to(bad.dtype)
+            bad_any, tokens_any = backend.all_reduce(torch.stack([bad, has_tokens]), "max").tolist()
+            if s.mask_truncated and not tokens_any:
                 backend.zero_grad()                  # every row truncated: no step (Adam would move)
                 metrics["optim/grad_norm"] = torch.zeros(())
-            elif bool(backend.all_reduce(bad.reshape(1), "max").item()):
+            elif bad_any:
                 backend.zero_grad()
                 metrics["optim/grad_norm"] = torch.tensor(float("nan"))
             else:
