@@ -182,9 +182,11 @@ def test_own_launcher_two_nodes_kill_one_then_resume(tmp_path):
     """rlctl's own launcher, one rank per node. Node 1 dies (its whole process tree,
     SIGKILL) after the first checkpoint: node 0 stops with one line naming the newest
     checkpoint within hardware.dist_timeout_s, that checkpoint is whole, and --resume on
-    both nodes continues to the end with every step logged once."""
-    run, port, steps = tmp_path / "job", free_port(), 8
-    args = [*TINY_RUN, f"trainer.steps={steps}", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
+    both nodes continues to the end with every step logged once. The first launch asks for
+    far more steps than any machine runs before the kill (8 steps could finish first on a
+    fast one); the resume sets the end two steps past the newest checkpoint."""
+    run, port = tmp_path / "job", free_port()
+    args = [*TINY_RUN, "trainer.steps=100000", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
             f"run.dir={run}", "hardware.dist_timeout_s=20"]
     node0, node1 = _own_node(0, port, *args), _own_node(1, port, *args)
     deadline = time.monotonic() + 90
@@ -199,13 +201,16 @@ def test_own_launcher_two_nodes_kill_one_then_resume(tmp_path):
     assert "lost contact with another rank" in err and "newest checkpoint" in err, err
     from rlctl.engine import checkpoint
     last = checkpoint.latest_checkpoint(run)
-    assert 1 <= checkpoint.read_state(last)["step"] < steps           # whole and readable
+    done = checkpoint.read_state(last)["step"]
+    assert done >= 1                                                 # whole and readable
+    steps = done + 2
     assert len(list(last.glob("rng-rank*.pt"))) == 2
     # a resume with another world size is refused in one line
     code1, _, e1 = finish([start(rlctl_train("--resume", str(run), "hardware.nnodes=1"))])[0]
     assert code1 == 2 and "written by 2" in e1 and error_lines(e1) == [e1.strip()], e1
     port = free_port()
     more = ["hardware.master_addr=127.0.0.1", f"hardware.master_port={port}"]
+    more.append(f"trainer.steps={steps}")
     procs = [start(rlctl_train("--resume", str(run), f"hardware.node_rank={r}", *more)) for r in (0, 1)]
     for c, o, e in finish(procs):
         assert c == 0, e[-3000:]
