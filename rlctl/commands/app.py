@@ -1,20 +1,19 @@
-"""The Typer commands `eval`, `rollout` and `inspect`. Only typer and rlctl.errors (which
-imports nothing) are imported here; each command's module is imported inside the command."""
+"""The Typer commands `eval`, `rollout` and `inspect`. Only typer, rlctl.errors (which
+imports nothing) and typer-only command modules are imported here; each command's
+module is imported inside the command."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import typer
 
 from rlctl.errors import UserError, run_command
+from rlctl.commands.cli_options import DEBUG, FREE_ARGS
 from rlctl.commands.reward_model_cmd import rm_app  # light: typer and rlctl.errors only
 
 # The command modules (rlctl.commands.eval_cmd, rollout_cmd, inspect_cmd) are imported
 # inside the command bodies below, on purpose: they pull in torch, transformers and hydra
 # (seconds), and `rlctl --help` must not pay for them.
-
-FREE_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
-DEBUG = typer.Option(False, "--debug", help="Show full tracebacks.")
 
 EVAL_HELP = """Held-out metrics of a model on the task's eval split.
 
@@ -53,10 +52,6 @@ INSPECT_HELP = """Summarise run directories or audit a rollout file.
 """
 
 
-def _run(fn: Callable[[], object], debug: bool) -> None:
-    run_command(fn, debug)
-
-
 def _int(name: str, value: Optional[str]) -> Optional[int]:
     """Integer options are parsed here so that a bad value is one line (click prints
     a usage block)."""
@@ -84,7 +79,7 @@ def register(app: typer.Typer) -> None:
                                            "[--samples K] [--out FILE.json]")
             run_eval(target, overrides, samples=_int("--samples", samples), out=out,
                      batch_size=_int("--batch-size", batch_size))
-        _run(go, debug)
+        run_command(go, debug)
 
     @app.command("rollout", context_settings=FREE_ARGS, help=ROLLOUT_HELP,
                  options_metavar="[TARGET] [OVERRIDES]... --out FILE.jsonl [OPTIONS]")
@@ -104,7 +99,7 @@ def register(app: typer.Typer) -> None:
             run_rollout(target, overrides, out, prompts=_int("--prompts", prompts),
                         samples=_int("--samples", samples), split=split,
                         batch_size=_int("--batch-size", batch_size))
-        _run(go, debug)
+        run_command(go, debug)
 
     @app.command("inspect", context_settings=FREE_ARGS, help=INSPECT_HELP,
                  options_metavar="PATH [PATH]... [OPTIONS]")
@@ -119,6 +114,6 @@ def register(app: typer.Typer) -> None:
 
             run_inspect(list(ctx.args), out_dir=out_dir, json_out=json_out, plots=plots,
                         examples=_int("--examples", examples))
-        _run(go, debug)
+        run_command(go, debug)
 
     app.add_typer(rm_app, name="reward-model")   # rlctl reward-model train|eval

@@ -8,10 +8,9 @@ from typing import Dict, List, Optional
 
 import typer
 
+from rlctl.commands.cli_options import DEBUG, FREE_ARGS
 from rlctl.commands.files import write_json
 from rlctl.errors import UserError, run_command
-
-FREE_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 TRAIN_HELP = """Fit a Bradley-Terry reward model on preference pairs.
 
@@ -59,7 +58,7 @@ def format_eval(stats: Dict[str, float]) -> List[str]:
                 options_metavar="PREFS [OVERRIDES]... [OPTIONS]")
 def train_(ctx: typer.Context,
            eval_prefs: Optional[str] = typer.Option(None, "--eval", metavar="PREFS_EVAL", help="Held-out preference pairs (default: a seeded rm.eval_frac of PREFS)."),
-           debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
+           debug: bool = DEBUG) -> None:
     def go():
         args = list(ctx.args)
         if not args or "=" in args[0] or args[0].startswith("-"):
@@ -76,7 +75,7 @@ def train_(ctx: typer.Context,
                 options_metavar="PATH PREFS [OPTIONS]")
 def eval_(ctx: typer.Context,
           out: Optional[str] = typer.Option(None, "--out", metavar="FILE", help="Also write the numbers as JSON."),
-          debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
+          debug: bool = DEBUG) -> None:
     def go():
         args = list(ctx.args)
         if len(args) != 2 or any(a.startswith("-") for a in args):

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import yaml
 from omegaconf import OmegaConf
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoTokenizer
 
 from rlctl.compose import CONF_DIR, compose
 from rlctl.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range
@@ -34,6 +34,7 @@ from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
 from rlctl.models.tiny import build_tiny
 from rlctl.sinks import build_sinks
 from rlctl.tasks.data import load_records
+from rlctl.tasks.reward_model import RewardModel
 
 COLUMNS = ("prompt", "chosen", "rejected")
 SECTIONS = ("model", "hardware", "logger", "seed", "run")   # composed like `rlctl train`
@@ -160,14 +161,18 @@ def backbone_path(cfg) -> str:
     return str(path)
 
 
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def load_classifier(path: str, dtype: str, seed: int, device: str):
     """(1-output sequence classifier, tokenizer) from a model directory; UserError if not."""
     try:
         model = classifier_from_lm(path, resolve_dtype(dtype), seed)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, RuntimeError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"cannot load model '{path}' as a sequence classifier: {first}") from None
+        raise UserError(f"cannot load model '{path}' as a sequence classifier: "
+                        f"{_first_line(exc)}") from None
     prepare_for_scoring(model, tokenizer)
     return model.to(device), tokenizer
 
@@ -279,15 +284,13 @@ def eval_reward_model(path: str, prefs: str, batch_size: int = 64, device: str =
         raise UserError(f"'{path}' is not a reward model directory (no config.json; expected "
                         "a sequence-classifier directory or a run directory with model/)")
     pairs = read_pairs(prefs, "PREFS")
+    try:     # the loader `rlctl train` scores with: the same checks, the same one-line errors
+        rm = RewardModel(p, device=device, key="PATH")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(str(p), use_safetensors=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(p))
+        model = rm.load()
     except (OSError, ValueError, RuntimeError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"cannot load reward model '{path}': {first}") from None
-    if model.config.num_labels != 1:
-        raise UserError(f"'{path}' has {model.config.num_labels} labels; a reward model has one "
-                        "(num_labels=1)")
-    prepare_for_scoring(model, tokenizer)
-    r_c, r_r = score_pairs(model.to(device), tokenizer, pairs, batch_size)   # [P] each
+        raise UserError(f"cannot load reward model '{path}': {_first_line(exc)}") from None
+    r_c, r_r = score_pairs(model, rm.tokenizer, pairs, batch_size)   # [P] each
     return score_stats(r_c, r_r)

@@ -2,29 +2,21 @@
 texts, and fit it on preference pairs with the Bradley-Terry loss (rlctl.core.preference).
 
 A reward model here is a standard ``AutoModelForSequenceClassification`` directory with
-``num_labels=1``, safetensors weights and its own tokenizer (pad token set); its score is
-the head's output at the last non-pad token of prompt + completion (transformers finds
-that token from ``config.pad_token_id``, for left and right padding alike; position ids
-are counted over the attention mask, so a padded row sees the positions it has alone).
-With a chat template the tokenizer adds no special tokens of its own (the template has
-them), as in ``rlctl.tasks.reward_model``, which scores with the same text and tokens.
-
-Text of a (prompt, completion) pair (``render``): the tokenizer's chat template as
-[user: prompt, assistant: completion] when it has one, else ``prompt + completion`` with
-one space between them when neither side has whitespace at the join (the tiny model's
-word-level tokenizer needs "5 = 1 2" rather than "5 =1 2"; BPE completions that start with
-a space are left alone).
+``num_labels=1``, safetensors weights and its own tokenizer (pad token set). The text,
+tokens and read-out of a score are ``rlctl.tasks.reward_model``'s (``render``,
+``text_scores``): a model is fitted on exactly what a run's reward scorer later feeds it.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.preference import bradley_terry_loss
+from rlctl.tasks.reward_model import render, text_scores
 
 
 @dataclass
@@ -33,17 +25,6 @@ class Pair:
     chosen: str
     rejected: str
     margin: Optional[float] = None     # per-pair margin (a `margin` column); None: the default
-
-
-def render(tokenizer, prompt: str, completion: str) -> str:
-    """The text a reward model scores for ``prompt`` answered by ``completion``."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
-            tokenize=False)
-    if prompt and completion and not prompt[-1].isspace() and not completion[0].isspace():
-        return prompt + " " + completion
-    return prompt + completion
 
 
 def classifier_from_lm(path: str, dtype: torch.dtype = torch.float32, seed: int = 0):
@@ -63,19 +44,11 @@ def prepare_for_scoring(model, tokenizer) -> None:
     model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def scores(model, tokenizer, prompts: Sequence[str], completions: Sequence[str],
+def scores(model, tokenizer, prompts: Sequence[Any], completions: Sequence[str],
            max_length: Optional[int] = None) -> torch.Tensor:
     """The model's score of each rendered pair, [n] float32 (grad flows when enabled)."""
     texts = [render(tokenizer, p, c) for p, c in zip(prompts, completions)]
-    templated = bool(getattr(tokenizer, "chat_template", None))   # the template adds BOS itself
-    enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=max_length is not None,
-                    max_length=max_length, add_special_tokens=not templated)
-    device = next(model.parameters()).device
-    mask = enc["attention_mask"].to(device)                            # [n, L]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)                     # [n, L] as if unpadded
-    out = model(input_ids=enc["input_ids"].to(device), attention_mask=mask,
-                position_ids=positions)
-    return out.logits[:, 0].float()                                     # [n]
+    return text_scores(model, tokenizer, texts, max_length)
 
 
 def pair_scores(model, tokenizer, pairs: Sequence[Pair], max_length: Optional[int] = None

@@ -6,15 +6,27 @@ label, safetensors weights and its own tokenizer (optionally a chat template), t
 in which TRL, OpenRLHF and Hugging Face save Bradley-Terry reward models (Ouyang et al.,
 2022, "Training language models to follow instructions with human feedback").
 
-Scoring (``RewardModel.score``): the prompt and the decoded completion are re-rendered as
-text and tokenised with the reward model's *own* tokenizer (through its chat template as
-[user: prompt, assistant: completion] when it has one; else ``prompt + completion``, a
-space put between them when neither side has one), so nothing assumes the policy's ids.
-The backbone runs with position ids counted over the attention mask (so a left-padded row
-sees the positions it would see alone) and the score head reads the final hidden state
-at the last non-pad token: the reward is ``score(h[last])``. Batched (``BATCH_ROWS`` rows
-per forward) on the training device, under ``no_grad``, in the model's saved dtype. The
-weights load on the first score (so that checking a config costs no weight loading).
+Scoring (``RewardModel.score``), the one implementation, which ``rlctl reward-model
+train`` (``rlctl.models.reward_fit``) fits with too, so that a model is scored on exactly
+what it was fitted on:
+
+- text (``render``): the tokenizer's chat template over [the prompt's messages (a text
+  prompt is one user message), assistant: completion] when it has one, else
+  ``prompt + completion`` with one space between them when neither side has whitespace at
+  the join (the tiny model's word-level tokenizer needs "5 = 1 2" rather than "5 =1 2";
+  BPE completions that start with a space are left alone). Nothing assumes the policy's
+  ids: the reward model's *own* tokenizer reads the text;
+- tokens (``text_scores``): no special tokens added when a chat template renders the
+  text (the template has them), truncated to ``max_length`` (the tokenizer's
+  ``model_max_length`` when None), padded on the tokenizer's side;
+- score (``last_token_scores``): the backbone runs with position ids counted over the
+  attention mask (so a padded row sees the positions it has alone) and the score head
+  reads the final hidden state at the last position whose mask is 1, for left and right
+  padding alike and whatever the pad id is (EOS as pad, ending the text, is still read).
+
+Batched (``BATCH_ROWS`` rows per forward) on the training device, under ``no_grad``, in
+the model's saved dtype. The weights load on the first score (so that checking a config
+costs no weight loading).
 
 ``task.reward_norm=running`` whitens each model's scores with running statistics over
 every training score seen so far (count, mean, M2: the batched form of Welford's update,
@@ -27,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -121,11 +133,57 @@ def _load_tokenizer(path: Path, key: str):
     return tok
 
 
-def join_text(prompt: str, completion: str) -> str:
-    """Prompt and completion as one text, a space between them when neither has one."""
-    if not prompt or not completion or prompt[-1].isspace() or completion[0].isspace():
-        return prompt + completion
-    return prompt + " " + completion
+# ---- text, tokens and score: the one implementation (rlctl reward-model train fits with it)
+def render(tokenizer, prompt: Union[str, List[Dict[str, str]]], completion: str) -> str:
+    """The text a reward model scores for ``prompt`` (text, or chat messages) answered by
+    ``completion`` (see the module doc)."""
+    if getattr(tokenizer, "chat_template", None):
+        msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        return tokenizer.apply_chat_template(
+            [*msgs, {"role": "assistant", "content": completion}], tokenize=False)
+    prompt = str(prompt)
+    if prompt and completion and not prompt[-1].isspace() and not completion[0].isspace():
+        return prompt + " " + completion
+    return prompt + completion
+
+
+def backbone_of(model):
+    """The classifier's base model (``LlamaForSequenceClassification.model``, GPT-2's
+    ``transformer`` ...): its ``base_model_prefix`` attribute."""
+    return getattr(model, model.base_model_prefix)
+
+
+def score_head(model):
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"the reward model {type(model).__name__} has no linear score head "
+                         "(score or classifier)")
+    return head
+
+
+def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[n, L] ids and mask -> [n] float32 scores: head(final hidden state at the last
+    position whose mask is 1), positions counted over the mask (left padding exact)."""
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [n, L]
+    out = backbone_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                             use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [n, L, H]
+    L = mask.shape[1]
+    last = L - 1 - mask.flip(-1).long().argmax(-1)                      # [n] last non-pad index
+    h = hidden[torch.arange(ids.shape[0], device=ids.device), last]     # [n, H]
+    return score_head(model)(h).squeeze(-1).float()                    # [n]
+
+
+def text_scores(model, tokenizer, texts: Sequence[str], max_length: Optional[int] = None
+                ) -> torch.Tensor:
+    """The model's score of each rendered text, [n] float32 (grad flows when enabled)."""
+    templated = bool(getattr(tokenizer, "chat_template", None))   # the template adds BOS itself
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
+                    max_length=max_length, add_special_tokens=not templated)
+    device = next(model.parameters()).device
+    return last_token_scores(model, enc["input_ids"].to(device),           # [n, L]
+                             enc["attention_mask"].to(device))             # -> [n]
+
 
 
 class RewardModel:
@@ -157,12 +215,7 @@ class RewardModel:
         return self.model
 
     def text(self, example: Example, completion: str) -> str:
-        prompt = example.fields.get(RAW_PROMPT, example.prompt)
-        if getattr(self.tokenizer, "chat_template", None):
-            msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-            return self.tokenizer.apply_chat_template(
-                [*msgs, {"role": "assistant", "content": completion}], tokenize=False)
-        return join_text(str(prompt), completion)
+        return render(self.tokenizer, example.fields.get(RAW_PROMPT, example.prompt), completion)
 
     @torch.no_grad()
     def score_texts(self, texts: Sequence[str]) -> List[float]:
@@ -170,43 +223,11 @@ class RewardModel:
         model = self.load()
         out: List[float] = []
         for start in range(0, len(texts), BATCH_ROWS):
-            chunk = list(texts[start:start + BATCH_ROWS])
-            enc = self.tokenizer(chunk, return_tensors="pt", padding=True, truncation=True,
-                                 add_special_tokens=not getattr(self.tokenizer, "chat_template", None))
-            ids = enc["input_ids"].to(model.device)                     # [n, L]
-            mask = enc["attention_mask"].to(model.device)               # [n, L]
-            out.extend(last_token_scores(model, ids, mask).tolist())
+            out.extend(text_scores(model, self.tokenizer, texts[start:start + BATCH_ROWS]).tolist())
         return out
 
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> List[float]:
         return self.score_texts([self.text(e, c) for e, c in zip(examples, completions)])
-
-
-def backbone_of(model):
-    """The classifier's base model (``LlamaForSequenceClassification.model``, GPT-2's
-    ``transformer`` ...): its ``base_model_prefix`` attribute."""
-    return getattr(model, model.base_model_prefix)
-
-
-def score_head(model):
-    head = getattr(model, "score", None) or getattr(model, "classifier", None)
-    if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"the reward model {type(model).__name__} has no linear score head "
-                         "(score or classifier)")
-    return head
-
-
-def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[n, L] ids and mask -> [n] float32 scores: head(final hidden state at the last
-    position whose mask is 1), positions counted over the mask (left padding exact)."""
-    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [n, L]
-    out = backbone_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                             use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [n, L, H]
-    L = mask.shape[1]
-    last = L - 1 - mask.flip(-1).long().argmax(-1)                      # [n] last non-pad index
-    h = hidden[torch.arange(ids.shape[0], device=ids.device), last]     # [n, H]
-    return score_head(model)(h).squeeze(-1).float()                    # [n]
 
 
 # ---- several models, attached to a task ----------------------------------------------------
