@@ -169,7 +169,8 @@ class AsyncConfig:
     enabled: bool = MISSING        # rollout actor processes + learner (rlctl/engine/async_rollout.py)
     max_staleness: int = MISSING   # a rollout is at most this many learner steps old (0: synchronous)
     sync_every: int = MISSING      # learner steps between weight syncs to the actor
-    num_actors: int = 1            # rollout actor processes
+    num_actors: int = 1            # rollout actor processes (on node 0; 0 only with hardware.nnodes > 1)
+    actors_per_node: int = 1       # hardware.nnodes > 1: actor processes on each node after node 0
 
 
 @dataclass
@@ -304,8 +305,7 @@ RANGES = {
     "task.reward_clip": POSITIVE,
     "task.num_digits": AT_LEAST_1, "task.num_eval": NON_NEGATIVE, "task.seed": NON_NEGATIVE,
     "model.hidden_size": AT_LEAST_1, "model.num_layers": AT_LEAST_1,
-    "model.num_heads": AT_LEAST_1, "model.warmup_steps": NON_NEGATIVE,
-    "model.warmup_lr": POSITIVE,
+    "model.num_heads": AT_LEAST_1, "model.warmup_steps": NON_NEGATIVE, "model.warmup_lr": POSITIVE,
     "model.lora.r": AT_LEAST_1, "model.lora.alpha": POSITIVE,
     "model.lora.dropout": Range(0, 1, hi_open=True), "model.lora.lr": POSITIVE,
     "hardware.num_threads": AT_LEAST_1, "hardware.num_processes": AT_LEAST_1,
@@ -317,8 +317,7 @@ RANGES = {
     "rollout.max_prompt_tokens": AT_LEAST_1,
     "trainer.steps": NON_NEGATIVE, "trainer.prompts_per_step": AT_LEAST_1,
     "trainer.lr": POSITIVE, "trainer.weight_decay": NON_NEGATIVE,
-    "trainer.betas": Range(0, 1, hi_open=True),
-    "trainer.warmup_steps": NON_NEGATIVE,
+    "trainer.betas": Range(0, 1, hi_open=True), "trainer.warmup_steps": NON_NEGATIVE,
     "trainer.max_grad_norm": Range(0, why="0: no clipping"),
     "trainer.micro_batch_size": Range(0, why="0: the whole minibatch"),
     "trainer.micro_batch_tokens": Range(0, why="0: no token budget"),
@@ -327,7 +326,8 @@ RANGES = {
     "trainer.checkpoint_every": Range(0, why="0: only at the end"),
     "trainer.keep_checkpoints": AT_LEAST_1, "trainer.max_bad_steps": AT_LEAST_1,
     "trainer.async_rollout.max_staleness": NON_NEGATIVE, "trainer.async_rollout.sync_every": AT_LEAST_1,
-    "trainer.async_rollout.num_actors": AT_LEAST_1,
+    "trainer.async_rollout.num_actors": Range(0, why="0 only with hardware.nnodes > 1 (actors on other nodes)"),
+    "trainer.async_rollout.actors_per_node": AT_LEAST_1,
 }
 # any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
 FREE_NUMBERS = ("task.correct_threshold", "hardware.zero_stage")

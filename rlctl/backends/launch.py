@@ -153,15 +153,20 @@ def node_argv(overrides: List[str], recipe, resume) -> List[str]:
     return head + list(overrides)
 
 
+def check_node_rank(hw) -> None:
+    """``hardware.node_rank`` names one of the ``hardware.nnodes`` nodes (exit code 2)."""
+    if hw.node_rank >= hw.nnodes:
+        raise LaunchError(f"hardware.node_rank={hw.node_rank} must be below hardware.nnodes="
+                          f"{hw.nnodes} (nodes are numbered 0 .. nnodes-1)", True, 2)
+
+
 def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
     """rlctl's own launcher on node ``hw.node_rank`` of ``hw.nnodes``: start this node's
     ``hw.num_processes`` ranks (each runs ``argv``, the same `rlctl train` command, in a
     TCP group at ``hw.master_addr:hw.master_port``, like torchrun's static rendezvous) and
     wait. Returns the first failed rank's exit code (it printed its own line; the others
     are then stopped), 128 + signal after a forwarded SIGINT/SIGTERM, else 0."""
-    if hw.node_rank >= hw.nnodes:
-        raise LaunchError(f"hardware.node_rank={hw.node_rank} must be below hardware.nnodes="
-                          f"{hw.nnodes} (nodes are numbered 0 .. nnodes-1)", True, 2)
+    check_node_rank(hw)
     n, world = hw.num_processes, hw.nnodes * hw.num_processes
     procs: List[subprocess.Popen] = []
     if stop is not None:

@@ -2,12 +2,14 @@
 
 ``AsyncSource`` starts ``trainer.async_rollout.num_actors`` actor processes (torch.multiprocessing,
 spawn) joined to the learner in one gloo process group (``file://`` rendezvous in a temp
-dir); the learner is rank 0, actor a is rank a+1. Point-to-point messages, each a fixed
+dir); the learner is rank 0, actor a is rank a+1. With ``hardware.nnodes`` > 1 the
+group also holds other nodes' actors and forms over TCP (rlctl/engine/remote_actors.py).
+Point-to-point messages, each a fixed
 float64 header followed by one byte payload (rlctl/engine/wire.py):
 
   learner -> actor: [go, with_weights, weights_version, use_rng, B, payload bytes]
                     payload: (with_weights) flat policy parameters, example indices [B],
-                    (use_rng) the learner's torch RNG state
+                    (use_rng) the learner's torch RNG state; stop: [0, learner failed]
   actor -> learner: [version | error code, N, L, P, T, reward_errors, actor_wait_s, bytes]
                     payload: the batch's ``WIRE`` fields (input_ids [N, L],
                     attention_mask [N, L], mask [N, T], truncated [N], rewards [N],
@@ -37,6 +39,7 @@ from __future__ import annotations
 import collections
 import datetime
 import os
+import sys
 import tempfile
 import time
 from typing import Dict, List
@@ -47,11 +50,12 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from rlctl.backends.base import Backend
+from rlctl.engine import remote_actors
 from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
 from rlctl.engine.prompt_budget import bind_task
 from rlctl.engine.policy import prompt_sharing
 from rlctl.engine.wire import Posted, Sent, pack, recv_message, send_message, unpack
-from rlctl.errors import ActorFailed, RewardError, UserError
+from rlctl.errors import ActorFailed, RewardError, UserError, user_message
 from rlctl.rollout.generate import rollout
 from rlctl.rollout.source import LocalSource, SamplingSettings
 from rlctl.tasks.scoring import RewardScorer
@@ -78,6 +82,7 @@ def build_source(cfg, policy, tokenizer, task, backend=None):
         return local
     if world > 1 or dist.is_initialized():
         raise ValueError("trainer.async_rollout.enabled=true needs hardware.num_processes=1")
+    remote_actors.check_layout(cfg)
     device = backend.device if backend is not None else Backend(cfg.hardware.device).device
     return AsyncSource(cfg, local, device)
 
@@ -96,7 +101,8 @@ class AsyncSource:
         self.sampler, self.scorer, self.settings = local.sampler, local.scorer, local.settings
         self.num_prompts = cfg.trainer.prompts_per_step        # one learner process
         self.max_stale, self.sync_every = int(acfg.max_staleness), int(acfg.sync_every)
-        self.num_actors = int(acfg.num_actors)
+        self.cfg, self.multinode = cfg, int(cfg.hardware.nnodes) > 1
+        self.num_actors = remote_actors.world_size(cfg) - 1 if self.multinode else int(acfg.num_actors)
         self.version = 0                                  # updates done
         self.took = False                                 # the current step consumed a rollout
         self.actor_version = [-(1 << 30)] * self.num_actors
@@ -107,19 +113,39 @@ class AsyncSource:
         self.stats: Dict[str, List[float]] = {}
         self.reward_sums: Dict[str, float] = {}           # named rewards (sorting: each design)
         self.reward_count = 0
-        self._start(OmegaConf.to_yaml(cfg, resolve=True))
+        self._start(OmegaConf.to_yaml(cfg, resolve=True), cfg.hardware)
 
-    def _start(self, cfg_yaml: str) -> None:
-        self.dir = tempfile.mkdtemp(prefix="rlctl-async-")
-        init = f"file://{os.path.join(self.dir, 'rendezvous')}"
+    def _start(self, cfg_yaml: str, hw) -> None:
+        """Spawn the local actors and form the group: ``file://`` on one node; on several,
+        over TCP through the store that also hands the other nodes this config."""
+        world, self.store = self.num_actors + 1, None
+        if self.multinode:
+            self.store, init = remote_actors.serve_config(hw, cfg_yaml), remote_actors.tcp_init(hw)
+        else:
+            init = f"file://{os.path.join(tempfile.mkdtemp(prefix='rlctl-async-'), 'rendezvous')}"
         ctx = mp.get_context("spawn")
         # not daemons: an actor forks its own reward worker (task.reward_timeout_s)
-        self.procs = [ctx.Process(target=actor_main, args=(cfg_yaml, init, a + 1, self.num_actors + 1),
-                                  daemon=False) for a in range(self.num_actors)]
+        self.procs = [ctx.Process(target=actor_main, args=(cfg_yaml, init, a + 1, world), daemon=False)
+                      for a in range(int(self.cfg.trainer.async_rollout.num_actors))]
         for p in self.procs:
             p.start()
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=self.num_actors + 1,
-                                timeout=datetime.timedelta(seconds=300))
+        try:
+            if self.multinode:
+                remote_actors.join(self.store, 0, world, float(hw.dist_timeout_s), hw)
+            else:
+                dist.init_process_group("gloo", init_method=init, rank=0, world_size=world,
+                                        timeout=datetime.timedelta(seconds=300))
+        except BaseException:
+            for p in self.procs:
+                p.terminate()
+            raise
+
+    def _lost(self, actor: int, exc: BaseException) -> ActorFailed:
+        """An actor whose transfer failed: it exited, or its node was lost."""
+        self.failed.add(actor)
+        node = remote_actors.node_of(self.cfg, actor + 1) if self.multinode else 0
+        return ActorFailed(f"lost contact with rollout actor rank {actor + 1} on node {node} "
+                           f"({' '.join(str(exc).split())[:200]})")
 
     # ---- learner side ------------------------------------------------------------
     def _fill(self) -> None:
@@ -141,19 +167,27 @@ class AsyncSource:
         idx = torch.tensor(self.local.draw(self.num_prompts))
         parts = ([flat_params(self.local.policy)] if weights else []) + [idx] + \
             ([torch.get_rng_state()] if use_rng else [])
-        if actor in self.sent:           # long done: the actor has answered it
-            self.sent.pop(actor).wait()
-        # sent in the background, and the reply's header receive posted at once: both
-        # transfers overlap the learner's update
-        self.sent[actor] = Sent([1, weights, self.version, use_rng, idx.numel()], pack(parts), dst=actor + 1)
+        try:
+            if actor in self.sent:           # long done: the actor has answered it
+                self.sent.pop(actor).wait()
+            # sent in the background, and the reply's header receive posted at once: both
+            # transfers overlap the learner's update
+            self.sent[actor] = Sent([1, weights, self.version, use_rng, idx.numel()], pack(parts),
+                                    dst=actor + 1)
+            posted = Posted(actor + 1)
+        except RuntimeError as exc:
+            raise self._lost(actor, exc) from None
         if weights:
             self.actor_version[actor] = self.version
-        self.pending.append((actor, idx, use_rng, Posted(actor + 1)))
+        self.pending.append((actor, idx, use_rng, posted))
 
     def _receive(self) -> RolloutBatch:
         actor, idx, use_rng, posted = self.pending.popleft()
         t0 = time.perf_counter()
-        h, payload = posted.finish()
+        try:
+            h, payload = posted.finish()
+        except ActorFailed as exc:
+            raise self._lost(actor, exc) from None
         self.idle.append(actor)
         if h[0] in (USER_ERROR, ACTOR_ERROR):
             self.failed.add(actor)
@@ -216,25 +250,36 @@ class AsyncSource:
         self.stats.setdefault(key, []).append(value)
 
     def close(self) -> None:
+        """Stop every actor still there (telling them whether the learner failed: called
+        while an exception propagates), then end the group."""
+        failed = int(sys.exc_info()[0] is not None)
         try:
             while self.pending:
-                self.pending.popleft()[-1].finish()
+                _quietly(self.pending.popleft()[-1].finish)
             for sent in self.sent.values():
-                sent.wait()
-            for a, p in enumerate(self.procs):
-                if p.is_alive() and a not in self.failed:
-                    send_message([0], pack([]), dst=a + 1)
+                _quietly(sent.wait)
+            for a in range(self.num_actors):
+                local = a < len(self.procs)
+                if a not in self.failed and (not local or self.procs[a].is_alive()):
+                    _quietly(lambda: send_message([0, failed], pack([]), dst=a + 1))
             for p in self.procs:
                 p.join(timeout=30)
-        except (ActorFailed, RuntimeError):
-            pass                 # an actor already gone: terminated below
         finally:
             for p in self.procs:
                 if p.is_alive():
                     p.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            self.store = None
             self.local.close()
+
+
+def _quietly(transfer) -> None:
+    """A transfer at shutdown; an actor already gone (terminated by close) is no error."""
+    try:
+        transfer()
+    except (ActorFailed, RuntimeError):
+        pass
 
 
 # ---- actor side --------------------------------------------------------------------
@@ -260,9 +305,24 @@ def _named_rewards(components: Dict[str, List[float]]) -> List[torch.Tensor]:
             torch.tensor([len(names), text.numel()], dtype=torch.int64)]
 
 
-def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
+def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None) -> None:
+    """One actor process. ``errors`` (an actor node's queue): a failure, or a learner
+    that ended early, is put there as one line and the process exits 1."""
     os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
-    cfg = OmegaConf.create(cfg_yaml)
+    try:
+        problem = _actor(OmegaConf.create(cfg_yaml), init, rank, world_size)
+    except Exception as exc:  # noqa: BLE001 - one line for the node (local actors: raised)
+        if errors is None:
+            raise
+        problem = user_message(exc)[0]
+    if problem and errors is not None:
+        errors.put(f"rollout actor rank {rank}: {problem}")
+        sys.exit(1)
+
+
+def _actor(cfg, init: str, rank: int, world_size: int) -> str:
+    """Build the actor, join the group (``file://`` or the learner's ``tcp://`` store),
+    serve; returns what went wrong ("" after a normal stop)."""
     quiet_libraries(cfg)
     task = task_from_config(cfg)
     model, _, tok, _ = model_from_config(cfg)
@@ -275,24 +335,33 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
     # The learner is the bottleneck: when the cores are oversubscribed (reward workers,
     # gloo threads) it keeps its core. Measured: 31.1-31.7 vs 28-31 async steps/s.
     os.nice(5)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    if init.startswith("tcp://"):
+        timeout = float(cfg.hardware.dist_timeout_s)
+        store = remote_actors.connect(init, timeout, f"rollout actor rank {rank}")
+        remote_actors.join(store, rank, world_size, timeout)
+    else:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
-        _serve(actor)
+        return _serve(actor)
     finally:
         scorer.close()
         dist.destroy_process_group()
 
 
-def _serve(actor: LocalSource) -> None:
-    """Answer the learner's requests until it says stop (or a rollout fails)."""
+def _serve(actor: LocalSource) -> str:
+    """Answer the learner's requests until it says stop (or a rollout fails); returns
+    what went wrong ("" after a normal stop)."""
     params = list(actor.policy.parameters())
     n_params, version = sum(p.numel() for p in params), -1
     while True:
         t0 = time.perf_counter()
-        h, payload = recv_message(src=0)
+        try:
+            h, payload = recv_message(src=0)
+        except ActorFailed as exc:
+            raise ActorFailed(f"lost contact with the learner (rank 0 on node 0): {exc}") from None
         go, weights, wver, use_rng, B = (int(x) for x in h[:5])
         if not go:
-            return
+            return "the learner ended its run early (node 0 says why)" if h[1] else ""
         waited = time.perf_counter() - t0
         specs = ([((n_params,), torch.float32)] if weights else []) + [((B,), torch.long)]
         if use_rng:
@@ -310,7 +379,7 @@ def _serve(actor: LocalSource) -> None:
             code = USER_ERROR if isinstance(exc, UserError) else ACTOR_ERROR
             text = str(exc) if code == USER_ERROR else f"{type(exc).__name__}: {exc}"
             send_message([code], torch.tensor(list(text.encode()), dtype=torch.uint8), dst=0)
-            return
+            return f"{text} (sent to the learner, which stops)"
         _send_rollout(b, [version, actor.scorer.errors - errors0, waited], use_rng,
                       actor.scorer.last_components)
 

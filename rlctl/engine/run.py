@@ -23,8 +23,8 @@ from rlctl.backends import tcp_group
 from rlctl.backends.base import build_backend
 from rlctl.backends.launch import launch, launch_node, leave_with_launcher, node_argv
 from rlctl.compose import compose
-from rlctl.engine import checkpoint, rundir
-from rlctl.engine.async_rollout import build_source
+from rlctl.engine import checkpoint, remote_actors, rundir
+from rlctl.engine.async_rollout import actor_main, build_source
 from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
 from rlctl.engine.checks import warn_config
 from rlctl.engine.entries import check_entries
@@ -191,12 +191,15 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
         raise UserError(f"cannot load model: {exc}") from None
     check_training_sampling(cfg.rollout.top_k)   # refused before a run directory exists
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
+    remote_actors.check_layout(cfg)
     group = tcp_group.from_environment(cfg.hardware.master_port)
     stop = StopFlag()
     with stop.installed():
         if group is not None and group.world_size > 1:
             summary = _train_in_group(group, cfg, composed, resume, overrides, stop)
-        elif cfg.hardware.nnodes > 1:
+        elif cfg.hardware.nnodes > 1 and cfg.trainer.async_rollout.enabled and cfg.hardware.node_rank:
+            return remote_actors.serve_node(cfg, stop, actor_main)   # actors only; no run directory
+        elif cfg.hardware.nnodes > 1 and not cfg.trainer.async_rollout.enabled:
             code = launch_node(node_argv(overrides, recipe, resume), cfg.hardware, stop)
             if code:
                 raise SystemExit(code)        # the failed rank printed its own line
@@ -217,11 +220,14 @@ def _train_alone(cfg: DictConfig, composed, resume: Optional[str], overrides: Li
     else:
         run_dir, kept = Path(resume), None
     with rundir.RunLock(run_dir):
-        if resume is None:
-            return _train_new(cfg, composed, run_dir, kept, stop)
-        _check_resumable(run_dir, cfg, overrides, cfg.hardware.num_processes)
-        rundir.record_resume(run_dir, composed)
-        return _train_here_or_launched(cfg, run_dir, True, stop, [0])
+        try:
+            if resume is None:
+                return _train_new(cfg, composed, run_dir, kept, stop)
+            _check_resumable(run_dir, cfg, overrides, cfg.hardware.num_processes)
+            rundir.record_resume(run_dir, composed)
+            return _train_here_or_launched(cfg, run_dir, True, stop, [0])
+        except ActorFailed as exc:            # a rollout actor (or its node) was lost
+            raise ActorFailed(f"{exc}; {_newest(run_dir)}") from None
 
 
 def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], overrides: List[str],
@@ -281,11 +287,17 @@ def _lost_rank_is_one_line(group, run_dir: Path, train):
     except (UserError, TrainingFault, ActorFailed, LaunchError):
         raise
     except RuntimeError as exc:
-        last = checkpoint.latest_checkpoint(run_dir)
-        saved = f"the newest checkpoint is {last}" if last else "no checkpoint was saved yet"
         raise LaunchError(f"rank {group.rank} of {group.world_size}: lost contact with another rank "
-                          f"({' '.join(str(exc).split())[:160]}); {saved}; once every node is back, "
-                          f"run the same launch with rlctl train --resume {run_dir}") from None
+                          f"({' '.join(str(exc).split())[:160]}); {_newest(run_dir)}") from None
+
+
+def _newest(run_dir: Path) -> str:
+    """Where a run that lost a rank or an actor can continue from."""
+    last = checkpoint.latest_checkpoint(run_dir)
+    if last is None:
+        return "no checkpoint was saved yet"
+    return (f"the newest checkpoint is {last}; once every node is back, run the same launch with "
+            f"rlctl train --resume {run_dir}")
 
 
 def _train_new(cfg: DictConfig, composed, run_dir: Path, kept, stop, here: bool = False) -> dict:
