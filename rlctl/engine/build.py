@@ -17,8 +17,8 @@ from rlctl.models.lora import apply_lora, reference_for
 from rlctl.models.tiny_reward import tiny_reward_model_dir
 from rlctl.models.value import PolicyValueModel, SeparateCritic
 from rlctl.tasks import TASKS, build_task as _task_from_registry
-from rlctl.tasks.reward_model import (LearnedRewards, attach, build_learned_rewards, check_names,
-                                      model_entries)
+from rlctl.tasks.reward_model import LearnedRewards, attach, build_learned_rewards, check_names
+from rlctl.tasks.rewards import is_model_entry
 
 LEARNED_KEYS = ("reward_model", "reward_norm", "reward_clip")   # read here, not by the task
 
@@ -43,9 +43,9 @@ def quiet_libraries(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.hardware.num_threads)
 
 
-def _takes_rewards(name: str) -> bool:
+def _takes(name: str, option: str) -> bool:
     try:
-        return "rewards" in inspect.signature(TASKS.get(name)).parameters
+        return option in inspect.signature(TASKS.get(name)).parameters
     except (TypeError, ValueError):
         return False
 
@@ -55,13 +55,12 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
     ``task.rewards`` (None without); ``opts`` is left with what the task itself takes."""
     rm, norm, clip = (opts.pop(k, None) for k in LEARNED_KEYS)
     rm = _resolve_reward_model(rm)
-    entries = model_entries(opts.get("rewards"))
-    rules = [r for r in opts.get("rewards") or [] if not any(r is e for _, e in entries)]
-    if entries and not rules and not _takes_rewards(cfg.task.name):
-        opts["rewards"] = None
-    elif rm and _takes_rewards(cfg.task.name) and not opts.get("rewards") and not opts.get("reward_fn"):
-        opts["rewards"] = [{"model": rm}]     # a data task scored by the reward model alone
-    learned = build_learned_rewards(rm, entries, norm, clip, cfg.hardware.device)
+    rewards = opts.get("rewards")
+    if rewards and all(is_model_entry(r) for r in rewards) and not _takes(cfg.task.name, "rewards"):
+        opts["rewards"] = None      # the models are all of task.rewards: nothing for the task
+    if rm and _takes(cfg.task.name, "reward_model"):
+        opts["reward_model"] = rm   # a data task then needs no reward function of its own
+    learned = build_learned_rewards(rm, rewards, norm, clip, cfg.hardware.device)
     if learned is not None and norm == "running" and (
             cfg.trainer.async_rollout.enabled or cfg.hardware.num_processes > 1):
         raise ValueError("task.reward_norm=running keeps its statistics in one process; it "

@@ -186,7 +186,8 @@ class DataTask:
                  format: str = "auto", prompt_field: str = "prompt",
                  fields: Optional[Sequence[str]] = None, reward_fn: Optional[str] = None,
                  rewards: Optional[Sequence[Any]] = None, correct_threshold: float = 1.0,
-                 num_eval: Optional[int] = None, seed: int = 1234):
+                 num_eval: Optional[int] = None, seed: int = 1234,
+                 reward_model: Optional[str] = None):
         if not train_path:
             raise DataError("task=jsonl needs task.train_path=PATH (a .jsonl, .csv, .parquet "
                              "file or a datasets directory)")
@@ -195,7 +196,7 @@ class DataTask:
         if num_eval is not None and (not isinstance(num_eval, int) or num_eval < 1):
             raise DataError(f"invalid task.num_eval '{num_eval}'; must be >= 1 (or null)")
         self.prompt_field, self.correct_threshold = prompt_field, float(correct_threshold)
-        self.rewards: List[RewardFn] = parse_rewards(reward_fn, rewards)
+        self.rewards: List[RewardFn] = parse_rewards(reward_fn, rewards, reward_model)
         self.reward_weights = {r.name: r.weight for r in self.rewards}
         # one call per batch only when a function is batched; otherwise sample by sample,
         # so that a stuck sample leaves the ones before it scored

@@ -45,11 +45,10 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
+from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, model_entries
 from rlctl.types import Example
 
 NORMS = ("none", "running")
-MODEL_KEYS = ("model", "weight", "name")
-DEFAULT_NAME = "reward_model"
 BATCH_ROWS = 64          # rows per reward-model forward (bounds activation memory)
 STD_FLOOR = 1e-6         # running std below this divides by 1 (all scores so far equal)
 
@@ -190,7 +189,7 @@ class RewardModel:
     """A sequence-classifier reward model (see the module doc); ``device`` as in
     ``hardware.device``. Raises ValueError (one line naming ``key``) on a bad directory."""
 
-    def __init__(self, path: Any, name: str = DEFAULT_NAME, weight: float = 1.0,
+    def __init__(self, path: Any, name: str = DEFAULT_MODEL_NAME, weight: float = 1.0,
                  device: str = "cpu", key: str = "task.reward_model"):
         self.path, self.name, self.weight, self.key = Path(str(path)).expanduser(), name, weight, key
         if not self.path.is_dir():
@@ -231,29 +230,6 @@ class RewardModel:
 
 
 # ---- several models, attached to a task ----------------------------------------------------
-def is_model_entry(item: Any) -> bool:
-    return isinstance(item, dict) and "model" in item
-
-
-def model_entries(rewards: Optional[Sequence[Any]]) -> List[Tuple[int, dict]]:
-    """The ``{model: ...}`` entries of ``task.rewards`` with their indices."""
-    return [(i, item) for i, item in enumerate(rewards or []) if is_model_entry(item)]
-
-
-def _parse_entry(i: int, item: dict, device: str) -> RewardModel:
-    key = f"task.rewards[{i}]"
-    unknown = sorted(set(item) - set(MODEL_KEYS))
-    if unknown:
-        raise ValueError(f"{key}: unknown key '{unknown[0]}' for a reward model; valid: "
-                         f"{', '.join(MODEL_KEYS)}")
-    weight = item.get("weight", 1.0)
-    weight = 1.0 if weight is None else weight
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-        raise ValueError(f"{key}: weight must be a finite number, got {weight!r}")
-    return RewardModel(item["model"], str(item.get("name") or DEFAULT_NAME), float(weight),
-                       device, f"{key}.model")
-
-
 @dataclass
 class LearnedRewards:
     """The reward models of a run. ``replace_task``: the task's own rewards weigh 0 in
@@ -316,22 +292,21 @@ def check_names(models: List[RewardModel], taken: Sequence[str]) -> None:
         seen.add(m.name)
 
 
-def build_learned_rewards(reward_model: Optional[str], entries: Sequence[Tuple[int, dict]], norm: Optional[str],
-                          clip: Optional[float], device: str,
+def build_learned_rewards(reward_model: Optional[str], rewards: Optional[Sequence[Any]],
+                          norm: Optional[str], clip: Optional[float], device: str,
                           taken: Sequence[str] = ()) -> Optional[LearnedRewards]:
-    """The run's ``LearnedRewards`` (None without a reward model); ValueError, one line."""
+    """The run's ``LearnedRewards`` from ``task.reward_model`` or the ``{model: ...}``
+    entries of ``task.rewards`` (None without a reward model); ValueError, one line."""
     norm = norm or "none"
     if norm not in NORMS:
         raise ValueError(f"invalid task.reward_norm '{norm}'; valid: {', '.join(NORMS)}")
-    if reward_model and entries:
-        raise ValueError("set task.reward_model or {model: ...} entries in task.rewards, not both")
-    if not reward_model and not entries:
+    entries = model_entries(rewards, reward_model)
+    if not entries:
         if norm != "none" or clip is not None:
             raise ValueError("task.reward_norm and task.reward_clip apply to reward models; "
                              "set task.reward_model=PATH")
         return None
-    models = ([RewardModel(reward_model, device=device)] if reward_model
-              else [_parse_entry(i, e, device) for i, e in entries])
+    models = [RewardModel(e.path, e.name, e.weight, device, e.key) for e in entries]
     check_names(models, taken)
     return LearnedRewards(models, replace_task=bool(reward_model), norm=norm, clip=clip)
 

@@ -15,7 +15,9 @@ strings, weight 1). The total reward is ``sum(weight * value)``; each value is l
 
 An entry ``{model: PATH, weight: w, name: n}`` is a learned reward model
 (``rlctl.tasks.reward_model``), scored in the trainer's process beside these functions:
-``parse_rewards`` leaves such entries out (a list of them alone gives no function).
+``model_entries`` reads those entries (and ``task.reward_model``, the one model that
+replaces the task's own rewards) and ``parse_rewards`` the functions; a task scored by
+reward models alone has no function.
 
 ``fn`` is ``package.module:function`` (imported; the working directory is searched too),
 ``path/to/file.py:function``, or a built-in: ``math`` (the completion's final answer
@@ -31,11 +33,55 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from rlctl.registry import load_object
 from rlctl.tasks.base import RESERVED_REWARD_NAMES
-from rlctl.tasks.reward_model import is_model_entry
 
 BUILTIN_REWARDS = {"math": "rlctl.tasks.verify:math_reward",
                    "exact": "rlctl.tasks.verify:exact_reward"}
 SPEC_KEYS = ("fn", "weight", "name", "batched")
+MODEL_KEYS = ("model", "weight", "name")
+DEFAULT_MODEL_NAME = "reward_model"
+
+
+def is_model_entry(item: Any) -> bool:
+    """A ``{model: PATH, ...}`` entry of ``task.rewards`` (a learned reward model)."""
+    return isinstance(item, dict) and "model" in item
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One learned reward model of the config; ``key`` names it in error messages."""
+    path: str
+    weight: float
+    name: str
+    key: str
+
+
+def _weight(item: Dict[str, Any], key: str) -> float:
+    weight = item.get("weight", 1.0)
+    weight = 1.0 if weight is None else weight
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise ValueError(f"{key}: weight must be a finite number, got {weight!r}")
+    return float(weight)
+
+
+def model_entries(rewards: Optional[Sequence[Any]], reward_model: Optional[str] = None
+                  ) -> List[ModelEntry]:
+    """The learned reward models of ``task.reward_model`` or the ``{model: ...}`` entries
+    of ``task.rewards`` (not both); ValueError, one line."""
+    items = [(i, item) for i, item in enumerate(rewards or []) if is_model_entry(item)]
+    if reward_model and items:
+        raise ValueError("set task.reward_model or {model: ...} entries in task.rewards, not both")
+    if reward_model:
+        return [ModelEntry(str(reward_model), 1.0, DEFAULT_MODEL_NAME, "task.reward_model")]
+    out = []
+    for i, item in items:
+        key = f"task.rewards[{i}]"
+        unknown = sorted(set(item) - set(MODEL_KEYS))
+        if unknown:
+            raise ValueError(f"{key}: unknown key '{unknown[0]}' for a reward model; valid: "
+                             f"{', '.join(MODEL_KEYS)}")
+        out.append(ModelEntry(item["model"], _weight(item, key),
+                              str(item.get("name") or DEFAULT_MODEL_NAME), f"{key}.model"))
+    return out
 
 
 def load_function(spec: Any, key: str) -> Callable:
@@ -114,24 +160,21 @@ def _describe(fn: Callable, name: str, weight: float, batched: Optional[bool], k
     return RewardFn(name, fn, weight, bool(batched), accepts, required)
 
 
-def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]]) -> List[RewardFn]:
-    """The reward functions of ``task.reward_fn`` / ``task.rewards`` (exactly one set)."""
-    has_models = any(is_model_entry(r) for r in rewards or [])
-    if reward_fn and rewards and not all(is_model_entry(r) for r in rewards):
+def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]],
+                  reward_model: Optional[str] = None) -> List[RewardFn]:
+    """The reward functions of ``task.reward_fn`` / ``task.rewards`` (exactly one set);
+    none when reward models (``{model: ...}`` entries, ``task.reward_model``) score alone."""
+    items = [(i, r) for i, r in enumerate(rewards or []) if not is_model_entry(r)]
+    if reward_fn and items:
         raise ValueError("set task.reward_fn or task.rewards, not both")
-    if reward_fn or has_models and all(is_model_entry(r) for r in rewards):
-        rewards = None      # the function alone (the reward models score elsewhere)
-    if not reward_fn and not rewards and has_models:
-        return []
-    if not reward_fn and not rewards:
+    if not reward_fn and not items:
+        if reward_model or rewards:       # rewards: {model: ...} entries only
+            return []
         raise ValueError("a data task needs a reward: task.reward_fn=package.module:function "
                          "(or task.rewards=[{fn: ..., weight: ...}])")
-    items = [{"fn": reward_fn}] if reward_fn else list(rewards)
     out: List[RewardFn] = []
-    for i, item in enumerate(items):
+    for i, item in [(0, {"fn": reward_fn})] if reward_fn else items:
         key = "task.reward_fn" if reward_fn else f"task.rewards[{i}]"
-        if is_model_entry(item):
-            continue
         if isinstance(item, str):
             item = {"fn": item}
         if not isinstance(item, dict):
@@ -142,11 +185,7 @@ def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]]) ->
             raise ValueError(f"{key}: unknown key '{unknown[0]}'; valid: {', '.join(SPEC_KEYS)}")
         if "fn" not in item:
             raise ValueError(f"{key}: missing 'fn' (package.module:function)")
-        weight = item.get("weight", 1.0)
-        if weight is None:
-            weight = 1.0
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ValueError(f"{key}: weight must be a finite number, got {weight!r}")
+        weight = _weight(item, key)
         batched = item.get("batched")
         if batched is not None and not isinstance(batched, bool):
             raise ValueError(f"{key}: batched must be true, false or null, got {batched!r}")

@@ -258,3 +258,71 @@ def test_bad_reward_models_one_line_before_a_run_dir(tmp_path):
         assert "Traceback" not in out.stderr
         assert len(lines) == 1 and fragment in lines[0], (args, lines)
         assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+EVAL_BAD = [("causal", "PATH: '{causal}' is not a sequence classifier (architectures: LlamaForCausalLM)"),
+            ("two", "PATH: '{two}' has 2 labels; a reward model has one"),
+            ("notok", "PATH: '{notok}' has no tokenizer the reward model can use"),
+            ("pickled", "PATH: '{pickled}' has pickled weights only (pytorch_model.bin)")]
+
+
+def test_reward_model_eval_refuses_what_train_refuses_in_one_line(tmp_path):
+    """`rlctl reward-model eval` loads through RewardModel: the same checks as a run."""
+    dirs = _bad_dirs(tmp_path)
+    prefs = tmp_path / "p.jsonl"
+    prefs.write_text(json.dumps({"prompt": "2 1 =", "chosen": "1 2", "rejected": "2 1"}) + "\n")
+    for name, fragment in EVAL_BAD:
+        out = _rlctl(tmp_path, "reward-model", "eval", dirs[name], prefs, timeout=120)
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (name, out.stderr[-1500:])
+        assert len(lines) == 1 and fragment.format(**dirs) in lines[0], (name, lines)
+    ok = _rlctl(tmp_path, "reward-model", "eval", dirs["other"], prefs, timeout=120)
+    assert ok.returncode == 0 and "pairwise accuracy" in ok.stdout, ok.stderr[-1500:]
+
+
+# ---- reward entries: task.reward_model and {model: ...} in task.rewards -------------------
+def _task(tmp_path, *overrides):
+    from rlctl.compose import compose
+    from rlctl.engine.build import task_from_config
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} =", "answer": str(i)}) + "\n"
+                            for i in range(6)))
+    return task_from_config(compose(["task=jsonl", f"task.train_path={data}",
+                                     "task.num_eval=2", *overrides]).cfg)
+
+
+def test_a_data_task_scored_by_reward_models_alone_or_beside_functions(tmp_path):
+    rm_dir = save_rm(tmp_path / "rm")
+    alone = _task(tmp_path, f"task.reward_model={rm_dir}")
+    assert alone.rewards == [] and alone.rlctl_learned_rewards.replace_task
+    (m,) = alone.rlctl_learned_rewards.models
+    assert (m.name, m.weight, m.key) == ("reward_model", 1.0, "task.reward_model")
+    mixed = _task(tmp_path, f"task.rewards=[{{fn: exact}},{{model: '{rm_dir}', name: rm, "
+                            "weight: 0.5}]")
+    assert [r.name for r in mixed.rewards] == ["exact"]
+    (m,) = mixed.rlctl_learned_rewards.models
+    assert (m.name, m.weight, m.key) == ("rm", 0.5, "task.rewards[1].model")
+    assert not mixed.rlctl_learned_rewards.replace_task
+    only = _task(tmp_path, f"task.rewards=[{{model: '{rm_dir}'}}]")
+    assert only.rewards == [] and only.rlctl_learned_rewards.models[0].name == "reward_model"
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ([], "a data task needs a reward"),
+    (["task.reward_model={rm}", "task.rewards=[{{model: '{rm}'}}]"],
+     "set task.reward_model or {model: ...} entries in task.rewards, not both"),
+    (["task.rewards=[{{fn: exact}},{{model: '{rm}', bogus: 1}}]"],
+     "task.rewards[1]: unknown key 'bogus' for a reward model; valid: model, weight, name"),
+    (["task.rewards=[{{model: '{rm}', weight: abc}}]"],
+     "task.rewards[0]: weight must be a finite number, got 'abc'"),
+    (["task.rewards=[{{model: '{rm}', name: exact}},{{fn: exact}}]"],
+     "task.rewards[0].model: the reward name 'exact' is already used"),
+])
+def test_bad_reward_entries_are_one_line(tmp_path, overrides, fragment):
+    from rlctl.errors import UserError
+
+    rm_dir = save_rm(tmp_path / "rm")
+    with pytest.raises(UserError) as err:
+        _task(tmp_path, *[o.format(rm=rm_dir) for o in overrides])
+    assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
