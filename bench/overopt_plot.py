@@ -1,9 +1,10 @@
 """Reward over-optimisation from a sweep (README "The RLHF demonstration").
 
-    python bench/overopt_plot.py runs/sweep-<time> [--out docs/rlhf-overoptimisation.png]
+    python bench/overopt_plot.py runs/sweep-<time> [more sweep dirs] [--out PNG]
 
-Reads every run directory of a `rlctl train -m --recipe rlhf-sorting algo.kl.coef=...
-seed=...` sweep, groups the runs by ``algo.kl.coef`` and averages over seeds, per window
+Reads every finished run directory of one or more `rlctl train -m --recipe rlhf-sorting
+algo.kl.coef=... seed=...` sweeps (several when the seeds were split over sweeps run side
+by side), groups the runs by ``algo.kl.coef`` and averages over seeds, per window
 of ``--window`` steps (the window's mean of each training-rollout metric, and the held-out
 ``eval/exact_match`` logged at the window's end):
 
@@ -30,16 +31,19 @@ import yaml
 KL, PROXY, GOLD, EVAL = "kl/k1", "reward/reward_model", "reward/exact", "eval/exact_match"
 
 
-def read_runs(sweep: Path) -> Dict[float, List[List[dict]]]:
-    """{kl coef: [metric rows of each seed's run]}."""
+def read_runs(sweeps: List[Path]) -> Dict[float, List[List[dict]]]:
+    """{kl coef: [metric rows of each seed's run]} over every sweep directory."""
     runs: Dict[float, List[List[dict]]] = defaultdict(list)
-    for run in sorted(p for p in sweep.iterdir() if (p / "summary.json").is_file()):  # finished
+    done = sorted(p for sweep in sweeps for p in sweep.iterdir()
+                  if (p / "summary.json").is_file())                             # finished
+    for run in done:
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         lines = (run / "metrics.jsonl").read_text().splitlines()
         rows = [r for r in map(json.loads, filter(None, lines)) if "step" in r]
         runs[float(cfg["algo"]["kl"]["coef"])].append(rows)
     if not runs:
-        raise SystemExit(f"no finished run directories (with summary.json) under {sweep}")
+        raise SystemExit("no finished run directories (with summary.json) under "
+                         + ", ".join(map(str, sweeps)))
     return dict(sorted(runs.items()))
 
 
@@ -112,11 +116,12 @@ def table(curves: Dict[float, List[dict]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("sweep", type=Path, help="the sweep directory (runs/sweep-<time>)")
+    ap.add_argument("sweeps", type=Path, nargs="+",
+                    help="sweep directories (runs/sweep-<time>)")
     ap.add_argument("--out", type=Path, default=Path("docs/rlhf-overoptimisation.png"))
     ap.add_argument("--window", type=int, default=25, help="steps per point (trainer.eval_every)")
     args = ap.parse_args()
-    curves = {c: seed_mean(runs, args.window) for c, runs in read_runs(args.sweep).items()}
+    curves = {c: seed_mean(runs, args.window) for c, runs in read_runs(args.sweeps).items()}
     plot(curves, args.out)
     print(table(curves))
     print(f"wrote {args.out}")

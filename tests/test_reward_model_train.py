@@ -281,8 +281,19 @@ def test_tiny_reward_model_builds_caches_and_has_the_stated_accuracy(tmp_path):
     assert not train_prompts & {p.prompt for p in held}
     acc = pairwise_accuracy(*score_pairs(model, tok, held))
     assert acc == pytest.approx(meta["heldout_pairwise_accuracy"], abs=1e-4)
-    # stated in the docstring and README: 0.84 (an imperfect proxy on purpose)
-    assert 0.78 <= acc <= 0.92, acc
+    # stated in the docstring and README: 0.90 (0.9004; an imperfect proxy on purpose).
+    # The bound is the 512-pair estimate's spread, not float noise: one pair is 0.002, and
+    # a build on another machine (other BLAS summation order) can flip a few near-tied pairs
+    # and move the fit a little; +-0.04 (about 20 pairs, ~3 binomial standard deviations of
+    # sqrt(0.9 * 0.1 / 512) = 0.013) still tells 0.90 from the 0.84 proxy it replaced.
+    assert 0.86 <= acc <= 0.94, acc
+    # the docstring's example: the right answer now outscores its near misses (the 0.84
+    # model scored the over-long one 3.06 above the right one's 2.79)
+    from rlctl.models.reward_fit import scores
+    cands = ["1 1 3 4 9", "1 1 3 4 9 9", "1 3 4 9", "1 1 4 3 9"]
+    with torch.no_grad():
+        s = scores(model, tok, ["3 9 1 4 1 ="] * len(cands), cands).tolist()
+    assert s[0] > max(s[1:]), dict(zip(cands, s))
 
 
 def test_fit_uses_each_pairs_margin_else_the_default():

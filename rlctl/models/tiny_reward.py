@@ -8,17 +8,22 @@ warmed-up Llama of conf/model/tiny.yaml) with a 1-output score head, trained by
 pairs from the *training* split of the default 5-digit sorting task (seed 1234).
 
 The pairs: for a training prompt, two candidate answers are drawn (the sorted answer,
-the sorted answer with one or two random swaps, a random permutation of the prompt's
-digits, or one of these with a digit dropped or repeated), ranked by the positional
-reward (share of positions holding the right digit); ties are skipped. Only
-``NUM_PAIRS`` pairs and ``STEPS`` steps on purpose: the result is an imperfect proxy of
-the positional reward, which is what a study of reward over-optimisation needs.
+the sorted answer with one or two random swaps, or a random permutation of the prompt's
+digits, each with a digit dropped or repeated 35% of the time), ranked by the
+positional reward (share of positions holding the right digit); ties are skipped.
+``NUM_PAIRS`` pairs and ``STEPS`` steps: enough that the right answer outscores its near
+misses on most prompts, few enough that the result stays an imperfect proxy of the
+positional reward, which is what a study of reward over-optimisation needs.
 
-Measured (seed 0, 1 thread): held-out pairwise accuracy 0.84 (0.8379) on 512 pairs made
+Measured (seed 0, 1 thread): held-out pairwise accuracy 0.90 (0.9004) on 512 pairs made
 the same way from the task's *eval* split prompts (``rlctl_tiny_rm.json`` in the
-directory holds each build's measured ``heldout_pairwise_accuracy``); about 10 s to
-build (the tiny policy included). Its errors are the kind a policy can exploit: for the
-prompt "3 9 1 4 1 =" the over-long "1 1 3 4 9 9" scores 3.06, the correct "1 1 3 4 9" 2.79.
+directory holds each build's measured ``heldout_pairwise_accuracy``); about 12 s to
+build with the tiny policy cached. On 200 eval prompts the right answer scores above a
+one-digit-too-long and a one-digit-too-short variant of it on 99-100% and above one
+adjacent swap on 96.5%; of the 512 held-out pairs 51 are ranked wrong, 2 of the 307
+with the right answer in them and 49 between two wrong answers. For the prompt "3 9 1 4 1 =": the correct "1 1 3 4 9" 3.20,
+"1 1 4 3 9" 1.17, the over-long "1 1 3 4 9 9" 0.23 (the previous model, on 384 pairs and
+0.84 accurate, scored that one above the right answer).
 """
 from __future__ import annotations
 
@@ -41,12 +46,12 @@ from rlctl.tasks.sorting import SortingTask, positional_reward
 
 log = logging.getLogger(__name__)
 
-CODE_VERSION = 2        # bump when a change here alters the built model (in the cache key)
+CODE_VERSION = 3        # bump when a change here alters the built model (in the cache key)
 TASK_SEED = 1234        # the default sorting task's split seed
 NUM_DIGITS = 5
-NUM_PAIRS = 384         # training pairs: limited on purpose (an imperfect proxy)
+NUM_PAIRS = 2048        # training pairs: still limited (an imperfect proxy)
 NUM_HELDOUT = 512       # held-out pairs from the eval split, for the stated accuracy
-STEPS = 120
+STEPS = 300
 BATCH_SIZE = 32
 LR = 1e-3
 CENTER_COEF = 0.01
@@ -54,16 +59,23 @@ POLICY_WARMUP_STEPS = 80   # conf/model/tiny.yaml's warmup_steps: the policy's b
 
 
 def _candidate(digits: Sequence[int], rng: random.Random) -> List[int]:
-    """One answer: sorted, nearly sorted, permuted, or of the wrong length."""
+    """One answer: right, nearly sorted, permuted, and often of the wrong length.
+
+    The right answer itself is drawn often enough (20%) and a digit is dropped or
+    repeated often enough (35%) that many pairs set the right answer against a near miss
+    of it (one swap, or one digit too many or too few): those are the answers a policy
+    trained against the model finds first."""
     out = sorted(digits)
     kind = rng.random()
-    if kind < 0.45:                       # one or two random swaps of the sorted answer
+    if kind < 0.2:                        # the right answer
+        pass
+    elif kind < 0.5:                      # one or two random swaps of the sorted answer
         for _ in range(rng.choice((1, 2))):
             i, j = rng.sample(range(len(out)), 2)
             out[i], out[j] = out[j], out[i]
-    elif kind < 0.8:                      # a random permutation of the prompt's digits
+    elif kind < 0.65:                     # a random permutation of the prompt's digits
         rng.shuffle(out)
-    if rng.random() < 0.1:                # a digit dropped or repeated
+    if rng.random() < 0.35:               # a digit dropped or repeated
         i = rng.randrange(len(out))
         out = out[:i] + out[i + 1:] if rng.random() < 0.5 else out[:i + 1] + out[i:]
     return out
