@@ -45,7 +45,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
-from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, model_entries
+from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
 
 NORMS = ("none", "running")
@@ -287,8 +287,7 @@ def check_names(models: List[RewardModel], taken: Sequence[str]) -> None:
         if m.name in RESERVED_REWARD_NAMES or m.name in seen:
             raise ValueError(f"{m.key}: the reward name '{m.name}' is already used; set "
                              "name: to another")
-        if not m.name.replace("_", "").replace("-", "").isalnum():
-            raise ValueError(f"{m.key}: reward name '{m.name}' must be letters, digits, _ or -")
+        check_name_chars(m.name, m.key)
         seen.add(m.name)
 
 

@@ -55,6 +55,12 @@ class ModelEntry:
     key: str
 
 
+def check_name_chars(name: str, key: str) -> None:
+    """A reward name is letters, digits, _ or - (it becomes the metric key reward/<name>)."""
+    if not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"{key}: reward name '{name}' must be letters, digits, _ or -")
+
+
 def _weight(item: Dict[str, Any], key: str) -> float:
     weight = item.get("weight", 1.0)
     weight = 1.0 if weight is None else weight
@@ -193,8 +199,7 @@ def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]],
         name = item.get("name") or (item["fn"] if item["fn"] in BUILTIN_REWARDS
                                     else getattr(fn, "__name__", f"reward{i}"))
         name = str(name)
-        if not name.replace("_", "").replace("-", "").isalnum():
-            raise ValueError(f"{key}: reward name '{name}' must be letters, digits, _ or -")
+        check_name_chars(name, key)
         if name in RESERVED_REWARD_NAMES:
             raise ValueError(f"{key}: reward name '{name}' is taken by the engine's own "
                              f"reward/{name} metric; set name: to another")
