@@ -355,10 +355,7 @@ def _serve(actor: LocalSource) -> str:
     n_params, version = sum(p.numel() for p in params), -1
     while True:
         t0 = time.perf_counter()
-        try:
-            h, payload = recv_message(src=0)
-        except ActorFailed as exc:
-            raise ActorFailed(f"lost contact with the learner (rank 0 on node 0): {exc}") from None
+        h, payload = _with_learner(recv_message, 0)
         go, weights, wver, use_rng, B = (int(x) for x in h[:5])
         if not go:
             return "the learner ended its run early (node 0 says why)" if h[1] else ""
@@ -380,8 +377,17 @@ def _serve(actor: LocalSource) -> str:
             text = str(exc) if code == USER_ERROR else f"{type(exc).__name__}: {exc}"
             send_message([code], torch.tensor(list(text.encode()), dtype=torch.uint8), dst=0)
             return f"{text} (sent to the learner, which stops)"
-        _send_rollout(b, [version, actor.scorer.errors - errors0, waited], use_rng,
+        _with_learner(_send_rollout, b, [version, actor.scorer.errors - errors0, waited], use_rng,
                       actor.scorer.last_components)
+
+
+def _with_learner(transfer, *args):
+    """A transfer to or from the learner; its loss (it died, or its node) is one line."""
+    try:
+        return transfer(*args)
+    except (ActorFailed, RuntimeError) as exc:
+        detail = " ".join(str(exc.__cause__ or exc).split())[:200]
+        raise ActorFailed(f"lost contact with the learner (rank 0 on node 0): {detail}") from None
 
 
 def _rollout(actor: LocalSource, indices: List[int]) -> RolloutBatch:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import signal
+import socket
 import time
 from datetime import timedelta
 from typing import Callable, Dict, List
@@ -90,11 +91,25 @@ def connect(init: str, timeout_s: float, who: str) -> dist.TCPStore:
     """A client of the learner's store at ``init`` (tcp://HOST:PORT), within ``timeout_s``."""
     host, _, port = init[len("tcp://"):].rpartition(":")
     try:
+        _reachable(host, int(port), time.monotonic() + timeout_s)   # c10d's own retries log pages
         return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - DistNetworkError, DistStoreError, TimeoutError alike
         raise UserError(f"{who}: it cannot reach the master at {host}:{port} within hardware."
                         f"dist_timeout_s={timeout_s:g} ({_first(exc)}); check hardware.master_addr/"
                         "master_port and that node 0 (the learner) was started") from None
+
+
+def _reachable(host: str, port: int, deadline: float) -> None:
+    """Wait until ``host:port`` accepts a TCP connection, or raise TimeoutError at ``deadline``."""
+    while True:
+        try:
+            wait = max(0.1, min(1.0, deadline - time.monotonic()))
+            socket.create_connection((host, port), timeout=wait).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer from {host}:{port}: {exc}") from None
+            time.sleep(0.2)
 
 
 def join(store, rank: int, world: int, timeout_s: float, hw=None) -> None:
