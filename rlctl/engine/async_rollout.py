@@ -37,6 +37,7 @@ is taken against them).
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import os
 import sys
@@ -102,7 +103,7 @@ class AsyncSource:
         self.num_prompts = cfg.trainer.prompts_per_step        # one learner process
         self.max_stale, self.sync_every = int(acfg.max_staleness), int(acfg.sync_every)
         self.cfg, self.multinode = cfg, int(cfg.hardware.nnodes) > 1
-        self.num_actors = remote_actors.world_size(cfg) - 1 if self.multinode else int(acfg.num_actors)
+        self.num_actors = remote_actors.world_size(cfg) - 1            # on every node
         self.version = 0                                  # updates done
         self.took = False                                 # the current step consumed a rollout
         self.actor_version = [-(1 << 30)] * self.num_actors
@@ -143,8 +144,8 @@ class AsyncSource:
     def _lost(self, actor: int, exc: BaseException) -> ActorFailed:
         """An actor whose transfer failed: it exited, or its node was lost."""
         self.failed.add(actor)
-        node = remote_actors.node_of(self.cfg, actor + 1) if self.multinode else 0
-        return ActorFailed(f"lost contact with rollout actor rank {actor + 1} on node {node} "
+        return ActorFailed(f"lost contact with rollout actor rank {actor + 1} on node "
+                           f"{remote_actors.node_of(self.cfg, actor + 1)} "
                            f"({' '.join(str(exc).split())[:200]})")
 
     # ---- learner side ------------------------------------------------------------
@@ -253,15 +254,18 @@ class AsyncSource:
         """Stop every actor still there (telling them whether the learner failed: called
         while an exception propagates), then end the group."""
         failed = int(sys.exc_info()[0] is not None)
+        gone = contextlib.suppress(ActorFailed, RuntimeError)   # an actor already gone: no error
         try:
-            while self.pending:
-                _quietly(self.pending.popleft()[-1].finish)
+            for *_, posted in self.pending:
+                with gone:
+                    posted.finish()
             for sent in self.sent.values():
-                _quietly(sent.wait)
+                with gone:
+                    sent.wait()
             for a in range(self.num_actors):
-                local = a < len(self.procs)
-                if a not in self.failed and (not local or self.procs[a].is_alive()):
-                    _quietly(lambda: send_message([0, failed], pack([]), dst=a + 1))
+                if a not in self.failed and (a >= len(self.procs) or self.procs[a].is_alive()):
+                    with gone:
+                        send_message([0, failed], pack([]), dst=a + 1)
             for p in self.procs:
                 p.join(timeout=30)
         finally:
@@ -272,14 +276,6 @@ class AsyncSource:
                 dist.destroy_process_group()
             self.store = None
             self.local.close()
-
-
-def _quietly(transfer) -> None:
-    """A transfer at shutdown; an actor already gone (terminated by close) is no error."""
-    try:
-        transfer()
-    except (ActorFailed, RuntimeError):
-        pass
 
 
 # ---- actor side --------------------------------------------------------------------

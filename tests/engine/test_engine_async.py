@@ -211,3 +211,28 @@ def _check_mixed_steps(tr):
                 # prompt-shared in the trainer, not here: same float32 math, ~1e-6 apart)
                 assert old is None or (logp - old).abs().max() < 1e-5
     assert mixed, "no step mixed a stale and a fresh rollout"
+
+
+def test_rank_layout_across_nodes():
+    """Hand-numbered: 2 local actors, 3 nnodes, 3 actors per node -> world 1 + 2 + 2 * 3 = 9;
+    ranks 1-2 on node 0 (with the learner, rank 0), 3-5 on node 1, 6-8 on node 2."""
+    import pytest
+
+    from rlctl.engine import remote_actors
+    from rlctl.errors import LaunchError, UserError
+
+    cfg = compose(["trainer.async_rollout.enabled=true", "trainer.async_rollout.num_actors=2",
+                   "trainer.async_rollout.actors_per_node=3", "hardware.nnodes=3"]).cfg
+    assert remote_actors.world_size(cfg) == 9
+    assert remote_actors.node_ranks(cfg, 1) == [3, 4, 5] and remote_actors.node_ranks(cfg, 2) == [6, 7, 8]
+    assert [remote_actors.node_of(cfg, r) for r in range(1, 9)] == [0, 0, 1, 1, 1, 2, 2, 2]
+    remote_actors.check_layout(cfg)
+    cfg.trainer.async_rollout.num_actors = 0                  # allowed: other nodes have actors
+    remote_actors.check_layout(cfg)
+    assert remote_actors.node_ranks(cfg, 1) == [1, 2, 3]
+    cfg.hardware.node_rank = 3
+    with pytest.raises(LaunchError, match="node_rank=3 must be below hardware.nnodes=3"):
+        remote_actors.check_layout(cfg)
+    cfg.hardware.nnodes, cfg.hardware.node_rank = 1, 0
+    with pytest.raises(UserError, match="num_actors=0 leaves no rollout actor"):
+        remote_actors.check_layout(cfg)
