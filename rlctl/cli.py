@@ -12,6 +12,8 @@ from typing import List, Optional
 
 import typer
 
+from rlctl.commands.cli_options import DEBUG, FREE_ARGS
+
 CONF_DIR = Path(__file__).parent / "conf"
 GROUP_NAMES = ("algo", "task", "model", "hardware", "logger")
 
@@ -52,14 +54,13 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             help=TRAIN_HELP)
+@app.command(context_settings=FREE_ARGS, help=TRAIN_HELP)
 def train(ctx: typer.Context,
           recipe: Optional[str] = typer.Option(None, "--recipe", help="A recipe name (see `rlctl recipes`) or YAML path (e.g. runs/<id>/recipe.yaml); overrides apply on top."),
           resume: Optional[str] = typer.Option(None, "--resume", help="Continue RUN_DIR from its newest checkpoint (same config; overrides such as trainer.steps apply)."),
           multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: run the grid of comma-separated overrides (e.g. seed=0,1,2), one run each, then compare."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Print parameter counts, resident models and a memory estimate per rank; train nothing."),
-          debug: bool = typer.Option(False, "--debug", help="Show full tracebacks.")) -> None:
+          debug: bool = DEBUG) -> None:
     overrides: List[str] = list(ctx.args)
     bad_flags = [a for a in overrides if a.startswith("--")]
     if bad_flags:
