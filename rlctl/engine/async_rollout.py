@@ -333,7 +333,7 @@ def _actor(cfg, init: str, rank: int, world_size: int) -> str:
     os.nice(5)
     if init.startswith("tcp://"):
         timeout = float(cfg.hardware.dist_timeout_s)
-        store = remote_actors.connect(init, timeout, f"rollout actor rank {rank}")
+        store = remote_actors.connect(init, timeout, "it")
         remote_actors.join(store, rank, world_size, timeout)
     else:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)

@@ -94,7 +94,7 @@ def connect(init: str, timeout_s: float, who: str) -> dist.TCPStore:
         _reachable(host, int(port), time.monotonic() + timeout_s)   # c10d's own retries log pages
         return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - DistNetworkError, DistStoreError, TimeoutError alike
-        raise UserError(f"{who}: it cannot reach the master at {host}:{port} within hardware."
+        raise UserError(f"{who} cannot reach the master at {host}:{port} within hardware."
                         f"dist_timeout_s={timeout_s:g} ({_first(exc)}); check hardware.master_addr/"
                         "master_port and that node 0 (the learner) was started") from None
 
@@ -120,10 +120,11 @@ def join(store, rank: int, world: int, timeout_s: float, hw=None) -> None:
     except Exception as exc:  # noqa: BLE001 - the store's timeout, a lost peer
         if hw is None:
             raise
+        others = "1 on node 1" if hw.nnodes == 2 else f"1 .. {hw.nnodes - 1} on nodes 1 .. {hw.nnodes - 1}"
         raise UserError(f"the learner (rank 0 of {world}): the rollout actors did not all join at "
                         f"{hw.master_addr}:{hw.master_port} within hardware.dist_timeout_s="
                         f"{timeout_s:g} ({_first(exc)}); start the same command with hardware."
-                        f"node_rank=1 .. {hw.nnodes - 1} on the other nodes") from None
+                        f"node_rank={others}") from None
 
 
 def _first(exc: BaseException) -> str:

@@ -104,19 +104,27 @@ def test_the_learner_killed_ends_the_actor_node_with_one_line(tmp_path):
 
 
 def test_bad_layouts_are_one_line_each(tmp_path):
-    """Several learner processes, a node_rank past nnodes, no actor anywhere, and an actor
-    node whose master never answers (a free port nobody listens on): exit 2, one line,
-    nothing written (run.output_dir stays empty)."""
+    """Several learner processes, a node_rank past nnodes, no actor anywhere, an actor
+    node whose master never answers (a free port nobody listens on), and a learner whose
+    other node never comes: exit 2, one line, nothing written (run.output_dir stays
+    empty; the learner removes the run directory it made). The learner's c10d prints its
+    own store-timeout warnings on stderr: for it, one "error:" line and no traceback."""
     base = [*TINY_RUN, "trainer.async_rollout.enabled=true", f"run.output_dir={tmp_path}"]
     two = ["hardware.nnodes=2", "hardware.master_addr=127.0.0.1", f"hardware.master_port={free_port()}"]
     cases = {"hardware.num_processes=1 (got 2)": [*two, "hardware.num_processes=2"],
              "hardware.node_rank=2 must be below hardware.nnodes=2": [*two, "hardware.node_rank=2"],
              "num_actors=0 leaves no rollout actor": ["trainer.async_rollout.num_actors=0"],
-             "cannot reach the master": [*two, "hardware.node_rank=1", "hardware.dist_timeout_s=3"]}
+             "node 1 (rollout actors) cannot reach the master":
+                 [*two, "hardware.node_rank=1", "hardware.dist_timeout_s=3"],
+             "the rollout actors did not all join":            # on its own port
+                 [*two[:2], f"hardware.master_port={free_port()}", "hardware.dist_timeout_s=3"]}
     t0 = time.monotonic()
     results = finish([start(rlctl_train(*base, *extra)) for extra in cases.values()], timeout=90)
     for want, (code, out, err) in zip(cases, results):
-        assert code == 2 and error_lines(err) == [err.strip()] and want in err, (want, err[-2000:])
-    assert "hardware.dist_timeout_s=3" in results[-1][2]
+        assert code == 2 and len(error_lines(err)) == 1 and want in err and "Traceback" not in err, \
+            (want, err[-2000:])
+        assert want.startswith("the rollout") or error_lines(err) == [err.strip()], err[-2000:]
+    assert all("hardware.dist_timeout_s=3" in err for _, _, err in results[-2:])
+    assert "start the same command with hardware.node_rank=1 on node 1" in results[-1][2]
     assert time.monotonic() - t0 < 60
     assert not list(tmp_path.iterdir())
