@@ -178,9 +178,13 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
                        MASTER_PORT=str(hw.master_port), OMP_NUM_THREADS=str(hw.num_threads),
                        RLCTL_LAUNCHER_PID=str(os.getpid()))
             procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
+            if stop is not None and stop.requested:    # a signal came while ranks were starting
+                _signal_all(procs[-1:], stop.signum)
         while True:
             codes = [p.poll() for p in procs]
             stopping = stop is not None and stop.requested
+            if stopping and any(c in KILLED for c in codes):
+                return 128 + stop.signum   # a rank the signal reached before its handler: a stop
             failed = [c for c in codes if c not in (None, 0) and not (stopping and c in STOPPED)]
             if failed:
                 return failed[0]
