@@ -21,9 +21,12 @@ directory holds each build's measured ``heldout_pairwise_accuracy``); about 12 s
 build with the tiny policy cached. On 200 eval prompts the right answer scores above a
 one-digit-too-long and a one-digit-too-short variant of it on 99-100% and above one
 adjacent swap on 96.5%; of the 512 held-out pairs 51 are ranked wrong, 2 of the 307
-with the right answer in them and 49 between two wrong answers. For the prompt "3 9 1 4 1 =": the correct "1 1 3 4 9" 3.20,
-"1 1 4 3 9" 1.17, the over-long "1 1 3 4 9 9" 0.23 (the previous model, on 384 pairs and
-0.84 accurate, scored that one above the right answer).
+with the right answer in them and 49 between two wrong answers. For the prompt
+"3 9 1 4 1 =": the correct "1 1 3 4 9" 3.20, "1 1 4 3 9" 1.17, the over-long
+"1 1 3 4 9 9" 0.23 (the previous model, on 384 pairs and 0.84 accurate, scored that one
+above the right answer). Every candidate is made of the prompt's own digits, so the
+model never learns to punish a digit the prompt lacks: that is the error PPO against it
+finds (README "The RLHF demonstration").
 """
 from __future__ import annotations
 
