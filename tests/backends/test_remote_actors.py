@@ -61,24 +61,32 @@ def test_an_actor_on_node_1_gives_the_local_actor_run_bit_for_bit(tmp_path):
     assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
 
 
+def _kill_after_a_step(run, victim: int, *extra) -> str:
+    """Start both nodes (100000 steps: no machine finishes first), kill node ``victim``'s
+    whole tree after a logged step; the other node exits 1 with one line, no Traceback,
+    within hardware.dist_timeout_s (20) + a margin for its shutdown. Returns its stderr."""
+    args = [*TINY_RUN, "trainer.steps=100000", "trainer.async_rollout.enabled=true",
+            "hardware.dist_timeout_s=20", *extra]
+    nodes = _nodes(free_port(), run, *args)
+    try:
+        _wait_for_step(run)
+    finally:
+        kill_tree(nodes[victim].pid)
+    t0 = time.monotonic()
+    code, out, err = finish([nodes[1 - victim]], timeout=60)[0]
+    nodes[victim].wait()
+    assert code == 1 and time.monotonic() - t0 < 20 + 10, (code, err[-2000:])
+    assert len(error_lines(err)) == 1 and "Traceback" not in err, err[-2000:]
+    return err
+
+
 def test_node_1_killed_mid_run_is_one_line_on_the_learner(tmp_path):
     """Node 1's whole process tree is killed (SIGKILL) after a logged step: the learner
     stops with one line naming the actor (rank 1, node 1) and the newest checkpoint, within
     hardware.dist_timeout_s (a closed peer fails its transfer at once; the margin covers the
     learner's shutdown). 100000 steps: no machine finishes before the kill."""
     run = tmp_path / "job"
-    args = [*TINY_RUN, "trainer.steps=100000", "trainer.checkpoint_every=1", "trainer.async_rollout.enabled=true",
-            "hardware.dist_timeout_s=20"]
-    node0, node1 = _nodes(free_port(), run, *args)
-    try:
-        _wait_for_step(run)
-    finally:
-        kill_tree(node1.pid)
-    t0 = time.monotonic()
-    code, out, err = finish([node0], timeout=60)[0]
-    node1.wait()
-    assert code == 1 and time.monotonic() - t0 < 20 + 10, (code, err[-2000:])
-    assert len(error_lines(err)) == 1 and "Traceback" not in err, err[-2000:]
+    err = _kill_after_a_step(run, 1, "trainer.checkpoint_every=1")
     assert "lost contact with rollout actor rank 1 on node 1" in err, err
     last = checkpoint.latest_checkpoint(run)
     assert f"the newest checkpoint is {last}" in err and f"--resume {run}" in err, err
@@ -88,18 +96,7 @@ def test_node_1_killed_mid_run_is_one_line_on_the_learner(tmp_path):
 
 def test_the_learner_killed_ends_the_actor_node_with_one_line(tmp_path):
     """Node 0's tree killed after a logged step: node 1 exits 1 with one line, no hang."""
-    run = tmp_path / "job"
-    args = [*TINY_RUN, "trainer.steps=100000", "trainer.async_rollout.enabled=true", "hardware.dist_timeout_s=20"]
-    node0, node1 = _nodes(free_port(), run, *args)
-    try:
-        _wait_for_step(run)
-    finally:
-        kill_tree(node0.pid)
-    t0 = time.monotonic()
-    code, out, err = finish([node1], timeout=60)[0]
-    node0.wait()
-    assert code == 1 and time.monotonic() - t0 < 20 + 10, (code, err[-2000:])
-    assert len(error_lines(err)) == 1 and "Traceback" not in err, err[-2000:]
+    err = _kill_after_a_step(tmp_path / "job", 0)
     assert "node 1: rollout actor rank 1: lost contact with the learner" in err, err
 
 
