@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,6 +177,65 @@ def test_eval_command_matches_a_manual_forward_at_the_last_token(trained, tmp_pa
     assert stats["rejected_p50"] == pytest.approx(statistics.median(rejected.tolist()), abs=1e-4)
 
 
+def test_a_model_fitted_with_max_length_is_scored_on_the_same_last_tokens(tmp_path):
+    """rm.max_length=K is saved with the model: `rlctl reward-model eval` and RewardModel
+    (a run's scorer) score each over-long text at its BOS + last K-1 tokens, as the fit
+    did (before, they scored the whole text, up to the tokenizer's 64). The pairs over the
+    limit are counted in one line on stderr and in summary.json."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlctl.tasks.reward_model import RewardModel
+
+    rng = random.Random(3)
+    rows = []
+    for r in swapped_pairs(40, 5):                  # 12 digits + "=" + 12: 26 tokens with BOS
+        d = [rng.randrange(10) for _ in range(7)] + r["prompt"].split()[:-1]
+        s = sorted(map(int, d))
+        i, j = next((i, j) for i, j in [rng.sample(range(12), 2) for _ in range(99)]
+                    if s[i] != s[j])
+        w = list(s)
+        w[i], w[j] = w[j], w[i]
+        rows.append({"prompt": " ".join(map(str, d)) + " =", "chosen": " ".join(map(str, s)),
+                     "rejected": " ".join(map(str, w))})
+    prefs = write_jsonl(tmp_path / "long.jsonl", rows)
+    k = 16
+    out = run("reward-model", "train", prefs, *FAST, "rm.steps=3", "rm.batch_size=8",
+              f"rm.max_length={k}", f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("rm.max_length=16: 36 of 36 training pairs and 4 of 4 held-out pairs have a text"
+            in out.stderr), out.stderr
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["train_pairs_truncated"] == 36 and summary["eval_pairs_truncated"] == 4
+    tok = AutoTokenizer.from_pretrained(run_dir / "model")
+    assert tok.model_max_length == k
+    out = run("reward-model", "eval", run_dir, prefs, "--out", tmp_path / "e.json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "16-token limit: 40 of 40 pairs" in out.stderr, out.stderr
+    stats = json.loads((tmp_path / "e.json").read_text())
+    model = AutoModelForSequenceClassification.from_pretrained(run_dir / "model").eval()
+
+    def manual(prompt, completion, keep):
+        ids = tok(prompt + " " + completion)["input_ids"]
+        assert len(ids) == 26 and ids[0] == tok.bos_token_id
+        ids = ids[:1] + ids[-(k - 1):] if keep else ids            # BOS + the last 15
+        with torch.no_grad():
+            h = model.model(input_ids=torch.tensor([ids])).last_hidden_state   # [1, L, H]
+            return float(model.score(h[0, -1]))
+    chosen = [manual(r["prompt"], r["chosen"], True) for r in rows]
+    rejected = [manual(r["prompt"], r["rejected"], True) for r in rows]
+    # float32, batched vs one row: the same math in another order, ~1e-6
+    assert stats["chosen_mean"] == pytest.approx(statistics.fmean(chosen), abs=1e-4)
+    assert stats["rejected_mean"] == pytest.approx(statistics.fmean(rejected), abs=1e-4)
+    assert stats["truncated_pairs"] == 40
+    whole = statistics.fmean(manual(r["prompt"], r["chosen"], False) for r in rows)
+    assert abs(whole - statistics.fmean(chosen)) > 1e-3      # the limit matters here
+    rm = RewardModel(run_dir / "model")
+    got = rm.score_texts([r["prompt"] + " " + r["chosen"] for r in rows[:8]])
+    np.testing.assert_allclose(got, chosen[:8], rtol=0, atol=1e-4)   # as above
+    assert rm.truncated == 8
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 @pytest.fixture()
@@ -218,6 +278,8 @@ def test_more_bad_inputs_in_process(bad_files):
         (["train", good, "algo=ppo", out_dir], "takes overrides of model, hardware"),
         (["train", good, "model.bogus=1", out_dir], "unknown config key 'model.bogus'"),
         (["train", good, "model.lora.enabled=true", out_dir], "model.lora.enabled=true is not"),
+        (["train", good, "rm.max_length=65", out_dir],
+         "invalid rm.max_length '65'; must be <= 64, the model's context"),
         (["train", out_dir], "missing PREFS"),
         (["eval", good], "takes PATH PREFS"),
     ]

@@ -8,11 +8,19 @@ schema. A run writes ``<run.output_dir>/<time>-rm/`` with ``model/`` (a standard
 ``AutoModelForSequenceClassification`` directory, num_labels=1, safetensors, tokenizer),
 ``metrics.jsonl``, ``config.yaml`` (resolved: model, hardware, logger, seed, run, rm),
 ``overrides.yaml`` and ``summary.json``.
+
+Length: a text (prompt + answer) longer than ``rm.max_length`` tokens (null: the model's
+context) keeps its last tokens, in the fit, the held-out evaluation and later scoring
+alike (``rlctl.tasks.reward_model.keep_end``); ``rm.max_length`` is saved as the
+tokenizer's ``model_max_length``, so ``task.reward_model`` and ``rlctl reward-model eval``
+score with the limit the model was fitted with. The pairs over it are counted in one
+line on stderr and in ``summary.json``.
 """
 from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,11 +38,12 @@ from rlctl.engine.rundir import create_run_dir, write_json_atomic
 from rlctl.errors import ConfigError, DataError, UserError
 from rlctl.models.loading import resolve_dtype
 from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
-                                     pairwise_accuracy, prepare_for_scoring, score_pairs)
+                                     pairs_over, pairwise_accuracy, prepare_for_scoring,
+                                     score_pairs)
 from rlctl.models.tiny import build_tiny
 from rlctl.sinks import build_sinks
 from rlctl.tasks.data import load_records
-from rlctl.tasks.reward_model import RewardModel
+from rlctl.tasks.reward_model import RewardModel, length_limit
 
 COLUMNS = ("prompt", "chosen", "rejected")
 SECTIONS = ("model", "hardware", "logger", "seed", "run")   # composed like `rlctl train`
@@ -177,6 +186,31 @@ def load_classifier(path: str, dtype: str, seed: int, device: str):
     return model.to(device), tokenizer
 
 
+def fit_limit(rm: RMConfig, tokenizer, config) -> Optional[int]:
+    """The fit's tokens per text: ``rm.max_length``, saved on the tokenizer (so the
+    scorer reads it), or the model's context; ConfigError above that context."""
+    context = length_limit(tokenizer, config)
+    if rm.max_length is None:
+        return context
+    if context is not None and rm.max_length > context:
+        raise ConfigError(f"invalid rm.max_length '{rm.max_length}'; must be <= {context}, "
+                          "the model's context (null: the whole context)")
+    tokenizer.model_max_length = rm.max_length
+    return rm.max_length
+
+
+def note_truncation(limit: Optional[int], what: str, counts: Dict[str, Tuple[int, int]],
+                    stream=None) -> None:
+    """One line on stderr when any pair (split: (over the limit, pairs)) is too long."""
+    if not any(n for n, _ in counts.values()):
+        return
+    parts = " and ".join(" ".join(filter(None, (f"{n} of {total}", split, "pairs")))
+                         for split, (n, total) in counts.items())
+    print(f"rlctl: {what}: {parts} have a text (prompt + answer) longer than {limit} tokens; "
+          f"each such text keeps its last {limit} tokens (a leading BOS stays first), the end "
+          "of the answer, where the score is read", file=stream or sys.stderr, flush=True)
+
+
 def score_stats(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> Dict[str, float]:
     """Pairwise accuracy and the score distribution of chosen and rejected answers."""
     out = {"pairwise_accuracy": pairwise_accuracy(r_chosen, r_rejected),
@@ -239,6 +273,11 @@ def train_reward_model(overrides: Sequence[str], prefs: str,
     quiet_libraries(cfg)
     model, tokenizer = load_classifier(backbone_path(cfg), cfg.model.dtype, int(cfg.seed),
                                        cfg.hardware.device)
+    limit = fit_limit(rm, tokenizer, model.config)
+    over = {"training": (pairs_over(tokenizer, train, limit), len(train)),
+            "held-out": (pairs_over(tokenizer, held, limit), len(held))}
+    note_truncation(limit, f"rm.max_length={'null' if rm.max_length is None else limit}",
+                    over)
     run_dir = create_run_dir(cfg.run.output_dir, "rm")
     resolved = _write_config(run_dir, cfg, rm, composed, prefs, eval_prefs)
     lg = cfg.logger
@@ -264,6 +303,8 @@ def train_reward_model(overrides: Sequence[str], prefs: str,
         model.save_pretrained(run_dir / "model")     # safetensors
         tokenizer.save_pretrained(run_dir / "model")
         summary = dict(final, train_pairs=len(train), eval_pairs=len(held),
+                       train_pairs_truncated=over["training"][0],
+                       eval_pairs_truncated=over["held-out"][0],
                        train_seconds=round(time.perf_counter() - t0, 3),
                        model_dir=str(run_dir / "model"))
         write_json_atomic(run_dir / "summary.json", summary)
@@ -292,5 +333,7 @@ def eval_reward_model(path: str, prefs: str, batch_size: int = 64, device: str =
         model = rm.load()
     except (OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot load reward model '{path}': {_first_line(exc)}") from None
+    over = pairs_over(rm.tokenizer, pairs, rm.limit)
+    note_truncation(rm.limit, f"the reward model's {rm.limit}-token limit", {"": (over, len(pairs))})
     r_c, r_r = score_pairs(model, rm.tokenizer, pairs, batch_size)   # [P] each
-    return score_stats(r_c, r_r)
+    return dict(score_stats(r_c, r_r), truncated_pairs=float(over))

@@ -4,7 +4,12 @@ texts, and fit it on preference pairs with the Bradley-Terry loss (rlctl.core.pr
 A reward model here is a standard ``AutoModelForSequenceClassification`` directory with
 ``num_labels=1``, safetensors weights and its own tokenizer (pad token set). The text,
 tokens and read-out of a score are ``rlctl.tasks.reward_model``'s (``render``,
-``text_scores``): a model is fitted on exactly what a run's reward scorer later feeds it.
+``text_scores``): a model is fitted on exactly what a run's reward scorer later feeds it,
+a text over the length limit included (its last tokens, where the score is read, and a
+leading BOS; ``rlctl reward-model train`` saves ``rm.max_length`` as the tokenizer's
+``model_max_length``, the limit the scorer reads). Over-long pairs are kept, not dropped
+as TRL's reward trainer drops them: with the end of each text kept, a long prompt costs
+only its beginning, and both answers are still compared whole when they fit.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.preference import bradley_terry_loss
-from rlctl.tasks.reward_model import render, text_scores
+from rlctl.tasks.reward_model import render, text_scores, token_rows
 
 
 @dataclass
@@ -49,6 +54,15 @@ def scores(model, tokenizer, prompts: Sequence[Any], completions: Sequence[str],
     """The model's score of each rendered pair, [n] float32 (grad flows when enabled)."""
     texts = [render(tokenizer, p, c) for p, c in zip(prompts, completions)]
     return text_scores(model, tokenizer, texts, max_length)
+
+
+def pairs_over(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> int:
+    """How many pairs have a chosen or a rejected text longer than ``limit`` tokens."""
+    if limit is None or not pairs:
+        return 0
+    lengths = [len(r) for r in token_rows(tokenizer, [
+        render(tokenizer, p.prompt, x) for p in pairs for x in (p.chosen, p.rejected)])]
+    return sum(max(lengths[2 * i], lengths[2 * i + 1]) > limit for i in range(len(pairs)))
 
 
 def pair_scores(model, tokenizer, pairs: Sequence[Pair], max_length: Optional[int] = None

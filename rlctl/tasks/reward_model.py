@@ -16,9 +16,15 @@ what it was fitted on:
   the join (the tiny model's word-level tokenizer needs "5 = 1 2" rather than "5 =1 2";
   BPE completions that start with a space are left alone). Nothing assumes the policy's
   ids: the reward model's *own* tokenizer reads the text;
-- tokens (``text_scores``): no special tokens added when a chat template renders the
-  text (the template has them), truncated to ``max_length`` (the tokenizer's
-  ``model_max_length`` when None), padded on the tokenizer's side;
+- tokens (``encode``): no special tokens added when a chat template renders the text
+  (the template has them); a text longer than the limit (``length_limit``: the
+  tokenizer's ``model_max_length``, where ``rlctl reward-model train`` saves
+  ``rm.max_length``, capped by the backbone's position limit) keeps its *last* tokens,
+  and its leading BOS when it starts with one (``keep_end``, as ``task.long_prompts=
+  truncate_left`` cuts prompts): the score is read at the end of the completion, so
+  cutting the end instead would read a prompt token and give every answer to a long
+  prompt the same score. Rows are padded on the tokenizer's side. ``RewardModel``
+  counts the texts it truncated (``truncated``) and warns once per model;
 - score (``last_token_scores``): the backbone runs with position ids counted over the
   attention mask (so a padded row sees the positions it has alone) and the score head
   reads the final hidden state at the last position whose mask is 1, for left and right
@@ -41,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import logging
+
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -48,9 +56,12 @@ from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
 
+log = logging.getLogger(__name__)
+
 NORMS = ("none", "running")
 BATCH_ROWS = 64          # rows per reward-model forward (bounds activation memory)
 STD_FLOOR = 1e-6         # running std below this divides by 1 (all scores so far equal)
+UNSET_LENGTH = 10 ** 12  # a model_max_length this large is unset (transformers writes 1e30)
 
 
 # ---- running statistics ------------------------------------------------------------------
@@ -173,15 +184,59 @@ def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return score_head(model)(h).squeeze(-1).float()                    # [n]
 
 
+def length_limit(tokenizer, config=None) -> Optional[int]:
+    """Tokens a scored text may have: the smaller of the tokenizer's ``model_max_length``
+    (when set) and the backbone's ``max_position_embeddings`` (GPT-2: ``n_positions``);
+    None when neither is known (no limit)."""
+    known = [n for n in (getattr(tokenizer, "model_max_length", None),
+                         getattr(config, "max_position_embeddings", None),
+                         getattr(config, "n_positions", None))
+             if isinstance(n, int) and 0 < n < UNSET_LENGTH]
+    return min(known) if known else None
+
+
+def keep_end(ids: List[int], limit: Optional[int], bos_id: Optional[int]) -> List[int]:
+    """``ids`` when within ``limit``, else its last ``limit`` tokens, the first of them
+    replaced by ``ids[0]`` when that is the BOS (kept: models are trained with it there)."""
+    if limit is None or len(ids) <= limit:
+        return list(ids)
+    head = ids[:1] if bos_id is not None and ids[0] == bos_id and limit > 1 else []
+    return head + ids[len(ids) - (limit - len(head)):]
+
+
+def token_rows(tokenizer, texts: Sequence[str]) -> List[List[int]]:
+    """Each rendered text's token ids, whole (special tokens added unless a chat template
+    rendered it: the template has them)."""
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    return tokenizer(list(texts), add_special_tokens=not templated, verbose=False)["input_ids"]
+
+
+def encode(tokenizer, texts: Sequence[str], limit: Optional[int]
+           ) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """(ids [n, L], mask [n, L], how many texts were over ``limit``): each text's tokens
+    (``keep_end`` of them), padded on the tokenizer's side with its pad id."""
+    full = token_rows(tokenizer, texts)
+    rows = [keep_end(r, limit, tokenizer.bos_token_id) for r in full]
+    width = max((len(r) for r in rows), default=0)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)          # [n, L]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)             # [n, L]
+    left = tokenizer.padding_side == "left"
+    for i, r in enumerate(rows):
+        start = width - len(r) if left else 0
+        ids[i, start:start + len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, start:start + len(r)] = 1
+    return ids, mask, sum(len(r) < len(f) for r, f in zip(rows, full))
+
+
 def text_scores(model, tokenizer, texts: Sequence[str], max_length: Optional[int] = None
                 ) -> torch.Tensor:
-    """The model's score of each rendered text, [n] float32 (grad flows when enabled)."""
-    templated = bool(getattr(tokenizer, "chat_template", None))   # the template adds BOS itself
-    enc = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True,
-                    max_length=max_length, add_special_tokens=not templated)
+    """The model's score of each rendered text, [n] float32 (grad flows when enabled);
+    ``max_length`` None: ``length_limit`` of the tokenizer and the model's config."""
+    limit = max_length if max_length is not None else length_limit(tokenizer, model.config)
+    ids, mask, _ = encode(tokenizer, texts, limit)                     # [n, L] each
     device = next(model.parameters()).device
-    return last_token_scores(model, enc["input_ids"].to(device),           # [n, L]
-                             enc["attention_mask"].to(device))             # -> [n]
+    return last_token_scores(model, ids.to(device), mask.to(device))   # [n]
 
 
 
@@ -201,6 +256,8 @@ class RewardModel:
         self.tokenizer = _load_tokenizer(self.path, key)
         self.device_name = device
         self.model = None
+        self.limit = length_limit(self.tokenizer, self.config)   # tokens per scored text
+        self.truncated = 0       # texts scored so far that were over the limit
 
     def load(self):
         """The classifier, loaded once (on the device, in its saved dtype, eval mode)."""
@@ -220,9 +277,19 @@ class RewardModel:
     def score_texts(self, texts: Sequence[str]) -> List[float]:
         """Raw scores, one per text (the head at each row's last non-pad token)."""
         model = self.load()
+        device = next(model.parameters()).device
         out: List[float] = []
+        over = 0
         for start in range(0, len(texts), BATCH_ROWS):
-            out.extend(text_scores(model, self.tokenizer, texts[start:start + BATCH_ROWS]).tolist())
+            ids, mask, n = encode(self.tokenizer, texts[start:start + BATCH_ROWS], self.limit)
+            over += n
+            out.extend(last_token_scores(model, ids.to(device), mask.to(device)).tolist())
+        if over and not self.truncated:
+            log.warning("reward model '%s' (%s): %d of %d texts are longer than its %d-token "
+                        "limit; each keeps its last tokens (and a leading BOS), the end of "
+                        "the completion where the score is read (reported once)",
+                        self.name, self.path, over, len(texts), self.limit)
+        self.truncated += over
         return out
 
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> List[float]:

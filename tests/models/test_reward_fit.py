@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from rlctl.models import tiny
 from rlctl.models.reward_fit import pair_scores, scores, Pair
-from rlctl.tasks.reward_model import RewardModel, render, text_scores
+from rlctl.tasks.reward_model import RewardModel, keep_end, render, text_scores
 from rlctl.types import Example
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
@@ -94,14 +94,84 @@ def test_eos_as_pad_still_reads_the_final_eos(side):
     assert max(abs(a - b) for a, b in zip(stock, want)) > 1e-4  # the choice matters here
 
 
-def test_max_length_truncates_as_the_first_tokens_alone():
+def _head_at_end(model, ids):
+    """The head at the last position of one unpadded row of ``ids`` (hand-picked tokens)."""
+    with torch.no_grad():
+        h = model.model(input_ids=torch.tensor([ids])).last_hidden_state   # [1, len, H]
+        return float(model.score(h[0, -1]))
+
+
+def test_keep_end_hand_cases():
+    bos = 1
+    assert keep_end([1, 2, 3, 4, 5], 3, bos) == [1, 4, 5]      # BOS first, then the end
+    assert keep_end([2, 3, 4, 5], 3, bos) == [3, 4, 5]         # no BOS: the last 3
+    assert keep_end([1, 2, 3], 3, bos) == [1, 2, 3]            # within the limit: whole
+    assert keep_end([1, 2, 3], 1, bos) == [3]                  # no room for BOS and text
+    assert keep_end([1, 2, 3], None, bos) == [1, 2, 3]
+
+
+def test_an_over_long_text_is_scored_at_its_last_token():
+    """Was test_max_length_truncates_as_the_first_tokens_alone: the text over the limit kept
+    its first tokens, so the score was read at a prompt token and every answer to a long
+    prompt scored alike. Now it keeps its BOS and its last tokens, the completion's end, and
+    the score equals the head over exactly those tokens (built by hand from the ids)."""
     tok = _tokenizer()
     model = _classifier(tok)
-    text = render(tok, PROMPTS[2], COMPLETIONS[2])
-    ids = tok(text)["input_ids"]
-    k = len(ids) - 3
+    prompt = "2 7 1 8 2 8 1 8 2 8 4 5 9 0 4 5 ="                 # 18 tokens with BOS
+    texts = [render(tok, prompt, c) for c in ("0 1 1 2 2", "9 8 8 8 7")]
+    ids = [tok(t)["input_ids"] for t in texts]
+    assert ids[0][0] == tok.bos_token_id and len(ids[0]) == 23
+    k = 8
     with torch.no_grad():
-        got = float(text_scores(model, tok, [text, "9 = 9"], max_length=k)[0])
-        h = model.model(input_ids=torch.tensor([ids[:k]])).last_hidden_state   # [1, k, H]
-        want = float(model.score(h[0, -1]))
-    assert got == pytest.approx(want, abs=1e-8)
+        got = text_scores(model, tok, texts + ["9 = 9"], max_length=k).tolist()
+    want = [_head_at_end(model, [tok.bos_token_id] + r[-(k - 1):]) for r in ids]
+    assert tok.convert_ids_to_tokens(ids[0][-(k - 1):])[-5:] == "0 1 1 2 2".split()
+    np.testing.assert_allclose(got[:2], want, rtol=0, atol=1e-8)   # float64, as above
+    assert abs(got[0] - got[1]) > 1e-4          # the answers differ, and so do the scores
+    # the first k tokens (the old rule) read a prompt token: the same ids, the same score
+    old = [_head_at_end(model, r[:k]) for r in ids]
+    assert old[0] == old[1] and abs(got[0] - old[0]) > 1e-4
+
+
+def test_run_scoring_keeps_the_same_end_and_counts_it(tmp_path, caplog):
+    """RewardModel (a run's scorer) reads the limit saved in the tokenizer and keeps the
+    same tokens as the fit; texts over it are counted and warned about once."""
+    tok = _tokenizer(chat=True)               # a template: no tokenizer BOS, the last k ids
+    model = _classifier(tok)
+    tok.model_max_length = 6
+    model.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    rm = RewardModel(tmp_path / "rm")
+    assert rm.limit == 6
+    texts = [render(tok, "3 1 4 1 5 9 2 6 =", "1 1 2 3 4 5 6 9"), render(tok, "9 =", "9")]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert len(ids[0]) > 6 and tok.convert_ids_to_tokens(ids[0][-2:]) == ["9", "<eos>"]
+    with caplog.at_level("WARNING", logger="rlctl.tasks.reward_model"):
+        got = rm.score_texts(texts)
+        again = rm.score_texts(texts[:1])
+    want = _head_at_end(model, ids[0][-6:])
+    assert got[0] == pytest.approx(want, abs=1e-8) and again[0] == pytest.approx(want, abs=1e-8)
+    assert len(ids[1]) > 6 and rm.truncated == 3          # 2 texts, then 1 again
+    warned = [r.getMessage() for r in caplog.records if "6-token limit" in r.getMessage()]
+    assert len(warned) == 1 and "2 of 2 texts" in warned[0], warned
+
+
+def test_the_yaml_says_what_null_max_length_means_and_it_does():
+    """rm.max_length's comment in conf/reward_model.yaml names null's meaning (the model's
+    context, not "no limit"), and with null a text past the tiny model's 64 positions is
+    scored at its last 64 tokens, as the comment says."""
+    from rlctl.compose import CONF_DIR
+
+    lines = (CONF_DIR / "reward_model.yaml").read_text().splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("max_length:"))
+    comment = " ".join(ln.lstrip("# ") for ln in lines[at - 4:at] if ln.startswith("#"))
+    assert "null: the model's context" in comment and "no limit" not in comment
+    assert "last max_length tokens" in comment and "Saved with the model" in comment
+    tok = _tokenizer()
+    model = _classifier(tok)                       # max_position_embeddings=64
+    assert tok.model_max_length == 64
+    text = render(tok, " ".join(["7"] * 70) + " =", "1 2")
+    ids = tok(text)["input_ids"]
+    with torch.no_grad():
+        got = float(text_scores(model, tok, [text])[0])
+    assert got == pytest.approx(_head_at_end(model, ids[:1] + ids[-63:]), abs=1e-8)
