@@ -42,12 +42,11 @@ statistics are part of the scorer's checkpointed state (``LearnedRewards.state``
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
-
-import logging
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
