@@ -133,13 +133,18 @@ def leave_with_launcher() -> None:
     """Ask the kernel for SIGTERM when the launcher dies (PR_SET_PDEATHSIG): the rank
     then saves after its step and leaves instead of lingering in its own session."""
     launcher = os.environ.get("RLCTL_LAUNCHER_PID")
-    if not launcher:
-        return
+    if launcher:
+        die_with_parent(int(launcher))
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGTERM to this process when ``parent`` (the process that started it) dies, even by
+    SIGKILL (PR_SET_PDEATHSIG); at once if it is already gone (this process was re-parented)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):       # not Linux: the launcher's kill still applies
+    except (OSError, AttributeError):       # not Linux: the parent's own kill still applies
         return
-    if os.getppid() != int(launcher):       # it died before the request
+    if os.getppid() != parent:              # it died before the request
         os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -4,8 +4,7 @@
 spawn) joined to the learner in one gloo process group (``file://`` rendezvous in a temp
 dir); the learner is rank 0, actor a is rank a+1. With ``hardware.nnodes`` > 1 the
 group also holds other nodes' actors and forms over TCP (rlctl/engine/remote_actors.py).
-Point-to-point messages, each a fixed
-float64 header followed by one byte payload (rlctl/engine/wire.py):
+Point-to-point messages, each a fixed float64 header and one byte payload (wire.py):
 
   learner -> actor: [go, with_weights, weights_version, use_rng, B, payload bytes]
                     payload: (with_weights) flat policy parameters, example indices [B],
@@ -51,11 +50,12 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from rlctl.backends.base import Backend
+from rlctl.backends.launch import die_with_parent
 from rlctl.engine import remote_actors
 from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
 from rlctl.engine.prompt_budget import bind_task
 from rlctl.engine.policy import prompt_sharing
-from rlctl.engine.wire import Posted, Sent, pack, recv_message, send_message, unpack
+from rlctl.engine.wire import Posted, Sent, gloo_reason, pack, recv_message, send_message, unpack
 from rlctl.errors import ActorFailed, RewardError, UserError, user_message
 from rlctl.rollout.generate import rollout
 from rlctl.rollout.source import LocalSource, SamplingSettings
@@ -69,11 +69,11 @@ WIRE = {"input_ids": (torch.long, torch.long), "attention_mask": (torch.uint8, t
         "rewards": (torch.float32, torch.float32), "old_logprobs": (torch.float32, torch.float32)}
 
 
-def build_source(cfg, policy, tokenizer, task, backend=None):
+def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     """The rollout source ``cfg`` asks for: ``LocalSource`` sampling with ``policy`` (the
     module the backend will train), or ``AsyncSource`` with
     ``trainer.async_rollout.enabled``. ``backend`` None: one process on
-    ``hardware.device``."""
+    ``hardware.device``; ``stop``: the run's StopFlag (a signal ends a wait for other nodes)."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
     local = LocalSource(policy, tokenizer, task.train_examples(), RewardScorer(task), settings,
@@ -82,10 +82,11 @@ def build_source(cfg, policy, tokenizer, task, backend=None):
     if not cfg.trainer.async_rollout.enabled:
         return local
     if world > 1 or dist.is_initialized():
-        raise ValueError("trainer.async_rollout.enabled=true needs hardware.num_processes=1")
+        raise UserError("trainer.async_rollout.enabled=true needs one learner process in no process "
+                        "group of its own: hardware.num_processes=1 and hardware.backend=torch")
     remote_actors.check_layout(cfg)
     device = backend.device if backend is not None else Backend(cfg.hardware.device).device
-    return AsyncSource(cfg, local, device)
+    return AsyncSource(cfg, local, device, stop)
 
 
 def flat_params(model) -> torch.Tensor:
@@ -96,13 +97,13 @@ class AsyncSource:
     """Rollouts from actor processes; prompts drawn, and rewards counted, by ``local``
     (its sampler, examples and scorer), weights read from its policy module."""
 
-    def __init__(self, cfg, local: LocalSource, device):
+    def __init__(self, cfg, local: LocalSource, device, stop=None):
         acfg = cfg.trainer.async_rollout
         self.local, self.device, self.group_size = local, device, cfg.algo.group_size
         self.sampler, self.scorer, self.settings = local.sampler, local.scorer, local.settings
         self.num_prompts = cfg.trainer.prompts_per_step        # one learner process
         self.max_stale, self.sync_every = int(acfg.max_staleness), int(acfg.sync_every)
-        self.cfg, self.multinode = cfg, int(cfg.hardware.nnodes) > 1
+        self.cfg, self.multinode, self.timeout = cfg, int(cfg.hardware.nnodes) > 1, remote_actors.timeout_text(cfg)
         self.num_actors = remote_actors.world_size(cfg) - 1            # on every node
         self.version = 0                                  # updates done
         self.took = False                                 # the current step consumed a rollout
@@ -114,9 +115,9 @@ class AsyncSource:
         self.stats: Dict[str, List[float]] = {}
         self.reward_sums: Dict[str, float] = {}           # named rewards (sorting: each design)
         self.reward_count = 0
-        self._start(OmegaConf.to_yaml(cfg, resolve=True), cfg.hardware)
+        self._start(OmegaConf.to_yaml(cfg, resolve=True), cfg.hardware, stop)
 
-    def _start(self, cfg_yaml: str, hw) -> None:
+    def _start(self, cfg_yaml: str, hw, stop) -> None:
         """Spawn the local actors and form the group: ``file://`` on one node; on several,
         over TCP through the store that also hands the other nodes this config."""
         world, self.store = self.num_actors + 1, None
@@ -132,7 +133,7 @@ class AsyncSource:
             p.start()
         try:
             if self.multinode:
-                remote_actors.join(self.store, 0, world, float(hw.dist_timeout_s), hw)
+                remote_actors.form_group(self.store, self.cfg, stop, self.procs)
             else:
                 dist.init_process_group("gloo", init_method=init, rank=0, world_size=world,
                                         timeout=datetime.timedelta(seconds=300))
@@ -144,9 +145,11 @@ class AsyncSource:
     def _lost(self, actor: int, exc: BaseException) -> ActorFailed:
         """An actor whose transfer failed: it exited, or its node was lost."""
         self.failed.add(actor)
-        return ActorFailed(f"lost contact with rollout actor rank {actor + 1} on node "
-                           f"{remote_actors.node_of(self.cfg, actor + 1)} "
-                           f"({' '.join(str(exc).split())[:200]})")
+        return ActorFailed(f"lost contact with {self._name(actor)}: it "
+                           f"{gloo_reason(exc.__cause__ or exc, self.timeout)}")
+
+    def _name(self, actor: int) -> str:             # "rollout actor rank 1 on node 1"
+        return f"rollout actor rank {actor + 1} on node {remote_actors.node_of(self.cfg, actor + 1)}"
 
     # ---- learner side ------------------------------------------------------------
     def _fill(self) -> None:
@@ -193,7 +196,7 @@ class AsyncSource:
         if h[0] in (USER_ERROR, ACTOR_ERROR):
             self.failed.add(actor)
             msg = bytes(payload.tolist()).decode("utf-8", "replace")
-            raise (RewardError(msg) if h[0] == USER_ERROR else ActorFailed(f"rollout actor {actor}: {msg}"))
+            raise (RewardError(msg) if h[0] == USER_ERROR else ActorFailed(f"{self._name(actor)}: {msg}"))
         version, N, L, P, T = (int(x) for x in h[:5])
         dims = {ROW: (N,), COMPLETION: (N, T)}
         specs = [(dims.get(RolloutBatch.axis(k), (N, L)), wire) for k, (wire, _) in WIRE.items()]
@@ -305,6 +308,7 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None
     """One actor process. ``errors`` (an actor node's queue): a failure, or a learner
     that ended early, is put there as one line and the process exits 1."""
     os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
+    die_with_parent(mp.parent_process().pid)   # SIGTERM when the process that started it dies
     try:
         problem = _actor(OmegaConf.create(cfg_yaml), init, rank, world_size)
     except Exception as exc:  # noqa: BLE001 - one line for the node (local actors: raised)
@@ -334,24 +338,25 @@ def _actor(cfg, init: str, rank: int, world_size: int) -> str:
     if init.startswith("tcp://"):
         timeout = float(cfg.hardware.dist_timeout_s)
         store = remote_actors.connect(init, timeout, "it")
+        remote_actors.arrive(store, rank, timeout)
         remote_actors.join(store, rank, world_size, timeout)
     else:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
-        return _serve(actor)
+        return _serve(actor, remote_actors.timeout_text(cfg))
     finally:
         scorer.close()
         dist.destroy_process_group()
 
 
-def _serve(actor: LocalSource) -> str:
+def _serve(actor: LocalSource, timeout: str) -> str:
     """Answer the learner's requests until it says stop (or a rollout fails); returns
-    what went wrong ("" after a normal stop)."""
+    what went wrong ("" after a normal stop). ``timeout``: the group's, in words."""
     params = list(actor.policy.parameters())
     n_params, version = sum(p.numel() for p in params), -1
     while True:
         t0 = time.perf_counter()
-        h, payload = _with_learner(recv_message, 0)
+        h, payload = _with_learner(timeout, recv_message, 0)
         go, weights, wver, use_rng, B = (int(x) for x in h[:5])
         if not go:
             return "the learner ended its run early (node 0 says why)" if h[1] else ""
@@ -373,17 +378,17 @@ def _serve(actor: LocalSource) -> str:
             text = str(exc) if code == USER_ERROR else f"{type(exc).__name__}: {exc}"
             send_message([code], torch.tensor(list(text.encode()), dtype=torch.uint8), dst=0)
             return f"{text} (sent to the learner, which stops)"
-        _with_learner(_send_rollout, b, [version, actor.scorer.errors - errors0, waited], use_rng,
+        _with_learner(timeout, _send_rollout, b, [version, actor.scorer.errors - errors0, waited], use_rng,
                       actor.scorer.last_components)
 
 
-def _with_learner(transfer, *args):
+def _with_learner(timeout: str, transfer, *args):
     """A transfer to or from the learner; its loss (it died, or its node) is one line."""
     try:
         return transfer(*args)
     except (ActorFailed, RuntimeError) as exc:
-        detail = " ".join(str(exc.__cause__ or exc).split())[:200]
-        raise ActorFailed(f"lost contact with the learner (rank 0 on node 0): {detail}") from None
+        raise ActorFailed(f"lost contact with the learner (rank 0 on node 0): it "
+                          f"{gloo_reason(exc.__cause__ or exc, timeout)}") from None
 
 
 def _rollout(actor: LocalSource, indices: List[int]) -> RolloutBatch:

@@ -118,8 +118,6 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
     """Train on this rank; rank 0 saves and returns the summary (other ranks: None).
     ``stop``: the StopFlag the loop checks; ``on_step(step, metrics)`` after each step."""
     quiet_libraries(cfg)
-
-
     t0 = time.perf_counter()
     cfg = _on_local_gpu(cfg)
     hw = cfg.hardware
@@ -133,9 +131,13 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
         resume_from = _resume_point(run_dir, backend) if resume else None
         sink = _sink(cfg, run_dir, backend)
         try:
-            source = build_source(cfg, model, tokenizer, task, backend)
-            trainer = Trainer(cfg, model, tokenizer, task, sink, source=source, critic=critic,
-                              ref_model=ref_model, backend=backend)
+            source = build_source(cfg, model, tokenizer, task, backend, stop)
+            try:
+                trainer = Trainer(cfg, model, tokenizer, task, sink, source=source, critic=critic,
+                                  ref_model=ref_model, backend=backend)
+            except BaseException:
+                source.close()                   # async: the actors end now, not at Python's exit
+                raise
             try:
                 result = trainer.train(run_dir=run_dir, resume_from=resume_from, on_step=on_step,
                                        stop=stop)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -79,9 +81,21 @@ class Posted:
             payload = torch.empty(int(self.header[HEADER - 1]), dtype=torch.uint8)
             if payload.numel():
                 dist.recv(payload, self.src)
-        except RuntimeError as exc:     # the peer's sockets closed: it died
-            raise ActorFailed(f"rollout process (rank {self.src}) exited unexpectedly ({exc})") from exc
+        except RuntimeError as exc:     # the peer's sockets closed (it died), or it went silent
+            raise ActorFailed(gloo_reason(exc)) from exc
         return self.header.tolist(), payload
+
+
+def gloo_reason(exc: BaseException, timeout: str = "the group's timeout") -> str:
+    """Why a transfer with a peer failed, in a few words: gloo's "Timed out waiting ...ms"
+    (the peer or its host went silent) is "did not answer within ``timeout``"; otherwise
+    gloo's first sentence without its source location or its closing advice, e.g.
+    "exited unexpectedly (Connection closed by peer [127.0.0.1]:18657)"."""
+    text = " ".join(str(exc).split())
+    if "Timed out" in text:
+        return f"did not answer within {timeout}"
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0]     # "[.../pair.cc:553] Connection ..."
+    return f"exited unexpectedly ({text[:160]})"
 
 
 def recv_message(src: int) -> Tuple[List[float], torch.Tensor]:

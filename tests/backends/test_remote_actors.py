@@ -2,25 +2,42 @@
 that share only TCP on 127.0.0.1 (free ports picked here). Node 0 runs the learner with
 trainer.async_rollout.num_actors=0, node 1 one actor (trainer.async_rollout.actors_per_node=1):
 the same run as one local actor, bit for bit at max_staleness=0; either node's loss is one
-line on the other, within hardware.dist_timeout_s; bad layouts are one line each."""
+line on the other, within hardware.dist_timeout_s; a signal ends either side's wait for
+the other at once; bad layouts are one line each. Last, a local-actor run whose Trainer
+fails to build exits at once instead of waiting for its actors."""
+import contextlib
 import json
+import os
+import signal
+import socket
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import torch.distributed as dist
 from safetensors.torch import load_file
 
-from rlctl.engine import checkpoint
+from rlctl.engine import checkpoint, remote_actors
 from test_multinode import TINY_RUN, error_lines, finish, free_port, kill_tree, rlctl_train, start
 
 ASYNC = ["trainer.async_rollout.enabled=true", "trainer.async_rollout.max_staleness=0"]
 
 
-def _nodes(port: int, run: Path, *args):
-    """Node 0 (the learner, no local actor, owns ``run``) and node 1 (one actor)."""
-    net = ["hardware.nnodes=2", "hardware.master_addr=127.0.0.1", f"hardware.master_port={port}"]
-    return (start(rlctl_train(*args, *net, "hardware.node_rank=0", "trainer.async_rollout.num_actors=0",
-                              f"run.dir={run}")),
-            start(rlctl_train(*args, *net, "hardware.node_rank=1")))
+def _net(port: int, nnodes: int = 2):
+    return [f"hardware.nnodes={nnodes}", "hardware.master_addr=127.0.0.1", f"hardware.master_port={port}"]
+
+
+def _learner(port: int, *args, nnodes: int = 2):
+    """Node 0: the learner, no local actor."""
+    return start(rlctl_train(*args, *_net(port, nnodes), "hardware.node_rank=0",
+                             "trainer.async_rollout.num_actors=0"))
+
+
+def _nodes(port: int, run: Path, *args, node1_cwd=None):
+    """Node 0 (the learner, owns ``run``) and node 1 (one actor; in ``node1_cwd`` if given)."""
+    return (_learner(port, *args, f"run.dir={run}"),
+            start(rlctl_train(*args, *_net(port), "hardware.node_rank=1"), cwd=node1_cwd))
 
 
 def _rows(run: Path):
@@ -44,12 +61,13 @@ def test_an_actor_on_node_1_gives_the_local_actor_run_bit_for_bit(tmp_path):
     metric (timing aside) and the final weights must be equal, not close."""
     args = [*TINY_RUN, "trainer.steps=3", *ASYNC]
     local = start(rlctl_train(*args, f"run.dir={tmp_path / 'local'}"))
-    node0, node1 = _nodes(free_port(), tmp_path / "job", *args)
+    (tmp_path / "node1").mkdir()
+    node0, node1 = _nodes(free_port(), tmp_path / "job", *args, node1_cwd=tmp_path / "node1")
     results = finish([local, node0, node1], timeout=150)
     for code, out, err in results:
         assert code == 0, err[-3000:]
     assert "rollout actor rank(s) 1-1 of 2" in results[2][1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["job", "local"]    # node 1 wrote nothing
+    assert list((tmp_path / "node1").iterdir()) == []      # node 1 wrote nothing (no runs/, outputs/, wandb/)
     remote, alone = _rows(tmp_path / "job"), _rows(tmp_path / "local")
     assert [r["step"] for r in remote if "step" in r] == [1, 2, 3]           # once per step
     assert remote == alone
@@ -61,19 +79,52 @@ def test_an_actor_on_node_1_gives_the_local_actor_run_bit_for_bit(tmp_path):
     assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
 
 
-def _kill_after_a_step(run, victim: int, *extra) -> str:
+def _children(pid: int):
+    return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie nobody reaped yet counts: it serves no one)."""
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def _wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
+        time.sleep(0.1)
+
+
+def _kill_after_a_step(run, victim: int, *extra, main_only: bool = False) -> str:
     """Start both nodes (100000 steps: no machine finishes first), kill node ``victim``'s
-    whole tree after a logged step; the other node exits 1 with one line, no Traceback,
-    within hardware.dist_timeout_s (20) + a margin for its shutdown. Returns its stderr."""
+    whole tree (``main_only``: its main process alone, SIGKILL; its actors must then be
+    gone within 10 s) after a logged step; the other node exits 1 with one line, no
+    Traceback, within hardware.dist_timeout_s (20) + a margin for its shutdown. Returns
+    its stderr."""
     args = [*TINY_RUN, "trainer.steps=100000", "trainer.async_rollout.enabled=true",
             "hardware.dist_timeout_s=20", *extra]
-    nodes = _nodes(free_port(), run, *args)
+    nodes, kids = _nodes(free_port(), run, *args), []
     try:
-        _wait_for_step(run)
-    finally:
-        kill_tree(nodes[victim].pid)
-    t0 = time.monotonic()
-    code, out, err = finish([nodes[1 - victim]], timeout=60)[0]
+        try:
+            _wait_for_step(run)
+        finally:
+            kids = _children(nodes[victim].pid)
+            if main_only:
+                os.kill(nodes[victim].pid, signal.SIGKILL)
+            else:
+                kill_tree(nodes[victim].pid)
+        if main_only:
+            assert kids                                  # the node's actors (and helpers)
+            _wait_until(lambda: all(_gone(k) for k in kids), 10, f"node {victim}'s actors {kids} ending")
+        t0 = time.monotonic()
+        code, out, err = finish([nodes[1 - victim]], timeout=60)[0]
+    finally:                                             # nothing left running, pass or fail
+        for pid in [n.pid for n in nodes if n.poll() is None] + [k for k in kids if not _gone(k)]:
+            with contextlib.suppress(OSError):          # it may end on its own meanwhile
+                kill_tree(pid)
     nodes[victim].wait()
     assert code == 1 and time.monotonic() - t0 < 20 + 10, (code, err[-2000:])
     assert len(error_lines(err)) == 1 and "Traceback" not in err, err[-2000:]
@@ -94,6 +145,14 @@ def test_node_1_killed_mid_run_is_one_line_on_the_learner(tmp_path):
     assert (last / "model.safetensors").is_file()
 
 
+def test_node_1_main_process_killed_takes_its_actors_with_it(tmp_path):
+    """Only node 1's main process is SIGKILLed: its actors get SIGTERM from the kernel
+    (parent-death signal) and are gone within 10 s, so the learner loses rank 1 and stops
+    with one line, instead of training on with actors nobody on node 1 owns."""
+    err = _kill_after_a_step(tmp_path / "job", 1, main_only=True)
+    assert "lost contact with rollout actor rank 1 on node 1: it exited unexpectedly" in err, err
+
+
 def test_the_learner_killed_ends_the_actor_node_with_one_line(tmp_path):
     """Node 0's tree killed after a logged step: node 1 exits 1 with one line, no hang."""
     err = _kill_after_a_step(tmp_path / "job", 0)
@@ -103,9 +162,9 @@ def test_the_learner_killed_ends_the_actor_node_with_one_line(tmp_path):
 def test_bad_layouts_are_one_line_each(tmp_path):
     """Several learner processes, a node_rank past nnodes, no actor anywhere, an actor
     node whose master never answers (a free port nobody listens on), and a learner whose
-    other node never comes: exit 2, one line, nothing written (run.output_dir stays
-    empty; the learner removes the run directory it made). The learner's c10d prints its
-    own store-timeout warnings on stderr: for it, one "error:" line and no traceback."""
+    other node never comes: exit 2, stderr exactly one line (the learner waits for the
+    actors in Python, so c10d has no timeout of its own to warn about), nothing written
+    (run.output_dir stays empty; the learner removes the run directory it made)."""
     base = [*TINY_RUN, "trainer.async_rollout.enabled=true", f"run.output_dir={tmp_path}"]
     two = ["hardware.nnodes=2", "hardware.master_addr=127.0.0.1", f"hardware.master_port={free_port()}"]
     cases = {"hardware.num_processes=1 (got 2)": [*two, "hardware.num_processes=2"],
@@ -118,10 +177,101 @@ def test_bad_layouts_are_one_line_each(tmp_path):
     t0 = time.monotonic()
     results = finish([start(rlctl_train(*base, *extra)) for extra in cases.values()], timeout=90)
     for want, (code, out, err) in zip(cases, results):
-        assert code == 2 and len(error_lines(err)) == 1 and want in err and "Traceback" not in err, \
-            (want, err[-2000:])
-        assert want.startswith("the rollout") or error_lines(err) == [err.strip()], err[-2000:]
+        assert code == 2 and error_lines(err) == [err.strip()] and want in err, (want, err[-2000:])
     assert all("hardware.dist_timeout_s=3" in err for _, _, err in results[-2:])
-    assert "start the same command with hardware.node_rank=1 on node 1" in results[-1][2]
+    assert "node 1 (rank 2) never connected; start the same command with hardware.node_rank=1 on " \
+        "node 1" in results[-1][2]                      # rank 1: the learner's own local actor
     assert time.monotonic() - t0 < 60
     assert not list(tmp_path.iterdir())
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """rlctl's stop handler is installed (Python alone leaves SIGTERM at its default)."""
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigCgt:"))
+    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_ctrl_c_ends_either_side_waiting_for_the_other(tmp_path):
+    """SIGINT while a side waits for the other (hardware.dist_timeout_s=120: a wait that
+    ignored the signal would outlast the test's 30 s): node 1 with no learner (signalled
+    once its stop handler is installed: it is then polling the master's port) and a
+    learner whose node 1 never comes (signalled once its store listens) each exit 130
+    within 30 s with exactly one stderr line; the learner removes its fresh run directory."""
+    args = [*TINY_RUN, "trainer.async_rollout.enabled=true", "hardware.dist_timeout_s=120",
+            f"run.output_dir={tmp_path / 'out'}"]
+    lport, nport = free_port(), free_port()
+    (tmp_path / "out").mkdir()
+    learner = _learner(lport, *args)
+    node = start(rlctl_train(*args, *_net(nport), "hardware.node_rank=1"), cwd=tmp_path)
+    try:
+        _wait_until(lambda: _catches_sigterm(node.pid), 60, "node 1's stop handler")
+        _wait_until(lambda: _listening(lport), 60, "the learner's store")
+        time.sleep(0.5)                              # past the store: in the wait for node 1
+        t0 = time.monotonic()
+        for p in (node, learner):
+            p.send_signal(signal.SIGINT)
+        results = finish([node, learner], timeout=30)
+    finally:
+        for p in (node, learner):
+            if p.poll() is None:
+                kill_tree(p.pid)
+    assert time.monotonic() - t0 < 30
+    want = [f"error: node 1 (rollout actors): interrupted by SIGINT while waiting for the learner at "
+            f"127.0.0.1:{nport}; no rollout actor was started",
+            "error: interrupted by SIGINT while waiting for node 1 (rank 1) to join; nothing was trained"]
+    for line, (code, out, err) in zip(want, results):
+        assert code == 130 and err.strip() == line, (code, err[-2000:])
+    assert not list((tmp_path / "out").iterdir())                        # the run directory is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]         # node 1 wrote nothing
+
+
+def test_the_learner_names_only_the_nodes_that_did_not_join(tmp_path):
+    """3 nodes, one actor each: node 1 arrives (this test connects to the learner's store
+    and sets the key an arriving actor sets), node 2 never does. The one line names node
+    2 (rank 2) alone and tells how to start it."""
+    port = free_port()
+    learner = _learner(port, *TINY_RUN, "trainer.async_rollout.enabled=true", "hardware.dist_timeout_s=8",
+                       f"run.output_dir={tmp_path}", nnodes=3)
+    try:
+        _wait_until(lambda: _listening(port), 60, "the learner's store")
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        store.set(remote_actors.JOINED + "1", "1")
+        code, out, err = finish([learner], timeout=60)[0]
+    finally:
+        if learner.poll() is None:
+            kill_tree(learner.pid)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert ("did not all join at 127.0.0.1:%d within hardware.dist_timeout_s=8: node 2 (rank 2) never "
+            "connected; start the same command with hardware.node_rank=2 on node 2" % port) in err, err
+    assert "node 1" not in err and "node_rank=1" not in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_trainer_that_fails_to_build_does_not_wait_for_its_actors(tmp_path):
+    """Trainer(...) raising after the async source started its (non-daemon) local actor:
+    the source is closed at once, so the process exits 1 with the error line in seconds
+    (it used to wait at Python's exit for the actor, which waits for requests for up to
+    30 minutes). No CLI input makes Trainer's constructor fail after the config checks,
+    so this run replaces it with one that raises, then runs the CLI's own main."""
+    code = ("import sys\nimport rlctl.engine.run as run\n"
+            "def broken(*a, **k):\n    raise RuntimeError('Trainer construction failed on purpose')\n"
+            "run.Trainer = broken\nfrom rlctl.cli import main\nsys.argv[0] = 'rlctl'\nmain()\n")
+    proc = start([sys.executable, "-c", code, "train", *TINY_RUN, "trainer.async_rollout.enabled=true",
+                  f"run.output_dir={tmp_path}"])
+    t0 = time.monotonic()
+    try:
+        rc, out, err = finish([proc], timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    assert rc == 1 and "Trainer construction failed on purpose" in err and "Traceback" not in err, err
+    assert time.monotonic() - t0 < 60
+    assert not list(tmp_path.iterdir())                         # set-up failed: nothing kept
