@@ -236,3 +236,30 @@ def test_rank_layout_across_nodes():
     cfg.hardware.nnodes, cfg.hardware.node_rank = 1, 0
     with pytest.raises(UserError, match="num_actors=0 leaves no rollout actor"):
         remote_actors.check_layout(cfg)
+
+
+def test_lost_peer_messages_name_rank_node_and_the_timeout():
+    """gloo's own texts (copied from torch 2.13 runs: an irecv whose peer never sent within
+    the group's 2 s timeout, and one whose peer exited) become a few words; an actor is
+    named by its rank and node everywhere (actor index a is rank a + 1)."""
+    from types import SimpleNamespace
+
+    from rlctl.engine.async_rollout import AsyncSource
+    from rlctl.engine.remote_actors import timeout_text
+    from rlctl.engine.wire import gloo_reason
+
+    timed_out = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                             "Timed out waiting 2000ms for recv operation to complete")
+    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                          "closed by peer [127.0.0.1]:18657. This is typically caused by a remote worker "
+                          "crashing. Check the logs of the remote worker before reporting an error. GLHF! x")
+    cfg = compose(["trainer.async_rollout.enabled=true", "trainer.async_rollout.num_actors=0",
+                   "hardware.nnodes=2", "hardware.dist_timeout_s=45"]).cfg
+    assert timeout_text(cfg) == "hardware.dist_timeout_s=45 s"
+    assert gloo_reason(timed_out, timeout_text(cfg)) == "did not answer within hardware.dist_timeout_s=45 s"
+    assert gloo_reason(closed) == "exited unexpectedly (Connection closed by peer [127.0.0.1]:18657)"
+    source = SimpleNamespace(cfg=cfg, failed=set(), timeout=timeout_text(cfg), _name=None)
+    source._name = lambda a: AsyncSource._name(source, a)
+    assert str(AsyncSource._lost(source, 0, timed_out)) == \
+        "lost contact with rollout actor rank 1 on node 1: it did not answer within hardware.dist_timeout_s=45 s"
+    assert source.failed == {0}
