@@ -122,7 +122,7 @@ class AsyncSource:
         over TCP through the store that also hands the other nodes this config."""
         world, self.store = self.num_actors + 1, None
         if self.multinode:
-            self.store, init = remote_actors.serve_config(hw, cfg_yaml), remote_actors.tcp_init(hw)
+            self.store, init = remote_actors.serve_config(hw, cfg_yaml)
         else:
             init = f"file://{os.path.join(tempfile.mkdtemp(prefix='rlctl-async-'), 'rendezvous')}"
         ctx = mp.get_context("spawn")
@@ -336,10 +336,7 @@ def _actor(cfg, init: str, rank: int, world_size: int) -> str:
     # gloo threads) it keeps its core. Measured: 31.1-31.7 vs 28-31 async steps/s.
     os.nice(5)
     if init.startswith("tcp://"):
-        timeout = float(cfg.hardware.dist_timeout_s)
-        store = remote_actors.connect(init, timeout, "it")
-        remote_actors.arrive(store, rank, timeout)
-        remote_actors.join(store, rank, world_size, timeout)
+        remote_actors.actor_join(init, rank, world_size, float(cfg.hardware.dist_timeout_s))
     else:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:

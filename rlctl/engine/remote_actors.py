@@ -14,10 +14,13 @@ config (a resume's overrides included) whatever the node's own command says beyo
 the master is; the task's data files must exist on every node. Messages are those of the
 local case (rlctl/engine/async_rollout.py).
 
-Joining: each actor connects to the store and sets ``JOINED`` + its rank; the learner
-waits (in Python, 0.2 s polls, so SIGINT/SIGTERM or a dead local actor ends the wait at
-once) until every rank is there, sets ``GO_KEY`` and only then forms the gloo group with
-them, so a missing node never leaves it blocked inside c10d. Every wait is bounded:
+Joining: the store also holds a random run id; the join keys live under it (``key``), so
+an actor of another run never counts. An actor node claims its ranks (a counter: a second
+node with the same ``hardware.node_rank`` is refused, exit 2) and gives them back when it
+stops; a waiting actor bumps its ``alive`` counter every poll. The learner waits (0.2 s
+polls in Python: SIGINT/SIGTERM or a dead local actor ends the wait at once) until every
+rank's counter advanced within ``LIVE_S`` (an actor that came and died is absent), sets
+``go`` and only then forms the gloo group, so it never waits inside c10d for a lost node. Every wait is bounded:
 joining by ``hardware.dist_timeout_s`` (one line on either side: "cannot reach the
 master" / "did not all join", naming the missing nodes); a peer that dies closes its
 sockets, so the other side's pending transfer fails at once (a vanished host: after the
@@ -27,8 +30,11 @@ every actor (the node exits 0); one that fails first tells the actors so (the no
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import queue
+import secrets
 import signal
 import socket
 import time
@@ -42,9 +48,15 @@ from rlctl.backends.launch import check_node_rank
 from rlctl.errors import ActorFailed, LaunchError, UserError
 
 CONFIG_KEY = "rlctl/async/learner_config"
-JOINED = "rlctl/async/joined/"     # + rank: that actor has connected to the store
-GO_KEY = "rlctl/async/go"          # the learner: every rank is here, form the group
+RUN_KEY = "rlctl/async/run"        # the learner's random run id, set before CONFIG_KEY
 POLL_S = 0.2
+LIVE_S = 1.0                       # an actor whose alive counter stood still longer is absent
+
+
+def key(run: str, what: str, rank=None) -> str:
+    """A join key of run ``run``: 'go', 'joined' (+ rank: claimed by a node), 'alive' (+ rank:
+    bumped by the waiting actor)."""
+    return f"rlctl/async/{run}/{what}" + ("" if rank is None else f"/{rank}")
 
 
 def world_size(cfg) -> int:
@@ -89,30 +101,41 @@ def _signalled(stop) -> int:
     return int(stop.signum) if stop is not None and stop.requested else 0
 
 
-def tcp_init(hw) -> str:
-    return f"tcp://{hw.master_addr}:{int(hw.master_port)}"
+def tcp_init(hw, run: str) -> str:
+    """tcp://HOST:PORT/RUN: where the actors join, and the run they join."""
+    return f"tcp://{hw.master_addr}:{int(hw.master_port)}/{run}"
 
 
-def serve_config(hw, cfg_yaml: str) -> dist.TCPStore:
-    """The learner's rendezvous store (listening on every interface at master_port),
-    holding its resolved config for the actor nodes."""
+def serve_config(hw, cfg_yaml: str):
+    """The learner's rendezvous store (every interface, master_port) holding a fresh run id
+    and its resolved config for the actor nodes; returns (store, the actors' init)."""
     try:
         store = dist.TCPStore(hw.master_addr, int(hw.master_port), is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=float(hw.dist_timeout_s)))
     except Exception as exc:  # noqa: BLE001 - DistNetworkError (port in use) and the like
         raise UserError(f"the learner cannot serve the rendezvous at {hw.master_addr}:{hw.master_port} "
                         f"({_first(exc)}); choose a free hardware.master_port") from None
+    run = secrets.token_hex(8)
+    store.set(RUN_KEY, run)
     store.set(CONFIG_KEY, cfg_yaml)
-    return store
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")    # the local actors' c10d, as on a node
+    return store, tcp_init(hw, run)
+
+
+def _parse(init: str):
+    """tcp://HOST:PORT/RUN -> (HOST, PORT, RUN)."""
+    hostport, _, run = init[len("tcp://"):].partition("/")
+    host, _, port = hostport.rpartition(":")
+    return host, int(port), run
 
 
 def connect(init: str, timeout_s: float, who: str, stop=None) -> dist.TCPStore:
     """A client of the learner's store at ``init`` (tcp://HOST:PORT), within ``timeout_s``;
     a signal in ``stop`` ends the wait (LaunchError, exit 128 + signal)."""
-    host, _, port = init[len("tcp://"):].rpartition(":")
+    host, port, _ = _parse(init)
     try:
-        _reachable(host, int(port), time.monotonic() + timeout_s, stop, who)   # c10d's retries log pages
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        _reachable(host, port, time.monotonic() + timeout_s, stop, who)   # c10d's retries log pages
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except LaunchError:
         raise
     except Exception as exc:  # noqa: BLE001 - DistNetworkError, DistStoreError, TimeoutError alike
@@ -142,34 +165,79 @@ def _interrupted(stop) -> str:
     return f"interrupted by {signal.Signals(stop.signum).name}"
 
 
-def arrive(store, rank: int, timeout_s: float) -> None:
-    """An actor: say it is here, then wait for the learner's go (everyone came) while the
-    learner's store answers; bounded by twice the learner's own wait."""
-    store.set(JOINED + str(rank), "1")
+def actor_join(init: str, rank: int, world: int, timeout_s: float) -> None:
+    """An actor process: reach the learner's store, arrive, form the group."""
+    store = connect(init, timeout_s, "it")
+    arrive(store, _parse(init)[2], rank, timeout_s)
+    join(store, rank, world, timeout_s)
+
+
+def arrive(store, run: str, rank: int, timeout_s: float) -> None:
+    """An actor of run ``run``: bump its alive counter every poll until the learner's go
+    (everyone came) while the learner's store answers; bounded by twice the learner's wait."""
     deadline = time.monotonic() + 2 * timeout_s
     try:
-        while not store.check([GO_KEY]):
+        if store.get(RUN_KEY).decode() != run:
+            raise ActorFailed(f"the learner at this address is another run than the one whose config this "
+                              f"node read (run id {run}): it was restarted; start this node again")
+        while not store.check([key(run, "go")]):
+            store.add(key(run, "alive", rank), 1)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no go from the learner within 2 x {timeout_s:g} s")
             time.sleep(POLL_S)
+    except ActorFailed:
+        raise
     except Exception as exc:  # noqa: BLE001 - the store gone (the learner gave up) or silent
         raise ActorFailed(f"the learner ended before the rollout actors all joined ({_first(exc)}; "
                           "node 0 says why)") from None
 
 
+def claim(store, run: str, ranks: List[int], node: int) -> None:
+    """An actor node: take its ranks (a counter each: 1 = this node's alone); a rank
+    already taken is one line (exit 2), and what this node took is given back."""
+    for i, r in enumerate(ranks):
+        if store.add(key(run, "joined", r), 1) > 1:
+            store.add(key(run, "joined", r), -1)
+            release(store, run, ranks[:i])
+            raise UserError(f"rank {r} is claimed twice: is hardware.node_rank={node} started on two "
+                            "machines? (start each node_rank once)")
+
+
+def release(store, run: str, ranks: List[int]) -> None:
+    """Give back claimed ranks, so this node can be started again while the learner waits."""
+    for r in ranks:
+        store.delete_key(key(run, "joined", r))
+
+
+def _live(store, run: str, ranks: List[int], seen: Dict[int, tuple], now: float) -> List[int]:
+    """The ranks whose alive counter advanced within the last LIVE_S. ``seen``: rank ->
+    (its last count, when it last changed); a count first seen has not advanced yet."""
+    for r in ranks:
+        n = store.add(key(run, "alive", r), 0)        # a read that never blocks on a missing key
+        if r not in seen:
+            seen[r] = (n, float("-inf"))
+        elif n != seen[r][0]:
+            seen[r] = (n, now)
+    return [r for r in ranks if now - seen[r][1] <= LIVE_S]
+
+
 def form_group(store, cfg, stop, local_procs) -> None:
-    """The learner: wait until every actor rank has set its ``JOINED`` key, then form the
-    group. One line, nothing trained, when the time runs out (naming the missing nodes),
+    """The learner: wait until every actor rank is alive and waiting (``_live``), then form
+    the group. One line, nothing trained, when the time runs out (naming the missing nodes),
     a signal comes (exit 128 + signal; its line is the only notice) or a local actor dies."""
-    hw, world = cfg.hardware, world_size(cfg)
+    hw, world, run = cfg.hardware, world_size(cfg), store.get(RUN_KEY).decode()
     timeout_s, deadline = float(hw.dist_timeout_s), time.monotonic() + float(hw.dist_timeout_s)
-    announce = stop is not None and stop.announce
+    announce, seen = stop is not None and stop.announce, {}
     if stop is not None:
         stop.announce = False               # no "stopping after this step": there is none yet
     try:
         while True:
-            missing = [r for r in range(1, world) if not store.check([JOINED + str(r)])]
+            ranks = list(range(1, world))
+            live = _live(store, run, ranks, seen, time.monotonic())
+            missing = [r for r in ranks if r not in live]
             if not missing:
+                store.set(key(run, "go"), "1")
+                join(store, 0, world, timeout_s)
                 break
             dead = [(a + 1, p.exitcode) for a, p in enumerate(local_procs) if p.exitcode is not None]
             if dead:
@@ -181,15 +249,14 @@ def form_group(store, cfg, stop, local_procs) -> None:
             if time.monotonic() >= deadline:
                 raise _absent(cfg, missing)
             time.sleep(POLL_S)
-    finally:
-        if stop is not None:
-            stop.announce = announce
-    store.set(GO_KEY, "1")
-    try:
-        join(store, 0, world, timeout_s)
+    except (ActorFailed, LaunchError, UserError):
+        raise
     except Exception as exc:  # noqa: BLE001 - a rank lost between arriving and the group
         raise ActorFailed(f"the learner (rank 0 of {world}): forming the group with the rollout "
                           f"actors failed after they all arrived ({_first(exc)})") from None
+    finally:
+        if stop is not None:
+            stop.announce = announce        # muted until the group formed (or the join failed)
 
 
 def _nodes_of(cfg, ranks: List[int]) -> str:
@@ -246,24 +313,38 @@ def serve_node(cfg, stop, actor_main: Callable) -> dict:
     check_node_rank(hw)
     if stop is not None:
         stop.announce = False
-    init, node = tcp_init(hw), int(hw.node_rank)
-    store = connect(init, float(hw.dist_timeout_s), f"node {node} (rollout actors)", stop)
-    cfg_yaml = _learner_config(store, node, float(hw.dist_timeout_s), stop)
-    del store
+    # the actors' c10d: no C++ stack per actor when the learner's store closes under a poll
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    node = int(hw.node_rank)
+    store = connect(tcp_init(hw, ""), float(hw.dist_timeout_s), f"node {node} (rollout actors)", stop)
+    cfg_yaml, run = _learner_config(store, node, float(hw.dist_timeout_s), stop)
     learner = OmegaConf.create(cfg_yaml)
     if node >= learner.hardware.nnodes:
         raise UserError(f"hardware.node_rank={node} but the learner's run has hardware.nnodes="
                         f"{learner.hardware.nnodes} (nodes 0 .. {learner.hardware.nnodes - 1})")
     ranks, world = node_ranks(learner, node), world_size(learner)
+    claim(store, run, ranks, node)
+    try:
+        _run_actors(actor_main, (cfg_yaml, tcp_init(hw, run)), ranks, world, stop, node)
+    except BaseException:
+        with contextlib.suppress(Exception):    # probed first: a closed store logs a C++ stack per call
+            _reachable(hw.master_addr, int(hw.master_port), time.monotonic() + 0.5)
+            release(store, run, ranks)
+        raise
+    return {}
+
+
+def _run_actors(actor_main: Callable, args: tuple, ranks: List[int], world: int, stop, node: int) -> None:
+    """Start this node's actors (``actor_main(*args, rank, world, errors)``) and wait for them."""
     ctx = multiprocessing.get_context("spawn")
     errors = ctx.SimpleQueue()
     # not daemons: an actor forks its own reward worker (task.reward_timeout_s)
-    procs = {r: ctx.Process(target=actor_main, args=(cfg_yaml, init, r, world, errors), daemon=False)
-             for r in ranks}
+    procs = {r: ctx.Process(target=actor_main, args=(*args, r, world, errors), daemon=False) for r in ranks}
     for p in procs.values():
         p.start()
+    host, port, _ = _parse(args[1])
     print(f"node {node}: rollout actor rank(s) {ranks[0]}-{ranks[-1]} of {world}, learner at "
-          f"{hw.master_addr}:{hw.master_port}", flush=True)
+          f"{host}:{port}", flush=True)
     try:
         _wait(procs, errors, stop, node)
     finally:
@@ -271,12 +352,11 @@ def serve_node(cfg, stop, actor_main: Callable) -> dict:
             if p.is_alive():
                 p.terminate()
             p.join(timeout=30)
-    return {}
 
 
-def _learner_config(store, node: int, timeout_s: float, stop) -> str:
-    """The config the learner puts in its store as soon as it listens (polled: a signal
-    ends the wait)."""
+def _learner_config(store, node: int, timeout_s: float, stop):
+    """The config and run id the learner puts in its store as soon as it listens (polled:
+    a signal ends the wait)."""
     deadline = time.monotonic() + timeout_s
     try:
         while not store.check([CONFIG_KEY]):
@@ -286,7 +366,7 @@ def _learner_config(store, node: int, timeout_s: float, stop) -> str:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no {CONFIG_KEY} within {timeout_s:g} s")
             time.sleep(POLL_S)
-        return store.get(CONFIG_KEY).decode()
+        return store.get(CONFIG_KEY).decode(), store.get(RUN_KEY).decode()
     except LaunchError:
         raise
     except Exception as exc:  # noqa: BLE001 - a lost master, a foreign store

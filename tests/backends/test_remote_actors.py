@@ -11,14 +11,18 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from rlctl.engine import checkpoint, remote_actors
+from rlctl.errors import ActorFailed, UserError
 from test_multinode import TINY_RUN, error_lines, finish, free_port, kill_tree, rlctl_train, start
 
 ASYNC = ["trainer.async_rollout.enabled=true", "trainer.async_rollout.max_staleness=0"]
@@ -235,15 +239,20 @@ def test_ctrl_c_ends_either_side_waiting_for_the_other(tmp_path):
 
 def test_the_learner_names_only_the_nodes_that_did_not_join(tmp_path):
     """3 nodes, one actor each: node 1 arrives (this test connects to the learner's store
-    and sets the key an arriving actor sets), node 2 never does. The one line names node
-    2 (rank 2) alone and tells how to start it."""
+    and bumps rank 1's alive counter as a waiting actor does), node 2 never does. The one
+    line names node 2 (rank 2) alone and tells how to start it."""
     port = free_port()
     learner = _learner(port, *TINY_RUN, "trainer.async_rollout.enabled=true", "hardware.dist_timeout_s=8",
                        f"run.output_dir={tmp_path}", nnodes=3)
     try:
         _wait_until(lambda: _listening(port), 60, "the learner's store")
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-        store.set(remote_actors.JOINED + "1", "1")
+        _wait_until(lambda: store.check([remote_actors.CONFIG_KEY]), 10, "the learner's config")
+        alive = remote_actors.key(store.get(remote_actors.RUN_KEY).decode(), "alive", 1)
+        with contextlib.suppress(Exception):            # until the learner's store closes
+            while learner.poll() is None:
+                store.add(alive, 1)
+                time.sleep(0.2)
         code, out, err = finish([learner], timeout=60)[0]
     finally:
         if learner.poll() is None:
@@ -275,3 +284,119 @@ def test_a_trainer_that_fails_to_build_does_not_wait_for_its_actors(tmp_path):
     assert rc == 1 and "Trainer construction failed on purpose" in err and "Traceback" not in err, err
     assert time.monotonic() - t0 < 60
     assert not list(tmp_path.iterdir())                         # set-up failed: nothing kept
+
+
+# ---- the join protocol on a real store, in this process --------------------------------
+def _store_cfg(port: int, timeout_s: float = 2, actors_per_node: int = 2):
+    """A learner's config (the fields the join reads): 2 nodes, no local actor."""
+    return OmegaConf.create({"hardware": {"nnodes": 2, "dist_timeout_s": timeout_s, "master_addr": "127.0.0.1",
+                                          "master_port": port},
+                             "trainer": {"async_rollout": {"num_actors": 0, "actors_per_node": actors_per_node}}})
+
+
+def _beat(store, run: str, rank: int, until: threading.Event, times: int = 1 << 30,
+          after: float = 0) -> threading.Thread:
+    """A waiting actor's heartbeat (every 0.2 s, from ``after`` s on), ``times`` beats at
+    most (then it "dies")."""
+    def loop():
+        until.wait(after)
+        for _ in range(times):
+            if until.is_set():
+                return
+            store.add(remote_actors.key(run, "alive", rank), 1)
+            time.sleep(0.2)
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+def test_an_actor_that_arrived_and_died_is_absent_not_joined():
+    """Rank 1 claims, beats 3 times (0-0.4 s) and dies (its node killed: its claim
+    stays); rank 2 beats from 2 s on. The learner must not set go once rank 2 is there
+    (that would block it in c10d for the whole group timeout waiting for rank 1): rank 1's
+    counter stood still for > LIVE_S (1 s) by then, so it keeps waiting and, at
+    hardware.dist_timeout_s=4, names rank 1 alone."""
+    port = free_port()
+    cfg, done = _store_cfg(port, timeout_s=4), threading.Event()
+    store, init = remote_actors.serve_config(cfg.hardware, OmegaConf.to_yaml(cfg))
+    run = init.rsplit("/", 1)[1]
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+    remote_actors.claim(client, run, [1, 2], 1)
+    beats = [_beat(client, run, 1, done, times=3), _beat(client, run, 2, done, after=2)]
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(UserError, match=r"node 1 \(rank 1\) never connected"):
+            remote_actors.form_group(store, cfg, None, [])
+    finally:
+        done.set()
+        for t in beats:
+            t.join()
+    assert time.monotonic() - t0 < 6                     # 4 s of waiting, not stuck inside c10d
+    assert not store.check([remote_actors.key(run, "go")])
+
+
+def test_a_rank_is_claimed_once_and_given_back():
+    """Claims are counters: node 1's second claim of rank 2 is one line naming the rank
+    and node_rank, and leaves the first claim (count 1) alone; a refused claim gives back
+    the ranks it took first (rank 2 of [2, 3] when 3 is taken); a released rank can be
+    claimed again (a node restarted while the learner waits)."""
+    port = free_port()
+    cfg = _store_cfg(port)
+    store, init = remote_actors.serve_config(cfg.hardware, "x: 1")
+    run = init.rsplit("/", 1)[1]
+    count = lambda r: store.add(remote_actors.key(run, "joined", r), 0)   # noqa: E731
+    remote_actors.claim(store, run, [2, 3], 1)
+    with pytest.raises(UserError) as e:
+        remote_actors.claim(store, run, [2, 3], 1)
+    assert str(e.value) == "rank 2 is claimed twice: is hardware.node_rank=1 started on two machines? " \
+        "(start each node_rank once)"
+    assert (count(2), count(3)) == (1, 1)
+    remote_actors.release(store, run, [2])
+    with pytest.raises(UserError, match="rank 3 is claimed twice"):
+        remote_actors.claim(store, run, [2, 3], 1)
+    assert (count(2), count(3)) == (0, 1)                # rank 2 given back, rank 3 still node 1's
+    remote_actors.release(store, run, [3])
+    remote_actors.claim(store, run, [2, 3], 1)
+    assert (count(2), count(3)) == (1, 1)
+
+
+def test_an_actor_of_another_run_is_refused():
+    """An actor whose node read run id X, facing a learner (same address) now serving
+    run Y: one line, it never beats under Y's keys, so Y never counts it."""
+    port = free_port()
+    cfg = _store_cfg(port)
+    store, init = remote_actors.serve_config(cfg.hardware, "x: 1")
+    run = init.rsplit("/", 1)[1]
+    assert len(run) == 16 and remote_actors.serve_config(_store_cfg(free_port()).hardware, "")[1][-16:] != run
+    with pytest.raises(ActorFailed, match="another run"):
+        remote_actors.arrive(store, "0123456789abcdef", 1, 2)
+    assert not store.check([remote_actors.key(run, "alive", 1)])
+
+
+def test_node_1_of_a_group_that_never_forms_says_one_line(tmp_path):
+    """The learner expects 2 actor nodes (nnodes=3) within hardware.dist_timeout_s=8 (time
+    for node 1's actor to load on a busy machine); only node 1 comes: the learner gives up
+    with one line (node 2 never connected), and node 1, whose actor was polling the store
+    that then closed, exits 1 with its WHOLE stderr one line (no c10d C++ stack)."""
+    port, args = free_port(), [*TINY_RUN, "trainer.async_rollout.enabled=true", "hardware.dist_timeout_s=8"]
+    learner = _learner(port, *args, f"run.output_dir={tmp_path / 'out'}", nnodes=3)
+    node = start(rlctl_train(*args, *_net(port, 3), "hardware.node_rank=1"), cwd=tmp_path)
+    (code0, _, err0), (code1, _, err1) = finish([learner, node], timeout=90)
+    assert code0 == 2 and "node 2 (rank 2) never connected" in err0 and len(err0.strip().splitlines()) == 1, err0
+    assert code1 == 1 and len(err1.strip().splitlines()) == 1, err1[-3000:]
+    assert err1.startswith("error: node 1: rollout actor rank 1: ") and "Traceback" not in err1, err1
+
+
+def test_a_node_rank_started_twice_is_refused(tmp_path):
+    """Two node-1 processes against one learner (2 steps): the first claims rank 1 and
+    trains with it, the second is refused with one line naming the rank and the node_rank
+    (exit 2); which one wins is a race, so the exit codes are compared as a set."""
+    port, args = free_port(), [*TINY_RUN, "trainer.steps=2", *ASYNC, "hardware.dist_timeout_s=60"]
+    learner = _learner(port, *args, f"run.dir={tmp_path / 'job'}")
+    nodes = [start(rlctl_train(*args, *_net(port), "hardware.node_rank=1"), cwd=tmp_path) for _ in range(2)]
+    results = finish([learner, *nodes], timeout=120)
+    assert results[0][0] == 0, results[0][2][-2000:]
+    assert sorted(r[0] for r in results[1:]) == [0, 2], [r[2][-2000:] for r in results]
+    err = next(r[2] for r in results[1:] if r[0] == 2)
+    assert err.strip() == "error: rank 1 is claimed twice: is hardware.node_rank=1 started on two machines? " \
+        "(start each node_rank once)", err
