@@ -305,8 +305,8 @@ def _named_rewards(components: Dict[str, List[float]]) -> List[torch.Tensor]:
 
 
 def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None) -> None:
-    """One actor process. ``errors`` (an actor node's queue): a failure, or a learner
-    that ended early, is put there as one line and the process exits 1."""
+    """One actor process. ``errors`` (an actor node's pipe end): a failure, or a learner
+    that ended early, is sent there as one line and the process exits 1."""
     os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
     die_with_parent(mp.parent_process().pid)   # SIGTERM when the process that started it dies
     try:
@@ -316,7 +316,7 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None
             raise
         problem = user_message(exc)[0]
     if problem and errors is not None:
-        errors.put(f"rollout actor rank {rank}: {problem}")
+        errors.send(f"rollout actor rank {rank}: {problem}")
         sys.exit(1)
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import queue
 import secrets
 import signal
 import socket
@@ -337,9 +336,9 @@ def serve_node(cfg, stop, actor_main: Callable) -> dict:
 def _run_actors(actor_main: Callable, args: tuple, ranks: List[int], world: int, stop, node: int) -> None:
     """Start this node's actors (``actor_main(*args, rank, world, errors)``) and wait for them."""
     ctx = multiprocessing.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    # not daemons: an actor forks its own reward worker (task.reward_timeout_s)
-    procs = {r: ctx.Process(target=actor_main, args=(*args, r, world, errors), daemon=False) for r in ranks}
+    errors, send = ctx.Pipe(duplex=False)   # one line per failed actor (a queue's semaphores would
+    # leak a warning when the node is stopped); not daemons: an actor forks its own reward worker
+    procs = {r: ctx.Process(target=actor_main, args=(*args, r, world, send), daemon=False) for r in ranks}
     for p in procs.values():
         p.start()
     host, port, _ = _parse(args[1])
@@ -377,8 +376,9 @@ def _wait(procs: Dict[int, multiprocessing.Process], errors, stop, node: int, po
     while True:
         if stop is not None and stop.requested:
             name = signal.Signals(stop.signum).name
-            raise LaunchError(f"node {node}: stopped by {name}; its rollout actors were ended (the "
-                              "learner stops with one line naming them)", False, 128 + stop.signum)
+            raise LaunchError(f"node {node}: stopped by {name}; its rollout actors were ended (a learner "
+                              "still waiting for them waits for this node again; one training with them "
+                              "stops with one line naming them)", False, 128 + stop.signum)
         codes = {r: p.exitcode for r, p in procs.items()}
         failed = [r for r, c in codes.items() if c not in (None, 0)]
         if failed:
@@ -391,8 +391,8 @@ def _wait(procs: Dict[int, multiprocessing.Process], errors, stop, node: int, po
 def _reason(errors, rank: int, code: int) -> str:
     """The first message an actor of this node left, else the exit code."""
     try:
-        if not errors.empty():
-            return errors.get()
-    except (OSError, EOFError, queue.Empty):
+        if errors.poll():
+            return errors.recv()
+    except (OSError, EOFError):
         pass
     return f"rollout actor rank {rank} exited with code {code}"

@@ -245,9 +245,7 @@ def test_the_learner_names_only_the_nodes_that_did_not_join(tmp_path):
     learner = _learner(port, *TINY_RUN, "trainer.async_rollout.enabled=true", "hardware.dist_timeout_s=8",
                        f"run.output_dir={tmp_path}", nnodes=3)
     try:
-        _wait_until(lambda: _listening(port), 60, "the learner's store")
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-        _wait_until(lambda: store.check([remote_actors.CONFIG_KEY]), 10, "the learner's config")
+        store = _wait_for_store(port)
         alive = remote_actors.key(store.get(remote_actors.RUN_KEY).decode(), "alive", 1)
         with contextlib.suppress(Exception):            # until the learner's store closes
             while learner.poll() is None:
@@ -400,3 +398,40 @@ def test_a_node_rank_started_twice_is_refused(tmp_path):
     err = next(r[2] for r in results[1:] if r[0] == 2)
     assert err.strip() == "error: rank 1 is claimed twice: is hardware.node_rank=1 started on two machines? " \
         "(start each node_rank once)", err
+
+
+def test_a_node_stopped_while_the_learner_waits_can_be_started_again(tmp_path):
+    """3 nodes: node 1's actor arrives, then node 1 gets SIGINT while the learner waits
+    for node 2: node 1 exits 130, its whole stderr one line (no semaphore warning), and
+    gives its rank back, so the same command started again joins; with node 2 the run
+    then trains (the learner never counted the stopped actor as there)."""
+    port, args = free_port(), [*TINY_RUN, "trainer.steps=1", *ASYNC, "hardware.dist_timeout_s=90"]
+    learner = _learner(port, *args, f"run.dir={tmp_path / 'job'}", nnodes=3)
+    node1 = start(rlctl_train(*args, *_net(port, 3), "hardware.node_rank=1"), cwd=tmp_path)
+    procs = [learner, node1]
+    try:
+        store = _wait_for_store(port)
+        alive = remote_actors.key(store.get(remote_actors.RUN_KEY).decode(), "alive", 1)
+        _wait_until(lambda: store.add(alive, 0) > 0, 60, "node 1's actor polling")
+        node1.send_signal(signal.SIGINT)
+        code, _, err = finish([node1], timeout=30)[0]
+        assert code == 130 and err.strip() == "error: node 1: stopped by SIGINT; its rollout actors were " \
+            "ended (a learner still waiting for them waits for this node again; one training with them " \
+            "stops with one line naming them)", err
+        procs += [start(rlctl_train(*args, *_net(port, 3), f"hardware.node_rank={n}"), cwd=tmp_path)
+                  for n in (1, 2)]
+        results = finish([learner, *procs[2:]], timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+    assert [r[0] for r in results] == [0, 0, 0], [r[2][-1500:] for r in results]
+    assert [r["step"] for r in _rows(tmp_path / "job") if "step" in r] == [1]
+
+
+def _wait_for_store(port: int):
+    """A client of the learner's store once its config is there."""
+    _wait_until(lambda: _listening(port), 60, "the learner's store")
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    _wait_until(lambda: store.check([remote_actors.CONFIG_KEY]), 10, "the learner's config")
+    return store
