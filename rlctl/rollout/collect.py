@@ -47,5 +47,6 @@ def collect(sample: Callable[[int], RolloutBatch], num_groups: int, dynamic: boo
             break
     if not kept:              # every group constant: train on the last batch (zero advantages)
         return batch, 0.0
-    out = RolloutBatch.concat(kept, pad_id)     # stale and fresh old log-probs kept as a pair
+    # one batch kept: no re-padding copy; several: stale and fresh old log-probs kept as a pair
+    out = kept[0] if len(kept) == 1 else RolloutBatch.concat(kept, pad_id)
     return out.replace(group_ids=_group_ids(have, out.group_size, out.mask.device)), have / sampled
