@@ -90,10 +90,9 @@ def _wait(procs: List[subprocess.Popen], run_dir: Path, stop, poll_s: float) -> 
     while True:
         codes = [p.poll() for p in procs]
         stopping = stop is not None and stop.requested
-        failed = [r for r, c in enumerate(codes)
-                  if c not in (None, 0) and not (stopping and c in STOPPED + KILLED)]
         if stopping and any(c in KILLED for c in codes):
             return stop.signum      # the group cannot meet again: launch() kills the rest
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0) and not (stopping and c in STOPPED)]
         if failed:
             r = failed[0]
             raise _failure(run_dir, r, codes[r])
