@@ -218,7 +218,8 @@ def test_own_launcher_two_nodes_kill_one_then_resume(tmp_path):
     # the killed and resumed run logs what an uninterrupted 2-node run of as many steps logs
     # (per-rank RNG states and the data order are in the checkpoint: the same numbers, not close)
     ref, port = tmp_path.parent / f"{tmp_path.name}-ref", free_port()
-    nodes = [_own_node(r, port, *args[:-2], f"trainer.steps={steps}", f"run.dir={ref}") for r in (0, 1)]
+    same = [a for a in args if not a.startswith(("run.dir=", "trainer.steps=", "hardware.dist_timeout_s="))]
+    nodes = [_own_node(r, port, *same, f"trainer.steps={steps}", f"run.dir={ref}") for r in (0, 1)]
     for c, o, e in finish(nodes):
         assert c == 0, e[-3000:]
     assert _rows(run) == _rows(ref)
