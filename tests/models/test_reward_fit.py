@@ -135,25 +135,26 @@ def test_an_over_long_text_is_scored_at_its_last_token():
 
 def test_run_scoring_keeps_the_same_end_and_counts_it(tmp_path, caplog):
     """RewardModel (a run's scorer) reads the limit saved in the tokenizer and keeps the
-    same tokens as the fit; texts over it are counted and warned about once."""
+    same tokens as the fit; texts over it (only those: the second text, 7 tokens, is
+    exactly at the limit) are counted and warned about once."""
     tok = _tokenizer(chat=True)               # a template: no tokenizer BOS, the last k ids
     model = _classifier(tok)
-    tok.model_max_length = 6
+    tok.model_max_length = 7
     model.save_pretrained(tmp_path / "rm")
     tok.save_pretrained(tmp_path / "rm")
     rm = RewardModel(tmp_path / "rm")
-    assert rm.limit == 6
+    assert rm.limit == 7
     texts = [render(tok, "3 1 4 1 5 9 2 6 =", "1 1 2 3 4 5 6 9"), render(tok, "9 =", "9")]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    assert len(ids[0]) > 6 and tok.convert_ids_to_tokens(ids[0][-2:]) == ["9", "<eos>"]
+    assert len(ids[0]) > 7 and tok.convert_ids_to_tokens(ids[0][-2:]) == ["9", "<eos>"]
     with caplog.at_level("WARNING", logger="rlctl.tasks.reward_model"):
         got = rm.score_texts(texts)
         again = rm.score_texts(texts[:1])
-    want = _head_at_end(model, ids[0][-6:])
+    want = _head_at_end(model, ids[0][-7:])
     assert got[0] == pytest.approx(want, abs=1e-8) and again[0] == pytest.approx(want, abs=1e-8)
-    assert len(ids[1]) > 6 and rm.truncated == 3          # 2 texts, then 1 again
-    warned = [r.getMessage() for r in caplog.records if "6-token limit" in r.getMessage()]
-    assert len(warned) == 1 and "2 of 2 texts" in warned[0], warned
+    assert len(ids[1]) == 7 and rm.truncated == 2         # text 1 twice; text 2 fits
+    warned = [r.getMessage() for r in caplog.records if "7-token limit" in r.getMessage()]
+    assert len(warned) == 1 and "1 of 2 texts" in warned[0], warned
 
 
 def test_the_yaml_says_what_null_max_length_means_and_it_does():
