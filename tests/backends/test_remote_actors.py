@@ -7,9 +7,11 @@ the other at once; bad layouts are one line each. Last, a local-actor run whose 
 fails to build exits at once instead of waiting for its actors."""
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -280,15 +282,30 @@ def test_a_trainer_that_fails_to_build_does_not_wait_for_its_actors(tmp_path):
     assert not list(tmp_path.iterdir())                         # set-up failed: nothing kept
 
 
+def _actor_start_up_s() -> float:
+    """Seconds a fresh interpreter takes here, now, to import what a rollout actor imports
+    (torch and rlctl's actor module): the part of an actor's start that grows with the
+    machine's load. A join limit derived from it holds on a busy machine as on an idle one."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch, rlctl.engine.async_rollout"], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return time.monotonic() - t0
+
+
 def test_node_1_of_a_group_that_never_forms_says_one_line(tmp_path):
-    """The learner expects 2 actor nodes (nnodes=3) within hardware.dist_timeout_s=8 (time
-    for node 1's actor to load on a busy machine); only node 1 comes: the learner gives up
+    """The learner expects 2 actor nodes (nnodes=3); only node 1 comes: the learner gives up
     with one line (node 2 never connected), and node 1, whose actor was polling the store
-    that then closed, exits 1 with its WHOLE stderr one line (no c10d C++ stack)."""
-    port, args = free_port(), [*TINY_RUN, "trainer.async_rollout.enabled=true", "hardware.dist_timeout_s=8"]
+    that then closed, exits 1 with its WHOLE stderr one line (no c10d C++ stack).
+
+    hardware.dist_timeout_s must cover node 1's actor start (connect, read the config,
+    spawn, import, build the model) or node 1 is missing too: it is 4x the measured import
+    time (the actor's import is most of its start; 4x leaves the rest and the spawn a
+    2x margin), at least 8 s (was a fixed 8 s, too short with other jobs on the machine)."""
+    limit = max(8, math.ceil(4 * _actor_start_up_s()))
+    port, args = free_port(), [*TINY_RUN, "trainer.async_rollout.enabled=true", f"hardware.dist_timeout_s={limit}"]
     learner = _learner(port, *args, f"run.output_dir={tmp_path / 'out'}", nnodes=3)
     node = start(rlctl_train(*args, *_net(port, 3), "hardware.node_rank=1"), cwd=tmp_path)
-    (code0, _, err0), (code1, _, err1) = finish([learner, node], timeout=90)
+    (code0, _, err0), (code1, _, err1) = finish([learner, node], timeout=90 + 2 * limit)
     assert code0 == 2 and "node 2 (rank 2) never connected" in err0 and len(err0.strip().splitlines()) == 1, err0
     assert code1 == 1 and len(err1.strip().splitlines()) == 1, err1[-3000:]
     assert err1.startswith("error: node 1: rollout actor rank 1: ") and "Traceback" not in err1, err1
