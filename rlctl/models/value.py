@@ -183,9 +183,16 @@ class SeparateCritic(nn.Module):
     @classmethod
     def from_sequence_classifier(cls, classifier) -> "SeparateCritic":
         """A critic from a reward model (``*ForSequenceClassification``, one label): a
-        copy of its backbone, and a value head initialised from its score head, so that
-        at the start the value at a sequence's last token is the reward model's score
-        (InstructGPT's critic initialisation, Ouyang et al., 2022)."""
+        copy of its backbone, and a value head initialised from its score head
+        (InstructGPT's critic initialisation, Ouyang et al., 2022).
+
+        At the start the head at a position gives the reward model's score of the tokens
+        up to and including that position, in the policy's token ids. The value of
+        completion token t is read one position before it (``completion_values``), so a
+        completion's last value, V(s_{T-1}), starts at the score of the sequence without
+        its final token (usually the EOS), not at the reward the rollout receives: that
+        scores the whole text, re-rendered and re-tokenised by the reward model's own
+        tokenizer, normalised and clipped when ``task.reward_norm``/``reward_clip`` are set."""
         head = getattr(classifier, "score", None) or getattr(classifier, "classifier", None)
         if not isinstance(head, nn.Linear) or head.out_features != 1:
             raise ValueError(f"{type(classifier).__name__} has no one-output linear score head")

@@ -19,7 +19,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassif
                           PreTrainedTokenizerFast)
 
 from rlctl.models import tiny
-from rlctl.models.value import SeparateCritic
+from rlctl.models.value import SeparateCritic, completion_values
 from rlctl.tasks.reward_model import (LearnedRewards, RewardModel, RunningNorm,
                                       attach, build_learned_rewards)
 from rlctl.tasks.scoring import RewardScorer
@@ -326,3 +326,24 @@ def test_bad_reward_entries_are_one_line(tmp_path, overrides, fragment):
     with pytest.raises(UserError) as err:
         _task(tmp_path, *[o.format(rm=rm_dir) for o in overrides])
     assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_critic_from_the_reward_model_starts_at_the_score_without_the_final_token(tmp_path):
+    """What the value head starts at (models/value.py): the learner runs the critic on the
+    sequence less its last token and reads completion token t one position before it, so
+    the last completion value is the reward model's score of the sequence without its
+    final token, checked against a plain transformers forward of that shorter sequence."""
+    tok = tiny.build_tokenizer()
+    rm = RewardModel(save_rm(tmp_path / "rm", tok))                   # float64
+    critic = SeparateCritic.from_sequence_classifier(rm.load())
+    ids = tok(["3 1 4 = 1 3 4"], return_tensors="pt")["input_ids"]    # [1, L]
+    plen = len(tok("3 1 4 =")["input_ids"])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        values = critic(ids[:, :-1], mask[:, :-1], (mask[:, :-1].cumsum(-1) - 1))  # [1, L-1]
+        last = float(completion_values(values, plen)[0, -1])
+        without_final = float(rm.load()(input_ids=ids[:, :-1]).logits[0, 0])
+        whole = float(rm.load()(input_ids=ids).logits[0, 0])
+    # float64 forwards of the same ids; the value head is float32: relative 1e-6 bounds it
+    assert last == pytest.approx(without_final, rel=1e-6, abs=1e-6)
+    assert abs(whole - without_final) > 1e-3                           # the two really differ
