@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -96,12 +96,13 @@ def _corpus(n: int = 400, seed: int = 0) -> List[str]:
     return rows + [words] * 20
 
 
-def build_tokenizer(name: str):
-    """A byte-level BPE tokenizer trained on ``_corpus`` with the family's special tokens."""
+def build_tokenizer(name: str, spec: Optional[dict] = None):
+    """A byte-level BPE tokenizer trained on ``_corpus`` with the family's special tokens
+    (``spec``: a ``SPECS``-style entry for a family not listed there)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    spec = SPECS[name]
+    spec = spec or SPECS[name]
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
@@ -116,7 +117,7 @@ def build_tokenizer(name: str):
     else:
         tk.post_processor = processors.ByteLevel(trim_offsets=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, clean_up_tokenization_spaces=False,
-                                  model_max_length=64 if name == "gpt2" else 512,
+                                  model_max_length=spec.get("max_len", 64 if name == "gpt2" else 512),
                                   **spec["roles"])
     tok.chat_template = spec["template"]
     return tok
