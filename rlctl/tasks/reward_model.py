@@ -43,7 +43,6 @@ statistics are part of the scorer's checkpointed state (``LearnedRewards.state``
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -51,7 +50,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+from rlctl.errors import UserError
 from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
+from rlctl.tasks.reward_checkpoint import (checkpoint_keys, head_names, head_params,
+                                           score_head, untrained_head_problem)
+from rlctl.tasks.reward_norm import RunningNorm
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
 
@@ -59,45 +62,7 @@ log = logging.getLogger(__name__)
 
 NORMS = ("none", "running")
 BATCH_ROWS = 64          # rows per reward-model forward (bounds activation memory)
-STD_FLOOR = 1e-6         # running std below this divides by 1 (all scores so far equal)
 UNSET_LENGTH = 10 ** 12  # a model_max_length this large is unset (transformers writes 1e30)
-
-
-# ---- running statistics ------------------------------------------------------------------
-@dataclass
-class RunningNorm:
-    """Count, mean and M2 (sum of squared deviations) of every value seen, float64."""
-    count: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-
-    def update(self, xs: Sequence[float]) -> None:
-        """Merge a batch (Chan et al.'s pairwise update; one value at a time is Welford's)."""
-        m = len(xs)
-        if m == 0:
-            return
-        b_mean = math.fsum(xs) / m
-        b_m2 = math.fsum((x - b_mean) ** 2 for x in xs)
-        n = self.count + m
-        delta = b_mean - self.mean
-        self.mean += delta * m / n
-        self.m2 += b_m2 + delta * delta * self.count * m / n
-        self.count = n
-
-    @property
-    def std(self) -> float:
-        """Population standard deviation of the values seen (0 before two values)."""
-        return math.sqrt(self.m2 / self.count) if self.count else 0.0
-
-    def normalize(self, x: float) -> float:
-        std = self.std
-        return (x - self.mean) / (std if std > STD_FLOOR else 1.0)
-
-    def state(self) -> Dict[str, float]:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
-
-    def load_state(self, state: Dict[str, Any]) -> None:
-        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
 # ---- one reward model --------------------------------------------------------------------
@@ -160,14 +125,6 @@ def backbone_of(model):
     """The classifier's base model (``LlamaForSequenceClassification.model``, GPT-2's
     ``transformer`` ...): its ``base_model_prefix`` attribute."""
     return getattr(model, model.base_model_prefix)
-
-
-def score_head(model):
-    head = getattr(model, "score", None) or getattr(model, "classifier", None)
-    if not isinstance(head, torch.nn.Linear):
-        raise ValueError(f"the reward model {type(model).__name__} has no linear score head "
-                         "(score or classifier)")
-    return head
 
 
 def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -250,6 +207,9 @@ class RewardModel:
             raise ValueError(f"{key}: no such reward model directory '{path}'")
         self.config = _check_config(self.path, key)
         problem = _weights_problem(self.path)
+        keys = None if problem else checkpoint_keys(self.path)
+        if keys is not None:
+            problem = untrained_head_problem(head_names(self.config), keys)
         if problem:
             raise ValueError(f"{key}: '{path}' {problem}")
         self.tokenizer = _load_tokenizer(self.path, key)
@@ -264,8 +224,12 @@ class RewardModel:
             device = torch.device(self.device_name)
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            model = AutoModelForSequenceClassification.from_pretrained(
-                str(self.path), dtype="auto", use_safetensors=True)
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                str(self.path), dtype="auto", use_safetensors=True, output_loading_info=True)
+            names = head_params(model)         # transformers' own report, the last word
+            problem = untrained_head_problem(names, set(names) - set(info["missing_keys"]))
+            if problem:
+                raise UserError(f"{self.key}: '{self.path}' {problem}")
             self.model = model.to(device).eval().requires_grad_(False)
         return self.model
 

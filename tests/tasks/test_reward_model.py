@@ -234,7 +234,14 @@ def _bad_dirs(tmp_path):
     torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
     (pickled / "model.safetensors").unlink()
     other = save_rm(tmp_path / "other", _reversed_tokenizer())
-    return {"causal": causal, "two": two, "notok": no_tok, "pickled": pickled, "other": other}
+    nohead = tmp_path / "nohead"          # a classifier config over the causal LM's weights
+    shutil.copytree(causal, nohead)
+    conf = json.loads((nohead / "config.json").read_text())
+    conf.update(architectures=["LlamaForSequenceClassification"], num_labels=1,
+                id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (nohead / "config.json").write_text(json.dumps(conf))
+    return {"causal": causal, "two": two, "notok": no_tok, "pickled": pickled, "other": other,
+            "nohead": nohead}
 
 
 BAD = [
@@ -242,6 +249,7 @@ BAD = [
     (["task.reward_model={two}"], "has 2 labels; a reward model has one"),
     (["task.reward_model={notok}"], "has no tokenizer the reward model can use"),
     (["task.reward_model={pickled}"], "has pickled weights only (pytorch_model.bin)"),
+    (["task.reward_model={nohead}"], "has no trained score head (score.weight missing from"),
     (["task.reward_norm=sometimes", "task.reward_model={two}"], "invalid task.reward_norm 'sometimes'"),
     (["task.reward_clip=-1"], "invalid task.reward_clip '-1.0'; must be > 0"),
     (["algo.critic_init=reward_model", "algo=ppo"], "needs algo.critic=separate"),
@@ -263,7 +271,8 @@ def test_bad_reward_models_one_line_before_a_run_dir(tmp_path):
 EVAL_BAD = [("causal", "PATH: '{causal}' is not a sequence classifier (architectures: LlamaForCausalLM)"),
             ("two", "PATH: '{two}' has 2 labels; a reward model has one"),
             ("notok", "PATH: '{notok}' has no tokenizer the reward model can use"),
-            ("pickled", "PATH: '{pickled}' has pickled weights only (pytorch_model.bin)")]
+            ("pickled", "PATH: '{pickled}' has pickled weights only (pytorch_model.bin)"),
+            ("nohead", "PATH: '{nohead}' has no trained score head (score.weight missing")]
 
 
 def test_reward_model_eval_refuses_what_train_refuses_in_one_line(tmp_path):
@@ -347,3 +356,18 @@ def test_critic_from_the_reward_model_starts_at_the_score_without_the_final_toke
     # float64 forwards of the same ids; the value head is float32: relative 1e-6 bounds it
     assert last == pytest.approx(without_final, rel=1e-6, abs=1e-6)
     assert abs(whole - without_final) > 1e-3                           # the two really differ
+
+
+def test_the_load_time_check_reads_transformers_loading_report(tmp_path):
+    """Where the weights' names cannot be read up front (here: the header check is given
+    no keys), loading still refuses a head transformers reports as newly initialised."""
+    dirs = _bad_dirs(tmp_path)
+    from rlctl.tasks import reward_model as rm_mod
+
+    rm = RewardModel(dirs["other"])
+    rm.load()                                            # a trained head: loads
+    rm.path = dirs["nohead"]
+    rm.model = None
+    with pytest.raises(ValueError, match="has no trained score head .score.weight missing"):
+        rm.load()
+    assert rm_mod.untrained_head_problem(["score.weight"], {"model.score.weight"}) is None
