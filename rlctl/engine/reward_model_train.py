@@ -43,7 +43,7 @@ from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
 from rlctl.models.tiny import build_tiny
 from rlctl.sinks import build_sinks
 from rlctl.tasks.data import load_records
-from rlctl.tasks.reward_model import RewardModel, length_limit
+from rlctl.tasks.reward_model import RewardModel, keep_end, length_limit, render, token_rows
 
 COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -143,6 +143,36 @@ def note_truncation(limit: Optional[int], what: str, counts: Dict[str, Tuple[int
           "of the answer, where the score is read", file=stream or sys.stderr, flush=True)
 
 
+def same_tokens(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> int:
+    """How many pairs read the same for chosen and rejected: the same tokens once rendered
+    and cut to ``limit`` (what the model reads), so both score alike whatever the model."""
+    if not pairs:
+        return 0
+    rows = token_rows(tokenizer, [render(tokenizer, p.prompt, x)
+                                  for p in pairs for x in (p.chosen, p.rejected)])
+    rows = [keep_end(r, limit, tokenizer.bos_token_id) for r in rows]
+    return sum(rows[2 * i] == rows[2 * i + 1] for i in range(len(pairs)))
+
+
+def check_identical(tokenizer, limit: Optional[int], train: Sequence[Pair],
+                    held: Sequence[Pair], held_key: str, stream=None) -> Dict[str, int]:
+    """DataError when every training pair's chosen and rejected read the same (the loss
+    cannot move from log 2); one line on stderr counting them when only some do."""
+    n_train, n_held = same_tokens(tokenizer, train, limit), same_tokens(tokenizer, held, limit)
+    if n_train == len(train):
+        raise DataError(f"PREFS: all {len(train)} training pairs have chosen and rejected "
+                        "reading as the same tokens (once rendered and cut to the length "
+                        "limit): nothing can be learned from them (the loss stays at log 2); "
+                        "give pairs whose chosen and rejected answers differ")
+    if n_train or n_held:
+        print(f"rlctl: {n_train} of {len(train)} training pairs and {n_held} of {len(held)} "
+              f"held-out pairs ({held_key}) have chosen == rejected (the same tokens once "
+              "rendered): they carry no preference (loss log 2 whatever the model) and a "
+              "held-out tie counts as wrong in pairwise accuracy",
+              file=stream or sys.stderr, flush=True)
+    return {"train_pairs_identical": n_train, "eval_pairs_identical": n_held}
+
+
 def score_stats(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> Dict[str, float]:
     """Pairwise accuracy and the score distribution of chosen and rejected answers."""
     out = {"pairwise_accuracy": pairwise_accuracy(r_chosen, r_rejected),
@@ -209,6 +239,8 @@ def train_reward_model(overrides: Sequence[str], prefs: str,
             "held-out": (pairs_over(tokenizer, held, limit), len(held))}
     note_truncation(limit, f"rm.max_length={'null' if rm.max_length is None else limit}",
                     over)
+    identical = check_identical(tokenizer, limit, train, held,
+                                "--eval" if eval_prefs else f"rm.eval_frac={rm.eval_frac} of PREFS")
     run_dir = create_run_dir(cfg.run.output_dir, "rm")
     resolved = _write_config(run_dir, cfg, rm, composed, prefs, eval_prefs)
     lg = cfg.logger
@@ -236,6 +268,7 @@ def train_reward_model(overrides: Sequence[str], prefs: str,
         summary = dict(final, train_pairs=len(train), eval_pairs=len(held),
                        train_pairs_truncated=over["training"][0],
                        eval_pairs_truncated=over["held-out"][0],
+                       **identical,
                        train_seconds=round(time.perf_counter() - t0, 3),
                        model_dir=str(run_dir / "model"))
         write_json_atomic(run_dir / "summary.json", summary)
