@@ -105,8 +105,7 @@ class LoraConfig:
     dropout: float = MISSING       # dropout on the adapter input, [0, 1)
     target_modules: List[str] = MISSING  # [all-linear] or names (suffixes) of Linear modules
     save_merged: bool = MISSING    # also save base + adapter merged to <run>/model/merged
-    lr: Optional[float] = None     # learning rate while LoRA is on (adapters want a larger
-                                   # one than full fine-tuning); null: trainer.lr
+    lr: Optional[float] = None     # learning rate while LoRA is on (larger); null: trainer.lr
 
 
 @dataclass
@@ -123,6 +122,7 @@ class ModelConfig:
     warmup_task: str = "sorting"   # sorting | arithmetic (other task names: sorting)
     cache_dir: Optional[str] = None
     gradient_checkpointing: bool = False  # recompute activations in the backward (HF checkpointing)
+    disable_dropout: bool = True   # every dropout p = 0 (policy, reference, critic); LoRA's kept
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlctl.engine.policy import enable_gradient_checkpointing
 from rlctl.errors import UserError
+from rlctl.models.dropout import disable_dropout
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora, reference_for
 from rlctl.models.tiny_reward import tiny_reward_model_dir
@@ -117,6 +118,9 @@ def model_from_config(cfg: DictConfig):
         model, tokenizer = load_model_and_tokenizer(cfg.model.name, device=cfg.hardware.device, **opts)
     except (ValueError, OSError) as exc:
         raise _load_error(exc) from None
+    keep_dropout = not cfg.model.get("disable_dropout", True)
+    if not keep_dropout:     # before LoRA: model.lora.dropout stays as configured
+        disable_dropout(model)   # the reference and a policy-copied critic are copies of it
     torch.manual_seed(cfg.seed)
     ref_model = None
     if cfg.model.lora.enabled:
@@ -135,6 +139,8 @@ def model_from_config(cfg: DictConfig):
     model, critic = attach_critic(model, cfg.algo.critic)
     if critic is not None and (cfg.algo.critic_init or "policy") == "reward_model":
         critic = _critic_from_reward_model(cfg, tokenizer)
+        if not keep_dropout:
+            disable_dropout(critic)
     return model, critic, tokenizer, ref_model
 
 
