@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.preference import bradley_terry_loss
+from rlctl.tasks.reward_checkpoint import LAST_NON_PAD, READ_KEY
 from rlctl.tasks.reward_model import render, text_scores, token_rows
 
 
@@ -43,10 +44,14 @@ def classifier_from_lm(path: str, dtype: torch.dtype = torch.float32, seed: int 
 
 
 def prepare_for_scoring(model, tokenizer) -> None:
-    """A pad token on the tokenizer (EOS if none) and the same id on the model's config."""
+    """A pad token on the tokenizer (EOS if none), the same id on the model's config, and
+    where the score is read (``READ_KEY``, saved in config.json): transformers' pooling,
+    the last token that is not the pad id, so that transformers, TRL and rlctl read a
+    fitted model at the same token."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
+    setattr(model.config, READ_KEY, LAST_NON_PAD)
 
 
 def scores(model, tokenizer, prompts: Sequence[Any], completions: Sequence[str],

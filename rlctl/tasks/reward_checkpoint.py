@@ -1,14 +1,16 @@
 """What a reward-model checkpoint says about itself before its weights load: the names
-of its tensors (safetensors headers only) and whether its score head was trained, i.e.
+of its tensors (safetensors headers only), whether its score head was trained, i.e.
 saved with the weights rather than initialised at random by transformers (a
-sequence-classifier config over a causal LM's weights)."""
+sequence-classifier config over a causal LM's weights), and at which token its score is
+read (``score_read``: the pooling it was fitted with)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+import yaml
 from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification
 
@@ -61,3 +63,62 @@ def untrained_head_problem(names: Sequence[str], present) -> Optional[str]:
     return (f"has no trained score head ({', '.join(missing)} missing from its weights: a "
             "sequence-classifier config over a causal LM's weights?), so transformers would "
             "score with a randomly initialised head; fit one with rlctl reward-model train")
+
+
+# ---- where the score is read ---------------------------------------------------------------
+READ_KEY = "rlctl_score_read"   # written into config.json by rlctl's fits (reward_fit)
+LAST_NON_PAD = "last_non_pad"   # transformers' pooling: the last token that is not the pad id
+LAST_ATTENDED = "last_attended"  # rlctl's fits before READ_KEY: the last token of the text
+
+
+def score_read(config, path: Optional[Path] = None) -> Tuple[str, str]:
+    """(where the score is read, why) for a reward model with ``config`` saved in ``path``.
+
+    transformers' ``*ForSequenceClassification`` reads the last token whose id is not
+    ``config.pad_token_id`` (so with pad == EOS a trailing EOS is skipped), and TRL's
+    reward trainer fits through that forward: a model rlctl did not fit is read there.
+    rlctl's fits say where they were read (``READ_KEY`` in their config, the same
+    pooling since it was written); a fit from before then (a ``model/`` of an ``rlctl
+    reward-model train`` run, or the tiny reward model's cache) was fitted, and is read,
+    at the last token of the text."""
+    read = getattr(config, READ_KEY, None)
+    if read in (LAST_NON_PAD, LAST_ATTENDED):
+        return read, f"{READ_KEY}={read} in its config (fitted by rlctl)"
+    if path is not None and _older_rlctl_fit(Path(path)):
+        return LAST_ATTENDED, "fitted by an earlier rlctl, which read the last token"
+    return LAST_NON_PAD, "transformers' sequence-classification pooling"
+
+
+def _older_rlctl_fit(path: Path) -> bool:
+    if (path / "rlctl_tiny_rm.json").is_file():
+        return True
+    run = path.parent
+    if path.name != "model" or not (run / "summary.json").is_file():
+        return False
+    try:
+        config = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("rm"), dict)
+
+
+def pad_id_of(config) -> Optional[int]:
+    """The pad id transformers' pooling compares with (the text config's)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    pad = getattr(text, "pad_token_id", None)
+    return int(pad) if isinstance(pad, int) else None
+
+
+def read_positions(ids: torch.Tensor, mask: torch.Tensor, read: str,
+                   pad_id: Optional[int]) -> torch.Tensor:
+    """[n, L] ids and mask -> [n] the index the score is read at in each row: the last
+    attended position, or (``LAST_NON_PAD``) the last attended one whose id is not
+    ``pad_id`` (the first attended one when every token is the pad id, as transformers
+    reads a text of pad ids alone); padding on either side."""
+    attended = mask.bool()                                            # [n, L]
+    keep = attended
+    if read == LAST_NON_PAD and pad_id is not None:
+        keep = attended & (ids != pad_id)                             # [n, L]
+        first = attended & (attended.long().cumsum(-1) == 1)          # [n, L] first attended
+        keep = torch.where(keep.any(-1, keepdim=True), keep, first)
+    return keep.shape[1] - 1 - keep.flip(-1).long().argmax(-1)        # [n]

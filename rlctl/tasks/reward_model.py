@@ -27,8 +27,13 @@ what it was fitted on:
   counts the texts it truncated (``truncated``) and warns once per model;
 - score (``last_token_scores``): the backbone runs with position ids counted over the
   attention mask (so a padded row sees the positions it has alone) and the score head
-  reads the final hidden state at the last position whose mask is 1, for left and right
-  padding alike and whatever the pad id is (EOS as pad, ending the text, is still read).
+  reads the final hidden state where the checkpoint's own pooling reads it
+  (``reward_checkpoint.score_read``): transformers' ``*ForSequenceClassification``
+  pooling, the last token whose id is not ``config.pad_token_id`` (with pad == EOS a
+  trailing EOS is skipped, as TRL's reward trainer fits it), which rlctl's fits also use
+  and record in their config; a fit by an earlier rlctl is read at the last token of the
+  text, as it was fitted (said once when that token is the pad id). Left and right
+  padding alike.
 
 Batched (``BATCH_ROWS`` rows per forward) on the training device, under ``no_grad``, in
 the model's saved dtype. The weights load on the first score (so that checking a config
@@ -52,8 +57,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from rlctl.errors import UserError
 from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
-from rlctl.tasks.reward_checkpoint import (checkpoint_keys, head_names, head_params,
-                                           score_head, untrained_head_problem)
+from rlctl.tasks.reward_checkpoint import (LAST_ATTENDED, checkpoint_keys, head_names,
+                                           head_params, pad_id_of, read_positions,
+                                           score_head, score_read, untrained_head_problem)
 from rlctl.tasks.reward_norm import RunningNorm
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
@@ -127,15 +133,17 @@ def backbone_of(model):
     return getattr(model, model.base_model_prefix)
 
 
-def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[n, L] ids and mask -> [n] float32 scores: head(final hidden state at the last
-    position whose mask is 1), positions counted over the mask (left padding exact)."""
+def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor,
+                      read: Optional[str] = None) -> torch.Tensor:
+    """[n, L] ids and mask -> [n] float32 scores: head(final hidden state at the position
+    ``read_positions`` gives for ``read``, by default the model config's ``score_read``),
+    positions counted over the mask (left padding exact)."""
+    read = read or score_read(model.config)[0]
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [n, L]
     out = backbone_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids,
                              use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [n, L, H]
-    L = mask.shape[1]
-    last = L - 1 - mask.flip(-1).long().argmax(-1)                      # [n] last non-pad index
+    last = read_positions(ids, mask, read, pad_id_of(model.config))     # [n]
     h = hidden[torch.arange(ids.shape[0], device=ids.device), last]     # [n, H]
     return score_head(model)(h).squeeze(-1).float()                    # [n]
 
@@ -217,6 +225,8 @@ class RewardModel:
         self.model = None
         self.limit = length_limit(self.tokenizer, self.config)   # tokens per scored text
         self.truncated = 0       # texts scored so far that were over the limit
+        self.read, self.read_why = score_read(self.config, self.path)  # where the score is read
+        self.read_noted = False
 
     def load(self):
         """The classifier, loaded once (on the device, in its saved dtype, eval mode)."""
@@ -238,7 +248,7 @@ class RewardModel:
 
     @torch.no_grad()
     def score_texts(self, texts: Sequence[str]) -> List[float]:
-        """Raw scores, one per text (the head at each row's last non-pad token)."""
+        """Raw scores, one per text (the head at the token ``self.read`` names)."""
         model = self.load()
         device = next(model.parameters()).device
         out: List[float] = []
@@ -246,7 +256,9 @@ class RewardModel:
         for start in range(0, len(texts), BATCH_ROWS):
             ids, mask, n = encode(self.tokenizer, texts[start:start + BATCH_ROWS], self.limit)
             over += n
-            out.extend(last_token_scores(model, ids.to(device), mask.to(device)).tolist())
+            self._note_read(ids, mask)
+            out.extend(last_token_scores(model, ids.to(device), mask.to(device),
+                                         self.read).tolist())
         if over and not self.truncated:
             log.warning("reward model '%s' (%s): %d of %d texts are longer than its %d-token "
                         "limit; each keeps its last tokens (and a leading BOS), the end of "
@@ -254,6 +266,20 @@ class RewardModel:
                         self.name, self.path, over, len(texts), self.limit)
         self.truncated += over
         return out
+
+    def _note_read(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Say once when this model is read where transformers' pooling would not read it
+        (an earlier rlctl fit, whose texts end with its pad id)."""
+        pad = pad_id_of(self.config)
+        if self.read != LAST_ATTENDED or pad is None or self.read_noted:
+            return
+        last = read_positions(ids, mask, LAST_ATTENDED, None)          # [n]
+        if bool((ids[torch.arange(len(ids)), last] == pad).any()):
+            self.read_noted = True
+            log.warning("reward model '%s' (%s) is %s: its score is read at the last token "
+                        "of each text, here the pad id %d, as it was fitted (transformers' "
+                        "pooling would read the token before it)", self.name, self.path,
+                        self.read_why, pad)
 
     def score(self, examples: Sequence[Example], completions: Sequence[str]) -> List[float]:
         return self.score_texts([self.text(e, c) for e, c in zip(examples, completions)])

@@ -77,21 +77,22 @@ def test_training_and_run_scoring_give_the_same_numbers(tmp_path):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_eos_as_pad_still_reads_the_final_eos(side):
-    """With EOS as the pad token and a chat template ending every turn in EOS, the score is
-    the head at the final EOS (the mask's last 1), as an unpadded row reads it; the stock
-    pooling by pad id would read the token before it."""
+def test_eos_as_pad_reads_where_transformers_pools(side):
+    """With EOS as the pad token and a chat template ending every turn in EOS, the fit's
+    scoring path reads the token transformers' pooling reads (the last token that is not
+    the pad id: the one before the final EOS), as a plain transformers forward of each
+    unpadded row gives it; the final EOS itself (read before) gives other numbers."""
     tok = _tokenizer(chat=True, eos_pad=True)
     tok.padding_side = side
     model = _classifier(tok)
     texts = [render(tok, p, c) for p, c in zip(PROMPTS, COMPLETIONS)]
     with torch.no_grad():
         got = text_scores(model, tok, texts).tolist()
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        stock = model(**enc).logits[:, 0].tolist()            # pooling by pad id
-    want = [_alone(model, tok, t) for t in texts]
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-8)   # as above
-    assert max(abs(a - b) for a, b in zip(stock, want)) > 1e-4  # the choice matters here
+        stock = [float(model(input_ids=tok(t, return_tensors="pt", add_special_tokens=False)[
+            "input_ids"]).logits[0, 0]) for t in texts]        # transformers, one row each
+    np.testing.assert_allclose(got, stock, rtol=0, atol=1e-8)   # as above
+    at_eos = [_alone(model, tok, t) for t in texts]
+    assert max(abs(a - b) for a, b in zip(at_eos, stock)) > 1e-4  # the choice matters here
 
 
 def _head_at_end(model, ids):
