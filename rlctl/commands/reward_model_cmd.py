@@ -3,6 +3,7 @@ imported here; the work (torch, transformers) is imported inside each command, o
 purpose, so that `rlctl --help` stays instant (as in rlctl/commands/app.py)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -54,6 +55,16 @@ def format_eval(stats: Dict[str, float]) -> List[str]:
     return lines
 
 
+def format_fit(summary: Dict) -> str:
+    """The line `rlctl reward-model train` ends with: the held-out figures and the last
+    training step's."""
+    train = ", ".join(f"{name} {summary[key]:.4f}" for key, name in
+                      (("train_loss", "loss"), ("train_accuracy", "accuracy")) if key in summary)
+    return (f"held-out pairwise accuracy {summary['eval/pairwise_accuracy']:.4f} "
+            f"({summary['eval_pairs']} pairs, mean margin {summary['eval/margin']:+.4f})"
+            + (f"; last training step: {train}" if train else ""))
+
+
 @rm_app.command("train", context_settings=FREE_ARGS, help=TRAIN_HELP,
                 options_metavar="PREFS [OVERRIDES]... [OPTIONS]")
 def train_(ctx: typer.Context,
@@ -67,6 +78,7 @@ def train_(ctx: typer.Context,
         from rlctl.engine.reward_model_train import train_reward_model
 
         run_dir = train_reward_model(args[1:], args[0], eval_prefs)
+        typer.echo(format_fit(json.loads((run_dir / "summary.json").read_text())))
         typer.echo(f"reward model: {run_dir / 'model'}")
     run_command(go, debug)
 

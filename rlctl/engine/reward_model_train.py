@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -35,13 +36,15 @@ from rlctl.engine.build import quiet_libraries
 from rlctl.engine.reward_model_config import (RMConfig, resolved_sections, rm_config,
                                               split_overrides)
 from rlctl.engine.rundir import create_run_dir, write_json_atomic
-from rlctl.errors import ConfigError, DataError, UserError
+from rlctl.engine.stopping import StopFlag
+from rlctl.errors import ConfigError, DataError, Interrupted, UserError
 from rlctl.models.loading import resolve_dtype
 from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
                                      pairs_over, pairwise_accuracy, prepare_for_scoring,
                                      score_pairs)
 from rlctl.models.tiny import build_tiny
 from rlctl.sinks import build_sinks
+from rlctl.sinks.console import REWARD_MODEL_KEYS
 from rlctl.tasks.data import load_records
 from rlctl.tasks.reward_model import RewardModel, keep_end, length_limit, render, token_rows
 
@@ -226,9 +229,40 @@ def _write_config(run_dir: Path, cfg, rm: RMConfig, composed, prefs, eval_prefs)
     return resolved
 
 
+class FitStopped(Interrupted):
+    """A fit stopped by SIGINT/SIGTERM after a step, with the model so far saved (exit
+    128 + the signal's number); ``run_dir`` None: stopped before a run directory."""
+
+    def __init__(self, run_dir: Optional[Path], step: int, steps: int, signum: int):
+        super().__init__(run_dir, step, signum)
+        self.steps = steps
+
+    def message(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.run_dir is None:
+            return f"interrupted by {name} before the fit started; nothing was written"
+        return (f"interrupted by {name} after step {self.step} of {self.steps}; the model so "
+                f"far is saved in {self.run_dir / 'model'} (summary.json: stopped_at_step "
+                f"{self.step}; a reward-model fit does not resume)")
+
+
+class _StopAt(Exception):
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
 def train_reward_model(overrides: Sequence[str], prefs: str,
                        eval_prefs: Optional[str] = None) -> Path:
-    """Fit a reward model; returns its run directory (the model in ``model/``)."""
+    """Fit a reward model; returns its run directory (the model in ``model/``).
+    SIGINT/SIGTERM stop the fit after the current step, save the model so far and raise
+    FitStopped (as `rlctl train` stops at a step boundary; rlctl/engine/stopping.py)."""
+    stop = StopFlag()
+    with stop.installed():
+        return _train(overrides, prefs, eval_prefs, stop)
+
+
+def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop) -> Path:
     composed, rm, train, held = _plan(overrides, prefs, eval_prefs)
     cfg = composed.cfg
     quiet_libraries(cfg)
@@ -239,43 +273,65 @@ def train_reward_model(overrides: Sequence[str], prefs: str,
             "held-out": (pairs_over(tokenizer, held, limit), len(held))}
     note_truncation(limit, f"rm.max_length={'null' if rm.max_length is None else limit}",
                     over)
-    identical = check_identical(tokenizer, limit, train, held,
-                                "--eval" if eval_prefs else f"rm.eval_frac={rm.eval_frac} of PREFS")
+    counts = dict(check_identical(tokenizer, limit, train, held, "--eval" if eval_prefs
+                                  else f"rm.eval_frac={rm.eval_frac} of PREFS"),
+                  train_pairs=len(train), eval_pairs=len(held),
+                  train_pairs_truncated=over["training"][0],
+                  eval_pairs_truncated=over["held-out"][0])
+    if stop.requested:
+        raise FitStopped(None, 0, rm.steps, stop.signum)
     run_dir = create_run_dir(cfg.run.output_dir, "rm")
     resolved = _write_config(run_dir, cfg, rm, composed, prefs, eval_prefs)
     lg = cfg.logger
     sink = build_sinks(run_dir=run_dir, jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode,
                        project=lg.project, name=run_dir.name, config=resolved,
-                       console=lg.console, total_steps=rm.steps)
-    t0 = time.perf_counter()
+                       console=lg.console, total_steps=rm.steps, console_keys=REWARD_MODEL_KEYS)
+    t0, last = time.perf_counter(), {}
 
     def on_step(step: int, metrics: Dict[str, float]) -> None:
         metrics = dict(metrics, **{"optim/lr": rm.lr})
         if step == rm.steps or (rm.eval_every and step % rm.eval_every == 0):
             metrics.update(_evaluate(model, tokenizer, held, rm))
         sink.log(metrics, step)
+        last.update(metrics, step=step)
+        if stop.requested and step < rm.steps:
+            raise _StopAt(step)
 
-    settings = FitSettings(steps=rm.steps, lr=rm.lr, batch_size=rm.batch_size, margin=rm.margin,
-                           center_coef=rm.center_coef, weight_decay=rm.weight_decay,
-                           max_grad_norm=rm.max_grad_norm, max_length=rm.max_length,
-                           seed=int(cfg.seed))
     try:
         torch.manual_seed(int(cfg.seed))
-        fit(model, tokenizer, train, settings, on_step)
+        try:
+            fit(model, tokenizer, train, _settings(rm, int(cfg.seed)), on_step)
+        except _StopAt as at:
+            _save(run_dir, model, tokenizer, sink, dict(
+                counts, stopped_at_step=at.step, signal=signal.Signals(stop.signum).name,
+                **_last_train(last), train_seconds=round(time.perf_counter() - t0, 3)))
+            raise FitStopped(run_dir, at.step, rm.steps, stop.signum) from None
         final = _evaluate(model, tokenizer, held, rm)
-        model.save_pretrained(run_dir / "model")     # safetensors
-        tokenizer.save_pretrained(run_dir / "model")
-        summary = dict(final, train_pairs=len(train), eval_pairs=len(held),
-                       train_pairs_truncated=over["training"][0],
-                       eval_pairs_truncated=over["held-out"][0],
-                       **identical,
-                       train_seconds=round(time.perf_counter() - t0, 3),
-                       model_dir=str(run_dir / "model"))
-        write_json_atomic(run_dir / "summary.json", summary)
-        sink.summary(summary)
+        _save(run_dir, model, tokenizer, sink, dict(
+            final, **counts, **_last_train(last), train_seconds=round(time.perf_counter() - t0, 3)))
     finally:
         sink.close()
     return run_dir
+
+
+def _settings(rm: RMConfig, seed: int) -> FitSettings:
+    return FitSettings(steps=rm.steps, lr=rm.lr, batch_size=rm.batch_size, margin=rm.margin,
+                       center_coef=rm.center_coef, weight_decay=rm.weight_decay,
+                       max_grad_norm=rm.max_grad_norm, max_length=rm.max_length, seed=seed)
+
+
+def _last_train(last: Dict[str, float]) -> Dict[str, float]:
+    """The last step's training figures, for summary.json and the final console line."""
+    return {k.replace("/", "_"): last[k] for k in ("train/loss", "train/accuracy") if k in last}
+
+
+def _save(run_dir: Path, model, tokenizer, sink, summary: Dict) -> None:
+    """The model (safetensors + tokenizer) in ``run_dir/model``, then summary.json."""
+    model.save_pretrained(run_dir / "model")
+    tokenizer.save_pretrained(run_dir / "model")
+    summary = dict(summary, model_dir=str(run_dir / "model"))
+    write_json_atomic(run_dir / "summary.json", summary)
+    sink.summary(summary)
 
 
 def eval_reward_model(path: str, prefs: str, batch_size: int = 64, device: str = "cpu"

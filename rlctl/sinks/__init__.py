@@ -7,10 +7,10 @@ which loggers are on is decided here, once (no `if wandb:` branches elsewhere).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .base import MultiSink, NullSink, Sink
-from .console import ConsoleSink
+from .console import DEFAULT_KEYS, ConsoleSink
 from .jsonl import JsonlSink, read_jsonl
 from .wandb_reader import (
     find_wandb_run_file,
@@ -49,16 +49,18 @@ def build_sinks(
     config: Mapping[str, Any],
     console: bool,
     total_steps: int,
+    console_keys: Sequence[str] = DEFAULT_KEYS,
 ) -> MultiSink:
     """The sinks a run asked for, fanned out by one MultiSink (empty = null sink).
 
     jsonl and wandb write inside `run_dir` (`metrics.jsonl`, `wandb/...`) and are
     skipped when run_dir is None. Only an unknown wandb_mode raises; otherwise wandb
     falls back to offline or to disabled with one warning line (see WandbSink).
+    ``console_keys``: the figures the console shows (the RL schema's by default).
     """
     sinks: list[Sink] = []
     if console:
-        sinks.append(ConsoleSink(total_steps))
+        sinks.append(ConsoleSink(total_steps, console_keys))
     if run_dir is not None:
         run_dir = Path(run_dir)
         if jsonl:

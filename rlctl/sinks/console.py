@@ -39,8 +39,19 @@ DEFAULT_KEYS = (
     "length/mean",
     "perf/tokens_per_s",
 )
+# `rlctl reward-model train`: the Bradley-Terry fit's own figures (rlctl/models/reward_fit.py).
+REWARD_MODEL_KEYS = (
+    "train/loss",
+    "train/accuracy",
+    "eval/pairwise_accuracy",
+    "eval/margin",
+)
 # Short labels for the live row, where width is scarce.
 SHORT_LABELS = {
+    "train/loss": "loss",
+    "train/accuracy": "acc",
+    "eval/pairwise_accuracy": "eval_acc",
+    "eval/margin": "eval_margin",
     "reward/mean": "reward",
     "eval/exact_match": "exact",
     "policy/kl_ref": "kl_ref",
