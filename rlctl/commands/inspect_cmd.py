@@ -25,8 +25,10 @@ from rlctl.commands.audit import audit_rollout
 from rlctl.commands.audit_print import print_audit
 from rlctl.commands.files import is_run_dir, write_json
 from rlctl.commands.fmt import MISSING, flatten, show
-from rlctl.commands.plots import plot_compare, plot_proxy_gold, plot_run, series
+from rlctl.commands.plots import (PLOTS, REWARD_MODEL_PLOTS, plot_compare, plot_proxy_gold,
+                                  plot_run, series)
 from rlctl.compose import compose
+from rlctl.engine.reward_model_config import default_config as reward_model_defaults
 from rlctl.errors import UserError
 from rlctl.sinks.jsonl import read_jsonl
 from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
@@ -34,7 +36,12 @@ from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
 SUMMARY_KEYS = ("reward/mean", "eval/exact_match", "eval/reward", "policy/kl_ref",
                 "policy/approx_kl", "policy/clip_frac", "policy/entropy", "length/mean",
                 "length/truncated_frac", "reward/frac_zero_std_groups")
-HIGHER_IS_BETTER = ("reward/mean", "eval/exact_match", "eval/reward")
+# a run of `rlctl reward-model train` (its config has rm.* keys)
+REWARD_MODEL_SUMMARY_KEYS = ("train/loss", "train/accuracy", "eval/pairwise_accuracy",
+                             "eval/margin", "eval/chosen_mean", "eval/rejected_mean",
+                             "optim/grad_norm")
+HIGHER_IS_BETTER = ("reward/mean", "eval/exact_match", "eval/reward", "train/accuracy",
+                    "eval/pairwise_accuracy", "eval/margin")
 
 
 @dataclass
@@ -44,6 +51,15 @@ class Run:
     rows: List[dict]                       # metric rows with a "step"
     metrics_source: Optional[str]
     overrides: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reward_model(self) -> bool:
+        """A run of `rlctl reward-model train` (its own config: rm.*, data.*)."""
+        return any(k.startswith("rm.") for k in self.config)
+
+    @property
+    def summary_keys(self):
+        return REWARD_MODEL_SUMMARY_KEYS if self.reward_model else SUMMARY_KEYS
 
 
 def load_run(path: Path) -> Run:
@@ -86,9 +102,21 @@ def _load_metrics(path: Path):
     return rows, str(wandb_file.relative_to(path))
 
 
-def default_config() -> Dict[str, Any]:
+def default_config(reward_model: bool = False) -> Dict[str, Any]:
+    """The flattened config of a run with no overrides: `rlctl train`'s, or with
+    ``reward_model`` `rlctl reward-model train`'s (its sections and rm.*, data.* unset)."""
+    if reward_model:
+        return flatten(dict(reward_model_defaults(), data={"prefs": None, "eval": None}))
     cfg = compose([]).cfg
     return flatten(OmegaConf.to_container(cfg, resolve=True))
+
+
+def kinds_of(runs: Sequence[Run]):
+    """(summary keys, plots) for runs of one kind, or both kinds' when they are mixed."""
+    rm = {r.reward_model for r in runs}
+    keys = (SUMMARY_KEYS if False in rm else ()) + (REWARD_MODEL_SUMMARY_KEYS if True in rm else ())
+    plots = (PLOTS if False in rm else ()) + (REWARD_MODEL_PLOTS if True in rm else ())
+    return keys, plots
 
 
 def config_diff(configs: Sequence[Dict[str, Any]]) -> Dict[str, List[Any]]:
@@ -110,9 +138,10 @@ def _differs(a, b) -> bool:
     return a != b
 
 
-def metric_summary(rows: Sequence[dict]) -> Dict[str, Optional[dict]]:
+def metric_summary(rows: Sequence[dict], keys: Sequence[str] = SUMMARY_KEYS
+                   ) -> Dict[str, Optional[dict]]:
     out: Dict[str, Optional[dict]] = {}
-    for key in SUMMARY_KEYS:
+    for key in keys:
         xs, ys = series(rows, key)
         if not xs:
             out[key] = None
@@ -208,22 +237,24 @@ def _ensure_dir(path: Path) -> Path:
 
 def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
     run = load_run(path)
-    defaults = default_config()
+    defaults = default_config(run.reward_model)
+    keys, plot_set = kinds_of([run])
     diff = config_diff([defaults, run.config])
     # keys the run's config lacks were added to the schema after the run: not a choice
     newer = sorted(k for k, v in diff.items() if v[1] is MISSING)
-    report = {"kind": "run", "run_dir": str(path), "metrics_source": run.metrics_source,
+    report = {"kind": "run", "run_dir": str(path), "reward_model_run": run.reward_model,
+              "metrics_source": run.metrics_source,
               "steps": len({r["step"] for r in run.rows}),
               "overrides": run.overrides.get("overrides", []),
               "choices": run.overrides.get("choices", {}),
               "config_diff": {k: {"default": v[0], "run": v[1]} for k, v in diff.items()
                               if v[1] is not MISSING},
               "keys_not_in_run": newer,
-              "metrics": metric_summary(run.rows), "plots": [], "plots_skipped": []}
+              "metrics": metric_summary(run.rows, keys), "plots": [], "plots_skipped": []}
     if plots and run.rows:
-        written, skipped = plot_run(run.rows, _ensure_dir(out_dir or path))
-        extra = plot_proxy_gold(run.rows, proxy_keys(run.config),
-                                (out_dir or path) / "inspect_proxy_gold.png")
+        written, skipped = plot_run(run.rows, _ensure_dir(out_dir or path), plots=plot_set)
+        extra = None if run.reward_model else plot_proxy_gold(
+            run.rows, proxy_keys(run.config), (out_dir or path) / "inspect_proxy_gold.png")
         report["plots"], report["plots_skipped"] = [str(p) for p in written + [extra] if p], skipped
     return report
 
@@ -249,6 +280,7 @@ def _labels(paths: Sequence[Path]) -> List[str]:
 def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
     runs = [load_run(p) for p in paths]
     labels = _labels(paths)
+    keys, plot_set = kinds_of(runs)
     diff = config_diff([r.config for r in runs])
     partial = sorted(k for k, v in diff.items() if any(x is MISSING for x in v))
     report = {"kind": "compare", "runs": labels, "run_dirs": [str(p) for p in paths],
@@ -256,11 +288,12 @@ def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
                               if k not in partial},
               "keys_not_in_every_run": {k: [lb for lb, x in zip(labels, diff[k])
                                             if x is not MISSING] for k in partial},
-              "metrics": {label: metric_summary(r.rows) for label, r in zip(labels, runs)},
+              "summary_keys": list(keys),
+              "metrics": {label: metric_summary(r.rows, keys) for label, r in zip(labels, runs)},
               "plots": [], "plots_skipped": []}
     if plots and any(r.rows for r in runs):
         written, skipped = plot_compare({lb: r.rows for lb, r in zip(labels, runs)},
-                                        _ensure_dir(out_dir))
+                                        _ensure_dir(out_dir), plots=plot_set)
         report["plots"], report["plots_skipped"] = [str(p) for p in written], skipped
     return report
 
@@ -337,7 +370,7 @@ def print_compare(report: dict) -> None:
     table.add_column("metric", no_wrap=True)
     for label in labels:
         table.add_column(label, justify="right", overflow="fold")
-    for key in SUMMARY_KEYS:
+    for key in report["summary_keys"]:
         cells = []
         for label in labels:
             m = report["metrics"][label].get(key)

@@ -21,6 +21,14 @@ PLOTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ("length", "Completion length (tokens); dashed: truncated fraction",
      ("length/mean", "length/truncated_frac")),
 )
+# `rlctl reward-model train` runs: the Bradley-Terry fit's figures (rlctl/models/reward_fit.py)
+REWARD_MODEL_PLOTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
+    ("rm_loss", "Bradley-Terry loss (train batches)", ("train/loss", "train/bt_loss")),
+    ("rm_accuracy", "Pairwise accuracy (train batches; eval = held-out pairs)",
+     ("eval/pairwise_accuracy", "train/accuracy")),
+    ("rm_margin", "Mean r_chosen - r_rejected (train batches; eval = held-out)",
+     ("eval/margin", "train/margin")),
+)
 BANDS = {"reward/mean": ("reward/std",), "length/mean": ("length/min", "length/max")}
 BAND_LABELS = {"reward/mean": "reward/mean (band: +- std)",
                "length/mean": "length/mean (band: min..max)"}
@@ -66,12 +74,13 @@ def _band(ax, rows, key, color):
         ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
 
 
-def plot_run(rows: Sequence[dict], out_dir: Path, prefix: str = "inspect_"
+def plot_run(rows: Sequence[dict], out_dir: Path, prefix: str = "inspect_", plots=PLOTS
              ) -> Tuple[List[Path], List[str]]:
-    """One PNG per plot for a single run: (written files, skipped plot names)."""
+    """One PNG per plot (``plots``: PLOTS or REWARD_MODEL_PLOTS) for a single run:
+    (written files, skipped plot names)."""
     plt = _plt()
     written, skipped = [], []
-    for stem, title, keys in PLOTS:
+    for stem, title, keys in plots:
         present = [k for k in keys if series(rows, k)[0]]
         if not present:
             skipped.append(stem)
@@ -111,11 +120,11 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def plot_compare(runs: Dict[str, Sequence[dict]], out_dir: Path,
-                 prefix: str = "inspect_compare_") -> Tuple[List[Path], List[str]]:
+                 prefix: str = "inspect_compare_", plots=PLOTS) -> Tuple[List[Path], List[str]]:
     """One PNG per plot, the plot's main metric of every run overlaid."""
     plt = _plt()
     written, skipped = [], []
-    for stem, title, keys in PLOTS:
+    for stem, title, keys in plots:
         key = next((k for k in keys if any(series(rows, k)[0] for rows in runs.values())), None)
         if key is None:
             skipped.append(stem)

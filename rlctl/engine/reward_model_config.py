@@ -92,5 +92,6 @@ def resolved_sections(cfg) -> Dict[str, Any]:
 
 
 def default_config() -> Dict[str, Any]:
-    """What a reward-model run's config.yaml holds with no overrides (less ``data``)."""
+    """What a reward-model run's config.yaml holds with no overrides (less ``data``, the
+    preference files)."""
     return dict(resolved_sections(compose([]).cfg), rm=asdict(rm_config([])))

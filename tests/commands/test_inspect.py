@@ -1,5 +1,6 @@
 """`rlctl inspect`: one run, two runs, and the audit of a hand-made rollout file."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,47 @@ def test_inspect_rollout_audit_finds_misaligned_rows(cli, tmp_path):
     assert checks["no_eos_inside"]["violations"] == 1 and checks["no_eos_inside"]["lines"] == [3]
     assert rep["bad_lines"] == 1 and rep["alignment_ok"] is False
     assert "PROBLEMS" in res.stdout
+
+
+def test_inspect_of_a_reward_model_run_reads_its_metrics_and_its_own_defaults(cli, tmp_path):
+    """A run of `rlctl reward-model train` (issue 21.13): its config is compared with the
+    reward-model command's defaults (conf/reward_model.yaml and the composed sections),
+    not `rlctl train`'s, and its metrics are the fit's."""
+    import yaml
+
+    prefs = tmp_path / "p.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": f"{a} {b} =", "chosen": f"{min(a, b)} {max(a, b)}",
+                                         "rejected": f"{max(a, b)} {min(a, b)}"}) + "\n"
+                             for a, b in [(1, 2), (5, 3), (9, 4), (2, 7), (8, 6), (0, 3)]))
+    res = cli("reward-model", "train", prefs, "--eval", prefs, "logger=jsonl",
+              "logger.console=false", "rm.steps=3", "rm.eval_every=2", "rm.batch_size=2",
+              f"run.output_dir={tmp_path / 'runs'}")
+    assert res.exit_code == 0, res.output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    res = cli("inspect", run_dir, "--json", tmp_path / "rm.json")
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "rm.json").read_text())
+    assert report["keys_not_in_run"] == [] and "not in this run's config" not in res.stdout
+    defaults = yaml.safe_load((Path(__file__).parents[2] / "rlctl/conf/reward_model.yaml").read_text())
+    diff = report["config_diff"]
+    assert diff["rm.steps"] == {"default": defaults["steps"], "run": 3}
+    assert diff["rm.eval_every"] == {"default": defaults["eval_every"], "run": 2}
+    assert diff["rm.batch_size"] == {"default": defaults["batch_size"], "run": 2}
+    assert diff["data.prefs"]["run"] == str(prefs) and diff["data.eval"]["run"] == str(prefs)
+    assert not [k for k in diff if k.startswith("rm.") and k not in
+                ("rm.steps", "rm.eval_every", "rm.batch_size")]
+    assert not [k for k in diff if k.split(".")[0] in ("algo", "trainer", "task", "rollout")]
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    loss = [r["train/loss"] for r in rows if "train/loss" in r]
+    m = report["metrics"]
+    assert m["train/loss"]["n"] == 3 and (m["train/loss"]["first"], m["train/loss"]["last"]) == \
+        (loss[0], loss[-1])
+    assert m["eval/pairwise_accuracy"]["n"] == 2     # eval_every=2: step 2, and the last step 3
+    assert m["eval/pairwise_accuracy"]["best"] == m["eval/pairwise_accuracy"]["max"]
+    assert "train/loss" in res.stdout and "reward/mean" not in res.stdout
+    for stem in ("rm_loss", "rm_accuracy", "rm_margin"):
+        assert (run_dir / f"inspect_{stem}.png").read_bytes()[:8] == PNG_MAGIC
+    res = cli("inspect", run_dir, run_dir, "--no-plots", "--json", tmp_path / "cmp.json")
+    assert res.exit_code == 0, res.output
+    cmp = json.loads((tmp_path / "cmp.json").read_text())
+    assert "eval/pairwise_accuracy" in cmp["summary_keys"] and "reward/mean" not in cmp["summary_keys"]
