@@ -9,6 +9,13 @@ On the task's eval split:
              (the behaviour policy of training), plus pass@j for j = 1, 2, 4, ..., k from
              the unbiased estimator (rlctl.commands.passk).
 The greedy numbers match `eval/*` of `rlctl train` for the same model and config.
+
+With reward models (``task.reward_model``, ``{model: ...}`` entries), ``reward`` is the
+training reward as the run used it, the table's label says which: the reward models'
+scores normalised with the run's *saved* statistics (``task.reward_norm=running``: the
+newest checkpoint's, never the evaluated batch's own) and clipped (``task.reward_clip``);
+``reward_raw`` the same total from the raw scores, and ``reward/<model name>`` each model's
+raw score, beside the task's own designs (the gold reward).
 """
 from __future__ import annotations
 
@@ -25,13 +32,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 
 from rlctl.commands.files import write_json
+from rlctl.commands.held_out import held_out_scorer, reward_label
 from rlctl.commands.passk import mean_pass_at_k, report_ks
 from rlctl.commands.targets import open_target, task_scores
 from rlctl.core.logprobs import completion_mask
 from rlctl.errors import UserError
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
-from rlctl.tasks.scoring import RewardScorer
 
 # The first metrics of each column (then reward/<design>, well_formed, pass@k).
 METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")
@@ -59,12 +66,17 @@ def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
         counts = [0] * len(chunk)
         per_row = [chunk[i // samples] for i in range(len(texts))]
         rewards = scorer.score_batch(per_row, texts)         # user code: under the time limit
+        raw, learned = scorer.last_raw_totals, learned_names(scorer)
         oks = scorer.correct_batch(per_row, texts, rewards)
         for i, text in enumerate(texts):
             ex, ok = per_row[i], bool(oks[i])
             counts[i // samples] += ok
             sums["exact_match"] += ok
             sums["reward"] += float(rewards[i])
+            if scorer.shapes:
+                sums["reward_raw"] += float(raw[i])
+            for name in learned:                               # each model's raw score
+                sums[f"reward/{name}"] += scorer.last_components[name][i]
             for design, value in task_scores(task, ex, text, reward_name, rewards[i]).items():
                 sums[f"reward/{design}"] += value
             if callable(well_formed):
@@ -107,7 +119,9 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     err = Console(stderr=True, quiet=quiet)
     err.print(f"evaluating {what} on {len(examples)} held-out prompts "
               f"(greedy, and {samples} sample(s) at temperature {ro.temperature})", soft_wrap=True)
-    scorer = RewardScorer(task)
+    scorer, saved = held_out_scorer(task, target)
+    if saved is not None:
+        err.print(saved.note, soft_wrap=True)
     common = dict(max_new_tokens=ro.max_new_tokens, batch_size=batch_size,
                   reward_name=reward_name, scorer=scorer)
     with scorer, Progress("[progress.description]{task.description}", BarColumn(),
@@ -124,6 +138,10 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
         "target_kind": target.kind, "model": what,
         "run_dir": None if target.run_dir is None else str(target.run_dir),
         "task": OmegaConf.to_container(cfg.task), "reward_name": reward_name, "split": "eval",
+        "reward_label": reward_label(scorer, reward_name, saved),
+        "reward_models": learned_names(scorer),
+        "reward_norm": None if saved is None else {"checkpoint": saved.checkpoint,
+                                                   "step": saved.step, "note": saved.note},
         "num_prompts": len(examples), "samples": samples, "temperature": float(ro.temperature),
         "top_k": top_k, "max_new_tokens": int(ro.max_new_tokens), "seed": int(cfg.seed),
         "stop_token_ids": list(stop_ids(model, tokenizer)),
@@ -137,6 +155,22 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     return result
 
 
+def learned_names(scorer) -> List[str]:
+    """The reward models' names (their raw scores are the components reward/<name>)."""
+    return [m.name for m in scorer.learned.models] if scorer.learned is not None else []
+
+
+def row_label(key: str, result: dict) -> str:
+    if key == "reward":
+        return f"reward ({result.get('reward_label') or result['reward_name']})"
+    if key == "reward_raw":
+        return "reward_raw (from the reward models' raw scores)"
+    models = result.get("reward_models") or []
+    if key.startswith("reward/") and key[len("reward/"):] in models:
+        return f"{key} (reward model, raw score)"
+    return key
+
+
 def print_eval(result: dict) -> None:
     greedy, sampled = result["greedy"], result["sampled"]
     table = Table(title=f"rlctl eval: {result['model']}")
@@ -147,8 +181,7 @@ def print_eval(result: dict) -> None:
     keys = list(greedy) + [k for k in sampled if k not in greedy]
     for key in keys:
         fmt = lambda d: "" if key not in d else f"{d[key]:.4f}"  # noqa: E731
-        label = f"{key} ({result['reward_name']})" if key == "reward" else key
-        table.add_row(label, fmt(greedy), fmt(sampled))
+        table.add_row(row_label(key, result), fmt(greedy), fmt(sampled))
     console = Console()
     console.print(table)
     console.print(f"{result['num_prompts']} prompts (split {result['split']}); "

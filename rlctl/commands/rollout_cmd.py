@@ -21,8 +21,15 @@ One JSON object per completion (the fields `rlctl inspect FILE.jsonl` audits):
     eos_token_id    int   the tokenizer's EOS
     stop_token_ids  [int] every id that ends a completion: the tokenizer's EOS, the model's
                           generation_config.eos_token_id and rollout.stop_token_ids
-    reward          float the configured reward (task.reward; also the training reward)
-    rewards         {design: float} every reward design of the task
+    reward          float the configured reward (task.reward; also the training reward).
+                          With reward models: their scores as training used them, i.e.
+                          normalised with the run's saved statistics (task.reward_norm=
+                          running: the newest checkpoint's; never this file's own) and
+                          clipped (task.reward_clip)
+    reward_raw      float the same total from the reward models' raw scores (only when
+                          task.reward_norm or task.reward_clip applies)
+    rewards         {design: float} every reward design of the task, and each reward
+                          model's raw score under its name (default reward_model)
     correct         bool  task.is_correct
 
 Rows are written chunk by chunk (--batch-size sequences per generate call) and flushed,
@@ -41,12 +48,12 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn,
                            TimeRemainingColumn)
 
+from rlctl.commands.held_out import held_out_scorer
 from rlctl.commands.targets import open_target, task_scores
 from rlctl.engine.policy import learner_forward
 from rlctl.errors import UserError
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import rollout
-from rlctl.tasks.scoring import RewardScorer
 
 
 @dataclass
@@ -81,7 +88,9 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     torch.manual_seed(cfg.seed)
     rows = truncated = 0
     reward_sum = 0.0
-    scorer = RewardScorer(task)
+    scorer, saved = held_out_scorer(task, target)
+    if saved is not None:
+        err.print(saved.note, soft_wrap=True)
     with scorer, fh, Progress("[progress.description]{task.description}", BarColumn(),
                               MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                               console=err, transient=True) as bar:
@@ -150,6 +159,7 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
     def score(rows, texts):        # keep the exact totals (the batch holds float32)
         totals[:] = scorer.score_batch(rows, texts)
         return totals
+    models = [m.name for m in scorer.learned.models] if scorer.learned is not None else []
     g = plan.group
     batch = rollout(model, tokenizer, chunk, g, plan.max_new, plan.temperature, plan.top_k,
                     score, stops=plan.stops)
@@ -165,8 +175,12 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
     rows = []
     for i, text in enumerate(batch.completions):
         n = lengths[i]
-        rows.append(_row(plan, task, start + i // g, i % g, chunk[i // g], text, ids[i][:n],
-                         logp_rows[i][:n], bool(truncated[i]), totals[i], bool(oks[i])))
+        row = _row(plan, task, start + i // g, i % g, chunk[i // g], text, ids[i][:n],
+                   logp_rows[i][:n], bool(truncated[i]), totals[i], bool(oks[i]))
+        if scorer.shapes:
+            row["reward_raw"] = float(scorer.last_raw_totals[i])
+        row["rewards"].update({k: float(scorer.last_components[k][i]) for k in models})
+        rows.append(row)
     return rows
 
 

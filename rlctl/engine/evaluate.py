@@ -15,11 +15,15 @@ from rlctl.types import Example
 def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_tokens: int,
              batch_size: int = 256, **backend_kwargs) -> Dict[str, float]:
     """Greedy completions scored by ``scorer`` (a ``RewardScorer``); SUMS over the examples (the caller divides by ``count``, after
-    adding up the ranks' sums): exact_match, reward, length_mean, truncated_frac.
+    adding up the ranks' sums): exact_match, reward (the training reward: with
+    task.reward_norm/reward_clip, the reward models' scores normalised with the training
+    statistics, which held-out scoring never updates, and clipped), length_mean,
+    truncated_frac, and reward_raw (the same total from the raw scores) when
+    normalisation or clipping applies.
     Completions end at the first stop id of ``stop_ids(model, tokenizer)``."""
     was_training = model.training
     model.eval()
-    exact, reward, length, truncated = 0.0, 0.0, 0.0, 0.0
+    exact, reward, raw, length, truncated = 0.0, 0.0, 0.0, 0.0, 0.0
     stops = stop_ids(model, tokenizer)
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
@@ -33,8 +37,12 @@ def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_toke
         rewards = scorer.score_batch(chunk, texts)         # user code: under the time limit
         exact += float(sum(scorer.correct_batch(chunk, texts, rewards)))
         reward += float(sum(rewards))
+        raw += float(sum(scorer.last_raw_totals))
         length += mask.sum().item()
         truncated += trunc.float().sum().item()
     model.train(was_training)
-    return {"exact_match": exact, "reward": reward, "length_mean": length,
-            "truncated_frac": truncated, "count": float(len(examples))}
+    out = {"exact_match": exact, "reward": reward, "length_mean": length,
+           "truncated_frac": truncated, "count": float(len(examples))}
+    if scorer.shapes:       # reward: as trained (normalised, clipped); reward_raw: as scored
+        out["reward_raw"] = raw
+    return out

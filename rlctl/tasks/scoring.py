@@ -1,202 +1,25 @@
 """Scoring completions with a task's reward(s): batches under a time limit, the error
 policy (``task.on_reward_error``), and per-reward components for ``reward/<name>``.
 
-Split from ``rlctl.tasks.base`` (which re-exports these names).
+Split from ``rlctl.tasks.base`` (which re-exports these names); the runners that keep
+the time limit are in ``rlctl.tasks.reward_runners``.
 """
 from __future__ import annotations
 
 import logging
 import math
 import multiprocessing
-import os
-import queue
-import signal
-import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlctl.errors import RewardError
-from rlctl.tasks.base import ON_REWARD_ERROR, RAW_PROMPT, task_options
+from rlctl.tasks.base import ON_REWARD_ERROR, task_options
 from rlctl.tasks.reward_model import learned_of
+from rlctl.tasks.reward_runners import (InlineRunner, ProcessRunner, ThreadRunner,
+                                        describe_sample)
 from rlctl.types import Example
 
 log = logging.getLogger(__name__)
-
-
-def _one_line(text: Any, limit: int = 60) -> str:
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[:limit - 3] + "..."
-
-
-def describe_sample(i: int, n: int, example: Example, completion: str) -> str:
-    raw = example.fields.get(RAW_PROMPT, example.prompt)
-    return (f"sample {i} of {n} (prompt {_one_line(raw)!r}, "
-            f"completion {_one_line(completion)!r})")
-
-
-def _total(task, comps: Dict[str, float]) -> float:
-    weights = getattr(task, "reward_weights", None) or {}
-    return float(sum(weights.get(k, 1.0) * v for k, v in comps.items()))
-
-
-def _score_one(task, example: Example, completion: str) -> Tuple[float, Dict[str, float]]:
-    comp_fn = getattr(task, "reward_components", None)
-    if comp_fn is not None:
-        comps = {str(k): float(v) for k, v in comp_fn(example, completion).items()}
-        return _total(task, comps), comps
-    return float(task.reward(example, completion)), {}
-
-
-def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
-                 ) -> Iterator[Tuple]:
-    """("ok", i, total, components) or ("err", i, message) for each sample, in order.
-
-    A task's ``reward_components_batch`` is tried first; if it raises, the batch is
-    scored sample by sample so that the failing sample can be named."""
-    batch_fn = getattr(task, "reward_components_batch", None)
-    if batch_fn is not None and len(examples) > 1 and getattr(task, "score_in_batches", True):
-        try:
-            rows = batch_fn(list(examples), list(completions))
-            if len(rows) != len(examples):
-                raise ValueError(f"returned {len(rows)} scores for {len(examples)} samples")
-            parsed = [{str(k): float(v) for k, v in r.items()} for r in rows]
-        except Exception:  # noqa: BLE001 - retried per sample below, to name the culprit
-            parsed = None
-        if parsed is not None:
-            for i, comps in enumerate(parsed):
-                yield ("ok", i, _total(task, comps), comps)
-            return
-    for i, (ex, c) in enumerate(zip(examples, completions)):
-        try:
-            total, comps = _score_one(task, ex, c)
-        except BaseException as exc:  # noqa: BLE001 - SystemExit from user code included
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            yield ("err", i, f"{type(exc).__name__}: {_one_line(exc, 200)}")
-            continue
-        yield ("ok", i, total, comps)
-
-
-def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked child
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's stop handler (forked)
-    os.setpgrp()   # nor do signals sent to the run's process group (a terminal, `timeout`) reach it
-    while True:
-        try:
-            # A forked child holds copies of its parent's descriptors (the pipe's other
-            # end, distributed sockets): it must leave by itself when the parent dies.
-            while not conn.poll(1.0):
-                if os.getppid() != parent_pid:
-                    return
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        examples, completions = msg
-        try:
-            for item in score_stream(task, examples, completions):
-                conn.send(item)
-        except BaseException as exc:  # noqa: BLE001 - e.g. an unpicklable value
-            conn.send(("fatal", f"{type(exc).__name__}: {_one_line(exc, 200)}"))
-        conn.send(("done",))
-
-
-class _ProcessRunner:
-    """One forked worker, kept between batches, killed at a deadline."""
-
-    def __init__(self, task):
-        self.task, self.proc, self.conn = task, None, None
-
-    def _start(self) -> None:
-        ctx = multiprocessing.get_context("fork")
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(self.task, child, os.getpid()), daemon=True,
-                                name="rlctl-reward")
-        self.proc.start()
-        child.close()
-        self.conn = parent
-
-    def run(self, examples, completions, timeout_s: float, on_item) -> Optional[str]:
-        """Feed each result to ``on_item``; return None, "timeout" or "died"."""
-        if self.proc is None or not self.proc.is_alive():
-            self.close()
-            self._start()
-        deadline = time.monotonic() + timeout_s
-        try:
-            self.conn.send((list(examples), list(completions)))
-        except (OSError, ValueError):
-            self.close()
-            return "died"
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                ready = remaining > 0 and self.conn.poll(remaining)
-                if not ready:
-                    self.close()
-                    return "timeout"
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                self.close()
-                return "died"
-            if msg[0] == "done":
-                return None
-            on_item(msg)
-
-    def close(self) -> None:
-        if self.proc is not None:
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.proc.join(5)
-            self.proc = None
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-
-
-class _ThreadRunner:
-    """Without fork: a daemon thread per batch, abandoned at the deadline."""
-
-    def __init__(self, task):
-        self.task = task
-
-    def run(self, examples, completions, timeout_s: float, on_item) -> Optional[str]:
-        q: "queue.Queue" = queue.Queue()
-
-        def work():
-            try:
-                for item in score_stream(self.task, examples, completions):
-                    q.put(item)
-            except BaseException as exc:  # noqa: BLE001
-                q.put(("fatal", f"{type(exc).__name__}: {_one_line(exc, 200)}"))
-            q.put(("done",))
-
-        threading.Thread(target=work, daemon=True, name="rlctl-reward").start()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                msg = q.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                return "timeout"
-            if msg[0] == "done":
-                return None
-            on_item(msg)
-
-    def close(self) -> None:
-        pass
-
-
-class _InlineRunner:
-    def __init__(self, task):
-        self.task = task
-
-    def run(self, examples, completions, timeout_s, on_item) -> Optional[str]:
-        for item in score_stream(self.task, examples, completions):
-            on_item(item)
-        return None
-
-    def close(self) -> None:
-        pass
 
 
 FROM_TASK = object()  # RewardScorer's default: the task's own reward_timeout_s
@@ -220,7 +43,8 @@ class RewardScorer:
     carries them in ``state()``; later ones (eval) read them.
     """
 
-    def __init__(self, task, timeout_s: Any = FROM_TASK, on_error: Optional[str] = None):
+    def __init__(self, task, timeout_s: Any = FROM_TASK, on_error: Optional[str] = None,
+                 norm_owner: Optional[bool] = None):
         opts = task_options(task)
         self.task = task
         self.timeout_s = opts.reward_timeout_s if timeout_s is FROM_TASK else timeout_s
@@ -237,14 +61,18 @@ class RewardScorer:
         self._count = 0
         self._warned = 0
         self.learned = learned_of(task)
-        self._owns_norm = self.learned.claim(self) if self.learned is not None else False
+        # norm_owner None: the first scorer of the task (training's) updates the running
+        # statistics; False: never (held-out scoring reads them: `rlctl eval`, `rollout`)
+        self._owns_norm = (self.learned.claim(self) if norm_owner is None else norm_owner) \
+            if self.learned is not None else False
         self._last_gold: List[float] = []     # the task's own totals of the last batch
+        self.last_raw_totals: List[float] = []   # the last batch's totals, models' raw scores
         if not self.timeout_s:
-            self._runner = _InlineRunner(task)
+            self._runner = InlineRunner(task)
         elif "fork" in multiprocessing.get_all_start_methods():
-            self._runner = _ProcessRunner(task)
+            self._runner = ProcessRunner(task)
         else:
-            self._runner = _ThreadRunner(task)
+            self._runner = ThreadRunner(task)
 
     # per-sample form, a drop-in for the engine's former SafeScorer
     def __call__(self, example: Example, completion: str) -> float:
@@ -297,6 +125,7 @@ class RewardScorer:
                 why = fatal[0] if fatal else "the reward worker process died"
                 self._fail(where, why, "error", count=len(missing))
         out = [t if t is not None else 0.0 for t in totals]
+        self.last_raw_totals = list(out)
         if self.learned is not None and n:
             out = self._learned_totals(examples, completions, out, comps)
         names = sorted({k for c in comps for k in c})
@@ -326,7 +155,18 @@ class RewardScorer:
         for name, values in raw.items():
             for c, v in zip(comps, values):
                 c[name] = v
+        weights = {m.name: m.weight for m in self.learned.models}
+        self.last_raw_totals = [(0.0 if self.learned.replace_task else gold[i])
+                                + sum(weights[k] * raw[k][i] for k in raw)
+                                for i in range(len(totals))]
         return totals
+
+    @property
+    def shapes(self) -> bool:
+        """True when training totals differ from the raw ones (task.reward_norm or
+        task.reward_clip on the reward models' scores)."""
+        return self.learned is not None and (self.learned.norm != "none"
+                                             or self.learned.clip is not None)
 
     def _fail(self, where: str, why: str, kind: str, count: int = 1) -> None:
         if self.on_error == "raise":

@@ -189,7 +189,7 @@ def test_no_limit_scores_in_process(make_task, timeout):
     task = make_task("boom", reward_timeout_s=timeout)
     scorer, out = _score(task, ["a", "boom"])
     assert out == [1.0, 0.0] and scorer.errors == 1
-    assert type(scorer._runner).__name__ == "_InlineRunner"
+    assert type(scorer._runner).__name__ == "InlineRunner"
 
 
 def test_builtin_task_through_the_scorer():
