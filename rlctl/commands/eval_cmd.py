@@ -77,7 +77,8 @@ def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
                 sums["reward_raw"] += float(raw[i])
             for name in learned:                               # each model's raw score
                 sums[f"reward/{name}"] += scorer.last_components[name][i]
-            for design, value in task_scores(task, ex, text, reward_name, rewards[i]).items():
+            designs = task_scores(task, ex, text, reward_name, rewards[i]) if scorer.has_gold else {}
+            for design, value in designs.items():
                 sums[f"reward/{design}"] += value
             if callable(well_formed):
                 sums["well_formed"] += bool(well_formed(ex, text))
@@ -85,9 +86,12 @@ def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
         if on_chunk is not None:
             on_chunk(len(chunk))
     total = max(len(examples) * samples, 1)
-    metrics = {k: sums.get(k, 0.0) / total for k in METRIC_KEYS}
+    if not scorer.has_gold:          # reward models alone: no gold reward to report
+        sums.pop("exact_match", None)
+    keys = [k for k in METRIC_KEYS if scorer.has_gold or k != "exact_match"]
+    metrics = {k: sums.get(k, 0.0) / total for k in keys}
     metrics.update({k: v / total for k, v in sorted(sums.items()) if k not in metrics})
-    if do_sample:
+    if do_sample and scorer.has_gold:
         for k in report_ks(samples):
             metrics[f"pass@{k}"] = mean_pass_at_k(samples, correct_counts, k)
     return metrics

@@ -30,7 +30,8 @@ One JSON object per completion (the fields `rlctl inspect FILE.jsonl` audits):
                           task.reward_norm or task.reward_clip applies)
     rewards         {design: float} every reward design of the task, and each reward
                           model's raw score under its name (default reward_model)
-    correct         bool  task.is_correct
+    correct         bool  task.is_correct (null for a data task scored by reward models
+                          alone: it has no gold reward)
 
 Rows are written chunk by chunk (--batch-size sequences per generate call) and flushed,
 so N may be large; an interrupted run leaves the complete chunks written so far.
@@ -179,6 +180,8 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
                    logp_rows[i][:n], bool(truncated[i]), totals[i], bool(oks[i]))
         if scorer.shapes:
             row["reward_raw"] = float(scorer.last_raw_totals[i])
+        if not scorer.has_gold:          # reward models alone: no gold, no correctness
+            row["correct"], row["rewards"] = None, {}
         row["rewards"].update({k: float(scorer.last_components[k][i]) for k in models})
         rows.append(row)
     return rows

@@ -15,7 +15,7 @@ from rlctl.errors import UserError
 from rlctl.models.dropout import disable_dropout
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora, reference_for
-from rlctl.models.tiny_reward import tiny_reward_model_dir
+from rlctl.models.tiny_reward import task_mismatch, tiny_reward_model_dir
 from rlctl.models.value import PolicyValueModel, SeparateCritic
 from rlctl.tasks import TASKS, build_task as _task_from_registry
 from rlctl.tasks.reward_model import LearnedRewards, attach, build_learned_rewards, check_names
@@ -55,7 +55,7 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
     """The reward models of ``task.reward_model`` / ``{model: ...}`` entries of
     ``task.rewards`` (None without); ``opts`` is left with what the task itself takes."""
     rm, norm, clip = (opts.pop(k, None) for k in LEARNED_KEYS)
-    rm = _resolve_reward_model(rm)
+    rm = _resolve_reward_model(rm, cfg)
     rewards = opts.get("rewards")
     if rewards and all(is_model_entry(r) for r in rewards) and not _takes(cfg.task.name, "rewards"):
         opts["rewards"] = None      # the models are all of task.rewards: nothing for the task
@@ -70,11 +70,15 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
     return learned
 
 
-def _resolve_reward_model(path):
+def _resolve_reward_model(path, cfg: DictConfig):
     """``task.reward_model=tiny``: the embedded sorting reward model, built and cached on
-    first use (``rlctl.models.tiny_reward``); any other value is a directory."""
+    first use (``rlctl.models.tiny_reward``), for the task it was fitted on only; any
+    other value is a directory."""
     if path != "tiny":
         return path
+    problem = task_mismatch(cfg.task.name, cfg.task.get("num_digits", None))
+    if problem:
+        raise ValueError(problem)
     return str(tiny_reward_model_dir())   # builds ~10 s on first use, then cached
 
 

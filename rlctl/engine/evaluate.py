@@ -19,7 +19,8 @@ def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_toke
     task.reward_norm/reward_clip, the reward models' scores normalised with the training
     statistics, which held-out scoring never updates, and clipped), length_mean,
     truncated_frac, and reward_raw (the same total from the raw scores) when
-    normalisation or clipping applies.
+    normalisation or clipping applies. No exact_match for a task without a reward of its
+    own (``scorer.has_gold``: a data task scored by reward models alone).
     Completions end at the first stop id of ``stop_ids(model, tokenizer)``."""
     was_training = model.training
     model.eval()
@@ -45,4 +46,6 @@ def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_toke
            "truncated_frac": truncated, "count": float(len(examples))}
     if scorer.shapes:       # reward: as trained (normalised, clipped); reward_raw: as scored
         out["reward_raw"] = raw
+    if not scorer.has_gold:  # reward models alone: no gold reward, nothing is "correct"
+        del out["exact_match"]
     return out

@@ -59,6 +59,19 @@ BATCH_SIZE = 32
 LR = 1e-3
 CENTER_COEF = 0.01
 POLICY_WARMUP_STEPS = 80   # conf/model/tiny.yaml's warmup_steps: the policy's backbone
+FITTED_FOR = {"task": "sorting", "num_digits": NUM_DIGITS}   # the prompts it was fitted on
+
+
+def task_mismatch(task_name: str, num_digits) -> Optional[str]:
+    """Why the tiny reward model does not fit a run of ``task_name`` (with
+    ``num_digits``, for sorting), or None: it only knows 5-digit sorting prompts, and any
+    other prompt gets a score that measures nothing."""
+    if task_name == FITTED_FOR["task"] and num_digits == FITTED_FOR["num_digits"]:
+        return None
+    got = f"task={task_name}" + (f" task.num_digits={num_digits}" if task_name == "sorting" else "")
+    return (f"task.reward_model=tiny was fitted on task=sorting task.num_digits={NUM_DIGITS} "
+            f"prompts only, not {got}; fit a reward model for this task with rlctl "
+            "reward-model train and pass its directory")
 
 
 def _candidate(digits: Sequence[int], rng: random.Random) -> List[int]:
@@ -127,7 +140,8 @@ def _build_into(directory: Path, params: Dict[str, object], cache_dir: Optional[
     acc = pairwise_accuracy(*score_pairs(model, tokenizer, held))
     model.save_pretrained(directory)   # safetensors
     tokenizer.save_pretrained(directory)
-    meta = dict(params, heldout_pairwise_accuracy=round(acc, 4), final_loss=losses[-1],
+    meta = dict(params, fitted_for=FITTED_FOR, heldout_pairwise_accuracy=round(acc, 4),
+                final_loss=losses[-1],
                 build_seconds=round(time.perf_counter() - t0, 3))
     (directory / "rlctl_tiny_rm.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta

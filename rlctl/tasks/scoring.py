@@ -142,7 +142,7 @@ class RewardScorer:
         self._last_gold = list(gold)
         own = str(getattr(self.task, "reward_name", None) or "task")
         for g, c in zip(gold, comps):
-            if not c:
+            if not c and self.has_gold:
                 c[own] = g
         proxy, raw = self.learned.score(examples, completions, update=self._owns_norm)
         totals = []
@@ -160,6 +160,14 @@ class RewardScorer:
                                 + sum(weights[k] * raw[k][i] for k in raw)
                                 for i in range(len(totals))]
         return totals
+
+    @property
+    def has_gold(self) -> bool:
+        """False for a task with no reward of its own: a data task scored by reward models
+        alone (no reward function, ``rewards == []``), whose own total would read 0 for
+        every sample; then no reward/<task> component and no correctness are reported."""
+        rewards = getattr(self.task, "rewards", None)
+        return not (self.learned is not None and isinstance(rewards, list) and not rewards)
 
     @property
     def shapes(self) -> bool:
