@@ -18,7 +18,10 @@ shared cache into the prompt positions, summed over the rows that share them, as
 full forward. On the default sorting config it removes about half of the learner's
 tokens. Models whose forward takes no cache fall back to the full forward, and so does
 a training forward under gradient checkpointing (Hugging Face's checkpointed layers
-drop the cache).
+drop the cache). Hybrid models' caches (linear-attention / state-space conv and recurrent
+states beside keys and values) are indexed alike (``kv_share.index_rows``); a model that
+keeps its recurrent state in its modules and lets left padding reach it (RecurrentGemma)
+runs without sharing, one forward per prompt length, unpadded (``_unpadded``).
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ import torch
 
 from rlctl.core.chunked_logprobs import chunked_token_logprobs
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
-from rlctl.models.kv_share import cache_keyword, cache_of, distinct_rows, forward_takes, innermost, regroup
+from rlctl.models.kv_share import (cache_keyword, cache_of, differentiable, distinct_rows, forward_takes,
+                                   index_rows, innermost, regroup, say_once, state_in_modules)
 from rlctl.models.positions import position_ids_from_mask
 
 
@@ -132,19 +136,24 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                   position_ids=position_ids_from_mask(attention_mask[:, :-1]))
     head = fused_head(model) if fused else None
     extra = {} if head is None else {"output_hidden_states": True, "logits_to_keep": 1}
-    key = cache_keyword(model) if share_prompts and not _checkpointing_now(model) else None
+    padded = state_in_modules(model)       # no cache to share, and left pads leak (RecurrentGemma)
+    key = cache_keyword(model) if share_prompts and P > 1 and not padded \
+        and not _checkpointing_now(model) else None
     if key is not None:
         groups = share_prompts.on(input_ids.device) if isinstance(share_prompts, PromptGroups) else None
         scores, values = _shared_prompt_forward(model, input_ids, attention_mask, P, key,
                                                 groups, extra)
     else:
-        out = model(**inputs, use_cache=False, **extra)
-        scores = _scores(out, extra)[:, P - 1:]                # [N, T, V] or [N, T, H]
-        values = _values(out)
-        values = values[:, P - 1:] if values is not None else None
+        def run(**kw):
+            out = model(**kw, use_cache=False, **extra)
+            return _scores(out, extra), _values(out)           # [n, L, V|H], [n, L] or None
+        scores, values = _unpadded(run, inputs, P, model) if padded else \
+            tuple(t[:, P - 1:] if t is not None else None for t in run(**inputs))   # [N, T, ...]
     logp, entropy = _logprobs(scores, head, input_ids[:, P:], temperature, with_entropy, entropy_grad)
     if critic is not None:
-        values = critic(**inputs)[:, P - 1:]
+        values = _unpadded(lambda **kw: (critic(**kw),), inputs, P, critic)[0] \
+            if state_in_modules(getattr(critic, "backbone", critic)) \
+            else critic(**inputs)[:, P - 1:]
     if values is not None:
         values = values.float()                                # [N, T]
     return Forward(logp, entropy, values)
@@ -176,6 +185,26 @@ def _logprobs(scores, head, tokens, temperature, with_entropy, entropy_grad):
         return logp, entropy_from_logits(logits.detach())                  # [N, T]
 
 
+def _unpadded(run, inputs, P: int, model) -> tuple:
+    """``run(**inputs)``'s outputs [N, L, ...] from position P-1 on ([N, T, ...]), computed
+    without left padding: the rows with k pad columns run as [n, L-k] (one forward per k,
+    a host sync). For models whose recurrent layers see left padding (RecurrentGemma's
+    convolution reads the pads' activations): a prompt's result must not depend on how
+    long the batch's other prompts are."""
+    say_once(f"{type(innermost(model)).__name__} keeps its recurrent state in its modules and "
+             "does not mask left padding: rows run in groups of one prompt length, unpadded, "
+             "without prompt sharing")
+    pads = (inputs["attention_mask"].long().cumsum(-1) == 0).sum(-1)                # [N]
+    order, parts = [], []
+    for k in sorted(set(pads.tolist())):
+        rows = (pads == k).nonzero()[:, 0]                                          # [n]
+        outs = run(**{name: t[rows, k:] for name, t in inputs.items()})
+        parts.append([o[:, P - 1 - k:] if o is not None else None for o in outs])  # [n, T, ...]
+        order.append(rows)
+    back = torch.argsort(torch.cat(order))                                         # [N]
+    return tuple(torch.cat(col, 0)[back] if col[0] is not None else None for col in zip(*parts))
+
+
 def _values(out) -> Optional[torch.Tensor]:
     values = getattr(out, "values", None)          # PolicyValueModel's output field
     return values if isinstance(values, torch.Tensor) else None   # (HF outputs: a method)
@@ -183,20 +212,25 @@ def _values(out) -> Optional[torch.Tensor]:
 
 def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, groups=None, extra=None):
     """(scores [N, T, V] logits or [N, T, H] hidden states, values [N, T] or None) from
-    one prompt forward per distinct prompt plus one completion forward over the indexed cache."""
+    one prompt forward per distinct prompt plus one completion forward over the indexed
+    cache. The completion forward never runs a single token: there linear-attention and
+    state-space layers (Qwen3-Next, Falcon-H1, ...) take their one-step decode path, which
+    overwrites the recurrent state in place (not differentiable); with T = 2 the prompt
+    forward stops one token short and the completion forward starts at the prompt's last."""
     extra = extra or {}
     first, inv = groups if groups is not None else \
         distinct_rows(input_ids[:, :P], attention_mask[:, :P])                    # [U], [N]
-    p_mask = attention_mask[first, :P]                                             # [U, P]
-    out = model(input_ids=input_ids[first, :P], attention_mask=p_mask,
+    T = input_ids.shape[1] - P
+    cut = P - 1 if T == 2 and P > 1 else P         # prompt columns run once per prompt
+    p_mask = attention_mask[first, :cut]                                           # [U, cut]
+    out = model(input_ids=input_ids[first, :cut], attention_mask=p_mask,
                 position_ids=position_ids_from_mask(p_mask), use_cache=True, **extra)
-    scores, values = _scores(out, extra)[inv, -1:], _values(out)                   # [N, 1, V|H]
-    values = values[inv, -1:] if values is not None else None                      # [N, 1]
-    if input_ids.shape[1] - P > 1:                 # completion tokens 1..T-1 to score
-        cache = cache_of(out)
-        cache.batch_select_indices(inv)            # [U, ...] -> [N, ...], differentiable
-        pos = position_ids_from_mask(attention_mask[:, :-1])[:, P:]                # [N, T-1]
-        rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
+    scores, values = _scores(out, extra)[inv, P - 1:], _values(out)               # [N, 1|0, V|H]
+    values = values[inv, P - 1:] if values is not None else None                   # [N, 0|1]
+    if T > 1:                                      # completion tokens 1..T-1 to score
+        cache = differentiable(index_rows(cache_of(out), inv))   # [U, ...] -> [N, ...]
+        pos = position_ids_from_mask(attention_mask[:, :-1])[:, cut:]              # [N, L-1-cut]
+        rest = model(input_ids=input_ids[:, cut:-1], attention_mask=attention_mask[:, :-1],
                      position_ids=pos, use_cache=True, **{key: cache}, **extra)
         scores = torch.cat([scores, _scores(rest, extra)], 1)                      # [N, T, V|H]
         if values is not None:

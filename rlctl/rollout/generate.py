@@ -20,7 +20,8 @@ import torch
 from transformers import GenerationConfig
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
-from rlctl.models.kv_share import cache_keyword, shared_prefill
+from rlctl.models.kv_share import (cache_keyword, innermost, say_once, shared_prefill,
+                                   state_in_modules)
 from rlctl.models.stop_ids import decode_completions, stop_ids  # noqa: F401 - re-exported
 from rlctl.models.positions import position_ids_from_mask  # noqa: F401 - also imported from here
 from rlctl.models.value import PolicyValueModel
@@ -52,6 +53,10 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
     enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
     input_ids = enc["input_ids"].to(device)            # [N, P]
     prompt_mask = enc["attention_mask"].to(device)     # [N, P]
+    if state_in_modules(model) and not bool(prompt_mask.all()):
+        return _per_length(lambda some: generate(
+            model, tokenizer, some, max_new_tokens, do_sample, temperature, top_k, return_logprobs,
+            share_prompts, stops, **backend_kwargs), prompts, prompt_mask, tokenizer.pad_token_id, model)
     cache = shared_prefill(model, input_ids, prompt_mask) if share_prompts else None
     key = cache_keyword(model)
     if do_sample and not backend_kwargs and key is not None:     # the lean loop (sampler.py)
@@ -75,6 +80,28 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
     logp = torch.stack([token_logprobs(lg[:, None].float() / temperature, new[:, t, None])[:, 0]
                         for t, lg in enumerate(out.logits)], 1)                    # [N, T]
     return out.sequences, prompt_mask, input_ids.shape[1], logp
+
+
+def _per_length(run, prompts, prompt_mask: torch.Tensor, pad_id: int, model):
+    """``generate``'s result for a model whose recurrent layers see left padding
+    (RecurrentGemma: the pads' activations enter its convolution; it keeps its state in its
+    modules): ``run`` on each group of prompts of one token length, unpadded, then the
+    groups left-padded to P and right-padded (pad id, log-prob 0) to the longest T."""
+    say_once(f"{type(innermost(model)).__name__} keeps its recurrent state in its modules and "
+             "does not mask left padding: prompts are sampled in groups of one length, "
+             "unpadded, without prompt sharing")
+    lengths = prompt_mask.sum(-1)                                                 # [N]
+    groups = [(lengths == n).nonzero()[:, 0] for n in sorted(set(lengths.tolist()))]
+    outs = [run([prompts[i] for i in rows.tolist()]) for rows in groups]
+    N, P = prompt_mask.shape
+    T = max(o[0].shape[1] - o[2] for o in outs)
+    seqs = prompt_mask.new_full((N, P + T), pad_id)                               # [N, P+T]
+    logp = torch.zeros(N, T, device=prompt_mask.device) if len(outs[0]) > 3 else None   # [N, T]
+    for rows, (s, m, p, *lp) in zip(groups, outs):
+        seqs[rows, P - p:P - p + s.shape[1]] = s
+        if logp is not None:
+            logp[rows, :lp[0].shape[1]] = lp[0]
+    return (seqs, prompt_mask, P) + ((logp,) if logp is not None else ())
 
 
 @contextlib.contextmanager

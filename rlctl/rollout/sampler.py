@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from rlctl.errors import UserError
-from rlctl.models.kv_share import cache_of
+from rlctl.models.kv_share import cache_of, fresh_cache, state_in_modules
 
 
 def check_training_sampling(top_k: int) -> None:
@@ -45,16 +45,20 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     last (``kv_share.shared_prefill``); None: the whole prompt is run here. ``key``: the
     forward's cache keyword. T <= max_new_tokens: stops when every row has emitted one of
     ``stop_ids``; finished rows are padded with ``pad_id`` (which may itself be a stop id).
+    A model that keeps its recurrent state in its modules (``kv_share.state_in_modules``) returns
+    no cache: the loop passes it one of its own for the attention layers, as ``generate``.
     """
     n = input_ids.shape[0]
     mask = attention_mask.long()
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=input_ids.device)  # [S]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)                                     # [N, P]
+    kept = fresh_cache(model) if state_in_modules(model) else None     # filled, not returned
     if cache is not None:
         out = model(input_ids=input_ids[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
                     use_cache=True, **{key: cache})
     else:
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                    **({key: kept} if kept is not None else {}))
     pos = pos[:, -1:]                                                              # [N, 1]
     unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
     tokens, logps = [], []
@@ -71,7 +75,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         mask = torch.cat([mask, mask.new_ones(n, 1)], 1)                           # [N, P+t+1]
         pos = pos + 1
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                    use_cache=True, **{key: cache_of(out)})
+                    use_cache=True, **{key: cache_of(out) if kept is None else kept})
     old = torch.stack(logps, 1) if keep_logprobs else None                         # [N, T]
     return torch.cat([input_ids, torch.stack(tokens, 1)], 1), old
 

@@ -6,6 +6,7 @@ import torch
 
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
+from rlctl.engine.policy import learner_forward
 from rlctl.engine.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models import load_model_and_tokenizer
 from rlctl.types import RolloutBatch
@@ -46,6 +47,8 @@ def test_trimmed_micro_batches_give_the_same_gradient(tiny, mode, micro):
     widths, grads, metrics = {}, {}, {}
     for trim in (False, True):
         m = copy.deepcopy(model).train()
+        with torch.no_grad():             # a model's first forward also checks its LM head, once
+            learner_forward(m, batch.input_ids, batch.attention_mask, batch.prompt_len)
         seen = []
         m.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape[1]),
                                     with_kwargs=True)

@@ -66,6 +66,7 @@ def _assert_same(a, b, mask):
 
 def test_shared_prompt_forward_equals_full_forward_in_float64(tiny, batch):
     model = copy.deepcopy(tiny[0]).double().train()
+    _run(model, batch, share=False)       # a model's first forward also checks its LM head, once
     calls = []
     model.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)),
                                     with_kwargs=True)
@@ -107,6 +108,8 @@ def test_one_token_completions_need_only_the_prompt_forward(tiny):
     seqs = torch.cat([enc["input_ids"], eos], 1)                                  # [3, P+1]
     attn = torch.cat([enc["attention_mask"], torch.ones(3, 1, dtype=torch.long)], 1)
     P = enc["input_ids"].shape[1]
+    with torch.no_grad():                 # a model's first forward also checks its LM head, once
+        learner_forward(model, seqs, attn, P)
     calls = []
     h = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[0]),
                                         with_kwargs=True)
