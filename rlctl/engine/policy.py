@@ -6,10 +6,11 @@ position, and the log-probs and entropy come from the final hidden states [N, T,
 the head's weight through `rlctl.core.chunked_logprobs.chunked_token_logprobs`, which
 never holds more than one chunk of [N, T, V] logits (forward or backward; the idea behind
 fused linear cross-entropy kernels, Hsu et al. 2024, arXiv:2410.10989). Exact to the full
-logits path (tests/engine/test_chunked_learner.py, float64). Models that transform the
-logits after the head (Gemma-2/3's final soft-capping, Cohere's logit scale), whose head
-is not a plain ``nn.Linear`` (a LoRA-wrapped head), whose weight is partitioned (ZeRO-3)
-or whose forward takes no ``logits_to_keep`` keep the full-logits path.
+logits path (tests/engine/test_chunked_learner.py, float64). Models whose head is not a
+plain ``nn.Linear`` (a LoRA-wrapped head), whose weight is partitioned (ZeRO-3) or whose
+forward takes no ``logits_to_keep`` keep the full-logits path, and so do models whose
+logits are not that head's output (a soft-cap, a multiplier): checked at run time on the
+first batch, once per model (rlctl/models/head_check.py), with one line saying so.
 
 Prompt sharing (``share_prompts``, rlctl/models/kv_share.py): the prompt's forward
 runs once per distinct prompt, its key/value cache is indexed out to every row that
@@ -32,6 +33,7 @@ import torch
 
 from rlctl.core.chunked_logprobs import chunked_token_logprobs
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
+from rlctl.models.head_check import head_matches, verdict as head_verdict
 from rlctl.models.kv_share import (cache_keyword, cache_of, differentiable, distinct_rows, forward_takes,
                                    index_rows, innermost, regroup, say_once, state_in_modules)
 from rlctl.models.positions import position_ids_from_mask
@@ -66,26 +68,27 @@ def prompt_sharing(enabled: bool, backend) -> bool:
     return bool(enabled) and not zero3
 
 
-# Config fields that change the logits after the LM head (value that changes nothing).
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
-
-
-def fused_head(model) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+def fused_head(model, inputs: Optional[dict] = None) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
     """(weight [V, H], bias [V] or None) of the LM head when log-probs can be computed
-    from the final hidden states exactly; None: use the full logits."""
+    from the final hidden states exactly; None: use the full logits. Structural checks
+    first (a forward without ``logits_to_keep``, a head that is not a plain Linear, e.g.
+    LoRA-wrapped, a ZeRO-3 partitioned weight, a last hidden state that is not the
+    normed one); then whether the model's logits really are that head's
+    (``rlctl.models.head_check``: checked once per model on the first ``inputs``, the
+    forward's keywords; without ``inputs`` the verdict so far, unchecked: the head)."""
     inner = innermost(model)
     if not forward_takes(model, "logits_to_keep"):
         return None
     conf = getattr(inner, "config", None)
     if getattr(conf, "tie_last_hidden_states", True) is False:   # hidden_states[-1] not normed
         return None
-    if any(getattr(conf, k, same) not in (None, same) for k, same in _LOGIT_TRANSFORMS.items()):
-        return None     # e.g. Gemma-2's tanh soft-capping: not a linear head (full logits)
     get = getattr(inner, "get_output_embeddings", None)
     lm_head = get() if callable(get) else None
     if type(lm_head) is not torch.nn.Linear or lm_head.weight.dim() != 2 or lm_head.weight.numel() == 0:
         return None     # a LoRA-wrapped head, or a ZeRO-3 partitioned weight
-    return lm_head.weight, lm_head.bias
+    exact = head_verdict(inner) if inputs is None else \
+        head_matches(model, inner, lm_head.weight, lm_head.bias, inputs)
+    return None if exact is False else (lm_head.weight, lm_head.bias)
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -134,7 +137,7 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     P = prompt_len
     inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                   position_ids=position_ids_from_mask(attention_mask[:, :-1]))
-    head = fused_head(model) if fused else None
+    head = fused_head(model, inputs) if fused else None
     extra = {} if head is None else {"output_hidden_states": True, "logits_to_keep": 1}
     padded = state_in_modules(model)       # no cache to share, and left pads leak (RecurrentGemma)
     key = cache_keyword(model) if share_prompts and P > 1 and not padded \
