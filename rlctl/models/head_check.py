@@ -35,6 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> bool
+_SAID: set = set()       # architectures already named in the log (the policy and its copies)
 
 
 def verdict(model):
@@ -50,7 +51,8 @@ def _unit(dtype: torch.dtype) -> float:
 def head_matches(model, key, weight: torch.Tensor, bias, inputs: dict) -> bool:
     """Check (once per ``key``, the innermost Hugging Face module) that ``model``'s logits
     are ``hidden @ weight.T + bias`` at the last position of the first row of ``inputs``
-    (the learner's forward keywords, [N, L] tensors); logs one line when they are not."""
+    (the learner's forward keywords, [N, L] tensors); when they are not, logs one line
+    per architecture (the reference, a frozen copy of the policy, is checked on its own)."""
     known = _VERDICTS.get(key)
     if known is not None:
         return known
@@ -69,7 +71,8 @@ def head_matches(model, key, weight: torch.Tensor, bias, inputs: dict) -> bool:
     tol = 2 * ((2 * u_low + hidden.shape[-1] * u_acc) * scale + u_low * own.abs().float())
     gap = (fused.float() - own.float()).abs()                                    # [1, V]
     ok = bool((gap <= tol).all())
-    if not ok:
+    if not ok and type(key).__name__ not in _SAID:
+        _SAID.add(type(key).__name__)
         log.warning(f"{type(key).__name__}: its logits are not its LM head applied to the final "
                     f"hidden state (max difference {gap.max().item():.3g}: a soft-cap, scale or other "
                     "transform after the head); the learner uses the full logits for it")

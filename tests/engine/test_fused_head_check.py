@@ -17,6 +17,7 @@ Reference: log_softmax of the model's own full logits, gathered at the completio
 numbers in the same order, and the fused path on the Llama sums the head's dot products
 in chunks: both agree to float64 summation-order rounding, ~1e-14 on these sizes; 1e-10
 is far above that and far below the transforms' effect (> 1e-2 per token)."""
+import copy
 import logging
 
 import pytest
@@ -84,6 +85,7 @@ def _counting(model):
 @pytest.mark.parametrize("name", sorted(TRANSFORMED))
 def test_a_logit_transform_falls_back_to_the_full_logits(name, caplog):
     model = _model(TRANSFORMED[name]())
+    head_check._SAID.discard(type(model).__name__)  # said once per process: not by another test here
     assert fused_head(model) is not None          # structurally a plain Linear head: unchecked yet
     ids, attn = _batch()
     want = _reference_logp(model, ids, attn)
@@ -99,6 +101,11 @@ def test_a_logit_transform_falls_back_to_the_full_logits(name, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == head_check.__name__]
     assert len(lines) == 1 and "full logits" in lines[0], lines       # said once, one line
     assert first == 1 + (len(calls) - first)        # one check forward, in the first call only
+    reference = copy.deepcopy(model)                 # a frozen copy (the KL reference): checked
+    with caplog.at_level(logging.WARNING, logger=head_check.__name__), torch.no_grad():
+        torch.testing.assert_close(learner_forward(reference, ids, attn, P).logp, want, **TOL)
+    assert head_check.verdict(reference) is False
+    assert len([r for r in caplog.records if r.name == head_check.__name__]) == 1   # not said again
 
 
 def test_plain_llama_keeps_the_fused_head():
