@@ -139,3 +139,120 @@ def test_a_signal_stops_the_fit_after_a_step_with_the_model_saved(tmp_path, sign
     assert "Traceback" not in err
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "model")
     assert model.config.num_labels == 1
+
+
+# -- reward-model and base-model files that cannot be used (issue 21.12) -------------------
+
+RL_FAST = ["trainer.steps=1", "trainer.prompts_per_step=2", "algo.group_size=2",
+           "task.num_eval=4", "trainer.eval_every=0", *QUIET]
+
+
+@pytest.fixture(scope="module")
+def rm_run(tmp_path_factory):
+    """(root, a one-step `reward-model train` run directory, the tiny base LM's directory)."""
+    from rlctl.compose import compose
+    from rlctl.engine.reward_model_train import backbone_path
+
+    root = tmp_path_factory.mktemp("rm_files")
+    prefs = write_jsonl(root / "p.jsonl", sorted_pairs(8, 0))
+    res = invoke("reward-model", "train", prefs, *QUIET, "rm.steps=1",
+                 f"run.output_dir={root / 'runs'}")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    (run_dir,) = (root / "runs").iterdir()
+    return root, run_dir, Path(backbone_path(compose([]).cfg))
+
+
+def copy_dir(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def overwrite_header(model_dir: Path) -> Path:
+    """The first 8 bytes (the header's length) overwritten: an impossible header size."""
+    f = model_dir / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(b"\xff" * 8 + data[8:])
+    return f
+
+
+def test_a_corrupt_safetensors_file_is_named_in_one_line_before_a_run_directory(rm_run, tmp_path):
+    root, run_dir, base = rm_run
+    bad_rm = copy_dir(run_dir / "model", tmp_path / "bad_rm")
+    bad_file = overwrite_header(bad_rm)
+    out = f"run.output_dir={tmp_path / 'runs'}"
+    line = error_line(invoke("train", f"task.reward_model={bad_rm}", *RL_FAST, out))
+    assert f"task.reward_model: '{bad_file}' is corrupt or truncated" in line
+    line = error_line(invoke("reward-model", "eval", bad_rm, root / "p.jsonl"))
+    assert f"'{bad_file}' is corrupt or truncated" in line
+    bad_lm = copy_dir(base, tmp_path / "bad_lm")
+    bad_file = overwrite_header(bad_lm)
+    line = error_line(invoke("reward-model", "train", root / "p.jsonl", "model=hf",
+                             f"model.name_or_path={bad_lm}", *QUIET, out))
+    assert f"'{bad_file}' is corrupt or truncated" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def add_pad_beyond_the_embeddings(model_dir: Path):
+    """A new [PAD] token on the saved tokenizer, the embeddings left as they are."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.add_special_tokens({"pad_token": "[PAD]"})
+    tok.save_pretrained(model_dir)
+    return len(tok), tok.pad_token_id, AutoConfig.from_pretrained(model_dir).vocab_size
+
+
+def test_a_pad_token_beyond_the_embeddings_is_refused_in_one_line(rm_run, tmp_path):
+    root, run_dir, base = rm_run
+    out = f"run.output_dir={tmp_path / 'runs'}"
+    rm_dir = copy_dir(run_dir / "model", tmp_path / "rm")
+    n, pad, rows = add_pad_beyond_the_embeddings(rm_dir)
+    assert pad >= rows                  # the case: an id the embedding lookup cannot take
+    want = (f"the tokenizer in '{rm_dir}' has {n} tokens but the model's input embeddings "
+            f"have {rows} rows (pad token '[PAD]' is id {pad})")
+    assert want in error_line(invoke("train", f"task.reward_model={rm_dir}", *RL_FAST, out))
+    assert want in error_line(invoke("reward-model", "eval", rm_dir, root / "p.jsonl"))
+    lm = copy_dir(base, tmp_path / "lm")
+    n, pad, rows = add_pad_beyond_the_embeddings(lm)
+    line = error_line(invoke("reward-model", "train", root / "p.jsonl", "model=hf",
+                             f"model.name_or_path={lm}", *QUIET, out))
+    assert f"has {n} tokens but the model's input embeddings have {rows} rows" in line
+    line = error_line(invoke("train", "model=hf", f"model.name_or_path={lm}", *RL_FAST, out))
+    assert f"has {n} tokens but the model's input embeddings have {rows} rows" in line
+    assert not list(tmp_path.glob("runs/*"))     # no run directory (rlctl train removes one
+                                                 # whose start failed; the others make none)
+
+
+def test_a_lora_adapter_as_the_base_model_says_what_to_pass(rm_run, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    root, _, base = rm_run
+    run = tmp_path / "lora_run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model: {}\n")      # a run directory holds config.yaml
+    lm = AutoModelForCausalLM.from_pretrained(base)
+    adapter = peft.get_peft_model(lm, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    adapter.save_pretrained(run / "model")
+    out = f"run.output_dir={tmp_path / 'runs'}"
+    want = (f"'{run / 'model'}' is a LoRA adapter (adapter_config.json), not a whole model; "
+            f"pass its base model ({base}) as model.name_or_path")
+    line = error_line(invoke("train", "model=hf", f"model.name_or_path={run / 'model'}",
+                             *RL_FAST, out))
+    assert want in line and f"give '{run}' as the TARGET of rlctl eval or rlctl rollout" in line
+    line = error_line(invoke("reward-model", "train", root / "p.jsonl", "model=hf",
+                             f"model.name_or_path={run / 'model'}", *QUIET, out))
+    assert want in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_reward_model_run_directory_is_taken_for_its_model(rm_run, tmp_path):
+    _, run_dir, _ = rm_run
+    res = invoke("train", f"task.reward_model={run_dir}", *RL_FAST,
+                 f"run.output_dir={tmp_path / 'runs'}")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    (rl_run,) = (tmp_path / "runs").iterdir()
+    rows = [json.loads(ln) for ln in (rl_run / "metrics.jsonl").read_text().splitlines()]
+    assert any("reward/reward_model" in r for r in rows)

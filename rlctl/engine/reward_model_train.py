@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import yaml
+from safetensors import SafetensorError
 from transformers import AutoTokenizer
 
 from rlctl.compose import compose
@@ -38,7 +39,7 @@ from rlctl.engine.reward_model_config import (RMConfig, resolved_sections, rm_co
 from rlctl.engine.rundir import create_run_dir, write_json_atomic
 from rlctl.engine.stopping import StopFlag
 from rlctl.errors import ConfigError, DataError, Interrupted, UserError
-from rlctl.models.loading import resolve_dtype
+from rlctl.models.loading import adapter_problem, check_vocab, corrupt_safetensors, resolve_dtype
 from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
                                      pairs_over, pairwise_accuracy, prepare_for_scoring,
                                      score_pairs)
@@ -102,6 +103,9 @@ def backbone_path(cfg) -> str:
     path = Path(str(m.name_or_path)).expanduser()
     if not path.is_dir():
         raise UserError(f"model path '{m.name_or_path}' does not exist or is not a directory")
+    problem = adapter_problem(path, new_adapter=False) or corrupt_safetensors(path)
+    if problem:      # a LoRA adapter would load with every weight frozen
+        raise UserError(f"cannot load model: {problem}")
     return str(path)
 
 
@@ -114,9 +118,11 @@ def load_classifier(path: str, dtype: str, seed: int, device: str):
     try:
         model = classifier_from_lm(path, resolve_dtype(dtype), seed)
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, RuntimeError) as exc:
+        check_vocab(tokenizer, model, path)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        why = (corrupt_safetensors(Path(path)) if isinstance(exc, SafetensorError) else None)
         raise UserError(f"cannot load model '{path}' as a sequence classifier: "
-                        f"{_first_line(exc)}") from None
+                        f"{why or _first_line(exc)}") from None
     prepare_for_scoring(model, tokenizer)
     return model.to(device), tokenizer
 

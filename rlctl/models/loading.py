@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlctl.model_files import adapter_problem, corrupt_safetensors, vocab_problem
 from rlctl.models.tiny import build_tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,10 +50,25 @@ def prepare_tokenizer(tokenizer, model):
 
 
 def check_source(name: str, name_or_path: Optional[str]) -> None:
-    """Fail early (before a run directory is made) on a local model path that is missing."""
-    if name == "hf" and name_or_path and _looks_like_path(name_or_path) \
-            and not os.path.isdir(Path(name_or_path).expanduser()):
+    """Fail early (before a run directory is made) on a local model path that is missing,
+    that is a LoRA adapter rather than a model, or whose .safetensors header is corrupt."""
+    if name != "hf" or not name_or_path:
+        return
+    path = Path(name_or_path).expanduser()
+    if _looks_like_path(name_or_path) and not path.is_dir():
         raise ValueError(f"model path '{name_or_path}' does not exist or is not a directory")
+    if path.is_dir():
+        problem = adapter_problem(path) or corrupt_safetensors(path)
+        if problem:
+            raise ValueError(problem)
+
+
+def check_vocab(tokenizer, model, path: Any) -> None:
+    """ValueError (one line) when the tokenizer has ids the model's input embeddings lack."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    problem = vocab_problem(tokenizer, getattr(embeddings, "num_embeddings", None), path)
+    if problem:
+        raise ValueError(problem)
 
 
 def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
@@ -88,7 +104,9 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
     except (OSError, ValueError, SafetensorError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, SafetensorError):   # e.g. a truncated or overwritten file
-            first = f"its .safetensors weights are corrupt or truncated ({first})"
+            named = corrupt_safetensors(Path(path)) if os.path.isdir(path) else None
+            first = named or f"its .safetensors weights are corrupt or truncated ({first})"
         raise ValueError(f"cannot load model '{path}': {first}") from err
+    check_vocab(tokenizer, model, path)
     model.to(device)
     return model, prepare_tokenizer(tokenizer, model)

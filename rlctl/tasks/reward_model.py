@@ -56,11 +56,12 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlctl.errors import UserError
+from rlctl.model_files import corrupt_safetensors, reward_model_dir, vocab_problem
 from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.tasks.reward_checkpoint import (LAST_ATTENDED, checkpoint_keys, head_names,
                                            head_params, pad_id_of, read_positions,
                                            score_head, score_read, untrained_head_problem)
-from rlctl.tasks.reward_norm import RunningNorm
+from rlctl.tasks.reward_norm import RunningNorm, global_batch_stats
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
 
@@ -213,7 +214,11 @@ class RewardModel:
         self.path, self.name, self.weight, self.key = Path(str(path)).expanduser(), name, weight, key
         if not self.path.is_dir():
             raise ValueError(f"{key}: no such reward model directory '{path}'")
+        self.path = reward_model_dir(self.path)     # a `reward-model train` run: its model/
         self.config = _check_config(self.path, key)
+        corrupt = corrupt_safetensors(self.path)
+        if corrupt:
+            raise ValueError(f"{key}: {corrupt}")
         problem = _weights_problem(self.path)
         keys = None if problem else checkpoint_keys(self.path)
         if keys is not None:
@@ -221,6 +226,9 @@ class RewardModel:
         if problem:
             raise ValueError(f"{key}: '{path}' {problem}")
         self.tokenizer = _load_tokenizer(self.path, key)
+        problem = vocab_problem(self.tokenizer, getattr(self.config, "vocab_size", None), self.path)
+        if problem:
+            raise ValueError(f"{key}: {problem}")
         self.device_name = device
         self.model = None
         self.limit = length_limit(self.tokenizer, self.config)   # tokens per scored text
@@ -319,12 +327,16 @@ class LearnedRewards:
         return values
 
     def score(self, examples, completions, update: bool) -> Tuple[List[float], Dict[str, List[float]]]:
-        """(weighted sum of the shaped scores [n], raw scores by name)."""
+        """(weighted sum of the shaped scores [n], raw scores by name). ``update``: the
+        running statistics take this batch first, over every rank (one collective: each
+        rank's scorer must update once per step, as training's does)."""
         total = [0.0] * len(examples)
-        raw: Dict[str, List[float]] = {}
+        raw = {m.name: m.score(examples, completions) for m in self.models}
+        if update and self.norm == "running":
+            for m, stats in zip(self.models, global_batch_stats([raw[m.name] for m in self.models])):
+                self.norms[m.name].merge(*stats)
         for m in self.models:
-            raw[m.name] = m.score(examples, completions)
-            for i, v in enumerate(self.shaped(m.name, raw[m.name], update)):
+            for i, v in enumerate(self.shaped(m.name, raw[m.name], update=False)):
                 total[i] += m.weight * v
         return total, raw
 

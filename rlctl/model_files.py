@@ -1,0 +1,69 @@
+"""Checks of a model directory's files that load nothing (no torch): a peft LoRA adapter
+given where a whole model is needed, a .safetensors file whose header cannot be read, a
+tokenizer with ids beyond the model's input embeddings, and a run directory of
+`rlctl reward-model train` given for the reward model in its model/. Each problem is one
+line for the user; the callers raise it (rlctl/models/loading.py, rlctl/tasks/reward_model.py,
+rlctl/engine/reward_model_train.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from safetensors import SafetensorError, safe_open
+
+
+def adapter_problem(path: Path, new_adapter: bool = True) -> Optional[str]:
+    """One line when ``path`` is a peft LoRA adapter (adapter_config.json) and not a whole
+    model: training would load it with every weight frozen. Says what to pass instead
+    (``new_adapter``: also that model.lora.enabled=true trains a new adapter)."""
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+        return None
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    run = path.parent if (path.parent / "config.yaml").is_file() else path
+    base_hint = f"its base model ({base})" if base else "the base model it was trained on"
+    lora = " (with model.lora.enabled=true for a new adapter)" if new_adapter else ""
+    return (f"'{path}' is a LoRA adapter (adapter_config.json), not a whole model; pass "
+            f"{base_hint} as model.name_or_path{lora}, or give '{run}' as the TARGET of "
+            "rlctl eval or rlctl rollout to use the adapter")
+
+
+def corrupt_safetensors(path: Path) -> Optional[str]:
+    """One line naming the first .safetensors file in ``path`` whose header cannot be read
+    (a truncated or overwritten file); None when every header reads."""
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            return f"'{file}' is corrupt or truncated, not a readable safetensors file ({why})"
+    return None
+
+
+def vocab_problem(tokenizer, rows: Optional[int], path: Any) -> Optional[str]:
+    """One line when the tokenizer has ids the model's ``rows`` input embeddings lack (e.g.
+    a pad token added without resize_token_embeddings): the embedding lookup of any batch
+    that holds one fails (an IndexError); None when they fit or ``rows`` is unknown."""
+    if not isinstance(rows, int) or len(tokenizer) <= rows:
+        return None
+    beyond = [f"{name} token {tok!r} is id {i}" for name in ("pad", "bos", "eos", "unk")
+              if (tok := getattr(tokenizer, f"{name}_token", None)) is not None
+              and (i := tokenizer.convert_tokens_to_ids(tok)) is not None and i >= rows]
+    return (f"the tokenizer in '{path}' has {len(tokenizer)} tokens but the model's input "
+            f"embeddings have {rows} rows" + (f" ({'; '.join(beyond)})" if beyond else "")
+            + ": resize them (model.resize_token_embeddings(len(tokenizer))) and save again, "
+            "or use a tokenizer within them (e.g. the EOS as pad)")
+
+
+def reward_model_dir(path: Path) -> Path:
+    """``path``, or its ``model/`` when ``path`` is a run directory of `rlctl reward-model
+    train` (no config.json of its own, a model/config.json inside)."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "model" / "config.json").is_file():
+        return path / "model"
+    return path
