@@ -62,12 +62,27 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
     if rm and _takes(cfg.task.name, "reward_model"):
         opts["reward_model"] = rm   # a data task then needs no reward function of its own
     learned = build_learned_rewards(rm, rewards, norm, clip, cfg.hardware.device)
-    if learned is not None and norm == "running" and (
-            cfg.trainer.async_rollout.enabled or cfg.hardware.num_processes > 1):
-        raise ValueError("task.reward_norm=running keeps its statistics in one process; it "
-                         "needs hardware.num_processes=1 and trainer.async_rollout.enabled=false")
+    if learned is not None and norm == "running":
+        _check_running_norm(cfg)
     _check_critic_init(cfg, learned)
     return learned
+
+
+def _check_running_norm(cfg: DictConfig) -> None:
+    """task.reward_norm=running: the training scorers of all ranks merge their batches'
+    statistics in one collective per sampling round (rlctl.tasks.reward_norm), so every
+    rank must sample the same number of rounds, in the learner's processes."""
+    if cfg.trainer.async_rollout.enabled:
+        raise ValueError("task.reward_norm=running keeps its statistics in the learner, and "
+                         "rollout actors score apart from it; set "
+                         "trainer.async_rollout.enabled=false")
+    hw = cfg.hardware
+    world = max(hw.num_processes * hw.nnodes, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    if world > 1 and cfg.algo.dynamic_sampling:
+        raise ValueError("task.reward_norm=running merges every rank's statistics once per "
+                         "sampling round, and with algo.dynamic_sampling the ranks sample "
+                         "different numbers of rounds; set algo.dynamic_sampling=false (or "
+                         "run one process)")
 
 
 def _resolve_reward_model(path, cfg: DictConfig):

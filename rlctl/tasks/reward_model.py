@@ -61,7 +61,7 @@ from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.tasks.reward_checkpoint import (LAST_ATTENDED, checkpoint_keys, head_names,
                                            head_params, pad_id_of, read_positions,
                                            score_head, score_read, untrained_head_problem)
-from rlctl.tasks.reward_norm import RunningNorm
+from rlctl.tasks.reward_norm import RunningNorm, global_batch_stats
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
 
@@ -327,12 +327,16 @@ class LearnedRewards:
         return values
 
     def score(self, examples, completions, update: bool) -> Tuple[List[float], Dict[str, List[float]]]:
-        """(weighted sum of the shaped scores [n], raw scores by name)."""
+        """(weighted sum of the shaped scores [n], raw scores by name). ``update``: the
+        running statistics take this batch first, over every rank (one collective: each
+        rank's scorer must update once per step, as training's does)."""
         total = [0.0] * len(examples)
-        raw: Dict[str, List[float]] = {}
+        raw = {m.name: m.score(examples, completions) for m in self.models}
+        if update and self.norm == "running":
+            for m, stats in zip(self.models, global_batch_stats([raw[m.name] for m in self.models])):
+                self.norms[m.name].merge(*stats)
         for m in self.models:
-            raw[m.name] = m.score(examples, completions)
-            for i, v in enumerate(self.shaped(m.name, raw[m.name], update)):
+            for i, v in enumerate(self.shaped(m.name, raw[m.name], update=False)):
                 total[i] += m.weight * v
         return total, raw
 

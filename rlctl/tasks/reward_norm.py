@@ -1,13 +1,63 @@
 """Running reward statistics for ``task.reward_norm=running``: count, mean and M2 of
 every score seen (float64), merged batch by batch with the pairwise update of Chan,
-Golub and LeVeque (1979) (Welford's update, one value at a time)."""
+Golub and LeVeque (1979) (Welford's update, one value at a time). With several ranks
+(``global_batch_stats``) each rank's batch statistics are gathered and merged before
+the update, so every rank normalises with the statistics of the whole step's batch, as
+one process scoring all of it would."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
 
 STD_FLOOR = 1e-6         # running std below this divides by 1 (all scores so far equal)
+Stats = Tuple[int, float, float]   # (count, mean, M2)
+
+
+def batch_stats(xs: Sequence[float]) -> Stats:
+    """(count, mean, M2) of ``xs``, with exactly rounded sums."""
+    m = len(xs)
+    if m == 0:
+        return 0, 0.0, 0.0
+    mean = math.fsum(xs) / m
+    return m, mean, math.fsum((x - mean) ** 2 for x in xs)
+
+
+def merged(a: Stats, b: Stats) -> Stats:
+    """The statistics of the union of two sets of values (Chan et al.'s pairwise update)."""
+    (na, ma, m2a), (nb, mb, m2b) = a, b
+    n = na + nb
+    if nb == 0:
+        return a
+    delta = mb - ma
+    return n, ma + delta * nb / n, m2a + m2b + delta * delta * na * nb / n
+
+
+def global_batch_stats(batches: Sequence[Sequence[float]]) -> List[Stats]:
+    """For each of this rank's batches (one per reward model), the statistics of that
+    batch over every rank of the default process group: each rank's (count, mean, M2) are
+    gathered in one all-reduce (float64) and merged in rank order, so every rank gets the
+    same numbers. Without a process group (one process): the local statistics."""
+    local = [batch_stats(b) for b in batches]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    table = torch.zeros(world, len(local), 3, dtype=torch.float64, device=device)  # [W, M, 3]
+    table[rank] = torch.tensor(local, dtype=torch.float64, device=device)
+    dist.all_reduce(table)                 # each row is one rank's: the sum is a gather
+    out = []
+    for j in range(len(local)):
+        acc: Stats = (0, 0.0, 0.0)
+        for r in range(world):
+            n, mean, m2 = table[r, j].tolist()
+            acc = merged(acc, (int(round(n)), mean, m2))
+        out.append(acc)
+    return out
 
 
 @dataclass
@@ -19,16 +69,12 @@ class RunningNorm:
 
     def update(self, xs: Sequence[float]) -> None:
         """Merge a batch (Chan et al.'s pairwise update; one value at a time is Welford's)."""
-        m = len(xs)
-        if m == 0:
-            return
-        b_mean = math.fsum(xs) / m
-        b_m2 = math.fsum((x - b_mean) ** 2 for x in xs)
-        n = self.count + m
-        delta = b_mean - self.mean
-        self.mean += delta * m / n
-        self.m2 += b_m2 + delta * delta * self.count * m / n
-        self.count = n
+        self.merge(*batch_stats(xs))
+
+    def merge(self, m: int, b_mean: float, b_m2: float) -> None:
+        """Merge the statistics (count, mean, M2) of another set of values."""
+        self.count, self.mean, self.m2 = merged((self.count, self.mean, self.m2),
+                                                (m, b_mean, b_m2))
 
     @property
     def std(self) -> float:
