@@ -180,7 +180,8 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
             env = dict(os.environ, RANK=str(hw.node_rank * n + local), WORLD_SIZE=str(world),
                        LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR=hw.master_addr,
                        MASTER_PORT=str(hw.master_port), OMP_NUM_THREADS=str(hw.num_threads),
-                       RLCTL_LAUNCHER_PID=str(os.getpid()))
+                       RLCTL_LAUNCHER_PID=str(os.getpid()), RLCTL_NODE_RANK=str(hw.node_rank))
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")   # a closed store: rlctl's line, no C++ stack
             procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
             if stop is not None and stop.requested:    # a signal came while ranks were starting
                 _signal_all(procs[-1:], stop.signum)

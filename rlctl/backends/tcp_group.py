@@ -5,9 +5,10 @@ or rlctl's own launcher on several nodes.
 ``MASTER_PORT`` (torchrun and the deepspeed launcher set them), or SLURM's
 ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` with the first host of
 ``SLURM_JOB_NODELIST`` as the master (``MASTER_PORT``, else ``hardware.master_port``).
-``join`` exports that description and joins the group over TCP (``env://``) within
-``hardware.dist_timeout_s``; a rank that cannot reach the master, or a master whose
-peers never come, gets one line instead of a hang. ``share`` passes a short text (the
+``join`` exports that description and joins the group over TCP within
+``hardware.dist_timeout_s``, through meet.py (polled in Python): a rank that cannot reach
+the master, a master whose peers never come, a rank started twice, or ranks whose configs
+differ get one line on every node instead of a hang. ``share`` passes a short text (the
 run directory, or rank 0's set-up error) from rank 0 to every rank through the
 rendezvous store.
 """
@@ -15,15 +16,18 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from rlctl.backends import meet, same_config
 from rlctl.errors import UserError
 
+_STORES: List[object] = []     # the stores this process joined through (kept alive)
 _KEY = "rlctl/run_dir"
 _FAILED = "!"                  # prefix of a shared value that is rank 0's error line
 
@@ -36,6 +40,7 @@ class Group:
     master_addr: str
     master_port: int
     source: str                # "torchrun/deepspeed" | "SLURM" | "rlctl" (the launcher that set it)
+    node: Optional[int] = None  # this rank's node, where the launcher says (``_node``)
 
     def env(self) -> Dict[str, str]:
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
@@ -84,14 +89,14 @@ def from_environment(default_port: int, env: Optional[Dict[str, str]] = None) ->
         source = "rlctl" if "RLCTL_LAUNCHER_PID" in env else "torchrun/deepspeed"
         return _checked(Group(_int(env, "RANK"), _int(env, "WORLD_SIZE"),
                               _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-                              env["MASTER_ADDR"], _int(env, "MASTER_PORT"), source))
+                              env["MASTER_ADDR"], _int(env, "MASTER_PORT"), source, _node(env)))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         addr = env.get("MASTER_ADDR") or expand_nodelist(env.get("SLURM_JOB_NODELIST", "") or
                                                          env.get("SLURM_NODELIST", ""))[0]
         port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else default_port
         return _checked(Group(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
                               _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-                              addr, port, "SLURM"))
+                              addr, port, "SLURM", _node(env)))
     return None
 
 
@@ -102,26 +107,43 @@ def _checked(group: Group) -> Group:
     return group
 
 
-def join(group: Group, device: str, timeout_s: float) -> None:
-    """Export ``group`` to this process's environment and join it (gloo, nccl on CUDA)."""
+def join(group: Group, device: str, timeout_s: float, config: Optional[Dict[str, Any]] = None,
+         stop=None) -> None:
+    """Export ``group`` to this process's environment and join it (gloo, nccl on CUDA):
+    reach the store, claim the rank and compare ``config`` (the resolved config, nested
+    dicts) with rank 0's before the group forms (rlctl/backends/meet.py). ``stop``: a
+    StopFlag whose signal ends the waits (exit 128 + signal)."""
 
     os.environ.update(group.env())
     if dist.is_initialized():
         return
     if device.startswith("cuda"):
         torch.cuda.set_device(group.local_rank)
+    deadline = time.monotonic() + timeout_s
+    store = meet.open_store(group, timeout_s, deadline, stop)
+    _STORES.append(store)                     # rank 0 serves it for the whole run
+    label = f"node {group.node}" if group.node is not None else f"rank {group.rank}"
+    claimed_by = (f"hardware.node_rank={group.node}" if group.source == "rlctl"
+                  else f"rank {group.rank} ({group.source})")
+    meet.meet(store, group, same_config.flatten(config or {}), label, claimed_by, timeout_s,
+              deadline, stop)
     try:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method="env://",
-                                rank=group.rank, world_size=group.world_size,
-                                timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError alike
-        first = " ".join(str(exc).split())[:160]
-        who = ("the other ranks did not all join" if group.rank == 0
-               else "it cannot reach the master")
-        raise UserError(f"rank {group.rank} of {group.world_size} ({group.source}): {who} at "
-                        f"{group.master_addr}:{group.master_port} within hardware.dist_timeout_s="
-                        f"{timeout_s:g} ({first}); check MASTER_ADDR/MASTER_PORT (or hardware."
-                        "master_addr/master_port) and that every node was started") from None
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                store=dist.PrefixStore("default_pg", store), rank=group.rank,
+                                world_size=group.world_size, timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - a rank lost between the verdict and the group
+        raise UserError(f"rank {group.rank} of {group.world_size} ({group.source}): forming the group at "
+                        f"{group.master_addr}:{group.master_port} failed after every rank arrived "
+                        f"({meet.first(exc)}); start every node again") from None
+
+
+def _node(env: Dict[str, str]) -> Optional[int]:
+    """The node number the launcher exports (rlctl: RLCTL_NODE_RANK, torchrun: GROUP_RANK,
+    srun: SLURM_NODEID), if any."""
+    for name in ("RLCTL_NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return None
 
 
 def share(group: Group, value: Optional[str], error: Optional[str] = None) -> str:

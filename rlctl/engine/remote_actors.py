@@ -15,7 +15,9 @@ the master is; the task's data files must exist on every node. Messages are thos
 local case (rlctl/engine/async_rollout.py).
 
 Joining: the store also holds a random run id; the join keys live under it (``key``), so
-an actor of another run never counts. An actor node claims its ranks (a counter: a second
+an actor of another run never counts; it also says the learner is async (meet.MODE_KEY),
+so a node started without async, or an actor node meeting plain ranks, is one line on
+both sides (rlctl/backends/meet.py). An actor node claims its ranks (a counter: a second
 node with the same ``hardware.node_rank`` is refused, exit 2) and gives them back when it
 stops; a waiting actor bumps its ``alive`` counter every poll. The learner waits (0.2 s
 polls in Python: SIGINT/SIGTERM or a dead local actor ends the wait at once) until every
@@ -44,6 +46,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from rlctl.backends.launch import check_node_rank
+from rlctl.backends.meet import MISMATCH_KEY, MODE_KEY, mode_line, spans
 from rlctl.errors import ActorFailed, LaunchError, UserError
 
 CONFIG_KEY = "rlctl/async/learner_config"
@@ -116,6 +119,7 @@ def serve_config(hw, cfg_yaml: str):
                         f"({_first(exc)}); choose a free hardware.master_port") from None
     run = secrets.token_hex(8)
     store.set(RUN_KEY, run)
+    store.set(MODE_KEY, "async")          # a node started without async says so (meet.py)
     store.set(CONFIG_KEY, cfg_yaml)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")    # the local actors' c10d, as on a node
     return store, tcp_init(hw, run)
@@ -238,6 +242,8 @@ def form_group(store, cfg, stop, local_procs) -> None:
                 store.set(key(run, "go"), "1")
                 join(store, 0, world, timeout_s)
                 break
+            if store.check([MISMATCH_KEY]):         # a node that trains without async came
+                raise UserError(store.get(MISMATCH_KEY).decode())
             dead = [(a + 1, p.exitcode) for a, p in enumerate(local_procs) if p.exitcode is not None]
             if dead:
                 raise ActorFailed(f"rollout actor rank {dead[0][0]} on node 0 exited with code "
@@ -263,19 +269,8 @@ def _nodes_of(cfg, ranks: List[int]) -> str:
     node 0's own actors (still starting) only when no other node is missing."""
     ranks = [r for r in ranks if node_of(cfg, r)] or ranks
     nodes = sorted({node_of(cfg, r) for r in ranks})
-    return f"node{'s' if len(nodes) > 1 else ''} {_spans(nodes)} (rank{'s' if len(ranks) > 1 else ''} " \
-        f"{_spans(ranks)})"
-
-
-def _spans(xs: List[int]) -> str:
-    """[1, 2, 3, 5] -> '1-3, 5'."""
-    out: List[List[int]] = []
-    for x in sorted(xs):
-        if out and x == out[-1][1] + 1:
-            out[-1][1] = x
-        else:
-            out.append([x, x])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+    return f"node{'s' if len(nodes) > 1 else ''} {spans(nodes)} (rank{'s' if len(ranks) > 1 else ''} " \
+        f"{spans(ranks)})"
 
 
 def _absent(cfg, missing: List[int]) -> UserError:
@@ -286,7 +281,7 @@ def _absent(cfg, missing: List[int]) -> UserError:
     elif len(nodes) == 1:
         hint = f"start the same command with hardware.node_rank={nodes[0]} on node {nodes[0]}"
     else:
-        hint = f"start the same command with hardware.node_rank=R on node R for R in {_spans(nodes)}"
+        hint = f"start the same command with hardware.node_rank=R on node R for R in {spans(nodes)}"
     return UserError(f"the learner (rank 0 of {world_size(cfg)}): the rollout actors did not all join "
                      f"at {hw.master_addr}:{hw.master_port} within hardware.dist_timeout_s="
                      f"{float(hw.dist_timeout_s):g}: {_nodes_of(cfg, missing)} never connected; {hint}")
@@ -359,6 +354,9 @@ def _learner_config(store, node: int, timeout_s: float, stop):
     deadline = time.monotonic() + timeout_s
     try:
         while not store.check([CONFIG_KEY]):
+            if store.check([MODE_KEY]) and store.get(MODE_KEY).decode() != "async":
+                store.set(MISMATCH_KEY, mode_line(False, f"node {node}"))
+                raise UserError(mode_line(False, f"node {node}"))
             if _signalled(stop):
                 raise LaunchError(f"node {node}: {_interrupted(stop)} while waiting for the learner's "
                                   "config; no rollout actor was started", False, 128 + stop.signum)
@@ -366,7 +364,7 @@ def _learner_config(store, node: int, timeout_s: float, stop):
                 raise TimeoutError(f"no {CONFIG_KEY} within {timeout_s:g} s")
             time.sleep(POLL_S)
         return store.get(CONFIG_KEY).decode(), store.get(RUN_KEY).decode()
-    except LaunchError:
+    except (LaunchError, UserError):
         raise
     except Exception as exc:  # noqa: BLE001 - a lost master, a foreign store
         raise UserError(f"node {node}: the learner did not share its config ({_first(exc)})") from None

@@ -104,8 +104,6 @@ def _on_local_gpu(cfg: DictConfig) -> DictConfig:
     """With several ranks on GPUs, each uses cuda:LOCAL_RANK (its launcher's local index)."""
     if cfg.hardware.device != "cuda" or int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return cfg
-
-
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     cfg = copy.deepcopy(cfg)
@@ -240,7 +238,7 @@ def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], ove
 
     _check_group(group, cfg)
     leave_with_launcher()
-    tcp_group.join(group, cfg.hardware.device, cfg.hardware.dist_timeout_s)
+    tcp_group.join(group, cfg.hardware.device, cfg.hardware.dist_timeout_s, OmegaConf.to_container(cfg), stop)
     if group.rank != 0:
         run_dir = Path(tcp_group.share(group, None))
         return _lost_rank_is_one_line(group, run_dir, lambda: train_rank(cfg, run_dir, resume=resume is not None,
@@ -286,6 +284,9 @@ def _lost_rank_is_one_line(group, run_dir: Path, train):
 
     try:
         return train()
+    except Interrupted as exc:                 # rlctl's launcher: each node resumes as itself
+        exc.resume_args = () if group.source != "rlctl" else (f"hardware.node_rank={group.node}",)
+        raise
     except (UserError, TrainingFault, ActorFailed, LaunchError):
         raise
     except RuntimeError as exc:
