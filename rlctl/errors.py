@@ -56,13 +56,16 @@ class Interrupted(KeyboardInterrupt):
     (``aborted``: a second Ctrl-C stopped it mid-step; ``step`` is then the newest
     checkpoint's step, 0 if none). The exit code is 128 + the signal's number."""
 
+    resume_args: Tuple[str, ...] = ()     # what this process adds to resume (its node's node_rank)
+
     def __init__(self, run_dir, step: int, signum: int = signal.SIGINT, aborted: bool = False):
         super().__init__(step)
         self.run_dir, self.step, self.signum, self.aborted = run_dir, step, int(signum), aborted
 
     def message(self) -> str:
         name = signal.Signals(self.signum).name
-        hint = (f". Resume with: rlctl train --resume {shlex.quote(str(self.run_dir))}"
+        extra = "".join(f" {shlex.quote(a)}" for a in self.resume_args)
+        hint = (f". Resume with: rlctl train --resume {shlex.quote(str(self.run_dir))}{extra}"
                 if self.run_dir is not None and self.step else "")
         if self.aborted:
             saved = f"the newest checkpoint is step {self.step}" if self.step else "no checkpoint was saved"
