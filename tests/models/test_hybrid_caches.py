@@ -31,7 +31,15 @@ from rlctl.engine.policy import learner_forward
 from rlctl.rollout.generate import generate
 
 HYBRIDS = ("qwen3_next", "qwen3_5", "lfm2", "falcon_h1", "recurrent_gemma")
-PROMPTS = ["sort 3 1 2", "sort the digits 9 8 7 6 5 4 in ascending order", "answer 7"]
+# attention caches that must keep working: sliding windows (16 tokens, shorter than the long
+# prompt: Mistral, Gemma-3's sliding layers) and mixture-of-experts blocks. (Gemma-2 is left
+# out: its eager attention in float64 turns left-padded rows into NaN, in transformers
+# itself; Gemma-3's greedy output here repeats one token per prompt, so it is checked in
+# the learner only.)
+SAMPLED = HYBRIDS + ("mistral", "qwen3_moe")
+LEARNED = HYBRIDS + ("mistral", "gemma3", "qwen3_moe")
+PROMPTS = ["sort 3 1 2", "sort the digits 9 8 7 6 5 4 in ascending order", "answer 7",
+           "You are a helpful assistant. sort the digits 9 8 7 6 5 4 3 2 1 0 in ascending order"]
 F32_KERNEL = ("qwen3_next", "qwen3_5")
 
 
@@ -51,8 +59,10 @@ def hybrid():
             family = ARCHS[name][0]
             tok = build_tokenizer(family, TOKENIZERS[family])
             tok.padding_side = "left"
+            if tok.pad_token is None:           # Mistral ships none; pad with EOS
+                tok.pad_token = tok.eos_token
             config = build_config(name, tok)
-            if name == "qwen3_next":          # its fused MoE kernel has no float64
+            if name in ("qwen3_next", "qwen3_moe"):    # their fused MoE kernel has no float64
                 config._experts_implementation = "eager"
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
@@ -117,7 +127,7 @@ def _reference_greedy(model, tok, prompts, new, stops, alone):
 
 
 @pytest.mark.parametrize("share", [True, False])
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", SAMPLED)
 def test_sampler_greedy_equals_generate(hybrid, name, share):
     """rlctl's lean sampling loop at top-k 1 (greedy), prompt sharing on and off, gives
     the tokens of transformers' greedy ``generate``: on the same left-padded batch, and
@@ -165,7 +175,7 @@ def _reference_logp(model, tok, prompts, ids, mask):
 
 
 @pytest.mark.parametrize("T", [2, 4])
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", LEARNED)
 def test_learner_shared_forward_and_gradients(hybrid, name, T):
     """The learner's prompt-shared forward gives the log-probs of its full forward and of
     a plain transformers forward of each row alone, and the same parameter gradients
@@ -183,8 +193,8 @@ def test_learner_shared_forward_and_gradients(hybrid, name, T):
     cut = P - 1 if T == 2 else P
     if name == "recurrent_gemma":     # unpadded, one forward per prompt length, no sharing
         assert sorted(calls) == sorted((2, len(tok(p)["input_ids"]) + T - 1) for p in PROMPTS)
-    else:                             # the 3 distinct prompts once, then the 6 rows' rest
-        assert calls == [(3, cut), (6, P + T - 1 - cut)]
+    else:                             # the distinct prompts once, then every row's rest
+        assert calls == [(len(PROMPTS), cut), (2 * len(PROMPTS), P + T - 1 - cut)]
     for how in ("shared", "full", "alone"):
         model.zero_grad(set_to_none=True)
         if how == "alone":
