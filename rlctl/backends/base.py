@@ -127,11 +127,13 @@ class Backend:
         return self.all_reduce(t, "sum")
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Element-wise sum / min / max over ranks (a new float tensor on ``t``'s device).
-        The collective runs on this backend's device (NCCL takes no CPU tensors)."""
+        """Element-wise sum / min / max over ranks (a new float tensor on ``t``'s device:
+        float64 stays float64, any other dtype becomes float32). The collective runs on
+        this backend's device (NCCL takes no CPU tensors)."""
         if self.world_size == 1:
             return t
-        out = t.detach().float().to(self.device, copy=True)
+        dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        out = t.detach().to(self.device, dtype, copy=True)
         dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                                  "max": dist.ReduceOp.MAX}[op])
         return out.to(t.device)

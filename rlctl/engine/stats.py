@@ -3,7 +3,7 @@
 Each name is made where its value is computed (given here as ``where``); values are
 detached tensors until one host sync at log time. The schema:
 
-  reward/mean, reward/std            task reward over the step's N rows (stats.py)
+  reward/mean, reward/std            task reward over the step's rows of every rank (stats.py)
   reward/frac_zero_std_groups        groups whose G rewards are all equal (stats.py)
   reward/errors, reward/timeouts     failed reward calls; samples left unscored at the
                                      deadline (cumulative counts, tasks/scoring.py)
@@ -12,7 +12,7 @@ detached tensors until one host sync at log time. The schema:
                                      model's raw score (reward/reward_model by default)
                                      (tasks/scoring.py; async: engine/async_rollout.py)
   rollout/kept_groups_frac           groups kept by dynamic sampling / groups sampled (stats.py)
-  advantage/mean, advantage/std      token mean; std of per-row means (stats.py)
+  advantage/mean, advantage/std      token mean; std of per-row means over every rank's rows (stats.py)
   length/mean, length/min, length/max  counted completion tokens per row (stats.py)
   length/truncated_frac              rows with no stop id within the limit (stats.py)
   policy/loss                        the policy loss, this rank's share summed (engine/update.py)
@@ -21,14 +21,18 @@ detached tensors until one host sync at log time. The schema:
                                      either, fraction of counted tokens (core/_policy.py)
   policy/clip_frac_dual              tokens with A < 0 capped by the dual clip (core/_policy.py)
   policy/approx_kl                   k3(pi_old -> pi) token mean (core/_policy.py)
-  policy/ratio_std, policy/ratio_max spread of pi / pi_old when pi_old is given (update.py)
+  policy/ratio_std, policy/ratio_max spread of pi / pi_old when pi_old is given: population std
+                                     and max over every counted token of the update (all its
+                                     optimizer steps, micro-batches and ranks) (update.py)
   policy/kl_ref                      the training KL estimate to the reference (update.py)
   kl/k1, kl/k3                       both estimates of KL(pi || ref), token means (update.py)
   kl/seq_k1                          per-sequence KL(pi_old || ref), adaptive KL's input (trainer.py);
                                      like reward/mean and length/mean, weighted by rank's sequences
                                      (per-sequence means are weighted by each rank's sequences)
   kl/coef                            the KL coefficient beta (trainer.py)
-  value/loss, value/clip_frac, value/explained_var, value/mean   critic (update.py)
+  value/loss, value/clip_frac, value/explained_var, value/mean   critic (update.py);
+                                     explained_var = 1 - Var[R - V] / Var[R] over every counted
+                                     token of the update (all steps, micro-batches and ranks)
   value/return_mean                  token mean of the value targets (trainer.py)
   optim/grad_norm, optim/lr          before clipping; the schedule's (update.py, trainer.py)
   fault/skipped_steps                optimizer steps skipped as non-finite (update.py)
@@ -41,10 +45,17 @@ detached tensors until one host sync at log time. The schema:
 The reward-model command logs its own: train/loss, train/bt_loss, train/accuracy,
 train/margin, optim/grad_norm (models/reward_fit.py); eval/pairwise_accuracy, eval/margin,
 eval/chosen_mean, eval/rejected_mean (engine/reward_model_train.py).
+
+Token means are exact over micro-batches (weighted by their tokens) and averaged over
+optimizer steps and ranks. Spreads (the stds, explained_var) are not means of per-token
+values, so they travel as `Moments` (count, means, sums of squared deviations, float64)
+pooled over micro-batches, steps and ranks and finished once at log time: they do not
+depend on micro_batch_size, micro_batch_tokens, minibatches or the number of ranks.
 """
 from __future__ import annotations
 
-from typing import Dict
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Union
 
 import torch
 
@@ -52,8 +63,72 @@ from rlctl.core.logprobs import masked_mean
 from rlctl.types import RolloutBatch
 
 
-def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[str, torch.Tensor]:
-    """reward/, advantage/, length/ and rollout/kept_groups_frac of one step's batch."""
+@dataclass
+class Moments:
+    """Pooled sufficient statistics of k variables over the same n entries, in float64:
+    the count ``n`` [], the means ``mean`` [k] and the sums of squared deviations from
+    them ``m2`` [k]. ``combine`` pools two sets exactly (Chan, Golub & LeVeque, 1983), with
+    no ``sum x^2 - n mean^2`` cancellation; ``finish`` turns the pooled set into the
+    metric. A metric whose value is a ``Moments`` is a statistic of every entry it saw,
+    over micro-batches, optimizer steps and ranks alike (`reduce_metrics` finishes it)."""
+    n: torch.Tensor
+    mean: torch.Tensor
+    m2: torch.Tensor
+    finish: Callable[["Moments"], torch.Tensor]
+
+    @classmethod
+    def of(cls, x: torch.Tensor, mask: torch.Tensor, finish) -> "Moments":
+        """x [k, ...] (k variables), mask [...] (entries counted where > 0)."""
+        x, m = x.detach().double(), (mask.detach() > 0).double()
+        n = m.sum()
+        dims = tuple(range(1, x.dim()))
+        mean = (x * m).sum(dims) / n.clamp(min=1)                           # [k]
+        dev = (x - mean.view((-1,) + (1,) * len(dims))) * m                 # [k, ...]
+        return cls(n, mean, dev.square().sum(dims), finish)
+
+    def combine(self, other: "Moments") -> "Moments":
+        n = self.n + other.n
+        d = other.mean - self.mean                                          # [k]
+        w = other.n / n.clamp(min=1)
+        return Moments(n, self.mean + d * w, self.m2 + other.m2 + d.square() * self.n * w, self.finish)
+
+    def flat(self) -> torch.Tensor:
+        """[1 + 2k] float64 on the CPU: n, means, m2."""
+        return torch.cat([self.n.reshape(1), self.mean, self.m2]).detach().double().cpu()
+
+    def like(self, flat: torch.Tensor) -> "Moments":
+        k = self.mean.numel()
+        return Moments(flat[0], flat[1:1 + k], flat[1 + k:], self.finish)
+
+
+def pool(parts: List[Moments]) -> Moments:
+    out = parts[0]
+    for p in parts[1:]:
+        out = out.combine(p)
+    return out
+
+
+def population_std(m: Moments) -> torch.Tensor:
+    """sqrt(M2 / n) of the first variable (0 without entries)."""
+    return (m.m2[0] / m.n.clamp(min=1)).sqrt()
+
+
+def sample_std(m: Moments) -> torch.Tensor:
+    """sqrt(M2 / (n - 1)) of the first variable, as ``torch.std`` (0 below 2 entries)."""
+    return torch.where(m.n > 1, m.m2[0] / (m.n - 1).clamp(min=1), torch.zeros_like(m.n)).sqrt()
+
+
+def explained_variance_of(m: Moments) -> torch.Tensor:
+    """1 - Var[R - V] / Var[R] from moments of (R, R - V); 0 where Var[R] == 0."""
+    return torch.where(m.m2[0] > 0, 1.0 - m.m2[1] / m.m2[0].clamp(min=1e-300), torch.zeros_like(m.n))
+
+
+Metric = Union[torch.Tensor, Moments]
+
+
+def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[str, Metric]:
+    """reward/, advantage/, length/ and rollout/kept_groups_frac of one step's batch (the
+    two stds as `Moments`: over every rank's rows once reduced)."""
     r = batch.rewards                                          # [N]
     groups = r.view(-1, batch.group_size)                      # [B, G]
     lengths = batch.mask.sum(-1)                               # [N]
@@ -61,10 +136,10 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
     zero_std = (groups.max(-1).values == groups.min(-1).values).float()   # [B]
     return {
         "reward/mean": r.mean(),
-        "reward/std": r.std() if r.numel() > 1 else torch.zeros(()),
+        "reward/std": Moments.of(r[None], torch.ones_like(r), sample_std),
         "reward/frac_zero_std_groups": zero_std.mean(),
         "advantage/mean": masked_mean(batch.advantages, batch.mask),
-        "advantage/std": seq_adv.std() if seq_adv.numel() > 1 else torch.zeros(()),
+        "advantage/std": Moments.of(seq_adv[None], torch.ones_like(seq_adv), sample_std),
         "length/mean": lengths.mean(),
         "length/min": lengths.min(),
         "length/max": lengths.max(),
@@ -82,18 +157,32 @@ REDUCE_OP = {"length/min": "min", "length/max": "max", "policy/ratio_max": "max"
 PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_frac"}
 
 
-def reduce_metrics(metrics: Dict[str, torch.Tensor], backend) -> Dict[str, float]:
-    """Floats averaged over data-parallel ranks (min/max/sum where the name says so);
-    one host sync (and one collective per reduction kind) for the whole dict."""
-    keys = sorted(metrics)
-    x = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32).detach().cpu() for k in keys])
+def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
+    """Floats averaged over data-parallel ranks (min/max/sum where the name says so;
+    `Moments` pooled over every rank's entries, then finished); one host sync, and one
+    collective per reduction kind, for the whole dict."""
+    keys = sorted(k for k in metrics if not isinstance(metrics[k], Moments))
+    pooled = sorted(k for k in metrics if isinstance(metrics[k], Moments))
+    x = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64).detach().cpu() for k in keys]
+                    or [torch.zeros(0, dtype=torch.float64)]).flatten()   # [len(keys)]
+    flat = torch.cat([metrics[k].flat() for k in pooled] or [torch.zeros(0, dtype=torch.float64)])
+    rows = flat[None]                                              # [ranks, moments of every pooled metric]
     if backend.world_size > 1:
         n = x[keys.index("perf/step_sequences")] if "perf/step_sequences" in metrics else torch.ones(())
-        weighted = torch.stack([x[i] * n if k in PER_SEQUENCE else x[i] for i, k in enumerate(keys)])
-        total = backend.all_reduce(torch.cat([weighted, n.reshape(1)]), "sum")
-        total, n_all = total[:-1], total[-1]
+        weighted = torch.where(torch.tensor([k in PER_SEQUENCE for k in keys], dtype=torch.bool), x * n, x)
+        rows = torch.zeros(backend.world_size, flat.numel(), dtype=torch.float64)
+        if pooled:                  # an all-gather as a sum: each rank fills its own row
+            rows[backend.rank] = flat
+        total = backend.all_reduce(torch.cat([weighted, n.reshape(1).double(), rows.flatten()]), "sum")
+        total, n_all, rows = total[:len(keys)], total[len(keys)], total[len(keys) + 1:].view(rows.shape)
         lo, hi, avg = backend.all_reduce(x, "min"), backend.all_reduce(x, "max"), total / backend.world_size
         pick = {"min": lo, "max": hi}
         x = torch.stack([total[i] if k in SUMMED else total[i] / n_all if k in PER_SEQUENCE
-                         else pick.get(REDUCE_OP.get(k), avg)[i] for i, k in enumerate(keys)])
-    return dict(zip(keys, x.tolist()))
+                         else pick.get(REDUCE_OP.get(k), avg)[i] for i, k in enumerate(keys)]) if keys else x
+    out = dict(zip(keys, x.tolist()))
+    at = 0
+    for k in pooled:               # each pooled over the ranks' rows, then finished
+        m, size = metrics[k], metrics[k].flat().numel()
+        whole = pool([m.like(r[at:at + size]) for r in rows])
+        out[k], at = float(whole.finish(whole)), at + size
+    return out

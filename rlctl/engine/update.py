@@ -24,11 +24,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from rlctl.core import (agg_denominator, aggregate_sum, explained_variance, get_policy_loss, kl_estimate,
-                        masked_mean, resolve_kl_estimator)
+from rlctl.core import (agg_denominator, aggregate_sum, get_policy_loss, kl_estimate, masked_mean,
+                        resolve_kl_estimator)
 from rlctl.core.losses import value_loss_per_token
 from rlctl.core.terms import active_terms
 from rlctl.engine.policy import PromptGroups, learner_forward
+from rlctl.engine.stats import Metric, Moments, explained_variance_of, pool, population_std
 from rlctl.types import RolloutBatch
 
 
@@ -118,9 +119,10 @@ def take_rows(batch: RolloutBatch, rows: torch.Tensor, width: Optional[int] = No
 
 def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                          critic=None, backend=None, row_len: Optional[torch.Tensor] = None,
-                         prompts: Optional[PromptGroups] = None) -> Dict[str, torch.Tensor]:
+                         prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
     """Backward of one minibatch's loss, micro-batch by micro-batch; returns metrics
-    (token-weighted means of detached tensors). Does not step or zero the optimizer.
+    (token-weighted means of detached tensors; spreads as `Moments` pooled over the
+    micro-batches). Does not step or zero the optimizer.
 
     With a data-parallel ``backend`` the normalisers are summed over ranks, so each
     rank's backward carries its exact share of the global minibatch loss.
@@ -139,6 +141,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     sums: Dict[str, torch.Tensor] = {}       # token-weighted metric sums
     exact: Dict[str, torch.Tensor] = {}      # loss terms: micro-batch shares add up exactly
     peak: Dict[str, torch.Tensor] = {}       # maxima over micro-batches
+    pooled: Dict[str, Moments] = {}          # spreads: moments pooled over micro-batches
     for rows in micro_batches(row_len, batch.prompt_len, s.micro_batch_size, s.micro_batch_tokens,
                               None if s.trim_padding else batch.mask.shape[1]):   # CPU rows
         width = max(int(row_len[rows].max()), 1) if s.trim_padding else None
@@ -170,10 +173,20 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
         weight = mb.mask.sum()
         exact["policy/loss"] = exact.get("policy/loss", 0.0) + pg_loss.detach()
         metrics["policy/entropy"] = masked_mean(f.entropy, mb.mask)
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
+        _gather(metrics, weight, sums, pooled)
     total = batch.mask.sum().clamp(min=1)
-    return {**{k: v / total for k, v in sums.items()}, **exact, **peak}
+    return {**{k: v / total for k, v in sums.items()}, **exact, **peak, **pooled}
+
+
+def _gather(metrics: Dict[str, Metric], weight: torch.Tensor, sums: Dict[str, torch.Tensor],
+            pooled: Dict[str, Moments]) -> None:
+    """Adds one micro-batch's metrics: token means weighted by its ``weight`` tokens into
+    ``sums``, `Moments` pooled into ``pooled``."""
+    for k, v in metrics.items():
+        if isinstance(v, Moments):
+            pooled[k] = pooled[k].combine(v) if k in pooled else v
+        else:
+            sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
 
 
 def _extra_terms(f, mb: RolloutBatch, s: "UpdateSettings", denom: torch.Tensor) -> torch.Tensor:
@@ -187,10 +200,11 @@ def _extra_terms(f, mb: RolloutBatch, s: "UpdateSettings", denom: torch.Tensor) 
 
 
 def _ratio_spread(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor):
-    """({"policy/ratio_std"}, max ratio over counted tokens) of pi / pi_old; logp, old [n, T]."""
+    """({"policy/ratio_std": moments of the counted ratios}, their max) of pi / pi_old;
+    logp, old [n, T]. The std (population) is finished over the whole update."""
     ratio = torch.exp((logp - old).clamp(-20, 20))                                    # [n, T]
-    std = (masked_mean(ratio.square(), mask) - masked_mean(ratio, mask).square()).clamp(min=0).sqrt()
-    return {"policy/ratio_std": std}, torch.where(mask > 0, ratio, 0.0).max()
+    return ({"policy/ratio_std": Moments.of(ratio[None], mask, population_std)},
+            torch.where(mask > 0, ratio, 0.0).max())
 
 
 def _kl_term(logp: torch.Tensor, mb: RolloutBatch, s: "UpdateSettings", st: "UpdateState"):
@@ -210,9 +224,17 @@ def _value_term(values: torch.Tensor, mb: RolloutBatch, s: "UpdateSettings", vde
     v_mat, v_metrics = value_loss_per_token(values, mb.old_values, mb.returns, mb.mask,
                                             s.value_clip)                            # [n, T]
     metrics = {**v_metrics,                                         # value/clip_frac
-               "value/explained_var": explained_variance(values.detach(), mb.returns, mb.mask),
+               # moments of (R, R - V), finished over the whole update: 1 - Var[R - V] / Var[R]
+               "value/explained_var": Moments.of(_returns_and_residuals(mb.returns, values), mb.mask,
+                                                 explained_variance_of),
                "value/mean": masked_mean(values.detach(), mb.mask)}
     return (v_mat * mb.mask).sum() / vdenom, metrics
+
+
+def _returns_and_residuals(returns: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[2, n, T] float64: R and R - V (the residual taken in float64)."""
+    r = returns.detach().double()                                                     # [n, T]
+    return torch.stack([r, r - values.detach().double()])
 
 
 def kl_side_by_side(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor
@@ -239,8 +261,11 @@ _LOCAL = _LocalBackend()
 
 
 def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
-                  critic=None, prompts: Optional[PromptGroups] = None) -> Dict[str, torch.Tensor]:
-    """Run the optimizer steps for one rollout; returns detached metric tensors.
+                  critic=None, prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
+    """Run the optimizer steps for one rollout; returns detached metric tensors: means
+    over the optimizer steps, and `Moments` (``policy/ratio_std``,
+    ``value/explained_var``) pooled over every token the steps saw, which
+    `rlctl.engine.stats.reduce_metrics` finishes (over ranks too).
 
     ``model`` is what the backend returned from ``prepare`` (the module to call).
     ``batch.old_logprobs`` None means a single pass (1 epoch, 1 minibatch): the ratio is
@@ -282,7 +307,7 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
             metrics["fault/skipped_steps"] = (~torch.isfinite(metrics["optim/grad_norm"])).float()
             for k, v in metrics.items():
                 records.setdefault(k, []).append(v)
-    out = {k: torch.stack(v).mean() for k, v in records.items()}
+    out = {k: pool(v) if isinstance(v[0], Moments) else torch.stack(v).mean() for k, v in records.items()}
     out["fault/skipped_steps"] = torch.stack(records["fault/skipped_steps"]).sum()
     if "policy/ratio_max" in records:
         out["policy/ratio_max"] = torch.stack(records["policy/ratio_max"]).max()
