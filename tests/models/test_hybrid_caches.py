@@ -230,3 +230,30 @@ def test_shared_gradients_in_float32(hybrid, name):
         (logp * mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert (grads[0] - grads[1]).abs().max() < 1e-3 * grads[1].abs().max()
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_rollout_behaviour_logprobs_equal_the_learners(hybrid, name):
+    """A sampled rollout (temperature 0.8, prompt sharing on, a stop id that ends some
+    rows early) records behaviour log-probs equal to the learner's prompt-shared forward
+    on the batch it returns, at every completion token: the rows, their padding and the
+    cache the sampler carried agree (RecurrentGemma: sampled per prompt length and merged
+    back into one left-padded batch). The sampler keeps float32 log-probs of float32
+    logits (|logit| <= 30 here): 1e-5 more than the float64 bound covers that rounding."""
+    from rlctl.engine.policy import PromptGroups
+    from rlctl.rollout.generate import rollout
+    from rlctl.types import Example
+
+    model, tok = hybrid(name)
+    examples = [Example(p) for p in PROMPTS]
+    torch.manual_seed(1)
+    ends = list(range(20, len(tok), 7))            # many stop ids: rows of several lengths
+    batch = rollout(model, tok, examples, 3, 8, 0.8, 0, lambda ex, c: [0.0] * len(c),
+                    behaviour_logprobs=True, share_prompts=True, stops=_stops(model, tok) + tuple(ends))
+    lengths = batch.mask.sum(-1)
+    assert len(set(lengths.tolist())) > 1                                          # ragged
+    groups = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
+    f = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len,
+                        temperature=0.8, share_prompts=groups, fused=False)
+    keep = batch.mask > 0
+    assert (f.logp[keep] - batch.old_logprobs[keep].double()).abs().max() < _tol(name) + 1e-5
