@@ -114,7 +114,12 @@ def meet(store, group, flat: Dict[str, Any], label: str, claimed_by: str, timeou
     if stop is not None:
         stop.announce = False                 # no "stopping after this step": there is none yet
     try:
-        _claim(store, group.rank, claimed_by)
+        try:
+            _claim(store, group.rank, claimed_by)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - node 0's store closed right after we connected
+            raise _gone(group, exc) from None
         try:
             if group.rank == 0:
                 _judge(store, group, flat, label, timeout_s, deadline, stop)
@@ -159,10 +164,14 @@ def _hand_in(store, group, flat: Dict[str, Any], label: str, deadline: float, st
     except (UserError, LaunchError):
         raise
     except Exception as exc:  # noqa: BLE001 - node 0's store closed (it stopped) or silent
-        raise UserError(f"rank {group.rank} of {group.world_size}: node 0 ended before the group formed "
-                        f"({first(exc)}; node 0 says why)") from None
+        raise _gone(group, exc) from None
     if verdict != OK:
         raise UserError(verdict)
+
+
+def _gone(group, exc: BaseException) -> UserError:
+    return UserError(f"rank {group.rank} of {group.world_size}: node 0 ended before the group formed "
+                     f"({first(exc)}; node 0 says why)")
 
 
 def _poll(store, name: str, deadline: float, stop, what: str) -> str:
