@@ -1,25 +1,42 @@
 """`rlctl train ... --dry-run`: what would be resident, and roughly how much memory per rank.
 
-Nothing is trained and no run directory is written. The estimate counts weights,
-gradients and AdamW state (two fp32 moments, plus an fp32 master copy under bf16) with
-DeepSpeed ZeRO's partitioning (stage 1: optimizer state / N, 2: + gradients / N,
-3: + weights / N), the reference model (a full frozen copy; none with LoRA, whose
-reference is the base with the adapter disabled, nor when algo.kl.coef = 0), and a rough
-activation term for one micro-batch (about 16 values per hidden unit, layer and token,
-kept for backward), generation's key/value cache for a rank's rows, and the logits: with
-the fused learner path (rlctl/engine/policy.py) two reused chunk buffers of
-``CHUNK_ELEMENTS`` floats plus one decoding step's [n, V] logits in the sampler; on the
-full-logits fallback about 4 x tokens x V floats (logits, log-softmax, their gradients).
+Nothing is trained and no run directory is written. The estimate counts, per rank:
+
+- weights, gradients and AdamW state (two moments) in the policy's dtype
+  (``model.dtype``; ``hardware.precision=bf16`` on the torch backend only autocasts the
+  forward, so these stay fp32), with DeepSpeed ZeRO's partitioning (stage 1: optimizer
+  state / N, 2: + gradients / N, 3: + weights / N; DeepSpeed bf16 holds bf16 weights and
+  gradients plus an fp32 master copy in the optimizer state);
+- the reference model (a full frozen copy; none with LoRA, whose reference is the base
+  with the adapter disabled, nor when algo.kl.coef = 0) and each reward model's weights
+  (frozen, in its saved dtype, counted from its config without loading it);
+- a rough activation term for the largest micro-batch: about 16 values per hidden unit,
+  layer and token kept for backward, counted at 2 bytes under bf16 autocast (its matmuls
+  keep bf16 inputs for backward; norms keep fp32 ones, so this is low there) or 16-bit
+  weights, else 4; with
+  ``model.gradient_checkpointing`` each layer keeps only its input (1 value per hidden
+  unit and token) and one layer's 16 are live while it is recomputed. The micro-batch is
+  rows of a short prompt (16 tokens) + ``rollout.max_new_tokens`` (every row at the cap,
+  the worst case): ``trainer.micro_batch_size`` rows (0: the minibatch), at most
+  ``trainer.micro_batch_tokens`` padded tokens when set (a row alone when over it), as
+  ``engine/update.micro_batches`` packs them;
+- generation's key/value cache for a rank's rows, and the logits: with the fused learner
+  path (rlctl/engine/policy.py) two reused chunk buffers of ``CHUNK_ELEMENTS`` floats
+  plus one decoding step's [n, V] logits in the sampler; on the full-logits fallback about
+  4 x tokens x V floats (logits, log-softmax, their gradients) for the micro-batch.
+
 Real peaks also include the allocator, the framework's own buffers and Python; the
 README's Memory section states how far this is from measured runs.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
+import torch
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
+from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.logprobs import CHUNK_ELEMENTS
 from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
@@ -28,27 +45,65 @@ from rlctl.engine.policy import fused_head
 from rlctl.engine.trainer import needs_old_forward
 from rlctl.models.lora import count_parameters
 from rlctl.rollout.sampler import check_training_sampling
+from rlctl.tasks.reward_model import learned_of
+
+PROMPT_TOKENS = 16        # the rough prompt length of the estimate
+HALF = ("bfloat16", "float16")
+
+
+def micro_batch(cfg: DictConfig, n: int) -> Tuple[int, int]:
+    """(rows, padded tokens) of the largest micro-batch of a rank's ``n`` rows."""
+    seq = PROMPT_TOKENS + cfg.rollout.max_new_tokens
+    rows = max(1, n // cfg.algo.minibatches)                 # a minibatch's rows
+    if cfg.trainer.micro_batch_size:
+        rows = min(rows, cfg.trainer.micro_batch_size)
+    if cfg.trainer.micro_batch_tokens > 0:
+        rows = max(1, min(rows, cfg.trainer.micro_batch_tokens // seq))
+    return rows, rows * seq
 
 
 def memory_estimate(cfg: DictConfig, trainable: int, total: int, hidden: int, layers: int,
-                    vocab: int = 0, fused: bool = True) -> Dict[str, float]:
+                    vocab: int = 0, fused: bool = True, reward_model_bytes: float = 0.0
+                    ) -> Dict[str, float]:
     """Bytes per rank by component (``fused``: log-probs from hidden states in chunks)."""
     hw, world = cfg.hardware, cfg.hardware.num_processes
-    b = 2 if hw.backend == "deepspeed" and hw.precision == "bf16" else 4
+    deepspeed_bf16 = hw.backend == "deepspeed" and hw.precision == "bf16"
+    b = 2 if deepspeed_bf16 or cfg.model.dtype in HALF else 4      # weights and gradients
     stage = hw.zero_stage if hw.backend == "deepspeed" else 0
-    adam = trainable * (8 + (4 if b == 2 else 0))
+    adam = trainable * (2 * b + (4 if deepspeed_bf16 else 0))      # moments (+ fp32 master)
     out = {
         "weights": total * b / (world if stage >= 3 else 1),
         "gradients": trainable * b / (world if stage >= 2 else 1),
         "optimizer state": adam / (world if stage >= 1 else 1),
         "reference model": 0.0 if (cfg.algo.kl.coef == 0 or cfg.model.lora.enabled) else total * b,
     }
+    if reward_model_bytes:
+        out["reward model(s)"] = reward_model_bytes
     n = cfg.trainer.prompts_per_step * cfg.algo.group_size // world
-    micro = cfg.trainer.micro_batch_size or n // cfg.algo.minibatches
-    tokens = micro * (16 + cfg.rollout.max_new_tokens)   # a short prompt + the completion budget
-    out["activations (rough)"] = 16.0 * tokens * hidden * layers * b
-    out["generation KV cache"] = 2.0 * layers * n * (16 + cfg.rollout.max_new_tokens) * hidden * b
+    _, tokens = micro_batch(cfg, n)
+    a = 2 if b == 2 or hw.precision == "bf16" else 4                 # stored activations
+    kept = hidden * (layers + 16) if cfg.model.gradient_checkpointing else 16 * hidden * layers
+    out["activations (rough)"] = float(kept) * tokens * a
+    out["generation KV cache"] = 2.0 * layers * n * (PROMPT_TOKENS + cfg.rollout.max_new_tokens) * hidden * b
     out["logits"] = (2.0 * CHUNK_ELEMENTS * 4 + n * vocab * 4) if fused else 4.0 * tokens * vocab * 4
+    return out
+
+
+def reward_model_sizes(task) -> List[Tuple[str, int, float]]:
+    """(name, parameters, bytes of its weights) of each reward model of ``task``, from its
+    config on the meta device (nothing is loaded), in its saved dtype (float32 if none)."""
+    learned = learned_of(task)
+    out = []
+    for m in (learned.models if learned is not None else []):
+        with torch.device("meta"):
+            skeleton = AutoModelForSequenceClassification.from_config(m.config)
+        params = sum(p.numel() for p in skeleton.parameters())
+        dtype = getattr(m.config, "dtype", None) or getattr(m.config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, torch.float32)
+        size = torch.empty(0, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32
+                           ).element_size()
+        out.append((m.name, params, float(params * size)))
     return out
 
 
@@ -58,7 +113,7 @@ def dry_run(cfg: DictConfig) -> List[str]:
 
     quiet_libraries(cfg)
     check_entries(cfg)
-    task_from_config(cfg)
+    rms = reward_model_sizes(task_from_config(cfg))
     check_training_sampling(cfg.rollout.top_k)
     model, critic, _, ref = model_from_config(cfg)
     policy = getattr(model, "policy", model)
@@ -75,10 +130,21 @@ def dry_run(cfg: DictConfig) -> List[str]:
     if kl:
         what = "adapter disabled: no copy" if ref is not None else "frozen copy of the policy"
         resident.append((f"reference ({what})", "0" if ref is not None else f"{ptotal:,}", "0"))
+    for name, params, _ in rms:
+        resident.append((f"reward model '{name}' (frozen)", f"{params:,}", "0"))
     passes = cfg.algo.epochs * cfg.algo.minibatches
     needs_old = needs_old_forward(cfg.algo)
     est = memory_estimate(cfg, pt + ct, ptotal + ctotal, hidden, layers,
-                          getattr(conf, "vocab_size", 0) or 0, fused_head(model) is not None)
+                          getattr(conf, "vocab_size", 0) or 0, fused_head(model) is not None,
+                          sum(size for _, _, size in rms))
+    line = (f"forward passes per step: rollout generate, "
+            f"{'old-policy forward, ' if needs_old else ''}{'reference forward, ' if kl else ''}"
+            f"{'reward-model forward, ' if rms else ''}{passes} update pass(es)")
+    _print(cfg, resident, est, line)
+    return [line]
+
+
+def _print(cfg: DictConfig, resident, est: Dict[str, float], line: str) -> None:
     console = Console()
     table = Table(title="rlctl dry run: resident models")
     for col in ("model", "parameters", "trainable"):
@@ -86,17 +152,20 @@ def dry_run(cfg: DictConfig) -> List[str]:
     for row in resident:
         table.add_row(*row)
     console.print(table)
+    hw = cfg.hardware
+    n = cfg.trainer.prompts_per_step * cfg.algo.group_size // hw.num_processes
+    rows, tokens = micro_batch(cfg, n)
     mem = Table(title="memory per rank (estimate)",
-                caption=f"{cfg.hardware.num_processes} rank(s), backend {cfg.hardware.backend}"
-                        + (f", ZeRO {cfg.hardware.zero_stage}" if cfg.hardware.backend == "deepspeed" else ""))
+                caption=f"{hw.num_processes} rank(s), backend {hw.backend}"
+                        + (f", ZeRO {hw.zero_stage}" if hw.backend == "deepspeed" else ""))
     mem.add_column("component")
     mem.add_column("MiB", justify="right")
     for k, v in est.items():
         mem.add_row(k, f"{v / 2**20:.1f}")
     mem.add_row("total", f"{sum(est.values()) / 2**20:.1f}")
     console.print(mem)
-    line = (f"forward passes per step: rollout generate, "
-            f"{'old-policy forward, ' if needs_old else ''}{'reference forward, ' if kl else ''}"
-            f"{passes} update pass(es)")
+    console.print(f"estimated with {cfg.model.dtype} weights, hardware.precision={hw.precision}; "
+                  f"activations of a micro-batch of {rows} row(s) x {tokens // rows} tokens"
+                  + (", gradient checkpointing" if cfg.model.gradient_checkpointing else ""),
+                  soft_wrap=True)
     console.print(line, soft_wrap=True)
-    return [line]
