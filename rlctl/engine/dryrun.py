@@ -70,7 +70,9 @@ def memory_estimate(cfg: DictConfig, trainable: int, total: int, hidden: int, la
     deepspeed_bf16 = hw.backend == "deepspeed" and hw.precision == "bf16"
     b = 2 if deepspeed_bf16 or cfg.model.dtype in HALF else 4      # weights and gradients
     stage = hw.zero_stage if hw.backend == "deepspeed" else 0
-    adam = trainable * (2 * b + (4 if deepspeed_bf16 else 0))      # moments (+ fp32 master)
+    # AdamW's two moments: in the weights' dtype on the torch backend; DeepSpeed bf16 keeps
+    # them and an fp32 master copy in fp32
+    adam = trainable * (8 + 4 if deepspeed_bf16 else 2 * b)
     out = {
         "weights": total * b / (world if stage >= 3 else 1),
         "gradients": trainable * b / (world if stage >= 2 else 1),

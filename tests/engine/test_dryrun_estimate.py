@@ -73,3 +73,11 @@ def test_the_estimate_follows_checkpointing_token_budget_and_bf16(cfg, tmp_path)
     for k in ("weights", "gradients", "optimizer state", "activations (rough)"):
         assert row(half, k) == pytest.approx(row(base, k) / 2, abs=0.1), k
     assert not any(tmp_path.iterdir())
+
+
+def test_deepspeed_bf16_keeps_fp32_moments_and_a_master_copy(tmp_path):
+    out = dry_run("hardware=deepspeed", "hardware.precision=bf16", f"run.output_dir={tmp_path}")
+    (total, trainable) = map(lambda x: int(x.replace(",", "")),
+                             re.findall(r"│ policy\s*│\s*([\d,]+) │\s*([\d,]+) │", out)[0])
+    assert row(out, "weights") == round(total * 2 / MIB, 1)             # bf16 weights
+    assert row(out, "optimizer state") == round(trainable * 12 / MIB, 1)  # 2 fp32 moments + master
