@@ -28,7 +28,8 @@ logger=..., seed=..., run.output_dir=... and rm.* (lr, steps, batch_size, margin
 center_coef, weight_decay, max_grad_norm, eval_frac, eval_every, eval_batch_size,
 max_length). Writes runs/<time>-rm/ with model/ (a Hugging Face sequence classifier,
 num_labels=1: use it as task.reward_model=RUN/model), metrics.jsonl
-(eval/pairwise_accuracy), config.yaml and summary.json.
+(eval/pairwise_accuracy), config.yaml and summary.json. Ctrl-C or SIGTERM stops after
+the current step with the model so far saved (summary.json: stopped_at_step).
 """
 
 EVAL_HELP = """Pairwise accuracy and score distribution of a reward model on preference pairs.

@@ -15,6 +15,12 @@ alike (``rlctl.tasks.reward_model.keep_end``); ``rm.max_length`` is saved as the
 tokenizer's ``model_max_length``, so ``task.reward_model`` and ``rlctl reward-model eval``
 score with the limit the model was fitted with. The pairs over it are counted in one
 line on stderr and in ``summary.json``.
+
+Pairs whose chosen and rejected texts read as the same tokens (rendered and cut to the
+limit) carry no preference: counted likewise; all training pairs such is a DataError
+before a run directory. The console shows ``train/loss``, ``train/accuracy`` and the
+held-out figures (``rlctl.sinks.console.REWARD_MODEL_KEYS``). SIGINT/SIGTERM stop the fit
+after the current step with the model so far saved (``FitStopped``, exit 128 + signal).
 """
 from __future__ import annotations
 
