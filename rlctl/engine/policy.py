@@ -35,7 +35,7 @@ from rlctl.core.chunked_logprobs import chunked_token_logprobs
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
 from rlctl.models.head_check import head_matches, verdict as head_verdict
 from rlctl.models.kv_share import (cache_keyword, cache_of, differentiable, distinct_rows, forward_takes,
-                                   index_rows, innermost, regroup, say_once, state_in_modules)
+                                   index_rows, innermost, regroup, state_in_modules, unpadded_notice)
 from rlctl.models.positions import position_ids_from_mask
 
 
@@ -194,9 +194,7 @@ def _unpadded(run, inputs, P: int, model) -> tuple:
     a host sync). For models whose recurrent layers see left padding (RecurrentGemma's
     convolution reads the pads' activations): a prompt's result must not depend on how
     long the batch's other prompts are."""
-    say_once(f"{type(innermost(model)).__name__} keeps its recurrent state in its modules and "
-             "does not mask left padding: rows run in groups of one prompt length, unpadded, "
-             "without prompt sharing")
+    unpadded_notice(model)
     pads = (inputs["attention_mask"].long().cumsum(-1) == 0).sum(-1)                # [N]
     order, parts = [], []
     for k in sorted(set(pads.tolist())):

@@ -102,6 +102,14 @@ def say_once(message: str) -> None:
         log.warning(message)
 
 
+def unpadded_notice(model) -> None:
+    """Say once what runs differently for a model that keeps its recurrent state in its
+    modules (``state_in_modules``): the one line the sampler and the learner share."""
+    say_once(f"{type(innermost(model)).__name__} keeps its recurrent state in its modules and "
+             "lets left padding reach it: it runs without prompt sharing, one prompt length "
+             "at a time, unpadded")
+
+
 def state_in_modules(model) -> bool:
     """Whether the model keeps its recurrent state inside its own modules instead of the
     cache (RecurrentGemma): transformers marks it stateful (``_is_stateful``) and its

@@ -20,8 +20,9 @@ import torch
 from transformers import GenerationConfig
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
-from rlctl.models.kv_share import (cache_keyword, innermost, say_once, shared_prefill,
-                                   state_in_modules)
+from rlctl.errors import UserError
+from rlctl.models.kv_share import (cache_keyword, innermost, shared_prefill, state_in_modules,
+                                   unpadded_notice)
 from rlctl.models.stop_ids import decode_completions, stop_ids  # noqa: F401 - re-exported
 from rlctl.models.positions import position_ids_from_mask  # noqa: F401 - also imported from here
 from rlctl.models.value import PolicyValueModel
@@ -54,6 +55,11 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
     input_ids = enc["input_ids"].to(device)            # [N, P]
     prompt_mask = enc["attention_mask"].to(device)     # [N, P]
     if state_in_modules(model) and not bool(prompt_mask.all()):
+        if backend_kwargs.get("synced_gpus"):
+            raise UserError(f"{type(innermost(model)).__name__} cannot sample under ZeRO-3 on "
+                            "several ranks: left padding reaches its recurrent state, so its "
+                            "prompts run one length at a time, and synced generation needs the "
+                            "same calls on every rank; use hardware.zero_stage<3 or one rank")
         return _per_length(lambda some: generate(
             model, tokenizer, some, max_new_tokens, do_sample, temperature, top_k, return_logprobs,
             share_prompts, stops, **backend_kwargs), prompts, prompt_mask, tokenizer.pad_token_id, model)
@@ -87,9 +93,7 @@ def _per_length(run, prompts, prompt_mask: torch.Tensor, pad_id: int, model):
     (RecurrentGemma: the pads' activations enter its convolution; it keeps its state in its
     modules): ``run`` on each group of prompts of one token length, unpadded, then the
     groups left-padded to P and right-padded (pad id, log-prob 0) to the longest T."""
-    say_once(f"{type(innermost(model)).__name__} keeps its recurrent state in its modules and "
-             "does not mask left padding: prompts are sampled in groups of one length, "
-             "unpadded, without prompt sharing")
+    unpadded_notice(model)
     lengths = prompt_mask.sum(-1)                                                 # [N]
     groups = [(lengths == n).nonzero()[:, 0] for n in sorted(set(lengths.tolist()))]
     outs = [run([prompts[i] for i in rows.tolist()]) for rows in groups]

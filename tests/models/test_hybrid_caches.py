@@ -257,3 +257,27 @@ def test_rollout_behaviour_logprobs_equal_the_learners(hybrid, name):
                         temperature=0.8, share_prompts=groups, fused=False)
     keep = batch.mask > 0
     assert (f.logp[keep] - batch.old_logprobs[keep].double()).abs().max() < _tol(name) + 1e-5
+
+
+def test_recurrent_gemma_fallback_is_said_once_and_zero3_is_refused(hybrid, monkeypatch, caplog):
+    """RecurrentGemma's fallback is one log line, once, whether the sampler or the learner
+    meets it first; the cache hybrids say nothing (they share). Under ZeRO-3 on several
+    ranks (``synced_gpus``) per-length sampling would run different calls on each rank:
+    refused in one line naming the architecture."""
+    import logging
+
+    from rlctl.errors import UserError
+    from rlctl.models import kv_share
+
+    monkeypatch.setattr(kv_share, "_said", set())
+    with caplog.at_level(logging.WARNING, logger="rlctl.models.kv_share"):
+        for name in ("qwen3_5", "recurrent_gemma"):
+            model, tok = hybrid(name)
+            ids, attn, _, _ = _batch(tok, 3)
+            for _ in range(2):
+                generate(model, tok, PROMPTS, 2, do_sample=True, share_prompts=True)
+                learner_forward(model, ids, attn, ids.shape[1] - 3, share_prompts=True, fused=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "rlctl.models.kv_share"]
+    assert len(lines) == 1 and lines[0].startswith("RecurrentGemmaForCausalLM keeps its recurrent")
+    with pytest.raises(UserError, match="RecurrentGemmaForCausalLM cannot sample under ZeRO-3"):
+        generate(*hybrid("recurrent_gemma"), PROMPTS, 2, do_sample=True, synced_gpus=True)
