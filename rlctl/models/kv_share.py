@@ -122,6 +122,7 @@ def state_in_modules(model) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _returns_cache(cls) -> bool:
+    """Whether ``cls.forward``'s declared output type has a cache field."""
     try:
         ret = typing.get_type_hints(cls.forward).get("return")
     except Exception:          # unresolvable annotations: assume the usual output with a cache
@@ -133,8 +134,8 @@ def _returns_cache(cls) -> bool:
 
 
 def fresh_cache(model):
-    """An empty cache for the attention layers of a model that keeps its recurrent state in its modules (its forward makes one but
-    does not return it), as ``generate`` passes one."""
+    """An empty cache for the attention layers of a model that keeps its recurrent state
+    in its modules (its forward makes one but does not return it), as ``generate`` does."""
     return DynamicCache(config=innermost(model).config)
 
 
