@@ -45,6 +45,7 @@ from rlctl.engine.reward_model_config import (RMConfig, resolved_sections, rm_co
 from rlctl.engine.rundir import create_run_dir, write_json_atomic
 from rlctl.engine.stopping import StopFlag
 from rlctl.errors import ConfigError, DataError, Interrupted, UserError
+from rlctl.models.dropout import disable_dropout
 from rlctl.models.loading import adapter_problem, check_vocab, corrupt_safetensors, resolve_dtype
 from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
                                      pairs_over, pairwise_accuracy, prepare_for_scoring,
@@ -280,6 +281,8 @@ def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop
     quiet_libraries(cfg)
     model, tokenizer = load_classifier(backbone_path(cfg), cfg.model.dtype, int(cfg.seed),
                                        cfg.hardware.device)
+    if cfg.model.get("disable_dropout", True):   # the fit's train-mode scores = eval mode's
+        disable_dropout(model)
     limit = fit_limit(rm, tokenizer, model.config)
     over = {"training": (pairs_over(tokenizer, train, limit), len(train)),
             "held-out": (pairs_over(tokenizer, held, limit), len(held))}
