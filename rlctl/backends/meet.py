@@ -6,9 +6,9 @@ until node 0's port answers (0.2 s polls, so a missing node 0 or a wrong port is
 line at ``hardware.dist_timeout_s``, without c10d's retry warnings, and a signal ends the
 wait at once) and then connects. ``meet`` runs before ``init_process_group``: every rank
 claims its rank (a counter: a second process with the same rank is refused at once,
-"rank R is claimed twice") and puts its config (same_config.payload) in the store;
-rank 0 waits until every rank has, compares the configs and sets the verdict, which
-every rank reads and acknowledges: "ok", or the one line that every node then raises
+"rank R is claimed twice", unless the first died while waiting) and puts its config
+(same_config.payload) in the store; rank 0 waits until every rank has, compares the
+configs and sets the verdict, which every rank reads and acknowledges: "ok", or the one line that every node then raises
 (config differs, ranks missing, stopped by a signal). So a mismatch or a missing node
 never reaches c10d, and no rank is left waiting inside it.
 
@@ -34,6 +34,7 @@ from rlctl.errors import LaunchError, UserError
 MODE_KEY = "rlctl/mode"
 MISMATCH_KEY = "rlctl/mismatch"
 POLL_S = 0.2
+LIVE_S = 1.0           # a claim whose holder's alive counter stood still this long is free
 OK = "ok"
 
 
@@ -115,7 +116,7 @@ def meet(store, group, flat: Dict[str, Any], label: str, claimed_by: str, timeou
         stop.announce = False                 # no "stopping after this step": there is none yet
     try:
         try:
-            _claim(store, group.rank, claimed_by)
+            claim(store, group.rank, claimed_by)
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - node 0's store closed right after we connected
@@ -133,11 +134,20 @@ def meet(store, group, flat: Dict[str, Any], label: str, claimed_by: str, timeou
             stop.announce = announce
 
 
-def _claim(store, rank: int, claimed_by: str) -> None:
-    if store.add(key("claim", rank), 1) > 1:
-        store.add(key("claim", rank), -1)
-        raise UserError(f"rank {rank} is claimed twice: is {claimed_by} started on two machines? "
-                        "(start each node once)")
+def claim(store, rank: int, claimed_by: str) -> None:
+    """Take ``rank`` (a counter: 1 = this process's alone). Taken already: refused in one
+    line, unless its holder died waiting for the verdict (its alive counter, bumped every
+    poll while it waits, stood still for LIVE_S and no verdict is out): then it is ours."""
+    if store.add(key("claim", rank), 1) == 1:
+        return
+    store.add(key("claim", rank), -1)
+    if rank and not store.check([key("verdict")]):
+        beats = store.add(key("alive", rank), 0)
+        time.sleep(LIVE_S + POLL_S)
+        if store.add(key("alive", rank), 0) == beats and not store.check([key("verdict")]):
+            return                            # the holder is gone: this process takes its place
+    raise UserError(f"rank {rank} is claimed twice: is {claimed_by} started on two machines? "
+                    "(start each node once)")
 
 
 def _give_back(store, group) -> None:
@@ -153,13 +163,14 @@ def _give_back(store, group) -> None:
 
 def _hand_in(store, group, flat: Dict[str, Any], label: str, deadline: float, stop) -> None:
     try:
-        mode = _poll(store, MODE_KEY, deadline, stop, "node 0's rendezvous")
+        mode = _poll(store, MODE_KEY, deadline, stop, "node 0's rendezvous", beat=key("alive", group.rank))
         if mode == "async":
             line = mode_line(True, label)
             store.set(MISMATCH_KEY, line)
             raise UserError(line)
         store.set(key("config", group.rank), same_config.payload(flat, label))
-        verdict = _poll(store, key("verdict"), deadline, stop, "rank 0's config check")
+        verdict = _poll(store, key("verdict"), deadline, stop, "rank 0's config check",
+                        beat=key("alive", group.rank))
         store.add(key("ack"), 1)
     except (UserError, LaunchError):
         raise
@@ -174,8 +185,11 @@ def _gone(group, exc: BaseException) -> UserError:
                      f"({first(exc)}; node 0 says why)")
 
 
-def _poll(store, name: str, deadline: float, stop, what: str) -> str:
+def _poll(store, name: str, deadline: float, stop, what: str, beat: Optional[str] = None) -> str:
+    """``name``'s value once set (``beat``: a counter bumped every poll meanwhile)."""
     while not store.check([name]):
+        if beat is not None:
+            store.add(beat, 1)
         if interrupted(stop):
             raise _stopped(stop, f"while waiting for {what}")
         if time.monotonic() >= deadline:

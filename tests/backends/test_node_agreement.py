@@ -3,7 +3,8 @@
 every node's resolved config at rendezvous (less the per-node keys), a node_rank started
 twice is refused at once, a node without node 0 (or on the wrong port) gives up in one
 line on time, an async learner and a node started without async say so on both sides,
-and a stopped run tells each node its own resume command.
+and a stopped run tells each node its own resume command. Last, rank claims on a TCPStore
+in this process: a claim whose holder died waiting is free again.
 
 Timing: each node's rank is started by its node's main process; a clock for a wait
 starts only once that rank's stop handler is installed (``_catches_sigterm``: it is then
@@ -12,12 +13,17 @@ The mismatch tests use a long hardware.dist_timeout_s: they end when the nodes m
 when a wait runs out."""
 import contextlib
 import signal
+import threading
 import time
+from datetime import timedelta
 
+import pytest
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from rlctl.backends import same_config
+from rlctl.backends import meet, same_config
 from rlctl.compose import compose
+from rlctl.errors import UserError
 from test_multinode import TINY_RUN, error_lines, finish, free_port, kill_tree, rlctl_train, start, torchrun
 from test_remote_actors import _catches_sigterm, _children, _wait_until
 
@@ -192,3 +198,33 @@ def test_a_node_rank_started_twice_is_refused_and_a_stop_prints_each_nodes_resum
         assert code == 130, (r, code, err[-2000:])
         (line,) = [ln for ln in err.splitlines() if "Resume with:" in ln]
         assert line.endswith(f"Resume with: rlctl train --resume {run} hardware.node_rank={r}"), line
+
+
+def test_a_claim_is_refused_while_its_holder_waits_and_taken_over_once_it_died():
+    """Rank claims on a real TCPStore in this process: a holder still waiting for the
+    verdict (its alive counter bumped every 0.2 s, as meet's poll does) keeps its rank; one
+    that died waiting (no beats) leaves it to the next claimant (a node restarted after
+    SIGKILL); once the verdict is out nobody takes a claimed rank."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    twice = "rank 1 is claimed twice: is hardware.node_rank=1 started on two machines"
+    meet.claim(store, 1, "hardware.node_rank=1")
+    done = threading.Event()
+
+    def beat():
+        while not done.is_set():
+            store.add(meet.key("alive", 1), 1)
+            time.sleep(meet.POLL_S)
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        with pytest.raises(UserError, match=twice):
+            meet.claim(store, 1, "hardware.node_rank=1")
+    finally:
+        done.set()
+    time.sleep(2 * meet.POLL_S)                  # the beating thread has stopped: the holder "died"
+    meet.claim(store, 1, "hardware.node_rank=1")                       # taken over
+    assert store.add(meet.key("claim", 1), 0) == 1                     # still one holder
+    store.set(meet.key("verdict"), meet.OK)
+    with pytest.raises(UserError, match=twice):
+        meet.claim(store, 1, "hardware.node_rank=1")                   # no beats, but the group formed
+    assert store.add(meet.key("claim", 1), 0) == 1
