@@ -152,3 +152,27 @@ def test_bf16_autocast_keeps_a_plain_head_and_catches_a_real_sized_soft_cap():
     ids, attn = _batch()
     learner_forward(BF16Autocast(gemma, "cpu"), ids, attn, P)
     assert head_check.verdict(gemma) is False
+
+
+@pytest.mark.parametrize("kind", ["cohere", "llama"])
+def test_bf16_a_mild_multiplier_at_a_real_width_is_caught_and_a_plain_head_kept(kind):
+    """At H = 4096 under bf16 autocast the dot products' worst-case rounding bound admits
+    |fused - own| up to ~1.6% of sum |w h|, which on random weights is about |z| itself:
+    a logit multiplier of 0.8 (Cohere's logit_scale set so) stayed inside it and the learner
+    kept the fused head (fails before: verdict True). The check also watches the head
+    module's own input and output in the same forward (same arithmetic as the model's):
+    the logits are 0.8 x the head's output, caught; a plain Llama at the same width is
+    still kept (its logits are the head's output exactly)."""
+    from rlctl.backends.base import BF16Autocast
+
+    common = dict(vocab_size=512, hidden_size=4096, intermediate_size=256, num_hidden_layers=1,
+                  num_attention_heads=8, num_key_value_heads=8)
+    conf = tf.CohereConfig(logit_scale=0.8, tie_word_embeddings=False, **common) \
+        if kind == "cohere" else tf.LlamaConfig(**common)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(conf).eval()                     # float32
+    ids = torch.randint(0, 512, (2, 12))                                          # [2, 12]
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  position_ids=torch.arange(12).expand(2, 12))
+    fused_head(BF16Autocast(model, "cpu"), inputs)
+    assert head_check.verdict(model) is (kind == "llama")
