@@ -86,7 +86,8 @@ def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, backend, eps: float =
     Two collectives per rollout. Returns x's dtype, 0 where mask == 0."""
     if backend is None or backend.world_size == 1:
         return masked_whiten(x, mask, eps=eps) * mask
-    m, xd = mask.double(), x.double()                                   # [N, T]
+    m = mask.double()                                                   # [N, T]
+    xd = torch.where(mask != 0, x.double(), 0.0)     # [N, T]; a NaN/inf not counted cannot leak
     n, s1 = backend.all_reduce_sum(torch.stack([m.sum(), (xd * m).sum()]))
     centred = (xd - s1 / n.clamp(min=1)) * m                            # [N, T]
     var = backend.all_reduce_sum(centred.square().sum()) / (n - 1).clamp(min=1)

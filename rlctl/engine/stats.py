@@ -78,11 +78,15 @@ class Moments:
 
     @classmethod
     def of(cls, x: torch.Tensor, mask: torch.Tensor, finish) -> "Moments":
-        """x [k, ...] (k variables), mask [...] (entries counted where > 0)."""
-        x, m = x.detach().double(), (mask.detach() > 0).double()
+        """x [k, ...] (k variables), mask [...] (entries counted where > 0). Entries not
+        counted are dropped with ``torch.where``, so a NaN/inf there cannot leak (as in
+        `rlctl.core.masked_mean`)."""
+        counted = mask.detach() > 0                                         # [...]
+        x = torch.where(counted, x.detach().double(), 0.0)                  # [k, ...]
+        m = counted.double()
         n = m.sum()
         dims = tuple(range(1, x.dim()))
-        mean = (x * m).sum(dims) / n.clamp(min=1)                           # [k]
+        mean = x.sum(dims) / n.clamp(min=1)                                 # [k]
         dev = (x - mean.view((-1,) + (1,) * len(dims))) * m                 # [k, ...]
         return cls(n, mean, dev.square().sum(dims), finish)
 

@@ -169,3 +169,19 @@ def test_two_ranks_log_the_spreads_of_one_process(setup, tmp_path):
         assert abs(want) > 0.05, k
         assert one[k] == pytest.approx(want, rel=REL), k
         assert two[k] == pytest.approx(want, rel=REL), k
+
+
+def test_values_at_positions_not_counted_do_not_leak(setup):
+    """NaN / inf in pi_old and the value targets where the mask is 0 (garbage a padded
+    position may hold) leave the spreads equal to the reference on the clean batch, as
+    the masked means of rlctl.core drop them (torch.where); the moments took x * mask,
+    and NaN * 0 = NaN. Same float64 argument as above, so rel 1e-9."""
+    model, critic, b, ref = setup
+    out = ~(b.mask > 0)                                                      # [N, T]
+    assert out.any()
+    bad = b.replace(old_logprobs=torch.where(out, float("nan"), b.old_logprobs),
+                    returns=torch.where(out, float("inf"), b.returns))
+    got = _logged(copy.deepcopy(model), copy.deepcopy(critic), Backend("cpu"), bad,
+                  _settings(micro_batch_size=2))
+    for k in SPREADS:
+        assert got[k] == pytest.approx(ref[k], rel=REL), k

@@ -20,42 +20,49 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
 ROWS, T = 8, 7
 
 
-def _data():
+def _data(poison: bool = False):
+    """x [N, T], mask [N, T]; ``poison``: NaN and inf where the mask is 0 (garbage a padded
+    position may hold), which must not change the whitened values."""
     g = torch.Generator().manual_seed(3)
     x = (1000.0 + torch.randn(ROWS, T, generator=g, dtype=torch.float64)).float()   # [N, T]
     lengths = torch.tensor([7, 3, 0, 5, 1, 6, 2, 4])
     mask = (torch.arange(T)[None, :] < lengths[:, None]).float()                     # [N, T]
+    if poison:
+        junk = torch.where(torch.arange(T)[None, :] % 2 == 0, float("nan"), float("inf"))
+        x = torch.where(mask > 0, x, junk.expand(ROWS, T))                           # [N, T]
     return x, mask
 
 
-def _rank_worker(out_dir: str) -> None:
+def _rank_worker(out_dir: str, poison: bool = False) -> None:
     """One of 2 ranks (a subprocess of the test): whitens its half of the rows."""
     from rlctl.backends.base import build_backend
     from rlctl.engine.advantage import whiten_over_ranks
 
     rank = int(os.environ["RANK"])
     backend = build_backend("torch", "cpu")
-    x, mask = _data()
+    x, mask = _data(poison)
     half = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
     z = whiten_over_ranks(x[half], mask[half], backend)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(z.double().tolist()))
     backend.close()
 
 
-def test_two_ranks_whiten_like_one_process_at_mean_1000_std_1(tmp_path):
-    x, mask = _data()
+@pytest.mark.parametrize("poison", [False, True], ids=["clean", "nan-inf-not-counted"])
+def test_two_ranks_whiten_like_one_process_at_mean_1000_std_1(tmp_path, poison):
+    x, mask = _data(poison)
     keep = mask.numpy() > 0
-    v = x.double().numpy()[keep]
+    v = x.double().numpy()[keep]                                             # all finite
     want = np.zeros((ROWS, T))
     want[keep] = (v - v.mean()) / np.sqrt(v.var(ddof=1) + 1e-8)              # float64, two passes
     code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); "
-            f"import test_whiten_ranks as t; t._rank_worker({str(tmp_path)!r})")
+            f"import test_whiten_ranks as t; t._rank_worker({str(tmp_path)!r}, {poison})")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
