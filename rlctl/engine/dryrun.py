@@ -109,6 +109,17 @@ def reward_model_sizes(task) -> List[Tuple[str, int, float]]:
     return out
 
 
+def _fused(model) -> bool:
+    """Whether the learner will compute log-probs with the fused head for ``model``:
+    ``fused_head``'s structural checks and its run-time check of the head (one probe row
+    of two tokens, as the first training batch would be checked)."""
+    device = next(model.parameters()).device
+    inputs = {"input_ids": torch.tensor([[0, 1]], device=device),              # [1, 2]
+              "attention_mask": torch.ones((1, 2), dtype=torch.long, device=device)}
+    with torch.no_grad():
+        return fused_head(model, inputs) is not None
+
+
 def dry_run(cfg: DictConfig) -> List[str]:
     """Build the models as `train` would, print the plan; returns the printed lines."""
 
@@ -137,7 +148,7 @@ def dry_run(cfg: DictConfig) -> List[str]:
     passes = cfg.algo.epochs * cfg.algo.minibatches
     needs_old = needs_old_forward(cfg.algo)
     est = memory_estimate(cfg, pt + ct, ptotal + ctotal, hidden, layers,
-                          getattr(conf, "vocab_size", 0) or 0, fused_head(model) is not None,
+                          getattr(conf, "vocab_size", 0) or 0, _fused(model),
                           sum(size for _, _, size in rms))
     line = (f"forward passes per step: rollout generate, "
             f"{'old-policy forward, ' if needs_old else ''}{'reference forward, ' if kl else ''}"

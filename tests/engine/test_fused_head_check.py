@@ -24,6 +24,7 @@ import pytest
 import torch
 import transformers as tf
 
+from rlctl.engine.dryrun import _fused
 from rlctl.engine.policy import fused_head, learner_forward
 from rlctl.models import head_check
 
@@ -176,3 +177,11 @@ def test_bf16_a_mild_multiplier_at_a_real_width_is_caught_and_a_plain_head_kept(
                   position_ids=torch.arange(12).expand(2, 12))
     fused_head(BF16Autocast(model, "cpu"), inputs)
     assert head_check.verdict(model) is (kind == "llama")
+
+
+def test_the_dry_runs_memory_estimate_asks_the_same_check():
+    """`rlctl train --dry-run` counts [N, T, V] logits for a model the learner will run on
+    the full logits (RecurrentGemma's soft-cap: the name check said fused) and chunks
+    for the plain Llama."""
+    assert _fused(_model(TRANSFORMED["recurrent_gemma"]())) is False
+    assert _fused(_model(tf.LlamaConfig(num_hidden_layers=2, **DIMS))) is True
