@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -26,7 +26,7 @@ from rlctl.engine import checkpoint
 from rlctl.engine.advantage import AdvantageSettings, compute_advantages
 from rlctl.engine.evaluate import evaluate
 from rlctl.engine.policy import PromptGroups, learner_forward, prompt_sharing
-from rlctl.engine.stats import reduce_metrics, rollout_metrics
+from rlctl.engine.stats import Moments, reduce_metrics, rollout_metrics
 from rlctl.engine.stopping import StopFlag
 from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
 from rlctl.errors import Interrupted, TrainingFault
@@ -173,12 +173,13 @@ class Trainer:
         t2 = time.perf_counter()
         metrics.update(rollout_metrics(batch, kept))
         metrics.update(_step_metrics(batch))
+        metrics.update(named_reward_metrics(*self.scorer.named_sums(), self.backend))
         values = reduce_metrics(metrics, self.backend)
         tokens = values.pop("perf/step_tokens")
         sequences = int(values.pop("perf/step_sequences"))
         values.update({"kl/coef": self.kl_ctl.coef,
                        "optim/lr": self.backend.lr(),
-                       **self.scorer.metrics(),
+                       **self.scorer.metrics(),        # the counts (named means: above)
                        "time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
                        "time/generate_s": t_gen - t0 - score_s, "time/score_s": score_s,
                        "time/logprob_s": t1 - t_gen,     # old/reference forwards + advantages
@@ -268,3 +269,30 @@ def _step_metrics(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
     if batch.ref_logprobs is not None and batch.old_logprobs is not None:
         out["kl/seq_k1"] = ((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean()
     return out
+
+
+def named_reward_metrics(sums: Dict[str, float], count: int, backend) -> Dict[str, Moments]:
+    """reward/<name>: each named reward's mean over the samples every rank scored since
+    the last step (the sum of the ranks' sums over the sum of their counts), as `Moments`
+    that `reduce_metrics` pools in its one collective. The names are the union over the
+    ranks (one gather), so that every rank sends the same metrics: a rank without a name
+    (every one of its samples failed, or the task names it for some samples only) counts
+    0 for it, as a failed sample counts 0 on one rank."""
+    n = torch.tensor(float(count), dtype=torch.float64)
+    return {f"reward/{k}": Moments(n, torch.tensor([sums.get(k, 0.0) / max(count, 1)],
+                                                   dtype=torch.float64),
+                                   torch.zeros(1, dtype=torch.float64), _first_mean)
+            for k in _names_of_every_rank(sorted(sums), backend)}
+
+
+def _names_of_every_rank(names: List[str], backend) -> List[str]:
+    if backend.world_size == 1:
+        return names
+    blob = torch.tensor(list("".join(f"{k}\n" for k in names).encode() + b"\n"),
+                        dtype=torch.uint8)                              # [bytes]
+    rows, _ = backend.all_gather_rows(blob)                             # [every rank's bytes]
+    return sorted({k for k in bytes(rows.tolist()).decode().split("\n") if k})
+
+
+def _first_mean(m: Moments) -> torch.Tensor:
+    return m.mean[0]

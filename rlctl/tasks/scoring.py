@@ -208,8 +208,16 @@ class RewardScorer:
         named reward's mean over the samples scored since the previous ``metrics()`` call
         (a failed sample counts 0). Resets those means."""
         out = {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts)}
-        for k, v in self._sums.items():
-            out[f"reward/{k}"] = v / max(self._count, 1)
+        sums, count = self.named_sums()
+        for k, v in sums.items():
+            out[f"reward/{k}"] = v / max(count, 1)
+        return out
+
+    def named_sums(self) -> Tuple[Dict[str, float], int]:
+        """(each named reward's sum over the samples scored since the previous call, how
+        many samples that is); resets both. ``metrics`` gives their means; the trainer
+        pools them over ranks (``rlctl.engine.trainer.named_reward_metrics``)."""
+        out = (self._sums, self._count)
         self._sums, self._count = {}, 0
         return out
 
