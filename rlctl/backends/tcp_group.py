@@ -10,7 +10,10 @@ or rlctl's own launcher on several nodes.
 the master, a master whose peers never come, a rank started twice, or ranks whose configs
 differ get one line on every node instead of a hang. ``share`` passes a short text (the
 run directory, or rank 0's set-up error) from rank 0 to every rank through the
-rendezvous store.
+rendezvous store. The group's keys (gloo's or NCCL's, and share's) live under
+``meet.key``, fresh for each restart of torchrun's workers: its agent's store outlives
+them, and a restarted attempt must neither dial the failed attempt's ranks at their old
+addresses nor take its run directory.
 """
 from __future__ import annotations
 
@@ -127,9 +130,9 @@ def join(group: Group, device: str, timeout_s: float, config: Optional[Dict[str,
                   else f"rank {group.rank} ({group.source})")
     meet.meet(store, group, same_config.flatten(config or {}), label, claimed_by, timeout_s,
               deadline, stop)
-    try:
+    try:                                      # the group's keys (and share's) are this restart's too
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                store=dist.PrefixStore("default_pg", store), rank=group.rank,
+                                store=dist.PrefixStore(meet.key("pg"), store), rank=group.rank,
                                 world_size=group.world_size, timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - a rank lost between the verdict and the group
         raise UserError(f"rank {group.rank} of {group.world_size} ({group.source}): forming the group at "
