@@ -46,16 +46,31 @@ def corrupt_safetensors(path: Path) -> Optional[str]:
 
 
 def vocab_problem(tokenizer, rows: Optional[int], path: Any) -> Optional[str]:
-    """One line when the tokenizer has ids the model's ``rows`` input embeddings lack (e.g.
-    a pad token added without resize_token_embeddings): the embedding lookup of any batch
-    that holds one fails (an IndexError); None when they fit or ``rows`` is unknown."""
-    if not isinstance(rows, int) or len(tokenizer) <= rows:
+    """One line when the tokenizer can put an id the model's ``rows`` input embeddings lack
+    into a batch (e.g. a pad token added without resize_token_embeddings): the embedding
+    lookup of any batch that holds one fails (an IndexError); None when they fit or
+    ``rows`` is unknown. Such an id is harmful when ordinary text yields it (a token of the
+    tokenizer's own vocabulary), when rlctl inserts it (the pad, BOS, EOS or UNK token) or
+    when the chat template writes it; an added token beyond the rows that none of these
+    produce (only its literal text does) is left alone: e.g. Gemma 3's
+    ``<image_soft_token>``, id 262144 beside 262144 embedding rows in its text models."""
+    if not isinstance(rows, int):
         return None
-    beyond = [f"{name} token {tok!r} is id {i}" for name in ("pad", "bos", "eos", "unk")
-              if (tok := getattr(tokenizer, f"{name}_token", None)) is not None
-              and (i := tokenizer.convert_tokens_to_ids(tok)) is not None and i >= rows]
+    added = tokenizer.get_added_vocab()                  # token -> id, matched only literally
+    if len(tokenizer) <= rows and all(i < rows for i in added.values()):
+        return None
+    roles = [(name, tok) for name in ("pad", "bos", "eos", "unk")
+             if (tok := getattr(tokenizer, f"{name}_token", None)) is not None]
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    harmful = {tok: i for tok, i in tokenizer.get_vocab().items() if i >= rows and (
+        tok not in added or tok in dict(roles).values() or (template and tok in template))}
+    if not harmful:
+        return None
+    beyond = [f"{name} token {tok!r} is id {harmful[tok]}" for name, tok in roles if tok in harmful]
+    beyond = beyond or [f"token {tok!r} is id {i}" for tok, i in sorted(
+        harmful.items(), key=lambda kv: kv[1])[:3]]
     return (f"the tokenizer in '{path}' has {len(tokenizer)} tokens but the model's input "
-            f"embeddings have {rows} rows" + (f" ({'; '.join(beyond)})" if beyond else "")
+            f"embeddings have {rows} rows ({'; '.join(beyond)})"
             + ": resize them (model.resize_token_embeddings(len(tokenizer))) and save again, "
             "or use a tokenizer within them (e.g. the EOS as pad)")
 

@@ -225,6 +225,42 @@ def test_a_pad_token_beyond_the_embeddings_is_refused_in_one_line(rm_run, tmp_pa
                                                  # whose start failed; the others make none)
 
 
+
+def add_token(model_dir: Path, token: str, template: str = None):
+    """A new special token on the saved tokenizer (and a chat template that writes it, when
+    given), the embeddings left as they are: (its id, the config's embedding rows)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.add_tokens([token], special_tokens=True)
+    if template is not None:
+        tok.chat_template = template
+    tok.save_pretrained(model_dir)
+    return tok.convert_tokens_to_ids(token), AutoConfig.from_pretrained(model_dir).vocab_size
+
+
+def test_an_added_token_beyond_the_embeddings_that_nothing_writes_is_accepted(rm_run, tmp_path):
+    """Gemma 3's text checkpoints hold <image_soft_token> at id 262144 beside 262144
+    embedding rows: only its literal text yields it (not the pad/BOS/EOS rlctl inserts nor
+    the chat template), so the model is usable and must not be refused. The same token
+    written by the chat template would reach every batch: refused, named."""
+    root, run_dir, base = rm_run
+    rm_dir = copy_dir(run_dir / "model", tmp_path / "rm")
+    lm = copy_dir(base, tmp_path / "lm")
+    for d in (rm_dir, lm):
+        tid, rows = add_token(d, "<image_soft_token>")
+        assert tid == rows              # the case: one id beyond the embeddings, unused
+    for args in ([f"task.reward_model={rm_dir}"], ["model=hf", f"model.name_or_path={lm}"]):
+        res = invoke("train", *args, *RL_FAST, f"run.output_dir={tmp_path / 'runs'}")
+        assert res.exit_code == 0, res.stdout + res.stderr
+    written = copy_dir(base, tmp_path / "lm_template")
+    tid, rows = add_token(written, "<turn>", "{% for m in messages %}<turn>{{ m['content'] }}"
+                                             "{% endfor %}")
+    assert tid == rows
+    line = error_line(invoke("train", "model=hf", f"model.name_or_path={written}", *RL_FAST,
+                             f"run.output_dir={tmp_path / 'runs2'}"))
+    assert f"have {rows} rows (token '<turn>' is id {tid})" in line
+
 def test_a_lora_adapter_as_the_base_model_says_what_to_pass(rm_run, tmp_path):
     import peft
     from transformers import AutoModelForCausalLM
