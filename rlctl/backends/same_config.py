@@ -3,7 +3,9 @@ flattened resolved config (with a digest) to rank 0 at rendezvous (tcp_group.joi
 rank 0 names the keys that differ in one line that every node prints.
 
 Left out of the comparison are the keys that are legitimately per node (``PER_NODE``):
-which node this is, how it reaches node 0, its own thread count and wait limit, and what
+which node this is, how it reaches node 0, its own thread count and wait limit, where it
+caches downloaded or built models (``model.cache_dir``: often node-local scratch; the
+model itself is ``model.name``/``name_or_path``, compared), and what
 only rank 0 uses (where the run directory goes, the loggers: the other ranks log nothing
 and take the run directory rank 0 shares).
 """
@@ -14,8 +16,8 @@ import json
 from typing import Any, Dict, List, Optional, Tuple
 
 PER_NODE = ("hardware.node_rank", "hardware.master_addr", "hardware.master_port",
-            "hardware.num_threads", "hardware.dist_timeout_s", "run.name", "run.output_dir",
-            "run.dir")
+            "hardware.num_threads", "hardware.dist_timeout_s", "model.cache_dir", "run.name",
+            "run.output_dir", "run.dir")
 PER_NODE_PREFIXES = ("logger.",)
 _SHOWN = 3                     # differing keys named in the line; the rest are counted
 _UNSET = object()

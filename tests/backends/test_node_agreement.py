@@ -54,13 +54,14 @@ def _flat(*overrides):
 
 def test_per_node_keys_are_not_compared_and_the_rest_are():
     """What a node may set for itself (which node it is, how it reaches node 0, its threads
-    and wait limit, where rank 0 puts the run, the loggers only rank 0 runs) makes no
-    mismatch; any other key does, named with both values (hand-written expected lines)."""
+    and wait limit, its model cache, where rank 0 puts the run, the loggers only rank 0
+    runs) makes no mismatch; any other key does, named with both values (hand-written
+    expected lines)."""
     base = _flat("hardware.nnodes=2", "trainer.lr=1e-4", "run.save_model=true")
     own = _flat("hardware.nnodes=2", "trainer.lr=1e-4", "run.save_model=true", "hardware.node_rank=1",
                 "hardware.master_addr=10.0.0.1", "hardware.master_port=29999", "hardware.num_threads=7",
-                "hardware.dist_timeout_s=9", "run.dir=/elsewhere", "run.output_dir=/other", "run.name=x",
-                "logger.console=false", "logger.wandb=false")
+                "hardware.dist_timeout_s=9", "model.cache_dir=/scratch/node1", "run.dir=/elsewhere",
+                "run.output_dir=/other", "run.name=x", "logger.console=false", "logger.wandb=false")
     assert same_config.mismatch("node 0", base, [same_config.payload(own, "node 1")]) is None
     other = _flat("hardware.nnodes=2", "trainer.lr=0.05", "run.save_model=false", "hardware.node_rank=1")
     got = same_config.mismatch("node 0", base, [same_config.payload(other, "node 1")] * 2)   # one node, 2 ranks
