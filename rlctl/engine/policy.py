@@ -34,8 +34,9 @@ import torch
 from rlctl.core.chunked_logprobs import chunked_token_logprobs
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
 from rlctl.models.head_check import head_matches, verdict as head_verdict
-from rlctl.models.kv_share import (cache_keyword, cache_of, differentiable, distinct_rows, forward_takes,
-                                   index_rows, innermost, regroup, state_in_modules, unpadded_notice)
+from rlctl.models.kv_share import (cache_keyword, cache_of, detach_module_state, differentiable,
+                                   distinct_rows, forward_takes, index_rows, innermost, regroup,
+                                   state_in_modules, unpadded_notice)
 from rlctl.models.positions import position_ids_from_mask
 
 
@@ -154,9 +155,9 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
             tuple(t[:, P - 1:] if t is not None else None for t in run(**inputs))   # [N, T, ...]
     logp, entropy = _logprobs(scores, head, input_ids[:, P:], temperature, with_entropy, entropy_grad)
     if critic is not None:
-        values = _unpadded(lambda **kw: (critic(**kw),), inputs, P, critic)[0] \
-            if state_in_modules(getattr(critic, "backbone", critic)) \
-            else critic(**inputs)[:, P - 1:]
+        backbone = getattr(critic, "backbone", critic)         # SeparateCritic's HF model
+        values = _unpadded(lambda **kw: (critic(**kw),), inputs, P, backbone)[0] \
+            if state_in_modules(backbone) else critic(**inputs)[:, P - 1:]
     if values is not None:
         values = values.float()                                # [N, T]
     return Forward(logp, entropy, values)
@@ -202,6 +203,7 @@ def _unpadded(run, inputs, P: int, model) -> tuple:
         outs = run(**{name: t[rows, k:] for name, t in inputs.items()})
         parts.append([o[:, P - 1 - k:] if o is not None else None for o in outs])  # [n, T, ...]
         order.append(rows)
+    detach_module_state(model)             # no graph left on the modules (deepcopy, memory)
     back = torch.argsort(torch.cat(order))                                         # [N]
     return tuple(torch.cat(col, 0)[back] if col[0] is not None else None for col in zip(*parts))
 

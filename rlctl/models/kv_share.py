@@ -104,8 +104,14 @@ def say_once(message: str) -> None:
 
 def unpadded_notice(model) -> None:
     """Say once what runs differently for a model that keeps its recurrent state in its
-    modules (``state_in_modules``): the one line the sampler and the learner share."""
-    say_once(f"{type(innermost(model)).__name__} keeps its recurrent state in its modules and "
+    modules (``state_in_modules``): the one line the sampler, the learner, the reference
+    and a separate critic share. It names the architecture (the config's class without
+    ``Config``), not the module class: the critic's backbone is a ``...Model``, the policy
+    a ``...ForCausalLM``."""
+    config = getattr(innermost(model), "config", None)
+    arch = type(config).__name__.removesuffix("Config") if config is not None \
+        else type(innermost(model)).__name__
+    say_once(f"{arch} keeps its recurrent state in its modules and "
              "lets left padding reach it: it runs without prompt sharing, one prompt length "
              "at a time, unpadded")
 
@@ -118,6 +124,20 @@ def state_in_modules(model) -> bool:
     but return their states in the cache."""
     inner = innermost(model)
     return bool(getattr(inner, "_is_stateful", False)) and not _returns_cache(type(inner))
+
+
+def detach_module_state(model) -> None:
+    """Detach the tensors a model that keeps its state in its modules (``state_in_modules``)
+    left on them. RecurrentGemma's blocks store the last forward's conv window and RG-LRU
+    state as plain attributes even with ``use_cache=False``; after a training forward they
+    are non-leaf tensors of its graph, so ``copy.deepcopy`` of the model (a LoRA run's
+    merged save) fails on them, and they keep the graph's nodes until the next forward.
+    The values stay (the next prompt's forward overwrites them); the outputs' graph is
+    untouched."""
+    for module in innermost(model).modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                setattr(module, name, value.detach())
 
 
 @functools.lru_cache(maxsize=None)

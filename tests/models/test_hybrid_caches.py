@@ -260,24 +260,51 @@ def test_rollout_behaviour_logprobs_equal_the_learners(hybrid, name):
 
 
 def test_recurrent_gemma_fallback_is_said_once_and_zero3_is_refused(hybrid, monkeypatch, caplog):
-    """RecurrentGemma's fallback is one log line, once, whether the sampler or the learner
-    meets it first; the cache hybrids say nothing (they share). Under ZeRO-3 on several
-    ranks (``synced_gpus``) per-length sampling would run different calls on each rank:
-    refused in one line naming the architecture."""
+    """RecurrentGemma's fallback is one log line, once, naming the architecture, whether
+    the sampler, the learner or a separate critic (a copy of the backbone, a
+    RecurrentGemmaModel inside rlctl's SeparateCritic) meets it first; the cache hybrids
+    say nothing (they share). Under ZeRO-3 on several ranks (``synced_gpus``) per-length
+    sampling would run different calls on each rank: refused in one line naming the
+    architecture."""
     import logging
 
     from rlctl.errors import UserError
     from rlctl.models import kv_share
+    from rlctl.models.value import SeparateCritic
 
     monkeypatch.setattr(kv_share, "_said", set())
     with caplog.at_level(logging.WARNING, logger="rlctl.models.kv_share"):
         for name in ("qwen3_5", "recurrent_gemma"):
             model, tok = hybrid(name)
+            critic = SeparateCritic(policy=model).double()
             ids, attn, _, _ = _batch(tok, 3)
             for _ in range(2):
                 generate(model, tok, PROMPTS, 2, do_sample=True, share_prompts=True)
-                learner_forward(model, ids, attn, ids.shape[1] - 3, share_prompts=True, fused=False)
+                with torch.no_grad():
+                    learner_forward(model, ids, attn, ids.shape[1] - 3, share_prompts=True,
+                                    fused=False, critic=critic)
     lines = [r.getMessage() for r in caplog.records if r.name == "rlctl.models.kv_share"]
-    assert len(lines) == 1 and lines[0].startswith("RecurrentGemmaForCausalLM keeps its recurrent")
+    assert len(lines) == 1 and lines[0].startswith("RecurrentGemma keeps its recurrent"), lines
     with pytest.raises(UserError, match="RecurrentGemmaForCausalLM cannot sample under ZeRO-3"):
         generate(*hybrid("recurrent_gemma"), PROMPTS, 2, do_sample=True, synced_gpus=True)
+
+
+def test_recurrent_gemma_training_forward_leaves_no_graph_on_its_modules(hybrid):
+    """RecurrentGemma's blocks keep the last forward's conv window and RG-LRU state as
+    module attributes (transformers does so even with ``use_cache=False``). After the
+    learner's training forward and backward none of them is tied to a graph, so the model
+    can be copied (``copy.deepcopy``: a LoRA run's merged save deep-copies the trained
+    model; it raised 'Only Tensors created explicitly by the user ... deepcopy') and the
+    copy gives the original's logits exactly (same weights, same float64 ops)."""
+    model, tok = hybrid("recurrent_gemma")
+    ids, attn, mask, _ = _batch(tok, 3)
+    logp = learner_forward(model, ids, attn, ids.shape[1] - 3, share_prompts=True, fused=False).logp
+    (logp * mask).sum().backward()
+    model.zero_grad(set_to_none=True)
+    held = [name for m in model.modules() for name, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    assert held == []
+    twin = copy.deepcopy(model)
+    enc = tok([PROMPTS[1]], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(twin(**enc, use_cache=False).logits, model(**enc, use_cache=False).logits)
