@@ -59,12 +59,13 @@ def interrupted(stop) -> int:
     return int(stop.signum) if stop is not None and stop.requested else 0
 
 
-def wait_reachable(host: str, port: int, deadline: float, stop=None) -> None:
+def wait_reachable(host: str, port: int, deadline: float, stop=None, stopped=None) -> None:
     """Return once ``host:port`` accepts a TCP connection; TimeoutError at ``deadline``;
-    LaunchError (exit 128 + signal) once ``stop`` holds a signal."""
+    LaunchError (exit 128 + signal) once ``stop`` holds a signal (``stopped()``: the caller's
+    own error for that, else 'interrupted by SIG... while waiting for node 0')."""
     while True:
         if interrupted(stop):
-            raise _stopped(stop, f"while waiting for node 0 at {host}:{port}")
+            raise stopped() if stopped else _stopped(stop, f"while waiting for node 0 at {host}:{port}")
         try:
             wait = max(0.1, min(1.0, deadline - time.monotonic()))
             socket.create_connection((host, port), timeout=wait).close()

@@ -37,7 +37,6 @@ import multiprocessing
 import os
 import secrets
 import signal
-import socket
 import time
 from datetime import timedelta
 from typing import Callable, Dict, List
@@ -46,7 +45,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from rlctl.backends.launch import check_node_rank
-from rlctl.backends.meet import MISMATCH_KEY, MODE_KEY, mode_line, spans
+from rlctl.backends.meet import MISMATCH_KEY, MODE_KEY, mode_line, spans, wait_reachable
 from rlctl.errors import ActorFailed, LaunchError, UserError
 
 CONFIG_KEY = "rlctl/async/learner_config"
@@ -148,20 +147,11 @@ def connect(init: str, timeout_s: float, who: str, stop=None) -> dist.TCPStore:
 
 
 def _reachable(host: str, port: int, deadline: float, stop=None, who: str = "it") -> None:
-    """Wait until ``host:port`` accepts a TCP connection, or raise TimeoutError at ``deadline``
-    (LaunchError, exit 128 + signal, once ``stop`` has a signal)."""
-    while True:
-        if _signalled(stop):
-            raise LaunchError(f"{who}: {_interrupted(stop)} while waiting for the learner at {host}:"
-                              f"{port}; no rollout actor was started", False, 128 + stop.signum)
-        try:
-            wait = max(0.1, min(1.0, deadline - time.monotonic()))
-            socket.create_connection((host, port), timeout=wait).close()
-            return
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no answer from {host}:{port}: {exc}") from None
-            time.sleep(POLL_S)
+    """`meet.wait_reachable`, with an actor node's own line when a signal stops the wait."""
+    def stopped():
+        return LaunchError(f"{who}: {_interrupted(stop)} while waiting for the learner at {host}:"
+                           f"{port}; no rollout actor was started", False, 128 + stop.signum)
+    wait_reachable(host, port, deadline, stop, stopped)
 
 
 def _interrupted(stop) -> str:
