@@ -288,6 +288,7 @@ def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
                               if k not in partial},
               "keys_not_in_every_run": {k: [lb for lb, x in zip(labels, diff[k])
                                             if x is not MISSING] for k in partial},
+              "mixed_kinds": len({r.reward_model for r in runs}) > 1,
               "summary_keys": list(keys),
               "metrics": {label: metric_summary(r.rows, keys) for label, r in zip(labels, runs)},
               "plots": [], "plots_skipped": []}
@@ -349,6 +350,17 @@ def _print_plots(console, report: dict) -> None:
         console.print("no data for plot(s): " + ", ".join(report["plots_skipped"]))
 
 
+def _kind_sections(partial: Dict[str, List[str]]) -> str:
+    """One line for RL and reward-model runs compared: the config sections only one kind
+    has (by section, not key by key: a different command, not a changed schema)."""
+    sections: Dict[tuple, set] = {}
+    for key, holders in partial.items():
+        sections.setdefault(tuple(holders), set()).add(key.split(".")[0] + ".*")
+    return ("RL and reward-model runs compared: only the keys both kinds hold are compared; "
+            + "; ".join(f"{', '.join(sorted(secs))} [{', '.join(holders)}]"
+                        for holders, secs in sections.items()))
+
+
 def print_compare(report: dict) -> None:
     console = _console()
     labels = report["runs"]
@@ -361,7 +373,9 @@ def print_compare(report: dict) -> None:
     if not report["config_diff"]:
         table.add_row("(no differing values)", *[""] * len(labels))
     console.print(table)
-    if report["keys_not_in_every_run"]:
+    if report["keys_not_in_every_run"] and report.get("mixed_kinds"):
+        console.print(_kind_sections(report["keys_not_in_every_run"]), soft_wrap=True, markup=False)
+    elif report["keys_not_in_every_run"]:
         console.print("keys only some runs hold (config schema changed between runs?): "
                       + ", ".join(f"{k} [{', '.join(v)}]"
                                   for k, v in report["keys_not_in_every_run"].items()),

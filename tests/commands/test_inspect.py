@@ -92,7 +92,7 @@ def test_inspect_rollout_audit_finds_misaligned_rows(cli, tmp_path):
     assert "PROBLEMS" in res.stdout
 
 
-def test_inspect_of_a_reward_model_run_reads_its_metrics_and_its_own_defaults(cli, tmp_path):
+def test_inspect_of_a_reward_model_run_reads_its_metrics_and_its_own_defaults(cli, run_a, tmp_path):
     """A run of `rlctl reward-model train` (issue 21.13): its config is compared with the
     reward-model command's defaults (conf/reward_model.yaml and the composed sections),
     not `rlctl train`'s, and its metrics are the fit's."""
@@ -134,3 +134,13 @@ def test_inspect_of_a_reward_model_run_reads_its_metrics_and_its_own_defaults(cl
     assert res.exit_code == 0, res.output
     cmp = json.loads((tmp_path / "cmp.json").read_text())
     assert "eval/pairwise_accuracy" in cmp["summary_keys"] and "reward/mean" not in cmp["summary_keys"]
+    res = cli("inspect", run_a, run_dir, "--no-plots", "--json", tmp_path / "mixed.json")
+    assert res.exit_code == 0, res.output
+    mixed = json.loads((tmp_path / "mixed.json").read_text())
+    rl, rm = mixed["runs"]
+    assert {"reward/mean", "train/loss"} <= set(mixed["summary_keys"])
+    # an RL run beside a reward-model run: their own sections named once by section, not
+    # ~100 keys as a changed schema
+    assert "schema changed" not in res.stdout
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RL and reward-model"))
+    assert f"algo.*, rollout.*, task.*, trainer.* [{rl}]" in line and f"data.*, rm.* [{rm}]" in line
