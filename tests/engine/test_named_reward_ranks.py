@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gloo_ranks import run_two_ranks
 
-HERE = Path(__file__).resolve().parent
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 # (prompt digits, completion) per rank: 3 samples on rank 0, 5 on rank 1
 ROWS = {0: [([3, 1, 2], "1 2 3"), ([5, 4, 9], "4 9 5"), ([7, 7, 1], "7")],
@@ -64,16 +64,7 @@ def _designs(rank):
 
 @pytest.mark.parametrize("fail_rank", [-1, 1], ids=["both-score", "rank-1-fails-every-sample"])
 def test_two_ranks_log_the_mean_of_every_rank_s_samples(tmp_path, fail_rank):
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); "
-            f"import test_named_reward_ranks as t; t._rank_worker({str(tmp_path)!r}, {fail_rank})")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                       OMP_NUM_THREADS="1", RLCTL_DIST_INIT=f"file://{tmp_path / '.init'}"))
-             for r in range(2)]
-    for p in procs:
-        out = p.communicate(timeout=120)[0]
-        assert p.returncode == 0, out[-3000:]
+    run_two_ranks("test_named_reward_ranks", f"_rank_worker({str(tmp_path)!r}, {fail_rank})", tmp_path, 120)
     per_rank = {r: _designs(r) for r in range(2)}
     names = sorted(per_rank[0][0])
     assert len(names) >= 3          # the sorting designs: exact, positional, ...

@@ -21,12 +21,12 @@ a per-micro-batch average is off by 10-100 % (-1.36 vs -10.27 in the issue's exa
 import copy
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gloo_ranks import run_two_ranks
 import torch
 
 from rlctl.backends.base import Backend, build_backend
@@ -154,16 +154,8 @@ def test_two_ranks_log_the_spreads_of_one_process(setup, tmp_path):
     model, critic, b, ref = setup
     one = _logged(copy.deepcopy(model), copy.deepcopy(critic), Backend("cpu"), b,
                   _settings(micro_batch_size=2))
-    code = (f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent / 'backends')!r}]; "
-            f"import test_split_invariant_metrics as t; t._rank_worker({str(tmp_path)!r})")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                       OMP_NUM_THREADS="1", RLCTL_DIST_INIT=f"file://{tmp_path / '.init'}"))
-             for r in range(2)]
-    for p in procs:
-        out = p.communicate(timeout=300)[0]
-        assert p.returncode == 0, out[-3000:]
+    run_two_ranks("test_split_invariant_metrics", f"_rank_worker({str(tmp_path)!r})", tmp_path, 300,
+                  paths=[HERE.parent / "backends"])
     two = json.loads((tmp_path / "w2.json").read_text())
     for k, want in ref.items():
         assert abs(want) > 0.05, k

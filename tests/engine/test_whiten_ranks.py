@@ -15,15 +15,13 @@ by < 28 * 1e-3 = 0.03, its mean by < 1e-3, so each whitened value by < 2e-3.
 """
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gloo_ranks import run_two_ranks
 import torch
 
-HERE = Path(__file__).resolve().parent
 ROWS, T = 8, 7
 
 
@@ -61,16 +59,7 @@ def test_two_ranks_whiten_like_one_process_at_mean_1000_std_1(tmp_path, poison):
     v = x.double().numpy()[keep]                                             # all finite
     want = np.zeros((ROWS, T))
     want[keep] = (v - v.mean()) / np.sqrt(v.var(ddof=1) + 1e-8)              # float64, two passes
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); "
-            f"import test_whiten_ranks as t; t._rank_worker({str(tmp_path)!r}, {poison})")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                       OMP_NUM_THREADS="1", RLCTL_DIST_INIT=f"file://{tmp_path / '.init'}"))
-             for r in range(2)]
-    for p in procs:
-        out = p.communicate(timeout=300)[0]
-        assert p.returncode == 0, out[-3000:]
+    run_two_ranks("test_whiten_ranks", f"_rank_worker({str(tmp_path)!r}, {poison})", tmp_path, 300)
     got = np.concatenate([np.array(json.loads((tmp_path / f"rank{r}.json").read_text())) for r in range(2)])
     assert abs(want[keep].std(ddof=1) - 1) < 1e-6
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
