@@ -10,10 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from rlctl.models import tiny
+from random_rm import save_random_reward_model
 from rlctl.tasks.reward_model import RewardModel, render
 
 FAST = ["trainer.steps=2", "trainer.eval_every=2", "task.num_eval=8",
@@ -27,13 +25,7 @@ def rm_run(tmp_path_factory):
     from rlctl.engine.run import run_training
 
     root = tmp_path_factory.mktemp("rm_run")
-    tok = tiny.build_tokenizer()
-    torch.manual_seed(0)
-    LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        pad_token_id=tok.pad_token_id, num_labels=1)).save_pretrained(root / "rm")
-    tok.save_pretrained(root / "rm")
+    save_random_reward_model(root / "rm")
     summary = run_training([f"run.output_dir={root / 'runs'}", *FAST,
                             f"task.reward_model={root / 'rm'}", "task.reward_norm=running"])
     return Path(summary["run_dir"]), root / "rm"

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
 
+from random_rm import save_random_reward_model
 from rlctl.models import tiny
 
 FAST = ["trainer.steps=2", "trainer.eval_every=2", "trainer.prompts_per_step=2",
@@ -41,13 +40,7 @@ def rm_only_run(tmp_path_factory):
     from rlctl.engine.run import run_training
 
     root = tmp_path_factory.mktemp("rm_only")
-    tok = tiny.build_tokenizer()
-    torch.manual_seed(0)
-    LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        pad_token_id=tok.pad_token_id, num_labels=1)).save_pretrained(root / "rm")
-    tok.save_pretrained(root / "rm")
+    save_random_reward_model(root / "rm")
     data = root / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i} {j} ="}) + "\n"
                             for i in range(4) for j in range(4)))
