@@ -186,7 +186,8 @@ def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
     out = dict(zip(keys, x.tolist()))
     at = 0
     for k in pooled:               # each pooled over the ranks' rows, then finished
-        m, size = metrics[k], metrics[k].flat().numel()
+        m = metrics[k]
+        size = 1 + 2 * m.mean.numel()                               # n, means, m2 (Moments.flat)
         whole = pool([m.like(r[at:at + size]) for r in rows])
         out[k], at = float(whole.finish(whole)), at + size
     return out

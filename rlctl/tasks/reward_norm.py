@@ -50,11 +50,11 @@ def global_batch_stats(batches: Sequence[Sequence[float]]) -> List[Stats]:
     table = torch.zeros(world, len(local), 3, dtype=torch.float64, device=device)  # [W, M, 3]
     table[rank] = torch.tensor(local, dtype=torch.float64, device=device)
     dist.all_reduce(table)                 # each row is one rank's: the sum is a gather
-    out = []
+    rows, out = table.tolist(), []         # one host copy of the [W, M, 3] table
     for j in range(len(local)):
         acc: Stats = (0, 0.0, 0.0)
         for r in range(world):
-            n, mean, m2 = table[r, j].tolist()
+            n, mean, m2 = rows[r][j]
             acc = merged(acc, (int(round(n)), mean, m2))
         out.append(acc)
     return out
