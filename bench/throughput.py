@@ -38,7 +38,7 @@ def _setup(overrides):
     from omegaconf import OmegaConf
 
     from rlctl.compose import compose
-    from rlctl.engine.build import model_from_config, task_from_config, quiet_libraries
+    from rlctl.run.build import model_from_config, task_from_config, quiet_libraries
 
     cfg = compose(["trainer.eval_every=0", "logger=none", *overrides]).cfg
     OmegaConf.resolve(cfg)
@@ -88,8 +88,8 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
     shared CPU: every mode sees the same background load)."""
     import copy
 
-    from rlctl.engine.async_rollout import build_source
-    from rlctl.engine.trainer import Trainer
+    from rlctl.rollout.actors import build_source
+    from rlctl.learner.trainer import Trainer
     from rlctl.sinks import NullSink
 
     cfg, task, model, tok = _setup(overrides)
@@ -124,8 +124,8 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
 
 
 def run_trainer(steps: int, warmup: int, overrides) -> dict:
-    from rlctl.engine.async_rollout import build_source
-    from rlctl.engine.trainer import Trainer
+    from rlctl.rollout.actors import build_source
+    from rlctl.learner.trainer import Trainer
     from rlctl.sinks import NullSink
 
     cfg, task, model, tok = _setup(overrides)

@@ -71,19 +71,19 @@ def train(ctx: typer.Context,
     def work() -> None:
         if multirun:
             from rlctl.compose import check_override_syntax
-            from rlctl.engine.sweep import run_sweep
+            from rlctl.run.sweep import run_sweep
             check_override_syntax(overrides)     # one line for Hydra's grammar errors
             run_sweep(overrides, recipe)
         elif dry_run:
             from omegaconf import OmegaConf
 
             from rlctl.compose import compose
-            from rlctl.engine.dryrun import dry_run as plan
+            from rlctl.run.dryrun import dry_run as plan
             cfg = compose(overrides, recipe).cfg
             OmegaConf.resolve(cfg)
             plan(cfg)
         else:
-            from rlctl.engine.run import run_training
+            from rlctl.run.training import run_training
             run_training(overrides, recipe, resume=resume)
 
     if resume and (recipe or multirun):

@@ -357,7 +357,7 @@ def validate(cfg: DictConfig) -> None:
     """Checks beyond types that need no torch: ranges (every numeric key), options that
     must agree, and the machine (CUDA, the DeepSpeed JSON). Raises ConfigError (one line).
     Registry names (algo.advantage, algo.policy_loss, algo.kl.estimator, task.name, ...)
-    are checked where the registries are, by ``rlctl.engine.entries.check_entries``,
+    are checked where the registries are, by ``rlctl.run.entries.check_entries``,
     before a run directory is made."""
     _check_resolved(cfg)
     check_ranges(cfg)

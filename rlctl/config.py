@@ -90,7 +90,7 @@ class TaskConfig:
     reward_fn: Optional[str] = None     # package.module:function | path/file.py:function | math | exact
     rewards: Optional[List[Any]] = None  # [{fn: ..., weight: 1.0, name: ..., batched: ...}]
     correct_threshold: Optional[float] = None  # eval/exact_match: total reward >= this
-    # learned reward models, any task (rlctl/tasks/reward_model.py)
+    # learned reward models, any task (rlctl/reward_models/learned.py)
     reward_model: Optional[str] = None  # sequence-classifier dir; the task's own rewards then weigh 0 (still logged)
     reward_norm: Optional[str] = None   # none | running (mean/std whitening, checkpointed)
     reward_clip: Optional[float] = None  # clip the (normalised) score to [-c, c]; null: no clip
@@ -166,7 +166,7 @@ class RolloutConfig:
 
 @dataclass
 class AsyncConfig:
-    enabled: bool = MISSING        # rollout actor processes + learner (rlctl/engine/async_rollout.py)
+    enabled: bool = MISSING        # rollout actor processes + learner (rlctl/rollout/actors.py)
     max_staleness: int = MISSING   # a rollout is at most this many learner steps old (0: synchronous)
     sync_every: int = MISSING      # learner steps between weight syncs to the actor
     num_actors: int = 1            # rollout actor processes (on node 0; 0 only with hardware.nnodes > 1)
@@ -184,7 +184,7 @@ class TrainerConfig:
     max_grad_norm: float = MISSING
     micro_batch_size: int = 0        # sequences per forward/backward; 0: whole minibatch
     micro_batch_tokens: int = 0      # padded tokens per forward/backward; 0: no token budget
-    share_prompts: bool = True       # one prompt forward per group (rlctl/engine/policy.py)
+    share_prompts: bool = True       # one prompt forward per group (rlctl/learner/forward.py)
     compile: bool = False            # torch.compile the learner's forward (plain torch backend)
     eval_every: int = MISSING
     log_every: int = 1

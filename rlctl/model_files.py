@@ -2,8 +2,8 @@
 given where a whole model is needed, a .safetensors file whose header cannot be read, a
 tokenizer with ids beyond the model's input embeddings, and a run directory of
 `rlctl reward-model train` given for the reward model in its model/. Each problem is one
-line for the user; the callers raise it (rlctl/models/loading.py, rlctl/tasks/reward_model.py,
-rlctl/engine/reward_model_train.py)."""
+line for the user; the callers raise it (rlctl/models/loading.py, rlctl/reward_models/learned.py,
+rlctl/reward_models/train.py)."""
 from __future__ import annotations
 
 import json

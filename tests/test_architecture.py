@@ -173,7 +173,7 @@ def test_function_level_imports_only_where_allowed():
 
 def test_function_level_import_rule_can_fail(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from rlctl.engine import run\n    import torch\n"
+    src.write_text("def f():\n    from rlctl.run import training\n    import torch\n"
                    "    import peft\n    import torch  # needs CUDA only\n")
     assert function_level_imports(src) == [(2, "rlctl", False), (3, "torch", False),
                                            (4, "peft", False), (5, "torch", True)]

@@ -4,9 +4,9 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 
-from rlctl.engine.entries import check_entries
 from rlctl.errors import ConfigError
-from rlctl.engine.rundir import recipe_text
+from rlctl.run.entries import check_entries
+from rlctl.storage.rundir import recipe_text
 
 
 def test_defaults_compose_to_grpo_on_sorting():

@@ -13,10 +13,10 @@ from rlctl.core import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, gae,
                         get_advantage_estimator, get_policy_loss, kl_estimate,
                         ppo_clip_per_token, resolve_kl_estimator)
 from rlctl.core.kl import kl_k2
-from rlctl.engine.advantage import estimator_kind
-from rlctl.engine.entries import check_entries
 from rlctl.errors import ConfigError
+from rlctl.learner.advantage import estimator_kind
 from rlctl.registry import Registry
+from rlctl.run.entries import check_entries
 from rlctl.tasks import TASKS
 
 USER = '''
@@ -164,7 +164,7 @@ def test_a_user_token_level_estimator_needs_a_critic(user_module):
 def test_validation_imports_no_torch():
     code = ("import sys; from rlctl.compose import compose; "
             "compose(['algo=ppo', 'algo.policy_loss=mypkg.losses:anything', 'algo.kl.coef=0.1']); "
-            "heavy = [m for m in ('torch', 'transformers', 'rlctl.core', 'rlctl.engine') "
+            "heavy = [m for m in ('torch', 'transformers', 'rlctl.core', 'rlctl.learner', 'rlctl.run') "
             "if m in sys.modules]; print(heavy); assert not heavy")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

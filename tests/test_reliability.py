@@ -151,14 +151,14 @@ def test_two_ranks_stop_after_the_same_step_save_and_resume(tmp_path, sig, group
 
 
 def _workers_of(root: Path):
-    """Pids of launched ranks (`python -m rlctl.engine.worker RUN`) whose run is under ``root``."""
+    """Pids of launched ranks (`python -m rlctl.run.worker RUN`) whose run is under ``root``."""
     found = []
     for cmd in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = cmd.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"rlctl.engine.worker" in argv and any(str(root).encode() in a for a in argv):
+        if b"rlctl.run.worker" in argv and any(str(root).encode() in a for a in argv):
             found.append(int(cmd.parent.name))
     return found
 
@@ -311,7 +311,7 @@ def _wait_until(cond, seconds=120.0):
 
 
 def test_launched_ranks_keep_the_run_locked_after_the_launcher_is_killed(tmp_path):
-    from rlctl.engine.rundir import RunLock
+    from rlctl.storage.rundir import RunLock
     from rlctl.errors import RunDirError
 
     root = tmp_path / "runs"
@@ -334,7 +334,7 @@ def test_launched_ranks_keep_the_run_locked_after_the_launcher_is_killed(tmp_pat
 
 
 def _can_lock(run: Path) -> bool:
-    from rlctl.engine.rundir import RunLock
+    from rlctl.storage.rundir import RunLock
     from rlctl.errors import RunDirError
     try:
         RunLock(run).acquire().release()
@@ -356,7 +356,7 @@ def slow(prompt, completion, **fields):
 
 
 def test_a_reward_worker_stuck_in_a_call_does_not_keep_the_run_locked(tmp_path):
-    from rlctl.engine.rundir import RunLock
+    from rlctl.storage.rundir import RunLock
 
     (tmp_path / "slow.py").write_text(SLOW_REWARD)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i} 3 1 ="}) + "\n"
@@ -384,11 +384,11 @@ def test_a_reward_worker_stuck_in_a_call_does_not_keep_the_run_locked(tmp_path):
 
 # ---- the lock, in-process -----------------------------------------------------------------
 def test_run_lock_refuses_a_live_holder_by_pid_and_takes_over_a_dead_ones(tmp_path):
-    from rlctl.engine.rundir import RunLock
+    from rlctl.storage.rundir import RunLock
     from rlctl.errors import RunDirError
 
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from rlctl.engine.rundir import RunLock; "
+                               "from rlctl.storage.rundir import RunLock; "
                                f"RunLock(Path({str(tmp_path)!r})).acquire(); print('ok', flush=True); "
                                "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:

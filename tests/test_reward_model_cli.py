@@ -151,7 +151,7 @@ RL_FAST = ["trainer.steps=1", "trainer.prompts_per_step=2", "algo.group_size=2",
 def rm_run(tmp_path_factory):
     """(root, a one-step `reward-model train` run directory, the tiny base LM's directory)."""
     from rlctl.compose import compose
-    from rlctl.engine.reward_model_train import backbone_path
+    from rlctl.reward_models.train import backbone_path
 
     root = tmp_path_factory.mktemp("rm_files")
     prefs = write_jsonl(root / "p.jsonl", sorted_pairs(8, 0))

@@ -184,7 +184,7 @@ def test_a_model_fitted_with_max_length_is_scored_on_the_same_last_tokens(tmp_pa
     limit are counted in one line on stderr and in summary.json."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlctl.tasks.reward_model import RewardModel
+    from rlctl.reward_models.learned import RewardModel
 
     rng = random.Random(3)
     rows = []
@@ -292,8 +292,8 @@ def test_more_bad_inputs_in_process(bad_files):
 
 
 def test_hold_out_is_seeded_and_never_takes_every_pair():
-    from rlctl.engine.reward_model_train import hold_out
-    from rlctl.models.reward_fit import Pair
+    from rlctl.reward_models.train import hold_out
+    from rlctl.reward_models.fit import Pair
 
     pairs = [Pair(str(i), "a", "b") for i in range(20)]
     train, held = hold_out(pairs, 0.1, seed=3)
@@ -305,7 +305,7 @@ def test_hold_out_is_seeded_and_never_takes_every_pair():
 
 
 def test_read_pairs_takes_csv_and_a_margin_column(tmp_path):
-    from rlctl.engine.reward_model_train import read_pairs
+    from rlctl.reward_models.train import read_pairs
 
     path = tmp_path / "p.csv"
     path.write_text("prompt,chosen,rejected,margin\n1 =,1,2,0.5\n2 =,2,3,\n")
@@ -322,8 +322,8 @@ def test_read_pairs_takes_csv_and_a_margin_column(tmp_path):
 def test_tiny_reward_model_builds_caches_and_has_the_stated_accuracy(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlctl.models import tiny_reward as tr
-    from rlctl.models.reward_fit import pairwise_accuracy, score_pairs
+    from rlctl.reward_models import tiny as tr
+    from rlctl.reward_models.fit import pairwise_accuracy, score_pairs
     from rlctl.tasks.sorting import SortingTask
 
     first = tr.tiny_reward_model_dir(cache_dir=tmp_path)
@@ -351,7 +351,7 @@ def test_tiny_reward_model_builds_caches_and_has_the_stated_accuracy(tmp_path):
     assert 0.86 <= acc <= 0.94, acc
     # the docstring's example: the right answer now outscores its near misses (the 0.84
     # model scored the over-long one 3.06 above the right one's 2.79)
-    from rlctl.models.reward_fit import scores
+    from rlctl.reward_models.fit import scores
     cands = ["1 1 3 4 9", "1 1 3 4 9 9", "1 3 4 9", "1 1 4 3 9"]
     with torch.no_grad():
         s = scores(model, tok, ["3 9 1 4 1 ="] * len(cands), cands).tolist()
@@ -363,7 +363,7 @@ def test_fit_uses_each_pairs_margin_else_the_default():
     margins [0.5 (the row's), 2.0 (rm.margin)]: the margin reaches the loss."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from rlctl.models.reward_fit import FitSettings, Pair, fit, pair_scores, prepare_for_scoring
+    from rlctl.reward_models.fit import FitSettings, Pair, fit, pair_scores, prepare_for_scoring
     from rlctl.models.tiny import build_tokenizer
 
     tok = build_tokenizer()

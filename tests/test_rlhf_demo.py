@@ -35,7 +35,7 @@ def _train(tmp_path, name, *overrides):
 
 
 def test_recipe_with_tiny_equals_the_cached_directory_and_inspect_plots_proxy_vs_gold(tmp_path):
-    from rlctl.models.tiny_reward import tiny_reward_model_dir
+    from rlctl.reward_models.tiny import tiny_reward_model_dir
 
     run, rows = _train(tmp_path, "tiny")                         # the recipe sets reward_model: tiny
     _, by_path = _train(tmp_path, "path", f"task.reward_model={tiny_reward_model_dir()}")

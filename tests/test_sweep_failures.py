@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.engine import sweep
-from rlctl.engine.report import reward_report
+from rlctl.run import sweep
+from rlctl.run.report import reward_report
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 

@@ -1,6 +1,6 @@
 """`hardware.num_processes=N`: rlctl starts its own N ranks (no external launcher).
 
-Each rank is `python -m rlctl.engine.worker RUN_DIR` with RANK / WORLD_SIZE /
+Each rank is `python -m rlctl.run.worker RUN_DIR` with RANK / WORLD_SIZE /
 LOCAL_RANK set and a `file://` rendezvous inside the run directory (no port to clash).
 Rank 0 keeps the terminal; the other ranks write `rank<k>.log` in the run directory. If
 any rank fails, the others are killed and the error names the rank and its last line.
@@ -65,7 +65,7 @@ def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False
                 env[LOCK_FD_ENV] = str(lock_fd)
             log = None if rank == 0 else open(run_dir / f"rank{rank}.log", "w")
             logs.append(log)
-            args = [sys.executable, "-m", "rlctl.engine.worker", str(run_dir)] + (["--resume"] if resume else [])
+            args = [sys.executable, "-m", "rlctl.run.worker", str(run_dir)] + (["--resume"] if resume else [])
             procs.append(subprocess.Popen(args, env=env, stdout=log, start_new_session=True,
                                           stderr=subprocess.STDOUT if log else None,
                                           pass_fds=() if lock_fd is None else (lock_fd,)))

@@ -13,7 +13,7 @@ configs and sets the verdict, which every rank reads and acknowledges: "ok", or 
 never reaches c10d, and no rank is left waiting inside it.
 
 The store's owner also says what it runs (``MODE_KEY``: "ranks" for data-parallel ranks,
-"async" for a learner with rollout actors, rlctl/engine/remote_actors.py); a node that
+"async" for a learner with rollout actors, rlctl/rollout/remote_actors.py); a node that
 finds the other mode there puts its line under ``MISMATCH_KEY``, which the owner polls
 for, so both sides say the same line.
 """

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from rlctl.engine.checkpoint import latest_checkpoint, read_state, step_of
 from rlctl.errors import CheckpointError
+from rlctl.storage.checkpoint import latest_checkpoint, read_state, step_of
 from rlctl.tasks.scoring import RewardScorer
 
 

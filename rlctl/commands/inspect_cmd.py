@@ -28,8 +28,8 @@ from rlctl.commands.fmt import MISSING, flatten, show
 from rlctl.commands.plots import (PLOTS, REWARD_MODEL_PLOTS, plot_compare, plot_proxy_gold,
                                   plot_run, series)
 from rlctl.compose import compose
-from rlctl.engine.reward_model_config import default_config as reward_model_defaults
 from rlctl.errors import UserError
+from rlctl.reward_models.settings import default_config as reward_model_defaults
 from rlctl.sinks.jsonl import read_jsonl
 from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
 
@@ -261,7 +261,7 @@ def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
 
 def proxy_keys(config: Dict[str, Any]) -> List[str]:
     """The metrics of a run's reward-model scores: ``reward/<name>`` (name defaults to
-    ``reward_model``, as rlctl.tasks.reward_model names it: the raw score), and the
+    ``reward_model``, as rlctl.reward_models.learned names it: the raw score), and the
     held-out ``eval/reward`` (after task.reward_norm/reward_clip) when ``task.reward_model``
     alone trains."""
     if config.get("task.reward_model"):

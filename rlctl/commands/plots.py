@@ -21,7 +21,7 @@ PLOTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ("length", "Completion length (tokens); dashed: truncated fraction",
      ("length/mean", "length/truncated_frac")),
 )
-# `rlctl reward-model train` runs: the Bradley-Terry fit's figures (rlctl/models/reward_fit.py)
+# `rlctl reward-model train` runs: the Bradley-Terry fit's figures (rlctl/reward_models/fit.py)
 REWARD_MODEL_PLOTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ("rm_loss", "Bradley-Terry loss (train batches)", ("train/loss", "train/bt_loss")),
     ("rm_accuracy", "Pairwise accuracy (train batches; eval = held-out pairs)",

@@ -76,7 +76,7 @@ def train_(ctx: typer.Context,
         if not args or "=" in args[0] or args[0].startswith("-"):
             raise UserError("missing PREFS: rlctl reward-model train PREFS [--eval PREFS_EVAL] "
                             "[OVERRIDES]...")
-        from rlctl.engine.reward_model_train import train_reward_model
+        from rlctl.reward_models.train import train_reward_model
 
         run_dir = train_reward_model(args[1:], args[0], eval_prefs)
         typer.echo(format_fit(json.loads((run_dir / "summary.json").read_text())))
@@ -94,7 +94,7 @@ def eval_(ctx: typer.Context,
         if len(args) != 2 or any(a.startswith("-") for a in args):
             raise UserError("rlctl reward-model eval takes PATH PREFS (a reward model or run "
                             f"directory, then a preference file); got {' '.join(args) or 'nothing'}")
-        from rlctl.engine.reward_model_train import eval_reward_model
+        from rlctl.reward_models.train import eval_reward_model
 
         stats = eval_reward_model(args[0], args[1])
         for line in format_eval(stats):

@@ -11,7 +11,7 @@ One JSON object per completion (the fields `rlctl inspect FILE.jsonl` audits):
     token_ids       [int] the counted completion tokens: up to and including the first
                           stop id, or all max_new_tokens tokens of a truncated row
     logprobs        [float] log pi(token) for each of token_ids, from the learner's forward
-                          (rlctl.engine.policy.learner_forward) at rollout.temperature,
+                          (rlctl.learner.forward.learner_forward) at rollout.temperature,
                           i.e. the sampling distribution; same length as token_ids
     logprob_sum     float
     length          int   == len(token_ids)
@@ -51,8 +51,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedC
 
 from rlctl.commands.held_out import held_out_scorer
 from rlctl.commands.targets import open_target, task_scores
-from rlctl.engine.policy import learner_forward
 from rlctl.errors import UserError
+from rlctl.learner.forward import learner_forward
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import rollout
 

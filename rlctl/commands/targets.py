@@ -23,11 +23,12 @@ from transformers import AutoTokenizer
 
 from rlctl.commands.files import is_run_dir
 from rlctl.compose import compose
-from rlctl.engine.build import quiet_libraries, task_from_config
 from rlctl.errors import ConfigError, UserError
 from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer
+from rlctl.models.quiet import quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.engine.prompt_budget import bind_task
+from rlctl.run.build import task_from_config
+from rlctl.tasks.prompt_budget import bind_task
 
 
 @dataclass
@@ -115,7 +116,7 @@ def open_target(target_arg, overrides):
 
 def load_policy(target: Target, cfg):
     """(model in eval mode, tokenizer, a one-line description of what was loaded)."""
-    quiet_libraries(cfg)
+    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     device, dtype = cfg.hardware.device, cfg.model.dtype
     model_dir = target.path
     if target.kind == "run":

@@ -1,5 +1,5 @@
 """Whether a model's logits are its LM head applied to its final hidden state, checked
-at run time (``rlctl.engine.policy.fused_head``'s verification).
+at run time (``rlctl.learner.forward.fused_head``'s verification).
 
 The learner's fused log-probs score ``lm_head(hidden_states[-1])``; the sampler draws
 from the model's own logits. Models that transform the logits after the head

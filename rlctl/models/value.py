@@ -15,7 +15,7 @@ Two layouts:
 Value convention (``completion_values``): with prompt length P, the value aligned with
 completion token t (0-based) is V(s_t), s_t = prompt + the first t completion tokens, i.e.
 the head applied at position P-1+t, the same position whose logits score token t. Run the
-model on ``input_ids[:, :-1]`` exactly as ``rlctl.engine.policy.completion_logits`` does and
+model on ``input_ids[:, :-1]`` exactly as ``rlctl.learner.forward.completion_logits`` does and
 ``values[:, P-1:]`` has one value per completion token.
 
 Head init: zeros (weight and bias) by default, so every value starts at 0 and the first
@@ -103,7 +103,7 @@ class PolicyValueModel(nn.Module):
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False,
                 **kwargs) -> PolicyValueOutput:
         """``kwargs`` go to the policy (e.g. ``logits_to_keep=1`` when the caller computes
-        log-probs from ``hidden`` itself, rlctl/engine/policy.py)."""
+        log-probs from ``hidden`` itself, rlctl/learner/forward.py)."""
         kwargs.pop("output_hidden_states", None)     # always on: the values need them
         out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids, use_cache=use_cache,

@@ -6,7 +6,7 @@ state the checkpoint saves) and the training ``scorer``; nothing else is read by
 Trainer (it decides its own prompt sharing from its backend). ``LocalSource`` samples with
 the learner's own policy module: the very object the backend trains, so each rollout
 is made with the newest weights. The asynchronous source (rollout actor processes)
-is ``rlctl.engine.async_rollout.AsyncSource``; the caller picks one and hands it to
+is ``rlctl.rollout.actors.AsyncSource``; the caller picks one and hands it to
 the Trainer.
 """
 from __future__ import annotations

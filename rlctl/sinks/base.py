@@ -2,7 +2,7 @@
 
 The engine logs through one `Sink` and never asks which loggers are on: a missing
 logger is a `NullSink`, several are a `MultiSink` (a null sink instead of `if wandb:`
-branches). Metric keys follow the schema listed in `rlctl/engine/stats.py`
+branches). Metric keys follow the schema listed in `rlctl/learner/stats.py`
 (`reward/mean`, `policy/clip_frac`, ...).
 """
 

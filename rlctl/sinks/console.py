@@ -39,7 +39,7 @@ DEFAULT_KEYS = (
     "length/mean",
     "perf/tokens_per_s",
 )
-# `rlctl reward-model train`: the Bradley-Terry fit's own figures (rlctl/models/reward_fit.py).
+# `rlctl reward-model train`: the Bradley-Terry fit's own figures (rlctl/reward_models/fit.py).
 REWARD_MODEL_KEYS = (
     "train/loss",
     "train/accuracy",

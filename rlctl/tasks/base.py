@@ -303,3 +303,13 @@ def disjoint_splits(draw: Callable[[Any], Any], rng, num_eval: int, max_train: i
             seen.add(item)
             train.append(item)
     return eval_list, train
+
+
+# A task's learned reward models (``rlctl.reward_models.learned.LearnedRewards``), set on the
+# task by the builder; the scorer reads them with ``learned_of``.
+LEARNED_ATTR = "rlctl_learned_rewards"
+
+
+def learned_of(task):
+    """The task's learned reward models, or None (rule rewards only)."""
+    return getattr(task, LEARNED_ATTR, None)

@@ -14,7 +14,7 @@ strings, weight 1). The total reward is ``sum(weight * value)``; each value is l
 ``reward/<name>`` (``name`` defaults to the function's name).
 
 An entry ``{model: PATH, weight: w, name: n}`` is a learned reward model
-(``rlctl.tasks.reward_model``), scored in the trainer's process beside these functions:
+(``rlctl.reward_models.learned``), scored in the trainer's process beside these functions:
 ``model_entries`` reads those entries (and ``task.reward_model``, the one model that
 replaces the task's own rewards) and ``parse_rewards`` the functions; a task scored by
 reward models alone has no function.

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlctl.errors import RewardError
 from rlctl.tasks.base import ON_REWARD_ERROR, task_options
-from rlctl.tasks.reward_model import learned_of
+from rlctl.tasks.base import learned_of
 from rlctl.tasks.reward_runners import (InlineRunner, ProcessRunner, ThreadRunner,
                                         describe_sample)
 from rlctl.types import Example
@@ -35,7 +35,7 @@ class RewardScorer:
     ``last_components`` holds each named reward of the last batch, one value per sample
     (``reward/<name>`` in the logs; ``metrics()`` gives the means).
 
-    Reward models attached to the task (``rlctl.tasks.reward_model``) score the whole
+    Reward models attached to the task (``rlctl.reward_models.learned``) score the whole
     batch in this process, after the task's own rewards: their raw scores join the
     components, their shaped scores the total (with ``task.reward_model`` the total is
     theirs alone: the task's rewards are logged, and eval correctness still comes from
@@ -216,7 +216,7 @@ class RewardScorer:
     def named_sums(self) -> Tuple[Dict[str, float], int]:
         """(each named reward's sum over the samples scored since the previous call, how
         many samples that is); resets both. ``metrics`` gives their means; the trainer
-        pools them over ranks (``rlctl.engine.trainer.named_reward_metrics``)."""
+        pools them over ranks (``rlctl.learner.trainer.named_reward_metrics``)."""
         out = (self._sums, self._count)
         self._sums, self._count = {}, 0
         return out

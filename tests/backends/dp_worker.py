@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 
 from rlctl.backends.base import build_backend  # noqa: E402
 from rlctl.core import get_policy_loss  # noqa: E402
-from rlctl.engine.update import UpdateSettings, UpdateState, update_policy  # noqa: E402
+from rlctl.learner.update import UpdateSettings, UpdateState, update_policy  # noqa: E402
 from rlctl.models.loading import load_model_and_tokenizer  # noqa: E402
 from rlctl.types import RolloutBatch  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The rollout-actor join protocol (rlctl/engine/remote_actors.py) on a real TCPStore in
+"""The rollout-actor join protocol (rlctl/rollout/remote_actors.py) on a real TCPStore in
 this process: an actor that arrived and died is absent, not joined; rank claims are
 counted and given back; an actor of another run is refused. The process-level cases
 (nodes as separate process trees) are in test_remote_actors.py."""
@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from rlctl.engine import remote_actors
 from rlctl.errors import ActorFailed, UserError
+from rlctl.rollout import remote_actors
 from test_multinode import free_port
 
 

@@ -7,7 +7,7 @@ import time
 from types import SimpleNamespace
 
 from rlctl.backends.launch import launch_node
-from rlctl.engine.stopping import StopFlag
+from rlctl.stopping import StopFlag
 
 HW = SimpleNamespace(nnodes=2, node_rank=1, num_processes=2, master_addr="127.0.0.1",
                      master_port=1, num_threads=1)

@@ -199,7 +199,7 @@ def test_own_launcher_two_nodes_kill_one_then_resume(tmp_path):
     assert code != 0 and time.monotonic() - t0 < 20, (code, err[-2000:])
     assert len(error_lines(err)) == 1 and "Traceback" not in err, err[-2000:]
     assert "lost contact with another rank" in err and "newest checkpoint" in err, err
-    from rlctl.engine import checkpoint
+    from rlctl.storage import checkpoint
     last = checkpoint.latest_checkpoint(run)
     done = checkpoint.read_state(last)["step"]
     assert done >= 1                                                 # whole and readable

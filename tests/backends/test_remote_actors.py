@@ -20,7 +20,8 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from rlctl.engine import checkpoint, remote_actors
+from rlctl.rollout import remote_actors
+from rlctl.storage import checkpoint
 from test_multinode import TINY_RUN, error_lines, finish, free_port, kill_tree, rlctl_train, start
 
 ASYNC = ["trainer.async_rollout.enabled=true", "trainer.async_rollout.max_staleness=0"]
@@ -266,7 +267,7 @@ def test_a_trainer_that_fails_to_build_does_not_wait_for_its_actors(tmp_path):
     (it used to wait at Python's exit for the actor, which waits for requests for up to
     30 minutes). No CLI input makes Trainer's constructor fail after the config checks,
     so this run replaces it with one that raises, then runs the CLI's own main."""
-    code = ("import sys\nimport rlctl.engine.run as run\n"
+    code = ("import sys\nimport rlctl.run.training as run\n"
             "def broken(*a, **k):\n    raise RuntimeError('Trainer construction failed on purpose')\n"
             "run.Trainer = broken\nfrom rlctl.cli import main\nsys.argv[0] = 'rlctl'\nmain()\n")
     proc = start([sys.executable, "-c", code, "train", *TINY_RUN, "trainer.async_rollout.enabled=true",
@@ -287,7 +288,7 @@ def _actor_start_up_s() -> float:
     (torch and rlctl's actor module): the part of an actor's start that grows with the
     machine's load. A join limit derived from it holds on a busy machine as on an idle one."""
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch, rlctl.engine.async_rollout"], check=True,
+    subprocess.run([sys.executable, "-c", "import torch, rlctl.rollout.actors"], check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     return time.monotonic() - t0
 

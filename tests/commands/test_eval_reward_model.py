@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from random_rm import save_random_reward_model
-from rlctl.tasks.reward_model import RewardModel, render
+from rlctl.reward_models.learned import RewardModel, render
 
 FAST = ["trainer.steps=2", "trainer.eval_every=2", "task.num_eval=8",
         "trainer.prompts_per_step=4", "algo.group_size=4", "logger=jsonl",
@@ -22,7 +22,7 @@ FAST = ["trainer.steps=2", "trainer.eval_every=2", "task.num_eval=8",
 @pytest.fixture(scope="module")
 def rm_run(tmp_path_factory):
     """(run dir, reward-model dir): 2 steps against a random reward model, running norm."""
-    from rlctl.engine.run import run_training
+    from rlctl.run.training import run_training
 
     root = tmp_path_factory.mktemp("rm_run")
     save_random_reward_model(root / "rm")

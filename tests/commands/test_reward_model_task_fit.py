@@ -30,14 +30,14 @@ def test_the_tiny_reward_model_is_refused_for_another_task(cli, tmp_path, task, 
 
 
 def test_the_tiny_reward_model_is_accepted_for_its_task():
-    from rlctl.models.tiny_reward import task_mismatch
+    from rlctl.reward_models.tiny import task_mismatch
 
     assert task_mismatch("sorting", 5) is None
 
 
 @pytest.fixture(scope="module")
 def rm_only_run(tmp_path_factory):
-    from rlctl.engine.run import run_training
+    from rlctl.run.training import run_training
 
     root = tmp_path_factory.mktemp("rm_only")
     save_random_reward_model(root / "rm")

@@ -12,7 +12,7 @@ import torch
 
 from rlctl.core import aggregate, entropy_from_logits
 from rlctl.core.terms import LOSS_TERMS, active_terms, entropy_bonus
-from rlctl.engine.update import UpdateSettings, UpdateState, accumulate_gradients
+from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.types import RolloutBatch
 
 V, P, T, N = 5, 2, 3, 2

@@ -1,4 +1,4 @@
-"""The learner's memory-bounded log-probs (rlctl/engine/policy.py, fused=True: hidden
+"""The learner's memory-bounded log-probs (rlctl/learner/forward.py, fused=True: hidden
 states + chunked LM head) against the full-logits path (fused=False), in float64:
 log-probs, entropy and every parameter's gradient, on the tiny Llama, Qwen2 (GQA, tied
 embeddings), GPT-2 (Conv1D, absolute positions, tied head) and Gemma, with LoRA, the
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from rlctl.engine.policy import fused_head, learner_forward
+from rlctl.learner.forward import fused_head, learner_forward
 from rlctl.models.value import PolicyValueModel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))

@@ -32,9 +32,9 @@ import transformers as tf
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
-from rlctl.engine.async_rollout import build_source
-from rlctl.engine.build import model_from_config, task_from_config
-from rlctl.engine.trainer import Trainer
+from rlctl.learner.trainer import Trainer
+from rlctl.rollout.actors import build_source
+from rlctl.run.build import model_from_config, task_from_config
 from rlctl.sinks import NullSink
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))

@@ -1,7 +1,7 @@
 """`rlctl train --dry-run` (issue 21.13): the reward model is listed and counted, and the
 memory estimate follows the knobs the README's Memory section lists beside it
 (model.gradient_checkpointing, trainer.micro_batch_tokens, bf16). Expected values are
-worked by hand from the rules in rlctl/engine/dryrun.py's docstring and the config."""
+worked by hand from the rules in rlctl/run/dryrun.py's docstring and the config."""
 import re
 
 import pytest
@@ -33,7 +33,7 @@ def cfg():
 def test_the_reward_model_is_listed_and_counted(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from rlctl.models.tiny_reward import tiny_reward_model_dir
+    from rlctl.reward_models.tiny import tiny_reward_model_dir
 
     out = dry_run("--recipe", "rlhf-sorting", f"run.output_dir={tmp_path}")
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir())

@@ -14,10 +14,10 @@ import torch
 
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
-from rlctl.engine.policy import learner_forward
-from rlctl.engine.stats import reduce_metrics
-from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
 from rlctl.errors import ConfigError
+from rlctl.learner.forward import learner_forward
+from rlctl.learner.stats import reduce_metrics
+from rlctl.learner.update import UpdateSettings, UpdateState, update_policy
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.types import RolloutBatch
 

@@ -4,8 +4,8 @@ ratio against the behaviour policy's log-probs is logged."""
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
-from rlctl.engine.async_rollout import build_source
-from rlctl.engine.trainer import Trainer
+from rlctl.learner.trainer import Trainer
+from rlctl.rollout.actors import build_source
 from rlctl.sinks import NullSink
 
 BASE = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=0", "trainer.lr=1e-3"]
@@ -68,7 +68,7 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
                           f"task.reward_fn={tmp_path / 'bad_reward.py'}:reward",
                           "task.on_reward_error=raise", "trainer.async_rollout.enabled=true"]).cfg
     OmegaConf.resolve(cfg)
-    from rlctl.engine.build import model_from_config, task_from_config
+    from rlctl.run.build import model_from_config, task_from_config
     model, _, tok, _ = model_from_config(cfg)
     task = task_from_config(cfg)
     tr = Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
@@ -168,7 +168,7 @@ def test_a_step_mixing_stale_and_fresh_rollouts_keeps_behaviour_logprobs(tmp_pat
     cfg = compose(BASE + ["algo=dapo", "task=jsonl", f"task.train_path={data}", "task.num_eval=2",
                           f"task.reward_fn={tmp_path / 'half.py'}:reward", "trainer.async_rollout.enabled=true"]).cfg
     OmegaConf.resolve(cfg)
-    from rlctl.engine.build import model_from_config, task_from_config
+    from rlctl.run.build import model_from_config, task_from_config
     model, _, tok, _ = model_from_config(cfg)
     task = task_from_config(cfg)
     tr = Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
@@ -181,7 +181,7 @@ def test_a_step_mixing_stale_and_fresh_rollouts_keeps_behaviour_logprobs(tmp_pat
 def _check_mixed_steps(tr):
     import torch
 
-    from rlctl.engine.policy import learner_forward
+    from rlctl.learner.forward import learner_forward
 
     rounds, prepare, seen = _count_rounds(tr), tr._prepare, []
 
@@ -218,7 +218,7 @@ def test_rank_layout_across_nodes():
     ranks 1-2 on node 0 (with the learner, rank 0), 3-5 on node 1, 6-8 on node 2."""
     import pytest
 
-    from rlctl.engine import remote_actors
+    from rlctl.rollout import remote_actors
     from rlctl.errors import LaunchError, UserError
 
     cfg = compose(["trainer.async_rollout.enabled=true", "trainer.async_rollout.num_actors=2",
@@ -244,9 +244,9 @@ def test_lost_peer_messages_name_rank_node_and_the_timeout():
     named by its rank and node everywhere (actor index a is rank a + 1)."""
     from types import SimpleNamespace
 
-    from rlctl.engine.async_rollout import AsyncSource
-    from rlctl.engine.remote_actors import timeout_text
-    from rlctl.engine.wire import gloo_reason
+    from rlctl.rollout.actors import AsyncSource
+    from rlctl.rollout.remote_actors import timeout_text
+    from rlctl.rollout.wire import gloo_reason
 
     timed_out = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
                              "Timed out waiting 2000ms for recv operation to complete")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlctl.compose import compose
-from rlctl.engine.checks import kl_placement_warning
+from rlctl.run.checks import kl_placement_warning
 
 RLCTL = str(Path(sys.executable).parent / "rlctl")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlctl.engine.async_rollout import build_source
-from rlctl.engine.policy import learner_forward
+from rlctl.learner.forward import learner_forward
+from rlctl.rollout.actors import build_source
 from rlctl.sinks import NullSink
 from rlctl.sinks.jsonl import read_jsonl
 

@@ -6,9 +6,9 @@ import torch
 
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
-from rlctl.engine.policy import learner_forward
-from rlctl.engine.stats import Moments
-from rlctl.engine.update import UpdateSettings, UpdateState, accumulate_gradients
+from rlctl.learner.forward import learner_forward
+from rlctl.learner.stats import Moments
+from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models import load_model_and_tokenizer
 from rlctl.types import RolloutBatch
 
@@ -80,7 +80,7 @@ def test_trimmed_micro_batches_give_the_same_gradient(tiny, mode, micro):
 def test_ratio_max_is_the_maximum_over_micro_batches(tiny):
     """policy/ratio_max is the largest pi/pi_old over the counted tokens of the whole
     batch (recomputed here from one full forward), not a mean of micro-batch maxima."""
-    from rlctl.engine.policy import learner_forward
+    from rlctl.learner.forward import learner_forward
 
     model, tok = tiny
     batch = _batch(tok, [2, 1, 0, 3, 5, 1])

@@ -6,9 +6,9 @@ import torch
 
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
-from rlctl.engine.advantage import AdvantageSettings, compute_advantages
-from rlctl.engine.policy import learner_forward
-from rlctl.engine.update import UpdateSettings, UpdateState, accumulate_gradients
+from rlctl.learner.advantage import AdvantageSettings, compute_advantages
+from rlctl.learner.forward import learner_forward
+from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models import load_model_and_tokenizer
 from rlctl.rollout.collect import keep_informative_groups
 from rlctl.types import RolloutBatch
@@ -209,8 +209,8 @@ def _dp_loss_worker(out_dir: str) -> None:
 
     from dp_worker import B, G, synthetic_batch
     from rlctl.backends.base import build_backend
-    from rlctl.engine.stats import reduce_metrics
-    from rlctl.engine.update import update_policy
+    from rlctl.learner.stats import reduce_metrics
+    from rlctl.learner.update import update_policy
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = build_backend("torch", "cpu")

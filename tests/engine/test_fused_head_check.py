@@ -1,4 +1,4 @@
-"""The fused LM head (rlctl/engine/policy.py ``fused_head``) is checked at run time
+"""The fused LM head (rlctl/learner/forward.py ``fused_head``) is checked at run time
 (rlctl/models/head_check.py): models that transform the logits after the head fall back
 to the full logits, so the learner's log-probs equal a plain transformers forward's, and
 a model without a transform keeps the fused path.
@@ -24,9 +24,9 @@ import pytest
 import torch
 import transformers as tf
 
-from rlctl.engine.dryrun import _fused
-from rlctl.engine.policy import fused_head, learner_forward
+from rlctl.learner.forward import fused_head, learner_forward
 from rlctl.models import head_check
+from rlctl.run.dryrun import _fused
 
 V, P, T = 97, 6, 5
 DIMS = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4,

@@ -13,7 +13,7 @@ import torch
 from test_engine_update import _batch, _settings, tiny  # noqa: F401  (tiny: a fixture)
 
 from rlctl.backends.base import build_backend
-from rlctl.engine.update import UpdateState, update_policy
+from rlctl.learner.update import UpdateState, update_policy
 
 
 class RecordingBackend:
@@ -92,7 +92,7 @@ def test_all_rows_truncated_is_a_no_op_step_without_nan(tiny):  # noqa: F811
 @pytest.mark.parametrize("value", [True, False])
 def test_config_reaches_update_settings(value):
     from rlctl.compose import compose
-    from rlctl.engine.update import UpdateSettings
+    from rlctl.learner.update import UpdateSettings
 
     cfg = compose([f"algo.mask_truncated={str(value).lower()}"]).cfg
     assert UpdateSettings.from_config(cfg, share_prompts=True).mask_truncated is value

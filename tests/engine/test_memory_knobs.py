@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rlctl.backends.base import TorchBackend
-from rlctl.engine.policy import enable_gradient_checkpointing, learner_forward
-from rlctl.engine.update import UpdateState, accumulate_gradients, micro_batches
+from rlctl.learner.forward import enable_gradient_checkpointing, learner_forward
+from rlctl.learner.update import UpdateState, accumulate_gradients, micro_batches
 from test_engine_update import MODES, _batch, _settings, tiny  # noqa: F401  (fixture reused)
 
 RLCTL = os.path.join(os.path.dirname(sys.executable), "rlctl")

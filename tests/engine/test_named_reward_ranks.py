@@ -38,8 +38,8 @@ def _examples(rows):
 def _rank_worker(out_dir: str, fail_rank: int) -> None:
     """One of 2 ranks (a subprocess of the test): scores its rows, pools the named means."""
     from rlctl.backends.base import build_backend
-    from rlctl.engine.stats import reduce_metrics
-    from rlctl.engine.trainer import named_reward_metrics
+    from rlctl.learner.stats import reduce_metrics
+    from rlctl.learner.trainer import named_reward_metrics
     from rlctl.tasks.scoring import RewardScorer
 
     rank = int(os.environ["RANK"])

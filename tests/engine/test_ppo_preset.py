@@ -6,9 +6,9 @@ import torch
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
-from rlctl.engine.build import model_from_config, task_from_config
-from rlctl.engine.async_rollout import build_source
-from rlctl.engine.trainer import Trainer
+from rlctl.learner.trainer import Trainer
+from rlctl.rollout.actors import build_source
+from rlctl.run.build import model_from_config, task_from_config
 from rlctl.sinks import NullSink
 
 NO_EVAL = ["trainer.eval_every=0", "task.num_eval=4"]

@@ -23,8 +23,8 @@ import pytest
 import torch
 import transformers as tf
 
-from rlctl.engine.reward_model_train import train_reward_model
-from rlctl.models.reward_fit import Pair, classifier_from_lm, pair_scores, prepare_for_scoring
+from rlctl.reward_models.fit import Pair, classifier_from_lm, pair_scores, prepare_for_scoring
+from rlctl.reward_models.train import train_reward_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from real_arch import build_tokenizer  # noqa: E402

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlctl.compose import compose
-from rlctl.engine.policy import learner_forward
 from rlctl.errors import UserError
+from rlctl.learner.forward import learner_forward
 from rlctl.models import load_model_and_tokenizer
 from rlctl.rollout.generate import generate, rollout
 from rlctl.types import Example

@@ -11,7 +11,7 @@ Everything runs in float64 (the tiny Llama cast to float64, its RMSNorm too: dp_
 with lr=0, so every forward of the update sees the weights the reference sees and the
 update's log-probs differ from the reference's only by float64 rounding (other batch
 shapes, chunked vs full log-softmax): |d logp| < 1e-13 on log-probs of size < 20. The
-learner casts values to float32 (engine/policy.learner_forward); the reference casts the
+learner casts values to float32 (learner/forward.learner_forward); the reference casts the
 same float64 values, which land on the same float32 numbers unless a 1e-15 difference
 straddles a float32 rounding point (odds ~1e-8 per value, and fixed by the seeds). The
 statistics are then float64 sums of ~50 terms of size < 100: rounding < 50 * 1.1e-16 *
@@ -32,8 +32,8 @@ import torch
 from rlctl.backends.base import Backend, build_backend
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
-from rlctl.engine.stats import reduce_metrics, rollout_metrics
-from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
+from rlctl.learner.stats import reduce_metrics, rollout_metrics
+from rlctl.learner.update import UpdateSettings, UpdateState, update_policy
 from rlctl.models import load_model_and_tokenizer
 from rlctl.models.value import SeparateCritic
 from rlctl.types import RolloutBatch

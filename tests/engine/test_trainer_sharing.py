@@ -3,10 +3,10 @@ from omegaconf import OmegaConf
 
 from rlctl.backends.base import TorchBackend
 from rlctl.compose import compose
-from rlctl.engine.async_rollout import build_source
-from rlctl.engine.build import task_from_config
-from rlctl.engine.trainer import Trainer
+from rlctl.learner.trainer import Trainer
 from rlctl.models import load_model_and_tokenizer
+from rlctl.rollout.actors import build_source
+from rlctl.run.build import task_from_config
 from rlctl.sinks import NullSink
 
 

@@ -113,7 +113,7 @@ def test_train_lora_with_chat_prompts(lora_runs, family):
 # ---- full fine-tune, then --resume (in-process: exact against an uninterrupted run) -----
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_finetune_resume_matches_an_uninterrupted_run(real_arch, family, tmp_path):
-    from rlctl.engine.run import run_training
+    from rlctl.run.training import run_training
 
     base = ["model=hf", f"model.name_or_path={real_arch(family)}", "logger=jsonl",
             "logger.console=false", "trainer.checkpoint_every=1", "trainer.lr=1e-3", *COMMON]
@@ -214,7 +214,7 @@ def test_left_padding_with_absolute_positions_matches_the_prompt_alone(real_arch
     """A short prompt left-padded next to a longer one scores its completion exactly as
     alone: rlctl's position ids skip the padding (float64, so any position shift shows
     far above rounding: 1e-10 vs the > 1e-3 a shifted position table gives)."""
-    from rlctl.engine.policy import learner_forward
+    from rlctl.learner.forward import learner_forward
     from rlctl.rollout.generate import generate
 
     model, tok = load_model_and_tokenizer("hf", name_or_path=str(real_arch("gpt2")))

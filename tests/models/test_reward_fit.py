@@ -1,5 +1,5 @@
-"""The one reward-model scoring path (rlctl.tasks.reward_model: render, text_scores),
-which `rlctl reward-model train` fits with (rlctl.models.reward_fit) and a run's reward
+"""The one reward-model scoring path (rlctl.reward_models.learned: render, text_scores),
+which `rlctl reward-model train` fits with (rlctl.reward_models.fit) and a run's reward
 scorer reads with (RewardModel): same text, same tokens, same read-out."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from rlctl.models import tiny
-from rlctl.models.reward_fit import pair_scores, scores, Pair
-from rlctl.tasks.reward_model import RewardModel, keep_end, render, text_scores
+from rlctl.reward_models.fit import pair_scores, scores, Pair
+from rlctl.reward_models.learned import RewardModel, keep_end, render, text_scores
 from rlctl.types import Example
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
@@ -148,7 +148,7 @@ def test_run_scoring_keeps_the_same_end_and_counts_it(tmp_path, caplog):
     texts = [render(tok, "3 1 4 1 5 9 2 6 =", "1 1 2 3 4 5 6 9"), render(tok, "9 =", "9")]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert len(ids[0]) > 7 and tok.convert_ids_to_tokens(ids[0][-2:]) == ["9", "<eos>"]
-    with caplog.at_level("WARNING", logger="rlctl.tasks.reward_model"):
+    with caplog.at_level("WARNING", logger="rlctl.reward_models.learned"):
         got = rm.score_texts(texts)
         again = rm.score_texts(texts[:1])
     want = _head_at_end(model, ids[0][-7:])

@@ -145,7 +145,7 @@ def test_compose_defaults_and_the_tiny_warmup_key():
 
     from omegaconf import OmegaConf
 
-    from rlctl.engine.build import task_from_config
+    from rlctl.run.build import task_from_config
 
     cfg = compose(["task=arithmetic"]).cfg
     OmegaConf.resolve(cfg)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from real_arch import _config, build_tokenizer  # noqa: E402
 
 from rlctl.compose import compose  # noqa: E402
-from rlctl.engine.checks import group_size_warning  # noqa: E402
+from rlctl.run.checks import group_size_warning  # noqa: E402
 
 RLCTL = str(Path(sys.executable).parent / "rlctl")
 LIMIT, NEW = 24, 8
@@ -107,8 +107,8 @@ def test_truncate_left_trains(gpt2_32, data, tmp_path):
 
 
 def _bound_task(model_dir, d, *overrides):
-    from rlctl.engine.build import model_from_config, task_from_config
-    from rlctl.engine.prompt_budget import bind_task
+    from rlctl.run.build import model_from_config, task_from_config
+    from rlctl.tasks.prompt_budget import bind_task
 
     cfg = compose(["model=hf", f"model.name_or_path={model_dir}", "task=jsonl",
                    f"task.train_path={d / 'train.jsonl'}", f"task.eval_path={d / 'eval.jsonl'}",

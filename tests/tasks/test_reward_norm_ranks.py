@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from rlctl.models import tiny
-from rlctl.tasks.reward_model import build_learned_rewards
+from rlctl.reward_models.learned import build_learned_rewards
 from rlctl.types import Example
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")

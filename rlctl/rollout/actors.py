@@ -3,7 +3,7 @@
 ``AsyncSource`` starts ``trainer.async_rollout.num_actors`` actor processes (torch.multiprocessing,
 spawn) joined to the learner in one gloo process group (``file://`` rendezvous in a temp
 dir); the learner is rank 0, actor a is rank a+1. With ``hardware.nnodes`` > 1 the
-group also holds other nodes' actors and forms over TCP (rlctl/engine/remote_actors.py).
+group also holds other nodes' actors and forms over TCP (rlctl/rollout/remote_actors.py).
 Point-to-point messages, each a fixed float64 header and one byte payload (wire.py):
 
   learner -> actor: [go, with_weights, weights_version, use_rng, B, payload bytes]
@@ -51,14 +51,15 @@ from omegaconf import OmegaConf
 
 from rlctl.backends.base import Backend
 from rlctl.backends.launch import die_with_parent
-from rlctl.engine import remote_actors
-from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
-from rlctl.engine.prompt_budget import bind_task
-from rlctl.engine.policy import prompt_sharing
-from rlctl.engine.wire import Posted, Sent, gloo_reason, pack, recv_message, send_message, unpack
 from rlctl.errors import ActorFailed, RewardError, UserError, user_message
+from rlctl.learner.forward import prompt_sharing
+from rlctl.models.quiet import quiet_libraries
+from rlctl.rollout import remote_actors
 from rlctl.rollout.generate import rollout
 from rlctl.rollout.source import LocalSource, SamplingSettings
+from rlctl.rollout.wire import Posted, Sent, gloo_reason, pack, recv_message, send_message, unpack
+from rlctl.run.build import model_from_config, task_from_config
+from rlctl.tasks.prompt_budget import bind_task
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import COMPLETION, ROW, RolloutBatch
 
@@ -323,7 +324,7 @@ def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None
 def _actor(cfg, init: str, rank: int, world_size: int) -> str:
     """Build the actor, join the group (``file://`` or the learner's ``tcp://`` store),
     serve; returns what went wrong ("" after a normal stop)."""
-    quiet_libraries(cfg)
+    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     task = task_from_config(cfg)
     model, _, tok, _ = model_from_config(cfg)
     bind_task(cfg, task, tok, model, quiet=True)   # the learner's prompts (it prints the count)

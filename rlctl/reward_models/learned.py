@@ -7,7 +7,7 @@ in which TRL, OpenRLHF and Hugging Face save Bradley-Terry reward models (Ouyang
 2022, "Training language models to follow instructions with human feedback").
 
 Scoring (``RewardModel.score``), the one implementation, which ``rlctl reward-model
-train`` (``rlctl.models.reward_fit``) fits with too, so that a model is scored on exactly
+train`` (``rlctl.reward_models.fit``) fits with too, so that a model is scored on exactly
 what it was fitted on:
 
 - text (``render``): the tokenizer's chat template over [the prompt's messages (a text
@@ -57,11 +57,11 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from rlctl.errors import UserError
 from rlctl.model_files import corrupt_safetensors, reward_model_dir, vocab_problem
-from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
-from rlctl.tasks.reward_checkpoint import (LAST_ATTENDED, checkpoint_keys, head_names,
+from rlctl.reward_models.checkpoint import (LAST_ATTENDED, checkpoint_keys, head_names,
                                            head_params, pad_id_of, read_positions,
                                            score_head, score_read, untrained_head_problem)
-from rlctl.tasks.reward_norm import RunningNorm, global_batch_stats
+from rlctl.reward_models.norm import RunningNorm, global_batch_stats
+from rlctl.tasks.base import LEARNED_ATTR, RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
 
@@ -379,9 +379,5 @@ def build_learned_rewards(reward_model: Optional[str], rewards: Optional[Sequenc
 
 
 def attach(task, learned: Optional[LearnedRewards]) -> None:
-    """Give ``task`` its reward models (``RewardScorer`` finds them there)."""
-    task.rlctl_learned_rewards = learned
-
-
-def learned_of(task) -> Optional[LearnedRewards]:
-    return getattr(task, "rlctl_learned_rewards", None)
+    """Give ``task`` its reward models (``RewardScorer`` finds them there: ``learned_of``)."""
+    setattr(task, LEARNED_ATTR, learned)

@@ -11,7 +11,7 @@ schema. A run writes ``<run.output_dir>/<time>-rm/`` with ``model/`` (a standard
 
 Length: a text (prompt + answer) longer than ``rm.max_length`` tokens (null: the model's
 context) keeps its last tokens, in the fit, the held-out evaluation and later scoring
-alike (``rlctl.tasks.reward_model.keep_end``); ``rm.max_length`` is saved as the
+alike (``rlctl.reward_models.learned.keep_end``); ``rm.max_length`` is saved as the
 tokenizer's ``model_max_length``, so ``task.reward_model`` and ``rlctl reward-model eval``
 score with the limit the model was fitted with. The pairs over it are counted in one
 line on stderr and in ``summary.json``.
@@ -39,22 +39,22 @@ from safetensors import SafetensorError
 from transformers import AutoTokenizer
 
 from rlctl.compose import compose
-from rlctl.engine.build import quiet_libraries
-from rlctl.engine.reward_model_config import (RMConfig, resolved_sections, rm_config,
-                                              split_overrides)
-from rlctl.engine.rundir import create_run_dir, write_json_atomic
-from rlctl.engine.stopping import StopFlag
 from rlctl.errors import ConfigError, DataError, Interrupted, UserError
 from rlctl.models.dropout import disable_dropout
 from rlctl.models.loading import adapter_problem, check_vocab, corrupt_safetensors, resolve_dtype
-from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
+from rlctl.models.quiet import quiet_libraries
+from rlctl.models.tiny import build_tiny
+from rlctl.reward_models.fit import (FitSettings, Pair, classifier_from_lm, fit,
                                      pairs_over, pairwise_accuracy, prepare_for_scoring,
                                      score_pairs)
-from rlctl.models.tiny import build_tiny
+from rlctl.reward_models.learned import RewardModel, keep_end, length_limit, render, token_rows
+from rlctl.reward_models.settings import (RMConfig, resolved_sections, rm_config,
+                                              split_overrides)
 from rlctl.sinks import build_sinks
 from rlctl.sinks.console import REWARD_MODEL_KEYS
+from rlctl.stopping import StopFlag
+from rlctl.storage.rundir import create_run_dir, write_json_atomic
 from rlctl.tasks.data import load_records
-from rlctl.tasks.reward_model import RewardModel, keep_end, length_limit, render, token_rows
 
 COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -269,7 +269,7 @@ def train_reward_model(overrides: Sequence[str], prefs: str,
                        eval_prefs: Optional[str] = None) -> Path:
     """Fit a reward model; returns its run directory (the model in ``model/``).
     SIGINT/SIGTERM stop the fit after the current step, save the model so far and raise
-    FitStopped (as `rlctl train` stops at a step boundary; rlctl/engine/stopping.py)."""
+    FitStopped (as `rlctl train` stops at a step boundary; rlctl/stopping.py)."""
     stop = StopFlag()
     with stop.installed():
         return _train(overrides, prefs, eval_prefs, stop)
@@ -278,7 +278,7 @@ def train_reward_model(overrides: Sequence[str], prefs: str,
 def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop) -> Path:
     composed, rm, train, held = _plan(overrides, prefs, eval_prefs)
     cfg = composed.cfg
-    quiet_libraries(cfg)
+    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     model, tokenizer = load_classifier(backbone_path(cfg), cfg.model.dtype, int(cfg.seed),
                                        cfg.hardware.device)
     if cfg.model.get("disable_dropout", True):   # the fit's train-mode scores = eval mode's

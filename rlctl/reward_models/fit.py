@@ -3,7 +3,7 @@ texts, and fit it on preference pairs with the Bradley-Terry loss (rlctl.core.pr
 
 A reward model here is a standard ``AutoModelForSequenceClassification`` directory with
 ``num_labels=1``, safetensors weights and its own tokenizer (pad token set). The text,
-tokens and read-out of a score are ``rlctl.tasks.reward_model``'s (``render``,
+tokens and read-out of a score are ``rlctl.reward_models.learned``'s (``render``,
 ``text_scores``): a model is fitted on exactly what a run's reward scorer later feeds it,
 a text over the length limit included (its last tokens, where the score is read, and a
 leading BOS; ``rlctl reward-model train`` saves ``rm.max_length`` as the tokenizer's
@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.preference import bradley_terry_loss
-from rlctl.tasks.reward_checkpoint import LAST_NON_PAD, READ_KEY
-from rlctl.tasks.reward_model import render, text_scores, token_rows
+from rlctl.reward_models.checkpoint import LAST_NON_PAD, READ_KEY
+from rlctl.reward_models.learned import render, text_scores, token_rows
 
 
 @dataclass

@@ -23,27 +23,22 @@ from rlctl.backends import tcp_group
 from rlctl.backends.base import build_backend
 from rlctl.backends.launch import launch, launch_node, leave_with_launcher, node_argv
 from rlctl.compose import compose
-from rlctl.engine import checkpoint, remote_actors, rundir
-from rlctl.engine.async_rollout import actor_main, build_source
-from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
-from rlctl.engine.checks import warn_config
-from rlctl.engine.entries import check_entries
-from rlctl.engine.prompt_budget import bind_task
-from rlctl.engine.report import print_summary, reward_summary
-from rlctl.engine.stopping import StopFlag
-from rlctl.engine.trainer import Trainer
-from rlctl.errors import (
-    ActorFailed,
-    Interrupted,
-    LaunchError,
-    TrainingFault,
-    UserError,
-    user_message,
-)
+from rlctl.errors import ActorFailed, Interrupted, LaunchError, TrainingFault, UserError, user_message
+from rlctl.learner.trainer import Trainer
 from rlctl.models.loading import check_source
 from rlctl.models.lora import count_parameters
+from rlctl.models.quiet import quiet_libraries
+from rlctl.rollout import remote_actors
+from rlctl.rollout.actors import actor_main, build_source
 from rlctl.rollout.sampler import check_training_sampling
+from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.checks import warn_config
+from rlctl.run.entries import check_entries
+from rlctl.run.report import print_summary, reward_summary
 from rlctl.sinks import NullSink, build_sinks
+from rlctl.stopping import StopFlag
+from rlctl.storage import checkpoint, rundir
+from rlctl.tasks.prompt_budget import bind_task
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:
@@ -115,7 +110,7 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
                on_step=None) -> Optional[dict]:
     """Train on this rank; rank 0 saves and returns the summary (other ranks: None).
     ``stop``: the StopFlag the loop checks; ``on_step(step, metrics)`` after each step."""
-    quiet_libraries(cfg)
+    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     t0 = time.perf_counter()
     cfg = _on_local_gpu(cfg)
     hw = cfg.hardware

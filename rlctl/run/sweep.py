@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rlctl.compose import compose
-from rlctl.engine.entries import check_entries
-from rlctl.engine.run import run_training
 from rlctl.errors import ConfigError, TrainingFault, UserError, user_message
+from rlctl.run.entries import check_entries
+from rlctl.run.training import run_training
 
 METRICS = ("eval/exact_match", "eval/reward", "eval/length_mean")
 COLUMNS = METRICS + ("train_seconds",)

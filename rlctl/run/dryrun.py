@@ -19,9 +19,9 @@ Nothing is trained and no run directory is written. The estimate counts, per ran
   rows of a short prompt (16 tokens) + ``rollout.max_new_tokens`` (every row at the cap,
   the worst case): ``trainer.micro_batch_size`` rows (0: the minibatch), at most
   ``trainer.micro_batch_tokens`` padded tokens when set (a row alone when over it), as
-  ``engine/update.micro_batches`` packs them;
+  ``learner/update.micro_batches`` packs them;
 - generation's key/value cache for a rank's rows, and the logits: with the fused learner
-  path (rlctl/engine/policy.py) two reused chunk buffers of ``CHUNK_ELEMENTS`` floats
+  path (rlctl/learner/forward.py) two reused chunk buffers of ``CHUNK_ELEMENTS`` floats
   plus one decoding step's [n, V] logits in the sampler; on the full-logits fallback about
   4 x tokens x V floats (logits, log-softmax, their gradients) for the micro-batch.
 
@@ -39,13 +39,14 @@ from rich.table import Table
 from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.logprobs import CHUNK_ELEMENTS
-from rlctl.engine.build import model_from_config, quiet_libraries, task_from_config
-from rlctl.engine.entries import check_entries
-from rlctl.engine.policy import fused_head
-from rlctl.engine.trainer import needs_old_forward
+from rlctl.learner.forward import fused_head
+from rlctl.learner.trainer import needs_old_forward
 from rlctl.models.lora import count_parameters
+from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.sampler import check_training_sampling
-from rlctl.tasks.reward_model import learned_of
+from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.entries import check_entries
+from rlctl.tasks.base import learned_of
 
 PROMPT_TOKENS = 16        # the rough prompt length of the estimate
 HALF = ("bfloat16", "float16")
@@ -124,7 +125,7 @@ def dry_run(cfg: DictConfig) -> List[str]:
     """Build the models as `train` would, print the plan; returns the printed lines."""
 
 
-    quiet_libraries(cfg)
+    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     check_entries(cfg)
     rms = reward_model_sizes(task_from_config(cfg))
     check_training_sampling(cfg.rollout.top_k)

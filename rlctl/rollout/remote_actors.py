@@ -12,7 +12,7 @@ Everyone joins one gloo group through a TCP store the learner serves at
 config in that store; an actor node reads it there, so actors sample with the learner's
 config (a resume's overrides included) whatever the node's own command says beyond where
 the master is; the task's data files must exist on every node. Messages are those of the
-local case (rlctl/engine/async_rollout.py).
+local case (rlctl/rollout/actors.py).
 
 Joining: the store also holds a random run id; the join keys live under it (``key``), so
 an actor of another run never counts; it also says the learner is async (meet.MODE_KEY),

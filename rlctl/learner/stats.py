@@ -10,12 +10,12 @@ detached tensors until one host sync at log time. The schema:
   reward/<name>                      each named reward's mean since the last log: the task's
                                      designs (e.g. reward/exact) and each learned reward
                                      model's raw score (reward/reward_model by default)
-                                     (tasks/scoring.py; async: engine/async_rollout.py)
+                                     (tasks/scoring.py; async: rollout/actors.py)
   rollout/kept_groups_frac           groups kept by dynamic sampling / groups sampled (stats.py)
   advantage/mean, advantage/std      token mean; std of per-row means over every rank's rows (stats.py)
   length/mean, length/min, length/max  counted completion tokens per row (stats.py)
   length/truncated_frac              rows with no stop id within the limit (stats.py)
-  policy/loss                        the policy loss, this rank's share summed (engine/update.py)
+  policy/loss                        the policy loss, this rank's share summed (learner/update.py)
   policy/entropy                     token-mean entropy of the learner's distribution (update.py)
   policy/clip_frac_low, policy/clip_frac_high, policy/clip_frac   ratio clipped low / high /
                                      either, fraction of counted tokens (core/_policy.py)
@@ -43,8 +43,8 @@ detached tensors until one host sync at log time. The schema:
   eval/exact_match, eval/reward, eval/length_mean, eval/truncated_frac   held-out greedy
                                      evaluation (trainer.py, evaluate.py)
 The reward-model command logs its own: train/loss, train/bt_loss, train/accuracy,
-train/margin, optim/grad_norm (models/reward_fit.py); eval/pairwise_accuracy, eval/margin,
-eval/chosen_mean, eval/rejected_mean (engine/reward_model_train.py).
+train/margin, optim/grad_norm (reward_models/fit.py); eval/pairwise_accuracy, eval/margin,
+eval/chosen_mean, eval/rejected_mean (reward_models/train.py).
 
 Token means are exact over micro-batches (weighted by their tokens) and averaged over
 optimizer steps and ranks. Spreads (the stds, explained_var) are not means of per-token

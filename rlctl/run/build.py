@@ -1,5 +1,5 @@
 """Build what a run needs from its config: the task, the policy (+LoRA, +critic, +the
-LoRA reference) and quiet third-party libraries. Used by `rlctl train` (every rank), the
+LoRA reference). Used by `rlctl train` (every rank), the
 dry run, the async rollout actors and `rlctl eval`/`rollout`, so all of them see the same
 objects for the same config."""
 from __future__ import annotations
@@ -10,15 +10,15 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlctl.engine.policy import enable_gradient_checkpointing
 from rlctl.errors import UserError
+from rlctl.learner.forward import enable_gradient_checkpointing
 from rlctl.models.dropout import disable_dropout
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora, reference_for
-from rlctl.models.tiny_reward import task_mismatch, tiny_reward_model_dir
 from rlctl.models.value import PolicyValueModel, SeparateCritic
+from rlctl.reward_models.learned import LearnedRewards, attach, build_learned_rewards, check_names
+from rlctl.reward_models.tiny import task_mismatch, tiny_reward_model_dir
 from rlctl.tasks import TASKS, build_task as _task_from_registry
-from rlctl.tasks.reward_model import LearnedRewards, attach, build_learned_rewards, check_names
 from rlctl.tasks.rewards import is_model_entry
 
 LEARNED_KEYS = ("reward_model", "reward_norm", "reward_clip")   # read here, not by the task
@@ -31,17 +31,6 @@ def attach_critic(model, critic: str):
     if critic == "shared":
         return PolicyValueModel(model), None
     return model, SeparateCritic(model)
-
-
-def quiet_libraries(cfg: DictConfig) -> None:
-    """No progress bars or info logs from transformers; the configured torch threads."""
-    if cfg.hardware.device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers may import deepspeed
-    import transformers  # after DS_ACCELERATOR is set: transformers may import deepspeed
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    torch.set_num_threads(cfg.hardware.num_threads)
 
 
 def _takes(name: str, option: str) -> bool:
@@ -70,7 +59,7 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
 
 def _check_running_norm(cfg: DictConfig) -> None:
     """task.reward_norm=running: the training scorers of all ranks merge their batches'
-    statistics in one collective per sampling round (rlctl.tasks.reward_norm), so every
+    statistics in one collective per sampling round (rlctl.reward_models.norm), so every
     rank must sample the same number of rounds, in the learner's processes."""
     if cfg.trainer.async_rollout.enabled:
         raise ValueError("task.reward_norm=running keeps its statistics in the learner, and "
@@ -87,7 +76,7 @@ def _check_running_norm(cfg: DictConfig) -> None:
 
 def _resolve_reward_model(path, cfg: DictConfig):
     """``task.reward_model=tiny``: the embedded sorting reward model, built and cached on
-    first use (``rlctl.models.tiny_reward``), for the task it was fitted on only; any
+    first use (``rlctl.reward_models.tiny``), for the task it was fitted on only; any
     other value is a directory."""
     if path != "tiny":
         return path
@@ -112,7 +101,7 @@ def _check_critic_init(cfg: DictConfig, learned) -> None:
 
 def task_from_config(cfg: DictConfig):
     """The task named by ``cfg.task.name`` with the rest of ``cfg.task`` as its options,
-    with its reward models attached (``rlctl.tasks.reward_model``)."""
+    with its reward models attached (``rlctl.reward_models.learned``)."""
     opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
     try:
         learned = _learned_rewards(cfg, opts)

@@ -22,16 +22,16 @@ from omegaconf import DictConfig
 
 from rlctl.backends.base import TorchBackend
 from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
-from rlctl.engine import checkpoint
-from rlctl.engine.advantage import AdvantageSettings, compute_advantages
-from rlctl.engine.evaluate import evaluate
-from rlctl.engine.policy import PromptGroups, learner_forward, prompt_sharing
-from rlctl.engine.stats import Moments, reduce_metrics, rollout_metrics
-from rlctl.engine.stopping import StopFlag
-from rlctl.engine.update import UpdateSettings, UpdateState, update_policy
 from rlctl.errors import Interrupted, TrainingFault
+from rlctl.learner.advantage import AdvantageSettings, compute_advantages
+from rlctl.learner.evaluate import evaluate
+from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
+from rlctl.learner.stats import Moments, reduce_metrics, rollout_metrics
+from rlctl.learner.update import UpdateSettings, UpdateState, update_policy
 from rlctl.rollout.collect import collect
 from rlctl.rollout.sampler import check_training_sampling
+from rlctl.stopping import StopFlag
+from rlctl.storage import checkpoint
 from rlctl.tasks.base import Task
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import RolloutBatch

@@ -4,7 +4,7 @@
 ``$RLCTL_CACHE`` or ``~/.cache/rlctl``, in ``tiny-rm-<hash>`` of every input that affects
 the weights), a Bradley-Terry reward model: the default tiny policy's backbone (the
 warmed-up Llama of conf/model/tiny.yaml) with a 1-output score head, trained by
-``rlctl.models.reward_fit.fit`` (the code of ``rlctl reward-model train``) on preference
+``rlctl.reward_models.fit.fit`` (the code of ``rlctl reward-model train``) on preference
 pairs from the *training* split of the default 5-digit sorting task (seed 1234).
 
 The pairs: for a training prompt, two candidate answers are drawn (the sorted answer,
@@ -42,9 +42,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import transformers
 
-from rlctl.models.reward_fit import (FitSettings, Pair, classifier_from_lm, fit,
-                                     pairwise_accuracy, prepare_for_scoring, score_pairs)
 from rlctl.models.tiny import build_cached, build_tiny, build_tokenizer, default_cache_dir
+from rlctl.reward_models.fit import (FitSettings, Pair, classifier_from_lm, fit,
+                                     pairwise_accuracy, prepare_for_scoring, score_pairs)
 from rlctl.tasks.sorting import SortingTask, positional_reward
 
 log = logging.getLogger(__name__)

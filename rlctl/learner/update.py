@@ -28,8 +28,8 @@ from rlctl.core import (agg_denominator, aggregate_sum, get_policy_loss, kl_esti
                         resolve_kl_estimator)
 from rlctl.core.losses import value_loss_per_token
 from rlctl.core.terms import active_terms
-from rlctl.engine.policy import PromptGroups, learner_forward
-from rlctl.engine.stats import Metric, Moments, explained_variance_of, pool, population_std
+from rlctl.learner.forward import PromptGroups, learner_forward
+from rlctl.learner.stats import Metric, Moments, explained_variance_of, pool, population_std
 from rlctl.types import RolloutBatch
 
 
@@ -265,7 +265,7 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     """Run the optimizer steps for one rollout; returns detached metric tensors: means
     over the optimizer steps, and `Moments` (``policy/ratio_std``,
     ``value/explained_var``) pooled over every token the steps saw, which
-    `rlctl.engine.stats.reduce_metrics` finishes (over ranks too).
+    `rlctl.learner.stats.reduce_metrics` finishes (over ranks too).
 
     ``model`` is what the backend returned from ``prepare`` (the module to call).
     ``batch.old_logprobs`` None means a single pass (1 epoch, 1 minibatch): the ratio is

@@ -1,4 +1,4 @@
-"""One data-parallel rank: `python -m rlctl.engine.worker RUN_DIR` (started by launch.py).
+"""One data-parallel rank: `python -m rlctl.run.worker RUN_DIR` (started by launch.py).
 
 Exit codes: 0 done; 128 + signal after a SIGINT/SIGTERM stop with the checkpoint saved
 (130 also after an abort); 3 (``EXIT_SETUP``) failed before the first step; 1 failed.
@@ -22,10 +22,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")      # before torch is imported (b
 from omegaconf import OmegaConf  # noqa: E402
 
 from rlctl.backends.launch import EXIT_SETUP, leave_with_launcher, write_error  # noqa: E402
-from rlctl.engine import rundir  # noqa: E402
-from rlctl.engine.run import train_rank  # noqa: E402
-from rlctl.engine.stopping import StopFlag  # noqa: E402
 from rlctl.errors import Interrupted, user_message  # noqa: E402
+from rlctl.run.training import train_rank  # noqa: E402
+from rlctl.stopping import StopFlag  # noqa: E402
+from rlctl.storage import rundir  # noqa: E402
 
 
 def main(run_dir: str, resume: bool = False) -> int:
