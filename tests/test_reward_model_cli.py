@@ -159,7 +159,7 @@ def rm_run(tmp_path_factory):
                  f"run.output_dir={root / 'runs'}")
     assert res.exit_code == 0, res.stdout + res.stderr
     (run_dir,) = (root / "runs").iterdir()
-    return root, run_dir, Path(backbone_path(compose([]).cfg))
+    return root, run_dir, Path(backbone_path(**compose([]).cfg.model))
 
 
 def copy_dir(src: Path, dst: Path) -> Path:

@@ -29,7 +29,7 @@ from rlctl.commands.plots import (PLOTS, REWARD_MODEL_PLOTS, plot_compare, plot_
                                   plot_run, series)
 from rlctl.compose import compose
 from rlctl.errors import UserError
-from rlctl.reward_models.settings import default_config as reward_model_defaults
+from rlctl.reward_models.config import default_config as reward_model_defaults
 from rlctl.sinks.jsonl import read_jsonl
 from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
 

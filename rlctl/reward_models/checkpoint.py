@@ -39,12 +39,12 @@ def checkpoint_keys(path: Path) -> Optional[set]:
         return None
 
 
-def head_names(config) -> List[str]:
-    """The score head's parameter names in a classifier built from ``config`` (on the
+def head_names(model_config) -> List[str]:
+    """The score head's parameter names in a classifier built from ``model_config`` (on the
     meta device: no memory); [] when the skeleton cannot be built."""
     try:
         with torch.device("meta"):
-            return head_params(AutoModelForSequenceClassification.from_config(config))
+            return head_params(AutoModelForSequenceClassification.from_config(model_config))
     except Exception:  # noqa: BLE001 - e.g. remote code: the load-time check still runs
         return []
 
@@ -71,17 +71,18 @@ LAST_NON_PAD = "last_non_pad"   # transformers' pooling: the last token that is 
 LAST_ATTENDED = "last_attended"  # rlctl's fits before READ_KEY: the last token of the text
 
 
-def score_read(config, path: Optional[Path] = None) -> Tuple[str, str]:
-    """(where the score is read, why) for a reward model with ``config`` saved in ``path``.
+def score_read(model_config, path: Optional[Path] = None) -> Tuple[str, str]:
+    """(where the score is read, why) for a reward model whose transformers config
+    ``model_config`` is saved in ``path``.
 
     transformers' ``*ForSequenceClassification`` reads the last token whose id is not
-    ``config.pad_token_id`` (so with pad == EOS a trailing EOS is skipped), and TRL's
+    ``model_config.pad_token_id`` (so with pad == EOS a trailing EOS is skipped), and TRL's
     reward trainer fits through that forward: a model rlctl did not fit is read there.
     rlctl's fits say where they were read (``READ_KEY`` in their config, the same
     pooling since it was written); a fit from before then (a ``model/`` of an ``rlctl
     reward-model train`` run, or the tiny reward model's cache) was fitted, and is read,
     at the last token of the text."""
-    read = getattr(config, READ_KEY, None)
+    read = getattr(model_config, READ_KEY, None)
     if read in (LAST_NON_PAD, LAST_ATTENDED):
         return read, f"{READ_KEY}={read} in its config (fitted by rlctl)"
     if path is not None and _older_rlctl_fit(Path(path)):
@@ -102,9 +103,10 @@ def _older_rlctl_fit(path: Path) -> bool:
     return isinstance(config, dict) and isinstance(config.get("rm"), dict)
 
 
-def pad_id_of(config) -> Optional[int]:
+def pad_id_of(model_config) -> Optional[int]:
     """The pad id transformers' pooling compares with (the text config's)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = (model_config.get_text_config() if hasattr(model_config, "get_text_config")
+            else model_config)
     pad = getattr(text, "pad_token_id", None)
     return int(pad) if isinstance(pad, int) else None
 

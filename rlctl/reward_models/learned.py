@@ -149,13 +149,13 @@ def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor,
     return score_head(model)(h).squeeze(-1).float()                    # [n]
 
 
-def length_limit(tokenizer, config=None) -> Optional[int]:
+def length_limit(tokenizer, model_config=None) -> Optional[int]:
     """Tokens a scored text may have: the smaller of the tokenizer's ``model_max_length``
     (when set) and the backbone's ``max_position_embeddings`` (GPT-2: ``n_positions``);
     None when neither is known (no limit)."""
     known = [n for n in (getattr(tokenizer, "model_max_length", None),
-                         getattr(config, "max_position_embeddings", None),
-                         getattr(config, "n_positions", None))
+                         getattr(model_config, "max_position_embeddings", None),
+                         getattr(model_config, "n_positions", None))
              if isinstance(n, int) and 0 < n < UNSET_LENGTH]
     return min(known) if known else None
 

@@ -24,6 +24,7 @@ after the current step with the model so far saved (``FitStopped``, exit 128 + s
 """
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import signal
@@ -44,12 +45,11 @@ from rlctl.models.dropout import disable_dropout
 from rlctl.models.loading import adapter_problem, check_vocab, corrupt_safetensors, resolve_dtype
 from rlctl.models.quiet import quiet_libraries
 from rlctl.models.tiny import build_tiny
+from rlctl.reward_models.config import RMConfig, resolved_sections, rm_config, split_overrides
 from rlctl.reward_models.fit import (FitSettings, Pair, classifier_from_lm, fit,
                                      pairs_over, pairwise_accuracy, prepare_for_scoring,
                                      score_pairs)
 from rlctl.reward_models.learned import RewardModel, keep_end, length_limit, render, token_rows
-from rlctl.reward_models.settings import (RMConfig, resolved_sections, rm_config,
-                                              split_overrides)
 from rlctl.sinks import build_sinks
 from rlctl.sinks.console import REWARD_MODEL_KEYS
 from rlctl.stopping import StopFlag
@@ -98,18 +98,18 @@ def hold_out(pairs: List[Pair], frac: float, seed: int) -> Tuple[List[Pair], Lis
             [p for i, p in enumerate(pairs) if i in held])
 
 
-def backbone_path(cfg) -> str:
-    """The causal LM (or classifier) directory the reward model starts from: for
-    model=tiny the same cached policy that `rlctl train` starts from."""
-    m = cfg.model
-    if m.name == "tiny":
-        return str(build_tiny(hidden_size=m.hidden_size, num_layers=m.num_layers,
-                              num_heads=m.num_heads, warmup_steps=m.warmup_steps,
-                              warmup_lr=m.warmup_lr, cache_dir=m.cache_dir,
-                              warmup_task=m.warmup_task))
-    path = Path(str(m.name_or_path)).expanduser()
+def backbone_path(name: str, name_or_path: Optional[str] = None, **tiny_kwargs) -> str:
+    """The causal LM (or classifier) directory the reward model starts from (the model
+    section's fields, as ``load_model_and_tokenizer`` takes them): for model=tiny the same
+    cached policy that `rlctl train` starts from (``tiny_kwargs``: build_tiny's arguments;
+    other keys are ignored)."""
+    if name == "tiny":
+        accepted = inspect.signature(build_tiny).parameters
+        return str(build_tiny(**{k: v for k, v in tiny_kwargs.items()
+                                 if k in accepted and k != "seed" and v is not None}))
+    path = Path(str(name_or_path)).expanduser()
     if not path.is_dir():
-        raise UserError(f"model path '{m.name_or_path}' does not exist or is not a directory")
+        raise UserError(f"model path '{name_or_path}' does not exist or is not a directory")
     problem = adapter_problem(path, new_adapter=False) or corrupt_safetensors(path)
     if problem:      # a LoRA adapter would load with every weight frozen
         raise UserError(f"cannot load model: {problem}")
@@ -134,10 +134,10 @@ def load_classifier(path: str, dtype: str, seed: int, device: str):
     return model.to(device), tokenizer
 
 
-def fit_limit(rm: RMConfig, tokenizer, config) -> Optional[int]:
+def fit_limit(rm: RMConfig, tokenizer, model_config) -> Optional[int]:
     """The fit's tokens per text: ``rm.max_length``, saved on the tokenizer (so the
     scorer reads it), or the model's context; ConfigError above that context."""
-    context = length_limit(tokenizer, config)
+    context = length_limit(tokenizer, model_config)
     if rm.max_length is None:
         return context
     if context is not None and rm.max_length > context:
@@ -232,8 +232,9 @@ def _plan(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str]):
     return composed, rm, train, held
 
 
-def _write_config(run_dir: Path, cfg, rm: RMConfig, composed, prefs, eval_prefs) -> Dict:
-    resolved = resolved_sections(cfg)
+def _write_config(run_dir: Path, resolved: Dict, rm: RMConfig, composed, prefs, eval_prefs) -> Dict:
+    """Write ``resolved`` (the run's composed sections, resolved) with ``rm`` and the data
+    paths as config.yaml, and the overrides; returns what was written."""
     resolved["rm"] = asdict(rm)
     resolved["data"] = {"prefs": str(prefs), "eval": None if eval_prefs is None else str(eval_prefs)}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
@@ -279,7 +280,7 @@ def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop
     composed, rm, train, held = _plan(overrides, prefs, eval_prefs)
     cfg = composed.cfg
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
-    model, tokenizer = load_classifier(backbone_path(cfg), cfg.model.dtype, int(cfg.seed),
+    model, tokenizer = load_classifier(backbone_path(**cfg.model), cfg.model.dtype, int(cfg.seed),
                                        cfg.hardware.device)
     if cfg.model.get("disable_dropout", True):   # the fit's train-mode scores = eval mode's
         disable_dropout(model)
@@ -296,7 +297,7 @@ def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop
     if stop.requested:
         raise FitStopped(None, 0, rm.steps, stop.signum)
     run_dir = create_run_dir(cfg.run.output_dir, "rm")
-    resolved = _write_config(run_dir, cfg, rm, composed, prefs, eval_prefs)
+    resolved = _write_config(run_dir, resolved_sections(cfg), rm, composed, prefs, eval_prefs)
     lg = cfg.logger
     sink = build_sinks(run_dir=run_dir, jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode,
                        project=lg.project, name=run_dir.name, config=resolved,
