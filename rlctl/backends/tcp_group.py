@@ -110,11 +110,11 @@ def _checked(group: Group) -> Group:
     return group
 
 
-def join(group: Group, device: str, timeout_s: float, config: Optional[Dict[str, Any]] = None,
-         stop=None) -> None:
+def join(group: Group, device: str, timeout_s: float,
+         run_config: Optional[Dict[str, Any]] = None, stop=None) -> None:
     """Export ``group`` to this process's environment and join it (gloo, nccl on CUDA):
-    reach the store, claim the rank and compare ``config`` (the resolved config, nested
-    dicts) with rank 0's before the group forms (rlctl/backends/meet.py). ``stop``: a
+    reach the store, claim the rank and compare ``run_config`` (the resolved config as
+    plain nested dicts) with rank 0's before the group forms (rlctl/backends/meet.py). ``stop``: a
     StopFlag whose signal ends the waits (exit 128 + signal)."""
 
     os.environ.update(group.env())
@@ -128,7 +128,7 @@ def join(group: Group, device: str, timeout_s: float, config: Optional[Dict[str,
     label = f"node {group.node}" if group.node is not None else f"rank {group.rank}"
     claimed_by = (f"hardware.node_rank={group.node}" if group.source == "rlctl"
                   else f"rank {group.rank} ({group.source})")
-    meet.meet(store, group, same_config.flatten(config or {}), label, claimed_by, timeout_s,
+    meet.meet(store, group, same_config.flatten(run_config or {}), label, claimed_by, timeout_s,
               deadline, stop)
     try:                                      # the group's keys (and share's) are this restart's too
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",

@@ -300,7 +300,7 @@ def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop
     resolved = _write_config(run_dir, resolved_sections(cfg), rm, composed, prefs, eval_prefs)
     lg = cfg.logger
     sink = build_sinks(run_dir=run_dir, jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode,
-                       project=lg.project, name=run_dir.name, config=resolved,
+                       project=lg.project, name=run_dir.name, run_config=resolved,
                        console=lg.console, total_steps=rm.steps, console_keys=REWARD_MODEL_KEYS)
     t0, last = time.perf_counter(), {}
 

@@ -46,7 +46,7 @@ def build_sinks(
     wandb_mode: str,
     project: str,
     name: str,
-    config: Mapping[str, Any],
+    run_config: Mapping[str, Any],
     console: bool,
     total_steps: int,
     console_keys: Sequence[str] = DEFAULT_KEYS,
@@ -56,6 +56,7 @@ def build_sinks(
     jsonl and wandb write inside `run_dir` (`metrics.jsonl`, `wandb/...`) and are
     skipped when run_dir is None. Only an unknown wandb_mode raises; otherwise wandb
     falls back to offline or to disabled with one warning line (see WandbSink).
+    ``run_config``: the resolved config as plain data, recorded as the W&B run's config.
     ``console_keys``: the figures the console shows (the RL schema's by default).
     """
     sinks: list[Sink] = []
@@ -66,6 +67,6 @@ def build_sinks(
         if jsonl:
             sinks.append(JsonlSink(run_dir / METRICS_FILE))
         if wandb:
-            sinks.append(WandbSink(run_dir, project=project, name=name, config=dict(config),
+            sinks.append(WandbSink(run_dir, project=project, name=name, run_config=dict(run_config),
                                    mode=wandb_mode))
     return MultiSink(sinks)

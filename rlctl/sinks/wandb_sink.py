@@ -97,7 +97,7 @@ class WandbSink:
         run_dir: str | Path,
         project: str,
         name: str | None,
-        config: Mapping[str, Any] | None,
+        run_config: Mapping[str, Any] | None,
         mode: str = "offline",
         *,
         init_timeout: float = 30.0,
@@ -120,7 +120,7 @@ class WandbSink:
         self._closed = False
         if mode != "disabled":
             try:
-                self._start(project, name, _plain(dict(config or {})), mode, init_timeout,
+                self._start(project, name, _plain(dict(run_config or {})), mode, init_timeout,
                             finish_timeout)
             except Exception as exc:  # e.g. an unwritable run_dir: never stop training
                 _warn(f"wandb set-up failed ({type(exc).__name__}: {exc}); wandb logging disabled")
@@ -148,7 +148,7 @@ class WandbSink:
                 os.environ[var] = value
         self._saved_env.clear()
 
-    def _start(self, project, name, config, mode, init_timeout, finish_timeout) -> None:
+    def _start(self, project, name, run_config, mode, init_timeout, finish_timeout) -> None:
         self._set_env(mode)
         try:
             import wandb   # optional and slow to import: only when a W&B run is asked for
@@ -180,7 +180,7 @@ class WandbSink:
                 self._run = wandb.init(
                     project=project,
                     name=name,
-                    config=config,
+                    config=run_config,
                     dir=str(self.run_dir),
                     mode=attempt,
                     settings=settings,

@@ -50,7 +50,7 @@ def test_non_tty_close_prints_the_last_unprinted_step():
 
 def test_stdout_under_pytest_is_not_a_tty(capsys):
     sink = build_sinks(None, jsonl=False, wandb=False, wandb_mode="offline", project="p",
-                       name="n", config={}, console=True, total_steps=3)
+                       name="n", run_config={}, console=True, total_steps=3)
     for step in range(1, 4):
         sink.log(metrics(step), step=step)
     sink.close()

@@ -32,7 +32,7 @@ def test_offline_round_trip_no_network_and_fast(tmp_path, wandb_env, listener, i
     # Any attempt to reach the W&B server would land on our listener.
     monkeypatch.setenv("WANDB_BASE_URL", listener.url)
     t0 = time.perf_counter()
-    sink = WandbSink(tmp_path / "run", project="rlctl-test", name="roundtrip", config=CONFIG)
+    sink = WandbSink(tmp_path / "run", project="rlctl-test", name="roundtrip", run_config=CONFIG)
     assert sink.mode == "offline"
     open_sockets = inet_sockets()
     for step, metrics in STEPS.items():
@@ -68,7 +68,7 @@ def test_offline_round_trip_no_network_and_fast(tmp_path, wandb_env, listener, i
 def test_summary_survives_the_last_history_row(tmp_path, wandb_env):
     """wandb writes a step's row late (next step or finish) and rewrites the summary
     from it; summary() must still win for keys it sets."""
-    sink = WandbSink(tmp_path, project="p", name="summary", config={})
+    sink = WandbSink(tmp_path, project="p", name="summary", run_config={})
     sink.log({"eval/exact_match": 0.5, "reward/mean": 0.1}, step=1)
     sink.log({"eval/exact_match": 0.75}, step=2)
     sink.log({"reward/mean": 0.2}, step=2)  # same step: merged into one row
@@ -86,7 +86,7 @@ def test_summary_survives_the_last_history_row(tmp_path, wandb_env):
 
 
 def test_out_of_order_step_warns_once(tmp_path, wandb_env, capsys):
-    sink = WandbSink(tmp_path, project="p", name="order", config={})
+    sink = WandbSink(tmp_path, project="p", name="order", run_config={})
     sink.log({"x": 1.0}, step=5)
     sink.log({"x": 2.0}, step=6)
     sink.log({"x": 3.0}, step=4)
@@ -101,7 +101,7 @@ def test_out_of_order_step_warns_once(tmp_path, wandb_env, capsys):
 def test_online_without_api_key_falls_back_offline(tmp_path, wandb_env, listener, capsys, monkeypatch):
     monkeypatch.setenv("WANDB_BASE_URL", listener.url)
     t0 = time.perf_counter()
-    sink = WandbSink(tmp_path, project="p", name="nokey", config={}, mode="online")
+    sink = WandbSink(tmp_path, project="p", name="nokey", run_config={}, mode="online")
     sink.log({"reward/mean": 1.0}, step=1)
     sink.close()
     assert time.perf_counter() - t0 < 30      # a hang bound (no server wait): 10x the measured
@@ -116,7 +116,7 @@ def test_online_unreachable_server_times_out_then_offline(tmp_path, wandb_env, l
     monkeypatch.setenv("WANDB_BASE_URL", listener.url)
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     t0 = time.perf_counter()
-    sink = WandbSink(tmp_path, project="p", name="hang", config={}, mode="online", init_timeout=2)
+    sink = WandbSink(tmp_path, project="p", name="hang", run_config={}, mode="online", init_timeout=2)
     elapsed = time.perf_counter() - t0
     sink.log({"reward/mean": 1.0}, step=1)
     sink.close()
@@ -131,7 +131,7 @@ def test_online_unreachable_server_times_out_then_offline(tmp_path, wandb_env, l
 def test_unusable_run_dir_disables_wandb_with_one_warning(tmp_path, wandb_env, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    sink = WandbSink(blocker / "run", project="p", name="x", config={})
+    sink = WandbSink(blocker / "run", project="p", name="x", run_config={})
     sink.log({"a": 1.0}, step=1)
     sink.summary({"a": 1.0})
     sink.close()
@@ -141,17 +141,17 @@ def test_unusable_run_dir_disables_wandb_with_one_warning(tmp_path, wandb_env, c
 
 
 def test_disabled_mode_is_a_no_op(tmp_path, wandb_env):
-    sink = WandbSink(tmp_path, project="p", name="x", config={}, mode="disabled")
+    sink = WandbSink(tmp_path, project="p", name="x", run_config={}, mode="disabled")
     sink.log({"a": 1.0}, step=1)
     sink.close()
     assert sink.run_file is None and not (tmp_path / "wandb").exists()
     with pytest.raises(ValueError, match="offline"):
-        WandbSink(tmp_path, project="p", name="x", config={}, mode="ofline")
+        WandbSink(tmp_path, project="p", name="x", run_config={}, mode="ofline")
 
 
 def test_build_sinks_jsonl_and_wandb(tmp_path, wandb_env, capsys):
     sink = build_sinks(tmp_path, jsonl=True, wandb=True, wandb_mode="offline", project="p",
-                       name="run-1", config=CONFIG, console=True, total_steps=3)
+                       name="run-1", run_config=CONFIG, console=True, total_steps=3)
     assert [s.name for s in sink.sinks] == ["console", "jsonl", "wandb"]
     for step, metrics in STEPS.items():
         sink.log(metrics, step=step)
@@ -166,5 +166,5 @@ def test_build_sinks_jsonl_and_wandb(tmp_path, wandb_env, capsys):
     assert "step 3/3" in out.out and out.err.strip() == ""
 
     empty = build_sinks(None, jsonl=True, wandb=True, wandb_mode="offline", project="p",
-                        name="x", config={}, console=False, total_steps=1)
+                        name="x", run_config={}, console=False, total_steps=1)
     assert empty.sinks == []

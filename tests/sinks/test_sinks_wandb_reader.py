@@ -16,7 +16,7 @@ BIG = "0123456789" * 8000  # an 80 kB config value: one record over three blocks
 @pytest.fixture(scope="module")
 def big_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("bigrun")
-    sink = WandbSink(run_dir, project="p", name="big", config={"big": BIG, "nested": {"a": [1, 2]}})
+    sink = WandbSink(run_dir, project="p", name="big", run_config={"big": BIG, "nested": {"a": [1, 2]}})
     for step in range(N_STEPS):
         # a key of varying length makes records end at varying offsets, so some blocks
         # end in zero padding (fewer than 7 bytes left); seen in about every 10th block
