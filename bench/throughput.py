@@ -99,8 +99,8 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
             steppers[mode] = floor_stepper(cfg, task, copy.deepcopy(model), tok)
         else:
             policy = copy.deepcopy(model)
-            steppers[mode] = Trainer(cfg, policy, tok, task, NullSink(),
-                                     source=build_source(cfg, policy, tok, task))
+            steppers[mode] = Trainer.from_config(cfg, policy, tok, task, NullSink(),
+                                                 source=build_source(cfg, policy, tok, task))
     res = {m: {"times": [], "tokens": [], **{k: [] for k in PHASES}} for m in modes}
     for i in range(1, warmup + steps + 1):
         for mode, st in steppers.items():
@@ -129,7 +129,7 @@ def run_trainer(steps: int, warmup: int, overrides) -> dict:
     from rlctl.sinks import NullSink
 
     cfg, task, model, tok = _setup(overrides)
-    trainer = Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
+    trainer = Trainer.from_config(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
     times, tokens, phases = [], [], {k: [] for k in PHASES}
     try:
         for i in range(1, warmup + steps + 1):

@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
-from omegaconf import DictConfig
 
 from rlctl.backends.base import TorchBackend
 from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
 from rlctl.errors import Interrupted, TrainingFault
-from rlctl.learner.advantage import AdvantageSettings, compute_advantages
+from rlctl.learner.advantage import compute_advantages
 from rlctl.learner.evaluate import evaluate
 from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
+from rlctl.learner.settings import TrainerSettings
 from rlctl.learner.stats import Moments, reduce_metrics, rollout_metrics
-from rlctl.learner.update import UpdateSettings, UpdateState, update_policy
+from rlctl.learner.update import UpdateState, update_policy
 from rlctl.rollout.collect import collect
 from rlctl.rollout.sampler import check_training_sampling
 from rlctl.stopping import StopFlag
@@ -47,13 +47,6 @@ class TrainResult:
     last_metrics: Dict[str, float] = field(default_factory=dict)
 
 
-def needs_old_forward(algo) -> bool:
-    """Whether a step needs pi_old's forward before the update: several passes over the
-    rollout, a critic's values, KL shaped into the reward, or an adaptive KL coefficient."""
-    return (algo.epochs * algo.minibatches > 1 or algo.critic != "none"
-            or (algo.kl.placement == "in_reward" and algo.kl.coef > 0) or algo.kl.target is not None)
-
-
 def frozen_copy(model):
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
@@ -62,37 +55,44 @@ def frozen_copy(model):
 
 
 class Trainer:
-    """``model``: the policy, or a PolicyValueModel (shared critic); ``source``: where
-    rollouts come from (``async_rollout.build_source``: it samples with this same
+    """``settings``: what the loop reads of the config (``Trainer.from_config`` builds
+    them from it); ``model``: the policy, or a PolicyValueModel (shared critic);
+    ``source``: where rollouts come from (``build_source``: it samples with this same
     ``model``, and owns the prompt sampler and the training reward scorer); ``critic``: a
     separate value model or None; ``backend``: how to step and how ranks communicate
     (each rank samples its own share of the step's prompts, whole groups only)."""
 
-    def __init__(self, cfg: DictConfig, model, tokenizer, task: Task, sink, *, source, critic=None,
-                 ref_model=None, backend=None):
-        check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
-        self.cfg, self.tokenizer, self.task, self.sink, self.source = cfg, tokenizer, task, sink, source
-        self.critic = critic
-        self.backend = backend or TorchBackend(cfg.hardware.device)
-        algo, tr = cfg.algo, cfg.trainer
-        # the learner's prompt sharing goes by its own backend (off under multi-rank ZeRO-3),
-        # whatever the source was built with
-        self.settings = UpdateSettings.from_config(cfg, prompt_sharing(tr.share_prompts, self.backend))
-        self.adv_settings = AdvantageSettings.from_config(cfg)
-        self.kl_ctl = (AdaptiveKLController(algo.kl.coef, algo.kl.target, algo.kl.horizon)
-                       if algo.kl.target is not None else FixedKLController(algo.kl.coef))
+    def __init__(self, settings: TrainerSettings, model, tokenizer, task: Task, sink, *, source,
+                 backend, critic=None, ref_model=None):
+        s = self.options = settings
+        self.tokenizer, self.task, self.sink, self.source = tokenizer, task, sink, source
+        self.critic, self.backend = critic, backend
+        self.settings, self.adv_settings = s.update, s.advantage     # the update's, the advantages'
+        self.kl_ctl = (AdaptiveKLController(s.kl_coef, s.kl_target, s.kl_horizon)
+                       if s.kl_target is not None else FixedKLController(s.kl_coef))
         self.ref_model = ref_model if ref_model is not None else (
-            frozen_copy(getattr(model, "policy", model)) if algo.kl.coef > 0 else None)
-        lora = cfg.model.lora
-        lr = lora.lr if lora.enabled and lora.lr is not None else tr.lr
-        self.model = self.backend.prepare(model, critic, lr, tr.betas, tr.weight_decay,
-                                          tr.warmup_steps, tr.max_grad_norm)
-        if tr.compile:           # learner forwards only; generation keeps the eager module
+            frozen_copy(getattr(model, "policy", model)) if s.kl_coef > 0 else None)
+        self.model = self.backend.prepare(model, critic, s.lr, s.betas, s.weight_decay,
+                                          s.warmup_steps, s.max_grad_norm)
+        if s.compile:            # learner forwards only; generation keeps the eager module
             self.model = torch.compile(self.model, dynamic=True)
         self.scorer = source.scorer              # training rewards (time limit, error policy)
         self.eval_scorer = RewardScorer(task)    # kept apart so eval never mixes into reward/*
         self.eval_examples = task.eval_examples()
-        self.local_prompts = tr.prompts_per_step // self.backend.world_size   # compose() checks
+        self.local_prompts = s.prompts_per_step // self.backend.world_size   # compose() checks
+
+    @classmethod
+    def from_config(cls, cfg, model, tokenizer, task: Task, sink, *, source, critic=None,
+                    ref_model=None, backend=None) -> "Trainer":
+        """The Trainer for the composed config ``cfg`` (read here, once): its sampling
+        checked (``rollout.top_k``), ``backend`` by default the torch one on
+        ``hardware.device``; the learner's prompt sharing goes by its own backend (off
+        under multi-rank ZeRO-3), whatever the source was built with."""
+        check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
+        backend = backend or TorchBackend(cfg.hardware.device)
+        settings = TrainerSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
+        return cls(settings, model, tokenizer, task, sink, source=source, backend=backend,
+                   critic=critic, ref_model=ref_model)
 
     def close(self) -> None:
         """Stop the rollout source (actors, reward workers) and the eval reward workers."""
@@ -130,8 +130,8 @@ class Trainer:
         for a critic's values, or (a step mixing stale and on-policy rollouts:
         ``behaviour_rows``) for pi_old of the on-policy rows."""
         mixed = batch.behaviour_rows is not None
-        if not (mixed or needs_old_forward(self.cfg.algo) and (
-                batch.old_logprobs is None or self.cfg.algo.critic != "none")):
+        if not (mixed or self.options.old_forward and (
+                batch.old_logprobs is None or self.options.critic)):
             return batch.old_logprobs, batch.old_values
         self.model.eval()
         f = learner_forward(self.model, *args, critic=self.critic, share_prompts=share)
@@ -144,8 +144,9 @@ class Trainer:
     def _evaluate(self) -> Dict[str, float]:
         """Greedy eval; each rank takes every world_size-th example, sums are reduced."""
         b = self.backend
-        sums = evaluate(self.policy, self.tokenizer, self.eval_scorer, self.eval_examples[b.rank::b.world_size],
-                        self.cfg.rollout.max_new_tokens, **b.generate_kwargs())
+        sums = evaluate(self.policy, self.tokenizer, self.eval_scorer,
+                        self.eval_examples[b.rank::b.world_size], self.options.eval_max_new_tokens,
+                        **b.generate_kwargs())
         keys = sorted(sums)
         totals = b.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys])).tolist()
         n = max(totals[keys.index("count")], 1.0)
@@ -153,17 +154,17 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------
     def step(self, step: int) -> Dict[str, float]:
-        cfg = self.cfg
+        s = self.options
         t0, score0 = time.perf_counter(), self.scorer.seconds
         self.model.eval()
-        batch, kept = collect(self.source.sample, self.local_prompts, cfg.algo.dynamic_sampling,
-                              cfg.algo.max_sampling_rounds, self.tokenizer.pad_token_id)
+        batch, kept = collect(self.source.sample, self.local_prompts, s.dynamic_sampling,
+                              s.max_sampling_rounds, self.tokenizer.pad_token_id)
         t_gen, score_s = time.perf_counter(), self.scorer.seconds - score0
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len) \
             if self.settings.share_prompts else None                         # found on the CPU
         batch = self._prepare(batch, prompts)
         t1 = time.perf_counter()
-        frozen = step <= cfg.algo.critic_warmup_steps
+        frozen = step <= s.critic_warmup_steps
         if hasattr(self.policy, "detach_backbone"):
             self.policy.detach_backbone = frozen
         state = UpdateState(kl_coef=self.kl_ctl.coef, policy_frozen=frozen)
@@ -196,30 +197,30 @@ class Trainer:
         save a checkpoint and raise ``Interrupted``; ``trainer.max_bad_steps``
         consecutive steps whose updates were all skipped (non-finite) raise
         ``TrainingFault`` (the newest checkpoint predates them)."""
-        tr = self.cfg.trainer
+        o = self.options
         t_start, tokens, bad_streak = time.perf_counter(), 0.0, 0
-        result = TrainResult(steps=tr.steps, seconds=0.0, tokens_per_s=0.0)
+        result = TrainResult(steps=o.steps, seconds=0.0, tokens_per_s=0.0)
         first = self._start(result, resume_from)
         stop = stop or StopFlag()
         with stop.installed():
-            for step in range(first, tr.steps + 1):
+            for step in range(first, o.steps + 1):
                 values = self.step(step)
                 tokens += values["perf/tokens_per_s"] * (values["time/rollout_s"] + values["time/update_s"])
                 updates = self.settings.epochs * self.settings.minibatches
                 bad_streak = bad_streak + 1 if values.get("fault/skipped_steps", 0) >= updates else 0
-                if tr.eval_every > 0 and (step % tr.eval_every == 0 or step == tr.steps):
+                if o.eval_every > 0 and (step % o.eval_every == 0 or step == o.steps):
                     values.update(self._evaluate())
                 values["time/elapsed_s"] = time.perf_counter() - t_start
-                if step % tr.log_every == 0 or step == tr.steps:
+                if step % o.log_every == 0 or step == o.steps:
                     self.sink.log(values, step=step)
                 result.last_metrics = values
                 if on_step is not None:
                     on_step(step, values)
                 self._after_step(step, bad_streak, run_dir, result, stop)
-        self._save(run_dir, tr.steps, result)
+        self._save(run_dir, o.steps, result)
         result.seconds = time.perf_counter() - t_start
         result.tokens_per_s = tokens / max(result.seconds, 1e-9)
-        if tr.eval_every > 0:
+        if o.eval_every > 0:
             result.eval_end = {k: v for k, v in result.last_metrics.items() if k.startswith("eval/")} \
                 or self._evaluate()
         return result
@@ -231,7 +232,7 @@ class Trainer:
             result.eval_start = state.get("eval_start", {})
             self.scorer.load_state(state.get("scorer", {}))
             return state["step"] + 1
-        if self.cfg.trainer.eval_every > 0:
+        if self.options.eval_every > 0:
             result.eval_start = self._evaluate()
             self.sink.log(result.eval_start, step=0)
         return 1
@@ -240,22 +241,22 @@ class Trainer:
         if run_dir is not None:
             checkpoint.save(self, run_dir, step, {"eval_start": result.eval_start,
                                                   "scorer": self.scorer.state()},
-                            self.cfg.trainer.keep_checkpoints)
+                            self.options.keep_checkpoints)
 
     def _after_step(self, step: int, bad_streak: int, run_dir, result: TrainResult, stop) -> None:
         """Stop on too many non-finite steps or on a signal (saved first); checkpoint."""
-        tr = self.cfg.trainer
-        if bad_streak >= tr.max_bad_steps:
+        o = self.options
+        if bad_streak >= o.max_bad_steps:
             last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
             raise TrainingFault(
                 f"stopped at step {step}: {bad_streak} steps in a row had a non-finite loss "
-                f"or gradient (trainer.max_bad_steps={tr.max_bad_steps}); last good "
+                f"or gradient (trainer.max_bad_steps={o.max_bad_steps}); last good "
                 f"checkpoint: {last or 'none'}")
         signum = stop.agreed(self.backend)       # all ranks stop after the same step
-        if signum and step < tr.steps:           # finish the step, save, leave
+        if signum and step < o.steps:           # finish the step, save, leave
             self._save(run_dir, step, result)
             raise Interrupted(run_dir, step, signum)
-        if tr.checkpoint_every > 0 and step % tr.checkpoint_every == 0 and step < tr.steps:
+        if o.checkpoint_every > 0 and step % o.checkpoint_every == 0 and step < o.steps:
             self._save(run_dir, step, result)
 
 

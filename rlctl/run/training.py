@@ -126,8 +126,8 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
         try:
             source = build_source(cfg, model, tokenizer, task, backend, stop)
             try:
-                trainer = Trainer(cfg, model, tokenizer, task, sink, source=source, critic=critic,
-                                  ref_model=ref_model, backend=backend)
+                trainer = Trainer.from_config(cfg, model, tokenizer, task, sink, source=source,
+                                              critic=critic, ref_model=ref_model, backend=backend)
             except BaseException:
                 source.close()                   # async: the actors end now, not at Python's exit
                 raise

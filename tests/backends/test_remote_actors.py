@@ -269,7 +269,7 @@ def test_a_trainer_that_fails_to_build_does_not_wait_for_its_actors(tmp_path):
     so this run replaces it with one that raises, then runs the CLI's own main."""
     code = ("import sys\nimport rlctl.run.training as run\n"
             "def broken(*a, **k):\n    raise RuntimeError('Trainer construction failed on purpose')\n"
-            "run.Trainer = broken\nfrom rlctl.cli import main\nsys.argv[0] = 'rlctl'\nmain()\n")
+            "run.Trainer.from_config = broken\nfrom rlctl.cli import main\nsys.argv[0] = 'rlctl'\nmain()\n")
     proc = start([sys.executable, "-c", code, "train", *TINY_RUN, "trainer.async_rollout.enabled=true",
                   f"run.output_dir={tmp_path}"])
     t0 = time.monotonic()

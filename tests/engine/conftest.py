@@ -15,13 +15,16 @@ from rlctl.sinks import NullSink
 def make_trainer():
     made = []
 
-    def make(overrides):
+    def make(overrides, wrap=None):
+        """``wrap``: applied to the loaded model (after seeding) before the Trainer gets it."""
         cfg = compose(list(overrides)).cfg
         OmegaConf.resolve(cfg)
         model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
         task = task_from_config(cfg)
         torch.manual_seed(0)
-        made.append(Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task)))
+        model = wrap(model) if wrap is not None else model
+        made.append(Trainer.from_config(cfg, model, tok, task, NullSink(),
+                                        source=build_source(cfg, model, tok, task)))
         return made[-1]
     yield make
     for tr in made:

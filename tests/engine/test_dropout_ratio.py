@@ -81,8 +81,8 @@ def _first_step_log_ratios(model_dir: Path, disable: bool) -> torch.Tensor:
     model.double()
     task = task_from_config(cfg)
     torch.manual_seed(0)
-    tr = Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task),
-                 critic=critic, ref_model=ref)
+    tr = Trainer.from_config(cfg, model, tok, task, NullSink(),
+                             source=build_source(cfg, model, tok, task), critic=critic, ref_model=ref)
     seen, loss = [], tr.settings.policy_loss
 
     def recorded(logp, old_logp, advantages, mask, *args, **kw):   # the registry's loss, seen

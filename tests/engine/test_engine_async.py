@@ -71,7 +71,7 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
     from rlctl.run.build import model_from_config, task_from_config
     model, _, tok, _ = model_from_config(cfg)
     task = task_from_config(cfg)
-    tr = Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
+    tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
     t0 = time.monotonic()
     try:
         with pytest.raises(RewardError, match="boom from the reward"):
@@ -171,7 +171,7 @@ def test_a_step_mixing_stale_and_fresh_rollouts_keeps_behaviour_logprobs(tmp_pat
     from rlctl.run.build import model_from_config, task_from_config
     model, _, tok, _ = model_from_config(cfg)
     task = task_from_config(cfg)
-    tr = Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
+    tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
     try:
         _check_mixed_steps(tr)
     finally:

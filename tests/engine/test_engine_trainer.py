@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from rlctl.learner.forward import learner_forward
-from rlctl.rollout.actors import build_source
-from rlctl.sinks import NullSink
 from rlctl.sinks.jsonl import read_jsonl
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
@@ -60,13 +58,10 @@ def test_single_pass_makes_no_old_or_reference_forward(make_trainer):
 def test_critic_warmup_moves_only_the_value_head(make_trainer, kl):
     """Also with a KL term in the loss: during warm-up it must not move the policy (k1,
     whose gradient is not zero at policy == reference, unlike k3's)."""
-    tr = make_trainer(["algo=ppo", "algo.critic_warmup_steps=1", "trainer.prompts_per_step=2",
-                       "algo.group_size=2", "trainer.eval_every=0", *kl])
     from rlctl.models.value import PolicyValueModel
-    tr.model = PolicyValueModel(tr.model, init_std=0.05)
-    tr.source.close()
-    tr.__init__(tr.cfg, tr.model, tr.tokenizer, tr.task, NullSink(),
-                source=build_source(tr.cfg, tr.model, tr.tokenizer, tr.task))
+    tr = make_trainer(["algo=ppo", "algo.critic_warmup_steps=1", "trainer.prompts_per_step=2",
+                       "algo.group_size=2", "trainer.eval_every=0", *kl],
+                      wrap=lambda model: PolicyValueModel(model, init_std=0.05))
     before = copy.deepcopy(tr.model)
     tr.step(1)
     moved = {n for (n, p), q in zip(tr.model.named_parameters(), before.parameters())

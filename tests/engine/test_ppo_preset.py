@@ -21,8 +21,8 @@ def _trainer(overrides, recipe=None):
     model, critic, tok, _ = model_from_config(cfg)
     torch.manual_seed(0)
     task = task_from_config(cfg)
-    return cfg, Trainer(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task),
-                        critic=critic)
+    return cfg, Trainer.from_config(cfg, model, tok, task, NullSink(),
+                                    source=build_source(cfg, model, tok, task), critic=critic)
 
 
 def _run(overrides, steps, recipe=None):

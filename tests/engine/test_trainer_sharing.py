@@ -17,7 +17,7 @@ def _trainer(backend):
     model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
     task = task_from_config(cfg)
     source = build_source(cfg, model, tok, task)          # built without a backend: sharing on
-    return Trainer(cfg, model, tok, task, NullSink(), source=source, backend=backend)
+    return Trainer.from_config(cfg, model, tok, task, NullSink(), source=source, backend=backend)
 
 
 def test_multi_rank_zero3_backend_turns_learner_prompt_sharing_off():

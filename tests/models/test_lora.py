@@ -244,8 +244,8 @@ def test_ppo_trainer_with_lora_reference(tiny):
     pv = PolicyValueModel(apply_lora(copy.deepcopy(tiny[0]), lc.r, lc.alpha, lc.dropout,
                                      list(lc.target_modules)))
     before = {n: p.detach().clone() for n, p in pv.named_parameters()}
-    tr = Trainer(cfg, pv, tiny[1], task, NullSink(), source=build_source(cfg, pv, tiny[1], task),
-                 ref_model=reference_for(pv))
+    tr = Trainer.from_config(cfg, pv, tiny[1], task, NullSink(),
+                             source=build_source(cfg, pv, tiny[1], task), ref_model=reference_for(pv))
     assert isinstance(tr.ref_model, AdapterDisabledReference)
     seen, prepare = [], tr._prepare
     tr._prepare = lambda b, prompts: seen.append(prepare(b, prompts)) or seen[-1]
