@@ -177,3 +177,129 @@ def test_function_level_import_rule_can_fail(tmp_path):
                    "    import peft\n    import torch  # needs CUDA only\n")
     assert function_level_imports(src) == [(2, "rlctl", False), (3, "torch", False),
                                            (4, "peft", False), (5, "torch", True)]
+
+
+# ---- the composed config is read once, at the boundary ------------------------------------
+# The boundary reads the composed config: the CLI, the commands, composition and the schema,
+# the builders (modules named build*.py) and converters named ``from_config``. Everything
+# else takes typed settings or plain arguments. These functions below the boundary still
+# take the whole config, each for the reason given; a new one (or one gone) fails the test
+# until this table says why.
+BOUNDARY_FILES = ("cli.py", "compose.py", "config.py")
+TAKES_THE_CONFIG = {
+    "rlctl/run/training.py:train_rank": "the body of one rank: builds the task, models, "
+        "sinks, rollout source and Trainer from the config each rank was handed",
+    "rlctl/run/training.py:_train_alone": "a one-process run: writes the resolved config into "
+        "the new run directory, then trains or launches ranks with it",
+    "rlctl/run/training.py:_train_in_group": "a rank of a multi-node group: hands the whole "
+        "resolved config to the rendezvous, which compares it with rank 0's",
+    "rlctl/run/training.py:_train_new": "a fresh run: writes config.yaml and the recipe from it",
+    "rlctl/run/training.py:_train_here_or_launched": "trains in this process or passes the "
+        "config to launched rank processes",
+    "rlctl/run/rollout_setup.py:build_source": "the rollout source an actor process rebuilds "
+        "from the learner's config (its own model and task)",
+    "rlctl/run/rollout_setup.py:_actor": "an actor process's body: builds its model and task "
+        "from the learner's config, as the learner did",
+    "rlctl/run/dryrun.py:dry_run": "builds the run's model and task from the config and "
+        "prints the estimate of every setting it resolves",
+}
+
+
+def config_takers(root: Path = PKG):
+    """'path:function' of every function below the boundary with a parameter that is the
+    composed config: named cfg or config, or annotated DictConfig."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        if path.name in BOUNDARY_FILES or "/commands/" in rel or path.name.startswith("build"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name == "from_config":
+                continue
+            a = node.args
+            for arg in a.posonlyargs + a.args + a.kwonlyargs:
+                ann = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if arg.arg in ("cfg", "config") or "DictConfig" in ann:
+                    found.append(f"{rel}:{node.name}")
+                    break
+    return found
+
+
+def test_config_taker_finder_finds_planted_ones(tmp_path):
+    pkg = tmp_path / "rlctl"
+    (pkg / "learner").mkdir(parents=True)
+    (pkg / "learner" / "m.py").write_text(
+        "def a(cfg): pass\ndef b(x, *, config=None): pass\ndef c(x: 'DictConfig'): pass\n"
+        "def from_config(cfg): pass\ndef d(settings): pass\n")
+    (pkg / "learner" / "build_x.py").write_text("def e(cfg): pass\n")
+    assert config_takers(pkg) == ["rlctl/learner/m.py:a", "rlctl/learner/m.py:b",
+                                  "rlctl/learner/m.py:c"]
+
+
+def test_the_config_is_read_at_the_boundary():
+    found = config_takers()
+    modules = {f.split(":")[0] for f in found}
+    assert len(found) <= 10 and len(modules) <= 3, (len(found), sorted(modules))
+    new = sorted(set(found) - set(TAKES_THE_CONFIG))
+    gone = sorted(set(TAKES_THE_CONFIG) - set(found))
+    assert not new, f"these take the whole config below the boundary (give them settings): {new}"
+    assert not gone, f"no longer take the config (remove them from TAKES_THE_CONFIG): {gone}"
+
+
+# ---- rooms: every folder (and top-level module) has its job and its imports in the docs ----
+ARCH_DOC = PKG.parent / "docs" / "architecture.md"
+
+
+def room_of(mod: str) -> str:
+    """rlctl.learner.update -> 'learner'; rlctl.errors -> 'errors.py'; rlctl -> ''."""
+    parts = mod.split(".")[1:]
+    if not parts:
+        return ""
+    return parts[0] if (PKG / parts[0]).is_dir() else parts[0] + ".py"
+
+
+def room_graph(graph=None):
+    """{room: rooms it imports}, the package's own __init__ left out."""
+    rooms = {}
+    for mod, deps in (graph or import_graph()).items():
+        a = room_of(mod)
+        if a:
+            rooms.setdefault(a, set()).update(r for r in map(room_of, deps) if r and r != a)
+    return rooms
+
+
+def documented_rooms(text: str):
+    """{room: (job, set of rooms it may import)} from the rows of docs/architecture.md's
+    room table: | `rlctl/room/` or `rlctl/room.py` | job | `a`, `b.py` or - |."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        m = re.fullmatch(r"`rlctl/(\w+)(/|\.py)`", cells[0]) if len(cells) == 3 else None
+        if m:
+            room = m.group(1) + (".py" if m.group(2) == ".py" else "")
+            rows[room] = (cells[1], set(re.findall(r"`([\w.]+)`", cells[2])))
+    return rows
+
+
+def test_room_table_parser_reads_rows():
+    rows = documented_rooms("| `rlctl/core/` | the math | `registry.py` |\n"
+                            "| `rlctl/errors.py` | exceptions | - |\n| not | a | row |\n")
+    assert rows == {"core": ("the math", {"registry.py"}), "errors.py": ("exceptions", set())}
+
+
+def test_every_room_has_its_job_and_imports_in_the_docs():
+    doc = documented_rooms(ARCH_DOC.read_text())
+    rooms = room_graph()
+    missing = sorted(set(rooms) - set(doc))
+    assert not missing, f"docs/architecture.md has no row for: {missing}"
+    stale = sorted(set(doc) - set(rooms))
+    assert not stale, f"docs/architecture.md describes rooms that do not exist: {stale}"
+    empty = [r for r, (job, _) in doc.items() if not job]
+    assert not empty, f"rows without a job: {empty}"
+    undocumented = {r: sorted(deps - doc[r][1]) for r, deps in rooms.items() if deps - doc[r][1]}
+    assert not undocumented, f"imports the room table does not list: {undocumented}"
+
+
+def test_rooms_import_one_way():
+    cycle = find_cycle(room_graph())
+    assert cycle is None, "rooms import each other in a cycle: " + " -> ".join(cycle)
