@@ -5,7 +5,7 @@ from omegaconf import OmegaConf
 from rlctl.compose import compose
 
 from rlctl.errors import ConfigError
-from rlctl.run.entries import check_entries
+from rlctl.run.entries import EntryNames, check_entries
 from rlctl.storage.rundir import recipe_text
 
 
@@ -40,7 +40,7 @@ def test_bad_overrides_give_one_line_naming_key(overrides, fragments):
         compose(overrides)  # composes; the task rejects the reward at build time
         return
     with pytest.raises(ConfigError) as err:   # registry names: checked at the engine boundary
-        check_entries(compose(overrides).cfg)
+        check_entries(EntryNames.from_config(compose(overrides).cfg))
     msg = str(err.value)
     assert "\n" not in msg
     for frag in fragments:

@@ -10,9 +10,10 @@ Whether the advantage estimator needs a critic is asked of its entry (``level``)
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Tuple
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from rlctl.backends import BACKENDS
 from rlctl.core import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, resolve_agg_mode,
@@ -21,28 +22,54 @@ from rlctl.errors import ConfigError
 from rlctl.tasks import TASKS
 
 
-def _lookups(cfg: DictConfig) -> Tuple[Tuple[str, Callable], ...]:
-    placement = cfg.algo.kl.placement
-    return (("algo.advantage", ADVANTAGE_ESTIMATORS.entry),
-            ("algo.policy_loss", POLICY_LOSSES.entry),
-            ("algo.loss_agg_mode", resolve_agg_mode),
-            ("algo.kl.estimator", lambda kind: resolve_kl_estimator(kind, placement)),
-            ("task.name", TASKS.entry),
-            ("hardware.backend", BACKENDS.entry))
+@dataclass(frozen=True)
+class EntryNames:
+    """The names a config picks registry entries by (a built-in name or a user entry's
+    import path; None where the config leaves one unset), and the two keys the checks
+    also read."""
+    advantage: Any                  # algo.advantage
+    policy_loss: Any                # algo.policy_loss
+    loss_agg_mode: Any              # algo.loss_agg_mode
+    kl_estimator: Any               # algo.kl.estimator (None: the placement's default)
+    task: Any                       # task.name
+    backend: Any                    # hardware.backend
+    kl_placement: str               # algo.kl.placement
+    critic: str                     # algo.critic
+
+    @classmethod
+    def from_config(cls, cfg) -> "EntryNames":
+        """From the composed config (resolved or not: interpolations resolve here)."""
+        def name(key):
+            return OmegaConf.select(cfg, key)         # None where the config has no value
+        return cls(advantage=name("algo.advantage"), policy_loss=name("algo.policy_loss"),
+                   loss_agg_mode=name("algo.loss_agg_mode"), kl_estimator=name("algo.kl.estimator"),
+                   task=name("task.name"), backend=name("hardware.backend"),
+                   kl_placement=cfg.algo.kl.placement, critic=cfg.algo.critic)
 
 
-def check_entries(cfg: DictConfig) -> None:
-    """Every registry name in ``cfg`` resolves, and the advantage estimator's level
+def _lookups(e: EntryNames) -> Tuple[Tuple[str, Any, Callable], ...]:
+    """(key, name, registry lookup), in the order they are checked."""
+    return (("algo.advantage", e.advantage, ADVANTAGE_ESTIMATORS.entry),
+            ("algo.policy_loss", e.policy_loss, POLICY_LOSSES.entry),
+            ("algo.loss_agg_mode", e.loss_agg_mode, resolve_agg_mode),
+            ("algo.kl.estimator", e.kl_estimator,
+             lambda kind: resolve_kl_estimator(kind, e.kl_placement)),
+            ("task.name", e.task, TASKS.entry),
+            ("hardware.backend", e.backend, BACKENDS.entry))
+
+
+def check_entries(entries: EntryNames) -> None:
+    """Every registry name in ``entries`` resolves, and the advantage estimator's level
     agrees with ``algo.critic``. Raises ConfigError (one line naming the key)."""
-    for key, lookup in _lookups(cfg):
+    for key, name, lookup in _lookups(entries):
         try:
-            lookup(OmegaConf.select(cfg, key))
+            lookup(name)
         except ValueError as exc:
             raise ConfigError(f"invalid {key}: {' '.join(str(exc).split())}") from None
-    a = cfg.algo
-    token_level = ADVANTAGE_ESTIMATORS.entry(a.advantage).level == "token"
-    if token_level and a.critic == "none":
-        raise ConfigError(f"algo.advantage={a.advantage} needs a critic; set algo.critic=shared or separate")
-    if not token_level and a.critic != "none":
-        raise ConfigError(f"algo.critic={a.critic} trains a value model that algo.advantage="
-                          f"{a.advantage} does not use; set algo.critic=none or algo.advantage=gae")
+    advantage, critic = entries.advantage, entries.critic
+    token_level = ADVANTAGE_ESTIMATORS.entry(advantage).level == "token"
+    if token_level and critic == "none":
+        raise ConfigError(f"algo.advantage={advantage} needs a critic; set algo.critic=shared or separate")
+    if not token_level and critic != "none":
+        raise ConfigError(f"algo.critic={critic} trains a value model that algo.advantage="
+                          f"{advantage} does not use; set algo.critic=none or algo.advantage=gae")

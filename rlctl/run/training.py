@@ -33,7 +33,7 @@ from rlctl.rollout.actors import actor_main, build_source
 from rlctl.rollout.sampler import check_training_sampling
 from rlctl.run.build import model_from_config, task_from_config
 from rlctl.run.checks import warn_config
-from rlctl.run.entries import check_entries
+from rlctl.run.entries import EntryNames, check_entries
 from rlctl.run.report import print_summary, reward_summary
 from rlctl.sinks import NullSink, build_sinks
 from rlctl.stopping import StopFlag
@@ -178,7 +178,7 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     composed = compose(overrides, recipe)
     cfg = composed.cfg
     OmegaConf.resolve(cfg)
-    check_entries(cfg)                          # registry names and user entries, likewise
+    check_entries(EntryNames.from_config(cfg))  # registry names and user entries, likewise
     task_from_config(cfg)                       # bad task options fail before anything is written
     try:
         check_source(cfg.model.name, cfg.model.name_or_path)
