@@ -28,7 +28,7 @@ from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer
 from rlctl.models.quiet import quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.run.build import task_from_config
-from rlctl.tasks.prompt_budget import bind_task
+from rlctl.tasks.prompt_budget import PromptBudget, bind_task
 
 
 @dataclass
@@ -110,7 +110,7 @@ def open_target(target_arg, overrides):
     model, tokenizer, what = load_policy(target, cfg)
     # the stop set (tokenizer EOS, generation config, rollout.stop_token_ids) onto the model
     resolve_stop_ids(model, tokenizer, cfg.rollout.get("stop_token_ids", None))
-    bind_task(cfg, task, tokenizer, model)   # chat template; prompts kept within the context
+    bind_task(PromptBudget.from_config(cfg), task, tokenizer, model)   # chat template; prompts within the context
     return target, cfg, task, model, tokenizer, what
 
 

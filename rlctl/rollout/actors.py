@@ -59,7 +59,7 @@ from rlctl.rollout.generate import rollout
 from rlctl.rollout.source import LocalSource, SamplingSettings
 from rlctl.rollout.wire import Posted, Sent, gloo_reason, pack, recv_message, send_message, unpack
 from rlctl.run.build import model_from_config, task_from_config
-from rlctl.tasks.prompt_budget import bind_task
+from rlctl.tasks.prompt_budget import PromptBudget, bind_task
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import COMPLETION, ROW, RolloutBatch
 
@@ -327,7 +327,7 @@ def _actor(cfg, init: str, rank: int, world_size: int) -> str:
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     task = task_from_config(cfg)
     model, _, tok, _ = model_from_config(cfg)
-    bind_task(cfg, task, tok, model, quiet=True)   # the learner's prompts (it prints the count)
+    bind_task(PromptBudget.from_config(cfg), task, tok, model, quiet=True)   # the learner's prompts
     model.eval()
     scorer = RewardScorer(task)
     actor = LocalSource(model, tok, task.train_examples(), scorer,

@@ -38,7 +38,7 @@ from rlctl.run.report import print_summary, reward_summary
 from rlctl.sinks import NullSink, build_sinks
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint, rundir
-from rlctl.tasks.prompt_budget import bind_task
+from rlctl.tasks.prompt_budget import PromptBudget, bind_task
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:
@@ -118,7 +118,7 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
     try:
         task = task_from_config(cfg)
         model, critic, tokenizer, ref_model = model_from_config(cfg)
-        bind_task(cfg, task, tokenizer, model)   # chat template; prompts kept within the context
+        bind_task(PromptBudget.from_config(cfg), task, tokenizer, model)   # chat template; prompts within the context
         trainable, total = count_parameters(model, critic)
         torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
         resume_from = _resume_point(run_dir, backend) if resume else None

@@ -3,7 +3,7 @@ within the context (``rollout.max_prompt_tokens``, ``task.long_prompts``).
 
 ``rlctl train`` (every rank and the async rollout actors), ``rlctl eval`` and
 ``rlctl rollout`` all call ``bind_task`` once the model and tokenizer are loaded, so all
-of them see the same prompts for the same config. The limit is
+of them see the same prompts for the same config (``PromptBudget.from_config``). The limit is
 ``rollout.max_prompt_tokens``, by default the model's context (``max_position_embeddings``,
 or GPT-2's ``n_positions``) minus ``rollout.max_new_tokens``; an explicit value must
 leave room for the completion in the context too.
@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from typing import Optional, Tuple
-
-from omegaconf import DictConfig
 
 from rlctl.errors import UserError
 from rlctl.tasks.base import bind_tokenizer
@@ -35,9 +34,23 @@ def context_length(model) -> Optional[int]:
     return None
 
 
-def prompt_limit(cfg: DictConfig, model) -> Optional[Tuple[int, str]]:
+@dataclass(frozen=True)
+class PromptBudget:
+    """``rollout.max_new_tokens`` and ``rollout.max_prompt_tokens`` (None: the model's
+    context minus the completion)."""
+    max_new_tokens: int
+    max_prompt_tokens: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, cfg) -> "PromptBudget":
+        """From the composed config's ``rollout`` section (an older run's config may lack
+        ``max_prompt_tokens``: None)."""
+        return cls(int(cfg.rollout.max_new_tokens), cfg.rollout.get("max_prompt_tokens"))
+
+
+def prompt_limit(budget: PromptBudget, model) -> Optional[Tuple[int, str]]:
     """(max prompt tokens, how messages name it), or None: no limit set and none known."""
-    new, asked = int(cfg.rollout.max_new_tokens), cfg.rollout.get("max_prompt_tokens")
+    new, asked = budget.max_new_tokens, budget.max_prompt_tokens
     ctx = context_length(model)
     if asked is None:
         if ctx is None:
@@ -54,8 +67,8 @@ def prompt_limit(cfg: DictConfig, model) -> Optional[Tuple[int, str]]:
     return int(asked), f"rollout.max_prompt_tokens={asked}"
 
 
-def bind_task(cfg: DictConfig, task, tokenizer, model, stream=None, quiet: bool = False) -> None:
-    """Bind ``task`` to the model's tokenizer and keep its prompts within the limit; the
+def bind_task(budget: PromptBudget, task, tokenizer, model, stream=None, quiet: bool = False) -> None:
+    """Bind ``task`` to the model's tokenizer and keep its prompts within ``budget``; the
     count of prompts skipped or truncated goes to stderr in one line (on rank 0, unless
     ``quiet``). UserError, one line: no chat template, a limit with no room, a prompt
     over the limit under ``task.long_prompts=error``, or a split left empty."""
@@ -63,7 +76,7 @@ def bind_task(cfg: DictConfig, task, tokenizer, model, stream=None, quiet: bool 
         bind_tokenizer(task, tokenizer)      # chat prompts render with the model's template
     except ValueError as exc:
         raise UserError(f"task.prompt_format: {exc}") from None
-    limit = prompt_limit(cfg, model)
+    limit = prompt_limit(budget, model)
     if limit is None:
         return
     try:

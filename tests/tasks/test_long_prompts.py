@@ -108,7 +108,7 @@ def test_truncate_left_trains(gpt2_32, data, tmp_path):
 
 def _bound_task(model_dir, d, *overrides):
     from rlctl.run.build import model_from_config, task_from_config
-    from rlctl.tasks.prompt_budget import bind_task
+    from rlctl.tasks.prompt_budget import PromptBudget, bind_task
 
     cfg = compose(["model=hf", f"model.name_or_path={model_dir}", "task=jsonl",
                    f"task.train_path={d / 'train.jsonl'}", f"task.eval_path={d / 'eval.jsonl'}",
@@ -116,7 +116,7 @@ def _bound_task(model_dir, d, *overrides):
     OmegaConf.resolve(cfg)
     task = task_from_config(cfg)
     model, _, tok, _ = model_from_config(cfg)
-    bind_task(cfg, task, tok, model, quiet=True)
+    bind_task(PromptBudget.from_config(cfg), task, tok, model, quiet=True)
     return task, tok
 
 
