@@ -30,6 +30,7 @@ README's Memory section states how far this is from measured runs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import torch
@@ -52,25 +53,60 @@ PROMPT_TOKENS = 16        # the rough prompt length of the estimate
 HALF = ("bfloat16", "float16")
 
 
-def micro_batch(cfg: DictConfig, n: int) -> Tuple[int, int]:
+@dataclass(frozen=True)
+class MemorySettings:
+    """What the estimate reads of the config, by key."""
+    max_new_tokens: int             # rollout.max_new_tokens
+    prompts_per_step: int           # trainer.prompts_per_step
+    group_size: int                 # algo.group_size
+    minibatches: int                # algo.minibatches
+    micro_batch_size: int           # trainer.micro_batch_size (0: the minibatch)
+    micro_batch_tokens: int         # trainer.micro_batch_tokens (0: no budget)
+    num_processes: int              # hardware.num_processes
+    backend: str                    # hardware.backend
+    precision: str                  # hardware.precision
+    zero_stage: int                 # hardware.zero_stage (DeepSpeed only)
+    dtype: str                      # model.dtype
+    gradient_checkpointing: bool    # model.gradient_checkpointing
+    lora: bool                      # model.lora.enabled
+    kl_coef: float                  # algo.kl.coef
+
+    @classmethod
+    def from_config(cls, cfg) -> "MemorySettings":
+        algo, tr, hw, model = cfg.algo, cfg.trainer, cfg.hardware, cfg.model
+        return cls(max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_step=tr.prompts_per_step,
+                   group_size=algo.group_size, minibatches=algo.minibatches,
+                   micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
+                   num_processes=hw.num_processes, backend=hw.backend, precision=hw.precision,
+                   zero_stage=hw.zero_stage, dtype=model.dtype,
+                   gradient_checkpointing=model.gradient_checkpointing, lora=model.lora.enabled,
+                   kl_coef=algo.kl.coef)
+
+    @property
+    def rank_rows(self) -> int:
+        """The rows (completions) of a rank's step."""
+        return self.prompts_per_step * self.group_size // self.num_processes
+
+
+def micro_batch(s: MemorySettings, n: int) -> Tuple[int, int]:
     """(rows, padded tokens) of the largest micro-batch of a rank's ``n`` rows."""
-    seq = PROMPT_TOKENS + cfg.rollout.max_new_tokens
-    rows = max(1, n // cfg.algo.minibatches)                 # a minibatch's rows
-    if cfg.trainer.micro_batch_size:
-        rows = min(rows, cfg.trainer.micro_batch_size)
-    if cfg.trainer.micro_batch_tokens > 0:
-        rows = max(1, min(rows, cfg.trainer.micro_batch_tokens // seq))
+    seq = PROMPT_TOKENS + s.max_new_tokens
+    rows = max(1, n // s.minibatches)                        # a minibatch's rows
+    if s.micro_batch_size:
+        rows = min(rows, s.micro_batch_size)
+    if s.micro_batch_tokens > 0:
+        rows = max(1, min(rows, s.micro_batch_tokens // seq))
     return rows, rows * seq
 
 
-def memory_estimate(cfg: DictConfig, trainable: int, total: int, hidden: int, layers: int,
+def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, layers: int,
                     vocab: int = 0, fused: bool = True, reward_model_bytes: float = 0.0
                     ) -> Dict[str, float]:
     """Bytes per rank by component (``fused``: log-probs from hidden states in chunks)."""
-    hw, world = cfg.hardware, cfg.hardware.num_processes
-    deepspeed_bf16 = hw.backend == "deepspeed" and hw.precision == "bf16"
-    b = 2 if deepspeed_bf16 or cfg.model.dtype in HALF else 4      # weights and gradients
-    stage = hw.zero_stage if hw.backend == "deepspeed" else 0
+    world = s.num_processes
+    deepspeed_bf16 = s.backend == "deepspeed" and s.precision == "bf16"
+    b = 2 if deepspeed_bf16 or s.dtype in HALF else 4              # weights and gradients
+    stage = s.zero_stage if s.backend == "deepspeed" else 0
     # AdamW's two moments: in the weights' dtype on the torch backend; DeepSpeed bf16 keeps
     # them and an fp32 master copy in fp32
     adam = trainable * (8 + 4 if deepspeed_bf16 else 2 * b)
@@ -78,16 +114,16 @@ def memory_estimate(cfg: DictConfig, trainable: int, total: int, hidden: int, la
         "weights": total * b / (world if stage >= 3 else 1),
         "gradients": trainable * b / (world if stage >= 2 else 1),
         "optimizer state": adam / (world if stage >= 1 else 1),
-        "reference model": 0.0 if (cfg.algo.kl.coef == 0 or cfg.model.lora.enabled) else total * b,
+        "reference model": 0.0 if (s.kl_coef == 0 or s.lora) else total * b,
     }
     if reward_model_bytes:
         out["reward model(s)"] = reward_model_bytes
-    n = cfg.trainer.prompts_per_step * cfg.algo.group_size // world
-    _, tokens = micro_batch(cfg, n)
-    a = 2 if b == 2 or hw.precision == "bf16" else 4                 # stored activations
-    kept = hidden * (layers + 16) if cfg.model.gradient_checkpointing else 16 * hidden * layers
+    n = s.rank_rows
+    _, tokens = micro_batch(s, n)
+    a = 2 if b == 2 or s.precision == "bf16" else 4                  # stored activations
+    kept = hidden * (layers + 16) if s.gradient_checkpointing else 16 * hidden * layers
     out["activations (rough)"] = float(kept) * tokens * a
-    out["generation KV cache"] = 2.0 * layers * n * (PROMPT_TOKENS + cfg.rollout.max_new_tokens) * hidden * b
+    out["generation KV cache"] = 2.0 * layers * n * (PROMPT_TOKENS + s.max_new_tokens) * hidden * b
     out["logits"] = (2.0 * CHUNK_ELEMENTS * 4 + n * vocab * 4) if fused else 4.0 * tokens * vocab * 4
     return out
 
@@ -123,8 +159,6 @@ def _fused(model) -> bool:
 
 def dry_run(cfg: DictConfig) -> List[str]:
     """Build the models as `train` would, print the plan; returns the printed lines."""
-
-
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     check_entries(EntryNames.from_config(cfg))
     rms = reward_model_sizes(task_from_config(cfg))
@@ -148,17 +182,18 @@ def dry_run(cfg: DictConfig) -> List[str]:
         resident.append((f"reward model '{name}' (frozen)", f"{params:,}", "0"))
     passes = cfg.algo.epochs * cfg.algo.minibatches
     needs_old = needs_old_forward(cfg.algo)
-    est = memory_estimate(cfg, pt + ct, ptotal + ctotal, hidden, layers,
+    settings = MemorySettings.from_config(cfg)
+    est = memory_estimate(settings, pt + ct, ptotal + ctotal, hidden, layers,
                           getattr(conf, "vocab_size", 0) or 0, _fused(model),
                           sum(size for _, _, size in rms))
     line = (f"forward passes per step: rollout generate, "
             f"{'old-policy forward, ' if needs_old else ''}{'reference forward, ' if kl else ''}"
             f"{'reward-model forward, ' if rms else ''}{passes} update pass(es)")
-    _print(cfg, resident, est, line)
+    _print(settings, resident, est, line)
     return [line]
 
 
-def _print(cfg: DictConfig, resident, est: Dict[str, float], line: str) -> None:
+def _print(s: MemorySettings, resident, est: Dict[str, float], line: str) -> None:
     console = Console()
     table = Table(title="rlctl dry run: resident models")
     for col in ("model", "parameters", "trainable"):
@@ -166,20 +201,18 @@ def _print(cfg: DictConfig, resident, est: Dict[str, float], line: str) -> None:
     for row in resident:
         table.add_row(*row)
     console.print(table)
-    hw = cfg.hardware
-    n = cfg.trainer.prompts_per_step * cfg.algo.group_size // hw.num_processes
-    rows, tokens = micro_batch(cfg, n)
+    rows, tokens = micro_batch(s, s.rank_rows)
     mem = Table(title="memory per rank (estimate)",
-                caption=f"{hw.num_processes} rank(s), backend {hw.backend}"
-                        + (f", ZeRO {hw.zero_stage}" if hw.backend == "deepspeed" else ""))
+                caption=f"{s.num_processes} rank(s), backend {s.backend}"
+                        + (f", ZeRO {s.zero_stage}" if s.backend == "deepspeed" else ""))
     mem.add_column("component")
     mem.add_column("MiB", justify="right")
     for k, v in est.items():
         mem.add_row(k, f"{v / 2**20:.1f}")
     mem.add_row("total", f"{sum(est.values()) / 2**20:.1f}")
     console.print(mem)
-    console.print(f"estimated with {cfg.model.dtype} weights, hardware.precision={hw.precision}; "
+    console.print(f"estimated with {s.dtype} weights, hardware.precision={s.precision}; "
                   f"activations of a micro-batch of {rows} row(s) x {tokens // rows} tokens"
-                  + (", gradient checkpointing" if cfg.model.gradient_checkpointing else ""),
+                  + (", gradient checkpointing" if s.gradient_checkpointing else ""),
                   soft_wrap=True)
     console.print(line, soft_wrap=True)
