@@ -1,8 +1,11 @@
-"""What a run tells its user at the end: the summary table, and the reward-health
-fields of ``summary.json`` (reward calls, errors and timeouts, and ``warnings``)."""
+"""What a run tells its user at the end: ``summary.json`` (``run_summary``), with its
+reward-health fields (reward calls, errors and timeouts, and ``warnings``), and the
+summary table."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+import resource
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -39,6 +42,26 @@ def reward_summary(scorers: Sequence[Any], backend) -> Dict[str, Any]:
     (a collective: every rank calls it)."""
     counts = torch.tensor([[float(s.calls), float(s.errors), float(s.timeouts)] for s in scorers])  # [2, 3]
     return reward_report(*backend.all_reduce(counts, "sum").tolist())
+
+
+def run_summary(run_dir: Path, result, backend, seconds: float, lora: bool, params: Sequence[int],
+                model_dir: Optional[Path], scorers: Sequence[Any]) -> Dict[str, Any]:
+    """``summary.json`` from the trainer's ``result``: ``seconds`` since the rank started,
+    ``params`` (trainable, total), ``model_dir`` where rank 0 saved the model (None: not
+    saved), ``scorers`` as for ``reward_summary``. A collective: every rank calls it."""
+    trainable, total = params
+    summary = {"run_dir": str(run_dir), "steps": result.steps, "train_seconds": result.seconds,
+               "setup_seconds": seconds - result.seconds, "tokens_per_s": result.tokens_per_s,
+               "eval_start": result.eval_start, "eval_end": result.eval_end,
+               "final_metrics": result.last_metrics, "lora": lora,
+               "params_trainable": trainable, "params_total": total,
+               "num_processes": backend.world_size, "backend": backend.name}
+    if model_dir is not None:
+        summary["model_dir"] = str(model_dir)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])  # KiB -> MiB
+    summary["peak_rss_mb"] = float(backend.all_reduce(peak, "max"))
+    summary.update(reward_summary(scorers, backend))
+    return summary
 
 
 def print_summary(summary: Dict[str, Any]) -> None:

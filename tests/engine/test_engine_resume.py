@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
+
+from rlctl.compose import compose
+from rlctl.run.resume import SHAPE_KEYS, ResumeSettings
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 ARGS = ["trainer.steps=12", "trainer.checkpoint_every=4", "trainer.eval_every=4", "task.num_eval=32",
@@ -91,3 +95,22 @@ def test_corrupt_checkpoint_and_missing_run_are_one_line(tmp_path):
     out = subprocess.run([RLCTL, "train", "--resume", str(tmp_path / "nope")], env=ENV,
                          capture_output=True, text=True)
     assert out.returncode == 2 and "not a run directory" in out.stderr
+
+
+def test_resume_settings_compare_the_shape_keys_a_config_sets():
+    """What a resume is checked against, from a composed config (a list key as a plain
+    list; the ZeRO keys only under deepspeed) and from an older run's config.yaml that
+    lacks most keys (left out, so a resume is not refused for a key that run never had)."""
+    cfg = compose(["model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[q_proj]",
+                   "trainer.steps=7"]).cfg
+    new = ResumeSettings.from_config(cfg)
+    assert new.steps == 7 and set(new.shape) == set(SHAPE_KEYS)
+    assert new.shape["model.lora.r"] == 4 and new.shape["model.lora.enabled"] is True
+    assert new.shape["model.lora.target_modules"] == ["q_proj"]
+    assert "hardware.zero_stage" not in new.shape
+    ds = ResumeSettings.from_config(OmegaConf.merge(cfg, {"hardware": {"backend": "deepspeed",
+                                                                        "zero_stage": 2}}))
+    assert ds.shape["hardware.zero_stage"] == 2 and ds.shape["hardware.backend"] == "deepspeed"
+    assert "hardware.num_processes" in ds.shape
+    old = ResumeSettings.from_config(OmegaConf.create({"model": {"name": "tiny"}, "trainer": {"steps": 3}}))
+    assert old.shape == {"model.name": "tiny"} and old.steps == 3
