@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.commands.inspect_cmd import proxy_keys
+from rlctl.commands.inspect_report import proxy_keys
 from rlctl.commands.plots import plot_proxy_gold
 
 RLCTL = str(Path(sys.executable).with_name("rlctl"))

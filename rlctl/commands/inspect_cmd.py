@@ -1,158 +1,26 @@
 """`rlctl inspect`: one run dir, several run dirs, or a rollout JSONL file.
 
-One run: the config keys that differ from the defaults (``compose([])`` vs the run's
-config.yaml, flattened to dotted keys), a metric summary (first / last / min / max, and
-best for the metrics where higher is better) and curves written as
-``<run>/inspect_*.png``.
-Several runs: the config keys whose values differ (key x run), the metric summary side
-by side and overlaid curves ``inspect_compare_*.png`` in --out-dir (default: cwd).
-A rollout file: see rlctl.commands.audit.
-Metrics come from metrics.jsonl, or from the wandb offline run file when the run used
-logger=wandb without the JSONL sink.
+The PATH arguments decide what is inspected:
+    one run dir        its config against the defaults, metric summary, curves
+    several run dirs   their config differences, summaries side by side, overlaid curves
+    a rollout file     the audit: EOS/mask alignment, statistics, reward-hacking signs
+The reports are built in rlctl.commands.inspect_report (run dirs, read by
+rlctl.commands.run_record) and rlctl.commands.audit (rollout files), and printed by
+inspect_print and audit_print; this module reads the arguments, dispatches, and writes
+--json.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
-
-import yaml
-from omegaconf import OmegaConf
-from rich.console import Console
-from rich.table import Table
+from typing import Optional, Sequence
 
 from rlctl.commands.audit import audit_rollout
 from rlctl.commands.audit_print import print_audit
 from rlctl.commands.files import is_run_dir, write_json
-from rlctl.commands.fmt import MISSING, flatten, show
-from rlctl.commands.plots import (PLOTS, REWARD_MODEL_PLOTS, plot_compare, plot_proxy_gold,
-                                  plot_run, series)
-from rlctl.compose import compose
+from rlctl.commands.fmt import MISSING
+from rlctl.commands.inspect_print import print_compare, print_run
+from rlctl.commands.inspect_report import compare_runs, inspect_run
 from rlctl.errors import UserError
-from rlctl.reward_models.config import default_config as reward_model_defaults
-from rlctl.sinks.jsonl import read_jsonl
-from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
-
-SUMMARY_KEYS = ("reward/mean", "eval/exact_match", "eval/reward", "policy/kl_ref",
-                "policy/approx_kl", "policy/clip_frac", "policy/entropy", "length/mean",
-                "length/truncated_frac", "reward/frac_zero_std_groups")
-# a run of `rlctl reward-model train` (its config has rm.* keys)
-REWARD_MODEL_SUMMARY_KEYS = ("train/loss", "train/accuracy", "eval/pairwise_accuracy",
-                             "eval/margin", "eval/chosen_mean", "eval/rejected_mean",
-                             "optim/grad_norm")
-HIGHER_IS_BETTER = ("reward/mean", "eval/exact_match", "eval/reward", "train/accuracy",
-                    "eval/pairwise_accuracy", "eval/margin")
-
-
-@dataclass
-class Run:
-    path: Path
-    config: Dict[str, Any]                 # flattened dotted keys
-    rows: List[dict]                       # metric rows with a "step"
-    metrics_source: Optional[str]
-    overrides: Dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def reward_model(self) -> bool:
-        """A run of `rlctl reward-model train` (its own config: rm.*, data.*)."""
-        return any(k.startswith("rm.") for k in self.config)
-
-    @property
-    def summary_keys(self):
-        return REWARD_MODEL_SUMMARY_KEYS if self.reward_model else SUMMARY_KEYS
-
-
-def load_run(path: Path) -> Run:
-    try:
-        config = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read {path}/config.yaml: {' '.join(str(exc).split())[:200]}") \
-            from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path}/config.yaml is not a mapping of config keys")
-    overrides = {}
-    if (path / "overrides.yaml").is_file():
-        try:
-            overrides = yaml.safe_load((path / "overrides.yaml").read_text(encoding="utf-8")) or {}
-        except (yaml.YAMLError, UnicodeDecodeError):
-            overrides = {}
-    rows, source = _load_metrics(path)
-    return Run(path, flatten(config), rows, source, overrides)
-
-
-def _load_metrics(path: Path):
-    if (path / "metrics.jsonl").is_file():
-        try:
-            return read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
-        except ValueError as exc:       # not UTF-8: one line naming the file
-            raise UserError(str(exc)) from None
-    wandb_file = find_wandb_run_file(path)
-    if wandb_file is None:
-        return [], None
-    try:
-        history = read_wandb_history(wandb_file)
-    except (ValueError, OSError) as exc:
-        raise UserError(f"cannot read {wandb_file}: {exc}") from None
-    rows = []
-    for row in history:
-        step = row.get("step", row.get("_step"))
-        if step is not None:
-            rows.append({**{k: v for k, v in row.items() if not k.startswith("_")},
-                         "step": int(step)})
-    return rows, str(wandb_file.relative_to(path))
-
-
-def default_config(reward_model: bool = False) -> Dict[str, Any]:
-    """The flattened config of a run with no overrides: `rlctl train`'s, or with
-    ``reward_model`` `rlctl reward-model train`'s (its sections and rm.*, data.* unset)."""
-    if reward_model:
-        return flatten(dict(reward_model_defaults(), data={"prefs": None, "eval": None}))
-    cfg = compose([]).cfg
-    return flatten(OmegaConf.to_container(cfg, resolve=True))
-
-
-def kinds_of(runs: Sequence[Run]):
-    """(summary keys, plots) for runs of one kind, or both kinds' when they are mixed."""
-    rm = {r.reward_model for r in runs}
-    keys = (SUMMARY_KEYS if False in rm else ()) + (REWARD_MODEL_SUMMARY_KEYS if True in rm else ())
-    plots = (PLOTS if False in rm else ()) + (REWARD_MODEL_PLOTS if True in rm else ())
-    return keys, plots
-
-
-def config_diff(configs: Sequence[Dict[str, Any]]) -> Dict[str, List[Any]]:
-    """Keys whose values differ between the configs (MISSING where a key is absent)."""
-    keys = sorted(set().union(*configs))
-    diff = {}
-    for key in keys:
-        values = [c.get(key, MISSING) for c in configs]
-        if any(_differs(values[0], v) for v in values[1:]):
-            diff[key] = values
-    return diff
-
-
-def _differs(a, b) -> bool:
-    if a is MISSING or b is MISSING:
-        return a is not b
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is not b
-    return a != b
-
-
-def metric_summary(rows: Sequence[dict], keys: Sequence[str] = SUMMARY_KEYS
-                   ) -> Dict[str, Optional[dict]]:
-    out: Dict[str, Optional[dict]] = {}
-    for key in keys:
-        xs, ys = series(rows, key)
-        if not xs:
-            out[key] = None
-            continue
-        entry = {"n": len(ys), "first": ys[0], "last": ys[-1], "min": min(ys), "max": max(ys),
-                 "best": None, "best_step": None}
-        if key in HIGHER_IS_BETTER:
-            i = max(range(len(ys)), key=ys.__getitem__)
-            entry["best"], entry["best_step"] = ys[i], xs[i]
-        out[key] = entry
-    return out
 
 
 def classify(paths: Sequence[str]) -> tuple:
@@ -191,11 +59,7 @@ def run_inspect(paths: Sequence[str], out_dir: Optional[str] = None,
     if examples < 0:
         raise UserError(f"--examples must be >= 0 (got {examples})")
     if kind == "rollout":
-        try:
-            report = audit_rollout(what, examples=examples)
-        except UnicodeDecodeError as exc:
-            raise UserError(f"cannot read '{what}': not UTF-8 text (byte {exc.object[exc.start]:#04x}); "
-                            "a rollout file is JSON Lines, as `rlctl rollout --out` writes") from None
+        report = _audit(what, examples)
         if not quiet:
             print_audit(report)
     elif len(what) == 1:
@@ -213,6 +77,14 @@ def run_inspect(paths: Sequence[str], out_dir: Optional[str] = None,
     return report
 
 
+def _audit(path: Path, examples: int) -> dict:
+    try:
+        return audit_rollout(path, examples=examples)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"cannot read '{path}': not UTF-8 text (byte {exc.object[exc.start]:#04x}); "
+                        "a rollout file is JSON Lines, as `rlctl rollout --out` writes") from None
+
+
 def _jsonable(obj):
     if obj is MISSING:
         return "(absent)"
@@ -225,175 +97,3 @@ def _jsonable(obj):
     if isinstance(obj, float) and obj != obj:
         return None
     return obj
-
-
-def _ensure_dir(path: Path) -> Path:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot write to '{path}': {exc.strerror or exc}") from None
-    return path
-
-
-def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
-    run = load_run(path)
-    defaults = default_config(run.reward_model)
-    keys, plot_set = kinds_of([run])
-    diff = config_diff([defaults, run.config])
-    # keys the run's config lacks were added to the schema after the run: not a choice
-    newer = sorted(k for k, v in diff.items() if v[1] is MISSING)
-    report = {"kind": "run", "run_dir": str(path), "reward_model_run": run.reward_model,
-              "metrics_source": run.metrics_source,
-              "steps": len({r["step"] for r in run.rows}),
-              "overrides": run.overrides.get("overrides", []),
-              "choices": run.overrides.get("choices", {}),
-              "config_diff": {k: {"default": v[0], "run": v[1]} for k, v in diff.items()
-                              if v[1] is not MISSING},
-              "keys_not_in_run": newer,
-              "metrics": metric_summary(run.rows, keys), "plots": [], "plots_skipped": []}
-    if plots and run.rows:
-        written, skipped = plot_run(run.rows, _ensure_dir(out_dir or path), plots=plot_set)
-        extra = None if run.reward_model else plot_proxy_gold(
-            run.rows, proxy_keys(run.config), (out_dir or path) / "inspect_proxy_gold.png")
-        report["plots"], report["plots_skipped"] = [str(p) for p in written + [extra] if p], skipped
-    return report
-
-
-def proxy_keys(config: Dict[str, Any]) -> List[str]:
-    """The metrics of a run's reward-model scores: ``reward/<name>`` (name defaults to
-    ``reward_model``, as rlctl.reward_models.learned names it: the raw score), and the
-    held-out ``eval/reward`` (after task.reward_norm/reward_clip) when ``task.reward_model``
-    alone trains."""
-    if config.get("task.reward_model"):
-        return ["reward/reward_model", "eval/reward"]
-    entries = [e for e in config.get("task.rewards") or [] if isinstance(e, dict) and "model" in e]
-    return [f"reward/{e.get('name') or 'reward_model'}" for e in entries]
-
-
-def _labels(paths: Sequence[Path]) -> List[str]:
-    names = [p.name for p in paths]
-    if len(set(names)) == len(names):
-        return names
-    return [str(p) for p in paths]
-
-
-def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
-    runs = [load_run(p) for p in paths]
-    labels = _labels(paths)
-    keys, plot_set = kinds_of(runs)
-    diff = config_diff([r.config for r in runs])
-    partial = sorted(k for k, v in diff.items() if any(x is MISSING for x in v))
-    report = {"kind": "compare", "runs": labels, "run_dirs": [str(p) for p in paths],
-              "config_diff": {k: dict(zip(labels, v)) for k, v in diff.items()
-                              if k not in partial},
-              "keys_not_in_every_run": {k: [lb for lb, x in zip(labels, diff[k])
-                                            if x is not MISSING] for k in partial},
-              "mixed_kinds": len({r.reward_model for r in runs}) > 1,
-              "summary_keys": list(keys),
-              "metrics": {label: metric_summary(r.rows, keys) for label, r in zip(labels, runs)},
-              "plots": [], "plots_skipped": []}
-    if plots and any(r.rows for r in runs):
-        written, skipped = plot_compare({lb: r.rows for lb, r in zip(labels, runs)},
-                                        _ensure_dir(out_dir), plots=plot_set)
-        report["plots"], report["plots_skipped"] = [str(p) for p in written], skipped
-    return report
-
-
-# -- printing ----------------------------------------------------------------------------
-def _console():
-    return Console()
-
-
-def print_run(report: dict) -> None:
-    console = _console()
-    console.print(f"[bold]run[/bold] {report['run_dir']}", soft_wrap=True)
-    if report["overrides"]:
-        console.print("overrides: " + " ".join(report["overrides"]), soft_wrap=True,
-                      markup=False)
-    table = Table(title="config differing from the defaults")
-    for col in ("key", "default", "run"):
-        table.add_column(col, no_wrap=col == "key")
-    for key, v in report["config_diff"].items():
-        table.add_row(key, show(v["default"]), show(v["run"]))
-    if not report["config_diff"]:
-        table.add_row("(none)", "", "")
-    console.print(table)
-    if report["keys_not_in_run"]:
-        console.print(f"{len(report['keys_not_in_run'])} default key(s) not in this run's "
-                      "config (added since the run?): " + ", ".join(report["keys_not_in_run"]),
-                      soft_wrap=True, markup=False)
-    _print_metrics(console, report["metrics"], report["metrics_source"], report["steps"])
-    _print_plots(console, report)
-
-
-def _print_metrics(console, metrics: dict, source: Optional[str], steps: int) -> None:
-    if source is None:
-        console.print("no metrics logged (metrics.jsonl or a wandb run file; logger=none?)")
-        return
-    table = Table(title=f"metrics ({source}, {steps} steps; -: not logged; min in --json)")
-    for col in ("metric", "first", "last", "max", "best@step"):
-        table.add_column(col, justify="left" if col == "metric" else "right",
-                         no_wrap=True)
-    for key, m in metrics.items():
-        if m is None:
-            table.add_row(key, "-", "-", "-", "-")
-            continue
-        best = "" if m["best"] is None else f"{show(m['best'], 3)}@{m['best_step']}"
-        table.add_row(key, show(m["first"], 3), show(m["last"], 3), show(m["max"], 3), best)
-    console.print(table)
-
-
-def _print_plots(console, report: dict) -> None:
-    for p in report["plots"]:
-        console.print(f"wrote {p}", soft_wrap=True, markup=False)
-    if report["plots_skipped"]:
-        console.print("no data for plot(s): " + ", ".join(report["plots_skipped"]))
-
-
-def _kind_sections(partial: Dict[str, List[str]]) -> str:
-    """One line for RL and reward-model runs compared: the config sections only one kind
-    has (by section, not key by key: a different command, not a changed schema)."""
-    sections: Dict[tuple, set] = {}
-    for key, holders in partial.items():
-        sections.setdefault(tuple(holders), set()).add(key.split(".")[0] + ".*")
-    return ("RL and reward-model runs compared: only the keys both kinds hold are compared; "
-            + "; ".join(f"{', '.join(sorted(secs))} [{', '.join(holders)}]"
-                        for holders, secs in sections.items()))
-
-
-def print_compare(report: dict) -> None:
-    console = _console()
-    labels = report["runs"]
-    table = Table(title=f"config keys that differ between {len(labels)} runs")
-    table.add_column("key", no_wrap=True)
-    for label in labels:
-        table.add_column(label, overflow="fold")
-    for key, values in report["config_diff"].items():
-        table.add_row(key, *[show(values[lb]) for lb in labels])
-    if not report["config_diff"]:
-        table.add_row("(no differing values)", *[""] * len(labels))
-    console.print(table)
-    if report["keys_not_in_every_run"] and report.get("mixed_kinds"):
-        console.print(_kind_sections(report["keys_not_in_every_run"]), soft_wrap=True, markup=False)
-    elif report["keys_not_in_every_run"]:
-        console.print("keys only some runs hold (config schema changed between runs?): "
-                      + ", ".join(f"{k} [{', '.join(v)}]"
-                                  for k, v in report["keys_not_in_every_run"].items()),
-                      soft_wrap=True, markup=False)
-    table = Table(title="metrics: last (best)")
-    table.add_column("metric", no_wrap=True)
-    for label in labels:
-        table.add_column(label, justify="right", overflow="fold")
-    for key in report["summary_keys"]:
-        cells = []
-        for label in labels:
-            m = report["metrics"][label].get(key)
-            if m is None:
-                cells.append("-")
-            else:
-                best = "" if m["best"] is None else f" ({show(m['best'])})"
-                cells.append(show(m["last"]) + best)
-        if any(c != "-" for c in cells):
-            table.add_row(key, *cells)
-    console.print(table)
-    _print_plots(console, report)

@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 from real_arch import SPECS, build_tokenizer
 
-from rlctl.commands.audit import _stop_set
+from rlctl.commands.audit_checks import stop_set
 from rlctl.core.logprobs import completion_mask
 from rlctl.errors import UserError
 from rlctl.models.kv_share import cache_keyword
@@ -110,9 +110,9 @@ def test_decoded_text_drops_the_stop_even_when_not_special(family):
 
 
 def test_audit_checks_against_the_stop_set():
-    assert _stop_set({"eos_token_id": 3, "stop_token_ids": [3, 9]}) == {3, 9}
-    assert _stop_set({"eos_token_id": 3}) == {3}
-    assert _stop_set({"stop_token_ids": [3, "x"]}) == frozenset()
+    assert stop_set({"eos_token_id": 3, "stop_token_ids": [3, 9]}) == {3, 9}
+    assert stop_set({"eos_token_id": 3}) == {3}
+    assert stop_set({"stop_token_ids": [3, "x"]}) == frozenset()
 
 
 class _Watched(torch.nn.Module):

@@ -1,0 +1,87 @@
+"""A run directory read back for `rlctl inspect`: its config.yaml flattened to dotted
+keys, its overrides.yaml, its metric rows (metrics.jsonl, or the wandb offline run file
+when the run used logger=wandb without the JSONL sink), and the defaults of the command
+that made it (`rlctl train`, or `rlctl reward-model train`: rm.* keys), which the run's
+config is compared with."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+from omegaconf import OmegaConf
+
+from rlctl.commands.fmt import flatten
+from rlctl.compose import compose
+from rlctl.errors import UserError
+from rlctl.reward_models.config import default_config as reward_model_defaults
+from rlctl.sinks.jsonl import read_jsonl
+from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
+
+
+@dataclass
+class Run:
+    path: Path
+    config: Dict[str, Any]                 # flattened dotted keys
+    rows: List[dict]                       # metric rows with a "step"
+    metrics_source: Optional[str]
+    overrides: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reward_model(self) -> bool:
+        """A run of `rlctl reward-model train` (its own config: rm.*, data.*)."""
+        return any(k.startswith("rm.") for k in self.config)
+
+
+def load_run(path: Path) -> Run:
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {path}/config.yaml: {' '.join(str(exc).split())[:200]}") \
+            from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}/config.yaml is not a mapping of config keys")
+    rows, source = _load_metrics(path)
+    return Run(path, flatten(config), rows, source, _load_overrides(path))
+
+
+def _load_overrides(path: Path) -> Dict[str, Any]:
+    """overrides.yaml ({overrides: [...], choices: {...}}); empty when absent or unreadable."""
+    if not (path / "overrides.yaml").is_file():
+        return {}
+    try:
+        return yaml.safe_load((path / "overrides.yaml").read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return {}
+
+
+def _load_metrics(path: Path):
+    if (path / "metrics.jsonl").is_file():
+        try:
+            return read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
+        except ValueError as exc:       # not UTF-8: one line naming the file
+            raise UserError(str(exc)) from None
+    wandb_file = find_wandb_run_file(path)
+    if wandb_file is None:
+        return [], None
+    try:
+        history = read_wandb_history(wandb_file)
+    except (ValueError, OSError) as exc:
+        raise UserError(f"cannot read {wandb_file}: {exc}") from None
+    rows = []
+    for row in history:
+        step = row.get("step", row.get("_step"))
+        if step is not None:
+            rows.append({**{k: v for k, v in row.items() if not k.startswith("_")},
+                         "step": int(step)})
+    return rows, str(wandb_file.relative_to(path))
+
+
+def default_config(reward_model: bool = False) -> Dict[str, Any]:
+    """The flattened config of a run with no overrides: `rlctl train`'s, or with
+    ``reward_model`` `rlctl reward-model train`'s (its sections and rm.*, data.* unset)."""
+    if reward_model:
+        return flatten(dict(reward_model_defaults(), data={"prefs": None, "eval": None}))
+    cfg = compose([]).cfg
+    return flatten(OmegaConf.to_container(cfg, resolve=True))
