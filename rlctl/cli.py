@@ -70,7 +70,7 @@ def train(ctx: typer.Context,
 
     def work() -> None:
         if multirun:
-            from rlctl.compose import check_override_syntax
+            from rlctl.overrides import check_override_syntax
             from rlctl.run.sweep import run_sweep
             check_override_syntax(overrides)     # one line for Hydra's grammar errors
             run_sweep(overrides, recipe)
@@ -96,7 +96,7 @@ def train(ctx: typer.Context,
 @app.command()
 def recipes() -> None:
     """List the saved experiments (recipes/*.yaml) with a one-line description each."""
-    from rlctl.compose import recipe_description, recipe_files
+    from rlctl.recipes import recipe_description, recipe_files
 
     files = recipe_files()
     if not files:

@@ -75,9 +75,14 @@ class Interrupted(KeyboardInterrupt):
         return f"interrupted by {name} after step {self.step}; checkpoint saved{hint}"
 
 
+def one_line(msg: object) -> str:
+    """A message (or an exception's) with its line breaks and runs of spaces as one space."""
+    return " ".join(str(msg).split())
+
+
 def user_message(exc: BaseException) -> Tuple[str, int]:
     """(the one line users see, the exit code) for any exception."""
-    text = " ".join(str(exc).split())
+    text = one_line(exc)
     if isinstance(exc, (UserError, RunDirError)):
         return text, 2
     if isinstance(exc, (TrainingFault, LaunchError, ActorFailed)):

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlctl.compose import _explain, compose, validate
-
+from rlctl.compose import compose
+from rlctl.compose_errors import explain as _explain
+from rlctl.config import FREE_NUMBERS, RANGES, example_value, range_problem, validate
 from rlctl.errors import ConfigError
-from rlctl.config import (FREE_NUMBERS, RANGES, RLConfig, example_value, range_problem,
-                          schema_fields)
+from rlctl.schema import RLConfig, schema_fields
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 SPECS = schema_fields()

@@ -21,7 +21,7 @@ from typing import Dict, Optional
 import torch
 
 from rlctl.backends.base import Backend, init_process_group, register_backend
-from rlctl.compose import read_deepspeed_config
+from rlctl.config import read_deepspeed_config
 
 
 def merge(base: Dict, override: Dict) -> Dict:

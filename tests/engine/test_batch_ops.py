@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from rlctl.config import rename_deprecated
+from rlctl.overrides import rename_deprecated
 from rlctl.types import RolloutBatch
 
 
@@ -82,8 +82,8 @@ def test_concat_keeps_old_logprobs_and_behaviour_rows_as_a_pair():
 def test_rename_notice_is_printed_once_per_process(monkeypatch):
     import io
 
-    import rlctl.config as config
-    monkeypatch.setattr(config, "_TOLD_RENAMES", set())
+    import rlctl.overrides as overrides
+    monkeypatch.setattr(overrides, "_TOLD_RENAMES", set())
     err = io.StringIO()
     for _ in range(3):      # a sweep composes every cell with the same overrides
         rename_deprecated(["trainer.async.enabled=false"], {"trainer": {"async": {}}}, stream=err)
