@@ -88,7 +88,7 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
     shared CPU: every mode sees the same background load)."""
     import copy
 
-    from rlctl.rollout.actors import build_source
+    from rlctl.run.rollout_setup import build_source
     from rlctl.learner.trainer import Trainer
     from rlctl.sinks import NullSink
 
@@ -124,7 +124,7 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
 
 
 def run_trainer(steps: int, warmup: int, overrides) -> dict:
-    from rlctl.rollout.actors import build_source
+    from rlctl.run.rollout_setup import build_source
     from rlctl.learner.trainer import Trainer
     from rlctl.sinks import NullSink
 

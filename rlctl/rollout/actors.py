@@ -1,4 +1,4 @@
-"""The asynchronous rollout source, and ``build_source``: the one the config asks for.
+"""The asynchronous rollout source: the learner's side and the actor processes' serving loop.
 
 ``AsyncSource`` starts ``trainer.async_rollout.num_actors`` actor processes (torch.multiprocessing,
 spawn) joined to the learner in one gloo process group (``file://`` rendezvous in a temp
@@ -32,6 +32,11 @@ learner's RNG state (the actor returns it advanced): the loop is the synchronous
 for bit. A rollout made with the current weights is on-policy and gets no correction; a
 stale one keeps the behaviour policy's log-probs (``old_logprobs``: the PPO-clipped ratio
 is taken against them).
+
+The config is read elsewhere, once: ``ActorSettings`` (the request queue) and
+``ActorLayout`` (rlctl/rollout/layout.py: where each rank lives) come from it, and the
+actor processes' entry point (built with the learner's whole config, sent as YAML text
+this module never reads) is handed in by the run (rlctl/run/rollout_setup.py).
 """
 from __future__ import annotations
 
@@ -42,25 +47,19 @@ import os
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import OmegaConf
 
-from rlctl.backends.base import Backend
-from rlctl.backends.launch import die_with_parent
-from rlctl.errors import ActorFailed, RewardError, UserError, user_message
-from rlctl.learner.forward import prompt_sharing
-from rlctl.models.quiet import quiet_libraries
+from rlctl.errors import ActorFailed, RewardError, UserError
 from rlctl.rollout import remote_actors
 from rlctl.rollout.generate import rollout
-from rlctl.rollout.source import LocalSource, SamplingSettings
+from rlctl.rollout.layout import ActorLayout
+from rlctl.rollout.source import LocalSource
 from rlctl.rollout.wire import Posted, Sent, gloo_reason, pack, recv_message, send_message, unpack
-from rlctl.run.build import model_from_config, task_from_config
-from rlctl.tasks.prompt_budget import PromptBudget, bind_task
-from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import COMPLETION, ROW, RolloutBatch
 
 USER_ERROR, ACTOR_ERROR = -2, -3
@@ -70,24 +69,19 @@ WIRE = {"input_ids": (torch.long, torch.long), "attention_mask": (torch.uint8, t
         "rewards": (torch.float32, torch.float32), "old_logprobs": (torch.float32, torch.float32)}
 
 
-def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
-    """The rollout source ``cfg`` asks for: ``LocalSource`` sampling with ``policy`` (the
-    module the backend will train), or ``AsyncSource`` with
-    ``trainer.async_rollout.enabled``. ``backend`` None: one process on
-    ``hardware.device``; ``stop``: the run's StopFlag (a signal ends a wait for other nodes)."""
-    rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
-    settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
-    local = LocalSource(policy, tokenizer, task.train_examples(), RewardScorer(task), settings,
-                        seed=cfg.seed * 1000 + rank,
-                        generate_kwargs=backend.generate_kwargs() if backend is not None else None)
-    if not cfg.trainer.async_rollout.enabled:
-        return local
-    if world > 1 or dist.is_initialized():
-        raise UserError("trainer.async_rollout.enabled=true needs one learner process in no process "
-                        "group of its own: hardware.num_processes=1 and hardware.backend=torch")
-    remote_actors.check_layout(cfg)
-    device = backend.device if backend is not None else Backend(cfg.hardware.device).device
-    return AsyncSource(cfg, local, device, stop)
+@dataclass(frozen=True)
+class ActorSettings:
+    """The ``trainer`` fields the asynchronous source's requests read."""
+    max_staleness: int             # updates a rollout may be behind when consumed
+    sync_every: int                # updates between weight syncs to an actor
+    prompts_per_step: int          # B prompts per request (one learner process)
+
+    @classmethod
+    def from_config(cls, cfg) -> "ActorSettings":
+        """From the composed config's ``trainer`` and ``trainer.async_rollout`` sections."""
+        a = cfg.trainer.async_rollout
+        return cls(max_staleness=int(a.max_staleness), sync_every=int(a.sync_every),
+                   prompts_per_step=int(cfg.trainer.prompts_per_step))
 
 
 def flat_params(model) -> torch.Tensor:
@@ -96,16 +90,18 @@ def flat_params(model) -> torch.Tensor:
 
 class AsyncSource:
     """Rollouts from actor processes; prompts drawn, and rewards counted, by ``local``
-    (its sampler, examples and scorer), weights read from its policy module."""
+    (its sampler, examples and scorer), weights read from its policy module. The local
+    actors run ``actor_main(cfg_yaml, init, rank, world)``: ``cfg_yaml``, the learner's
+    resolved config as text, goes to them (and the other nodes) unread."""
 
-    def __init__(self, cfg, local: LocalSource, device, stop=None):
-        acfg = cfg.trainer.async_rollout
-        self.local, self.device, self.group_size = local, device, cfg.algo.group_size
+    def __init__(self, settings: ActorSettings, layout: ActorLayout, local: LocalSource, device,
+                 actor_main: Callable, cfg_yaml: str, stop=None):
+        self.local, self.device, self.group_size = local, device, local.settings.group_size
         self.sampler, self.scorer, self.settings = local.sampler, local.scorer, local.settings
-        self.num_prompts = cfg.trainer.prompts_per_step        # one learner process
-        self.max_stale, self.sync_every = int(acfg.max_staleness), int(acfg.sync_every)
-        self.cfg, self.multinode, self.timeout = cfg, int(cfg.hardware.nnodes) > 1, remote_actors.timeout_text(cfg)
-        self.num_actors = remote_actors.world_size(cfg) - 1            # on every node
+        self.num_prompts = settings.prompts_per_step            # one learner process
+        self.max_stale, self.sync_every = settings.max_staleness, settings.sync_every
+        self.layout, self.multinode, self.timeout = layout, layout.nnodes > 1, layout.timeout_text()
+        self.num_actors = layout.world_size - 1                   # on every node
         self.version = 0                                  # updates done
         self.took = False                                 # the current step consumed a rollout
         self.actor_version = [-(1 << 30)] * self.num_actors
@@ -116,25 +112,25 @@ class AsyncSource:
         self.stats: Dict[str, List[float]] = {}
         self.reward_sums: Dict[str, float] = {}           # named rewards (sorting: each design)
         self.reward_count = 0
-        self._start(OmegaConf.to_yaml(cfg, resolve=True), cfg.hardware, stop)
+        self._start(actor_main, cfg_yaml, stop)
 
-    def _start(self, cfg_yaml: str, hw, stop) -> None:
+    def _start(self, actor_main: Callable, cfg_yaml: str, stop) -> None:
         """Spawn the local actors and form the group: ``file://`` on one node; on several,
         over TCP through the store that also hands the other nodes this config."""
         world, self.store = self.num_actors + 1, None
         if self.multinode:
-            self.store, init = remote_actors.serve_config(hw, cfg_yaml)
+            self.store, init = remote_actors.serve_config(self.layout, cfg_yaml)
         else:
             init = f"file://{os.path.join(tempfile.mkdtemp(prefix='rlctl-async-'), 'rendezvous')}"
         ctx = mp.get_context("spawn")
         # not daemons: an actor forks its own reward worker (task.reward_timeout_s)
         self.procs = [ctx.Process(target=actor_main, args=(cfg_yaml, init, a + 1, world), daemon=False)
-                      for a in range(int(self.cfg.trainer.async_rollout.num_actors))]
+                      for a in range(self.layout.num_actors)]
         for p in self.procs:
             p.start()
         try:
             if self.multinode:
-                remote_actors.form_group(self.store, self.cfg, stop, self.procs)
+                remote_actors.form_group(self.store, self.layout, stop, self.procs)
             else:
                 dist.init_process_group("gloo", init_method=init, rank=0, world_size=world,
                                         timeout=datetime.timedelta(seconds=300))
@@ -150,7 +146,7 @@ class AsyncSource:
                            f"{gloo_reason(exc.__cause__ or exc, self.timeout)}")
 
     def _name(self, actor: int) -> str:             # "rollout actor rank 1 on node 1"
-        return f"rollout actor rank {actor + 1} on node {remote_actors.node_of(self.cfg, actor + 1)}"
+        return f"rollout actor rank {actor + 1} on node {self.layout.node_of(actor + 1)}"
 
     # ---- learner side ------------------------------------------------------------
     def _fill(self) -> None:
@@ -305,45 +301,17 @@ def _named_rewards(components: Dict[str, List[float]]) -> List[torch.Tensor]:
             torch.tensor([len(names), text.numel()], dtype=torch.int64)]
 
 
-def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None) -> None:
-    """One actor process. ``errors`` (an actor node's pipe end): a failure, or a learner
-    that ended early, is sent there as one line and the process exits 1."""
-    os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
-    die_with_parent(mp.parent_process().pid)   # SIGTERM when the process that started it dies
-    try:
-        problem = _actor(OmegaConf.create(cfg_yaml), init, rank, world_size)
-    except Exception as exc:  # noqa: BLE001 - one line for the node (local actors: raised)
-        if errors is None:
-            raise
-        problem = user_message(exc)[0]
-    if problem and errors is not None:
-        errors.send(f"rollout actor rank {rank}: {problem}")
-        sys.exit(1)
-
-
-def _actor(cfg, init: str, rank: int, world_size: int) -> str:
-    """Build the actor, join the group (``file://`` or the learner's ``tcp://`` store),
-    serve; returns what went wrong ("" after a normal stop)."""
-    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
-    task = task_from_config(cfg)
-    model, _, tok, _ = model_from_config(cfg)
-    bind_task(PromptBudget.from_config(cfg), task, tok, model, quiet=True)   # the learner's prompts
-    model.eval()
-    scorer = RewardScorer(task)
-    actor = LocalSource(model, tok, task.train_examples(), scorer,
-                        SamplingSettings.from_config(cfg, bool(cfg.trainer.share_prompts)), seed=0)
-    torch.manual_seed(cfg.seed * 1000 + 7919 * rank)      # each actor its own sampling stream
-    # The learner is the bottleneck: when the cores are oversubscribed (reward workers,
-    # gloo threads) it keeps its core. Measured: 31.1-31.7 vs 28-31 async steps/s.
-    os.nice(5)
+def serve_learner(actor: LocalSource, init: str, rank: int, world_size: int, layout: ActorLayout) -> str:
+    """An actor process, its ``actor`` built: join the group (``file://`` or the learner's
+    ``tcp://`` store), serve; returns what went wrong ("" after a normal stop)."""
     if init.startswith("tcp://"):
-        remote_actors.actor_join(init, rank, world_size, float(cfg.hardware.dist_timeout_s))
+        remote_actors.actor_join(init, rank, world_size, layout.dist_timeout_s)
     else:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
-        return _serve(actor, remote_actors.timeout_text(cfg))
+        return _serve(actor, layout.timeout_text())
     finally:
-        scorer.close()
+        actor.scorer.close()
         dist.destroy_process_group()
 
 

@@ -5,7 +5,8 @@ The same `rlctl train ...` command runs on every node. Node 0 runs the learner (
 ``hardware.num_processes=1``) and its ``num_actors`` local actors (ranks 1 .. num_actors;
 0 is allowed here); node r >= 1 runs ``actors_per_node`` actors, ranks
 ``1 + num_actors + (r - 1) * actors_per_node`` onwards, and owns no run directory
-(nothing is written on its disk). World = 1 + num_actors + (nnodes - 1) * actors_per_node.
+(nothing is written on its disk). World = 1 + num_actors + (nnodes - 1) * actors_per_node
+(``ActorLayout``, rlctl/rollout/layout.py: read from the config once, by the caller).
 
 Everyone joins one gloo group through a TCP store the learner serves at
 ``hardware.master_addr:master_port``. Before the group forms the learner puts its resolved
@@ -47,6 +48,7 @@ from omegaconf import OmegaConf
 from rlctl.backends.launch import check_node_rank
 from rlctl.backends.meet import MISMATCH_KEY, MODE_KEY, mode_line, spans, wait_reachable
 from rlctl.errors import ActorFailed, LaunchError, UserError
+from rlctl.rollout.layout import ActorLayout
 
 CONFIG_KEY = "rlctl/async/learner_config"
 RUN_KEY = "rlctl/async/run"        # the learner's random run id, set before CONFIG_KEY
@@ -60,68 +62,31 @@ def key(run: str, what: str, rank=None) -> str:
     return f"rlctl/async/{run}/{what}" + ("" if rank is None else f"/{rank}")
 
 
-def world_size(cfg) -> int:
-    """1 learner + the local actors + every other node's actors."""
-    a, hw = cfg.trainer.async_rollout, cfg.hardware
-    return 1 + int(a.num_actors) + (int(hw.nnodes) - 1) * int(a.actors_per_node)
-
-
-def node_of(cfg, rank: int) -> int:
-    """The node hosting ``rank`` (0: the learner and its local actors)."""
-    local = int(cfg.trainer.async_rollout.num_actors)
-    return 0 if rank <= local else 1 + (rank - 1 - local) // int(cfg.trainer.async_rollout.actors_per_node)
-
-
-def node_ranks(cfg, node: int) -> List[int]:
-    """The actor ranks node ``node`` >= 1 starts."""
-    a = cfg.trainer.async_rollout
-    first = 1 + int(a.num_actors) + (node - 1) * int(a.actors_per_node)
-    return list(range(first, first + int(a.actors_per_node)))
-
-
-def check_layout(cfg) -> None:
-    """Refuse (one line, exit 2) an async layout that cannot run."""
-    a, hw = cfg.trainer.async_rollout, cfg.hardware
-    if not a.enabled:
-        return
-    if hw.nnodes == 1 and a.num_actors == 0:
-        raise UserError("trainer.async_rollout.num_actors=0 leaves no rollout actor: it may be 0 only "
-                        "when other nodes run them (hardware.nnodes > 1); use num_actors >= 1")
-    if hw.nnodes > 1:
-        check_node_rank(hw)
-
-
-def timeout_text(cfg) -> str:
-    """The process group's timeout, in the words an error message uses."""
-    if int(cfg.hardware.nnodes) > 1:
-        return f"hardware.dist_timeout_s={float(cfg.hardware.dist_timeout_s):g} s"
-    return "the process group's timeout"
-
-
 def _signalled(stop) -> int:
     return int(stop.signum) if stop is not None and stop.requested else 0
 
 
-def tcp_init(hw, run: str) -> str:
+def tcp_init(layout: ActorLayout, run: str) -> str:
     """tcp://HOST:PORT/RUN: where the actors join, and the run they join."""
-    return f"tcp://{hw.master_addr}:{int(hw.master_port)}/{run}"
+    return f"tcp://{layout.master_addr}:{layout.master_port}/{run}"
 
 
-def serve_config(hw, cfg_yaml: str):
+def serve_config(layout: ActorLayout, cfg_yaml: str):
     """The learner's rendezvous store (every interface, master_port) holding a fresh run id
-    and its resolved config for the actor nodes; returns (store, the actors' init)."""
+    and ``cfg_yaml`` (its resolved config, text the actor nodes build from; not read here);
+    returns (store, the actors' init)."""
     try:
-        store = dist.TCPStore(hw.master_addr, int(hw.master_port), is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=float(hw.dist_timeout_s)))
+        store = dist.TCPStore(layout.master_addr, layout.master_port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=layout.dist_timeout_s))
     except Exception as exc:  # noqa: BLE001 - DistNetworkError (port in use) and the like
-        raise UserError(f"the learner cannot serve the rendezvous at {hw.master_addr}:{hw.master_port} "
+        raise UserError(f"the learner cannot serve the rendezvous at {layout.master_addr}:{layout.master_port} "
                         f"({_first(exc)}); choose a free hardware.master_port") from None
     run = secrets.token_hex(8)
     store.set(RUN_KEY, run)
     store.set(MODE_KEY, "async")          # a node started without async says so (meet.py)
     store.set(CONFIG_KEY, cfg_yaml)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")    # the local actors' c10d, as on a node
-    return store, tcp_init(hw, run)
+    return store, tcp_init(layout, run)
 
 
 def _parse(init: str):
@@ -214,12 +179,12 @@ def _live(store, run: str, ranks: List[int], seen: Dict[int, tuple], now: float)
     return [r for r in ranks if now - seen[r][1] <= LIVE_S]
 
 
-def form_group(store, cfg, stop, local_procs) -> None:
+def form_group(store, layout: ActorLayout, stop, local_procs) -> None:
     """The learner: wait until every actor rank is alive and waiting (``_live``), then form
     the group. One line, nothing trained, when the time runs out (naming the missing nodes),
     a signal comes (exit 128 + signal; its line is the only notice) or a local actor dies."""
-    hw, world, run = cfg.hardware, world_size(cfg), store.get(RUN_KEY).decode()
-    timeout_s, deadline = float(hw.dist_timeout_s), time.monotonic() + float(hw.dist_timeout_s)
+    world, run = layout.world_size, store.get(RUN_KEY).decode()
+    timeout_s, deadline = layout.dist_timeout_s, time.monotonic() + layout.dist_timeout_s
     announce, seen = stop is not None and stop.announce, {}
     if stop is not None:
         stop.announce = False               # no "stopping after this step": there is none yet
@@ -239,10 +204,10 @@ def form_group(store, cfg, stop, local_procs) -> None:
                 raise ActorFailed(f"rollout actor rank {dead[0][0]} on node 0 exited with code "
                                   f"{dead[0][1]} before the group formed (its error is above)")
             if _signalled(stop):
-                raise LaunchError(f"{_interrupted(stop)} while waiting for {_nodes_of(cfg, missing)} "
+                raise LaunchError(f"{_interrupted(stop)} while waiting for {_nodes_of(layout, missing)} "
                                   "to join; nothing was trained", True, 128 + stop.signum)
             if time.monotonic() >= deadline:
-                raise _absent(cfg, missing)
+                raise _absent(layout, missing)
             time.sleep(POLL_S)
     except (ActorFailed, LaunchError, UserError):
         raise
@@ -254,27 +219,27 @@ def form_group(store, cfg, stop, local_procs) -> None:
             stop.announce = announce        # muted until the group formed (or the join failed)
 
 
-def _nodes_of(cfg, ranks: List[int]) -> str:
+def _nodes_of(layout: ActorLayout, ranks: List[int]) -> str:
     """'node 1 (rank 1)' / 'nodes 1, 3 (ranks 1-2, 5)': where the given actor ranks live;
     node 0's own actors (still starting) only when no other node is missing."""
-    ranks = [r for r in ranks if node_of(cfg, r)] or ranks
-    nodes = sorted({node_of(cfg, r) for r in ranks})
+    ranks = [r for r in ranks if layout.node_of(r)] or ranks
+    nodes = sorted({layout.node_of(r) for r in ranks})
     return f"node{'s' if len(nodes) > 1 else ''} {spans(nodes)} (rank{'s' if len(ranks) > 1 else ''} " \
         f"{spans(ranks)})"
 
 
-def _absent(cfg, missing: List[int]) -> UserError:
+def _absent(layout: ActorLayout, missing: List[int]) -> UserError:
     """The learner's one line when ``missing`` actor ranks never connected in time."""
-    hw, nodes = cfg.hardware, sorted({node_of(cfg, r) for r in missing} - {0})
+    nodes = sorted({layout.node_of(r) for r in missing} - {0})
     if not nodes:
         hint = "node 0's own actors were still starting: raise hardware.dist_timeout_s"
     elif len(nodes) == 1:
         hint = f"start the same command with hardware.node_rank={nodes[0]} on node {nodes[0]}"
     else:
         hint = f"start the same command with hardware.node_rank=R on node R for R in {spans(nodes)}"
-    return UserError(f"the learner (rank 0 of {world_size(cfg)}): the rollout actors did not all join "
-                     f"at {hw.master_addr}:{hw.master_port} within hardware.dist_timeout_s="
-                     f"{float(hw.dist_timeout_s):g}: {_nodes_of(cfg, missing)} never connected; {hint}")
+    return UserError(f"the learner (rank 0 of {layout.world_size}): the rollout actors did not all join "
+                     f"at {layout.master_addr}:{layout.master_port} within hardware.dist_timeout_s="
+                     f"{layout.dist_timeout_s:g}: {_nodes_of(layout, missing)} never connected; {hint}")
 
 
 def join(store, rank: int, world: int, timeout_s: float) -> None:
@@ -288,31 +253,31 @@ def _first(exc: BaseException) -> str:
 
 
 # ---- an actor node (node_rank >= 1) --------------------------------------------------
-def serve_node(cfg, stop, actor_main: Callable) -> dict:
-    """Node ``hardware.node_rank`` >= 1: read the learner's config from its store, start
+def serve_node(layout: ActorLayout, stop, actor_main: Callable) -> dict:
+    """Node ``layout.node_rank`` >= 1: read the learner's config from its store, start
     this node's actors (``actor_main(cfg_yaml, init, rank, world, errors)``) and wait
     for them. Raises LaunchError (one line) when one fails or a signal stops the node
-    (its line is the only notice: the node has no step to finish, no checkpoint to save)."""
-    hw = cfg.hardware
-    check_node_rank(hw)
+    (its line is the only notice: the node has no step to finish, no checkpoint to save).
+    The learner's config is text for the actors; only its layout is read here."""
+    check_node_rank(layout)
     if stop is not None:
         stop.announce = False
     # the actors' c10d: no C++ stack per actor when the learner's store closes under a poll
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    node = int(hw.node_rank)
-    store = connect(tcp_init(hw, ""), float(hw.dist_timeout_s), f"node {node} (rollout actors)", stop)
-    cfg_yaml, run = _learner_config(store, node, float(hw.dist_timeout_s), stop)
-    learner = OmegaConf.create(cfg_yaml)
-    if node >= learner.hardware.nnodes:
+    node = layout.node_rank
+    store = connect(tcp_init(layout, ""), layout.dist_timeout_s, f"node {node} (rollout actors)", stop)
+    cfg_yaml, run = _learner_config(store, node, layout.dist_timeout_s, stop)
+    learner = ActorLayout.from_config(OmegaConf.create(cfg_yaml))
+    if node >= learner.nnodes:
         raise UserError(f"hardware.node_rank={node} but the learner's run has hardware.nnodes="
-                        f"{learner.hardware.nnodes} (nodes 0 .. {learner.hardware.nnodes - 1})")
-    ranks, world = node_ranks(learner, node), world_size(learner)
+                        f"{learner.nnodes} (nodes 0 .. {learner.nnodes - 1})")
+    ranks, world = learner.node_ranks(node), learner.world_size
     claim(store, run, ranks, node)
     try:
-        _run_actors(actor_main, (cfg_yaml, tcp_init(hw, run)), ranks, world, stop, node)
+        _run_actors(actor_main, (cfg_yaml, tcp_init(layout, run)), ranks, world, stop, node)
     except BaseException:
         with contextlib.suppress(Exception):    # probed first: a closed store logs a C++ stack per call
-            _reachable(hw.master_addr, int(hw.master_port), time.monotonic() + 0.5)
+            _reachable(layout.master_addr, layout.master_port, time.monotonic() + 0.5)
             release(store, run, ranks)
         raise
     return {}

@@ -8,18 +8,17 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from rlctl.errors import ActorFailed, UserError
 from rlctl.rollout import remote_actors
+from rlctl.rollout.layout import ActorLayout
 from test_multinode import free_port
 
 
-def _store_cfg(port: int, timeout_s: float = 2, actors_per_node: int = 2):
-    """A learner's config (the fields the join reads): 2 nodes, no local actor."""
-    return OmegaConf.create({"hardware": {"nnodes": 2, "dist_timeout_s": timeout_s, "master_addr": "127.0.0.1",
-                                          "master_port": port},
-                             "trainer": {"async_rollout": {"num_actors": 0, "actors_per_node": actors_per_node}}})
+def _layout(port: int, timeout_s: float = 2, actors_per_node: int = 2) -> ActorLayout:
+    """A learner's layout: 2 nodes, no local actor."""
+    return ActorLayout(enabled=True, num_actors=0, actors_per_node=actors_per_node, nnodes=2, node_rank=0,
+                       master_addr="127.0.0.1", master_port=port, dist_timeout_s=timeout_s)
 
 
 def _beat(store, run: str, rank: int, until: threading.Event, times: int = 1 << 30,
@@ -45,8 +44,8 @@ def test_an_actor_that_arrived_and_died_is_absent_not_joined():
     counter stood still for > LIVE_S (1 s) by then, so it keeps waiting and, at
     hardware.dist_timeout_s=4, names rank 1 alone."""
     port = free_port()
-    cfg, done = _store_cfg(port, timeout_s=4), threading.Event()
-    store, init = remote_actors.serve_config(cfg.hardware, OmegaConf.to_yaml(cfg))
+    layout, done = _layout(port, timeout_s=4), threading.Event()
+    store, init = remote_actors.serve_config(layout, "x: 1")
     run = init.rsplit("/", 1)[1]
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
     remote_actors.claim(client, run, [1, 2], 1)
@@ -54,7 +53,7 @@ def test_an_actor_that_arrived_and_died_is_absent_not_joined():
     t0 = time.monotonic()
     try:
         with pytest.raises(UserError, match=r"node 1 \(rank 1\) never connected"):
-            remote_actors.form_group(store, cfg, None, [])
+            remote_actors.form_group(store, layout, None, [])
     finally:
         done.set()
         for t in beats:
@@ -69,8 +68,7 @@ def test_a_rank_is_claimed_once_and_given_back():
     the ranks it took first (rank 2 of [2, 3] when 3 is taken); a released rank can be
     claimed again (a node restarted while the learner waits)."""
     port = free_port()
-    cfg = _store_cfg(port)
-    store, init = remote_actors.serve_config(cfg.hardware, "x: 1")
+    store, init = remote_actors.serve_config(_layout(port), "x: 1")
     run = init.rsplit("/", 1)[1]
     count = lambda r: store.add(remote_actors.key(run, "joined", r), 0)   # noqa: E731
     remote_actors.claim(store, run, [2, 3], 1)
@@ -92,10 +90,9 @@ def test_an_actor_of_another_run_is_refused():
     """An actor whose node read run id X, facing a learner (same address) now serving
     run Y: one line, it never beats under Y's keys, so Y never counts it."""
     port = free_port()
-    cfg = _store_cfg(port)
-    store, init = remote_actors.serve_config(cfg.hardware, "x: 1")
+    store, init = remote_actors.serve_config(_layout(port), "x: 1")
     run = init.rsplit("/", 1)[1]
-    assert len(run) == 16 and remote_actors.serve_config(_store_cfg(free_port()).hardware, "")[1][-16:] != run
+    assert len(run) == 16 and remote_actors.serve_config(_layout(free_port()), "")[1][-16:] != run
     with pytest.raises(ActorFailed, match="another run"):
         remote_actors.arrive(store, "0123456789abcdef", 1, 2)
     assert not store.check([remote_actors.key(run, "alive", 1)])

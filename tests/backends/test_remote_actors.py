@@ -285,10 +285,10 @@ def test_a_trainer_that_fails_to_build_does_not_wait_for_its_actors(tmp_path):
 
 def _actor_start_up_s() -> float:
     """Seconds a fresh interpreter takes here, now, to import what a rollout actor imports
-    (torch and rlctl's actor module): the part of an actor's start that grows with the
+    (torch and rlctl's actor entry module): the part of an actor's start that grows with the
     machine's load. A join limit derived from it holds on a busy machine as on an idle one."""
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch, rlctl.rollout.actors"], check=True,
+    subprocess.run([sys.executable, "-c", "import torch, rlctl.run.rollout_setup"], check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     return time.monotonic() - t0
 

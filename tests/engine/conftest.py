@@ -6,8 +6,8 @@ from omegaconf import OmegaConf
 from rlctl.compose import compose
 from rlctl.learner.trainer import Trainer
 from rlctl.models import load_model_and_tokenizer
-from rlctl.rollout.actors import build_source
 from rlctl.run.build import task_from_config
+from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 
 

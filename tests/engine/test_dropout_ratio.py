@@ -33,8 +33,8 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.learner.trainer import Trainer
-from rlctl.rollout.actors import build_source
 from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))

@@ -5,7 +5,7 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.learner.trainer import Trainer
-from rlctl.rollout.actors import build_source
+from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 
 BASE = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=0", "trainer.lr=1e-3"]
@@ -218,24 +218,28 @@ def test_rank_layout_across_nodes():
     ranks 1-2 on node 0 (with the learner, rank 0), 3-5 on node 1, 6-8 on node 2."""
     import pytest
 
-    from rlctl.rollout import remote_actors
     from rlctl.errors import LaunchError, UserError
+    from rlctl.rollout.layout import ActorLayout
 
     cfg = compose(["trainer.async_rollout.enabled=true", "trainer.async_rollout.num_actors=2",
                    "trainer.async_rollout.actors_per_node=3", "hardware.nnodes=3"]).cfg
-    assert remote_actors.world_size(cfg) == 9
-    assert remote_actors.node_ranks(cfg, 1) == [3, 4, 5] and remote_actors.node_ranks(cfg, 2) == [6, 7, 8]
-    assert [remote_actors.node_of(cfg, r) for r in range(1, 9)] == [0, 0, 1, 1, 1, 2, 2, 2]
-    remote_actors.check_layout(cfg)
+    layout = ActorLayout.from_config(cfg)
+    assert layout.world_size == 9
+    assert layout.node_ranks(1) == [3, 4, 5] and layout.node_ranks(2) == [6, 7, 8]
+    assert [layout.node_of(r) for r in range(1, 9)] == [0, 0, 1, 1, 1, 2, 2, 2]
+    layout.check()
     cfg.trainer.async_rollout.num_actors = 0                  # allowed: other nodes have actors
-    remote_actors.check_layout(cfg)
-    assert remote_actors.node_ranks(cfg, 1) == [1, 2, 3]
+    layout = ActorLayout.from_config(cfg)
+    layout.check()
+    assert layout.node_ranks(1) == [1, 2, 3]
     cfg.hardware.node_rank = 3
     with pytest.raises(LaunchError, match="node_rank=3 must be below hardware.nnodes=3"):
-        remote_actors.check_layout(cfg)
+        ActorLayout.from_config(cfg).check()
     cfg.hardware.nnodes, cfg.hardware.node_rank = 1, 0
     with pytest.raises(UserError, match="num_actors=0 leaves no rollout actor"):
-        remote_actors.check_layout(cfg)
+        ActorLayout.from_config(cfg).check()
+    cfg.trainer.async_rollout.enabled = False                 # no actors asked for: nothing to refuse
+    ActorLayout.from_config(cfg).check()
 
 
 def test_lost_peer_messages_name_rank_node_and_the_timeout():
@@ -245,7 +249,7 @@ def test_lost_peer_messages_name_rank_node_and_the_timeout():
     from types import SimpleNamespace
 
     from rlctl.rollout.actors import AsyncSource
-    from rlctl.rollout.remote_actors import timeout_text
+    from rlctl.rollout.layout import ActorLayout
     from rlctl.rollout.wire import gloo_reason
 
     timed_out = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
@@ -255,10 +259,11 @@ def test_lost_peer_messages_name_rank_node_and_the_timeout():
                           "crashing. Check the logs of the remote worker before reporting an error. GLHF! x")
     cfg = compose(["trainer.async_rollout.enabled=true", "trainer.async_rollout.num_actors=0",
                    "hardware.nnodes=2", "hardware.dist_timeout_s=45"]).cfg
-    assert timeout_text(cfg) == "hardware.dist_timeout_s=45 s"
-    assert gloo_reason(timed_out, timeout_text(cfg)) == "did not answer within hardware.dist_timeout_s=45 s"
+    layout = ActorLayout.from_config(cfg)
+    assert layout.timeout_text() == "hardware.dist_timeout_s=45 s"
+    assert gloo_reason(timed_out, layout.timeout_text()) == "did not answer within hardware.dist_timeout_s=45 s"
     assert gloo_reason(closed) == "exited unexpectedly (Connection closed by peer [127.0.0.1]:18657)"
-    source = SimpleNamespace(cfg=cfg, failed=set(), timeout=timeout_text(cfg), _name=None)
+    source = SimpleNamespace(layout=layout, failed=set(), timeout=layout.timeout_text(), _name=None)
     source._name = lambda a: AsyncSource._name(source, a)
     assert str(AsyncSource._lost(source, 0, timed_out)) == \
         "lost contact with rollout actor rank 1 on node 1: it did not answer within hardware.dist_timeout_s=45 s"

@@ -7,8 +7,8 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.learner.trainer import Trainer
-from rlctl.rollout.actors import build_source
 from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 
 NO_EVAL = ["trainer.eval_every=0", "task.num_eval=4"]

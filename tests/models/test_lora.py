@@ -229,7 +229,7 @@ def test_ppo_trainer_with_lora_reference(tiny):
     from omegaconf import OmegaConf
 
     from rlctl.compose import compose
-    from rlctl.rollout.actors import build_source
+    from rlctl.run.rollout_setup import build_source
     from rlctl.learner.trainer import Trainer
     from rlctl.run.build import task_from_config
     from rlctl.sinks import NullSink

@@ -1,0 +1,87 @@
+"""A run's rollout, set up from the composed config: ``build_source``, the source the
+learner samples from, and ``actor_main``, the entry point of each rollout actor process.
+
+The two functions here that take the whole config need all of it: the asynchronous
+source ships the learner's resolved config, as YAML text, to every actor (on node 0 and,
+through the learner's store, on the other nodes), and each actor builds its own model
+and task from it exactly as the learner did (rlctl/run/build.py). Below them,
+rlctl/rollout/ takes settings: ``SamplingSettings``, ``ActorSettings``, ``ActorLayout``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+
+from rlctl.backends.base import Backend
+from rlctl.backends.launch import die_with_parent
+from rlctl.errors import UserError, user_message
+from rlctl.learner.forward import prompt_sharing
+from rlctl.models.quiet import quiet_libraries
+from rlctl.rollout.actors import ActorSettings, AsyncSource, serve_learner
+from rlctl.rollout.layout import ActorLayout
+from rlctl.rollout.source import LocalSource, SamplingSettings
+from rlctl.run.build import model_from_config, task_from_config
+from rlctl.tasks.prompt_budget import PromptBudget, bind_task
+from rlctl.tasks.scoring import RewardScorer
+
+
+def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
+    """The rollout source ``cfg`` asks for: ``LocalSource`` sampling with ``policy`` (the
+    module the backend will train), or ``AsyncSource`` with
+    ``trainer.async_rollout.enabled``. ``backend`` None: one process on
+    ``hardware.device``; ``stop``: the run's StopFlag (a signal ends a wait for other nodes).
+    Takes the whole config: the asynchronous source sends it to its actors, which build from it."""
+    rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
+    settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
+    local = LocalSource(policy, tokenizer, task.train_examples(), RewardScorer(task), settings,
+                        seed=cfg.seed * 1000 + rank,
+                        generate_kwargs=backend.generate_kwargs() if backend is not None else None)
+    if not cfg.trainer.async_rollout.enabled:
+        return local
+    if world > 1 or dist.is_initialized():
+        raise UserError("trainer.async_rollout.enabled=true needs one learner process in no process "
+                        "group of its own: hardware.num_processes=1 and hardware.backend=torch")
+    layout = ActorLayout.from_config(cfg)
+    layout.check()
+    device = backend.device if backend is not None else Backend(cfg.hardware.device).device
+    return AsyncSource(ActorSettings.from_config(cfg), layout, local, device, actor_main,
+                       OmegaConf.to_yaml(cfg, resolve=True), stop)
+
+
+def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None) -> None:
+    """One actor process. ``errors`` (an actor node's pipe end): a failure, or a learner
+    that ended early, is sent there as one line and the process exits 1."""
+    os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
+    die_with_parent(mp.parent_process().pid)   # SIGTERM when the process that started it dies
+    try:
+        problem = _actor(OmegaConf.create(cfg_yaml), init, rank, world_size)
+    except Exception as exc:  # noqa: BLE001 - one line for the node (local actors: raised)
+        if errors is None:
+            raise
+        problem = user_message(exc)[0]
+    if problem and errors is not None:
+        errors.send(f"rollout actor rank {rank}: {problem}")
+        sys.exit(1)
+
+
+def _actor(cfg, init: str, rank: int, world_size: int) -> str:
+    """Build the actor, then join the group and serve (``serve_learner``); returns what went
+    wrong ("" after a normal stop). Takes the whole config: it builds this actor's model and
+    task from the learner's, as the learner built its own."""
+    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
+    task = task_from_config(cfg)
+    model, _, tok, _ = model_from_config(cfg)
+    bind_task(PromptBudget.from_config(cfg), task, tok, model, quiet=True)   # the learner's prompts
+    model.eval()
+    actor = LocalSource(model, tok, task.train_examples(), RewardScorer(task),
+                        SamplingSettings.from_config(cfg, bool(cfg.trainer.share_prompts)), seed=0)
+    torch.manual_seed(cfg.seed * 1000 + 7919 * rank)      # each actor its own sampling stream
+    # The learner is the bottleneck: when the cores are oversubscribed (reward workers,
+    # gloo threads) it keeps its core. Measured: 31.1-31.7 vs 28-31 async steps/s.
+    os.nice(5)
+    return serve_learner(actor, init, rank, world_size, ActorLayout.from_config(cfg))
