@@ -22,7 +22,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.preference import bradley_terry_loss
 from rlctl.reward_models.checkpoint import LAST_NON_PAD, READ_KEY
-from rlctl.reward_models.learned import render, text_scores, token_rows
+from rlctl.reward_models.scoring import render, text_scores, token_rows
 
 
 @dataclass

@@ -6,34 +6,9 @@ label, safetensors weights and its own tokenizer (optionally a chat template), t
 in which TRL, OpenRLHF and Hugging Face save Bradley-Terry reward models (Ouyang et al.,
 2022, "Training language models to follow instructions with human feedback").
 
-Scoring (``RewardModel.score``), the one implementation, which ``rlctl reward-model
-train`` (``rlctl.reward_models.fit``) fits with too, so that a model is scored on exactly
-what it was fitted on:
-
-- text (``render``): the tokenizer's chat template over [the prompt's messages (a text
-  prompt is one user message), assistant: completion] when it has one, else
-  ``prompt + completion`` with one space between them when neither side has whitespace at
-  the join (the tiny model's word-level tokenizer needs "5 = 1 2" rather than "5 =1 2";
-  BPE completions that start with a space are left alone). Nothing assumes the policy's
-  ids: the reward model's *own* tokenizer reads the text;
-- tokens (``encode``): no special tokens added when a chat template renders the text
-  (the template has them); a text longer than the limit (``length_limit``: the
-  tokenizer's ``model_max_length``, where ``rlctl reward-model train`` saves
-  ``rm.max_length``, capped by the backbone's position limit) keeps its *last* tokens,
-  and its leading BOS when it starts with one (``keep_end``, as ``task.long_prompts=
-  truncate_left`` cuts prompts): the score is read at the end of the completion, so
-  cutting the end instead would read a prompt token and give every answer to a long
-  prompt the same score. Rows are padded on the tokenizer's side. ``RewardModel``
-  counts the texts it truncated (``truncated``) and warns once per model;
-- score (``last_token_scores``): the backbone runs with position ids counted over the
-  attention mask (so a padded row sees the positions it has alone) and the score head
-  reads the final hidden state where the checkpoint's own pooling reads it
-  (``reward_checkpoint.score_read``): transformers' ``*ForSequenceClassification``
-  pooling, the last token whose id is not ``config.pad_token_id`` (with pad == EOS a
-  trailing EOS is skipped, as TRL's reward trainer fits it), which rlctl's fits also use
-  and record in their config; a fit by an earlier rlctl is read at the last token of the
-  text, as it was fitted (said once when that token is the pad id). Left and right
-  padding alike.
+Scoring (``RewardModel.score``) goes through the one path in
+``rlctl.reward_models.scoring`` (text, tokens, score), which ``rlctl reward-model train``
+fits with too, so that a model is scored on exactly what it was fitted on.
 
 Batched (``BATCH_ROWS`` rows per forward) on the training device, under ``no_grad``, in
 the model's saved dtype. The weights load on the first score (so that checking a config
@@ -50,7 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -58,9 +33,10 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from rlctl.errors import UserError
 from rlctl.model_files import corrupt_safetensors, reward_model_dir, vocab_problem
 from rlctl.reward_models.checkpoint import (LAST_ATTENDED, checkpoint_keys, head_names,
-                                           head_params, pad_id_of, read_positions,
-                                           score_head, score_read, untrained_head_problem)
+                                           head_params, pad_id_of, read_positions, score_read,
+                                           untrained_head_problem)
 from rlctl.reward_models.norm import RunningNorm, global_batch_stats
+from rlctl.reward_models.scoring import encode, last_token_scores, length_limit, render
 from rlctl.tasks.base import LEARNED_ATTR, RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
@@ -69,7 +45,6 @@ log = logging.getLogger(__name__)
 
 NORMS = ("none", "running")
 BATCH_ROWS = 64          # rows per reward-model forward (bounds activation memory)
-UNSET_LENGTH = 10 ** 12  # a model_max_length this large is unset (transformers writes 1e30)
 
 
 # ---- one reward model --------------------------------------------------------------------
@@ -112,97 +87,6 @@ def _load_tokenizer(path: Path, key: str):
                              "EOS token; set tokenizer.pad_token and save it again")
         tok.pad_token = tok.eos_token   # masked out: which id pads does not matter
     return tok
-
-
-# ---- text, tokens and score: the one implementation (rlctl reward-model train fits with it)
-def render(tokenizer, prompt: Union[str, List[Dict[str, str]]], completion: str) -> str:
-    """The text a reward model scores for ``prompt`` (text, or chat messages) answered by
-    ``completion`` (see the module doc)."""
-    if getattr(tokenizer, "chat_template", None):
-        msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-        return tokenizer.apply_chat_template(
-            [*msgs, {"role": "assistant", "content": completion}], tokenize=False)
-    prompt = str(prompt)
-    if prompt and completion and not prompt[-1].isspace() and not completion[0].isspace():
-        return prompt + " " + completion
-    return prompt + completion
-
-
-def backbone_of(model):
-    """The classifier's base model (``LlamaForSequenceClassification.model``, GPT-2's
-    ``transformer`` ...): its ``base_model_prefix`` attribute."""
-    return getattr(model, model.base_model_prefix)
-
-
-def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor,
-                      read: Optional[str] = None) -> torch.Tensor:
-    """[n, L] ids and mask -> [n] float32 scores: head(final hidden state at the position
-    ``read_positions`` gives for ``read``, by default the model config's ``score_read``),
-    positions counted over the mask (left padding exact)."""
-    read = read or score_read(model.config)[0]
-    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [n, L]
-    out = backbone_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                             use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [n, L, H]
-    last = read_positions(ids, mask, read, pad_id_of(model.config))     # [n]
-    h = hidden[torch.arange(ids.shape[0], device=ids.device), last]     # [n, H]
-    return score_head(model)(h).squeeze(-1).float()                    # [n]
-
-
-def length_limit(tokenizer, model_config=None) -> Optional[int]:
-    """Tokens a scored text may have: the smaller of the tokenizer's ``model_max_length``
-    (when set) and the backbone's ``max_position_embeddings`` (GPT-2: ``n_positions``);
-    None when neither is known (no limit)."""
-    known = [n for n in (getattr(tokenizer, "model_max_length", None),
-                         getattr(model_config, "max_position_embeddings", None),
-                         getattr(model_config, "n_positions", None))
-             if isinstance(n, int) and 0 < n < UNSET_LENGTH]
-    return min(known) if known else None
-
-
-def keep_end(ids: List[int], limit: Optional[int], bos_id: Optional[int]) -> List[int]:
-    """``ids`` when within ``limit``, else its last ``limit`` tokens, the first of them
-    replaced by ``ids[0]`` when that is the BOS (kept: models are trained with it there)."""
-    if limit is None or len(ids) <= limit:
-        return list(ids)
-    head = ids[:1] if bos_id is not None and ids[0] == bos_id and limit > 1 else []
-    return head + ids[len(ids) - (limit - len(head)):]
-
-
-def token_rows(tokenizer, texts: Sequence[str]) -> List[List[int]]:
-    """Each rendered text's token ids, whole (special tokens added unless a chat template
-    rendered it: the template has them)."""
-    templated = bool(getattr(tokenizer, "chat_template", None))
-    return tokenizer(list(texts), add_special_tokens=not templated, verbose=False)["input_ids"]
-
-
-def encode(tokenizer, texts: Sequence[str], limit: Optional[int]
-           ) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """(ids [n, L], mask [n, L], how many texts were over ``limit``): each text's tokens
-    (``keep_end`` of them), padded on the tokenizer's side with its pad id."""
-    full = token_rows(tokenizer, texts)
-    rows = [keep_end(r, limit, tokenizer.bos_token_id) for r in full]
-    width = max((len(r) for r in rows), default=0)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)          # [n, L]
-    mask = torch.zeros((len(rows), width), dtype=torch.long)             # [n, L]
-    left = tokenizer.padding_side == "left"
-    for i, r in enumerate(rows):
-        start = width - len(r) if left else 0
-        ids[i, start:start + len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, start:start + len(r)] = 1
-    return ids, mask, sum(len(r) < len(f) for r, f in zip(rows, full))
-
-
-def text_scores(model, tokenizer, texts: Sequence[str], max_length: Optional[int] = None
-                ) -> torch.Tensor:
-    """The model's score of each rendered text, [n] float32 (grad flows when enabled);
-    ``max_length`` None: ``length_limit`` of the tokenizer and the model's config."""
-    limit = max_length if max_length is not None else length_limit(tokenizer, model.config)
-    ids, mask, _ = encode(tokenizer, texts, limit)                     # [n, L] each
-    device = next(model.parameters()).device
-    return last_token_scores(model, ids.to(device), mask.to(device))   # [n]
-
 
 
 class RewardModel:

@@ -49,7 +49,8 @@ from rlctl.reward_models.config import RMConfig, resolved_sections, rm_config, s
 from rlctl.reward_models.fit import (FitSettings, Pair, classifier_from_lm, fit,
                                      pairs_over, pairwise_accuracy, prepare_for_scoring,
                                      score_pairs)
-from rlctl.reward_models.learned import RewardModel, keep_end, length_limit, render, token_rows
+from rlctl.reward_models.learned import RewardModel
+from rlctl.reward_models.scoring import keep_end, length_limit, render, token_rows
 from rlctl.sinks import build_sinks
 from rlctl.sinks.console import REWARD_MODEL_KEYS
 from rlctl.stopping import StopFlag

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from random_rm import save_random_reward_model
-from rlctl.reward_models.learned import RewardModel, render
+from rlctl.reward_models.learned import RewardModel
+from rlctl.reward_models.scoring import render
 
 FAST = ["trainer.steps=2", "trainer.eval_every=2", "task.num_eval=8",
         "trainer.prompts_per_step=4", "algo.group_size=4", "logger=jsonl",

@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from rlctl.models import tiny
 from rlctl.reward_models.fit import pair_scores, scores, Pair
-from rlctl.reward_models.learned import RewardModel, keep_end, render, text_scores
+from rlctl.reward_models.learned import RewardModel
+from rlctl.reward_models.scoring import keep_end, render, text_scores
 from rlctl.types import Example
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
