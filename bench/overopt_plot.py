@@ -1,4 +1,4 @@
-"""Reward over-optimisation from a sweep (README "The RLHF demonstration").
+"""Reward over-optimisation from a sweep (docs/rlhf.md, "The RLHF demonstration").
 
     python bench/overopt_plot.py runs/sweep-<time> [more sweep dirs] [--out PNG]
 
@@ -14,7 +14,7 @@ of ``--window`` steps (the window's mean of each training-rollout metric, and th
 - gold: ``reward/exact`` (rollouts) and ``eval/exact_match`` (greedy, held-out).
 
 Plots proxy and gold against KL, one curve per coefficient (the picture of Gao et al.,
-2023, "Scaling laws for reward model overoptimization"), and prints the table the README
+2023, "Scaling laws for reward model overoptimization"), and prints the table docs/rlhf.md
 quotes.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench/overopt_plot.py (README "The RLHF demonstration"): the seed means per window of
+"""bench/overopt_plot.py (docs/rlhf.md, "The RLHF demonstration"): the seed means per window of
 steps over finished runs of one or more sweep directories, checked against hand sums."""
 import json
 import subprocess

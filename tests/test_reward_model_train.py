@@ -343,7 +343,7 @@ def test_tiny_reward_model_builds_caches_and_has_the_stated_accuracy(tmp_path):
     assert not train_prompts & {p.prompt for p in held}
     acc = pairwise_accuracy(*score_pairs(model, tok, held))
     assert acc == pytest.approx(meta["heldout_pairwise_accuracy"], abs=1e-4)
-    # stated in the docstring and README: 0.90 (0.9004; an imperfect proxy on purpose).
+    # stated in the docstring and docs/rlhf.md: 0.90 (0.9004; an imperfect proxy on purpose).
     # The bound is the 512-pair estimate's spread, not float noise: one pair is 0.002, and
     # a build on another machine (other BLAS summation order) can flip a few near-tied pairs
     # and move the fit a little; +-0.04 (about 20 pairs, ~3 binomial standard deviations of

@@ -1,5 +1,5 @@
 """The embedded RLHF demonstration: ``task.reward_model=tiny``, the rlhf-sorting recipe
-(2 steps here; its learning claim is measured and stated in the README) and the
+(2 steps here; its learning claim is measured and stated in docs/rlhf.md) and the
 proxy-vs-gold figure of `rlctl inspect`."""
 import json
 import os

@@ -26,7 +26,7 @@ with the right answer in them and 49 between two wrong answers. For the prompt
 "1 1 3 4 9 9" 0.23 (the previous model, on 384 pairs and 0.84 accurate, scored that one
 above the right answer). Every candidate is made of the prompt's own digits, so the
 model never learns to punish a digit the prompt lacks: that is the error PPO against it
-finds (README "The RLHF demonstration").
+finds (docs/rlhf.md, "The RLHF demonstration").
 """
 from __future__ import annotations
 

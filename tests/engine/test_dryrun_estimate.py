@@ -1,5 +1,5 @@
 """`rlctl train --dry-run` (issue 21.13): the reward model is listed and counted, and the
-memory estimate follows the knobs the README's Memory section lists beside it
+memory estimate follows the knobs docs/memory.md lists beside it
 (model.gradient_checkpointing, trainer.micro_batch_tokens, bf16). Expected values are
 worked by hand from the rules in rlctl/run/dryrun.py's docstring and the config."""
 import re
