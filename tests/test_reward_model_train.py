@@ -292,7 +292,7 @@ def test_more_bad_inputs_in_process(bad_files):
 
 
 def test_hold_out_is_seeded_and_never_takes_every_pair():
-    from rlctl.reward_models.train import hold_out
+    from rlctl.reward_models.pairs import hold_out
     from rlctl.reward_models.fit import Pair
 
     pairs = [Pair(str(i), "a", "b") for i in range(20)]
@@ -305,7 +305,7 @@ def test_hold_out_is_seeded_and_never_takes_every_pair():
 
 
 def test_read_pairs_takes_csv_and_a_margin_column(tmp_path):
-    from rlctl.reward_models.train import read_pairs
+    from rlctl.reward_models.pairs import read_pairs
 
     path = tmp_path / "p.csv"
     path.write_text("prompt,chosen,rejected,margin\n1 =,1,2,0.5\n2 =,2,3,\n")
