@@ -84,6 +84,7 @@ RANGES = {
     "trainer.async_rollout.max_staleness": NON_NEGATIVE, "trainer.async_rollout.sync_every": AT_LEAST_1,
     "trainer.async_rollout.num_actors": Range(0, why="0 only with hardware.nnodes > 1 (actors on other nodes)"),
     "trainer.async_rollout.actors_per_node": AT_LEAST_1,
+    "logger.samples.every": Range(0, why="0: no sample tables"), "logger.samples.n": AT_LEAST_1,
 }
 # any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
 FREE_NUMBERS = ("task.correct_threshold", "hardware.zero_stage")

@@ -144,13 +144,21 @@ class HardwareConfig:
 
 
 @dataclass
+class SamplesConfig:
+    every: int = 25                # steps between sample tables (0: none); also each held-out eval
+    n: int = 8                     # rows per table, whole groups first so a group's spread shows
+
+
+@dataclass
 class LoggerConfig:
-    name: str = MISSING            # wandb | jsonl | none
+    name: str = MISSING            # wandb | jsonl | tensorboard | none (a list: the last one's name)
     jsonl: bool = MISSING
     wandb: bool = MISSING
+    tensorboard: bool = False      # TensorBoard event files under <run>/tensorboard/
     wandb_mode: str = "offline"    # offline | online | disabled
     project: str = "rlctl"
     console: bool = True
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
 
 
 @dataclass
