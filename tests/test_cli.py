@@ -47,8 +47,11 @@ def test_help_lists_commands_and_groups():
     (["model=hf", "model.name_or_path=/nonexistent/model"], "/nonexistent/model"),
     (["run.output_dir=/proc/forbidden"], "run.output_dir"),
 ])
-def test_bad_input_one_line_exit_2(tmp_path, args, fragment):
-    out = run("train", "trainer.steps=1", f"run.output_dir={tmp_path}", *args, cwd=tmp_path)
+def test_bad_input_one_line_exit_2(tmp_path, args, fragment, rlctl_app):
+    """One case through the console script (the exit code and stderr a user sees, after the
+    imports a real process makes); the others through the same Typer app in-process."""
+    argv = ["train", "trainer.steps=1", f"run.output_dir={tmp_path}", *args]
+    out = run(*argv, cwd=tmp_path) if args == ["algo.foo=1"] else rlctl_app(*argv, cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
@@ -56,7 +59,7 @@ def test_bad_input_one_line_exit_2(tmp_path, args, fragment):
     assert fragment in lines[0], lines[0]
 
 
-def test_dry_run_lists_resident_models_and_memory(tmp_path):
+def test_dry_run_lists_resident_models_and_memory(tmp_path, rlctl_app):
     out = run("train", "--dry-run", "algo=ppo", "algo.kl.coef=0.1", "hardware=deepspeed",
               "hardware.zero_stage=3", "hardware.num_processes=2", f"run.output_dir={tmp_path}")
     assert out.returncode == 0, out.stderr
@@ -65,9 +68,11 @@ def test_dry_run_lists_resident_models_and_memory(tmp_path):
                      "old-policy forward", "reference forward"):
         assert fragment in text, fragment
     assert not any(tmp_path.iterdir())                     # nothing written
-    plain = run("train", "--dry-run", f"run.output_dir={tmp_path}").stdout
+    # the first plan through the console script, the two others in-process
+    plain = rlctl_app("train", "--dry-run", f"run.output_dir={tmp_path}").stdout
+    assert "policy" in plain and "total" in plain                            # the plan is there
     assert "reference (" not in plain and "reference forward" not in plain   # kl 0: no reference
     assert "old-policy forward" not in plain                                 # single pass
-    adaptive = run("train", "--dry-run", "algo.kl.coef=0.1", "algo.kl.target=0.05",
+    adaptive = rlctl_app("train", "--dry-run", "algo.kl.coef=0.1", "algo.kl.target=0.05",
                    f"run.output_dir={tmp_path}").stdout      # the controller needs pi_old
     assert "old-policy forward" in " ".join(adaptive.split())

@@ -23,6 +23,13 @@ def _rlctl(tmp_path, *args):
                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.fixture
+def train(tmp_path, rlctl_app):
+    """`rlctl train ARGS run.output_dir=tmp_path` through the Typer app in-process (the
+    console script itself: test_negative_is_one_line)."""
+    return lambda *args: rlctl_app("train", *args, f"run.output_dir={tmp_path}")
+
+
 def test_config_and_tasks_agree_on_zero():
     assert RANGES["task.num_eval"].contains(0) and not RANGES["task.num_eval"].contains(-1)
     for task in (SortingTask(num_eval=0), ArithmeticTask(num_eval=0)):
@@ -33,16 +40,16 @@ def test_config_and_tasks_agree_on_zero():
 
 
 @pytest.mark.parametrize("task", ["sorting", "arithmetic"])
-def test_no_held_out_set_trains(tmp_path, task):
-    out = _rlctl(tmp_path, f"task={task}", "task.num_eval=0", "trainer.eval_every=0", *TINY)
+def test_no_held_out_set_trains(tmp_path, task, train):
+    out = train(f"task={task}", "task.num_eval=0", "trainer.eval_every=0", *TINY)
     assert out.returncode == 0, out.stderr[-2000:]
     run = next(p for p in tmp_path.iterdir() if p.is_dir())
     rows = read_jsonl(run / "metrics.jsonl")
     assert rows and not any(k.startswith("eval/") for r in rows for k in r)
 
 
-def test_evaluating_an_empty_set_is_one_line(tmp_path):
-    out = _rlctl(tmp_path, "task.num_eval=0", "trainer.eval_every=5", *TINY)
+def test_evaluating_an_empty_set_is_one_line(tmp_path, train):
+    out = train("task.num_eval=0", "trainer.eval_every=5", *TINY)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "task.num_eval=0" in lines[0] and "trainer.eval_every=0" in lines[0]

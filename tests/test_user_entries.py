@@ -93,8 +93,10 @@ def test_user_loss_advantage_and_kl_are_used(project):
      "invalid algo.kl.estimator: KL estimator 'mymod:NOT_CALLABLE': 'NOT_CALLABLE' is not "
      "callable"),
 ])   # the other failures of a path (no attribute, malformed) are in tests/test_registry.py
-def test_bad_import_paths_fail_in_one_line(project, arg, fragment):
-    out = _rlctl(project, arg, "run.output_dir=runs/bad", timeout=120)
+def test_bad_import_paths_fail_in_one_line(project, arg, fragment, rlctl_app):
+    # in-process (the module's first test runs the console script with the same module)
+    out = rlctl_app("train", arg, "run.output_dir=runs/bad", *FAST, cwd=project, path=[project],
+                    env={"MY_ENTRY_LOG": project / "calls.log"})
     assert out.returncode == 2, out.stdout[-1000:] + out.stderr[-2000:]
     err = out.stderr.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err

@@ -1,4 +1,4 @@
-"""Bad input through the console script: one line on stderr, exit code 2, no traceback."""
+"""Bad input to eval, rollout and inspect: one line on stderr, exit code 2, no traceback."""
 import os
 import shutil
 import subprocess
@@ -34,9 +34,11 @@ def test_help_lists_the_commands():
     (["inspect", "{tmp}"], "is not a run directory"),
     (["inspect"], "inspect needs a PATH"),
 ])
-def test_bad_input_one_line_exit_2(args, fragment, tmp_path, run_a):
+def test_bad_input_one_line_exit_2(args, fragment, tmp_path, run_a, rlctl_app):
+    """The first case through the console script (a user's exit code and stderr); the
+    others through the same Typer app in-process, without a new interpreter's imports."""
     args = [a.format(tmp=tmp_path, run=run_a) for a in args]
-    out = run(*args, cwd=tmp_path)
+    out = (run if args == ["eval", "/nonexistent/run"] else rlctl_app)(*args, cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]

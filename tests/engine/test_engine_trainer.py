@@ -1,10 +1,5 @@
 """The loop: old vs reference policy, and every algorithm end to end through the CLI."""
 import copy
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +7,6 @@ import torch
 from rlctl.learner.forward import learner_forward
 from rlctl.sinks.jsonl import read_jsonl
 
-RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 ALGOS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce", "rloo", "ppo"]
 
 
@@ -70,12 +64,12 @@ def test_critic_warmup_moves_only_the_value_head(make_trainer, kl):
 
 
 @pytest.mark.parametrize("algo", ALGOS)
-def test_every_algorithm_runs_through_the_cli(algo, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([RLCTL, "train", f"algo={algo}", "trainer.steps=3", "trainer.eval_every=3",
-                          "task.num_eval=16", "trainer.prompts_per_step=4", "logger=jsonl",
-                          "run.save_model=false", f"run.output_dir={tmp_path}"],
-                         capture_output=True, text=True, env=env, timeout=300)
+def test_every_algorithm_runs_through_the_cli(algo, tmp_path, rlctl_app):
+    """`rlctl train algo=...` through the Typer app in-process (the console script itself
+    is run by tests/test_train_e2e.py)."""
+    out = rlctl_app("train", f"algo={algo}", "trainer.steps=3", "trainer.eval_every=3",
+                    "task.num_eval=16", "trainer.prompts_per_step=4", "logger=jsonl",
+                    "run.save_model=false", f"run.output_dir={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
     run = next(p for p in tmp_path.iterdir() if p.is_dir())
     rows = read_jsonl(run / "metrics.jsonl")

@@ -1,5 +1,6 @@
-"""Fixtures: the shipped tiny model, built once per session into a temporary cache.
-(Threads are pinned to 1 by tests/conftest.py.)"""
+"""Fixtures: the shipped tiny model and the small real-family models, each built once per
+test run into the run's temporary directory (``build_once``, tests/conftest.py: one
+worker builds, the others reuse). (Threads are pinned to 1 by tests/conftest.py.)"""
 import os
 
 import pytest
@@ -20,9 +21,9 @@ def tiny_cfg():
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tiny_cfg, tmp_path_factory):
-    """The configured tiny model, built once per session into a temporary cache."""
-    return build_tiny(**tiny_cfg, cache_dir=tmp_path_factory.mktemp("rlctl_cache"))
+def tiny_dir(tiny_cfg, build_once):
+    """The configured tiny model, built once per test run into a temporary cache."""
+    return build_once("rlctl_cache", lambda cache: build_tiny(**tiny_cfg, cache_dir=cache))
 
 
 @pytest.fixture(scope="session")
@@ -33,15 +34,9 @@ def tiny(tiny_dir, tiny_cfg):
 
 
 @pytest.fixture(scope="session")
-def real_arch(tmp_path_factory):
+def real_arch(build_once):
     """``real_arch(family)`` -> directory of that family's small random-init model
-    (tests/models/real_arch.py: llama, qwen2, gpt2, gemma), built once per session."""
+    (tests/models/real_arch.py: llama, qwen2, gpt2, gemma), built once per test run."""
     from real_arch import build_family
 
-    root, built = tmp_path_factory.mktemp("real_arch"), {}
-
-    def get(name):
-        if name not in built:
-            built[name] = build_family(name, root / name)
-        return built[name]
-    return get
+    return lambda name: build_once(f"real_arch-{name}", lambda d: build_family(name, d))

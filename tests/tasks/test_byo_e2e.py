@@ -95,12 +95,14 @@ def test_reward_components_are_logged_when_the_engine_scores_batches(single):
     assert all("reward/smallest_first" in r for r in steps)
 
 
-def test_weighted_rewards_from_the_command_line(project):
-    out = _rlctl(project, "task=jsonl", "task.train_path=train.jsonl",
+def test_weighted_rewards_from_the_command_line(project, rlctl_app):
+    # the same argv through the Typer app in-process (`single` runs the console script)
+    out = rlctl_app("train", "task=jsonl", "task.train_path=train.jsonl",
                  "task.eval_path=eval.jsonl", "task.correct_threshold=1.5",
                  "task.rewards=[{fn: my_reward:smallest_first, weight: 1.0}, "
                  "{fn: my_reward:short, weight: 0.5}]",
-                 "run.output_dir=runs/multi", *FAST)
+                 "run.output_dir=runs/multi", *FAST, cwd=project, path=[project],
+                 env={"MY_REWARD_LOG": project / "calls.log"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     run = sorted((project / "runs" / "multi").iterdir())[-1]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -120,23 +122,23 @@ def test_weighted_rewards_from_the_command_line(project):
     (["task.reward_fn=my_reward:short", "task.on_reward_error=ignore"],
      "invalid task.on_reward_error 'ignore'; valid: zero, raise"),
 ])
-def test_bad_task_options_exit_2_in_one_line(project, args, msg):
+def test_bad_task_options_exit_2_in_one_line(project, args, msg, rlctl_app):
     base = {"task.train_path": "train.jsonl", "task.eval_path": "eval.jsonl"}
     given = {a.split("=", 1)[0] for a in args}
-    out = _rlctl(project, "task=jsonl", *[f"{k}={v}" for k, v in base.items() if k not in given],
-                 *args, "run.output_dir=runs/bad", *FAST, timeout=120)
+    out = rlctl_app("train", "task=jsonl", *[f"{k}={v}" for k, v in base.items() if k not in given],
+                    *args, "run.output_dir=runs/bad", *FAST, cwd=project, path=[project])
     assert out.returncode == 2, out.stdout[-1000:] + out.stderr[-2000:]
     err = out.stderr.strip()
     assert msg in err and len(err.splitlines()) == 1, err
     assert not (project / "runs" / "bad").exists()           # failed before the run dir
 
 
-def test_arithmetic_runs_from_the_command_line(tmp_path):
-    """The arithmetic task with its own tiny-model warm-up (shortened here to 1 step)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RLCTL_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run([RLCTL, "train", "algo=grpo", "task=arithmetic", "model.warmup_steps=1",
-                          "task.num_eval=16", "run.output_dir=runs", *FAST],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+def test_arithmetic_runs_from_the_command_line(tmp_path, rlctl_app):
+    """The arithmetic task with its own tiny-model warm-up (shortened here to 1 step);
+    through the Typer app in-process."""
+    out = rlctl_app("train", "algo=grpo", "task=arithmetic", "model.warmup_steps=1",
+                    "task.num_eval=16", "run.output_dir=runs", *FAST, cwd=tmp_path,
+                    env={"RLCTL_CACHE": tmp_path / "cache"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     summary = json.loads(next((tmp_path / "runs").rglob("summary.json")).read_text())
     assert 0.0 <= summary["eval_end"]["eval/exact_match"] <= 1.0
