@@ -1,6 +1,9 @@
 """Nothing lost: signals on one and two ranks, safe resumes, the run-directory lock, and
-set-up failures that leave nothing behind. Every case runs `rlctl` as a user does (a
-subprocess) and checks the exit code, the one line on stderr and the files on disk."""
+set-up failures that leave nothing behind. Each case checks the exit code, the one line on
+stderr and the files on disk. Signals, locks held by other processes and launched ranks
+run `rlctl` as a user does (a subprocess); the resume refusals and extensions and the
+one-rank set-up failures run the same Typer app in-process (``rlctl_app``), as nothing
+there depends on the process boundary."""
 import json
 import os
 import re
@@ -13,6 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from rlctl.cli import app
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
@@ -192,8 +198,9 @@ def test_sigterm_while_ranks_start_is_a_clean_stop(tmp_path, delay):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     root = tmp_path_factory.mktemp("finished")
-    out = _run("train", "trainer.steps=3", *FAST, f"run.output_dir={root}")
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = CliRunner().invoke(app, ["train", "trainer.steps=3", *FAST, f"run.output_dir={root}"],
+                             catch_exceptions=False)                      # in-process
+    assert out.exit_code == 0, out.stderr[-2000:]
     return _run_dir(root)
 
 
@@ -201,10 +208,10 @@ def _snapshot(run: Path):
     return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
-def test_resume_of_a_finished_run_is_refused_and_changes_nothing(finished):
+def test_resume_of_a_finished_run_is_refused_and_changes_nothing(finished, rlctl_app):
     before = _snapshot(finished)
     for extra in ([], ["trainer.steps=2"]):
-        out = _run("train", "--resume", str(finished), *extra)
+        out = rlctl_app("train", "--resume", str(finished), *extra)
         assert out.returncode == 2
         line = _one_line(out.stderr)
         assert "already finished at step 3" in line and "raise trainer.steps" in line, line
@@ -213,9 +220,9 @@ def test_resume_of_a_finished_run_is_refused_and_changes_nothing(finished):
 
 @pytest.mark.parametrize("override,changed", [("algo=ppo", "algo.critic: none -> shared"),
                                               ("model.lora.enabled=true", "model.lora.enabled")])
-def test_resume_with_a_shape_changing_override_is_refused(finished, override, changed):
+def test_resume_with_a_shape_changing_override_is_refused(finished, override, changed, rlctl_app):
     before = _snapshot(finished)
-    out = _run("train", "--resume", str(finished), override, "trainer.steps=5")
+    out = rlctl_app("train", "--resume", str(finished), override, "trainer.steps=5")
     assert out.returncode == 2
     line = _one_line(out.stderr)
     assert "changes the model's shape" in line and "cannot apply to a resume" in line, line
@@ -224,7 +231,7 @@ def test_resume_with_a_shape_changing_override_is_refused(finished, override, ch
 
 
 @pytest.mark.parametrize("case", ["gradient-checkpointing", "key-missing-from-an-older-run"])
-def test_resume_accepts_what_does_not_change_the_shape(finished, tmp_path, case):
+def test_resume_accepts_what_does_not_change_the_shape(finished, tmp_path, case, rlctl_app):
     run = tmp_path / "copy"
     shutil.copytree(finished, run)
     extra = ["model.gradient_checkpointing=true"] if case == "gradient-checkpointing" else []
@@ -234,42 +241,42 @@ def test_resume_accepts_what_does_not_change_the_shape(finished, tmp_path, case)
         kept = [ln for ln in lines if not ln.strip().startswith("gradient_checkpointing:")]
         assert len(kept) == len(lines) - 1
         config.write_text("".join(kept))
-    out = _run("train", "--resume", str(run), "trainer.steps=4", *extra)
+    out = rlctl_app("train", "--resume", str(run), "trainer.steps=4", *extra)
     assert out.returncode == 0, out.stderr[-2000:]
     assert _steps(run) == [1, 2, 3, 4]
 
 
-def test_empty_trainer_state_is_one_line_naming_the_file(finished, tmp_path):
+def test_empty_trainer_state_is_one_line_naming_the_file(finished, tmp_path, rlctl_app):
     run = tmp_path / "copy"
     shutil.copytree(finished, run)
     state = run / "checkpoints" / "step-00000003" / "trainer_state.json"
     state.write_text("{}")
-    out = _run("train", "--resume", str(run), "trainer.steps=5")
+    out = rlctl_app("train", "--resume", str(run), "trainer.steps=5")
     assert out.returncode == 2
     line = _one_line(out.stderr)
     assert str(state) in line and "'step'" in line and "KeyError" not in line, line
 
 
-def test_resume_with_more_steps_extends_the_run(finished, tmp_path):
+def test_resume_with_more_steps_extends_the_run(finished, tmp_path, rlctl_app):
     run = tmp_path / "copy"
     shutil.copytree(finished, run)
-    out = _run("train", "--resume", str(run), "trainer.steps=5")
+    out = rlctl_app("train", "--resume", str(run), "trainer.steps=5")
     assert out.returncode == 0, out.stderr[-2000:]
     assert _steps(run) == [1, 2, 3, 4, 5]
     assert json.loads((run / "summary.json").read_text())["steps"] == 5
 
 
-def test_a_resume_keeps_its_overrides_for_the_next_resume(finished, tmp_path):
+def test_a_resume_keeps_its_overrides_for_the_next_resume(finished, tmp_path, rlctl_app):
     """Extend 3 -> 6 steps with a new lr, lose the last two checkpoints (as a kill after
     step 4 would), then resume as the interrupt hint says: no overrides."""
     run = tmp_path / "copy"
     shutil.copytree(finished, run)
-    out = _run("train", "--resume", str(run), "trainer.steps=6", "trainer.lr=0.000123",
+    out = rlctl_app("train", "--resume", str(run), "trainer.steps=6", "trainer.lr=0.000123",
                "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5")
     assert out.returncode == 0, out.stderr[-2000:]
     for step in (5, 6):
         shutil.rmtree(run / "checkpoints" / f"step-{step:08d}")
-    out = _run("train", "--resume", str(run))
+    out = rlctl_app("train", "--resume", str(run))
     assert out.returncode == 0, out.stderr[-2000:]
     assert _steps(run) == [1, 2, 3, 4, 5, 6]
     assert json.loads((run / "summary.json").read_text())["steps"] == 6
@@ -280,8 +287,9 @@ def test_a_resume_keeps_its_overrides_for_the_next_resume(finished, tmp_path):
 
 # ---- set-up failures leave no run directory -----------------------------------------------
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_bad_lora_target_leaves_no_run_directory(tmp_path, ranks):
-    out = _run("train", "trainer.steps=2", *FAST, "model.lora.enabled=true",
+def test_bad_lora_target_leaves_no_run_directory(tmp_path, ranks, rlctl_app):
+    # one rank in-process; two ranks through the console script, which launches them
+    out = (_run if ranks == 2 else rlctl_app)("train", "trainer.steps=2", *FAST, "model.lora.enabled=true",
                "model.lora.target_modules=[nope]", f"hardware.num_processes={ranks}",
                f"run.output_dir={tmp_path}")
     assert out.returncode == 2
@@ -290,12 +298,12 @@ def test_bad_lora_target_leaves_no_run_directory(tmp_path, ranks):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_set_up_failure_in_the_users_own_run_dir_keeps_their_files(tmp_path):
+def test_a_set_up_failure_in_the_users_own_run_dir_keeps_their_files(tmp_path, rlctl_app):
     mine = tmp_path / "mydir"
     (mine / "sub").mkdir(parents=True)
     (mine / "notes.txt").write_text("mine")
     (mine / "sub" / "data.txt").write_text("also mine")
-    out = _run("train", "trainer.steps=2", *FAST, f"run.dir={mine}", "model.lora.enabled=true",
+    out = rlctl_app("train", "trainer.steps=2", *FAST, f"run.dir={mine}", "model.lora.enabled=true",
                "model.lora.target_modules=[nope]")
     assert out.returncode == 2
     assert _one_line(out.stderr).startswith("error: model.lora:")

@@ -2,17 +2,12 @@
 is placed (k1 in the loss: zero expected gradient; k2/k3 in the reward: biased), and
 stays quiet for the defaults (k1 in the reward, k3 in the loss) and without a KL term."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from rlctl.compose import compose
 from rlctl.run.checks import kl_placement_warning
 
-RLCTL = str(Path(sys.executable).parent / "rlctl")
 
 
 @pytest.mark.parametrize("overrides,fragment", [
@@ -33,12 +28,13 @@ def test_warning_names_the_pair_and_what_it_follows(overrides, fragment):
         assert fragment in message and "algo.kl.estimator=k" in message and "\n" not in message
 
 
-def test_train_prints_the_warning_once_and_still_trains(tmp_path):
+def test_train_prints_the_warning_once_and_still_trains(tmp_path, rlctl_app):
+    """Through the Typer app in-process (the warning is printed to sys.stderr, which the
+    runner captures as the console script's stderr)."""
     args = ["train", f"run.output_dir={tmp_path}", "trainer.steps=1", "trainer.eval_every=0",
             "trainer.prompts_per_step=2", "algo.group_size=2", "logger=jsonl",
             "algo.kl.coef=0.05", "algo.kl.estimator=k1"]
-    out = subprocess.run([RLCTL, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = rlctl_app(*args, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stderr.splitlines() if "warning" in ln]
     assert lines == ["rlctl: warning: algo.kl.estimator=k1 with algo.kl.placement=in_loss: k1 in the "

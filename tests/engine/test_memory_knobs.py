@@ -3,9 +3,6 @@ update equals one micro-batch's), model.gradient_checkpointing (same gradients, 
 saved activations), hardware.precision=bf16 on the torch backend (autocast forward,
 fp32 weights and AdamW state), and the CLI path of all three."""
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,6 @@ from rlctl.learner.forward import enable_gradient_checkpointing, learner_forward
 from rlctl.learner.update import UpdateState, accumulate_gradients, micro_batches
 from test_engine_update import MODES, _batch, _settings, tiny  # noqa: F401  (fixture reused)
 
-RLCTL = os.path.join(os.path.dirname(sys.executable), "rlctl")
 
 
 def test_micro_batches_by_hand():
@@ -118,22 +114,23 @@ def test_bf16_autocast_keeps_fp32_weights_and_adam_state(tiny):  # noqa: F811
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))   # it trained
 
 
-def _train(tmp_path, *overrides):
-    return subprocess.run([RLCTL, "train", "logger=none", "trainer.steps=2", "trainer.prompts_per_step=2",
-                           "algo.group_size=2", "trainer.eval_every=0", "run.save_model=false",
-                           f"run.output_dir={tmp_path}", *overrides],
-                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.fixture
+def train(tmp_path, rlctl_app):
+    """`rlctl train` with the knobs, through the Typer app in-process."""
+    return lambda *overrides: rlctl_app(
+        "train", "logger=none", "trainer.steps=2", "trainer.prompts_per_step=2", "algo.group_size=2",
+        "trainer.eval_every=0", "run.save_model=false", f"run.output_dir={tmp_path}", *overrides)
 
 
-def test_cli_runs_with_all_three_knobs(tmp_path):
-    proc = _train(tmp_path, "model.gradient_checkpointing=true", "hardware.precision=bf16",
+def test_cli_runs_with_all_three_knobs(train):
+    proc = train("model.gradient_checkpointing=true", "hardware.precision=bf16",
                   "trainer.micro_batch_tokens=24")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
-def test_cli_bad_token_budget_is_one_line(tmp_path):
-    proc = _train(tmp_path, "trainer.micro_batch_tokens=-1")
+def test_cli_bad_token_budget_is_one_line(train):
+    proc = train("trainer.micro_batch_tokens=-1")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "trainer.micro_batch_tokens" in lines[0], proc.stderr

@@ -2,12 +2,6 @@
 
 Training refuses rollout.top_k > 0 (rlctl/rollout/sampler.py says why); eval and rollout
 may still use it."""
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,9 +11,6 @@ from rlctl.learner.forward import learner_forward
 from rlctl.models import load_model_and_tokenizer
 from rlctl.rollout.generate import generate, rollout
 from rlctl.types import Example
-
-RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
-
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -73,11 +64,10 @@ def test_training_refuses_top_k(make_trainer):
         make_trainer(["rollout.top_k=5", "trainer.eval_every=0"])
 
 
-def test_rlctl_train_with_top_k_is_one_line_and_exit_2(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    out = subprocess.run([RLCTL, "train", "rollout.top_k=5", "trainer.steps=1", "logger=none",
-                          f"run.output_dir={tmp_path}"], capture_output=True, text=True,
-                         timeout=240, env=env, cwd=tmp_path)
+def test_rlctl_train_with_top_k_is_one_line_and_exit_2(tmp_path, rlctl_app):
+    # through the Typer app in-process: the same message and exit code as the console script
+    out = rlctl_app("train", "rollout.top_k=5", "trainer.steps=1", "logger=none",
+                    f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "rollout.top_k=5" in lines[0] and "rollout.top_k=0" in lines[0]
