@@ -4,13 +4,17 @@ The engine logs through one `Sink` and never asks which loggers are on: a missin
 logger is a `NullSink`, several are a `MultiSink` (a null sink instead of `if wandb:`
 branches). Metric keys follow the schema listed in `rlctl/learner/stats.py`
 (`reward/mean`, `policy/clip_frac`, ...).
+
+Sample rows (`samples()`): dicts of JSON values (str, int, float, bool, None), every row
+with the same keys in the same order; each sink keeps the columns in that order and
+assumes no fixed list. `table` names the table: "train" or "eval".
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
@@ -18,11 +22,14 @@ class Sink(Protocol):
     """Where training metrics go.
 
     log:     one call per (step, group of metrics); several calls may share a step.
+    samples: one table of sample rows for a step (see the module docstring).
     summary: final values of the run (best/last eval scores, wall time ...).
     close:   flush and release; called once, also after a failed run.
     """
 
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None: ...
 
     def summary(self, values: Mapping[str, Any]) -> None: ...
 
@@ -33,6 +40,9 @@ class NullSink:
     """Accepts everything, does nothing."""
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
         pass
 
     def summary(self, values: Mapping[str, Any]) -> None:
@@ -53,6 +63,18 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def cell_text(value: Any) -> str:
+    """One sample value as table text: "" for None, true/false, floats to 4 significant
+    digits, anything else as str()."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
 def sink_name(sink: Any) -> str:
     return getattr(sink, "name", None) or type(sink).__name__
 
@@ -62,7 +84,7 @@ class MultiSink:
 
     A sink that raises is reported with ONE line on stderr (sink name and error) and is
     disabled for the rest of the run; the other sinks and training carry on. This holds
-    for log(), summary() and close() alike (close() is still called on every sink that
+    for log(), samples(), summary() and close() alike (close() is still called on every sink that
     has not failed).
     """
 
@@ -73,6 +95,8 @@ class MultiSink:
 
     def _call(self, method: str, *args: Any) -> None:
         for sink in list(self.sinks):
+            if method == "samples" and not hasattr(sink, "samples"):
+                continue  # a sink written before samples existed still logs metrics
             try:
                 getattr(sink, method)(*args)
             except Exception as exc:  # a logger must never kill training
@@ -97,6 +121,9 @@ class MultiSink:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self._call("log", metrics, step)
+
+    def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
+        self._call("samples", rows, step, table)
 
     def summary(self, values: Mapping[str, Any]) -> None:
         self._call("summary", values)

@@ -9,6 +9,10 @@ line per `print_every` steps, e.g.
 Steps follow the engine: step 0 is the evaluation before training, 1..total_steps the
 updates. Figures show the latest value of each key (an eval figure stays shown until
 the next evaluation). Keys that were never logged are left out.
+
+samples(): a table titled with its table and step (rlctl/sinks/console_table.py: one line
+per row, cut to the terminal width), printed through the console that the live view draws
+on, so rich prints it above the view and the view stays intact; off a TTY, plain text.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from rich.progress import (
 from rich.text import Text
 
 from .base import to_float
+from .console_table import sample_table
 
 DEFAULT_KEYS = (
     "reward/mean",
@@ -111,6 +116,7 @@ class ConsoleSink:
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._printed_step: int | None = None
+        self._plain_console: Console | None = None
         self._closed = False
 
     # ------------------------------------------------------------ formatting
@@ -175,6 +181,19 @@ class ConsoleSink:
         )
         if due and step != self._printed_step:
             self._print(step)
+
+    def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
+        if self._closed or not rows:
+            return
+        if self.live:
+            if self._progress is None:
+                self._start_live()
+            console = self._progress.console  # the live view's: it prints above the view
+        else:
+            if self._plain_console is None:  # file=None: sys.stdout as it is at each print
+                self._plain_console = Console(file=self.file, highlight=False)
+            console = self._plain_console
+        console.print(sample_table(rows, int(step), str(table), console.width))
 
     def _print(self, step: int) -> None:
         print(self.line(step), file=self.file if self.file is not None else sys.stdout, flush=True)

@@ -12,6 +12,11 @@ Line format: {"step": <int>, "<metric>": <float or null>, ...}.
 
 `read_jsonl(path)` reads the metric lines back (summary lines are skipped); a file that
 is not UTF-8 raises ValueError with one line naming it.
+
+`samples.jsonl` (SamplesFile, beside metrics.jsonl whenever that is written): one line per
+sample row, {"table": "train"|"eval", "step": <int>, <the row's columns in order>}, so a
+step logged with n rows has n lines. The file is created at the first table (a run with
+samples off has none); `read_samples(path)` reads it back.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .base import finite_or_none, to_float
 
@@ -58,6 +63,9 @@ class JsonlSink:
             row[str(key)] = finite_or_none(to_float(value))
         self._write(row)
 
+    def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
+        pass  # rows go to samples.jsonl (SamplesFile): a bad row can never stop this file
+
     def summary(self, values: Mapping[str, Any]) -> None:
         self._write({"summary": _json_safe(dict(values))})
 
@@ -66,19 +74,64 @@ class JsonlSink:
             self._file.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The metric rows of a metrics.jsonl file (a torn last line is skipped)."""
-    rows = []
+class SamplesFile:
+    """The sample tables as JSON lines (see the module docstring); log() ignores metrics."""
+
+    name = "samples.jsonl"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file: Any = None
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        lines = []
+        for row in rows:
+            line = {"table": str(table), "step": int(step)}
+            line.update({str(k): _json_safe(v) for k, v in row.items() if k not in line})
+            lines.append(json.dumps(line, allow_nan=False) + "\n")
+        self._file.write("".join(lines))
+        self._file.flush()
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+
+
+def _json_lines(path: str | Path, what: str) -> list[dict[str, Any]]:
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:   # not a file this sink wrote
+    except UnicodeDecodeError as exc:   # not a file these sinks wrote
         raise ValueError(f"cannot read {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
-                         f"offset {exc.start}); metrics.jsonl holds one JSON object per line") from None
+                         f"offset {exc.start}); {what} holds one JSON object per line") from None
+    objs = []
     for line in text.splitlines():
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
             continue  # the last line of a run killed mid-write
-        if "step" in obj:
-            rows.append(obj)
-    return rows
+        if isinstance(obj, dict):
+            objs.append(obj)
+    return objs
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The metric rows of a metrics.jsonl file (a torn last line is skipped)."""
+    return [obj for obj in _json_lines(path, "metrics.jsonl") if "step" in obj]
+
+
+def read_samples(path: str | Path, table: str | None = None,
+                 step: int | None = None) -> list[dict[str, Any]]:
+    """The rows of a samples.jsonl file, in the order written (a torn last line is
+    skipped); only those of `table` and/or `step` when given."""
+    return [obj for obj in _json_lines(path, "samples.jsonl")
+            if "table" in obj and "step" in obj
+            and (table is None or obj["table"] == table) and (step is None or obj["step"] == step)]

@@ -23,6 +23,10 @@ typed `value` oneof).
 
 A truncated tail (a run killed mid-write) ends the read quietly; a CRC mismatch before
 the end raises `ValueError`.
+
+A logged wandb.Table is not in the run file itself: its history row holds a reference
+(`<key>._type` = "table-file", `<key>.path`) to a JSON file under the run's `files/`
+folder; `read_wandb_tables` follows it.
 """
 
 from __future__ import annotations
@@ -185,3 +189,34 @@ def find_wandb_run_file(run_dir: str | Path) -> Path | None:
     if not files:
         return None
     return max(files, key=lambda p: p.stat().st_mtime_ns)
+
+
+TABLE_TYPE = "table-file"
+
+
+def read_wandb_tables(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The wandb.Tables of a run, by history key in the order logged:
+    {key: {"step": <_step>, "columns": [...], "rows": [[...], ...]}}.
+
+    `path`: the run file, or a directory holding one (`find_wandb_run_file`). A history row
+    names a table by `<key>._type` = "table-file" and `<key>.path`, relative to the run's
+    `files/` folder, where wandb wrote the table's JSON ({"columns", "data"}). A table whose
+    file is missing (a run killed before wandb wrote it) is left out.
+    """
+    run_file = find_wandb_run_file(path)
+    if run_file is None:
+        raise ValueError(f"{path}: no wandb run file (run-*.wandb) there")
+    files = run_file.parent / "files"
+    tables: dict[str, dict[str, Any]] = {}
+    for row in read_wandb_history(run_file):
+        for name, value in row.items():
+            key, dot, field = name.rpartition(".")
+            if not (dot and field == "_type" and value == TABLE_TYPE and f"{key}.path" in row):
+                continue
+            table_file = files / row[f"{key}.path"]
+            if not table_file.is_file():
+                continue
+            body = json.loads(table_file.read_text(encoding="utf-8"))
+            tables[key] = {"step": row.get("_step"), "columns": list(body["columns"]),
+                           "rows": [list(r) for r in body["data"]]}
+    return tables

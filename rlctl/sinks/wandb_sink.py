@@ -32,11 +32,17 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .base import to_float
 
 MODES = ("online", "offline", "disabled")
+SAMPLES_PREFIX = "samples"
+
+
+def sample_key(table: str, step: int) -> str:
+    """The history key of one sample table, e.g. `samples/train/step_000025`."""
+    return f"{SAMPLES_PREFIX}/{table}/step_{step:06d}"
 
 
 def _warn(message: str) -> None:
@@ -216,8 +222,22 @@ class WandbSink:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._run is None:
             return
-        step = int(step)
-        row = {str(k): to_float(v) for k, v in metrics.items()}
+        self._add({str(k): to_float(v) for k, v in metrics.items()}, int(step))
+
+    def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
+        """One wandb.Table per call, under its own key: `samples/<table>/step_<step, 6 digits>`
+        (a key per step, so a later table never replaces an earlier one)."""
+        if self._run is None or not rows:
+            return
+        import wandb   # already imported by _start (the run exists)
+
+        columns = [str(k) for k in rows[0]]
+        data = [[_plain(row.get(c)) for c in columns] for row in rows]
+        key = sample_key(table, int(step))
+        self._add({key: wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, int(step))
+
+    def _add(self, row: dict[str, Any], step: int) -> None:
+        """Buffer `row` into the history row of `step` (see the module docstring)."""
         if self._pending is not None and step == self._pending[0]:
             self._pending[1].update(row)
             return

@@ -152,7 +152,7 @@ def test_disabled_mode_is_a_no_op(tmp_path, wandb_env):
 def test_build_sinks_jsonl_and_wandb(tmp_path, wandb_env, capsys):
     sink = build_sinks(tmp_path, jsonl=True, wandb=True, wandb_mode="offline", project="p",
                        name="run-1", run_config=CONFIG, console=True, total_steps=3)
-    assert [s.name for s in sink.sinks] == ["console", "jsonl", "wandb"]
+    assert [s.name for s in sink.sinks] == ["console", "jsonl", "samples.jsonl", "wandb"]
     for step, metrics in STEPS.items():
         sink.log(metrics, step=step)
     sink.summary({"final/reward": 0.875})
