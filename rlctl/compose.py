@@ -7,11 +7,12 @@ what is valid; the CLI prints it and exits with code 2.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, open_dict
 
@@ -44,7 +45,8 @@ def _store_recipe(recipe: Dict, overrides: Sequence[str]) -> None:
 @dataclass
 class Composed:
     cfg: DictConfig              # unresolved, validated
-    choices: Dict[str, str]      # group -> chosen option, e.g. {"algo": "grpo"}
+    choices: Dict[str, Any]      # group -> chosen option, e.g. {"algo": "grpo"}, or a list
+                                 # of them merged in order (logger=[jsonl,wandb])
     overrides: List[str]         # as given on the command line
     recipe: Optional[str] = None
 
@@ -65,7 +67,8 @@ def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Comp
         raise ConfigError(explain(exc, overrides)) from None
     finally:
         GlobalHydra.instance().clear()
-    choices = {g: str(cfg.hydra.runtime.choices[g]) for g in GROUPS}
+    ran = cfg.hydra.runtime.choices
+    choices = {g: str(ran[g]) if g in ran else _list_choice(g, given, loaded) for g in GROUPS}
     with open_dict(cfg):
         for key in ("hydra", "defaults"):
             cfg.pop(key, None)
@@ -76,3 +79,16 @@ def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Comp
                           "critic; use an algorithm with one (algo=ppo) or set algo.critic=shared "
                           "with algo.advantage=gae")
     return Composed(cfg=cfg, choices=choices, overrides=given, recipe=recipe)
+
+
+def _list_choice(group: str, overrides: Sequence[str], recipe: Optional[Dict]) -> List[str]:
+    """The options of a group given as a list (logger=[jsonl,wandb]), for which Hydra records
+    no choice: the shell's last list for it, else the recipe's defaults entry."""
+    for o in reversed(OverridesParser.create().parse_overrides(list(overrides))):
+        if o.key_or_group == group and isinstance(o.value(), list):
+            return [str(v) for v in o.value()]
+    for item in (recipe or {}).get("defaults", []) or []:
+        for key, value in (item.items() if isinstance(item, dict) else []):
+            if key.replace("override", "").strip().lstrip("/") == group and isinstance(value, list):
+                return [str(v) for v in value]
+    return []

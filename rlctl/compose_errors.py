@@ -20,7 +20,7 @@ def explain(exc: Exception, overrides: Sequence[str]) -> str:
         parts.append(one_line(seen))
         seen = seen.__cause__ or seen.__context__
     msg = " | ".join(parts)
-    m = re.search(r"Could not find '(\w+)/([^']*)'", msg)
+    m = re.search(r"Could not (?:find|load) '(\w+)/([^']*)'", msg)  # load: in a list
     if m and m.group(1) in GROUPS:
         group, bad = m.groups()
         return f"unknown {group} '{bad}'; valid: {', '.join(group_options(group))}"

@@ -152,8 +152,8 @@ class SamplesConfig:
 @dataclass
 class LoggerConfig:
     name: str = MISSING            # wandb | jsonl | tensorboard | none (a list: the last one's name)
-    jsonl: bool = MISSING
-    wandb: bool = MISSING
+    jsonl: bool = False            # each logger= option turns on its own sinks; none turns all off
+    wandb: bool = False
     tensorboard: bool = False      # TensorBoard event files under <run>/tensorboard/
     wandb_mode: str = "offline"    # offline | online | disabled
     project: str = "rlctl"

@@ -1,8 +1,11 @@
 """Config composition: defaults, overrides, validation errors, recipe replay."""
+from types import SimpleNamespace
+
 import pytest
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
+from rlctl.run.training import _sink
 
 from rlctl.errors import ConfigError
 from rlctl.run.entries import EntryNames, check_entries
@@ -76,3 +79,46 @@ def test_unreadable_recipe(tmp_path):
     bad.write_text("just a string")
     with pytest.raises(ConfigError, match="mapping"):
         compose([], recipe=str(bad))
+
+
+FLAGS = ("jsonl", "wandb", "tensorboard")
+
+
+@pytest.mark.parametrize("choice, on, name", [
+    ("wandb", {"jsonl", "wandb"}, "wandb"),        # the default, as before lists existed
+    ("jsonl", {"jsonl"}, "jsonl"),
+    ("none", set(), "none"),
+    ("tensorboard", {"jsonl", "tensorboard"}, "tensorboard"),
+    ("[jsonl,wandb,tensorboard]", {"jsonl", "wandb", "tensorboard"}, "tensorboard"),
+    ("[tensorboard,wandb]", {"jsonl", "wandb", "tensorboard"}, "wandb"),
+    ("[wandb,tensorboard,none]", set(), "none"),   # none last turns every sink off
+])
+def test_logger_options_and_lists_of_them_turn_on_their_sinks(choice, on, name, tmp_path):
+    c = compose([f"logger={choice}", "logger.wandb_mode=disabled", "logger.console=false"])
+    assert {f for f in FLAGS if c.cfg.logger[f]} == on and c.cfg.logger.name == name
+    assert c.cfg.logger.wandb_mode == "disabled" and c.cfg.logger.project == "rlctl"
+    expected = choice.strip("[]").split(",") if choice.startswith("[") else choice
+    assert c.choices["logger"] == expected
+    sink = _sink(tmp_path, SimpleNamespace(is_main=True), c.cfg.logger, {}, total_steps=1)
+    names = [s.name for s in sink.sinks]
+    sink.close()
+    assert names == [n for flag, n in [("jsonl", "jsonl"), ("jsonl", "samples.jsonl"),
+                                       ("wandb", "wandb"), ("tensorboard", "tensorboard")]
+                     if flag in on]
+
+
+def test_a_list_of_loggers_replays_from_the_recipe(tmp_path):
+    first = compose(["logger=[jsonl,tensorboard]", "seed=2"])
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe_text(first))
+    again = compose([], recipe=str(path))
+    assert again.choices["logger"] == ["jsonl", "tensorboard"]
+    assert OmegaConf.to_container(again.cfg) == OmegaConf.to_container(first.cfg)
+    switched = compose(["logger=wandb"], recipe=str(path))
+    assert switched.choices["logger"] == "wandb" and switched.cfg.logger.tensorboard is False
+
+
+def test_an_unknown_logger_in_a_list_names_the_options():
+    with pytest.raises(ConfigError) as err:
+        compose(["logger=[jsonl,tensorbord]"])
+    assert str(err.value) == "unknown logger 'tensorbord'; valid: jsonl, none, tensorboard, wandb"

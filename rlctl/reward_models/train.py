@@ -202,7 +202,8 @@ def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop
     lg = cfg.logger
     sink = build_sinks(run_dir=run_dir, jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode,
                        project=lg.project, name=run_dir.name, run_config=resolved,
-                       console=lg.console, total_steps=rm.steps, console_keys=REWARD_MODEL_KEYS)
+                       console=lg.console, total_steps=rm.steps, console_keys=REWARD_MODEL_KEYS,
+                       tensorboard=lg.tensorboard)
     t0, last = time.perf_counter(), {}
 
     def on_step(step: int, metrics: Dict[str, float]) -> None:

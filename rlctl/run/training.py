@@ -51,7 +51,8 @@ def _sink(run_dir: Path, backend, logger, resolved: dict, total_steps: int):
         return NullSink()
     return build_sinks(run_dir=run_dir, jsonl=logger.jsonl, wandb=logger.wandb,
                        wandb_mode=logger.wandb_mode, project=logger.project, name=run_dir.name,
-                       run_config=resolved, console=logger.console, total_steps=total_steps)
+                       run_config=resolved, console=logger.console, total_steps=total_steps,
+                       tensorboard=logger.tensorboard)
 
 
 def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
