@@ -31,6 +31,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
+from rlctl.cli import app  # noqa: E402
+
 torch.set_num_threads(1)
 
 # session fixture -> xdist group of the tests that use it (each group runs on one worker)
@@ -93,15 +95,14 @@ def build_once(tmp_path_factory):
 
 # -- the CLI in this process -------------------------------------------------------------
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def rlctl_app():
     """``rlctl_app(*args, cwd=None, env=None, path=())`` -> ``CompletedProcess`` (args,
     returncode, stdout, stderr) of ``rlctl ARGS`` run in this process: ``env`` entries are
     set, ``path`` directories put first on ``sys.path`` (as PYTHONPATH would) and the
     modules imported from them forgotten afterwards. An exception that escapes the app
-    (the console script would print a traceback) fails the test."""
-    from rlctl.cli import app
-
+    (the console script would print a traceback) fails the test. Session-scoped (it
+    keeps no state), so module- and session-scoped fixtures can run commands with it."""
     def invoke(*args, cwd=None, env=None, path=()):
         before = set(sys.modules)
         with pytest.MonkeyPatch.context() as mp:

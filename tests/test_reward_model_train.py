@@ -1,5 +1,6 @@
 """Reward-model training: the Bradley-Terry loss by hand, `rlctl reward-model train|eval`
-through the console script, bad input, and the cached tiny sorting reward model."""
+(the CLI app in-process; one bad input through the console script), bad input, and the
+cached tiny sorting reward model."""
 import json
 import math
 import os
@@ -119,11 +120,12 @@ def write_jsonl(path: Path, rows) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One 60-step fit on 300 seeded pairs (30 held out by the default rm.eval_frac)."""
+def trained(tmp_path_factory, rlctl_app):
+    """One 60-step fit on 300 seeded pairs (30 held out by the default rm.eval_frac), the
+    CLI app in-process (test_bad_inputs_through_the_console_script runs the console script)."""
     root = tmp_path_factory.mktemp("rm")
     prefs = write_jsonl(root / "prefs.jsonl", swapped_pairs(300, 0))
-    out = run("reward-model", "train", prefs, *FAST, "rm.steps=60", "rm.eval_every=20",
+    out = rlctl_app("reward-model", "train", prefs, *FAST, "rm.steps=60", "rm.eval_every=20",
               f"run.output_dir={root / 'runs'}", cwd=root)
     assert out.returncode == 0, out.stdout + out.stderr
     (run_dir,) = list((root / "runs").iterdir())
@@ -149,7 +151,7 @@ def test_train_writes_a_loadable_classifier_and_reaches_the_accuracy(trained):
     assert "center_coef: 0.01" in config and "steps: 60" in config
 
 
-def test_eval_command_matches_a_manual_forward_at_the_last_token(trained, tmp_path):
+def test_eval_command_matches_a_manual_forward_at_the_last_token(trained, tmp_path, rlctl_app):
     """The printed accuracy equals a per-pair forward of each unpadded sequence, scored by
     the head at its last position (the batched command pads on the left)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -157,7 +159,7 @@ def test_eval_command_matches_a_manual_forward_at_the_last_token(trained, tmp_pa
     _, run_dir = trained
     rows = swapped_pairs(40, 7)
     prefs = write_jsonl(tmp_path / "eval.jsonl", rows)
-    out = run("reward-model", "eval", run_dir, prefs, "--out", tmp_path / "e.json")
+    out = rlctl_app("reward-model", "eval", run_dir, prefs, "--out", tmp_path / "e.json")
     assert out.returncode == 0, out.stdout + out.stderr
     stats = json.loads((tmp_path / "e.json").read_text())
     assert "pairwise accuracy" in out.stdout and "chosen" in out.stdout and "rejected" in out.stdout
@@ -177,7 +179,7 @@ def test_eval_command_matches_a_manual_forward_at_the_last_token(trained, tmp_pa
     assert stats["rejected_p50"] == pytest.approx(statistics.median(rejected.tolist()), abs=1e-4)
 
 
-def test_a_model_fitted_with_max_length_is_scored_on_the_same_last_tokens(tmp_path):
+def test_a_model_fitted_with_max_length_is_scored_on_the_same_last_tokens(tmp_path, rlctl_app):
     """rm.max_length=K is saved with the model: `rlctl reward-model eval` and RewardModel
     (a run's scorer) score each over-long text at its BOS + last K-1 tokens, as the fit
     did (before, they scored the whole text, up to the tokenizer's 64). The pairs over the
@@ -199,7 +201,8 @@ def test_a_model_fitted_with_max_length_is_scored_on_the_same_last_tokens(tmp_pa
                      "rejected": " ".join(map(str, w))})
     prefs = write_jsonl(tmp_path / "long.jsonl", rows)
     k = 16
-    out = run("reward-model", "train", prefs, *FAST, "rm.steps=3", "rm.batch_size=8",
+    # the CLI app in-process: its notes go to sys.stderr, captured as the console's stderr
+    out = rlctl_app("reward-model", "train", prefs, *FAST, "rm.steps=3", "rm.batch_size=8",
               f"rm.max_length={k}", f"run.output_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert ("rm.max_length=16: 36 of 36 training pairs and 4 of 4 held-out pairs have a text"
@@ -209,7 +212,7 @@ def test_a_model_fitted_with_max_length_is_scored_on_the_same_last_tokens(tmp_pa
     assert summary["train_pairs_truncated"] == 36 and summary["eval_pairs_truncated"] == 4
     tok = AutoTokenizer.from_pretrained(run_dir / "model")
     assert tok.model_max_length == k
-    out = run("reward-model", "eval", run_dir, prefs, "--out", tmp_path / "e.json")
+    out = rlctl_app("reward-model", "eval", run_dir, prefs, "--out", tmp_path / "e.json")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "16-token limit: 40 of 40 pairs" in out.stderr, out.stderr
     stats = json.loads((tmp_path / "e.json").read_text())
@@ -248,15 +251,17 @@ def bad_files(tmp_path):
     return tmp_path, good, missing, f"run.output_dir={tmp_path / 'runs'}"
 
 
-def test_bad_inputs_through_the_console_script(bad_files):
+def test_bad_inputs_through_the_console_script(bad_files, rlctl_app):
+    """The first case through the console script (a user's exit code and stderr), the
+    others through the same CLI app in-process."""
     tmp_path, good, missing, out_dir = bad_files
     cases = [
         (["train", missing, out_dir], "missing.jsonl:2 has no 'rejected' column"),
         (["train", good, "rm.bogus=1", out_dir], "unknown reward-model key 'rm.bogus'"),
         (["eval", tmp_path, good], "is not a reward model directory"),
     ]
-    for args, fragment in cases:
-        line = one_error_line(run("reward-model", *args, cwd=tmp_path))
+    for i, (args, fragment) in enumerate(cases):
+        line = one_error_line((run if i == 0 else rlctl_app)("reward-model", *args, cwd=tmp_path))
         assert fragment in line, (args, line)
     assert not (tmp_path / "runs").exists()      # every check runs before a run directory
 

@@ -25,8 +25,8 @@ def _rlctl(cwd, *args, timeout=300):
                           cwd=cwd, env=env, timeout=timeout)
 
 
-def _train(tmp_path, name, *overrides):
-    out = _rlctl(tmp_path, "train", "--recipe", "rlhf-sorting", f"run.output_dir={tmp_path}/{name}",
+def _train(tmp_path, name, *overrides, rlctl=_rlctl):
+    out = rlctl(tmp_path, "train", "--recipe", "rlhf-sorting", f"run.output_dir={tmp_path}/{name}",
                  *FAST, *overrides)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
@@ -34,11 +34,16 @@ def _train(tmp_path, name, *overrides):
     return run, [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_recipe_with_tiny_equals_the_cached_directory_and_inspect_plots_proxy_vs_gold(tmp_path):
+def test_recipe_with_tiny_equals_the_cached_directory_and_inspect_plots_proxy_vs_gold(tmp_path,
+                                                                                     rlctl_app):
     from rlctl.reward_models.tiny import tiny_reward_model_dir
 
+    def in_process(cwd, *args):          # the same CLI app, without a new interpreter
+        return rlctl_app(*args, cwd=cwd)
+
     run, rows = _train(tmp_path, "tiny")                         # the recipe sets reward_model: tiny
-    _, by_path = _train(tmp_path, "path", f"task.reward_model={tiny_reward_model_dir()}")
+    _, by_path = _train(tmp_path, "path", f"task.reward_model={tiny_reward_model_dir()}",
+                        rlctl=in_process)
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 2
     # same seed, same model: "tiny" is that directory, so every proxy score is identical
@@ -48,7 +53,7 @@ def test_recipe_with_tiny_equals_the_cached_directory_and_inspect_plots_proxy_vs
         assert "reward/exact" in r and "value/loss" in r and r["kl/coef"] == 0.3
         assert r["reward/mean"] <= 2.0 + 1e-6                   # task.reward_clip=2.0
     assert any("eval/exact_match" in r for r in rows)
-    out = _rlctl(tmp_path, "inspect", run)
+    out = in_process(tmp_path, "inspect", run)
     assert out.returncode == 0, out.stderr[-2000:]
     png = run / "inspect_proxy_gold.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
