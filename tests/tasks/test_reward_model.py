@@ -177,7 +177,7 @@ def test_critic_starts_at_the_reward_model_score(tmp_path):
     assert float(rm.load().score.weight.sum()) != float(critic.value_head.summary.weight.sum())
 
 
-# ---- through the console script ------------------------------------------------------------
+# ---- the CLI: the console script, and the same app in-process ------------------------------
 FAST = ["trainer.steps=2", "trainer.eval_every=2", "trainer.prompts_per_step=2",
         "algo.group_size=2", "logger=jsonl", "logger.console=false", "rollout.max_new_tokens=6",
         "task.num_eval=4"]
@@ -188,6 +188,11 @@ def _rlctl(tmp_path, *args, timeout=240):
                TOKENIZERS_PARALLELISM="false")
     return subprocess.run([RLCTL, *map(str, args)], capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=timeout)
+
+
+def _in_process(rlctl_app):
+    """``_rlctl``'s signature over the CLI app in-process."""
+    return lambda tmp_path, *args: rlctl_app(*args, cwd=tmp_path)
 
 
 def test_train_logs_proxy_and_gold(tmp_path):
@@ -205,12 +210,13 @@ def test_train_logs_proxy_and_gold(tmp_path):
     assert any("eval/exact_match" in r for r in rows)
 
 
-def test_train_ppo_with_critic_from_the_reward_model(tmp_path):
+def test_train_ppo_with_critic_from_the_reward_model(tmp_path, rlctl_app):
     rm_dir = save_rm(tmp_path / "rm", dtype=torch.float32)
-    out = _rlctl(tmp_path, "train", "algo=ppo", "algo.critic=separate",
+    # the CLI app in-process (test_train_logs_proxy_and_gold runs the console script)
+    out = rlctl_app("train", "algo=ppo", "algo.critic=separate",
                  "algo.critic_init=reward_model", "algo.critic_warmup_steps=1",
                  f"task.reward_model={rm_dir}", "task.reward_norm=running", "task.reward_clip=3",
-                 f"run.output_dir={tmp_path}/runs", *FAST)
+                 f"run.output_dir={tmp_path}/runs", *FAST, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     run = next((tmp_path / "runs").iterdir())
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
@@ -256,11 +262,14 @@ BAD = [
 ]
 
 
-def test_bad_reward_models_one_line_before_a_run_dir(tmp_path):
+def test_bad_reward_models_one_line_before_a_run_dir(tmp_path, rlctl_app):
+    """The first case through the console script, the others through the same CLI app
+    in-process (no new interpreter's imports for each)."""
     dirs = _bad_dirs(tmp_path)
-    for args, fragment in BAD:
-        out = _rlctl(tmp_path, "train", "trainer.steps=1", f"run.output_dir={tmp_path}/runs",
-                     *[a.format(**dirs) for a in args], timeout=120)
+    for i, (args, fragment) in enumerate(BAD):
+        out = (_rlctl if i == 0 else _in_process(rlctl_app))(
+            tmp_path, "train", "trainer.steps=1", f"run.output_dir={tmp_path}/runs",
+            *[a.format(**dirs) for a in args])
         lines = [ln for ln in out.stderr.splitlines() if ln.strip() and "[WARNING]" not in ln]
         assert out.returncode == 2, (args, out.stderr[-1500:])
         assert "Traceback" not in out.stderr
@@ -275,17 +284,19 @@ EVAL_BAD = [("causal", "PATH: '{causal}' is not a sequence classifier (architect
             ("nohead", "PATH: '{nohead}' has no trained score head (score.weight missing")]
 
 
-def test_reward_model_eval_refuses_what_train_refuses_in_one_line(tmp_path):
-    """`rlctl reward-model eval` loads through RewardModel: the same checks as a run."""
+def test_reward_model_eval_refuses_what_train_refuses_in_one_line(tmp_path, rlctl_app):
+    """`rlctl reward-model eval` loads through RewardModel: the same checks as a run (the
+    first case through the console script, the others in-process)."""
     dirs = _bad_dirs(tmp_path)
     prefs = tmp_path / "p.jsonl"
     prefs.write_text(json.dumps({"prompt": "2 1 =", "chosen": "1 2", "rejected": "2 1"}) + "\n")
-    for name, fragment in EVAL_BAD:
-        out = _rlctl(tmp_path, "reward-model", "eval", dirs[name], prefs, timeout=120)
+    for i, (name, fragment) in enumerate(EVAL_BAD):
+        out = (_rlctl if i == 0 else _in_process(rlctl_app))(tmp_path, "reward-model", "eval",
+                                                             dirs[name], prefs)
         lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
         assert out.returncode == 2 and "Traceback" not in out.stderr, (name, out.stderr[-1500:])
         assert len(lines) == 1 and fragment.format(**dirs) in lines[0], (name, lines)
-    ok = _rlctl(tmp_path, "reward-model", "eval", dirs["other"], prefs, timeout=120)
+    ok = rlctl_app("reward-model", "eval", dirs["other"], prefs, cwd=tmp_path)
     assert ok.returncode == 0 and "pairwise accuracy" in ok.stdout, ok.stderr[-1500:]
 
 
