@@ -26,6 +26,7 @@ TOKENS = "tokens"              # [N, P+T]: prompt left-padded, completion right-
 COMPLETION = "completion"      # [N, T] (or [N, 1], broadcast along T)
 ROW = "row"                    # [N]
 TEXT = "text"                  # a list of N strings
+COLUMNS = "columns"            # a dict: name -> a list of N floats
 SCALAR = "scalar"              # one value for the whole batch
 
 
@@ -59,6 +60,11 @@ class RolloutBatch:
                                   stale and on-policy async rollouts): the False rows are
                                   placeholders the learner fills from its pi_old forward.
                                   None: old_logprobs (when present) hold in every row
+        staleness:      [N]      long, or None; learner updates between the weights that
+                                  sampled each row and the learner's when it is consumed
+                                  (async actors); None: sampled with the learner's own
+        reward_parts:   {name: [N floats]}, or None; each named reward of each row as the
+                                  scorer gave it (``reward/<name>``; 0 where a row lacks it)
     """
     input_ids: torch.Tensor = _axis(TOKENS)
     attention_mask: torch.Tensor = _axis(TOKENS)
@@ -76,6 +82,8 @@ class RolloutBatch:
     old_values: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
     returns: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
     behaviour_rows: Optional[torch.Tensor] = _axis(ROW, optional=True)
+    staleness: Optional[torch.Tensor] = _axis(ROW, optional=True)
+    reward_parts: Optional[Dict[str, List[float]]] = _axis(COLUMNS, optional=True)
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -87,7 +95,7 @@ class RolloutBatch:
 
     @classmethod
     def axis(cls, name: str) -> str:
-        """How field ``name`` is laid out: TOKENS, COMPLETION, ROW, TEXT or SCALAR."""
+        """How field ``name`` is laid out: TOKENS, COMPLETION, ROW, TEXT, COLUMNS or SCALAR."""
         return next(f.metadata["axis"] for f in fields(cls) if f.name == name)
 
     def _tensors(self, kinds) -> Dict[str, torch.Tensor]:
@@ -101,12 +109,16 @@ class RolloutBatch:
 
     def select(self, rows: torch.Tensor, text: bool = True) -> "RolloutBatch":
         """Some rows (a micro-batch, the kept groups): every per-row field is indexed.
-        ``text=False`` leaves the text lists empty: no host sync for ``rows``."""
-        picked = {k: v[rows] for k, v in self._tensors((TOKENS, COMPLETION, ROW)).items()}
+        ``text=False`` leaves the text lists (and named rewards' lists) empty: no host
+        sync for ``rows``."""
+        picked: Dict[str, Any] = {k: v[rows] for k, v in self._tensors((TOKENS, COMPLETION, ROW)).items()}
         idx = rows.tolist() if text else []
         for f in fields(self):
+            value = getattr(self, f.name)
             if f.metadata["axis"] == TEXT:
-                picked[f.name] = [getattr(self, f.name)[i] for i in idx]
+                picked[f.name] = [value[i] for i in idx]
+            elif f.metadata["axis"] == COLUMNS and value is not None:
+                picked[f.name] = {k: [v[i] for i in idx] for k, v in value.items()}
         return self.replace(**picked)
 
     def cut(self, width: int) -> "RolloutBatch":
@@ -137,6 +149,9 @@ class RolloutBatch:
             if kind == TEXT:
                 out[f.name] = [x for v in values for x in v]
                 continue
+            if kind == COLUMNS:
+                out[f.name] = _cat_columns(values, [b.num_sequences for b in parts])
+                continue
             pad = pad_id if f.name == "input_ids" else 0
             out[f.name] = torch.cat([_pad(v, kind, P - b.prompt_len, b.mask.shape[1], T, pad)
                                      for b, v in zip(parts, values)])
@@ -147,6 +162,13 @@ class RolloutBatch:
 
 
 _PAIRED = ("old_logprobs", "behaviour_rows")    # stacked together by _cat_behaviour
+
+
+def _cat_columns(values: Sequence[Dict[str, List[float]]], rows: Sequence[int]) -> Dict[str, List[float]]:
+    """Named per-row lists stacked: every name of any batch, 0.0 for the rows of a batch
+    without it (as a scorer fills a name some of its samples lack)."""
+    names = sorted({k for v in values for k in v})
+    return {k: [x for v, n in zip(values, rows) for x in v.get(k, [0.0] * n)] for k in names}
 
 
 def _cat_behaviour(batches: Sequence[RolloutBatch], T: int):

@@ -13,7 +13,7 @@ Point-to-point messages, each a fixed float64 header and one byte payload (wire.
                     payload: the batch's ``WIRE`` fields (input_ids [N, L],
                     attention_mask [N, L], mask [N, T], truncated [N], rewards [N],
                     behaviour log-probs [N, T]), (use_rng)
-                    the advanced RNG state, each named reward's sum over the rows
+                    the advanced RNG state, each named reward of each row
                     (``_named_rewards``); or an error message
 
 Versions count learner updates. Rollouts are requested in the order the learner will
@@ -200,11 +200,11 @@ class AsyncSource:
         if use_rng:
             specs.append((torch.get_rng_state().shape, torch.uint8))
         K, M = payload[-16:].clone().view(torch.int64).tolist()       # the named rewards' tail
-        specs += [((K,), torch.float64), ((M,), torch.uint8), ((2,), torch.int64)]
+        specs += [((K * N,), torch.float64), ((M,), torch.uint8), ((2,), torch.int64)]
         parts = unpack(payload, specs)
         if use_rng:
             torch.set_rng_state(parts[len(WIRE)])
-        self._count(N, parts[-3], parts[-2], h, time.perf_counter() - t0)
+        named = self._count(N, parts[-3], parts[-2], h, time.perf_counter() - t0)
         stale = self.version - version
         self._log("async/staleness", float(stale))
         G, dev = self.group_size, self.device
@@ -213,18 +213,24 @@ class AsyncSource:
             fields["old_logprobs"] = None
         prompts = [self.local.examples[i].prompt for i in idx.tolist() for _ in range(G)]
         return RolloutBatch(**fields, group_ids=torch.arange(N // G, device=dev).repeat_interleave(G),
-                            prompt_len=P, group_size=G, prompts=prompts, completions=[""] * N)
+                            prompt_len=P, group_size=G, prompts=prompts, completions=[""] * N,
+                            staleness=torch.full((N,), stale, dtype=torch.long, device=dev),
+                            reward_parts=named)
 
-    def _count(self, N: int, sums: torch.Tensor, names: torch.Tensor, h, waited: float) -> None:
-        """Book a reply: named reward sums, reward errors and calls, the waits."""
-        keys = bytes(names.tolist()).decode().split("\n") if sums.numel() else []
-        for name, total in zip(keys, sums.tolist()):     # summed as RewardScorer sums them
-            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + total
+    def _count(self, N: int, values: torch.Tensor, names: torch.Tensor, h,
+               waited: float) -> Dict[str, List[float]]:
+        """Book a reply: named reward sums, reward errors and calls, the waits. Returns
+        each named reward's N values (``values``: [K * N], name by name)."""
+        keys = bytes(names.tolist()).decode().split("\n") if values.numel() else []
+        named = dict(zip(keys, values.view(len(keys), N).tolist())) if keys else {}
+        for name, row in named.items():     # summed as RewardScorer sums them
+            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + sum(row)
         self.reward_count += N
         self._log("time/learner_wait_s", waited)
         self._log("time/actor_wait_s", h[6])
         self.scorer.errors += int(h[5])
         self.scorer.calls += N              # the actor scored the N rows it sent
+        return named
 
     def sample(self, num_groups: int) -> RolloutBatch:
         self._fill()
@@ -293,11 +299,12 @@ def _send_rollout(b: RolloutBatch, info: List[float], use_rng: bool,
 
 
 def _named_rewards(components: Dict[str, List[float]]) -> List[torch.Tensor]:
-    """The payload's tail: each named reward's sum over the rows [K] float64, the names
-    ("\n"-joined utf-8) [M] uint8, then (K, M) int64, so the learner reads it from the end."""
+    """The payload's tail: each named reward of each row [K * N] float64 (name by name),
+    the names ("\n"-joined utf-8) [M] uint8, then (K, M) int64, so the learner reads it
+    from the end."""
     names = sorted(components)
     text = torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)
-    return [torch.tensor([sum(components[k]) for k in names], dtype=torch.float64), text,
+    return [torch.tensor([v for k in names for v in components[k]], dtype=torch.float64), text,
             torch.tensor([len(names), text.numel()], dtype=torch.int64)]
 
 

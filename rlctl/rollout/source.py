@@ -61,9 +61,10 @@ class LocalSource:
     def sample(self, num_groups: int) -> RolloutBatch:
         s = self.settings
         examples = [self.examples[i] for i in self.draw(num_groups)]
-        return rollout(self.policy, self.tokenizer, examples, s.group_size, s.max_new_tokens,
-                       s.temperature, s.top_k, self.scorer.score_batch,
-                       share_prompts=s.share_prompts, stops=self.stops, **self.generate_kwargs)
+        batch = rollout(self.policy, self.tokenizer, examples, s.group_size, s.max_new_tokens,
+                        s.temperature, s.top_k, self.scorer.score_batch,
+                        share_prompts=s.share_prompts, stops=self.stops, **self.generate_kwargs)
+        return batch.replace(reward_parts=self.scorer.last_components)   # this batch's, per row
 
     def after_update(self) -> None:
         pass
