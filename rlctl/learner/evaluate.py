@@ -1,11 +1,12 @@
 """Held-out evaluation: greedy completions on the task's eval split."""
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from rlctl.core.logprobs import completion_mask
+from rlctl.learner.samples import Row, endings, eval_rows
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
 from rlctl.types import Example
@@ -13,18 +14,21 @@ from rlctl.types import Example
 
 @torch.no_grad()
 def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_tokens: int,
-             batch_size: int = 256, **backend_kwargs) -> Dict[str, float]:
-    """Greedy completions scored by ``scorer`` (a ``RewardScorer``); SUMS over the examples (the caller divides by ``count``, after
-    adding up the ranks' sums): exact_match, reward (the training reward: with
-    task.reward_norm/reward_clip, the reward models' scores normalised with the training
-    statistics, which held-out scoring never updates, and clipped), length_mean,
-    truncated_frac, and reward_raw (the same total from the raw scores) when
-    normalisation or clipping applies. No exact_match for a task without a reward of its
+             batch_size: int = 256, keep: int = 0, step: int = 0, **backend_kwargs
+             ) -> Tuple[Dict[str, float], List[Row]]:
+    """Greedy completions scored by ``scorer`` (a ``RewardScorer``): (SUMS over the examples,
+    the eval sample table of the first ``keep`` examples at ``step``, rlctl.learner.samples).
+    The caller divides the sums by ``count``, after adding up the ranks' sums: exact_match,
+    reward (the training reward: with task.reward_norm/reward_clip, the reward models'
+    scores normalised with the training statistics, which held-out scoring never
+    updates, and clipped), length_mean, truncated_frac, and reward_raw (the same total
+    from the raw scores) when normalisation or clipping applies. No exact_match for a task without a reward of its
     own (``scorer.has_gold``: a data task scored by reward models alone).
     Completions end at the first stop id of ``stop_ids(model, tokenizer)``."""
     was_training = model.training
     model.eval()
     exact, reward, raw, length, truncated = 0.0, 0.0, 0.0, 0.0, 0.0
+    rows: List[Row] = []
     stops = stop_ids(model, tokenizer)
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
@@ -36,7 +40,13 @@ def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_toke
         mask, trunc = completion_mask(seqs[:, plen:], stops)          # [n, T], [n]
         texts = decode_completions(tokenizer, seqs[:, plen:], mask, stops)
         rewards = scorer.score_batch(chunk, texts)         # user code: under the time limit
-        exact += float(sum(scorer.correct_batch(chunk, texts, rewards)))
+        correct = scorer.correct_batch(chunk, texts, rewards)
+        exact += float(sum(correct))
+        if len(rows) < keep:            # the table: only its rows are read back
+            k = min(keep - len(rows), len(chunk))
+            rows += eval_rows(step, [e.prompt for e in chunk[:k]], texts[:k], rewards[:k],
+                              correct[:k] if scorer.has_gold else None, mask[:k],
+                              endings(seqs[:k, plen:], mask[:k], trunc[:k].tolist(), tokenizer))
         reward += float(sum(rewards))
         raw += float(sum(scorer.last_raw_totals))
         length += mask.sum().item()
@@ -48,4 +58,4 @@ def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_toke
         out["reward_raw"] = raw
     if not scorer.has_gold:  # reward models alone: no gold reward, nothing is "correct"
         del out["exact_match"]
-    return out
+    return out, rows

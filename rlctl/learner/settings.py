@@ -1,7 +1,7 @@
 """What the training loop reads of the config, read once: ``TrainerSettings``.
 
-``TrainerSettings.from_config`` is the only place the ``algo``, ``trainer``, ``rollout``
-and ``model.lora`` keys the loop uses are read; the Trainer itself holds this frozen
+``TrainerSettings.from_config`` is the only place the ``algo``, ``trainer``, ``rollout``,
+``model.lora`` and ``logger.samples`` keys (and the seed) the loop uses are read; the Trainer itself holds this frozen
 object (and the update's and advantages' own settings inside it), never the config.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from rlctl.learner.advantage import AdvantageSettings
+from rlctl.learner.samples import SampleSettings
 from rlctl.learner.update import UpdateSettings
 
 
@@ -50,6 +51,7 @@ class TrainerSettings:
     checkpoint_every: int           # trainer.checkpoint_every (0: only at the end)
     keep_checkpoints: int           # trainer.keep_checkpoints
     max_bad_steps: int              # trainer.max_bad_steps
+    samples: SampleSettings         # logger.samples.every/.n and seed (learner/samples.py)
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "TrainerSettings":
@@ -70,4 +72,6 @@ class TrainerSettings:
                    eval_max_new_tokens=cfg.rollout.max_new_tokens, steps=tr.steps,
                    eval_every=tr.eval_every, log_every=tr.log_every,
                    checkpoint_every=tr.checkpoint_every, keep_checkpoints=tr.keep_checkpoints,
-                   max_bad_steps=tr.max_bad_steps)
+                   max_bad_steps=tr.max_bad_steps,
+                   samples=SampleSettings(every=cfg.logger.samples.every, n=cfg.logger.samples.n,
+                                          seed=cfg.seed))

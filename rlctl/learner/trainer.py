@@ -22,9 +22,11 @@ import torch
 from rlctl.backends.base import TorchBackend
 from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
 from rlctl.errors import Interrupted, TrainingFault
-from rlctl.learner.advantage import compute_advantages
+from rlctl.models.stop_ids import stop_ids
+from rlctl.learner.advantage import compute_advantages, shaped_task_rewards
 from rlctl.learner.evaluate import evaluate
 from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
+from rlctl.learner.samples import draw_rows, train_rows
 from rlctl.learner.settings import TrainerSettings
 from rlctl.learner.stats import Moments, reduce_metrics, rollout_metrics
 from rlctl.learner.update import UpdateState, update_policy
@@ -141,12 +143,17 @@ class Trainer:
             return torch.where(batch.behaviour_rows[:, None], batch.old_logprobs, f.logp), f.values
         return batch.old_logprobs, f.values
 
-    def _evaluate(self) -> Dict[str, float]:
-        """Greedy eval; each rank takes every world_size-th example, sums are reduced."""
-        b = self.backend
-        sums = evaluate(self.policy, self.tokenizer, self.eval_scorer,
-                        self.eval_examples[b.rank::b.world_size], self.options.eval_max_new_tokens,
-                        **b.generate_kwargs())
+    def _evaluate(self, step: int) -> Dict[str, float]:
+        """Greedy eval after ``step``; each rank takes every world_size-th example, sums are
+        reduced. With samples on, rank 0's first logger.samples.n rows go to the sink."""
+        b, samples = self.backend, self.options.samples
+        keep = samples.n if samples.on and b.is_main else 0
+        sums, rows = evaluate(self.policy, self.tokenizer, self.eval_scorer,
+                              self.eval_examples[b.rank::b.world_size],
+                              self.options.eval_max_new_tokens, keep=keep, step=step,
+                              **b.generate_kwargs())
+        if rows:
+            self.sink.samples(rows, step, "eval")
         keys = sorted(sums)
         totals = b.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys])).tolist()
         n = max(totals[keys.index("count")], 1.0)
@@ -188,7 +195,18 @@ class Trainer:
         values.update(self.source.metrics())      # async: staleness, learner/actor waits
         if "kl/seq_k1" in values:
             self.kl_ctl.update(values["kl/seq_k1"], sequences)   # horizon counts sequences (Ziegler et al.)
+        if s.samples.due(step, s.steps) and self.backend.is_main:
+            self._log_samples(batch, step)
         return values
+
+    def _log_samples(self, batch: RolloutBatch, step: int) -> None:
+        """The step's sample table (rlctl/learner/samples.py): a few whole groups, drawn
+        with an RNG of their own, read back and decoded alone."""
+        n, seed = self.options.samples.n, self.options.samples.seed
+        rows = draw_rows(batch.num_sequences, batch.group_size, n, seed, step)
+        rewards = shaped_task_rewards(batch, self.adv_settings)                  # [N]
+        self.sink.samples(train_rows(batch, rows, step, rewards, self.tokenizer,
+                                     stop_ids(self.policy, self.tokenizer)), step, "train")
 
     def train(self, run_dir=None, resume_from=None, on_step=None, stop=None) -> TrainResult:
         """The loop. With ``run_dir``, checkpoints every ``trainer.checkpoint_every`` steps
@@ -209,7 +227,7 @@ class Trainer:
                 updates = self.settings.epochs * self.settings.minibatches
                 bad_streak = bad_streak + 1 if values.get("fault/skipped_steps", 0) >= updates else 0
                 if o.eval_every > 0 and (step % o.eval_every == 0 or step == o.steps):
-                    values.update(self._evaluate())
+                    values.update(self._evaluate(step))
                 values["time/elapsed_s"] = time.perf_counter() - t_start
                 if step % o.log_every == 0 or step == o.steps:
                     self.sink.log(values, step=step)
@@ -222,7 +240,7 @@ class Trainer:
         result.tokens_per_s = tokens / max(result.seconds, 1e-9)
         if o.eval_every > 0:
             result.eval_end = {k: v for k, v in result.last_metrics.items() if k.startswith("eval/")} \
-                or self._evaluate()
+                or self._evaluate(o.steps)
         return result
 
     def _start(self, result: TrainResult, resume_from) -> int:
@@ -233,7 +251,7 @@ class Trainer:
             self.scorer.load_state(state.get("scorer", {}))
             return state["step"] + 1
         if self.options.eval_every > 0:
-            result.eval_start = self._evaluate()
+            result.eval_start = self._evaluate(0)
             self.sink.log(result.eval_start, step=0)
         return 1
 
