@@ -49,6 +49,8 @@ INSPECT_HELP = """Summarise run directories or audit a rollout file.
     rlctl inspect runs/<a> runs/<b> ...  config differences (key x run), overlaid curves
     rlctl inspect rollout.jsonl          EOS/mask alignment, truncation, zero-std groups,
                                          reward-hacking signs, samples per reward bucket
+    rlctl inspect runs/<id> --samples    the run's newest sample tables (--step N: that
+                                         step's) and the audit's signs over its samples
 """
 
 
@@ -108,12 +110,15 @@ def register(app: typer.Typer) -> None:
                  json_out: Optional[str] = typer.Option(None, "--json", metavar="FILE", help="Also write the report as JSON."),
                  plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots."),
                  examples: str = typer.Option("3", "--examples", metavar="N", help="Sample completions per reward bucket (rollout audit)."),
+                 samples: bool = typer.Option(False, "--samples", help="Show the run's sample tables (samples.jsonl) and audit them."),
+                 step: Optional[str] = typer.Option(None, "--step", metavar="N", help="With --samples: the tables of step N."),
                  debug: bool = DEBUG) -> None:
         def go():
             from rlctl.commands.inspect_cmd import run_inspect
 
             run_inspect(list(ctx.args), out_dir=out_dir, json_out=json_out, plots=plots,
-                        examples=_int("--examples", examples))
+                        examples=_int("--examples", examples), samples=samples,
+                        step=_int("--step", step))
         run_command(go, debug)
 
     app.add_typer(rm_app, name="reward-model")   # rlctl reward-model train|eval

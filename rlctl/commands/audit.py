@@ -21,6 +21,11 @@ Reward-hacking signs (flagged when over the stated threshold):
     repetition_rewarded        >= 20% of completions repeat one token for >= 60% of their
                                (>= 4) tokens, more often than the prompt holds it, and
                                they score at least the mean of the rest
+
+``audit_samples`` runs the same statistics and signs over a run's sample tables (the
+train rows of samples.jsonl, rlctl/learner/samples.py): a group is (step, group), a row
+is truncated when its finish_reason is "length"; the alignment checks need token ids,
+which sample rows do not hold.
 """
 from __future__ import annotations
 
@@ -102,6 +107,20 @@ def audit_rollout(path: Path, examples: int = 3) -> dict:
     }
     report["hacking_signs"] = _hacking_signs(rows, trunc, report)
     report["samples"] = _samples(path, rows, examples)
+    return report
+
+
+def audit_samples(samples: List[dict]) -> dict:
+    """The statistics and reward-hacking signs of sample-table rows (train rows: reward,
+    length, finish_reason, group, step, prompt, completion, reward/<name>)."""
+    rows = Rows()
+    for i, r in enumerate(samples):
+        designs = {k[len("reward/"):]: v for k, v in r.items() if k.startswith("reward/")}
+        rows.add(i, {**r, "group": (r.get("step"), r.get("group")),
+                     "truncated": r.get("finish_reason") == "length", "rewards": designs})
+    trunc = [bool(t) for t in rows.truncated]
+    report = {"rows": len(samples), **_statistics(rows, trunc, _groups(rows))}
+    report["hacking_signs"] = _hacking_signs(rows, trunc, report)
     return report
 
 

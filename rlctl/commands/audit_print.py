@@ -13,7 +13,7 @@ def print_audit(report: dict) -> None:
     console.print(f"[bold]rollout audit[/bold] {report['path']}", soft_wrap=True)
     console.print(_statistics_table(report))
     console.print(_alignment_table(report))
-    console.print(_signs_table(report))
+    console.print(signs_table(report))
     for bucket, samples in report["samples"].items():
         console.print(f"[bold]{bucket}[/bold]")
         for s in samples:
@@ -63,7 +63,7 @@ def _alignment_table(report: dict) -> Table:
     return t
 
 
-def _signs_table(report: dict) -> Table:
+def signs_table(report: dict) -> Table:
     t = Table(title="reward-hacking signs")
     for col in ("sign", "value", "flag", "meaning"):
         t.add_column(col)

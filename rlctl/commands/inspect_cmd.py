@@ -4,10 +4,12 @@ The PATH arguments decide what is inspected:
     one run dir        its config against the defaults, metric summary, curves
     several run dirs   their config differences, summaries side by side, overlaid curves
     a rollout file     the audit: EOS/mask alignment, statistics, reward-hacking signs
+    one run --samples  its sample tables (samples.jsonl; --step N) and the audit's
+                       statistics and signs over them (also: RUN/samples.jsonl as PATH)
 The reports are built in rlctl.commands.inspect_report (run dirs, read by
-rlctl.commands.run_record) and rlctl.commands.audit (rollout files), and printed by
-inspect_print and audit_print; this module reads the arguments, dispatches, and writes
---json.
+rlctl.commands.run_record), rlctl.commands.inspect_samples and rlctl.commands.audit
+(rollout files), and printed by inspect_print and audit_print; this module reads the
+arguments, dispatches, and writes --json.
 """
 from __future__ import annotations
 
@@ -18,21 +20,23 @@ from rlctl.commands.audit import audit_rollout
 from rlctl.commands.audit_print import print_audit
 from rlctl.commands.files import is_run_dir, write_json
 from rlctl.commands.fmt import MISSING
-from rlctl.commands.inspect_print import print_compare, print_run
+from rlctl.commands.inspect_print import print_compare, print_run, print_samples
 from rlctl.commands.inspect_report import compare_runs, inspect_run
+from rlctl.commands.inspect_samples import samples_report
 from rlctl.errors import UserError
 
 
 def classify(paths: Sequence[str]) -> tuple:
-    """("runs", [Path]) or ("rollout", Path); one-line errors for anything else."""
+    """("runs", [Path]), ("rollout", Path) or ("samples", [Path]) for a run's
+    samples.jsonl; one-line errors for anything else."""
     if not paths:
         raise UserError("inspect needs a PATH: a run directory, several run directories, or a "
                         "rollout .jsonl file")
     flags = [p for p in paths if p.startswith("-")]
     if flags:
         raise UserError(f"unknown option '{flags[0]}'; options: --out-dir DIR, --json FILE, "
-                        "--no-plots, --examples N, --debug")
-    runs, files = [], []
+                        "--no-plots, --examples N, --samples, --step N, --debug")
+    runs, files, samples = [], [], []
     for p in paths:
         path = Path(p).expanduser()
         if not path.exists():
@@ -43,22 +47,34 @@ def classify(paths: Sequence[str]) -> tuple:
             runs.append(path)
         elif path.name == "metrics.jsonl" and is_run_dir(path.parent):
             runs.append(path.parent)
+        elif path.name == "samples.jsonl" and is_run_dir(path.parent):
+            samples.append(path.parent)
         elif path.suffix == ".jsonl":
             files.append(path)
         else:
             raise UserError(f"'{p}' is neither a run directory nor a rollout .jsonl file")
-    if files and (runs or len(files) > 1):
-        raise UserError("inspect takes one rollout .jsonl file, or run directories; not both")
+    if len(files) + len(samples) + bool(runs) > 1 or len(files) > 1:
+        raise UserError("inspect takes one rollout .jsonl file, one run's samples.jsonl, or run "
+                        "directories; not several kinds")
+    if samples:
+        return "samples", samples
     return ("rollout", files[0]) if files else ("runs", runs)
 
 
 def run_inspect(paths: Sequence[str], out_dir: Optional[str] = None,
                 json_out: Optional[str] = None, plots: bool = True, examples: int = 3,
-                quiet: bool = False) -> dict:
+                quiet: bool = False, samples: bool = False, step: Optional[int] = None) -> dict:
     kind, what = classify(paths)
     if examples < 0:
         raise UserError(f"--examples must be >= 0 (got {examples})")
-    if kind == "rollout":
+    samples = samples or kind == "samples"
+    if step is not None and not samples:
+        raise UserError("--step N picks a sample table: use it with --samples")
+    if samples:
+        report = _samples(kind, what, step)
+        if not quiet:
+            print_samples(report)
+    elif kind == "rollout":
         report = _audit(what, examples)
         if not quiet:
             print_audit(report)
@@ -75,6 +91,13 @@ def run_inspect(paths: Sequence[str], out_dir: Optional[str] = None,
         if not quiet:
             print(f"wrote {json_out}")
     return report
+
+
+def _samples(kind: str, what, step: Optional[int]) -> dict:
+    if kind == "rollout" or len(what) != 1:
+        raise UserError("--samples reads one run directory (its samples.jsonl); got "
+                        + ("a rollout file" if kind == "rollout" else f"{len(what)} runs"))
+    return samples_report(what[0], step)
 
 
 def _audit(path: Path, examples: int) -> dict:

@@ -1,13 +1,18 @@
 """Print the reports of `rlctl.commands.inspect_report` as rich tables: one run (config
-against the defaults, metric summary, plots written) and several runs side by side."""
+against the defaults, metric summary, plots written) and several runs side by side; and
+a run's sample tables with their audit (`rlctl.commands.inspect_samples`)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from rlctl.commands.audit_print import signs_table
 from rlctl.commands.fmt import show
+
+PROMPT_TAIL = 160        # characters of a prompt shown (its end: the question; --json has all)
 
 
 def _console():
@@ -116,3 +121,41 @@ def _compare_metrics_table(report: dict) -> Table:
         if any(c != "-" for c in cells):
             table.add_row(key, *cells)
     return table
+
+
+def print_samples(report: dict) -> None:
+    console = _console()
+    console.print(f"[bold]samples[/bold] {report['run_dir']} step {report['step']} "
+                  f"(steps with samples: " + "; ".join(
+                      f"{t}: {', '.join(map(str, s))}" for t, s in report["steps"].items()) + ")",
+                  soft_wrap=True)
+    for table, rows in report["tables"].items():
+        _print_table(console, f"{table} samples at step {report['step']}", rows)
+    audit = report["audit"]
+    if audit is None:
+        console.print("no train rows to audit")
+        return
+    r, ln = audit["reward"], audit["length"]
+    console.print(f"audit of {report['audit_scope']} ({audit['rows']} rows, {audit['groups']} "
+                  f"groups): reward mean {show(r['mean'], 3)} std {show(r['std'], 3)}; length mean "
+                  f"{show(ln['mean'], 3)}; truncated {show(audit['truncation_rate'], 3)}; "
+                  f"zero-std groups {show(audit['frac_zero_std_groups'], 3)}", soft_wrap=True,
+                  markup=False)
+    console.print(signs_table(audit))
+
+
+def _print_table(console, title: str, rows: List[dict]) -> None:
+    """One block per row (readable at any width): its figures on one line, then the
+    prompt's end and the completion, as text (no markup)."""
+    console.print(f"[bold]{title}[/bold] ({len(rows)} rows)")
+    for i, row in enumerate(rows, 1):
+        figures = [f"{k} {show(v, 3)}" for k, v in row.items()
+                   if k not in ("step", "prompt", "completion", "stop_id", "stop_token")]
+        if row.get("stop_token") is not None:
+            figures.append(f"stop {row['stop_token']} (id {row.get('stop_id')})")
+        prompt = str(row.get("prompt", ""))
+        if len(prompt) > PROMPT_TAIL:
+            prompt = "..." + prompt[-PROMPT_TAIL:]
+        console.print(Text(f"#{i} " + " | ".join(figures), style="bold"), soft_wrap=True)
+        console.print(Text(f"   prompt:     {prompt!r}"), soft_wrap=True)
+        console.print(Text(f"   completion: {row.get('completion', '')!r}"), soft_wrap=True)

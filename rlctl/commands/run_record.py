@@ -2,7 +2,7 @@
 keys, its overrides.yaml, its metric rows (metrics.jsonl, or the wandb offline run file
 when the run used logger=wandb without the JSONL sink), and the defaults of the command
 that made it (`rlctl train`, or `rlctl reward-model train`: rm.* keys), which the run's
-config is compared with."""
+config is compared with; its sample tables (samples.jsonl) for `rlctl inspect --samples`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,7 +16,7 @@ from rlctl.commands.fmt import flatten
 from rlctl.compose import compose
 from rlctl.errors import UserError
 from rlctl.reward_models.config import default_config as reward_model_defaults
-from rlctl.sinks.jsonl import read_jsonl
+from rlctl.sinks.jsonl import read_jsonl, read_samples
 from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
 
 
@@ -76,6 +76,22 @@ def _load_metrics(path: Path):
             rows.append({**{k: v for k, v in row.items() if not k.startswith("_")},
                          "step": int(step)})
     return rows, str(wandb_file.relative_to(path))
+
+
+def load_samples(path: Path) -> List[dict]:
+    """The rows of ``path``/samples.jsonl ({"table", "step", columns...}, as written);
+    one-line errors when the run has none."""
+    file = path / "samples.jsonl"
+    if not file.is_file():
+        raise UserError(f"{path} has no samples.jsonl (a run writes one with logger.jsonl=true "
+                        "and logger.samples.every > 0, from its first sample table)")
+    try:
+        rows = read_samples(file)
+    except ValueError as exc:       # not UTF-8: one line naming the file
+        raise UserError(str(exc)) from None
+    if not rows:
+        raise UserError(f"{file} holds no sample rows")
+    return rows
 
 
 def default_config(reward_model: bool = False) -> Dict[str, Any]:
