@@ -90,9 +90,13 @@ def test_summary_and_saved_model_load(wandb_run):
     assert model.config.vocab_size >= len(tok) - 0
 
 
-def test_recipe_replay_with_override(wandb_run, tmp_path):
+def test_recipe_replay_with_override(wandb_run, tmp_path, rlctl_app):
     _, run = wandb_run
-    _, replay = _train(tmp_path, "--recipe", str(run / "recipe.yaml"), "seed=1", "logger=jsonl")
+    # the replay through the CLI app in-process (the console script ran the first run)
+    out = rlctl_app("train", f"run.output_dir={tmp_path}", *FAST, "--recipe", str(run / "recipe.yaml"),
+                    "seed=1", "logger=jsonl", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    (replay,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     import yaml
     first = yaml.safe_load((run / "config.yaml").read_text())
     second = yaml.safe_load((replay / "config.yaml").read_text())

@@ -57,17 +57,19 @@ def _stop_ids(model_dir):
 
 
 @pytest.fixture(scope="module")
-def lora_runs(real_arch, tmp_path_factory):
+def lora_runs(real_arch, tmp_path_factory, rlctl_app):
     """family -> run directory of ``rlctl train model=hf ... model.lora.enabled=true`` with
-    the default target modules (2 steps, checkpoint at step 2), run once per module."""
+    the default target modules (2 steps, checkpoint at step 2), run once per module by the
+    CLI app in-process (test_cli_eval_rollout_resume_on_a_lora_run runs the console script)."""
     runs = {}
 
     def get(family):
         if family not in runs:
             out_dir = tmp_path_factory.mktemp(f"lora-{family}")
-            _cli("train", "model=hf", f"model.name_or_path={real_arch(family)}",
-                 "model.lora.enabled=true", "trainer.steps=2", "trainer.checkpoint_every=2",
-                 "logger=jsonl", f"run.output_dir={out_dir}", *COMMON, cwd=out_dir)
+            out = rlctl_app("train", "model=hf", f"model.name_or_path={real_arch(family)}",
+                            "model.lora.enabled=true", "trainer.steps=2", "trainer.checkpoint_every=2",
+                            "logger=jsonl", f"run.output_dir={out_dir}", *COMMON, cwd=out_dir)
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
             runs[family] = next(p for p in out_dir.iterdir() if (p / "recipe.yaml").is_file())
         return runs[family]
     return get
@@ -95,7 +97,7 @@ def test_default_lora_targets_every_linear_but_the_head(real_arch, family):
                           "down_proj"}
 
 
-# ---- train (LoRA, chat prompts) through the console script -----------------------------
+# ---- train (LoRA, chat prompts) through the CLI ----------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_train_lora_with_chat_prompts(lora_runs, family):
     run = lora_runs(family)
