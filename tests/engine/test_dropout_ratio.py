@@ -21,8 +21,6 @@ the same step spreads log-ratios by O(0.1) (measured 0.08 on Llama, 0.21 on GPT-
 test asserts > 1e-2, so it fails where dropout is left on."""
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,7 +38,6 @@ from rlctl.sinks import NullSink
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from real_arch import build_tokenizer  # noqa: E402
 
-RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 STEP = ["algo=ppo", "trainer.lr=1e-30", "trainer.prompts_per_step=4", "algo.group_size=4",
         "rollout.max_new_tokens=8", "trainer.eval_every=0", "task.num_eval=4",
         "trainer.micro_batch_size=4"]
@@ -105,17 +102,15 @@ def test_ratio_is_one_at_theta_old_and_spreads_with_dropout_kept(checkpoints, fa
     assert kept.abs().max().item() > 1e-2, kept.abs().max().item()
 
 
-def test_cli_first_step_ratio(checkpoints, tmp_path):
+def test_cli_first_step_ratio(checkpoints, tmp_path, rlctl_app):
     """`rlctl train` (float32, defaults: dropout off) on the GPT-2 checkpoint: the logged
     policy/ratio_max and policy/ratio_std of step 1 are 1 and 0 to float32 rounding. The
     bound above with u = 2^-24 and S <= 10 (this run's weights and activations): |dz| <=
     2000 * 6e-8 * 10 = 1.2e-3, |log ratio| <= 4.8e-3; dropout 0.1 gives a max ratio of
-    1.18 and a std of 0.06 here, so 5e-3 separates the two."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([RLCTL, "train", "model=hf", f"model.name_or_path={checkpoints['gpt2']}",
-                          *STEP, "trainer.steps=1", "logger=jsonl", "logger.console=false",
-                          "run.save_model=false", f"run.output_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    1.18 and a std of 0.06 here, so 5e-3 separates the two. (The CLI app in-process.)"""
+    out = rlctl_app("train", "model=hf", f"model.name_or_path={checkpoints['gpt2']}",
+                    *STEP, "trainer.steps=1", "logger=jsonl", "logger.console=false",
+                    "run.save_model=false", f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     run = sorted(p for p in tmp_path.iterdir() if p.is_dir())[-1]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -85,15 +85,15 @@ def test_ctrl_c_saves_and_resumes(uninterrupted, tmp_path):
     assert _rows(run) == uninterrupted
 
 
-def test_corrupt_checkpoint_and_missing_run_are_one_line(tmp_path):
+def test_corrupt_checkpoint_and_missing_run_are_one_line(tmp_path, rlctl_app):
     assert _start_and_stop_after(tmp_path, 5, signal.SIGKILL).returncode == -signal.SIGKILL
     run = _run_dir(tmp_path)
     (run / "checkpoints" / "step-00000004" / "optimizer.pt").write_bytes(b"not a checkpoint")
-    out = subprocess.run([RLCTL, "train", "--resume", str(run)], env=ENV, capture_output=True, text=True)
+    # the refusals through the CLI app in-process (the resumes above run the console script)
+    out = rlctl_app("train", "--resume", str(run))
     assert out.returncode == 2 and "unreadable or incomplete" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
-    out = subprocess.run([RLCTL, "train", "--resume", str(tmp_path / "nope")], env=ENV,
-                         capture_output=True, text=True)
+    out = rlctl_app("train", "--resume", str(tmp_path / "nope"))
     assert out.returncode == 2 and "not a run directory" in out.stderr
 
 

@@ -143,21 +143,16 @@ def test_every_design_is_logged_and_the_training_one_is_the_total(name):
         assert metrics[f"reward/{design}"] == pytest.approx(want)
 
 
-def test_reward_hacking_recipe_logs_every_design(tmp_path):
-    """`rlctl train --recipe reward-hacking` (a short run): trains on inclusion_order, so
-    reward/mean equals reward/inclusion_order each step, and the other designs are there."""
+def test_reward_hacking_recipe_logs_every_design(tmp_path, rlctl_app):
+    """`rlctl train --recipe reward-hacking` (a short run, the CLI app in-process): trains
+    on inclusion_order, so reward/mean equals reward/inclusion_order each step, and the
+    other designs are there."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    rlctl = str(Path(sys.executable).parent / "rlctl")
-    out = subprocess.run([rlctl, "train", "--recipe", "reward-hacking", "trainer.steps=2",
-                          "trainer.eval_every=2", "task.num_eval=16", "trainer.prompts_per_step=2",
-                          "algo.group_size=4", "logger=jsonl", "run.save_model=false",
-                          f"run.output_dir={tmp_path}"], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = rlctl_app("train", "--recipe", "reward-hacking", "trainer.steps=2",
+                    "trainer.eval_every=2", "task.num_eval=16", "trainer.prompts_per_step=2",
+                    "algo.group_size=4", "logger=jsonl", "run.save_model=false",
+                    f"run.output_dir={tmp_path}")
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     run = next(p for p in tmp_path.iterdir() if p.is_dir())
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
