@@ -62,12 +62,16 @@ def data(gpt2_32, tmp_path_factory):
     return d, rows
 
 
-def _train(model_dir, d, tmp_path, *extra):
+def _train(model_dir, d, tmp_path, *extra, in_process=None):
+    """`rlctl train` on the GPT-2 with a 32-position context: through the console script,
+    or through ``in_process`` (``rlctl_app``: the same CLI app in this process)."""
     args = ["train", "model=hf", f"model.name_or_path={model_dir}", "task=jsonl",
             f"task.train_path={d / 'train.jsonl'}", f"task.eval_path={d / 'eval.jsonl'}",
             "task.reward_fn=exact", "trainer.steps=2", "trainer.prompts_per_step=2",
             "algo.group_size=2", f"rollout.max_new_tokens={NEW}", "trainer.eval_every=0",
             "logger=jsonl", "run.save_model=false", f"run.output_dir={tmp_path / 'runs'}", *extra]
+    if in_process is not None:
+        return in_process(*args, cwd=tmp_path)
     out = subprocess.run([RLCTL, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline",
                                   TOKENIZERS_PARALLELISM="false"))
@@ -88,8 +92,8 @@ def test_skip_trains_and_counts_in_one_line(gpt2_32, data, tmp_path):
     assert list((tmp_path / "runs").iterdir())
 
 
-def test_error_names_the_row_before_a_run_dir(gpt2_32, data, tmp_path):
-    out = _train(gpt2_32[0], data[0], tmp_path, "task.long_prompts=error")
+def test_error_names_the_row_before_a_run_dir(gpt2_32, data, tmp_path, rlctl_app):
+    out = _train(gpt2_32[0], data[0], tmp_path, "task.long_prompts=error", in_process=rlctl_app)
     assert out.returncode == 2, out.stderr[-3000:]
     [line] = [ln for ln in out.stderr.splitlines() if ln.strip()]
     n = len(gpt2_32[1](data[1][2])["input_ids"])
@@ -98,8 +102,9 @@ def test_error_names_the_row_before_a_run_dir(gpt2_32, data, tmp_path):
     assert not runs.exists() or not list(runs.iterdir())
 
 
-def test_truncate_left_trains(gpt2_32, data, tmp_path):
-    out = _train(gpt2_32[0], data[0], tmp_path, "task.long_prompts=truncate_left")
+def test_truncate_left_trains(gpt2_32, data, tmp_path, rlctl_app):
+    out = _train(gpt2_32[0], data[0], tmp_path, "task.long_prompts=truncate_left",
+                 in_process=rlctl_app)
     assert out.returncode == 0, out.stderr[-3000:]
     assert _lines(out.stderr, "long_prompts") == [
         f"rlctl: task.long_prompts=truncate_left: truncated on the left 1 of 5 train prompts and "
@@ -148,9 +153,8 @@ def test_explicit_limit_and_no_room(gpt2_32, data):
         _bound_task(gpt2_32[0], d, "rollout.max_prompt_tokens=1")
 
 
-def test_bad_long_prompts_value_is_one_line(tmp_path):
-    out = subprocess.run([RLCTL, "train", "--dry-run", "task.long_prompts=cut"], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+def test_bad_long_prompts_value_is_one_line(tmp_path, rlctl_app):
+    out = rlctl_app("train", "--dry-run", "task.long_prompts=cut", cwd=tmp_path)   # in-process
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "invalid task.long_prompts 'cut'; valid: skip, truncate_left, error" in out.stderr
 
