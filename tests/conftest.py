@@ -16,6 +16,9 @@ Parallel runs (``scripts/test`` runs pytest-xdist, ``-n auto --dist loadgroup``)
   checks and one-line errors as the console script without a new interpreter importing
   torch and transformers (several seconds each). The tests that are about the process
   itself (exit codes of the console script, signals, launched ranks) keep a subprocess.
+
+A test phase (setup, call, teardown) over ``SLOW_S`` = 60 s without ``@pytest.mark.slow``
+is listed at the end of the run; slow tests still run (the mark says why they take long).
 """
 import fcntl
 import os
@@ -60,6 +63,23 @@ def pytest_collection_modifyitems(config, items):
         group = None if item.get_closest_marker("xdist_group") else _group_of(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+# -- a test over SLOW_S seconds carries @pytest.mark.slow and a reason ----------------------
+SLOW_S = 60
+_unmarked_slow = []
+
+
+def pytest_runtest_logreport(report):
+    if report.duration > SLOW_S and "slow" not in report.keywords:
+        _unmarked_slow.append(f"{report.duration:.0f}s {report.when} {report.nodeid}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unmarked_slow:
+        terminalreporter.section(f"over {SLOW_S} s without @pytest.mark.slow (add it, with the reason)")
+        for line in _unmarked_slow:
+            terminalreporter.write_line(line)
 
 
 # -- built once per test run ---------------------------------------------------------------

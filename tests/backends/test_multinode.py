@@ -178,6 +178,9 @@ def _own_node(rank: int, port: int, *args):
                              "hardware.master_addr=127.0.0.1", f"hardware.master_port={port}"))
 
 
+@pytest.mark.slow   # ~65 s on a 2-core machine: three 2-node runs (killed, resumed, the
+# uninterrupted reference) and a refused resume, each process importing torch, and node 0
+# waiting up to hardware.dist_timeout_s=20 for the node it lost; each phase is the claim
 def test_own_launcher_two_nodes_kill_one_then_resume(tmp_path):
     """rlctl's own launcher, one rank per node. Node 1 dies (its whole process tree,
     SIGKILL) after the first checkpoint: node 0 stops with one line naming the newest
