@@ -63,6 +63,10 @@ def pytest_collection_modifyitems(config, items):
         group = None if item.get_closest_marker("xdist_group") else _group_of(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+    # slow tests of no group first, so that no worker starts one when the others are done
+    # (grouped tests stay beside their module's, where their fixtures are)
+    items.sort(key=lambda it: not (it.get_closest_marker("slow")
+                                   and not it.get_closest_marker("xdist_group")))
 
 
 # -- a test over SLOW_S seconds carries @pytest.mark.slow and a reason ----------------------
