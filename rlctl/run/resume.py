@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from rlctl.errors import UserError
+from rlctl.sinks import SAMPLES_FILE
 from rlctl.storage import checkpoint
 
 # The config keys a checkpoint's tensors and layout depend on: a resume cannot change
@@ -52,9 +53,9 @@ def _no_checkpoint(run_dir: Path) -> UserError:
                      "(trainer.checkpoint_every writes them)")
 
 
-def _truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop metric lines logged after the checkpoint we resume from (they will be redone)."""
-    path = run_dir / "metrics.jsonl"
+def truncate_after(path: Path, step: int) -> None:
+    """Drop the lines of a JSONL run file (metrics, sample tables) logged after ``step``,
+    the checkpoint we resume from: those steps will be redone and logged again."""
     if not path.exists():
         return
     keep = []
@@ -69,13 +70,14 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 def resume_point(run_dir: Path, backend) -> Path:
-    """The newest checkpoint; rank 0 drops the metric lines logged after it."""
+    """The newest checkpoint; rank 0 drops the metric and sample lines logged after it."""
 
     resume_from = checkpoint.latest_checkpoint(run_dir)
     if resume_from is None:
         raise _no_checkpoint(run_dir)
     if backend.is_main:
-        _truncate_metrics(run_dir, checkpoint.step_of(resume_from))
+        for name in ("metrics.jsonl", SAMPLES_FILE):
+            truncate_after(run_dir / name, checkpoint.step_of(resume_from))
     backend.barrier()
     return resume_from
 

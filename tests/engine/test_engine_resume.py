@@ -17,7 +17,8 @@ from rlctl.run.resume import SHAPE_KEYS, ResumeSettings
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 ARGS = ["trainer.steps=12", "trainer.checkpoint_every=4", "trainer.eval_every=4", "task.num_eval=32",
-        "trainer.prompts_per_step=4", "logger=jsonl", "logger.console=false", "run.save_model=false"]
+        "trainer.prompts_per_step=4", "logger=jsonl", "logger.console=false", "run.save_model=false",
+        "logger.samples.every=2"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
@@ -28,6 +29,11 @@ def _rows(run: Path):
         if "step" in row:
             out[row["step"]] = {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
     return out
+
+
+def _samples(run: Path):
+    """samples.jsonl's rows, in the order written."""
+    return [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
 
 
 def _run_dir(root: Path) -> Path:
@@ -49,15 +55,20 @@ def _start_and_stop_after(root: Path, step: int, sig) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def full_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("full")
     out = subprocess.run([RLCTL, "train", *ARGS, f"run.output_dir={root}"], env=ENV,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    return _rows(_run_dir(root))
+    return _run_dir(root)
 
 
-def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(full_run):
+    return _rows(full_run)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, full_run, tmp_path):
     proc = _start_and_stop_after(tmp_path, 6, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     run = _run_dir(tmp_path)
@@ -69,6 +80,8 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
     assert sorted(resumed) == list(range(13))                  # no step lost, none twice
     for step in range(13):
         assert resumed[step] == uninterrupted[step], step
+    # the sample tables of the steps redone after the checkpoint are not kept twice
+    assert _samples(run) == _samples(full_run)
 
 
 def test_ctrl_c_saves_and_resumes(uninterrupted, tmp_path):
