@@ -91,7 +91,25 @@ def load_samples(path: Path) -> List[dict]:
         raise UserError(str(exc)) from None
     if not rows:
         raise UserError(f"{file} holds no sample rows")
+    for i, row in enumerate(rows, 1):
+        _check_sample_row(file, i, row)
     return rows
+
+
+# what a row needs to be shown and audited (the producer writes them all)
+SAMPLE_NUMBERS = {"train": ("step", "reward", "length"), "eval": ("step",)}
+
+
+def _check_sample_row(file: Path, i: int, row: dict) -> None:
+    need = SAMPLE_NUMBERS.get(row.get("table"))
+    if need is None:
+        raise UserError(f"{file}: row {i} has table {row.get('table')!r}; valid: "
+                        f"{', '.join(SAMPLE_NUMBERS)}")
+    bad = [k for k in need if isinstance(row.get(k), bool)
+           or not isinstance(row.get(k), (int, float))]
+    if bad:
+        raise UserError(f"{file}: row {i} ({row['table']}) needs numbers in {', '.join(bad)} "
+                        f"(required: {', '.join(need)})")
 
 
 def default_config(reward_model: bool = False) -> Dict[str, Any]:

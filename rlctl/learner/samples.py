@@ -30,7 +30,7 @@ The columns of a train row, in order:
                     weights): step - 1 in the synchronous loop; step - 1 - staleness with
                     asynchronous actors (the async/staleness metric is its step maximum)
 
-An eval row (``table="eval"``, at every held-out eval while samples are on: the first n
+An eval row (``table="eval"``, at every held-out eval while samples are on: rank 0's first n
 examples of the eval split, the same prompts each time): step, prompt, completion,
 reward, exact_match (absent for a task scored by reward models alone), length,
 finish_reason, stop_id, stop_token, policy_version (the step: eval follows its update).

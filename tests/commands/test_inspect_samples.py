@@ -100,3 +100,16 @@ def test_sample_errors_are_one_line(cli, tmp_path, args, message):
 def test_samples_of_two_runs_is_refused(cli, run_a, run_b):
     res = cli("inspect", run_a, run_b, "--samples")
     assert res.exit_code == 2 and "--samples reads one run directory" in res.stderr
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"reward": None}, "row 2 (train) needs numbers in reward (required: step, reward, length)"),
+    ({"length": "six"}, "row 2 (train) needs numbers in length"),
+    ({"table": "test"}, "row 2 has table 'test'; valid: train, eval"),
+])
+def test_a_malformed_sample_row_is_one_line_naming_it(cli, tmp_path, change, message):
+    rows = [_sample(s, g, n, f, 0.1) for s, g, n, f in HAND]
+    rows[1] = dict(rows[1], **change)
+    res = cli("inspect", _hand_run(tmp_path, rows), "--samples")
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
