@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from _pytest.nodeid import NodeId  # noqa: E402  (see _name_the_group)
 from typer.testing import CliRunner  # noqa: E402
 
 from rlctl.cli import app  # noqa: E402
@@ -58,11 +59,25 @@ def _group_of(item):
     return None
 
 
+def _name_the_group(item, group: str) -> None:
+    """What xdist's loadgroup does on a worker: the group appended to the test's id, which
+    the scheduler reads. xdist 3.8 writes it to ``Item._nodeid``, which pytest 9.2 no longer
+    reads (its ids are ``NodeId`` objects in ``Item._id``), so its groups are silently
+    ignored (pytest-dev/pytest-xdist#1386); this writes the id where pytest 9.2 keeps it."""
+    if "@" not in item.nodeid.rpartition("]")[2]:
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
+@pytest.hookimpl(tryfirst=True)     # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = None if item.get_closest_marker("xdist_group") else _group_of(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and getattr(config.option, "loadgroup", False):       # a loadgroup worker
+            _name_the_group(item, "_".join(names))
     # slow tests of no group first, so that no worker starts one when the others are done
     # (grouped tests stay beside their module's, where their fixtures are)
     items.sort(key=lambda it: not (it.get_closest_marker("slow")
