@@ -6,8 +6,10 @@
                            `resumes`, each resume's overrides)
     recipe.yaml            a replayable recipe: `rlctl train --recipe <run>/recipe.yaml`
                            (a resume rewrites it and config.yaml with its overrides)
-    metrics.jsonl          one line per logged step (logger=wandb|jsonl)
+    metrics.jsonl          one line per logged step (logger=wandb|jsonl|tensorboard)
+    samples.jsonl          the sample tables, one line per row (logger.samples.*)
     wandb/                 the W&B offline run (logger=wandb)
+    tensorboard/           TensorBoard event files (logger=tensorboard)
     model/                 final weights (safetensors) and tokenizer, Hugging Face format;
                            LoRA runs: the adapter (adapter_model.safetensors,
                            adapter_config.json; PeftModel.from_pretrained(base, dir))
