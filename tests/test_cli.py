@@ -31,7 +31,7 @@ def test_help_lists_commands_and_groups():
     assert sub.returncode == 0
     text = " ".join(sub.stdout.split())
     for fragment in ("algo=grpo", "task=sorting", "model=hf|tiny", "hardware=cpu",
-                     "logger=jsonl|none|wandb", "--recipe"):
+                     "logger=jsonl|none|tensorboard|wandb", "--recipe"):
         assert fragment in text, fragment
 
 
