@@ -2,6 +2,8 @@
 CPU) and gives the eager loop's numbers; generation keeps the eager module."""
 import math
 
+import pytest
+
 BASE = ["trainer.prompts_per_step=2", "algo.group_size=4", "trainer.eval_every=0", "trainer.lr=1e-3"]
 
 
@@ -10,6 +12,7 @@ def _steps(make_trainer, overrides, n=2):
     return tr, [tr.step(i) for i in range(1, n + 1)]
 
 
+@pytest.mark.slow   # 40-110 s on 2 cores: inductor compiles the learner forward on CPU
 def test_compiled_learner_matches_eager(make_trainer):
     _, eager = _steps(make_trainer, [])
     tr, compiled = _steps(make_trainer, ["trainer.compile=true"])

@@ -198,6 +198,7 @@ def test_eval_stops_where_hf_generate_stops(real_arch, family, tmp_path):
 
 
 # ---- the CLI's eval, rollout and --resume on one LoRA run ------------------------------
+@pytest.mark.slow   # 40-100 s on 2 cores: eval, rollout and a resume through the console script
 def test_cli_eval_rollout_resume_on_a_lora_run(lora_runs, tmp_path):
     run = lora_runs("qwen2")
     out = _cli("eval", str(run), "--out", str(tmp_path / "e.json"), cwd=tmp_path)
