@@ -22,7 +22,10 @@ from rlctl.cli import app
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-STEPS = 16
+# The stops are signalled once step 2 is logged and take effect after the step in flight
+# (3, or 4 when two ranks agree on it a step later), so any STEPS >= 5 keeps them inside the
+# run; 8 leaves 4 steps for a late signal, and keeps each resume to the end short.
+STEPS = 8
 FAST = ["trainer.eval_every=0", "trainer.prompts_per_step=4", "trainer.checkpoint_every=0",
         "logger=jsonl", "logger.console=false", "run.save_model=false"]
 HINT = re.compile(r"^interrupted by (SIGINT|SIGTERM) after step (\d+); checkpoint saved\. "
