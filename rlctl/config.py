@@ -71,6 +71,9 @@ RANGES = {
     "rollout.temperature": Range(0, lo_open=True, why="sampling needs > 0 (eval is greedy already)"),
     "rollout.top_k": Range(0, why="0: the full distribution"),
     "rollout.max_prompt_tokens": AT_LEAST_1,
+    "rollout.episode.max_turns": AT_LEAST_1, "rollout.episode.max_tokens": AT_LEAST_1,
+    "rollout.episode.max_obs_tokens": AT_LEAST_1, "rollout.episode.concurrency": AT_LEAST_1,
+    "rollout.episode.step_timeout_s": POSITIVE, "rollout.episode.turn_discount": UNIT,
     "trainer.steps": NON_NEGATIVE, "trainer.prompts_per_step": AT_LEAST_1,
     "trainer.lr": POSITIVE, "trainer.weight_decay": NON_NEGATIVE,
     "trainer.betas": Range(0, 1, hi_open=True), "trainer.warmup_steps": NON_NEGATIVE,
@@ -212,6 +215,8 @@ def _check_hardware(cfg: DictConfig) -> None:
 
 def _check_algo(cfg: DictConfig) -> None:
     _choice(cfg, "algo.kl.placement", ["in_loss", "in_reward"])
+    _choice(cfg, "rollout.episode.obs_truncation", ["right", "left"])
+    _choice(cfg, "rollout.episode.turn_reward", ["last", "sum", "discounted"])
     _choice(cfg, "algo.critic", ["none", "shared", "separate"])
     _choice(cfg, "algo.baseline", ["none", "batch_mean"])
     a = cfg.algo

@@ -162,6 +162,19 @@ class LoggerConfig:
 
 
 @dataclass
+class EpisodeConfig:
+    """Budgets and rules of multi-turn episodes (tasks played in an environment)."""
+    max_turns: int = 4             # model turns per episode; more: ends as turn_limit
+    max_tokens: int = 48           # completion tokens per episode, turns and observations
+    max_obs_tokens: int = 16       # one observation's tokens; longer ones are cut
+    obs_truncation: str = "right"  # which end of a long observation is cut: right | left
+    step_timeout_s: float = 10.0   # one environment step; past it: an error observation
+    concurrency: int = 8           # environment steps run at once (threads)
+    turn_reward: str = "sum"       # how turn rewards make the episode's: last | sum | discounted
+    turn_discount: float = 1.0     # discounted: turn k weighs turn_discount ** (k - 1)
+
+
+@dataclass
 class RolloutConfig:
     max_new_tokens: int = MISSING
     temperature: float = MISSING
@@ -170,6 +183,7 @@ class RolloutConfig:
     # extra stop ids (ints) or token strings, added to the tokenizer EOS and the model's
     # generation_config.eos_token_id; each is checked against the vocabulary when the model loads
     stop_token_ids: List[Any] = field(default_factory=list)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)   # multi-turn tasks only
 
 
 @dataclass

@@ -25,7 +25,7 @@ class Example:
 TOKENS = "tokens"              # [N, P+T]: prompt left-padded, completion right-padded
 COMPLETION = "completion"      # [N, T] (or [N, 1], broadcast along T)
 ROW = "row"                    # [N]
-TEXT = "text"                  # a list of N strings
+TEXT = "text"                  # a list of N items (strings, or Episode records)
 COLUMNS = "columns"            # a dict: name -> a list of N floats
 SCALAR = "scalar"              # one value for the whole batch
 
@@ -65,6 +65,16 @@ class RolloutBatch:
                                   (async actors); None: sampled with the learner's own
         reward_parts:   {name: [N floats]}, or None; each named reward of each row as the
                                   scorer gave it (``reward/<name>``; 0 where a row lacks it)
+        token_rewards:  [N, T]   float, or None; multi-turn episodes: each turn's reward
+                                  (weighted by the turn-reward rule) on that turn's last
+                                  action token, 0 elsewhere; each row sums to ``rewards``.
+                                  None: ``rewards`` sits on the last counted token
+        episodes:       N ``Episode`` records, or None (single-turn rollouts): the turns
+                                  of each row with their column spans in the completion
+
+    Multi-turn rows: the completion holds every turn after the first observation (the
+    prompt), model turns and observations alike; ``attention_mask`` is 1 on both,
+    ``mask`` is 1 on the model's own tokens only (0 on observations and padding).
     """
     input_ids: torch.Tensor = _axis(TOKENS)
     attention_mask: torch.Tensor = _axis(TOKENS)
@@ -84,6 +94,8 @@ class RolloutBatch:
     behaviour_rows: Optional[torch.Tensor] = _axis(ROW, optional=True)
     staleness: Optional[torch.Tensor] = _axis(ROW, optional=True)
     reward_parts: Optional[Dict[str, List[float]]] = _axis(COLUMNS, optional=True)
+    token_rewards: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    episodes: Optional[List["Episode"]] = _axis(TEXT, optional=True)
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -115,7 +127,7 @@ class RolloutBatch:
         idx = rows.tolist() if text else []
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.metadata["axis"] == TEXT:
+            if f.metadata["axis"] == TEXT and value is not None:
                 picked[f.name] = [value[i] for i in idx]
             elif f.metadata["axis"] == COLUMNS and value is not None:
                 picked[f.name] = {k: [v[i] for i in idx] for k, v in value.items()}
@@ -199,3 +211,58 @@ def _pad(x: torch.Tensor, kind: str, left: int, t: int, T: int, value) -> torch.
     if kind == COMPLETION and x.shape[1] == t:
         return F.pad(x, (0, T - t), value=value)                     # [n, T]
     return x                                                         # [n], or [n, 1] broadcast
+
+
+# ---- multi-turn episodes ---------------------------------------------------------------
+MODEL, OBSERVATION = "model", "observation"       # Span.role
+
+
+@dataclass
+class Turn:
+    """One model turn as the environment receives it: the decoded text and the exact
+    sampled token ids (never re-tokenized)."""
+    text: str
+    ids: List[int]
+
+
+@dataclass
+class Step:
+    """An environment's answer to a turn. ``observation`` None: nothing is appended (the
+    episode must then be ``done``, or the model writes again). ``info`` may hold
+    ``stop`` (a list of strings that end the next model turn), ``success`` (bool, for
+    eval), ``tool_calls`` / ``tool_errors`` (ints, counted per episode)."""
+    observation: Optional[str] = None
+    reward: float = 0.0
+    done: bool = False
+    info: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Span:
+    """A piece of an episode's completion: columns [start, end) of ``completion_ids``."""
+    role: str                # MODEL or OBSERVATION
+    start: int
+    end: int
+    text: str
+    reward: float = 0.0      # the environment's reward for this model turn (0 on observations)
+    truncated: bool = False  # observation cut to rollout.episode.max_obs_tokens
+
+
+# Episode.status: how it ended. Everything but "done" counts as truncated.
+DONE, TURN_LIMIT, TOKEN_LIMIT, LENGTH_LIMIT = "done", "turn_limit", "token_limit", "length_limit"
+
+
+@dataclass
+class Episode:
+    """How one row's episode went, turn by turn (JSON-serialisable with ``asdict``)."""
+    spans: List[Span] = field(default_factory=list)
+    status: str = DONE
+    success: Optional[bool] = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_errors: int = 0      # steps that raised or passed their time limit
+    turn_rewards: List[float] = field(default_factory=list)   # one per model turn
+
+    @property
+    def turns(self) -> int:
+        return sum(s.role == MODEL for s in self.spans)

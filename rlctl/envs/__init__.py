@@ -1,0 +1,1 @@
+"""Multi-turn environments: the interface, tools and their sandbox, the built-in environments."""
