@@ -30,6 +30,7 @@ from .losses import (POLICY_LOSSES, explained_variance, get_policy_loss, ppo_cli
                      ppo_clip_per_token, register_policy_loss, vanilla_pg_loss,
                      vanilla_pg_per_token, value_loss, value_loss_per_token)
 from .policy_variants import cispo_per_token, gspo_per_token
+from .turns import TURN_REWARD_RULES, place_turn_rewards, turn_weights
 
 __all__ = [
     # logprobs
@@ -56,4 +57,6 @@ __all__ = [
     "POLICY_LOSSES", "register_policy_loss", "get_policy_loss", "value_loss_per_token",
     "value_loss",
     "explained_variance",
+    # turns (multi-turn episodes: turn-reward rules and their placement)
+    "turn_weights", "place_turn_rewards", "TURN_REWARD_RULES",
 ]

@@ -1,0 +1,82 @@
+"""Turn rewards of multi-turn episodes: the rule that weighs them and where they go.
+
+An episode of K model turns gets one reward r_k per model turn from its environment.
+The turn-reward rule gives each turn a weight w_k (k = 1..K):
+
+- ``last``:       w = (0, ..., 0, 1)             (only the final turn's reward counts)
+- ``sum``:        w = (1, ..., 1)
+- ``discounted``: w_k = discount ** (k - 1)      (``sum`` when discount == 1)
+
+The episode reward is R = sum_k w_k r_k (what GRPO / RLOO / REINFORCE compare within a
+group), and the per-token rewards put w_k r_k on the LAST token of model turn k, 0
+elsewhere (what GAE takes), so each row of the token rewards sums to R.
+
+Pure python / torch: no I/O, no config objects.
+
+    turn_weights(num_turns, rule, discount=1.0) -> list of num_turns floats
+    place_turn_rewards(turn_rewards, turn_ends, T, rule, discount=1.0,
+                       dtype=torch.float32, device=None)
+        -> (rewards [N], token_rewards [N, T])
+
+``turn_rewards[i]`` is row i's list of K_i turn rewards, ``turn_ends[i]`` the list of
+the K_i completion columns (0-based, into completion_ids) of each model turn's last
+token, strictly increasing and < T. A row with no model turn gets R = 0 and a zero row.
+The sums are taken in float64 and cast once to ``dtype``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["TURN_REWARD_RULES", "turn_weights", "place_turn_rewards"]
+
+TURN_REWARD_RULES = ("last", "sum", "discounted")
+
+
+def turn_weights(num_turns: int, rule: str, discount: float = 1.0) -> List[float]:
+    """The weight w_k of each of ``num_turns`` model turns under ``rule`` (see the module
+    docstring). ValueError for an unknown rule, a negative count or a discount outside
+    [0, 1]."""
+    if rule not in TURN_REWARD_RULES:
+        raise ValueError(f"unknown turn-reward rule {rule!r}; valid: {', '.join(TURN_REWARD_RULES)}")
+    if num_turns < 0:
+        raise ValueError(f"num_turns must be >= 0, got {num_turns}")
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"turn discount must be in [0, 1], got {discount}")
+    if rule == "last":
+        return [0.0] * (num_turns - 1) + [1.0] if num_turns else []
+    if rule == "sum":
+        return [1.0] * num_turns
+    return [float(discount) ** k for k in range(num_turns)]      # k = turn index - 1
+
+
+def place_turn_rewards(turn_rewards: Sequence[Sequence[float]], turn_ends: Sequence[Sequence[int]],
+                       T: int, rule: str, discount: float = 1.0,
+                       dtype: torch.dtype = torch.float32,
+                       device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(episode rewards [N], token_rewards [N, T]): row i's turn k reward, weighted by the
+    rule, on column ``turn_ends[i][k]``; each row's R = sum_k w_k r_k. ValueError (naming
+    the row) when a row's rewards and ends differ in number, or an end is out of [0, T) or
+    not after the previous one."""
+    if len(turn_rewards) != len(turn_ends):
+        raise ValueError(f"turn_rewards has {len(turn_rewards)} rows but turn_ends has {len(turn_ends)}")
+    token = torch.zeros(len(turn_rewards), T, dtype=torch.float64)    # [N, T]
+    totals = torch.zeros(len(turn_rewards), dtype=torch.float64)     # [N]
+    for i, (rewards, ends) in enumerate(zip(turn_rewards, turn_ends)):
+        _check_row(i, rewards, ends, T)
+        for w, r, end in zip(turn_weights(len(rewards), rule, discount), rewards, ends):
+            token[i, end] = w * float(r)
+        totals[i] = token[i].sum()
+    return totals.to(dtype=dtype, device=device), token.to(dtype=dtype, device=device)
+
+
+def _check_row(i: int, rewards: Sequence[float], ends: Sequence[int], T: int) -> None:
+    if len(rewards) != len(ends):
+        raise ValueError(f"row {i}: {len(rewards)} turn rewards but {len(ends)} turn ends")
+    previous = -1
+    for end in ends:
+        if not previous < end < T:
+            raise ValueError(f"row {i}: turn end column {end} must be in ({previous}, {T}) "
+                             f"(after the previous turn's end, inside the completion)")
+        previous = end
