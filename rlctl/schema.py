@@ -90,6 +90,15 @@ class TaskConfig:
     reward_fn: Optional[str] = None     # package.module:function | path/file.py:function | math | exact
     rewards: Optional[List[Any]] = None  # [{fn: ..., weight: 1.0, name: ..., batched: ...}]
     correct_threshold: Optional[float] = None  # eval/exact_match: total reward >= this
+    # multi-turn environments (rlctl/envs/: calculator, guess_number, running_sum)
+    use_tools: Optional[bool] = None       # calculator: false = the no-tool ablation (calls not parsed)
+    tool_parser: Optional[str] = None      # tag | json | package.module:Class
+    sandbox: Optional[str] = None          # none (in-process) | subprocess (best-effort isolation)
+    max_tool_calls: Optional[int] = None   # per episode; a call past it is taken as the answer
+    tool_timeout_s: Optional[float] = None  # subprocess sandbox: wall limit per call (CPU limit: ceil)
+    tool_memory_mb: Optional[int] = None   # subprocess sandbox: RLIMIT_AS (and RLIMIT_FSIZE)
+    max_number: Optional[int] = None       # guess_number: the secret is in 1..max_number
+    num_additions: Optional[int] = None    # running_sum: answers per episode
     # learned reward models, any task (rlctl/reward_models/learned.py)
     reward_model: Optional[str] = None  # sequence-classifier dir; the task's own rewards then weigh 0 (still logged)
     reward_norm: Optional[str] = None   # none | running (mean/std whitening, checkpointed)

@@ -1,0 +1,41 @@
+"""The registry of environments, and their registration as tasks.
+
+``@register_env(name)`` puts an environment task's factory (``factory(**task options) ->
+EnvTask``) in ``ENVS`` and in ``rlctl.tasks.TASKS`` under the same name, so ``task=NAME``
+builds it through ``rlctl.tasks.build_task`` with the task's option checks. An environment
+of your own needs no registration: ``task.name=package.module:factory`` (or
+``path/file.py:factory``) loads it as any user task is loaded; a factory returning an
+``EnvTask`` is played as episodes. ``ENVS.names()`` lists the built-in ones once
+``rlctl.envs.builtin`` is imported.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from rlctl.registry import Registry
+from rlctl.tasks import register_task
+
+ENVS = Registry("environment")
+
+
+def register_env(name: str) -> Callable[[Callable], Callable]:
+    def deco(factory: Callable) -> Callable:
+        ENVS.register(name)(factory)
+        register_task(name)(factory)
+        return factory
+    return deco
+
+
+def check_int(key: str, value, lo: int, hi: float = math.inf) -> int:
+    """``value`` if it is an integer in [lo, hi]; else a one-line ValueError naming task.KEY."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        where = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
+        raise ValueError(f"task.{key} must be an integer {where}, got {value!r}")
+    return value
+
+
+def check_bool(key: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"task.{key} must be true or false, got {value!r}")
+    return value

@@ -1,0 +1,68 @@
+"""running_sum: keep a running total, with a reward on every turn.
+
+Prompt ``sum 3 + 4 =``: the start (0-9) and the first addend (1-9). Each model turn is
+the new total in digit words (``7``); reward 1 if it is right, else 0, on that turn. Then
+the next addend comes as the observation ``+ 2 =`` and the model answers the new total
+(``9``), ``num_additions`` times in all; the total goes on from the true value whatever
+the model wrote. After the last answer: done, info success (every answer right) and
+correct (how many were). Per-turn rewards: use ``rollout.episode.turn_reward=sum`` (or
+discounted) to train on all of them.
+
+Splits: ``num_eval`` distinct (start, addends) rows drawn with ``random.Random(seed)``
+held out, disjoint from the training rows. ``reset``'s seed is unused.
+"""
+from __future__ import annotations
+
+import random
+from itertools import product
+from typing import Tuple
+
+from rlctl.envs.base import EnvTask
+from rlctl.envs.calc import read_number, spell
+from rlctl.envs.registration import check_int, register_env
+from rlctl.tasks.base import disjoint_splits
+from rlctl.types import Example, Step, Turn
+
+
+class RunningSumEnv:
+    def __init__(self):
+        self.addends: Tuple[int, ...] = ()
+        self.total = self.k = self.correct = 0
+
+    def reset(self, example: Example, seed: int) -> str:
+        self.addends = tuple(example.fields["addends"])
+        self.total, self.k, self.correct = example.fields["start"] + self.addends[0], 1, 0
+        return example.prompt
+
+    def step(self, turn: Turn) -> Step:
+        right = read_number(turn.text) == self.total
+        self.correct += right
+        if self.k == len(self.addends):
+            return Step(None, float(right), True, {"success": self.correct == self.k,
+                                                   "correct": self.correct})
+        nxt = self.addends[self.k]
+        self.total, self.k = self.total + nxt, self.k + 1
+        return Step(f"+ {spell(nxt)} =", float(right), False, {})
+
+
+def example(start: int, addends: Tuple[int, ...]) -> Example:
+    return Example(prompt=f"sum {spell(start)} + {spell(addends[0])} =",
+                   fields={"start": start, "addends": list(addends)})
+
+
+@register_env("running_sum")
+def running_sum(num_additions: int = 3, num_eval: int = 256, seed: int = 1234,
+                max_train: int = 20000) -> EnvTask:
+    check_int("num_additions", num_additions, 1, 12)
+    space = 10 * 9 ** num_additions
+    check_int("num_eval", num_eval, 0, space - 1)
+
+    def draw(rng: random.Random):
+        return rng.randint(0, 9), tuple(rng.randint(1, 9) for _ in range(num_additions))
+
+    def every():
+        return ((s, a) for s in range(10) for a in product(range(1, 10), repeat=num_additions))
+
+    held, train = disjoint_splits(draw, random.Random(seed), num_eval, max_train, space, every)
+    return EnvTask("running_sum", RunningSumEnv, [example(*r) for r in train],
+                   [example(*r) for r in held])

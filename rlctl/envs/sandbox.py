@@ -1,0 +1,132 @@
+"""Where a tool runs: ``sandbox=none`` (in the calling process) or ``sandbox=subprocess``.
+
+``subprocess`` runs every call in a fresh Python interpreter (``python -I``, the child
+script ``sandbox_child.py``), which before it loads the tool:
+
+- sets ``RLIMIT_AS`` (address space, ``memory_mb``), ``RLIMIT_CPU`` (``cpu_s``, default
+  the wall timeout rounded up) and ``RLIMIT_FSIZE`` (files it writes, ``memory_mb``);
+- replaces ``socket.socket`` (and ``socketpair``/``fromfd``) with one that refuses, so
+  the tool cannot open a connection through Python's socket module;
+- runs in a new temporary working directory (removed afterwards), with an environment
+  holding only PATH, HOME/TMPDIR (the temporary directory), LANG and single-thread
+  settings: the parent's variables (tokens, keys) are not passed on.
+
+The parent waits at most ``timeout_s`` seconds, then kills the child's whole process group.
+The function is loaded in the child by its import path (``Tool.source``: ``module:function``
+or ``/abs/path/file.py:function``; the parent's ``sys.path`` is handed over), so it must be
+defined at the top level of a module; arguments and the result cross as JSON (a result
+that is not JSON is sent as ``str(result)``).
+
+This is best-effort isolation, not a security boundary: the child runs as the same user
+with the same file-system access, can start processes, and can reach the network by means
+other than Python's socket module (ctypes, a subprocess). ``RLIMIT_AS`` counts virtual
+memory, so libraries that reserve large address ranges need a larger ``memory_mb``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from rlctl.envs.tools import Tool
+
+SANDBOXES = ("none", "subprocess")
+CHILD = Path(__file__).with_name("sandbox_child.py")
+
+
+class ToolFailed(Exception):
+    """A tool call that raised, timed out or was killed; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 5.0           # wall clock per call; the child is killed after it
+    memory_mb: int = 512             # RLIMIT_AS (and RLIMIT_FSIZE)
+    cpu_s: Optional[int] = None      # RLIMIT_CPU; None: ceil(timeout_s)
+
+    def cpu(self) -> int:
+        return self.cpu_s if self.cpu_s is not None else max(1, math.ceil(self.timeout_s))
+
+
+def check_sandbox(sandbox: str, tools=()) -> str:
+    if sandbox not in SANDBOXES:
+        raise ValueError(f"invalid task.sandbox {sandbox!r}; valid: {', '.join(SANDBOXES)}")
+    if sandbox == "subprocess":
+        for tool in tools:
+            if tool.source is None:
+                raise ValueError(f"tool '{tool.name}' cannot run in the subprocess sandbox: "
+                                 "define it at the top level of a module (module:function)")
+    return sandbox
+
+
+def call_tool(tool: Tool, kwargs: Dict[str, Any], sandbox: str = "none",
+              limits: Limits = Limits()) -> Any:
+    """``tool.fn(**kwargs)`` in the sandbox; any failure raises ``ToolFailed``."""
+    if sandbox == "none":
+        try:
+            return tool.fn(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - a tool's failure is an observation
+            raise ToolFailed(f"{tool.name}: {type(exc).__name__}: {_line(exc)}") from None
+    return run_in_subprocess(tool, kwargs, limits)
+
+
+def _line(exc: BaseException, limit: int = 200) -> str:
+    s = " ".join(str(exc).split())
+    return s[:limit]
+
+
+def _child_env(cwd: str) -> Dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def run_in_subprocess(tool: Tool, kwargs: Dict[str, Any], limits: Limits) -> Any:
+    if tool.source is None:
+        check_sandbox("subprocess", [tool])
+    payload = json.dumps({"source": tool.source, "kwargs": kwargs,
+                          "path": [os.path.abspath(p or ".") for p in sys.path],
+                          "memory_bytes": int(limits.memory_mb) * 2 ** 20, "cpu_s": limits.cpu()})
+    with tempfile.TemporaryDirectory(prefix="rlctl-tool-") as cwd:
+        proc = subprocess.Popen([sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=cwd,
+                                env=_child_env(cwd), start_new_session=True, close_fds=True)
+        try:
+            out, _ = proc.communicate(payload.encode(), timeout=limits.timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            raise ToolFailed(f"{tool.name}: timed out after {limits.timeout_s:g} s") from None
+        finally:
+            _kill(proc)
+    return _result(tool, proc.returncode, out)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.communicate()
+
+
+def _result(tool: Tool, rc: int, out: bytes) -> Any:
+    try:
+        reply = json.loads(out.decode("utf-8", "replace") or "null")
+    except json.JSONDecodeError:
+        reply = None
+    if isinstance(reply, dict) and reply.get("ok") is True:
+        return reply.get("result")
+    if isinstance(reply, dict) and "error" in reply:
+        raise ToolFailed(f"{tool.name}: {reply['error']}")
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        why = " (CPU limit)" if name == "SIGXCPU" else ""
+        raise ToolFailed(f"{tool.name}: killed by {name}{why}")
+    raise ToolFailed(f"{tool.name}: the sandboxed interpreter exited with code {rc} and no result")

@@ -1,0 +1,67 @@
+"""The subprocess sandbox's child (run as ``python -I sandbox_child.py``; see sandbox.py).
+
+Reads one JSON payload from stdin (source, kwargs, path, memory_bytes, cpu_s), limits
+itself, disables Python sockets, loads the tool by its import path, calls it and writes
+``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` to stdout. What the
+tool prints goes nowhere. Standard library only until the limits are set.
+"""
+import json
+import os
+import resource
+import socket
+import sys
+
+# Run as a script, its own folder (rlctl/envs/) heads sys.path: put the folder holding the
+# rlctl package there instead (rlctl.registry and rlctl/__init__ import only the stdlib).
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rlctl.registry import load_object  # noqa: E402
+
+MAX_RESULT_CHARS = 65536
+
+
+def _limit(memory_bytes: int, cpu_s: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+
+
+def _refuse(*args, **kwargs):
+    raise PermissionError("the network is disabled in the rlctl tool sandbox")
+
+
+class _NoSocket(socket.socket):
+    def __init__(self, *args, **kwargs):
+        _refuse()
+
+
+def _no_network() -> None:
+    socket.socket = _NoSocket
+    socket.socketpair = socket.fromfd = socket.create_connection = _refuse
+
+
+def _run(payload: dict):
+    fn = load_object(payload["source"], "tool")
+    return fn(**payload["kwargs"])
+
+
+def main() -> None:
+    reply_fd = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)                       # the tool's prints go nowhere
+    payload = json.loads(sys.stdin.read())
+    sys.path[:] = payload["path"]             # the parent's, made absolute
+    _limit(payload["memory_bytes"], payload["cpu_s"])
+    _no_network()
+    try:
+        reply = {"ok": True, "result": _run(payload)}
+        text = json.dumps(reply, default=str)
+    except BaseException as exc:  # noqa: BLE001 - everything becomes the error reply
+        text = json.dumps({"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"})
+    if len(text) > MAX_RESULT_CHARS:
+        text = json.dumps({"ok": False, "error": f"result over {MAX_RESULT_CHARS} characters"})
+    with os.fdopen(reply_fd, "w") as out:
+        out.write(text)
+
+
+if __name__ == "__main__":
+    main()

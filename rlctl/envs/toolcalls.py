@@ -1,0 +1,109 @@
+"""Tool-call formats: how a model turn names a tool and its arguments.
+
+A parser has ``parse(text) -> ToolCall | None`` (None: the turn holds no call; a call
+that is opened but malformed raises ``ToolCallError``, one line), ``format(call) -> str``
+(the text the model would write; warm-up data and tests use it) and ``stop``, the strings
+after which a turn holding a call should be cut. Registered in ``PARSERS``
+(``tool_parser=NAME``; ``package.module:Class`` for your own, a class taking no arguments):
+
+- ``json``: ``<tool_call>{"name": "calc", "arguments": {"expression": "123*45"}}</tool_call>``,
+  the style of chat models' tool templates (``arguments`` may also be a JSON string);
+- ``tag``: ``<call> calc 1 2 3 * 4 5 </call>``: the tool's name, then its arguments as
+  whitespace-separated words (compact, for the word-level tiny model).
+
+Only the first call of a turn is read; text around it is ignored.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple, Union
+
+from rlctl.registry import Registry
+
+PARSERS = Registry("tool-call parser")
+
+
+class ToolCallError(ValueError):
+    """A turn opened a tool call that cannot be read (one line: what is wrong)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed call: the tool's name and its arguments, as the words after the name
+    (``tag``) or the JSON object's ``arguments`` (``json``)."""
+    name: str
+    arguments: Union[Tuple[str, ...], Dict[str, Any]] = ()
+
+
+def _between(text: str, open_: str, close: str) -> Optional[str]:
+    """The text between the first ``open_`` and the next ``close``; None without ``open_``."""
+    start = text.find(open_)
+    if start == -1:
+        return None
+    end = text.find(close, start + len(open_))
+    if end == -1:
+        raise ToolCallError(f"{open_} without {close}")
+    return text[start + len(open_):end]
+
+
+@PARSERS.register("tag")
+class TagParser:
+    """``<call> NAME ARG ARG ... </call>``: whitespace-separated words."""
+    OPEN, CLOSE = "<call>", "</call>"
+    stop = (CLOSE,)
+
+    def parse(self, text: str) -> Optional[ToolCall]:
+        inner = _between(text, self.OPEN, self.CLOSE)
+        if inner is None:
+            return None
+        words = inner.split()
+        if not words:
+            raise ToolCallError(f"{self.OPEN} {self.CLOSE} names no tool")
+        if self.OPEN in inner:
+            raise ToolCallError(f"{self.OPEN} inside a call")
+        return ToolCall(words[0], tuple(words[1:]))
+
+    def format(self, call: ToolCall) -> str:
+        args = call.arguments.values() if isinstance(call.arguments, dict) else call.arguments
+        return " ".join([self.OPEN, call.name, *map(str, args), self.CLOSE])
+
+
+@PARSERS.register("json")
+class JsonParser:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    stop = (CLOSE,)
+
+    def parse(self, text: str) -> Optional[ToolCall]:
+        inner = _between(text, self.OPEN, self.CLOSE)
+        if inner is None:
+            return None
+        obj = _json(inner, "the call")
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            raise ToolCallError('a call must be a JSON object with a "name" string')
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            args = _json(args, '"arguments"')
+        if not isinstance(args, dict):
+            raise ToolCallError('"arguments" must be a JSON object')
+        return ToolCall(obj["name"], args)
+
+    def format(self, call: ToolCall) -> str:
+        args = call.arguments if isinstance(call.arguments, dict) else list(call.arguments)
+        return f"{self.OPEN}{json.dumps({'name': call.name, 'arguments': args})}{self.CLOSE}"
+
+
+def _json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ToolCallError(f"{what} is not valid JSON ({exc.msg} at char {exc.pos})") from None
+
+
+def make_parser(name: str):
+    """The parser registered as ``name`` (or a user class by import path); one-line ValueError."""
+    try:
+        return PARSERS.get(name)()
+    except ValueError as exc:
+        raise ValueError(f"task.tool_parser: {exc}") from None
