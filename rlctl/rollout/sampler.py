@@ -37,6 +37,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
            cache=None, keep_logprobs: bool = False
            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Left-padded prompts [N, P] -> (sequences [N, P+T], behaviour log-probs [N, T] float32
+    (float64 for a float64 model: the tokens are drawn from the float32 scores either way)
     or None).
 
     ``keep_logprobs``: record log softmax(logits / temperature) of each sampled token
@@ -63,12 +64,14 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
     tokens, logps = [], []
     for t in range(max_new_tokens):
-        scores = out.logits[:, -1].float() / temperature                           # [N, V]
+        logits = out.logits[:, -1]                                                 # [N, V]
+        scores = logits.float() / temperature                                      # [N, V]
         nxt = _draw(scores, top_k)                                                 # [N]
         nxt = nxt * unfinished + pad_id * (1 - unfinished)
         tokens.append(nxt)
-        if keep_logprobs:                                                          # [N]
-            logps.append(scores.gather(-1, nxt[:, None])[:, 0] - torch.logsumexp(scores, -1))
+        if keep_logprobs:        # float32, or float64 for a float64 model (exact checks)
+            exact = scores if logits.dtype != torch.float64 else logits / temperature
+            logps.append(exact.gather(-1, nxt[:, None])[:, 0] - torch.logsumexp(exact, -1))
         unfinished = unfinished & (~torch.isin(nxt, stops)).long()
         if t == max_new_tokens - 1 or not bool(unfinished.any()):
             break

@@ -1,0 +1,53 @@
+"""The rollout source of episodic tasks: ``EpisodeSource``, LocalSource's multi-turn twin.
+
+``sample(num_groups)`` draws B rows of the task's training split with its prompt
+``sampler`` (a ``random.Random``, checkpointed by the Trainer) and plays G episodes of
+each with the learner's own policy module (``EpisodePlayer``); the environments' seed is
+drawn from the same sampler, so a resumed run replays the same episodes' seeds. The
+rewards come from the environments' steps, so the ``scorer`` (the Trainer reads its
+counters and named sums) never scores anything here. ``player`` is what the Trainer's
+held-out eval plays episodes with (``rlctl.learner.evaluate.evaluate_episodes``).
+"""
+from __future__ import annotations
+
+import random
+from typing import Dict, List
+
+from rlctl.models.stop_ids import resolve_stop_ids
+from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
+from rlctl.tasks.scoring import RewardScorer
+from rlctl.types import RolloutBatch
+
+SEED_RANGE = 2 ** 31
+
+
+class EpisodeSource:
+    """B rows x G episodes per ``sample``, with ``policy`` (the module the backend trains).
+    The stop ids are resolved here once (``resolve_stop_ids``, as LocalSource does) and
+    written into the policy's generation config."""
+
+    def __init__(self, policy, tokenizer, task, settings: EpisodeSettings, seed: int):
+        self.policy, self.tokenizer, self.task = policy, tokenizer, task
+        self.examples = task.train_examples()
+        self.sampler = random.Random(seed)
+        self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
+        self.player = EpisodePlayer(tokenizer, task, settings, self.stops)
+        self.scorer = RewardScorer(task, timeout_s=0)     # counters only: rewards are the env's
+
+    def draw(self, num_groups: int) -> List[int]:
+        """Indices of the next ``num_groups`` rows (with replacement)."""
+        return [self.sampler.randrange(len(self.examples)) for _ in range(num_groups)]
+
+    def sample(self, num_groups: int) -> RolloutBatch:
+        examples = [self.examples[i] for i in self.draw(num_groups)]
+        seed = self.sampler.randrange(SEED_RANGE)
+        return self.player.play(self.policy, examples, seed)
+
+    def after_update(self) -> None:
+        pass
+
+    def metrics(self) -> Dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.scorer.close()

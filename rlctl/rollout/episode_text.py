@@ -1,0 +1,126 @@
+"""The text side of an episode: how observations become tokens, and where a turn stops.
+
+Token-in, token-out: the model's turns stay the ids it sampled; only observations are
+tokenized, each once (``add_special_tokens=False``), and appended.
+
+Raw prompts (``task.prompt_format=raw``, or a tokenizer without a chat template): the
+first observation is encoded as a single-turn prompt (``tokenizer(text)``: its BOS
+included); each later observation's text is appended as it is.
+
+Chat prompts (``task.prompt_format=chat``): the first observation is the user message
+rendered with the template (``rlctl.tasks.base.render_chat``: system prompt, generation
+prompt). A later observation becomes a message of the ``tool`` role when the template
+mentions one, else of the ``user`` role, and its tokens are the template's text for the
+conversation with that message (and the next generation prompt) beyond the text of the
+tokens already in the context (decoded with their special tokens). When the template's
+rendering does not start with that text (a template that rewrites earlier turns, e.g.
+dropping a reasoning block, or strips the assistant's text), one line says so (once per
+process) and the fallback is used: the new message rendered alone, as the template
+writes a message after an assistant turn (``[user, assistant] + [new]`` beyond
+``[user, assistant]``). Earlier tokens are never changed either way.
+
+Observations longer than ``rollout.episode.max_obs_tokens`` are cut on the configured
+side (raw: their tokens; chat: the message content's tokens, the template's markers
+added around the cut content) and marked (``Span.truncated``).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from rlctl.models.kv_share import say_once
+from rlctl.tasks.base import render_chat
+
+ERROR_OBSERVATION = "error"     # what the model sees after a step that raised or timed out
+
+_DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+def uses_chat(tokenizer, prompt_format: str) -> bool:
+    return prompt_format == "chat" and bool(getattr(tokenizer, "chat_template", None))
+
+
+class EpisodeText:
+    """Encodes one run's observations (``chat``: through the tokenizer's template)."""
+
+    def __init__(self, tokenizer, chat: bool, system_prompt: Optional[str], max_obs_tokens: int,
+                 obs_truncation: str):
+        self.tok, self.chat, self.system = tokenizer, chat, system_prompt
+        self.max_obs, self.side = max_obs_tokens, obs_truncation
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        self.role = "tool" if "tool" in template else "user"
+
+    # ---- the first observation ------------------------------------------------------
+    def first(self, text: str) -> Tuple[str, List[int], List[Dict[str, str]]]:
+        """(prompt text, its ids with the tokenizer's special tokens, chat messages)."""
+        if not self.chat:
+            return text, self.tok(text)["input_ids"], []
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
+            [{"role": "user", "content": text}]
+        prompt = render_chat(self.tok, text, self.system)
+        return prompt, self.tok(prompt)["input_ids"], messages
+
+    # ---- later observations ---------------------------------------------------------
+    def observation(self, text: str, context: Sequence[int], messages: List[Dict[str, str]],
+                    turn_text: str) -> Tuple[List[int], bool]:
+        """(ids of observation ``text`` after ``context``, cut to max_obs_tokens?). In
+        chat, ``messages`` gets the assistant's turn and the new message appended."""
+        if not self.chat:
+            return self._cut(self._encode(text))
+        content, cut = self._cut(self._encode(text))
+        if cut:
+            text = self.tok.decode(content)
+        messages += [{"role": "assistant", "content": turn_text}, {"role": self.role, "content": text}]
+        full = self._render(messages, generation=True)
+        so_far = self.tok.decode(list(context), skip_special_tokens=False)
+        if full.startswith(so_far):
+            return self._encode(full[len(so_far):]), cut
+        say_once("the chat template changes earlier text when a turn is added (its rendering "
+                 "of the conversation does not start with the tokens already sampled); each "
+                 "observation is rendered alone as a message after an assistant turn, and "
+                 "earlier tokens are kept as sampled")
+        return self._encode(self._alone(messages[-1])), cut
+
+    def _alone(self, message: Dict[str, str]) -> str:
+        before = self._render(_DUMMY, generation=False)
+        after = self._render(_DUMMY + [message], generation=True)
+        return after[len(before):] if after.startswith(before) else \
+            self._render([message], generation=True)
+
+    def _render(self, messages, generation: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False,
+                                            add_generation_prompt=generation)
+
+    def _encode(self, text: str) -> List[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _cut(self, ids: List[int]) -> Tuple[List[int], bool]:
+        if len(ids) <= self.max_obs:
+            return ids, False
+        return (ids[:self.max_obs] if self.side == "right" else ids[len(ids) - self.max_obs:]), True
+
+    # ---- model turns ----------------------------------------------------------------
+    def turn_text(self, ids: Sequence[int], stops: Sequence[int]) -> str:
+        """A model turn's text: its ids without the closing stop id, specials dropped."""
+        ids = list(ids[:-1]) if ids and ids[-1] in stops else list(ids)
+        return self.tok.decode(ids, skip_special_tokens=True).strip()
+
+
+def stop_string_cut(tokenizer, ids: Sequence[int], strings: Sequence[str]) -> Optional[int]:
+    """Tokens to keep so the turn ends right after the token that completes the first of
+    ``strings`` to appear in its text, or None when none appears."""
+    strings = [s for s in strings if s]
+    if not strings:
+        return None
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
+        if any(s in text for s in strings):
+            return k
+    return None
+
+
+def stop_strings(info) -> Tuple[str, ...]:
+    """info["stop"] of a step (a string or a list of strings) as a tuple."""
+    stop = (info or {}).get("stop") if isinstance(info, dict) else None
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)

@@ -1,0 +1,279 @@
+"""The episode loop: B examples x G episodes played with the policy, as one RolloutBatch.
+
+The framework owns the episode (the environment only answers turns):
+
+1. each of the N = B*G episodes gets a fresh environment (``task.make_env()``), reset with
+   its row and a seed (the G episodes of a group share the seed, so a group compares the
+   policy on the same problem);
+2. turn by turn, the active episodes' token contexts (ids, never text) are left-padded and
+   the next model turn is sampled (``rlctl.rollout.sampler.sample``, behaviour log-probs
+   kept), at most ``min(rollout.max_new_tokens, tokens left in the episode's budget, the
+   model's context)`` tokens; a turn ends at a stop id or right after the token that
+   completes one of the previous step's ``info["stop"]`` strings;
+3. the turns are decoded and the environments stepped concurrently (``env_steps``: a
+   time limit per step; an exception or a timeout becomes the observation ``error``,
+   counted in ``Episode.env_errors``); observations are tokenized once and appended;
+4. an episode ends at ``done``, after ``max_turns`` model turns (``turn_limit``), when
+   its token budget (``token_limit``) or the model's context (``length_limit``) leaves no
+   room for another token. A model turn cut by a budget is kept (its tokens count) but
+   not sent to the environment: its turn reward is 0. No episode is ever dropped.
+
+KV cache: each turn recomputes the whole token context (prompt and transcript so far):
+correct on every architecture, including models that keep their state in their modules
+(RecurrentGemma), whose contexts run one length at a time, unpadded. Reusing the
+episode's cache across turns is not done yet.
+
+The batch (the contract in ``rlctl.types.RolloutBatch``): the first observation
+left-padded to P, the transcript right-padded to T; ``attention_mask`` 1 on every real
+token; ``mask`` 1 on the model's tokens only; ``old_logprobs`` the behaviour log-probs
+on model tokens, 0 elsewhere; ``rewards`` and ``token_rewards`` from the turn rewards by
+``rollout.episode.turn_reward`` (``rlctl.core.turns.place_turn_rewards``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from rlctl.envs.base import close_env
+from rlctl.errors import TrainingFault, UserError, one_line
+from rlctl.models.kv_share import cache_keyword, state_in_modules, unpadded_notice
+from rlctl.models.value import PolicyValueModel
+from rlctl.rollout.env_steps import run_calls
+from rlctl.rollout.episode_batch import EpisodeRun, episode_batch
+from rlctl.rollout.episode_text import (ERROR_OBSERVATION, EpisodeText, stop_string_cut,
+                                        stop_strings, uses_chat)
+from rlctl.rollout.sampler import sample
+from rlctl.tasks.base import RAW_PROMPT, task_options
+from rlctl.tasks.prompt_budget import context_length
+from rlctl.types import (DONE, LENGTH_LIMIT, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Example,
+                         RolloutBatch, Span, Step, Turn)
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """How episodes are played (``algo.group_size``, ``rollout`` and ``rollout.episode``)."""
+    group_size: int
+    max_new_tokens: int              # per model turn
+    temperature: float
+    top_k: int = 0
+    stop_token_ids: Tuple = ()
+    max_turns: int = 4
+    max_tokens: int = 48             # completion tokens per episode (turns and observations)
+    max_obs_tokens: int = 16
+    obs_truncation: str = "right"
+    step_timeout_s: float = 10.0
+    concurrency: int = 8
+    turn_reward: str = "sum"
+    turn_discount: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "EpisodeSettings":
+        ro, ep = cfg.rollout, cfg.rollout.episode
+        return cls(group_size=int(cfg.algo.group_size), max_new_tokens=int(ro.max_new_tokens),
+                   temperature=float(ro.temperature), top_k=int(ro.get("top_k", 0) or 0),
+                   stop_token_ids=tuple(ro.get("stop_token_ids", None) or ()),
+                   max_turns=int(ep.max_turns), max_tokens=int(ep.max_tokens),
+                   max_obs_tokens=int(ep.max_obs_tokens), obs_truncation=str(ep.obs_truncation),
+                   step_timeout_s=float(ep.step_timeout_s), concurrency=int(ep.concurrency),
+                   turn_reward=str(ep.turn_reward), turn_discount=float(ep.turn_discount))
+
+
+class EpisodePlayer:
+    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch.
+    ``stops``: the resolved stop ids. Chat prompts (``task.prompt_format=chat`` and a
+    tokenizer with a template) go through ``EpisodeText``'s template rendering; an
+    environment's ``reset`` gets the row with its prompt as the task wrote it (before
+    the chat template)."""
+
+    def __init__(self, tokenizer, task, settings: EpisodeSettings, stops: Sequence[int]):
+        opts = task_options(task)
+        self.tokenizer, self.task, self.settings, self.stops = tokenizer, task, settings, tuple(stops)
+        self.text = EpisodeText(tokenizer, uses_chat(tokenizer, opts.prompt_format),
+                                opts.system_prompt, settings.max_obs_tokens, settings.obs_truncation)
+
+    def play(self, model, examples: Sequence[Example], seed: int, greedy: bool = False,
+             group_size: Optional[int] = None) -> RolloutBatch:
+        """G episodes of each example (``group_size``, default ``settings.group_size``),
+        played with ``model``; ``greedy``: the most likely token each time (eval)."""
+        if isinstance(model, PolicyValueModel):     # sample from the LM alone
+            model = model.policy
+        s, G = self.settings, group_size or self.settings.group_size
+        rows = [_as_written(ex) for ex in examples for _ in range(G)]
+        runs = _reset([self.task.make_env() for _ in rows], rows,
+                      [seed + i // G for i in range(len(rows))], s, self.text)
+        budget, weight = _Budget(s, context_length(model)), next(model.parameters())
+        # greedy draws (top-k 1) leave the training's RNG streams as they were
+        rng = torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []) \
+            if greedy else contextlib.nullcontext()
+        try:
+            with rng:
+                self._turns(model, runs, budget, greedy)
+        finally:
+            for r in runs:
+                if r.last is None or not r.last.busy():   # never close one a thread still runs in
+                    close_env(r.env)
+        return episode_batch(runs, self.tokenizer, s.turn_reward, s.turn_discount, G, self.stops,
+                             weight.device,
+                             torch.float64 if weight.dtype == torch.float64 else torch.float32)
+
+
+    def _turns(self, model, runs: List[EpisodeRun], budget: "_Budget", greedy: bool) -> None:
+        """Model turns and environment steps until every episode has ended."""
+        while True:
+            active = [r for r in runs if not r.ended and not budget.exhausted(r)]
+            if not active:
+                return
+            stepping = _model_turns(model, self.tokenizer, active, self.settings, self.stops,
+                                    greedy, budget, self.text)
+            _step(stepping, self.settings, self.text, budget)
+
+
+def _as_written(example: Example) -> Example:
+    """The row with the prompt the task wrote (chat rendering undone: the player renders)."""
+    raw = example.fields.get(RAW_PROMPT)
+    return example if raw is None else Example(prompt=raw, fields=example.fields)
+
+
+class _Budget:
+    """Tokens an episode may still take: its budget and the model's context."""
+
+    def __init__(self, settings: EpisodeSettings, context: Optional[int]):
+        self.max_tokens, self.context = settings.max_tokens, context
+
+    def left(self, r: EpisodeRun) -> Tuple[int, str]:
+        """(tokens left, the status of running out)."""
+        tokens = self.max_tokens - len(r.ids)
+        if self.context is None:
+            return tokens, TOKEN_LIMIT
+        ctx = self.context - len(r.prompt_ids) - len(r.ids)
+        return (ctx, LENGTH_LIMIT) if ctx < tokens else (tokens, TOKEN_LIMIT)
+
+    def exhausted(self, r: EpisodeRun) -> bool:
+        left, status = self.left(r)
+        if left <= 0 and not r.ended:
+            r.end(status)
+        return r.ended
+
+
+def _reset(envs, rows: Sequence[Example], seeds: Sequence[int], settings: EpisodeSettings,
+           text: EpisodeText) -> List[EpisodeRun]:
+    calls = [functools.partial(env.reset, ex, s) for env, ex, s in zip(envs, rows, seeds)]
+    outs = run_calls(calls, settings.step_timeout_s, settings.concurrency)
+    for i, out in enumerate(outs):
+        if not out.ok or not isinstance(out.value, str):
+            why = one_line(out.error) if not out.ok else \
+                f"returned {type(out.value).__name__}, not the first observation's text"
+            raise TrainingFault(f"environment reset of episode {i} ({type(envs[i]).__name__}) "
+                                f"failed: {why}")
+    runs = []
+    for env, out in zip(envs, outs):
+        prompt, ids, messages = text.first(out.value)
+        runs.append(EpisodeRun(env=env, prompt=prompt, prompt_ids=ids, messages=messages))
+    return runs
+
+
+def _model_turns(model, tokenizer, active: List[EpisodeRun], settings: EpisodeSettings,
+                 stops: Sequence[int], greedy: bool, budget: _Budget, text: EpisodeText
+                 ) -> List[EpisodeRun]:
+    """Sample one model turn for each of ``active``; returns those to send to their
+    environment (a turn cut by a budget ends its episode instead)."""
+    rooms = [min(settings.max_new_tokens, budget.left(r)[0]) for r in active]
+    new, logps = _sample(model, tokenizer, [r.prompt_ids + r.ids for r in active], max(rooms),
+                         settings, stops, greedy)
+    stepping, stop_set = [], set(int(s) for s in stops)
+    for r, room, ids, lp in zip(active, rooms, new, logps):
+        k = next((j + 1 for j, t in enumerate(ids) if t in stop_set), len(ids))
+        k = min(k, room)
+        by_string = stop_string_cut(tokenizer, ids[:k], r.stop_strings)
+        k = by_string or k
+        turn = ids[:k]
+        r.episode.spans.append(Span(MODEL, len(r.ids), len(r.ids) + k, text.turn_text(turn, stop_set)))
+        r.ids += turn
+        r.logps += lp[:k]
+        finished = by_string is not None or turn[-1] in stop_set or k == settings.max_new_tokens
+        if finished:
+            stepping.append(r)
+        else:                               # cut by the episode's budget: not stepped
+            r.episode.turn_rewards.append(0.0)
+            r.end(budget.left(r)[1])
+    return stepping
+
+
+def _sample(model, tokenizer, contexts: List[List[int]], max_new: int, settings: EpisodeSettings,
+            stops: Sequence[int], greedy: bool) -> Tuple[List[List[int]], List[List[float]]]:
+    """Each context's next turn: (ids, behaviour log-probs), up to ``max_new`` tokens.
+    Left-padded together; one length at a time for a model whose state lives in its
+    modules (left padding would reach it)."""
+    key = cache_keyword(model)
+    if key is None:
+        raise UserError(f"{type(model).__name__} takes no KV cache in its forward; multi-turn "
+                        "episodes sample with the cached loop: use a model whose forward takes one")
+    groups = [list(range(len(contexts)))]
+    if state_in_modules(model):
+        unpadded_notice(model)
+        lengths = sorted({len(c) for c in contexts})
+        groups = [[i for i, c in enumerate(contexts) if len(c) == n] for n in lengths]
+    device = next(model.parameters()).device
+    new: List[List[int]] = [[] for _ in contexts]
+    logps: List[List[float]] = [[] for _ in contexts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stops[0])
+    for rows in groups:
+        L = max(len(contexts[i]) for i in rows)
+        ids = torch.full((len(rows), L), pad, dtype=torch.long, device=device)       # [n, L]
+        mask = torch.zeros(len(rows), L, dtype=torch.long, device=device)            # [n, L]
+        for j, i in enumerate(rows):
+            ids[j, L - len(contexts[i]):] = torch.tensor(contexts[i], device=device)
+            mask[j, L - len(contexts[i]):] = 1
+        seqs, lp = sample(model, ids, mask, max_new, 1.0 if greedy else settings.temperature,
+                          1 if greedy else settings.top_k, stops, pad, key, None, keep_logprobs=True)
+        for j, i in enumerate(rows):
+            new[i], logps[i] = seqs[j, L:].tolist(), lp[j].tolist()
+    return new, logps
+
+
+def _step(runs: List[EpisodeRun], settings: EpisodeSettings, text: EpisodeText, budget: _Budget) -> None:
+    """Step the environments of ``runs`` with their last turns, concurrently."""
+    todo = [r for r in runs if r.last is None or not r.last.busy()]
+    calls = [functools.partial(r.env.step, Turn(r.episode.spans[-1].text,
+                                                r.ids[r.episode.spans[-1].start:]))
+             for r in todo]
+    outs = dict(zip(map(id, todo), run_calls(calls, settings.step_timeout_s, settings.concurrency)))
+    for r in runs:
+        out = outs.get(id(r))
+        if out is not None:
+            r.last = out
+        step = out.value if out is not None and out.ok and isinstance(out.value, Step) else None
+        if step is None:        # raised, timed out, returned no Step, or still busy
+            r.episode.env_errors += 1
+            step = Step(observation=ERROR_OBSERVATION)
+        _apply(r, step, settings, text, budget)
+
+
+def _apply(r: EpisodeRun, step: Step, settings: EpisodeSettings, text: EpisodeText, budget: _Budget) -> None:
+    info = step.info if isinstance(step.info, dict) else {}
+    r.episode.spans[-1].reward = float(step.reward)
+    r.episode.turn_rewards.append(float(step.reward))
+    r.episode.tool_calls += int(info.get("tool_calls", 0) or 0)
+    r.episode.tool_errors += int(info.get("tool_errors", 0) or 0)
+    if "success" in info:
+        r.episode.success = bool(info["success"])
+    r.stop_strings = stop_strings(info)
+    if step.done:
+        return r.end(DONE)
+    if r.episode.turns >= settings.max_turns:
+        return r.end(TURN_LIMIT)
+    if step.observation is None:
+        return None                                   # the model writes again
+    turn = r.episode.spans[-1]
+    ids, cut = text.observation(step.observation, r.prompt_ids + r.ids, r.messages, turn.text)
+    left = max(budget.left(r)[0], 0)
+    if len(ids) > left:                               # the episode's budget cuts it too
+        ids, cut = (ids[:left] if settings.obs_truncation == "right" else ids[len(ids) - left:]), True
+    r.episode.spans.append(Span(OBSERVATION, len(r.ids), len(r.ids) + len(ids), step.observation,
+                                truncated=cut))
+    r.ids += ids
+    r.logps += [0.0] * len(ids)
