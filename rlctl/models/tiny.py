@@ -80,9 +80,10 @@ WARMUP_TASKS = ("sorting", "arithmetic")
 ARITH_WARMUP = {"batch_size": 256, "correct_frac": 1.0, "steps_scale": 2.5}
 
 
-def build_tokenizer():
-    """Word-level tokenizer over digits and a few operators; prepends <bos>; pads left."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + SYMBOLS)}
+def build_tokenizer(extra_words: Sequence[str] = ()):
+    """Word-level tokenizer over digits and a few operators (then ``extra_words``, e.g. the
+    environments' TINY_AGENT_WORDS); prepends <bos>; pads left."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + SYMBOLS + list(extra_words))}
     tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.post_processor = processors.TemplateProcessing(
@@ -143,6 +144,13 @@ def supervised_warmup(model, tokenizer, prompts: Sequence[str], answers: Sequenc
     if steps <= 0:
         return []
     ids, mask, labels = completion_batch(tokenizer, prompts, answers)  # [M, L]
+    return train_on_rows(model, ids, mask, labels, steps, lr, seed, batch_size)
+
+
+def train_on_rows(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                  steps: int, lr: float, seed: int, batch_size: int) -> List[float]:
+    """``steps`` AdamW steps of cross-entropy on ``labels`` (-100: not counted) over
+    shuffled batches of the rows of ``ids`` [M, L]; returns the losses."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
