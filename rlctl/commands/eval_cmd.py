@@ -31,11 +31,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
+from rlctl.commands.eval_episodes import episode_splits
 from rlctl.commands.files import write_json
 from rlctl.commands.held_out import held_out_scorer, reward_label
 from rlctl.commands.passk import mean_pass_at_k, report_ks
 from rlctl.commands.targets import open_target, task_scores
 from rlctl.core.logprobs import completion_mask
+from rlctl.envs.base import is_episodic
 from rlctl.errors import UserError
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
@@ -97,6 +99,25 @@ def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
     return metrics
 
 
+def _completion_splits(cfg, model, tokenizer, task, examples, samples: int, batch_size: int,
+                       reward_name: str, scorer, err):
+    """(greedy metrics, sampled metrics) of single completions (``score_split``)."""
+    ro = cfg.rollout
+    top_k = int(ro.get("top_k", 0) or 0)
+    common = dict(max_new_tokens=ro.max_new_tokens, batch_size=batch_size,
+                  reward_name=reward_name, scorer=scorer)
+    with scorer, Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
+        g = bar.add_task("greedy", total=len(examples))
+        greedy = score_split(model, tokenizer, task, examples, 1, False, 1.0, 0,
+                             on_chunk=lambda n: bar.advance(g, n), **common)
+        s = bar.add_task("sampled", total=len(examples))
+        torch.manual_seed(cfg.seed)
+        sampled = score_split(model, tokenizer, task, examples, samples, True, ro.temperature,
+                              top_k, on_chunk=lambda n: bar.advance(s, n), **common)
+    return greedy, sampled
+
+
 def default_out(target, cfg) -> Path:
     if target.kind in ("run", "model", "adapter"):
         return target.path / "eval.json"
@@ -126,17 +147,12 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     scorer, saved = held_out_scorer(task, target)
     if saved is not None:
         err.print(saved.note, soft_wrap=True)
-    common = dict(max_new_tokens=ro.max_new_tokens, batch_size=batch_size,
-                  reward_name=reward_name, scorer=scorer)
-    with scorer, Progress("[progress.description]{task.description}", BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
-        g = bar.add_task("greedy", total=len(examples))
-        greedy = score_split(model, tokenizer, task, examples, 1, False, 1.0, 0,
-                             on_chunk=lambda n: bar.advance(g, n), **common)
-        s = bar.add_task("sampled", total=len(examples))
-        torch.manual_seed(cfg.seed)
-        sampled = score_split(model, tokenizer, task, examples, samples, True, ro.temperature,
-                              top_k, on_chunk=lambda n: bar.advance(s, n), **common)
+    if is_episodic(task):          # played as episodes: success, turns, tool calls
+        scorer.close()            # the environments give the rewards: nothing to score
+        greedy, sampled = episode_splits(cfg, model, tokenizer, task, examples, samples, batch_size)
+    else:
+        greedy, sampled = _completion_splits(cfg, model, tokenizer, task, examples, samples,
+                                             batch_size, reward_name, scorer, err)
     result = {
         "target": None if target.path is None else str(target.path),
         "target_kind": target.kind, "model": what,

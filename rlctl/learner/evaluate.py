@@ -1,4 +1,6 @@
-"""Held-out evaluation: greedy completions on the task's eval split."""
+"""Held-out evaluation: greedy completions on the task's eval split, or for a task played
+as episodes (``rlctl.envs.base.is_episodic``) episodes on its eval rows
+(``evaluate_episodes``)."""
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -9,7 +11,11 @@ from rlctl.core.logprobs import completion_mask
 from rlctl.learner.samples import Row, endings, eval_rows
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
-from rlctl.types import Example
+from rlctl.types import Episode, Example, RolloutBatch
+
+# The sums evaluate_episodes gives (besides count), in the order rlctl eval prints them.
+EPISODE_KEYS = ("success_rate", "exact_match", "reward", "turns_mean", "tool_calls_mean",
+                "tool_errors_mean", "env_errors_mean", "truncated_frac", "length_mean")
 
 
 @torch.no_grad()
@@ -59,3 +65,68 @@ def evaluate(model, tokenizer, scorer, examples: Sequence[Example], max_new_toke
     if not scorer.has_gold:  # reward models alone: no gold reward, nothing is "correct"
         del out["exact_match"]
     return out, rows
+
+
+def episode_success(episode: Episode, reward: float) -> bool:
+    """The environment's ``success`` (the last step's info that set it), else reward > 0."""
+    return bool(episode.success) if episode.success is not None else reward > 0
+
+
+@torch.no_grad()
+def evaluate_episodes(model, player, examples: Sequence[Example], greedy: bool = True,
+                      samples: int = 1, seed: int = 0, batch_size: int = 64, keep: int = 0,
+                      step: int = 0) -> Tuple[Dict[str, float], List[Row], List[int]]:
+    """``samples`` episodes of each example played by ``player`` (an
+    ``rlctl.rollout.episodes.EpisodePlayer``) with ``model``, greedy (the most likely
+    token each time) or sampled at the player's temperature: (SUMS over the episodes, the
+    eval table of the first ``keep`` episodes, each example's count of successes).
+
+    The caller divides the sums by ``count`` (``eval/<key>``): success_rate (the
+    environment's info["success"] where it reports one, else total reward > 0),
+    exact_match (= success_rate, so that dashboards and comparisons made for single-turn
+    tasks read the same column), reward (the episode reward by the turn-reward rule),
+    turns_mean (model turns per episode), tool_calls_mean and tool_errors_mean (the
+    environments' info counts per episode), env_errors_mean (steps that raised or timed
+    out), truncated_frac (episodes ended by a budget) and length_mean (model tokens)."""
+    was_training = model.training
+    model.eval()
+    sums = dict.fromkeys(EPISODE_KEYS, 0.0)
+    rows: List[Row] = []
+    counts: List[int] = []
+    per_chunk = max(1, batch_size // samples)
+    for start in range(0, len(examples), per_chunk):
+        chunk = examples[start:start + per_chunk]
+        batch = player.play(model, chunk, seed + start, greedy=greedy, group_size=samples)
+        ok = _add_episodes(sums, batch)
+        counts += [sum(ok[i * samples:(i + 1) * samples]) for i in range(len(chunk))]
+        if len(rows) < keep:
+            rows += _episode_rows(batch, ok, keep - len(rows), step, player.tokenizer)
+    model.train(was_training)
+    sums["count"] = float(len(examples) * samples)
+    return sums, rows, counts
+
+
+def _add_episodes(sums: Dict[str, float], batch: RolloutBatch) -> List[bool]:
+    rewards = batch.rewards.tolist()
+    ok = [episode_success(e, r) for e, r in zip(batch.episodes, rewards)]
+    for e, r, good in zip(batch.episodes, rewards, ok):
+        sums["success_rate"] += good
+        sums["exact_match"] += good
+        sums["reward"] += r
+        sums["turns_mean"] += e.turns
+        sums["tool_calls_mean"] += e.tool_calls
+        sums["tool_errors_mean"] += e.tool_errors
+        sums["env_errors_mean"] += e.env_errors
+    sums["truncated_frac"] += float(batch.truncated.sum())
+    sums["length_mean"] += float(batch.mask.sum())
+    return ok
+
+
+def _episode_rows(batch: RolloutBatch, ok: List[bool], n: int, step: int, tokenizer) -> List[Row]:
+    """The eval table's rows of the batch's first ``n`` episodes: the transcript as the
+    completion, the episode's end as its finish_reason (its status)."""
+    k = min(n, batch.num_sequences)
+    ends = [{"finish_reason": e.status, "stop_id": None, "stop_token": None}
+            for e in batch.episodes[:k]]
+    return eval_rows(step, batch.prompts[:k], batch.completions[:k], batch.rewards[:k].tolist(),
+                     ok[:k], batch.mask[:k], ends)

@@ -24,7 +24,7 @@ from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
 from rlctl.errors import Interrupted, TrainingFault
 from rlctl.models.stop_ids import stop_ids
 from rlctl.learner.advantage import compute_advantages, shaped_task_rewards
-from rlctl.learner.evaluate import evaluate
+from rlctl.learner.evaluate import evaluate, evaluate_episodes
 from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
 from rlctl.learner.samples import draw_rows, train_rows
 from rlctl.learner.settings import TrainerSettings
@@ -144,14 +144,19 @@ class Trainer:
         return batch.old_logprobs, f.values
 
     def _evaluate(self, step: int) -> Dict[str, float]:
-        """Greedy eval after ``step``; each rank takes every world_size-th example, sums are
+        """Greedy eval after ``step`` (greedy episodes when the source plays them:
+        ``evaluate_episodes``); each rank takes every world_size-th example, sums are
         reduced. With samples on, rank 0's first logger.samples.n rows go to the sink."""
         b, samples = self.backend, self.options.samples
         keep = samples.n if samples.on and b.is_main else 0
-        sums, rows = evaluate(self.policy, self.tokenizer, self.eval_scorer,
-                              self.eval_examples[b.rank::b.world_size],
-                              self.options.eval_max_new_tokens, keep=keep, step=step,
-                              **b.generate_kwargs())
+        examples = self.eval_examples[b.rank::b.world_size]
+        player = getattr(self.source, "player", None)     # a source that plays episodes
+        if player is not None:
+            sums, rows, _ = evaluate_episodes(self.policy, player, examples, keep=keep, step=step)
+        else:
+            sums, rows = evaluate(self.policy, self.tokenizer, self.eval_scorer, examples,
+                                  self.options.eval_max_new_tokens, keep=keep, step=step,
+                                  **b.generate_kwargs())
         if rows:
             self.sink.samples(rows, step, "eval")
         keys = sorted(sums)

@@ -19,10 +19,13 @@ from omegaconf import OmegaConf
 
 from rlctl.backends.base import Backend
 from rlctl.backends.launch import die_with_parent
-from rlctl.errors import UserError, user_message
+from rlctl.envs.base import is_episodic
+from rlctl.errors import ConfigError, UserError, user_message
 from rlctl.learner.forward import prompt_sharing
 from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.actors import ActorSettings, AsyncSource, serve_learner
+from rlctl.rollout.episode_source import EpisodeSource
+from rlctl.rollout.episodes import EpisodeSettings
 from rlctl.rollout.layout import ActorLayout
 from rlctl.rollout.source import LocalSource, SamplingSettings
 from rlctl.run.build import model_from_config, task_from_config
@@ -33,10 +36,15 @@ from rlctl.tasks.scoring import RewardScorer
 def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     """The rollout source ``cfg`` asks for: ``LocalSource`` sampling with ``policy`` (the
     module the backend will train), or ``AsyncSource`` with
-    ``trainer.async_rollout.enabled``. ``backend`` None: one process on
+    ``trainer.async_rollout.enabled``, or for a task played as episodes
+    (``rlctl.envs.base.is_episodic``) ``EpisodeSource``. ``backend`` None: one process on
     ``hardware.device``; ``stop``: the run's StopFlag (a signal ends a wait for other nodes).
     Takes the whole config: the asynchronous source sends it to its actors, which build from it."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
+    if is_episodic(task):
+        check_episodic(cfg.trainer.async_rollout.enabled, world)
+        return EpisodeSource(policy, tokenizer, task, EpisodeSettings.from_config(cfg),
+                             seed=cfg.seed * 1000 + rank)
     settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
     local = LocalSource(policy, tokenizer, task.train_examples(), RewardScorer(task), settings,
                         seed=cfg.seed * 1000 + rank,
@@ -51,6 +59,16 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     device = backend.device if backend is not None else Backend(cfg.hardware.device).device
     return AsyncSource(ActorSettings.from_config(cfg), layout, local, device, actor_main,
                        OmegaConf.to_yaml(cfg, resolve=True), stop)
+
+
+def check_episodic(async_rollout: bool, world_size: int) -> None:
+    """Refuse (one line, exit 2) what episodic tasks do not run with yet."""
+    if async_rollout:
+        raise ConfigError("trainer.async_rollout.enabled=true is not supported yet for a task "
+                          "played as episodes; use trainer.async_rollout.enabled=false")
+    if world_size > 1:
+        raise ConfigError(f"a task played as episodes runs on one rank for now (got {world_size} "
+                          "ranks); use hardware.num_processes=1 and hardware.nnodes=1")
 
 
 def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None) -> None:
