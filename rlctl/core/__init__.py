@@ -24,8 +24,8 @@ from .chunked_logprobs import chunked_token_logprobs
 from .kl import (KL_ALIASES, KL_DEFAULT_ESTIMATOR, KL_ESTIMATORS, KL_PLACEMENT_NOTES,
                  KL_PLACEMENTS, AdaptiveKLController, FixedKLController, kl_estimate,
                  kl_shaped_rewards, register_kl, resolve_kl_estimator)
-from .logprobs import (completion_mask, entropy_from_logits, masked_mean, masked_sum,
-                       masked_whiten, token_logprobs)
+from .logprobs import (completion_mask, counted_width, entropy_from_logits, masked_mean,
+                       masked_sum, masked_whiten, token_logprobs)
 from .losses import (POLICY_LOSSES, explained_variance, get_policy_loss, ppo_clip_loss,
                      ppo_clip_per_token, register_policy_loss, vanilla_pg_loss,
                      vanilla_pg_per_token, value_loss, value_loss_per_token)
@@ -35,7 +35,7 @@ from .turns import TURN_REWARD_RULES, place_turn_rewards, turn_weights
 __all__ = [
     # logprobs
     "token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum", "masked_whiten",
-    "completion_mask",
+    "completion_mask", "counted_width",
     # chunked_logprobs (LM head fused with the log-softmax, memory-bounded)
     "chunked_token_logprobs",
     # kl

@@ -20,7 +20,7 @@ import torch
 from ._util import acc_dtype, keep, upcast
 
 __all__ = ["token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum",
-           "masked_whiten", "completion_mask"]
+           "masked_whiten", "completion_mask", "counted_width"]
 
 
 CHUNK_ELEMENTS = 1 << 22   # rows per chunk: as many as fit in 4M elements (at least one)
@@ -93,6 +93,18 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
     if not shift_mean:
         out = out + mean
     return torch.where(keep(mask), out, torch.zeros_like(out)).to(x.dtype)
+
+
+def counted_width(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's width: its last counted column + 1 (0 for a row with nothing counted).
+    mask [N, T] -> [N] long. Equal to ``mask.sum(-1)`` when a row's counted tokens are
+    contiguous from column 0 (single-turn completions); larger when masked gaps
+    (multi-turn observations) lie between them."""
+    n, t_len = mask.shape
+    if t_len == 0:
+        return torch.zeros(n, dtype=torch.long, device=mask.device)
+    cols = torch.arange(1, t_len + 1, device=mask.device)                # [T]
+    return torch.where(keep(mask), cols, 0).max(-1).values               # [N]
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int | Sequence[int],

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from rlctl.core import counted_width
 from rlctl.models.stop_ids import decode_completions
 from rlctl.types import RolloutBatch
 
@@ -79,11 +80,12 @@ def draw_rows(num_rows: int, group_size: int, n: int, seed: int, step: int) -> L
 def endings(completion_ids: torch.Tensor, mask: torch.Tensor, truncated: Sequence[bool],
             tokenizer) -> List[Row]:
     """finish_reason, stop_id and stop_token of each row (``completion_ids`` [n, T],
-    ``mask`` [n, T], ``truncated`` [n])."""
-    lengths = mask.sum(-1).long().tolist()
+    ``mask`` [n, T], ``truncated`` [n]). The stop id is the last counted token, at the
+    row's width - 1 (a multi-turn row's mask has gaps: its sum is not that column)."""
+    widths = counted_width(mask).tolist()
     ids = completion_ids.tolist()
     out = []
-    for row, n, cut in zip(ids, lengths, truncated):
+    for row, n, cut in zip(ids, widths, truncated):
         stop = None if cut or n == 0 else int(row[n - 1])
         out.append({"finish_reason": "length" if stop is None else "stop", "stop_id": stop,
                     "stop_token": None if stop is None else tokenizer.convert_ids_to_tokens(stop)})

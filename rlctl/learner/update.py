@@ -24,8 +24,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from rlctl.core import (agg_denominator, aggregate_sum, get_policy_loss, kl_estimate, masked_mean,
-                        resolve_kl_estimator)
+from rlctl.core import (agg_denominator, aggregate_sum, counted_width, get_policy_loss, kl_estimate,
+                        masked_mean, resolve_kl_estimator)
 from rlctl.core.losses import value_loss_per_token
 from rlctl.core.terms import active_terms
 from rlctl.learner.forward import PromptGroups, learner_forward
@@ -87,21 +87,22 @@ def _chunks(rows: torch.Tensor, size: int) -> List[torch.Tensor]:
     return [rows] if size <= 0 or size >= rows.numel() else list(rows.split(size))
 
 
-def micro_batches(row_len: torch.Tensor, prompt_len: int, size: int = 0, tokens: int = 0,
+def micro_batches(row_width: torch.Tensor, prompt_len: int, size: int = 0, tokens: int = 0,
                   width: Optional[int] = None) -> List[torch.Tensor]:
     """Row indices (CPU) of each micro-batch: at most ``size`` rows (0: any number) and at
-    most ``tokens`` padded tokens, rows x (prompt_len + longest completion among them)
-    (0: no budget). ``row_len`` [n]: counted completion lengths; ``width``: the completion
-    width every micro-batch keeps (None: trimmed to its longest row). Rows are taken
-    longest first, so similar lengths share a micro-batch; a row is never split, so one
-    longer than the budget alone is a micro-batch by itself."""
-    rows = torch.arange(row_len.numel())
+    most ``tokens`` padded tokens, rows x (prompt_len + widest completion among them)
+    (0: no budget). ``row_width`` [n]: each row's completion width (`counted_width`: last
+    counted column + 1); ``width``: the completion width every micro-batch keeps (None:
+    trimmed to its widest row). Rows are taken widest first, so similar widths share a
+    micro-batch; a row is never split, so one wider than the budget alone is a
+    micro-batch by itself."""
+    rows = torch.arange(row_width.numel())
     if tokens <= 0:
         return _chunks(rows, size)
     out: List[List[int]] = []
-    for r in torch.argsort(row_len, descending=True, stable=True).tolist():
+    for r in torch.argsort(row_width, descending=True, stable=True).tolist():
         if out:
-            w = width if width is not None else max(int(row_len[out[-1][0]]), 1)   # its longest row
+            w = width if width is not None else max(int(row_width[out[-1][0]]), 1)   # its widest row
             fits = (len(out[-1]) + 1) * (prompt_len + w) <= tokens
             if fits and (size <= 0 or len(out[-1]) < size):
                 out[-1].append(r)
@@ -118,7 +119,7 @@ def take_rows(batch: RolloutBatch, rows: torch.Tensor, width: Optional[int] = No
 
 
 def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
-                         critic=None, backend=None, row_len: Optional[torch.Tensor] = None,
+                         critic=None, backend=None, row_width: Optional[torch.Tensor] = None,
                          prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
     """Backward of one minibatch's loss, micro-batch by micro-batch; returns metrics
     (token-weighted means of detached tensors; spreads as `Moments` pooled over the
@@ -126,13 +127,13 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
 
     With a data-parallel ``backend`` the normalisers are summed over ranks, so each
     rank's backward carries its exact share of the global minibatch loss.
-    ``row_len``: counted completion length of each row, on the CPU ([N] long; computed
-    here, with one host sync, when not given): each micro-batch is trimmed to its
-    longest row (``s.trim_padding``). ``prompts``: which rows share a prompt (found
-    here when not given), for prompt sharing."""
+    ``row_width``: each row's last counted column + 1 ([N] long on the CPU, `counted_width`;
+    found here, one host sync, when not given; a multi-turn row's mask sums to less, its
+    observations being 0): each micro-batch is cut to its widest row (``s.trim_padding``).
+    ``prompts``: which rows share a prompt (found here when not given), for prompt sharing."""
     backend = backend or _LOCAL
-    if row_len is None:
-        row_len = batch.mask.sum(-1).long().cpu()                            # [N]
+    if row_width is None:
+        row_width = counted_width(batch.mask).cpu()                          # [N]
     if prompts is None and s.share_prompts:
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
     denom = backend.all_reduce_sum(agg_denominator(batch.mask, s.agg_mode, s.norm_len)).clamp(min=1e-12)
@@ -142,9 +143,9 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     exact: Dict[str, torch.Tensor] = {}      # loss terms: micro-batch shares add up exactly
     peak: Dict[str, torch.Tensor] = {}       # maxima over micro-batches
     pooled: Dict[str, Moments] = {}          # spreads: moments pooled over micro-batches
-    for rows in micro_batches(row_len, batch.prompt_len, s.micro_batch_size, s.micro_batch_tokens,
+    for rows in micro_batches(row_width, batch.prompt_len, s.micro_batch_size, s.micro_batch_tokens,
                               None if s.trim_padding else batch.mask.shape[1]):   # CPU rows
-        width = max(int(row_len[rows].max()), 1) if s.trim_padding else None
+        width = max(int(row_width[rows].max()), 1) if s.trim_padding else None
         mb = take_rows(batch, rows, width)                                    # [n, P + width]
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
                             s.temperature, with_entropy=True, critic=critic, entropy_grad=bool(s.terms),
@@ -278,7 +279,9 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
         batch = batch.replace(mask=batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype))
     records: Dict[str, List[torch.Tensor]] = {}
     shuffle = s.epochs * s.minibatches > 1
-    row_len = batch.mask.sum(-1).long().cpu()          # [N]; host syncs once per rollout
+    # [N]; host syncs once per rollout. Last counted column + 1 (= mask.sum(-1) for a
+    # single-turn row, whose counted tokens start at column 0 with no gap)
+    row_width = counted_width(batch.mask).cpu()
     if prompts is None and s.share_prompts:
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
     for _ in range(s.epochs):
@@ -288,7 +291,7 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
         for rows in torch.tensor_split(order, s.minibatches):
             backend.zero_grad()
             mb = batch if not shuffle and s.minibatches == 1 else take_rows(batch, rows)
-            metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_len[rows],
+            metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_width[rows],
                                            None if prompts is None else prompts.rows(rows))
             # A non-finite loss (on any rank) skips this optimizer step on every rank, and so
             # does a minibatch with no counted token on any rank (mask_truncated): one
