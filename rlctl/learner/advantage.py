@@ -14,6 +14,15 @@ rlctl/core/kl.py), and the task reward is added on the last counted token (class
 shaping, Ziegler et al., 2019); a token-level estimator consumes those per-token
 rewards, an outcome estimator their per-sequence sum (the shaped return). Optional DAPO overlong
 shaping adds a length penalty to the task reward first.
+
+Multi-turn episodes (``batch.token_rewards`` set, rlctl/core/turns.py): the per-token
+rewards are ``token_rewards`` (each turn's weighted reward on its last token) plus the
+same shaping, the KL terms on counted tokens and the overlong penalty on the last
+counted token; an outcome estimator's return is the episode reward ``rewards`` plus the
+shaping's sum over counted tokens (exactly ``rewards`` without shaping). The overlong
+penalty of an episode measures its transcript (model turns and observations, as the
+budget counts them) against ``rollout.episode.max_tokens``. Observations carry mask 0,
+so GAE passes over them (docs/math.md, "Multi-turn episodes").
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ class AdvantageSettings:
     overlong_buffer: int
     overlong_penalty: float
     max_new_tokens: int
+    episode_max_tokens: int = 0        # rollout.episode.max_tokens: an episode's overlong limit
 
     @classmethod
     def from_config(cls, cfg) -> "AdvantageSettings":
@@ -56,21 +66,34 @@ class AdvantageSettings:
                    kl_in_reward=algo.kl.placement == "in_reward",
                    kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
                    overlong_buffer=algo.overlong_buffer, overlong_penalty=algo.overlong_penalty,
-                   max_new_tokens=cfg.rollout.max_new_tokens)
+                   max_new_tokens=cfg.rollout.max_new_tokens,
+                   episode_max_tokens=cfg.rollout.episode.max_tokens)
 
 
 def shaped_task_rewards(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tensor:
-    """Task reward plus the DAPO overlong penalty when configured. -> [N]"""
+    """Task (or episode) reward plus the DAPO overlong penalty when configured. -> [N]"""
     if s.overlong_buffer <= 0:
         return batch.rewards
-    lengths = batch.mask.sum(-1)                                          # [N]
-    return batch.rewards + overlong_penalty(lengths, s.max_new_tokens, s.overlong_buffer,
-                                            s.overlong_penalty)
+    return batch.rewards + overlong(batch, s)
+
+
+def overlong(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tensor:
+    """The DAPO overlong penalty of each row [N] (0 when not configured). Single-turn: the
+    counted tokens against ``rollout.max_new_tokens``; an episode: its transcript's
+    tokens (attention 1 in the completion: turns and observations) against
+    ``rollout.episode.max_tokens``."""
+    if s.overlong_buffer <= 0:
+        return torch.zeros_like(batch.rewards)
+    if batch.token_rewards is None:
+        return overlong_penalty(batch.mask.sum(-1), s.max_new_tokens, s.overlong_buffer,
+                                s.overlong_penalty)
+    lengths = batch.attention_mask[:, batch.prompt_len:].sum(-1)          # [N]
+    return overlong_penalty(lengths, s.episode_max_tokens, s.overlong_buffer, s.overlong_penalty)
 
 
 def token_rewards(batch: RolloutBatch, rewards: torch.Tensor, s: AdvantageSettings,
                   kl_coef: float) -> torch.Tensor:
-    """Per-token rewards [N, T]: task reward on the last counted token, KL shaping if any."""
+    """Per-token rewards [N, T]: ``rewards`` [N] on the last counted token, KL shaping if any."""
     if s.kl_in_reward and kl_coef > 0:   # the trainer computes old log-probs for this case
         return kl_shaped_rewards(rewards, batch.old_logprobs, batch.ref_logprobs, batch.mask,
                                  kl_coef, s.kl_estimator)
@@ -101,13 +124,21 @@ def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float
 
     With several data-parallel ranks, outcome estimators see every rank's groups (so a
     batch-mean baseline is the global one) and whitening uses global statistics."""
-    per_token = token_rewards(batch, shaped_task_rewards(batch, s), s, kl_coef)   # [N, T]
+    if batch.token_rewards is None:
+        per_token = token_rewards(batch, shaped_task_rewards(batch, s), s, kl_coef)   # [N, T]
+        seq_return = None
+    else:       # episodes: the placed turn rewards, plus the shaping (KL, overlong penalty)
+        shaping = token_rewards(batch, overlong(batch, s), s, kl_coef)              # [N, T]
+        per_token = batch.token_rewards.to(shaping.dtype) + shaping                 # [N, T]
+        seq_return = batch.rewards.to(shaping.dtype) + (shaping * batch.mask).sum(-1)   # [N]
     returns = None
     entry = ADVANTAGE_ESTIMATORS.entry(s.estimator)
     if entry.level == "token":
         adv, returns = entry.fn(per_token, values, batch.mask, s.gamma, s.lam)   # [N, T] each
     else:
-        seq_return = (per_token * batch.mask).sum(-1).view(-1, batch.group_size)  # [B, G]
+        if seq_return is None:
+            seq_return = (per_token * batch.mask).sum(-1)                         # [N]
+        seq_return = seq_return.view(-1, batch.group_size)                        # [B, G]
         first = 0
         if backend is not None and backend.world_size > 1:
             seq_return, first = backend.all_gather_rows(seq_return)              # [B_all, G]
