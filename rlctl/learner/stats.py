@@ -13,8 +13,19 @@ detached tensors until one host sync at log time. The schema:
                                      (tasks/scoring.py; async: rollout/actors.py)
   rollout/kept_groups_frac           groups kept by dynamic sampling / groups sampled (stats.py)
   advantage/mean, advantage/std      token mean; std of per-row means over every rank's rows (stats.py)
-  length/mean, length/min, length/max  counted completion tokens per row (stats.py)
-  length/truncated_frac              rows with no stop id within the limit (stats.py)
+  length/mean, length/min, length/max  counted completion tokens per row (stats.py): the
+                                     model's own tokens; a multi-turn row's observations
+                                     are not counted (episode/obs_tokens_mean)
+  length/truncated_frac              rows with no stop id within the limit; episodes: not
+                                     ended by the environment (done) (stats.py)
+  episode/turns_mean, episode/obs_tokens_mean, episode/tool_calls_mean,
+  episode/tool_errors_mean           per episode: model turns, observation tokens (the
+                                     completion's attention tokens minus the counted ones),
+                                     tool calls, failed tool calls (stats.py; episodes only)
+  episode/env_errors, episode/obs_truncated  environment steps that raised or passed their
+                                     time limit; observations cut to max_obs_tokens (sums)
+  episode/turn_limit_frac, episode/token_limit_frac  episodes ended by the turn / token budget
+  episode/success_rate               success over the episodes that report it (0 if none)
   policy/loss                        the policy loss, this rank's share summed (learner/update.py)
   policy/entropy                     token-mean entropy of the learner's distribution (update.py)
   policy/clip_frac_low, policy/clip_frac_high, policy/clip_frac   ratio clipped low / high /
@@ -39,7 +50,8 @@ detached tensors until one host sync at log time. The schema:
   time/rollout_s, time/update_s, time/generate_s, time/score_s, time/logprob_s,
   time/elapsed_s                     wall seconds (trainer.py)
   time/learner_wait_s, time/actor_wait_s, async/staleness   async mode (async_rollout.py)
-  perf/tokens_per_s                  counted tokens / step time (trainer.py)
+  perf/tokens_per_s                  counted tokens / step time (trainer.py); the model's
+                                     tokens only: observations are forwarded, not counted
   eval/exact_match, eval/reward, eval/length_mean, eval/truncated_frac   held-out greedy
                                      evaluation (trainer.py, evaluate.py)
 The reward-model command logs its own: train/loss, train/bt_loss, train/accuracy,
@@ -60,7 +72,7 @@ from typing import Callable, Dict, List, Union
 import torch
 
 from rlctl.core.logprobs import masked_mean
-from rlctl.types import RolloutBatch
+from rlctl.types import TOKEN_LIMIT, TURN_LIMIT, RolloutBatch
 
 
 @dataclass
@@ -138,7 +150,9 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
     lengths = batch.mask.sum(-1)                               # [N]
     seq_adv = batch.advantages.sum(-1) / lengths.clamp(min=1)  # [N] (constant per row for outcome advantages)
     zero_std = (groups.max(-1).values == groups.min(-1).values).float()   # [B]
+    out: Dict[str, Metric] = episode_metrics(batch) if batch.episodes is not None else {}
     return {
+        **out,
         "reward/mean": r.mean(),
         "reward/std": Moments.of(r[None], torch.ones_like(r), sample_std),
         "reward/frac_zero_std_groups": zero_std.mean(),
@@ -152,13 +166,45 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
     }
 
 
+def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
+    """episode/* of a batch of episodes (``batch.episodes`` set): per-episode means, the
+    two sums, and the success rate as `Moments` over the episodes that report one."""
+    eps = batch.episodes
+    P = batch.prompt_len
+
+    def mean(values) -> torch.Tensor:
+        return torch.tensor([float(v) for v in values], dtype=torch.float64).mean()
+
+    obs = batch.attention_mask[:, P:].sum(-1).double() - batch.mask.sum(-1).double()   # [N]
+    known = torch.tensor([float(e.success) for e in eps if e.success is not None],
+                         dtype=torch.float64)                                          # [n known]
+    return {
+        "episode/turns_mean": mean(e.turns for e in eps),
+        "episode/obs_tokens_mean": obs.mean(),
+        "episode/tool_calls_mean": mean(e.tool_calls for e in eps),
+        "episode/tool_errors_mean": mean(e.tool_errors for e in eps),
+        "episode/env_errors": torch.tensor(float(sum(e.env_errors for e in eps))),
+        "episode/obs_truncated": torch.tensor(float(sum(sp.truncated for e in eps for sp in e.spans))),
+        "episode/turn_limit_frac": mean(e.status == TURN_LIMIT for e in eps),
+        "episode/token_limit_frac": mean(e.status == TOKEN_LIMIT for e in eps),
+        "episode/success_rate": Moments.of(known[None], torch.ones_like(known), _mean_of),
+    }
+
+
+def _mean_of(m: Moments) -> torch.Tensor:
+    return m.mean[0]
+
+
 # Summed over ranks: counts, and the loss terms (each rank's value is its share of the
 # global batch's loss: its numerator over the normaliser summed over every rank).
-SUMMED = {"perf/step_tokens", "perf/step_sequences", "policy/loss", "value/loss"}
+SUMMED = {"perf/step_tokens", "perf/step_sequences", "policy/loss", "value/loss",
+          "episode/env_errors", "episode/obs_truncated"}
 REDUCE_OP = {"length/min": "min", "length/max": "max", "policy/ratio_max": "max"}
 # Per-sequence means, weighted by each rank's sequence count (dynamic sampling leaves
 # ranks with different counts, where a plain average over ranks is biased).
-PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_frac"}
+PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_frac",
+                "episode/turns_mean", "episode/obs_tokens_mean", "episode/tool_calls_mean",
+                "episode/tool_errors_mean", "episode/turn_limit_frac", "episode/token_limit_frac"}
 
 
 def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
