@@ -61,7 +61,7 @@ RANGES = {
     "task.reward_clip": POSITIVE,
     "task.num_digits": AT_LEAST_1, "task.num_eval": NON_NEGATIVE, "task.seed": NON_NEGATIVE,
     "task.max_tool_calls": AT_LEAST_1, "task.tool_timeout_s": POSITIVE,
-    "task.tool_memory_mb": Range(32, why="the sandboxed interpreter itself needs ~20 MB"),
+    "task.tool_memory_gb": Range(0.05, why="the sandboxed interpreter itself needs ~20 MB"),
     "task.max_number": Range(2), "task.num_additions": Range(1, 12),
     "model.hidden_size": AT_LEAST_1, "model.num_layers": AT_LEAST_1,
     "model.num_heads": AT_LEAST_1, "model.warmup_steps": NON_NEGATIVE, "model.warmup_lr": POSITIVE,

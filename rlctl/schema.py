@@ -96,7 +96,7 @@ class TaskConfig:
     sandbox: Optional[str] = None          # none (in-process) | subprocess (best-effort isolation)
     max_tool_calls: Optional[int] = None   # per episode; a call past it is taken as the answer
     tool_timeout_s: Optional[float] = None  # subprocess sandbox: wall limit per call (CPU limit: ceil)
-    tool_memory_mb: Optional[int] = None   # subprocess sandbox: RLIMIT_AS (and RLIMIT_FSIZE)
+    tool_memory_gb: Optional[float] = None  # subprocess sandbox: RLIMIT_AS (and RLIMIT_FSIZE), GB
     max_number: Optional[int] = None       # guess_number: the secret is in 1..max_number
     num_additions: Optional[int] = None    # running_sum: answers per episode
     # learned reward models, any task (rlctl/reward_models/learned.py)

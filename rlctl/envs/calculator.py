@@ -17,7 +17,7 @@ from typing import Tuple
 from rlctl.envs.base import EnvTask
 from rlctl.envs import calc as calc_module
 from rlctl.envs.calc import calc, read_number, spell
-from rlctl.envs.registration import check_bool, check_int, register_env
+from rlctl.envs.registration import check_bool, check_int, check_number, register_env
 from rlctl.envs.sandbox import Limits
 from rlctl.envs.tool_env import ToolEnv
 from rlctl.envs.tools import make_tool
@@ -49,14 +49,13 @@ def _all():
 
 @register_env("calculator")
 def calculator(use_tools: bool = True, tool_parser: str = "tag", sandbox: str = "none",
-               max_tool_calls: int = 2, tool_timeout_s: float = 5.0, tool_memory_mb: int = 512,
+               max_tool_calls: int = 2, tool_timeout_s: float = 5.0, tool_memory_gb: float = 0.5,
                num_eval: int = 256, seed: int = 1234, max_train: int = 20000) -> EnvTask:
     check_bool("use_tools", use_tools)
     check_int("num_eval", num_eval, 0, SPACE - 1)
-    check_int("tool_memory_mb", tool_memory_mb, 32)
-    if not isinstance(tool_timeout_s, (int, float)) or not tool_timeout_s > 0:
-        raise ValueError(f"task.tool_timeout_s must be > 0 seconds, got {tool_timeout_s!r}")
-    limits = Limits(timeout_s=float(tool_timeout_s), memory_mb=tool_memory_mb)
+    check_number("tool_memory_gb", tool_memory_gb, 0.05, "(GB)")
+    check_number("tool_timeout_s", tool_timeout_s, 0, "seconds", lo_open=True)
+    limits = Limits(timeout_s=float(tool_timeout_s), memory_mb=int(tool_memory_gb * 1024))
 
     tool = make_tool(calc, source=CALC_SOURCE)
 

@@ -39,3 +39,12 @@ def check_bool(key: str, value) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"task.{key} must be true or false, got {value!r}")
     return value
+
+
+def check_number(key: str, value, lo: float, unit: str, lo_open: bool = False) -> float:
+    """``value`` if it is a finite number >= lo (> lo with ``lo_open``); else one line."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value > lo if lo_open else value >= lo))
+    if not ok:
+        raise ValueError(f"task.{key} must be {'>' if lo_open else '>='} {lo:g} {unit}, got {value!r}")
+    return float(value)
