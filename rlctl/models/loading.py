@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlctl.model_files import adapter_problem, corrupt_safetensors, vocab_problem
 from rlctl.models.tiny import build_tiny
+from rlctl.models.tiny_agents import build_tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODELS = ("tiny", "hf")
@@ -83,9 +84,9 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
     """
     torch_dtype = resolve_dtype(dtype)
     if name == "tiny":
-        accepted = inspect.signature(build_tiny).parameters
-        path = str(build_tiny(**{k: v for k, v in tiny_kwargs.items()
-                                 if k in accepted and v is not None}))
+        accepted = inspect.signature(build_tiny).parameters   # the agent models take fewer
+        path = str(build_tiny_model(**{k: v for k, v in tiny_kwargs.items()
+                                       if k in accepted and v is not None}))
     elif name == "hf":
         if not name_or_path:
             raise ValueError("model=hf needs model.name_or_path (a local directory or hub id)")

@@ -1,0 +1,236 @@
+"""The embedded tiny model for the built-in multi-turn environments (calculator,
+guess_number, running_sum): a tokenizer with the environments' words and a warm-up on
+episode transcripts, so that the call / answer *format* exists at step 0, not the skill.
+
+``model.warmup_task`` (``${task.name}`` by default) naming one of ``AGENT_WARMUPS`` selects
+it (``build_tiny_model``; any other name goes to ``rlctl.models.tiny.build_tiny``, whose
+sorting / arithmetic models, vocabulary and cache keys these settings never touch). The
+tokenizer is ``build_tokenizer(TINY_AGENT_WORDS)``: the default words keep their ids, the
+environments' words follow. The model is initialised as the default one (same seed and
+shape, a larger embedding). The warm-up is supervised (AdamW, ``warmup_lr``) on
+``episodes`` transcripts that a scripted policy (rlctl.models.agent_scripts) plays
+against the environment itself (its default task, training rows only, never the eval
+rows), laid out as the episode loop lays them out: ``<bos>`` prompt, each model turn and
+its ``<eos>`` (no ``<eos>`` after a turn cut at a stop string), each observation as the
+environment wrote it; the loss is on model-turn tokens only (observations and the prompt:
+labels -100). The scripted policies know the format, not the skill:
+
+- calculator: with probability ``call_frac`` the first turn is the tool call
+  ``<call> calc EXPR </call>`` (EXPR copied from the prompt) and the second copies the
+  tool's result; otherwise the first turn is the product itself (plain SFT on 3-digit by
+  2-digit products, which 160 steps do not teach: direct answers are ~never exact);
+- guess_number: each guess is a number in 1..N, with probability ``narrow_frac`` (per
+  turn) inside the range the answers so far leave, else anywhere in 1..N; never the
+  midpoint on purpose (binary search is what RL has to find);
+- running_sum: each turn is the right total with probability ``correct_frac``, else a
+  random number of as many digits.
+
+The cache key of an agent model covers every parameter, ``AGENT_CODE_VERSION`` and a
+digest of the warm-up transcripts themselves, so a change of an environment's text
+builds a new model. The build measures greedy episodes on the eval rows (rlctl_tiny.json:
+success, mean turns, share of episodes with a tool call, mean reward).
+
+Calibration (hidden 128, 2 layers, ``warmup_steps`` 80 of conf/model/tiny.yaml times
+``steps_scale``, 1 thread, held-out greedy): see ``AGENT_WARMUPS``' comments.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import rlctl.envs  # noqa: F401  (registers the built-in environments' tasks)
+from rlctl.envs.vocab import TINY_AGENT_WORDS
+from rlctl.models.agent_scripts import (MODEL, MODEL_CUT, OBS, POLICIES, TURNS, Transcript,
+                                        context_text, play_scripted)
+from rlctl.models.generation import greedy_generate
+from rlctl.models.tiny import (MAX_POSITIONS, build_cached, build_model, build_params,
+                               build_tiny, build_tokenizer, cache_key, default_cache_dir,
+                               train_on_rows)
+from rlctl.tasks import build_task
+from rlctl.types import Turn
+
+log = logging.getLogger(__name__)
+
+AGENT_CODE_VERSION = 1   # bump when a change here alters an agent model
+# Per task: scripted-policy settings, warm-up batch, steps = warmup_steps * steps_scale,
+# turns per scripted (and measured) episode, new tokens per measured turn.
+AGENT_WARMUPS: Dict[str, Dict[str, float]] = {
+    "calculator": {"episodes": 2000, "call_frac": 0.3, "batch_size": 64, "steps_scale": 2.0,
+                   "max_turns": 2, "max_new_tokens": 12},
+    "guess_number": {"episodes": 2000, "narrow_frac": 0.5, "batch_size": 64, "steps_scale": 1.0,
+                     "max_turns": 8, "max_new_tokens": 4},
+    "running_sum": {"episodes": 2000, "correct_frac": 0.5, "batch_size": 64, "steps_scale": 2.0,
+                    "max_turns": 4, "max_new_tokens": 4},
+}
+
+
+# ---- transcripts and the warm-up batch --------------------------------------------------
+
+def transcript_rows(tokenizer, transcripts: Sequence[Transcript]
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, labels) [M, L]: ``<bos>`` prompt, model
+    turns + ``<eos>`` (labels = ids), observations (labels -100), as episodes are laid out."""
+    rows = []
+    for tr in transcripts:
+        ids, labels = list(tokenizer(tr[0][1])["input_ids"]), None
+        labels = [-100] * len(ids)
+        for role, text in tr[1:]:
+            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if role == MODEL:
+                seg = seg + [tokenizer.eos_token_id]
+            ids += seg
+            labels += seg if role in TURNS else [-100] * len(seg)
+        if len(ids) > MAX_POSITIONS:
+            raise ValueError(f"a warm-up transcript has {len(ids)} tokens, over the tiny "
+                             f"model's {MAX_POSITIONS} positions")
+        rows.append((ids, labels))
+    width = max(len(i) for i, _ in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for r, (i, lab) in enumerate(rows):
+        ids[r, :len(i)], labels[r, :len(i)], mask[r, :len(i)] = (
+            torch.tensor(i), torch.tensor(lab), 1)
+    return ids, mask, labels
+
+
+def warmup_transcripts(name: str, opts, seed: int, tokenizer) -> List[Transcript]:
+    """``opts["episodes"]`` scripted episodes of task ``name`` (its default options), on
+    its training rows in turn (never its eval rows)."""
+    task, rng = build_task(name), random.Random(seed)
+    train = task.train_examples()
+    return [play_scripted(task, train[i % len(train)], i, POLICIES[name], opts, rng, tokenizer)
+            for i in range(int(opts["episodes"]))]
+
+
+def transcripts_digest(transcripts: Sequence[Transcript]) -> str:
+    return hashlib.sha256(json.dumps(transcripts).encode()).hexdigest()[:16]
+
+
+# ---- greedy episodes (the build's measurement and the tests') ---------------------------
+
+def greedy_episodes(model, tokenizer, task, examples, max_turns: int, max_new_tokens: int
+                    ) -> List[dict]:
+    """Greedy episodes of ``model`` on ``examples``, the active episodes decoded together
+    each turn, a turn cut after the previous step's stop strings as the episode loop cuts
+    it: [{transcript, rewards, done, success}] (done False: the turn limit)."""
+    envs = [task.make_env() for _ in examples]
+    eps = [{"transcript": [("prompt", env.reset(ex, i))], "rewards": [], "done": False,
+            "success": False, "stops": ()} for i, (env, ex) in enumerate(zip(envs, examples))]
+    active = list(range(len(eps)))
+    for _ in range(max_turns):
+        if not active:
+            break
+        texts, _ = greedy_generate(model, tokenizer, [context_text(eps[i]["transcript"])
+                                                      for i in active], max_new_tokens)
+        still = []
+        for i, text in zip(active, texts):
+            ep = eps[i]
+            ends = [text.index(s) + len(s) for s in ep["stops"] if s in text]
+            text, role = (text[:min(ends)], MODEL_CUT) if ends else (text, MODEL)
+            ids = tokenizer.convert_tokens_to_ids(text.split())
+            step = envs[i].step(Turn(text, ids + ([tokenizer.eos_token_id] if role == MODEL else [])))
+            ep["transcript"].append((role, text))
+            ep["rewards"].append(float(step.reward))
+            ep["success"] = bool(step.info.get("success", ep["success"]))
+            stop = step.info.get("stop") or ()
+            ep["stops"] = (stop,) if isinstance(stop, str) else tuple(stop)
+            ep["done"] = bool(step.done)
+            if not step.done:
+                if step.observation is not None:
+                    ep["transcript"].append((OBS, step.observation))
+                still.append(i)
+        active = still
+    for env in envs:
+        getattr(env, "close", lambda: None)()
+    return eps
+
+
+def episode_stats(eps: Sequence[dict]) -> Dict[str, float]:
+    """Success rate, mean model turns, share of episodes with a tool call (``<call>``)."""
+    n = max(len(eps), 1)
+    turns = [sum(role in TURNS for role, _ in e["transcript"]) for e in eps]
+    calls = [any(role in TURNS and "<call>" in t for role, t in e["transcript"]) for e in eps]
+    return {"success": sum(e["success"] for e in eps) / n, "mean_turns": sum(turns) / n,
+            "tool_call_frac": sum(calls) / n,
+            "mean_reward": sum(sum(e["rewards"]) for e in eps) / n}
+
+
+# ---- build and cache --------------------------------------------------------------------
+
+def agent_params(name: str, hidden_size: int, num_layers: int, num_heads: int,
+                 warmup_steps: int, warmup_lr: float, seed: int) -> Dict[str, object]:
+    """Everything that determines the agent model of task ``name`` (the cache key hashes
+    it), the warm-up transcripts' digest included."""
+    params = build_params(hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed)
+    for key in ("warmup_num_digits", "warmup_sorted_frac", "warmup_batch_size"):
+        del params[key]          # sorting's settings; the agent warm-up has its own
+    opts = AGENT_WARMUPS[name]
+    tokenizer = build_tokenizer(TINY_AGENT_WORDS)
+    params.update({"warmup_task": name, "agent_code_version": AGENT_CODE_VERSION,
+                   "agent_words": list(TINY_AGENT_WORDS),
+                   **{f"warmup_{k}": v for k, v in opts.items()},
+                   "warmup_transcripts": transcripts_digest(
+                       warmup_transcripts(name, opts, int(seed), tokenizer))})
+    return params
+
+
+def _build_agent_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]:
+    t0, name = time.perf_counter(), str(params["warmup_task"])
+    opts = AGENT_WARMUPS[name]
+    tokenizer = build_tokenizer(TINY_AGENT_WORDS)
+    model = build_model(tokenizer, params["hidden_size"], params["num_layers"],
+                        params["num_heads"], params["seed"])
+    transcripts = warmup_transcripts(name, opts, int(params["seed"]), tokenizer)
+    ids, mask, labels = transcript_rows(tokenizer, transcripts)
+    steps = int(round(params["warmup_steps"] * opts["steps_scale"]))
+    losses = train_on_rows(model, ids, mask, labels, steps, params["warmup_lr"],
+                           params["seed"], int(opts["batch_size"]))
+    t_train = time.perf_counter() - t0
+    task = build_task(name)
+    stats = episode_stats(greedy_episodes(model, tokenizer, task, task.eval_examples(),
+                                          int(opts["max_turns"]), int(opts["max_new_tokens"])))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    meta = dict(params, num_parameters=sum(p.numel() for p in model.parameters()),
+                final_warmup_loss=losses[-1] if losses else None,
+                **{f"greedy_{k}_heldout": v for k, v in stats.items()},
+                warmup_seconds=round(t_train, 3), build_seconds=round(time.perf_counter() - t0, 3))
+    (directory / "rlctl_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def build_agent_tiny(name: str, hidden_size: int = 128, num_layers: int = 2,
+                     num_heads: int = 4, warmup_steps: int = 0, warmup_lr: float = 1e-3,
+                     seed: int = 0, cache_dir=None) -> Path:
+    """Directory of the agent tiny model of task ``name``, built on first use and cached
+    beside the others (``tiny-<hash>``)."""
+    params = agent_params(name, hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed)
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    final, meta = build_cached(root, cache_key(params), lambda tmp: _build_agent_into(tmp, params))
+    if meta is not None:
+        log.info("built tiny %s model in %.1f s (%d warm-up steps; held-out greedy success "
+                 "%.2f, tool calls %.2f, turns %.2f): %s", name, meta["build_seconds"],
+                 steps_of(params), meta["greedy_success_heldout"],
+                 meta["greedy_tool_call_frac_heldout"], meta["greedy_mean_turns_heldout"], final)
+    return final
+
+
+def steps_of(params: Dict[str, object]) -> int:
+    return int(round(params["warmup_steps"] * params["warmup_steps_scale"]))
+
+
+def build_tiny_model(warmup_task: Optional[str] = "sorting", **kwargs) -> Path:
+    """The tiny model for ``warmup_task``: an environment's agent model, else
+    ``build_tiny`` (sorting, arithmetic, and the sorting warm-up for other tasks)."""
+    if warmup_task in AGENT_WARMUPS:
+        kwargs.pop("warmup_num_digits", None)
+        return build_agent_tiny(warmup_task, **kwargs)
+    return build_tiny(warmup_task=warmup_task, **kwargs)
