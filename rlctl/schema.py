@@ -181,6 +181,7 @@ class EpisodeConfig:
     concurrency: int = 8           # environment steps run at once (threads)
     turn_reward: str = "sum"       # how turn rewards make the episode's: last | sum | discounted
     turn_discount: float = 1.0     # discounted: turn k weighs turn_discount ** (k - 1)
+    kv_reuse: bool = True          # carry each episode's KV cache across turns (false: recompute each turn)
 
 
 @dataclass

@@ -18,10 +18,12 @@ The framework owns the episode (the environment only answers turns):
    room for another token. A model turn cut by a budget is kept (its tokens count) but
    not sent to the environment: its turn reward is 0. No episode is ever dropped.
 
-KV cache: each turn recomputes the whole token context (prompt and transcript so far):
-correct on every architecture, including models that keep their state in their modules
-(RecurrentGemma), whose contexts run one length at a time, unpadded. Reusing the
-episode's cache across turns is not done yet.
+KV cache (``rlctl.rollout.episode_kv``): each episode's cache is carried from its turn to
+the next, which runs only the tokens not yet in it (the observation, the turn's last
+token), where the model allows it (plain full-attention cache layers; the same logits as
+recomputing, up to rounding); otherwise (``rollout.episode.kv_reuse=false``, sliding
+windows, linear-attention or state-space layers, a state kept in the modules) each turn
+recomputes the whole token context.
 
 The batch (the contract in ``rlctl.types.RolloutBatch``): the first observation
 left-padded to P, the transcript right-padded to T; ``attention_mask`` 1 on every real
@@ -39,14 +41,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from rlctl.envs.base import close_env
-from rlctl.errors import TrainingFault, UserError, one_line
-from rlctl.models.kv_share import cache_keyword, state_in_modules, unpadded_notice
+from rlctl.errors import TrainingFault, one_line
 from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.env_steps import run_calls
 from rlctl.rollout.episode_batch import EpisodeRun, episode_batch
+from rlctl.rollout.episode_kv import turn_sampler
 from rlctl.rollout.episode_text import (ERROR_OBSERVATION, EpisodeText, stop_string_cut,
                                         stop_strings, uses_chat)
-from rlctl.rollout.sampler import sample
 from rlctl.tasks.base import RAW_PROMPT, task_options
 from rlctl.tasks.prompt_budget import context_length
 from rlctl.types import (DONE, LENGTH_LIMIT, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Example,
@@ -69,6 +70,7 @@ class EpisodeSettings:
     concurrency: int = 8
     turn_reward: str = "sum"
     turn_discount: float = 1.0
+    kv_reuse: bool = True            # carry each episode's KV cache across turns (episode_kv)
 
     @classmethod
     def from_config(cls, cfg) -> "EpisodeSettings":
@@ -79,7 +81,8 @@ class EpisodeSettings:
                    max_turns=int(ep.max_turns), max_tokens=int(ep.max_tokens),
                    max_obs_tokens=int(ep.max_obs_tokens), obs_truncation=str(ep.obs_truncation),
                    step_timeout_s=float(ep.step_timeout_s), concurrency=int(ep.concurrency),
-                   turn_reward=str(ep.turn_reward), turn_discount=float(ep.turn_discount))
+                   turn_reward=str(ep.turn_reward), turn_discount=float(ep.turn_discount),
+                   kv_reuse=bool(ep.get("kv_reuse", True)))
 
 
 class EpisodePlayer:
@@ -111,7 +114,8 @@ class EpisodePlayer:
             if greedy else contextlib.nullcontext()
         try:
             with rng:
-                self._turns(model, runs, budget, greedy)
+                self._turns(turn_sampler(model, _pad_id(self.tokenizer, self.stops), s.kv_reuse),
+                            runs, budget, greedy)
         finally:
             for r in runs:
                 if r.last is None or not r.last.busy():   # never close one a thread still runs in
@@ -121,15 +125,19 @@ class EpisodePlayer:
                              torch.float64 if weight.dtype == torch.float64 else torch.float32)
 
 
-    def _turns(self, model, runs: List[EpisodeRun], budget: "_Budget", greedy: bool) -> None:
+    def _turns(self, sampler, runs: List[EpisodeRun], budget: "_Budget", greedy: bool) -> None:
         """Model turns and environment steps until every episode has ended."""
         while True:
             active = [r for r in runs if not r.ended and not budget.exhausted(r)]
             if not active:
                 return
-            stepping = _model_turns(model, self.tokenizer, active, self.settings, self.stops,
+            stepping = _model_turns(sampler, self.tokenizer, active, self.settings, self.stops,
                                     greedy, budget, self.text)
             _step(stepping, self.settings, self.text, budget)
+
+
+def _pad_id(tokenizer, stops: Sequence[int]) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stops[0])
 
 
 def _as_written(example: Example) -> Example:
@@ -176,14 +184,15 @@ def _reset(envs, rows: Sequence[Example], seeds: Sequence[int], settings: Episod
     return runs
 
 
-def _model_turns(model, tokenizer, active: List[EpisodeRun], settings: EpisodeSettings,
+def _model_turns(sampler, tokenizer, active: List[EpisodeRun], settings: EpisodeSettings,
                  stops: Sequence[int], greedy: bool, budget: _Budget, text: EpisodeText
                  ) -> List[EpisodeRun]:
     """Sample one model turn for each of ``active``; returns those to send to their
     environment (a turn cut by a budget ends its episode instead)."""
     rooms = [min(settings.max_new_tokens, budget.left(r)[0]) for r in active]
-    new, logps = _sample(model, tokenizer, [r.prompt_ids + r.ids for r in active], max(rooms),
-                         settings, stops, greedy)
+    new, logps = sampler([id(r) for r in active], [r.prompt_ids + r.ids for r in active],
+                         max(rooms), 1.0 if greedy else settings.temperature,
+                         1 if greedy else settings.top_k, stops)
     stepping, stop_set = [], set(int(s) for s in stops)
     for r, room, ids, lp in zip(active, rooms, new, logps):
         k = next((j + 1 for j, t in enumerate(ids) if t in stop_set), len(ids))
@@ -201,38 +210,6 @@ def _model_turns(model, tokenizer, active: List[EpisodeRun], settings: EpisodeSe
             r.episode.turn_rewards.append(0.0)
             r.end(budget.left(r)[1])
     return stepping
-
-
-def _sample(model, tokenizer, contexts: List[List[int]], max_new: int, settings: EpisodeSettings,
-            stops: Sequence[int], greedy: bool) -> Tuple[List[List[int]], List[List[float]]]:
-    """Each context's next turn: (ids, behaviour log-probs), up to ``max_new`` tokens.
-    Left-padded together; one length at a time for a model whose state lives in its
-    modules (left padding would reach it)."""
-    key = cache_keyword(model)
-    if key is None:
-        raise UserError(f"{type(model).__name__} takes no KV cache in its forward; multi-turn "
-                        "episodes sample with the cached loop: use a model whose forward takes one")
-    groups = [list(range(len(contexts)))]
-    if state_in_modules(model):
-        unpadded_notice(model)
-        lengths = sorted({len(c) for c in contexts})
-        groups = [[i for i, c in enumerate(contexts) if len(c) == n] for n in lengths]
-    device = next(model.parameters()).device
-    new: List[List[int]] = [[] for _ in contexts]
-    logps: List[List[float]] = [[] for _ in contexts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stops[0])
-    for rows in groups:
-        L = max(len(contexts[i]) for i in rows)
-        ids = torch.full((len(rows), L), pad, dtype=torch.long, device=device)       # [n, L]
-        mask = torch.zeros(len(rows), L, dtype=torch.long, device=device)            # [n, L]
-        for j, i in enumerate(rows):
-            ids[j, L - len(contexts[i]):] = torch.tensor(contexts[i], device=device)
-            mask[j, L - len(contexts[i]):] = 1
-        seqs, lp = sample(model, ids, mask, max_new, 1.0 if greedy else settings.temperature,
-                          1 if greedy else settings.top_k, stops, pad, key, None, keep_logprobs=True)
-        for j, i in enumerate(rows):
-            new[i], logps[i] = seqs[j, L:].tolist(), lp[j].tolist()
-    return new, logps
 
 
 def _step(runs: List[EpisodeRun], settings: EpisodeSettings, text: EpisodeText, budget: _Budget) -> None:

@@ -1,0 +1,160 @@
+"""The episode KV cache carried across turns (rlctl/rollout/episode_kv.py) against the
+recompute path, on float64 models: a 2-layer Llama (rlctl's tiny model), and Qwen2- and
+GPT-2-shaped ones (tests/models/arch_zoo.py configurations on the tiny tokenizer); models
+whose cache would see the gaps fall back to recomputing.
+
+The environment makes gaps on purpose: observations of 1 to 9 tokens that differ between
+the episodes (so each turn's new tokens have different lengths), stop strings that cut a
+turn before the tokens sampled after it, EOS stops at different steps in different rows
+(the sampler pads the finished rows), and steps without an observation (the model writes
+again: its turn's last token is all the new context). Both paths draw from the same seed.
+
+Tolerance of the behaviour log-probs: the two paths compute each logit from the same
+tokens and positions, with masked keys contributing exactly 0; they differ in the layout
+of the sums (one prefill of the whole context vs cached keys, a compacted cache and a
+chunk of new tokens), so in float64 (unit 1.1e-16) each of the few thousand accumulated
+terms of size O(10) per logit may round differently: 1e-12 bounds that. Transformers'
+RMSNorm runs in float32 (unit 6e-8) and would turn a float64 difference that straddles a
+float32 rounding boundary into ~1e-7, which happens with probability ~1e-9 per element:
+1e-10 leaves room for a few such flips while a wrong cache (a gap or pad attended, a
+position off by one, a stale row) moves log-probs by 1e-4 or more (measured: 6e-4 to
+0.13). The tokens must be identical: they are drawn from the float32 scores of these
+logits.
+"""
+import itertools
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from arch_zoo import build_config  # noqa: E402
+
+from rlctl.envs.base import EnvTask  # noqa: E402
+from rlctl.learner.forward import learner_forward  # noqa: E402
+from rlctl.models import kv_share  # noqa: E402
+from rlctl.models.tiny import build_model, build_tokenizer  # noqa: E402
+from rlctl.rollout.episode_kv import CachedTurns, Recompute, gaps_unsupported, turn_sampler  # noqa: E402
+from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings  # noqa: E402
+from rlctl.types import Example, Step  # noqa: E402
+
+TOL = 1e-10
+ROWS = [Example("1 2 +"), Example("3 *"), Example("4 5 6 7 -")]
+OBSERVATIONS = ["1", "+ 2 3", None, "4 5 6 7 8 9 = 1 2", "- 3", None, "6 7 8 9 ="]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _hf(name, tok, seed=0):
+    from transformers import AutoModelForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(build_config(name, tok))
+        with torch.no_grad():          # no zero biases or pad rows to hide a leak
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.double().eval()
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    return {"llama": build_model(tok, hidden_size=32, num_layers=2, num_heads=4, seed=0).double().eval(),
+            "qwen2": _hf("qwen2", tok), "gpt2": _hf("gpt2", tok)}
+
+
+class Varied:
+    """Episode e's step k answers OBSERVATIONS[(e + k) % 7] (None: no observation), with a
+    stop string on every third step; done after 5 steps."""
+    counter = itertools.count()
+
+    def __init__(self, offset):
+        self.offset = offset
+
+    def reset(self, example, seed):
+        self.k = 0
+        return example.prompt
+
+    def step(self, turn):
+        self.k += 1
+        info = {"stop": "+"} if (self.offset + self.k) % 3 == 0 else {}
+        return Step(observation=OBSERVATIONS[(self.offset + self.k) % len(OBSERVATIONS)],
+                    reward=float(len(turn.ids)), done=self.k >= 5, info=info)
+
+
+def _play(model, tok, kv_reuse, seed=3, **kw):
+    s = EpisodeSettings(**{"group_size": 2, "max_new_tokens": 5, "temperature": 1.0,
+                           "max_turns": 6, "max_tokens": 60, "max_obs_tokens": 16,
+                           "kv_reuse": kv_reuse, **kw})
+    offsets = itertools.count()
+    task = EnvTask("varied", lambda: Varied(next(offsets)), ROWS, ROWS)
+    torch.manual_seed(seed)
+    return EpisodePlayer(tok, task, s, (tok.eos_token_id,)).play(model, ROWS, seed=seed)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_cached_turns_equal_recomputed_turns(models, tok, name):
+    model = models[name]
+    assert gaps_unsupported(model) is None
+    assert isinstance(turn_sampler(model, tok.pad_token_id), CachedTurns)
+    cached, recomputed = _play(model, tok, True), _play(model, tok, False)
+    # the episodes made gaps: turns of different lengths side by side, early EOS stops
+    turn_lens = {tuple(s.end - s.start for s in e.spans if s.role == "model") for e in cached.episodes}
+    assert len(turn_lens) > 1 and any(min(t) < 5 for t in turn_lens)
+    assert sum(e.turns for e in cached.episodes) >= 12
+    assert torch.equal(cached.input_ids, recomputed.input_ids)
+    assert torch.equal(cached.attention_mask, recomputed.attention_mask)
+    assert torch.equal(cached.mask, recomputed.mask)
+    assert [[(s.role, s.start, s.end) for s in e.spans] for e in cached.episodes] == \
+        [[(s.role, s.start, s.end) for s in e.spans] for e in recomputed.episodes]
+    assert cached.old_logprobs.dtype == torch.float64
+    diff = (cached.old_logprobs - recomputed.old_logprobs).abs().max().item()
+    assert diff <= TOL, diff
+    # and both are the learner's log-probs of the stored ids (one forward, no cache)
+    with torch.no_grad():
+        learner = learner_forward(model, cached.input_ids, cached.attention_mask,
+                                  cached.prompt_len).logp * cached.mask
+    assert (learner.double() - cached.old_logprobs).abs().max().item() <= TOL
+
+
+def test_greedy_episodes_agree_too(models, tok):
+    """Eval plays greedy (top-k 1): the same tokens either way."""
+    model = models["llama"]
+    s = dict(group_size=1, max_new_tokens=5, temperature=1.0, max_turns=6, max_tokens=60)
+    batches = []
+    for reuse in (True, False):
+        offsets = itertools.count()
+        task = EnvTask("varied", lambda: Varied(next(offsets)), ROWS, ROWS)
+        batches.append(EpisodePlayer(tok, task, EpisodeSettings(**s, kv_reuse=reuse),
+                                     (tok.eos_token_id,)).play(model, ROWS, seed=0, greedy=True))
+    assert torch.equal(batches[0].input_ids, batches[1].input_ids)
+    assert (batches[0].old_logprobs - batches[1].old_logprobs).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("recurrent_gemma", "keeps its recurrent state in its modules"),
+    ("mistral", "DynamicSlidingWindowLayer"),
+    ("lfm2", "LinearAttentionLayer"),
+])
+def test_models_whose_cache_sees_gaps_recompute(tok, name, reason, caplog, monkeypatch):
+    """The reason is said in one line (once per process) and the turns recompute."""
+    model = _hf(name, tok)
+    assert reason in gaps_unsupported(model)
+    monkeypatch.setattr(kv_share, "_said", set())
+    with caplog.at_level(logging.WARNING, logger="rlctl.models.kv_share"):
+        assert isinstance(turn_sampler(model, tok.pad_token_id), Recompute)
+        assert isinstance(turn_sampler(model, tok.pad_token_id), Recompute)
+    lines = [r.getMessage() for r in caplog.records if "recomputes its whole context" in r.getMessage()]
+    assert len(lines) == 1 and reason in lines[0], lines
+    if name == "recurrent_gemma":       # and it still plays: exactly the recompute path
+        a, b = _play(model, tok, True, max_turns=3), _play(model, tok, False, max_turns=3)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.old_logprobs, b.old_logprobs)
+        assert all(e.turns >= 1 for e in a.episodes)
+
+
+def test_kv_reuse_false_is_the_recompute_path(models, tok):
+    assert isinstance(turn_sampler(models["llama"], tok.pad_token_id, kv_reuse=False), Recompute)
