@@ -8,7 +8,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from rlctl.core.logprobs import completion_mask
-from rlctl.learner.samples import Row, endings, eval_rows
+from rlctl.learner.samples import Row, endings, episode_columns, eval_rows, offers_tools
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
 from rlctl.types import Episode, Example, RolloutBatch
@@ -94,13 +94,14 @@ def evaluate_episodes(model, player, examples: Sequence[Example], greedy: bool =
     rows: List[Row] = []
     counts: List[int] = []
     per_chunk = max(1, batch_size // samples)
+    tool_task = offers_tools(player.task) if keep > 0 else False
     for start in range(0, len(examples), per_chunk):
         chunk = examples[start:start + per_chunk]
         batch = player.play(model, chunk, seed + start, greedy=greedy, group_size=samples)
         ok = _add_episodes(sums, batch)
         counts += [sum(ok[i * samples:(i + 1) * samples]) for i in range(len(chunk))]
         if len(rows) < keep:
-            rows += _episode_rows(batch, ok, keep - len(rows), step, player.tokenizer)
+            rows += _episode_rows(batch, ok, keep - len(rows), step, tool_task)
     model.train(was_training)
     sums["count"] = float(len(examples) * samples)
     return sums, rows, counts
@@ -122,11 +123,15 @@ def _add_episodes(sums: Dict[str, float], batch: RolloutBatch) -> List[bool]:
     return ok
 
 
-def _episode_rows(batch: RolloutBatch, ok: List[bool], n: int, step: int, tokenizer) -> List[Row]:
+def _episode_rows(batch: RolloutBatch, ok: List[bool], n: int, step: int, tool_task: bool) -> List[Row]:
     """The eval table's rows of the batch's first ``n`` episodes: the transcript as the
-    completion, the episode's end as its finish_reason (its status)."""
+    completion, the episode's end as its finish_reason (its status), then the episode's
+    columns turn by turn (``rlctl.learner.samples.episode_columns``)."""
     k = min(n, batch.num_sequences)
     ends = [{"finish_reason": e.status, "stop_id": None, "stop_token": None}
             for e in batch.episodes[:k]]
-    return eval_rows(step, batch.prompts[:k], batch.completions[:k], batch.rewards[:k].tolist(),
+    rows = eval_rows(step, batch.prompts[:k], batch.completions[:k], batch.rewards[:k].tolist(),
                      ok[:k], batch.mask[:k], ends)
+    for row, e in zip(rows, batch.episodes[:k]):
+        row.update(episode_columns(e, tool_task))
+    return rows

@@ -34,6 +34,23 @@ An eval row (``table="eval"``, at every held-out eval while samples are on: rank
 examples of the eval split, the same prompts each time): step, prompt, completion,
 reward, exact_match (absent for a task scored by reward models alone), length,
 finish_reason, stop_id, stop_token, policy_version (the step: eval follows its update).
+
+A row of a task played as episodes (``batch.episodes`` set; train and eval tables alike):
+completion is the whole transcript decoded with its special tokens (model turns and
+observations, as the model saw them), length the model's own tokens, finish_reason the
+episode's status (done, turn_limit, token_limit, length_limit), and after
+policy_version (``episode_columns``):
+    num_turns       model turns
+    status          how the episode ended (= finish_reason)
+    success         the environment's info["success"] (null when it never set one)
+    tool_calls, tool_errors, env_errors   the episode's counts
+    obs_truncated   observations cut to rollout.episode.max_obs_tokens
+    tool_task       the task's environment offers tools (``offers_tools``)
+    turns           the episode turn by turn: a list of {role ("model" | "observation"),
+                    text (a model turn without its stop id; an observation as the
+                    environment wrote it), reward (the turn's; 0 on observations),
+                    truncated}; sinks that show one line per cell write it as
+                    ``rlctl.sinks.base.cell_text`` does
 """
 from __future__ import annotations
 
@@ -46,7 +63,7 @@ import torch
 
 from rlctl.core import counted_width
 from rlctl.models.stop_ids import decode_completions
-from rlctl.types import RolloutBatch
+from rlctl.types import Episode, RolloutBatch
 
 Row = Dict[str, Any]
 
@@ -101,13 +118,19 @@ def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> List[fl
 
 
 def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.Tensor,
-               tokenizer, stops: Sequence[int]) -> List[Row]:
+               tokenizer, stops: Sequence[int], tool_task: bool = False) -> List[Row]:
     """The table of ``rows`` of ``batch`` (after advantages); ``rewards`` [N]: the totals
-    the advantage estimator received. Reads back and decodes only those rows."""
+    the advantage estimator received. Reads back and decodes only those rows. Episodes:
+    the transcript and ``episode_columns`` (``tool_task``: ``offers_tools`` of the task)."""
     idx = torch.tensor(rows, dtype=torch.long, device=batch.mask.device)
     mask, ids = batch.mask[idx], batch.completion_ids[idx]                   # [n, T] each
-    texts = decode_completions(tokenizer, ids, mask, stops)
     ends = endings(ids, mask, batch.truncated[idx].tolist(), tokenizer)
+    if batch.episodes is None:
+        texts = decode_completions(tokenizer, ids, mask, stops)
+    else:                  # the transcript: a multi-turn row's mask has gaps
+        texts = [batch.completions[i] for i in rows]
+        for end, i in zip(ends, rows):
+            end["finish_reason"] = batch.episodes[i].status
     advantages = sequence_advantages(batch.advantages[idx], mask) \
         if batch.advantages is not None else [None] * len(rows)
     stale = batch.staleness[idx].tolist() if batch.staleness is not None else [0] * len(rows)
@@ -121,8 +144,41 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
         row.update({f"reward/{k}": float(parts[k][i]) for k in sorted(parts)})
         row.update({"reward": reward, "advantage": advantages[j], "length": length, **ends[j],
                     "policy_version": step - 1 - int(stale[j])})
+        if batch.episodes is not None:
+            row.update(episode_columns(batch.episodes[i], tool_task))
         out.append(row)
     return out
+
+
+def offers_tools(task) -> bool:
+    """Whether a task played as episodes gives its model tools: a fresh environment of it
+    has a non-empty ``tools`` and ``use_tools`` not False (``rlctl.envs.tool_env.ToolEnv``;
+    the calculator's no-tool ablation has none). False for other tasks."""
+    make_env = getattr(task, "make_env", None)
+    if not callable(make_env):
+        return False
+    env = make_env()
+    try:
+        return bool(getattr(env, "tools", None)) and getattr(env, "use_tools", True) is not False
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
+
+
+def turn_rows(episode: Episode) -> List[Row]:
+    """The episode turn by turn (the module docstring's ``turns``)."""
+    return [{"role": s.role, "text": s.text, "reward": float(s.reward), "truncated": bool(s.truncated)}
+            for s in episode.spans]
+
+
+def episode_columns(episode: Episode, tool_task: bool) -> Row:
+    """The episode's columns of a sample row (the module docstring), in their order."""
+    return {"num_turns": episode.turns, "status": episode.status, "success": episode.success,
+            "tool_calls": int(episode.tool_calls), "tool_errors": int(episode.tool_errors),
+            "env_errors": int(episode.env_errors),
+            "obs_truncated": sum(bool(s.truncated) for s in episode.spans),
+            "tool_task": bool(tool_task), "turns": turn_rows(episode)}
 
 
 def eval_rows(step: int, prompts: Sequence[str], texts: Sequence[str], rewards: Sequence[float],

@@ -26,7 +26,7 @@ from rlctl.models.stop_ids import stop_ids
 from rlctl.learner.advantage import compute_advantages, shaped_task_rewards
 from rlctl.learner.evaluate import evaluate, evaluate_episodes
 from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
-from rlctl.learner.samples import draw_rows, train_rows
+from rlctl.learner.samples import draw_rows, offers_tools, train_rows
 from rlctl.learner.settings import TrainerSettings
 from rlctl.learner.stats import Moments, reduce_metrics, rollout_metrics
 from rlctl.learner.update import UpdateState, update_policy
@@ -210,8 +210,11 @@ class Trainer:
         n, seed = self.options.samples.n, self.options.samples.seed
         rows = draw_rows(batch.num_sequences, batch.group_size, n, seed, step)
         rewards = shaped_task_rewards(batch, self.adv_settings)                  # [N]
+        player = getattr(self.source, "player", None)     # a source that plays episodes
+        tool_task = batch.episodes is not None and player is not None and offers_tools(player.task)
         self.sink.samples(train_rows(batch, rows, step, rewards, self.tokenizer,
-                                     stop_ids(self.policy, self.tokenizer)), step, "train")
+                                     stop_ids(self.policy, self.tokenizer), tool_task),
+                          step, "train")
 
     def train(self, run_dir=None, resume_from=None, on_step=None, stop=None) -> TrainResult:
         """The loop. With ``run_dir``, checkpoints every ``trainer.checkpoint_every`` steps

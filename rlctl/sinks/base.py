@@ -5,9 +5,11 @@ logger is a `NullSink`, several are a `MultiSink` (a null sink instead of `if wa
 branches). Metric keys follow the schema listed in `rlctl/learner/stats.py`
 (`reward/mean`, `policy/clip_frac`, ...).
 
-Sample rows (`samples()`): dicts of JSON values (str, int, float, bool, None), every row
-with the same keys in the same order; each sink keeps the columns in that order and
-assumes no fixed list. `table` names the table: "train" or "eval".
+Sample rows (`samples()`): dicts of JSON values (str, int, float, bool, None, and an
+episode's `turns`: a list of {role, text, ...} dicts), every row with the same keys in the
+same order; each sink keeps the columns in that order and assumes no fixed list. `table`
+names the table: "train" or "eval". Sinks that show one line per cell write a list of
+turns as `cell_text` does: `model: 8 | observation: higher | model: 1 2`.
 """
 
 from __future__ import annotations
@@ -65,13 +67,16 @@ def finite_or_none(value: float) -> float | None:
 
 def cell_text(value: Any) -> str:
     """One sample value as table text: "" for None, true/false, floats to 4 significant
-    digits, anything else as str()."""
+    digits, an episode's turns as `role: text` joined by ` | `, anything else as str()."""
     if value is None:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, list) and value and all(isinstance(v, Mapping) and "role" in v for v in value):
+        return " | ".join(f"{v['role']}: {v.get('text', '')}" + (" [truncated]" if v.get("truncated") else "")
+                          for v in value)
     return str(value)
 
 

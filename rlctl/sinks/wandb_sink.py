@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .base import to_float
+from .base import cell_text, to_float
 
 MODES = ("online", "offline", "disabled")
 SAMPLES_PREFIX = "samples"
@@ -47,6 +47,12 @@ def sample_key(table: str, step: int) -> str:
 
 def _warn(message: str) -> None:
     print(f"rlctl: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _cell(value: Any) -> Any:
+    """A sample value as a wandb.Table cell: an episode's turns (a list) as one text
+    (`rlctl.sinks.base.cell_text`), the rest as `_plain` gives it."""
+    return cell_text(value) if isinstance(value, list) else _plain(value)
 
 
 def _plain(value: Any) -> Any:
@@ -232,7 +238,7 @@ class WandbSink:
         import wandb   # already imported by _start (the run exists)
 
         columns = [str(k) for k in rows[0]]
-        data = [[_plain(row.get(c)) for c in columns] for row in rows]
+        data = [[_cell(row.get(c)) for c in columns] for row in rows]
         key = sample_key(table, int(step))
         self._add({key: wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, int(step))
 
