@@ -35,6 +35,10 @@ One JSON object per completion (the fields `rlctl inspect FILE.jsonl` audits):
 
 Rows are written chunk by chunk (--batch-size sequences per generate call) and flushed,
 so N may be large; an interrupted run leaves the complete chunks written so far.
+
+A task played as episodes (``rlctl.envs.base.is_episodic``) writes one row per episode,
+every turn with its tokens, mask, behaviour log-probs and reward
+(rlctl/commands/rollout_episodes.py lists the fields).
 """
 from __future__ import annotations
 
@@ -50,7 +54,9 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedC
                            TimeRemainingColumn)
 
 from rlctl.commands.held_out import held_out_scorer
+from rlctl.commands.rollout_episodes import EpisodeDump
 from rlctl.commands.targets import open_target, task_scores
+from rlctl.envs.base import is_episodic
 from rlctl.errors import UserError
 from rlctl.learner.forward import learner_forward
 from rlctl.models.stop_ids import stop_ids
@@ -80,6 +86,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
     plan = _plan(cfg, task, tokenizer, split, prompts, samples, batch_size,
                  stop_ids(model, tokenizer))
+    episodes = EpisodeDump.of(cfg, tokenizer, task, plan.stops) if is_episodic(task) else None
     path, fh = _open_out(out)
     n_prompts = len(plan.examples)
     err = Console(stderr=True, quiet=quiet)
@@ -98,7 +105,8 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
         job = bar.add_task("prompts", total=n_prompts)
         for start in range(0, n_prompts, plan.per_chunk):
             chunk = plan.examples[start:start + plan.per_chunk]
-            lines = _chunk_rows(plan, model, tokenizer, task, scorer, start, chunk)
+            lines = episodes.rows(plan, model, start, chunk) if episodes is not None else \
+                _chunk_rows(plan, model, tokenizer, task, scorer, start, chunk)
             for row in lines:
                 rows += 1
                 truncated += row["truncated"]
@@ -111,7 +119,8 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                "reward_mean": reward_sum / max(rows, 1),
                "seconds": round(time.perf_counter() - t0, 3)}
     if not quiet:
-        print(f"wrote {rows} completions ({n_prompts} prompts x {plan.group}) to {path}; "
+        what = "episodes" if episodes is not None else "completions"
+        print(f"wrote {rows} {what} ({n_prompts} prompts x {plan.group}) to {path}; "
               f"reward/mean {summary['reward_mean']:.4f}, truncated "
               f"{summary['truncated_frac']:.3f}, {summary['seconds']:.1f}s")
     return summary
