@@ -22,10 +22,15 @@ Reward-hacking signs (flagged when over the stated threshold):
                                (>= 4) tokens, more often than the prompt holds it, and
                                they score at least the mean of the rest
 
+Rows that are episodes (a `turns` list) add `episodes` (their count, statuses and tool
+task's count) to the statistics and the episode signs of rlctl.commands.audit_episodes
+(tool never called, tool errors rewarded, observations truncated, episodes at the turn
+or token limit), each with a count and an example.
+
 ``audit_samples`` runs the same statistics and signs over a run's sample tables (the
 train rows of samples.jsonl, rlctl/learner/samples.py): a group is (step, group), a row
-is truncated when its finish_reason is "length"; the alignment checks need token ids,
-which sample rows do not hold.
+is truncated when its finish_reason is "length" (an episode: any status but "done"); the
+alignment checks need token ids, which sample rows do not hold.
 """
 from __future__ import annotations
 
@@ -36,8 +41,11 @@ from typing import Dict, List, Optional
 
 from rlctl.commands.audit_rows import Rows, read_rows, read_samples
 from rlctl.errors import UserError
+from rlctl.types import LENGTH_LIMIT, TOKEN_LIMIT, TURN_LIMIT
 
 CORR_FLAG, CAP_FLAG, REPEAT_FLAG = 0.3, 0.25, 0.2
+# a sample row's finish_reason of a truncated row: the length cap, or an episode's budget
+TRUNCATED_ENDINGS = ("length", TURN_LIMIT, TOKEN_LIMIT, LENGTH_LIMIT)
 
 
 def pearson(xs, ys) -> Optional[float]:
@@ -105,7 +113,7 @@ def audit_rollout(path: Path, examples: int = 3) -> dict:
         "checks": checks,
         "alignment_ok": all(c["violations"] == 0 for c in checks.values()) and not bad,
     }
-    report["hacking_signs"] = _hacking_signs(rows, trunc, report)
+    _add_episodes(report, rows, trunc)
     report["samples"] = _samples(path, rows, examples)
     return report
 
@@ -117,11 +125,19 @@ def audit_samples(samples: List[dict]) -> dict:
     for i, r in enumerate(samples):
         designs = {k[len("reward/"):]: v for k, v in r.items() if k.startswith("reward/")}
         rows.add(i, {**r, "group": (r.get("step"), r.get("group")),
-                     "truncated": r.get("finish_reason") == "length", "rewards": designs})
+                     "truncated": r.get("finish_reason") in TRUNCATED_ENDINGS, "rewards": designs})
     trunc = [bool(t) for t in rows.truncated]
     report = {"rows": len(samples), **_statistics(rows, trunc, _groups(rows))}
-    report["hacking_signs"] = _hacking_signs(rows, trunc, report)
+    _add_episodes(report, rows, trunc)
     return report
+
+
+def _add_episodes(report: dict, rows: Rows, trunc: List[bool]) -> None:
+    """The reward-hacking signs; with episodes among the rows, their statistics and signs."""
+    report["hacking_signs"] = _hacking_signs(rows, trunc, report)
+    if rows.episodes.episodes:
+        report["episodes"] = rows.episodes.statistics()
+        report["hacking_signs"] += rows.episodes.signs()
 
 
 def _statistics(rows: Rows, trunc: List[bool], groups: Dict[object, List[int]]) -> dict:

@@ -14,13 +14,27 @@ def print_audit(report: dict) -> None:
     console.print(_statistics_table(report))
     console.print(_alignment_table(report))
     console.print(signs_table(report))
+    print_examples(console, report)
     for bucket, samples in report["samples"].items():
         console.print(f"[bold]{bucket}[/bold]")
         for s in samples:
             flag = " [truncated]" if s["truncated"] else ""
-            console.print(f"  line {s['line']}: {s['prompt']!r} -> {s['completion']!r} "
+            text = s["turns"] if "turns" in s else s["completion"]
+            console.print(f"  line {s['line']}: {s['prompt']!r} -> {text!r} "
                           f"(reward {show(s['reward'])}, length {s['length']}{flag})",
                           markup=False, soft_wrap=True)
+
+
+def print_examples(console, report: dict) -> None:
+    """Each episode sign's count and its first example (rlctl.commands.audit_episodes)."""
+    for s in report["hacking_signs"]:
+        e = s.get("example")
+        if e is None:
+            continue
+        where = f"line {e['line']}" if e.get("step") is None else f"step {e['step']} (row {e['line']})"
+        console.print(f"{s['sign']}: {s['count']} episode(s); e.g. {where}: {e['prompt']!r} -> "
+                      f"{e['turns']!r} (reward {show(e['reward'])}, {e['status']})",
+                      markup=False, soft_wrap=True)
 
 
 def _statistics_table(report: dict) -> Table:
@@ -68,5 +82,6 @@ def signs_table(report: dict) -> Table:
     for col in ("sign", "value", "flag", "meaning"):
         t.add_column(col)
     for s in report["hacking_signs"]:
-        t.add_row(s["sign"], show(s["value"]), "FLAG" if s["flagged"] else "ok", s["why"])
+        value = show(s["value"]) + (f" ({s['count']})" if "count" in s else "")
+        t.add_row(s["sign"], value, "FLAG" if s["flagged"] else "ok", s["why"])
     return t

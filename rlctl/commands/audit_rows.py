@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from rlctl.commands.audit_checks import Checker, is_number
+from rlctl.commands.audit_episodes import EXAMPLE_CHARS, EpisodeTally, is_episode
 from rlctl.errors import UserError
+from rlctl.sinks.base import cell_text
 
 
 class Rows:
@@ -25,6 +27,7 @@ class Rows:
         self.text_hash: List[int] = []
         self.repetitive: List[bool] = []
         self.designs: Dict[str, List[Optional[float]]] = defaultdict(list)
+        self.episodes = EpisodeTally()        # rows that are episodes (a turns list)
 
     def add(self, lineno: int, row: dict) -> None:
         length = int(row["length"]) if is_number(row.get("length")) else len(row["token_ids"])
@@ -44,6 +47,8 @@ class Rows:
         for name, value in (row.get("rewards") or {}).items():
             if is_number(value):
                 self.designs[name].append(float(value))
+        if is_episode(row):
+            self.episodes.add(lineno, row)
 
 
 def _repetitive(text: str, prompt: str) -> bool:
@@ -94,9 +99,12 @@ def read_samples(path: Path, picks: Dict[int, str], buckets: List[str]) -> Dict[
         for lineno, line in enumerate(fh, 1):
             if lineno in picks:
                 row = json.loads(line)
-                out[picks[lineno]].append({
+                sample = {
                     "line": lineno, "prompt": str(row.get("prompt", ""))[:200],
                     "completion": str(row.get("completion", ""))[:200],
                     "reward": row["reward"], "length": row.get("length"),
-                    "truncated": row.get("truncated"), "correct": row.get("correct")})
+                    "truncated": row.get("truncated"), "correct": row.get("correct")}
+                if is_episode(row):     # the turns as one line: model turns and observations
+                    sample["turns"] = cell_text(row["turns"])[:EXAMPLE_CHARS]
+                out[picks[lineno]].append(sample)
     return out

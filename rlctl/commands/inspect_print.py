@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from rlctl.commands.audit_print import signs_table
+from rlctl.commands.audit_print import print_examples, signs_table
 from rlctl.commands.fmt import show
 
 PROMPT_TAIL = 160        # characters of a prompt shown (its end: the question; --json has all)
@@ -142,6 +142,7 @@ def print_samples(report: dict) -> None:
                   f"zero-std groups {show(audit['frac_zero_std_groups'], 3)}", soft_wrap=True,
                   markup=False)
     console.print(signs_table(audit))
+    print_examples(console, audit)
 
 
 def _print_table(console, title: str, rows: List[dict]) -> None:
@@ -150,7 +151,7 @@ def _print_table(console, title: str, rows: List[dict]) -> None:
     console.print(f"[bold]{title}[/bold] ({len(rows)} rows)")
     for i, row in enumerate(rows, 1):
         figures = [f"{k} {show(v, 3)}" for k, v in row.items()
-                   if k not in ("step", "prompt", "completion", "stop_id", "stop_token")]
+                   if k not in ("step", "prompt", "completion", "stop_id", "stop_token", "turns")]
         if row.get("stop_token") is not None:
             figures.append(f"stop {row['stop_token']} (id {row.get('stop_id')})")
         prompt = str(row.get("prompt", ""))
@@ -158,4 +159,21 @@ def _print_table(console, title: str, rows: List[dict]) -> None:
             prompt = "..." + prompt[-PROMPT_TAIL:]
         console.print(Text(f"#{i} " + " | ".join(figures), style="bold"), soft_wrap=True)
         console.print(Text(f"   prompt:     {prompt!r}"), soft_wrap=True)
-        console.print(Text(f"   completion: {row.get('completion', '')!r}"), soft_wrap=True)
+        if isinstance(row.get("turns"), list):
+            _print_turns(console, row["turns"])
+        else:
+            console.print(Text(f"   completion: {row.get('completion', '')!r}"), soft_wrap=True)
+
+
+def _print_turns(console, turns: List[dict]) -> None:
+    """An episode turn by turn: model turns numbered with their reward, observations
+    indented under them (marked when cut to max_obs_tokens)."""
+    k = 0
+    for t in turns:
+        if t.get("role") == "model":
+            k += 1
+            line = f"   model {k}:    {t.get('text', '')!r} (reward {show(t.get('reward'), 3)})"
+        else:
+            cut = " [truncated]" if t.get("truncated") else ""
+            line = f"     {t.get('role', 'observation')}: {t.get('text', '')!r}{cut}"
+        console.print(Text(line), soft_wrap=True)
