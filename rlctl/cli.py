@@ -71,20 +71,23 @@ def train(ctx: typer.Context,
     def work() -> None:
         if multirun:
             from rlctl.overrides import check_override_syntax
+            check_override_syntax(overrides)     # one line for Hydra's grammar errors, before torch
             from rlctl.run.sweep import run_sweep
-            check_override_syntax(overrides)     # one line for Hydra's grammar errors
             run_sweep(overrides, recipe)
         elif dry_run:
             from omegaconf import OmegaConf
 
             from rlctl.compose import compose
-            from rlctl.run.dryrun import dry_run as plan
-            cfg = compose(overrides, recipe).cfg
+            cfg = compose(overrides, recipe).cfg     # a bad override fails before torch is imported
             OmegaConf.resolve(cfg)
+            from rlctl.run.dryrun import dry_run as plan
             plan(cfg)
         else:
+            from rlctl.compose import compose
+            # a bad override is one line in about a second, before torch is imported
+            composed = None if resume else compose(overrides, recipe)
             from rlctl.run.training import run_training
-            run_training(overrides, recipe, resume=resume)
+            run_training(overrides, recipe, resume=resume, composed=composed)
 
     if resume and (recipe or multirun):
         _fail("--resume takes the run's own recipe; it cannot be combined with --recipe or -m")

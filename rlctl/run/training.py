@@ -132,9 +132,11 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
 
 
 def run_training(overrides: List[str], recipe: Optional[str] = None,
-                 resume: Optional[str] = None) -> dict:
+                 resume: Optional[str] = None, composed=None) -> dict:
     """Train a new run, or (``resume`` = a run directory) continue one from its newest
     checkpoint with the run's own recipe (``overrides`` may raise trainer.steps to extend).
+    ``composed``: ``compose(overrides, recipe)`` when the caller already composed it (the
+    CLI does, to refuse a bad override before torch is imported).
 
     Everything that can be checked is checked before anything is written: a refused
     resume leaves the run untouched, and a new run that fails during set-up (before its
@@ -146,7 +148,8 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
         if not (run_dir / "recipe.yaml").is_file():
             raise UserError(f"cannot resume '{resume}': not a run directory (no recipe.yaml)")
         recipe = str(run_dir / "recipe.yaml")
-    composed = compose(overrides, recipe)
+    if composed is None:
+        composed = compose(overrides, recipe)
     cfg = composed.cfg
     OmegaConf.resolve(cfg)
     check_entries(EntryNames.from_config(cfg))  # registry names and user entries, likewise
