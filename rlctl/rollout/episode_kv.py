@@ -11,21 +11,21 @@ contexts (prompt and transcript so far).
 Correct on every architecture.
 
 ``CachedTurns``: each episode's cache is kept after its turn; the next turn runs only the
-tokens the cache does not hold. The cache holds, per row, the tokens it was fed (the
-context and the sampled tokens but the last; after a row's stop, the pad ids the sampler
-fed it). A new context reuses the longest prefix it shares with them (at least its last
-token is run again, for its logits); the rest of a row's columns become gaps. At the
-start of a turn the rows are compacted (each row's reused columns gathered, in order,
-left-padded); the new tokens of each row go right-aligned in one chunk after them (its
-gaps before them), and the sampler runs the last one. Gaps and pads have attention mask
-0 and the positions are the mask's cumsum, so every real token sees exactly the tokens
-and positions it sees when recomputed: the logits equal the recompute path's up to
-floating-point rounding (the sums run over other layouts). That holds for attention whose
-keys carry their own position (rotary or absolute embeddings) and where a key column's
-index means nothing: plain full-attention cache layers, eager or SDPA attention. A sliding
-window or chunked layer (windows count columns, gaps included), a linear-attention or
-state-space layer, or a state in the modules would see the gaps: ``gaps_unsupported`` names
-the reason and those models recompute (said once).
+tokens the cache does not hold. The cache holds, per row, the tokens it was fed (the context
+and the sampled tokens but the last; after a row's stop, the pad ids the sampler fed it). A
+new context reuses the longest prefix it shares with them (at least its last token is run
+again, for its logits); the rest of a row's columns become gaps. At the start of a turn the
+rows are compacted (each row's reused columns gathered, in order, left-padded); the new
+tokens of each row go right-aligned in one chunk after them (its gaps before them), run once
+per distinct row (a group's episodes share their prompt), and the sampler runs the last one.
+Gaps and pads have attention mask 0 and the positions are the mask's cumsum, so every real
+token sees exactly the tokens and positions it sees when recomputed: the logits equal the
+recompute path's up to floating-point rounding (the sums run over other layouts). That holds
+for attention whose keys carry their own position (rotary or absolute embeddings) and where
+a key column's index means nothing: plain full-attention cache layers, eager or SDPA
+attention. A sliding window or chunked layer (windows count columns, gaps included), a
+linear-attention or state-space layer, or a state in the modules would see the gaps:
+``gaps_unsupported`` names the reason and those models recompute (said once).
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rlctl.errors import TrainingFault, UserError
-from rlctl.models.kv_share import (cache_keyword, forward_takes, innermost, say_once,
-                                   state_in_modules, unpadded_notice)
+from rlctl.models.kv_share import (cache_keyword, distinct_rows, forward_takes, index_rows,
+                                   innermost, say_once, state_in_modules, unpadded_notice)
 from rlctl.rollout.sampler import sample
 
 Sampled = Tuple[List[List[int]], List[List[float]]]
@@ -135,9 +135,7 @@ class CachedTurns:
         mask = torch.cat([self.mask, chunk_mask], 1)                               # [n, F+W+1]
         on_device = mask.to(device)
         if W:                           # every new token but the last: the sampler runs that one
-            pos = (on_device[:, :-1].cumsum(-1) - 1).clamp(min=0)[:, -W:]          # [n, W]
-            self.model(input_ids=ids[:, -W - 1:-1], attention_mask=on_device[:, :-1],
-                       position_ids=pos, use_cache=True, **{self.key: self.cache})
+            self._extend(ids[:, :-1], on_device[:, :-1], W)
         seqs, lp = sample(self.model, ids, on_device, max_new, temperature, top_k, stops,
                           self.pad, self.key, self.cache, keep_logprobs=True)
         S, steps = ids.shape[1], seqs.shape[1] - ids.shape[1]
@@ -151,6 +149,21 @@ class CachedTurns:
         self.row = {k: i for i, k in enumerate(keys)}
         self.held = {k: c + t[:steps - 1] for k, c, t in zip(keys, contexts, new)}
         return new, lp.tolist()
+
+    def _extend(self, ids: torch.Tensor, mask: torch.Tensor, W: int) -> None:
+        """Run the last ``W`` columns of ``ids`` [n, F+W] into the cache, once per distinct
+        row (the G episodes of a group start from one prompt: identical ids and mask give
+        identical cache rows, indexed out to every row after)."""
+        first, inv = distinct_rows(ids, mask)
+        shared = len(first) < len(inv)
+        if shared:
+            ids, mask = ids[first], mask[first]
+            index_rows(self.cache, first)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -W:]                            # [u, W]
+        self.model(input_ids=ids[:, -W:], attention_mask=mask, position_ids=pos, use_cache=True,
+                   **{self.key: self.cache})
+        if shared:
+            index_rows(self.cache, inv)
 
     def _reusable(self, key: Hashable, context: List[int]) -> int:
         """Tokens of ``context`` the episode's cache row holds: the longest shared prefix,
