@@ -182,7 +182,7 @@ class CachedTurns:
         if F == 0:
             self.cache, self.mask = DynamicCache(config=self.config), mask
             return ids
-        rows = torch.tensor([self.row[k] for k in keys])                            # [n]
+        rows = torch.tensor([self.row.get(k, 0) for k in keys])    # [n] (a new episode: no columns)
         cols = torch.zeros(n, F, dtype=torch.long)                                  # [n, F]
         for i, (k, f) in enumerate(zip(keys, reused)):
             if f:
