@@ -6,15 +6,22 @@ dir); the learner is rank 0, actor a is rank a+1. With ``hardware.nnodes`` > 1 t
 group also holds other nodes' actors and forms over TCP (rlctl/rollout/remote_actors.py).
 Point-to-point messages, each a fixed float64 header and one byte payload (wire.py):
 
-  learner -> actor: [go, with_weights, weights_version, use_rng, B, payload bytes]
+  learner -> actor: [go, with_weights, weights_version, use_rng, B, seed, payload bytes]
                     payload: (with_weights) flat policy parameters, example indices [B],
-                    (use_rng) the learner's torch RNG state; stop: [0, learner failed]
+                    (use_rng) the learner's torch RNG state; stop: [0, learner failed].
+                    seed: the environments' seed of an episodic task (else 0)
   actor -> learner: [version | error code, N, L, P, T, reward_errors, actor_wait_s, bytes]
                     payload: the batch's ``WIRE`` fields (input_ids [N, L],
                     attention_mask [N, L], mask [N, T], truncated [N], rewards [N],
                     behaviour log-probs [N, T]), (use_rng)
-                    the advanced RNG state, each named reward of each row
-                    (``_named_rewards``); or an error message
+                    the advanced RNG state, (episodes) token_rewards [N, T] and the
+                    episodes' JSON text (rlctl/rollout/episode_wire.py), each named
+                    reward of each row (``_named_rewards``); or an error message
+
+An episodic task (``local`` an ``EpisodeSource``): the actor plays the requested rows as
+episodes (its ``player``) with its copy of the weights and the learner's seed; the
+learner keeps the behaviour log-probs of every rollout, stale or not, as the
+synchronous episode source does (so ``max_staleness=0`` is still that loop bit for bit).
 
 Versions count learner updates. Rollouts are requested in the order the learner will
 consume them. A step consumes one rollout, or several with dynamic sampling (DAPO), so
@@ -57,6 +64,7 @@ import torch.multiprocessing as mp
 from rlctl.errors import ActorFailed, RewardError, UserError
 from rlctl.rollout import remote_actors
 from rlctl.rollout.generate import rollout
+from rlctl.rollout.episode_wire import episode_text, episodes_of
 from rlctl.rollout.layout import ActorLayout
 from rlctl.rollout.source import LocalSource
 from rlctl.rollout.wire import Posted, Sent, gloo_reason, pack, recv_message, send_message, unpack
@@ -98,6 +106,7 @@ class AsyncSource:
                  actor_main: Callable, cfg_yaml: str, stop=None):
         self.local, self.device, self.group_size = local, device, local.settings.group_size
         self.sampler, self.scorer, self.settings = local.sampler, local.scorer, local.settings
+        self.player = getattr(local, "player", None)     # episodic: the learner's eval plays with it
         self.num_prompts = settings.prompts_per_step            # one learner process
         self.max_stale, self.sync_every = settings.max_staleness, settings.sync_every
         self.layout, self.multinode, self.timeout = layout, layout.nnodes > 1, layout.timeout_text()
@@ -166,6 +175,7 @@ class AsyncSource:
                    or self.actor_version[actor] < oldest_allowed)
         use_rng = self.max_stale == 0
         idx = torch.tensor(self.local.draw(self.num_prompts))
+        seed = self.local.draw_seed() if self.player is not None else 0   # after the rows, as in sync
         parts = ([flat_params(self.local.policy)] if weights else []) + [idx] + \
             ([torch.get_rng_state()] if use_rng else [])
         try:
@@ -173,8 +183,8 @@ class AsyncSource:
                 self.sent.pop(actor).wait()
             # sent in the background, and the reply's header receive posted at once: both
             # transfers overlap the learner's update
-            self.sent[actor] = Sent([1, weights, self.version, use_rng, idx.numel()], pack(parts),
-                                    dst=actor + 1)
+            self.sent[actor] = Sent([1, weights, self.version, use_rng, idx.numel(), seed],
+                                    pack(parts), dst=actor + 1)
             posted = Posted(actor + 1)
         except RuntimeError as exc:
             raise self._lost(actor, exc) from None
@@ -199,28 +209,35 @@ class AsyncSource:
         specs = [(dims.get(RolloutBatch.axis(k), (N, L)), wire) for k, (wire, _) in WIRE.items()]
         if use_rng:
             specs.append((torch.get_rng_state().shape, torch.uint8))
-        K, M = payload[-16:].clone().view(torch.int64).tolist()       # the named rewards' tail
-        specs += [((K * N,), torch.float64), ((M,), torch.uint8), ((2,), torch.int64)]
+        K, M, E = payload[-24:].clone().view(torch.int64).tolist()    # the tail's sizes
+        if E:                # episodes: token_rewards [N, T] and their JSON text
+            specs += [((N, T), torch.float32), ((E,), torch.uint8)]
+        specs += [((K * N,), torch.float64), ((M,), torch.uint8), ((3,), torch.int64)]
         parts = unpack(payload, specs)
         if use_rng:
             torch.set_rng_state(parts[len(WIRE)])
-        named = self._count(N, parts[-3], parts[-2], h, time.perf_counter() - t0)
+        named = self._count(N, parts[-3], parts[-2], h, time.perf_counter() - t0, scored=not E)
         stale = self.version - version
         self._log("async/staleness", float(stale))
         G, dev = self.group_size, self.device
         fields = {k: x.to(dev, batch_dtype) for (k, (_, batch_dtype)), x in zip(WIRE.items(), parts)}
-        if stale == 0:           # on-policy: no correction, the learner's pi_old serves
+        if stale == 0 and not E:   # on-policy: no correction, the learner's pi_old serves
             fields["old_logprobs"] = None
         prompts = [self.local.examples[i].prompt for i in idx.tolist() for _ in range(G)]
+        completions, episodes, token_rewards = [""] * N, None, None
+        if E:
+            episodes, prompts, completions = episodes_of(parts[-4])
+            token_rewards = parts[-5].to(dev)
         return RolloutBatch(**fields, group_ids=torch.arange(N // G, device=dev).repeat_interleave(G),
-                            prompt_len=P, group_size=G, prompts=prompts, completions=[""] * N,
+                            prompt_len=P, group_size=G, prompts=prompts, completions=completions,
                             staleness=torch.full((N,), stale, dtype=torch.long, device=dev),
-                            reward_parts=named)
+                            reward_parts=named, token_rewards=token_rewards, episodes=episodes)
 
     def _count(self, N: int, values: torch.Tensor, names: torch.Tensor, h,
-               waited: float) -> Dict[str, List[float]]:
-        """Book a reply: named reward sums, reward errors and calls, the waits. Returns
-        each named reward's N values (``values``: [K * N], name by name)."""
+               waited: float, scored: bool = True) -> Dict[str, List[float]]:
+        """Book a reply: named reward sums, reward errors and calls (``scored``: the
+        actor scored its rows; episodes take their rewards from their environments),
+        the waits. Returns each named reward's N values (``values``: [K * N], name by name)."""
         keys = bytes(names.tolist()).decode().split("\n") if values.numel() else []
         named = dict(zip(keys, values.view(len(keys), N).tolist())) if keys else {}
         for name, row in named.items():     # summed as RewardScorer sums them
@@ -229,7 +246,7 @@ class AsyncSource:
         self._log("time/learner_wait_s", waited)
         self._log("time/actor_wait_s", h[6])
         self.scorer.errors += int(h[5])
-        self.scorer.calls += N              # the actor scored the N rows it sent
+        self.scorer.calls += N if scored else 0     # the actor scored the N rows it sent
         return named
 
     def sample(self, num_groups: int) -> RolloutBatch:
@@ -292,20 +309,23 @@ def _send_rollout(b: RolloutBatch, info: List[float], use_rng: bool,
     parts = [getattr(b, k).to(wire) for k, (wire, _) in WIRE.items()]
     if use_rng:
         parts.append(torch.get_rng_state())
-    parts += _named_rewards(components)
+    text = episode_text(b) if b.episodes is not None else torch.empty(0, dtype=torch.uint8)
+    if text.numel():
+        parts += [b.token_rewards.to(torch.float32), text]
+    parts += _named_rewards(components, text.numel())
     version, errors, waited = info
     send_message([version, N, b.input_ids.shape[1], b.prompt_len, T, errors, waited],
                  pack([x.cpu() for x in parts]), dst=0)
 
 
-def _named_rewards(components: Dict[str, List[float]]) -> List[torch.Tensor]:
+def _named_rewards(components: Dict[str, List[float]], episode_bytes: int) -> List[torch.Tensor]:
     """The payload's tail: each named reward of each row [K * N] float64 (name by name),
-    the names ("\n"-joined utf-8) [M] uint8, then (K, M) int64, so the learner reads it
-    from the end."""
+    the names ("\n"-joined utf-8) [M] uint8, then (K, M, E) int64 (E: the episodes' JSON
+    bytes before them, 0 for single-turn rows), so the learner reads it from the end."""
     names = sorted(components)
     text = torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)
     return [torch.tensor([v for k in names for v in components[k]], dtype=torch.float64), text,
-            torch.tensor([len(names), text.numel()], dtype=torch.int64)]
+            torch.tensor([len(names), text.numel(), episode_bytes], dtype=torch.int64)]
 
 
 def serve_learner(actor: LocalSource, init: str, rank: int, world_size: int, layout: ActorLayout) -> str:
@@ -330,7 +350,7 @@ def _serve(actor: LocalSource, timeout: str) -> str:
     while True:
         t0 = time.perf_counter()
         h, payload = _with_learner(timeout, recv_message, 0)
-        go, weights, wver, use_rng, B = (int(x) for x in h[:5])
+        go, weights, wver, use_rng, B, seed = (int(x) for x in h[:6])
         if not go:
             return "the learner ended its run early (node 0 says why)" if h[1] else ""
         waited = time.perf_counter() - t0
@@ -345,7 +365,7 @@ def _serve(actor: LocalSource, timeout: str) -> str:
             torch.set_rng_state(fields[1])
         errors0 = actor.scorer.errors
         try:
-            b = _rollout(actor, fields[0].tolist())
+            b = _rollout(actor, fields[0].tolist(), seed)
         except Exception as exc:  # noqa: BLE001 - reported to the learner, which stops
             code = USER_ERROR if isinstance(exc, UserError) else ACTOR_ERROR
             text = str(exc) if code == USER_ERROR else f"{type(exc).__name__}: {exc}"
@@ -364,9 +384,13 @@ def _with_learner(timeout: str, transfer, *args):
                           f"{gloo_reason(exc.__cause__ or exc, timeout)}") from None
 
 
-def _rollout(actor: LocalSource, indices: List[int]) -> RolloutBatch:
-    """The learner's prompts, sampled with ``old_logprobs`` from generation's own logits."""
+def _rollout(actor, indices: List[int], seed: int) -> RolloutBatch:
+    """The learner's prompts, sampled with ``old_logprobs`` from generation's own logits;
+    for an episodic task (an ``EpisodeSource``), its rows played as episodes with ``seed``."""
+    examples = [actor.examples[i] for i in indices]
+    if getattr(actor, "player", None) is not None:
+        return actor.player.play(actor.policy, examples, seed)
     s = actor.settings
-    return rollout(actor.policy, actor.tokenizer, [actor.examples[i] for i in indices], s.group_size,
+    return rollout(actor.policy, actor.tokenizer, examples, s.group_size,
                    s.max_new_tokens, s.temperature, s.top_k, actor.scorer.score_batch,
                    behaviour_logprobs=True, share_prompts=s.share_prompts)

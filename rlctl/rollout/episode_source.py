@@ -7,6 +7,8 @@ drawn from the same sampler, so a resumed run replays the same episodes' seeds. 
 rewards come from the environments' steps, so the ``scorer`` (the Trainer reads its
 counters and named sums) never scores anything here. ``player`` is what the Trainer's
 held-out eval plays episodes with (``rlctl.learner.evaluate.evaluate_episodes``).
+Rollout actors (rlctl/rollout/actors.py) draw with ``draw`` and ``draw_seed`` on the
+learner and play with their own copy's ``player``.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class EpisodeSource:
     written into the policy's generation config."""
 
     def __init__(self, policy, tokenizer, task, settings: EpisodeSettings, seed: int):
-        self.policy, self.tokenizer, self.task = policy, tokenizer, task
+        self.policy, self.tokenizer, self.task, self.settings = policy, tokenizer, task, settings
         self.examples = task.train_examples()
         self.sampler = random.Random(seed)
         self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
@@ -38,10 +40,13 @@ class EpisodeSource:
         """Indices of the next ``num_groups`` rows (with replacement)."""
         return [self.sampler.randrange(len(self.examples)) for _ in range(num_groups)]
 
+    def draw_seed(self) -> int:
+        """The environments' seed of the next batch (drawn after its rows)."""
+        return self.sampler.randrange(SEED_RANGE)
+
     def sample(self, num_groups: int) -> RolloutBatch:
         examples = [self.examples[i] for i in self.draw(num_groups)]
-        seed = self.sampler.randrange(SEED_RANGE)
-        return self.player.play(self.policy, examples, seed)
+        return self.player.play(self.policy, examples, self.draw_seed())
 
     def after_update(self) -> None:
         pass

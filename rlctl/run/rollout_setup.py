@@ -36,19 +36,21 @@ from rlctl.tasks.scoring import RewardScorer
 def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     """The rollout source ``cfg`` asks for: ``LocalSource`` sampling with ``policy`` (the
     module the backend will train), or ``AsyncSource`` with
-    ``trainer.async_rollout.enabled``, or for a task played as episodes
-    (``rlctl.envs.base.is_episodic``) ``EpisodeSource``. ``backend`` None: one process on
+    ``trainer.async_rollout.enabled``; for a task played as episodes
+    (``rlctl.envs.base.is_episodic``) ``EpisodeSource`` in place of ``LocalSource``
+    (the actors then play episodes too). ``backend`` None: one process on
     ``hardware.device``; ``stop``: the run's StopFlag (a signal ends a wait for other nodes).
     Takes the whole config: the asynchronous source sends it to its actors, which build from it."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     if is_episodic(task):
-        check_episodic(cfg.trainer.async_rollout.enabled, world)
-        return EpisodeSource(policy, tokenizer, task, EpisodeSettings.from_config(cfg),
-                             seed=cfg.seed * 1000 + rank)
-    settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
-    local = LocalSource(policy, tokenizer, task.train_examples(), RewardScorer(task), settings,
-                        seed=cfg.seed * 1000 + rank,
-                        generate_kwargs=backend.generate_kwargs() if backend is not None else None)
+        check_episodic(backend)
+        local = EpisodeSource(policy, tokenizer, task, EpisodeSettings.from_config(cfg),
+                              seed=cfg.seed * 1000 + rank)
+    else:
+        settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
+        local = LocalSource(policy, tokenizer, task.train_examples(), RewardScorer(task), settings,
+                            seed=cfg.seed * 1000 + rank,
+                            generate_kwargs=backend.generate_kwargs() if backend is not None else None)
     if not cfg.trainer.async_rollout.enabled:
         return local
     if world > 1 or dist.is_initialized():
@@ -61,14 +63,15 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
                        OmegaConf.to_yaml(cfg, resolve=True), stop)
 
 
-def check_episodic(async_rollout: bool, world_size: int) -> None:
-    """Refuse (one line, exit 2) what episodic tasks do not run with yet."""
-    if async_rollout:
-        raise ConfigError("trainer.async_rollout.enabled=true is not supported yet for a task "
-                          "played as episodes; use trainer.async_rollout.enabled=false")
-    if world_size > 1:
-        raise ConfigError(f"a task played as episodes runs on one rank for now (got {world_size} "
-                          "ranks); use hardware.num_processes=1 and hardware.nnodes=1")
+def check_episodic(backend) -> None:
+    """Refuse (one line, exit 2) what episodic tasks do not run with: a backend whose
+    ranks must generate in step (multi-rank ZeRO-3: ``synced_gpus``), since each rank
+    plays its own episodes, as many turns as they take."""
+    if backend is not None and backend.generate_kwargs():
+        raise ConfigError(f"a task played as episodes cannot run on {backend.world_size} ranks "
+                          "with hardware.zero_stage=3 (its ranks must generate in step, and each "
+                          "rank's episodes take their own number of turns); use "
+                          "hardware.zero_stage=2 or lower, or hardware.num_processes=1")
 
 
 def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None) -> None:
@@ -96,8 +99,11 @@ def _actor(cfg, init: str, rank: int, world_size: int) -> str:
     model, _, tok, _ = model_from_config(cfg)
     bind_task(PromptBudget.from_config(cfg), task, tok, model, quiet=True)   # the learner's prompts
     model.eval()
-    actor = LocalSource(model, tok, task.train_examples(), RewardScorer(task),
-                        SamplingSettings.from_config(cfg, bool(cfg.trainer.share_prompts)), seed=0)
+    if is_episodic(task):      # the learner draws the rows and the environments' seed
+        actor = EpisodeSource(model, tok, task, EpisodeSettings.from_config(cfg), seed=0)
+    else:
+        actor = LocalSource(model, tok, task.train_examples(), RewardScorer(task),
+                            SamplingSettings.from_config(cfg, bool(cfg.trainer.share_prompts)), seed=0)
     torch.manual_seed(cfg.seed * 1000 + 7919 * rank)      # each actor its own sampling stream
     # The learner is the bottleneck: when the cores are oversubscribed (reward workers,
     # gloo threads) it keeps its core. Measured: 31.1-31.7 vs 28-31 async steps/s.

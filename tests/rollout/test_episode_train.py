@@ -1,6 +1,7 @@
 """`rlctl train` (in this process) on an episodic task loaded by import path: a scripted
 environment of the user's own, 2 steps with a held-out eval; the episode metrics and
-eval/* of episodes are logged and the run directory is written. Refusals: async actors."""
+eval/* of episodes are logged and the run directory is written. (Async actors and several
+ranks with episodes: tests/rollout/test_episode_async.py, test_episode_ranks.py.)"""
 import json
 
 import pytest
@@ -57,9 +58,3 @@ def test_train_on_a_user_environment_logs_episode_metrics(rlctl_app, user_dir, t
     assert steps[2]["eval/exact_match"] == steps[2]["eval/success_rate"]
     assert (run / "summary.json").is_file() and (run / "config.yaml").is_file()
 
-
-def test_async_actors_are_refused_for_an_episodic_task(rlctl_app, user_dir, tmp_path):
-    done = rlctl_app("train", *ARGS, f"run.dir={tmp_path / 'run'}",
-                     "trainer.async_rollout.enabled=true", path=[user_dir], cwd=tmp_path)
-    assert done.returncode == 2
-    assert "not supported yet for a task played as episodes" in done.stdout + done.stderr

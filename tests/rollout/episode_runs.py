@@ -1,0 +1,68 @@
+"""Shared by the tests of episodic runs beyond one plain process (async actors, several
+ranks, LoRA): a user environment of per-turn rewards written to a file and loaded by
+path, the overrides of a short run on the shipped tiny model, and a Trainer built from
+them as ``rlctl train`` builds it (rlctl/run/training.py), minus the run directory.
+
+The environment's first observation depends on the episode's seed (``start + seed % 5``),
+so a rollout played with another seed than the learner drew differs."""
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from rlctl.compose import compose
+from rlctl.learner.trainer import Trainer
+from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.rollout_setup import build_source
+from rlctl.sinks import NullSink
+from rlctl.tasks.prompt_budget import PromptBudget, bind_task
+
+COUNT_UP = '''"""Count up from the first observation's number; reward 1 per right turn."""
+from rlctl.envs.base import EnvTask
+from rlctl.types import Example, Step
+
+
+class CountUp:
+    def reset(self, example, seed):
+        self.n = int(example.fields["start"]) + seed % 5
+        return " ".join(str(self.n)) + " +"
+
+    def step(self, turn):
+        self.n += 1
+        right = turn.text.split() == list(str(self.n))
+        return Step(observation=" ".join(str(self.n)) + " +", reward=float(right),
+                    done=self.n % 4 == 0, info={"success": right, "tool_calls": 1})
+
+
+def make_task(**options):        # the task config's other keys do not apply here
+    rows = [Example(prompt="", fields={"start": s}) for s in range(1, 9)]
+    return EnvTask("count_up", CountUp, train=rows[:6], eval=rows[6:])
+'''
+
+
+def env_file(tmp_path: Path) -> str:
+    """The environment written under ``tmp_path``; its task spec (file path:make_task)."""
+    path = Path(tmp_path) / "count_up_env.py"
+    path.write_text(COUNT_UP)
+    return f"{path}:make_task"
+
+
+def run_args(spec: str):
+    """A short run: 2 rows x 2 episodes a step, up to 3 turns of 3 tokens."""
+    return ["task=guess_number", f"task.name={spec}", "model.warmup_task=sorting",
+            "trainer.prompts_per_step=2", "algo.group_size=2", "trainer.eval_every=0",
+            "trainer.lr=1e-3", "rollout.max_new_tokens=3", "rollout.episode.max_turns=3",
+            "rollout.episode.max_tokens=20"]
+
+
+def build_trainer(overrides, backend=None) -> Trainer:
+    """The Trainer of ``rlctl train OVERRIDES`` (its model, task and rollout source)."""
+    cfg = compose(list(overrides)).cfg
+    OmegaConf.resolve(cfg)
+    task = task_from_config(cfg)
+    model, critic, tok, ref = model_from_config(cfg)
+    bind_task(PromptBudget.from_config(cfg), task, tok, model, quiet=True)
+    torch.manual_seed(cfg.seed * 1000 + (backend.rank if backend is not None else 0))
+    source = build_source(cfg, model, tok, task, backend)
+    return Trainer.from_config(cfg, model, tok, task, NullSink(), source=source, critic=critic,
+                               ref_model=ref, backend=backend)
