@@ -324,17 +324,19 @@ def test_read_pairs_takes_csv_and_a_margin_column(tmp_path):
 
 # -- the tiny sorting reward model -----------------------------------------------------------
 
-def test_tiny_reward_model_builds_caches_and_has_the_stated_accuracy(tmp_path):
+def test_tiny_reward_model_builds_caches_and_has_the_stated_accuracy():
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlctl.reward_models import tiny as tr
     from rlctl.reward_models.fit import pairwise_accuracy, score_pairs
     from rlctl.tasks.sorting import SortingTask
 
-    first = tr.tiny_reward_model_dir(cache_dir=tmp_path)
+    # the default cache (RLCTL_CACHE), which test_rlhf_demo and the task.reward_model=tiny
+    # runs share: built once per fresh cache, not once more here with its own tiny policy
+    first = tr.tiny_reward_model_dir()
     files = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
     t0 = time.perf_counter()
-    again = tr.tiny_reward_model_dir(cache_dir=tmp_path)
+    again = tr.tiny_reward_model_dir()
     assert again == first and time.perf_counter() - t0 < 1.0
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == files
     meta = json.loads((first / "rlctl_tiny_rm.json").read_text())
