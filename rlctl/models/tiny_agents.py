@@ -18,10 +18,10 @@ labels -100). The scripted policies know the format, not the skill:
 - calculator: with probability ``call_frac`` the first turn is the tool call
   ``<call> calc EXPR </call>`` (EXPR copied from the prompt) and the second copies the
   tool's result; otherwise the first turn is the product itself (plain SFT on 3-digit by
-  2-digit products, which 160 steps do not teach: direct answers are ~never exact);
+  2-digit products, which the warm-up does not teach: direct answers are ~never exact);
 - guess_number: each guess is a number in 1..N, with probability ``narrow_frac`` (per
-  turn) inside the range the answers so far leave, else anywhere in 1..N; never the
-  midpoint on purpose (binary search is what RL has to find);
+  turn; 1.0 by default) drawn uniformly from the range the answers so far leave, else
+  anywhere in 1..N: legal, consistent moves, not binary search (what RL has to find);
 - running_sum: each turn is the right total with probability ``correct_frac``, else a
   random number of as many digits.
 
@@ -60,11 +60,21 @@ log = logging.getLogger(__name__)
 
 AGENT_CODE_VERSION = 1   # bump when a change here alters an agent model
 # Per task: scripted-policy settings, warm-up batch, steps = warmup_steps * steps_scale,
-# turns per scripted (and measured) episode, new tokens per measured turn.
+# turns per scripted (and measured) episode, new tokens per measured turn. Calibration
+# (seed 0 unless said; held-out greedy episodes at the recipes' budgets):
+# - calculator, call_frac 0.3: 160 steps: tool calls 0.40-0.45 / success 0.28-0.33 (seeds
+#   0-2: calls 0.45, 0.20, 0.30), but 4-digit results are copied wrong and GRPO then
+#   stalls at 0.82 (it fails every 4-digit product); 320 steps (the setting): calls 0.34,
+#   success 0.32 (every call right, every direct answer wrong), GRPO 300 steps -> 0.99.
+#   call_frac 0.5: greedy calls every time (0.93 at step 0: the skill already there).
+# - guess_number, narrow_frac 1.0, 320 steps: all 16 secrets greedy success 0.88, mean
+#   turns 4.5 (first guess 13, not 8), the 4 held-out ones 0.5 / 6.5; narrow_frac 0.5 or
+#   80 steps: guesses repeat after a few turns (held-out 0.25 / 6.75-7.75).
+# - running_sum, correct_frac 0.5: 80 steps 7% of turns right, 160 steps (the setting) 36%.
 AGENT_WARMUPS: Dict[str, Dict[str, float]] = {
-    "calculator": {"episodes": 2000, "call_frac": 0.3, "batch_size": 64, "steps_scale": 2.0,
+    "calculator": {"episodes": 2000, "call_frac": 0.3, "batch_size": 64, "steps_scale": 4.0,
                    "max_turns": 2, "max_new_tokens": 12},
-    "guess_number": {"episodes": 2000, "narrow_frac": 0.5, "batch_size": 64, "steps_scale": 1.0,
+    "guess_number": {"episodes": 2000, "narrow_frac": 1.0, "batch_size": 64, "steps_scale": 4.0,
                      "max_turns": 8, "max_new_tokens": 4},
     "running_sum": {"episodes": 2000, "correct_frac": 0.5, "batch_size": 64, "steps_scale": 2.0,
                     "max_turns": 4, "max_new_tokens": 4},
