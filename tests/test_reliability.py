@@ -1,9 +1,10 @@
 """Nothing lost: signals on one and two ranks, safe resumes, the run-directory lock, and
 set-up failures that leave nothing behind. Each case checks the exit code, the one line on
 stderr and the files on disk. Signals, locks held by other processes and launched ranks
-run `rlctl` as a user does (a subprocess); the resume refusals and extensions and the
-one-rank set-up failures run the same Typer app in-process (``rlctl_app``), as nothing
-there depends on the process boundary."""
+run `rlctl` as a user does (a subprocess); the resume refusals and extensions, the
+one-rank set-up failures and the one-rank commands run beside a stopped or a running
+process (the resume after a stale lock, the resume refused by a live one) run the same
+Typer app in-process (``rlctl_app``), as nothing there depends on the process boundary."""
 import json
 import os
 import re
@@ -102,24 +103,29 @@ def _check_stopped(out, root: Path, sig):
     return run, shlex.split(command)
 
 
-def _resumed_to_end(command, run: Path):
-    out = subprocess.run([RLCTL, *command[1:]], env=ENV, capture_output=True, text=True, timeout=300)
+def _resumed_to_end(command, run: Path, rlctl_app=None):
+    """Run the printed resume command to the end: through the console script, or (a
+    one-rank run, nothing process-bound left to check) the same app in-process."""
+    if rlctl_app is not None:
+        out = rlctl_app(*command[1:])
+    else:
+        out = subprocess.run([RLCTL, *command[1:]], env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert _steps(run) == list(range(1, STEPS + 1))          # none lost, none twice
     assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
     assert not (run / ".lock").exists()
 
 
-def test_ctrl_c_to_the_process_group_one_rank_saves_and_a_stale_lock_is_taken_over(tmp_path):
+def test_ctrl_c_to_the_process_group_one_rank_saves_and_a_stale_lock_is_taken_over(tmp_path, rlctl_app):
     root = tmp_path / "my runs"
     run, command = _check_stopped(_stop_after(root, 2, signal.SIGINT, group=True), root, signal.SIGINT)
     dead = subprocess.Popen(["true"])
     dead.wait()
     (run / ".lock").write_text(f"{dead.pid}\n")              # left by a killed run
-    _resumed_to_end(command, run)
+    _resumed_to_end(command, run, rlctl_app)   # in-process: the lock's holder is another pid either way
 
 
-def test_sigterm_one_rank_saves_and_a_second_resume_is_refused_while_the_first_runs(tmp_path):
+def test_sigterm_one_rank_saves_and_a_second_resume_is_refused_while_the_first_runs(tmp_path, rlctl_app):
     """The first resume extends the run far past what any machine finishes during the test,
     so it surely holds the lock when the second starts (a plain 16-step resume can finish
     before a second process is up, on a fast machine); the second is refused naming its
@@ -132,7 +138,7 @@ def test_sigterm_one_rank_saves_and_a_second_resume_is_refused_while_the_first_r
     while time.time() < deadline and first.poll() is None and not _holds_lock(run, first.pid):
         time.sleep(0.05)
     assert first.poll() is None and _holds_lock(run, first.pid)
-    second = _run(*command[1:])
+    second = rlctl_app(*command[1:])     # in-process: the holder is the other process, `first`
     line = _one_line(second.stderr)
     assert second.returncode == 2 and f"in use by another rlctl process (pid {first.pid})" in line, line
     first.send_signal(signal.SIGTERM)
