@@ -35,8 +35,14 @@ def _examples(rows):
     return task, [Example(prompt=" ".join(map(str, d)) + " =", fields={"digits": d}) for d, _ in rows]
 
 
-def _rank_worker(out_dir: str, fail_rank: int) -> None:
-    """One of 2 ranks (a subprocess of the test): scores its rows, pools the named means."""
+FAIL_RANKS = [-1, 1]
+FAIL_IDS = ["both-score", "rank-1-fails-every-sample"]
+
+
+def _rank_worker(out_dir: str) -> None:
+    """One of 2 ranks (a subprocess of the test): for each case of FAIL_RANKS in turn (one
+    pair of processes for both: each start-up imports torch), a fresh task and scorer score
+    its rows and pool the named means."""
     from rlctl.backends.base import build_backend
     from rlctl.learner.stats import reduce_metrics
     from rlctl.learner.trainer import named_reward_metrics
@@ -44,17 +50,26 @@ def _rank_worker(out_dir: str, fail_rank: int) -> None:
 
     rank = int(os.environ["RANK"])
     backend = build_backend("torch", "cpu")
-    task, examples = _examples(ROWS[rank])
-    if rank == fail_rank:
-        def boom(example, completion):
-            raise RuntimeError("broken reward")
-        task.reward_components = boom
-        task.reward = boom
-    scorer = RewardScorer(task, timeout_s=0, on_error="zero")
-    scorer.score_batch(examples, [c for _, c in ROWS[rank]])
-    values = reduce_metrics(named_reward_metrics(*scorer.named_sums(), backend), backend)
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(values))
+    for fail_rank in FAIL_RANKS:
+        task, examples = _examples(ROWS[rank])
+        if rank == fail_rank:
+            def boom(example, completion):
+                raise RuntimeError("broken reward")
+            task.reward_components = boom
+            task.reward = boom
+        scorer = RewardScorer(task, timeout_s=0, on_error="zero")
+        scorer.score_batch(examples, [c for _, c in ROWS[rank]])
+        values = reduce_metrics(named_reward_metrics(*scorer.named_sums(), backend), backend)
+        (Path(out_dir) / f"rank{rank}-fail{fail_rank}.json").write_text(json.dumps(values))
     backend.close()
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory):
+    """The directory of both cases' rank<r>-fail<f>.json, from one run of 2 ranks."""
+    out = tmp_path_factory.mktemp("named-ranks")
+    run_two_ranks("test_named_reward_ranks", f"_rank_worker({str(out)!r})", out, 120)
+    return out
 
 
 def _designs(rank):
@@ -62,9 +77,8 @@ def _designs(rank):
     return [task.score_all(ex, c) for ex, (_, c) in zip(examples, ROWS[rank])]
 
 
-@pytest.mark.parametrize("fail_rank", [-1, 1], ids=["both-score", "rank-1-fails-every-sample"])
-def test_two_ranks_log_the_mean_of_every_rank_s_samples(tmp_path, fail_rank):
-    run_two_ranks("test_named_reward_ranks", f"_rank_worker({str(tmp_path)!r}, {fail_rank})", tmp_path, 120)
+@pytest.mark.parametrize("fail_rank", FAIL_RANKS, ids=FAIL_IDS)
+def test_two_ranks_log_the_mean_of_every_rank_s_samples(pooled, fail_rank):
     per_rank = {r: _designs(r) for r in range(2)}
     names = sorted(per_rank[0][0])
     assert len(names) >= 3          # the sorting designs: exact, positional, ...
@@ -75,7 +89,7 @@ def test_two_ranks_log_the_mean_of_every_rank_s_samples(tmp_path, fail_rank):
     rank0_alone = {f"reward/{k}": float(np.mean([d[k] for d in per_rank[0]])) for k in names}
     assert any(abs(rank0_alone[k] - want[k]) > 1e-3 for k in want)   # the check can fail
     for r in range(2):
-        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        got = json.loads((pooled / f"rank{r}-fail{fail_rank}.json").read_text())
         assert sorted(got) == sorted(want)
         # float64: the pooled mean ma + (mb - ma) nb / n of O(1) values differs from
         # numpy's sum / 8 by a few roundings, < 1e-15
