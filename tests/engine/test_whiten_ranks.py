@@ -38,29 +38,39 @@ def _data(poison: bool = False):
     return x, mask
 
 
-def _rank_worker(out_dir: str, poison: bool = False) -> None:
-    """One of 2 ranks (a subprocess of the test): whitens its half of the rows."""
+def _rank_worker(out_dir: str) -> None:
+    """One of 2 ranks (a subprocess of the test): whitens its half of the rows, clean then
+    poisoned (one pair of processes for both cases: each start-up imports torch)."""
     from rlctl.backends.base import build_backend
     from rlctl.learner.advantage import whiten_over_ranks
 
     rank = int(os.environ["RANK"])
     backend = build_backend("torch", "cpu")
-    x, mask = _data(poison)
-    half = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
-    z = whiten_over_ranks(x[half], mask[half], backend)
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(z.double().tolist()))
+    for poison in (False, True):
+        x, mask = _data(poison)
+        half = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
+        z = whiten_over_ranks(x[half], mask[half], backend)
+        (Path(out_dir) / f"rank{rank}-{poison}.json").write_text(json.dumps(z.double().tolist()))
     backend.close()
 
 
+@pytest.fixture(scope="module")
+def whitened(tmp_path_factory):
+    """The directory of rank<r>-<poison>.json for both cases, from one run of 2 ranks."""
+    out = tmp_path_factory.mktemp("whiten-ranks")
+    run_two_ranks("test_whiten_ranks", f"_rank_worker({str(out)!r})", out, 300)
+    return out
+
+
 @pytest.mark.parametrize("poison", [False, True], ids=["clean", "nan-inf-not-counted"])
-def test_two_ranks_whiten_like_one_process_at_mean_1000_std_1(tmp_path, poison):
+def test_two_ranks_whiten_like_one_process_at_mean_1000_std_1(whitened, poison):
     x, mask = _data(poison)
     keep = mask.numpy() > 0
     v = x.double().numpy()[keep]                                             # all finite
     want = np.zeros((ROWS, T))
     want[keep] = (v - v.mean()) / np.sqrt(v.var(ddof=1) + 1e-8)              # float64, two passes
-    run_two_ranks("test_whiten_ranks", f"_rank_worker({str(tmp_path)!r}, {poison})", tmp_path, 300)
-    got = np.concatenate([np.array(json.loads((tmp_path / f"rank{r}.json").read_text())) for r in range(2)])
+    got = np.concatenate([np.array(json.loads((whitened / f"rank{r}-{poison}.json").read_text()))
+                          for r in range(2)])
     assert abs(want[keep].std(ddof=1) - 1) < 1e-6
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     from rlctl.learner.advantage import whiten_over_ranks
