@@ -39,6 +39,7 @@ from rlctl.errors import TrainingFault, UserError
 from rlctl.models.kv_share import (cache_keyword, distinct_rows, forward_takes, index_rows,
                                    innermost, say_once, state_in_modules, unpadded_notice)
 from rlctl.rollout.sampler import sample
+from rlctl.tasks.prompt_budget import context_length
 
 Sampled = Tuple[List[List[int]], List[List[float]]]
 _ATTENTION = ("eager", "sdpa")        # implementations that read a 2-D mask column by column
@@ -83,6 +84,7 @@ class Recompute:
 
     def __init__(self, model, pad: int, key: str):
         self.model, self.pad, self.key = model, pad, key
+        self.context = context_length(model)  # rows' rooms differ: fed tokens clamped to it
 
     def __call__(self, keys: Sequence[Hashable], contexts: List[List[int]], max_new: int,
                  temperature: float, top_k: int, stops: Sequence[int]) -> Sampled:
@@ -102,7 +104,8 @@ class Recompute:
                 ids[j, L - len(contexts[i]):] = torch.tensor(contexts[i])
                 mask[j, L - len(contexts[i]):] = 1
             seqs, lp = sample(self.model, ids.to(device), mask.to(device), max_new, temperature,
-                              top_k, stops, self.pad, self.key, None, keep_logprobs=True)
+                              top_k, stops, self.pad, self.key, None, keep_logprobs=True,
+                              max_position=self.context)
             for j, i in enumerate(rows):
                 new[i], logps[i] = seqs[j, L:].tolist(), lp[j].tolist()
         return new, logps
@@ -113,6 +116,7 @@ class CachedTurns:
 
     def __init__(self, model, pad: int, key: str):
         self.model, self.pad, self.key = model, pad, key
+        self.context = context_length(model)  # rows' rooms differ: fed tokens clamped to it
         self.config = innermost(model).config
         self.cache = None                     # a DynamicCache of the last turn's rows
         self.mask = torch.zeros(0, 0, dtype=torch.long)   # [rows, S] on the CPU: 1 = a held token
@@ -137,7 +141,8 @@ class CachedTurns:
         if W:                           # every new token but the last: the sampler runs that one
             self._extend(ids[:, :-1], on_device[:, :-1], W)
         seqs, lp = sample(self.model, ids, on_device, max_new, temperature, top_k, stops,
-                          self.pad, self.key, self.cache, keep_logprobs=True)
+                          self.pad, self.key, self.cache, keep_logprobs=True,
+                          max_position=self.context)
         S, steps = ids.shape[1], seqs.shape[1] - ids.shape[1]
         if self.cache.get_seq_length() != S + steps - 1:
             raise TrainingFault(f"the episode KV cache holds {self.cache.get_seq_length()} "

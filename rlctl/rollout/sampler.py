@@ -34,7 +34,7 @@ def check_training_sampling(top_k: int) -> None:
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            temperature: float, top_k: int, stop_ids: Sequence[int], pad_id: int, key: str,
-           cache=None, keep_logprobs: bool = False
+           cache=None, keep_logprobs: bool = False, max_position: Optional[int] = None
            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Left-padded prompts [N, P] -> (sequences [N, P+T], behaviour log-probs [N, T] float32
     (float64 for a float64 model: the tokens are drawn from the float32 scores either way)
@@ -48,6 +48,10 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     ``stop_ids``; finished rows are padded with ``pad_id`` (which may itself be a stop id).
     A model that keeps its recurrent state in its modules (``kv_share.state_in_modules``) returns
     no cache: the loop passes it one of its own for the attention layers, as ``generate``.
+    ``max_position``: the model's positions (its context); a token fed past them gets the
+    last one. Episodes sample rows of different rooms together (rlctl/rollout/episodes.py):
+    the tokens past a row's room are dropped, and a table of absolute positions (GPT-2)
+    must not be indexed past its end to make them.
     """
     n = input_ids.shape[0]
     mask = attention_mask.long()
@@ -76,7 +80,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         if t == max_new_tokens - 1 or not bool(unfinished.any()):
             break
         mask = torch.cat([mask, mask.new_ones(n, 1)], 1)                           # [N, P+t+1]
-        pos = pos + 1
+        pos = pos + 1 if max_position is None else (pos + 1).clamp(max=max_position - 1)
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                     use_cache=True, **{key: cache_of(out) if kept is None else kept})
     old = torch.stack(logps, 1) if keep_logprobs else None                         # [N, T]

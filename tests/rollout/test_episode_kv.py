@@ -158,3 +158,41 @@ def test_models_whose_cache_sees_gaps_recompute(tok, name, reason, caplog, monke
 
 def test_kv_reuse_false_is_the_recompute_path(models, tok):
     assert isinstance(turn_sampler(models["llama"], tok.pad_token_id, kv_reuse=False), Recompute)
+
+
+class Echo:
+    """Answers every turn with five tokens and never ends: episodes run into the context."""
+
+    def reset(self, example, seed):
+        return example.prompt
+
+    def step(self, turn):
+        return Step(observation="1 2 3 4 5", reward=1.0)
+
+
+def test_episodes_reaching_the_context_at_different_turns(models, tok):
+    """GPT-2's positions are a table of n_positions = 64 rows. Prompts of 4 to 34 tokens
+    reach the context at different turns, so the turn sampled for all rows at once runs
+    past some rows' last position (their room is shorter than the others'); those tokens
+    are dropped, but feeding them must not index position 64 (was: IndexError). Every row
+    ends length_limit within the context, both paths alike, the learner's log-probs equal."""
+    model = models["gpt2"]
+    context = model.config.n_positions
+    rows = [Example("1 2 +")] + [Example(" ".join(["7"] * n)) for n in range(28, 34)]
+    s = dict(group_size=1, max_new_tokens=8, temperature=1.0, max_turns=20, max_tokens=200,
+             max_obs_tokens=16)
+    batches = []
+    for reuse in (True, False):
+        torch.manual_seed(0)
+        task = EnvTask("echo", Echo, rows, rows)
+        batches.append(EpisodePlayer(tok, task, EpisodeSettings(**s, kv_reuse=reuse),
+                                     (tok.eos_token_id,)).play(model, rows, seed=0))
+    cached, recomputed = batches
+    assert [e.status for e in cached.episodes] == ["length_limit"] * len(rows)
+    assert int(cached.attention_mask.sum(-1).max()) <= context
+    assert torch.equal(cached.input_ids, recomputed.input_ids)
+    assert (cached.old_logprobs - recomputed.old_logprobs).abs().max().item() <= TOL
+    with torch.no_grad():
+        learner = learner_forward(model, cached.input_ids, cached.attention_mask,
+                                  cached.prompt_len).logp * cached.mask
+    assert (learner.double() - cached.old_logprobs).abs().max().item() <= TOL
