@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlctl.backends import tcp_group
 from rlctl.backends.base import build_backend
 from rlctl.backends.launch import launch, launch_node, leave_with_launcher, node_argv
-from rlctl.compose import compose
+from rlctl.compose import Composed, compose
 from rlctl.errors import ActorFailed, Interrupted, LaunchError, TrainingFault, UserError, user_message
 from rlctl.learner.trainer import Trainer
 from rlctl.models.loading import check_source
@@ -132,7 +132,7 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
 
 
 def run_training(overrides: List[str], recipe: Optional[str] = None,
-                 resume: Optional[str] = None, composed=None) -> dict:
+                 resume: Optional[str] = None, composed: Optional[Composed] = None) -> dict:
     """Train a new run, or (``resume`` = a run directory) continue one from its newest
     checkpoint with the run's own recipe (``overrides`` may raise trainer.steps to extend).
     ``composed``: ``compose(overrides, recipe)`` when the caller already composed it (the
