@@ -58,6 +58,7 @@ from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast)
 
 from rlctl.models.generation import greedy_exact_match
+from rlctl.registry import is_import_path
 from rlctl.tasks import TASKS
 from rlctl.tasks.arithmetic import ArithmeticTask, spaced
 from rlctl.tasks.sorting import SortingTask
@@ -264,10 +265,11 @@ def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]
 
 
 def resolve_warmup_task(name: Optional[str]) -> str:
-    """The warm-up for ``name``: itself if it has one, sorting for other registered tasks."""
+    """The warm-up for ``name``: itself if it has one, sorting for other registered tasks
+    and for a user task by import path (``task.name=myenv.py:make_task``)."""
     if name is None or name in WARMUP_TASKS:
         return name or "sorting"
-    if name in TASKS:
+    if name in TASKS or is_import_path(name):
         return "sorting"
     raise ValueError(f"invalid model.warmup_task '{name}'; valid: {', '.join(WARMUP_TASKS)} "
                      f"(other tasks: {', '.join(sorted(set(TASKS) - set(WARMUP_TASKS)))} "

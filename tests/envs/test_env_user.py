@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from rlctl.compose import compose
 from rlctl.envs.base import is_episodic
 from rlctl.envs.registration import ENVS
+from rlctl.models.tiny import resolve_warmup_task
 from rlctl.tasks import build_task
 from rlctl.types import Turn
 
@@ -87,6 +88,8 @@ def test_the_docs_example_environment(tmp_path, monkeypatch):
     opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items()
             if k not in ("name", "reward_model", "reward_norm", "reward_clip")}
     task = build_task(cfg.task.name, **opts)                      # as the docs say: it builds
+    # model.warmup_task is ${task.name}: the tiny model takes a user task's path (sorting warm-up)
+    assert resolve_warmup_task(cfg.model.warmup_task) == "sorting"
     assert is_episodic(task) and len(task.eval_examples()) == opts["num_eval"]
     rows = task.train_examples() + task.eval_examples()
     boiling = next(ex for ex in rows if ex.prompt.startswith("What is 212 F"))
