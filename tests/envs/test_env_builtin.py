@@ -118,8 +118,7 @@ def test_every_word_written_is_in_the_vocabulary():
     assert seen == set(TINY_AGENT_WORDS)
 
 
-@pytest.mark.parametrize("name, opts", [("calculator", {}), ("guess_number", {}),
-                                        ("running_sum", {}), ("guess_number", {"max_number": 8})])
+@pytest.mark.parametrize("name, opts", [("calculator", {}), ("running_sum", {})])
 def test_splits_never_overlap_and_follow_the_seed(name, opts):
     def rows(task):
         return [tuple(sorted((k, str(v)) for k, v in ex.fields.items())) for ex in task]
@@ -131,14 +130,33 @@ def test_splits_never_overlap_and_follow_the_seed(name, opts):
     assert rows(again.eval_examples()) == held and rows(again.train_examples()) == train
     other = build_task(name, num_eval=4, seed=2, **opts, **COMMON)
     assert rows(other.eval_examples()) != held
-    if name == "guess_number":
-        n = opts.get("max_number", 16)
-        assert sorted(dict(r)["secret"] for r in train + held) == sorted(map(str, range(1, n + 1)))
+
+
+def _secrets(rows):
+    return [ex.fields["secret"] for ex in rows]
+
+
+@pytest.mark.parametrize("n", [16, 8])
+def test_guess_number_trains_and_evals_on_every_secret(n):
+    """No split by secret (the env's docstring): training has each of 1..N once; eval
+    goes through the same seeded order, num_eval rows (N: each secret once)."""
+    task = build_task("guess_number", max_number=n, num_eval=n, seed=1, **COMMON)
+    train, held = _secrets(task.train_examples()), _secrets(task.eval_examples())
+    assert sorted(train) == list(range(1, n + 1)) and held == train
+    assert {ex.prompt for ex in task.train_examples() + task.eval_examples()} == \
+        {"guess 1 6 :" if n == 16 else "guess 8 :"}
+    twice = _secrets(build_task("guess_number", max_number=n, num_eval=2 * n + 3, seed=1,
+                                **COMMON).eval_examples())
+    assert twice == train + train + train[:3]
+    other = _secrets(build_task("guess_number", max_number=n, num_eval=n, seed=2,
+                                **COMMON).train_examples())
+    assert sorted(other) == list(range(1, n + 1)) and other != train    # the seed: the order
 
 
 @pytest.mark.parametrize("name, opts, message", [
     ("guess_number", {"max_number": 1}, "task.max_number must be an integer >= 2, got 1"),
-    ("guess_number", {"num_eval": 16}, "task.num_eval must be an integer in [0, 15], got 16"),
+    ("guess_number", {"num_eval": 1601}, "task.num_eval must be an integer in [0, 1600], got 1601"),
+    ("guess_number", {"max_number": 4, "num_eval": -1}, "task.num_eval must be an integer in [0, 400], got -1"),
     ("guess_number", {"use_tools": True}, "task.use_tools does not apply to task 'guess_number'"),
     ("calculator", {"tool_parser": "xml"}, "task.tool_parser: unknown tool-call parser 'xml'; valid: json, tag"),
     ("calculator", {"sandbox": "docker"}, "invalid task.sandbox 'docker'; valid: none, subprocess"),
