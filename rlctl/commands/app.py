@@ -1,4 +1,4 @@
-"""The Typer commands `eval`, `rollout` and `inspect`. Only typer, rlctl.errors (which
+"""The Typer commands `eval`, `rollout`, `inspect` and `serve`. Only typer, rlctl.errors (which
 imports nothing) and typer-only command modules are imported here; each command's
 module is imported inside the command."""
 from __future__ import annotations
@@ -51,6 +51,19 @@ INSPECT_HELP = """Summarise run directories or audit a rollout file.
                                          reward-hacking signs, samples per reward bucket
     rlctl inspect runs/<id> --samples    the run's newest sample tables (--step N: that
                                          step's) and the audit's signs over its samples
+"""
+
+
+SERVE_HELP = """Serve a model over HTTP: an OpenAI-compatible completions server on token ids.
+
+\b
+    rlctl serve [TARGET] [OVERRIDES...] [--host 127.0.0.1] [--port 8000]
+
+TARGET as for `rlctl eval` (a run directory serves its model/). Routes: POST
+/v1/completions (prompt as token ids; returns token_ids, per-token log-probs and
+finish_reason), GET /health, GET /version (the weights' version), POST /update_weights
+(safetensors body, ?version=V) and POST /update_weights_from_disk ({"path", "version"}).
+See docs/engines.md.
 """
 
 
@@ -121,4 +134,22 @@ def register(app: typer.Typer) -> None:
                         step=_int("--step", step))
         run_command(go, debug)
 
+    _register_serve(app)
     app.add_typer(rm_app, name="reward-model")   # rlctl reward-model train|eval
+
+
+def _register_serve(app: typer.Typer) -> None:
+    @app.command("serve", context_settings=FREE_ARGS, help=SERVE_HELP,
+                 options_metavar="[TARGET] [OVERRIDES]... [OPTIONS]")
+    def serve_(ctx: typer.Context,
+               host: str = typer.Option("127.0.0.1", "--host", metavar="HOST", help="Address to listen on (0.0.0.0: every interface)."),
+               port: str = typer.Option("8000", "--port", metavar="PORT", help="TCP port (0: any free one)."),
+               debug: bool = DEBUG) -> None:
+        def go():
+            from rlctl.commands.serve_cmd import run_serve
+            from rlctl.commands.targets import split_args
+
+            target, overrides = split_args(ctx.args, "rlctl serve [TARGET] [OVERRIDES...] "
+                                           "[--host HOST] [--port PORT]")
+            run_serve(target, overrides, host, _int("--port", port))
+        run_command(go, debug)
