@@ -11,7 +11,8 @@ script ``sandbox_child.py``), which before it loads the tool:
   holding only PATH, HOME/TMPDIR (the temporary directory), LANG and single-thread
   settings: the parent's variables (tokens, keys) are not passed on.
 
-The parent waits at most ``timeout_s`` seconds, then kills the child's whole process group.
+The parent waits at most ``timeout_s`` seconds, then kills the child's whole process group;
+processes the tool started are killed with the group when the call ends, however it ends.
 The function is loaded in the child by its import path (``Tool.source``: ``module:function``
 or ``/abs/path/file.py:function``; the parent's ``sys.path`` is handed over), so it must be
 defined at the top level of a module; arguments and the result cross as JSON (a result
@@ -100,7 +101,6 @@ def run_in_subprocess(tool: Tool, kwargs: Dict[str, Any], limits: Limits) -> Any
         try:
             out, _ = proc.communicate(payload.encode(), timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
-            _kill(proc)
             raise ToolFailed(f"{tool.name}: timed out after {limits.timeout_s:g} s") from None
         finally:
             _kill(proc)
@@ -108,11 +108,13 @@ def run_in_subprocess(tool: Tool, kwargs: Dict[str, Any], limits: Limits) -> Any
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    """Kill the child's process group even when the child has exited: a process the tool
+    started would outlive the call, and a forked one holding the reply pipe would block
+    ``communicate`` until it ends. (The child kills its group itself once it has replied.)"""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     proc.communicate()
 
 

@@ -2,12 +2,14 @@
 
 Reads one JSON payload from stdin (source, kwargs, path, memory_bytes, cpu_s), limits
 itself, disables Python sockets, loads the tool by its import path, calls it and writes
-``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` to stdout. What the
-tool prints goes nowhere. Standard library only until the limits are set.
+``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` to stdout, then kills
+its process group (what the tool started, and itself). What the tool prints goes nowhere.
+Standard library only until the limits are set.
 """
 import json
 import os
 import resource
+import signal
 import socket
 import sys
 
@@ -61,6 +63,8 @@ def main() -> None:
         text = json.dumps({"ok": False, "error": f"result over {MAX_RESULT_CHARS} characters"})
     with os.fdopen(reply_fd, "w") as out:
         out.write(text)
+    if os.getpgrp() == os.getpid():           # our own group (the parent's new session):
+        os.killpg(0, signal.SIGKILL)          # end what the tool started, and this process
 
 
 if __name__ == "__main__":

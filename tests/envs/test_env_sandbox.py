@@ -16,7 +16,7 @@ from rlctl.tasks import build_task
 from rlctl.types import Turn
 
 TOOLS = '''
-import os, socket, sys
+import os, socket, subprocess, sys, time
 
 
 def spin():
@@ -50,6 +50,18 @@ def connect():
 
 def new_socket():
     return str(socket.socket())
+
+
+def spawn():
+    return subprocess.Popen(["sleep", "30"]).pid
+
+
+def fork():
+    pid = os.fork()
+    if pid == 0:                  # holds the reply pipe: the parent's read waits on it
+        time.sleep(8)
+        os._exit(0)
+    return pid
 '''
 
 
@@ -105,6 +117,35 @@ def test_sockets_are_refused_and_prints_do_not_reach_the_result(tools):
         err, _ = timed(tools(name), {}, Limits(timeout_s=2.5))
         assert isinstance(err, ToolFailed) and "network is disabled" in str(err), err
     assert timed(tools("noisy"), {"n": 41}, Limits(timeout_s=2.5))[0] == 42
+
+
+def _ended(pid: int, within_s: float = 2.0) -> bool:
+    """The process is gone or a zombie (nobody may reap it in a container) within the time."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_processes_a_tool_leaves_behind_end_with_its_call(tools):
+    pid, _ = timed(tools("spawn"), {}, Limits(timeout_s=2.5))
+    assert isinstance(pid, int), pid
+    try:
+        assert _ended(pid), "the tool's child outlived the call"
+    finally:
+        if not _ended(pid, 0.0):
+            os.kill(pid, 9)
+    # a forked child keeps the reply pipe open: the result still comes back at once,
+    # not after the wall limit (5 s) or the child's 8 s, and the child is gone
+    pid, took = timed(tools("fork"), {}, Limits(timeout_s=5))
+    assert isinstance(pid, int) and took < 2.5, (pid, took)
+    assert _ended(pid)
 
 
 def test_failures_become_error_observations(tools):
