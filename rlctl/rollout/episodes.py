@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -232,8 +233,12 @@ def _step(runs: List[EpisodeRun], settings: EpisodeSettings, text: EpisodeText, 
 
 def _apply(r: EpisodeRun, step: Step, settings: EpisodeSettings, text: EpisodeText, budget: _Budget) -> None:
     info = step.info if isinstance(step.info, dict) else {}
-    r.episode.spans[-1].reward = float(step.reward)
-    r.episode.turn_rewards.append(float(step.reward))
+    reward = _finite(step.reward)
+    if reward is None:              # None, text, NaN: the step is an error, its reward 0
+        r.episode.env_errors += 1
+        reward = 0.0
+    r.episode.spans[-1].reward = reward
+    r.episode.turn_rewards.append(reward)
     r.episode.tool_calls += int(info.get("tool_calls", 0) or 0)
     r.episode.tool_errors += int(info.get("tool_errors", 0) or 0)
     if "success" in info:
@@ -248,9 +253,20 @@ def _apply(r: EpisodeRun, step: Step, settings: EpisodeSettings, text: EpisodeTe
     turn = r.episode.spans[-1]
     ids, cut = text.observation(step.observation, r.prompt_ids + r.ids, r.messages, turn.text)
     left = max(budget.left(r)[0], 0)
+    if left == 0:                                     # no room: the episode ends, no empty span
+        return r.end(budget.left(r)[1])
     if len(ids) > left:                               # the episode's budget cuts it too
         ids, cut = (ids[:left] if settings.obs_truncation == "right" else ids[len(ids) - left:]), True
     r.episode.spans.append(Span(OBSERVATION, len(r.ids), len(r.ids) + len(ids), step.observation,
                                 truncated=cut))
     r.ids += ids
     r.logps += [0.0] * len(ids)
+
+
+def _finite(x) -> Optional[float]:
+    """``x`` as a finite float, or None (a reward that is not a number)."""
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None

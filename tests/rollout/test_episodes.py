@@ -179,3 +179,24 @@ def test_an_abandoned_step_does_not_block_the_interpreter_exit():
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], timeout=30)
     assert done.returncode == 0 and time.perf_counter() - t0 < 10
+
+
+@pytest.mark.parametrize("reward", [None, "one", float("nan")])
+def test_a_reward_that_is_not_a_number_is_an_env_error_not_a_crash(tiny, reward):
+    """A step's reward that float() refuses or that is NaN: counted in env_errors, reward 0."""
+    batch = play(tiny, lambda: Scripted(["4"], rewards=[reward], done_after=1), stops=(),
+                 max_new_tokens=2, max_tokens=40)
+    assert [e.env_errors for e in batch.episodes] == [1] * 4
+    assert [e.turn_rewards for e in batch.episodes] == [[0.0]] * 4
+    assert batch.rewards.tolist() == [0.0] * 4 and torch.isfinite(batch.token_rewards).all()
+
+
+def test_a_turn_that_uses_the_last_budget_token_leaves_no_empty_observation(tiny):
+    """max_tokens = max_new_tokens = 2 and no stop id: the first turn takes the whole budget,
+    so the observation has no room: the episode ends at the token limit with one model span
+    and no (empty, 'truncated') observation span."""
+    batch = play(tiny, lambda: Scripted(["+ 1 ="]), stops=(), max_new_tokens=2, max_tokens=2)
+    for e in batch.episodes:
+        assert [(s.role, s.start, s.end) for s in e.spans] == [(MODEL, 0, 2)]
+        assert e.status == TOKEN_LIMIT and not any(s.truncated for s in e.spans)
+    assert batch.truncated.all() and batch.mask.shape[1] == 2
