@@ -46,8 +46,7 @@ class EpisodeText:
                  obs_truncation: str):
         self.tok, self.chat, self.system = tokenizer, chat, system_prompt
         self.max_obs, self.side = max_obs_tokens, obs_truncation
-        template = str(getattr(tokenizer, "chat_template", "") or "")
-        self.role = "tool" if "tool" in template else "user"
+        self.role = self._observation_role() if chat else "user"
 
     # ---- the first observation ------------------------------------------------------
     def first(self, text: str) -> Tuple[str, List[int], List[Dict[str, str]]]:
@@ -79,6 +78,20 @@ class EpisodeText:
                  "observation is rendered alone as a message after an assistant turn, and "
                  "earlier tokens are kept as sampled")
         return self._encode(self._alone(messages[-1])), cut
+
+    def _observation_role(self) -> str:
+        """``tool`` when the template speaks of tools and renders a tool message (its
+        content appears in the text), else ``user``: a template that never mentions tools
+        may still print any role name (Gemma's writes ``<start_of_turn>tool``), and one
+        that describes tools may refuse or drop the role."""
+        if "tool" not in str(getattr(self.tok, "chat_template", "") or ""):
+            return "user"
+        marker = "rlctl-observation-probe"
+        try:
+            text = self._render(_DUMMY + [{"role": "tool", "content": marker}], generation=True)
+        except Exception:  # noqa: BLE001 - jinja raises what the template raises
+            return "user"
+        return "tool" if marker in text else "user"
 
     def _alone(self, message: Dict[str, str]) -> str:
         before = self._render(_DUMMY, generation=False)

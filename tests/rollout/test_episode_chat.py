@@ -56,3 +56,18 @@ def test_a_template_that_rewrites_earlier_text_is_said_once_and_falls_back(qwen,
     assert tok.decode(ids) == "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n" == tok.decode(again)
     said = [r for r in caplog.records if "changes earlier text" in r.getMessage()]
     assert len(said) == 1           # one line, however many observations
+
+
+def test_a_template_that_names_tools_but_refuses_the_role_gets_user_observations(qwen):
+    """A template that mentions tools (a tools list) but raises on a tool message: the
+    observation goes out as a user message instead of failing inside the episode loop."""
+    tok = qwen
+    tok.chat_template = ("{% if tools %}{{ tools }}{% endif %}{% for m in messages %}"
+                         "{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+                         "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    text = EpisodeText(tok, chat=True, system_prompt=None, max_obs_tokens=64, obs_truncation="right")
+    assert text.role == "user"
+    _, context, messages = _after_a_turn(tok, text)
+    ids, _ = text.observation("ok", context, messages, "1 2 3")
+    assert tok.decode(ids) == "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
