@@ -235,10 +235,11 @@ def _dp_loss_worker(out_dir: str) -> None:
     backend.close()
 
 
-def test_logged_policy_loss_of_two_ranks_is_the_global_batch_loss(tmp_path):
+def test_logged_policy_loss_of_two_ranks_is_the_global_batch_loss(tmp_path, monkeypatch):
     """2 gloo ranks, each with half of the groups, log the same policy/loss as one process
     on the whole batch (before the fix each rank's share was averaged: half the value).
-    float32, same weights, only the summation order differs: rel 1e-5 is ample."""
+    float32, same weights, only the summation order differs: rel 1e-5 is ample. The one
+    process is this one (world size 1 forms no process group); the 2 ranks are subprocesses."""
     import json
     import os
     import subprocess
@@ -246,18 +247,21 @@ def test_logged_policy_loss_of_two_ranks_is_the_global_batch_loss(tmp_path):
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
+    with monkeypatch.context() as mp:
+        mp.syspath_prepend(str(here.parent / "backends"))          # dp_worker
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            mp.setenv(key, value)
+        _dp_loss_worker(str(tmp_path))
     code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent / 'backends')!r}]; "
             f"import test_engine_update as t; t._dp_loss_worker({str(tmp_path)!r})")
-    for world in (1, 2):
-        procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True,
-                                  env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world),
-                                           LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
-                                           RLCTL_DIST_INIT=f"file://{tmp_path / f'.init{world}'}"))
-                 for r in range(world)]
-        for p in procs:
-            out = p.communicate(timeout=300)[0]
-            assert p.returncode == 0, out[-3000:]
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                       OMP_NUM_THREADS="1", RLCTL_DIST_INIT=f"file://{tmp_path / '.init2'}"))
+             for r in range(2)]
+    for p in procs:
+        out = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, out[-3000:]
     one, two = (json.loads((tmp_path / f"w{w}.json").read_text()) for w in (1, 2))
     for mode in one:
         assert abs(one[mode]["policy/loss"]) > 1e-3
