@@ -12,16 +12,6 @@ from rlctl.types import Turn
 # one cut at a stop string (no <eos>), an observation
 MODEL, MODEL_CUT, OBS = "model", "model_cut", "obs"
 TURNS = (MODEL, MODEL_CUT)
-# Per task: scripted-policy settings, warm-up batch, steps = warmup_steps * steps_scale,
-# turns per scripted (and measured) episode, new tokens per measured turn.
-AGENT_WARMUPS: Dict[str, Dict[str, float]] = {
-    "calculator": {"episodes": 2000, "call_frac": 0.3, "batch_size": 64, "steps_scale": 2.0,
-                   "max_turns": 2, "max_new_tokens": 12},
-    "guess_number": {"episodes": 2000, "narrow_frac": 0.5, "batch_size": 64, "steps_scale": 1.0,
-                     "max_turns": 8, "max_new_tokens": 4},
-    "running_sum": {"episodes": 2000, "correct_frac": 0.5, "batch_size": 64, "steps_scale": 2.0,
-                    "max_turns": 4, "max_new_tokens": 4},
-}
 Transcript = List[Tuple[str, str]]   # [(role, text)]: ("prompt", ...), then model/obs turns
 
 
