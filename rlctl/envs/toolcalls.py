@@ -104,6 +104,20 @@ def _json(text: str, what: str) -> Any:
 def make_parser(name: str):
     """The parser registered as ``name`` (or a user class by import path); one-line ValueError."""
     try:
-        return PARSERS.get(name)()
+        cls = PARSERS.get(name)
     except ValueError as exc:
         raise ValueError(f"task.tool_parser: {exc}") from None
+    where = f"task.tool_parser '{name}'"
+    try:
+        parser = cls()
+    except Exception as exc:  # noqa: BLE001 - the user's class: one line, not a traceback
+        raise ValueError(f"{where} cannot be made with no arguments: {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:160]}") from None
+    if not callable(getattr(parser, "parse", None)) or not hasattr(parser, "stop"):
+        raise ValueError(f"{where} is not a tool-call parser: it needs parse(text) and stop "
+                         "(the strings that end a turn holding a call); docs/agents.md")
+    stop = parser.stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+        raise ValueError(f"{where} has a bad stop: stop must be a list of strings, "
+                         f"got {type(stop).__name__}")
+    return parser

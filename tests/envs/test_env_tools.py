@@ -64,6 +64,21 @@ def test_parser_registry_and_a_user_parser(tmp_path):
     assert p.parse("!calc 1 + 1") == ToolCall("calc", ("1", "+", "1")) and p.parse("2") is None
 
 
+@pytest.mark.parametrize("spec, why", [
+    ("collections:OrderedDict", "is not a tool-call parser: it needs parse(text) and stop"),
+    ("rlctl.envs.toolcalls:ToolCall", "cannot be made with no arguments: TypeError"),
+    ("myparse2.py:OneStop", "stop must be a list of strings, got str"),
+])
+def test_a_user_parser_that_is_not_one_is_refused_in_one_line(spec, why, tmp_path, monkeypatch):
+    (tmp_path / "myparse2.py").write_text(
+        "class OneStop:\n    stop = '</end>'\n    def parse(self, text):\n        return None\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as exc:
+        make_parser(spec)
+    msg = str(exc.value)
+    assert msg.startswith(f"task.tool_parser '{spec}' ") and why in msg and "\n" not in msg, msg
+
+
 def add(a: int, b: int = 10) -> int:
     """Add two integers."""
     return a + b
