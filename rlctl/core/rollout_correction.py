@@ -1,0 +1,121 @@
+"""The off-policy correction for a sampler (an inference engine) that does not compute
+the learner's probabilities exactly (docs/math.md, section 14).
+
+The engine draws each token from pi_engine; the learner's old policy pi_old is the same
+weights run by the learner (other kernels, another precision). The importance weight of
+a counted token is
+
+    token level:     w_t = pi_old(y_t) / pi_engine(y_t) = exp(log pi_old - log pi_engine)
+    sequence level:  w_i = prod_t w_t = exp(sum_t m_t (log pi_old - log pi_engine)),
+                     the same value on every counted token of row i,
+
+computed in log space and detached. ``truncate`` multiplies the per-token policy loss by
+min(w, upper) (truncated importance sampling); ``mask`` by w where lower <= w <= upper and
+by 0 elsewhere (masked importance sampling: the token, or the whole sequence, drops out);
+``measure`` by 1 (only the metrics). Shapes: [N, T], 0 off the mask.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+
+from ._util import keep, upcast
+from .logprobs import masked_mean
+
+__all__ = ["CORRECTION_LEVELS", "CORRECTION_MODES", "log_importance_weights",
+           "correction_weights", "mismatch_metrics"]
+
+CORRECTION_LEVELS = ("token", "sequence")
+CORRECTION_MODES = ("truncate", "mask", "measure")
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else float("-inf")
+
+
+def log_importance_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                           level: str) -> torch.Tensor:
+    """log w [N, T] (detached, 0 off the mask): per token log pi_old - log pi_engine, or at
+    sequence level each row's sum of them on every counted token of the row."""
+    if level not in CORRECTION_LEVELS:
+        raise ValueError(f"rollout correction level must be one of {CORRECTION_LEVELS}; got {level!r}")
+    m = keep(mask)
+    d = torch.where(m, upcast(old_logp.detach()) - upcast(engine_logp.detach()), 0.0)   # [N, T]
+    if level == "token":
+        return d
+    return torch.where(m, d.sum(-1, keepdim=True).expand_as(d), 0.0)                 # [N, T]
+
+
+def correction_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                       level: str, mode: str, upper: float, lower: float = 0.0) -> torch.Tensor:
+    """The weight [N, T] that multiplies each token's policy loss (detached; 0 off the
+    mask): min(w, upper) (truncate), w * 1[lower <= w <= upper] (mask), 1 (measure).
+    Exponentials are taken of log w capped at log(upper), so no weight overflows."""
+    if mode not in CORRECTION_MODES:
+        raise ValueError(f"rollout correction mode must be one of {CORRECTION_MODES}; got {mode!r}")
+    log_w = log_importance_weights(old_logp, engine_logp, mask, level)               # [N, T]
+    m = keep(mask)
+    if mode == "measure":
+        return m.to(log_w.dtype)
+    capped = torch.exp(log_w.clamp(max=_log(upper)))                                  # [N, T]
+    if mode == "mask":
+        inside = (log_w >= _log(lower)) & (log_w <= _log(upper))
+        capped = torch.where(inside, capped, 0.0)
+    return torch.where(m, capped, 0.0)
+
+
+def _units(d: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The weights' logs, one per unit, from the token log-ratios ``d`` [N, T] (0 off the
+    mask): every counted token, or every row with a counted token (its row sum) -> [n]
+    (a host sync)."""
+    m = keep(mask)
+    return d[m] if level == "token" else d.sum(-1)[m.any(-1)]
+
+
+def mismatch_metrics(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                     level: str, mode: str, upper: float, lower: float = 0.0
+                     ) -> Dict[str, torch.Tensor]:
+    """How far the engine is from the learner's old policy, over the counted tokens:
+
+    - ``k3``: mean of w_t - 1 - log w_t with token weights w_t = pi_old / pi_engine,
+      Schulman's k3 estimate of KL(pi_engine || pi_old) on the engine's samples;
+    - ``ppl_gap``: exp(mean -log pi_engine) - exp(mean -log pi_old), the engine's
+      perplexity of its own samples minus the learner's (> 0: the engine found them less
+      likely than the learner does);
+    - ``ess``: (sum w)^2 / (n sum w^2) of the level's raw weights (n units: tokens, or
+      rows with a counted token), in (0, 1]; 1 when all weights are equal;
+    - ``log_w_abs_mean``: mean |log w| over the level's units;
+    - ``truncated_frac`` (truncate: w > upper) or ``masked_frac`` (mask: w outside
+      [lower, upper]), the share of units the mode changes;
+    - ``weight_mean``: mean applied weight over the units.
+
+    Empty mask: every value 0 (ess 1)."""
+    m = keep(mask)
+    d = log_importance_weights(old_logp, engine_logp, mask, "token")                  # [N, T]
+    out = {"k3": masked_mean((torch.expm1(d) - d).clamp(min=0.0), mask)}
+    nll_engine = masked_mean(torch.where(m, -upcast(engine_logp.detach()), 0.0), mask)
+    nll_old = masked_mean(torch.where(m, -upcast(old_logp.detach()), 0.0), mask)
+    out["ppl_gap"] = torch.exp(nll_engine) - torch.exp(nll_old)
+    if level not in CORRECTION_LEVELS:
+        raise ValueError(f"rollout correction level must be one of {CORRECTION_LEVELS}; got {level!r}")
+    lw = _units(d, mask, level)                                                       # [n]
+    n = lw.numel()
+    if n == 0:
+        zero = d.new_zeros(())
+        out.update(ess=d.new_ones(()), log_w_abs_mean=zero, weight_mean=zero)
+        out.update({"truncated_frac": zero} if mode == "truncate" else
+                   {"masked_frac": zero} if mode == "mask" else {})
+        return out
+    # (sum w)^2 / (n sum w^2) in log space: 2 logsumexp(lw) - logsumexp(2 lw) - log n
+    out["ess"] = torch.exp(2 * torch.logsumexp(lw, 0) - torch.logsumexp(2 * lw, 0) - math.log(n))
+    out["log_w_abs_mean"] = lw.abs().mean()
+    applied = correction_weights(lw[None], lw.new_zeros(1, n), lw.new_ones(1, n), "token",
+                                 mode, upper, lower)[0]                                # [n]
+    out["weight_mean"] = applied.mean()
+    if mode == "truncate":
+        out["truncated_frac"] = (lw > _log(upper)).to(lw.dtype).mean()
+    elif mode == "mask":
+        out["masked_frac"] = ((lw < _log(lower)) | (lw > _log(upper))).to(lw.dtype).mean()
+    return out
