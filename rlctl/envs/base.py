@@ -16,9 +16,13 @@ played as episodes instead of scored as single completions.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Protocol, Sequence
+import logging
+from typing import Callable, List, Optional, Protocol, Sequence, Set
 
 from rlctl.types import Example, Step, Turn
+
+log = logging.getLogger(__name__)
+_CLOSE_FAILED: Set[str] = set()     # environment classes whose close() raised (said once)
 
 
 class Environment(Protocol):
@@ -64,6 +68,16 @@ def is_episodic(task) -> bool:
 
 
 def close_env(env: Optional[Environment]) -> None:
+    """``env.close()`` when it has one. A close that raises is logged (once per environment
+    class) and ignored: its episode has ended, and the run goes on as after a failed step."""
     close = getattr(env, "close", None)
-    if callable(close):
+    if not callable(close):
+        return
+    try:
         close()
+    except Exception as exc:  # noqa: BLE001 - user code; the episode is already recorded
+        name = type(env).__name__
+        if name not in _CLOSE_FAILED:
+            _CLOSE_FAILED.add(name)
+            log.warning("environment %s: close() raised %s: %s (ignored; said once)", name,
+                        type(exc).__name__, " ".join(str(exc).split())[:200])
