@@ -57,6 +57,8 @@ RANGES = {
     "algo.overlong_buffer": NON_NEGATIVE, "algo.overlong_penalty": NON_NEGATIVE,
     "algo.entropy_coef": Range(0, why="an entropy bonus; 0: off"),
     "algo.kl.coef": NON_NEGATIVE, "algo.kl.target": POSITIVE, "algo.kl.horizon": AT_LEAST_1,
+    "algo.rollout_correction.upper": Range(0, lo_open=True, why="a weight cap / bound"),
+    "algo.rollout_correction.lower": Range(0, why="0: no lower bound"),
     "task.reward_timeout_s": Range(0, why="0 or null: no limit"),
     "task.reward_clip": POSITIVE,
     "task.num_digits": AT_LEAST_1, "task.num_eval": NON_NEGATIVE, "task.seed": NON_NEGATIVE,
@@ -222,7 +224,14 @@ def _check_algo(cfg: DictConfig) -> None:
     _choice(cfg, "rollout.episode.turn_reward", ["last", "sum", "discounted"])
     _choice(cfg, "algo.critic", ["none", "shared", "separate"])
     _choice(cfg, "algo.baseline", ["none", "batch_mean"])
+    _choice(cfg, "algo.rollout_correction.level", ["token", "sequence"])
+    _choice(cfg, "algo.rollout_correction.mode", ["truncate", "mask", "measure"])
+    _choice(cfg, "rollout.sample_dtype", ["float32", "bfloat16"])
     a = cfg.algo
+    rc = a.rollout_correction
+    if rc.mode == "mask" and rc.lower > rc.upper:
+        raise ConfigError(f"algo.rollout_correction.lower={rc.lower} must be <= "
+                          f"algo.rollout_correction.upper={rc.upper} (mask keeps weights in [lower, upper])")
     if a.kl.target is not None and a.kl.coef <= 0:
         raise ConfigError("an adaptive KL (algo.kl.target) needs algo.kl.coef > 0 and a target > 0")
     n = cfg.trainer.prompts_per_step * a.group_size

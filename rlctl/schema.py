@@ -30,6 +30,17 @@ class KLConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """The off-policy correction for sampler/learner mismatch (rlctl.core.rollout_correction)."""
+    enabled: bool = False          # weight the policy loss by w = pi_old / pi_engine
+    level: str = "token"           # token | sequence (w = the product over the sequence's tokens)
+    mode: str = "truncate"         # truncate: min(w, upper) | mask: w in [lower, upper] else 0 | measure: 1
+    upper: float = 2.0             # truncate's cap C; mask's upper bound
+    lower: float = 0.5             # mask's lower bound
+    bypass: bool = False           # pi_engine stands in for pi_old: no old forward, weight 1
+
+
+@dataclass
 class AlgoConfig:
     name: str = MISSING
     advantage: str = MISSING       # registry key in rlctl.core.advantages
@@ -61,6 +72,7 @@ class AlgoConfig:
     entropy_coef: float = 0.0      # entropy bonus: loss -= coef * aggregated entropy (rlctl.core.terms)
     mask_truncated: bool = False   # completions with no stop id left out of the loss (DAPO)
     kl: KLConfig = field(default_factory=KLConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -193,6 +205,7 @@ class RolloutConfig:
     # extra stop ids (ints) or token strings, added to the tokenizer EOS and the model's
     # generation_config.eos_token_id; each is checked against the vocabulary when the model loads
     stop_token_ids: List[Any] = field(default_factory=list)
+    sample_dtype: str = "float32"  # the training sampler's precision: float32 | bfloat16 (autocast)
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)   # multi-turn tasks only
 
 

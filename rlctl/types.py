@@ -71,6 +71,12 @@ class RolloutBatch:
                                   None: ``rewards`` sits on the last counted token
         episodes:       N ``Episode`` records, or None (single-turn rollouts): the turns
                                   of each row with their column spans in the completion
+        engine_logprobs: [N, T]  log pi_engine(token) as the sampler computed it when it
+                                  drew the token (0 off the mask), or None. Kept apart from
+                                  ``old_logprobs`` (the learner's pi_old) for the rollout
+                                  correction (rlctl.core.rollout_correction); set by
+                                  episodes and async actors always, by the local sampler
+                                  when ``algo.rollout_correction.enabled``
 
     Multi-turn rows: the completion holds every turn after the first observation (the
     prompt), model turns and observations alike; ``attention_mask`` is 1 on both,
@@ -96,6 +102,7 @@ class RolloutBatch:
     reward_parts: Optional[Dict[str, List[float]]] = _axis(COLUMNS, optional=True)
     token_rewards: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
     episodes: Optional[List["Episode"]] = _axis(TEXT, optional=True)
+    engine_logprobs: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
 
     @property
     def completion_ids(self) -> torch.Tensor:

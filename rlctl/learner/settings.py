@@ -16,11 +16,14 @@ from rlctl.learner.update import UpdateSettings
 
 def needs_old_forward(algo) -> bool:
     """Whether a step needs pi_old's forward before the update: several passes over the
-    rollout, a critic's values, KL shaped into the reward, or an adaptive KL coefficient.
+    rollout, a critic's values, KL shaped into the reward, an adaptive KL coefficient, or
+    the rollout correction without bypass (its weight is pi_old / pi_engine).
     ``algo``: the config's ``algo`` section (read at the boundary: ``from_config`` below
     and the dry run)."""
+    rc = algo.get("rollout_correction")
     return (algo.epochs * algo.minibatches > 1 or algo.critic != "none"
-            or (algo.kl.placement == "in_reward" and algo.kl.coef > 0) or algo.kl.target is not None)
+            or (algo.kl.placement == "in_reward" and algo.kl.coef > 0) or algo.kl.target is not None
+            or (rc is not None and rc.enabled and not rc.bypass))
 
 
 @dataclass(frozen=True)

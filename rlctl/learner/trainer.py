@@ -24,6 +24,7 @@ from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
 from rlctl.errors import Interrupted, TrainingFault
 from rlctl.models.stop_ids import stop_ids
 from rlctl.learner.advantage import compute_advantages, shaped_task_rewards
+from rlctl.learner.correction import old_policy_inputs
 from rlctl.learner.evaluate import evaluate, evaluate_episodes
 from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
 from rlctl.learner.samples import draw_rows, offers_tools, train_rows
@@ -118,6 +119,7 @@ class Trainer:
         returns. ``prompts``: which rows share a prompt (None: no prompt sharing)."""
         args = (batch.input_ids, batch.attention_mask, batch.prompt_len, self.settings.temperature)
         share = prompts if prompts is not None else False
+        batch = old_policy_inputs(batch, self.settings.rollout_correction)   # off: unchanged
         old, values = self._old_forward(batch, args, share)
         ref = learner_forward(self.ref_model, *args, share_prompts=share).logp \
             if self.ref_model is not None else None

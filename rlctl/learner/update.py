@@ -28,6 +28,7 @@ from rlctl.core import (agg_denominator, aggregate_sum, counted_width, get_polic
                         masked_mean, resolve_kl_estimator)
 from rlctl.core.losses import value_loss_per_token
 from rlctl.core.terms import active_terms
+from rlctl.learner.correction import RolloutCorrection, batch_metrics, weighted
 from rlctl.learner.forward import PromptGroups, learner_forward
 from rlctl.learner.stats import Metric, Moments, explained_variance_of, pool, population_std
 from rlctl.types import RolloutBatch
@@ -56,6 +57,7 @@ class UpdateSettings:
     value_clip: Optional[float] = None
     terms: Tuple[Tuple[str, float, Callable], ...] = ()   # (name, coef, fn): rlctl.core.terms
     mask_truncated: bool = False           # rows with no stop id out of the loss (DAPO)
+    rollout_correction: Optional[RolloutCorrection] = None   # sampler/learner mismatch; None: off
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
@@ -73,7 +75,8 @@ class UpdateSettings:
                    micro_batch_tokens=tr.micro_batch_tokens,
                    vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share_prompts,
                    terms=tuple(active_terms({"entropy": algo.get("entropy_coef", 0.0)})),
-                   mask_truncated=bool(algo.get("mask_truncated", False)))
+                   mask_truncated=bool(algo.get("mask_truncated", False)),
+                   rollout_correction=RolloutCorrection.from_config(algo))
 
 
 @dataclass
@@ -158,6 +161,7 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
                 if "policy/ratio_max" in peak else mb_max
         loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mb.mask,
                                           s.clip_low, s.clip_high, s.clip_ratio_c)   # [n, T]
+        loss_mat = weighted(loss_mat, mb, s.rollout_correction)   # x pi_old / pi_engine (off: as is)
         metrics.update(metrics_ratio)
         pg_loss = aggregate_sum(loss_mat, mb.mask, s.agg_mode, s.norm_len) / denom
         loss = pg_loss.new_zeros(()) if st.policy_frozen else pg_loss + _extra_terms(f, mb, s, denom)
@@ -314,4 +318,5 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     out["fault/skipped_steps"] = torch.stack(records["fault/skipped_steps"]).sum()
     if "policy/ratio_max" in records:
         out["policy/ratio_max"] = torch.stack(records["policy/ratio_max"]).max()
+    out.update(batch_metrics(batch, s.rollout_correction))     # rollout_corr/*: once per rollout
     return out

@@ -221,6 +221,7 @@ class AsyncSource:
         self._log("async/staleness", float(stale))
         G, dev = self.group_size, self.device
         fields = {k: x.to(dev, batch_dtype) for (k, (_, batch_dtype)), x in zip(WIRE.items(), parts)}
+        fields["engine_logprobs"] = fields["old_logprobs"] * fields["mask"]   # the sampler's, kept apart
         if stale == 0 and not E:   # on-policy: no correction, the learner's pi_old serves
             fields["old_logprobs"] = None
         prompts = [self.local.examples[i].prompt for i in idx.tolist() for _ in range(G)]
@@ -393,4 +394,5 @@ def _rollout(actor, indices: List[int], seed: int) -> RolloutBatch:
     s = actor.settings
     return rollout(actor.policy, actor.tokenizer, examples, s.group_size,
                    s.max_new_tokens, s.temperature, s.top_k, actor.scorer.score_batch,
-                   behaviour_logprobs=True, share_prompts=s.share_prompts)
+                   behaviour_logprobs=True, share_prompts=s.share_prompts,
+                   sample_dtype=s.sample_dtype)

@@ -3,7 +3,8 @@
 Row i: the first observation left-padded to P, then the transcript (model turns and
 observations, in order) right-padded to T with the pad id. ``attention_mask`` is 1 on
 every real token, observations included; ``mask`` 1 on the model's own tokens only;
-``old_logprobs`` the behaviour log-probs on model tokens, 0 elsewhere; ``truncated`` every
+``old_logprobs`` the behaviour log-probs on model tokens, 0 elsewhere (``engine_logprobs``
+the same values, kept apart for the rollout correction); ``truncated`` every
 episode that did not end with ``done``; ``rewards`` [N] and ``token_rewards`` [N, T] from
 the turn rewards by ``rollout.episode.turn_reward`` (``rlctl.core.turns``: w_k r_k on the
 last token of model turn k); ``completions`` the transcript decoded with its special
@@ -61,6 +62,7 @@ def episode_batch(runs: List[EpisodeRun], tokenizer, turn_reward: str, turn_disc
             if s.role == MODEL:
                 mask[i, s.start:s.end] = 1.0
     ends = [[s.end - 1 for s in r.episode.spans if s.role == MODEL] for r in runs]
+    behaviour = (old * mask.double()).to(device, logp_dtype)                         # [N, T]
     rewards, token_rewards = place_turn_rewards([r.episode.turn_rewards for r in runs], ends, T,
                                                 turn_reward, turn_discount)
     return RolloutBatch(
@@ -69,6 +71,6 @@ def episode_batch(runs: List[EpisodeRun], tokenizer, turn_reward: str, turn_disc
         rewards=rewards.to(device), group_ids=torch.arange(N, device=device) // G,
         prompt_len=P, group_size=G, prompts=[r.prompt for r in runs],
         completions=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in runs],
-        old_logprobs=(old * mask.double()).to(device, logp_dtype),
+        old_logprobs=behaviour, engine_logprobs=behaviour,
         token_rewards=token_rewards.to(device), episodes=[r.episode for r in runs])
 

@@ -26,6 +26,7 @@ from rlctl.models.kv_share import (cache_keyword, innermost, shared_prefill, sta
 from rlctl.models.stop_ids import decode_completions, stop_ids  # noqa: F401 - re-exported
 from rlctl.models.positions import position_ids_from_mask  # noqa: F401 - also imported from here
 from rlctl.models.value import PolicyValueModel
+from rlctl.rollout.precision import sampling_precision
 from rlctl.rollout.sampler import sample
 from rlctl.types import Example, RolloutBatch
 
@@ -129,21 +130,26 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             max_new_tokens: int, temperature: float, top_k: int,
             score_batch: Callable[[List[Example], List[str]], List[float]],
             behaviour_logprobs: bool = False, share_prompts: bool = True,
-            stops: Optional[Sequence[int]] = None, **backend_kwargs) -> RolloutBatch:
+            stops: Optional[Sequence[int]] = None, engine_logprobs: bool = False,
+            sample_dtype: str = "float32", **backend_kwargs) -> RolloutBatch:
     """Sample G completions for each of the B examples and score them in one batch
     (``score_batch``: e.g. ``RewardScorer.score_batch``, which enforces the time limit).
     ``behaviour_logprobs``: also record log softmax(logits / temperature) of each sampled
-    token from generation's own logits (no extra forward) as ``old_logprobs``.
+    token from generation's own logits (no extra forward) as ``old_logprobs``;
+    ``engine_logprobs``: record them as ``engine_logprobs`` (set too whenever they are
+    recorded). ``sample_dtype``: the sampling forwards' precision (``sampling_precision``).
     ``stops``: the stop ids (default: ``stop_ids(model, tokenizer)``); the mask counts
     each completion up to and including its first stop id."""
     stops = tuple(stops) if stops is not None else stop_ids(model, tokenizer)
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
-    seqs, prompt_mask, plen, *old = generate(
-        model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=temperature,
-        top_k=top_k, return_logprobs=behaviour_logprobs, share_prompts=share_prompts,
-        stops=stops, **backend_kwargs)
+    with sampling_precision(model, sample_dtype):
+        seqs, prompt_mask, plen, *logp = generate(
+            model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=temperature,
+            top_k=top_k, return_logprobs=behaviour_logprobs or engine_logprobs,
+            share_prompts=share_prompts, stops=stops, **backend_kwargs)
     completion_ids = seqs[:, plen:]                                          # [N, T]
-    old = old[0] if old else None                                            # [N, T]
+    logp = logp[0] if logp else None                                         # [N, T]
+    old = logp if behaviour_logprobs else None                               # [N, T]
     mask, truncated = completion_mask(completion_ids, stops, tokenizer.pad_token_id)
     attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)            # [N, P+T]
     completions = decode_completions(tokenizer, completion_ids, mask, stops)
@@ -154,4 +160,5 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
     return RolloutBatch(
         input_ids=seqs, attention_mask=attention_mask, mask=mask, truncated=truncated,
         rewards=rewards, group_ids=group_ids, prompt_len=plen, group_size=group_size,
-        prompts=prompts, completions=completions, old_logprobs=old)
+        prompts=prompts, completions=completions, old_logprobs=old,
+        engine_logprobs=None if logp is None else logp * mask.to(logp.dtype))

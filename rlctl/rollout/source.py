@@ -29,13 +29,17 @@ class SamplingSettings:
     top_k: int = 0                  # 0: the full distribution (train refuses > 0)
     share_prompts: bool = True      # prefill each distinct prompt once
     stop_token_ids: Tuple = ()      # extra stop ids or token strings (rollout.stop_token_ids)
+    engine_logprobs: bool = False   # record the sampler's log-probs (algo.rollout_correction.enabled)
+    sample_dtype: str = "float32"   # the sampling forwards' precision (rollout.sample_dtype)
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "SamplingSettings":
         ro = cfg.rollout
         return cls(group_size=cfg.algo.group_size, max_new_tokens=ro.max_new_tokens,
                    temperature=ro.temperature, top_k=ro.top_k, share_prompts=share_prompts,
-                   stop_token_ids=tuple(ro.get("stop_token_ids", None) or ()))
+                   stop_token_ids=tuple(ro.get("stop_token_ids", None) or ()),
+                   engine_logprobs=bool(cfg.algo.rollout_correction.enabled),
+                   sample_dtype=ro.sample_dtype)
 
 
 class LocalSource:
@@ -63,7 +67,9 @@ class LocalSource:
         examples = [self.examples[i] for i in self.draw(num_groups)]
         batch = rollout(self.policy, self.tokenizer, examples, s.group_size, s.max_new_tokens,
                         s.temperature, s.top_k, self.scorer.score_batch,
-                        share_prompts=s.share_prompts, stops=self.stops, **self.generate_kwargs)
+                        share_prompts=s.share_prompts, stops=self.stops,
+                        engine_logprobs=s.engine_logprobs, sample_dtype=s.sample_dtype,
+                        **self.generate_kwargs)
         return batch.replace(reward_parts=self.scorer.last_components)   # this batch's, per row
 
     def after_update(self) -> None:

@@ -44,6 +44,10 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     if is_episodic(task):
         check_episodic(backend)
+        if cfg.rollout.sample_dtype != "float32":
+            raise ConfigError(f"rollout.sample_dtype={cfg.rollout.sample_dtype} applies to the "
+                              "single-turn sampler; a task played as episodes samples in the "
+                              "model's own precision (use rollout.sample_dtype=float32)")
         local = EpisodeSource(policy, tokenizer, task, EpisodeSettings.from_config(cfg),
                               seed=cfg.seed * 1000 + rank)
     else:
