@@ -62,6 +62,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from rlctl.core import counted_width
+from rlctl.envs.base import close_env
 from rlctl.models.stop_ids import decode_completions
 from rlctl.types import Episode, RolloutBatch
 
@@ -161,9 +162,7 @@ def offers_tools(task) -> bool:
     try:
         return bool(getattr(env, "tools", None)) and getattr(env, "use_tools", True) is not False
     finally:
-        close = getattr(env, "close", None)
-        if callable(close):
-            close()
+        close_env(env)            # a close() that raises is logged, not fatal (as in the loop)
 
 
 def turn_rows(episode: Episode) -> List[Row]:

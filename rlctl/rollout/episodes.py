@@ -250,6 +250,9 @@ def _apply(r: EpisodeRun, step: Step, settings: EpisodeSettings, text: EpisodeTe
         return r.end(TURN_LIMIT)
     if step.observation is None:
         return None                                   # the model writes again
+    if not isinstance(step.observation, str):         # not text: an error, like a bad Step
+        r.episode.env_errors += 1
+        step = Step(observation=ERROR_OBSERVATION)
     turn = r.episode.spans[-1]
     ids, cut = text.observation(step.observation, r.prompt_ids + r.ids, r.messages, turn.text)
     left = max(budget.left(r)[0], 0)

@@ -200,3 +200,12 @@ def test_a_turn_that_uses_the_last_budget_token_leaves_no_empty_observation(tiny
         assert [(s.role, s.start, s.end) for s in e.spans] == [(MODEL, 0, 2)]
         assert e.status == TOKEN_LIMIT and not any(s.truncated for s in e.spans)
     assert batch.truncated.all() and batch.mask.shape[1] == 2
+
+
+def test_an_observation_that_is_not_text_is_an_env_error(tiny):
+    """Step(observation=123): counted in env_errors, the model sees the error observation."""
+    batch = play(tiny, lambda: Scripted([123]), stops=(), max_new_tokens=2, max_tokens=40,
+                 max_turns=2)
+    for e in batch.episodes:
+        assert e.env_errors == 1 and e.status == TURN_LIMIT
+        assert [s.text for s in e.spans if s.role == OBSERVATION] == ["error"]
