@@ -12,7 +12,9 @@ text)`` gives its reward and the episode is done (``success``: reward > 0). A ca
 Each step's info holds this step's ``tool_calls`` and ``tool_errors`` (0 or 1; the episode
 sums them), ``error`` (the failure, one line) on a failed call, and ``stop`` (the
 parser's closing tag, where the next turn should be cut) while the episode goes on.
-``ToolEnv.stop`` holds the same strings for the first turn.
+``ToolEnv.stop`` holds the same strings; the episode loop does not read it, so the
+first turn has no stop string and ends at a stop id (the tiny model's warm-up writes
+``<eos>`` after a first-turn call to match).
 """
 from __future__ import annotations
 
