@@ -101,7 +101,8 @@ def _per_length(run, prompts, prompt_mask: torch.Tensor, pad_id: int, model):
     N, P = prompt_mask.shape
     T = max(o[0].shape[1] - o[2] for o in outs)
     seqs = prompt_mask.new_full((N, P + T), pad_id)                               # [N, P+T]
-    logp = torch.zeros(N, T, device=prompt_mask.device) if len(outs[0]) > 3 else None   # [N, T]
+    logp = torch.zeros(N, T, device=prompt_mask.device, dtype=outs[0][3].dtype) \
+        if len(outs[0]) > 3 else None                      # [N, T], the sampler's dtype (float64 model: float64)
     for rows, (s, m, p, *lp) in zip(groups, outs):
         seqs[rows, P - p:P - p + s.shape[1]] = s
         if logp is not None:
