@@ -13,17 +13,17 @@ learner and play with their own copy's ``player``.
 from __future__ import annotations
 
 import random
-from typing import Dict, List
 
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
+from rlctl.rollout.source import SyncSource
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import RolloutBatch
 
 SEED_RANGE = 2 ** 31
 
 
-class EpisodeSource:
+class EpisodeSource(SyncSource):
     """B rows x G episodes per ``sample``, with ``policy`` (the module the backend trains).
     The stop ids are resolved here once (``resolve_stop_ids``, as LocalSource does) and
     written into the policy's generation config."""
@@ -36,10 +36,6 @@ class EpisodeSource:
         self.player = EpisodePlayer(tokenizer, task, settings, self.stops)
         self.scorer = RewardScorer(task, timeout_s=0)     # counters only: rewards are the env's
 
-    def draw(self, num_groups: int) -> List[int]:
-        """Indices of the next ``num_groups`` rows (with replacement)."""
-        return [self.sampler.randrange(len(self.examples)) for _ in range(num_groups)]
-
     def draw_seed(self) -> int:
         """The environments' seed of the next batch (drawn after its rows)."""
         return self.sampler.randrange(SEED_RANGE)
@@ -47,12 +43,3 @@ class EpisodeSource:
     def sample(self, num_groups: int) -> RolloutBatch:
         examples = [self.examples[i] for i in self.draw(num_groups)]
         return self.player.play(self.policy, examples, self.draw_seed())
-
-    def after_update(self) -> None:
-        pass
-
-    def metrics(self) -> Dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        self.scorer.close()

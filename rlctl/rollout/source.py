@@ -42,7 +42,29 @@ class SamplingSettings:
                    sample_dtype=ro.sample_dtype)
 
 
-class LocalSource:
+class SyncSource:
+    """What the synchronous sources share: rows drawn with replacement from ``examples``
+    by ``sampler`` (checkpointed by the Trainer), nothing to do after an update, no
+    metrics of their own, and the scorer closed at the end."""
+    examples: List[Example]
+    sampler: random.Random
+    scorer: object
+
+    def draw(self, num_groups: int) -> List[int]:
+        """Indices of the next ``num_groups`` prompts (with replacement)."""
+        return [self.sampler.randrange(len(self.examples)) for _ in range(num_groups)]
+
+    def after_update(self) -> None:
+        pass
+
+    def metrics(self) -> Dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+class LocalSource(SyncSource):
     """The synchronous loop: B prompts drawn from ``examples`` with ``sampler``, G
     completions each from ``policy``, scored by ``scorer`` (a ``RewardScorer``).
     ``generate_kwargs``: the backend's (e.g. ``synced_gpus`` under multi-rank ZeRO-3).
@@ -58,10 +80,6 @@ class LocalSource:
         self.generate_kwargs = dict(generate_kwargs or {})
         self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
 
-    def draw(self, num_groups: int) -> List[int]:
-        """Indices of the next ``num_groups`` prompts (with replacement)."""
-        return [self.sampler.randrange(len(self.examples)) for _ in range(num_groups)]
-
     def sample(self, num_groups: int) -> RolloutBatch:
         s = self.settings
         examples = [self.examples[i] for i in self.draw(num_groups)]
@@ -71,12 +89,3 @@ class LocalSource:
                         engine_logprobs=s.engine_logprobs, sample_dtype=s.sample_dtype,
                         **self.generate_kwargs)
         return batch.replace(reward_parts=self.scorer.last_components)   # this batch's, per row
-
-    def after_update(self) -> None:
-        pass
-
-    def metrics(self) -> Dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        self.scorer.close()

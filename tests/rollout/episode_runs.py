@@ -16,6 +16,7 @@ from rlctl.run.build import model_from_config, task_from_config
 from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 from rlctl.tasks.prompt_budget import PromptBudget, bind_task
+from rlctl.types import MODEL
 
 COUNT_UP = '''"""Count up from the first observation's number; reward 1 per right turn."""
 from rlctl.envs.base import EnvTask
@@ -66,3 +67,16 @@ def build_trainer(overrides, backend=None) -> Trainer:
     source = build_source(cfg, model, tok, task, backend)
     return Trainer.from_config(cfg, model, tok, task, NullSink(), source=source, critic=critic,
                                ref_model=ref, backend=backend)
+
+
+def model_turn_gaps(batch, learner):
+    """(row, span, max |learner - behaviour| log-prob) of every model turn of a played
+    batch, each episode checked to have at least two turns (so later turns are compared)."""
+    out = []
+    for i, e in enumerate(batch.episodes):
+        assert e.turns >= 2
+        for s in e.spans:
+            if s.role == MODEL:
+                gap = (learner[i, s.start:s.end] - batch.old_logprobs[i, s.start:s.end]).abs().max()
+                out.append((i, s, float(gap)))
+    return out

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from episode_runs import model_turn_gaps
 
 from rlctl.envs.base import EnvTask
 from rlctl.learner.forward import learner_forward
@@ -95,12 +96,8 @@ def test_learner_logprobs_equal_the_behaviour_logprobs_turn_by_turn(tiny):
                  max_new_tokens=4, max_tokens=60)
     assert batch.old_logprobs.dtype == torch.float64
     learner = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
-    for i, e in enumerate(batch.episodes):
-        assert e.turns >= 2
-        for s in e.spans:
-            if s.role == MODEL:
-                diff = (learner[i, s.start:s.end] - batch.old_logprobs[i, s.start:s.end]).abs().max()
-                assert diff < 1e-12, (i, s, float(diff))
+    for i, s, gap in model_turn_gaps(batch, learner):
+        assert gap < 1e-12, (i, s, gap)
 
 
 def test_an_episode_that_never_ends_stops_at_max_turns_truncated(tiny):
