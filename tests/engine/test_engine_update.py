@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from gloo_ranks import run_two_ranks
 
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
@@ -241,9 +242,6 @@ def test_logged_policy_loss_of_two_ranks_is_the_global_batch_loss(tmp_path, monk
     float32, same weights, only the summation order differs: rel 1e-5 is ample. The one
     process is this one (world size 1 forms no process group); the 2 ranks are subprocesses."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
@@ -252,16 +250,8 @@ def test_logged_policy_loss_of_two_ranks_is_the_global_batch_loss(tmp_path, monk
         for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
             mp.setenv(key, value)
         _dp_loss_worker(str(tmp_path))
-    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent / 'backends')!r}]; "
-            f"import test_engine_update as t; t._dp_loss_worker({str(tmp_path)!r})")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                       OMP_NUM_THREADS="1", RLCTL_DIST_INIT=f"file://{tmp_path / '.init2'}"))
-             for r in range(2)]
-    for p in procs:
-        out = p.communicate(timeout=300)[0]
-        assert p.returncode == 0, out[-3000:]
+    run_two_ranks("test_engine_update", f"_dp_loss_worker({str(tmp_path)!r})", tmp_path, 300,
+                  paths=[here.parent / "backends"])
     one, two = (json.loads((tmp_path / f"w{w}.json").read_text()) for w in (1, 2))
     for mode in one:
         assert abs(one[mode]["policy/loss"]) > 1e-3
