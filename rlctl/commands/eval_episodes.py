@@ -26,17 +26,17 @@ def episode_splits(cfg, model, tokenizer, task, examples, samples: int, batch_si
     """(greedy metrics, sampled metrics) on ``examples``."""
     player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg),
                            stop_ids(model, tokenizer))     # open_target resolved the stop ids
-    greedy = _means(*evaluate_episodes(model, player, examples, greedy=True,
-                                       seed=int(cfg.seed), batch_size=batch_size)[::2])
+    greedy = _means(evaluate_episodes(model, player, examples, greedy=True,
+                                      seed=int(cfg.seed), batch_size=batch_size)[0])
     torch.manual_seed(cfg.seed)
     sums, _, counts = evaluate_episodes(model, player, examples, greedy=False, samples=samples,
                                         seed=int(cfg.seed), batch_size=batch_size)
-    sampled = _means(sums, counts)
+    sampled = _means(sums)
     for k in report_ks(samples):
         sampled[f"pass@{k}"] = mean_pass_at_k(samples, counts, k)
     return greedy, sampled
 
 
-def _means(sums: Dict[str, float], counts) -> Dict[str, float]:
+def _means(sums: Dict[str, float]) -> Dict[str, float]:
     n = max(sums.pop("count"), 1.0)
     return {k: v / n for k, v in sums.items()}

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import List
 
 from rlctl.learner.evaluate import episode_success
-from rlctl.learner.samples import offers_tools
+from rlctl.learner.samples import episode_columns, offers_tools
 from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
 from rlctl.types import DONE, MODEL, Episode
 
@@ -84,15 +84,10 @@ class EpisodeDump:
                 "max_tokens": s.max_tokens, "eos_token_id": plan.eos, "stop_token_ids": list(plan.stops)}
 
     def _episode(self, e: Episode, reward: float, ids, logps) -> dict:
-        s = self.settings
-        return {"truncated": e.status != DONE, "reward": reward, "turn_rewards": list(e.turn_rewards),
-                "turn_reward": s.turn_reward, "correct": episode_success(e, reward),
-                "status": e.status, "success": e.success, "num_turns": e.turns,
-                "tool_calls": int(e.tool_calls), "tool_errors": int(e.tool_errors),
-                "env_errors": int(e.env_errors), "obs_truncated": sum(bool(x.truncated) for x in e.spans),
-                "tool_task": self.tool_task,
-                "turns": [{"role": x.role, "start": x.start, "end": x.end, "text": x.text,
-                           "token_ids": ids[x.start:x.end],
-                           "logprobs": [round(v, 6) for v in logps[x.start:x.end]] if x.role == MODEL else [],
-                           "reward": float(x.reward), "truncated": bool(x.truncated)}
-                          for x in e.spans]}
+        row = {"truncated": e.status != DONE, "reward": reward, "turn_rewards": list(e.turn_rewards),
+               "turn_reward": self.settings.turn_reward, "correct": episode_success(e, reward)}
+        row.update(episode_columns(e, self.tool_task))     # the sample tables' columns
+        row["turns"] = [{**turn, "start": x.start, "end": x.end, "token_ids": ids[x.start:x.end],
+                         "logprobs": [round(v, 6) for v in logps[x.start:x.end]] if x.role == MODEL else []}
+                        for turn, x in zip(row["turns"], e.spans)]
+        return row

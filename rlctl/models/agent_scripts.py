@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Dict, List, Sequence, Tuple
 
+from rlctl.envs.calc import spell
 from rlctl.types import Turn
 
 # transcript segment roles (the prompt is segment 0): a model turn that ends with <eos>,
@@ -19,14 +20,10 @@ def _number(words: Sequence[str]) -> int:
     return int("".join(words))
 
 
-def _spaced(n: int) -> str:
-    return " ".join(str(n)) if n >= 0 else "- " + " ".join(str(-n))
-
-
 def _random_like(n: int, rng: random.Random) -> str:
     """A random non-negative number with as many digits as ``n`` (format, not value)."""
     width = len(str(abs(n)))
-    return _spaced(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width))
+    return spell(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width))
 
 
 # ---- scripted policies: (transcript so far, settings, rng) -> the next model turn's text ----
@@ -37,7 +34,7 @@ def calculator_policy(tr: Transcript, opts, rng: random.Random) -> str:
     if len(tr) == 1:
         if rng.random() < opts["call_frac"]:
             return " ".join(["<call>", "calc", *expr, "</call>"])
-        return _spaced(_apply(*_split_expr(expr)))
+        return spell(_apply(*_split_expr(expr)))
     words = tr[-1][1].split()
     inner = [w for w in words if w not in ("<result>", "</result>")]
     if inner and all(w.isdigit() or w == "-" for w in inner):
@@ -67,7 +64,7 @@ def guess_number_policy(tr: Transcript, opts, rng: random.Random) -> str:
             hi = min(hi, g - 1)
     if lo > hi or rng.random() >= opts["narrow_frac"]:
         lo, hi = 1, n
-    return _spaced(rng.randint(lo, hi))
+    return spell(rng.randint(lo, hi))
 
 
 def running_sum_policy(tr: Transcript, opts, rng: random.Random) -> str:
@@ -82,7 +79,7 @@ def running_sum_policy(tr: Transcript, opts, rng: random.Random) -> str:
             cur = []
         sign = -1 if w == "-" else 1 if w == "+" else sign
     total = sum(nums)
-    return _spaced(total) if rng.random() < opts["correct_frac"] else _random_like(total, rng)
+    return spell(total) if rng.random() < opts["correct_frac"] else _random_like(total, rng)
 
 
 POLICIES: Dict[str, Callable[[Transcript, dict, random.Random], str]] = {

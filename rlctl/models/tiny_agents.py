@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 import rlctl.envs  # noqa: F401  (registers the built-in environments' tasks)
+from rlctl.envs.base import close_env
 from rlctl.envs.vocab import TINY_AGENT_WORDS
 from rlctl.models.agent_scripts import (MODEL, MODEL_CUT, OBS, POLICIES, TURNS, Transcript,
                                         context_text, play_scripted)
@@ -131,7 +132,10 @@ def greedy_episodes(model, tokenizer, task, examples, max_turns: int, max_new_to
                     ) -> List[dict]:
     """Greedy episodes of ``model`` on ``examples``, the active episodes decoded together
     each turn, a turn cut after the previous step's stop strings as the episode loop cuts
-    it: [{transcript, rewards, done, success}] (done False: the turn limit)."""
+    it: [{transcript, rewards, done, success}] (done False: the turn limit). A loop of its
+    own, not ``rlctl.rollout.episodes.EpisodePlayer``: models/ sits below rollout/ in the
+    import direction (the player loads models), and the build measures on text turns of the
+    word-level tokenizer only."""
     envs = [task.make_env() for _ in examples]
     eps = [{"transcript": [("prompt", env.reset(ex, i))], "rewards": [], "done": False,
             "success": False, "stops": ()} for i, (env, ex) in enumerate(zip(envs, examples))]
@@ -160,7 +164,7 @@ def greedy_episodes(model, tokenizer, task, examples, max_turns: int, max_new_to
                 still.append(i)
         active = still
     for env in envs:
-        getattr(env, "close", lambda: None)()
+        close_env(env)
     return eps
 
 

@@ -34,6 +34,7 @@ from rlctl.models.kv_share import cache_keyword, shared_prefill, state_in_module
 from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.sampler import sample
 from rlctl.rollout.weights import load_adapter, load_full
+from rlctl.tasks.prompt_budget import context_length
 
 STOP, LENGTH = "stop", "length"
 _GENERATION = threading.Lock()     # the global RNG and the model are shared by the threads
@@ -117,9 +118,7 @@ class TorchEngine:
                             "torch engine samples with one (rlctl's lean loop)")
         self.device = next(self.model.parameters()).device
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
-        config = getattr(self.model, "config", None)
-        self.context = getattr(config, "max_position_embeddings", None) or \
-            getattr(config, "n_positions", None)              # None: not bounded here
+        self.context = context_length(self.model)        # None: not bounded here
         self._base: Dict[str, torch.Tensor] = {}        # weights an adapter is merged onto
 
     def health(self) -> Dict[str, object]:

@@ -122,8 +122,9 @@ def stop_string_cut(tokenizer, ids: Sequence[int], strings: Sequence[str]) -> Op
     """Tokens to keep so the turn ends right after the token that completes the first of
     ``strings`` to appear in its text, or None when none appears."""
     strings = [s for s in strings if s]
-    if not strings:
-        return None
+    if not strings or not any(s in tokenizer.decode(list(ids), skip_special_tokens=False)
+                              for s in strings):
+        return None                     # the common case: one decode, no prefix search
     for k in range(1, len(ids) + 1):
         text = tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
         if any(s in text for s in strings):

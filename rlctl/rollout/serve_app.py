@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from fastapi.concurrency import run_in_threadpool
 
 from rlctl.errors import UserError
-from rlctl.rollout.engine import Sampling, TorchEngine, check_prompts, check_sampling
+from rlctl.rollout.engine import Sampling, TorchEngine
 from rlctl.rollout.weights import from_bytes, read_dir
 
 _FIELDS = {"prompt", "model", "max_tokens", "temperature", "top_k", "top_p", "n", "seed",
@@ -60,8 +60,6 @@ def build_app(engine: TorchEngine, model_name: str, default_stops=(), tokenizer=
     async def completions(request: Request) -> Dict[str, Any]:
         body = await _json(request)
         prompts, sampling, n, seed, want_logprobs = parse_completion(body, tuple(default_stops))
-        check_prompts(prompts, engine.vocab_size)
-        check_sampling(sampling)
         rows = [p for p in prompts for _ in range(n)]
         outs = await run_in_threadpool(engine.generate, rows, sampling, seed)
         return completion_response(outs, model_name, want_logprobs, prompts, tokenizer)
