@@ -1,5 +1,7 @@
-"""The ``server`` engine: a client of one or several completions servers (``rlctl serve``;
-docs/engines.md says which vLLM/SGLang fields it speaks). Standard library HTTP only.
+"""The ``server`` engine: a client of one or several completions servers of one kind
+(``rlctl serve``, vLLM or SGLang: rollout/server_kinds.py holds what differs per kind, the
+request and reply translation, the probe route and how weights are pushed; here is what
+they share). Standard library HTTP only.
 
 * generate: the prompts are cut into requests of ``chunk_size`` prompts, request j
   seeded with ``chunk_seed(seed, j)``; one thread per usable server takes the next
@@ -11,8 +13,12 @@ docs/engines.md says which vLLM/SGLang fields it speaks). Standard library HTTP 
   push is kept and re-sent to a server that comes back. A server is used only while
   its weights are at most ``max_staleness`` versions behind the newest push (checked
   again on every reply's ``weights_version``).
-* a lost server is probed (GET /version) at the start of a later ``generate``, at most
-  every ``recheck_s`` seconds, and taken back in one line once it answers.
+* a lost server is probed (its kind's probe route: GET /version for rlctl) at the start
+  of a later ``generate``, at most every ``recheck_s`` seconds, and taken back in one line
+  once it answers.
+* a kind whose replies carry no weights version (vLLM, SGLang) is tracked client-side: a
+  server is at the version last pushed to it successfully, and at 0 when first seen or
+  back after being lost (so it is sent the newest weights before it is used).
 """
 from __future__ import annotations
 
@@ -24,13 +30,13 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from rlctl.errors import UserError
 from rlctl.rollout.engine import Completion, Sampling, check_sampling, chunk_seed
-from rlctl.rollout.weights import to_bytes
+from rlctl.rollout.server_kinds import Link, ServerKind, server_kind
 
 
 class NoServerLeft(UserError):
@@ -56,17 +62,20 @@ def _say(message: str) -> None:
 class ServerEngine:
     def __init__(self, urls: Sequence[str], max_staleness: int = 0, chunk_size: int = 64,
                  timeout_s: float = 300.0, recheck_s: float = 5.0,
-                 say: Callable[[str], None] = _say):
+                 say: Callable[[str], None] = _say, kind: Union[str, ServerKind] = "rlctl"):
+        """``kind``: a name in server_kinds.KINDS, or an adapter built with its options
+        (e.g. ``VLLMKind(model_dir=..., lora_dir=...)``)."""
+        self.kind = server_kind(kind)
         if not urls:
             raise UserError("the server engine needs at least one server URL")
         self.servers = [Server(u.rstrip("/")) for u in urls]
         self.max_staleness, self.chunk_size = int(max_staleness), int(chunk_size)
         self.timeout_s, self.recheck_s, self.say = timeout_s, recheck_s, say
-        self._push: Optional[tuple] = None            # (version, route, body, content type)
+        self._push: Optional[tuple] = None            # (version, push to one server)
         self._lock = threading.Lock()
         for s in self.servers:
             try:
-                s.weights_version = int(self._get(s, "/version", 10.0)["weights_version"])
+                s.weights_version = self._probe(s, 10.0)
             except _Lost as exc:
                 self._lose(s, exc)
         self.version = max(s.weights_version for s in self.servers)
@@ -75,25 +84,24 @@ class ServerEngine:
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
                        kind: str = "full") -> None:
         """Push full weights or an adapter (rollout/weights.py) to every server that is up."""
-        self._broadcast(int(version), f"/update_weights?version={int(version)}",
-                        to_bytes(tensors, kind), "application/octet-stream")
+        self._broadcast(int(version), self.kind.push(int(version), tensors, kind))
 
     def update_weights_from_disk(self, version: int, path: str) -> None:
         """Every server loads ``path`` (safetensors, on a directory they all see)."""
-        body = json.dumps({"path": str(path), "version": int(version)}).encode()
-        self._broadcast(int(version), "/update_weights_from_disk", body, "application/json")
+        self._broadcast(int(version), self.kind.push_from_disk(int(version), path))
 
-    def _broadcast(self, version: int, route: str, body: bytes, ctype: str) -> None:
-        self._push = (version, route, body, ctype)
+    def _broadcast(self, version: int, push) -> None:
+        self._push = (version, push)
         self.version = version
         for s in self.servers:
             if s.up:
                 self._send_weights(s)
 
     def _send_weights(self, s: Server) -> bool:
-        version, route, body, ctype = self._push
+        version, push = self._push
         try:
-            s.weights_version = int(self._post(s, route, body, ctype, self.timeout_s)["weights_version"])
+            reported = push(self._link(s, self.timeout_s))
+            s.weights_version = version if reported is None else int(reported)
             return True
         except _Lost as exc:
             self._lose(s, exc)
@@ -128,7 +136,7 @@ class ServerEngine:
             was_lost = not s.up
             if was_lost:
                 try:
-                    s.weights_version = int(self._get(s, "/version", 2.0)["weights_version"])
+                    s.weights_version = self._probe(s, 2.0)
                 except _Lost:
                     s.lost_at = now
                     continue
@@ -187,36 +195,46 @@ class ServerEngine:
             done[j] = outs
 
     def _complete(self, s: Server, rows, sampling: Sampling, seed) -> Optional[List[Completion]]:
-        body = {"prompt": rows, "max_tokens": sampling.max_new_tokens,
-                "temperature": sampling.temperature, "top_k": sampling.top_k,
-                "stop_token_ids": list(sampling.stop_ids), "ignore_eos": True, "logprobs": 0,
-                "seed": seed}
-        reply = self._post(s, "/v1/completions", json.dumps(body).encode(), "application/json",
-                           self.timeout_s)
-        version = int(reply.get("weights_version", 0))
+        outs, reported = self.kind.complete(self._link(s, self.timeout_s), rows, sampling, seed)
+        version = s.weights_version if reported is None else int(reported)
         s.weights_version = version
         if self.version - version > self.max_staleness:
             self.say(f"rollout server {s.url} answered with weights version {version}, "
                      f"{self.version} pushed (max_staleness={self.max_staleness}): not used "
                      "until it has them")
             return None
-        return [Completion(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]],
-                           c["finish_reason"], version) for c in reply["choices"]]
+        for c in outs:
+            c.weights_version = version
+        return outs
 
     # -- HTTP ---------------------------------------------------------------------------
-    def _get(self, s: Server, route: str, timeout: float) -> dict:
-        return self._call(urllib.request.Request(s.url + route), timeout)
+    def _probe(self, s: Server, timeout: float) -> int:
+        """The kind's probe; a version it does not report is 0 (the weights it started with)."""
+        reported = self.kind.probe(self._link(s, timeout))
+        return 0 if reported is None else int(reported)
 
-    def _post(self, s: Server, route: str, body: bytes, ctype: str, timeout: float) -> dict:
-        req = urllib.request.Request(s.url + route, data=body, method="POST",
-                                     headers={"Content-Type": ctype})
-        return self._call(req, timeout)
+    def _link(self, s: Server, timeout: float) -> Link:
+        def call(route: str, body: Optional[bytes], ctype: str, expect_json: bool) -> dict:
+            if body is None:
+                req = urllib.request.Request(s.url + route)
+            else:
+                req = urllib.request.Request(s.url + route, data=body, method="POST",
+                                             headers={"Content-Type": ctype})
+            return self._call(req, timeout, expect_json)
+        return Link(s.url, call)
 
     @staticmethod
-    def _call(req: urllib.request.Request, timeout: float) -> dict:
+    def _call(req: urllib.request.Request, timeout: float, expect_json: bool = True) -> dict:
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return json.loads(resp.read())
+                data = resp.read()
+            if not expect_json:
+                try:
+                    reply = json.loads(data) if data else {}
+                except ValueError:
+                    return {}
+                return reply if isinstance(reply, dict) else {"reply": reply}
+            return json.loads(data)
         except urllib.error.HTTPError as exc:
             if exc.code >= 500:
                 raise _Lost(f"HTTP {exc.code}") from None
@@ -227,7 +245,12 @@ class ServerEngine:
 
 
 def _message(exc: urllib.error.HTTPError) -> str:
+    """rlctl's and OpenAI's {"error": {"message"}}, vLLM's older {"message"}, FastAPI's
+    {"detail"}; else the status alone."""
     try:
-        return f"HTTP {exc.code}: {json.loads(exc.read())['error']['message']}"
-    except (ValueError, KeyError, TypeError):
+        body = json.loads(exc.read())
+        err = body.get("error")
+        text = err.get("message") if isinstance(err, dict) else err or body.get("message") or body.get("detail")
+        return f"HTTP {exc.code}: {text}" if text else f"HTTP {exc.code}"
+    except (ValueError, AttributeError, TypeError):
         return f"HTTP {exc.code}"

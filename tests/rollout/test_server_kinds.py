@@ -1,0 +1,262 @@
+"""Server kinds (rlctl/rollout/server_kinds.py): the request/reply translation of each
+kind, the registry, the PEFT layout LoRA pushes write, and the ``rlctl`` kind end to end
+against real `rlctl serve` apps (tests/rollout/serving.py).
+
+Where the reply shapes come from (written by hand from the servers' documents, not
+captured from a running server: no GPU machine was lent):
+* vLLM: the OpenAI completion object of its /v1/completions (docs "OpenAI-Compatible
+  Server"): ``choices[i]`` with ``index``, ``text``, ``token_ids`` (present with
+  ``return_token_ids``), ``logprobs`` {``text_offset``, ``token_logprobs``, ``tokens``,
+  ``top_logprobs``}, ``finish_reason``, ``stop_reason``; choice index = prompt x n + sample;
+  ``tokens`` written "token_id:N" under ``--return-tokens-as-token-ids``.
+* SGLang: /generate's reply for a batch of ``input_ids`` (docs "Sampling Parameters",
+  native API): a list of {``text``, ``output_ids``, ``meta_info``: {``finish_reason``:
+  {``type``, ``matched``}, ``output_token_logprobs``: [[logprob, token_id, text], ...]}}.
+
+Tests that need a real vLLM or SGLang server run only when RLCTL_VLLM_URL /
+RLCTL_SGLANG_URL name one; otherwise they are skipped with the reason.
+"""
+import copy
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from rlctl.errors import UserError
+from rlctl.models.tiny import build_model, build_tokenizer
+from rlctl.rollout.engine import Sampling, TorchEngine, chunk_seed
+from rlctl.rollout.server_engine import ServerEngine
+from rlctl.rollout.server_kinds import (KINDS, Link, RlctlKind, SGLangKind, VLLMKind, parse_openai,
+                                        parse_sglang, server_kind, sglang_body, vllm_requests,
+                                        write_peft_adapter)
+from rlctl.rollout.weights import load_adapter
+
+from serving import ServeThread, tiny_app
+
+SAMPLED = Sampling(6, 1.1, 0, (2, 7))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = build_tokenizer()
+    model = build_model(tok, hidden_size=32, num_layers=2, num_heads=4, seed=0).eval()
+    other = build_model(tok, hidden_size=32, num_layers=2, num_heads=4, seed=3).eval()
+    prompts = [tok(t)["input_ids"] for t in ["3 1 2 :", "3 1 2 :", "9 :", "9 :"]]
+    return model, other, tok, prompts
+
+
+def fields(outs):
+    return [(c.token_ids, c.logprobs, c.finish_reason) for c in outs]
+
+
+# -- registry ------------------------------------------------------------------------------
+
+def test_unknown_kind_is_one_line_naming_the_valid_ones():
+    with pytest.raises(UserError) as err:
+        server_kind("tgi")
+    assert str(err.value) == "unknown server kind 'tgi'; valid: rlctl, vllm, sglang"
+    with pytest.raises(UserError, match="valid: rlctl, vllm, sglang"):
+        ServerEngine(["http://127.0.0.1:9"], kind="tgi")
+    assert list(KINDS) == ["rlctl", "vllm", "sglang"]
+    assert isinstance(server_kind("vllm"), VLLMKind)
+    own = SGLangKind(weights_dir="/shared")
+    assert server_kind(own) is own                       # an adapter with options passes
+
+
+# -- vLLM ----------------------------------------------------------------------------------
+
+def test_vllm_groups_equal_prompts_into_n_so_seeded_samples_differ():
+    rows = [[5, 6], [5, 6], [5, 6], [9], [9], [9]]
+    (body, indices), = vllm_requests(rows, Sampling(4, 0.7, 0, (2,)), seed=11, model="m")
+    assert body["prompt"] == [[5, 6], [9]] and body["n"] == 3 and body["seed"] == 11
+    assert indices == [0, 1, 2, 3, 4, 5]                 # choice index = prompt x n + sample
+    assert body["top_k"] == -1 and body["top_p"] == 1.0 and body["model"] == "m"
+    assert body["logprobs"] == 0 and body["return_token_ids"] is True
+    assert body["ignore_eos"] is True and body["stop_token_ids"] == [2]
+    assert body["max_tokens"] == 4 and body["temperature"] == 0.7
+    # runs of unequal length: one request per run, run k seeded chunk_seed(seed, k)
+    bodies = vllm_requests([[1], [1], [3], [1]], SAMPLED, seed=5, model=None)
+    assert [(b["prompt"], b["n"], b["seed"], ix) for b, ix in bodies] == [
+        ([[1]], 2, 5, [0, 1]), ([[3]], 1, chunk_seed(5, 1), [2]), ([[1]], 1, chunk_seed(5, 2), [3])]
+    assert "model" not in bodies[0][0]
+    # no seed: the rows as they are, n = 1, no seed field
+    (body, indices), = vllm_requests([[1], [1]], SAMPLED, seed=None, model=None)
+    assert body["prompt"] == [[1], [1]] and body["n"] == 1 and "seed" not in body
+
+
+def vllm_reply(prompts, n, with_ids=True):
+    """A vLLM completion object for ``prompts`` x ``n``: sample s of prompt p is the tokens
+    [p[0], s, 2] (2 ends it: "stop", stop_reason 2), log-probs -(s + 1) / 10 each; choices
+    shuffled (the client must order them by index)."""
+    choices = []
+    for p, prompt in enumerate(prompts):
+        for s in range(n):
+            ids = [prompt[0], s, 2]
+            c = {"index": p * n + s, "text": "", "finish_reason": "stop", "stop_reason": 2,
+                 "logprobs": {"text_offset": [0, 0, 0], "token_logprobs": [-(s + 1) / 10] * 3,
+                              "tokens": [f"token_id:{t}" for t in ids], "top_logprobs": None}}
+            if with_ids:
+                c["token_ids"] = ids
+            choices.append(c)
+    return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+            "choices": choices[::-1], "usage": {}}
+
+
+def test_vllm_replies_parse_into_completions_in_row_order():
+    got = parse_openai(vllm_reply([[5], [9]], 2), 3)
+    assert [(c.token_ids, c.logprobs, c.finish_reason, c.weights_version) for c in got] == [
+        ([5, 0, 2], [-0.1] * 3, "stop", 3), ([5, 1, 2], [-0.2] * 3, "stop", 3),
+        ([9, 0, 2], [-0.1] * 3, "stop", 3), ([9, 1, 2], [-0.2] * 3, "stop", 3)]
+    # without token_ids: the "token_id:N" tokens of --return-tokens-as-token-ids
+    assert fields(parse_openai(vllm_reply([[5]], 1, with_ids=False), 0)) == [([5, 0, 2], [-0.1] * 3, "stop")]
+    bad = vllm_reply([[5]], 1)
+    bad["choices"][0]["finish_reason"] = "abort"
+    with pytest.raises(UserError, match="finish reason 'abort'"):
+        parse_openai(bad, 0)
+    bad["choices"][0].update(finish_reason="length", token_ids=[5, 0])
+    with pytest.raises(UserError, match="2 tokens but 3 log-probs"):
+        parse_openai(bad, 0)
+
+
+def replaying(replies):
+    """A Link that answers each POST /v1/completions from ``replies(body)`` and keeps the
+    bodies it was sent (the documented reply shapes above, no network)."""
+    sent = []
+
+    def call(route, body, ctype, expect_json):
+        sent.append((route, json.loads(body) if body else None))
+        return replies(json.loads(body))
+    return Link("http://vllm.test", call), sent
+
+
+def test_vllm_kind_puts_every_choice_back_on_its_row():
+    rows = [[5], [5], [7], [9], [9]]                     # runs of 2, 1, 2: one request per run
+    link, sent = replaying(lambda b: vllm_reply(b["prompt"], b["n"]))
+    outs, version = VLLMKind(model="m").complete(link, rows, SAMPLED, seed=1)
+    assert version is None and len(sent) == 3
+    assert [c.token_ids for c in outs] == [[5, 0, 2], [5, 1, 2], [7, 0, 2], [9, 0, 2], [9, 1, 2]]
+
+
+def test_vllm_full_push_rewrites_the_served_checkpoint_and_refuses_shards(tiny, tmp_path):
+    _, other, _, _ = tiny
+    params = dict(other.named_parameters())
+    with pytest.raises(UserError, match="needs model_dir"):
+        VLLMKind().push(1, params, "full")
+    VLLMKind(model_dir=str(tmp_path)).push(1, params, "full")
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(params)
+        name = "model.embed_tokens.weight"
+        assert torch.equal(f.get_tensor(name), params[name].detach())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]   # no temp left
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match="other weight files"):
+        VLLMKind(model_dir=str(tmp_path)).push(2, params, "full")
+
+
+# -- SGLang --------------------------------------------------------------------------------
+
+def test_sglang_body_seeds_each_row_and_keeps_the_stop_ids():
+    body = sglang_body([[5, 6], [5, 6], [9]], Sampling(4, 0.0, 3, (2,)), seed=8, lora="a1")
+    assert body["input_ids"] == [[5, 6], [5, 6], [9]] and body["return_logprob"] is True
+    assert body["logprob_start_len"] == -1 and body["lora_path"] == ["a1"] * 3
+    params = body["sampling_params"]
+    assert [p["sampling_seed"] for p in params] == [8, chunk_seed(8, 1), chunk_seed(8, 2)]
+    assert len({p["sampling_seed"] for p in params}) == 3
+    assert params[0] == {"max_new_tokens": 4, "temperature": 0.0, "top_k": 3, "top_p": 1.0,
+                         "stop_token_ids": [2], "ignore_eos": False, "sampling_seed": 8}
+    body = sglang_body([[1]], SAMPLED, seed=None, lora=None)
+    assert "sampling_seed" not in body["sampling_params"][0] and "lora_path" not in body
+    assert body["sampling_params"][0]["top_k"] == -1
+
+
+def test_sglang_replies_parse_into_completions():
+    reply = [{"text": "", "output_ids": [4, 2],
+              "meta_info": {"id": "a", "finish_reason": {"type": "stop", "matched": 2},
+                            "output_token_logprobs": [[-0.5, 4, None], [-0.25, 2, None]]}},
+             {"text": "", "output_ids": [4, 4, 4],
+              "meta_info": {"id": "b", "finish_reason": {"type": "length", "length": 3},
+                            "output_token_logprobs": [[-1.0, 4, None]] * 3}}]
+    assert fields(parse_sglang(reply, 0)) == [([4, 2], [-0.5, -0.25], "stop"),
+                                             ([4, 4, 4], [-1.0] * 3, "length")]
+    assert fields(parse_sglang(reply[0], 0)) == [([4, 2], [-0.5, -0.25], "stop")]  # one prompt
+    reply[0]["output_ids"] = [4]
+    with pytest.raises(UserError, match="disagree"):
+        parse_sglang(reply, 0)
+
+
+# -- LoRA pushes: PEFT's layout, checked by PEFT itself ------------------------------------
+
+def test_peft_layout_merges_to_the_weights_rlctl_serves(tiny, tmp_path):
+    """PEFT loads the adapter directory and merges it; the result must equal rlctl's own
+    merge (rollout/weights.py) of the same tensors. float64, so only rounding of the
+    products differs (measured 0; allowed 1e-12)."""
+    from peft import PeftModel
+    model, _, _, _ = tiny
+    g = torch.Generator().manual_seed(0)
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    modules = dict(model.named_modules())
+    tensors = {}
+    for n in names:
+        w = modules[n].weight                                              # [out, in]
+        tensors[f"{n}.lora_A"] = torch.randn(4, w.shape[1], generator=g, dtype=torch.float64)
+        tensors[f"{n}.lora_B"] = torch.randn(w.shape[0], 4, generator=g, dtype=torch.float64) * 0.1
+    write_peft_adapter(tensors, tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["r"] == config["lora_alpha"] == 4
+    assert config["target_modules"] == sorted(names)
+    merged = PeftModel.from_pretrained(copy.deepcopy(model).double(), str(tmp_path / "a")).merge_and_unload()
+    ours = copy.deepcopy(model).double()
+    load_adapter(ours, tensors, {})
+    theirs = dict(merged.named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.allclose(theirs[name], p, rtol=0, atol=1e-12), name
+    base = dict(copy.deepcopy(model).double().named_parameters())
+    assert not torch.allclose(theirs[names[0] + ".weight"], base[names[0] + ".weight"])  # it did merge
+    bad = dict(tensors, **{f"{names[1]}.lora_A": torch.zeros(2, 8), f"{names[1]}.lora_B": torch.zeros(8, 2)})
+    with pytest.raises(UserError, match="ranks differ"):
+        write_peft_adapter(bad, tmp_path / "b")
+
+
+# -- the rlctl kind end to end -------------------------------------------------------------
+
+def test_rlctl_kind_against_real_servers(tiny, tmp_path):
+    model, other, tok, prompts = tiny
+    server = ServeThread(tiny_app(model, tok.pad_token_id)[0])
+    try:
+        kind = RlctlKind()
+        engine = ServerEngine([server.url], kind=kind)
+        assert kind.probe(engine._link(engine.servers[0], 5.0)) == 0
+        local = TorchEngine(model, tok.pad_token_id)
+        assert fields(engine.generate(prompts, SAMPLED, seed=2)) == fields(local.generate(prompts, SAMPLED, seed=2))
+        engine.update_weights(4, dict(other.named_parameters()))
+        after = engine.generate(prompts, SAMPLED, seed=2)
+        assert fields(after) == fields(TorchEngine(other, tok.pad_token_id).generate(prompts, SAMPLED, seed=2))
+        assert {c.weights_version for c in after} == {4}
+        assert engine.health()["servers"][server.url] == {"up": True, "weights_version": 4}
+    finally:
+        server.stop()
+
+
+# -- real vLLM / SGLang servers (only where one is named) ----------------------------------
+
+def _real(var: str) -> str:
+    url = os.environ.get(var)
+    if not url:
+        pytest.skip(f"{var} is not set: no real server to run against (vLLM and SGLang need a "
+                    "GPU; this adapter is written to their documented APIs)")
+    return url
+
+
+@pytest.mark.parametrize("var, kind", [("RLCTL_VLLM_URL", "vllm"), ("RLCTL_SGLANG_URL", "sglang")])
+def test_a_real_server_of_the_kind_generates(var, kind):
+    """Token ids below 100 exist in every real vocabulary; 16 tokens at temperature 1."""
+    engine = ServerEngine([_real(var)], kind=kind, chunk_size=4)
+    rows = [[10, 11, 12]] * 4 + [[20, 21]] * 4
+    outs = engine.generate(rows, Sampling(16, 1.0, 0, ()), seed=0)
+    assert len(outs) == 8
+    for c in outs:
+        assert c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids) <= 16
+        assert len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs)
+    assert len({tuple(c.token_ids) for c in outs[:4]}) > 1     # seeded samples still differ
