@@ -76,6 +76,8 @@ RANGES = {
     "rollout.temperature": Range(0, lo_open=True, why="sampling needs > 0 (eval is greedy already)"),
     "rollout.top_k": Range(0, why="0: the full distribution"),
     "rollout.max_prompt_tokens": AT_LEAST_1,
+    "rollout.server.num_local": AT_LEAST_1, "rollout.server.chunk_size": AT_LEAST_1,
+    "rollout.server.timeout_s": POSITIVE,
     "rollout.episode.max_turns": AT_LEAST_1, "rollout.episode.max_tokens": AT_LEAST_1,
     "rollout.episode.max_obs_tokens": AT_LEAST_1, "rollout.episode.concurrency": AT_LEAST_1,
     "rollout.episode.step_timeout_s": POSITIVE, "rollout.episode.turn_discount": UNIT,
@@ -227,6 +229,7 @@ def _check_algo(cfg: DictConfig) -> None:
     _choice(cfg, "algo.rollout_correction.level", ["token", "sequence"])
     _choice(cfg, "algo.rollout_correction.mode", ["truncate", "mask", "measure"])
     _choice(cfg, "rollout.sample_dtype", ["float32", "bfloat16"])
+    _check_engine(cfg)
     a = cfg.algo
     rc = a.rollout_correction
     if rc.mode == "mask" and rc.lower > rc.upper:
@@ -241,6 +244,29 @@ def _check_algo(cfg: DictConfig) -> None:
     if a.dynamic_sampling and a.minibatches > a.group_size:   # a rank keeps >= 1 group
         raise ConfigError(f"algo.minibatches={a.minibatches} with algo.dynamic_sampling=true must be "
                           f"<= algo.group_size={a.group_size} (a step may keep a single group)")
+
+
+def _check_engine(cfg: DictConfig) -> None:
+    """rollout.engine=server: what it runs with (one learner process, single-turn tasks are
+    checked where the task is built: rlctl/run/rollout_setup.py)."""
+    _choice(cfg, "rollout.engine", ["torch", "server"])
+    _choice(cfg, "rollout.server.weight_sync", ["http", "disk"])
+    sv = cfg.rollout.server
+    if cfg.rollout.engine != "server":
+        return
+    if cfg.hardware.num_processes > 1 or cfg.hardware.nnodes > 1:
+        raise ConfigError("rollout.engine=server runs one learner process (hardware.num_processes=1, "
+                          "hardware.nnodes=1); the servers are the other machines")
+    if cfg.rollout.sample_dtype != "float32":
+        raise ConfigError("rollout.sample_dtype applies to rollout.engine=torch; a server samples "
+                          "in its own precision (start it with model.dtype=bfloat16)")
+    if sv.weight_sync == "disk" and not sv.weight_dir:
+        raise ConfigError("rollout.server.weight_sync=disk needs rollout.server.weight_dir "
+                          "(a directory every server can read)")
+    urls = list(sv.urls or [])
+    bad = next((u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))), None)
+    if bad is not None:
+        raise ConfigError(f"rollout.server.urls holds {bad!r}; each is http://HOST:PORT")
 
 
 def _check_eval(cfg: DictConfig) -> None:

@@ -197,6 +197,18 @@ class EpisodeConfig:
 
 
 @dataclass
+class ServerConfig:
+    """rollout.engine=server: where the servers are and how weights reach them."""
+    urls: List[str] = field(default_factory=list)   # []: the learner starts num_local of its own
+    num_local: int = MISSING       # `rlctl serve` processes the learner starts on 127.0.0.1
+    kind: str = MISSING            # rlctl | vllm | sglang: how weights are pushed, replies read
+    chunk_size: int = MISSING      # rows per request (the tokens depend on it)
+    timeout_s: float = MISSING     # one request; past it the server counts as lost
+    weight_sync: str = MISSING     # http | disk (through weight_dir)
+    weight_dir: Optional[str] = None
+
+
+@dataclass
 class RolloutConfig:
     max_new_tokens: int = MISSING
     temperature: float = MISSING
@@ -207,6 +219,8 @@ class RolloutConfig:
     stop_token_ids: List[Any] = field(default_factory=list)
     sample_dtype: str = "float32"  # the training sampler's precision: float32 | bfloat16 (autocast)
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)   # multi-turn tasks only
+    engine: str = MISSING          # torch (the learner's own sampler) | server
+    server: ServerConfig = field(default_factory=ServerConfig)
 
 
 @dataclass

@@ -107,11 +107,15 @@ def chunk_seed(seed: Optional[int], index: int) -> Optional[int]:
 
 class TorchEngine:
     """rlctl's sampler in this process. ``pad_id``: the id finished rows and left padding
-    use (the tokenizer's pad id). ``share_prompts``: prefill each distinct prompt once."""
+    use (the tokenizer's pad id). ``share_prompts``: prefill each distinct prompt once.
+    ``chunk_size``: cut a batch into requests of that many prompts, request j seeded with
+    ``chunk_seed(seed, j)``, as the server engine cuts it (None: one request)."""
 
-    def __init__(self, model, pad_id: int, version: int = 0, share_prompts: bool = True):
+    def __init__(self, model, pad_id: int, version: int = 0, share_prompts: bool = True,
+                 chunk_size: Optional[int] = None):
         self.model = model.policy if isinstance(model, PolicyValueModel) else model
         self.pad_id, self.version, self.share_prompts = int(pad_id), int(version), share_prompts
+        self.chunk_size = chunk_size
         self.key = cache_keyword(self.model)
         if self.key is None:
             raise UserError(f"{type(self.model).__name__}'s forward takes no KV cache: the "
@@ -142,6 +146,11 @@ class TorchEngine:
                  seed: Optional[int] = None) -> List[Completion]:
         check_sampling(sampling)
         check_prompts(prompts, self.vocab_size)
+        size = self.chunk_size or len(prompts)
+        return [c for j in range(0, len(prompts), size)
+                for c in self._request(prompts[j:j + size], sampling, chunk_seed(seed, j // size))]
+
+    def _request(self, prompts, sampling: Sampling, seed: Optional[int]) -> List[Completion]:
         longest = max(len(p) for p in prompts)
         if self.context and longest + sampling.max_new_tokens > self.context:
             raise UserError(f"a prompt of {longest} tokens + max_tokens {sampling.max_new_tokens} "

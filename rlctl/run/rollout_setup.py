@@ -24,11 +24,14 @@ from rlctl.errors import ConfigError, UserError, user_message
 from rlctl.learner.forward import prompt_sharing
 from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.actors import ActorSettings, AsyncSource, serve_learner
+from rlctl.rollout.engine_source import EngineSettings, EngineSource
 from rlctl.rollout.episode_source import EpisodeSource
 from rlctl.rollout.episodes import EpisodeSettings
 from rlctl.rollout.layout import ActorLayout
+from rlctl.rollout.server_engine import ServerEngine
 from rlctl.rollout.source import LocalSource, SamplingSettings
 from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.local_servers import LocalServers, ServerSettings, ServeSpec
 from rlctl.tasks.prompt_budget import PromptBudget, bind_task
 from rlctl.tasks.scoring import RewardScorer
 
@@ -44,12 +47,20 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     if is_episodic(task):
         check_episodic(backend)
+        if cfg.rollout.engine == "server":
+            raise ConfigError("rollout.engine=server samples single-turn tasks; a task played as "
+                              "episodes is played by the learner's own sampler (rollout.engine=torch)")
         if cfg.rollout.sample_dtype != "float32":
             raise ConfigError(f"rollout.sample_dtype={cfg.rollout.sample_dtype} applies to the "
                               "single-turn sampler; a task played as episodes samples in the "
                               "model's own precision (use rollout.sample_dtype=float32)")
         local = EpisodeSource(policy, tokenizer, task, EpisodeSettings.from_config(cfg),
                               seed=cfg.seed * 1000 + rank)
+    elif cfg.rollout.engine == "server":
+        device = backend.device if backend is not None else Backend(cfg.hardware.device).device
+        return server_source(ServerSettings.from_config(cfg), ServeSpec.from_config(cfg),
+                             EngineSettings.from_config(cfg), SamplingSettings.from_config(cfg, True),
+                             policy, tokenizer, task, device, cfg.seed * 1000, stop)
     else:
         settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
         local = LocalSource(policy, tokenizer, task.train_examples(), RewardScorer(task), settings,
@@ -65,6 +76,26 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     device = backend.device if backend is not None else Backend(cfg.hardware.device).device
     return AsyncSource(ActorSettings.from_config(cfg), layout, local, device, actor_main,
                        OmegaConf.to_yaml(cfg, resolve=True), stop)
+
+
+def server_source(servers: ServerSettings, spec: ServeSpec, settings: EngineSettings,
+                  sampling: SamplingSettings, policy, tokenizer, task, device, seed: int,
+                  stop=None) -> EngineSource:
+    """``rollout.engine=server``: an ``EngineSource`` on the servers at ``servers.urls``,
+    or on ``servers.num_local`` `rlctl serve` processes of ``spec`` started here (and
+    stopped when the source closes)."""
+    local = None if servers.urls else LocalServers(spec, servers.num_local, stop)
+    try:
+        engine = ServerEngine(list(servers.urls) or local.urls, max_staleness=settings.max_staleness,
+                              chunk_size=servers.chunk_size, timeout_s=servers.timeout_s,
+                              kind=servers.kind)
+        return EngineSource(engine, policy, tokenizer, task.train_examples(), RewardScorer(task),
+                            sampling, settings, seed=seed, device=device,
+                            on_close=local.close if local is not None else None)
+    except BaseException:
+        if local is not None:
+            local.close()
+        raise
 
 
 def check_episodic(backend) -> None:
