@@ -70,9 +70,9 @@ def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
         out = {}
         for name, m in base.named_modules():
             if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
-                out[f"{name}.lora_A"] = m.lora_A["default"].weight.detach().float().cpu().clone()
-                out[f"{name}.lora_B"] = (m.lora_B["default"].weight.detach().float()
-                                         * m.scaling["default"]).cpu().clone()
+                out[f"{name}.lora_A"] = m.lora_A["default"].weight.detach().cpu().clone()
+                out[f"{name}.lora_B"] = (m.lora_B["default"].weight.detach()
+                                         * m.scaling["default"]).cpu()        # a new tensor
         return out, "adapter"
     return {k: v.detach().cpu().clone() for k, v in model.named_parameters()}, "full"
 

@@ -1,0 +1,231 @@
+"""Training against engines (rlctl/rollout/engine_source.py): the torch engine in this
+process, one and two real `rlctl serve` apps on 127.0.0.1 (uvicorn threads:
+tests/rollout/serving.py), and servers the run starts itself.
+
+Tolerance of the equality tests: none. At max_staleness=0 the learner recomputes pi_old
+itself, so a step depends on the rollout's tokens, rewards and masks alone. Each engine
+runs the same sampler code on the same weights (pushed as safetensors: a bit-exact copy)
+with the same request seeds and the same chunking, and the log-probs travel as JSON
+numbers, which round-trip IEEE doubles exactly; so every metric must be equal."""
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlctl.compose import compose
+from rlctl.config import validate
+from rlctl.errors import ConfigError, UserError
+from rlctl.learner.trainer import Trainer
+from rlctl.models import load_model_and_tokenizer
+from rlctl.models.lora import apply_lora
+from rlctl.rollout.engine import Sampling, TorchEngine
+from rlctl.rollout.engine_source import EngineSettings, EngineSource, policy_weights
+from rlctl.rollout.server_engine import ServerEngine
+from rlctl.rollout.source import SamplingSettings
+from rlctl.run.build import task_from_config
+from rlctl.run.rollout_setup import build_source
+from rlctl.sinks import NullSink
+from rlctl.tasks.scoring import RewardScorer
+
+from serving import ServeThread, tiny_app
+
+BASE = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=3", "trainer.lr=1e-3",
+        "trainer.steps=3", "rollout.server.chunk_size=4"]     # N = 16 rows: 4 requests of 4
+
+
+def _cfg(overrides):
+    cfg = compose(BASE + list(overrides)).cfg
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def _model(cfg):
+    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = _cfg([])
+    model, tok = _model(cfg)
+    servers = [ServeThread(tiny_app(model, tok.pad_token_id, (tok.eos_token_id,))[0]) for _ in range(2)]
+    yield model, tok, servers
+    for s in servers:
+        if s.thread.is_alive():
+            s.stop()
+
+
+def _train(cfg, engine_for, steps=3):
+    """``steps`` metrics of a Trainer whose source is an EngineSource on ``engine_for(model,
+    tok)`` (None: the source the config asks for, from build_source)."""
+    model, tok = _model(cfg)
+    task = task_from_config(cfg)
+    torch.manual_seed(0)
+    if engine_for is None:
+        source = build_source(cfg, model, tok, task)
+    else:
+        source = EngineSource(engine_for(model, tok), model, tok, task.train_examples(), RewardScorer(task),
+                              SamplingSettings.from_config(cfg, True), EngineSettings.from_config(cfg),
+                              seed=cfg.seed * 1000)
+    tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=source)
+    try:
+        metrics = [tr.step(i) for i in range(1, steps + 1)]
+        metrics[-1].update(tr._evaluate(steps))                 # what train() logs at an eval step
+        return metrics
+    finally:
+        tr.close()
+
+
+def _differ(a, b):
+    keys = [k for k in a if not k.startswith(("time/", "perf/", "engine/"))]
+    assert keys and all(k in b for k in keys)
+    return {k: (a[k], b[k]) for k in keys if a[k] != b[k]}
+
+
+def test_torch_engine_one_and_two_servers_train_alike(tiny, tmp_path):
+    _, _, servers = tiny
+    cfg = _cfg([])
+    urls = [s.url for s in servers]
+    here = _train(cfg, lambda m, tok: TorchEngine(copy.deepcopy(m), tok.pad_token_id, chunk_size=4))
+    one = _train(_cfg(["rollout.engine=server", f"rollout.server.urls=[{urls[0]}]"]), None)
+    two = _train(cfg, lambda m, tok: ServerEngine(urls, chunk_size=4))
+    disk = _train(_cfg(["rollout.engine=server", f"rollout.server.urls=[{urls[1]}]",
+                        "rollout.server.weight_sync=disk", f"rollout.server.weight_dir={tmp_path}"]), None)
+    for h, o, t, d in zip(here, one, two, disk):
+        assert _differ(h, o) == {} and _differ(h, t) == {} and _differ(h, d) == {}
+        assert h["async/staleness"] == 0
+    assert "eval/exact_match" in here[-1]                      # the held-out result, equal too
+    assert _differ(here[0], here[1]) != {}                     # the steps do differ (can fail)
+    kept = sorted(int(p.name[1:]) for p in tmp_path.iterdir())      # the servers outlive runs:
+    assert len(kept) == 2 and kept[1] == kept[0] + 1 >= 3            # versions go on; older removed
+
+
+def test_one_server_lost_mid_run_the_run_finishes_on_the_other_and_it_comes_back(tiny):
+    model, tok, _ = tiny
+    apps = [tiny_app(model, tok.pad_token_id, (tok.eos_token_id,)) for _ in range(2)]
+    servers = [ServeThread(app) for app, _ in apps]
+    lines = []
+    # rewards scored inline: a forked reward worker would inherit the test servers'
+    # listening sockets and keep a stopped server's port open (its requests would hang)
+    cfg = _cfg(["task.reward_timeout_s=0"])
+    engines = []
+
+    def engine_for(m, t):
+        engines.append(ServerEngine([s.url for s in servers], chunk_size=4, recheck_s=0.0, timeout_s=20.0, say=lines.append))
+        return engines[-1]
+    model2, tok2 = _model(cfg)
+    task = task_from_config(cfg)
+    source = EngineSource(engine_for(model2, tok2), model2, tok2, task.train_examples(), RewardScorer(task),
+                          SamplingSettings.from_config(cfg, True), EngineSettings(), seed=0)
+    tr = Trainer.from_config(cfg, model2, tok2, task, NullSink(), source=source)
+    try:
+        first = tr.step(1)
+        assert first["engine/servers_up"] == 2
+        servers[1].stop()
+        lost = tr.step(2)                                       # on the other server alone
+        assert [ln for ln in lines if "lost" in ln] == [
+            next(ln for ln in lines if "lost" in ln)]           # one line
+        assert servers[1].url in lines[0] and "its requests go to the other 1" in lines[0]
+        assert lost["engine/servers_up"] == 1 and 0 <= lost["reward/mean"] <= 1
+        calls = apps[1][1].calls
+        servers[1].start(apps[1][0])                            # restarted on its port
+        back = tr.step(3)
+        assert any(servers[1].url in ln and "is back" in ln for ln in lines)
+        assert back["engine/servers_up"] == 2 and apps[1][1].calls > calls   # it serves again
+        b = engines[0].servers[1]
+        assert b.up and b.weights_version == engines[0].version == 2         # with the newest weights
+    finally:
+        tr.close()
+        for s in servers:
+            if s.thread.is_alive():
+                s.stop()
+
+
+def test_one_request_ahead_is_one_update_stale_and_uses_the_engine_logprobs(tiny):
+    _, _, servers = tiny
+    cfg = _cfg(["trainer.async_rollout.enabled=true", "trainer.async_rollout.max_staleness=1"])
+    steps = _train(cfg, lambda m, tok: ServerEngine([servers[0].url], max_staleness=1, chunk_size=4))
+    assert [s["async/staleness"] for s in steps] == [0, 1, 1]
+    assert "policy/ratio_std" not in steps[0]                 # on-policy: pi_old is the learner's
+    assert steps[2]["policy/ratio_std"] > 0                    # stale: pi / pi_engine != 1
+
+
+def test_a_lora_policy_pushes_its_adapter_and_the_engine_serves_the_adapted_model():
+    """float64 throughout: the engine merges W0 + B A while peft computes x W0^T +
+    scale (x A^T) B^T, equal up to float64 rounding (~1e-15 per product, far below 1e-9)."""
+    cfg = _cfg([])
+    base, tok = _model(cfg)
+    base = base.double()
+    served = TorchEngine(copy.deepcopy(base), tok.pad_token_id)
+    torch.manual_seed(3)
+    policy = apply_lora(base, 4, 8, 0.0, ["all-linear"])
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)                               # B starts at zero: make it count
+    tensors, kind = policy_weights(policy)
+    assert kind == "adapter" and tensors and all(k.endswith(("lora_A", "lora_B")) for k in tensors)
+    served.update_weights(1, tensors, kind)
+    prompt = tok("3 1 2 :")["input_ids"]
+    out = served.generate([prompt], Sampling(6, 1.0, 0, (tok.eos_token_id,)), seed=0)[0]
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = policy(input_ids=ids).logits[0, len(prompt) - 1:-1]              # [T, V]
+    want = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
+    assert max(abs(a - b) for a, b in zip(out.logprobs, want.tolist())) < 1e-9
+
+
+def test_full_weights_are_the_language_model_alone(tiny):
+    model, _, _ = tiny
+    tensors, kind = policy_weights(model)
+    assert kind == "full" and set(tensors) == {n for n, _ in model.named_parameters()}
+    name = next(iter(tensors))
+    assert tensors[name].data_ptr() != dict(model.named_parameters())[name].data_ptr()   # a copy
+
+
+def test_the_run_starts_its_own_servers_survives_one_killed_and_stops_them(capfd):
+    """Real processes: two `rlctl serve` children of the run; one is SIGKILLed between two
+    requests; the next request goes to the other, one line naming the lost one."""
+    cfg = _cfg(["rollout.engine=server", "rollout.server.num_local=2"])
+    model, tok = _model(cfg)
+    task = task_from_config(cfg)
+    source = build_source(cfg, model, tok, task)
+    procs = source.on_close.__self__.procs
+    try:
+        assert source.sample(2).input_ids.shape[0] == 8
+        dead = source.engine.servers[0].url
+        assert dead.startswith("http://127.0.0.1:")
+        procs[0].kill()
+        procs[0].join(10)
+        batch = source.sample(2)
+        assert batch.input_ids.shape[0] == 8 and bool((batch.staleness == 0).all())
+        said = [ln for ln in capfd.readouterr().err.splitlines() if "rollout server" in ln]
+        assert len(said) == 1 and dead in said[0] and "lost" in said[0]
+    finally:
+        source.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["hardware.num_processes=2"], "one learner process"),
+    (["rollout.server.weight_sync=disk"], "weight_dir"),
+    (["rollout.server.urls=[node1:8000]"], "http://HOST:PORT"),
+    (["rollout.sample_dtype=bfloat16"], "its own precision"),
+    (["rollout.server.weight_sync=ftp"], "http, disk"),
+])
+def test_bad_server_settings_are_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(compose(BASE + ["rollout.engine=server"] + overrides).cfg)
+
+
+def test_an_unknown_engine_is_refused_with_the_valid_ones():
+    with pytest.raises(ConfigError, match="torch, server"):
+        validate(compose(BASE + ["rollout.engine=vllm"]).cfg)
+
+
+def test_an_episodic_task_is_refused_with_the_server_engine():
+    cfg = _cfg(["task=guess_number", "rollout.engine=server", "rollout.server.urls=[http://127.0.0.1:9]"])
+    task = task_from_config(cfg)
+    with pytest.raises(UserError, match="episodes"):
+        build_source(cfg, None, None, task)
