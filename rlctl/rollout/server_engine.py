@@ -93,9 +93,25 @@ class ServerEngine:
     def _broadcast(self, version: int, push) -> None:
         self._push = (version, push)
         self.version = version
-        for s in self.servers:
-            if s.up:
+        up = [s for s in self.servers if s.up]
+        if not self.kind.parallel_push:        # a kind that keeps per-push state in the client
+            for s in up:
                 self._send_weights(s)
+            return
+        errors: List[BaseException] = []
+
+        def send(s: Server) -> None:
+            try:
+                self._send_weights(s)
+            except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                errors.append(exc)
+        threads = [threading.Thread(target=send, args=(s,)) for s in up]
+        for t in threads:             # every server at once: a push costs one transfer, not n
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
 
     def _send_weights(self, s: Server) -> bool:
         version, push = self._push
@@ -123,7 +139,7 @@ class ServerEngine:
             if not s.up:
                 return
             s.up, s.lost_at = False, time.monotonic()
-            others = sum(self._usable(o) for o in self.servers)
+            others = sum(o.up for o in self.servers)          # s is down already
         self.say(f"rollout server {s.url} lost ({exc}); its requests go to the other {others}")
 
     def _recheck(self, force: bool = False) -> None:

@@ -38,6 +38,7 @@ Push = Callable[[Link], Optional[int]]     # pushes to one server -> the version
 class ServerKind:
     """The part of the server protocol that differs per kind (module docstring)."""
     name = ""
+    parallel_push = False     # True: a push's sends hold no client state (servers pushed at once)
 
     def probe(self, link: Link) -> Optional[int]:
         """Raise when the server does not answer; else its weights version (None: not reported)."""
@@ -94,6 +95,7 @@ class RlctlKind(ServerKind):
     """``rlctl serve``: every reply carries ``weights_version``; weights travel as
     safetensors bytes (POST /update_weights?version=V) or by path on a shared directory."""
     name = "rlctl"
+    parallel_push = True
 
     def probe(self, link: Link) -> Optional[int]:
         return int(link("/version")["weights_version"])
