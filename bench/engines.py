@@ -1,10 +1,12 @@
 """Generation off the learner, side by side in one run: local actor processes (gloo)
 against one and two `rlctl serve` processes on loopback (HTTP), and the synchronous loop.
 
-    python bench/engines.py [--steps 40] [--out bench/engines.md]
+    python bench/engines.py [--steps 300] [--out bench/engines.md]
 
 Each row is one `rlctl train algo=grpo task=sorting` run on the embedded tiny model
-(the default config, eval off). steps/s is measured over the steps after the first 5
+(the default config, eval off: 8 prompts x 8 samples = 64 rows a step, which
+``rollout.server.chunk_size=64`` sends as one request, so a second server only helps
+when requests are smaller). steps/s is measured over the steps after the first 5
 (``time/elapsed_s``: start-up, the servers' included, is left out); "wait" is the
 learner's mean wait for a rollout per step; "sync" the mean weight-push time per step
 (servers only: the actors' transfer overlaps the update and is not timed apart).
@@ -29,6 +31,8 @@ LAYOUTS = [
     ("1 server, staleness 0", ["rollout.engine=server", "rollout.server.num_local=1"]),
     ("1 server, staleness 1", ASYNC + ["rollout.engine=server", "rollout.server.num_local=1"]),
     ("2 servers, staleness 1", ASYNC + ["rollout.engine=server", "rollout.server.num_local=2"]),
+    ("2 servers, staleness 1, requests of 32 rows", ASYNC + [
+        "rollout.engine=server", "rollout.server.num_local=2", "rollout.server.chunk_size=32"]),
 ]
 
 
@@ -44,7 +48,7 @@ def _rate(rows: List[Dict]) -> Dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     common = ["algo=grpo", "task=sorting", f"trainer.steps={args.steps}", "trainer.eval_every=0",
