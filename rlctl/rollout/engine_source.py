@@ -96,18 +96,20 @@ class EngineSource(SyncSource):
         self.on_close = on_close
         self.base = int(getattr(engine, "version", 0))   # the engine's count when we started
         self.version = self.base                          # the learner's weights
-        self.pushed = None                                # the engine's weights version
+        self.pushed = self.base                           # the engine's weights version
         self.ahead: Optional[Future] = None
         self.pool = ThreadPoolExecutor(1, "rlctl-engine") if settings.max_staleness > 0 else None
         self.stats: Dict[str, List[float]] = {}
-        self._push(self._snapshot())                      # version base: the learner's weights
+        self._log("time/weight_sync_s", self._push(self._snapshot()))   # version base: the learner's
+        self.pushed = self.version
 
     # -- weights -----------------------------------------------------------------------
     def _snapshot(self):
         tensors, kind = policy_weights(self.policy)
         return self.version, tensors, kind
 
-    def _push(self, snap) -> None:
+    def _push(self, snap) -> float:
+        """Send ``snap`` (version, tensors, kind) to the engine; returns the seconds it took."""
         version, tensors, kind = snap
         t0 = time.perf_counter()
         if self.settings.weight_dir is None:
@@ -115,8 +117,7 @@ class EngineSource(SyncSource):
         else:
             self.engine.update_weights_from_disk(version, _write(self.settings.weight_dir, version,
                                                                  tensors, kind))
-        self.pushed = version
-        self._log("time/weight_sync_s", time.perf_counter() - t0)
+        return time.perf_counter() - t0
 
     def _needs_push(self, consumed_at: int) -> bool:
         s = self.settings
@@ -137,23 +138,23 @@ class EngineSource(SyncSource):
         rows = [p for p in ids for _ in range(G)]                        # N = B * G, grouped
         sampling = Sampling(s.max_new_tokens, s.temperature, s.top_k, tuple(self.stops))
 
-        def job():
-            if snap is not None:
-                self._push(snap)
+        def job():          # may run in the worker thread: it only calls the engine
+            push_s = self._push(snap) if snap is not None else 0.0
             t0 = time.perf_counter()
             outs = self.engine.generate(rows, sampling, seed)
-            return examples, rows, outs, time.perf_counter() - t0
+            return examples, rows, outs, time.perf_counter() - t0, push_s
         return job
 
     def sample(self, num_groups: int) -> RolloutBatch:
         t0 = time.perf_counter()
         if self.ahead is not None:
-            examples, rows, outs, gen_s = self.ahead.result()
+            examples, rows, outs, gen_s, push_s = self.ahead.result()
             self.ahead = None
         else:
-            examples, rows, outs, gen_s = self._request(num_groups, self.version)()
+            examples, rows, outs, gen_s, push_s = self._request(num_groups, self.version)()
         self._log("time/learner_wait_s", time.perf_counter() - t0)
         self._log("time/engine_generate_s", gen_s)
+        self._log("time/weight_sync_s", push_s)
         if self.pool is not None:          # made while the learner updates
             self.ahead = self.pool.submit(self._request(num_groups, self.version + 1))
         return self._batch(examples, rows, outs)
