@@ -92,8 +92,7 @@ RANGES = {
     "trainer.checkpoint_every": Range(0, why="0: only at the end"),
     "trainer.keep_checkpoints": AT_LEAST_1, "trainer.max_bad_steps": AT_LEAST_1,
     "trainer.async_rollout.max_staleness": NON_NEGATIVE, "trainer.async_rollout.sync_every": AT_LEAST_1,
-    "trainer.async_rollout.num_actors": Range(0, why="0 only with hardware.nnodes > 1 (actors on other nodes)"),
-    "trainer.async_rollout.actors_per_node": AT_LEAST_1,
+    "trainer.async_rollout.num_actors": AT_LEAST_1,
     "logger.samples.every": Range(0, why="0: no sample tables"), "logger.samples.n": AT_LEAST_1,
 }
 # any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
@@ -215,6 +214,11 @@ def _check_hardware(cfg: DictConfig) -> None:
     if cfg.trainer.compile and hw.backend != "torch":
         raise ConfigError("trainer.compile=true needs hardware.backend=torch (DeepSpeed wraps the "
                           f"model in its own engine; got hardware.backend={hw.backend})")
+    if cfg.trainer.async_rollout.enabled and hw.nnodes > 1 and cfg.rollout.engine == "torch":
+        raise ConfigError("trainer.async_rollout runs its actors beside the learner, on one machine "
+                          f"(got hardware.nnodes={hw.nnodes}); rollout on other machines is "
+                          "rollout.engine=server rollout.server.urls=[http://NODE:PORT,...] with "
+                          "`rlctl serve` on those machines (docs/engines.md)")
     if cfg.trainer.async_rollout.enabled and hw.num_processes > 1:
         raise ConfigError("trainer.async_rollout.enabled=true runs one learner process; it needs "
                           f"hardware.num_processes=1 (got {hw.num_processes})")

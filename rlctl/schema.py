@@ -228,8 +228,7 @@ class AsyncConfig:
     enabled: bool = MISSING        # rollout actor processes + learner (rlctl/rollout/actors.py)
     max_staleness: int = MISSING   # a rollout is at most this many learner steps old (0: synchronous)
     sync_every: int = MISSING      # learner steps between weight syncs to the actor
-    num_actors: int = 1            # rollout actor processes (on node 0; 0 only with hardware.nnodes > 1)
-    actors_per_node: int = 1       # hardware.nnodes > 1: actor processes on each node after node 0
+    num_actors: int = 1            # rollout actor processes beside the learner (>= 1)
 
 
 @dataclass

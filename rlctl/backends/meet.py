@@ -12,10 +12,8 @@ configs and sets the verdict, which every rank reads and acknowledges: "ok", or 
 (config differs, ranks missing, stopped by a signal). So a mismatch or a missing node
 never reaches c10d, and no rank is left waiting inside it.
 
-The store's owner also says what it runs (``MODE_KEY``: "ranks" for data-parallel ranks,
-"async" for a learner with rollout actors, rlctl/rollout/remote_actors.py); a node that
-finds the other mode there puts its line under ``MISMATCH_KEY``, which the owner polls
-for, so both sides say the same line.
+The store's owner sets ``MODE_KEY`` ("ranks") once it serves; the other ranks wait for
+it before they hand in their configs.
 """
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ from rlctl.backends import same_config
 from rlctl.errors import LaunchError, UserError
 
 MODE_KEY = "rlctl/mode"
-MISMATCH_KEY = "rlctl/mismatch"
 POLL_S = 0.2
 LIVE_S = 1.0           # a claim whose holder's alive counter stood still this long is free
 OK = "ok"
@@ -42,13 +39,6 @@ def key(what: str, rank: Optional[int] = None) -> str:
     """A join key, fresh for each restart of torchrun's workers (its agent's store outlives them)."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return f"rlctl/join/{restart}/{what}" + ("" if rank is None else f"/{rank}")
-
-
-def mode_line(node0_async: bool, node: str) -> str:
-    """The line both sides say when node 0 and ``node`` disagree on asynchronous rollout."""
-    on, off = ("true", "false") if node0_async else ("false", "true")
-    return (f"config differs between nodes: trainer.async_rollout.enabled is {on} on node 0 and "
-            f"{off} on {node}; start every node with the same config")
 
 
 def first(exc: BaseException) -> str:
@@ -164,11 +154,7 @@ def _give_back(store, group) -> None:
 
 def _hand_in(store, group, flat: Dict[str, Any], label: str, deadline: float, stop) -> None:
     try:
-        mode = _poll(store, MODE_KEY, deadline, stop, "node 0's rendezvous", beat=key("alive", group.rank))
-        if mode == "async":
-            line = mode_line(True, label)
-            store.set(MISMATCH_KEY, line)
-            raise UserError(line)
+        _poll(store, MODE_KEY, deadline, stop, "node 0's rendezvous", beat=key("alive", group.rank))
         store.set(key("config", group.rank), same_config.payload(flat, label))
         verdict = _poll(store, key("verdict"), deadline, stop, "rank 0's config check",
                         beat=key("alive", group.rank))
@@ -208,8 +194,6 @@ def _judge(store, group, flat: Dict[str, Any], label: str, timeout_s: float, dea
             missing = [r for r in ranks if not store.check([key("config", r)])]
             if not missing:
                 break
-            if store.check([MISMATCH_KEY]):
-                raise UserError(store.get(MISMATCH_KEY).decode())
             if interrupted(stop):
                 raise _stopped(stop, f"while waiting for rank(s) {spans(missing)} to join")
             if time.monotonic() >= deadline:

@@ -2,8 +2,9 @@
 
 ``AsyncSource`` starts ``trainer.async_rollout.num_actors`` actor processes (torch.multiprocessing,
 spawn) joined to the learner in one gloo process group (``file://`` rendezvous in a temp
-dir); the learner is rank 0, actor a is rank a+1. With ``hardware.nnodes`` > 1 the
-group also holds other nodes' actors and forms over TCP (rlctl/rollout/remote_actors.py).
+dir); the learner is rank 0, actor a is rank a+1. Rollout on other machines is done by
+inference servers (``rollout.engine=server``: rlctl/rollout/engine_source.py), which
+bench/engines.py measured slower than these actors on one machine (HTTP and JSON per row).
 Point-to-point messages, each a fixed float64 header and one byte payload (wire.py):
 
   learner -> actor: [go, with_weights, weights_version, use_rng, B, seed, payload bytes]
@@ -62,7 +63,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlctl.errors import ActorFailed, RewardError, UserError
-from rlctl.rollout import remote_actors
 from rlctl.rollout.generate import rollout
 from rlctl.rollout.episode_wire import episode_text, episodes_of
 from rlctl.rollout.layout import ActorLayout
@@ -100,7 +100,7 @@ class AsyncSource:
     """Rollouts from actor processes; prompts drawn, and rewards counted, by ``local``
     (its sampler, examples and scorer), weights read from its policy module. The local
     actors run ``actor_main(cfg_yaml, init, rank, world)``: ``cfg_yaml``, the learner's
-    resolved config as text, goes to them (and the other nodes) unread."""
+    resolved config as text, goes to them unread."""
 
     def __init__(self, settings: ActorSettings, layout: ActorLayout, local: LocalSource, device,
                  actor_main: Callable, cfg_yaml: str, stop=None):
@@ -109,8 +109,8 @@ class AsyncSource:
         self.player = getattr(local, "player", None)     # episodic: the learner's eval plays with it
         self.num_prompts = settings.prompts_per_step            # one learner process
         self.max_stale, self.sync_every = settings.max_staleness, settings.sync_every
-        self.layout, self.multinode, self.timeout = layout, layout.nnodes > 1, layout.timeout_text()
-        self.num_actors = layout.world_size - 1                   # on every node
+        self.layout, self.timeout = layout, layout.timeout_text()
+        self.num_actors = layout.num_actors
         self.version = 0                                  # updates done
         self.took = False                                 # the current step consumed a rollout
         self.actor_version = [-(1 << 30)] * self.num_actors
@@ -124,13 +124,9 @@ class AsyncSource:
         self._start(actor_main, cfg_yaml, stop)
 
     def _start(self, actor_main: Callable, cfg_yaml: str, stop) -> None:
-        """Spawn the local actors and form the group: ``file://`` on one node; on several,
-        over TCP through the store that also hands the other nodes this config."""
-        world, self.store = self.num_actors + 1, None
-        if self.multinode:
-            self.store, init = remote_actors.serve_config(self.layout, cfg_yaml)
-        else:
-            init = f"file://{os.path.join(tempfile.mkdtemp(prefix='rlctl-async-'), 'rendezvous')}"
+        """Spawn the actors and form the group (``file://`` rendezvous in a temp dir)."""
+        world = self.num_actors + 1
+        init = f"file://{os.path.join(tempfile.mkdtemp(prefix='rlctl-async-'), 'rendezvous')}"
         ctx = mp.get_context("spawn")
         # not daemons: an actor forks its own reward worker (task.reward_timeout_s)
         self.procs = [ctx.Process(target=actor_main, args=(cfg_yaml, init, a + 1, world), daemon=False)
@@ -138,24 +134,21 @@ class AsyncSource:
         for p in self.procs:
             p.start()
         try:
-            if self.multinode:
-                remote_actors.form_group(self.store, self.layout, stop, self.procs)
-            else:
-                dist.init_process_group("gloo", init_method=init, rank=0, world_size=world,
-                                        timeout=datetime.timedelta(seconds=300))
+            dist.init_process_group("gloo", init_method=init, rank=0, world_size=world,
+                                    timeout=datetime.timedelta(seconds=300))
         except BaseException:
             for p in self.procs:
                 p.terminate()
             raise
 
     def _lost(self, actor: int, exc: BaseException) -> ActorFailed:
-        """An actor whose transfer failed: it exited, or its node was lost."""
+        """An actor whose transfer failed: it exited."""
         self.failed.add(actor)
         return ActorFailed(f"lost contact with {self._name(actor)}: it "
                            f"{gloo_reason(exc.__cause__ or exc, self.timeout)}")
 
-    def _name(self, actor: int) -> str:             # "rollout actor rank 1 on node 1"
-        return f"rollout actor rank {actor + 1} on node {self.layout.node_of(actor + 1)}"
+    def _name(self, actor: int) -> str:             # "rollout actor rank 1"
+        return f"rollout actor rank {actor + 1}"
 
     # ---- learner side ------------------------------------------------------------
     def _fill(self) -> None:
@@ -298,7 +291,6 @@ class AsyncSource:
                     p.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
-            self.store = None
             self.local.close()
 
 
@@ -330,12 +322,9 @@ def _named_rewards(components: Dict[str, List[float]], episode_bytes: int) -> Li
 
 
 def serve_learner(actor: LocalSource, init: str, rank: int, world_size: int, layout: ActorLayout) -> str:
-    """An actor process, its ``actor`` built: join the group (``file://`` or the learner's
-    ``tcp://`` store), serve; returns what went wrong ("" after a normal stop)."""
-    if init.startswith("tcp://"):
-        remote_actors.actor_join(init, rank, world_size, layout.dist_timeout_s)
-    else:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    """An actor process, its ``actor`` built: join the group (``file://``), serve; returns
+    what went wrong ("" after a normal stop)."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         return _serve(actor, layout.timeout_text())
     finally:
@@ -353,7 +342,7 @@ def _serve(actor: LocalSource, timeout: str) -> str:
         h, payload = _with_learner(timeout, recv_message, 0)
         go, weights, wver, use_rng, B, seed = (int(x) for x in h[:6])
         if not go:
-            return "the learner ended its run early (node 0 says why)" if h[1] else ""
+            return "the learner ended its run early (it says why)" if h[1] else ""
         waited = time.perf_counter() - t0
         specs = ([((n_params,), torch.float32)] if weights else []) + [((B,), torch.long)]
         if use_rng:
@@ -377,11 +366,11 @@ def _serve(actor: LocalSource, timeout: str) -> str:
 
 
 def _with_learner(timeout: str, transfer, *args):
-    """A transfer to or from the learner; its loss (it died, or its node) is one line."""
+    """A transfer to or from the learner; its loss (it died) is one line."""
     try:
         return transfer(*args)
     except (ActorFailed, RuntimeError) as exc:
-        raise ActorFailed(f"lost contact with the learner (rank 0 on node 0): it "
+        raise ActorFailed(f"lost contact with the learner (rank 0): it "
                           f"{gloo_reason(exc.__cause__ or exc, timeout)}") from None
 
 

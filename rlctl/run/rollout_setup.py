@@ -2,15 +2,13 @@
 learner samples from, and ``actor_main``, the entry point of each rollout actor process.
 
 The two functions here that take the whole config need all of it: the asynchronous
-source ships the learner's resolved config, as YAML text, to every actor (on node 0 and,
-through the learner's store, on the other nodes), and each actor builds its own model
-and task from it exactly as the learner did (rlctl/run/build.py). Below them,
+source ships the learner's resolved config, as YAML text, to every actor, and each
+actor builds its own model and task from it exactly as the learner did (rlctl/run/build.py). Below them,
 rlctl/rollout/ takes settings: ``SamplingSettings``, ``ActorSettings``, ``ActorLayout``.
 """
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -20,7 +18,7 @@ from omegaconf import OmegaConf
 from rlctl.backends.base import Backend
 from rlctl.backends.launch import die_with_parent
 from rlctl.envs.base import is_episodic
-from rlctl.errors import ConfigError, UserError, user_message
+from rlctl.errors import ConfigError, UserError
 from rlctl.learner.forward import prompt_sharing
 from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.actors import ActorSettings, AsyncSource, serve_learner
@@ -42,7 +40,7 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     ``trainer.async_rollout.enabled``; for a task played as episodes
     (``rlctl.envs.base.is_episodic``) ``EpisodeSource`` in place of ``LocalSource``
     (the actors then play episodes too). ``backend`` None: one process on
-    ``hardware.device``; ``stop``: the run's StopFlag (a signal ends a wait for other nodes).
+    ``hardware.device``; ``stop``: the run's StopFlag (a signal ends a wait for servers starting).
     Takes the whole config: the asynchronous source sends it to its actors, which build from it."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     if is_episodic(task):
@@ -72,7 +70,6 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
         raise UserError("trainer.async_rollout.enabled=true needs one learner process in no process "
                         "group of its own: hardware.num_processes=1 and hardware.backend=torch")
     layout = ActorLayout.from_config(cfg)
-    layout.check()
     device = backend.device if backend is not None else Backend(cfg.hardware.device).device
     return AsyncSource(ActorSettings.from_config(cfg), layout, local, device, actor_main,
                        OmegaConf.to_yaml(cfg, resolve=True), stop)
@@ -109,20 +106,11 @@ def check_episodic(backend) -> None:
                           "hardware.zero_stage=2 or lower, or hardware.num_processes=1")
 
 
-def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int, errors=None) -> None:
-    """One actor process. ``errors`` (an actor node's pipe end): a failure, or a learner
-    that ended early, is sent there as one line and the process exits 1."""
+def actor_main(cfg_yaml: str, init: str, rank: int, world_size: int) -> None:
+    """One actor process (a failure is raised: the learner names the lost actor)."""
     os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
     die_with_parent(mp.parent_process().pid)   # SIGTERM when the process that started it dies
-    try:
-        problem = _actor(OmegaConf.create(cfg_yaml), init, rank, world_size)
-    except Exception as exc:  # noqa: BLE001 - one line for the node (local actors: raised)
-        if errors is None:
-            raise
-        problem = user_message(exc)[0]
-    if problem and errors is not None:
-        errors.send(f"rollout actor rank {rank}: {problem}")
-        sys.exit(1)
+    _actor(OmegaConf.create(cfg_yaml), init, rank, world_size)
 
 
 def _actor(cfg, init: str, rank: int, world_size: int) -> str:

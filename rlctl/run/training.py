@@ -27,15 +27,13 @@ from rlctl.learner.trainer import Trainer
 from rlctl.models.loading import check_source
 from rlctl.models.lora import count_parameters
 from rlctl.models.quiet import quiet_libraries
-from rlctl.rollout import remote_actors
-from rlctl.rollout.layout import ActorLayout
 from rlctl.rollout.sampler import check_training_sampling
 from rlctl.run.build import model_from_config, task_from_config
 from rlctl.run.checks import warn_config
 from rlctl.run.entries import EntryNames, check_entries
 from rlctl.run.report import print_summary, run_summary
 from rlctl.run.resume import ResumeSettings, check_resumable, newest, resume_point
-from rlctl.run.rollout_setup import actor_main, build_source
+from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink, build_sinks
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint, rundir
@@ -160,16 +158,12 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
         raise UserError(f"cannot load model: {exc}") from None
     check_training_sampling(cfg.rollout.top_k)   # refused before a run directory exists
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
-    layout = ActorLayout.from_config(cfg)
-    layout.check()
     group = tcp_group.from_environment(cfg.hardware.master_port)
     stop = StopFlag()
     with stop.installed():
         if group is not None and group.world_size > 1:
             summary = _train_in_group(group, cfg, composed, resume, overrides, stop)
-        elif cfg.hardware.nnodes > 1 and cfg.trainer.async_rollout.enabled and cfg.hardware.node_rank:
-            return remote_actors.serve_node(layout, stop, actor_main)   # actors only; no run directory
-        elif cfg.hardware.nnodes > 1 and not cfg.trainer.async_rollout.enabled:
+        elif cfg.hardware.nnodes > 1:
             code = launch_node(node_argv(overrides, recipe, resume), cfg.hardware, stop)
             if code:
                 raise SystemExit(code)        # the failed rank printed its own line
@@ -198,7 +192,7 @@ def _train_alone(cfg: DictConfig, composed, resume: Optional[str], overrides: Li
             check_resumable(run_dir, ResumeSettings.from_config(cfg), overrides, cfg.hardware.num_processes)
             rundir.record_resume(run_dir, composed)
             return _train_here_or_launched(cfg, run_dir, True, stop, [0])
-        except ActorFailed as exc:            # a rollout actor (or its node) was lost
+        except ActorFailed as exc:            # a rollout actor was lost
             raise ActorFailed(f"{exc}; {newest(run_dir)}") from None
 
 
