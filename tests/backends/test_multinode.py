@@ -16,7 +16,7 @@ import torch
 
 from rlctl.backends.tcp_group import expand_nodelist, from_environment
 from rlctl.errors import UserError
-from test_data_parallel import GRAD, TINY, WORKER, _grad, _run
+from test_data_parallel import GRAD, TINY, WORKER, _grad, reference
 
 BIN = Path(sys.executable).parent
 TINY_RUN = ["trainer.steps=2", "trainer.prompts_per_step=2", "algo.group_size=2", "logger=jsonl",
@@ -95,15 +95,14 @@ def test_environment_describes_the_group():
 
 
 # ---- gradients through a torchrun group ------------------------------------------------
-def test_torchrun_two_nodes_same_gradient_as_one_process(tmp_path):
+def test_torchrun_two_nodes_same_gradient_as_one_process(tmp_path, build_once):
     """The data-parallel harness (dp_worker.py) with its group made by two torchrun trees
     over TCP (env://, no file rendezvous): plain torch in float64 and ZeRO-2 in float32,
     one SGD step's gradient vs one process on the same global batch. Tolerances as in
     test_data_parallel: float64 only reorders sums (< 1.1e-11 per entry, bound 1e-10);
     float32 vs the float64 value, 1e-4 of the largest entry."""
     agg = "token-mean"
-    _run(tmp_path, 1, [{"name": "ref64", "backend": "torch", "agg": agg, "tiny": TINY,
-                        "dtype": "float64", **GRAD}])
+    ref_dir = reference(build_once)         # one process, float64 (shared with test_data_parallel)
     cases = [{"name": "tr64", "backend": "torch", "agg": agg, "tiny": TINY, "dtype": "float64", **GRAD},
              {"name": "z2g32", "backend": "deepspeed", "zero_stage": 2, "agg": agg, "tiny": TINY, **GRAD}]
     port = free_port()
@@ -111,7 +110,7 @@ def test_torchrun_two_nodes_same_gradient_as_one_process(tmp_path):
                       for r in (0, 1)], timeout=180)
     for code, out, err in results:
         assert code == 0, err[-3000:]
-    ref = _grad(tmp_path, "ref64")
+    ref = _grad(ref_dir, f"ref64-{agg}")
     scale = max(v.abs().max().item() for v in ref.values())
     assert scale > 1e-2                                               # a real gradient
     for name, tol in (("tr64", 1e-10), ("z2g32", 1e-4 * scale)):
