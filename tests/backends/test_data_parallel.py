@@ -41,20 +41,38 @@ def _run(out_dir: Path, world: int, cases: list, timeout=600) -> None:
 GRAD = {"optim": "sgd", "steps": 1, "lr": 1.0, "max_grad_norm": 0.0}
 
 
+def _case(name, backend, agg, **kw):
+    return {"name": name, "backend": backend, "agg": agg, "tiny": TINY, **kw}
+
+
+def reference(build_once) -> Path:
+    """The 1-process reference cases (AdamW steps in float32 and one SGD step in float64,
+    per aggregation mode), built once per test run (test_multinode reads them too). They
+    run dp_worker's own ``run_case`` in this process: one rank needs no rendezvous, so no
+    interpreter has to start for it (torch and DeepSpeed imports, several seconds)."""
+    def build(out: Path) -> Path:
+        import dp_worker
+
+        out.mkdir(parents=True)
+        for agg in AGGS:
+            dp_worker.run_case(_case(f"ref-{agg}", "torch", agg), 0, 1, str(out))
+            dp_worker.run_case(_case(f"ref64-{agg}", "torch", agg, dtype="float64", **GRAD), 0, 1, str(out))
+        return out
+    return build_once("dp-reference", build)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, build_once):
+    """A directory with every case's weights: the 2-rank runs and the 1-process references."""
     out = tmp_path_factory.mktemp("dp")
-    case = lambda name, backend, agg, **kw: {"name": name, "backend": backend, "agg": agg,  # noqa: E731
-                                             "tiny": TINY, **kw}
-    reference = [case(f"ref-{a}", "torch", a) for a in AGGS]
-    reference += [case(f"ref64-{a}", "torch", a, dtype="float64", **GRAD) for a in AGGS]
-    _run(out, 1, reference)
-    cases = [case(f"torch2-{a}", "torch", a) for a in AGGS]
-    cases += [case(f"torch2g64-{a}", "torch", a, dtype="float64", **GRAD) for a in AGGS]
+    for f in reference(build_once).glob("*.pt"):
+        (out / f.name).symlink_to(f)
+    cases = [_case(f"torch2-{a}", "torch", a) for a in AGGS]
+    cases += [_case(f"torch2g64-{a}", "torch", a, dtype="float64", **GRAD) for a in AGGS]
     for z in STAGES:   # DeepSpeed reduces no float64 gradients: float32 gradients there
-        cases += [case(f"z{z}-{a}", "deepspeed", a, zero_stage=z) for a in AGGS]
-        cases += [case(f"z{z}g32-{a}", "deepspeed", a, zero_stage=z, **GRAD) for a in AGGS]
-    cases += [case(f"torch2g32-{a}", "torch", a, **GRAD) for a in AGGS]
+        cases += [_case(f"z{z}-{a}", "deepspeed", a, zero_stage=z) for a in AGGS]
+        cases += [_case(f"z{z}g32-{a}", "deepspeed", a, zero_stage=z, **GRAD) for a in AGGS]
+    cases += [_case(f"torch2g32-{a}", "torch", a, **GRAD) for a in AGGS]
     _run(out, 2, cases)
     return out
 
