@@ -5,9 +5,10 @@ laid out as the learner's ``RolloutBatch``; the learner's weights pushed to the 
 * **Seeds.** Each request draws its prompts and one seed from ``sampler`` (the checkpointed
   prompt RNG), so a run's tokens depend on that seed and the engine's ``chunk_size`` only:
   one server, two servers, or the ``torch`` engine in this process with the same
-  ``chunk_size`` give the same tokens (tests/learner/test_engine_training.py).
-* **Weights.** Version 0 is pushed before the first request (the engine then holds the
-  learner's weights, whatever it loaded), then a new version after updates: when the
+  ``chunk_size`` give the same tokens (tests/rollout/test_engine_source.py).
+* **Weights.** The learner's weights go with the first request (the engine then holds
+  them, whatever it loaded; a resumed run's are the checkpoint's, loaded after this
+  source was built), then a new version after updates: when the
   engine's copy is ``sync_every`` updates old, or sooner when the staleness bound needs
   it. A LoRA policy pushes its adapter only (``policy_weights``). ``weight_dir``: the
   weights go through that directory (``update_weights_from_disk``; servers that see it)
@@ -96,12 +97,12 @@ class EngineSource(SyncSource):
         self.on_close = on_close
         self.base = int(getattr(engine, "version", 0))   # the engine's count when we started
         self.version = self.base                          # the learner's weights
-        self.pushed = self.base                           # the engine's weights version
+        # the engine's weights version; None: nothing pushed yet. The first request pushes
+        # (not this constructor): a resumed run loads its checkpoint's weights after this.
+        self.pushed: Optional[int] = None
         self.ahead: Optional[Future] = None
         self.pool = ThreadPoolExecutor(1, "rlctl-engine") if settings.max_staleness > 0 else None
         self.stats: Dict[str, List[float]] = {}
-        self._log("time/weight_sync_s", self._push(self._snapshot()))   # version base: the learner's
-        self.pushed = self.version
 
     # -- weights -----------------------------------------------------------------------
     def _snapshot(self):
@@ -121,7 +122,7 @@ class EngineSource(SyncSource):
 
     def _needs_push(self, consumed_at: int) -> bool:
         s = self.settings
-        return (self.version - self.pushed >= s.sync_every
+        return (self.pushed is None or self.version - self.pushed >= s.sync_every
                 or self.pushed < consumed_at - s.max_staleness)
 
     # -- requests ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ runs the same sampler code on the same weights (pushed as safetensors: a bit-exa
 with the same request seeds and the same chunking, and the log-probs travel as JSON
 numbers, which round-trip IEEE doubles exactly; so every metric must be equal."""
 import copy
+import json
 
 import pytest
 import torch
@@ -229,3 +230,40 @@ def test_an_episodic_task_is_refused_with_the_server_engine():
     task = task_from_config(cfg)
     with pytest.raises(UserError, match="episodes"):
         build_source(cfg, None, None, task)
+
+
+RESUME = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.lr=1e-2", "trainer.eval_every=2",
+          "task.num_eval=8", "trainer.checkpoint_every=2", "logger=jsonl", "logger.console=false",
+          "run.save_model=false", "task.reward_timeout_s=0", "rollout.engine=server",
+          "rollout.server.chunk_size=4"]
+
+
+def _step_rows(run):
+    rows = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "step" in row:              # the resumed run's rows replace those it redoes
+            rows[row["step"]] = {k: v for k, v in row.items()
+                                 if not k.startswith(("time/", "perf/", "engine/"))}
+    return rows
+
+
+def test_a_run_stopped_at_its_checkpoint_and_resumed_matches_an_uninterrupted_one(tiny, tmp_path, rlctl_app):
+    """max_staleness=0 against one server that outlives the runs: 4 steps at once, and 2
+    steps (checkpoint at 2) resumed to 4. The resumed learner loads step 2's weights
+    after its source was built, so the server must be sent those, not the ones the
+    learner was built with. Exact equality (see the module docstring)."""
+    _, _, servers = tiny
+    args = RESUME + [f"rollout.server.urls=[{servers[0].url}]"]
+    runs = {}
+    for name, steps in (("full", 4), ("part", 2)):
+        out = rlctl_app("train", *args, f"trainer.steps={steps}", f"run.output_dir={tmp_path / name}")
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[name] = next((tmp_path / name).iterdir())
+    out = rlctl_app("train", "--resume", str(runs["part"]), "trainer.steps=4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    full, resumed = _step_rows(runs["full"]), _step_rows(runs["part"])
+    assert sorted(full) == sorted(resumed) == [0, 1, 2, 3, 4]
+    assert full[3] != full[4]                                   # the steps do differ (can fail)
+    for step in full:
+        assert resumed[step] == full[step], step
