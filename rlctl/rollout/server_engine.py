@@ -15,7 +15,7 @@ they share). Standard library HTTP only.
   again on every reply's ``weights_version``).
 * a lost server is probed (its kind's probe route: GET /version for rlctl) at the start
   of a later ``generate``, at most every ``recheck_s`` seconds, and taken back in one line
-  once it answers.
+  once it answers, after it is sent the newest push (whatever version it reports).
 * a kind whose replies carry no weights version (vLLM, SGLang) is tracked client-side: a
   server is at the version last pushed to it successfully, and at 0 when first seen or
   back after being lost (so it is sent the newest weights before it is used).
@@ -143,8 +143,8 @@ class ServerEngine:
         self.say(f"rollout server {s.url} lost ({exc}); its requests go to the other {others}")
 
     def _recheck(self, force: bool = False) -> None:
-        """Probe lost servers (due every ``recheck_s``) and send the newest weights to any
-        server, lost or not, whose weights are too old to be used."""
+        """Probe lost servers (due every ``recheck_s``) and send the newest weights to each
+        one that is back, and to any server whose weights are too old to be used."""
         now = time.monotonic()
         for s in self.servers:
             if self._usable(s) or (not s.up and not force and now - s.lost_at < self.recheck_s):
@@ -157,7 +157,10 @@ class ServerEngine:
                     s.lost_at = now
                     continue
                 s.up = True
-            if self._push is not None and not self._usable(s) and not self._send_weights(s):
+            # back: sent the newest push even when its version is within max_staleness (it
+            # missed that push; its rows would be read an update later) or reads as the
+            # newest (a restarted server's 0 is whatever it loaded)
+            if self._push is not None and (was_lost or not self._usable(s)) and not self._send_weights(s):
                 continue
             self.say(f"rollout server {s.url} is back (weights version {s.weights_version})"
                      if was_lost else

@@ -127,6 +127,28 @@ def test_a_server_with_old_weights_is_not_used_past_max_staleness(tiny, two):
     assert restarted.version == 0 and two[1][1].calls >= 3
 
 
+def test_a_server_back_within_max_staleness_is_sent_the_newest_weights_first(tiny, two):
+    """A server that missed a push (down while it went out) and comes back with the
+    version before it is within max_staleness=1 of the newest push; it must still be sent
+    that push before it serves: the rows the learner reads one update later would
+    otherwise be two updates old. Its requests then equal the newest weights' exactly."""
+    model, other, tok, prompts = tiny
+    lines = []
+    engine = ServerEngine([s.url for s, _ in two], chunk_size=2, max_staleness=1,
+                          recheck_s=0.0, say=lines.append)
+    engine.update_weights(1, dict(other.named_parameters()))
+    missed, _ = two[1]
+    missed.stop()
+    engine.update_weights(2, dict(model.named_parameters()))           # lost: misses v2
+    assert any("lost" in ln and missed.url in ln for ln in lines)
+    app, back = tiny_app(model, tok.pad_token_id)
+    back.update_weights(1, dict(other.named_parameters()))             # back, still at v1
+    missed.start(app)
+    want = fields(by_chunks(TorchEngine(model, tok.pad_token_id), prompts, SAMPLED, 5, 2))
+    assert fields(engine.generate(prompts, SAMPLED, seed=5)) == want
+    assert back.version == 2 and back.calls > 0 and engine.servers[1].weights_version == 2
+
+
 def post(url, body, ctype="application/json"):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": ctype})
