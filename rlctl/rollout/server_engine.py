@@ -36,7 +36,7 @@ import torch
 
 from rlctl.errors import UserError
 from rlctl.rollout.engine import Completion, Sampling, check_sampling, chunk_seed
-from rlctl.rollout.server_kinds import Link, ServerKind, server_kind
+from rlctl.rollout.server_kinds import KINDS, Link, ServerKind, server_kind
 
 
 class NoServerLeft(UserError):
@@ -45,6 +45,9 @@ class NoServerLeft(UserError):
 
 class _Lost(Exception):
     """A server did not answer or answered 5xx."""
+
+
+_UNREADABLE = (KeyError, IndexError, TypeError, ValueError, AttributeError)   # a reply's shape
 
 
 @dataclass
@@ -116,7 +119,7 @@ class ServerEngine:
     def _send_weights(self, s: Server) -> bool:
         version, push = self._push
         try:
-            reported = push(self._link(s, self.timeout_s))
+            reported = self._read(s, "weights", push, self._link(s, self.timeout_s))
             s.weights_version = version if reported is None else int(reported)
             return True
         except _Lost as exc:
@@ -205,7 +208,7 @@ class ServerEngine:
                 todo.put((j, rows))
                 self._lose(s, exc)
                 return
-            except UserError as exc:
+            except Exception as exc:  # noqa: BLE001 - raised in the caller's thread
                 errors.append(exc)
                 return
             if outs is None:             # answered with weights too old: not used again
@@ -214,7 +217,11 @@ class ServerEngine:
             done[j] = outs
 
     def _complete(self, s: Server, rows, sampling: Sampling, seed) -> Optional[List[Completion]]:
-        outs, reported = self.kind.complete(self._link(s, self.timeout_s), rows, sampling, seed)
+        outs, reported = self._read(s, "completions", self.kind.complete,
+                                    self._link(s, self.timeout_s), rows, sampling, seed)
+        if len(outs) != len(rows) or any(c is None for c in outs):
+            raise UserError(f"rollout server {s.url} answered {sum(c is not None for c in outs)} "
+                            f"completions for a request of {len(rows)} prompts")
         version = s.weights_version if reported is None else int(reported)
         s.weights_version = version
         if self.version - version > self.max_staleness:
@@ -229,8 +236,20 @@ class ServerEngine:
     # -- HTTP ---------------------------------------------------------------------------
     def _probe(self, s: Server, timeout: float) -> int:
         """The kind's probe; a version it does not report is 0 (the weights it started with)."""
-        reported = self.kind.probe(self._link(s, timeout))
+        reported = self._read(s, "probe", self.kind.probe, self._link(s, timeout))
         return 0 if reported is None else int(reported)
+
+    def _read(self, s: Server, what: str, call, *args):
+        """``call(*args)``, a reply of a shape the kind cannot read being one line
+        (UserError) naming the server and the kind; a lost server and UserError pass."""
+        try:
+            return call(*args)
+        except (_Lost, UserError):
+            raise
+        except _UNREADABLE as exc:
+            raise UserError(f"rollout server {s.url} sent a {what} reply the {self.kind.name} kind "
+                            f"cannot read ({type(exc).__name__}: {exc}); is rollout.server.kind right? "
+                            f"valid: {', '.join(KINDS)}") from None
 
     def _link(self, s: Server, timeout: float) -> Link:
         def call(route: str, body: Optional[bytes], ctype: str, expect_json: bool) -> dict:

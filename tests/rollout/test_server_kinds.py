@@ -260,3 +260,63 @@ def test_a_real_server_of_the_kind_generates(var, kind):
         assert c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids) <= 16
         assert len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs)
     assert len({tuple(c.token_ids) for c in outs[:4]}) > 1     # seeded samples still differ
+
+
+# -- a server of another kind than configured ----------------------------------------------
+
+class _Other:
+    """A real HTTP server on 127.0.0.1 answering fixed JSON per route (``replies``):
+    what a server of another kind sends an rlctl-kind client."""
+
+    def __init__(self, replies):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _reply(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                data = json.dumps(replies[self.path.split("?")[0]]).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            do_GET = do_POST = _reply
+
+            def log_message(self, *args):
+                pass
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_replies_of_another_kind_are_one_line_naming_the_server_and_the_kind(tiny):
+    """vLLM's GET /version ({"version": ...}) read as rlctl's probe; an OpenAI reply with no
+    log-probs read as rlctl's completions (from a worker thread, where an error must reach
+    the caller: it was printed as a thread's traceback and its request left out); a reply
+    with fewer completions than prompts (the rows would shift onto other prompts)."""
+    _, _, _, prompts = tiny
+    vllm = _Other({"/version": {"version": "0.10.2"}})
+    plain = _Other({"/version": {"weights_version": 0}, "/v1/completions": {
+        "choices": [{"index": 0, "text": " 1 2 3", "finish_reason": "stop", "logprobs": None}]}})
+    short = _Other({"/version": {"weights_version": 0}, "/v1/completions": {   # one choice, rows left out
+        "choices": [{"index": 0, "token_ids": [2], "finish_reason": "stop",
+                     "logprobs": {"token_logprobs": [-0.5]}}], "weights_version": 0}})
+    try:
+        with pytest.raises(UserError) as err:
+            ServerEngine([vllm.url])
+        assert vllm.url in str(err.value) and "rollout.server.kind" in str(err.value)
+        engine = ServerEngine([plain.url], chunk_size=2)
+        with pytest.raises(UserError) as err:
+            engine.generate(prompts, SAMPLED, seed=0)
+        assert plain.url in str(err.value) and "rollout.server.kind" in str(err.value)
+        assert "\n" not in str(err.value)
+        with pytest.raises(UserError, match="answered 1 completions for a request of 2 prompts"):
+            ServerEngine([short.url], chunk_size=2).generate(prompts, SAMPLED, seed=0)
+    finally:
+        for server in (vllm, plain, short):
+            server.close()
