@@ -255,6 +255,7 @@ def _check_engine(cfg: DictConfig) -> None:
     checked where the task is built: rlctl/run/rollout_setup.py)."""
     _choice(cfg, "rollout.engine", ["torch", "server"])
     _choice(cfg, "rollout.server.weight_sync", ["http", "disk"])
+    _choice(cfg, "rollout.server.kind", ["rlctl", "vllm", "sglang"])     # rollout/server_kinds.py
     sv = cfg.rollout.server
     if cfg.rollout.engine != "server":
         return
@@ -268,6 +269,9 @@ def _check_engine(cfg: DictConfig) -> None:
         raise ConfigError("rollout.server.weight_sync=disk needs rollout.server.weight_dir "
                           "(a directory every server can read)")
     urls = list(sv.urls or [])
+    if not urls and sv.kind != "rlctl":
+        raise ConfigError(f"rollout.server.kind={sv.kind} needs rollout.server.urls (the running "
+                          "servers); with urls=[] the run starts `rlctl serve` processes (kind rlctl)")
     bad = next((u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))), None)
     if bad is not None:
         raise ConfigError(f"rollout.server.urls holds {bad!r}; each is http://HOST:PORT")

@@ -214,6 +214,8 @@ def test_the_run_starts_its_own_servers_survives_one_killed_and_stops_them(capfd
     (["rollout.server.urls=[node1:8000]"], "http://HOST:PORT"),
     (["rollout.sample_dtype=bfloat16"], "its own precision"),
     (["rollout.server.weight_sync=ftp"], "http, disk"),
+    (["rollout.server.kind=tgi"], "valid: rlctl, vllm, sglang"),          # before a run directory
+    (["rollout.server.kind=vllm"], "needs rollout.server.urls"),          # not after spawning rlctl serve
 ])
 def test_bad_server_settings_are_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match):
