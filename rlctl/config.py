@@ -275,6 +275,27 @@ def _check_engine(cfg: DictConfig) -> None:
     bad = next((u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))), None)
     if bad is not None:
         raise ConfigError(f"rollout.server.urls holds {bad!r}; each is http://HOST:PORT")
+    _check_kind_dirs(cfg)
+
+
+def _check_kind_dirs(cfg: DictConfig) -> None:
+    """vllm/sglang servers read every push from files this run writes where they read
+    (rollout/server_foreign.py): the directories must be named before the first push."""
+    sv, lora = cfg.rollout.server, bool(cfg.model.lora.enabled)
+    if sv.kind == "rlctl":
+        return
+    if sv.weight_sync == "disk":
+        raise ConfigError(f"rollout.server.weight_sync=disk is for kind=rlctl; kind={sv.kind} always "
+                          "pushes through shared files: set rollout.server.weight_dir"
+                          + ("" if sv.kind == "sglang" else " (LoRA) or model_dir (full weights)")
+                          + " and keep weight_sync=http")
+    if sv.kind == "vllm" and not lora and not sv.model_dir:
+        raise ConfigError("rollout.server.kind=vllm with full weights needs rollout.server.model_dir "
+                          "(the directory `vllm serve` loads, at the same path here); or model.lora.enabled=true")
+    if not sv.weight_dir and (sv.kind == "sglang" or lora):
+        raise ConfigError(f"rollout.server.kind={sv.kind} needs rollout.server.weight_dir (a directory "
+                          "the servers read at the same path) to push "
+                          + ("the LoRA adapter" if lora else "weights"))
 
 
 def _check_eval(cfg: DictConfig) -> None:

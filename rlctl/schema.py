@@ -205,7 +205,8 @@ class ServerConfig:
     chunk_size: int = MISSING      # rows per request (the tokens depend on it)
     timeout_s: float = MISSING     # one request; past it the server counts as lost
     weight_sync: str = MISSING     # http | disk (through weight_dir)
-    weight_dir: Optional[str] = None
+    weight_dir: Optional[str] = None   # disk sync (rlctl); vllm: LoRA adapters; sglang: all weights
+    model_dir: Optional[str] = None    # vllm, full weights: the directory `vllm serve` loads
 
 
 @dataclass

@@ -64,3 +64,15 @@ def server_kind(kind) -> ServerKind:
     if kind not in KINDS:
         raise UserError(f"unknown server kind '{kind}'; valid: {', '.join(KINDS)}")
     return KINDS[kind]()
+
+
+def configured_kind(name: str, weight_dir=None, model_dir=None) -> ServerKind:
+    """The adapter of ``rollout.server.kind`` with the directories the run names:
+    ``weight_dir`` (vllm: its LoRA adapters; sglang: every push), ``model_dir`` (vllm:
+    the directory ``vllm serve`` loads, for full weights). rlctl takes neither: its
+    pushes go in the request body or through EngineSource's own ``weight_dir``."""
+    if name == "vllm":
+        return VLLMKind(model_dir=model_dir, lora_dir=weight_dir)
+    if name == "sglang":
+        return SGLangKind(weights_dir=weight_dir)
+    return server_kind(name)

@@ -36,18 +36,21 @@ START_S = 600.0          # a child that has not reported its port by then failed
 @dataclass(frozen=True)
 class ServerSettings:
     """``rollout.server``: the servers' URLs (empty: ``num_local`` started here), their
-    kind, the rows per request and a request's time limit."""
+    kind, the rows per request, a request's time limit and the shared directories a
+    vllm/sglang kind writes its pushes to (``configured_kind``)."""
     urls: Tuple[str, ...]
     num_local: int
     kind: str
     chunk_size: int
     timeout_s: float
+    weight_dir: Optional[str] = None
+    model_dir: Optional[str] = None
 
     @classmethod
     def from_config(cls, cfg) -> "ServerSettings":
         sv = cfg.rollout.server
         return cls(tuple(str(u) for u in sv.urls or []), int(sv.num_local), str(sv.kind),
-                   int(sv.chunk_size), float(sv.timeout_s))
+                   int(sv.chunk_size), float(sv.timeout_s), sv.weight_dir, sv.model_dir)
 
 
 @dataclass(frozen=True)

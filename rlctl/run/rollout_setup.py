@@ -27,6 +27,7 @@ from rlctl.rollout.episode_source import EpisodeSource
 from rlctl.rollout.episodes import EpisodeSettings
 from rlctl.rollout.layout import ActorLayout
 from rlctl.rollout.server_engine import ServerEngine
+from rlctl.rollout.server_kinds import configured_kind
 from rlctl.rollout.source import LocalSource, SamplingSettings
 from rlctl.run.build import model_from_config, task_from_config
 from rlctl.run.local_servers import LocalServers, ServerSettings, ServeSpec
@@ -85,7 +86,7 @@ def server_source(servers: ServerSettings, spec: ServeSpec, settings: EngineSett
     try:
         engine = ServerEngine(list(servers.urls) or local.urls, max_staleness=settings.max_staleness,
                               chunk_size=servers.chunk_size, timeout_s=servers.timeout_s,
-                              kind=servers.kind)
+                              kind=configured_kind(servers.kind, servers.weight_dir, servers.model_dir))
         return EngineSource(engine, policy, tokenizer, task.train_examples(), RewardScorer(task),
                             sampling, settings, seed=seed, device=device,
                             on_close=local.close if local is not None else None)

@@ -208,6 +208,9 @@ def test_the_run_starts_its_own_servers_survives_one_killed_and_stops_them(capfd
     assert not any(p.is_alive() for p in procs)
 
 
+URL = "rollout.server.urls=[http://127.0.0.1:9]"
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["hardware.num_processes=2"], "one learner process"),
     (["rollout.server.weight_sync=disk"], "weight_dir"),
@@ -216,6 +219,11 @@ def test_the_run_starts_its_own_servers_survives_one_killed_and_stops_them(capfd
     (["rollout.server.weight_sync=ftp"], "http, disk"),
     (["rollout.server.kind=tgi"], "valid: rlctl, vllm, sglang"),          # before a run directory
     (["rollout.server.kind=vllm"], "needs rollout.server.urls"),          # not after spawning rlctl serve
+    (["rollout.server.kind=vllm", URL], "needs rollout.server.model_dir"),      # before the first push
+    (["rollout.server.kind=vllm", URL, "model.lora.enabled=true"], "needs rollout.server.weight_dir"),
+    (["rollout.server.kind=sglang", URL], "needs rollout.server.weight_dir"),
+    (["rollout.server.kind=sglang", URL, "rollout.server.weight_sync=disk",
+      "rollout.server.weight_dir=/x"], "weight_sync=disk is for kind=rlctl"),
 ])
 def test_bad_server_settings_are_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match):

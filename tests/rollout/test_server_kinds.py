@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from rlctl.compose import compose
 from rlctl.errors import UserError
 from rlctl.models.tiny import build_model, build_tokenizer
 from rlctl.rollout.engine import Sampling, TorchEngine, chunk_seed
@@ -320,3 +321,74 @@ def test_replies_of_another_kind_are_one_line_naming_the_server_and_the_kind(tin
     finally:
         for server in (vllm, plain, short):
             server.close()
+
+
+# -- rlctl train with kind=sglang: the config's directories reach the adapter -----------------
+
+class _SGLangLike:
+    """A real HTTP server on 127.0.0.1 speaking SGLang's documented routes: GET /health
+    (empty 200), POST /generate (each row completes with ``stop`` at once, log-prob -0.5),
+    POST /update_weights_from_disk (recorded, ``{"success": true}``)."""
+
+    def __init__(self, stop: int):
+        import http.server
+        import threading
+        pushes = self.pushes = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, data: bytes):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(b"")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/update_weights_from_disk":
+                    pushes.append(body)
+                    reply = {"success": True, "message": "ok"}
+                else:
+                    reply = [{"text": "", "output_ids": [stop], "meta_info": {
+                        "finish_reason": {"type": "stop", "matched": stop},
+                        "output_token_logprobs": [[-0.5, stop, None]]}} for _ in body["input_ids"]]
+                self._send(json.dumps(reply).encode())
+
+            def log_message(self, *args):
+                pass
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_rlctl_train_with_kind_sglang_pushes_through_weight_dir(tiny, tmp_path, rlctl_app):
+    """``rollout.server.weight_dir`` reaches the sglang adapter (it was built with no
+    directory: the first push failed with 'needs weights_dir'). Two steps push versions 0
+    and 1, each a model.safetensors under weight_dir holding every policy parameter."""
+    _, _, tok, _ = tiny
+    server = _SGLangLike(int(tok.eos_token_id))
+    shared = tmp_path / "shared"
+    try:
+        out = rlctl_app("train", "trainer.steps=2", "trainer.prompts_per_step=2", "algo.group_size=2",
+                        "trainer.eval_every=0", "task.reward_timeout_s=0", "logger=jsonl",
+                        "logger.console=false", "run.save_model=false", "rollout.engine=server",
+                        "rollout.server.kind=sglang", f"rollout.server.urls=[{server.url}]",
+                        f"rollout.server.weight_dir={shared}", f"run.output_dir={tmp_path / 'runs'}")
+    finally:
+        server.close()
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [p["weight_version"] for p in server.pushes] == ["0", "1"]
+    m = compose([]).cfg.model                      # the run's model: its sizes, any seed
+    shapes = {n: tuple(p.shape) for n, p in build_model(tok, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                                                       num_heads=m.num_heads, seed=0).named_parameters()}
+    for push in server.pushes:
+        path = shared / f"rlctl-v{push['weight_version']}" / "model.safetensors"
+        assert push["model_path"] == str(path.parent)
+        with safe_open(str(path), "pt") as f:
+            assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == shapes
