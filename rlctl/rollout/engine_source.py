@@ -18,8 +18,9 @@ laid out as the learner's ``RolloutBatch``; the learner's weights pushed to the 
   update old when consumed, and carry the engine's log-probs as ``old_logprobs`` (the
   PPO ratio's behaviour policy). With 0 every request follows the update and uses the
   newest weights: the synchronous loop, the learner computing pi_old itself.
-* Versions count learner updates from the engine's version when the source started
-  (servers that outlive a run keep their count).
+* Versions count learner updates from one past the engine's version when the source
+  started (servers that outlive a run keep their count; the first push is never a
+  version a server may hold without it).
 """
 from __future__ import annotations
 
@@ -95,8 +96,10 @@ class EngineSource(SyncSource):
         self.stops = resolve_stop_ids(policy, tokenizer, sampling.stop_token_ids)
         self.pad_id = int(tokenizer.pad_token_id)
         self.on_close = on_close
-        self.base = int(getattr(engine, "version", 0))   # the engine's count when we started
-        self.version = self.base                          # the learner's weights
+        # the learner's weights: one past the engine's count when we started, never equal
+        # to what a server holds unpushed (a server restarted unseen reports 0, its own
+        # load: with the first push at 0 its rows would pass as the learner's)
+        self.version = int(getattr(engine, "version", 0)) + 1
         # the engine's weights version; None: nothing pushed yet. The first request pushes
         # (not this constructor): a resumed run loads its checkpoint's weights after this.
         self.pushed: Optional[int] = None

@@ -135,12 +135,54 @@ def test_one_server_lost_mid_run_the_run_finishes_on_the_other_and_it_comes_back
         assert any(servers[1].url in ln and "is back" in ln for ln in lines)
         assert back["engine/servers_up"] == 2 and apps[1][1].calls > calls   # it serves again
         b = engines[0].servers[1]
-        assert b.up and b.weights_version == engines[0].version == 2         # with the newest weights
+        assert b.up and b.weights_version == engines[0].version == 3         # the newest: 1 + 2 updates
     finally:
         tr.close()
         for s in servers:
             if s.thread.is_alive():
                 s.stop()
+
+
+def test_a_server_restarted_unseen_before_its_first_use_is_not_taken_for_the_learners(tiny):
+    """The learner's weights differ from what the servers load. Server A is restarted on
+    its port between two requests, unseen (no failed call): it reports 0, its own load.
+    The first push is one past the engines' count, so A's 0 reads as stale and B serves
+    the request; the rows equal those of a run on one server that was never restarted
+    (exact, see the module docstring). With the first push at 0, A's base-model rows
+    were taken as the learner's."""
+    model, tok, _ = tiny
+    cfg = _cfg(["task.reward_timeout_s=0"])        # inline: a forked worker keeps ports open
+    task = task_from_config(cfg)
+    learner = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    app = lambda: tiny_app(model, tok.pad_token_id, (tok.eos_token_id,))[0]   # noqa: E731
+    servers = {name: ServeThread(app()) for name in ("ref", "a", "b")}
+    lines = []
+
+    def source(urls):
+        engine = ServerEngine(urls, chunk_size=4, recheck_s=0.0, timeout_s=20.0, say=lines.append)
+        return EngineSource(engine, learner, tok, task.train_examples(), RewardScorer(task),
+                            SamplingSettings.from_config(cfg, True), EngineSettings(), seed=0)
+    ref, two = source([servers["ref"].url]), source([servers["a"].url, servers["b"].url])
+    try:
+        batches = {}
+        for name, src in (("ref", ref), ("two", two)):
+            src.sample(4)
+            if name == "two":
+                servers["a"].stop()
+                servers["a"].start(app())                # same port, its own load again
+            batches[name] = src.sample(4)
+        assert batches["two"].completions == batches["ref"].completions
+        assert torch.equal(batches["two"].input_ids, batches["ref"].input_ids)
+        assert any(servers["a"].url in ln and "weights version 0" in ln for ln in lines)
+    finally:
+        ref.close()
+        two.close()
+        for s in servers.values():
+            s.stop()
 
 
 def test_one_request_ahead_is_one_update_stale_and_uses_the_engine_logprobs(tiny):

@@ -369,8 +369,8 @@ class _SGLangLike:
 
 def test_rlctl_train_with_kind_sglang_pushes_through_weight_dir(tiny, tmp_path, rlctl_app):
     """``rollout.server.weight_dir`` reaches the sglang adapter (it was built with no
-    directory: the first push failed with 'needs weights_dir'). Two steps push versions 0
-    and 1, each a model.safetensors under weight_dir holding every policy parameter."""
+    directory: the first push failed with 'needs weights_dir'). Two steps push versions 1
+    and 2 (the first is one past the server's 0), each a model.safetensors under weight_dir holding every policy parameter."""
     _, _, tok, _ = tiny
     server = _SGLangLike(int(tok.eos_token_id))
     shared = tmp_path / "shared"
@@ -383,7 +383,7 @@ def test_rlctl_train_with_kind_sglang_pushes_through_weight_dir(tiny, tmp_path, 
     finally:
         server.close()
     assert out.returncode == 0, out.stderr[-2000:]
-    assert [p["weight_version"] for p in server.pushes] == ["0", "1"]
+    assert [p["weight_version"] for p in server.pushes] == ["1", "2"]
     m = compose([]).cfg.model                      # the run's model: its sizes, any seed
     shapes = {n: tuple(p.shape) for n, p in build_model(tok, hidden_size=m.hidden_size, num_layers=m.num_layers,
                                                        num_heads=m.num_heads, seed=0).named_parameters()}
