@@ -89,6 +89,9 @@ class LocalServers:
         except BaseException:
             self.close()
             raise
+        finally:
+            for pipe in pipes:          # the port is all they say
+                pipe.close()
 
     @staticmethod
     def _port(i: int, proc, pipe, stop) -> str:
