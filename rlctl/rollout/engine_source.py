@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -103,8 +104,7 @@ class EngineSource(SyncSource):
         # the engine's weights version; None: nothing pushed yet. The first request pushes
         # (not this constructor): a resumed run loads its checkpoint's weights after this.
         self.pushed: Optional[int] = None
-        self.ahead: Optional[Future] = None
-        self.pool = ThreadPoolExecutor(1, "rlctl-engine") if settings.max_staleness > 0 else None
+        self.ahead: Optional[Future] = None        # the request made while the learner updates
         self.stats: Dict[str, List[float]] = {}
 
     # -- weights -----------------------------------------------------------------------
@@ -159,8 +159,8 @@ class EngineSource(SyncSource):
         self._log("time/learner_wait_s", time.perf_counter() - t0)
         self._log("time/engine_generate_s", gen_s)
         self._log("time/weight_sync_s", push_s)
-        if self.pool is not None:          # made while the learner updates
-            self.ahead = self.pool.submit(self._request(num_groups, self.version + 1))
+        if self.settings.max_staleness > 0:          # made while the learner updates
+            self.ahead = _in_thread(self._request(num_groups, self.version + 1))
         return self._batch(examples, rows, outs)
 
     def after_update(self) -> None:
@@ -210,15 +210,47 @@ class EngineSource(SyncSource):
         return out
 
     def close(self) -> None:
+        """Waits ``CLOSE_WAIT_S`` at most for a request still ahead (a hung server must not
+        hold the run's exit for its ``timeout_s``), then leaves it to its daemon thread."""
         try:
-            if self.pool is not None:
-                self.pool.shutdown(wait=True, cancel_futures=True)
+            if self.ahead is not None:
+                try:
+                    self.ahead.result(CLOSE_WAIT_S)
+                except FutureTimeout:
+                    _quiet(self.engine)
+                except BaseException:  # noqa: BLE001 - nobody reads this request: the run is over
+                    pass
+                self.ahead = None
         finally:
             try:
                 super().close()
             finally:
                 if self.on_close is not None:
                     self.on_close()
+
+
+CLOSE_WAIT_S = 5.0
+
+
+def _in_thread(job: Callable[[], tuple]) -> Future:
+    """``job()`` in a daemon thread (not an executor's: its threads are joined at exit,
+    so a request to a hung server would hold the process up to the request's limit)."""
+    future: Future = Future()
+
+    def run():
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - raised where the result is read
+                future.set_exception(exc)
+    threading.Thread(target=run, name="rlctl-engine", daemon=True).start()
+    return future
+
+
+def _quiet(engine) -> None:
+    """A request left behind at close says nothing more (its servers may be stopping)."""
+    if hasattr(engine, "say"):
+        engine.say = lambda message: None
 
 
 def _write(root: str, version: int, tensors: Dict[str, torch.Tensor], kind: str) -> str:

@@ -9,6 +9,8 @@ with the same request seeds and the same chunking, and the log-probs travel as J
 numbers, which round-trip IEEE doubles exactly; so every metric must be equal."""
 import copy
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -21,7 +23,8 @@ from rlctl.learner.trainer import Trainer
 from rlctl.models import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora
 from rlctl.rollout.engine import Sampling, TorchEngine
-from rlctl.rollout.engine_source import EngineSettings, EngineSource, policy_weights
+from rlctl.rollout.engine_source import CLOSE_WAIT_S, EngineSettings, EngineSource, policy_weights
+from rlctl.rollout.serve_app import build_app
 from rlctl.rollout.server_engine import ServerEngine
 from rlctl.rollout.source import SamplingSettings
 from rlctl.run.build import task_from_config
@@ -192,6 +195,52 @@ def test_one_request_ahead_is_one_update_stale_and_uses_the_engine_logprobs(tiny
     assert [s["async/staleness"] for s in steps] == [0, 1, 1]
     assert "policy/ratio_std" not in steps[0]                 # on-policy: pi_old is the learner's
     assert steps[2]["policy/ratio_std"] > 0                    # stale: pi / pi_engine != 1
+
+
+class _HangsAfterFirst(TorchEngine):
+    """The torch engine; every generate after the first waits for ``release`` (a server
+    that stops answering while a request is ahead)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls, self.release = 0, threading.Event()
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > 1:
+            self.release.wait()
+        return super().generate(*args, **kwargs)
+
+
+def test_closing_with_a_request_ahead_on_a_hung_server_does_not_wait_for_it(tiny):
+    """One request ahead, its server hung (request limit 300 s). close() waits
+    CLOSE_WAIT_S at most, then leaves the request to its daemon thread (an executor's
+    threads are joined at exit: the run's end was held until the request gave up). The
+    hang is released after 60 s at the latest, so the old code ends and fails here."""
+    model, tok, _ = tiny
+    cfg = _cfg(["task.reward_timeout_s=0", "trainer.async_rollout.enabled=true",
+                "trainer.async_rollout.max_staleness=1"])
+    task = task_from_config(cfg)
+    engine = _HangsAfterFirst(copy.deepcopy(model), tok.pad_token_id)
+    server = ServeThread(build_app(engine, "tiny", default_stops=(tok.eos_token_id,)))
+    release = threading.Timer(60.0, engine.release.set)
+    release.start()
+    try:
+        source = EngineSource(ServerEngine([server.url], max_staleness=1, chunk_size=16, timeout_s=300.0),
+                              model, tok, task.train_examples(), RewardScorer(task),
+                              SamplingSettings.from_config(cfg, True), EngineSettings.from_config(cfg), seed=0)
+        source.sample(4)                              # answered; the next request is ahead, hung
+        deadline = time.monotonic() + 10.0
+        while engine.calls < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.calls == 2
+        t0 = time.monotonic()
+        source.close()
+        assert time.monotonic() - t0 < CLOSE_WAIT_S + 10.0 < 60.0
+    finally:
+        engine.release.set()
+        release.cancel()
+        server.stop()
 
 
 def test_a_lora_policy_pushes_its_adapter_and_the_engine_serves_the_adapted_model():
