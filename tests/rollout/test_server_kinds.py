@@ -17,8 +17,10 @@ Tests that need a real vLLM or SGLang server run only when RLCTL_VLLM_URL /
 RLCTL_SGLANG_URL name one; otherwise they are skipped with the reason.
 """
 import copy
+import http.server
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -265,14 +267,24 @@ def test_a_real_server_of_the_kind_generates(var, kind):
 
 # -- a server of another kind than configured ----------------------------------------------
 
-class _Other:
+class _Stdlib:
+    """A real stdlib HTTP server on 127.0.0.1 (a thread of this process)."""
+
+    def serve(self, handler):
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Other(_Stdlib):
     """A real HTTP server on 127.0.0.1 answering fixed JSON per route (``replies``):
     what a server of another kind sends an rlctl-kind client."""
 
     def __init__(self, replies):
-        import http.server
-        import threading
-
         class Handler(http.server.BaseHTTPRequestHandler):
             def _reply(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -286,13 +298,7 @@ class _Other:
 
             def log_message(self, *args):
                 pass
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
 
 
 def test_replies_of_another_kind_are_one_line_naming_the_server_and_the_kind(tiny):
@@ -325,14 +331,12 @@ def test_replies_of_another_kind_are_one_line_naming_the_server_and_the_kind(tin
 
 # -- rlctl train with kind=sglang: the config's directories reach the adapter -----------------
 
-class _SGLangLike:
+class _SGLangLike(_Stdlib):
     """A real HTTP server on 127.0.0.1 speaking SGLang's documented routes: GET /health
     (empty 200), POST /generate (each row completes with ``stop`` at once, log-prob -0.5),
     POST /update_weights_from_disk (recorded, ``{"success": true}``)."""
 
     def __init__(self, stop: int):
-        import http.server
-        import threading
         pushes = self.pushes = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -358,13 +362,7 @@ class _SGLangLike:
 
             def log_message(self, *args):
                 pass
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
 
 
 def test_rlctl_train_with_kind_sglang_pushes_through_weight_dir(tiny, tmp_path, rlctl_app):
