@@ -12,7 +12,10 @@ they share). Standard library HTTP only.
 * weights: ``update_weights`` pushes to every server that is up, with a version; the last
   push is kept and re-sent to a server that comes back. A server is used only while
   its weights are at most ``max_staleness`` versions behind the newest push (checked
-  again on every reply's ``weights_version``).
+  again on every reply's ``weights_version``). A reply whose version went back (a server
+  restarted unseen: its own load, whatever its number) is discarded and the server is
+  sent the newest push before it serves again, within ``max_staleness`` or not; with no
+  other server usable it is sent that push in the same ``generate``.
 * a lost server is probed (its kind's probe route: GET /version for rlctl) at the start
   of a later ``generate``, at most every ``recheck_s`` seconds, and taken back in one line
   once it answers, after it is sent the newest push (whatever version it reports).
@@ -56,6 +59,7 @@ class Server:
     up: bool = True
     weights_version: int = 0
     lost_at: float = 0.0
+    restarted: bool = False      # its version went back: not used until sent the newest push
 
 
 def _say(message: str) -> None:
@@ -121,6 +125,7 @@ class ServerEngine:
         try:
             reported = self._read(s, "weights", push, self._link(s, self.timeout_s))
             s.weights_version = version if reported is None else int(reported)
+            s.restarted = False
             return True
         except _Lost as exc:
             self._lose(s, exc)
@@ -135,7 +140,7 @@ class ServerEngine:
                             for s in self.servers}}
 
     def _usable(self, s: Server) -> bool:
-        return s.up and self.version - s.weights_version <= self.max_staleness
+        return s.up and not s.restarted and self.version - s.weights_version <= self.max_staleness
 
     def _lose(self, s: Server, exc: BaseException) -> None:
         with self._lock:
@@ -180,8 +185,13 @@ class ServerEngine:
             todo.put((j // size, [list(p) for p in prompts[j:j + size]]))
         done: Dict[int, List[Completion]] = {}
         errors: List[BaseException] = []
+        retried = False
         while todo.qsize() and not errors:
             workers = [s for s in self.servers if self._usable(s)]
+            if not workers and not retried:      # e.g. the only server, restarted: push, ask again
+                retried = True
+                self._recheck()
+                workers = [s for s in self.servers if self._usable(s)]
             if not workers:
                 raise NoServerLeft(f"no rollout server left with weights within max_staleness="
                                    f"{self.max_staleness} of version {self.version}: "
@@ -223,6 +233,11 @@ class ServerEngine:
             raise UserError(f"rollout server {s.url} answered {sum(c is not None for c in outs)} "
                             f"completions for a request of {len(rows)} prompts")
         version = s.weights_version if reported is None else int(reported)
+        if version < s.weights_version and self._push is not None:
+            self.say(f"rollout server {s.url} answered with weights version {version} after "
+                     f"{s.weights_version}: restarted, sent the newest weights before it serves again")
+            s.weights_version, s.restarted = version, True    # its own load, not a learner version
+            return None
         s.weights_version = version
         if self.version - version > self.max_staleness:
             self.say(f"rollout server {s.url} answered with weights version {version}, "

@@ -149,6 +149,46 @@ def test_a_server_back_within_max_staleness_is_sent_the_newest_weights_first(tin
     assert back.version == 2 and back.calls > 0 and engine.servers[1].weights_version == 2
 
 
+def test_a_server_restarted_unseen_within_max_staleness_is_sent_the_newest_weights(tiny, two):
+    """Server A is restarted between two calls, unseen, on another model: it reports 0,
+    within max_staleness=1 of push 1, yet its 0 is not the learner's version 0 (a
+    version that went back is a restart: whatever it loaded). Its reply is discarded
+    and it is sent push 1 before it serves again. Before, its rows (the other model's)
+    were used as version 0. Exact: the same sampler code on the same weights."""
+    model, other, tok, prompts = tiny
+    lines = []
+    engine = ServerEngine([s.url for s, _ in two], chunk_size=2, max_staleness=1,
+                          recheck_s=3600.0, say=lines.append)
+    engine.update_weights(1, dict(other.named_parameters()))
+    quick, _ = two[0]
+    quick.stop()
+    app, restarted = tiny_app(model, tok.pad_token_id)                 # its own load, v0
+    quick.start(app)
+    want = by_chunks(TorchEngine(other, tok.pad_token_id), prompts, SAMPLED, 3, 2)
+    got = engine.generate(prompts, SAMPLED, seed=3)
+    assert fields(got) == fields(want) and {c.weights_version for c in got} == {1}
+    assert any(quick.url in ln and "restarted" in ln for ln in lines)
+    calls = restarted.calls
+    assert fields(engine.generate(prompts, SAMPLED, seed=3)) == fields(want)
+    assert restarted.version == 1 and restarted.calls > calls          # sent v1, used again
+
+
+def test_the_only_server_restarted_unseen_is_sent_the_newest_weights_not_given_up(tiny, two):
+    """One server, max_staleness=0, restarted unseen: its stale reply is discarded and,
+    no other server being left, it is sent the newest push and asked again (it was
+    NoServerLeft while a usable server stood there needing only the push)."""
+    model, other, tok, prompts = tiny
+    only, _ = two[0]
+    engine = ServerEngine([only.url], chunk_size=2, recheck_s=3600.0, say=lambda m: None)
+    engine.update_weights(1, dict(other.named_parameters()))
+    only.stop()
+    app, restarted = tiny_app(model, tok.pad_token_id)
+    only.start(app)
+    want = by_chunks(TorchEngine(other, tok.pad_token_id), prompts, SAMPLED, 3, 2)
+    assert fields(engine.generate(prompts, SAMPLED, seed=3)) == fields(want)
+    assert restarted.version == 1
+
+
 def post(url, body, ctype="application/json"):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": ctype})
