@@ -105,6 +105,21 @@ def blocks(text: str):
     return found
 
 
+def text_after_closing_fences(text: str):
+    """Line numbers of closing fences with text after them (Markdown does not close the
+    block there: the page renders as code up to the next bare fence)."""
+    lines, hits, fence = text.splitlines(), [], None
+    for n, line in enumerate(lines):
+        m = FENCE.match(line)
+        if fence is None and m:
+            fence = m.group(1)
+        elif fence is not None and line.startswith(fence):
+            if line.strip() != fence:
+                hits.append(n + 1)
+            fence = None
+    return hits
+
+
 def indented_commands(text: str):
     """Line numbers of commands in indented (unfenced) code blocks, which no marker covers."""
     lines, hits, fenced = text.splitlines(), [], False
@@ -142,6 +157,8 @@ def snippet_problems(root: Path = ROOT):
     problems = []
     for path in doc_files(root):
         name, text = path.relative_to(root), path.read_text()
+        for n in text_after_closing_fences(text):
+            problems.append(f"{name}:{n}: text after a closing fence; put it on its own line")
         for n in indented_commands(text):
             problems.append(f"{name}:{n}: a command in an indented code block; fence it (```bash)")
         for n, lang, body, marker in blocks(text):
