@@ -3,6 +3,7 @@ documents they were written from, and what was run where)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import List, Optional
 
@@ -173,7 +174,8 @@ class SGLangKind(ServerKind):
 
     * generate: POST /generate (native), ``input_ids`` and one ``sampling_params`` per row
       with its ``sampling_seed``; ``return_logprob`` gives the sampled tokens' log-probs.
-    * full weights: written as ``<weights_dir>/rlctl-v<V>/model.safetensors`` (shared),
+    * full weights: written as ``<weights_dir>/rlctl-v<V>/model.safetensors`` (shared;
+      versions older than the one before are removed),
       then ``POST /update_weights_from_disk {"model_path": ..., "weight_version": "V"}``;
       ``update_weights_from_disk(V, path)`` sends ``path`` itself.
     * LoRA: PEFT layout under ``weights_dir``, ``POST /load_lora_adapter``, then
@@ -215,6 +217,7 @@ class SGLangKind(ServerKind):
         directory = self._dir() / f"rlctl-v{int(version)}"
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "model.safetensors").write_bytes(to_bytes(tensors, "full"))
+        _prune(self._dir(), "rlctl-v", int(version))        # a model per push: keep two
         return self.push_from_disk(version, str(directory))
 
     def push_from_disk(self, version, path):
@@ -224,3 +227,12 @@ class SGLangKind(ServerKind):
             _checked(link("/update_weights_from_disk", body))
             self.lora.current = None
         return send
+
+
+def _prune(root: Path, prefix: str, version: int) -> None:
+    """``root``/<prefix><n> directories older than the one before ``version`` are removed
+    (loaded by every server by now; the one before may still be in a server's hands)."""
+    for old in root.glob(prefix + "*"):
+        n = old.name[len(prefix):]
+        if old.is_dir() and n.isdigit() and int(n) < version - 1:
+            shutil.rmtree(old, ignore_errors=True)

@@ -189,6 +189,21 @@ def test_sglang_replies_parse_into_completions():
         parse_sglang(reply, 0)
 
 
+def test_sglang_full_pushes_keep_the_newest_two_copies_on_the_shared_disk(tiny, tmp_path):
+    """Every full push is a copy of the model under weights_dir; SGLang has loaded it by
+    the time the next one is written, so the copies older than the one before go (as
+    weight_sync=disk's): a run's pushes filled the disk, a model per step."""
+    _, other, _, _ = tiny
+    params = dict(other.named_parameters())
+    kind = SGLangKind(weights_dir=str(tmp_path))
+    (tmp_path / "mine").mkdir()                                     # not the adapter's: kept
+    for version in range(1, 5):
+        kind.push(version, params, "full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "rlctl-v3", "rlctl-v4"]
+    with safe_open(str(tmp_path / "rlctl-v4" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(params)
+
+
 # -- LoRA pushes: PEFT's layout, checked by PEFT itself ------------------------------------
 
 def test_peft_layout_merges_to_the_weights_rlctl_serves(tiny, tmp_path):
