@@ -292,6 +292,9 @@ def _check_kind_dirs(cfg: DictConfig) -> None:
     if sv.kind == "vllm" and not lora and not sv.model_dir:
         raise ConfigError("rollout.server.kind=vllm with full weights needs rollout.server.model_dir "
                           "(the directory `vllm serve` loads, at the same path here); or model.lora.enabled=true")
+    if sv.kind == "vllm" and not lora and not Path(str(sv.model_dir)).is_dir():
+        raise ConfigError(f"rollout.server.model_dir={sv.model_dir} is not a directory here; it is the "
+                          "directory `vllm serve` loads, at the same path on this machine")
     if not sv.weight_dir and (sv.kind == "sglang" or lora):
         raise ConfigError(f"rollout.server.kind={sv.kind} needs rollout.server.weight_dir (a directory "
                           "the servers read at the same path) to push "

@@ -218,7 +218,7 @@ class EngineSource(SyncSource):
                     self.ahead.result(CLOSE_WAIT_S)
                 except FutureTimeout:
                     _quiet(self.engine)
-                except BaseException:  # noqa: BLE001 - nobody reads this request: the run is over
+                except Exception:  # noqa: BLE001 - nobody reads this request: the run is over
                     pass
                 self.ahead = None
         finally:

@@ -67,7 +67,7 @@ class VLLMKind(ServerKind):
       ``POST /collective_rpc {"method": "reload_weights"}`` (vLLM reloads its checkpoint in
       place) and ``POST /reset_prefix_cache``. Needs ``VLLM_SERVER_DEV_MODE=1``.
     * LoRA: the adapter is written in PEFT layout under ``lora_dir`` (shared), then
-      ``POST /v1/load_lora_adapter {"lora_name": "rlctl-v<V>", "lora_path": ...}``; later
+      ``POST /v1/load_lora_adapter {"lora_name": "rlctl-<tag>-v<V>", "lora_path": ...}``; later
       requests name it as ``model``; the previous one is unloaded. Needs ``--enable-lora``,
       ``--max-lora-rank`` >= r and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
     * version: not reported: tracked client-side. ``model``: the served model's name
@@ -114,7 +114,7 @@ class VLLMKind(ServerKind):
         return send
 
     def _push_lora(self, version, tensors) -> Push:
-        name = f"rlctl-v{int(version)}"
+        name = self.lora.name("rlctl", version)
         path = write_peft_adapter(tensors, Path(_needs(self.lora_dir, "lora_dir (a directory the "
                                                        "servers read at the same path)", self.name)) / name)
 
@@ -202,7 +202,7 @@ class SGLangKind(ServerKind):
 
     def push(self, version, tensors, kind):
         if kind == "adapter":
-            name = f"rlctl-lora-v{int(version)}"
+            name = self.lora.name("rlctl-lora", version)
             path = write_peft_adapter(tensors, self._dir() / name)
 
             def send(link: Link) -> None:

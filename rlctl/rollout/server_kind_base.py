@@ -5,6 +5,7 @@ foreign kinds share (PEFT adapter directories, LoRA names, refused pushes)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -155,6 +156,12 @@ class _LoraNames:
     def __init__(self):
         self.current: Optional[str] = None      # the name requests use; None: base weights
         self.loaded: Dict[str, str] = {}
+        # this client's own tag: a server that outlives a run, or another run sharing the
+        # directory, may hold the same version's name already (a load would be refused)
+        self.tag = os.urandom(3).hex()
+
+    def name(self, prefix: str, version: int) -> str:
+        return f"{prefix}-{self.tag}-v{int(version)}"
 
     def swap(self, link: Link, name: str, load: Callable[[], None], unload: Callable[[str], None]):
         load()

@@ -311,6 +311,7 @@ URL = "rollout.server.urls=[http://127.0.0.1:9]"
     (["rollout.server.kind=tgi"], "valid: rlctl, vllm, sglang"),          # before a run directory
     (["rollout.server.kind=vllm"], "needs rollout.server.urls"),          # not after spawning rlctl serve
     (["rollout.server.kind=vllm", URL], "needs rollout.server.model_dir"),      # before the first push
+    (["rollout.server.kind=vllm", URL, "rollout.server.model_dir=/no/such/dir"], "is not a directory here"),
     (["rollout.server.kind=vllm", URL, "model.lora.enabled=true"], "needs rollout.server.weight_dir"),
     (["rollout.server.kind=sglang", URL], "needs rollout.server.weight_dir"),
     (["rollout.server.kind=sglang", URL, "rollout.server.weight_sync=disk",

@@ -160,6 +160,30 @@ def test_vllm_full_push_rewrites_the_served_checkpoint_and_refuses_shards(tiny, 
 
 # -- SGLang --------------------------------------------------------------------------------
 
+def test_two_runs_push_the_same_lora_version_to_one_vllm_server_under_their_own_names(tmp_path):
+    """vLLM refuses to load a lora_name it holds. A server that outlives a run (or two runs
+    on one server) saw rlctl-v1 twice: the second run's first push failed. Each client's
+    names carry its own tag. The Link below refuses a repeated name as vLLM does (a 4xx:
+    UserError, as the engine's HTTP layer raises it)."""
+    loaded = set()
+
+    def call(route, body, ctype, expect_json):
+        if route == "/v1/load_lora_adapter":
+            name = json.loads(body)["lora_name"]
+            if name in loaded:
+                raise UserError(f"HTTP 400: The lora adapter '{name}' has already been loaded")
+            loaded.add(name)
+        return {}
+    link = Link("http://vllm.test", call)
+    adapter = {"model.layers.0.self_attn.q_proj.lora_A": torch.zeros(2, 8),
+               "model.layers.0.self_attn.q_proj.lora_B": torch.zeros(8, 2)}
+    runs = [VLLMKind(lora_dir=str(tmp_path)) for _ in range(2)]
+    for kind in runs:
+        kind.push(1, adapter, "adapter")(link)
+    assert len(loaded) == 2 and {k.lora.current for k in runs} == loaded
+    assert len(list(tmp_path.iterdir())) == 2                      # nor one directory for both
+
+
 def test_sglang_body_seeds_each_row_and_keeps_the_stop_ids():
     body = sglang_body([[5, 6], [5, 6], [9]], Sampling(4, 0.0, 3, (2,)), seed=8, lora="a1")
     assert body["input_ids"] == [[5, 6], [5, 6], [9]] and body["return_logprob"] is True
