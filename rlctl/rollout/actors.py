@@ -52,6 +52,7 @@ import collections
 import contextlib
 import datetime
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -126,7 +127,8 @@ class AsyncSource:
     def _start(self, actor_main: Callable, cfg_yaml: str, stop) -> None:
         """Spawn the actors and form the group (``file://`` rendezvous in a temp dir)."""
         world = self.num_actors + 1
-        init = f"file://{os.path.join(tempfile.mkdtemp(prefix='rlctl-async-'), 'rendezvous')}"
+        self.rendezvous_dir = tempfile.mkdtemp(prefix="rlctl-async-")      # removed by close
+        init = f"file://{os.path.join(self.rendezvous_dir, 'rendezvous')}"
         ctx = mp.get_context("spawn")
         # not daemons: an actor forks its own reward worker (task.reward_timeout_s)
         self.procs = [ctx.Process(target=actor_main, args=(cfg_yaml, init, a + 1, world), daemon=False)
@@ -139,6 +141,7 @@ class AsyncSource:
         except BaseException:
             for p in self.procs:
                 p.terminate()
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
             raise
 
     def _lost(self, actor: int, exc: BaseException) -> ActorFailed:
@@ -291,6 +294,7 @@ class AsyncSource:
                     p.terminate()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
             self.local.close()
 
 

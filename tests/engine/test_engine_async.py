@@ -1,6 +1,8 @@
 """Asynchronous mode (rollout actor process + learner): with max_staleness=0 it is the
 synchronous loop bit for bit; with max_staleness=1 rollouts are one step old and the
 ratio against the behaviour policy's log-probs is logged."""
+import os
+
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
@@ -79,6 +81,7 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
     finally:
         tr.close()
     assert time.monotonic() - t0 < 120
+    assert not os.path.exists(tr.source.rendezvous_dir)        # the group's temp dir is gone
 
 
 def test_an_actor_that_dies_is_reported_not_waited_for(make_trainer):
