@@ -41,7 +41,7 @@ from rlctl.models.stop_ids import decode_completions, resolve_stop_ids
 from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.engine import Completion, Sampling, left_padded
 from rlctl.rollout.source import SamplingSettings, SyncSource
-from rlctl.rollout.weights import KIND_KEY
+from rlctl.rollout.weights import KIND_KEY, prune_versions
 from rlctl.types import Example, RolloutBatch
 
 
@@ -264,7 +264,5 @@ def _write(root: str, version: int, tensors: Dict[str, torch.Tensor], kind: str)
               metadata={KIND_KEY: kind})
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    for old in base.glob("v*"):
-        if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
-            shutil.rmtree(old, ignore_errors=True)
+    prune_versions(base, "v", version)
     return str(final)

@@ -3,7 +3,6 @@ documents they were written from, and what was run where)."""
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import List, Optional
 
@@ -11,7 +10,7 @@ from rlctl.errors import UserError
 from rlctl.rollout.engine import Completion, Sampling, chunk_seed
 from rlctl.rollout.server_kind_base import (Link, ServerKind, _checked, _finish, _LoraNames, _needs,
                                             parse_openai, write_peft_adapter)
-from rlctl.rollout.weights import read_dir, to_bytes
+from rlctl.rollout.weights import prune_versions, read_dir, to_bytes
 
 
 def vllm_requests(rows, sampling: Sampling, seed: Optional[int], model: Optional[str]):
@@ -217,7 +216,7 @@ class SGLangKind(ServerKind):
         directory = self._dir() / f"rlctl-v{int(version)}"
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "model.safetensors").write_bytes(to_bytes(tensors, "full"))
-        _prune(self._dir(), "rlctl-v", int(version))        # a model per push: keep two
+        prune_versions(self._dir(), "rlctl-v", int(version))        # a model per push: keep two
         return self.push_from_disk(version, str(directory))
 
     def push_from_disk(self, version, path):
@@ -227,12 +226,3 @@ class SGLangKind(ServerKind):
             _checked(link("/update_weights_from_disk", body))
             self.lora.current = None
         return send
-
-
-def _prune(root: Path, prefix: str, version: int) -> None:
-    """``root``/<prefix><n> directories older than the one before ``version`` are removed
-    (loaded by every server by now; the one before may still be in a server's hands)."""
-    for old in root.glob(prefix + "*"):
-        n = old.name[len(prefix):]
-        if old.is_dir() and n.isdigit() and int(n) < version - 1:
-            shutil.rmtree(old, ignore_errors=True)

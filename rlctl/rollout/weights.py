@@ -16,6 +16,7 @@ weights. ``to_bytes``/``from_bytes`` are the HTTP body of ``POST /update_weights
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Dict, Tuple
 
@@ -67,6 +68,15 @@ def read_dir(path: str) -> Tuple[Dict[str, torch.Tensor], str]:
     if len(kinds) > 1:
         raise UserError(f"'{path}' mixes weights kinds {sorted(kinds)}; one kind per update")
     return tensors, _checked_kind(kinds.pop())
+
+
+def prune_versions(root: Path, prefix: str, version: int) -> None:
+    """Removes the ``root``/<prefix><n> directories of pushes older than the one before
+    ``version`` (every server has loaded a newer one; the one before may still be read)."""
+    for old in Path(root).glob(prefix + "*"):
+        n = old.name[len(prefix):]
+        if old.is_dir() and n.isdigit() and int(n) < version - 1:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _checked_kind(kind: str) -> str:

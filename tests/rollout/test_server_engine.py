@@ -111,6 +111,15 @@ def test_a_lost_server_is_named_its_requests_go_to_the_other_and_it_comes_back(t
     assert "is back" in lines[-1] and lost.url in lines[-1]
 
 
+def _restart_unseen(server, model, tok):
+    """``server`` stopped and started again on its port, serving ``model`` as loaded
+    (version 0), with no call in between: the client never sees it lost. Its engine."""
+    server.stop()
+    app, engine = tiny_app(model, tok.pad_token_id)
+    server.start(app)
+    return engine
+
+
 def test_a_server_with_old_weights_is_not_used_past_max_staleness(tiny, two):
     model, other, tok, prompts = tiny
     lines = []
@@ -118,9 +127,7 @@ def test_a_server_with_old_weights_is_not_used_past_max_staleness(tiny, two):
                           recheck_s=3600.0, say=lines.append)
     engine.update_weights(1, dict(other.named_parameters()))
     quick, _ = two[0]
-    quick.stop()                                  # restarted between two calls: never seen lost
-    app, restarted = tiny_app(model, tok.pad_token_id)
-    quick.start(app)
+    restarted = _restart_unseen(quick, model, tok)        # between two calls: never seen lost
     want = fields(by_chunks(TorchEngine(other, tok.pad_token_id), prompts, SAMPLED, 3, 2))
     assert fields(engine.generate(prompts, SAMPLED, seed=3)) == want  # v0 replies discarded
     assert any("weights version 0" in l and quick.url in l for l in lines)
@@ -161,9 +168,7 @@ def test_a_server_restarted_unseen_within_max_staleness_is_sent_the_newest_weigh
                           recheck_s=3600.0, say=lines.append)
     engine.update_weights(1, dict(other.named_parameters()))
     quick, _ = two[0]
-    quick.stop()
-    app, restarted = tiny_app(model, tok.pad_token_id)                 # its own load, v0
-    quick.start(app)
+    restarted = _restart_unseen(quick, model, tok)                    # its own load, v0
     want = by_chunks(TorchEngine(other, tok.pad_token_id), prompts, SAMPLED, 3, 2)
     got = engine.generate(prompts, SAMPLED, seed=3)
     assert fields(got) == fields(want) and {c.weights_version for c in got} == {1}
@@ -181,9 +186,7 @@ def test_the_only_server_restarted_unseen_is_sent_the_newest_weights_not_given_u
     only, _ = two[0]
     engine = ServerEngine([only.url], chunk_size=2, recheck_s=3600.0, say=lambda m: None)
     engine.update_weights(1, dict(other.named_parameters()))
-    only.stop()
-    app, restarted = tiny_app(model, tok.pad_token_id)
-    only.start(app)
+    restarted = _restart_unseen(only, model, tok)
     want = by_chunks(TorchEngine(other, tok.pad_token_id), prompts, SAMPLED, 3, 2)
     assert fields(engine.generate(prompts, SAMPLED, seed=3)) == fields(want)
     assert restarted.version == 1
