@@ -123,8 +123,7 @@ class RolloutBatch:
         return self.replace(**picked)
 
     def cut(self, width: int) -> "RolloutBatch":
-        """The first ``width`` completion columns (prompt kept); exact when every dropped column is
-        padding."""
+        """The first ``width`` completion columns (prompt kept); exact if the rest is padding."""
         P = self.prompt_len
         cut = {k: v[:, :P + width] for k, v in self._tensors((TOKENS,)).items()}     # [N, P+w]
         cut.update({k: v[:, :width] for k, v in self._tensors((COMPLETION,)).items()})  # [N, w]

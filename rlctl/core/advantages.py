@@ -66,8 +66,7 @@ def group_advantages(rewards: torch.Tensor, scale_std: bool = True,
 
 @register_advantage("rloo", group=True)
 def rloo_advantages(rewards: torch.Tensor, eps: float = 0.0, **ignored) -> torch.Tensor:
-    """r_i minus the mean of the other G-1 rewards of its group (eps unused).
-    [B, G] -> [B, G]."""
+    """r_i minus the mean of the other G-1 rewards of its group (eps unused). [B, G] -> [B, G]."""
     r = upcast(rewards)  # [B, G]
     g = r.shape[-1]
     if g < 2:
@@ -105,8 +104,7 @@ def reinforce_advantages(rewards: torch.Tensor, eps: float = 0.0, baseline: str 
 @register_advantage("reinforce_baseline")
 def reinforce_baseline_advantages(rewards: torch.Tensor, eps: float = 0.0,
                                   **ignored) -> torch.Tensor:
-    """Alias of reinforce with baseline="batch_mean" (a `baseline` option is ignored).
-    [B, G] -> [B, G]."""
+    """reinforce with baseline="batch_mean" (a `baseline` option is ignored). [B, G] -> [B, G]."""
     return reinforce_advantages(rewards, eps, baseline="batch_mean")
 
 

@@ -149,8 +149,7 @@ class AdaptiveKLController(FixedKLController):
         self.target, self.horizon = float(target), float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> float:
-        """coef *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon;
-        returns the new coefficient."""
+        """coef *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon; returns it."""
         kl = float(current_kl)
         if n_steps < 0:
             raise ValueError(f"n_steps must be >= 0, got {n_steps}")

@@ -20,8 +20,7 @@ class ToolCallError(ValueError):
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A parsed call: the tool's name and its arguments (words for ``tag``, the JSON object for
-    ``json``)."""
+    """A parsed call: tool name and arguments (words for ``tag``, the JSON object for ``json``)."""
     name: str
     arguments: Union[Tuple[str, ...], Dict[str, Any]] = ()
 

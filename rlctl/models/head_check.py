@@ -36,8 +36,7 @@ def _run_seeing_head(model, key, row: dict):
 
 
 def _head_is_last(seen: dict, hidden: torch.Tensor, own: torch.Tensor) -> bool:
-    """Whether the head module ran on the final hidden state and the logits are its output (up
-    to a cast)."""
+    """Whether the head ran on the final hidden state and the logits are its output (to a cast)."""
     x, z = seen.get("x"), seen.get("z")
     if not isinstance(x, torch.Tensor) or not isinstance(z, torch.Tensor):
         return False                             # the head module never ran: its weight is used otherwise

@@ -138,8 +138,7 @@ def _returns_cache(cls) -> bool:
 
 
 def fresh_cache(model):
-    """An empty cache for the attention layers of a ``state_in_modules`` model, as ``generate``
-    makes."""
+    """An empty attention cache for a ``state_in_modules`` model, as ``generate`` makes."""
     return DynamicCache(config=innermost(model).config)
 
 
@@ -172,8 +171,7 @@ class _ReplacingCache(DynamicCache):
 
 
 def differentiable(cache):
-    """``cache`` ready for a forward differentiated through its states (a DynamicCache with
-    linear-attention layers becomes a ``_ReplacingCache``)."""
+    """``cache`` for a forward differentiated through its states (hybrid: a ``_ReplacingCache``)."""
     if type(cache) is not DynamicCache or not _has_states(cache):
         return cache
     out = _ReplacingCache(cache.layers)

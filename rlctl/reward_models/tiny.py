@@ -126,8 +126,7 @@ def cache_key(params: Dict[str, object]) -> str:
 
 
 def tiny_reward_model_dir(seed: int = 0, cache_dir: Optional[os.PathLike] = None) -> Path:
-    """Directory of the tiny sorting reward model (classifier + tokenizer), built atomically
-    and cached on first use."""
+    """The tiny sorting reward model's directory (classifier + tokenizer), built atomically once."""
     params = build_params(seed)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     policy_cache = Path(cache_dir).expanduser() if cache_dir else None
