@@ -1,8 +1,6 @@
 """Every exception rlctl raises on purpose, and how the CLI shows it: one line and an exit
-code (2 for bad input, 1 for a run that cannot go on, 128 + signal for a stopped run).
-
-This module imports nothing from the rest of the package, so any module may raise these.
-"""
+code (2 bad input, 1 a run that cannot go on, 128 + signal a stopped run). Imports
+nothing of the package."""
 from __future__ import annotations
 
 import shlex

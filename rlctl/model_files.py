@@ -1,9 +1,7 @@
-"""Checks of a model directory's files that load nothing (no torch): a peft LoRA adapter
-given where a whole model is needed, a .safetensors file whose header cannot be read, a
-tokenizer with ids beyond the model's input embeddings, and a run directory of
-`rlctl reward-model train` given for the reward model in its model/. Each problem is one
-line for the user; the callers raise it (rlctl/models/loading.py, rlctl/reward_models/learned.py,
-rlctl/reward_models/train.py)."""
+"""Checks of a model directory's files that load nothing (no torch): a LoRA adapter given
+for a whole model, an unreadable .safetensors header, tokenizer ids beyond the input
+embeddings, a `rlctl reward-model train` run directory. Each problem is one line; the
+callers raise it."""
 from __future__ import annotations
 
 import json
@@ -46,14 +44,10 @@ def corrupt_safetensors(path: Path) -> Optional[str]:
 
 
 def vocab_problem(tokenizer, rows: Optional[int], path: Any) -> Optional[str]:
-    """One line when the tokenizer can put an id the model's ``rows`` input embeddings lack
-    into a batch (e.g. a pad token added without resize_token_embeddings): the embedding
-    lookup of any batch that holds one fails (an IndexError); None when they fit or
-    ``rows`` is unknown. Such an id is harmful when ordinary text yields it (a token of the
-    tokenizer's own vocabulary), when rlctl inserts it (the pad, BOS, EOS or UNK token) or
-    when the chat template writes it; an added token beyond the rows that none of these
-    produce (only its literal text does) is left alone: e.g. Gemma 3's
-    ``<image_soft_token>``, id 262144 beside 262144 embedding rows in its text models."""
+    """One line when the tokenizer can put an id the model's ``rows`` input embeddings lack into
+    a batch (ordinary text, the pad/BOS/EOS/UNK token, or the chat template); None when they
+    fit or ``rows`` is unknown. Added tokens only their literal text produces (Gemma 3's
+    ``<image_soft_token>``) are left alone."""
     if not isinstance(rows, int):
         return None
     added = tokenizer.get_added_vocab()                  # token -> id, matched only literally

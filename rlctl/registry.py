@@ -1,35 +1,25 @@
 """One registry shape for every pluggable kind: advantage estimators, policy losses, KL
 estimators, tasks and backends.
 
-An entry is registered with a decorator where it is defined::
+Entries are registered where defined (``@ADVANTAGES.register("gae", level="token")``)
+and looked up with ``get(name)`` (the callable) or ``entry(name)`` (with its attributes).
+``package.module:attr`` or ``path/to/file.py:attr`` is a user entry: imported, callable,
+with the registry's default attributes unless it sets its own (``my_adv.level =
+"token"``). Every failure is a one-line ``ValueError`` (an unknown name lists the valid
+ones).
 
-    ADVANTAGES = Registry("advantage estimator", attrs={"level": ("outcome", "token")})
-
-    @ADVANTAGES.register("gae", level="token")
-    def gae(rewards, values, mask, gamma, lam): ...
-
-and looked up by its config name with ``get(name)`` (the callable) or ``entry(name)``
-(the callable with its attributes). A name of the form ``package.module:attr`` (or
-``path/to/file.py:attr``) is a user entry: the module is imported, the attribute must
-be callable, and its attributes are the registry's defaults, each replaced by the
-callable's own attribute of that name when it has one (``my_adv.level = "token"``).
-Every failure is a ``ValueError`` whose message is one line: an unknown name lists the
-valid ones; a user entry names the missing module or attribute.
-
-Calling conventions (one per kind; a user entry must follow its kind's):
+Calling conventions, one per kind:
 
 - advantage estimator, level "outcome": ``fn(rewards [B, G], eps, **options) -> [B, G]``
-  (``options`` holds every advantage option, e.g. ``baseline``; ignore what you do not
-  use); level "token": ``fn(rewards [N, T], values [N, T], mask [N, T], gamma, lam) ->
-  (advantages [N, T], returns [N, T])``.
+  (ignore options you do not use); level "token": ``fn(rewards [N, T], values [N, T],
+  mask [N, T], gamma, lam) -> (advantages [N, T], returns [N, T])``.
 - policy loss: ``fn(logp, old_logp, advantages, mask, clip_low, clip_high,
   clip_ratio_c=None) -> (loss [N, T], metrics dict of detached scalar tensors)``.
 - KL estimator: ``fn(logp [N, T], ref_logp [N, T]) -> [N, T]``.
 - task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage,
   precision, deepspeed_config)``.
 
-This module imports nothing of rlctl and no torch, so any layer can use it.
-"""
+Imports nothing of rlctl and no torch, so any layer can use it."""
 from __future__ import annotations
 
 import importlib
@@ -120,11 +110,9 @@ class Entry:
 
 
 class Registry:
-    """Entries of one kind by config name (see the module doc).
-
-    ``kind``: what an entry is, for messages ("policy loss"). ``attrs``: attribute name ->
-    the values it may take, the first being the default. ``aliases``: other spellings ->
-    canonical names. ``dashes``: "-" and "_" are interchangeable in names."""
+    """Entries of one kind by config name. ``kind``: for messages ("policy loss"); ``attrs``:
+    attribute -> allowed values, the first the default; ``aliases``: other spellings ->
+    canonical names; ``dashes``: "-" and "_" interchangeable."""
 
     def __init__(self, kind: str, attrs: Optional[Dict[str, Tuple[Any, ...]]] = None,
                  aliases: Optional[Dict[str, str]] = None, dashes: bool = False):

@@ -1,12 +1,8 @@
 """Stopping a run on SIGINT or SIGTERM at a step boundary, the same way on every rank.
 
-The first SIGINT (Ctrl-C) or SIGTERM (what SLURM, Kubernetes and `timeout` send before
-they kill) only sets a flag; the loop checks it after each step, and with several ranks
-the check is an all-reduce (max) of the flag, so every rank stops after the same step
-even when the signal reached them at different moments. A second SIGINT aborts at once;
-further SIGTERMs are ignored (the run is already stopping; a scheduler that runs out of
-patience sends SIGKILL).
-"""
+The first signal sets a flag; after each step the ranks agree on it (an all-reduce max),
+so all stop after the same step. A second SIGINT aborts at once; further SIGTERMs are
+ignored."""
 from __future__ import annotations
 
 import contextlib

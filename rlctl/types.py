@@ -39,49 +39,31 @@ class RolloutBatch:
     """N = B*G sampled completions and everything the learner needs.
 
     Shapes:
-        input_ids:      [N, P+T] long; prompt left-padded, completion right-padded
-        attention_mask: [N, P+T] long; 1 on real prompt and completion tokens
-        completion_ids: [N, T]   long; = input_ids[:, P:]
-        mask:           [N, T]   float; 1 on completion tokens that count (EOS included,
-                                  padding after EOS excluded)
-        truncated:      [N]      bool; no EOS within the length limit
-        rewards:        [N]      float; task reward of each completion
-        group_ids:      [N]      long; index of the prompt (0..B-1); rows of a group are
-                                  contiguous, group g is rows g*G .. g*G+G-1
-        old_logprobs:   [N, T]   log pi_old(token) at rollout time, or None (single pass:
-                                  the learner uses its own detached log-probs)
-        ref_logprobs:   [N, T]   log pi_ref(token), or None when no KL term is used
-        advantages:     [N, T]   float; filled in by the advantage estimator
-        old_values:     [N, T]   critic values V(s_t) at rollout time (critic only), where
-                                  s_t is the prompt plus the first t completion tokens
-        returns:        [N, T]   value targets (GAE advantages + old values), detached
-        behaviour_rows: [N]      bool, or None; set when old_logprobs hold the behaviour
-                                  policy's log-probs in some rows only (a step that mixes
-                                  stale and on-policy async rollouts): the False rows are
-                                  placeholders the learner fills from its pi_old forward.
-                                  None: old_logprobs (when present) hold in every row
-        staleness:      [N]      long, or None; learner updates between the weights that
-                                  sampled each row and the learner's when it is consumed
-                                  (async actors); None: sampled with the learner's own
-        reward_parts:   {name: [N floats]}, or None; each named reward of each row as the
-                                  scorer gave it (``reward/<name>``; 0 where a row lacks it)
-        token_rewards:  [N, T]   float, or None; multi-turn episodes: each turn's reward
-                                  (weighted by the turn-reward rule) on that turn's last
-                                  action token, 0 elsewhere; each row sums to ``rewards``.
-                                  None: ``rewards`` sits on the last counted token
-        episodes:       N ``Episode`` records, or None (single-turn rollouts): the turns
-                                  of each row with their column spans in the completion
-        engine_logprobs: [N, T]  log pi_engine(token) as the sampler computed it when it
-                                  drew the token (0 off the mask), or None. Kept apart from
-                                  ``old_logprobs`` (the learner's pi_old) for the rollout
-                                  correction (rlctl.core.rollout_correction); set by
-                                  episodes and async actors always, by the local sampler
-                                  when ``algo.rollout_correction.enabled``
+        input_ids:       [N, P+T] long; prompt left-padded, completion right-padded
+        attention_mask:  [N, P+T] long; 1 on real prompt and completion tokens
+        completion_ids:  [N, T]   long; = input_ids[:, P:]
+        mask:            [N, T]   float; 1 on completion tokens that count (EOS included)
+        truncated:       [N]      bool; no EOS within the length limit
+        rewards:         [N]      float; task reward of each completion
+        group_ids:       [N]      long; prompt index 0..B-1, group g is rows g*G .. g*G+G-1
+        old_logprobs:    [N, T]   log pi_old at rollout time, or None (the learner's own)
+        ref_logprobs:    [N, T]   log pi_ref, or None without a KL term
+        advantages:      [N, T]   float; filled in by the advantage estimator
+        old_values:      [N, T]   critic values V(s_t) at rollout time (critic only)
+        returns:         [N, T]   value targets (GAE advantages + old values), detached
+        behaviour_rows:  [N]      bool or None; the rows whose old_logprobs are real (the
+                                  rest are placeholders for the learner's pi_old); None: all
+        staleness:       [N]      long or None; learner updates since the weights that
+                                  sampled each row (async actors)
+        reward_parts:    {name: [N floats]} or None; each named reward (0 where missing)
+        token_rewards:   [N, T]   float or None; episodes: each turn's weighted reward on its
+                                  last token, each row summing to ``rewards``
+        episodes:        N ``Episode`` records or None (single-turn)
+        engine_logprobs: [N, T]   log pi_engine as the sampler drew the token (0 off the
+                                  mask) or None; for rlctl.core.rollout_correction
 
-    Multi-turn rows: the completion holds every turn after the first observation (the
-    prompt), model turns and observations alike; ``attention_mask`` is 1 on both,
-    ``mask`` is 1 on the model's own tokens only (0 on observations and padding).
-    """
+    Multi-turn rows: the completion holds every turn after the prompt; ``attention_mask`` is
+    1 on model turns and observations, ``mask`` on the model's own tokens only."""
     input_ids: torch.Tensor = _axis(TOKENS)
     attention_mask: torch.Tensor = _axis(TOKENS)
     mask: torch.Tensor = _axis(COMPLETION)
@@ -141,9 +123,7 @@ class RolloutBatch:
         return self.replace(**picked)
 
     def cut(self, width: int) -> "RolloutBatch":
-        """The first ``width`` completion columns (prompt kept). Exact when every dropped
-        column is padding: causal attention means later columns never change the logits
-        of earlier ones, and mask-0 columns add nothing to any loss sum."""
+        """The first ``width`` completion columns (prompt kept); exact if the rest is padding."""
         P = self.prompt_len
         cut = {k: v[:, :P + width] for k, v in self._tensors((TOKENS,)).items()}     # [N, P+w]
         cut.update({k: v[:, :width] for k, v in self._tensors((COMPLETION,)).items()})  # [N, w]
@@ -151,11 +131,9 @@ class RolloutBatch:
 
     @staticmethod
     def concat(batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBatch":
-        """Batches stacked: prompts left-padded to the longest P, completions right-padded
-        to the longest T (``pad_id`` in input_ids, 0 elsewhere: mask and attention 0);
-        group ids renumbered so groups stay distinct. An optional field set in only some
-        batches is None in the result, except old_logprobs, which goes with behaviour_rows
-        (``_cat_behaviour``)."""
+        """Batches stacked: prompts left-padded to the longest P, completions right-padded to the
+        longest T (``pad_id`` in input_ids, 0 elsewhere); group ids renumbered. An optional field
+        missing in some batches is None, except old_logprobs (``_cat_behaviour``)."""
         P = max(b.prompt_len for b in batches)
         T = max(b.mask.shape[1] for b in batches)
         offsets = torch.tensor([0] + [int(b.group_ids.max()) + 1 for b in batches[:-1]]).cumsum(0)
@@ -191,11 +169,8 @@ def _cat_columns(values: Sequence[Dict[str, List[float]]], rows: Sequence[int]) 
 
 
 def _cat_behaviour(batches: Sequence[RolloutBatch], T: int):
-    """(old_logprobs [N, T] or None, behaviour_rows [N] bool or None) of the stacked
-    batches, kept as a pair: behaviour_rows None means old_logprobs hold in every row.
-    When only some rows carry old log-probs (stale async rollouts next to on-policy
-    ones), theirs are kept exactly, the others are 0-filled placeholders and
-    ``behaviour_rows`` marks the rows that hold real values (the learner fills the rest)."""
+    """(old_logprobs [N, T] or None, behaviour_rows [N] bool or None) of the stacked batches:
+    rows without old log-probs get 0-filled placeholders, marked False in behaviour_rows."""
     if all(b.old_logprobs is None for b in batches):
         return None, None
     olds, rows = [], []

@@ -1,12 +1,7 @@
-"""Private helpers shared by the policy losses (`losses.py`, `policy_variants.py`).
-
-One metric schema for every policy loss, named as they are logged:
-policy/clip_frac_low  fraction of counted tokens whose importance weight was clipped low
-policy/clip_frac_high fraction of counted tokens whose importance weight was clipped high
-policy/clip_frac      their sum (the ratio clip; the dual-clip cap is counted separately)
-policy/clip_frac_dual fraction of counted tokens with A < 0 whose loss the dual clip capped
-policy/approx_kl      masked mean of k3(old -> new) = (rho - 1) - log rho, rho per token
-"""
+"""Private helpers shared by the policy losses (`losses.py`, `policy_variants.py`), and
+their one metric schema: policy/clip_frac_low, policy/clip_frac_high, policy/clip_frac
+(their sum), policy/clip_frac_dual (A < 0 capped by the dual clip), policy/approx_kl
+(masked mean of k3(old -> new) = (rho - 1) - log rho)."""
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -48,11 +43,8 @@ def check_clip_ratio_c(clip_ratio_c: Optional[float]) -> None:
 def dual_clip(loss: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor,
               clip_ratio_c: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Dual clip (Ye et al., 2020): for A < 0 the loss is min(loss, -A * c).
-
-    loss, adv, ratio [N, T] -> (loss [N, T], capped [N, T] bool). The cap is active exactly
-    where A < 0 and ratio > c (c > 1, so the PPO branch there is -A * ratio); the capped
-    loss is a constant, so those tokens get no gradient.
-    """
+    loss, adv, ratio [N, T] -> (loss [N, T], capped [N, T] bool); capped tokens get no
+    gradient."""
     if clip_ratio_c is None:
         return loss, torch.zeros_like(loss, dtype=torch.bool)
     check_clip_ratio_c(clip_ratio_c)

@@ -1,9 +1,4 @@
-"""Private dtype helpers shared by the core modules.
-
-Every core function accepts float32 and bfloat16 inputs. Reductions and exponentials
-run in float32 (float64 stays float64, for exact-gradient tests), so a bf16 policy
-never sums thousands of bf16 terms or exponentiates a bf16 log-ratio.
-"""
+"""Private dtype helpers: reductions and exponentials run in float32 (float64 stays float64)."""
 from __future__ import annotations
 
 import torch

@@ -1,31 +1,25 @@
-"""Advantage estimators: outcome (one reward per completion) and token-level GAE.
+"""Advantage estimators: outcome (one reward per completion) and token-level GAE
+(docs/math.md, sections 3, 6 and 9).
 
-Sources:
-- REINFORCE (Williams, 1992): A = R (`baseline="none"`); with a baseline, A = R - b.
-  `baseline="batch_mean"` (alias estimator `reinforce_baseline`): b is the mean over the
-  whole batch (B*G), the simplest baseline; its bias is O(1/N) (the sample's own reward
-  is in its baseline).
-- RLOO (Kool et al., 2019; Ahmadian et al., 2024): b_i = mean of the other G-1 rewards of
-  the group, which removes that bias. Equal to G/(G-1) * (r - group mean).
-- GRPO (Shao et al., 2024): (r - group mean) / (group std + eps), std unbiased (torch's
-  default). Dr. GRPO (Liu et al., 2025): no std scaling.
-- DAPO (Yu et al., 2025): soft overlong punishment (`overlong_penalty`) and the
-  zero-variance groups that dynamic sampling filters (`zero_std_groups`).
+- REINFORCE (Williams, 1992): A = R (`baseline="none"`), or R - batch mean
+  (`baseline="batch_mean"`, alias estimator `reinforce_baseline`).
+- RLOO (Kool et al., 2019; Ahmadian et al., 2024): b_i = mean of the other G-1 rewards,
+  i.e. G/(G-1) * (r - group mean).
+- GRPO (Shao et al., 2024): (r - group mean) / (group std + eps), std unbiased.
+  Dr. GRPO (Liu et al., 2025): no std scaling.
+- DAPO (Yu et al., 2025): `overlong_penalty` and the zero-variance groups that dynamic
+  sampling filters (`zero_std_groups`).
 - GAE (Schulman et al., 2015): delta_t = r_t + gamma V_{t+1} - V_t,
-  A_t = delta_t + gamma lam A_{t+1}, with V = 0 after the last token (docs/math.md).
+  A_t = delta_t + gamma lam A_{t+1}, V = 0 after the last token.
 
-Departures: a group whose rewards are all equal gets exactly 0 (the float mean of equal
-values need not equal them, and eps would turn that rounding into a tiny signal); G == 1
-gives zeros. GAE skips masked-out positions instead of treating them as episode ends, so
-right padding and masked gaps (e.g. tool output) both work; it runs under no_grad (its
-outputs are regression targets) and does not whiten. Results are float32 (float64 kept).
+Departures: a group of equal rewards gets exactly 0; G == 1 gives zeros. GAE skips masked
+positions (padding, tool output) instead of ending the episode there, runs under no_grad
+and does not whiten. float32 (float64 kept).
 
-Registry (``ADVANTAGE_ESTIMATORS``, entries added with ``@register_advantage``): every
-entry has a ``level``. Outcome entries are fn(rewards [B, G], eps, **options) -> [B, G];
-an option an estimator does not use is ignored (so the caller can pass its options to
-any of them); `reinforce` reads `baseline`. The token-level entry `gae` is
-fn(rewards [N, T], values [N, T], mask [N, T], gamma, lam) -> (advantages, returns).
-"""
+``ADVANTAGE_ESTIMATORS`` entries (``@register_advantage``) each have a ``level``: outcome
+entries are fn(rewards [B, G], eps, **options) -> [B, G] (unused options ignored;
+`reinforce` reads `baseline`); the token-level `gae` is fn(rewards [N, T], values [N, T],
+mask [N, T], gamma, lam) -> (advantages, returns)."""
 from __future__ import annotations
 
 import torch
@@ -72,8 +66,7 @@ def group_advantages(rewards: torch.Tensor, scale_std: bool = True,
 
 @register_advantage("rloo", group=True)
 def rloo_advantages(rewards: torch.Tensor, eps: float = 0.0, **ignored) -> torch.Tensor:
-    """r_i minus the mean of the other G-1 rewards of its group (eps unused).
-    [B, G] -> [B, G]."""
+    """r_i minus the mean of the other G-1 rewards of its group (eps unused). [B, G] -> [B, G]."""
     r = upcast(rewards)  # [B, G]
     g = r.shape[-1]
     if g < 2:
@@ -111,8 +104,7 @@ def reinforce_advantages(rewards: torch.Tensor, eps: float = 0.0, baseline: str 
 @register_advantage("reinforce_baseline")
 def reinforce_baseline_advantages(rewards: torch.Tensor, eps: float = 0.0,
                                   **ignored) -> torch.Tensor:
-    """Alias of reinforce with baseline="batch_mean" (a `baseline` option is ignored).
-    [B, G] -> [B, G]."""
+    """reinforce with baseline="batch_mean" (a `baseline` option is ignored). [B, G] -> [B, G]."""
     return reinforce_advantages(rewards, eps, baseline="batch_mean")
 
 
@@ -152,12 +144,8 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int,
 @torch.no_grad()
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized Advantage Estimation, vectorised over N, backward loop over T.
-
-    rewards, values, mask [N, T] -> (advantages [N, T], returns [N, T]), with
-    returns = advantages + values and advantages = 0 where mask == 0. The value after a
-    sequence's last counted token is 0.
-    """
+    """GAE, vectorised over N, backward loop over T. rewards, values, mask [N, T] ->
+    (advantages [N, T], returns = advantages + values), advantages 0 off the mask."""
     dtype = acc_dtype(rewards, values)
     r, v = upcast(rewards, dtype), upcast(values, dtype)  # [N, T]
     m = keep(mask)  # [N, T] bool

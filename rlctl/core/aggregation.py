@@ -1,24 +1,16 @@
-"""Loss aggregation: how a per-token loss matrix [N, T] becomes one scalar.
-
-Sources (formulas in docs/math.md): DAPO (Yu et al., 2025) for
-token-mean; GRPO (Shao et al., 2024) for seq-mean-token-mean; Dr. GRPO (Liu et al., 2025)
-for the constant length normaliser. Names follow verl's `loss_agg_mode`.
+"""Loss aggregation: a per-token loss [N, T] to one scalar (docs/math.md, section 8). DAPO
+(Yu et al., 2025): token-mean; GRPO (Shao et al., 2024): seq-mean-token-mean; Dr. GRPO
+(Liu et al., 2025): the constant normaliser. Names follow verl's `loss_agg_mode`.
 
     token-mean              sum(mask * loss) / sum(mask)
-    seq-mean-token-mean     mean over rows with >= 1 token of each row's masked mean
-    seq-mean-token-sum      mean over rows with >= 1 token of each row's masked sum
+    seq-mean-token-mean     mean over non-empty rows of each row's masked mean
+    seq-mean-token-sum      mean over non-empty rows of each row's masked sum
     seq-mean-token-sum-norm seq-mean-token-sum / norm_len   (norm_len default: T)
 
-Departures: rows with no counted token are left out of the seq-mean modes (papers average
-over all B*G rows; an empty row would otherwise dilute the batch), and every denominator
-is clamped at 1 so an all-zero mask gives 0, not NaN.
-
-Exact gradient accumulation: aggregate = aggregate_sum / agg_denominator for every
-mode, and aggregate_sum is a sum over rows. So with micro-batches of the rows,
-    sum_k aggregate_sum(loss_k, mask_k, mode) / agg_denominator(full_mask, mode)
-equals the full-batch aggregate (and so does its gradient). Compute the denominator once
-on the whole (mini-)batch mask; pass the same norm_len (default T) to both.
-"""
+Empty rows are left out of the seq-mean modes; denominators are clamped at 1 (an all-zero
+mask gives 0). aggregate = aggregate_sum / agg_denominator, and aggregate_sum sums over
+rows, so micro-batch sums over the full batch's denominator equal the full aggregate
+exactly (pass the same norm_len to both)."""
 from __future__ import annotations
 
 import torch
@@ -51,11 +43,8 @@ def _rows_with_tokens(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def aggregate_sum(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
                   norm_len: int | None = None) -> torch.Tensor:
-    """Numerator of `aggregate`: a sum over rows, so it splits across micro-batches.
-
-    loss_mat, mask [N, T] -> scalar (float32, float64 kept). `norm_len` is accepted for a
-    uniform call; it only enters the denominator.
-    """
+    """Numerator of `aggregate`, a sum over rows. loss_mat, mask [N, T] -> scalar (float32,
+    float64 kept); `norm_len` only enters the denominator."""
     mode = resolve_agg_mode(mode)
     if mode == "seq-mean-token-mean":
         dtype = acc_dtype(loss_mat, mask)

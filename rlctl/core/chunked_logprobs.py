@@ -1,39 +1,21 @@
 """Token log-probs and entropy straight from the final hidden states, in chunks of tokens.
 
-The learner's usual path is ``logits = lm_head(h)`` ([N, T, V]) and then a log-softmax:
-at a 152k vocabulary, 64 sequences of 128 tokens that is 5 GB of float32 logits, kept for
-the backward, plus as much again for their gradient. `chunked_token_logprobs` fuses the
-LM head into the log-prob computation, the idea behind fused linear cross-entropy
-kernels (Liger-Kernel, Hsu et al. 2024, arXiv:2410.10989; Wijmans et al. 2024, "Cut
-Your Losses in Large-Vocabulary Language Models", arXiv:2411.09009):
+`chunked_token_logprobs` fuses the LM head into the log-softmax, so the [N, T, V] logits
+(and their gradient) are never held at once: the idea of fused linear cross-entropy
+(Liger-Kernel, Hsu et al. 2024, arXiv:2410.10989; Wijmans et al. 2024, "Cut Your Losses
+in Large-Vocabulary Language Models", arXiv:2411.09009). The forward takes the flattened
+rows of h ([M, H], M = N*T) ``chunk_tokens`` at a time, z = (h_c W^T + b) / temperature
+([C, V]), and keeps only [M] vectors (lse, entropy); the backward recomputes each chunk's
+logits and folds dL/dz into grad_h, grad_W, grad_b. With p = softmax(z), upstream gL (on
+log-prob) and gE (on entropy):
+    dL/dz = gL * (onehot(y) - p) - gE * p * (log p + H),  divided once by the temperature.
+Exact: equal to the unchunked computation (float64 tests to 1e-12). Not twice
+differentiable.
 
-- forward: the flattened rows of h ([M, H], M = N*T) are taken ``chunk_tokens`` at a
-  time; each chunk's logits z = (h_c W^T + b) / temperature ([C, V]) give log-sum-exp,
-  the target's log-prob z[y] - lse and, on request, the entropy; only [M] vectors (lse,
-  entropy) are kept for the backward, besides the inputs themselves.
-- backward: each chunk's logits are recomputed from (h, W, b), turned into dL/dz and
-  folded into grad_h (its own rows) and grad_W, grad_b (accumulated over chunks).
-  One more LM-head matmul than autograd's backward (it recomputes instead of storing).
-
-Gradients, with p = softmax(z), upstream gradients gL (on log-prob) and gE (on entropy):
-    d logp_y / dz = onehot(y) - p
-    d H / dz      = -p * (log p + H)        (H = -sum_v p_v log p_v)
-    dL/dz = gL * (onehot(y) - p) - gE * p * (log p + H); the temperature divides it once.
-Exact: the chunked result equals the unchunked computation (float64 tests to 1e-12).
-
-Dtype policy: the matmuls run in the inputs' dtype (as the model's own bf16 LM head
-would); logits are upcast per chunk and the softmax, log-sum-exp and entropy run in
-float32 (float64 for float64 inputs). log-probs and entropy are returned in that
-accumulation dtype (float32 for bf16/float32, float64 for float64), like
-`token_logprobs`; gradients come back in each input's own dtype, grad_W and grad_b
-accumulated over chunks in the accumulation dtype. Not twice differentiable.
-
-Memory beyond the inputs and outputs: two [C, V] buffers in the accumulation dtype,
-allocated once per call and reused by every chunk (bf16 inputs add a bf16 [C, V] matmul
-output per chunk, and a float32 [V, H] accumulator for grad_W), and [M] vectors. Padding
-positions need no special case: any token id in [0, V) gives finite values; callers mask
-afterwards.
-"""
+Dtypes: matmuls in the inputs' dtype; softmax, lse and entropy in float32 (float64 for
+float64 inputs), which is also the output dtype; gradients in each input's dtype.
+Memory beyond inputs and outputs: two reused [C, V] buffers and [M] vectors. Any token id
+in [0, V) gives finite values; callers mask afterwards."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -49,15 +31,13 @@ __all__ = ["chunked_token_logprobs", "default_chunk_tokens"]
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk so one chunk's logits hold about ``CHUNK_ELEMENTS`` (4M) floats
-    (16 MB in float32; 27 tokens at a 151,936 vocabulary), at least one token."""
+    """Tokens per chunk so one chunk's logits hold about ``CHUNK_ELEMENTS`` floats, at least 1."""
     return max(1, CHUNK_ELEMENTS // max(int(vocab_size), 1))
 
 
 def _chunk_logits(h_c, weight, bias, temperature, out):
-    """(h_c [C, H] @ W^T + b) / temperature written into `out` ([C, V], the accumulation
-    dtype). Same-dtype inputs go straight into the reused buffer (no fresh [C, V]
-    allocation, so no page faults per chunk); bf16 inputs are multiplied in bf16, upcast."""
+    """(h_c [C, H] @ W^T + b) / temperature written into `out` ([C, V], accumulation dtype);
+    bf16 inputs are multiplied in bf16, then upcast."""
     if weight.dtype == out.dtype:
         if bias is None:
             torch.mm(h_c, weight.t(), out=out)  # [C, V]
@@ -143,11 +123,7 @@ def _part(g: Optional[torch.Tensor], s: int, e: int, acc) -> Optional[torch.Tens
 
 
 def _chunk_grad(h_c, weight, bias, tok_c, lse_c, ent_c, gl, ge, temperature, bufs):
-    """dL/d(raw logits) for one chunk, [C, V] in the accumulation dtype, in `bufs`.
-
-    logq = z - lse is log p; dL/dz = gl * (onehot - p) - ge * p * (logq + H), divided by
-    the temperature (z = raw / temperature). Uses the two [C, V] buffers only.
-    """
+    """dL/d(raw logits) for one chunk, [C, V] in the accumulation dtype, in the two `bufs`."""
     logq = _chunk_logits(h_c, weight, bias, temperature, bufs[0])
     logq.sub_(lse_c[:, None])  # [C, V] log p
     p = torch.exp(logq, out=bufs[1])  # [C, V]

@@ -1,52 +1,29 @@
-"""Per-token KL estimators between the policy and the reference model.
+"""Per-token KL estimators between the policy and the reference, their placement, and the
+KL-coefficient controllers (derivations: docs/math.md, section 7).
 
-Source: Schulman, "Approximating KL Divergence" (2020): with tokens sampled from
-pi_theta and log r = ref_logp - logp,
-    k1 = logp - ref_logp                         unbiased, high variance, can be < 0
-    k2 = 0.5 * (logp - ref_logp)**2              biased, low variance, >= 0
-    k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1   unbiased, low variance, >= 0
-As *values*, k1 and k3 estimate KL(pi_theta || pi_ref) on samples from pi_theta. What
-their *gradients* optimise depends on where the estimate is placed (checked by exact
-enumeration on a categorical in tests/core/test_kl_placement.py):
+Schulman, "Approximating KL Divergence" (2020), tokens sampled from pi_theta:
+    k1 = logp - ref_logp                                 unbiased, high variance
+    k2 = 0.5 * (logp - ref_logp)**2                      biased, low variance, >= 0
+    k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1    unbiased, low variance, >= 0
+The gradient each follows depends on the placement (exact enumeration in
+tests/core/test_kl_placement.py):
+    in_reward (r_t = -beta * k_t, no gradient through k): k1 -> grad KL(pi||ref) exactly
+      (Ziegler et al. 2019); k2, k3 biased.
+    in_loss (beta * k differentiated): k1 -> 0 in expectation; k2 -> grad KL(pi||ref);
+      k3 -> grad KL(ref||pi) (GRPO's choice).
+``KL_DEFAULT_ESTIMATOR`` holds each placement's default, ``KL_PLACEMENT_NOTES`` the
+warning for the other pairs. ``KL_ESTIMATORS`` entries (``@register_kl(name)``) are
+fn(logp [N, T], ref_logp [N, T]) -> [N, T]; verl's names are aliases (``KL_ALIASES``);
+``kl_estimate`` also takes "package.module:function".
 
-  in_reward: r_t = -beta * k_t enters the return as a constant (no gradient through k);
-    the policy gradient of the penalty is E_pi[k(a) grad log pi(a)] = sum_a k(a) grad pi(a).
-      k1 -> grad KL(pi || ref), exactly (the classic RLHF shaping, Ziegler et al. 2019);
-      k2 -> grad E_pi[k2] - grad KL(pi || ref)        (biased);
-      k3 -> grad KL(pi || ref) - grad KL(ref || pi)   (biased).
-  in_loss: beta * k is added to the loss and differentiated through log pi at the sampled
-    tokens; the expected gradient is E_pi[grad k(a)].
-      k1 -> 0: E_pi[grad log pi] = 0, the term does nothing on average;
-      k2 -> grad KL(pi || ref)          (the same direction as k1 in the reward);
-      k3 -> grad KL(ref || pi)   (the reverse KL: GRPO's choice, a valid regulariser).
-So k1 belongs in the reward and k2 or k3 in the loss; ``KL_DEFAULT_ESTIMATOR`` holds the
-default of each placement and ``KL_PLACEMENT_NOTES`` the warning for the other pairs.
+`kl_shaped_rewards`: r_t = -beta * KL_t on every counted token plus the task reward on the
+last counted one (masked gaps allowed; an empty row gives zeros); no_grad.
 
-Registry: ``KL_ESTIMATORS`` (entries added with ``@register_kl(name)``), every entry
-fn(logp [N, T], ref_logp [N, T]) -> [N, T]; peers' names are aliases (``KL_ALIASES``);
-``kl_estimate`` also takes "package.module:function" (no placement note applies to it).
-
-KL in the reward (`kl_shaped_rewards`): r_t = -beta * KL_t on every counted
-token, plus the task reward on the last counted token; then GAE as usual.
-
-KL coefficient controllers: the adaptive one of Ziegler et al. (2019, "Fine-Tuning
-Language Models from Human Preferences", Sec. 2.2), as in TRL's and OpenRLHF's
-`AdaptiveKLController`:
+`AdaptiveKLController` (Ziegler et al. 2019, Sec. 2.2; as TRL's and OpenRLHF's):
     e = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon)
-`current_kl` must be in the units of `target` (Ziegler: per-sequence KL, i.e. summed
-over tokens, averaged over the batch); `n_steps` is the number of sequences in that
-batch (summed over data-parallel ranks) and `horizon` counts sequences too, as in
-Ziegler et al. and TRL: at the clip, the coefficient changes by about a factor e^(+-0.2) every
-`horizon` sequences.
-
-Departures: inputs are upcast to float32 so bf16 log-probs do not round the small
-differences away; the KL estimators leave masking and aggregation to the caller.
-`kl_shaped_rewards` is vectorised over ragged rows: "last token" is the last counted
-one (masked gaps allowed), a row with no counted token gets all zeros, and it runs
-under no_grad (its output is a reward). The adaptive controller ignores a non-finite
-KL (the coefficient is kept) and floors the multiplier at 0, so the coefficient never
-becomes NaN or negative.
-"""
+with KL per sequence (summed over tokens, averaged over the batch) and n_steps, horizon
+counted in sequences (summed over ranks). A non-finite KL keeps beta; the multiplier is
+floored at 0. Inputs are upcast to float32; masking and aggregation are the caller's."""
 from __future__ import annotations
 
 import math
@@ -113,12 +90,8 @@ def resolve_kl_estimator(kind: Optional[str], placement: str) -> str:
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate. logp, ref_logp [N, T] -> [N, T] float32 (float64 kept).
-
-    Differentiable in both inputs; which divergence its gradient follows depends on the
-    placement (module doc): in the reward k1 gives grad KL(pi||ref) exactly and k2, k3 a
-    biased gradient; in the loss k1 gives zero expected gradient, k2 grad KL(pi||ref)
-    and k3 grad KL(ref||pi)."""
+    """Per-token KL estimate. logp, ref_logp [N, T] -> [N, T] float32 (float64 kept);
+    differentiable in both (which gradient: module doc)."""
     if kind is None:
         raise ValueError("KL estimator None: resolve it with resolve_kl_estimator(kind, placement)")
     fn = KL_ESTIMATORS.get(kind)
@@ -166,7 +139,7 @@ class FixedKLController:
 
 
 class AdaptiveKLController(FixedKLController):
-    """Ziegler et al.'s proportional controller (see module doc). Pure Python floats."""
+    """Ziegler et al.'s proportional controller (module doc). Pure Python floats."""
 
     def __init__(self, init_coef: float, target: float, horizon: float):
         if not target > 0 or not horizon > 0 or not init_coef >= 0:
@@ -176,8 +149,7 @@ class AdaptiveKLController(FixedKLController):
         self.target, self.horizon = float(target), float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> float:
-        """coef *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon;
-        returns the new coefficient."""
+        """coef *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon; returns it."""
         kl = float(current_kl)
         if n_steps < 0:
             raise ValueError(f"n_steps must be >= 0, got {n_steps}")

@@ -1,16 +1,7 @@
-"""Token log-probs, entropy, masked statistics and completion masks.
-
-The log-prob helper and completion mask every RL-for-LM codebase has (formulas in
-docs/math.md); everything stays in log space (logsumexp) for numerical stability.
-
-Departures from the usual one-liner `log_softmax(logits).gather(...)`:
-- `token_logprobs` computes `gather(logits) - logsumexp(logits)` row by row, so no
-  second [N, T, V] log-softmax tensor is materialised (the vocabulary axis dominates
-  memory); bf16 logits are upcast to float32 one row at a time.
-- masked statistics clamp their denominators at 1, so an all-masked row or an all-zero
-  mask gives 0, never NaN; masked-out positions are dropped with `torch.where`, so a
-  NaN/inf there cannot leak into the result.
-"""
+"""Token log-probs, entropy, masked statistics and completion masks (docs/math.md,
+section 1). `token_logprobs` computes gather(logits) - logsumexp(logits) in chunks of
+rows, never a second [N, T, V] tensor. Masked statistics clamp denominators at 1 (empty
+gives 0, never NaN) and drop masked positions with `torch.where` (no NaN leaks)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -27,9 +18,8 @@ CHUNK_ELEMENTS = 1 << 22   # rows per chunk: as many as fit in 4M elements (at l
 
 
 def _rowwise(logits: torch.Tensor, fn) -> torch.Tensor:
-    """Apply `fn` ([..., V] float -> [...]) to chunks of rows of [N, T, V]; bounds the float
-    copy to ``CHUNK_ELEMENTS`` (a large-vocabulary row is its own chunk), while small
-    vocabularies take one call instead of N (the per-row loop cost ~1 ms per step)."""
+    """Apply `fn` ([..., V] -> [...]) to chunks of rows of [N, T, V], each at most
+    ``CHUNK_ELEMENTS`` floats (a large-vocabulary row is its own chunk)."""
     dtype = acc_dtype(logits)
     if logits.shape[0] == 0:
         return logits.new_zeros(logits.shape[:-1], dtype=dtype)
@@ -111,14 +101,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int | Sequence[int],
                     pad_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Which sampled completion tokens count, and which rows hit the length limit.
 
-    completion_ids [N, T] -> (mask [N, T] float32, truncated [N] bool).
-    mask is 1 up to and including the first EOS (any id of `eos_id` if a list). A row
-    with no EOS within T tokens is truncated and every one of its T tokens counts: the
-    policy sampled them. The mask is defined by the first EOS, never by padding, because
-    pad_id may equal eos_id; `pad_id` is accepted for the callers that hold one and
-    deliberately does not change the mask (pad tokens after the first EOS are excluded by
-    the EOS rule; a pad token sampled inside a truncated row was sampled, so it counts).
-    """
+    completion_ids [N, T] -> (mask [N, T] float32, truncated [N] bool). mask is 1 up to and
+    including the first EOS (any id of `eos_id` if a list); a row with no EOS is truncated and
+    all T tokens count. Padding never defines the mask (pad_id may equal eos_id); `pad_id`
+    is accepted and ignored."""
     ids = completion_ids
     n, t = ids.shape
     many = isinstance(eos_id, (list, tuple, set, frozenset))

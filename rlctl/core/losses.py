@@ -1,37 +1,25 @@
-"""Policy and value losses. Each returns a per-token loss [N, T] plus detached metrics;
-the `*_loss` wrappers aggregate it with `aggregation.aggregate`.
+"""Policy and value losses (docs/math.md, sections 4 and 6). Each returns a per-token loss
+[N, T] plus detached metrics; the `*_loss` wrappers aggregate it with
+`aggregation.aggregate`.
 
-Sources:
-- PPO clipped surrogate (Schulman et al., 2017):
-  per token  -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A),
-  rho = exp(logp - old_logp), computed in log space. Asymmetric clip_low / clip_high as
-  in DAPO's "clip-higher" (Yu et al., 2025); equal values give the paper's epsilon.
-- Dual clip (Ye et al., 2020, "Mastering Complex Control in MOBA Games"; verl's
-  `clip_ratio_c`): with clip_ratio_c = c > 1, a token with A < 0 has its loss capped at
-  -A * c = c * |A|, so a huge ratio on a bad token cannot dominate the batch.
-- Vanilla policy gradient (REINFORCE, Williams 1992): -A * logp per token; its gradient
-  equals PPO's at rho == 1.
-- GSPO and CISPO live in `policy_variants.py`.
+- PPO clipped surrogate (Schulman et al., 2017), per token
+  -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A), rho = exp(logp - old_logp);
+  asymmetric clips as DAPO's clip-higher (Yu et al., 2025).
+- Dual clip (Ye et al., 2020; verl's `clip_ratio_c`): c > 1 caps a token with A < 0 at
+  -A * c.
+- Vanilla policy gradient (Williams, 1992): -A * logp; PPO's gradient at rho == 1.
+- Value loss: 0.5 * (V - R)^2, optionally PPO2's value clipping (as CleanRL's ppo.py).
+- GSPO and CISPO: `policy_variants.py`.
 
-Registry: ``POLICY_LOSSES`` (entries added with ``@register_policy_loss(name)``), every
-entry fn(logp, old_logp, advantages, mask, clip_low, clip_high, clip_ratio_c=None) ->
-(loss_mat [N, T], metrics); ``get_policy_loss`` also takes "package.module:function".
-- Value loss: 0.5 * (V - R)^2, optionally with PPO2's value clipping (max of clipped and
-  unclipped squared errors), as in CleanRL's `ppo.py` (docs/math.md discusses both).
+``POLICY_LOSSES`` entries (``@register_policy_loss(name)``) are fn(logp, old_logp,
+advantages, mask, clip_low, clip_high, clip_ratio_c=None) -> (loss_mat [N, T], metrics);
+``get_policy_loss`` also takes "package.module:function". Metrics: the schema of
+`_policy.py`; for PPO low = A < 0 and rho < 1 - clip_low, high = A > 0 and
+rho > 1 + clip_high, dual = A < 0 and rho > c. The value loss gives value/clip_frac.
 
-Departures: the log-ratio is zeroed at masked-out positions and clamped to [-20, 20]
-before exp, so padding garbage or a wild token cannot produce inf/NaN (beyond |20| the
-gradient is cut, an extreme that should never be reached). Advantages, old log-probs,
-old values and returns are detached here, so a forgotten `.detach()` upstream cannot
-leak gradient into a baseline or critic (a common bug in hand-written PPO).
-
-Metrics are named where they are computed and logged as named. One schema for every
-policy loss (see `_policy.py`): policy/clip_frac_low, policy/clip_frac_high,
-policy/clip_frac (= low + high, the ratio clip), policy/clip_frac_dual (0 when the dual
-clip is off or not applicable), policy/approx_kl; the value loss gives value/clip_frac. For PPO: low = A < 0 and rho < 1 - clip_low,
-high = A > 0 and rho > 1 + clip_high (where the clipped, zero-gradient branch is active),
-dual = A < 0 and rho > c.
-"""
+Departures: the log-ratio is zeroed off the mask and clamped to [-20, 20] before exp (no
+inf/NaN from padding). Advantages, old log-probs, old values and returns are detached
+here."""
 from __future__ import annotations
 
 from typing import Optional, Tuple

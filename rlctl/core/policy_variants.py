@@ -1,44 +1,21 @@
-"""PPO-family variants that change the importance weight: GSPO and CISPO.
-
-Both have the policy-loss signature fn(logp, old_logp, advantages, mask, clip_low,
-clip_high, clip_ratio_c=None) -> (loss_mat [N, T], metrics) and the metric schema of
-`_policy.py`; they are registered in ``POLICY_LOSSES`` (defined here, the module every
-policy loss imports) as "gspo" and "cispo".
+"""PPO-family variants that change the importance weight: GSPO and CISPO (docs/math.md,
+section 5). Both have the policy-loss signature and `_policy.py`'s metric schema, and are
+registered in ``POLICY_LOSSES`` (defined here, the module every policy loss imports).
 
 GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"), the GSPO-token form:
-    s_i      = (pi(y_i|x) / pi_old(y_i|x)) ** (1/|y_i|)
-             = exp(1/|y_i| * sum_t (logp_t - old_logp_t))  geometric mean of token ratios
-    s_{i,t}  = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]    (numerically s_{i,t} = s_i)
-    J        = 1/G sum_i 1/|y_i| sum_t min(s_{i,t} A_i, clip(s_{i,t}, 1-lo, 1+hi) A_i)
-  Since d s_{i,t} / d logp_t = s_i, the loss -s_{i,t} A_i gives each token
-  d loss / d logp_t = -s_i A_i, and after the paper's 1/|y_i| (seq-mean-token-mean):
-    grad_theta J = 1/G sum_i s_i A_i * 1/|y_i| sum_t grad logp_t        (unclipped i)
-  which is exactly the gradient of the sequence-level objective s_i(theta) A_i. Because
-  s_{i,t} has the same value on every token, the clip acts on whole sequences: when s_i
-  leaves (1-lo, 1+hi) in A_i's direction, every token of the sequence gets 0 gradient.
-  Aggregate with seq-mean-token-mean to get the paper's objective (other modes reweight
-  sequences, e.g. token-mean weights each by its length).
+    s_i     = exp(1/|y_i| * sum_t (logp_t - old_logp_t))   (geometric mean of token ratios)
+    s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]       (value s_i, d/d logp_t = s_i)
+    J       = 1/G sum_i 1/|y_i| sum_t min(s_{i,t} A_i, clip(s_{i,t}, 1-lo, 1+hi) A_i)
+  so the clip acts on whole sequences. seq-mean-token-mean aggregation gives the paper's
+  objective. One advantage per sequence: [N] as given, [N, T] by its masked row mean.
+  The dual clip caps -A_i * c where A_i < 0 and s_i > c. Clip fractions count every token
+  of a clipped sequence. Paper's default clips: (3e-4, 4e-4).
 
-CISPO (MiniMax, 2025, "MiniMax-M1"): clip the importance weight, never the
-gradient:
+CISPO (MiniMax, 2025, "MiniMax-M1"): clip the importance weight, never the gradient:
     loss_t = -sg[clip(rho_t, 1 - lo, 1 + hi)] * A_t * logp_t,  rho_t = exp(logp_t - old_t)
-    d loss_t / d logp_t = -clip(rho_t) * A_t                  (nonzero for every token)
-  The paper aggregates with token-mean. The loss value is a weighted log-likelihood, not a
-  surrogate of the objective, so its magnitude is not comparable to PPO's.
-
-Departures:
-- GSPO takes one advantage per sequence (as the paper's GSPO, and GSPO-token with equal
-  A_{i,t}): [N] as given, [N, T] reduced by the masked mean of each row (equal to A_i for
-  the outcome estimators, which broadcast one value per row).
-- Default clips: GSPO uses the paper's (3e-4, 4e-4), since a geometric-mean ratio stays
-  far closer to 1 than a token ratio; CISPO uses 0.2 / 0.2 (the paper leaves the lower
-  bound effectively off and tunes only the upper one; pass a large clip_low to match).
-- clip_ratio_c: GSPO applies the dual clip to the sequence ratio (cap -A_i * c when
-  A_i < 0 and s_i > c); CISPO ignores it (its weight is already capped at 1 + clip_high).
-- Clip fractions: GSPO counts every token of a clipped sequence (low: A < 0 and
-  s_i < 1 - lo; high: A > 0 and s_i > 1 + hi); CISPO counts tokens whose weight was
-  clipped, whatever the sign of A. approx_kl is always token-level k3 of old -> new.
-"""
+  Every token keeps a gradient; the paper aggregates with token-mean. clip_ratio_c is
+  ignored; clip fractions count tokens whose weight was clipped. approx_kl is always
+  token-level k3 of old -> new."""
 from __future__ import annotations
 
 from typing import Optional, Tuple

@@ -1,22 +1,14 @@
-"""The Bradley-Terry preference loss for reward models.
+"""The Bradley-Terry preference loss for reward models (docs/math.md, section 12).
 
-Bradley and Terry (1952) model the probability that a human prefers ``chosen`` over
-``rejected`` as ``sigmoid(r_chosen - r_rejected)``; fitting a scalar reward ``r`` by
-maximum likelihood on preference pairs is the reward-model step of RLHF (Christiano et
-al., 2017; Ouyang et al., 2022). Per pair, with P pairs in a batch:
+Bradley and Terry (1952): P(chosen > rejected) = sigmoid(r_chosen - r_rejected); fitting
+r by maximum likelihood is RLHF's reward-model step (Christiano et al., 2017; Ouyang et
+al., 2022). Per pair:
 
     loss_i = -log sigmoid(r_chosen_i - r_rejected_i - m_i) + c * (r_chosen_i + r_rejected_i)^2
 
-- ``m_i`` (margin): the chosen answer must win by at least ``m_i`` before the loss stops
-  pushing (Llama 2, Touvron et al., 2023, use a per-pair margin from the rating gap;
-  OpenRLHF subtracts it the same way). 0 gives the plain Bradley-Terry loss.
-- ``c`` (centring): the Bradley-Terry likelihood only sees differences, so adding a
-  constant to every score changes nothing and scores can drift; a small penalty on the
-  pair's sum pins the mean score near 0 (Eisenstein et al., 2023, "Helping or Herding?",
-  use 0.01; OpenRLHF's ``aux_loss`` is the same idea).
-
-``-log sigmoid(x)`` is computed as ``softplus(-x)``, which is finite for any finite x.
-"""
+m_i: a margin the chosen answer must win by (Llama 2, Touvron et al., 2023); c: centring,
+pinning the mean score near 0 (Eisenstein et al., 2023, use 0.01). -log sigmoid(x) is
+softplus(-x), finite for any finite x."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Union

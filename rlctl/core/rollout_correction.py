@@ -1,19 +1,12 @@
-"""The off-policy correction for a sampler (an inference engine) that does not compute
-the learner's probabilities exactly (docs/math.md, section 14).
+"""The off-policy correction for a sampler (an inference engine) whose probabilities differ
+from the learner's (docs/math.md, section 14). Detached weights, in log space:
 
-The engine draws each token from pi_engine; the learner's old policy pi_old is the same
-weights run by the learner (other kernels, another precision). The importance weight of
-a counted token is
+    token level:     w_t = exp(log pi_old(y_t) - log pi_engine(y_t))
+    sequence level:  w_i = exp(sum_t m_t (log pi_old - log pi_engine)), on each counted token
 
-    token level:     w_t = pi_old(y_t) / pi_engine(y_t) = exp(log pi_old - log pi_engine)
-    sequence level:  w_i = prod_t w_t = exp(sum_t m_t (log pi_old - log pi_engine)),
-                     the same value on every counted token of row i,
-
-computed in log space and detached. ``truncate`` multiplies the per-token policy loss by
-min(w, upper) (truncated importance sampling); ``mask`` by w where lower <= w <= upper and
-by 0 elsewhere (masked importance sampling: the token, or the whole sequence, drops out);
-``measure`` by 1 (only the metrics). Shapes: [N, T], 0 off the mask.
-"""
+``truncate`` multiplies the per-token policy loss by min(w, upper); ``mask`` by w where
+lower <= w <= upper, else 0; ``measure`` by 1 (metrics only). Shapes [N, T], 0 off the
+mask."""
 from __future__ import annotations
 
 import math
@@ -77,21 +70,10 @@ def _units(d: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
 def mismatch_metrics(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
                      level: str, mode: str, upper: float, lower: float = 0.0
                      ) -> Dict[str, torch.Tensor]:
-    """How far the engine is from the learner's old policy, over the counted tokens:
-
-    - ``k3``: mean of w_t - 1 - log w_t with token weights w_t = pi_old / pi_engine,
-      Schulman's k3 estimate of KL(pi_engine || pi_old) on the engine's samples;
-    - ``ppl_gap``: exp(mean -log pi_engine) - exp(mean -log pi_old), the engine's
-      perplexity of its own samples minus the learner's (> 0: the engine found them less
-      likely than the learner does);
-    - ``ess``: (sum w)^2 / (n sum w^2) of the level's raw weights (n units: tokens, or
-      rows with a counted token), in (0, 1]; 1 when all weights are equal;
-    - ``log_w_abs_mean``: mean |log w| over the level's units;
-    - ``truncated_frac`` (truncate: w > upper) or ``masked_frac`` (mask: w outside
-      [lower, upper]), the share of units the mode changes;
-    - ``weight_mean``: mean applied weight over the units.
-
-    Empty mask: every value 0 (ess 1)."""
+    """How far the engine is from the learner's old policy, over the counted tokens (metric
+    meanings: docs/metrics.md): ``k3`` (KL(pi_engine || pi_old) on the engine's samples),
+    ``ppl_gap``, ``ess`` in (0, 1], ``log_w_abs_mean``, ``truncated_frac`` or
+    ``masked_frac``, ``weight_mean``. Empty mask: every value 0 (ess 1)."""
     m = keep(mask)
     d = log_importance_weights(old_logp, engine_logp, mask, "token")                  # [N, T]
     out = {"k3": masked_mean((torch.expm1(d) - d).clamp(min=0.0), mask)}

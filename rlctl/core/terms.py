@@ -1,17 +1,11 @@
 """Extra loss terms added to the policy loss, each with its coefficient.
 
-A term is a pure function ``fn(logp [N, T], entropy [N, T], mask [N, T]) -> [N, T]``: a
-per-token loss matrix that the learner aggregates exactly like the policy loss
-(``algo.loss_agg_mode``, over the same minibatch denominator), multiplies by its
-coefficient and adds to the loss. ``entropy`` is the entropy of the learner's
-(temperature-scaled) next-token distribution at each completion position, with its
-graph. Registered with ``@register_loss_term(name)``; the config's coefficient keys name
-the terms (``algo.entropy_coef`` -> ``entropy``), so the engine only loops over them.
-
-- ``entropy``: the entropy bonus of A3C (Mnih et al., 2016) and PPO (Schulman et al.,
-  2017, eq. 9): the matrix is ``-entropy``, so ``loss += coef * agg(-H)``, i.e. the loss
-  falls as the policy's entropy rises.
-"""
+A term is fn(logp [N, T], entropy [N, T], mask [N, T]) -> [N, T], aggregated like the
+policy loss (``algo.loss_agg_mode``), times its coefficient, added to the loss.
+``entropy`` is that of the learner's temperature-scaled distribution, with its graph.
+Registered with ``@register_loss_term(name)``; the config key ``algo.<name>_coef`` names
+the term. ``entropy``: the entropy bonus of A3C (Mnih et al., 2016) and PPO (Schulman et
+al., 2017, eq. 9), matrix -entropy."""
 from __future__ import annotations
 
 from typing import Callable, List, Mapping, Tuple

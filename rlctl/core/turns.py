@@ -1,28 +1,12 @@
-"""Turn rewards of multi-turn episodes: the rule that weighs them and where they go.
+"""Turn rewards of multi-turn episodes: the rule that weighs them and where they go
+(docs/math.md, section 13).
 
-An episode of K model turns gets one reward r_k per model turn from its environment.
-The turn-reward rule gives each turn a weight w_k (k = 1..K):
-
-- ``last``:       w = (0, ..., 0, 1)             (only the final turn's reward counts)
-- ``sum``:        w = (1, ..., 1)
-- ``discounted``: w_k = discount ** (k - 1)      (``sum`` when discount == 1)
-
-The episode reward is R = sum_k w_k r_k (what GRPO / RLOO / REINFORCE compare within a
-group), and the per-token rewards put w_k r_k on the LAST token of model turn k, 0
-elsewhere (what GAE takes), so each row of the token rewards sums to R.
-
-Pure python / torch: no I/O, no config objects.
-
-    turn_weights(num_turns, rule, discount=1.0) -> list of num_turns floats
-    place_turn_rewards(turn_rewards, turn_ends, T, rule, discount=1.0,
-                       dtype=torch.float32, device=None)
-        -> (rewards [N], token_rewards [N, T])
-
-``turn_rewards[i]`` is row i's list of K_i turn rewards, ``turn_ends[i]`` the list of
-the K_i completion columns (0-based, into completion_ids) of each model turn's last
-token, strictly increasing and < T. A row with no model turn gets R = 0 and a zero row.
-The sums are taken in float64 and cast once to ``dtype``.
-"""
+An episode of K model turns gets a reward r_k per turn, weighted by the rule:
+    last: w = (0, ..., 0, 1);  sum: w = (1, ..., 1);  discounted: w_k = discount ** (k - 1)
+The episode reward is R = sum_k w_k r_k; the token rewards put w_k r_k on the last token
+of turn k, so each row sums to R. ``turn_ends[i]``: row i's completion columns of each
+turn's last token, strictly increasing and < T. A row with no turn gets R = 0. Sums in
+float64, cast once to ``dtype``."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -35,9 +19,8 @@ TURN_REWARD_RULES = ("last", "sum", "discounted")
 
 
 def turn_weights(num_turns: int, rule: str, discount: float = 1.0) -> List[float]:
-    """The weight w_k of each of ``num_turns`` model turns under ``rule`` (see the module
-    docstring). ValueError for an unknown rule, a negative count or a discount outside
-    [0, 1]."""
+    """The weight w_k of each of ``num_turns`` turns under ``rule``. ValueError for an unknown
+    rule, a negative count or a discount outside [0, 1]."""
     if rule not in TURN_REWARD_RULES:
         raise ValueError(f"unknown turn-reward rule {rule!r}; valid: {', '.join(TURN_REWARD_RULES)}")
     if num_turns < 0:

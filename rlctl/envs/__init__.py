@@ -1,8 +1,4 @@
-"""Multi-turn environments: the interface, tools and their sandbox, the built-in environments.
-
-Importing ``rlctl.envs`` (any module of it) registers the built-in environments
-(``calculator``, ``guess_number``, ``running_sum``) as tasks in ``rlctl.tasks.TASKS``
-and in ``rlctl.envs.registration.ENVS`` (``rlctl.envs.builtin``). ``rlctl.tasks`` sits
-below this package and never imports it; the layers above (models, rollout, run) do.
-"""
+"""Multi-turn environments: the interface, tools and their sandbox, the built-in ones.
+Importing any module of ``rlctl.envs`` registers the built-in environments as tasks
+(``rlctl.envs.builtin``); ``rlctl.tasks`` never imports this package."""
 from rlctl.envs import builtin  # noqa: F401  (registers the built-in environments)

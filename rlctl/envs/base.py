@@ -1,19 +1,11 @@
-"""The environment interface of multi-turn episodes, and the task that carries one.
+"""The environment interface of multi-turn episodes, and the task that carries one
+(docs/agents.md).
 
-An episode starts from a dataset row (an ``Example``) and a seed: ``reset(example, seed)``
-gives the first observation (the prompt text). Each ``step(turn)`` takes the model's turn
-(``rlctl.types.Turn``: its text and its exact sampled token ids) and answers with a
-``rlctl.types.Step``: the next observation or None, a reward, done, and info (which may
-set ``stop``, the strings that end the next model turn, and ``success`` for eval).
-The framework owns the episode (``rlctl.rollout.episodes``): it keeps the model's token
-ids as sampled, tokenizes and appends observations, enforces the budgets and time
-limits, and steps the batch's environments concurrently. One environment object serves
-one episode; ``EnvTask.make_env()`` builds a fresh one each time.
-
-An ``EnvTask`` is a task (registered in ``rlctl.tasks.TASKS``, so ``task=NAME`` and
-``task.name=package.module:factory`` work as for single-turn tasks) whose rows are
-played as episodes instead of scored as single completions.
-"""
+``reset(example, seed)`` gives the first observation (the prompt text); ``step(turn)``
+takes a ``rlctl.types.Turn`` (text and exact sampled ids) and returns a
+``rlctl.types.Step``. The episode loop (``rlctl.rollout.episodes``) owns tokenization,
+budgets and time limits. One environment object serves one episode. An ``EnvTask`` is a
+task (in ``rlctl.tasks.TASKS``) whose rows are played as episodes."""
 from __future__ import annotations
 
 import logging
@@ -36,10 +28,9 @@ class Environment(Protocol):
 
 
 class EnvTask:
-    """A task played as episodes: ``train_examples``/``eval_examples`` (disjoint rows)
-    and ``make_env()`` (a fresh environment per episode). ``is_correct`` of a single
-    completion does not apply; eval reads ``success`` from the episode's last info (or
-    its total reward > 0 when the environment never sets it)."""
+    """A task played as episodes: ``train_examples``/``eval_examples`` (disjoint rows) and
+    ``make_env()`` (a fresh environment per episode). Eval reads ``success`` from the last
+    info (else total reward > 0)."""
 
     def __init__(self, name: str, make_env: Callable[[], Environment],
                  train: Sequence[Example], eval: Sequence[Example]):
@@ -68,8 +59,7 @@ def is_episodic(task) -> bool:
 
 
 def close_env(env: Optional[Environment]) -> None:
-    """``env.close()`` when it has one. A close that raises is logged (once per environment
-    class) and ignored: its episode has ended, and the run goes on as after a failed step."""
+    """``env.close()`` when it has one; a raise is logged (once per class) and ignored."""
     close = getattr(env, "close", None)
     if not callable(close):
         return

@@ -1,9 +1,6 @@
-"""The calculator tool and the digits-as-words numbers of the built-in environments.
-
-Pure functions, standard library only (the subprocess sandbox loads ``calc`` by its import
-path ``rlctl.envs.calc:calc`` in a fresh interpreter; importing this stays cheap).
-Numbers are written digit by digit: ``spell(5535) == "5 5 3 5"``, ``spell(-12) == "- 1 2"``.
-"""
+"""The calculator tool and the digits-as-words numbers of the built-in environments
+(``spell(5535) == "5 5 3 5"``). Standard library only: the subprocess sandbox loads
+``rlctl.envs.calc:calc`` in a fresh interpreter."""
 from __future__ import annotations
 
 import ast

@@ -1,14 +1,7 @@
-"""calculator: 3-digit by 2-digit multiplication with a calculator tool.
-
-Prompt ``1 2 3 * 4 5 =``. The model may call ``<call> calc 1 2 3 * 4 5 </call>`` (``tag``;
-or the ``json`` format) and is answered ``<result> 5 5 3 5 </result>``; a turn without a
-call is the final answer, ``5 5 3 5``: reward 1 if it is the product exactly (digit words,
-or the plain number), else 0; done. ``use_tools=false`` (the no-tool ablation) does not
-parse calls at all: the first turn is the answer, so a call scores 0.
-
-Splits: ``num_eval`` distinct (a, b) pairs drawn with ``random.Random(seed)`` are held
-out; training pairs never include them (``rlctl.tasks.base.disjoint_splits``).
-"""
+"""calculator: 3-digit by 2-digit multiplication with a calculator tool (docs/agents.md).
+Reward 1 for the exact product on the answering turn; ``use_tools=false`` (the ablation)
+parses no calls. ``num_eval`` held-out (a, b) pairs (``random.Random(seed)``), disjoint
+from training (``rlctl.tasks.base.disjoint_splits``)."""
 from __future__ import annotations
 
 import random

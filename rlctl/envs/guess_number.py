@@ -1,22 +1,9 @@
-"""guess_number: find a number in 1..N with higher/lower answers.
+"""guess_number: find a number in 1..N with higher/lower answers (docs/agents.md).
 
-Prompt ``guess 1 6 :`` (N = ``max_number``, spelled as digits). Each model turn is a
-number (``8``, or ``1 2`` for 12); the observation is ``higher`` (the secret is larger)
-or ``lower``; a turn that is not a number is answered ``error``. The correct guess:
-reward 1, done, info success. The episode's length is bounded by
-``rollout.episode.max_turns``; binary search needs at most ceil(log2 N) turns.
-
-Splits: every secret, in both. The prompt is the same for every secret and there are
-only N of them, so a split by secret would hold out numbers that training never rewards
-(GRPO then learns never to say them) and would measure memorisation, not the search.
-So the training rows are the secrets 1..N, each once (in an order shuffled with
-``random.Random(seed)``), and the eval rows go through that same order, ``num_eval`` of
-them (row j has the (j mod N)-th secret): ``num_eval = N`` scores the policy once on
-every secret, a multiple of N equally often on each, fewer on a seeded subset. Nothing
-is held out: eval measures the strategy on every secret, and every secret is also played
-in training. An episode is fixed by its row's secret (``reset``'s seed is unused), so a
-greedy episode per secret is the whole picture of a greedy policy.
-"""
+Reward 1 on the correct guess; done, success; a non-number turn is answered ``error``.
+Nothing is held out (the prompt is the same for every secret, so a split by secret would
+measure memorisation): training plays secrets 1..N once each in a ``random.Random(seed)``
+order, eval row j plays the (j mod N)-th of that order. ``reset``'s seed is unused."""
 from __future__ import annotations
 
 import random

@@ -1,13 +1,8 @@
 """The registry of environments, and their registration as tasks.
 
-``@register_env(name)`` puts an environment task's factory (``factory(**task options) ->
-EnvTask``) in ``ENVS`` and in ``rlctl.tasks.TASKS`` under the same name, so ``task=NAME``
-builds it through ``rlctl.tasks.build_task`` with the task's option checks. An environment
-of your own needs no registration: ``task.name=package.module:factory`` (or
-``path/file.py:factory``) loads it as any user task is loaded; a factory returning an
-``EnvTask`` is played as episodes. ``ENVS.names()`` lists the built-in ones once
-``rlctl.envs.builtin`` is imported.
-"""
+``@register_env(name)`` puts a factory (``factory(**task options) -> EnvTask``) in
+``ENVS`` and ``rlctl.tasks.TASKS``. Your own needs no registration:
+``task.name=package.module:factory`` returning an ``EnvTask`` is played as episodes."""
 from __future__ import annotations
 
 import math

@@ -1,16 +1,9 @@
-"""running_sum: keep a running total, with a reward on every turn.
+"""running_sum: keep a running total, with a reward on every turn (docs/agents.md).
 
-Prompt ``sum 3 + 4 =``: the start (0-9) and the first addend (1-9). Each model turn is
-the new total in digit words (``7``); reward 1 if it is right, else 0, on that turn. Then
-the next addend comes as the observation ``+ 2 =`` and the model answers the new total
-(``9``), ``num_additions`` times in all; the total goes on from the true value whatever
-the model wrote. After the last answer: done, info success (every answer right) and
-correct (how many were). Per-turn rewards: use ``rollout.episode.turn_reward=sum`` (or
-discounted) to train on all of them.
-
-Splits: ``num_eval`` distinct (start, addends) rows drawn with ``random.Random(seed)``
-held out, disjoint from the training rows. ``reset``'s seed is unused.
-"""
+Each turn is the new total (reward 1 if right, on that turn); the next addend follows as
+the observation, ``num_additions`` in all, continuing from the true total. Done after the
+last; info success (all right) and correct (how many). ``num_eval`` held-out rows
+(``random.Random(seed)``), disjoint from training; ``reset``'s seed is unused."""
 from __future__ import annotations
 
 import random

@@ -1,28 +1,12 @@
-"""Where a tool runs: ``sandbox=none`` (in the calling process) or ``sandbox=subprocess``.
+"""Where a tool runs: ``sandbox=none`` (in the calling process) or ``sandbox=subprocess``
+(docs/agents.md, "The sandbox").
 
-``subprocess`` runs every call in a fresh Python interpreter (``python -I``, the child
-script ``sandbox_child.py``), which before it loads the tool:
-
-- sets ``RLIMIT_AS`` (address space, ``memory_mb``), ``RLIMIT_CPU`` (``cpu_s``, default
-  the wall timeout rounded up) and ``RLIMIT_FSIZE`` (files it writes, ``memory_mb``);
-- replaces ``socket.socket`` (and ``socketpair``/``fromfd``) with one that refuses, so
-  the tool cannot open a connection through Python's socket module;
-- runs in a new temporary working directory (removed afterwards), with an environment
-  holding only PATH, HOME/TMPDIR (the temporary directory), LANG and single-thread
-  settings: the parent's variables (tokens, keys) are not passed on.
-
-The parent waits at most ``timeout_s`` seconds, then kills the child's whole process group;
-processes the tool started are killed with the group when the call ends, however it ends.
-The function is loaded in the child by its import path (``Tool.source``: ``module:function``
-or ``/abs/path/file.py:function``; the parent's ``sys.path`` is handed over), so it must be
-defined at the top level of a module; arguments and the result cross as JSON (a result
-that is not JSON is sent as ``str(result)``).
-
-This is best-effort isolation, not a security boundary: the child runs as the same user
-with the same file-system access, can start processes, and can reach the network by means
-other than Python's socket module (ctypes, a subprocess). ``RLIMIT_AS`` counts virtual
-memory, so libraries that reserve large address ranges need a larger ``memory_mb``.
-"""
+``subprocess`` runs each call in a fresh ``python -I sandbox_child.py`` with
+``RLIMIT_AS``/``RLIMIT_FSIZE`` (``memory_mb``), ``RLIMIT_CPU`` (``cpu_s``), Python
+sockets refused, a temporary working directory and a minimal environment; after
+``timeout_s`` the whole process group is killed. The tool is loaded by ``Tool.source``
+(top-level functions only); arguments and result cross as JSON (else ``str(result)``).
+Best-effort isolation, not a security boundary."""
 from __future__ import annotations
 
 import json
@@ -108,9 +92,8 @@ def run_in_subprocess(tool: Tool, kwargs: Dict[str, Any], limits: Limits) -> Any
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """Kill the child's process group even when the child has exited: a process the tool
-    started would outlive the call, and a forked one holding the reply pipe would block
-    ``communicate`` until it ends. (The child kills its group itself once it has replied.)"""
+    """Kill the child's process group even when the child has exited (the tool's processes
+    would outlive the call, or hold the reply pipe)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

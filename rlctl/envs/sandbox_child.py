@@ -1,11 +1,7 @@
-"""The subprocess sandbox's child (run as ``python -I sandbox_child.py``; see sandbox.py).
-
-Reads one JSON payload from stdin (source, kwargs, path, memory_bytes, cpu_s), limits
-itself, disables Python sockets, loads the tool by its import path, calls it and writes
-``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` to stdout, then kills
-its process group (what the tool started, and itself). What the tool prints goes nowhere.
-Standard library only until the limits are set.
-"""
+"""The subprocess sandbox's child (``python -I sandbox_child.py``; see sandbox.py): reads a
+JSON payload from stdin, limits itself, disables sockets, calls the tool, writes
+``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` and kills its process
+group. Standard library only until the limits are set."""
 import json
 import os
 import resource

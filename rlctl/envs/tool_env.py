@@ -1,21 +1,12 @@
-"""``ToolEnv``: an environment in which the model may call tools before it answers.
+"""``ToolEnv``: an environment in which the model may call tools before it answers
+(docs/agents.md, "Tools and call formats").
 
-Per model turn: the parser looks for a tool call. A call is bound to the tool's
-signature, run in the sandbox, and answered with the observation ``<result> R </result>``
-(R = ``format_result(value)``); any failure (malformed call, unknown tool, bad arguments,
-the tool raising, timing out or running out of memory) is answered ``<result> error
-</result>`` and counted. A turn without a call is the final answer: ``check(example,
-text)`` gives its reward and the episode is done (``success``: reward > 0). A call past
-``max_tool_calls`` is not run: that turn is taken as the final answer. With
-``use_tools=False`` turns are not parsed at all: every first turn is the final answer.
-
-Each step's info holds this step's ``tool_calls`` and ``tool_errors`` (0 or 1; the episode
-sums them), ``error`` (the failure, one line) on a failed call, and ``stop`` (the
-parser's closing tag, where the next turn should be cut) while the episode goes on.
-``ToolEnv.stop`` holds the same strings; the episode loop does not read it, so the
-first turn has no stop string and ends at a stop id (the tiny model's warm-up writes
-``<eos>`` after a first-turn call to match).
-"""
+A call is bound, run in the sandbox and answered ``<result> R </result>``; any failure is
+``<result> error </result>``, counted. A turn without a call (or a call past
+``max_tool_calls``, or any first turn with ``use_tools=False``) is the final answer:
+``check(example, text)`` gives its reward, done. Each step's info holds ``tool_calls``,
+``tool_errors`` (0 or 1), ``error`` on a failure and ``stop`` (the parser's closing tag)
+while the episode goes on."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence

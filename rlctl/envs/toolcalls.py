@@ -1,18 +1,8 @@
-"""Tool-call formats: how a model turn names a tool and its arguments.
-
-A parser has ``parse(text) -> ToolCall | None`` (None: the turn holds no call; a call
-that is opened but malformed raises ``ToolCallError``, one line), ``format(call) -> str``
-(the text the model would write; warm-up data and tests use it) and ``stop``, the strings
-after which a turn holding a call should be cut. Registered in ``PARSERS``
-(``tool_parser=NAME``; ``package.module:Class`` for your own, a class taking no arguments):
-
-- ``json``: ``<tool_call>{"name": "calc", "arguments": {"expression": "123*45"}}</tool_call>``,
-  the style of chat models' tool templates (``arguments`` may also be a JSON string);
-- ``tag``: ``<call> calc 1 2 3 * 4 5 </call>``: the tool's name, then its arguments as
-  whitespace-separated words (compact, for the word-level tiny model).
-
-Only the first call of a turn is read; text around it is ignored.
-"""
+"""Tool-call formats (docs/agents.md). A parser has ``parse(text) -> ToolCall | None``
+(malformed: ``ToolCallError``), ``format(call) -> str`` and ``stop`` (where a turn with a
+call is cut); registered in ``PARSERS`` (``tool_parser=NAME`` or ``package.module:Class``):
+``json`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) and ``tag``
+(``<call> calc 1 2 3 * 4 5 </call>``). Only a turn's first call is read."""
 from __future__ import annotations
 
 import json
@@ -30,8 +20,7 @@ class ToolCallError(ValueError):
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A parsed call: the tool's name and its arguments, as the words after the name
-    (``tag``) or the JSON object's ``arguments`` (``json``)."""
+    """A parsed call: tool name and arguments (words for ``tag``, the JSON object for ``json``)."""
     name: str
     arguments: Union[Tuple[str, ...], Dict[str, Any]] = ()
 

@@ -1,22 +1,9 @@
-"""Plain Python functions as tools: a name, parameters read from the signature, and how a
-parsed call's arguments become keyword arguments.
-
-``make_tool(fn)`` (or ``make_tool("package.module:function")`` / ``"path/file.py:function"``)
-gives a ``Tool``. Arguments are bound by ``Tool.bind(call.arguments)``:
-
-- words (the ``tag`` format): a tool with one parameter gets all the words joined by
-  spaces (``<call> calc 1 2 3 * 4 5 </call>`` -> ``calc(expression="1 2 3 * 4 5")``);
-  a tool with several gets one word per parameter, in order;
-- a JSON object (the ``json`` format): by name; unknown or missing names are errors.
-
-A parameter annotated ``int`` or ``float`` is converted from text with its spaces removed
-(the digits-as-words convention: ``"1 2 3"`` is 123); ``bool`` takes true/false; other
-annotations pass the value as given. A binding failure raises ``ToolArgumentError``.
-
-``Tool.source`` is the import path a separate interpreter loads the function by (the
-``subprocess`` sandbox): ``module:qualname`` for a function of an importable module, the
-file path for one loaded from a file, None for a lambda or a nested function.
-"""
+"""Plain Python functions as tools (docs/agents.md). ``make_tool(fn)`` (or an import path)
+gives a ``Tool``; ``Tool.bind`` maps ``tag`` words (all joined for a one-parameter tool,
+else one per parameter) or a ``json`` object (by name) to keyword arguments. ``int`` and
+``float`` parameters drop spaces (``"1 2 3"`` is 123), ``bool`` takes true/false; a
+failure raises ``ToolArgumentError``. ``Tool.source``: the import path the subprocess
+sandbox loads it by (None for a lambda or nested function)."""
 from __future__ import annotations
 
 import inspect

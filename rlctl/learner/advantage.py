@@ -1,29 +1,16 @@
 """From scored rollouts to per-token advantages (and value targets).
 
-One registry (``rlctl.core.ADVANTAGE_ESTIMATORS``), two levels, asked of the entry
-(``estimator_kind``), never of its name:
-- outcome estimators (reinforce, rloo, grpo, ...) map one return per completion,
-  grouped [B, G], to one advantage per completion, broadcast to its tokens;
-- token-level estimators (``gae``) map per-token rewards and critic values to per-token
-  advantages and returns.
+One registry (``rlctl.core.ADVANTAGE_ESTIMATORS``), two levels asked of the entry
+(``estimator_kind``): outcome estimators map one return per completion [B, G] to one
+advantage, broadcast to its tokens; token-level estimators (``gae``) map per-token
+rewards and values to advantages and returns.
 
-Rewards reach them the same way for both. With ``kl.placement=in_reward`` each counted
-token gets -beta * k, an estimate of KL(pi_old || pi_ref) (k1 by default: only k1 makes
-the policy gradient of this constant reward the gradient of KL(pi || ref), see
-rlctl/core/kl.py), and the task reward is added on the last counted token (classic RLHF
-shaping, Ziegler et al., 2019); a token-level estimator consumes those per-token
-rewards, an outcome estimator their per-sequence sum (the shaped return). Optional DAPO overlong
-shaping adds a length penalty to the task reward first.
-
-Multi-turn episodes (``batch.token_rewards`` set, rlctl/core/turns.py): the per-token
-rewards are ``token_rewards`` (each turn's weighted reward on its last token) plus the
-same shaping, the KL terms on counted tokens and the overlong penalty on the last
-counted token; an outcome estimator's return is the episode reward ``rewards`` plus the
-shaping's sum over counted tokens (exactly ``rewards`` without shaping). The overlong
-penalty of an episode measures its transcript (model turns and observations, as the
-budget counts them) against ``rollout.episode.max_tokens``. Observations carry mask 0,
-so GAE passes over them (docs/math.md, "Multi-turn episodes").
-"""
+Rewards: with ``kl.placement=in_reward`` each counted token gets -beta * k and the task
+reward goes on the last counted token (Ziegler et al., 2019); an outcome estimator gets
+the per-sequence sum. DAPO's overlong penalty is added to the task reward first.
+Episodes (``batch.token_rewards``, rlctl/core/turns.py): the token rewards plus the same
+shaping; the overlong penalty measures the transcript against
+``rollout.episode.max_tokens``; observations have mask 0 (docs/math.md, section 13)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,9 +65,8 @@ def shaped_task_rewards(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tens
 
 
 def overlong(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tensor:
-    """The DAPO overlong penalty of each row [N] (0 when not configured). Single-turn: the
-    counted tokens against ``rollout.max_new_tokens``; an episode: its transcript's
-    tokens (attention 1 in the completion: turns and observations) against
+    """The DAPO overlong penalty of each row [N] (0 when not configured): counted tokens
+    against ``rollout.max_new_tokens``; an episode's transcript against
     ``rollout.episode.max_tokens``."""
     if s.overlong_buffer <= 0:
         return torch.zeros_like(batch.rewards)
@@ -102,11 +88,9 @@ def token_rewards(batch: RolloutBatch, rewards: torch.Tensor, s: AdvantageSettin
 
 
 def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, backend, eps: float = 1e-8) -> torch.Tensor:
-    """``masked_whiten`` with the mean and (unbiased) variance over every rank's tokens:
-    two passes in float64 (the global mean, then the global sum of squared deviations
-    from it), as on one rank; the one-pass ``sum x^2 - n mean^2`` cancels when the mean
-    is large against the std (mean/std 1000 in float32 left a whitened std of 0.915).
-    Two collectives per rollout. Returns x's dtype, 0 where mask == 0."""
+    """``masked_whiten`` with the mean and unbiased variance over every rank's tokens, two
+    passes in float64 (no ``sum x^2 - n mean^2`` cancellation); two collectives. Returns x's
+    dtype, 0 where mask == 0."""
     if backend is None or backend.world_size == 1:
         return masked_whiten(x, mask, eps=eps) * mask
     m = mask.double()                                                   # [N, T]
@@ -120,10 +104,8 @@ def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, backend, eps: float =
 def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float,
                        values: Optional[torch.Tensor], backend=None
                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(advantages [N, T], returns [N, T] or None). ``values`` [N, T] for GAE.
-
-    With several data-parallel ranks, outcome estimators see every rank's groups (so a
-    batch-mean baseline is the global one) and whitening uses global statistics."""
+    """(advantages [N, T], returns [N, T] or None); ``values`` [N, T] for GAE. With several
+    ranks, outcome estimators see every rank's groups and whitening is global."""
     if batch.token_rewards is None:
         per_token = token_rewards(batch, shaped_task_rewards(batch, s), s, kl_coef)   # [N, T]
         seq_return = None

@@ -1,13 +1,9 @@
-"""The rollout correction in the learner (``algo.rollout_correction``; the math is
-``rlctl.core.rollout_correction``, docs/math.md section 14).
-
-Three hooks, each one call: the Trainer's ``old_policy_inputs`` before the old-policy
-forward (bypass off: every row's pi_old comes from the learner's forward, stale async
-rows included, and the sampler's log-probs stay in ``engine_logprobs``; bypass on: the
-sampler's log-probs are pi_old), the update's ``weighted`` on each micro-batch's
-per-token policy loss, and the update's ``batch_metrics`` (``rollout_corr/*``) once per
-rollout. With the correction off (None) all three leave everything as it was.
-"""
+"""The rollout correction in the learner (``algo.rollout_correction``; math in
+``rlctl.core.rollout_correction``, docs/math.md section 14). Three hooks:
+``old_policy_inputs`` before the old-policy forward (bypass: the sampler's log-probs are
+pi_old; otherwise the learner computes pi_old for every row and keeps the sampler's in
+``engine_logprobs``), ``weighted`` on each micro-batch's policy loss and
+``batch_metrics`` (``rollout_corr/*``) once per rollout. Off (None): no change."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,9 +36,8 @@ class RolloutCorrection:
 
 
 def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrection]) -> RolloutBatch:
-    """The batch as the old-policy forward should see it: unchanged with the correction
-    off; bypass: pi_old := pi_engine in every row; otherwise no old log-probs, so the
-    learner computes pi_old for every row (``needs_old_forward`` is true then)."""
+    """The batch for the old-policy forward: unchanged when off; bypass: pi_old := pi_engine;
+    otherwise no old log-probs (``needs_old_forward`` is true)."""
     if corr is None:
         return batch
     if batch.engine_logprobs is None:

@@ -1,29 +1,17 @@
 """The learner's forward pass: token log-probs, entropy and (with a critic) values.
 
-Memory-bounded log-probs: where the model allows it (``fused_head``), the forward runs
-with ``output_hidden_states=True, logits_to_keep=1``, so the LM head scores only one
-position, and the log-probs and entropy come from the final hidden states [N, T, H] and
-the head's weight through `rlctl.core.chunked_logprobs.chunked_token_logprobs`, which
-never holds more than one chunk of [N, T, V] logits (forward or backward; the idea behind
-fused linear cross-entropy kernels, Hsu et al. 2024, arXiv:2410.10989). Exact to the full
-logits path (tests/engine/test_chunked_learner.py, float64). Models whose head is not a
-plain ``nn.Linear`` (a LoRA-wrapped head), whose weight is partitioned (ZeRO-3) or whose
-forward takes no ``logits_to_keep`` keep the full-logits path, and so do models whose
-logits are not that head's output (a soft-cap, a multiplier): checked at run time on the
-first batch, once per model (rlctl/models/head_check.py), with one line saying so.
+Fused head (``fused_head``): the forward runs with ``output_hidden_states=True,
+logits_to_keep=1`` and the log-probs come from the final hidden states [N, T, H] through
+`rlctl.core.chunked_logprobs.chunked_token_logprobs`, never all [N, T, V] logits at once;
+exact to the full-logits path (tests/engine/test_chunked_learner.py). A head that is not a
+plain ``nn.Linear``, a ZeRO-3 partitioned weight, no ``logits_to_keep``, or logits that
+are not the head's output (rlctl/models/head_check.py) keep the full-logits path.
 
-Prompt sharing (``share_prompts``, rlctl/models/kv_share.py): the prompt's forward
-runs once per distinct prompt, its key/value cache is indexed out to every row that
-uses it, and the completions run on top of that cache. Gradients flow through the
-shared cache into the prompt positions, summed over the rows that share them, as in the
-full forward. On the default sorting config it removes about half of the learner's
-tokens. Models whose forward takes no cache fall back to the full forward, and so does
-a training forward under gradient checkpointing (Hugging Face's checkpointed layers
-drop the cache). Hybrid models' caches (linear-attention / state-space conv and recurrent
-states beside keys and values) are indexed alike (``kv_share.index_rows``); a model that
-keeps its recurrent state in its modules and lets left padding reach it (RecurrentGemma)
-runs without sharing, one forward per prompt length, unpadded (``_unpadded``).
-"""
+Prompt sharing (``share_prompts``, rlctl/models/kv_share.py): each distinct prompt runs
+once, its cache is indexed out to every row, and the completions run on top; gradients
+reach the prompt positions summed over the rows, as in the full forward. No cache or
+gradient checkpointing: the full forward. A model whose recurrent state in its modules
+sees left padding (RecurrentGemma) runs unshared and unpadded (``_unpadded``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,10 +30,8 @@ from rlctl.models.positions import position_ids_from_mask
 
 @dataclass(frozen=True)
 class PromptGroups:
-    """Which rows share a prompt: ``labels`` [N] long on the CPU, equal for rows whose
-    prompt (ids and mask) is equal. Found once per rollout and narrowed to each
-    micro-batch's rows on the CPU, so no forward needs a device-to-host sync for its
-    data-dependent shapes."""
+    """Which rows share a prompt: ``labels`` [N] long on the CPU, equal for equal prompts (ids
+    and mask); narrowed to each micro-batch on the CPU (no device sync in the forward)."""
     labels: torch.Tensor
 
     @classmethod
@@ -62,21 +48,16 @@ class PromptGroups:
 
 
 def prompt_sharing(enabled: bool, backend) -> bool:
-    """``trainer.share_prompts`` as it applies on this backend: prompt sharing changes how
-    many forwards a rank runs when its completions are all one token long, and
-    multi-rank ZeRO-3 needs every rank to run the same ones (off there)."""
+    """``trainer.share_prompts`` as it applies on this backend (off under multi-rank ZeRO-3,
+    which needs every rank to run the same forwards)."""
     zero3 = getattr(backend, "zero_stage", 0) == 3 and getattr(backend, "world_size", 1) > 1
     return bool(enabled) and not zero3
 
 
 def fused_head(model, inputs: Optional[dict] = None) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-    """(weight [V, H], bias [V] or None) of the LM head when log-probs can be computed
-    from the final hidden states exactly; None: use the full logits. Structural checks
-    first (a forward without ``logits_to_keep``, a head that is not a plain Linear, e.g.
-    LoRA-wrapped, a ZeRO-3 partitioned weight, a last hidden state that is not the
-    normed one); then whether the model's logits really are that head's
-    (``rlctl.models.head_check``: checked once per model on the first ``inputs``, the
-    forward's keywords; without ``inputs`` the verdict so far, unchecked: the head)."""
+    """(weight [V, H], bias [V] or None) of the LM head when log-probs can be computed from the
+    final hidden states exactly; None: use the full logits. Structural checks, then
+    ``rlctl.models.head_check`` once per model on the first ``inputs``."""
     inner = innermost(model)
     if not forward_takes(model, "logits_to_keep"):
         return None
@@ -125,16 +106,11 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     entropy_grad: bool = False, fused: bool = True) -> Forward:
     """One policy forward for log-probs and entropy (and values, with a shared head).
 
-    The logit at position t predicts token t+1, so completion token t is scored by
-    position P-1+t: logits[:, P-1:] of the input without its last token. Values use the
-    same positions, so values[:, t] = V(prompt + first t completion tokens).
-    ``critic``: a separate value model, run on the same inputs (never prompt-shared).
-    ``share_prompts``: False, True (rows sharing a prompt found here: a device sync on
-    accelerators) or the rows' ``PromptGroups`` (found on the CPU beforehand).
-    ``entropy_grad``: the entropy keeps its graph (an entropy bonus); else detached.
-    ``fused``: chunked log-probs from the hidden states where possible (False: always
-    the full [N, T, V] logits, the reference path).
-    """
+    Completion token t is scored by position P-1+t (logits[:, P-1:] of the input without its
+    last token); values[:, t] = V(prompt + first t completion tokens). ``critic``: a separate
+    value model on the same inputs (never prompt-shared). ``share_prompts``: False, True, or
+    the rows' ``PromptGroups``. ``entropy_grad``: keep the entropy's graph. ``fused``: False
+    for the full [N, T, V] logits."""
     P = prompt_len
     inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                   position_ids=position_ids_from_mask(attention_mask[:, :-1]))
@@ -190,11 +166,9 @@ def _logprobs(scores, head, tokens, temperature, with_entropy, entropy_grad):
 
 
 def _unpadded(run, inputs, P: int, model) -> tuple:
-    """``run(**inputs)``'s outputs [N, L, ...] from position P-1 on ([N, T, ...]), computed
-    without left padding: the rows with k pad columns run as [n, L-k] (one forward per k,
-    a host sync). For models whose recurrent layers see left padding (RecurrentGemma's
-    convolution reads the pads' activations): a prompt's result must not depend on how
-    long the batch's other prompts are."""
+    """``run(**inputs)``'s outputs from position P-1 on ([N, T, ...]), computed without left
+    padding: one forward per pad width (a host sync), so a prompt's result does not depend on
+    the batch's other prompts (RecurrentGemma's convolution reads the pads)."""
     unpadded_notice(model)
     pads = (inputs["attention_mask"].long().cumsum(-1) == 0).sum(-1)                # [N]
     order, parts = [], []
@@ -214,12 +188,10 @@ def _values(out) -> Optional[torch.Tensor]:
 
 
 def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, groups=None, extra=None):
-    """(scores [N, T, V] logits or [N, T, H] hidden states, values [N, T] or None) from
-    one prompt forward per distinct prompt plus one completion forward over the indexed
-    cache. The completion forward never runs a single token: there linear-attention and
-    state-space layers (Qwen3-Next, Falcon-H1, ...) take their one-step decode path, which
-    overwrites the recurrent state in place (not differentiable); with T = 2 the prompt
-    forward stops one token short and the completion forward starts at the prompt's last."""
+    """(scores [N, T, V] logits or [N, T, H] hidden states, values [N, T] or None) from one
+    prompt forward per distinct prompt plus one completion forward over the indexed cache.
+    The completion forward never runs a single token (hybrid layers' one-step decode path
+    overwrites the state in place): with T = 2 the prompt forward stops one token short."""
     extra = extra or {}
     first, inv = groups if groups is not None else \
         distinct_rows(input_ids[:, :P], attention_mask[:, :P])                    # [U], [N]

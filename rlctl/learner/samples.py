@@ -1,57 +1,16 @@
 """Sample tables: a few rows of a step's rollout, and of a held-out eval, for the sinks.
 
-Every ``logger.samples.every`` steps (and at the last step, as metrics are logged) the
-Trainer hands ``sink.samples(rows, step, "train")`` ``logger.samples.n`` rows of the
-step's batch, drawn so that a group's spread shows: ceil(n / G) whole groups picked by
-an RNG of their own, ``random.Random`` seeded with (seed, step), then the first n rows
-of those groups (in group order). That RNG is made for the draw and dropped: the
-training's streams (torch's, the prompt sampler's) are never touched, so a run's
-metrics are the same with samples on or off. Only the chosen rows are read back from
-the device and decoded. With several ranks, rank 0 draws from its own share of the step's
-groups (the other ranks' sinks log nothing).
+The draw, the train and eval columns and their meanings: docs/metrics.md, "Sample
+tables". The draw's RNG (``random.Random`` seeded with (seed, step)) is its own, so
+metrics are the same with samples on or off; only the chosen rows are read back; with
+several ranks rank 0 draws from its own share.
 
-The columns of a train row, in order:
-    step            the learner step (as in the metric logs)
-    group           the row's prompt group within the step's batch (0 .. B-1)
-    prompt          the text the model was given (the task's prompt, chat template applied)
-    completion      the counted tokens decoded, the closing stop id left out
-    reward/<name>   each named reward as the scorer gave it (the step's reward/<name>)
-    reward          the total the advantage estimator received (the scorer's total, with
-                    DAPO's overlong penalty when algo.overlong_buffer is set; KL shaping,
-                    when in the reward, is per token and not in it)
-    advantage       the row's advantage: for token-level estimators (GAE) the mean over its
-                    counted tokens; outcome estimators give every token the same value
-    length          counted completion tokens (the closing stop id included)
-    finish_reason   "stop" (a stop id ended it) or "length" (rollout.max_new_tokens reached)
-    stop_id         the id that ended it (null at the length cap)
-    stop_token      that id's token in the vocabulary's spelling (as rollout.stop_token_ids
-                    takes it), null at the length cap
-    policy_version  learner updates in the weights that sampled the row (0: the initial
-                    weights): step - 1 in the synchronous loop; step - 1 - staleness with
-                    asynchronous actors (the async/staleness metric is its step maximum)
-
-An eval row (``table="eval"``, at every held-out eval while samples are on: rank 0's first n
-examples of the eval split, the same prompts each time): step, prompt, completion,
-reward, exact_match (absent for a task scored by reward models alone), length,
-finish_reason, stop_id, stop_token, policy_version (the step: eval follows its update).
-
-A row of a task played as episodes (``batch.episodes`` set; train and eval tables alike):
-completion is the whole transcript decoded with its special tokens (model turns and
-observations, as the model saw them), length the model's own tokens, finish_reason the
-episode's status (done, turn_limit, token_limit, length_limit), and after
-policy_version (``episode_columns``):
-    num_turns       model turns
-    status          how the episode ended (= finish_reason)
-    success         the environment's info["success"] (null when it never set one)
-    tool_calls, tool_errors, env_errors   the episode's counts
-    obs_truncated   observations cut to rollout.episode.max_obs_tokens
-    tool_task       the task's environment offers tools (``offers_tools``)
-    turns           the episode turn by turn: a list of {role ("model" | "observation"),
-                    text (a model turn without its stop id; an observation as the
-                    environment wrote it), reward (the turn's; 0 on observations),
-                    truncated}; sinks that show one line per cell write it as
-                    ``rlctl.sinks.base.cell_text`` does
-"""
+A row of a task played as episodes: completion is the whole transcript decoded with its
+special tokens, length the model's own tokens, finish_reason the episode's status (done,
+turn_limit, token_limit, length_limit), then ``episode_columns``: num_turns, status,
+success (null if never set), tool_calls, tool_errors, env_errors, obs_truncated,
+tool_task (``offers_tools``) and turns, a list of {role ("model" | "observation"), text,
+reward (0 on observations), truncated}."""
 from __future__ import annotations
 
 import math
@@ -86,9 +45,8 @@ class SampleSettings:
 
 
 def draw_rows(num_rows: int, group_size: int, n: int, seed: int, step: int) -> List[int]:
-    """Row indices of a step's table: ceil(n / G) whole groups (of the num_rows // G in
-    the batch, rows g*G .. g*G+G-1) chosen by ``random.Random`` seeded with (seed, step),
-    taken in group order, then the first n of their rows (all rows when fewer)."""
+    """Row indices of a step's table: ceil(n / G) whole groups chosen by ``random.Random``
+    seeded with (seed, step), in group order, then the first n of their rows."""
     groups = num_rows // group_size
     k = min(math.ceil(n / group_size), groups)
     chosen = sorted(random.Random(f"rlctl-samples:{seed}:{step}").sample(range(groups), k))
@@ -97,9 +55,8 @@ def draw_rows(num_rows: int, group_size: int, n: int, seed: int, step: int) -> L
 
 def endings(completion_ids: torch.Tensor, mask: torch.Tensor, truncated: Sequence[bool],
             tokenizer) -> List[Row]:
-    """finish_reason, stop_id and stop_token of each row (``completion_ids`` [n, T],
-    ``mask`` [n, T], ``truncated`` [n]). The stop id is the last counted token, at the
-    row's width - 1 (a multi-turn row's mask has gaps: its sum is not that column)."""
+    """finish_reason, stop_id and stop_token of each row (``completion_ids`` [n, T], ``mask``
+    [n, T], ``truncated`` [n]); the stop id is at the row's width - 1."""
     widths = counted_width(mask).tolist()
     ids = completion_ids.tolist()
     out = []
@@ -120,9 +77,8 @@ def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> List[fl
 
 def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.Tensor,
                tokenizer, stops: Sequence[int], tool_task: bool = False) -> List[Row]:
-    """The table of ``rows`` of ``batch`` (after advantages); ``rewards`` [N]: the totals
-    the advantage estimator received. Reads back and decodes only those rows. Episodes:
-    the transcript and ``episode_columns`` (``tool_task``: ``offers_tools`` of the task)."""
+    """The table of ``rows`` of ``batch`` (after advantages); ``rewards`` [N]: the totals the
+    advantage estimator received. Reads back and decodes only those rows."""
     idx = torch.tensor(rows, dtype=torch.long, device=batch.mask.device)
     mask, ids = batch.mask[idx], batch.completion_ids[idx]                   # [n, T] each
     ends = endings(ids, mask, batch.truncated[idx].tolist(), tokenizer)
@@ -152,9 +108,8 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
 
 
 def offers_tools(task) -> bool:
-    """Whether a task played as episodes gives its model tools: a fresh environment of it
-    has a non-empty ``tools`` and ``use_tools`` not False (``rlctl.envs.tool_env.ToolEnv``;
-    the calculator's no-tool ablation has none). False for other tasks."""
+    """Whether a task played as episodes gives its model tools (a fresh environment's non-empty
+    ``tools`` and ``use_tools`` not False). False for other tasks."""
     make_env = getattr(task, "make_env", None)
     if not callable(make_env):
         return False

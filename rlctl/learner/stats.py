@@ -1,69 +1,10 @@
 """The metric schema every algorithm shares, and its reduction over data-parallel ranks.
 
-Each name is made where its value is computed (given here as ``where``); values are
-detached tensors until one host sync at log time. The schema:
-
-  reward/mean, reward/std            task reward over the step's rows of every rank (stats.py)
-  reward/frac_zero_std_groups        groups whose G rewards are all equal (stats.py)
-  reward/errors, reward/timeouts     failed reward calls; samples left unscored at the
-                                     deadline (cumulative counts, tasks/scoring.py)
-  reward/<name>                      each named reward's mean since the last log: the task's
-                                     designs (e.g. reward/exact) and each learned reward
-                                     model's raw score (reward/reward_model by default)
-                                     (tasks/scoring.py; async: rollout/actors.py)
-  rollout/kept_groups_frac           groups kept by dynamic sampling / groups sampled (stats.py)
-  advantage/mean, advantage/std      token mean; std of per-row means over every rank's rows (stats.py)
-  length/mean, length/min, length/max  counted completion tokens per row (stats.py): the
-                                     model's own tokens; a multi-turn row's observations
-                                     are not counted (episode/obs_tokens_mean)
-  length/truncated_frac              rows with no stop id within the limit; episodes: not
-                                     ended by the environment (done) (stats.py)
-  episode/turns_mean, episode/obs_tokens_mean, episode/tool_calls_mean,
-  episode/tool_errors_mean           per episode: model turns, observation tokens (the
-                                     completion's attention tokens minus the counted ones),
-                                     tool calls, failed tool calls (stats.py; episodes only)
-  episode/env_errors, episode/obs_truncated  environment steps that raised or passed their
-                                     time limit; observations cut to max_obs_tokens (sums)
-  episode/turn_limit_frac, episode/token_limit_frac  episodes ended by the turn / token budget
-  episode/success_rate               success over the episodes that report it (0 if none)
-  policy/loss                        the policy loss, this rank's share summed (learner/update.py)
-  policy/entropy                     token-mean entropy of the learner's distribution (update.py)
-  policy/clip_frac_low, policy/clip_frac_high, policy/clip_frac   ratio clipped low / high /
-                                     either, fraction of counted tokens (core/_policy.py)
-  policy/clip_frac_dual              tokens with A < 0 capped by the dual clip (core/_policy.py)
-  policy/approx_kl                   k3(pi_old -> pi) token mean (core/_policy.py)
-  policy/ratio_std, policy/ratio_max spread of pi / pi_old when pi_old is given: population std
-                                     and max over every counted token of the update (all its
-                                     optimizer steps, micro-batches and ranks) (update.py)
-  policy/kl_ref                      the training KL estimate to the reference (update.py)
-  kl/k1, kl/k3                       both estimates of KL(pi || ref), token means (update.py)
-  kl/seq_k1                          per-sequence KL(pi_old || ref), adaptive KL's input (trainer.py);
-                                     like reward/mean and length/mean, weighted by rank's sequences
-                                     (per-sequence means are weighted by each rank's sequences)
-  kl/coef                            the KL coefficient beta (trainer.py)
-  value/loss, value/clip_frac, value/explained_var, value/mean   critic (update.py);
-                                     explained_var = 1 - Var[R - V] / Var[R] over every counted
-                                     token of the update (all steps, micro-batches and ranks)
-  value/return_mean                  token mean of the value targets (trainer.py)
-  optim/grad_norm, optim/lr          before clipping; the schedule's (update.py, trainer.py)
-  fault/skipped_steps                optimizer steps skipped as non-finite (update.py)
-  time/rollout_s, time/update_s, time/generate_s, time/score_s, time/logprob_s,
-  time/elapsed_s                     wall seconds (trainer.py)
-  time/learner_wait_s, time/actor_wait_s, async/staleness   async mode (async_rollout.py)
-  perf/tokens_per_s                  counted tokens / step time (trainer.py); the model's
-                                     tokens only: observations are forwarded, not counted
-  eval/exact_match, eval/reward, eval/length_mean, eval/truncated_frac   held-out greedy
-                                     evaluation (trainer.py, evaluate.py)
-The reward-model command logs its own: train/loss, train/bt_loss, train/accuracy,
-train/margin, optim/grad_norm (reward_models/fit.py); eval/pairwise_accuracy, eval/margin,
-eval/chosen_mean, eval/rejected_mean (reward_models/train.py).
-
-Token means are exact over micro-batches (weighted by their tokens) and averaged over
-optimizer steps and ranks. Spreads (the stds, explained_var) are not means of per-token
-values, so they travel as `Moments` (count, means, sums of squared deviations, float64)
-pooled over micro-batches, steps and ranks and finished once at log time: they do not
-depend on micro_batch_size, micro_batch_tokens, minibatches or the number of ranks.
-"""
+The schema (each name, its meaning and the module that makes it) is docs/metrics.md's
+table. Values are detached tensors until one host sync at log time. Token means are exact
+over micro-batches (weighted by their tokens) and averaged over optimizer steps and
+ranks; spreads (the stds, explained_var) travel as `Moments` pooled over micro-batches,
+steps and ranks and finished once at log time, so no split of the batch changes them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,12 +18,10 @@ from rlctl.types import TOKEN_LIMIT, TURN_LIMIT, RolloutBatch
 
 @dataclass
 class Moments:
-    """Pooled sufficient statistics of k variables over the same n entries, in float64:
-    the count ``n`` [], the means ``mean`` [k] and the sums of squared deviations from
-    them ``m2`` [k]. ``combine`` pools two sets exactly (Chan, Golub & LeVeque, 1983), with
-    no ``sum x^2 - n mean^2`` cancellation; ``finish`` turns the pooled set into the
-    metric. A metric whose value is a ``Moments`` is a statistic of every entry it saw,
-    over micro-batches, optimizer steps and ranks alike (`reduce_metrics` finishes it)."""
+    """Pooled sufficient statistics of k variables over the same n entries, in float64: the
+    count ``n`` [], the means ``mean`` [k], the sums of squared deviations ``m2`` [k].
+    ``combine`` pools two sets exactly (Chan, Golub & LeVeque, 1983); ``finish`` turns the
+    pooled set into the metric (`reduce_metrics` calls it)."""
     n: torch.Tensor
     mean: torch.Tensor
     m2: torch.Tensor
@@ -90,9 +29,8 @@ class Moments:
 
     @classmethod
     def of(cls, x: torch.Tensor, mask: torch.Tensor, finish) -> "Moments":
-        """x [k, ...] (k variables), mask [...] (entries counted where > 0). Entries not
-        counted are dropped with ``torch.where``, so a NaN/inf there cannot leak (as in
-        `rlctl.core.masked_mean`)."""
+        """x [k, ...] (k variables), mask [...] (entries counted where > 0); entries not counted are
+        dropped with ``torch.where`` (no NaN leaks)."""
         counted = mask.detach() > 0                                         # [...]
         x = torch.where(counted, x.detach().double(), 0.0)                  # [k, ...]
         m = counted.double()

@@ -1,30 +1,12 @@
-"""``model.disable_dropout``: no train-mode randomness in the models rlctl trains or scores with.
+"""``model.disable_dropout``: no train-mode randomness in the models rlctl trains or scores.
 
-The old log-probs (pi_old), the reference's and the critic's values are computed in eval
-mode, the update in train mode. With a checkpoint's dropout (GPT-2 ships 0.1) the update
-would score its tokens under a randomly thinned network, so at theta = theta_old the
-ratio pi / pi_old is not 1 and the gradient belongs to another distribution than the
-one sampled. ``disable_dropout`` sets every such probability to 0, as TRL's
-``disable_dropout`` does for the policy, reference, value and reward models.
-
-Transformers models read a dropout probability in three ways, and all three are zeroed:
-
-* ``torch.nn.Dropout``-like modules (``p``);
-* floats kept on a module at construction (``self.attention_dropout`` passed to the
-  attention function as ``dropout=0.0 if not self.training else self.attention_dropout``,
-  ``F.dropout(h, p=self.dropout, training=self.training)``, GPT-2's
-  ``self.attn_dropout.p``), and LayerDrop's ``self.layerdrop``;
-* the config read at forward time (Falcon's ``self.config.attention_dropout``, GPT-Neo,
-  Persimmon), in the top-level config and its nested ones (``text_config``).
-
-Names: ``*dropout*``, ``*pdrop*``, ``layerdrop``, and the MoE routers' train-only input
-jitter (``jitter_noise``, ``input_jitter_noise``, ``moe_jitter_eps``). PhiMoE's
-``router_jitter_noise`` is kept: its router reads it in eval mode as well.
-
-LoRA's ``lora_dropout`` is the user's explicit ``model.lora.dropout``: the builder calls
-this before the adapters exist, so it stays as configured. The saved model's config then
-records the dropout it was trained with (0).
-"""
+pi_old, the reference and the critic run in eval mode and the update in train mode, so
+dropout would make pi / pi_old != 1 at theta = theta_old. As TRL's ``disable_dropout``,
+every probability is set to 0: dropout modules (``p``), floats kept on modules
+(``attention_dropout``, ``layerdrop``, ...) and config fields read at forward time (top
+level and nested), named ``*dropout*``, ``*pdrop*``, ``layerdrop`` and the MoE routers'
+train-only jitter (PhiMoE's ``router_jitter_noise`` is kept: it is read in eval too).
+Called before adapters exist, so ``model.lora.dropout`` stays as configured."""
 from __future__ import annotations
 
 from typing import Iterator

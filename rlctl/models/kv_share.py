@@ -1,17 +1,12 @@
 """Sharing a prompt's key/value cache across the rows that repeat it.
 
-The G completions of a group share one prompt. Both the rollout's prefill and the
-learner's forward can run each distinct prompt once and index its cache out to every
-row that uses it. Causal attention makes this exact: a prompt position never sees what
-follows it. Models whose forward takes no cache keep the plain path.
-
-The cache may hold more than attention keys and values: hybrid models (Qwen3-Next,
-Qwen3.5, LFM2, Falcon-H1) keep linear-attention / state-space layers whose cache is a
-convolution window and a recurrent state per row. ``index_rows`` gathers the rows of
-every kind alike. Models that keep their recurrent state inside their own modules
-(RecurrentGemma) return no cache, so nothing can be indexed: ``state_in_modules``
-tells the callers to keep the plain path for them.
-"""
+The G completions of a group share one prompt: the rollout's prefill and the learner's
+forward run each distinct prompt once and index its cache out to every row (exact under
+causal attention). The cache may also hold hybrid models' conv windows and recurrent
+states (Qwen3-Next, Qwen3.5, LFM2, Falcon-H1); ``index_rows`` gathers them alike. Models
+that keep their state in their own modules (RecurrentGemma) return no cache:
+``state_in_modules`` keeps them on the plain path, as it does models whose forward takes
+no cache."""
 from __future__ import annotations
 
 import functools
@@ -38,9 +33,8 @@ def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 def regroup(labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Group labels of some rows [n] -> (first [U], inv [n]) numbered 0..U-1 for them.
-    The learner labels a rollout's rows once on the CPU and regroups each micro-batch
-    there, so no forward needs a device-to-host sync for its data-dependent shapes."""
+    """Group labels of some rows [n] -> (first [U], inv [n]) numbered 0..U-1 for them, on the
+    CPU (no device-to-host sync in the forward)."""
     _, inv = torch.unique(labels, return_inverse=True)                             # [n]
     return _first_rows(inv), inv
 
@@ -103,11 +97,8 @@ def say_once(message: str) -> None:
 
 
 def unpadded_notice(model) -> None:
-    """Say once what runs differently for a model that keeps its recurrent state in its
-    modules (``state_in_modules``): the one line the sampler, the learner, the reference
-    and a separate critic share. It names the architecture (the config's class without
-    ``Config``), not the module class: the critic's backbone is a ``...Model``, the policy
-    a ``...ForCausalLM``."""
+    """Say once (naming the architecture) what runs differently for a model that keeps its
+    recurrent state in its modules (``state_in_modules``)."""
     config = getattr(innermost(model), "config", None)
     arch = type(config).__name__.removesuffix("Config") if config is not None \
         else type(innermost(model)).__name__
@@ -117,23 +108,16 @@ def unpadded_notice(model) -> None:
 
 
 def state_in_modules(model) -> bool:
-    """Whether the model keeps its recurrent state inside its own modules instead of the
-    cache (RecurrentGemma): transformers marks it stateful (``_is_stateful``) and its
-    forward's output has no cache field. Nothing to index or share; and (RecurrentGemma)
-    left padding reaches its convolution. Qwen3-Next, Falcon-H1, Mamba are stateful too
-    but return their states in the cache."""
+    """Whether the model keeps its recurrent state inside its own modules (RecurrentGemma:
+    ``_is_stateful`` and no cache in its output): nothing to index or share."""
     inner = innermost(model)
     return bool(getattr(inner, "_is_stateful", False)) and not _returns_cache(type(inner))
 
 
 def detach_module_state(model) -> None:
-    """Detach the tensors a model that keeps its state in its modules (``state_in_modules``)
-    left on them. RecurrentGemma's blocks store the last forward's conv window and RG-LRU
-    state as plain attributes even with ``use_cache=False``; after a training forward they
-    are non-leaf tensors of its graph, so ``copy.deepcopy`` of the model (a LoRA run's
-    merged save) fails on them, and they keep the graph's nodes until the next forward.
-    The values stay (the next prompt's forward overwrites them); the outputs' graph is
-    untouched."""
+    """Detach the graph tensors a ``state_in_modules`` model left on its modules after a
+    training forward (RecurrentGemma's conv window and RG-LRU state), so ``copy.deepcopy``
+    works and the graph is freed. The values stay."""
     for module in innermost(model).modules():
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and value.grad_fn is not None:
@@ -154,17 +138,14 @@ def _returns_cache(cls) -> bool:
 
 
 def fresh_cache(model):
-    """An empty cache for the attention layers of a model that keeps its recurrent state
-    in its modules (its forward makes one but does not return it), as ``generate`` does."""
+    """An empty attention cache for a ``state_in_modules`` model, as ``generate`` makes."""
     return DynamicCache(config=innermost(model).config)
 
 
 def index_rows(cache, rows: torch.Tensor):
-    """The cache with every layer's rows gathered: [U, ...] -> [len(rows), ...], ``rows``
-    indexing U. Attention keys/values (sliding windows included) and linear-attention /
-    state-space conv and recurrent states alike, through each layer's row gather
-    (``reorder_cache``, an ``index_select``: differentiable). ``batch_select_indices``
-    would gather the attention part only (a hybrid layer's states kept U rows)."""
+    """The cache with every layer's rows gathered ([U, ...] -> [len(rows), ...]): attention
+    keys/values and conv/recurrent states alike, via each layer's differentiable
+    ``reorder_cache`` (``batch_select_indices`` would skip the hybrid states)."""
     gather = getattr(cache, "reorder_cache", None)
     if gather is None:                 # a cache type without the per-layer row gather
         cache.batch_select_indices(rows)
@@ -178,10 +159,8 @@ def _has_states(cache) -> bool:
 
 
 class _ReplacingCache(DynamicCache):
-    """A DynamicCache whose linear-attention states are replaced by each update instead of
-    copied into in place (transformers keeps them at a static address for CUDA graphs).
-    The in-place copy overwrites the state the same forward read and saved for backward,
-    so a gradient through a shared prompt's recurrent state needs this."""
+    """A DynamicCache whose linear-attention states are replaced on update instead of copied in
+    place: the in-place copy would overwrite a state saved for backward."""
 
     def __init__(self, layers):
         Cache.__init__(self, layers=layers)
@@ -192,10 +171,7 @@ class _ReplacingCache(DynamicCache):
 
 
 def differentiable(cache):
-    """``cache`` ready for a forward that autograd differentiates through its states:
-    attention caches as they are (updates concatenate); a DynamicCache with
-    linear-attention layers has its conv and recurrent states replaced, not overwritten,
-    on update (past recording keeps the conv window out of place)."""
+    """``cache`` for a forward differentiated through its states (hybrid: a ``_ReplacingCache``)."""
     if type(cache) is not DynamicCache or not _has_states(cache):
         return cache
     out = _ReplacingCache(cache.layers)
@@ -205,10 +181,9 @@ def differentiable(cache):
 
 @torch.no_grad()
 def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """A cache [N rows] of every prompt but its last token, computed once per distinct
-    prompt; None when nothing repeats, the prompt has one token, or the model takes no
-    cache (or keeps its state in its modules: ``state_in_modules``). ``generate`` given this
-    cache runs only the last prompt token and beyond."""
+    """A cache [N rows] of every prompt but its last token, computed once per distinct prompt;
+    None when nothing repeats, the prompt has one token, or the model takes no cache or is
+    ``state_in_modules``. ``generate`` given it runs from the last prompt token."""
     if cache_keyword(model) is None or input_ids.shape[1] < 2 or state_in_modules(model):
         return None
     first, inv = distinct_rows(input_ids, attention_mask)

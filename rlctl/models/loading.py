@@ -76,12 +76,8 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
                              dtype: Any = "float32", device: Any = "cpu",
                              **tiny_kwargs) -> Tuple[Any, Any]:
     """(model, tokenizer) for ``name`` "tiny" (built and cached) or "hf" (``name_or_path``).
-
-    ``tiny_kwargs`` are ``build_tiny``'s arguments (hidden_size, num_layers, num_heads,
-    warmup_steps, warmup_lr, seed, warmup_num_digits, cache_dir); unknown keys and, for
-    "hf", all of them are ignored, so a whole ``ModelConfig`` can be passed through.
-    Raises ValueError with a one-line message for an unknown name, dtype or a missing path.
-    """
+    ``tiny_kwargs``: ``build_tiny``'s arguments; unknown keys (all of them for "hf") are
+    ignored. ValueError (one line) for an unknown name or dtype, or a missing path."""
     torch_dtype = resolve_dtype(dtype)
     if name == "tiny":
         accepted = inspect.signature(build_tiny).parameters   # the agent models take fewer

@@ -1,21 +1,14 @@
 """LoRA adapters (peft): apply, reference policy, save, count.
 
-* ``apply_lora`` wraps a causal LM in a ``PeftModel`` (task CAUSAL_LM): base weights are
-  frozen, only the adapter's ``lora_A``/``lora_B`` matrices train. LoRA B starts at zero,
-  so the adapted policy equals the base model at step 0. The default targets
-  (conf/model/*.yaml) are ``[all-linear]``: every ``nn.Linear`` and transformers
-  ``Conv1D`` (GPT-2's c_attn, c_fc, c_proj) except the output head, as peft's
-  ``all-linear`` shorthand (from QLoRA, Dettmers et al., 2023, who found adapting every
-  linear layer needed to match full fine-tuning), so any architecture works unconfigured.
-* ``AdapterDisabledReference`` / ``reference_for``: the KL reference policy is the *same*
-  model run inside ``disable_adapter()``, i.e. the frozen base. No second copy of the
-  weights is kept, and the wrapper registers no submodule, so it adds no parameters.
-* ``save_lora``: the adapter in peft format (``adapter_model.safetensors`` +
-  ``adapter_config.json``; reload with ``PeftModel.from_pretrained(base, dir)``), plus the
-  tokenizer, and on request a merged full model in ``<dir>/merged``.
+* ``apply_lora``: a ``PeftModel`` (CAUSAL_LM), base frozen, B at zero (the policy equals
+  the base at step 0). Default targets ``[all-linear]``: every linear layer but the head
+  (QLoRA, Dettmers et al., 2023).
+* ``AdapterDisabledReference`` / ``reference_for``: the KL reference is the same model
+  inside ``disable_adapter()``; no second copy of the weights.
+* ``save_lora``: the adapter in peft format plus the tokenizer; optionally a merged model
+  in ``<dir>/merged``.
 
-peft is imported lazily (about 4 s): only LoRA runs pay for it.
-"""
+peft is imported lazily: only LoRA runs pay for it."""
 from __future__ import annotations
 
 import copy
@@ -67,11 +60,8 @@ def _check_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) 
 
 def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
                target_modules: Union[str, Sequence[str]]):
-    """``model`` wrapped as a ``PeftModel`` with fresh LoRA adapters (base weights frozen).
-
-    Raises ValueError with one line for a bad rank, alpha or dropout, a model that already
-    has adapters, or target module names the model lacks (naming the valid ones).
-    """
+    """``model`` as a ``PeftModel`` with fresh LoRA adapters (base frozen). ValueError (one
+    line) for a bad rank, alpha or dropout, existing adapters, or unknown target names."""
     try:
         from peft import LoraConfig, PeftModel, TaskType, get_peft_model
     except ImportError:
@@ -107,13 +97,8 @@ def _as_peft(model):
 
 
 class AdapterDisabledReference(nn.Module):
-    """The reference policy: a ``PeftModel`` run with its adapter disabled (the base model).
-
-    The peft model is held in a plain attribute, not registered as a submodule, so this
-    module has no parameters of its own: ``parameters()``, ``state_dict()`` and ``.to()``
-    see nothing and the policy's weights are neither duplicated nor counted twice. The
-    forward always runs in eval mode and without gradients (the previous mode is restored).
-    """
+    """The reference policy: a ``PeftModel`` run with its adapter disabled. It registers no
+    submodule (no parameters of its own); its forward runs in eval mode, without gradients."""
 
     def __init__(self, peft_model):
         super().__init__()
@@ -163,13 +148,9 @@ def count_parameters(model: nn.Module, *more: Optional[nn.Module]) -> Tuple[int,
 
 
 def save_lora(model, out_dir, tokenizer=None, merged: bool = False) -> Path:
-    """Write the adapter (peft format) and the tokenizer to ``out_dir``; returns it.
-
-    ``model``: a PeftModel, or a PolicyValueModel around one (its ``save_pretrained`` also
-    writes ``value_head.safetensors``). With ``merged``, a deep copy is merged
-    (``merge_and_unload``) and saved as a full model (safetensors) with the tokenizer in
-    ``out_dir/merged``; the live model is left untouched.
-    """
+    """Write the adapter (peft format) and the tokenizer to ``out_dir``; returns it. ``model``:
+    a PeftModel or a PolicyValueModel around one (adds ``value_head.safetensors``).
+    ``merged``: a merged deep copy in ``out_dir/merged``; the live model is untouched."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     peft_model = _as_peft(model)

@@ -1,21 +1,11 @@
-"""The set of stop ids: where a completion ends.
-
-Chat checkpoints end a turn with a token that is often not the tokenizer's EOS: Qwen2.5-
-Instruct declares ``generation_config.eos_token_id = [<|im_end|>, <|endoftext|>]`` (and
-``<|endoftext|>`` is also its pad token), Llama-3-Instruct three ids, Gemma two. Hugging
-Face ``generate`` stops at any of them; so must sampling, masks, ``truncated``, eval,
-rollout dumps and the audit. The set is
+"""The set of stop ids, where a completion ends, computed here and nowhere else:
 
     {tokenizer.eos_token_id} | set(generation_config.eos_token_id) | rollout.stop_token_ids
 
-computed here and nowhere else. ``resolve_stop_ids`` writes the full set back into the
-model's generation config, so every later reader (``stop_ids``, the model's own
-``generate``, a saved checkpoint's generation_config.json) sees the same set.
-
-A stop id may equal the pad id (Qwen2): the completion mask is defined by the first stop
-id, never by padding (rlctl.core.logprobs.completion_mask), so such a token still ends the
-completion and counts once.
-"""
+Chat checkpoints end a turn with ids other than the EOS (Qwen2.5-Instruct's <|im_end|>).
+``resolve_stop_ids`` writes the set back into the generation config, so ``generate`` and
+saved checkpoints agree. A stop id may equal the pad id: the completion mask follows the
+first stop id, never padding (rlctl.core.logprobs.completion_mask)."""
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence, Tuple

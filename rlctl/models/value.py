@@ -1,31 +1,14 @@
 """The PPO critic: a scalar value head on a causal LM's last hidden state.
 
-Two layouts:
+* ``PolicyValueModel`` (critic=shared): one backbone pass gives the logits and the
+  values, read from ``hidden_states[-1]``, in transformers 5 the final-normed state the LM
+  head reads (tests/models/test_value.py checks ``lm_head(hidden_states[-1]) == logits``).
+* ``SeparateCritic`` (critic=separate): a trainable copy of the backbone
+  (``get_decoder()``) with its own head; no parameter shared with the policy.
 
-* ``PolicyValueModel`` (critic=shared): one backbone pass gives both the policy's logits
-  and the values. The values read ``hidden_states[-1]`` of the policy's own forward, which
-  in transformers 5 is the *final-normed* state that the LM head reads (``capture_outputs``
-  replaces the last layer's raw output by ``last_hidden_state``, unless a config sets
-  ``tie_last_hidden_states=False``); tests/models/test_value.py checks
-  ``lm_head(hidden_states[-1]) == logits`` for the tiny Llama.
-* ``SeparateCritic`` (critic=separate): a trainable deep copy of the backbone without the
-  LM head (``get_decoder()``, which for any HF causal LM returns its base model, e.g.
-  ``LlamaForCausalLM.model``) plus its own head; it shares no parameter with the policy.
-
-Value convention (``completion_values``): with prompt length P, the value aligned with
-completion token t (0-based) is V(s_t), s_t = prompt + the first t completion tokens, i.e.
-the head applied at position P-1+t, the same position whose logits score token t. Run the
-model on ``input_ids[:, :-1]`` exactly as ``rlctl.learner.forward.completion_logits`` does and
-``values[:, P-1:]`` has one value per completion token.
-
-Head init: zeros (weight and bias) by default, so every value starts at 0 and the first
-advantages are the plain returns instead of noise from a random projection of the
-hidden state (which has per-unit scale ~1 after RMSNorm, so even a 1/sqrt(H+1) normal init
-gives O(1) random values). With a zero weight the backbone gets no value-loss gradient
-until the head's first step; pass ``init_std > 0`` for a random init instead.
-The head keeps float32 weights and casts the hidden state up, so values are float32 even
-for a bf16 backbone.
-"""
+``completion_values``: the value aligned with completion token t is V(s_t), the head at
+position P-1+t (the position whose logits score token t). The head is float32 and starts
+at zero (first advantages are the plain returns; ``init_std > 0`` for a random init)."""
 from __future__ import annotations
 
 import copy
@@ -87,12 +70,9 @@ class PolicyValueOutput(NamedTuple):
 
 
 class PolicyValueModel(nn.Module):
-    """A causal LM (``self.policy``, plain or peft-wrapped) plus a value head (shared backbone).
-
-    Drop-in for the policy where the learner calls ``model(input_ids=..., ...).logits``,
-    ``generate``, ``parameters()`` (head included), ``save_pretrained`` and ``config``. With a
-    peft policy the head is an ordinary trainable module outside the adapter.
-    """
+    """A causal LM (``self.policy``, plain or peft) plus a value head on the shared backbone:
+    a drop-in for the policy (``.logits``, ``generate``, ``parameters()`` with the head,
+    ``save_pretrained``, ``config``); with peft the head trains outside the adapter."""
 
     def __init__(self, policy, init_std: float = 0.0):
         super().__init__()
@@ -102,8 +82,7 @@ class PolicyValueModel(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False,
                 **kwargs) -> PolicyValueOutput:
-        """``kwargs`` go to the policy (e.g. ``logits_to_keep=1`` when the caller computes
-        log-probs from ``hidden`` itself, rlctl/learner/forward.py)."""
+        """``kwargs`` go to the policy (e.g. ``logits_to_keep=1``)."""
         kwargs.pop("output_hidden_states", None)     # always on: the values need them
         out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids, use_cache=use_cache,
@@ -182,17 +161,10 @@ class SeparateCritic(nn.Module):
 
     @classmethod
     def from_sequence_classifier(cls, classifier) -> "SeparateCritic":
-        """A critic from a reward model (``*ForSequenceClassification``, one label): a
-        copy of its backbone, and a value head initialised from its score head
-        (InstructGPT's critic initialisation, Ouyang et al., 2022).
-
-        At the start the head at a position gives the reward model's score of the tokens
-        up to and including that position, in the policy's token ids. The value of
-        completion token t is read one position before it (``completion_values``), so a
-        completion's last value, V(s_{T-1}), starts at the score of the sequence without
-        its final token (usually the EOS), not at the reward the rollout receives: that
-        scores the whole text, re-rendered and re-tokenised by the reward model's own
-        tokenizer, normalised and clipped when ``task.reward_norm``/``reward_clip`` are set."""
+        """A critic from a reward model (``*ForSequenceClassification``, one label): its backbone
+        and a value head initialised from its score head (InstructGPT, Ouyang et al., 2022). A
+        completion's last value V(s_{T-1}) starts at the score without the final token, not at
+        the rollout's reward."""
         head = getattr(classifier, "score", None) or getattr(classifier, "classifier", None)
         if not isinstance(head, nn.Linear) or head.out_features != 1:
             raise ValueError(f"{type(classifier).__name__} has no one-output linear score head")
@@ -213,12 +185,9 @@ class SeparateCritic(nn.Module):
 
 def completion_values(values_full: torch.Tensor, prompt_len: int,
                       num_tokens: Optional[int] = None) -> torch.Tensor:
-    """[N, L] -> [N, T]: column t is V(s_t), the value at position ``prompt_len - 1 + t``.
-
-    From a forward on ``input_ids[:, :-1]`` (L = P+T-1) leave ``num_tokens`` None. From a
-    forward on the whole sequence (L = P+T) pass ``num_tokens=T`` to drop the last column,
-    the value of the state after the final token.
-    """
+    """[N, L] -> [N, T]: column t is V(s_t), the value at ``prompt_len - 1 + t``. From a forward
+    on ``input_ids[:, :-1]`` leave ``num_tokens`` None; on the whole sequence pass
+    ``num_tokens=T``."""
     if prompt_len < 1:
         raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
     start = prompt_len - 1

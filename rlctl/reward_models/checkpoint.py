@@ -1,8 +1,6 @@
-"""What a reward-model checkpoint says about itself before its weights load: the names
-of its tensors (safetensors headers only), whether its score head was trained, i.e.
-saved with the weights rather than initialised at random by transformers (a
-sequence-classifier config over a causal LM's weights), and at which token its score is
-read (``score_read``: the pooling it was fitted with)."""
+"""What a reward-model checkpoint says before its weights load: its tensor names
+(safetensors headers), whether its score head was trained (not initialised at random by
+transformers), and where its score is read (``score_read``)."""
 from __future__ import annotations
 
 import json
@@ -66,22 +64,16 @@ def untrained_head_problem(names: Sequence[str], present) -> Optional[str]:
 
 
 # ---- where the score is read ---------------------------------------------------------------
-READ_KEY = "rlctl_score_read"   # written into config.json by rlctl's fits (reward_fit)
+READ_KEY = "rlctl_score_read"   # written into config.json by rlctl's fits (reward_models/fit.py)
 LAST_NON_PAD = "last_non_pad"   # transformers' pooling: the last token that is not the pad id
 LAST_ATTENDED = "last_attended"  # rlctl's fits before READ_KEY: the last token of the text
 
 
 def score_read(model_config, path: Optional[Path] = None) -> Tuple[str, str]:
-    """(where the score is read, why) for a reward model whose transformers config
-    ``model_config`` is saved in ``path``.
-
-    transformers' ``*ForSequenceClassification`` reads the last token whose id is not
-    ``model_config.pad_token_id`` (so with pad == EOS a trailing EOS is skipped), and TRL's
-    reward trainer fits through that forward: a model rlctl did not fit is read there.
-    rlctl's fits say where they were read (``READ_KEY`` in their config, the same
-    pooling since it was written); a fit from before then (a ``model/`` of an ``rlctl
-    reward-model train`` run, or the tiny reward model's cache) was fitted, and is read,
-    at the last token of the text."""
+    """(where the score is read, why) for the reward model saved in ``path``: rlctl's fits
+    record it (``READ_KEY``); an older rlctl fit (no ``READ_KEY``) is read at the last token;
+    any other model where transformers' ``*ForSequenceClassification`` reads it, the last
+    token that is not ``model_config.pad_token_id``."""
     read = getattr(model_config, READ_KEY, None)
     if read in (LAST_NON_PAD, LAST_ATTENDED):
         return read, f"{READ_KEY}={read} in its config (fitted by rlctl)"
@@ -113,10 +105,9 @@ def pad_id_of(model_config) -> Optional[int]:
 
 def read_positions(ids: torch.Tensor, mask: torch.Tensor, read: str,
                    pad_id: Optional[int]) -> torch.Tensor:
-    """[n, L] ids and mask -> [n] the index the score is read at in each row: the last
-    attended position, or (``LAST_NON_PAD``) the last attended one whose id is not
-    ``pad_id`` (the first attended one when every token is the pad id, as transformers
-    reads a text of pad ids alone); padding on either side."""
+    """[n, L] ids and mask -> [n] the index the score is read at in each row: the last attended
+    position, or (``LAST_NON_PAD``) the last attended one that is not ``pad_id`` (the first
+    attended one when all are pad); padding on either side."""
     attended = mask.bool()                                            # [n, L]
     keep = attended
     if read == LAST_NON_PAD and pad_id is not None:

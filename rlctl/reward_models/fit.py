@@ -1,16 +1,8 @@
-"""Reward models as Hugging Face sequence classifiers: build one from a causal LM, score
-texts, and fit it on preference pairs with the Bradley-Terry loss (rlctl.core.preference).
-
-A reward model here is a standard ``AutoModelForSequenceClassification`` directory with
-``num_labels=1``, safetensors weights and its own tokenizer (pad token set). The text,
-tokens and read-out of a score are ``rlctl.reward_models.learned``'s (``render``,
-``text_scores``): a model is fitted on exactly what a run's reward scorer later feeds it,
-a text over the length limit included (its last tokens, where the score is read, and a
-leading BOS; ``rlctl reward-model train`` saves ``rm.max_length`` as the tokenizer's
-``model_max_length``, the limit the scorer reads). Over-long pairs are kept, not dropped
-as TRL's reward trainer drops them: with the end of each text kept, a long prompt costs
-only its beginning, and both answers are still compared whole when they fit.
-"""
+"""Reward models as Hugging Face sequence classifiers (``num_labels=1``, safetensors, own
+tokenizer): build one from a causal LM and fit it on preference pairs with the
+Bradley-Terry loss (rlctl.core.preference). Text, tokens and read-out are
+``rlctl.reward_models.scoring``'s, so a model is fitted on what a run's scorer feeds it;
+over-long pairs keep their last tokens (not dropped, unlike TRL)."""
 from __future__ import annotations
 
 import random
@@ -45,9 +37,7 @@ def classifier_from_lm(path: str, dtype: torch.dtype = torch.float32, seed: int 
 
 def prepare_for_scoring(model, tokenizer) -> None:
     """A pad token on the tokenizer (EOS if none), the same id on the model's config, and
-    where the score is read (``READ_KEY``, saved in config.json): transformers' pooling,
-    the last token that is not the pad id, so that transformers, TRL and rlctl read a
-    fitted model at the same token."""
+    ``READ_KEY`` in config.json: read at the last non-pad token, as transformers and TRL."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id

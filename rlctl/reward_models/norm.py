@@ -1,9 +1,7 @@
-"""Running reward statistics for ``task.reward_norm=running``: count, mean and M2 of
-every score seen (float64), merged batch by batch with the pairwise update of Chan,
-Golub and LeVeque (1979) (Welford's update, one value at a time). With several ranks
-(``global_batch_stats``) each rank's batch statistics are gathered and merged before
-the update, so every rank normalises with the statistics of the whole step's batch, as
-one process scoring all of it would."""
+"""Running reward statistics for ``task.reward_norm=running``: count, mean and M2 (float64)
+merged batch by batch (Chan, Golub and LeVeque, 1979). With several ranks each rank's
+batch statistics are merged first (``global_batch_stats``), so every rank normalises as
+one process scoring the whole batch would."""
 from __future__ import annotations
 
 import math
@@ -37,10 +35,8 @@ def merged(a: Stats, b: Stats) -> Stats:
 
 
 def global_batch_stats(batches: Sequence[Sequence[float]]) -> List[Stats]:
-    """For each of this rank's batches (one per reward model), the statistics of that
-    batch over every rank of the default process group: each rank's (count, mean, M2) are
-    gathered in one all-reduce (float64) and merged in rank order, so every rank gets the
-    same numbers. Without a process group (one process): the local statistics."""
+    """The statistics of each of this rank's batches (one per reward model) over every rank:
+    one float64 all-reduce, merged in rank order. One process: the local statistics."""
     local = [batch_stats(b) for b in batches]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local

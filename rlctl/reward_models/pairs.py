@@ -1,7 +1,6 @@
-"""Preference pairs for a reward-model fit: read from a file (``prompt``, ``chosen``,
-``rejected`` columns), split into training and held-out pairs, the fit's length limit, and
-the pairs that carry no preference once cut to it (their chosen and rejected texts read
-as the same tokens)."""
+"""Preference pairs for a reward-model fit: read (``prompt``, ``chosen``, ``rejected``
+columns), split, the fit's length limit, and the pairs whose texts read as the same
+tokens once cut to it."""
 from __future__ import annotations
 
 import math

@@ -1,36 +1,15 @@
-"""Text, tokens and score: the one scoring path of a learned reward model. ``RewardModel``
-(``rlctl.reward_models.learned``) scores rollouts with it and ``rlctl reward-model train``
-(``rlctl.reward_models.fit``) fits with it, so a model is scored on exactly what it was
-fitted on:
+"""Text, tokens and score: the one scoring path of a learned reward model, used by
+``RewardModel`` (rlctl.reward_models.learned) and the fit (rlctl.reward_models.fit).
 
-train`` (``rlctl.reward_models.fit``) fits with too, so that a model is scored on exactly
-what it was fitted on:
-
-- text (``render``): the tokenizer's chat template over [the prompt's messages (a text
-  prompt is one user message), assistant: completion] when it has one, else
-  ``prompt + completion`` with one space between them when neither side has whitespace at
-  the join (the tiny model's word-level tokenizer needs "5 = 1 2" rather than "5 =1 2";
-  BPE completions that start with a space are left alone). Nothing assumes the policy's
-  ids: the reward model's *own* tokenizer reads the text;
-- tokens (``encode``): no special tokens added when a chat template renders the text
-  (the template has them); a text longer than the limit (``length_limit``: the
-  tokenizer's ``model_max_length``, where ``rlctl reward-model train`` saves
-  ``rm.max_length``, capped by the backbone's position limit) keeps its *last* tokens,
-  and its leading BOS when it starts with one (``keep_end``, as ``task.long_prompts=
-  truncate_left`` cuts prompts): the score is read at the end of the completion, so
-  cutting the end instead would read a prompt token and give every answer to a long
-  prompt the same score. Rows are padded on the tokenizer's side. ``RewardModel``
-  counts the texts it truncated (``truncated``) and warns once per model;
-- score (``last_token_scores``): the backbone runs with position ids counted over the
-  attention mask (so a padded row sees the positions it has alone) and the score head
-  reads the final hidden state where the checkpoint's own pooling reads it
-  (``reward_checkpoint.score_read``): transformers' ``*ForSequenceClassification``
-  pooling, the last token whose id is not ``config.pad_token_id`` (with pad == EOS a
-  trailing EOS is skipped, as TRL's reward trainer fits it), which rlctl's fits also use
-  and record in their config; a fit by an earlier rlctl is read at the last token of the
-  text, as it was fitted (said once when that token is the pad id). Left and right
-  padding alike.
-"""
+- text (``render``): the reward model's chat template over [prompt messages, assistant:
+  completion] when it has one, else ``prompt + completion`` (one space added where
+  neither side has whitespace at the join). Read by the reward model's own tokenizer.
+- tokens (``encode``): no special tokens added over a chat template; a text over
+  ``length_limit`` keeps its last tokens and its leading BOS (``keep_end``), since the
+  score is read at the end.
+- score (``last_token_scores``): positions counted over the attention mask; the head reads
+  the final hidden state where the checkpoint's pooling reads it
+  (``rlctl.reward_models.checkpoint.score_read``). Left and right padding alike."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -63,9 +42,8 @@ def backbone_of(model):
 
 def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor,
                       read: Optional[str] = None) -> torch.Tensor:
-    """[n, L] ids and mask -> [n] float32 scores: head(final hidden state at the position
-    ``read_positions`` gives for ``read``, by default the model config's ``score_read``),
-    positions counted over the mask (left padding exact)."""
+    """[n, L] ids and mask -> [n] float32 scores: the head at ``read_positions`` (``read``,
+    default the config's ``score_read``), positions counted over the mask."""
     read = read or score_read(model.config)[0]
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [n, L]
     out = backbone_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids,
@@ -77,9 +55,8 @@ def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor,
 
 
 def length_limit(tokenizer, model_config=None) -> Optional[int]:
-    """Tokens a scored text may have: the smaller of the tokenizer's ``model_max_length``
-    (when set) and the backbone's ``max_position_embeddings`` (GPT-2: ``n_positions``);
-    None when neither is known (no limit)."""
+    """Tokens a scored text may have: min(tokenizer ``model_max_length``, the backbone's
+    position limit); None when neither is known."""
     known = [n for n in (getattr(tokenizer, "model_max_length", None),
                          getattr(model_config, "max_position_embeddings", None),
                          getattr(model_config, "n_positions", None))

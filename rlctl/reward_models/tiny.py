@@ -1,33 +1,12 @@
 """The embedded tiny reward model for the sorting task (``task.reward_model=tiny``).
 
-``tiny_reward_model_dir()`` builds on first use, and caches like the tiny policy (under
-``$RLCTL_CACHE`` or ``~/.cache/rlctl``, in ``tiny-rm-<hash>`` of every input that affects
-the weights), a Bradley-Terry reward model: the default tiny policy's backbone (the
-warmed-up Llama of conf/model/tiny.yaml) with a 1-output score head, trained by
-``rlctl.reward_models.fit.fit`` (the code of ``rlctl reward-model train``) on preference
-pairs from the *training* split of the default 5-digit sorting task (seed 1234).
-
-The pairs: for a training prompt, two candidate answers are drawn (the sorted answer,
-the sorted answer with one or two random swaps, or a random permutation of the prompt's
-digits, each with a digit dropped or repeated 35% of the time), ranked by the
-positional reward (share of positions holding the right digit); ties are skipped.
-``NUM_PAIRS`` pairs and ``STEPS`` steps: enough that the right answer outscores its near
-misses on most prompts, few enough that the result stays an imperfect proxy of the
-positional reward, which is what a study of reward over-optimisation needs.
-
-Measured (seed 0, 1 thread): held-out pairwise accuracy 0.90 (0.9004) on 512 pairs made
-the same way from the task's *eval* split prompts (``rlctl_tiny_rm.json`` in the
-directory holds each build's measured ``heldout_pairwise_accuracy``); about 12 s to
-build with the tiny policy cached. On 200 eval prompts the right answer scores above a
-one-digit-too-long and a one-digit-too-short variant of it on 99-100% and above one
-adjacent swap on 96.5%; of the 512 held-out pairs 51 are ranked wrong, 2 of the 307
-with the right answer in them and 49 between two wrong answers. For the prompt
-"3 9 1 4 1 =": the correct "1 1 3 4 9" 3.20, "1 1 4 3 9" 1.17, the over-long
-"1 1 3 4 9 9" 0.23 (the previous model, on 384 pairs and 0.84 accurate, scored that one
-above the right answer). Every candidate is made of the prompt's own digits, so the
-model never learns to punish a digit the prompt lacks: that is the error PPO against it
-finds (docs/rlhf.md, "The RLHF demonstration").
-"""
+``tiny_reward_model_dir()`` builds on first use and caches (as the tiny policy, in
+``tiny-rm-<hash>`` of every input to the weights) a Bradley-Terry reward model: the tiny
+policy's backbone with a 1-output head, fitted by ``rlctl.reward_models.fit.fit`` on
+``NUM_PAIRS`` pairs from the training split of 5-digit sorting, ranked by the positional
+reward (ties skipped), ``STEPS`` steps: an imperfect proxy on purpose. Its held-out
+accuracy and where it fails: docs/rlhf.md, "The tiny reward model" (each build records
+``heldout_pairwise_accuracy`` in ``rlctl_tiny_rm.json``)."""
 from __future__ import annotations
 
 import hashlib
@@ -63,9 +42,8 @@ FITTED_FOR = {"task": "sorting", "num_digits": NUM_DIGITS}   # the prompts it wa
 
 
 def task_mismatch(task_name: str, num_digits) -> Optional[str]:
-    """Why the tiny reward model does not fit a run of ``task_name`` (with
-    ``num_digits``, for sorting), or None: it only knows 5-digit sorting prompts, and any
-    other prompt gets a score that measures nothing."""
+    """Why the tiny reward model does not fit a run of ``task_name`` (``num_digits`` for
+    sorting), or None: it knows only 5-digit sorting prompts."""
     if task_name == FITTED_FOR["task"] and num_digits == FITTED_FOR["num_digits"]:
         return None
     got = f"task={task_name}" + (f" task.num_digits={num_digits}" if task_name == "sorting" else "")
@@ -75,12 +53,8 @@ def task_mismatch(task_name: str, num_digits) -> Optional[str]:
 
 
 def _candidate(digits: Sequence[int], rng: random.Random) -> List[int]:
-    """One answer: right, nearly sorted, permuted, and often of the wrong length.
-
-    The right answer itself is drawn often enough (20%) and a digit is dropped or
-    repeated often enough (35%) that many pairs set the right answer against a near miss
-    of it (one swap, or one digit too many or too few): those are the answers a policy
-    trained against the model finds first."""
+    """One answer: right (20%), nearly sorted or permuted, a digit dropped or repeated 35% of
+    the time (the near misses a policy finds first)."""
     out = sorted(digits)
     kind = rng.random()
     if kind < 0.2:                        # the right answer
@@ -152,9 +126,7 @@ def cache_key(params: Dict[str, object]) -> str:
 
 
 def tiny_reward_model_dir(seed: int = 0, cache_dir: Optional[os.PathLike] = None) -> Path:
-    """Directory of the tiny sorting reward model (sequence classifier + tokenizer),
-    built and cached on first use; later calls return the cached directory at once.
-    The build is atomic (a temporary sibling renamed into place), as for the tiny policy."""
+    """The tiny sorting reward model's directory (classifier + tokenizer), built atomically once."""
     params = build_params(seed)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     policy_cache = Path(cache_dir).expanduser() if cache_dir else None

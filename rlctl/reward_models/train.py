@@ -1,27 +1,14 @@
 """`rlctl reward-model train|eval`: fit a Bradley-Terry reward model on preference pairs
-and measure one.
+and measure one (docs/rlhf.md, "Training a reward model").
 
-Config: the model, hardware and logger groups, ``seed`` and ``run.output_dir`` are
-composed as for ``rlctl train`` (rlctl.compose, same validation); the fit's own knobs are
-``rm.*`` (rlctl/conf/reward_model.yaml, typed by ``RMConfig``), kept apart from the RL
-schema. A run writes ``<run.output_dir>/<time>-rm/`` with ``model/`` (a standard
-``AutoModelForSequenceClassification`` directory, num_labels=1, safetensors, tokenizer),
-``metrics.jsonl``, ``config.yaml`` (resolved: model, hardware, logger, seed, run, rm),
-``overrides.yaml`` and ``summary.json``.
-
-Length: a text (prompt + answer) longer than ``rm.max_length`` tokens (null: the model's
-context) keeps its last tokens, in the fit, the held-out evaluation and later scoring
-alike (``rlctl.reward_models.scoring.keep_end``); ``rm.max_length`` is saved as the
-tokenizer's ``model_max_length``, so ``task.reward_model`` and ``rlctl reward-model eval``
-score with the limit the model was fitted with. The pairs over it are counted in one
-line on stderr and in ``summary.json``.
-
-Pairs whose chosen and rejected texts read as the same tokens (rendered and cut to the
-limit) carry no preference: counted likewise; all training pairs such is a DataError
-before a run directory. The console shows ``train/loss``, ``train/accuracy`` and the
-held-out figures (``rlctl.sinks.console.REWARD_MODEL_KEYS``). SIGINT/SIGTERM stop the fit
-after the current step with the model so far saved (``FitStopped``, exit 128 + signal).
-"""
+Model, hardware, logger, ``seed`` and ``run.output_dir`` compose as for ``rlctl train``;
+the fit's knobs are ``rm.*`` (``RMConfig``). A run writes ``<run.output_dir>/<time>-rm/``
+with ``model/`` (classifier, safetensors, tokenizer), ``metrics.jsonl``, ``config.yaml``,
+``overrides.yaml`` and ``summary.json``. Texts over ``rm.max_length`` keep their last
+tokens (``scoring.keep_end``), and the limit is saved as the tokenizer's
+``model_max_length`` for later scoring; over-long and identical pairs are counted (all
+training pairs identical: DataError before a run directory). SIGINT/SIGTERM stop after
+the current step with the model saved (``FitStopped``, exit 128 + signal)."""
 from __future__ import annotations
 
 import inspect
@@ -55,10 +42,8 @@ from rlctl.storage.rundir import create_run_dir, write_json_atomic
 
 
 def backbone_path(name: str, name_or_path: Optional[str] = None, **tiny_kwargs) -> str:
-    """The causal LM (or classifier) directory the reward model starts from (the model
-    section's fields, as ``load_model_and_tokenizer`` takes them): for model=tiny the same
-    cached policy that `rlctl train` starts from (``tiny_kwargs``: build_tiny's arguments;
-    other keys are ignored)."""
+    """The causal LM (or classifier) directory the reward model starts from: for model=tiny the
+    cached policy `rlctl train` starts from (``tiny_kwargs``: build_tiny's arguments)."""
     if name == "tiny":
         accepted = inspect.signature(build_tiny).parameters
         return str(build_tiny(**{k: v for k, v in tiny_kwargs.items()
@@ -169,9 +154,8 @@ class _StopAt(Exception):
 
 def train_reward_model(overrides: Sequence[str], prefs: str,
                        eval_prefs: Optional[str] = None) -> Path:
-    """Fit a reward model; returns its run directory (the model in ``model/``).
-    SIGINT/SIGTERM stop the fit after the current step, save the model so far and raise
-    FitStopped (as `rlctl train` stops at a step boundary; rlctl/stopping.py)."""
+    """Fit a reward model; returns its run directory (the model in ``model/``). SIGINT/SIGTERM:
+    save the model so far and raise FitStopped."""
     stop = StopFlag()
     with stop.installed():
         return _train(overrides, prefs, eval_prefs, stop)

@@ -1,17 +1,15 @@
 """Checkpoints of the full training state, written atomically; resume picks the last one.
 
     <run>/checkpoints/step-00000040/
-        model.safetensors     the trained module (policy, value head / adapter included)
+        model.safetensors     the trained module (value head / adapter included)
         critic.safetensors    a separate critic, if any
-        optimizer.pt          AdamW state (loaded with torch.load(weights_only=True))
+        optimizer.pt          AdamW state (torch.load(weights_only=True))
         scheduler.pt          LR schedule state
-        rng-rank<k>.pt        torch RNG and the prompt sampler's state of every rank
+        rng-rank<k>.pt        torch RNG and the prompt RNG's state of every rank
         trainer_state.json    step, KL controller, fault counters, eval at step 0
 
-A checkpoint is built in `step-N.tmp` and renamed when complete, so the newest
-`step-*` directory is always whole; the oldest beyond `trainer.keep_checkpoints` are
-removed. DeepSpeed runs save through the engine (its own layout inside the directory).
-"""
+Built in `step-N.tmp` and renamed when complete; the oldest beyond
+`trainer.keep_checkpoints` are removed. DeepSpeed saves through its engine."""
 from __future__ import annotations
 
 import json
