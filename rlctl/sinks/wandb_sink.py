@@ -1,7 +1,7 @@
 """Weights & Biases sink that never hangs or crashes training.
 
 Offline by default: wandb 0.31 then writes only `run_dir/wandb/offline-run-*/run-<id>.wandb`
-(read it back with `rlctl.sinks.wandb_reader`, or upload it later with `wandb sync`) and
+(upload it later with `wandb sync`; `rlctl inspect` reads the run's metrics.jsonl) and
 opens no network connection. `wandb` is imported here, lazily, so `rlctl --help` and
 runs without wandb never pay for it.
 
