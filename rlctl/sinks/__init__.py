@@ -1,6 +1,6 @@
 """Metric sinks: console (rich), JSONL, wandb (offline by default), TensorBoard, a null sink.
 
-The engine holds one `MultiSink` from `build_sinks` and calls log/samples/summary/close on
+The trainer holds one `MultiSink` from `build_sinks` and calls log/samples/summary/close on
 it; which loggers are on is decided here, once (no `if wandb:` branches elsewhere).
 """
 
