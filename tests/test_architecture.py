@@ -1,14 +1,15 @@
 """The package's shape: imports flow one way (no cycles, function-level imports included),
-modules and functions small enough to read, no references to files outside the repository."""
+no references to files outside the repository; a warning for a very long module or function."""
 from __future__ import annotations
 
 import ast
 import re
+import warnings
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "rlctl"
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 60
+WARN_MODULE_LINES = 800
+WARN_FUNCTION_LINES = 120
 
 
 def _module_name(path: Path) -> str:
@@ -99,21 +100,32 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_modules_are_short():
-    long = {m: n for m, p in _modules().items()
-            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
-
-
-def test_functions_are_short():
+def long_code(modules, module_lines=WARN_MODULE_LINES, function_lines=WARN_FUNCTION_LINES):
+    """'module (lines)' and 'module.function (lines)' past the limits, for {module: path}."""
     long = []
-    for mod, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+    for mod, path in modules.items():
+        src = path.read_text()
+        if (n := len(src.splitlines())) > module_lines:
+            long.append(f"{mod} ({n})")
+        for node in ast.walk(ast.parse(src)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > MAX_FUNCTION_LINES:
+                if (n := node.end_lineno - node.lineno + 1) > function_lines:
                     long.append(f"{mod}.{node.name} ({n})")
-    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+    return long
+
+
+def test_long_code_finder_finds_planted_ones(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n    a = 1\n    return a\n\n\ndef g():\n    pass\n")
+    assert long_code({"m": tmp_path / "m.py"}, module_lines=6, function_lines=2) == [
+        "m (7)", "m.f (3)"]
+
+
+def test_modules_and_functions_stay_readable():
+    """A warning, not a failure: split a module past ~800 lines or a function past ~120."""
+    long = long_code(_modules())
+    if long:
+        warnings.warn(f"over {WARN_MODULE_LINES} lines per module or {WARN_FUNCTION_LINES} "
+                      f"per function: {', '.join(long)}", stacklevel=1)
 
 
 def _repo_text_files():

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from wandb_file import find_run_file, read_history
 
 from rlctl.sinks.jsonl import read_jsonl
-from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 
@@ -69,9 +69,9 @@ def test_metrics_file_has_every_schema_key_finite(wandb_run):
 
 def test_wandb_offline_run_reads_back(wandb_run):
     _, run = wandb_run
-    run_file = find_wandb_run_file(run)
+    run_file = find_run_file(run)
     assert run_file is not None and run_file.suffix == ".wandb"
-    history = {int(h["_step"]): h for h in read_wandb_history(run_file)}
+    history = {int(h["_step"]): h for h in read_history(run_file)}
     rows = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl")}
     assert sorted(history) == sorted(rows)
     for step, row in rows.items():

@@ -43,7 +43,7 @@ def print_run(report: dict) -> None:
 
 def _print_metrics(console, metrics: dict, source: Optional[str], steps: int) -> None:
     if source is None:
-        console.print("no metrics logged (metrics.jsonl or a wandb run file; logger=none?)")
+        console.print("no metrics logged (no metrics.jsonl; logger=none or logger.jsonl=false?)")
         return
     table = Table(title=f"metrics ({source}, {steps} steps; -: not logged; min in --json)")
     for col in ("metric", "first", "last", "max", "best@step"):

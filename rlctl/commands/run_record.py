@@ -1,6 +1,5 @@
 """A run directory read back for `rlctl inspect`: its config.yaml flattened to dotted
-keys, its overrides.yaml, its metric rows (metrics.jsonl, or the wandb offline run file
-when the run used logger=wandb without the JSONL sink), and the defaults of the command
+keys, its overrides.yaml, its metric rows (metrics.jsonl), and the defaults of the command
 that made it (`rlctl train`, or `rlctl reward-model train`: rm.* keys), which the run's
 config is compared with; its sample tables (samples.jsonl) for `rlctl inspect --samples`."""
 from __future__ import annotations
@@ -17,7 +16,6 @@ from rlctl.compose import compose
 from rlctl.errors import UserError
 from rlctl.reward_models.config import default_config as reward_model_defaults
 from rlctl.sinks.jsonl import read_jsonl, read_samples
-from rlctl.sinks.wandb_reader import find_wandb_run_file, read_wandb_history
 
 
 @dataclass
@@ -62,20 +60,7 @@ def _load_metrics(path: Path):
             return read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
         except ValueError as exc:       # not UTF-8: one line naming the file
             raise UserError(str(exc)) from None
-    wandb_file = find_wandb_run_file(path)
-    if wandb_file is None:
-        return [], None
-    try:
-        history = read_wandb_history(wandb_file)
-    except (ValueError, OSError) as exc:
-        raise UserError(f"cannot read {wandb_file}: {exc}") from None
-    rows = []
-    for row in history:
-        step = row.get("step", row.get("_step"))
-        if step is not None:
-            rows.append({**{k: v for k, v in row.items() if not k.startswith("_")},
-                         "step": int(step)})
-    return rows, str(wandb_file.relative_to(path))
+    return [], None
 
 
 def load_samples(path: Path) -> List[dict]:

@@ -1,6 +1,6 @@
 """Metric sinks: console (rich), JSONL, wandb (offline by default), TensorBoard, a null sink.
 
-The engine holds one `MultiSink` from `build_sinks` and calls log/samples/summary/close on
+The trainer holds one `MultiSink` from `build_sinks` and calls log/samples/summary/close on
 it; which loggers are on is decided here, once (no `if wandb:` branches elsewhere).
 """
 
@@ -13,13 +13,6 @@ from .base import MultiSink, NullSink, Sink
 from .console import DEFAULT_KEYS, ConsoleSink
 from .jsonl import JsonlSink, SamplesFile, read_jsonl, read_samples
 from .tensorboard_sink import TENSORBOARD_DIR, TensorboardSink  # light: imports torch when used
-from .wandb_reader import (
-    find_wandb_run_file,
-    read_wandb_config,
-    read_wandb_history,
-    read_wandb_summary,
-    read_wandb_tables,
-)
 from .wandb_sink import WandbSink, sample_key  # light: wandb itself is imported when a run starts
 
 METRICS_FILE = "metrics.jsonl"
@@ -37,12 +30,7 @@ __all__ = [
     "build_sinks",
     "read_jsonl",
     "read_samples",
-    "read_wandb_tables",
     "sample_key",
-    "read_wandb_history",
-    "read_wandb_config",
-    "read_wandb_summary",
-    "find_wandb_run_file",
     "METRICS_FILE",
     "SAMPLES_FILE",
     "TENSORBOARD_DIR",

@@ -1,9 +1,9 @@
 """The metric sink protocol, a null sink and a fan-out that survives broken sinks.
 
-The engine logs through one `Sink` and never asks which loggers are on: a missing
+The trainer logs through one `Sink` and never asks which loggers are on: a missing
 logger is a `NullSink`, several are a `MultiSink` (a null sink instead of `if wandb:`
-branches). Metric keys follow the schema listed in `rlctl/learner/stats.py`
-(`reward/mean`, `policy/clip_frac`, ...).
+branches). Metric keys follow the schema of docs/metrics.md (`reward/mean`,
+`policy/clip_frac`, ...).
 
 Sample rows (`samples()`): dicts of JSON values (str, int, float, bool, None, and an
 episode's `turns`: a list of {role, text, ...} dicts), every row with the same keys in the

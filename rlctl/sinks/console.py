@@ -6,7 +6,7 @@ line per `print_every` steps, e.g.
 
     step 20/100 | reward/mean 0.5125 | policy/clip_frac 0.0123 | length/mean 6.1 | perf/tokens_per_s 2345 | 4.1s<16.4s
 
-Steps follow the engine: step 0 is the evaluation before training, 1..total_steps the
+Steps follow the trainer: step 0 is the evaluation before training, 1..total_steps the
 updates. Figures show the latest value of each key (an eval figure stays shown until
 the next evaluation). Keys that were never logged are left out.
 

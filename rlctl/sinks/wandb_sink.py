@@ -1,28 +1,20 @@
 """Weights & Biases sink that never hangs or crashes training.
 
-Offline by default: wandb 0.31 then writes only `run_dir/wandb/offline-run-*/run-<id>.wandb`
-(read it back with `rlctl.sinks.wandb_reader`, or upload it later with `wandb sync`) and
-opens no network connection. `wandb` is imported here, lazily, so `rlctl --help` and
-runs without wandb never pay for it.
+Offline by default: wandb writes `run_dir/wandb/offline-run-*/run-<id>.wandb` (upload it
+with `wandb sync`) and opens no network connection; `wandb` is imported only when a run
+asks for it. Start-up, with at most one warning line on stderr:
+  online    needs an API key (env, .netrc or wandb settings; wandb would otherwise prompt
+            forever), else offline; a failing or timed-out init (init_timeout) also
+            falls back to offline.
+  offline   a failing init leaves the sink a no-op; training goes on.
+  disabled  no wandb at all.
 
-Start-up, in order, with at most ONE warning line on stderr:
-  online  -> requires an API key (env, .netrc or wandb settings); without one wandb would
-             prompt on a TTY (forever) or raise, so we check first and go offline.
-             A failing or timed-out online init (init_timeout) also falls back to offline.
-  offline -> a failing offline init leaves the sink disabled (a no-op), training goes on.
-  disabled-> no wandb at all.
-
-Traps handled here (wandb 0.31, measured):
-  * A history row is written only when a later step arrives or at finish(), and that
-    late row also rewrites the summary: a summary set before finish() was overwritten by
-    the last step's values. We buffer one row per step ourselves, commit it explicitly
-    (commit=True) when a higher step comes, and flush it before summary() and close().
-  * wandb silently drops rows whose step is below the last committed one; we warn once.
-  * Environment variables are read once per process, by the wandb singleton; we tear the
-    singleton down at close() (when we created it) so a second run in the same process
-    gets its own directories, and restore the variables we changed.
-  * console="off": wandb otherwise wraps sys.stdout/sys.stderr, which fights the rich
-    live view and copies the console into the run file.
+Invariants (wandb 0.31): one history row per step, committed when a higher step comes and
+before summary() and close() (wandb's own late commit would overwrite the summary); a
+step below the last committed one is left out with one warning (wandb drops it silently);
+the wandb singleton is torn down and the environment restored at close(), so a second
+run in the process gets its own directories; console="off" (wandb would wrap stdout,
+fighting the live view).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Sample tables in every sink, each read back with that sink's own reader: samples.jsonl
-with read_samples, the W&B offline files with read_wandb_tables, the console's text."""
+with read_samples, the W&B offline files with tests/wandb_file.py, the console's text."""
 
 import io
 import json
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from wandb_file import find_run_file, read_history, read_tables
 
 from rlctl.sinks import (
     ConsoleSink,
@@ -22,11 +23,8 @@ from rlctl.sinks import (
     NullSink,
     SamplesFile,
     build_sinks,
-    find_wandb_run_file,
     read_jsonl,
     read_samples,
-    read_wandb_history,
-    read_wandb_tables,
     sample_key,
 )
 from rlctl.sinks.wandb_sink import WandbSink
@@ -212,7 +210,7 @@ def test_wandb_one_table_per_logged_step_read_back_from_offline_files(tmp_path, 
     sink.log({"reward/mean": 0.75}, step=3)
     sink.samples(sample_rows(2), step=2)               # too late: wandb keeps steps in order
     sink.close()
-    tables = read_wandb_tables(tmp_path)
+    tables = read_tables(tmp_path)
     assert list(tables) == ["samples/train/step_000001", "samples/train/step_000003",
                             "samples/eval/step_000003"]
     assert sample_key("train", 25) == "samples/train/step_000025"
@@ -220,14 +218,9 @@ def test_wandb_one_table_per_logged_step_read_back_from_offline_files(tmp_path, 
         got = tables[sample_key(table, step)]
         assert got["step"] == step and got["columns"] == COLUMNS
         assert got["rows"] == [list(r.values()) for r in sample_rows(step, n, table)]
-    history = read_wandb_history(find_wandb_run_file(tmp_path))
+    history = read_history(find_run_file(tmp_path))
     assert [(r["_step"], r["reward/mean"]) for r in history] == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert "step 2 came after step 3" in capsys.readouterr().err
-
-
-def test_read_wandb_tables_names_a_directory_without_a_run(tmp_path):
-    with pytest.raises(ValueError, match="no wandb run file"):
-        read_wandb_tables(tmp_path)
 
 
 def test_cell_values_are_not_changed_on_the_way(tmp_path):
@@ -256,7 +249,7 @@ def test_console_live_view_prints_the_table_through_its_console():
 
 CHILD = '''
 import sys, time
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {root!r}]  # test_sinks_samples imports wandb_file
 from test_sinks_samples import sample_rows
 from rlctl.sinks import ConsoleSink
 sink = ConsoleSink(total_steps=6)
@@ -277,7 +270,8 @@ def test_console_tables_in_a_real_terminal_leave_the_live_view_whole(tmp_path):
     """Under tmux (80 x 40): each table is printed once above the view, and the final
     screen holds one progress row, below both tables (the earlier renders were erased)."""
     script = tmp_path / "child.py"
-    script.write_text(CHILD.format(tests=str(Path(__file__).parent)))
+    script.write_text(CHILD.format(tests=str(Path(__file__).parent),
+                                    root=str(Path(__file__).parents[1])))
     tmux = ["tmux", "-L", f"rlctl-test-{os.getpid()}"]
     command = f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} 2>&1; sleep 60"
     subprocess.run(tmux + ["new-session", "-d", "-s", "t", "-x", "80", "-y", "40", command],

@@ -14,14 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
 
-from rlctl.sinks import (
-    find_wandb_run_file,
-    read_jsonl,
-    read_samples,
-    read_wandb_history,
-    read_wandb_tables,
-    sample_key,
-)
+from wandb_file import find_run_file, read_history, read_tables
+
+from rlctl.sinks import read_jsonl, read_samples, sample_key
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 SMALL = ["trainer.steps=4", "trainer.eval_every=2", "task.num_eval=16",
@@ -54,7 +49,7 @@ def test_tensorboard_scalars_equal_metrics_jsonl(run):
         assert [s for s, _ in got] == [s for s, _ in want], key
         for (_, g), (_, w) in zip(got, want):
             assert g == pytest.approx(w, rel=1e-6, abs=1e-30), key  # float32 in the event file
-    wandb_steps = [h["_step"] for h in read_wandb_history(find_wandb_run_file(run_dir))]
+    wandb_steps = [h["_step"] for h in read_history(find_run_file(run_dir))]
     assert wandb_steps == [r["step"] for r in rows]
 
 
@@ -64,7 +59,7 @@ def test_every_sink_holds_the_same_sample_tables(run):
     for line in read_samples(run_dir / "samples.jsonl"):
         groups[(line["table"], line["step"])].append(line)
     assert {"train", "eval"} <= {table for table, _ in groups}, sorted(groups)
-    tables = read_wandb_tables(run_dir)
+    tables = read_tables(run_dir)
     assert sorted(tables) == sorted(sample_key(t, s) for t, s in groups)  # one table per step
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={SCALARS: 0, TENSORS: 0})
     acc.Reload()

@@ -6,14 +6,9 @@ import time
 import pytest
 import torch
 
-from rlctl.sinks import (
-    build_sinks,
-    find_wandb_run_file,
-    read_jsonl,
-    read_wandb_config,
-    read_wandb_history,
-    read_wandb_summary,
-)
+from wandb_file import find_run_file, read_config, read_history, read_summary
+
+from rlctl.sinks import build_sinks, read_jsonl
 from rlctl.sinks.wandb_sink import WandbSink
 
 STEPS = {
@@ -53,13 +48,13 @@ def test_offline_round_trip_no_network_and_fast(tmp_path, wandb_env, listener, i
     run_file = sink.run_file
     assert run_file.name.startswith("run-") and run_file.suffix == ".wandb"
     assert run_file.is_relative_to(tmp_path / "run")
-    assert find_wandb_run_file(tmp_path / "run") == run_file
-    history = read_wandb_history(run_file)
+    assert find_run_file(tmp_path / "run") == run_file
+    history = read_history(run_file)
     assert [row["_step"] for row in history] == [1, 2, 3]
     for row, (step, metrics) in zip(history, STEPS.items()):
         # float32 tensors were logged: exactly their float() values come back
         assert user_keys(row) == {k: float(torch.tensor(v)) for k, v in metrics.items()}, step
-    assert read_wandb_config(run_file) == CONFIG
+    assert read_config(run_file) == CONFIG
     # Nothing of ours is left in the environment, nothing written outside run_dir.
     assert not any(v.startswith("WANDB_") and v != "WANDB_BASE_URL" for v in os.environ)
     assert not (wandb_env / ".config").exists() and not (wandb_env / ".cache").exists()
@@ -74,12 +69,12 @@ def test_summary_survives_the_last_history_row(tmp_path, wandb_env):
     sink.log({"reward/mean": 0.2}, step=2)  # same step: merged into one row
     sink.summary({"eval/exact_match": 0.9, "final/eval/exact_match": torch.tensor(0.9)})
     sink.close()
-    history = read_wandb_history(sink.run_file)
+    history = read_history(sink.run_file)
     assert [user_keys(r) for r in history] == [
         {"eval/exact_match": 0.5, "reward/mean": 0.1},
         {"eval/exact_match": 0.75, "reward/mean": 0.2},
     ]
-    summary = read_wandb_summary(sink.run_file)
+    summary = read_summary(sink.run_file)
     assert summary["eval/exact_match"] == 0.9
     assert summary["final/eval/exact_match"] == pytest.approx(0.9)
     assert summary["reward/mean"] == 0.2
@@ -95,7 +90,7 @@ def test_out_of_order_step_warns_once(tmp_path, wandb_env, capsys):
     sink.close()
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert len(err) == 1 and "step 4" in err[0]
-    assert [(r["_step"], r["x"]) for r in read_wandb_history(sink.run_file)] == [(5, 1), (6, 2), (7, 7)]
+    assert [(r["_step"], r["x"]) for r in read_history(sink.run_file)] == [(5, 1), (6, 2), (7, 7)]
 
 
 def test_online_without_api_key_falls_back_offline(tmp_path, wandb_env, listener, capsys, monkeypatch):
@@ -108,7 +103,7 @@ def test_online_without_api_key_falls_back_offline(tmp_path, wandb_env, listener
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert len(err) == 1 and "no API key" in err[0] and "offline" in err[0]
     assert sink.mode == "offline" and listener.connections == 0
-    assert [user_keys(r) for r in read_wandb_history(sink.run_file)] == [{"reward/mean": 1.0}]
+    assert [user_keys(r) for r in read_history(sink.run_file)] == [{"reward/mean": 1.0}]
 
 
 def test_online_unreachable_server_times_out_then_offline(tmp_path, wandb_env, listener, capsys, monkeypatch):
@@ -125,7 +120,7 @@ def test_online_unreachable_server_times_out_then_offline(tmp_path, wandb_env, l
     err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
     assert len(err) == 1 and "online" in err[0] and "logging offline" in err[0]
     assert sink.mode == "offline"
-    assert [user_keys(r) for r in read_wandb_history(sink.run_file)] == [{"reward/mean": 1.0}]
+    assert [user_keys(r) for r in read_history(sink.run_file)] == [{"reward/mean": 1.0}]
 
 
 def test_unusable_run_dir_disables_wandb_with_one_warning(tmp_path, wandb_env, capsys):
@@ -159,9 +154,9 @@ def test_build_sinks_jsonl_and_wandb(tmp_path, wandb_env, capsys):
     sink.close()
     assert [user_keys(r) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
         {"step": s, **m} for s, m in STEPS.items()]
-    run_file = find_wandb_run_file(tmp_path)
-    assert [user_keys(r) for r in read_wandb_history(run_file)] == list(STEPS.values())
-    assert read_wandb_summary(run_file)["final/reward"] == 0.875
+    run_file = find_run_file(tmp_path)
+    assert [user_keys(r) for r in read_history(run_file)] == list(STEPS.values())
+    assert read_summary(run_file)["final/reward"] == 0.875
     out = capsys.readouterr()
     assert "step 3/3" in out.out and out.err.strip() == ""
 

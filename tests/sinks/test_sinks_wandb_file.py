@@ -1,12 +1,12 @@
-"""The .wandb reader against files written by the real wandb 0.31 (offline)."""
+"""tests/wandb_file.py, the tests' reader of W&B offline run files, against files written
+by the real wandb 0.31 (offline): the framing it assumes is the one wandb writes."""
 
 import struct
 import zlib
 
 import pytest
+from wandb_file import BLOCK_LEN, find_run_file, iter_records, read_config, read_history
 
-from rlctl.sinks import find_wandb_run_file, read_wandb_config, read_wandb_history
-from rlctl.sinks.wandb_reader import BLOCK_LEN, iter_raw_records
 from rlctl.sinks.wandb_sink import WandbSink
 
 N_STEPS = 3000
@@ -54,7 +54,7 @@ def test_multi_block_file_reads_back_exactly(big_run):
     assert big_run.stat().st_size > 4 * BLOCK_LEN
     types = set(chunk_types(big_run))
     assert {1, 2, 3, 4} <= types  # full, first, middle and last chunks all occur
-    history = read_wandb_history(big_run)
+    history = read_history(big_run)
     assert len(history) == N_STEPS
     for step, row in enumerate(history):
         assert row["_step"] == step
@@ -62,7 +62,7 @@ def test_multi_block_file_reads_back_exactly(big_run):
         assert row["policy/clip_frac"] == 1 / (step + 1)
         assert row["x"] == step
         assert row["k" * (1 + step % 37)] == 1
-    config = read_wandb_config(big_run)
+    config = read_config(big_run)
     assert config == {"big": BIG, "nested": {"a": [1, 2]}}
 
 
@@ -70,7 +70,7 @@ def test_truncated_tail_is_read_up_to_the_cut(big_run, tmp_path):
     data = big_run.read_bytes()
     cut = tmp_path / "cut.wandb"
     cut.write_bytes(data[: len(data) * 2 // 3 + 3])
-    rows = read_wandb_history(cut)
+    rows = read_history(cut)
     assert 0 < len(rows) < N_STEPS
     assert [r["_step"] for r in rows] == list(range(len(rows)))
 
@@ -80,16 +80,16 @@ def test_corruption_and_foreign_files_raise(big_run, tmp_path):
     data[len(data) // 2] ^= 0xFF
     bad = tmp_path / "bad.wandb"
     bad.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="CRC"):
-        read_wandb_history(bad)
+    with pytest.raises(AssertionError, match="CRC"):
+        read_history(bad)
     other = tmp_path / "other.wandb"
     other.write_bytes(b"PK\x03\x04 not a wandb file")
-    with pytest.raises(ValueError, match="not a wandb run file"):
-        list(iter_raw_records(other))
+    with pytest.raises(AssertionError, match="not a wandb run file"):
+        list(iter_records(other))
 
 
-def test_find_wandb_run_file(big_run, tmp_path):
-    assert find_wandb_run_file(tmp_path) is None
-    assert find_wandb_run_file(tmp_path / "missing") is None
-    assert find_wandb_run_file(big_run) == big_run
-    assert find_wandb_run_file(big_run.parents[2]) == big_run
+def test_find_run_file(big_run, tmp_path):
+    assert find_run_file(tmp_path) is None
+    assert find_run_file(tmp_path / "missing") is None
+    assert find_run_file(big_run) == big_run
+    assert find_run_file(big_run.parents[2]) == big_run
