@@ -23,9 +23,10 @@ import torch
 import transformers
 
 from rlctl.core import completion_mask, group_advantages, ppo_clip_loss, token_logprobs
-from rlctl.models.generation import greedy_exact_match
+from rlctl.learner.evaluate import evaluate, means
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.rollout.generate import position_ids_from_mask
+from rlctl.tasks.scoring import RewardScorer
 from rlctl.tasks.sorting import SortingTask, reward_names
 
 
@@ -93,13 +94,15 @@ def main() -> None:
     B, G = args.prompts, args.group_size
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
-    def evaluate(step: int) -> float:
-        exact, fmt = greedy_exact_match(model, tokenizer, task, held_out, args.max_new_tokens)
-        print(f"step {step:4d}  held-out greedy exact-match {exact:.3f}  format {fmt:.3f}",
-              flush=True)
-        return exact
+    def held_out_eval(step: int) -> float:     # rlctl train's eval/* (greedy, one evaluator)
+        with RewardScorer(task) as scorer:
+            m = means(evaluate(model, tokenizer, held_out, scorer=scorer,
+                               max_new_tokens=args.max_new_tokens).sums)
+        print(f"step {step:4d}  held-out greedy exact-match {m['exact_match']:.3f}  "
+              f"truncated {m['truncated_frac']:.3f}", flush=True)
+        return m["exact_match"]
 
-    exact_start = evaluate(0)
+    exact_start = held_out_eval(0)
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         # 1. rollout: B prompts, G samples each, from the current policy (= pi_old)
@@ -136,8 +139,8 @@ def main() -> None:
                   f"truncated {truncated.float().mean():.2f}  grad_norm {grad_norm:.3f}  "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            evaluate(step)
-    exact_end = evaluate(args.steps)
+            held_out_eval(step)
+    exact_end = held_out_eval(args.steps)
     print(f"held-out greedy exact-match: start {exact_start:.3f} end {exact_end:.3f} "
           f"({args.steps} steps, {time.perf_counter() - t0:.1f} s)")
 

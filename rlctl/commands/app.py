@@ -84,7 +84,7 @@ def register(app: typer.Typer) -> None:
     def eval_(ctx: typer.Context,
               samples: str = typer.Option("1", "--samples", "-k", metavar="K", help="Sampled completions per prompt (pass@k for k > 1)."),
               out: Optional[str] = typer.Option(None, "--out", metavar="FILE", help="JSON file to write."),
-              batch_size: str = typer.Option("256", "--batch-size", metavar="N", help="Sequences per generate call."),
+              batch_size: Optional[str] = typer.Option(None, "--batch-size", metavar="N", help="Sequences per generate call (default 256; episodes played together: 64), as the trainer's eval."),
               debug: bool = DEBUG) -> None:
         def go():
             from rlctl.commands.eval_cmd import run_eval

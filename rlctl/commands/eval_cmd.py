@@ -8,7 +8,11 @@ On the task's eval split:
     sampled  the same over k = --samples completions per prompt at rollout.temperature
              (the behaviour policy of training), plus pass@j for j = 1, 2, 4, ..., k from
              the unbiased estimator (rlctl.commands.passk).
-The greedy numbers match `eval/*` of `rlctl train` for the same model and config.
+Both come from the trainer's evaluator (``rlctl.learner.evaluate``); ``eval`` in the
+JSON holds the greedy ``eval/*`` keys and values `rlctl train` logs for the same model
+and config (a run's last eval row, exactly, at the default --batch-size). A task played
+as episodes reports success_rate, turns, tool calls and errors per episode instead
+(``rlctl.learner.evaluate.EPISODE_KEYS``), pass@k over the successes.
 
 With reward models (``task.reward_model``, ``{model: ...}`` entries), ``reward`` is the
 training reward as the run used it, the table's label says which: the reward models'
@@ -31,91 +35,71 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
-from rlctl.commands.eval_episodes import episode_splits
 from rlctl.commands.files import write_json
 from rlctl.commands.held_out import held_out_scorer, reward_label
 from rlctl.commands.passk import mean_pass_at_k, report_ks
 from rlctl.commands.targets import open_target, task_scores
-from rlctl.core.logprobs import completion_mask
 from rlctl.envs.base import is_episodic
 from rlctl.errors import UserError
+from rlctl.learner.evaluate import EPISODE_KEYS, evaluate, means
 from rlctl.models.stop_ids import stop_ids
-from rlctl.rollout.generate import decode_completions, generate
+from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
 
 # The first metrics of each column (then reward/<design>, well_formed, pass@k).
 METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")
 
 
-def score_split(model, tokenizer, task, examples, samples: int, do_sample: bool,
-                temperature: float, top_k: int, max_new_tokens: int, batch_size: int,
-                reward_name: str, scorer, on_chunk=None) -> Dict[str, float]:
-    """Mean metrics over ``samples`` completions of each example, plus pass@k."""
-    well_formed = getattr(task, "is_well_formed", None)
-    sums: Dict[str, float] = defaultdict(float)
-    correct_counts: List[int] = []
-    per_chunk = max(1, batch_size // samples)
-    stops = stop_ids(model, tokenizer)     # open_target resolved rollout.stop_token_ids
-    for start in range(0, len(examples), per_chunk):
-        chunk = examples[start:start + per_chunk]
-        prompts = [ex.prompt for ex in chunk for _ in range(samples)]   # N = B*k, grouped
-        with torch.no_grad():
-            seqs, _, plen = generate(model, tokenizer, prompts, max_new_tokens, do_sample=do_sample,
-                                     temperature=temperature, top_k=top_k, stops=stops)
-        mask, truncated = completion_mask(seqs[:, plen:], stops)         # [N, T], [N]
-        texts = decode_completions(tokenizer, seqs[:, plen:], mask, stops)
-        sums["length_mean"] += mask.sum().item()
-        sums["truncated_frac"] += truncated.float().sum().item()
-        counts = [0] * len(chunk)
-        per_row = [chunk[i // samples] for i in range(len(texts))]
-        rewards = scorer.score_batch(per_row, texts)         # user code: under the time limit
-        raw, learned = scorer.last_raw_totals, learned_names(scorer)
-        oks = scorer.correct_batch(per_row, texts, rewards)
-        for i, text in enumerate(texts):
-            ex, ok = per_row[i], bool(oks[i])
-            counts[i // samples] += ok
-            sums["exact_match"] += ok
-            sums["reward"] += float(rewards[i])
-            if scorer.shapes:
-                sums["reward_raw"] += float(raw[i])
-            for name in learned:                               # each model's raw score
-                sums[f"reward/{name}"] += scorer.last_components[name][i]
-            designs = task_scores(task, ex, text, reward_name, rewards[i]) if scorer.has_gold else {}
+def _splits(cfg, model, tokenizer, task, examples, samples: int, batch_size: Optional[int],
+            scorer, err):
+    """(greedy metrics, sampled metrics, the greedy ``eval/*`` the Trainer logs) from the
+    one evaluator (``rlctl.learner.evaluate``); this command adds each reward design,
+    well_formed, the reward models' raw scores and pass@k."""
+    ro = cfg.rollout
+    player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg), stop_ids(model, tokenizer)) \
+        if is_episodic(task) else None                 # open_target resolved the stop ids
+    common = dict(scorer=scorer, player=player, max_new_tokens=int(ro.max_new_tokens),
+                  batch_size=batch_size, extra=None if player else _extras(task, scorer, cfg))
+    with scorer, Progress("[progress.description]{task.description}", BarColumn(),
+                          MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                          transient=True) as bar:
+        g = bar.add_task("greedy", total=len(examples))
+        greedy = evaluate(model, tokenizer, examples, on_chunk=lambda n: bar.advance(g, n), **common)
+        s = bar.add_task("sampled", total=len(examples))
+        torch.manual_seed(cfg.seed)
+        sampled = evaluate(model, tokenizer, examples, greedy=False, samples=samples,
+                           temperature=float(ro.temperature), top_k=int(ro.get("top_k", 0) or 0),
+                           seed=int(cfg.seed), on_chunk=lambda n: bar.advance(s, n), **common)
+    trained = {f"eval/{k}": v for k, v in means(greedy.sums).items()}
+    first = EPISODE_KEYS if player is not None else METRIC_KEYS
+    out = [_ordered(means({**ev.sums, **ev.extra}), first) for ev in (greedy, sampled)]
+    if player is not None or scorer.has_gold:
+        for k in report_ks(samples):
+            out[1][f"pass@{k}"] = mean_pass_at_k(samples, sampled.correct, k)
+    return out[0], out[1], trained
+
+
+def _extras(task, scorer, cfg):
+    """The chunk's sums of every reward design (a task without ``score_all``: its reward
+    under the configured name), each reward model's raw score and well_formed."""
+    name, well_formed = str(cfg.task.get("reward", None) or "reward"), getattr(task, "is_well_formed", None)
+
+    def extra(rows, texts, rewards):
+        sums = defaultdict(float)
+        for i, (ex, text) in enumerate(zip(rows, texts)):
+            for model in learned_names(scorer):                # each model's raw score
+                sums[f"reward/{model}"] += scorer.last_components[model][i]
+            designs = task_scores(task, ex, text, name, rewards[i]) if scorer.has_gold else {}
             for design, value in designs.items():
                 sums[f"reward/{design}"] += value
             if callable(well_formed):
                 sums["well_formed"] += bool(well_formed(ex, text))
-        correct_counts.extend(counts)
-        if on_chunk is not None:
-            on_chunk(len(chunk))
-    total = max(len(examples) * samples, 1)
-    if not scorer.has_gold:          # reward models alone: no gold reward to report
-        sums.pop("exact_match", None)
-    keys = [k for k in METRIC_KEYS if scorer.has_gold or k != "exact_match"]
-    metrics = {k: sums.get(k, 0.0) / total for k in keys}
-    metrics.update({k: v / total for k, v in sorted(sums.items()) if k not in metrics})
-    if do_sample and scorer.has_gold:
-        for k in report_ks(samples):
-            metrics[f"pass@{k}"] = mean_pass_at_k(samples, correct_counts, k)
-    return metrics
+        return sums
+    return extra
 
 
-def _completion_splits(cfg, model, tokenizer, task, examples, samples: int, batch_size: int,
-                       reward_name: str, scorer, err):
-    """(greedy metrics, sampled metrics) of single completions (``score_split``)."""
-    ro = cfg.rollout
-    top_k = int(ro.get("top_k", 0) or 0)
-    common = dict(max_new_tokens=ro.max_new_tokens, batch_size=batch_size,
-                  reward_name=reward_name, scorer=scorer)
-    with scorer, Progress("[progress.description]{task.description}", BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
-        g = bar.add_task("greedy", total=len(examples))
-        greedy = score_split(model, tokenizer, task, examples, 1, False, 1.0, 0,
-                             on_chunk=lambda n: bar.advance(g, n), **common)
-        s = bar.add_task("sampled", total=len(examples))
-        torch.manual_seed(cfg.seed)
-        sampled = score_split(model, tokenizer, task, examples, samples, True, ro.temperature,
-                              top_k, on_chunk=lambda n: bar.advance(s, n), **common)
-    return greedy, sampled
+def _ordered(metrics: Dict[str, float], keys) -> Dict[str, float]:
+    first = {k: metrics[k] for k in keys if k in metrics}
+    return {**first, **{k: v for k, v in sorted(metrics.items()) if k not in first}}
 
 
 def default_out(target, cfg) -> Path:
@@ -127,10 +111,11 @@ def default_out(target, cfg) -> Path:
 
 
 def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int = 1,
-             out: Optional[str] = None, batch_size: int = 256, quiet: bool = False) -> dict:
+             out: Optional[str] = None, batch_size: Optional[int] = None,
+             quiet: bool = False) -> dict:
     if samples < 1:
         raise UserError(f"--samples must be >= 1 (got {samples})")
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
     t0 = time.perf_counter()
     target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
@@ -147,12 +132,8 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     scorer, saved = held_out_scorer(task, target)
     if saved is not None:
         err.print(saved.note, soft_wrap=True)
-    if is_episodic(task):          # played as episodes: success, turns, tool calls
-        scorer.close()            # the environments give the rewards: nothing to score
-        greedy, sampled = episode_splits(cfg, model, tokenizer, task, examples, samples, batch_size)
-    else:
-        greedy, sampled = _completion_splits(cfg, model, tokenizer, task, examples, samples,
-                                             batch_size, reward_name, scorer, err)
+    greedy, sampled, trained = _splits(cfg, model, tokenizer, task, examples, samples,
+                                       batch_size, scorer, err)
     result = {
         "target": None if target.path is None else str(target.path),
         "target_kind": target.kind, "model": what,
@@ -165,7 +146,7 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
         "num_prompts": len(examples), "samples": samples, "temperature": float(ro.temperature),
         "top_k": top_k, "max_new_tokens": int(ro.max_new_tokens), "seed": int(cfg.seed),
         "stop_token_ids": list(stop_ids(model, tokenizer)),
-        "overrides": list(overrides), "greedy": greedy, "sampled": sampled,
+        "overrides": list(overrides), "greedy": greedy, "sampled": sampled, "eval": trained,
         "seconds": round(time.perf_counter() - t0, 3),
     }
     path = write_json(Path(out) if out else default_out(target, cfg), result)

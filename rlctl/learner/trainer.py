@@ -25,7 +25,7 @@ from rlctl.errors import Interrupted, TrainingFault
 from rlctl.models.stop_ids import stop_ids
 from rlctl.learner.advantage import compute_advantages, shaped_task_rewards
 from rlctl.learner.correction import old_policy_inputs
-from rlctl.learner.evaluate import evaluate, evaluate_episodes
+from rlctl.learner.evaluate import evaluate, means
 from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
 from rlctl.learner.samples import draw_rows, offers_tools, train_rows
 from rlctl.learner.settings import TrainerSettings
@@ -146,25 +146,18 @@ class Trainer:
         return batch.old_logprobs, f.values
 
     def _evaluate(self, step: int) -> Dict[str, float]:
-        """Greedy eval after ``step`` (greedy episodes when the source plays them:
-        ``evaluate_episodes``); each rank takes every world_size-th example, sums are
+        """Greedy eval after ``step`` (``rlctl.learner.evaluate``: greedy episodes when the
+        source plays them); each rank takes every world_size-th example, sums are
         reduced. With samples on, rank 0's first logger.samples.n rows go to the sink."""
         b, samples = self.backend, self.options.samples
-        keep = samples.n if samples.on and b.is_main else 0
-        examples = self.eval_examples[b.rank::b.world_size]
-        player = getattr(self.source, "player", None)     # a source that plays episodes
-        if player is not None:
-            sums, rows, _ = evaluate_episodes(self.policy, player, examples, keep=keep, step=step)
-        else:
-            sums, rows = evaluate(self.policy, self.tokenizer, self.eval_scorer, examples,
-                                  self.options.eval_max_new_tokens, keep=keep, step=step,
-                                  **b.generate_kwargs())
-        if rows:
-            self.sink.samples(rows, step, "eval")
-        keys = sorted(sums)
-        totals = b.all_reduce_sum(torch.tensor([float(sums[k]) for k in keys])).tolist()
-        n = max(totals[keys.index("count")], 1.0)
-        return {f"eval/{k}": v / n for k, v in zip(keys, totals) if k != "count"}
+        ev = evaluate(self.policy, self.tokenizer, self.eval_examples[b.rank::b.world_size],
+                      scorer=self.eval_scorer, player=getattr(self.source, "player", None),
+                      max_new_tokens=self.options.eval_max_new_tokens,
+                      keep=samples.n if samples.on and b.is_main else 0, step=step,
+                      **b.generate_kwargs())
+        if ev.rows:
+            self.sink.samples(ev.rows, step, "eval")
+        return {f"eval/{k}": v for k, v in means(ev.sums, b.all_reduce_sum).items()}
 
     # ---- the loop -------------------------------------------------------------------
     def step(self, step: int) -> Dict[str, float]:

@@ -110,8 +110,3 @@ def play_scripted(task, example, seed: int, policy, opts, rng, tokenizer) -> Tra
     finally:
         getattr(env, "close", lambda: None)()
     return tr
-
-
-def context_text(tr: Transcript) -> str:
-    """The episode so far as the model sees it (word-level: ``<eos>`` after each turn)."""
-    return " ".join([tr[0][1]] + [f"{t} <eos>" if role == MODEL else t for role, t in tr[1:]])

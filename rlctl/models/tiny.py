@@ -57,7 +57,6 @@ from tokenizers.models import WordLevel
 from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast)
 
-from rlctl.models.generation import greedy_exact_match
 from rlctl.registry import is_import_path
 from rlctl.tasks import TASKS
 from rlctl.tasks.arithmetic import ArithmeticTask, spaced
@@ -227,18 +226,18 @@ def arithmetic_warmup_answers(task, examples, correct_frac: float, seed: int) ->
 
 
 def _warmup_data(params: Dict[str, object]):
-    """(task, prompts, answers, batch size, eval max_new_tokens) of the warm-up task."""
+    """(prompts, answers, batch size) of the warm-up task."""
     if params.get("warmup_task", "sorting") == "arithmetic":
         task = ArithmeticTask(num_digits=2, ops=["+"], seed=WARMUP_TASK_SEED)
         train = task.train_examples()
-        return (task, [ex.prompt for ex in train],
+        return ([ex.prompt for ex in train],
                 arithmetic_warmup_answers(task, train, params["warmup_correct_frac"],
-                                          params["seed"]), params["warmup_batch_size"], 8)
+                                          params["seed"]), params["warmup_batch_size"])
     task = SortingTask(num_digits=params["warmup_num_digits"], seed=WARMUP_TASK_SEED)
     train = task.train_examples()
-    return (task, [ex.prompt for ex in train],
+    return ([ex.prompt for ex in train],
             warmup_answers(task, train, params["warmup_sorted_frac"], params["seed"]),
-            WARMUP_BATCH_SIZE, params["warmup_num_digits"] + 3)
+            WARMUP_BATCH_SIZE)
 
 
 def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]:
@@ -246,18 +245,15 @@ def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, params["hidden_size"], params["num_layers"],
                         params["num_heads"], params["seed"])
-    task, prompts, answers, batch_size, eval_tokens = _warmup_data(params)
+    prompts, answers, batch_size = _warmup_data(params)
     steps = int(round(params["warmup_steps"] * params.get("warmup_steps_scale", 1)))
     losses = supervised_warmup(model, tokenizer, prompts, answers, steps,
                                params["warmup_lr"], params["seed"], batch_size=batch_size)
     t_train = time.perf_counter() - t0
-    exact, fmt = greedy_exact_match(model, tokenizer, task, task.eval_examples(),
-                                    max_new_tokens=eval_tokens)
     model.save_pretrained(directory)  # safetensors
     tokenizer.save_pretrained(directory)
     meta = dict(params, num_parameters=sum(p.numel() for p in model.parameters()),
                 final_warmup_loss=losses[-1] if losses else None,
-                greedy_exact_heldout=exact, greedy_format_heldout=fmt,
                 warmup_seconds=round(t_train, 3),
                 build_seconds=round(time.perf_counter() - t0, 3))
     (directory / "rlctl_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -293,10 +289,8 @@ def build_tiny(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     final, meta = build_cached(root, cache_key(params), lambda tmp: _build_into(tmp, params))
     if meta is not None:
-        log.info("built tiny model in %.1f s (%d params, %d warm-up steps, held-out greedy exact "
-                 "%.2f, format %.2f): %s", meta["build_seconds"], meta["num_parameters"],
-                 params["warmup_steps"], meta["greedy_exact_heldout"],
-                 meta["greedy_format_heldout"], final)
+        log.info("built tiny model in %.1f s (%d params, %d warm-up steps): %s",
+                 meta["build_seconds"], meta["num_parameters"], params["warmup_steps"], final)
     return final
 
 

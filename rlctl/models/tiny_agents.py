@@ -27,8 +27,8 @@ labels -100). The scripted policies know the format, not the skill:
 
 The cache key of an agent model covers every parameter, ``AGENT_CODE_VERSION`` and a
 digest of the warm-up transcripts themselves, so a change of an environment's text
-builds a new model. The build measures greedy episodes on the eval rows (rlctl_tiny.json:
-success, mean turns, share of episodes with a tool call, mean reward).
+builds a new model (``rlctl eval`` of the starting model measures it: greedy episodes
+on the eval rows).
 
 Calibration (hidden 128, 2 layers, ``warmup_steps`` 80 of conf/model/tiny.yaml times
 ``steps_scale``, 1 thread, held-out greedy): see ``AGENT_WARMUPS``' comments.
@@ -46,16 +46,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 import rlctl.envs  # noqa: F401  (registers the built-in environments' tasks)
-from rlctl.envs.base import close_env
 from rlctl.envs.vocab import TINY_AGENT_WORDS
-from rlctl.models.agent_scripts import (MODEL, MODEL_CUT, OBS, POLICIES, TURNS, Transcript,
-                                        context_text, play_scripted)
-from rlctl.models.generation import greedy_generate
+from rlctl.models.agent_scripts import MODEL, POLICIES, TURNS, Transcript, play_scripted
 from rlctl.models.tiny import (MAX_POSITIONS, build_cached, build_model, build_params,
                                build_tiny, build_tokenizer, cache_key, default_cache_dir,
                                train_on_rows)
 from rlctl.tasks import build_task
-from rlctl.types import Turn
 
 log = logging.getLogger(__name__)
 
@@ -126,58 +122,6 @@ def transcripts_digest(transcripts: Sequence[Transcript]) -> str:
     return hashlib.sha256(json.dumps(transcripts).encode()).hexdigest()[:16]
 
 
-# ---- greedy episodes (the build's measurement and the tests') ---------------------------
-
-def greedy_episodes(model, tokenizer, task, examples, max_turns: int, max_new_tokens: int
-                    ) -> List[dict]:
-    """Greedy episodes of ``model`` on ``examples``, the active episodes decoded together
-    each turn, a turn cut after the previous step's stop strings as the episode loop cuts
-    it: [{transcript, rewards, done, success}] (done False: the turn limit). A loop of its
-    own, not ``rlctl.rollout.episodes.EpisodePlayer``: models/ sits below rollout/ in the
-    import direction (the player loads models), and the build measures on text turns of the
-    word-level tokenizer only."""
-    envs = [task.make_env() for _ in examples]
-    eps = [{"transcript": [("prompt", env.reset(ex, i))], "rewards": [], "done": False,
-            "success": False, "stops": ()} for i, (env, ex) in enumerate(zip(envs, examples))]
-    active = list(range(len(eps)))
-    for _ in range(max_turns):
-        if not active:
-            break
-        texts, _ = greedy_generate(model, tokenizer, [context_text(eps[i]["transcript"])
-                                                      for i in active], max_new_tokens)
-        still = []
-        for i, text in zip(active, texts):
-            ep = eps[i]
-            ends = [text.index(s) + len(s) for s in ep["stops"] if s in text]
-            text, role = (text[:min(ends)], MODEL_CUT) if ends else (text, MODEL)
-            ids = tokenizer.convert_tokens_to_ids(text.split())
-            step = envs[i].step(Turn(text, ids + ([tokenizer.eos_token_id] if role == MODEL else [])))
-            ep["transcript"].append((role, text))
-            ep["rewards"].append(float(step.reward))
-            ep["success"] = bool(step.info.get("success", ep["success"]))
-            stop = step.info.get("stop") or ()
-            ep["stops"] = (stop,) if isinstance(stop, str) else tuple(stop)
-            ep["done"] = bool(step.done)
-            if not step.done:
-                if step.observation is not None:
-                    ep["transcript"].append((OBS, step.observation))
-                still.append(i)
-        active = still
-    for env in envs:
-        close_env(env)
-    return eps
-
-
-def episode_stats(eps: Sequence[dict]) -> Dict[str, float]:
-    """Success rate, mean model turns, share of episodes with a tool call (``<call>``)."""
-    n = max(len(eps), 1)
-    turns = [sum(role in TURNS for role, _ in e["transcript"]) for e in eps]
-    calls = [any(role in TURNS and "<call>" in t for role, t in e["transcript"]) for e in eps]
-    return {"success": sum(e["success"] for e in eps) / n, "mean_turns": sum(turns) / n,
-            "tool_call_frac": sum(calls) / n,
-            "mean_reward": sum(sum(e["rewards"]) for e in eps) / n}
-
-
 # ---- build and cache --------------------------------------------------------------------
 
 def agent_params(name: str, hidden_size: int, num_layers: int, num_heads: int,
@@ -209,14 +153,10 @@ def _build_agent_into(directory: Path, params: Dict[str, object]) -> Dict[str, o
     losses = train_on_rows(model, ids, mask, labels, steps, params["warmup_lr"],
                            params["seed"], int(opts["batch_size"]))
     t_train = time.perf_counter() - t0
-    task = build_task(name)
-    stats = episode_stats(greedy_episodes(model, tokenizer, task, task.eval_examples(),
-                                          int(opts["max_turns"]), int(opts["max_new_tokens"])))
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     meta = dict(params, num_parameters=sum(p.numel() for p in model.parameters()),
                 final_warmup_loss=losses[-1] if losses else None,
-                **{f"greedy_{k}_heldout": v for k, v in stats.items()},
                 warmup_seconds=round(t_train, 3), build_seconds=round(time.perf_counter() - t0, 3))
     (directory / "rlctl_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
@@ -231,10 +171,8 @@ def build_agent_tiny(name: str, hidden_size: int = 128, num_layers: int = 2,
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     final, meta = build_cached(root, cache_key(params), lambda tmp: _build_agent_into(tmp, params))
     if meta is not None:
-        log.info("built tiny %s model in %.1f s (%d warm-up steps; held-out greedy success "
-                 "%.2f, tool calls %.2f, turns %.2f): %s", name, meta["build_seconds"],
-                 steps_of(params), meta["greedy_success_heldout"],
-                 meta["greedy_tool_call_frac_heldout"], meta["greedy_mean_turns_heldout"], final)
+        log.info("built tiny %s model in %.1f s (%d warm-up steps): %s", name,
+                 meta["build_seconds"], steps_of(params), final)
     return final
 
 

@@ -6,7 +6,7 @@ each with the learner's own policy module (``EpisodePlayer``); the environments'
 drawn from the same sampler, so a resumed run replays the same episodes' seeds. The
 rewards come from the environments' steps, so the ``scorer`` (the Trainer reads its
 counters and named sums) never scores anything here. ``player`` is what the Trainer's
-held-out eval plays episodes with (``rlctl.learner.evaluate.evaluate_episodes``).
+held-out eval plays episodes with (``rlctl.learner.evaluate.evaluate``).
 Rollout actors (rlctl/rollout/actors.py) draw with ``draw`` and ``draw_seed`` on the
 learner and play with their own copy's ``player``.
 """

@@ -6,7 +6,7 @@ import pytest
 DESIGNS = ("exact", "positional", "inclusion_order")
 TOP_KEYS = {"target", "target_kind", "model", "run_dir", "task", "reward_name", "split",
             "num_prompts", "samples", "temperature", "top_k", "max_new_tokens", "seed",
-            "stop_token_ids", "overrides", "greedy", "sampled", "seconds", "reward_label",
+            "stop_token_ids", "overrides", "greedy", "sampled", "eval", "seconds", "reward_label",
             "reward_norm", "reward_models"}
 METRICS = {"exact_match", "reward", "length_mean", "truncated_frac", "well_formed",
            *(f"reward/{d}" for d in DESIGNS)}

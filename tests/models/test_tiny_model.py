@@ -1,13 +1,17 @@
-"""The embedded tiny model: deterministic cached build, format-but-not-skill warm start,
-left padding, and the greedy evaluation helper."""
+"""The embedded tiny model: deterministic cached build, format-but-not-skill warm start
+and left padding, measured with the one greedy decoder and evaluator
+(rlctl.rollout.generate.generate with do_sample=False; rlctl.learner.evaluate)."""
 import threading
 
 import pytest
 import torch
 
 from rlctl.models import tiny
-from rlctl.models.generation import greedy_exact_match, greedy_generate
+from rlctl.core.logprobs import completion_mask
+from rlctl.learner.evaluate import evaluate, means
 from rlctl.models.tiny import build_params, build_tiny, cache_key
+from rlctl.rollout.generate import decode_completions, generate
+from rlctl.tasks.scoring import RewardScorer
 from rlctl.tasks.sorting import SortingTask
 
 SMALL = dict(hidden_size=32, num_layers=1, num_heads=2, warmup_steps=3, warmup_lr=1e-3)
@@ -103,14 +107,33 @@ def test_saved_files(tiny_dir, tiny_cfg):
     assert cfg.intermediate_size == 2 * cfg.hidden_size and cfg.max_position_embeddings == 64
 
 
+def greedy_texts(model, tok, prompts, max_new_tokens=8):
+    """(texts, ended with a stop id) of the one greedy decoder."""
+    seqs, _, plen = generate(model, tok, prompts, max_new_tokens, do_sample=False,
+                             share_prompts=False)
+    stops = (tok.eos_token_id,)
+    mask, truncated = completion_mask(seqs[:, plen:], stops)
+    return decode_completions(tok, seqs[:, plen:], mask, stops), (~truncated).tolist()
+
+
+def held_out(model, tok, task, examples, **kwargs):
+    """The evaluator's means, with the share of well-formed completions."""
+    def well_formed(rows, texts, rewards):
+        return {"well_formed": float(sum(task.is_well_formed(e, t) for e, t in zip(rows, texts)))}
+    with RewardScorer(task) as scorer:
+        ev = evaluate(model, tok, examples, scorer=scorer, max_new_tokens=kwargs.pop("max_new_tokens", 8),
+                      extra=well_formed, **kwargs)
+    return means({**ev.sums, **ev.extra})
+
+
 def test_warm_start_knows_format_not_skill(tiny):
     """The calibrated start: answers are well formed, mostly not yet sorted."""
     model, tok = tiny
     task = SortingTask()
-    exact, fmt = greedy_exact_match(model, tok, task, task.eval_examples())
-    assert exact <= 0.3
-    assert fmt >= 0.9
-    texts, ended = greedy_generate(model, tok, [e.prompt for e in task.eval_examples()[:32]])
+    m = held_out(model, tok, task, task.eval_examples())
+    assert m["exact_match"] <= 0.3
+    assert m["well_formed"] >= 0.9 and m["truncated_frac"] <= 0.1
+    texts, ended = greedy_texts(model, tok, [e.prompt for e in task.eval_examples()[:32]])
     assert all(ended)
     assert all("=" not in t and "<" not in t for t in texts)  # completion only, no specials
 
@@ -118,22 +141,24 @@ def test_warm_start_knows_format_not_skill(tiny):
 def test_prompt_alone_equals_prompt_in_padded_batch(tiny):
     model, tok = tiny
     prompts = [e.prompt for e in SortingTask().eval_examples()[:6]]
-    alone = [greedy_generate(model, tok, [p])[0][0] for p in prompts]
+    alone = [greedy_texts(model, tok, [p])[0][0] for p in prompts]
     batch = []
     for p in prompts:  # padded among a shorter and a longer prompt
-        batch.append(greedy_generate(model, tok, ["2 7 =", p, "9 8 7 6 5 4 3 ="])[0][1])
+        batch.append(greedy_texts(model, tok, ["2 7 =", p, "9 8 7 6 5 4 3 ="])[0][1])
     assert alone == batch
 
 
-def test_greedy_exact_match_is_consistent(tiny):
+def test_held_out_exact_match_is_consistent(tiny):
     model, tok = tiny
     task = SortingTask()
     examples = task.eval_examples()[:40]
-    texts, ended = greedy_generate(model, tok, [e.prompt for e in examples])
-    exact = sum(task.is_correct(e, t) for e, t in zip(examples, texts)) / 40
-    fmt = sum(x and task.is_well_formed(e, t) for e, t, x in zip(examples, texts, ended)) / 40
-    assert greedy_exact_match(model, tok, task, examples) == (exact, fmt)
-    assert greedy_exact_match(model, tok, task, examples, batch_size=7) == (exact, fmt)
-    # too few new tokens for "d d d d d <eos>" (6 tokens): nothing is well formed
-    assert greedy_exact_match(model, tok, task, examples, max_new_tokens=5)[1] == 0.0
-    assert greedy_exact_match(model, tok, task, []) == (0.0, 0.0)
+    texts, ended = greedy_texts(model, tok, [e.prompt for e in examples])
+    exact = sum(task.is_correct(e, t) for e, t in zip(examples, texts))
+    m = held_out(model, tok, task, examples)
+    assert m["exact_match"] == pytest.approx(exact / 40)
+    assert m["truncated_frac"] == pytest.approx(sum(not x for x in ended) / 40)
+    assert held_out(model, tok, task, examples, batch_size=7) == m
+    # too few new tokens for "d d d d d <eos>" (6 tokens): every completion is cut
+    assert held_out(model, tok, task, examples, max_new_tokens=5)["truncated_frac"] == 1.0
+    assert held_out(model, tok, task, []) == {"exact_match": 0.0, "reward": 0.0, "length_mean": 0.0,
+                                              "truncated_frac": 0.0}
