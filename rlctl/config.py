@@ -8,7 +8,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,6 +27,7 @@ RANGES: Dict[str, Range] = {s.key: s.range for s in schema_fields() if s.range i
 CHOICES: Dict[str, tuple] = {s.key: s.choices for s in schema_fields() if s.choices}
 # any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
 FREE_NUMBERS = ("task.correct_threshold", "hardware.zero_stage")
+CRITIC_KEYS = {"algo.vf_coef", "algo.value_clip", "algo.critic_warmup_steps", "algo.lam"}
 
 
 EXAMPLES = {"float": "0.1", "int": "1", "bool": "true", "str": "name", "any": "1"}
@@ -226,11 +227,21 @@ def _check_eval(cfg: DictConfig) -> None:
                           "trainer.eval_every=0 (no evaluation) or task.num_eval >= 1")
 
 
-def validate(cfg: DictConfig) -> None:
+def _check_critic_keys(cfg: DictConfig, overrides: Sequence[str], algo: str) -> None:
+    given = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in CRITIC_KEYS]
+    if given and cfg.algo.critic == "none":
+        raise ConfigError(f"{given[0]} is a critic setting, and algo={algo} has no "
+                          "critic; use an algorithm with one (algo=ppo) or set algo.critic=shared "
+                          "with algo.advantage=gae")
+
+
+def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> None:
     """Checks beyond types that need no torch: ranges (every numeric key), options that
-    must agree, and the machine (CUDA, the DeepSpeed JSON). Raises ConfigError (one line).
-    Registry names (algo.advantage, algo.policy_loss, algo.kl.estimator, task.name, ...)
-    are checked where the registries are, by ``rlctl.run.entries.check_entries``,
+    must agree, and the machine (CUDA, the DeepSpeed JSON); ``overrides`` (the shell's)
+    may not set a critic key (CRITIC_KEYS) of ``algo`` (the group's option) without a
+    critic. Raises ConfigError (one line).
+    The one home of the checks that need no torch; those that need the registries (names
+    such as algo.advantage, task.name) or the built task are ``rlctl.run.checks``, run
     before a run directory is made."""
     _check_resolved(cfg)
     check_ranges(cfg)
@@ -240,3 +251,4 @@ def validate(cfg: DictConfig) -> None:
     if cfg.model.name == "hf" and not cfg.model.name_or_path:
         raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")
     _check_hardware(cfg)
+    _check_critic_keys(cfg, overrides, algo)

@@ -53,8 +53,7 @@ def knob(default: Any = MISSING, *, range: Optional[Range] = None, choices: Sequ
 
 @dataclass
 class KLConfig:
-    # beta (initial beta when adaptive); 0: no reference model
-    coef: float = knob(range=NON_NEGATIVE)
+    coef: float = knob(range=NON_NEGATIVE)  # beta (initial beta when adaptive); 0: no reference model
     # k1 | k2 | k3 | null (the placement's unbiased default: k1 in_reward, k3 in_loss;
     # rlctl.core.kl explains which divergence each pair follows, and train warns otherwise)
     estimator: Optional[str] = None
@@ -131,12 +130,10 @@ class TaskConfig:
     reward_timeout_s: Optional[float] = knob(range=Range(0, why="0 or null: no limit"))
     on_reward_error: str = MISSING  # zero (score 0 and count) | raise
     long_prompts: str = "skip"     # over rollout.max_prompt_tokens: skip | truncate_left | error
-    # generated tasks (sorting, arithmetic)
-    num_digits: Optional[int] = knob(None, range=AT_LEAST_1)
+    num_digits: Optional[int] = knob(None, range=AT_LEAST_1)  # generated tasks (sorting, arithmetic)
     reward: Optional[str] = None   # sorting: exact | positional | inclusion_order; arithmetic: exact | partial
     num_eval: Optional[int] = knob(None, range=NON_NEGATIVE)  # held-out prompts
-    # seed of the prompt generator (train/eval split)
-    seed: Optional[int] = knob(None, range=NON_NEGATIVE)
+    seed: Optional[int] = knob(None, range=NON_NEGATIVE)  # seed of the prompt generator (train/eval split)
     ops: Optional[List[str]] = None  # arithmetic: + - *
     style: Optional[str] = None    # arithmetic: symbolic | words
     # data tasks (jsonl)
@@ -159,10 +156,8 @@ class TaskConfig:
     # subprocess sandbox: RLIMIT_AS (and RLIMIT_FSIZE), GB
     tool_memory_gb: Optional[float] = knob(None, range=Range(
         0.05, why="the sandboxed interpreter itself needs ~20 MB"))
-    # guess_number: the secret is in 1..max_number
-    max_number: Optional[int] = knob(None, range=Range(2))
-    # running_sum: answers per episode
-    num_additions: Optional[int] = knob(None, range=Range(1, 12))
+    max_number: Optional[int] = knob(None, range=Range(2))  # guess_number: the secret is in 1..max_number
+    num_additions: Optional[int] = knob(None, range=Range(1, 12))  # running_sum: answers per episode
     # learned reward models, any task (rlctl/reward_models/learned.py)
     reward_model: Optional[str] = None  # sequence-classifier dir; the task's own rewards then weigh 0 (still logged)
     reward_norm: Optional[str] = None   # none | running (mean/std whitening, checkpointed)
@@ -206,18 +201,15 @@ class HardwareConfig:
     name: str = MISSING
     backend: str = MISSING         # torch | deepspeed
     device: str = knob(choices=("cpu", "cuda"))
-    # torch intra-op threads per process (1 on small shared CPUs)
-    num_threads: int = knob(range=AT_LEAST_1)
-    # data-parallel ranks that `rlctl train` launches itself
-    num_processes: int = knob(range=AT_LEAST_1)
+    num_threads: int = knob(range=AT_LEAST_1)  # torch intra-op threads per process (1 on small shared CPUs)
+    num_processes: int = knob(range=AT_LEAST_1)  # data-parallel ranks that `rlctl train` launches itself
     zero_stage: int = knob(choices=(0, 1, 2, 3))  # deepspeed: ZeRO stage 0-3
     # bf16, torch backend: autocast, fp32 weights and AdamW state
     precision: str = knob(choices=("fp32", "bf16"))
     deepspeed_config: Optional[str] = None  # deepspeed: a user JSON merged under rlctl's keys
     # seconds a rank waits for the others to join (or answer)
     dist_timeout_s: float = knob(300.0, range=POSITIVE)
-    # rlctl's own launcher across nodes: machines in the job
-    nnodes: int = knob(1, range=AT_LEAST_1)
+    nnodes: int = knob(1, range=AT_LEAST_1)  # rlctl's own launcher across nodes: machines in the job
     # this machine's index, 0 .. nnodes-1 (node 0 hosts the master)
     node_rank: int = knob(0, range=NON_NEGATIVE)
     master_addr: str = "127.0.0.1"  # node 0's address every rank can reach (TCP rendezvous)
@@ -229,8 +221,7 @@ class HardwareConfig:
 class SamplesConfig:
     # steps between sample tables (0: none); also each held-out eval
     every: int = knob(25, range=Range(0, why="0: no sample tables"))
-    # rows per table, whole groups first so a group's spread shows
-    n: int = knob(8, range=AT_LEAST_1)
+    n: int = knob(8, range=AT_LEAST_1)  # rows per table, whole groups first so a group's spread shows
 
 
 @dataclass
@@ -249,19 +240,14 @@ class LoggerConfig:
 class EpisodeConfig:
     """Budgets and rules of multi-turn episodes (tasks played in an environment)."""
     max_turns: int = knob(4, range=AT_LEAST_1)  # model turns per episode; more: ends as turn_limit
-    # completion tokens per episode, turns and observations
-    max_tokens: int = knob(48, range=AT_LEAST_1)
-    # one observation's tokens; longer ones are cut
-    max_obs_tokens: int = knob(16, range=AT_LEAST_1)
-    # which end of a long observation is cut
-    obs_truncation: str = knob("right", choices=("right", "left"))
-    # one environment step; past it: an error observation
-    step_timeout_s: float = knob(10.0, range=POSITIVE)
+    max_tokens: int = knob(48, range=AT_LEAST_1)  # completion tokens per episode, turns and observations
+    max_obs_tokens: int = knob(16, range=AT_LEAST_1)  # one observation's tokens; longer ones are cut
+    obs_truncation: str = knob("right", choices=("right", "left"))  # which end of a long observation is cut
+    step_timeout_s: float = knob(10.0, range=POSITIVE)  # one environment step; past it: an error observation
     concurrency: int = knob(8, range=AT_LEAST_1)  # environment steps run at once (threads)
     # how turn rewards make the episode's
     turn_reward: str = knob("sum", choices=("last", "sum", "discounted"))
-    # discounted: turn k weighs turn_discount ** (k - 1)
-    turn_discount: float = knob(1.0, range=UNIT)
+    turn_discount: float = knob(1.0, range=UNIT)  # discounted: turn k weighs turn_discount ** (k - 1)
     kv_reuse: bool = True          # carry each episode's KV cache across turns (false: recompute each turn)
 
 
@@ -269,8 +255,7 @@ class EpisodeConfig:
 class ServerConfig:
     """rollout.engine=server: where the servers are and how weights reach them."""
     urls: List[str] = field(default_factory=list)   # []: the learner starts num_local of its own
-    # `rlctl serve` processes the learner starts on 127.0.0.1
-    num_local: int = knob(range=AT_LEAST_1)
+    num_local: int = knob(range=AT_LEAST_1)  # `rlctl serve` processes the learner starts on 127.0.0.1
     # how weights are pushed and replies read (rollout/server_kinds.py)
     kind: str = knob(choices=("rlctl", "vllm", "sglang"))
     chunk_size: int = knob(range=AT_LEAST_1)  # rows per request (the tokens depend on it)

@@ -46,7 +46,7 @@ from rlctl.models.lora import count_parameters
 from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.sampler import check_training_sampling
 from rlctl.run.build import model_from_config, task_from_config
-from rlctl.run.entries import EntryNames, check_entries
+from rlctl.run.checks import check_entries
 from rlctl.tasks.base import learned_of
 
 PROMPT_TOKENS = 16        # the rough prompt length of the estimate
@@ -160,7 +160,7 @@ def _fused(model) -> bool:
 def dry_run(cfg: DictConfig) -> List[str]:
     """Build the models as `train` would, print the plan; returns the printed lines."""
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
-    check_entries(EntryNames.from_config(cfg))
+    check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
     rms = reward_model_sizes(task_from_config(cfg))
     check_training_sampling(cfg.rollout.top_k)
     model, critic, _, ref = model_from_config(cfg)

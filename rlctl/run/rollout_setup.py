@@ -45,14 +45,7 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     Takes the whole config: the asynchronous source sends it to its actors, which build from it."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     if is_episodic(task):
-        check_episodic(backend)
-        if cfg.rollout.engine == "server":
-            raise ConfigError("rollout.engine=server samples single-turn tasks; a task played as "
-                              "episodes is played by the learner's own sampler (rollout.engine=torch)")
-        if cfg.rollout.sample_dtype != "float32":
-            raise ConfigError(f"rollout.sample_dtype={cfg.rollout.sample_dtype} applies to the "
-                              "single-turn sampler; a task played as episodes samples in the "
-                              "model's own precision (use rollout.sample_dtype=float32)")
+        check_episodic(backend)        # the config's side: rlctl.run.checks.check_episodes
         local = EpisodeSource(policy, tokenizer, task, EpisodeSettings.from_config(cfg),
                               seed=cfg.seed * 1000 + rank)
     elif cfg.rollout.engine == "server":
