@@ -41,7 +41,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.logprobs import CHUNK_ELEMENTS
 from rlctl.learner.forward import fused_head
-from rlctl.learner.settings import needs_old_forward
+from rlctl.learner.trainer import needs_old_forward
 from rlctl.models.lora import count_parameters
 from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.sampler import check_training_sampling

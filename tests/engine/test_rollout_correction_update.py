@@ -12,7 +12,7 @@ from rlctl.compose import compose
 from rlctl.core import get_policy_loss
 from rlctl.learner.correction import RolloutCorrection, old_policy_inputs
 from rlctl.learner.forward import learner_forward
-from rlctl.learner.settings import needs_old_forward
+from rlctl.learner.trainer import needs_old_forward
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models import load_model_and_tokenizer
 from rlctl.types import RolloutBatch
