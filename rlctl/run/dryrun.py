@@ -55,7 +55,8 @@ HALF = ("bfloat16", "float16")
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """What the estimate reads of the config, by key."""
+    """What the estimate reads of five config sections, by key, and what it derives from
+    them (``rank_rows``)."""
     max_new_tokens: int             # rollout.max_new_tokens
     prompts_per_step: int           # trainer.prompts_per_step
     group_size: int                 # algo.group_size
