@@ -58,8 +58,7 @@ class KLConfig:
     # rlctl.core.kl explains which divergence each pair follows, and train warns otherwise)
     estimator: Optional[str] = None
     placement: str = knob(choices=("in_loss", "in_reward"))
-    # adaptive coefficient: target KL per sequence (nats)
-    target: Optional[float] = knob(None, range=POSITIVE)
+    target: Optional[float] = knob(None, range=POSITIVE)  # adaptive: target KL per sequence (nats); null: fixed
     # adaptive controller horizon, in sequences (Ziegler et al., TRL): each update moves
     # beta by up to 0.2 * n_seq / horizon
     horizon: int = knob(range=AT_LEAST_1)
@@ -67,16 +66,18 @@ class KLConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """The off-policy correction for sampler/learner mismatch (rlctl.core.rollout_correction)."""
+    """The off-policy correction for sampler/learner mismatch (rlctl.core.rollout_correction,
+    docs/math.md section 14): w = pi_old / pi_engine per token (or its product over a
+    sequence), detached."""
     enabled: bool = False          # weight the policy loss by w = pi_old / pi_engine
     # token | sequence (w = the product over the sequence's tokens)
     level: str = knob("token", choices=("token", "sequence"))
-    # truncate: min(w, upper) | mask: w in [lower, upper] else 0 | measure: 1
+    # truncate: loss * min(w, upper) | mask: loss * w if lower <= w <= upper, else 0 |
+    # measure: weight 1, metrics only
     mode: str = knob("truncate", choices=("truncate", "mask", "measure"))
-    # truncate's cap C; mask's upper bound
-    upper: float = knob(2.0, range=Range(0, lo_open=True, why="a weight cap / bound"))
+    upper: float = knob(2.0, range=Range(0, lo_open=True, why="a weight cap / bound"))  # truncate's cap; mask's
     lower: float = knob(0.5, range=Range(0, why="0: no lower bound"))  # mask's lower bound
-    bypass: bool = False           # pi_engine stands in for pi_old: no old forward, weight 1
+    bypass: bool = False  # pi_engine stands in for pi_old: no old forward, weight 1, ratio pi / pi_engine
 
 
 @dataclass
@@ -238,7 +239,8 @@ class LoggerConfig:
 
 @dataclass
 class EpisodeConfig:
-    """Budgets and rules of multi-turn episodes (tasks played in an environment)."""
+    """Budgets and rules of multi-turn episodes (tasks played in an environment);
+    rollout.max_new_tokens is then per model turn. Runs past a limit are counted."""
     max_turns: int = knob(4, range=AT_LEAST_1)  # model turns per episode; more: ends as turn_limit
     max_tokens: int = knob(48, range=AT_LEAST_1)  # completion tokens per episode, turns and observations
     max_obs_tokens: int = knob(16, range=AT_LEAST_1)  # one observation's tokens; longer ones are cut
@@ -254,15 +256,16 @@ class EpisodeConfig:
 @dataclass
 class ServerConfig:
     """rollout.engine=server: where the servers are and how weights reach them."""
-    urls: List[str] = field(default_factory=list)   # []: the learner starts num_local of its own
+    # running servers (rlctl serve, vLLM, SGLang); []: the learner starts num_local of its own
+    urls: List[str] = field(default_factory=list)
     num_local: int = knob(range=AT_LEAST_1)  # `rlctl serve` processes the learner starts on 127.0.0.1
     # how weights are pushed and replies read (rollout/server_kinds.py)
     kind: str = knob(choices=("rlctl", "vllm", "sglang"))
     chunk_size: int = knob(range=AT_LEAST_1)  # rows per request (the tokens depend on it)
     timeout_s: float = knob(range=POSITIVE)  # one request; past it the server counts as lost
     weight_sync: str = knob(choices=("http", "disk"))  # disk: through weight_dir
-    weight_dir: Optional[str] = None   # disk sync (rlctl); vllm: LoRA adapters; sglang: all weights
-    model_dir: Optional[str] = None    # vllm, full weights: the directory `vllm serve` loads
+    weight_dir: Optional[str] = None  # read by every server at one path: disk (rlctl), LoRA (vllm), all (sglang)
+    model_dir: Optional[str] = None  # kind=vllm, full weights: the dir `vllm serve` loads (rewritten per push)
 
 
 @dataclass
@@ -272,12 +275,12 @@ class RolloutConfig:
                                          why="sampling needs > 0 (eval is greedy already)"))
     # 0: full distribution; > 0 for eval/rollout only (train refuses it)
     top_k: int = knob(0, range=Range(0, why="0: the full distribution"))
-    # null: the model's context minus max_new_tokens
+    # null: the model's context minus max_new_tokens (task.long_prompts: longer prompts)
     max_prompt_tokens: Optional[int] = knob(None, range=AT_LEAST_1)
     # extra stop ids (ints) or token strings, added to the tokenizer EOS and the model's
     # generation_config.eos_token_id; each is checked against the vocabulary when the model loads
     stop_token_ids: List[Any] = field(default_factory=list)
-    # the training sampler's precision (bfloat16: autocast)
+    # the training sampler's precision (bfloat16: autocast; the learner keeps its own)
     sample_dtype: str = knob("float32", choices=("float32", "bfloat16"))
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)   # multi-turn tasks only
     engine: str = knob(choices=("torch", "server"))  # torch: the learner's own sampler
@@ -290,7 +293,8 @@ class AsyncConfig:
     # a rollout is at most this many learner steps old (0: synchronous)
     max_staleness: int = knob(range=NON_NEGATIVE)
     sync_every: int = knob(range=AT_LEAST_1)  # learner steps between weight syncs to the actor
-    num_actors: int = knob(1, range=AT_LEAST_1)  # rollout actor processes beside the learner (>= 1)
+    # rollout actor processes beside the learner (at most min(num_actors, max_staleness) work ahead)
+    num_actors: int = knob(1, range=AT_LEAST_1)
 
 
 @dataclass
