@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
-from omegaconf import OmegaConf
 
 from rlctl.backends.base import TorchBackend
 from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
@@ -70,7 +69,8 @@ def needs_old_forward(algo) -> bool:
 
 
 class Trainer:
-    """``algo``, ``trainer``: the config's sections (the loop reads them directly);
+    """``algo``, ``trainer``: the config's sections, read directly (DictConfig nodes over
+    the schema's dataclasses, or the dataclasses);
     ``update``/``advantage``: the update's and the advantage estimator's settings;
     ``samples``: the sample tables'; ``lr``: model.lora.lr when LoRA sets one, else
     trainer.lr; ``eval_max_new_tokens``: rollout.max_new_tokens (``Trainer.from_config``
@@ -114,7 +114,7 @@ class Trainer:
         backend = backend or TorchBackend(cfg.hardware.device)
         share = prompt_sharing(cfg.trainer.share_prompts, backend)
         lora, tr = cfg.model.lora, cfg.trainer
-        return cls(OmegaConf.to_object(cfg.algo), OmegaConf.to_object(tr),
+        return cls(cfg.algo, tr,
                    UpdateSettings.from_config(cfg, share), AdvantageSettings.from_config(cfg),
                    SampleSettings(cfg.logger.samples.every, cfg.logger.samples.n, cfg.seed),
                    model, tokenizer, task, sink, source=source, backend=backend, critic=critic,

@@ -69,7 +69,7 @@ class UpdateSettings:
         """From the composed config's ``algo``, ``trainer`` and ``rollout`` sections;
         ``share_prompts``: ``trainer.share_prompts`` as it applies on the backend
         (``policy.prompt_sharing``)."""
-        algo, tr = cfg.algo, cfg.trainer
+        algo, tr, rc = cfg.algo, cfg.trainer, cfg.algo.rollout_correction
         return cls(policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
                    clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
                    clip_ratio_c=algo.clip_ratio_c, agg_mode=algo.loss_agg_mode, norm_len=algo.norm_len,
@@ -81,8 +81,8 @@ class UpdateSettings:
                    vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share_prompts,
                    terms=tuple(active_terms({"entropy": algo.get("entropy_coef", 0.0)})),
                    mask_truncated=bool(algo.get("mask_truncated", False)),
-                   rollout_correction=(OmegaConf.to_object(algo.rollout_correction)
-                                       if algo.rollout_correction.enabled else None))
+                   rollout_correction=(RolloutCorrectionConfig(**OmegaConf.to_container(rc))
+                                       if rc.enabled else None))
 
 
 @dataclass
