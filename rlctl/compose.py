@@ -24,7 +24,6 @@ from rlctl.recipes import load_recipe
 from rlctl.schema import CONF_DIR, GROUPS, register_schemas
 
 RECIPE_GROUP = "recipe"
-CRITIC_KEYS = {"algo.vf_coef", "algo.value_clip", "algo.critic_warmup_steps", "algo.lam"}
 
 
 def _store_recipe(recipe: Dict, overrides: Sequence[str]) -> None:
@@ -72,12 +71,7 @@ def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Comp
     with open_dict(cfg):
         for key in ("hydra", "defaults"):
             cfg.pop(key, None)
-    validate(cfg)
-    critic_only = [o.split("=", 1)[0] for o in given if o.split("=", 1)[0] in CRITIC_KEYS]
-    if critic_only and cfg.algo.critic == "none":
-        raise ConfigError(f"{critic_only[0]} is a critic setting, and algo={choices['algo']} has no "
-                          "critic; use an algorithm with one (algo=ppo) or set algo.critic=shared "
-                          "with algo.advantage=gae")
+    validate(cfg, given, choices["algo"])
     return Composed(cfg=cfg, choices=choices, overrides=given, recipe=recipe)
 
 

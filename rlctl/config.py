@@ -7,96 +7,27 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from rlctl.errors import ConfigError, one_line
-from rlctl.schema import FieldSpec, schema_fields
+from rlctl.schema import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldSpec, Range, schema_fields
+
+__all__ = ["AT_LEAST_1", "NON_NEGATIVE", "POSITIVE", "RANGES", "CHOICES", "FREE_NUMBERS", "validate"]
 
 
-# -- value ranges ---------------------------------------------------------------------
-# One table for every numeric key with a meaningful range, checked by one loop
-# (``check_ranges``, called by ``validate``). Every float key also rejects nan
-# and inf. A new numeric key must be listed here or in FREE_NUMBERS (a test checks).
+# -- value ranges and choices ---------------------------------------------------------
+# Written once, in the schema (``rlctl.schema.knob``); checked here by one loop each
+# (``check_ranges``, ``check_choices``). Every float key also rejects nan and inf. A new
+# numeric key must have a range or be listed in FREE_NUMBERS (a test checks).
 
-@dataclass(frozen=True)
-class Range:
-    lo: Optional[float] = None
-    hi: Optional[float] = None
-    lo_open: bool = False          # lo itself excluded
-    hi_open: bool = False
-    why: str = ""                  # appended to the message, e.g. what 0 would mean
-
-    def contains(self, x: float) -> bool:
-        return not ((self.lo is not None and (x < self.lo or (self.lo_open and x == self.lo)))
-                    or (self.hi is not None and (x > self.hi or (self.hi_open and x == self.hi))))
-
-    def describe(self) -> str:
-        lo, hi = (str(int(x)) if float(x).is_integer() else f"{x:g}" for x in (self.lo, self.hi or 0))
-        if self.hi is None:
-            return f"{'>' if self.lo_open else '>='} {lo}"
-        return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
-
-
-POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, lo_open=True), Range(0), Range(1)
-UNIT = Range(0, 1)
-
-RANGES = {
-    "seed": Range(0, 2 ** 31, hi_open=True),
-    "algo.group_size": AT_LEAST_1, "algo.norm_len": AT_LEAST_1,
-    "algo.clip_eps": NON_NEGATIVE, "algo.clip_eps_high": NON_NEGATIVE,
-    "algo.clip_ratio_c": Range(1, lo_open=True, why="dual clip needs a value > 1 (or null)"),
-    "algo.epochs": AT_LEAST_1, "algo.minibatches": AT_LEAST_1,
-    "algo.std_eps": Range(0, lo_open=True, why="it keeps the std normaliser away from 0"),
-    "algo.vf_coef": NON_NEGATIVE, "algo.value_clip": POSITIVE,
-    "algo.gamma": UNIT, "algo.lam": UNIT,
-    "algo.critic_warmup_steps": NON_NEGATIVE, "algo.max_sampling_rounds": AT_LEAST_1,
-    "algo.overlong_buffer": NON_NEGATIVE, "algo.overlong_penalty": NON_NEGATIVE,
-    "algo.entropy_coef": Range(0, why="an entropy bonus; 0: off"),
-    "algo.kl.coef": NON_NEGATIVE, "algo.kl.target": POSITIVE, "algo.kl.horizon": AT_LEAST_1,
-    "algo.rollout_correction.upper": Range(0, lo_open=True, why="a weight cap / bound"),
-    "algo.rollout_correction.lower": Range(0, why="0: no lower bound"),
-    "task.reward_timeout_s": Range(0, why="0 or null: no limit"),
-    "task.reward_clip": POSITIVE,
-    "task.num_digits": AT_LEAST_1, "task.num_eval": NON_NEGATIVE, "task.seed": NON_NEGATIVE,
-    "task.max_tool_calls": AT_LEAST_1, "task.tool_timeout_s": POSITIVE,
-    "task.tool_memory_gb": Range(0.05, why="the sandboxed interpreter itself needs ~20 MB"),
-    "task.max_number": Range(2), "task.num_additions": Range(1, 12),
-    "model.hidden_size": AT_LEAST_1, "model.num_layers": AT_LEAST_1,
-    "model.num_heads": AT_LEAST_1, "model.warmup_steps": NON_NEGATIVE, "model.warmup_lr": POSITIVE,
-    "model.lora.r": AT_LEAST_1, "model.lora.alpha": POSITIVE,
-    "model.lora.dropout": Range(0, 1, hi_open=True), "model.lora.lr": POSITIVE,
-    "hardware.num_threads": AT_LEAST_1, "hardware.num_processes": AT_LEAST_1,
-    "hardware.dist_timeout_s": POSITIVE, "hardware.nnodes": AT_LEAST_1,
-    "hardware.node_rank": NON_NEGATIVE, "hardware.master_port": Range(1, 65535),
-    "rollout.max_new_tokens": AT_LEAST_1,
-    "rollout.temperature": Range(0, lo_open=True, why="sampling needs > 0 (eval is greedy already)"),
-    "rollout.top_k": Range(0, why="0: the full distribution"),
-    "rollout.max_prompt_tokens": AT_LEAST_1,
-    "rollout.server.num_local": AT_LEAST_1, "rollout.server.chunk_size": AT_LEAST_1,
-    "rollout.server.timeout_s": POSITIVE,
-    "rollout.episode.max_turns": AT_LEAST_1, "rollout.episode.max_tokens": AT_LEAST_1,
-    "rollout.episode.max_obs_tokens": AT_LEAST_1, "rollout.episode.concurrency": AT_LEAST_1,
-    "rollout.episode.step_timeout_s": POSITIVE, "rollout.episode.turn_discount": UNIT,
-    "trainer.steps": NON_NEGATIVE, "trainer.prompts_per_step": AT_LEAST_1,
-    "trainer.lr": POSITIVE, "trainer.weight_decay": NON_NEGATIVE,
-    "trainer.betas": Range(0, 1, hi_open=True), "trainer.warmup_steps": NON_NEGATIVE,
-    "trainer.max_grad_norm": Range(0, why="0: no clipping"),
-    "trainer.micro_batch_size": Range(0, why="0: the whole minibatch"),
-    "trainer.micro_batch_tokens": Range(0, why="0: no token budget"),
-    "trainer.eval_every": Range(0, why="0: no held-out evaluation"),
-    "trainer.log_every": AT_LEAST_1,
-    "trainer.checkpoint_every": Range(0, why="0: only at the end"),
-    "trainer.keep_checkpoints": AT_LEAST_1, "trainer.max_bad_steps": AT_LEAST_1,
-    "trainer.async_rollout.max_staleness": NON_NEGATIVE, "trainer.async_rollout.sync_every": AT_LEAST_1,
-    "trainer.async_rollout.num_actors": AT_LEAST_1,
-    "logger.samples.every": Range(0, why="0: no sample tables"), "logger.samples.n": AT_LEAST_1,
-}
+RANGES: Dict[str, Range] = {s.key: s.range for s in schema_fields() if s.range is not None}
+CHOICES: Dict[str, tuple] = {s.key: s.choices for s in schema_fields() if s.choices}
 # any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
 FREE_NUMBERS = ("task.correct_threshold", "hardware.zero_stage")
+CRITIC_KEYS = {"algo.vf_coef", "algo.value_clip", "algo.critic_warmup_steps", "algo.lam"}
 
 
 EXAMPLES = {"float": "0.1", "int": "1", "bool": "true", "str": "name", "any": "1"}
@@ -133,10 +64,12 @@ def range_problem(spec: FieldSpec, value: Any) -> Optional[str]:
 
 # -- checks of the composed config -----------------------------------------------------
 
-def _choice(cfg: DictConfig, key: str, valid: Sequence[str]) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value not in valid:
-        raise ConfigError(f"invalid {key} '{value}'; valid: {', '.join(map(str, valid))}")
+def check_choices(cfg: DictConfig) -> None:
+    """Every key with fixed choices (the schema's ``knob(choices=...)``) holds one of them."""
+    for key, valid in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in valid:
+            raise ConfigError(f"invalid {key} '{value}'; valid: {', '.join(map(str, valid))}")
 
 
 def _check_resolved(cfg: DictConfig) -> None:
@@ -200,9 +133,6 @@ def _check_cuda(hw: DictConfig) -> None:
 
 
 def _check_hardware(cfg: DictConfig) -> None:
-    _choice(cfg, "hardware.device", ["cpu", "cuda"])
-    _choice(cfg, "hardware.precision", ["fp32", "bf16"])
-    _choice(cfg, "hardware.zero_stage", [0, 1, 2, 3])
     hw = cfg.hardware
     if cfg.trainer.prompts_per_step % hw.num_processes:
         raise ConfigError(f"hardware.num_processes={hw.num_processes} must be >= 1 and divide "
@@ -225,14 +155,6 @@ def _check_hardware(cfg: DictConfig) -> None:
 
 
 def _check_algo(cfg: DictConfig) -> None:
-    _choice(cfg, "algo.kl.placement", ["in_loss", "in_reward"])
-    _choice(cfg, "rollout.episode.obs_truncation", ["right", "left"])
-    _choice(cfg, "rollout.episode.turn_reward", ["last", "sum", "discounted"])
-    _choice(cfg, "algo.critic", ["none", "shared", "separate"])
-    _choice(cfg, "algo.baseline", ["none", "batch_mean"])
-    _choice(cfg, "algo.rollout_correction.level", ["token", "sequence"])
-    _choice(cfg, "algo.rollout_correction.mode", ["truncate", "mask", "measure"])
-    _choice(cfg, "rollout.sample_dtype", ["float32", "bfloat16"])
     _check_engine(cfg)
     a = cfg.algo
     rc = a.rollout_correction
@@ -253,9 +175,6 @@ def _check_algo(cfg: DictConfig) -> None:
 def _check_engine(cfg: DictConfig) -> None:
     """rollout.engine=server: what it runs with (one learner process, single-turn tasks are
     checked where the task is built: rlctl/run/rollout_setup.py)."""
-    _choice(cfg, "rollout.engine", ["torch", "server"])
-    _choice(cfg, "rollout.server.weight_sync", ["http", "disk"])
-    _choice(cfg, "rollout.server.kind", ["rlctl", "vllm", "sglang"])     # rollout/server_kinds.py
     sv = cfg.rollout.server
     if cfg.rollout.engine != "server":
         return
@@ -308,18 +227,28 @@ def _check_eval(cfg: DictConfig) -> None:
                           "trainer.eval_every=0 (no evaluation) or task.num_eval >= 1")
 
 
-def validate(cfg: DictConfig) -> None:
+def _check_critic_keys(cfg: DictConfig, overrides: Sequence[str], algo: str) -> None:
+    given = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in CRITIC_KEYS]
+    if given and cfg.algo.critic == "none":
+        raise ConfigError(f"{given[0]} is a critic setting, and algo={algo} has no "
+                          "critic; use an algorithm with one (algo=ppo) or set algo.critic=shared "
+                          "with algo.advantage=gae")
+
+
+def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> None:
     """Checks beyond types that need no torch: ranges (every numeric key), options that
-    must agree, and the machine (CUDA, the DeepSpeed JSON). Raises ConfigError (one line).
-    Registry names (algo.advantage, algo.policy_loss, algo.kl.estimator, task.name, ...)
-    are checked where the registries are, by ``rlctl.run.entries.check_entries``,
+    must agree, and the machine (CUDA, the DeepSpeed JSON); ``overrides`` (the shell's)
+    may not set a critic key (CRITIC_KEYS) of ``algo`` (the group's option) without a
+    critic. Raises ConfigError (one line).
+    The one home of the checks that need no torch; those that need the registries (names
+    such as algo.advantage, task.name) or the built task are ``rlctl.run.checks``, run
     before a run directory is made."""
     _check_resolved(cfg)
     check_ranges(cfg)
+    check_choices(cfg)
     _check_algo(cfg)
     _check_eval(cfg)
-    _choice(cfg, "model.dtype", ["float32", "bfloat16"])
-    _choice(cfg, "logger.wandb_mode", ["offline", "online", "disabled"])
     if cfg.model.name == "hf" and not cfg.model.name_or_path:
         raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")
     _check_hardware(cfg)
+    _check_critic_keys(cfg, overrides, algo)

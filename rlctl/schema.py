@@ -1,9 +1,10 @@
 """The typed config schema: dataclasses registered in Hydra's ConfigStore, the groups of
 ``rlctl/conf`` with their options, and the list of every key with its kind.
 
-Config flows one way: YAML in ``rlctl/conf`` -> these typed dataclasses -> constructor
-arguments. Defaults for values live in the YAML files; the dataclasses give types and
-the set of valid keys, so an unknown key or a wrong type fails at compose time.
+Config flows one way: YAML in ``rlctl/conf`` -> these typed dataclasses -> the components,
+which take the section they use. A key's default is in the YAML or here (not both); its
+type, range or choices (``knob``) and help (the comment beside it) are written here only,
+so an unknown key, a wrong type or a value out of range fails at compose time.
 """
 from __future__ import annotations
 
@@ -11,33 +12,72 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may hold (every float key is also finite)."""
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False          # lo itself excluded
+    hi_open: bool = False
+    why: str = ""                  # appended to the message, e.g. what 0 would mean
+
+    def contains(self, x: float) -> bool:
+        return not ((self.lo is not None and (x < self.lo or (self.lo_open and x == self.lo)))
+                    or (self.hi is not None and (x > self.hi or (self.hi_open and x == self.hi))))
+
+    def describe(self) -> str:
+        lo, hi = (str(int(x)) if float(x).is_integer() else f"{x:g}" for x in (self.lo, self.hi or 0))
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {lo}"
+        return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+
+
+POSITIVE, NON_NEGATIVE, AT_LEAST_1, UNIT = Range(0, lo_open=True), Range(0), Range(1), Range(0, 1)
+
+
+def knob(default: Any = MISSING, *, range: Optional[Range] = None, choices: Sequence = (),
+         factory: Optional[Callable] = None) -> Any:
+    """A schema field with the values it may take beyond its type: a numeric ``range`` or
+    ``choices`` (checked by ``rlctl.config.validate``). Its help is the comment beside it."""
+    meta = {"range": range, "choices": tuple(choices)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class KLConfig:
-    coef: float = MISSING          # beta (initial beta when adaptive); 0: no reference model
+    coef: float = knob(range=NON_NEGATIVE)  # beta (initial beta when adaptive); 0: no reference model
     # k1 | k2 | k3 | null (the placement's unbiased default: k1 in_reward, k3 in_loss;
     # rlctl.core.kl explains which divergence each pair follows, and train warns otherwise)
     estimator: Optional[str] = None
-    placement: str = MISSING       # in_loss | in_reward
-    target: Optional[float] = None  # adaptive coefficient: target KL per sequence (nats)
-    horizon: int = MISSING         # adaptive controller horizon, in sequences (Ziegler et al.,
-                                   # TRL): each update moves beta by up to 0.2 * n_seq / horizon
+    placement: str = knob(choices=("in_loss", "in_reward"))
+    target: Optional[float] = knob(None, range=POSITIVE)  # adaptive: target KL per sequence (nats); null: fixed
+    # adaptive controller horizon, in sequences (Ziegler et al., TRL): each update moves
+    # beta by up to 0.2 * n_seq / horizon
+    horizon: int = knob(range=AT_LEAST_1)
 
 
 @dataclass
 class RolloutCorrectionConfig:
-    """The off-policy correction for sampler/learner mismatch (rlctl.core.rollout_correction)."""
+    """The off-policy correction for sampler/learner mismatch (rlctl.core.rollout_correction,
+    docs/math.md section 14): w = pi_old / pi_engine per token (or its product over a
+    sequence), detached."""
     enabled: bool = False          # weight the policy loss by w = pi_old / pi_engine
-    level: str = "token"           # token | sequence (w = the product over the sequence's tokens)
-    mode: str = "truncate"         # truncate: min(w, upper) | mask: w in [lower, upper] else 0 | measure: 1
-    upper: float = 2.0             # truncate's cap C; mask's upper bound
-    lower: float = 0.5             # mask's lower bound
-    bypass: bool = False           # pi_engine stands in for pi_old: no old forward, weight 1
+    # token | sequence (w = the product over the sequence's tokens)
+    level: str = knob("token", choices=("token", "sequence"))
+    # truncate: loss * min(w, upper) | mask: loss * w if lower <= w <= upper, else 0 |
+    # measure: weight 1, metrics only
+    mode: str = knob("truncate", choices=("truncate", "mask", "measure"))
+    upper: float = knob(2.0, range=Range(0, lo_open=True, why="a weight cap / bound"))  # truncate's cap; mask's
+    lower: float = knob(0.5, range=Range(0, why="0: no lower bound"))  # mask's lower bound
+    bypass: bool = False  # pi_engine stands in for pi_old: no old forward, weight 1, ratio pi / pi_engine
 
 
 @dataclass
@@ -45,31 +85,35 @@ class AlgoConfig:
     name: str = MISSING
     advantage: str = MISSING       # registry key in rlctl.core.advantages
     policy_loss: str = MISSING     # registry key in rlctl.core.losses
-    group_size: int = MISSING      # G completions per prompt
+    group_size: int = knob(range=AT_LEAST_1)  # G completions per prompt
     loss_agg_mode: str = MISSING   # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    norm_len: Optional[int] = None  # constant normaliser for seq-mean-token-sum-norm (conf: rollout.max_new_tokens)
-    clip_eps: float = MISSING
-    clip_eps_high: Optional[float] = None  # None: same as clip_eps
-    clip_ratio_c: Optional[float] = None   # dual clip for A < 0 (> 1), None: off
-    epochs: int = MISSING          # passes over each rollout
-    minibatches: int = MISSING     # optimizer steps per pass
-    std_eps: float = MISSING
-    baseline: str = MISSING        # reinforce only: none | batch_mean
+    # constant normaliser for seq-mean-token-sum-norm (conf: rollout.max_new_tokens)
+    norm_len: Optional[int] = knob(None, range=AT_LEAST_1)
+    clip_eps: float = knob(range=NON_NEGATIVE)
+    clip_eps_high: Optional[float] = knob(None, range=NON_NEGATIVE)  # None: same as clip_eps
+    # dual clip for A < 0 (> 1), None: off
+    clip_ratio_c: Optional[float] = knob(None, range=Range(1, lo_open=True,
+                                                         why="dual clip needs a value > 1 (or null)"))
+    epochs: int = knob(range=AT_LEAST_1)  # passes over each rollout
+    minibatches: int = knob(range=AT_LEAST_1)  # optimizer steps per pass
+    std_eps: float = knob(range=Range(0, lo_open=True, why="it keeps the std normaliser away from 0"))
+    baseline: str = knob(choices=("none", "batch_mean"))  # reinforce only: none | batch_mean
     whiten_advantages: bool = MISSING
     # critic (PPO): none | shared (value head on the policy) | separate (own backbone)
-    critic: str = MISSING
-    vf_coef: float = MISSING
-    value_clip: Optional[float] = None
-    gamma: float = MISSING
-    lam: float = MISSING
-    critic_warmup_steps: int = MISSING
+    critic: str = knob(choices=("none", "shared", "separate"))
+    vf_coef: float = knob(range=NON_NEGATIVE)
+    value_clip: Optional[float] = knob(None, range=POSITIVE)
+    gamma: float = knob(range=UNIT)
+    lam: float = knob(range=UNIT)
+    critic_warmup_steps: int = knob(range=NON_NEGATIVE)
     critic_init: Optional[str] = None  # separate critic: policy (null) | reward_model (its backbone + score head)
     # DAPO: drop groups whose rewards are all equal and sample more to refill the batch
     dynamic_sampling: bool = MISSING
-    max_sampling_rounds: int = MISSING
-    overlong_buffer: int = MISSING     # 0: no overlong penalty
-    overlong_penalty: float = MISSING
-    entropy_coef: float = 0.0      # entropy bonus: loss -= coef * aggregated entropy (rlctl.core.terms)
+    max_sampling_rounds: int = knob(range=AT_LEAST_1)
+    overlong_buffer: int = knob(range=NON_NEGATIVE)  # 0: no overlong penalty
+    overlong_penalty: float = knob(range=NON_NEGATIVE)
+    # entropy bonus: loss -= coef * aggregated entropy (rlctl.core.terms)
+    entropy_coef: float = knob(0.0, range=Range(0, why="an entropy bonus; 0: off"))
     mask_truncated: bool = False   # completions with no stop id left out of the loss (DAPO)
     kl: KLConfig = field(default_factory=KLConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -83,14 +127,14 @@ class TaskConfig:
     name: str = MISSING
     prompt_format: str = MISSING   # raw | chat (prompts through the tokenizer's chat template)
     system_prompt: Optional[str] = None  # chat only
-    reward_timeout_s: Optional[float] = MISSING  # per reward batch; 0 or null: no limit
+    # per reward batch; 0 or null: no limit
+    reward_timeout_s: Optional[float] = knob(range=Range(0, why="0 or null: no limit"))
     on_reward_error: str = MISSING  # zero (score 0 and count) | raise
     long_prompts: str = "skip"     # over rollout.max_prompt_tokens: skip | truncate_left | error
-    # generated tasks (sorting, arithmetic)
-    num_digits: Optional[int] = None
+    num_digits: Optional[int] = knob(None, range=AT_LEAST_1)  # generated tasks (sorting, arithmetic)
     reward: Optional[str] = None   # sorting: exact | positional | inclusion_order; arithmetic: exact | partial
-    num_eval: Optional[int] = None  # held-out prompts
-    seed: Optional[int] = None     # seed of the prompt generator (train/eval split)
+    num_eval: Optional[int] = knob(None, range=NON_NEGATIVE)  # held-out prompts
+    seed: Optional[int] = knob(None, range=NON_NEGATIVE)  # seed of the prompt generator (train/eval split)
     ops: Optional[List[str]] = None  # arithmetic: + - *
     style: Optional[str] = None    # arithmetic: symbolic | words
     # data tasks (jsonl)
@@ -106,40 +150,46 @@ class TaskConfig:
     use_tools: Optional[bool] = None       # calculator: false = the no-tool ablation (calls not parsed)
     tool_parser: Optional[str] = None      # tag | json | package.module:Class
     sandbox: Optional[str] = None          # none (in-process) | subprocess (best-effort isolation)
-    max_tool_calls: Optional[int] = None   # per episode; a call past it is taken as the answer
-    tool_timeout_s: Optional[float] = None  # subprocess sandbox: wall limit per call (CPU limit: ceil)
-    tool_memory_gb: Optional[float] = None  # subprocess sandbox: RLIMIT_AS (and RLIMIT_FSIZE), GB
-    max_number: Optional[int] = None       # guess_number: the secret is in 1..max_number
-    num_additions: Optional[int] = None    # running_sum: answers per episode
+    # per episode; a call past it is taken as the answer
+    max_tool_calls: Optional[int] = knob(None, range=AT_LEAST_1)
+    # subprocess sandbox: wall limit per call (CPU limit: ceil)
+    tool_timeout_s: Optional[float] = knob(None, range=POSITIVE)
+    # subprocess sandbox: RLIMIT_AS (and RLIMIT_FSIZE), GB
+    tool_memory_gb: Optional[float] = knob(None, range=Range(
+        0.05, why="the sandboxed interpreter itself needs ~20 MB"))
+    max_number: Optional[int] = knob(None, range=Range(2))  # guess_number: the secret is in 1..max_number
+    num_additions: Optional[int] = knob(None, range=Range(1, 12))  # running_sum: answers per episode
     # learned reward models, any task (rlctl/reward_models/learned.py)
     reward_model: Optional[str] = None  # sequence-classifier dir; the task's own rewards then weigh 0 (still logged)
     reward_norm: Optional[str] = None   # none | running (mean/std whitening, checkpointed)
-    reward_clip: Optional[float] = None  # clip the (normalised) score to [-c, c]; null: no clip
+    # clip the (normalised) score to [-c, c]; null: no clip
+    reward_clip: Optional[float] = knob(None, range=POSITIVE)
 
 
 @dataclass
 class LoraConfig:
     """LoRA adapters via peft (rlctl.models.lora); values in conf/model/*.yaml."""
     enabled: bool = MISSING
-    r: int = MISSING               # adapter rank (> 0)
-    alpha: int = MISSING           # scaling: alpha / r
-    dropout: float = MISSING       # dropout on the adapter input, [0, 1)
+    r: int = knob(range=AT_LEAST_1)  # adapter rank (> 0)
+    alpha: int = knob(range=POSITIVE)  # scaling: alpha / r
+    dropout: float = knob(range=Range(0, 1, hi_open=True))  # dropout on the adapter input, [0, 1)
     target_modules: List[str] = MISSING  # [all-linear] or names (suffixes) of Linear modules
     save_merged: bool = MISSING    # also save base + adapter merged to <run>/model/merged
-    lr: Optional[float] = None     # learning rate while LoRA is on (larger); null: trainer.lr
+    # learning rate while LoRA is on (larger); null: trainer.lr
+    lr: Optional[float] = knob(None, range=POSITIVE)
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING            # tiny | hf
     name_or_path: Optional[str] = None
-    dtype: str = MISSING           # float32 | bfloat16
+    dtype: str = knob(choices=("float32", "bfloat16"))
     # Embedded tiny model only (ignored by hf); part of its cache key.
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    warmup_steps: int = 0
-    warmup_lr: float = 1e-3
+    hidden_size: int = knob(128, range=AT_LEAST_1)
+    num_layers: int = knob(2, range=AT_LEAST_1)
+    num_heads: int = knob(4, range=AT_LEAST_1)
+    warmup_steps: int = knob(0, range=NON_NEGATIVE)
+    warmup_lr: float = knob(1e-3, range=POSITIVE)
     warmup_task: str = "sorting"   # sorting | arithmetic (other task names: sorting)
     cache_dir: Optional[str] = None
     gradient_checkpointing: bool = False  # recompute activations in the backward (HF checkpointing)
@@ -151,23 +201,28 @@ class ModelConfig:
 class HardwareConfig:
     name: str = MISSING
     backend: str = MISSING         # torch | deepspeed
-    device: str = MISSING          # cpu | cuda
-    num_threads: int = MISSING     # torch intra-op threads per process (1 on small shared CPUs)
-    num_processes: int = MISSING   # data-parallel ranks that `rlctl train` launches itself
-    zero_stage: int = MISSING      # deepspeed: ZeRO stage 0-3
-    precision: str = MISSING       # fp32 | bf16 (torch: autocast, fp32 weights and AdamW state)
+    device: str = knob(choices=("cpu", "cuda"))
+    num_threads: int = knob(range=AT_LEAST_1)  # torch intra-op threads per process (1 on small shared CPUs)
+    num_processes: int = knob(range=AT_LEAST_1)  # data-parallel ranks that `rlctl train` launches itself
+    zero_stage: int = knob(choices=(0, 1, 2, 3))  # deepspeed: ZeRO stage 0-3
+    # bf16, torch backend: autocast, fp32 weights and AdamW state
+    precision: str = knob(choices=("fp32", "bf16"))
     deepspeed_config: Optional[str] = None  # deepspeed: a user JSON merged under rlctl's keys
-    dist_timeout_s: float = 300.0  # seconds a rank waits for the others to join (or answer)
-    nnodes: int = 1                # rlctl's own launcher across nodes: machines in the job
-    node_rank: int = 0             # this machine's index, 0 .. nnodes-1 (node 0 hosts the master)
+    # seconds a rank waits for the others to join (or answer)
+    dist_timeout_s: float = knob(300.0, range=POSITIVE)
+    nnodes: int = knob(1, range=AT_LEAST_1)  # rlctl's own launcher across nodes: machines in the job
+    # this machine's index, 0 .. nnodes-1 (node 0 hosts the master)
+    node_rank: int = knob(0, range=NON_NEGATIVE)
     master_addr: str = "127.0.0.1"  # node 0's address every rank can reach (TCP rendezvous)
-    master_port: int = 29500       # its free TCP port (also SLURM's when MASTER_PORT is unset)
+    # its free TCP port (also SLURM's when MASTER_PORT is unset)
+    master_port: int = knob(29500, range=Range(1, 65535))
 
 
 @dataclass
 class SamplesConfig:
-    every: int = 25                # steps between sample tables (0: none); also each held-out eval
-    n: int = 8                     # rows per table, whole groups first so a group's spread shows
+    # steps between sample tables (0: none); also each held-out eval
+    every: int = knob(25, range=Range(0, why="0: no sample tables"))
+    n: int = knob(8, range=AT_LEAST_1)  # rows per table, whole groups first so a group's spread shows
 
 
 @dataclass
@@ -176,7 +231,7 @@ class LoggerConfig:
     jsonl: bool = False            # each logger= option turns on its own sinks; none turns all off
     wandb: bool = False
     tensorboard: bool = False      # TensorBoard event files under <run>/tensorboard/
-    wandb_mode: str = "offline"    # offline | online | disabled
+    wandb_mode: str = knob("offline", choices=("offline", "online", "disabled"))
     project: str = "rlctl"
     console: bool = True
     samples: SamplesConfig = field(default_factory=SamplesConfig)
@@ -184,72 +239,85 @@ class LoggerConfig:
 
 @dataclass
 class EpisodeConfig:
-    """Budgets and rules of multi-turn episodes (tasks played in an environment)."""
-    max_turns: int = 4             # model turns per episode; more: ends as turn_limit
-    max_tokens: int = 48           # completion tokens per episode, turns and observations
-    max_obs_tokens: int = 16       # one observation's tokens; longer ones are cut
-    obs_truncation: str = "right"  # which end of a long observation is cut: right | left
-    step_timeout_s: float = 10.0   # one environment step; past it: an error observation
-    concurrency: int = 8           # environment steps run at once (threads)
-    turn_reward: str = "sum"       # how turn rewards make the episode's: last | sum | discounted
-    turn_discount: float = 1.0     # discounted: turn k weighs turn_discount ** (k - 1)
+    """Budgets and rules of multi-turn episodes (tasks played in an environment);
+    rollout.max_new_tokens is then per model turn. Runs past a limit are counted."""
+    max_turns: int = knob(4, range=AT_LEAST_1)  # model turns per episode; more: ends as turn_limit
+    max_tokens: int = knob(48, range=AT_LEAST_1)  # completion tokens per episode, turns and observations
+    max_obs_tokens: int = knob(16, range=AT_LEAST_1)  # one observation's tokens; longer ones are cut
+    obs_truncation: str = knob("right", choices=("right", "left"))  # which end of a long observation is cut
+    step_timeout_s: float = knob(10.0, range=POSITIVE)  # one environment step; past it: an error observation
+    concurrency: int = knob(8, range=AT_LEAST_1)  # environment steps run at once (threads)
+    # how turn rewards make the episode's
+    turn_reward: str = knob("sum", choices=("last", "sum", "discounted"))
+    turn_discount: float = knob(1.0, range=UNIT)  # discounted: turn k weighs turn_discount ** (k - 1)
     kv_reuse: bool = True          # carry each episode's KV cache across turns (false: recompute each turn)
 
 
 @dataclass
 class ServerConfig:
     """rollout.engine=server: where the servers are and how weights reach them."""
-    urls: List[str] = field(default_factory=list)   # []: the learner starts num_local of its own
-    num_local: int = MISSING       # `rlctl serve` processes the learner starts on 127.0.0.1
-    kind: str = MISSING            # rlctl | vllm | sglang: how weights are pushed, replies read
-    chunk_size: int = MISSING      # rows per request (the tokens depend on it)
-    timeout_s: float = MISSING     # one request; past it the server counts as lost
-    weight_sync: str = MISSING     # http | disk (through weight_dir)
-    weight_dir: Optional[str] = None   # disk sync (rlctl); vllm: LoRA adapters; sglang: all weights
-    model_dir: Optional[str] = None    # vllm, full weights: the directory `vllm serve` loads
+    # running servers (rlctl serve, vLLM, SGLang); []: the learner starts num_local of its own
+    urls: List[str] = field(default_factory=list)
+    num_local: int = knob(range=AT_LEAST_1)  # `rlctl serve` processes the learner starts on 127.0.0.1
+    # how weights are pushed and replies read (rollout/server_kinds.py)
+    kind: str = knob(choices=("rlctl", "vllm", "sglang"))
+    chunk_size: int = knob(range=AT_LEAST_1)  # rows per request (the tokens depend on it)
+    timeout_s: float = knob(range=POSITIVE)  # one request; past it the server counts as lost
+    weight_sync: str = knob(choices=("http", "disk"))  # disk: through weight_dir
+    weight_dir: Optional[str] = None  # read by every server at one path: disk (rlctl), LoRA (vllm), all (sglang)
+    model_dir: Optional[str] = None  # kind=vllm, full weights: the dir `vllm serve` loads (rewritten per push)
 
 
 @dataclass
 class RolloutConfig:
-    max_new_tokens: int = MISSING
-    temperature: float = MISSING
-    top_k: int = 0                 # 0: full distribution; > 0 for eval/rollout only (train refuses it)
-    max_prompt_tokens: Optional[int] = None  # null: the model's context minus max_new_tokens
+    max_new_tokens: int = knob(range=AT_LEAST_1)
+    temperature: float = knob(range=Range(0, lo_open=True,
+                                         why="sampling needs > 0 (eval is greedy already)"))
+    # 0: full distribution; > 0 for eval/rollout only (train refuses it)
+    top_k: int = knob(0, range=Range(0, why="0: the full distribution"))
+    # null: the model's context minus max_new_tokens (task.long_prompts: longer prompts)
+    max_prompt_tokens: Optional[int] = knob(None, range=AT_LEAST_1)
     # extra stop ids (ints) or token strings, added to the tokenizer EOS and the model's
     # generation_config.eos_token_id; each is checked against the vocabulary when the model loads
     stop_token_ids: List[Any] = field(default_factory=list)
-    sample_dtype: str = "float32"  # the training sampler's precision: float32 | bfloat16 (autocast)
+    # the training sampler's precision (bfloat16: autocast; the learner keeps its own)
+    sample_dtype: str = knob("float32", choices=("float32", "bfloat16"))
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)   # multi-turn tasks only
-    engine: str = MISSING          # torch (the learner's own sampler) | server
+    engine: str = knob(choices=("torch", "server"))  # torch: the learner's own sampler
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
 @dataclass
 class AsyncConfig:
     enabled: bool = MISSING        # rollout actor processes + learner (rlctl/rollout/actors.py)
-    max_staleness: int = MISSING   # a rollout is at most this many learner steps old (0: synchronous)
-    sync_every: int = MISSING      # learner steps between weight syncs to the actor
-    num_actors: int = 1            # rollout actor processes beside the learner (>= 1)
+    # a rollout is at most this many learner steps old (0: synchronous)
+    max_staleness: int = knob(range=NON_NEGATIVE)
+    sync_every: int = knob(range=AT_LEAST_1)  # learner steps between weight syncs to the actor
+    # rollout actor processes beside the learner (at most min(num_actors, max_staleness) work ahead)
+    num_actors: int = knob(1, range=AT_LEAST_1)
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = MISSING
-    prompts_per_step: int = MISSING  # B
-    lr: float = MISSING
-    weight_decay: float = MISSING
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0            # linear LR warm-up
-    max_grad_norm: float = MISSING
-    micro_batch_size: int = 0        # sequences per forward/backward; 0: whole minibatch
-    micro_batch_tokens: int = 0      # padded tokens per forward/backward; 0: no token budget
+    steps: int = knob(range=NON_NEGATIVE)
+    prompts_per_step: int = knob(range=AT_LEAST_1)  # B
+    lr: float = knob(range=POSITIVE)
+    weight_decay: float = knob(range=NON_NEGATIVE)
+    betas: List[float] = knob(factory=lambda: [0.9, 0.999], range=Range(0, 1, hi_open=True))
+    warmup_steps: int = knob(0, range=NON_NEGATIVE)  # linear LR warm-up
+    max_grad_norm: float = knob(range=Range(0, why="0: no clipping"))
+    # sequences per forward/backward; 0: whole minibatch
+    micro_batch_size: int = knob(0, range=Range(0, why="0: the whole minibatch"))
+    # padded tokens per forward/backward; 0: no token budget
+    micro_batch_tokens: int = knob(0, range=Range(0, why="0: no token budget"))
     share_prompts: bool = True       # one prompt forward per group (rlctl/learner/forward.py)
     compile: bool = False            # torch.compile the learner's forward (plain torch backend)
-    eval_every: int = MISSING
-    log_every: int = 1
-    checkpoint_every: int = MISSING  # steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = MISSING  # the newest K are kept
-    max_bad_steps: int = MISSING     # consecutive non-finite steps before the run stops
+    eval_every: int = knob(range=Range(0, why="0: no held-out evaluation"))
+    log_every: int = knob(1, range=AT_LEAST_1)
+    # steps between checkpoints (0: only at the end)
+    checkpoint_every: int = knob(range=Range(0, why="0: only at the end"))
+    keep_checkpoints: int = knob(range=AT_LEAST_1)  # the newest K are kept
+    max_bad_steps: int = knob(range=AT_LEAST_1)  # consecutive non-finite steps before the run stops
     async_rollout: AsyncConfig = field(default_factory=AsyncConfig)
 
 
@@ -272,7 +340,7 @@ class RLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    seed: int = 0
+    seed: int = knob(0, range=Range(0, 2 ** 31, hi_open=True))
 
 
 GROUPS = ("algo", "task", "model", "hardware", "logger")
@@ -289,7 +357,7 @@ def register_schemas() -> None:
     ConfigStore.instance().store(name="rlctl_schema", node=RLConfig)
 
 
-# -- every key with its kind (for messages and the range checks) -------------------------
+# -- every key with its kind, range and choices (for messages and the checks) -----------
 
 @dataclass(frozen=True)
 class FieldSpec:
@@ -297,6 +365,8 @@ class FieldSpec:
     kind: str                      # float | int | bool | str | list | group | any
     optional: bool
     item: str = "any"              # a list's item kind
+    range: Optional[Range] = None  # a numeric key's (or list item's) valid values
+    choices: tuple = ()            # the valid values of a key with a fixed set
 
 
 def _kind(tp) -> str:
@@ -307,7 +377,8 @@ def _kind(tp) -> str:
 
 
 def schema_fields(cls=None, prefix: str = "") -> List[FieldSpec]:
-    """Every key of the schema, depth first (groups and their keys), with its kind."""
+    """Every key of the schema, depth first (groups and their keys), with its kind, range
+    and choices."""
     cls = cls or RLConfig
     hints = typing.get_type_hints(cls)
     out: List[FieldSpec] = []
@@ -320,7 +391,8 @@ def schema_fields(cls=None, prefix: str = "") -> List[FieldSpec]:
             tp = next(a for a in args if a is not type(None))
         kind, key = _kind(tp), prefix + f.name
         item = _kind(tp.__args__[0]) if kind == "list" and getattr(tp, "__args__", None) else "any"
-        out.append(FieldSpec(key, kind, optional, item))
+        out.append(FieldSpec(key, kind, optional, item, f.metadata.get("range"),
+                             f.metadata.get("choices", ())))
         if kind == "group":
             out.extend(schema_fields(tp, key + "."))
     return out

@@ -21,9 +21,16 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.compose_errors import explain as _explain
-from rlctl.config import FREE_NUMBERS, RANGES, example_value, range_problem, validate
+from rlctl.config import CHOICES, FREE_NUMBERS, RANGES, example_value, range_problem, validate
+from rlctl.core.advantages import REINFORCE_BASELINES
+from rlctl.core.kl import KL_PLACEMENTS
+from rlctl.core.rollout_correction import CORRECTION_LEVELS, CORRECTION_MODES
+from rlctl.core.turns import TURN_REWARD_RULES
 from rlctl.errors import ConfigError
+from rlctl.rollout.precision import SAMPLE_DTYPES
+from rlctl.rollout.server_kinds import KINDS
 from rlctl.schema import RLConfig, schema_fields
+from rlctl.sinks.wandb_sink import MODES
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 SPECS = schema_fields()
@@ -85,6 +92,21 @@ def test_every_numeric_key_has_a_declared_range():
     keys = {s.key for s in NUMERIC}
     assert set(RANGES) <= keys, set(RANGES) - keys          # no stale table entries
     assert keys - set(RANGES) == set(FREE_NUMBERS), keys - set(RANGES) - set(FREE_NUMBERS)
+
+
+def test_every_choice_key_is_refused_outside_its_choices_and_they_match_their_owners(default_cfg):
+    """The schema's choices (what compose checks, with no torch) are the owning modules' sets."""
+    owners = {"algo.kl.placement": KL_PLACEMENTS, "algo.baseline": REINFORCE_BASELINES,
+              "algo.rollout_correction.level": CORRECTION_LEVELS,
+              "algo.rollout_correction.mode": CORRECTION_MODES,
+              "rollout.episode.turn_reward": TURN_REWARD_RULES, "rollout.sample_dtype": SAMPLE_DTYPES,
+              "rollout.server.kind": tuple(KINDS), "logger.wandb_mode": MODES}
+    for key, valid in owners.items():
+        assert set(CHOICES[key]) == set(valid), key
+    for key, valid in CHOICES.items():
+        bad = 7 if all(isinstance(v, int) for v in valid) else "bogus"
+        _one_line(_refusal(default_cfg, key, bad, str(bad)),
+                  f"invalid {key} '{bad}'; valid: {', '.join(map(str, valid))}")
 
 
 @pytest.mark.parametrize("spec", FLOATS, ids=[s.key for s in FLOATS])

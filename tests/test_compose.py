@@ -8,7 +8,7 @@ from rlctl.compose import compose
 from rlctl.run.training import _sink
 
 from rlctl.errors import ConfigError
-from rlctl.run.entries import EntryNames, check_entries
+from rlctl.run.checks import check_entries
 from rlctl.storage.rundir import recipe_text
 
 
@@ -43,7 +43,8 @@ def test_bad_overrides_give_one_line_naming_key(overrides, fragments):
         compose(overrides)  # composes; the task rejects the reward at build time
         return
     with pytest.raises(ConfigError) as err:   # registry names: checked at the engine boundary
-        check_entries(EntryNames.from_config(compose(overrides).cfg))
+        cfg = compose(overrides).cfg
+        check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
     msg = str(err.value)
     assert "\n" not in msg
     for frag in fragments:

@@ -16,7 +16,7 @@ from rlctl.core.kl import kl_k2
 from rlctl.errors import ConfigError
 from rlctl.learner.advantage import estimator_kind
 from rlctl.registry import Registry
-from rlctl.run.entries import EntryNames, check_entries
+from rlctl.run.checks import check_entries
 from rlctl.tasks import TASKS
 
 USER = '''
@@ -152,14 +152,18 @@ def test_user_task_by_import_path(user_module, tmp_path):
 def test_check_entries_names_the_key(overrides, message):
     cfg = compose(overrides).cfg           # composes: the names are not checked there
     with pytest.raises(ConfigError) as info:
-        check_entries(EntryNames.from_config(cfg))
+        check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
     assert message in str(info.value), str(info.value)
+
+
+def _check(cfg):
+    check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
 
 
 def test_a_user_token_level_estimator_needs_a_critic(user_module):
     with pytest.raises(ConfigError, match=f"algo.advantage={user_module}:token needs a critic"):
-        check_entries(EntryNames.from_config(compose([f"algo.advantage={user_module}:token"]).cfg))
-    check_entries(EntryNames.from_config(compose(["algo=ppo"]).cfg))   # gae with its critic: fine
+        _check(compose([f"algo.advantage={user_module}:token"]).cfg)
+    _check(compose(["algo=ppo"]).cfg)   # gae with its critic: fine
 
 
 def test_validation_imports_no_torch():

@@ -31,6 +31,9 @@ def estimator_kind(name: str) -> str:
 
 @dataclass
 class AdvantageSettings:
+    """The advantage step's arguments, derived from the ``algo`` and ``rollout`` sections
+    (``from_config``): the KL estimator resolved for its placement, whether KL is shaped
+    into the reward, and the overlong limits."""
     estimator: str
     std_eps: float
     baseline: str

@@ -1,43 +1,30 @@
-"""The rollout correction in the learner (``algo.rollout_correction``; math in
-``rlctl.core.rollout_correction``, docs/math.md section 14). Three hooks:
-``old_policy_inputs`` before the old-policy forward (bypass: the sampler's log-probs are
-pi_old; otherwise the learner computes pi_old for every row and keeps the sampler's in
-``engine_logprobs``), ``weighted`` on each micro-batch's policy loss and
-``batch_metrics`` (``rollout_corr/*``) once per rollout. Off (None): no change."""
+"""The rollout correction in the learner (``algo.rollout_correction``; the math is
+``rlctl.core.rollout_correction``, docs/math.md section 14).
+
+Three hooks, each one call: the Trainer's ``old_policy_inputs`` before the old-policy
+forward (bypass off: every row's pi_old comes from the learner's forward, stale async
+rows included, and the sampler's log-probs stay in ``engine_logprobs``; bypass on: the
+sampler's log-probs are pi_old), the update's ``weighted`` on each micro-batch's
+per-token policy loss, and the update's ``batch_metrics`` (``rollout_corr/*``) once per
+rollout. Each takes the config's ``algo.rollout_correction`` section, None when the
+correction is off; then all three leave everything as it was.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
 
 from rlctl.core.rollout_correction import correction_weights, mismatch_metrics
 from rlctl.errors import UserError
+from rlctl.schema import RolloutCorrectionConfig
 from rlctl.types import RolloutBatch
 
 
-@dataclass(frozen=True)
-class RolloutCorrection:
-    """``algo.rollout_correction`` when enabled."""
-    level: str = "token"       # token | sequence
-    mode: str = "truncate"     # truncate | mask | measure
-    upper: float = 2.0
-    lower: float = 0.5
-    bypass: bool = False
-
-    @classmethod
-    def from_config(cls, algo) -> Optional["RolloutCorrection"]:
-        """None when the correction is off (or the section absent)."""
-        rc = algo.get("rollout_correction")
-        if rc is None or not rc.enabled:
-            return None
-        return cls(level=rc.level, mode=rc.mode, upper=float(rc.upper), lower=float(rc.lower),
-                   bypass=bool(rc.bypass))
-
-
-def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrection]) -> RolloutBatch:
-    """The batch for the old-policy forward: unchanged when off; bypass: pi_old := pi_engine;
-    otherwise no old log-probs (``needs_old_forward`` is true)."""
+def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrectionConfig]) -> RolloutBatch:
+    """The batch as the old-policy forward should see it: unchanged with the correction
+    off; bypass: pi_old := pi_engine in every row; otherwise no old log-probs, so the
+    learner computes pi_old for every row (``needs_old_forward`` is true then)."""
     if corr is None:
         return batch
     if batch.engine_logprobs is None:
@@ -47,7 +34,7 @@ def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrection]) ->
     return batch.replace(old_logprobs=old, behaviour_rows=None)
 
 
-def weighted(loss_mat: torch.Tensor, mb: RolloutBatch, corr: Optional[RolloutCorrection]) -> torch.Tensor:
+def weighted(loss_mat: torch.Tensor, mb: RolloutBatch, corr: Optional[RolloutCorrectionConfig]) -> torch.Tensor:
     """The per-token policy loss [n, T] times the correction weight (unchanged when off or
     in bypass, where the weight is 1)."""
     if corr is None or corr.bypass:
@@ -60,7 +47,7 @@ def weighted(loss_mat: torch.Tensor, mb: RolloutBatch, corr: Optional[RolloutCor
     return loss_mat * w.to(loss_mat.dtype)
 
 
-def batch_metrics(batch: RolloutBatch, corr: Optional[RolloutCorrection]) -> Dict[str, torch.Tensor]:
+def batch_metrics(batch: RolloutBatch, corr: Optional[RolloutCorrectionConfig]) -> Dict[str, torch.Tensor]:
     """``rollout_corr/*`` over the rollout's counted tokens (none when off or in bypass:
     there is no learner pi_old to compare with)."""
     if corr is None or corr.bypass or batch.engine_logprobs is None or batch.old_logprobs is None:

@@ -23,16 +23,16 @@ from rlctl.backends.base import TorchBackend
 from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
 from rlctl.errors import Interrupted, TrainingFault
 from rlctl.models.stop_ids import stop_ids
-from rlctl.learner.advantage import compute_advantages, shaped_task_rewards
+from rlctl.learner.advantage import AdvantageSettings, compute_advantages, shaped_task_rewards
 from rlctl.learner.correction import old_policy_inputs
 from rlctl.learner.evaluate import evaluate, means
 from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
-from rlctl.learner.samples import draw_rows, offers_tools, train_rows
-from rlctl.learner.settings import TrainerSettings
+from rlctl.learner.samples import SampleSettings, draw_rows, offers_tools, train_rows
 from rlctl.learner.stats import Moments, reduce_metrics, rollout_metrics
-from rlctl.learner.update import UpdateState, update_policy
+from rlctl.learner.update import UpdateSettings, UpdateState, update_policy
 from rlctl.rollout.collect import collect
 from rlctl.rollout.sampler import check_training_sampling
+from rlctl.schema import AlgoConfig, TrainerConfig
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint
 from rlctl.tasks.base import Task
@@ -57,32 +57,51 @@ def frozen_copy(model):
     return ref
 
 
+def needs_old_forward(algo) -> bool:
+    """Whether a step needs pi_old's forward before the update: several passes over the
+    rollout, a critic's values, KL shaped into the reward, an adaptive KL coefficient, or
+    the rollout correction without bypass (its weight is pi_old / pi_engine).
+    ``algo``: the config's ``algo`` section."""
+    rc = algo.rollout_correction
+    return (algo.epochs * algo.minibatches > 1 or algo.critic != "none"
+            or (algo.kl.placement == "in_reward" and algo.kl.coef > 0) or algo.kl.target is not None
+            or (rc.enabled and not rc.bypass))
+
+
 class Trainer:
-    """``settings``: what the loop reads of the config (``Trainer.from_config`` builds
-    them from it); ``model``: the policy, or a PolicyValueModel (shared critic);
+    """``algo``, ``trainer``: the config's sections, read directly (DictConfig nodes over
+    the schema's dataclasses, or the dataclasses);
+    ``update``/``advantage``: the update's and the advantage estimator's settings;
+    ``samples``: the sample tables'; ``lr``: model.lora.lr when LoRA sets one, else
+    trainer.lr; ``eval_max_new_tokens``: rollout.max_new_tokens (``Trainer.from_config``
+    builds all of these from the config); ``model``: the policy, or a PolicyValueModel (shared critic);
     ``source``: where rollouts come from (``build_source``: it samples with this same
     ``model``, and owns the prompt sampler and the training reward scorer); ``critic``: a
     separate value model or None; ``backend``: how to step and how ranks communicate
     (each rank samples its own share of the step's prompts, whole groups only)."""
 
-    def __init__(self, settings: TrainerSettings, model, tokenizer, task: Task, sink, *, source,
-                 backend, critic=None, ref_model=None):
-        s = self.options = settings
+    def __init__(self, algo: AlgoConfig, trainer: TrainerConfig, update: UpdateSettings,
+                 advantage: AdvantageSettings, samples: SampleSettings, model, tokenizer, task: Task,
+                 sink, *, source, backend, lr: float, eval_max_new_tokens: int, critic=None,
+                 ref_model=None):
+        self.algo, self.tr, self.samples = algo, trainer, samples
+        self.old_forward, self.eval_max_new_tokens = needs_old_forward(algo), eval_max_new_tokens
         self.tokenizer, self.task, self.sink, self.source = tokenizer, task, sink, source
         self.critic, self.backend = critic, backend
-        self.settings, self.adv_settings = s.update, s.advantage     # the update's, the advantages'
-        self.kl_ctl = (AdaptiveKLController(s.kl_coef, s.kl_target, s.kl_horizon)
-                       if s.kl_target is not None else FixedKLController(s.kl_coef))
+        self.settings, self.adv_settings = update, advantage     # the update's, the advantages'
+        kl = algo.kl
+        self.kl_ctl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
+                       if kl.target is not None else FixedKLController(kl.coef))
         self.ref_model = ref_model if ref_model is not None else (
-            frozen_copy(getattr(model, "policy", model)) if s.kl_coef > 0 else None)
-        self.model = self.backend.prepare(model, critic, s.lr, s.betas, s.weight_decay,
-                                          s.warmup_steps, s.max_grad_norm)
-        if s.compile:            # learner forwards only; generation keeps the eager module
+            frozen_copy(getattr(model, "policy", model)) if kl.coef > 0 else None)
+        self.model = self.backend.prepare(model, critic, lr, tuple(trainer.betas), trainer.weight_decay,
+                                          trainer.warmup_steps, trainer.max_grad_norm)
+        if trainer.compile:      # learner forwards only; generation keeps the eager module
             self.model = torch.compile(self.model, dynamic=True)
         self.scorer = source.scorer              # training rewards (time limit, error policy)
         self.eval_scorer = RewardScorer(task)    # kept apart so eval never mixes into reward/*
         self.eval_examples = task.eval_examples()
-        self.local_prompts = s.prompts_per_step // self.backend.world_size   # compose() checks
+        self.local_prompts = trainer.prompts_per_step // self.backend.world_size   # compose() checks
 
     @classmethod
     def from_config(cls, cfg, model, tokenizer, task: Task, sink, *, source, critic=None,
@@ -93,9 +112,14 @@ class Trainer:
         under multi-rank ZeRO-3), whatever the source was built with."""
         check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
         backend = backend or TorchBackend(cfg.hardware.device)
-        settings = TrainerSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
-        return cls(settings, model, tokenizer, task, sink, source=source, backend=backend,
-                   critic=critic, ref_model=ref_model)
+        share = prompt_sharing(cfg.trainer.share_prompts, backend)
+        lora, tr = cfg.model.lora, cfg.trainer
+        return cls(cfg.algo, tr,
+                   UpdateSettings.from_config(cfg, share), AdvantageSettings.from_config(cfg),
+                   SampleSettings(cfg.logger.samples.every, cfg.logger.samples.n, cfg.seed),
+                   model, tokenizer, task, sink, source=source, backend=backend, critic=critic,
+                   ref_model=ref_model, eval_max_new_tokens=cfg.rollout.max_new_tokens,
+                   lr=lora.lr if lora.enabled and lora.lr is not None else tr.lr)
 
     def close(self) -> None:
         """Stop the rollout source (actors, reward workers) and the eval reward workers."""
@@ -134,8 +158,8 @@ class Trainer:
         for a critic's values, or (a step mixing stale and on-policy rollouts:
         ``behaviour_rows``) for pi_old of the on-policy rows."""
         mixed = batch.behaviour_rows is not None
-        if not (mixed or self.options.old_forward and (
-                batch.old_logprobs is None or self.options.critic)):
+        if not (mixed or self.old_forward and (
+                batch.old_logprobs is None or self.algo.critic != "none")):
             return batch.old_logprobs, batch.old_values
         self.model.eval()
         f = learner_forward(self.model, *args, critic=self.critic, share_prompts=share)
@@ -149,10 +173,10 @@ class Trainer:
         """Greedy eval after ``step`` (``rlctl.learner.evaluate``: greedy episodes when the
         source plays them); each rank takes every world_size-th example, sums are
         reduced. With samples on, rank 0's first logger.samples.n rows go to the sink."""
-        b, samples = self.backend, self.options.samples
+        b, samples = self.backend, self.samples
         ev = evaluate(self.policy, self.tokenizer, self.eval_examples[b.rank::b.world_size],
                       scorer=self.eval_scorer, player=getattr(self.source, "player", None),
-                      max_new_tokens=self.options.eval_max_new_tokens,
+                      max_new_tokens=self.eval_max_new_tokens,
                       keep=samples.n if samples.on and b.is_main else 0, step=step,
                       **b.generate_kwargs())
         if ev.rows:
@@ -161,17 +185,17 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------
     def step(self, step: int) -> Dict[str, float]:
-        s = self.options
+        a = self.algo
         t0, score0 = time.perf_counter(), self.scorer.seconds
         self.model.eval()
-        batch, kept = collect(self.source.sample, self.local_prompts, s.dynamic_sampling,
-                              s.max_sampling_rounds, self.tokenizer.pad_token_id)
+        batch, kept = collect(self.source.sample, self.local_prompts, a.dynamic_sampling,
+                              a.max_sampling_rounds, self.tokenizer.pad_token_id)
         t_gen, score_s = time.perf_counter(), self.scorer.seconds - score0
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len) \
             if self.settings.share_prompts else None                         # found on the CPU
         batch = self._prepare(batch, prompts)
         t1 = time.perf_counter()
-        frozen = step <= s.critic_warmup_steps
+        frozen = step <= a.critic_warmup_steps
         if hasattr(self.policy, "detach_backbone"):
             self.policy.detach_backbone = frozen
         state = UpdateState(kl_coef=self.kl_ctl.coef, policy_frozen=frozen)
@@ -195,14 +219,14 @@ class Trainer:
         values.update(self.source.metrics())      # async: staleness, learner/actor waits
         if "kl/seq_k1" in values:
             self.kl_ctl.update(values["kl/seq_k1"], sequences)   # horizon counts sequences (Ziegler et al.)
-        if s.samples.due(step, s.steps) and self.backend.is_main:
+        if self.samples.due(step, self.tr.steps) and self.backend.is_main:
             self._log_samples(batch, step)
         return values
 
     def _log_samples(self, batch: RolloutBatch, step: int) -> None:
         """The step's sample table (rlctl/learner/samples.py): a few whole groups, drawn
         with an RNG of their own, read back and decoded alone."""
-        n, seed = self.options.samples.n, self.options.samples.seed
+        n, seed = self.samples.n, self.samples.seed
         rows = draw_rows(batch.num_sequences, batch.group_size, n, seed, step)
         rewards = shaped_task_rewards(batch, self.adv_settings)                  # [N]
         player = getattr(self.source, "player", None)     # a source that plays episodes
@@ -218,7 +242,7 @@ class Trainer:
         save a checkpoint and raise ``Interrupted``; ``trainer.max_bad_steps``
         consecutive steps whose updates were all skipped (non-finite) raise
         ``TrainingFault`` (the newest checkpoint predates them)."""
-        o = self.options
+        o = self.tr
         t_start, tokens, bad_streak = time.perf_counter(), 0.0, 0
         result = TrainResult(steps=o.steps, seconds=0.0, tokens_per_s=0.0)
         first = self._start(result, resume_from)
@@ -253,7 +277,7 @@ class Trainer:
             result.eval_start = state.get("eval_start", {})
             self.scorer.load_state(state.get("scorer", {}))
             return state["step"] + 1
-        if self.options.eval_every > 0:
+        if self.tr.eval_every > 0:
             result.eval_start = self._evaluate(0)
             self.sink.log(result.eval_start, step=0)
         return 1
@@ -262,11 +286,11 @@ class Trainer:
         if run_dir is not None:
             checkpoint.save(self, run_dir, step, {"eval_start": result.eval_start,
                                                   "scorer": self.scorer.state()},
-                            self.options.keep_checkpoints)
+                            self.tr.keep_checkpoints)
 
     def _after_step(self, step: int, bad_streak: int, run_dir, result: TrainResult, stop) -> None:
         """Stop on too many non-finite steps or on a signal (saved first); checkpoint."""
-        o = self.options
+        o = self.tr
         if bad_streak >= o.max_bad_steps:
             last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
             raise TrainingFault(

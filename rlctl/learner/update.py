@@ -23,20 +23,25 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
 
 from rlctl.core import (agg_denominator, aggregate_sum, counted_width, get_policy_loss, kl_estimate,
                         masked_mean, resolve_kl_estimator)
 from rlctl.core.losses import value_loss_per_token
 from rlctl.core.terms import active_terms
-from rlctl.learner.correction import RolloutCorrection, batch_metrics, weighted
+from rlctl.learner.correction import batch_metrics, weighted
 from rlctl.learner.forward import PromptGroups, learner_forward
 from rlctl.learner.stats import Metric, Moments, explained_variance_of, pool, population_std
+from rlctl.schema import RolloutCorrectionConfig
 from rlctl.types import RolloutBatch
 
 
 @dataclass
 class UpdateSettings:
-    """Constructor arguments taken from the ``algo`` and ``trainer`` config sections."""
+    """The update's arguments, derived from the ``algo``, ``trainer`` and ``rollout``
+    sections (``from_config``): the policy loss looked up in its registry, clip_high's
+    default, the KL estimator resolved for its placement, the active extra loss terms,
+    the rollout correction (None: off)."""
     policy_loss: Callable
     clip_low: float
     clip_high: float
@@ -57,14 +62,14 @@ class UpdateSettings:
     value_clip: Optional[float] = None
     terms: Tuple[Tuple[str, float, Callable], ...] = ()   # (name, coef, fn): rlctl.core.terms
     mask_truncated: bool = False           # rows with no stop id out of the loss (DAPO)
-    rollout_correction: Optional[RolloutCorrection] = None   # sampler/learner mismatch; None: off
+    rollout_correction: Optional[RolloutCorrectionConfig] = None   # sampler/learner mismatch; None: off
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
         """From the composed config's ``algo``, ``trainer`` and ``rollout`` sections;
         ``share_prompts``: ``trainer.share_prompts`` as it applies on the backend
         (``policy.prompt_sharing``)."""
-        algo, tr = cfg.algo, cfg.trainer
+        algo, tr, rc = cfg.algo, cfg.trainer, cfg.algo.rollout_correction
         return cls(policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
                    clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
                    clip_ratio_c=algo.clip_ratio_c, agg_mode=algo.loss_agg_mode, norm_len=algo.norm_len,
@@ -76,7 +81,8 @@ class UpdateSettings:
                    vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share_prompts,
                    terms=tuple(active_terms({"entropy": algo.get("entropy_coef", 0.0)})),
                    mask_truncated=bool(algo.get("mask_truncated", False)),
-                   rollout_correction=RolloutCorrection.from_config(algo))
+                   rollout_correction=(RolloutCorrectionConfig(**OmegaConf.to_container(rc))
+                                       if rc.enabled else None))
 
 
 @dataclass

@@ -22,7 +22,9 @@ from rlctl.types import Example, RolloutBatch
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How completions are sampled for training (``rollout`` and ``algo`` sections)."""
+    """How completions are sampled for training, derived from the ``rollout`` and ``algo``
+    sections: the prompt sharing the learner's backend allows, whether the sampler's
+    log-probs are recorded (``algo.rollout_correction.enabled``)."""
     group_size: int                 # G
     max_new_tokens: int             # T at most
     temperature: float

@@ -1,20 +1,71 @@
-"""Warnings about configurations that run but do not optimise what they seem to.
+"""The checks of a training config that need the registries or the built task, all run
+before a run directory is made (``rlctl.config.validate`` checked every range, choice and
+key pair that needs neither, at compose time, with no torch). Failures are one line
+(``ConfigError``, exit 2); warnings are one line on stderr and training goes on.
 
-A group-relative advantage (an estimator registered with ``group=True``: GRPO, Dr. GRPO,
-RLOO) compares each completion with the others of its prompt, so with
-``algo.group_size=1`` every advantage is 0 and the policy gradient vanishes.
+``check_entries``: the names that pick registry entries (``algo.advantage``,
+``algo.policy_loss``, ``algo.loss_agg_mode``, ``algo.kl.estimator``, ``task.name``,
+``hardware.backend``) are looked up in the registries themselves, so a user entry given by
+import path (``algo.policy_loss=mypkg.losses:my_loss``) is imported once, early; whether
+the advantage estimator needs a critic is asked of its entry (``level``).
+``check_episodes``: what a task played as episodes runs with.
 
-A KL estimator's gradient follows a KL divergence in one placement and not in the other
+Warnings: a group-relative advantage (an estimator registered with ``group=True``: GRPO,
+Dr. GRPO, RLOO) compares each completion with the others of its prompt, so with
+``algo.group_size=1`` every advantage is 0 and the policy gradient vanishes. A KL
+estimator's gradient follows a KL divergence in one placement and not in the other
 (rlctl/core/kl.py has the table, checked by exact enumeration): k1 in the loss has zero
-expected gradient, k2 and k3 in the reward give a biased gradient. Training goes on;
-``rlctl train`` prints one line on stderr.
+expected gradient, k2 and k3 in the reward give a biased gradient.
 """
 from __future__ import annotations
 
 import sys
 from typing import Optional
 
-from rlctl.core import ADVANTAGE_ESTIMATORS, KL_PLACEMENT_NOTES, resolve_kl_estimator
+from rlctl.backends import BACKENDS
+from rlctl.core import (ADVANTAGE_ESTIMATORS, KL_PLACEMENT_NOTES, POLICY_LOSSES, resolve_agg_mode,
+                        resolve_kl_estimator)
+from rlctl.envs.base import is_episodic
+from rlctl.errors import ConfigError
+from rlctl.tasks import TASKS
+
+
+def check_entries(algo, task_name, backend) -> None:
+    """Every registry name of ``algo`` (the config's section), ``task_name`` (task.name) and
+    ``backend`` (hardware.backend) resolves, and the advantage estimator's level agrees with
+    ``algo.critic``. Raises ConfigError (one line naming the key)."""
+    lookups = (("algo.advantage", algo.advantage, ADVANTAGE_ESTIMATORS.entry),
+               ("algo.policy_loss", algo.policy_loss, POLICY_LOSSES.entry),
+               ("algo.loss_agg_mode", algo.loss_agg_mode, resolve_agg_mode),
+               ("algo.kl.estimator", algo.kl.estimator,
+                lambda kind: resolve_kl_estimator(kind, algo.kl.placement)),
+               ("task.name", task_name, TASKS.entry), ("hardware.backend", backend, BACKENDS.entry))
+    for key, name, lookup in lookups:
+        try:
+            lookup(name)
+        except ValueError as exc:
+            raise ConfigError(f"invalid {key}: {' '.join(str(exc).split())}") from None
+    advantage, critic = algo.advantage, algo.critic
+    token_level = ADVANTAGE_ESTIMATORS.entry(advantage).level == "token"
+    if token_level and critic == "none":
+        raise ConfigError(f"algo.advantage={advantage} needs a critic; set algo.critic=shared or separate")
+    if not token_level and critic != "none":
+        raise ConfigError(f"algo.critic={critic} trains a value model that algo.advantage="
+                          f"{advantage} does not use; set algo.critic=none or algo.advantage=gae")
+
+
+def check_episodes(rollout, task) -> None:
+    """A task played as episodes (``rlctl.envs.base.is_episodic``) is sampled by the
+    learner's own sampler in the model's precision; ``rollout``: the config's section."""
+    if not is_episodic(task):
+        return
+    if rollout.engine == "server":
+        raise ConfigError("rollout.engine=server samples single-turn tasks; a task played as "
+                          "episodes is played by the learner's own sampler (rollout.engine=torch)")
+    if rollout.sample_dtype != "float32":
+        raise ConfigError(f"rollout.sample_dtype={rollout.sample_dtype} applies to the "
+                          "single-turn sampler; a task played as episodes samples in the "
+                          "model's own precision (use rollout.sample_dtype=float32)")
 
 
 def kl_placement_warning(algo) -> Optional[str]:
@@ -37,7 +88,7 @@ def group_size_warning(algo) -> Optional[str]:
         return None
     try:
         entry = ADVANTAGE_ESTIMATORS.entry(algo.advantage)
-    except ValueError:       # an unknown name is refused elsewhere, in one line
+    except ValueError:       # an unknown name is refused by check_entries, in one line
         return None
     if not entry.group:
         return None

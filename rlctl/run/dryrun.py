@@ -41,12 +41,12 @@ from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.logprobs import CHUNK_ELEMENTS
 from rlctl.learner.forward import fused_head
-from rlctl.learner.settings import needs_old_forward
+from rlctl.learner.trainer import needs_old_forward
 from rlctl.models.lora import count_parameters
 from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.sampler import check_training_sampling
 from rlctl.run.build import model_from_config, task_from_config
-from rlctl.run.entries import EntryNames, check_entries
+from rlctl.run.checks import check_entries
 from rlctl.tasks.base import learned_of
 
 PROMPT_TOKENS = 16        # the rough prompt length of the estimate
@@ -55,7 +55,8 @@ HALF = ("bfloat16", "float16")
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """What the estimate reads of the config, by key."""
+    """What the estimate reads of five config sections, by key, and what it derives from
+    them (``rank_rows``)."""
     max_new_tokens: int             # rollout.max_new_tokens
     prompts_per_step: int           # trainer.prompts_per_step
     group_size: int                 # algo.group_size
@@ -160,7 +161,7 @@ def _fused(model) -> bool:
 def dry_run(cfg: DictConfig) -> List[str]:
     """Build the models as `train` would, print the plan; returns the printed lines."""
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
-    check_entries(EntryNames.from_config(cfg))
+    check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
     rms = reward_model_sizes(task_from_config(cfg))
     check_training_sampling(cfg.rollout.top_k)
     model, critic, _, ref = model_from_config(cfg)

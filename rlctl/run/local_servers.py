@@ -7,8 +7,8 @@ Each child builds the configured model as `rlctl serve` with no TARGET does (the
 learner's base model: the learner pushes its own weights, or its adapter, before the
 first request), puts itself in its own process group (a terminal's Ctrl-C reaches the
 learner, which stops at a step and closes the servers) and gets SIGTERM if the learner
-dies (PR_SET_PDEATHSIG). The config is read once, here, into ``ServerSettings`` (where
-the servers are) and ``ServeSpec`` (what a local server loads).
+dies (PR_SET_PDEATHSIG). ``ServeSpec`` is what a local server loads: it is pickled to
+each child.
 """
 from __future__ import annotations
 
@@ -34,29 +34,10 @@ START_S = 600.0          # a child that has not reported its port by then failed
 
 
 @dataclass(frozen=True)
-class ServerSettings:
-    """``rollout.server``: the servers' URLs (empty: ``num_local`` started here), their
-    kind, the rows per request, a request's time limit and the shared directories a
-    vllm/sglang kind writes its pushes to (``configured_kind``)."""
-    urls: Tuple[str, ...]
-    num_local: int
-    kind: str
-    chunk_size: int
-    timeout_s: float
-    weight_dir: Optional[str] = None
-    model_dir: Optional[str] = None
-
-    @classmethod
-    def from_config(cls, cfg) -> "ServerSettings":
-        sv = cfg.rollout.server
-        return cls(tuple(str(u) for u in sv.urls or []), int(sv.num_local), str(sv.kind),
-                   int(sv.chunk_size), float(sv.timeout_s), sv.weight_dir, sv.model_dir)
-
-
-@dataclass(frozen=True)
 class ServeSpec:
-    """What a local server loads: the learner's base model (``model`` section without
-    ``lora``), on ``device`` with ``num_threads``, and the run's extra stop ids."""
+    """What a local server loads, derived from three sections: the learner's base model
+    (``model`` without ``lora``), on ``device`` with ``num_threads``, and the run's extra
+    stop ids."""
     model_name: str
     model_opts: Dict = field(default_factory=dict)
     device: str = "cpu"

@@ -30,7 +30,8 @@ from rlctl.rollout.server_engine import ServerEngine
 from rlctl.rollout.server_kinds import configured_kind
 from rlctl.rollout.source import LocalSource, SamplingSettings
 from rlctl.run.build import model_from_config, task_from_config
-from rlctl.run.local_servers import LocalServers, ServerSettings, ServeSpec
+from rlctl.schema import ServerConfig
+from rlctl.run.local_servers import LocalServers, ServeSpec
 from rlctl.tasks.prompt_budget import PromptBudget, bind_task
 from rlctl.tasks.scoring import RewardScorer
 
@@ -45,19 +46,12 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     Takes the whole config: the asynchronous source sends it to its actors, which build from it."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     if is_episodic(task):
-        check_episodic(backend)
-        if cfg.rollout.engine == "server":
-            raise ConfigError("rollout.engine=server samples single-turn tasks; a task played as "
-                              "episodes is played by the learner's own sampler (rollout.engine=torch)")
-        if cfg.rollout.sample_dtype != "float32":
-            raise ConfigError(f"rollout.sample_dtype={cfg.rollout.sample_dtype} applies to the "
-                              "single-turn sampler; a task played as episodes samples in the "
-                              "model's own precision (use rollout.sample_dtype=float32)")
+        check_episodic(backend)        # the config's side: rlctl.run.checks.check_episodes
         local = EpisodeSource(policy, tokenizer, task, EpisodeSettings.from_config(cfg),
                               seed=cfg.seed * 1000 + rank)
     elif cfg.rollout.engine == "server":
         device = backend.device if backend is not None else Backend(cfg.hardware.device).device
-        return server_source(ServerSettings.from_config(cfg), ServeSpec.from_config(cfg),
+        return server_source(cfg.rollout.server, ServeSpec.from_config(cfg),
                              EngineSettings.from_config(cfg), SamplingSettings.from_config(cfg, True),
                              policy, tokenizer, task, device, cfg.seed * 1000, stop)
     else:
@@ -76,7 +70,7 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
                        OmegaConf.to_yaml(cfg, resolve=True), stop)
 
 
-def server_source(servers: ServerSettings, spec: ServeSpec, settings: EngineSettings,
+def server_source(servers: ServerConfig, spec: ServeSpec, settings: EngineSettings,
                   sampling: SamplingSettings, policy, tokenizer, task, device, seed: int,
                   stop=None) -> EngineSource:
     """``rollout.engine=server``: an ``EngineSource`` on the servers at ``servers.urls``,

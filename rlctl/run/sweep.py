@@ -33,7 +33,7 @@ from rich.table import Table
 
 from rlctl.compose import compose
 from rlctl.errors import ConfigError, TrainingFault, UserError, user_message
-from rlctl.run.entries import EntryNames, check_entries
+from rlctl.run.checks import check_entries
 from rlctl.run.training import run_training
 
 METRICS = ("eval/exact_match", "eval/reward", "eval/length_mean")
@@ -83,7 +83,8 @@ def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optio
 
     jobs = expand(overrides)
     for job in jobs:                     # validate every cell before the first one runs
-        check_entries(EntryNames.from_config(compose(job, recipe).cfg))
+        cfg = compose(job, recipe).cfg
+        check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
     root = Path(output_dir or compose(jobs[0], recipe).cfg.run.output_dir)
     sweep_dir = root / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,7 @@ from rlctl.models.lora import count_parameters
 from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.sampler import check_training_sampling
 from rlctl.run.build import model_from_config, task_from_config
-from rlctl.run.checks import warn_config
-from rlctl.run.entries import EntryNames, check_entries
+from rlctl.run.checks import check_entries, check_episodes, warn_config
 from rlctl.run.report import print_summary, run_summary
 from rlctl.run.resume import ResumeSettings, check_resumable, newest, resume_point
 from rlctl.run.rollout_setup import build_source
@@ -150,14 +149,15 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
         composed = compose(overrides, recipe)
     cfg = composed.cfg
     OmegaConf.resolve(cfg)
-    check_entries(EntryNames.from_config(cfg))  # registry names and user entries, likewise
-    task_from_config(cfg)                       # bad task options fail before anything is written
+    check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)  # registry names, user entries
+    task = task_from_config(cfg)                # bad task options fail before anything is written
     try:
         check_source(cfg.model.name, cfg.model.name_or_path)
     except ValueError as exc:
         raise UserError(f"cannot load model: {exc}") from None
     check_training_sampling(cfg.rollout.top_k)   # refused before a run directory exists
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
+    check_episodes(cfg.rollout, task)
     group = tcp_group.from_environment(cfg.hardware.master_port)
     stop = StopFlag()
     with stop.installed():

@@ -10,11 +10,12 @@ import torch
 
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
-from rlctl.learner.correction import RolloutCorrection, old_policy_inputs
+from rlctl.learner.correction import old_policy_inputs
 from rlctl.learner.forward import learner_forward
-from rlctl.learner.settings import needs_old_forward
+from rlctl.learner.trainer import needs_old_forward
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models import load_model_and_tokenizer
+from rlctl.schema import RolloutCorrectionConfig
 from rlctl.types import RolloutBatch
 
 F64 = torch.float64
@@ -47,6 +48,11 @@ def _batch(model, tokenizer, n=4, t=5, seed=0) -> RolloutBatch:
                         advantages=torch.tensor([[1.0], [-0.5], [2.0], [-1.5]], dtype=F64) * mask)
 
 
+def _corr(**fields):
+    """``algo.rollout_correction`` as the update gets it when enabled."""
+    return RolloutCorrectionConfig(enabled=True, **fields)
+
+
 def _settings(corr=None, agg="token-mean", micro=0):
     return UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                           agg_mode=agg, norm_len=5, epochs=1, minibatches=1, kl_estimator="k3",
@@ -67,7 +73,7 @@ def test_off_ignores_the_engine_logprobs_bit_for_bit(tiny64):
     b = _batch(model, tok)
     today, m0 = _grads(model, b.replace(engine_logprobs=None), _settings())
     off, m1 = _grads(model, b, _settings())
-    measure, _ = _grads(model, b, _settings(RolloutCorrection(mode="measure")))
+    measure, _ = _grads(model, b, _settings(_corr(mode="measure")))
     assert today.abs().sum() > 0
     assert torch.equal(off, today) and torch.equal(measure, today)
     assert torch.equal(m1["policy/loss"], m0["policy/loss"])
@@ -92,7 +98,7 @@ def test_the_weight_multiplies_each_tokens_policy_loss(tiny64, level, mode, uppe
     changed = ((w != lw.exp()) & (b.mask > 0)).sum()
     assert 0 < changed < b.mask.sum()
     want, m_want = _grads(model, b.replace(advantages=b.advantages * w * b.mask), _settings(micro=2))
-    got, m_got = _grads(model, b, _settings(RolloutCorrection(level, mode, upper, lower), micro=2))
+    got, m_got = _grads(model, b, _settings(_corr(level=level, mode=mode, upper=upper, lower=lower), micro=2))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(m_got["policy/loss"], m_want["policy/loss"], atol=1e-12, rtol=0)
     plain, _ = _grads(model, b, _settings(micro=2))
@@ -105,10 +111,10 @@ def test_bypass_equals_the_correction_with_old_set_to_the_engine(tiny64):
     engine's (w = exp(0) = 1 exactly), bit for bit."""
     model, tok = tiny64
     b = _batch(model, tok)
-    corr = RolloutCorrection(mode="truncate", upper=1.2)
-    bypass = old_policy_inputs(b.replace(old_logprobs=None), RolloutCorrection(upper=1.2, bypass=True))
+    corr = _corr(mode="truncate", upper=1.2)
+    bypass = old_policy_inputs(b.replace(old_logprobs=None), _corr(upper=1.2, bypass=True))
     assert torch.equal(bypass.old_logprobs, b.engine_logprobs)
-    g_bypass, _ = _grads(model, bypass, _settings(RolloutCorrection(upper=1.2, bypass=True)))
+    g_bypass, _ = _grads(model, bypass, _settings(_corr(upper=1.2, bypass=True)))
     g_corr, _ = _grads(model, b.replace(old_logprobs=b.engine_logprobs), _settings(corr))
     assert torch.equal(g_bypass, g_corr)
     g_learner_old, _ = _grads(model, b, _settings(corr))          # pi_old from the learner
@@ -120,12 +126,12 @@ def test_without_bypass_the_learner_computes_pi_old_for_every_row(tiny64):
     included, they stay in engine_logprobs); off: unchanged; no engine log-probs: one line."""
     model, tok = tiny64
     b = _batch(model, tok).replace(behaviour_rows=torch.tensor([True, False, True, False]))
-    out = old_policy_inputs(b, RolloutCorrection())
+    out = old_policy_inputs(b, _corr())
     assert out.old_logprobs is None and out.behaviour_rows is None
     assert out.engine_logprobs is b.engine_logprobs
     assert old_policy_inputs(b, None) is b
     with pytest.raises(Exception, match="needs the sampler's log-probs"):
-        old_policy_inputs(b.replace(engine_logprobs=None), RolloutCorrection())
+        old_policy_inputs(b.replace(engine_logprobs=None), _corr())
 
 
 @pytest.mark.parametrize("overrides,needs", [([], False),

@@ -28,6 +28,7 @@ from rlctl.rollout.serve_app import build_app
 from rlctl.rollout.server_engine import ServerEngine
 from rlctl.rollout.source import SamplingSettings
 from rlctl.run.build import task_from_config
+from rlctl.run.checks import check_episodes
 from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 from rlctl.tasks.scoring import RewardScorer
@@ -328,10 +329,12 @@ def test_an_unknown_engine_is_refused_with_the_valid_ones():
 
 
 def test_an_episodic_task_is_refused_with_the_server_engine():
+    """Refused before a run directory is made (rlctl.run.checks, called by run_training)."""
     cfg = _cfg(["task=guess_number", "rollout.engine=server", "rollout.server.urls=[http://127.0.0.1:9]"])
     task = task_from_config(cfg)
     with pytest.raises(UserError, match="episodes"):
-        build_source(cfg, None, None, task)
+        check_episodes(cfg.rollout, task)
+    check_episodes(_cfg(["task=guess_number"]).rollout, task)          # the torch engine: fine
 
 
 RESUME = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.lr=1e-2", "trainer.eval_every=2",
