@@ -32,7 +32,6 @@ from typing import Any, Dict, FrozenSet, Optional, Tuple
 import yaml
 from omegaconf import OmegaConf
 
-from rlctl.backends.launch import LOCK_FD_ENV
 from rlctl.compose import Composed
 from rlctl.errors import RunDirError
 from rlctl.models.lora import save_lora
@@ -57,9 +56,10 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 class RunLock:
     """One writer per run directory: ``<run>/.lock`` holds the writer's pid, and an
-    exclusive ``flock`` on it is held for the whole run. Launched ranks inherit the
-    locked descriptor (``held_fd``, ``adopt_inherited``), so the run stays locked until
-    the launcher and every rank have exited, even when the launcher is killed. The kernel
+    exclusive ``flock`` on it is held for the whole run. Before it launches ranks, the
+    owner turns it into a shared lock that each rank takes too (``share_lock``), so the
+    run stays locked until the launcher and every rank have exited, even when the
+    launcher is killed. The kernel
     drops the flock when the last holder dies, so a lock file left by a killed run is
     stale and simply taken over; a live holder is refused by pid."""
 
@@ -103,23 +103,26 @@ class RunLock:
         self.release()
 
 
-def held_fd(run_dir: Path) -> Optional[int]:
-    """The descriptor by which this process holds ``run_dir``'s lock (None: it does not)."""
-    return _HELD.get(str(Path(run_dir)))
-
-
-def adopt_inherited(run_dir: Path) -> None:
-    """In a launched rank: keep the launcher's lock descriptor (``LOCK_FD_ENV``) open for
-    this rank's life, close it in the rank's forks, and add this rank's pid to the file
-    (named when another process is refused). Never unlocks: that would free the run."""
-    fd = os.environ.get(LOCK_FD_ENV)
-    if not fd:
-        return
+def share_lock(run_dir: Path) -> None:
+    """The owner (it holds the lock): make it shared, before it launches ranks (one flock
+    call: no other process can lock in between). A launched rank: take the shared lock for
+    this rank's life (closed in its forks) and add its pid to the file (named when another
+    process is refused). Another process's exclusive lock stays refused while any holds it."""
     path = Path(run_dir) / LOCK_FILE
-    _HELD[str(path.parent)] = int(fd)
-    if _same_file(int(fd), path):
-        with open(path, "a") as f:             # O_APPEND: ranks do not overwrite each other
-            f.write(f"{os.getpid()}\n")
+    fd = _HELD.get(str(path.parent))
+    if fd is not None:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise RunDirError(f"run directory '{path.parent}' is in use by another rlctl process; "
+                          "wait for it to finish or stop it") from None
+    _HELD[str(path.parent)] = fd
+    with open(path, "a") as f:                 # O_APPEND: ranks do not overwrite each other
+        f.write(f"{os.getpid()}\n")
 
 
 def _same_file(fd: int, path: Path) -> bool:
