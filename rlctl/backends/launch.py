@@ -65,10 +65,10 @@ def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False
     failed (the others are stopped)."""
     for rank in range(num_processes):
         _error_file(run_dir, rank).unlink(missing_ok=True)
-    config = dict(min_nodes=1, max_nodes=1, nproc_per_node=num_processes, rdzv_backend="c10d",
+    layout = dict(min_nodes=1, max_nodes=1, nproc_per_node=num_processes, rdzv_backend="c10d",
                   rdzv_endpoint="localhost:0", rdzv_configs={})
     args = [sys.executable, "-m", "rlctl.run.worker", str(run_dir)] + (["--resume"] if resume else [])
-    codes = _run_agent(config, threads, args, stop, poll_s)
+    codes = _run_agent(layout, threads, args, stop, poll_s)
     if not codes:
         return 0
     stopping = stop is not None and stop.requested
@@ -113,10 +113,10 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
             f"rank {ranks} of {world} (rlctl): it cannot reach the master at {where} within "
             f"hardware.dist_timeout_s={timeout:g}; check hardware.master_addr/master_port and that "
             "node 0 was started"))
-    config = dict(min_nodes=hw.nnodes, max_nodes=hw.nnodes, nproc_per_node=n, rdzv_backend="static",
+    layout = dict(min_nodes=hw.nnodes, max_nodes=hw.nnodes, nproc_per_node=n, rdzv_backend="static",
                   rdzv_endpoint=where, rdzv_configs={"rank": hw.node_rank, "timeout": max(1, round(timeout))})
     try:
-        codes = _run_agent(config, hw.num_threads, argv, stop, poll_s, run_id="rlctl")
+        codes = _run_agent(layout, hw.num_threads, argv, stop, poll_s, run_id="rlctl")
     except Exception as exc:  # noqa: BLE001 - the agent's store: port taken, or nodes missing
         text = first(exc)
         if "clients joined" in text:
@@ -136,7 +136,7 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
     return failed[0] if failed else max(codes.values(), default=0)
 
 
-def _run_agent(config: dict, threads: int, args: List[str], stop, poll_s: float,
+def _run_agent(layout: dict, threads: int, args: List[str], stop, poll_s: float,
                run_id: Optional[str] = None) -> Dict[int, int]:
     """torchrun's agent (``elastic_launch``) in a thread, running the command ``args`` in each
     rank with OMP_NUM_THREADS=``threads`` and RLCTL_LAUNCHER_PID set; signals forwarded to
@@ -144,7 +144,7 @@ def _run_agent(config: dict, threads: int, args: List[str], stop, poll_s: float,
     finished)."""
     logs = tempfile.mkdtemp(prefix="rlctl-launch-")
     launch_config = LaunchConfig(run_id=run_id or uuid.uuid4().hex, max_restarts=0, monitor_interval=0.1,
-                                 logs_specs=DefaultLogsSpecs(log_dir=logs), **config)
+                                 logs_specs=DefaultLogsSpecs(log_dir=logs), **layout)
     env = [f"RLCTL_LAUNCHER_PID={os.getpid()}", f"OMP_NUM_THREADS={threads}",
            "TORCH_CPP_LOG_LEVEL=" + os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")]
     result: list = []
