@@ -69,15 +69,10 @@ def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False
                   rdzv_endpoint="localhost:0", rdzv_configs={})
     args = [sys.executable, "-m", "rlctl.run.worker", str(run_dir)] + (["--resume"] if resume else [])
     codes = _run_agent(layout, threads, args, stop, poll_s)
-    if not codes:
-        return 0
-    stopping = stop is not None and stop.requested
-    if stopping and any(c in KILLED for c in codes.values()):
-        return stop.signum      # a rank the signal reached before its handler: no step ran with it
-    failed = [r for r, c in codes.items() if not (stopping and c in STOPPED)]
-    if failed:
-        raise _failure(run_dir, failed[0], codes[failed[0]])
-    return stop.signum
+    rank = _failed(codes, stop)
+    if rank is not None:
+        raise _failure(run_dir, rank, codes[rank])
+    return stop.signum if codes else 0
 
 
 def check_node_rank(hw) -> None:
@@ -129,11 +124,18 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
                             ) from None
         raise UserError(f"rank {ranks} of {world} (rlctl): the rendezvous at {where} failed ({text}); "
                         "choose a free hardware.master_port") from None
+    rank = _failed(codes, stop)
+    return codes[rank] if rank is not None else (128 + stop.signum if codes else 0)
+
+
+def _failed(codes: Dict[int, int], stop) -> Optional[int]:
+    """The first rank whose exit is a failure; None when all finished or the launch was a
+    stop (ranks saved and exited 128 + signal; one the signal reached before its handler
+    was killed by it, and no step can run without it)."""
     stopping = stop is not None and stop.requested
     if stopping and any(c in KILLED for c in codes.values()):
-        return 128 + stop.signum   # a rank the signal reached before its handler: a stop
-    failed = [c for c in codes.values() if not (stopping and c in STOPPED)]
-    return failed[0] if failed else max(codes.values(), default=0)
+        return None
+    return next((r for r, c in codes.items() if not (stopping and c in STOPPED)), None)
 
 
 def _run_agent(layout: dict, threads: int, args: List[str], stop, poll_s: float,
