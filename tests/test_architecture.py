@@ -204,7 +204,7 @@ TAKES_THE_CONFIG = {
     "rlctl/run/training.py:_train_alone": "a one-process run: writes the resolved config into "
         "the new run directory, then trains or launches ranks with it",
     "rlctl/run/training.py:_train_in_group": "a rank of a multi-node group: hands the whole "
-        "resolved config to the rendezvous, which compares it with rank 0's",
+        "resolved config to the group's join, which compares it with rank 0's",
     "rlctl/run/training.py:_train_new": "a fresh run: writes config.yaml and the recipe from it",
     "rlctl/run/training.py:_train_here_or_launched": "trains in this process or passes the "
         "config to launched rank processes",

@@ -3,7 +3,8 @@
 ``build_backend(hardware.backend, ...)`` looks the name up in ``BACKENDS``: ``torch``
 (plain torch, ``base.py``) and ``deepspeed`` (ZeRO 0-3, ``deepspeed_backend.py``, which
 imports ``deepspeed`` only when it is used). Importing this package registers both;
-``launch.py`` starts the ranks of ``hardware.num_processes``.
+``launch.py`` starts ranks through torchrun's launcher, ``tcp_group.py`` joins the group
+a launcher describes.
 """
 from rlctl.backends.base import (BACKENDS, Backend, TorchBackend, build_backend, dist_env,
                                  register_backend)

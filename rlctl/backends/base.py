@@ -41,16 +41,12 @@ def dist_env() -> Dict[str, int]:
 
 
 def init_process_group(backend: str = "gloo") -> None:
-    """Join the process group described by the environment (MASTER_ADDR/PORT or
-    RLCTL_DIST_INIT=file://...), once."""
+    """Join the process group the launcher's environment describes (env://: MASTER_ADDR,
+    MASTER_PORT, RANK, WORLD_SIZE), once."""
     if dist.is_initialized():
         return
     env = dist_env()
-    init = os.environ.get("RLCTL_DIST_INIT")
-    if init:
-        dist.init_process_group(backend, init_method=init, rank=env["rank"], world_size=env["world_size"])
-    else:
-        dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"])
+    dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"])
 
 
 class Backend:

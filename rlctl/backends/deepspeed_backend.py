@@ -42,7 +42,7 @@ class DeepSpeedBackend(Backend):
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        if "RLCTL_DIST_INIT" not in os.environ and "MASTER_ADDR" not in os.environ:
+        if "MASTER_ADDR" not in os.environ:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
         super().__init__(device)
         import deepspeed  # heavy optional dependency (1.7 s): only when this backend runs

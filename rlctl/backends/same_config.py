@@ -1,6 +1,6 @@
-"""Every node of a multi-node run must train with the same config: each rank sends its
-flattened resolved config (with a digest) to rank 0 at rendezvous (tcp_group.join), and
-rank 0 names the keys that differ in one line that every node prints.
+"""Every node of a multi-node run must train with the same config: right after the group
+forms (tcp_group.join) every rank gathers every rank's flattened resolved config with its
+digest, and names the keys that differ from rank 0's in one line that every node prints.
 
 Left out of the comparison are the keys that are legitimately per node (``PER_NODE``):
 which node this is, how it reaches node 0, its own thread count and wait limit, where it
@@ -40,7 +40,7 @@ def digest(flat: Dict[str, Any]) -> str:
 
 
 def payload(flat: Dict[str, Any], label: str) -> str:
-    """What a rank puts in the store: where it runs, its config and the config's digest."""
+    """What a rank hands to the others: where it runs, its config and the config's digest."""
     return json.dumps({"label": label, "digest": digest(flat), "config": flat}, default=str)
 
 

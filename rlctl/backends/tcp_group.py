@@ -5,18 +5,18 @@ or rlctl's own launcher on several nodes.
 ``MASTER_PORT`` (torchrun and the deepspeed launcher set them), or SLURM's
 ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` with the first host of
 ``SLURM_JOB_NODELIST`` as the master (``MASTER_PORT``, else ``hardware.master_port``).
-``join`` exports that description and joins the group over TCP within
-``hardware.dist_timeout_s``, through meet.py (polled in Python): a rank that cannot reach
-the master, a master whose peers never come, a rank started twice, or ranks whose configs
-differ get one line on every node instead of a hang. ``share`` passes a short text (the
-run directory, or rank 0's set-up error) from rank 0 to every rank through the
-rendezvous store. The group's keys (gloo's or NCCL's, and share's) live under
-``meet.key``, fresh for each restart of torchrun's workers: its agent's store outlives
-them, and a restarted attempt must neither dial the failed attempt's ranks at their old
-addresses nor take its run directory.
+``join`` exports that description, joins the group through torch's ``env://`` rendezvous
+within ``hardware.dist_timeout_s`` and compares every rank's config with rank 0's in one
+``all_gather_object``: a rank that cannot reach the master, a master whose peers never
+come, a rank started twice, or ranks whose configs differ get one line on every node
+instead of a hang. ``share`` passes a short text (the run directory, or rank 0's set-up
+error) from rank 0 to every rank through the store. The group's keys live under a prefix
+fresh for each restart of torchrun's workers: its agent's store outlives them, and a
+restarted attempt must neither dial the failed attempt's ranks nor take its run directory.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from rlctl.backends import meet, same_config
+from rlctl.backends import launch, same_config
 from rlctl.errors import UserError
 
 _STORES: List[object] = []     # the stores this process joined through (kept alive)
@@ -42,7 +42,7 @@ class Group:
     local_rank: int
     master_addr: str
     master_port: int
-    source: str                # "torchrun/deepspeed" | "SLURM" | "rlctl" (the launcher that set it)
+    source: str                # "torchrun/deepspeed" | "SLURM" | "rlctl" (launch_node, via torchrun's agent)
     node: Optional[int] = None  # this rank's node, where the launcher says (``_node``)
 
     def env(self) -> Dict[str, str]:
@@ -81,8 +81,6 @@ def _int(env: Dict[str, str], key: str) -> int:
 def from_environment(default_port: int, env: Optional[Dict[str, str]] = None) -> Optional[Group]:
     """The process group the environment describes, or None (no launcher: rlctl decides)."""
     env = dict(os.environ if env is None else env)
-    if "RLCTL_DIST_INIT" in env:               # one of rlctl's own local ranks: not an entry point
-        return None
     if "RANK" in env and "WORLD_SIZE" in env:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
         if missing:
@@ -112,38 +110,60 @@ def _checked(group: Group) -> Group:
 
 def join(group: Group, device: str, timeout_s: float,
          run_config: Optional[Dict[str, Any]] = None, stop=None) -> None:
-    """Export ``group`` to this process's environment and join it (gloo, nccl on CUDA):
-    reach the store, claim the rank and compare ``run_config`` (the resolved config as
-    plain nested dicts) with rank 0's before the group forms (rlctl/backends/meet.py). ``stop``: a
-    StopFlag whose signal ends the waits (exit 128 + signal)."""
+    """Export ``group`` to this process's environment and join it (gloo, nccl on CUDA)
+    through torch's ``env://`` rendezvous within ``timeout_s``: a rank that cannot reach the
+    master, a master whose peers never come, or a rank started twice (a counter in the
+    store) is one line. Then one ``all_gather_object`` of every rank's ``run_config`` (the
+    resolved config as plain nested dicts, less per-node keys: same_config) and its
+    digest: every rank raises the same line naming the keys that differ from rank 0's.
+    ``stop``: a StopFlag whose signal ends the wait for the master (exit 128 + signal)."""
 
     os.environ.update(group.env())
     if dist.is_initialized():
         return
     if device.startswith("cuda"):
         torch.cuda.set_device(group.local_rank)
-    deadline = time.monotonic() + timeout_s
-    store = meet.open_store(group, timeout_s, deadline, stop)
-    _STORES.append(store)                     # rank 0 serves it for the whole run
+    who = f"rank {group.rank} of {group.world_size} ({group.source})"
+    where = f"{group.master_addr}:{group.master_port}"
+    if group.rank:
+        launch.wait_reachable(group.master_addr, group.master_port, time.monotonic() + timeout_s, stop,
+                              f"{who}: it cannot reach the master at {where} within hardware.dist_timeout_s="
+                              f"{timeout_s:g}; check MASTER_ADDR/MASTER_PORT (or hardware.master_addr/"
+                              "master_port) and that node 0 was started")
+    try:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    except Exception as exc:  # noqa: BLE001 - DistStoreError (peers missing), DistNetworkError (port)
+        text = launch.first(exc)
+        if "clients joined" in text:
+            raise UserError(f"{who}: the other ranks did not all join at {where} within hardware."
+                            f"dist_timeout_s={timeout_s:g} ({text}); check MASTER_ADDR/MASTER_PORT (or "
+                            "hardware.master_addr/master_port) and that every node was started") from None
+        raise UserError(f"{who} cannot serve or reach the rendezvous at {where} ({text}); choose a free "
+                        "MASTER_PORT (or hardware.master_port)") from None
+    store = dist.PrefixStore(f"rlctl/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if store.add(f"claim/{group.rank}", 1) != 1:   # keys fresh for each restart of torchrun's workers
+        by = (f"hardware.node_rank={group.node}" if group.source == "rlctl"
+              else f"rank {group.rank} ({group.source})")
+        raise UserError(f"rank {group.rank} is claimed twice: is {by} started on two machines? "
+                        "(start each node once)")
+    _STORES.append(store)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore("pg", store),
+                            rank=group.rank, world_size=group.world_size, timeout=timedelta(seconds=timeout_s))
     label = f"node {group.node}" if group.node is not None else f"rank {group.rank}"
-    claimed_by = (f"hardware.node_rank={group.node}" if group.source == "rlctl"
-                  else f"rank {group.rank} ({group.source})")
-    meet.meet(store, group, same_config.flatten(run_config or {}), label, claimed_by, timeout_s,
-              deadline, stop)
-    try:                                      # the group's keys (and share's) are this restart's too
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                store=dist.PrefixStore(meet.key("pg"), store), rank=group.rank,
-                                world_size=group.world_size, timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - a rank lost between the verdict and the group
-        raise UserError(f"rank {group.rank} of {group.world_size} ({group.source}): forming the group at "
-                        f"{group.master_addr}:{group.master_port} failed after every rank arrived "
-                        f"({meet.first(exc)}); start every node again") from None
+    flat = same_config.flatten(run_config or {})
+    payloads: List[Optional[str]] = [None] * group.world_size
+    dist.all_gather_object(payloads, same_config.payload(flat, label))
+    ref = json.loads(payloads[0])
+    line = same_config.mismatch(ref["label"], ref["config"], payloads[1:])
+    if line is not None:
+        dist.destroy_process_group()
+        raise UserError(line)
 
 
 def _node(env: Dict[str, str]) -> Optional[int]:
-    """The node number the launcher exports (rlctl: RLCTL_NODE_RANK, torchrun: GROUP_RANK,
-    srun: SLURM_NODEID), if any."""
-    for name in ("RLCTL_NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
+    """The node number the launcher exports (torchrun, and rlctl's launcher through it:
+    GROUP_RANK; srun: SLURM_NODEID), if any."""
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
         if env.get(name, "").isdigit():
             return int(env[name])
     return None

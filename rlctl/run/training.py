@@ -287,8 +287,9 @@ def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, 
     try:
         if here or cfg.hardware.num_processes == 1:
             return train_rank(cfg, run_dir, resume=resume, stop=stop, on_step=on_step)
+        rundir.share_lock(run_dir)               # every rank holds it too
         signum = launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads,
-                        resume=resume, stop=stop, lock_fd=rundir.held_fd(run_dir))
+                        resume=resume, stop=stop)
         last = checkpoint.latest_checkpoint(run_dir)
         done[0] = int(last is not None or (run_dir / "summary.json").is_file())
         if signum:

@@ -1,4 +1,5 @@
-"""One data-parallel rank: `python -m rlctl.run.worker RUN_DIR` (started by launch.py).
+"""One data-parallel rank: `python -m rlctl.run.worker RUN_DIR` (started by launch.py
+through torchrun's agent). Rank k > 0 writes its output to ``RUN_DIR/rank<k>.log``.
 
 Exit codes: 0 done; 128 + signal after a SIGINT/SIGTERM stop with the checkpoint saved
 (130 also after an abort); 3 (``EXIT_SETUP``) failed before the first step; 1 failed.
@@ -16,6 +17,12 @@ for _s in (signal.SIGINT, signal.SIGTERM):
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+if int(os.environ.get("RANK", 0)) and len(sys.argv) > 1:    # rank 0 keeps the terminal
+    _log = os.open(Path(sys.argv[1]) / f"rank{os.environ['RANK']}.log",
+                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(_log, 1)
+    os.dup2(_log, 2)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")      # before torch is imported (below)
 
@@ -44,7 +51,7 @@ def main(run_dir: str, resume: bool = False) -> int:
 def _train(run_dir: Path, resume: bool, stop) -> int:
     steps = [0]
     try:
-        rundir.adopt_inherited(run_dir)       # the run stays locked while this rank lives
+        rundir.share_lock(run_dir)            # the run stays locked while this rank lives
         for signum in _EARLY:                 # came before the StopFlag was installed
             stop.handle(signum)
         cfg = OmegaConf.load(run_dir / "config.yaml")

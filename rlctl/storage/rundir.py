@@ -1,7 +1,23 @@
-"""Run directories: ``<output_dir>/<time>-<name>/`` with everything needed to replay (the
-layout: docs/runs.md, "The run directory"); ``.lock`` holds the writer's pid while a run
-writes (``RunLock``). Rank 0 writes the config, metrics and model; every rank its part of
-a checkpoint."""
+"""Run directories: ``<output_dir>/<time>-<name>/`` with everything needed to replay.
+
+    config.yaml            the resolved config (what ran)
+    config_unresolved.yaml the config with interpolations kept
+    overrides.yaml         the command-line overrides (and the recipe, if any; under
+                           `resumes`, each resume's overrides)
+    recipe.yaml            a replayable recipe: `rlctl train --recipe <run>/recipe.yaml`
+                           (a resume rewrites it and config.yaml with its overrides)
+    metrics.jsonl          one line per logged step (logger=wandb|jsonl|tensorboard)
+    samples.jsonl          the sample tables, one line per row (logger.samples.*)
+    wandb/                 the W&B offline run (logger=wandb)
+    tensorboard/           TensorBoard event files (logger=tensorboard)
+    model/                 final weights (safetensors) and tokenizer, Hugging Face format;
+                           LoRA runs: the adapter (adapter_model.safetensors,
+                           adapter_config.json; PeftModel.from_pretrained(base, dir))
+    model/merged/          LoRA runs with model.lora.save_merged: base + adapter merged
+    summary.json           final eval and timing (rank 0 writes it, and the metrics,
+                           W&B run and model; every rank writes its part of a checkpoint)
+    .lock                  while a run writes: the writer's pid (see RunLock)
+"""
 from __future__ import annotations
 
 import fcntl
@@ -16,7 +32,6 @@ from typing import Any, Dict, FrozenSet, Optional, Tuple
 import yaml
 from omegaconf import OmegaConf
 
-from rlctl.backends.launch import LOCK_FD_ENV
 from rlctl.compose import Composed
 from rlctl.errors import RunDirError
 from rlctl.models.lora import save_lora
@@ -40,10 +55,13 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunLock:
-    """One writer per run directory: ``<run>/.lock`` holds the writer's pid under an exclusive
-    ``flock`` for the whole run, inherited by launched ranks (``held_fd``,
-    ``adopt_inherited``). A lock file left by a killed run is taken over; a live holder is
-    refused by pid."""
+    """One writer per run directory: ``<run>/.lock`` holds the writer's pid, and an
+    exclusive ``flock`` on it is held for the whole run. Before it launches ranks, the
+    owner turns it into a shared lock that each rank takes too (``share_lock``), so the
+    run stays locked until the launcher and every rank have exited, even when the
+    launcher is killed. The kernel
+    drops the flock when the last holder dies, so a lock file left by a killed run is
+    stale and simply taken over; a live holder is refused by pid."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
@@ -85,22 +103,26 @@ class RunLock:
         self.release()
 
 
-def held_fd(run_dir: Path) -> Optional[int]:
-    """The descriptor by which this process holds ``run_dir``'s lock (None: it does not)."""
-    return _HELD.get(str(Path(run_dir)))
-
-
-def adopt_inherited(run_dir: Path) -> None:
-    """In a launched rank: keep the launcher's lock descriptor (``LOCK_FD_ENV``) open, close it
-    in forks, add this rank's pid to the file. Never unlocks."""
-    fd = os.environ.get(LOCK_FD_ENV)
-    if not fd:
-        return
+def share_lock(run_dir: Path) -> None:
+    """The owner (it holds the lock): make it shared, before it launches ranks (one flock
+    call: no other process can lock in between). A launched rank: take the shared lock for
+    this rank's life (closed in its forks) and add its pid to the file (named when another
+    process is refused). Another process's exclusive lock stays refused while any holds it."""
     path = Path(run_dir) / LOCK_FILE
-    _HELD[str(path.parent)] = int(fd)
-    if _same_file(int(fd), path):
-        with open(path, "a") as f:             # O_APPEND: ranks do not overwrite each other
-            f.write(f"{os.getpid()}\n")
+    fd = _HELD.get(str(path.parent))
+    if fd is not None:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise RunDirError(f"run directory '{path.parent}' is in use by another rlctl process; "
+                          "wait for it to finish or stop it") from None
+    _HELD[str(path.parent)] = fd
+    with open(path, "a") as f:                 # O_APPEND: ranks do not overwrite each other
+        f.write(f"{os.getpid()}\n")
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -155,9 +177,10 @@ def create_run_dir(output_dir: str, name: str) -> Path:
 
 
 def new_run_dir(run_cfg) -> Tuple[Path, Optional[FrozenSet[str]]]:
-    """``run.dir`` when set (created; must not hold a run), else a fresh
-    ``run.output_dir/<time>-<name>``. Also returns what ``discard_new`` keeps: None when rlctl
-    created the directory, else the entries it already held."""
+    """``run.dir`` when set (created; it must not already hold a run), else a fresh
+    ``run.output_dir/<time>-<name>``. Also returns what to keep if the run fails before
+    its first step (see ``discard_new``): None when rlctl created the directory, else the
+    names of the entries the user's directory already held."""
     if not run_cfg.get("dir"):
         return create_run_dir(run_cfg.output_dir, run_cfg.name), None
     path = Path(run_cfg.dir)
@@ -210,8 +233,9 @@ def write_config(run_dir: Path, composed: Composed) -> None:
 
 
 def record_resume(run_dir: Path, composed: Composed) -> None:
-    """A resume's config becomes the run's: config.yaml and recipe.yaml are rewritten and
-    overrides.yaml lists each resume's overrides after the original ones."""
+    """A resume's config becomes the run's: config.yaml and recipe.yaml are rewritten (so
+    the next `rlctl train --resume` keeps e.g. a raised trainer.steps or a new trainer.lr)
+    and overrides.yaml lists each resume's overrides after the original ones."""
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(composed.cfg, resolve=True))
     write_text_atomic(run_dir / "recipe.yaml", recipe_text(composed))
     path = run_dir / "overrides.yaml"

@@ -1,12 +1,8 @@
-"""Looking at process trees from a test (Linux /proc): a process's children, whether
-rlctl's stop handler is installed in it, and a bounded wait for a condition."""
+"""Looking at processes from a test (Linux /proc): whether rlctl's stop handler is
+installed in one, and a bounded wait for a condition."""
 import signal
 import time
 from pathlib import Path
-
-
-def _children(pid: int):
-    return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _catches_sigterm(pid: int) -> bool:

@@ -2,7 +2,7 @@
 
     torchrun --max-restarts=1 ... restart_worker.py
 
-Every rank joins through rlctl's rendezvous (tcp_group.join) and takes the text rank 0
+Every rank joins the group (tcp_group.join: torch's env:// rendezvous) and takes the text rank 0
 shares (tcp_group.share: the run directory in `rlctl train`), then sums its rank + 1
 over the group. Attempt 0: rank 1 fails (exit 1) once that is done, so torchrun stops the
 workers and starts them again on the same agent store. Attempt 1: rank 0 waits 1 s

@@ -24,10 +24,11 @@ STAGES = [0, 1, 2, 3]
 
 
 def _run(out_dir: Path, world: int, cases: list, timeout=600) -> None:
-    procs = []
+    from test_multinode import free_port
+    procs, port = [], free_port()
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   RLCTL_DIST_INIT=f"file://{out_dir / f'.init{world}'}", OMP_NUM_THREADS="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    DS_ACCELERATOR="cpu")
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out_dir), json.dumps(cases)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

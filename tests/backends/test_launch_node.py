@@ -1,6 +1,7 @@
-"""rlctl's own per-node launcher (``launch_node``) and a stop signal, in-process: the
-ranks here are plain Python processes that install no handler, so a forwarded SIGTERM
-kills them (exit -15), as it kills a real rank still importing torch."""
+"""rlctl's per-node launcher (``launch_node``, torchrun's agent with a static rendezvous)
+and a stop signal, in-process: the ranks here are plain Python processes that install no
+handler, so a forwarded SIGTERM kills them (exit -15), as it kills a real rank still
+importing torch. One node (node 0 of 1), so no other node's rendezvous is waited for."""
 import signal
 import sys
 import time
@@ -9,8 +10,10 @@ from types import SimpleNamespace
 from rlctl.backends.launch import launch_node
 from rlctl.stopping import StopFlag
 
-HW = SimpleNamespace(nnodes=2, node_rank=1, num_processes=2, master_addr="127.0.0.1",
-                     master_port=1, num_threads=1)
+from test_multinode import free_port
+
+HW = SimpleNamespace(nnodes=1, node_rank=0, num_processes=2, master_addr="127.0.0.1",
+                     master_port=free_port(), num_threads=1, dist_timeout_s=30)
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(20)"]
 
 

@@ -1,7 +1,8 @@
 """Several "nodes" on one machine: separate process trees that share only TCP on the
 loopback interface (master 127.0.0.1, the SLURM node list names 127.0.0.1 and 127.0.0.2),
 on free ports picked here. torchrun, SLURM-style environments (no SLURM) and rlctl's own
-multi-node launcher; a node killed mid-run; --resume on both nodes."""
+multi-node launcher (torchrun's agent, driven by `rlctl train hardware.nnodes=2`); a node
+killed mid-run; --resume on both nodes."""
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ TINY_RUN = ["trainer.steps=2", "trainer.prompts_per_step=2", "algo.group_size=2"
             "trainer.eval_every=0", "rollout.max_new_tokens=4", "run.save_model=false"]
 BASE_ENV = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-            and not k.startswith(("SLURM_", "RLCTL_DIST", "RLCTL_LAUNCHER"))}
+            and not k.startswith(("SLURM_", "RLCTL_LAUNCHER", "TORCHELASTIC_", "GROUP_"))}
 BASE_ENV.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
                 DS_ACCELERATOR="cpu")
 
@@ -87,7 +88,6 @@ def test_environment_describes_the_group():
                                  "SLURM_JOB_NODELIST": "gpu[07-10]"})
     assert (g.rank, g.world_size, g.local_rank, g.master_addr, g.master_port) == (5, 8, 1, "gpu07", 29555)
     assert from_environment(1, {}) is None
-    assert from_environment(1, {"RANK": "0", "WORLD_SIZE": "2", "RLCTL_DIST_INIT": "file:///x"}) is None
     with pytest.raises(UserError, match="MASTER_ADDR"):
         from_environment(1, {"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(UserError, match=r"rank 2 is not in \[0, 2\)"):
@@ -165,8 +165,9 @@ def test_bad_launches_are_one_line(tmp_path):
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants (rlctl's ranks run in their own sessions,
     so a process-group kill would miss them): a node that dies at once."""
-    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     os.kill(pid, signal.SIGSTOP)                  # no more children, no PDEATHSIG yet
+    kids = [k for task in Path(f"/proc/{pid}/task").iterdir()   # every thread's (torchrun's
+            for k in (task / "children").read_text().split()]    # agent starts the ranks in one)
     for kid in kids:
         kill_tree(int(kid))
     os.kill(pid, signal.SIGKILL)
@@ -194,7 +195,7 @@ def test_own_launcher_two_nodes_kill_one_then_resume(tmp_path, rlctl_app):
     deadline = time.monotonic() + 90
     # any checkpoint: with keep_checkpoints=2, step 1's is gone once step 3 saves, and a
     # poll that missed it would wait out the deadline while the nodes run thousands of steps
-    while not list((run / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
+    while not list((run / "checkpoints").glob("step-*[0-9]")) and time.monotonic() < deadline:   # not .tmp
         time.sleep(0.2)
     kill_tree(node1.pid)
     t0 = time.monotonic()

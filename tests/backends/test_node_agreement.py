@@ -1,30 +1,24 @@
 """Nodes that must agree before they train together, as separate process trees on
 127.0.0.1 (free ports picked here): rlctl's own multi-node launcher and torchrun compare
-every node's resolved config at rendezvous (less the per-node keys), a node_rank started
-twice is refused at once, a node without node 0 (or on the wrong port) gives up in one
-line on time, and a stopped run tells each node its own resume command. Last, rank claims on a TCPStore
-in this process: a claim whose holder died waiting is free again.
+every node's resolved config once the group forms (less the per-node keys), a node_rank
+started twice is refused at once, a node without node 0 (or on the wrong port) gives up
+in one line on time, and a stopped run tells each node its own resume command.
 
-Timing: each node's rank is started by its node's main process; a clock for a wait
-starts only once that rank's stop handler is installed (``_catches_sigterm``: it is then
-in the rendezvous, rlctl/backends/meet.py), never at process start on a loaded machine.
+Timing: a clock for a wait starts only once the node's own stop handler is installed
+(``_catches_sigterm``: its launcher is then in torchrun's rendezvous, or has started its
+rank), never at process start on a loaded machine.
 The mismatch tests use a long hardware.dist_timeout_s: they end when the nodes meet, not
 when a wait runs out."""
 import contextlib
 import signal
-import threading
 import time
-from datetime import timedelta
 
-import pytest
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from rlctl.backends import meet, same_config
+from rlctl.backends import same_config
 from rlctl.compose import compose
-from rlctl.errors import UserError
 from test_multinode import TINY_RUN, error_lines, finish, free_port, kill_tree, rlctl_train, start, torchrun
-from proc_tools import _catches_sigterm, _children, _wait_until
+from proc_tools import _catches_sigterm, _wait_until
 
 MISMATCH_TAIL = "; start every node with the same config"
 
@@ -103,8 +97,8 @@ def test_torchrun_nodes_with_different_configs_stop_in_one_line(tmp_path):
 
 
 def _timed(procs, limit: float):
-    """Per process: (seconds from its start to its rank's stop handler, i.e. the rank's
-    start-up; seconds from then to its exit; its (code, stdout, stderr)), polled together."""
+    """Per process: (seconds from its start to its stop handler, i.e. the node's start-up;
+    seconds from then to its exit; its (code, stdout, stderr)), polled together."""
     born, entered, ended = time.monotonic(), {}, {}
     deadline = born + limit
     while len(ended) < len(procs):
@@ -112,8 +106,8 @@ def _timed(procs, limit: float):
         now = time.monotonic()
         for i, p in enumerate(procs):
             if i not in entered and p.poll() is None:
-                with contextlib.suppress(OSError, ValueError):      # a child that just ended
-                    if any(_catches_sigterm(k) for k in _children(p.pid)):
+                with contextlib.suppress(OSError, ValueError, StopIteration):   # just ended
+                    if _catches_sigterm(p.pid):
                         entered[i] = now
             if i not in ended and p.poll() is not None:
                 ended[i] = now
@@ -127,7 +121,7 @@ def test_a_node_without_its_peer_gives_up_in_one_line_on_time(tmp_path):
     """Node 0 on one port, node 1 on another nobody serves (the wrong master port, or no
     node 0): node 1 "cannot reach the master", node 0 "rank(s) 1 never connected", each
     exit 2 with exactly one stderr line (c10d's wait printed about 35 lines of C++ frames
-    first), hardware.dist_timeout_s after its rank entered the rendezvous."""
+    first), hardware.dist_timeout_s after its launcher entered the rendezvous."""
     timeout, out = 10, tmp_path / "out"
     args = [f"hardware.dist_timeout_s={timeout}", f"run.output_dir={out}"]
     port0, port1 = free_port(), free_port()
@@ -142,8 +136,8 @@ def test_a_node_without_its_peer_gives_up_in_one_line_on_time(tmp_path):
              f"hardware.dist_timeout_s={timeout}"]
     for want, (startup, waited, (code, _, err)) in zip(wants, timed):
         assert code == 2 and len(err.strip().splitlines()) == 1 and want in err, (code, err[-3000:])
-        # not early (0.5 s: the 0.05 s poll that saw the handler, late); and leaving (the
-        # rank's exit, then its node's) takes less than starting it did (imports, compose)
+        # not early (0.5 s: the 0.05 s poll that saw the handler, late); and leaving
+        # takes less than starting did (imports, compose)
         assert timeout - 0.5 <= waited < timeout + startup, (waited, startup)
     assert not out.exists() or not list(out.iterdir())
 
@@ -177,33 +171,3 @@ def test_a_node_rank_started_twice_is_refused_and_a_stop_prints_each_nodes_resum
         assert code == 130, (r, code, err[-2000:])
         (line,) = [ln for ln in err.splitlines() if "Resume with:" in ln]
         assert line.endswith(f"Resume with: rlctl train --resume {run} hardware.node_rank={r}"), line
-
-
-def test_a_claim_is_refused_while_its_holder_waits_and_taken_over_once_it_died():
-    """Rank claims on a real TCPStore in this process: a holder still waiting for the
-    verdict (its alive counter bumped every 0.2 s, as meet's poll does) keeps its rank; one
-    that died waiting (no beats) leaves it to the next claimant (a node restarted after
-    SIGKILL); once the verdict is out nobody takes a claimed rank."""
-    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=5))
-    twice = "rank 1 is claimed twice: is hardware.node_rank=1 started on two machines"
-    meet.claim(store, 1, "hardware.node_rank=1")
-    done = threading.Event()
-
-    def beat():
-        while not done.is_set():
-            store.add(meet.key("alive", 1), 1)
-            time.sleep(meet.POLL_S)
-    threading.Thread(target=beat, daemon=True).start()
-    try:
-        with pytest.raises(UserError, match=twice):
-            meet.claim(store, 1, "hardware.node_rank=1")
-    finally:
-        done.set()
-    time.sleep(2 * meet.POLL_S)                  # the beating thread has stopped: the holder "died"
-    meet.claim(store, 1, "hardware.node_rank=1")                       # taken over
-    assert store.add(meet.key("claim", 1), 0) == 1                     # still one holder
-    store.set(meet.key("verdict"), meet.OK)
-    with pytest.raises(UserError, match=twice):
-        meet.claim(store, 1, "hardware.node_rank=1")                   # no beats, but the group formed
-    assert store.add(meet.key("claim", 1), 0) == 1

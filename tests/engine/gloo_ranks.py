@@ -1,6 +1,7 @@
-"""Run a test module's rank worker as 2 gloo processes (a ``file://`` rendezvous in the
-test's tmp dir: no ports), each with OMP_NUM_THREADS=1; fail with the rank's output."""
+"""Run a test module's rank worker as 2 gloo processes (torch's env:// rendezvous on a free
+loopback port), each with OMP_NUM_THREADS=1; fail with the rank's output."""
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +14,13 @@ def run_two_ranks(module: str, call: str, tmp_path, timeout: float, paths=()) ->
     beside this folder); asserts both exit 0 within ``timeout`` s."""
     path = [str(HERE), *map(str, paths)]
     code = f"import sys; sys.path[:0] = {path!r}; import {module} as t; t.{call}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                       OMP_NUM_THREADS="1", RLCTL_DIST_INIT=f"file://{tmp_path / '.init'}"))
+                                       OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
              for r in range(2)]
     for p in procs:
         out = p.communicate(timeout=timeout)[0]
