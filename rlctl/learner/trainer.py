@@ -35,8 +35,7 @@ from rlctl.rollout.collect import collect
 from rlctl.rollout.sampler import check_training_sampling
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint
-from rlctl.tasks.base import Task
-from rlctl.tasks.scoring import RewardScorer
+from rlctl.tasks.prompt_budget import Prepared
 from rlctl.types import RolloutBatch
 
 
@@ -60,15 +59,17 @@ def frozen_copy(model):
 class Trainer:
     """``settings``: what the loop reads of the config (``Trainer.from_config`` builds
     them from it); ``model``: the policy, or a PolicyValueModel (shared critic);
+    ``prepared``: the task prepared for the model (``rlctl.tasks.prompt_budget.Prepared``:
+    the eval prompts and the eval scorer come from it);
     ``source``: where rollouts come from (``build_source``: it samples with this same
     ``model``, and owns the prompt sampler and the training reward scorer); ``critic``: a
     separate value model or None; ``backend``: how to step and how ranks communicate
     (each rank samples its own share of the step's prompts, whole groups only)."""
 
-    def __init__(self, settings: TrainerSettings, model, tokenizer, task: Task, sink, *, source,
-                 backend, critic=None, ref_model=None):
+    def __init__(self, settings: TrainerSettings, model, tokenizer, prepared: Prepared, sink, *,
+                 source, backend, critic=None, ref_model=None):
         s = self.options = settings
-        self.tokenizer, self.task, self.sink, self.source = tokenizer, task, sink, source
+        self.tokenizer, self.task, self.sink, self.source = tokenizer, prepared.task, sink, source
         self.critic, self.backend = critic, backend
         self.settings, self.adv_settings = s.update, s.advantage     # the update's, the advantages'
         self.kl_ctl = (AdaptiveKLController(s.kl_coef, s.kl_target, s.kl_horizon)
@@ -80,12 +81,12 @@ class Trainer:
         if s.compile:            # learner forwards only; generation keeps the eager module
             self.model = torch.compile(self.model, dynamic=True)
         self.scorer = source.scorer              # training rewards (time limit, error policy)
-        self.eval_scorer = RewardScorer(task)    # kept apart so eval never mixes into reward/*
-        self.eval_examples = task.eval_examples()
+        self.eval_scorer = prepared.scorer()    # kept apart so eval never mixes into reward/*
+        self.eval_examples = list(prepared.eval)
         self.local_prompts = s.prompts_per_step // self.backend.world_size   # compose() checks
 
     @classmethod
-    def from_config(cls, cfg, model, tokenizer, task: Task, sink, *, source, critic=None,
+    def from_config(cls, cfg, model, tokenizer, prepared: Prepared, sink, *, source, critic=None,
                     ref_model=None, backend=None) -> "Trainer":
         """The Trainer for the composed config ``cfg`` (read here, once): its sampling
         checked (``rollout.top_k``), ``backend`` by default the torch one on
@@ -94,7 +95,7 @@ class Trainer:
         check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
         backend = backend or TorchBackend(cfg.hardware.device)
         settings = TrainerSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
-        return cls(settings, model, tokenizer, task, sink, source=source, backend=backend,
+        return cls(settings, model, tokenizer, prepared, sink, source=source, backend=backend,
                    critic=critic, ref_model=ref_model)
 
     def close(self) -> None:

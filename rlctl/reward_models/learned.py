@@ -37,7 +37,7 @@ from rlctl.reward_models.checkpoint import (LAST_ATTENDED, checkpoint_keys, head
                                            untrained_head_problem)
 from rlctl.reward_models.norm import RunningNorm, global_batch_stats
 from rlctl.reward_models.scoring import encode, last_token_scores, length_limit, render
-from rlctl.tasks.base import LEARNED_ATTR, RAW_PROMPT, RESERVED_REWARD_NAMES
+from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
 
@@ -177,7 +177,7 @@ class RewardModel:
         return self.score_texts([self.text(e, c) for e, c in zip(examples, completions)])
 
 
-# ---- several models, attached to a task ----------------------------------------------------
+# ---- several models, given to the run's scorers ----------------------------------------------------
 @dataclass
 class LearnedRewards:
     """The reward models of a run. ``replace_task``: the task's own rewards weigh 0 in
@@ -188,14 +188,14 @@ class LearnedRewards:
     norm: str = "none"
     clip: Optional[float] = None
     norms: Dict[str, RunningNorm] = field(default_factory=dict)
-    owner: Any = None      # the first RewardScorer of the task: it updates the statistics
+    owner: Any = None      # the first RewardScorer given these models: it updates the statistics
 
     def __post_init__(self):
         self.norms = {m.name: RunningNorm() for m in self.models}
 
     def claim(self, scorer) -> bool:
         """True for the scorer that updates (and checkpoints) the running statistics:
-        the first one built for the task (training's), not the eval scorer built after it."""
+        the first one built with them (training's), not the eval scorer built after it."""
         if self.owner is None:
             self.owner = scorer
         return self.owner is scorer
@@ -261,7 +261,3 @@ def build_learned_rewards(reward_model: Optional[str], rewards: Optional[Sequenc
     check_names(models, taken)
     return LearnedRewards(models, replace_task=bool(reward_model), norm=norm, clip=clip)
 
-
-def attach(task, learned: Optional[LearnedRewards]) -> None:
-    """Give ``task`` its reward models (``RewardScorer`` finds them there: ``learned_of``)."""
-    setattr(task, LEARNED_ATTR, learned)
