@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from rlctl.errors import UserError
 from rlctl.tasks.base import RAW_PROMPT, end_of_turn_markers, render_chat, task_options
@@ -91,12 +91,9 @@ class Prepared:
         return RewardScorer(self.task, self.learned, self.markers, **options)
 
 
-def _rendered(examples: List[Example], tokenizer, system: Optional[str]) -> List[Example]:
-    out = []
-    for ex in examples:
-        raw = ex.fields.get(RAW_PROMPT, ex.prompt)
-        out.append(Example(prompt=render_chat(tokenizer, raw, system), fields={**ex.fields, RAW_PROMPT: raw}))
-    return out
+def _rendered(ex: Example, tokenizer, system: Optional[str]) -> Example:
+    raw = ex.fields.get(RAW_PROMPT, ex.prompt)
+    return Example(prompt=render_chat(tokenizer, raw, system), fields={**ex.fields, RAW_PROMPT: raw})
 
 
 def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, learned=None,
@@ -118,7 +115,7 @@ def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, 
     try:
         splits = {"train": task.train_examples(), "eval": task.eval_examples()}
         if markers is not None:
-            splits = {k: _rendered(v, tokenizer, opts.system_prompt) for k, v in splits.items()}
+            splits = {k: [_rendered(ex, tokenizer, opts.system_prompt) for ex in v] for k, v in splits.items()}
         if limit is not None:
             splits, report = limit_prompts(opts.long_prompts, tokenizer, splits, *limit)
             line = report.line()
