@@ -65,7 +65,6 @@ class Task(Protocol):
     #   correct_from_reward(example, reward) -> bool   eval correctness from the total.
 
 
-TaskFactory = Callable[..., Task]
 # factory(**task options) -> Task, registered with @register_task(name); task.name may
 # also be "package.module:factory" for a task of the user's own.
 TASKS = Registry("task")
