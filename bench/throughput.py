@@ -38,13 +38,14 @@ def _setup(overrides):
     from omegaconf import OmegaConf
 
     from rlctl.compose import compose
-    from rlctl.run.build import model_from_config, task_from_config, quiet_libraries
+    from rlctl.run.build import model_from_config, prepare_task, task_from_config, quiet_libraries
 
     cfg = compose(["trainer.eval_every=0", "logger=none", *overrides]).cfg
     OmegaConf.resolve(cfg)
     quiet_libraries(cfg)
-    task = task_from_config(cfg)
+    built = task_from_config(cfg)
     model, critic, tok, ref = model_from_config(cfg)
+    task = prepare_task(cfg, tok, model, built, quiet=True)     # the prepared task
     torch.manual_seed(cfg.seed * 1000)
     return cfg, task, model, tok
 
@@ -54,7 +55,7 @@ def floor_stepper(cfg, task, model, tok):
     import torch
 
     n = cfg.trainer.prompts_per_step * cfg.algo.group_size
-    examples = task.train_examples()
+    examples = list(task.train)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr)
     count = iter(range(1 << 30))
 

@@ -118,8 +118,8 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
     t0 = time.perf_counter()
-    target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
-    examples = task.eval_examples()
+    target, cfg, prepared, model, tokenizer, what = open_target(target_arg, overrides)
+    task, examples = prepared.task, list(prepared.eval)
     if not examples:
         raise UserError("the task's eval split is empty; set task.num_eval=N")
     reward_name = str(cfg.task.get("reward", None) or "reward")
@@ -129,7 +129,7 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     err = Console(stderr=True, quiet=quiet)
     err.print(f"evaluating {what} on {len(examples)} held-out prompts "
               f"(greedy, and {samples} sample(s) at temperature {ro.temperature})", soft_wrap=True)
-    scorer, saved = held_out_scorer(task, target)
+    scorer, saved = held_out_scorer(prepared, target)
     if saved is not None:
         err.print(saved.note, soft_wrap=True)
     greedy, sampled, trained = _splits(cfg, model, tokenizer, task, examples, samples,

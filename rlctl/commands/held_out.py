@@ -21,10 +21,10 @@ class SavedNorm:
     note: str                # one line for stderr and the report
 
 
-def held_out_scorer(task, target) -> Tuple[RewardScorer, Optional[SavedNorm]]:
+def held_out_scorer(prepared, target) -> Tuple[RewardScorer, Optional[SavedNorm]]:
     """(a scorer that reads but never updates the statistics, where they came from; None
     without task.reward_norm=running)."""
-    scorer = RewardScorer(task, norm_owner=False)
+    scorer = prepared.scorer(norm_owner=False)
     learned = scorer.learned
     if learned is None or learned.norm != "running":
         return scorer, None

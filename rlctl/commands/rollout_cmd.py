@@ -83,8 +83,9 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                 split: str = "train", batch_size: int = 256, quiet: bool = False) -> dict:
     _check_options(out, split, prompts, samples, batch_size)
     t0 = time.perf_counter()
-    target, cfg, task, model, tokenizer, what = open_target(target_arg, overrides)
-    plan = _plan(cfg, task, tokenizer, split, prompts, samples, batch_size,
+    target, cfg, prepared, model, tokenizer, what = open_target(target_arg, overrides)
+    task = prepared.task
+    plan = _plan(cfg, prepared, tokenizer, split, prompts, samples, batch_size,
                  stop_ids(model, tokenizer))
     episodes = EpisodeDump.of(cfg, tokenizer, task, plan.stops) if is_episodic(task) else None
     path, fh = _open_out(out)
@@ -96,7 +97,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     torch.manual_seed(cfg.seed)
     rows = truncated = 0
     reward_sum = 0.0
-    scorer, saved = held_out_scorer(task, target)
+    scorer, saved = held_out_scorer(prepared, target)
     if saved is not None:
         err.print(saved.note, soft_wrap=True)
     with scorer, fh, Progress("[progress.description]{task.description}", BarColumn(),
@@ -137,8 +138,8 @@ def _check_options(out, split, prompts, samples, batch_size) -> None:
             raise UserError(f"{name} must be >= 1 (got {value})")
 
 
-def _plan(cfg, task, tokenizer, split, prompts, samples, batch_size, stops) -> _Plan:
-    examples = task.train_examples() if split == "train" else task.eval_examples()
+def _plan(cfg, prepared, tokenizer, split, prompts, samples, batch_size, stops) -> _Plan:
+    examples = list(prepared.train if split == "train" else prepared.eval)
     n_prompts = prompts or int(cfg.trainer.prompts_per_step)
     group = samples or int(cfg.algo.group_size)
     if n_prompts > len(examples):

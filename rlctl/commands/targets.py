@@ -27,8 +27,7 @@ from rlctl.errors import ConfigError, UserError
 from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer
 from rlctl.models.quiet import quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.run.build import task_from_config
-from rlctl.tasks.prompt_budget import PromptBudget, bind_task
+from rlctl.run.build import prepare_task, task_from_config
 
 
 @dataclass
@@ -101,17 +100,18 @@ def _config_yaml_with_overrides(path: Path, overrides: Sequence[str]):
 
 
 def open_target(target_arg, overrides):
-    """(target, cfg, task, model, tokenizer, description) for eval/rollout: path errors come
-    before the config is composed and the model loaded; chat prompts are bound to the
-    model's tokenizer; the model's generation config holds the full stop set."""
+    """(target, cfg, prepared task, model, tokenizer, description) for eval/rollout: path
+    errors come before the config is composed and the model loaded; the task is prepared
+    for the model (``rlctl.run.build.prepare_task``); the model's generation config holds
+    the full stop set."""
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
-    task = task_from_config(cfg)
+    built = task_from_config(cfg)
     model, tokenizer, what = load_policy(target, cfg)
     # the stop set (tokenizer EOS, generation config, rollout.stop_token_ids) onto the model
     resolve_stop_ids(model, tokenizer, cfg.rollout.get("stop_token_ids", None))
-    bind_task(PromptBudget.from_config(cfg), task, tokenizer, model)   # chat template; prompts within the context
-    return target, cfg, task, model, tokenizer, what
+    prepared = prepare_task(cfg, tokenizer, model, built)   # chat template; prompts within the context
+    return target, cfg, prepared, model, tokenizer, what
 
 
 def load_policy(target: Target, cfg):

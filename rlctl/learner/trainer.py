@@ -35,8 +35,7 @@ from rlctl.rollout.sampler import check_training_sampling
 from rlctl.schema import AlgoConfig, TrainerConfig
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint
-from rlctl.tasks.base import Task
-from rlctl.tasks.scoring import RewardScorer
+from rlctl.tasks.prompt_budget import Prepared
 from rlctl.types import RolloutBatch
 
 
@@ -75,18 +74,20 @@ class Trainer:
     ``samples``: the sample tables'; ``lr``: model.lora.lr when LoRA sets one, else
     trainer.lr; ``eval_max_new_tokens``: rollout.max_new_tokens (``Trainer.from_config``
     builds all of these from the config); ``model``: the policy, or a PolicyValueModel (shared critic);
+    ``prepared``: the task prepared for the model (``rlctl.tasks.prompt_budget.Prepared``:
+    the eval prompts and the eval scorer come from it);
     ``source``: where rollouts come from (``build_source``: it samples with this same
     ``model``, and owns the prompt sampler and the training reward scorer); ``critic``: a
     separate value model or None; ``backend``: how to step and how ranks communicate
     (each rank samples its own share of the step's prompts, whole groups only)."""
 
     def __init__(self, algo: AlgoConfig, trainer: TrainerConfig, update: UpdateSettings,
-                 advantage: AdvantageSettings, samples: SampleSettings, model, tokenizer, task: Task,
+                 advantage: AdvantageSettings, samples: SampleSettings, model, tokenizer, prepared: Prepared,
                  sink, *, source, backend, lr: float, eval_max_new_tokens: int, critic=None,
                  ref_model=None):
         self.algo, self.tr, self.samples = algo, trainer, samples
         self.old_forward, self.eval_max_new_tokens = needs_old_forward(algo), eval_max_new_tokens
-        self.tokenizer, self.task, self.sink, self.source = tokenizer, task, sink, source
+        self.tokenizer, self.task, self.sink, self.source = tokenizer, prepared.task, sink, source
         self.critic, self.backend = critic, backend
         self.settings, self.adv_settings = update, advantage     # the update's, the advantages'
         kl = algo.kl
@@ -99,12 +100,12 @@ class Trainer:
         if trainer.compile:      # learner forwards only; generation keeps the eager module
             self.model = torch.compile(self.model, dynamic=True)
         self.scorer = source.scorer              # training rewards (time limit, error policy)
-        self.eval_scorer = RewardScorer(task)    # kept apart so eval never mixes into reward/*
-        self.eval_examples = task.eval_examples()
+        self.eval_scorer = prepared.scorer()    # kept apart so eval never mixes into reward/*
+        self.eval_examples = list(prepared.eval)
         self.local_prompts = trainer.prompts_per_step // self.backend.world_size   # compose() checks
 
     @classmethod
-    def from_config(cls, cfg, model, tokenizer, task: Task, sink, *, source, critic=None,
+    def from_config(cls, cfg, model, tokenizer, prepared: Prepared, sink, *, source, critic=None,
                     ref_model=None, backend=None) -> "Trainer":
         """The Trainer for the composed config ``cfg`` (read here, once): its sampling
         checked (``rollout.top_k``), ``backend`` by default the torch one on
@@ -117,7 +118,7 @@ class Trainer:
         return cls(cfg.algo, tr,
                    UpdateSettings.from_config(cfg, share), AdvantageSettings.from_config(cfg),
                    SampleSettings(cfg.logger.samples.every, cfg.logger.samples.n, cfg.seed),
-                   model, tokenizer, task, sink, source=source, backend=backend, critic=critic,
+                   model, tokenizer, prepared, sink, source=source, backend=backend, critic=critic,
                    ref_model=ref_model, eval_max_new_tokens=cfg.rollout.max_new_tokens,
                    lr=lora.lr if lora.enabled and lora.lr is not None else tr.lr)
 

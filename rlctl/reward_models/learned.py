@@ -1,14 +1,25 @@
-"""Learned reward models: a sequence classifier's score as a reward, beside or instead of a
-task's own rewards (docs/rlhf.md).
+"""Learned reward models: a sequence classifier's score as a reward, beside or instead of
+a task's own (verifiable) rewards.
 
-A reward model is an ``AutoModelForSequenceClassification`` directory with one label,
-safetensors weights and its own tokenizer, as TRL and OpenRLHF save them (Ouyang et al.,
-2022). ``RewardModel.score`` goes through ``rlctl.reward_models.scoring``, the path the
-fit uses; batched, under ``no_grad``, in the saved dtype; weights load on the first
-score. ``task.reward_norm=running`` whitens each model's scores with running statistics
-(``rlctl.reward_models.norm``) updated with the batch first, as OpenRLHF and TRL;
-``task.reward_clip=c`` clips to [-c, c]. The statistics are checkpointed
-(``LearnedRewards.state``)."""
+A reward model is a Hugging Face ``AutoModelForSequenceClassification`` directory with one
+label, safetensors weights and its own tokenizer (optionally a chat template), the form
+in which TRL, OpenRLHF and Hugging Face save Bradley-Terry reward models (Ouyang et al.,
+2022, "Training language models to follow instructions with human feedback").
+
+Scoring (``RewardModel.score``) goes through the one path in
+``rlctl.reward_models.scoring`` (text, tokens, score), which ``rlctl reward-model train``
+fits with too, so that a model is scored on exactly what it was fitted on.
+
+Batched (``BATCH_ROWS`` rows per forward) on the training device, under ``no_grad``, in
+the model's saved dtype. The weights load on the first score (so that checking a config
+costs no weight loading).
+
+``task.reward_norm=running`` whitens each model's scores with running statistics over
+every training score seen so far (count, mean, M2: the batched form of Welford's update,
+Chan et al., 1979), updated with the batch before the batch is normalised, as OpenRLHF's
+and TRL's reward normalisation do; ``task.reward_clip=c`` then clips to [-c, c]. The
+statistics are part of the scorer's checkpointed state (``LearnedRewards.state``).
+"""
 from __future__ import annotations
 
 import logging
@@ -26,7 +37,7 @@ from rlctl.reward_models.checkpoint import (LAST_ATTENDED, checkpoint_keys, head
                                            untrained_head_problem)
 from rlctl.reward_models.norm import RunningNorm, global_batch_stats
 from rlctl.reward_models.scoring import encode, last_token_scores, length_limit, render
-from rlctl.tasks.base import LEARNED_ATTR, RAW_PROMPT, RESERVED_REWARD_NAMES
+from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
 
@@ -149,7 +160,8 @@ class RewardModel:
         return out
 
     def _note_read(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """Say once when this model is read where transformers' pooling would not read it."""
+        """Say once when this model is read where transformers' pooling would not read it
+        (an earlier rlctl fit, whose texts end with its pad id)."""
         pad = pad_id_of(self.config)
         if self.read != LAST_ATTENDED or pad is None or self.read_noted:
             return
@@ -165,7 +177,7 @@ class RewardModel:
         return self.score_texts([self.text(e, c) for e, c in zip(examples, completions)])
 
 
-# ---- several models, attached to a task ----------------------------------------------------
+# ---- several models, given to the run's scorers ----------------------------------------------------
 @dataclass
 class LearnedRewards:
     """The reward models of a run. ``replace_task``: the task's own rewards weigh 0 in
@@ -176,14 +188,14 @@ class LearnedRewards:
     norm: str = "none"
     clip: Optional[float] = None
     norms: Dict[str, RunningNorm] = field(default_factory=dict)
-    owner: Any = None      # the first RewardScorer of the task: it updates the statistics
+    owner: Any = None      # the first RewardScorer given these models: it updates the statistics
 
     def __post_init__(self):
         self.norms = {m.name: RunningNorm() for m in self.models}
 
     def claim(self, scorer) -> bool:
-        """True for the scorer that updates (and checkpoints) the running statistics: the first one
-        built for the task (training's), not the eval scorer."""
+        """True for the scorer that updates (and checkpoints) the running statistics:
+        the first one built with them (training's), not the eval scorer built after it."""
         if self.owner is None:
             self.owner = scorer
         return self.owner is scorer
@@ -249,7 +261,3 @@ def build_learned_rewards(reward_model: Optional[str], rewards: Optional[Sequenc
     check_names(models, taken)
     return LearnedRewards(models, replace_task=bool(reward_model), norm=norm, clip=clip)
 
-
-def attach(task, learned: Optional[LearnedRewards]) -> None:
-    """Give ``task`` its reward models (``RewardScorer`` finds them there: ``learned_of``)."""
-    setattr(task, LEARNED_ATTR, learned)

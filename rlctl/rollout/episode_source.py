@@ -17,24 +17,24 @@ import random
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
 from rlctl.rollout.source import SyncSource
-from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import RolloutBatch
 
 SEED_RANGE = 2 ** 31
 
 
 class EpisodeSource(SyncSource):
-    """B rows x G episodes per ``sample``, with ``policy`` (the module the backend trains).
+    """B rows x G episodes per ``sample`` of ``prepared``'s training rows
+    (``rlctl.tasks.prompt_budget.Prepared``), with ``policy`` (the module the backend trains).
     The stop ids are resolved here once (``resolve_stop_ids``, as LocalSource does) and
     written into the policy's generation config."""
 
-    def __init__(self, policy, tokenizer, task, settings: EpisodeSettings, seed: int):
-        self.policy, self.tokenizer, self.task, self.settings = policy, tokenizer, task, settings
-        self.examples = task.train_examples()
+    def __init__(self, policy, tokenizer, prepared, settings: EpisodeSettings, seed: int):
+        self.policy, self.tokenizer, self.task, self.settings = policy, tokenizer, prepared.task, settings
+        self.examples = list(prepared.train)
         self.sampler = random.Random(seed)
         self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
-        self.player = EpisodePlayer(tokenizer, task, settings, self.stops)
-        self.scorer = RewardScorer(task, timeout_s=0)     # counters only: rewards are the env's
+        self.player = EpisodePlayer(tokenizer, prepared.task, settings, self.stops)
+        self.scorer = prepared.scorer(timeout_s=0)     # counters only: rewards are the env's
 
     def draw_seed(self) -> int:
         """The environments' seed of the next batch (drawn after its rows)."""

@@ -1,11 +1,14 @@
-"""Build what a run needs from its config: the task, the policy (+LoRA, +critic, +the
-LoRA reference). Used by `rlctl train` (every rank), the
-dry run, the async rollout actors and `rlctl eval`/`rollout`, so all of them see the same
-objects for the same config."""
+"""Build what a run needs from its config: the task with its reward models
+(``task_from_config``, once per process), the task prepared for the loaded model
+(``prepare_task``: prompts and scorers), the policy (+LoRA, +critic, +the LoRA
+reference). Used by `rlctl train` (every rank), the dry run, the async rollout actors and
+`rlctl eval`/`rollout`, so all of them see the same objects for the same config."""
 from __future__ import annotations
 
 import inspect
 import os
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -16,10 +19,11 @@ from rlctl.models.dropout import disable_dropout
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora, reference_for
 from rlctl.models.value import PolicyValueModel, SeparateCritic
-from rlctl.reward_models.learned import LearnedRewards, attach, build_learned_rewards, check_names
+from rlctl.reward_models.learned import LearnedRewards, RewardModel, build_learned_rewards, check_names
 from rlctl.reward_models.tiny import task_mismatch, tiny_reward_model_dir
 from rlctl.tasks import TASKS, build_task as _task_from_registry
-from rlctl.tasks.rewards import is_model_entry
+from rlctl.tasks.prompt_budget import Prepared, PromptBudget, prepare
+from rlctl.tasks.rewards import is_model_entry, model_entries
 
 LEARNED_KEYS = ("reward_model", "reward_norm", "reward_clip")   # read here, not by the task
 
@@ -99,19 +103,36 @@ def _check_critic_init(cfg: DictConfig, learned) -> None:
                          "(task.reward_model=PATH)")
 
 
-def task_from_config(cfg: DictConfig):
+@dataclass(frozen=True)
+class BuiltTask:
+    """The task as its factory returned it and the run's reward models (None: none)."""
+    task: Any
+    learned: Optional[LearnedRewards] = None
+
+
+def task_from_config(cfg: DictConfig) -> BuiltTask:
     """The task named by ``cfg.task.name`` with the rest of ``cfg.task`` as its options,
-    with its reward models attached (``rlctl.reward_models.learned``)."""
+    and its reward models (``rlctl.reward_models.learned``). A run builds it once per
+    process; UserError, one line, on a bad option."""
     opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
     try:
         learned = _learned_rewards(cfg, opts)
         task = _task_from_registry(cfg.task.name, **opts)
         if learned is not None:
             check_names(learned.models, list(getattr(task, "reward_weights", {}) or {}))
-        attach(task, learned)
-        return task
+        return BuiltTask(task, learned)
     except (ValueError, TypeError) as exc:
         raise UserError(f"task '{cfg.task.name}': {exc}") from None
+
+
+def prepare_task(cfg: DictConfig, tokenizer, model, built: Optional[BuiltTask] = None,
+                 quiet: bool = False) -> Prepared:
+    """``built`` (default: built here from ``cfg``) prepared for the loaded model: chat
+    prompts through its template, prompts within ``rollout``'s budget, the scorers given
+    the reward models and the chat markers (``rlctl.tasks.prompt_budget.prepare``)."""
+    built = built or task_from_config(cfg)
+    return prepare(built.task, tokenizer, PromptBudget.from_config(cfg), model, built.learned,
+                   quiet=quiet)
 
 
 def _load_error(exc: Exception) -> UserError:
@@ -154,8 +175,14 @@ def model_from_config(cfg: DictConfig):
 
 def _critic_from_reward_model(cfg: DictConfig, tokenizer) -> SeparateCritic:
     """algo.critic_init=reward_model: the reward model's backbone, its score head as the
-    value head (the critic reads the policy's ids: the vocabularies must agree)."""
-    reward_model = task_from_config(cfg).rlctl_learned_rewards.models[0]
+    value head (the critic reads the policy's ids: the vocabularies must agree). The path
+    is the config's (``task.reward_model`` or the one ``{model: ...}`` entry)."""
+    try:
+        task = OmegaConf.to_container(cfg.task)
+        (entry,) = model_entries(task.get("rewards"), _resolve_reward_model(task.get("reward_model"), cfg))
+        reward_model = RewardModel(entry.path, device=cfg.hardware.device, key=entry.key)
+    except ValueError as exc:
+        raise UserError(f"task '{cfg.task.name}': {exc}") from None
     if reward_model.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"algo.critic_init=reward_model: the reward model '{reward_model.path}' "
                         "has another vocabulary than the policy's tokenizer; the critic reads "

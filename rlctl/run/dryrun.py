@@ -47,7 +47,6 @@ from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.sampler import check_training_sampling
 from rlctl.run.build import model_from_config, task_from_config
 from rlctl.run.checks import check_entries
-from rlctl.tasks.base import learned_of
 
 PROMPT_TOKENS = 16        # the rough prompt length of the estimate
 HALF = ("bfloat16", "float16")
@@ -129,10 +128,10 @@ def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, 
     return out
 
 
-def reward_model_sizes(task) -> List[Tuple[str, int, float]]:
-    """(name, parameters, bytes of its weights) of each reward model of ``task``, from its
-    config on the meta device (nothing is loaded), in its saved dtype (float32 if none)."""
-    learned = learned_of(task)
+def reward_model_sizes(learned) -> List[Tuple[str, int, float]]:
+    """(name, parameters, bytes of its weights) of each reward model of ``learned`` (a
+    ``LearnedRewards`` or None), from its config on the meta device (nothing is loaded),
+    in its saved dtype (float32 if none)."""
     out = []
     for m in (learned.models if learned is not None else []):
         with torch.device("meta"):
@@ -162,7 +161,7 @@ def dry_run(cfg: DictConfig) -> List[str]:
     """Build the models as `train` would, print the plan; returns the printed lines."""
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
-    rms = reward_model_sizes(task_from_config(cfg))
+    rms = reward_model_sizes(task_from_config(cfg).learned)
     check_training_sampling(cfg.rollout.top_k)
     model, critic, _, ref = model_from_config(cfg)
     policy = getattr(model, "policy", model)

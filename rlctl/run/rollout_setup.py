@@ -29,15 +29,14 @@ from rlctl.rollout.layout import ActorLayout
 from rlctl.rollout.server_engine import ServerEngine
 from rlctl.rollout.server_kinds import configured_kind
 from rlctl.rollout.source import LocalSource, SamplingSettings
-from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.build import model_from_config, prepare_task
 from rlctl.schema import ServerConfig
 from rlctl.run.local_servers import LocalServers, ServeSpec
-from rlctl.tasks.prompt_budget import PromptBudget, bind_task
-from rlctl.tasks.scoring import RewardScorer
 
 
-def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
-    """The rollout source ``cfg`` asks for: ``LocalSource`` sampling with ``policy`` (the
+def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
+    """The rollout source ``cfg`` asks for, on ``prepared``'s training prompts and scorer
+    (``rlctl.run.build.prepare_task``): ``LocalSource`` sampling with ``policy`` (the
     module the backend will train), or ``AsyncSource`` with
     ``trainer.async_rollout.enabled``; for a task played as episodes
     (``rlctl.envs.base.is_episodic``) ``EpisodeSource`` in place of ``LocalSource``
@@ -45,18 +44,18 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
     ``hardware.device``; ``stop``: the run's StopFlag (a signal ends a wait for servers starting).
     Takes the whole config: the asynchronous source sends it to its actors, which build from it."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
-    if is_episodic(task):
+    if is_episodic(prepared.task):
         check_episodic(backend)        # the config's side: rlctl.run.checks.check_episodes
-        local = EpisodeSource(policy, tokenizer, task, EpisodeSettings.from_config(cfg),
+        local = EpisodeSource(policy, tokenizer, prepared, EpisodeSettings.from_config(cfg),
                               seed=cfg.seed * 1000 + rank)
     elif cfg.rollout.engine == "server":
         device = backend.device if backend is not None else Backend(cfg.hardware.device).device
         return server_source(cfg.rollout.server, ServeSpec.from_config(cfg),
                              EngineSettings.from_config(cfg), SamplingSettings.from_config(cfg, True),
-                             policy, tokenizer, task, device, cfg.seed * 1000, stop)
+                             policy, tokenizer, prepared, device, cfg.seed * 1000, stop)
     else:
         settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
-        local = LocalSource(policy, tokenizer, task.train_examples(), RewardScorer(task), settings,
+        local = LocalSource(policy, tokenizer, list(prepared.train), prepared.scorer(), settings,
                             seed=cfg.seed * 1000 + rank,
                             generate_kwargs=backend.generate_kwargs() if backend is not None else None)
     if not cfg.trainer.async_rollout.enabled:
@@ -71,7 +70,7 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
 
 
 def server_source(servers: ServerConfig, spec: ServeSpec, settings: EngineSettings,
-                  sampling: SamplingSettings, policy, tokenizer, task, device, seed: int,
+                  sampling: SamplingSettings, policy, tokenizer, prepared, device, seed: int,
                   stop=None) -> EngineSource:
     """``rollout.engine=server``: an ``EngineSource`` on the servers at ``servers.urls``,
     or on ``servers.num_local`` `rlctl serve` processes of ``spec`` started here (and
@@ -81,7 +80,7 @@ def server_source(servers: ServerConfig, spec: ServeSpec, settings: EngineSettin
         engine = ServerEngine(list(servers.urls) or local.urls, max_staleness=settings.max_staleness,
                               chunk_size=servers.chunk_size, timeout_s=servers.timeout_s,
                               kind=configured_kind(servers.kind, servers.weight_dir, servers.model_dir))
-        return EngineSource(engine, policy, tokenizer, task.train_examples(), RewardScorer(task),
+        return EngineSource(engine, policy, tokenizer, list(prepared.train), prepared.scorer(),
                             sampling, settings, seed=seed, device=device,
                             on_close=local.close if local is not None else None)
     except BaseException:
@@ -113,14 +112,13 @@ def _actor(cfg, init: str, rank: int, world_size: int) -> str:
     wrong ("" after a normal stop). Takes the whole config: it builds this actor's model and
     task from the learner's, as the learner built its own."""
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
-    task = task_from_config(cfg)
     model, _, tok, _ = model_from_config(cfg)
-    bind_task(PromptBudget.from_config(cfg), task, tok, model, quiet=True)   # the learner's prompts
+    prepared = prepare_task(cfg, tok, model, quiet=True)   # the learner's prompts
     model.eval()
-    if is_episodic(task):      # the learner draws the rows and the environments' seed
-        actor = EpisodeSource(model, tok, task, EpisodeSettings.from_config(cfg), seed=0)
+    if is_episodic(prepared.task):      # the learner draws the rows and the environments' seed
+        actor = EpisodeSource(model, tok, prepared, EpisodeSettings.from_config(cfg), seed=0)
     else:
-        actor = LocalSource(model, tok, task.train_examples(), RewardScorer(task),
+        actor = LocalSource(model, tok, list(prepared.train), prepared.scorer(),
                             SamplingSettings.from_config(cfg, bool(cfg.trainer.share_prompts)), seed=0)
     torch.manual_seed(cfg.seed * 1000 + 7919 * rank)      # each actor its own sampling stream
     # The learner is the bottleneck: when the cores are oversubscribed (reward workers,

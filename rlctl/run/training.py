@@ -28,7 +28,7 @@ from rlctl.models.loading import check_source
 from rlctl.models.lora import count_parameters
 from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.sampler import check_training_sampling
-from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.build import model_from_config, prepare_task, task_from_config
 from rlctl.run.checks import check_entries, check_episodes, warn_config
 from rlctl.run.report import print_summary, run_summary
 from rlctl.run.resume import ResumeSettings, check_resumable, newest, resume_point
@@ -36,7 +36,6 @@ from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink, build_sinks
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint, rundir
-from rlctl.tasks.prompt_budget import PromptBudget, bind_task
 
 
 def _sink(run_dir: Path, backend, logger, resolved: dict, total_steps: int):
@@ -78,9 +77,10 @@ def _local_device(device: str) -> str:
 
 
 def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
-               on_step=None) -> Optional[dict]:
+               on_step=None, built=None) -> Optional[dict]:
     """Train on this rank; rank 0 saves and returns the summary (other ranks: None).
-    ``stop``: the StopFlag the loop checks; ``on_step(step, metrics)`` after each step.
+    ``stop``: the StopFlag the loop checks; ``on_step(step, metrics)`` after each step;
+    ``built``: the task this process already built from ``cfg`` (``task_from_config``).
     Takes the whole config: every rank's entry point, it builds the task, model, backend,
     rollout source, sinks and trainer from it (and wandb records it)."""
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
@@ -92,17 +92,17 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
     hw = cfg.hardware
     backend = build_backend(hw.backend, hw.device, hw.zero_stage, hw.precision, hw.deepspeed_config)
     try:
-        task = task_from_config(cfg)
+        built = built or task_from_config(cfg)
         model, critic, tokenizer, ref_model = model_from_config(cfg)
-        bind_task(PromptBudget.from_config(cfg), task, tokenizer, model)   # chat template; prompts within the context
+        prepared = prepare_task(cfg, tokenizer, model, built)   # chat template; prompts within the context
         trainable, total = count_parameters(model, critic)
         torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
         resume_from = resume_point(run_dir, backend) if resume else None
         sink = _sink(run_dir, backend, cfg.logger, OmegaConf.to_container(cfg), cfg.trainer.steps)
         try:
-            source = build_source(cfg, model, tokenizer, task, backend, stop)
+            source = build_source(cfg, model, tokenizer, prepared, backend, stop)
             try:
-                trainer = Trainer.from_config(cfg, model, tokenizer, task, sink, source=source,
+                trainer = Trainer.from_config(cfg, model, tokenizer, prepared, sink, source=source,
                                               critic=critic, ref_model=ref_model, backend=backend)
             except BaseException:
                 source.close()                   # async: the actors end now, not at Python's exit
@@ -150,33 +150,34 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     cfg = composed.cfg
     OmegaConf.resolve(cfg)
     check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)  # registry names, user entries
-    task = task_from_config(cfg)                # bad task options fail before anything is written
+    built = task_from_config(cfg)               # bad task options fail before anything is written
     try:
         check_source(cfg.model.name, cfg.model.name_or_path)
     except ValueError as exc:
         raise UserError(f"cannot load model: {exc}") from None
     check_training_sampling(cfg.rollout.top_k)   # refused before a run directory exists
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
-    check_episodes(cfg.rollout, task)
+    check_episodes(cfg.rollout, built.task)
     group = tcp_group.from_environment(cfg.hardware.master_port)
     stop = StopFlag()
     with stop.installed():
         if group is not None and group.world_size > 1:
-            summary = _train_in_group(group, cfg, composed, resume, overrides, stop)
+            summary = _train_in_group(group, cfg, composed, resume, overrides, stop, built)
         elif cfg.hardware.nnodes > 1:
             code = launch_node(node_argv(overrides, recipe, resume), cfg.hardware, stop)
             if code:
                 raise SystemExit(code)        # the failed rank printed its own line
             return {}
         else:
-            summary = _train_alone(cfg, composed, resume, overrides, stop)
+            summary = _train_alone(cfg, composed, resume, overrides, stop, built)
     if summary is None:                       # not rank 0: it prints the summary
         return {}
     print_summary(summary)
     return summary
 
 
-def _train_alone(cfg: DictConfig, composed, resume: Optional[str], overrides: List[str], stop) -> dict:
+def _train_alone(cfg: DictConfig, composed, resume: Optional[str], overrides: List[str], stop,
+                 built) -> dict:
     """This process owns the run: train here or launch hardware.num_processes local ranks.
     Takes the whole config: it makes the run directory from run.* and hands the config on
     to the rank(s) it trains."""
@@ -188,16 +189,16 @@ def _train_alone(cfg: DictConfig, composed, resume: Optional[str], overrides: Li
     with rundir.RunLock(run_dir):
         try:
             if resume is None:
-                return _train_new(cfg, composed, run_dir, kept, stop)
+                return _train_new(cfg, composed, run_dir, kept, stop, built)
             check_resumable(run_dir, ResumeSettings.from_config(cfg), overrides, cfg.hardware.num_processes)
             rundir.record_resume(run_dir, composed)
-            return _train_here_or_launched(cfg, run_dir, True, stop, [0])
+            return _train_here_or_launched(cfg, run_dir, True, stop, [0], built)
         except ActorFailed as exc:            # a rollout actor was lost
             raise ActorFailed(f"{exc}; {newest(run_dir)}") from None
 
 
 def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], overrides: List[str],
-                    stop) -> Optional[dict]:
+                    stop, built) -> Optional[dict]:
     """One rank of a job an external launcher (or rlctl's on several nodes) started: join
     the TCP group; rank 0 makes (or checks) the run directory, holds its lock, writes the
     config and shares the path; every rank trains. Rank 0 returns the summary. Takes the
@@ -209,7 +210,7 @@ def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], ove
     if group.rank != 0:
         run_dir = Path(tcp_group.share(group, None))
         return _lost_rank_is_one_line(group, run_dir, lambda: train_rank(cfg, run_dir, resume=resume is not None,
-                                                                         stop=stop))
+                                                                         stop=stop, built=built))
     try:
         run_dir, kept = (Path(resume), None) if resume is not None else rundir.new_run_dir(cfg.run)
         lock = rundir.RunLock(run_dir).acquire()
@@ -227,9 +228,9 @@ def _train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], ove
         tcp_group.share(group, str(run_dir))
         if resume is not None:
             return _lost_rank_is_one_line(group, run_dir, lambda: _train_here_or_launched(
-                cfg, run_dir, True, stop, [0], here=True))
+                cfg, run_dir, True, stop, [0], built, here=True))
         return _lost_rank_is_one_line(group, run_dir, lambda: _train_new(cfg, composed, run_dir, kept,
-                                                                         stop, here=True))
+                                                                         stop, built, here=True))
 
 
 def _check_group(group, num_processes: int, nnodes: int, prompts_per_step: int) -> None:
@@ -261,7 +262,7 @@ def _lost_rank_is_one_line(group, run_dir: Path, train):
                           f"({' '.join(str(exc).split())[:160]}); {newest(run_dir)}") from None
 
 
-def _train_new(cfg: DictConfig, composed, run_dir: Path, kept, stop, here: bool = False) -> dict:
+def _train_new(cfg: DictConfig, composed, run_dir: Path, kept, stop, built, here: bool = False) -> dict:
     """Write the config and train; a failure before step 1 removes what rlctl wrote
     (``kept``: see rundir.new_run_dir). Takes the whole config only to hand it on to the
     rank(s) it trains."""
@@ -269,14 +270,14 @@ def _train_new(cfg: DictConfig, composed, run_dir: Path, kept, stop, here: bool 
     done = [0]                                   # steps finished (this process or rank 0)
     try:
         rundir.write_config(run_dir, composed)
-        return _train_here_or_launched(cfg, run_dir, False, stop, done, here)
+        return _train_here_or_launched(cfg, run_dir, False, stop, done, built, here)
     except BaseException as exc:
         if not done[0] and getattr(exc, "before_training", True):   # launched: set by LaunchError
             rundir.discard_new(run_dir, kept)
         raise
 
 
-def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, done: list,
+def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, done: list, built,
                             here: bool = False) -> dict:
     """Train in this process, or launch hardware.num_processes ranks and wait for them.
     ``done[0]`` counts the steps this process saw finish (launched: 1 once any did). Takes
@@ -286,7 +287,7 @@ def _train_here_or_launched(cfg: DictConfig, run_dir: Path, resume: bool, stop, 
         done[0] += 1
     try:
         if here or cfg.hardware.num_processes == 1:
-            return train_rank(cfg, run_dir, resume=resume, stop=stop, on_step=on_step)
+            return train_rank(cfg, run_dir, resume=resume, stop=stop, on_step=on_step, built=built)
         rundir.share_lock(run_dir)               # every rank holds it too
         signum = launch(cfg.hardware.num_processes, run_dir, cfg.hardware.num_threads,
                         resume=resume, stop=stop)

@@ -10,14 +10,13 @@ keys every task has (``COMMON_OPTIONS``: ``prompt_format``, ``system_prompt``,
 rejects a non-``None`` value for such a key with a one-line ``ValueError``, builds the
 task and attaches the common options to it as ``task.rlctl_options``.
 
-Chat (``prompt_format=chat``): ``bind_tokenizer(task, tokenizer)`` must be called once the
-model's tokenizer is loaded; the task's prompts are then rendered with
-``tokenizer.apply_chat_template([system?, user], add_generation_prompt=True)`` and its
-``reward``/``is_correct``/``reward_components`` see the assistant text only (cut at the
-first end-of-turn marker). This is done on the task *instance*, so it works for any
-registered task, built-in or the user's own.
+The task is not changed after that. What a run makes of it for one model is built apart
+(``rlctl.tasks.prompt_budget.prepare``): its prompts rendered through the model's chat
+template (``prompt_format=chat``: ``render_chat``) and kept within the context, and the
+end-of-turn markers at which the scorer cuts a chat completion to the assistant's reply
+(``assistant_text``) before the task's ``reward``/``is_correct`` see it.
 
-Rewards: ``RewardScorer(task).score_batch(examples, completions)`` scores a batch within
+Rewards: ``RewardScorer(task, ...).score_batch(examples, completions)`` scores a batch within
 ``reward_timeout_s`` seconds. Why a process: a thread cannot be stopped, so a reward
 stuck in a pure-Python loop (or in C code that holds the GIL, e.g. a catastrophic regex)
 would keep a core, or the whole interpreter, busy for ever. The scorer therefore runs the
@@ -66,7 +65,6 @@ class Task(Protocol):
     #   correct_from_reward(example, reward) -> bool   eval correctness from the total.
 
 
-TaskFactory = Callable[..., Task]
 # factory(**task options) -> Task, registered with @register_task(name); task.name may
 # also be "package.module:factory" for a task of the user's own.
 TASKS = Registry("task")
@@ -152,8 +150,6 @@ def build_task(name: str, **options) -> Task:
         task.rlctl_options = opts
     except AttributeError:  # a slotted class: the defaults apply
         pass
-    if opts.prompt_format == "chat":
-        _enable_chat(task)
     return task
 
 
@@ -226,58 +222,6 @@ def assistant_text(completion: str, markers: Sequence[str] = (), prompt: str = "
     return completion[:cut].strip()
 
 
-def _enable_chat(task) -> None:
-    """Render prompts and strip completions on this task instance (see the module doc)."""
-    state: Dict[str, Any] = {"tokenizer": None, "markers": (), "cache": {}}
-    task._rlctl_chat = state
-    orig_train, orig_eval = task.train_examples, task.eval_examples
-    system = task_options(task).system_prompt
-
-    def render(kind: str, make: Callable[[], List[Example]]) -> List[Example]:
-        tok = state["tokenizer"]
-        if tok is None:
-            raise ValueError("task.prompt_format=chat: no tokenizer was bound to the task "
-                             "(the engine must call rlctl.tasks.bind_tokenizer(task, tokenizer))")
-        if kind not in state["cache"]:
-            out = []
-            for ex in make():
-                raw = ex.fields.get(RAW_PROMPT, ex.prompt)
-                out.append(Example(prompt=render_chat(tok, raw, system),
-                                   fields={**ex.fields, RAW_PROMPT: raw}))
-            state["cache"][kind] = out
-        return list(state["cache"][kind])
-
-    task.train_examples = lambda: render("train", orig_train)
-    task.eval_examples = lambda: render("eval", orig_eval)
-    for meth in ("reward", "is_correct", "reward_components"):
-        fn = getattr(task, meth, None)
-        if fn is not None:
-            setattr(task, meth, _strip_wrapper(fn, state))
-    batch_fn = getattr(task, "reward_components_batch", None)
-    if batch_fn is not None:
-        task.reward_components_batch = lambda exs, cs: batch_fn(
-            exs, [assistant_text(c, state["markers"], ex.prompt) for ex, c in zip(exs, cs)])
-
-
-def _strip_wrapper(fn, state):
-    def wrapped(example, completion, *args, **kwargs):
-        return fn(example, assistant_text(completion, state["markers"], example.prompt),
-                  *args, **kwargs)
-    wrapped.__wrapped__ = fn
-    return wrapped
-
-
-def bind_tokenizer(task, tokenizer) -> None:
-    """Give the task the model's tokenizer (needed for prompt_format=chat; harmless
-    otherwise). Call before ``train_examples()``/``eval_examples()``. Raises ValueError
-    when chat is asked for and the tokenizer has no chat template."""
-    state = getattr(task, "_rlctl_chat", None)
-    if state is None:
-        return
-    render_chat(tokenizer, "x")  # fails early, one line, without a chat template
-    state.update(tokenizer=tokenizer, markers=end_of_turn_markers(tokenizer), cache={})
-
-
 # ---- scoring ---------------------------------------------------------------------------
 
 
@@ -303,13 +247,3 @@ def disjoint_splits(draw: Callable[[Any], Any], rng, num_eval: int, max_train: i
             seen.add(item)
             train.append(item)
     return eval_list, train
-
-
-# A task's learned reward models (``rlctl.reward_models.learned.LearnedRewards``), set on the
-# task by the builder; the scorer reads them with ``learned_of``.
-LEARNED_ATTR = "rlctl_learned_rewards"
-
-
-def learned_of(task):
-    """The task's learned reward models, or None (rule rewards only)."""
-    return getattr(task, LEARNED_ATTR, None)

@@ -3,8 +3,8 @@
 A prompt of P tokens followed by ``rollout.max_new_tokens`` new ones needs P + T
 positions. Past the model's context, a model with learned absolute positions (GPT-2)
 fails with an index error in the middle of a run, and a rotary one (Llama, Qwen, Gemma)
-silently runs at positions it was never trained on. So once the task is bound to the
-model's tokenizer, ``limit_prompts`` counts every prompt's tokens exactly as the sampler
+silently runs at positions it was never trained on. So once the prompts are rendered for
+the model's tokenizer, ``limit_prompts`` counts every prompt's tokens exactly as the sampler
 encodes them (``tokenizer(prompt)``, special tokens included, after the chat template)
 and applies the task's ``long_prompts`` option to the prompts over the limit:
 
@@ -14,18 +14,17 @@ and applies the task's ``long_prompts`` option to the prompts over the limit:
   still sees the whole prompt (``Example.fields[RAW_PROMPT]``);
 - ``error``: the first one is refused, naming its row and the limits.
 
-This is done on the task instance, like chat rendering (``rlctl.tasks.base``), so it
-works for any task; ``train_examples()``/``eval_examples()`` then return the kept prompts.
+``rlctl.tasks.prompt_budget.prepare`` applies it to the rendered prompts of both splits
+and keeps the result (the task itself is not changed), so it works for any task.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rlctl.tasks.base import RAW_PROMPT, SOURCE, task_options
+from rlctl.tasks.base import RAW_PROMPT, SOURCE
 from rlctl.types import Example
 
-SPLITS = ("train", "eval")
 _CHUNK = 512   # prompts per tokenizer call
 
 
@@ -114,21 +113,14 @@ def _apply(mode: str, tokenizer, examples: List[Example], max_tokens: int, split
     return kept, over
 
 
-def limit_prompts(task, tokenizer, max_tokens: int, limits: str) -> LongPromptCounts:
-    """Apply ``task.long_prompts`` to prompts over ``max_tokens`` tokens (``limits``: how
-    the limit is named in messages). Call after ``bind_tokenizer``; calling it again
-    starts from the task's own prompts. ValueError: one line (mode error, or a split
-    left with no prompts)."""
-    mode = task_options(task).long_prompts
-    state = getattr(task, "_rlctl_long_prompts", None)
-    if state is None:
-        state = {"train": task.train_examples, "eval": task.eval_examples}
-        task._rlctl_long_prompts = state
+def limit_prompts(mode: str, tokenizer, splits: Dict[str, List[Example]], max_tokens: int,
+                  limits: str) -> Tuple[Dict[str, List[Example]], LongPromptCounts]:
+    """(each split's prompts kept under ``mode`` = ``task.long_prompts``, what was done) for
+    prompts over ``max_tokens`` tokens (``limits``: how the limit is named in messages).
+    ``splits`` is not changed. ValueError: one line (mode error, or a split left with no
+    prompts)."""
     report, kept = LongPromptCounts(mode, limits), {}
-    for split in SPLITS:
-        examples = state[split]()
+    for split, examples in splits.items():
         kept[split], over = _apply(mode, tokenizer, examples, max_tokens, split, limits)
         report.counts[split] = (over, len(examples))
-    task.train_examples = lambda: list(kept["train"])
-    task.eval_examples = lambda: list(kept["eval"])
-    return report
+    return kept, report

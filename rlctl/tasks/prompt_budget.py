@@ -1,23 +1,31 @@
-"""Bind a task to the loaded model: chat prompts through its template, and prompts kept
-within the context (``rollout.max_prompt_tokens``, ``task.long_prompts``).
+"""A task prepared for one model: ``prepare`` builds, once per process, the prompts the
+model reads and what its scorers are given; the task itself is never changed.
 
-``rlctl train`` (every rank and the async rollout actors), ``rlctl eval`` and
-``rlctl rollout`` all call ``bind_task`` once the model and tokenizer are loaded, so all
-of them see the same prompts for the same config (``PromptBudget.from_config``). The limit is
-``rollout.max_prompt_tokens``, by default the model's context (``max_position_embeddings``,
-or GPT-2's ``n_positions``) minus ``rollout.max_new_tokens``; an explicit value must
-leave room for the completion in the context too.
+- chat (``task.prompt_format=chat``): each prompt through the model's chat template
+  (``rlctl.tasks.base.render_chat``; ``Example.fields[RAW_PROMPT]`` keeps it as written),
+  and the end-of-turn markers at which the scorer cuts a completion to the assistant's
+  reply;
+- the budget: prompts kept within ``rollout.max_prompt_tokens`` under
+  ``task.long_prompts`` (``rlctl.tasks.long_prompts``). The limit is by default the
+  model's context (``max_position_embeddings``, or GPT-2's ``n_positions``) minus
+  ``rollout.max_new_tokens``; an explicit value must leave room for the completion too.
+
+``rlctl train`` (every rank and the async rollout actors), ``rlctl eval`` and ``rlctl
+rollout`` all prepare through ``rlctl.run.build.prepare_task``, so all of them see the
+same prompts for the same config.
 """
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from rlctl.errors import UserError
-from rlctl.tasks.base import bind_tokenizer
+from rlctl.tasks.base import RAW_PROMPT, end_of_turn_markers, render_chat, task_options
 from rlctl.tasks.long_prompts import limit_prompts
+from rlctl.tasks.scoring import RewardScorer
+from rlctl.types import Example
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions")   # GPT2Config maps the first to the second
 
@@ -67,22 +75,52 @@ def prompt_limit(budget: PromptBudget, model) -> Optional[Tuple[int, str]]:
     return int(asked), f"rollout.max_prompt_tokens={asked}"
 
 
-def bind_task(budget: PromptBudget, task, tokenizer, model, stream=None, quiet: bool = False) -> None:
-    """Bind ``task`` to the model's tokenizer and keep its prompts within ``budget``; the
-    count of prompts skipped or truncated goes to stderr in one line (on rank 0, unless
-    ``quiet``). UserError, one line: no chat template, a limit with no room, a prompt
-    over the limit under ``task.long_prompts=error``, or a split left empty."""
+@dataclass(frozen=True)
+class Prepared:
+    """The task, its prompts as the model reads them (train and eval splits, rendered and
+    within the budget), the chat end-of-turn markers (None for raw prompts) and the learned
+    reward models (``rlctl.reward_models.learned.LearnedRewards`` or None). ``scorer``
+    builds a ``RewardScorer`` given all of them."""
+    task: Any
+    train: Tuple[Example, ...]
+    eval: Tuple[Example, ...]
+    markers: Optional[Tuple[str, ...]] = None
+    learned: Any = None
+
+    def scorer(self, **options) -> RewardScorer:
+        return RewardScorer(self.task, self.learned, self.markers, **options)
+
+
+def _rendered(ex: Example, tokenizer, system: Optional[str]) -> Example:
+    raw = ex.fields.get(RAW_PROMPT, ex.prompt)
+    return Example(prompt=render_chat(tokenizer, raw, system), fields={**ex.fields, RAW_PROMPT: raw})
+
+
+def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, learned=None,
+            stream=None, quiet: bool = False) -> Prepared:
+    """``task`` prepared for ``tokenizer`` and (with ``budget`` and ``model``) the model's
+    context; the count of prompts skipped or truncated goes to stderr in one line (on
+    rank 0, unless ``quiet``). UserError, one line: no chat template, a chat prompt that
+    is not text or messages, a limit with no room, a prompt over the limit under
+    ``task.long_prompts=error``, or a split left empty."""
+    opts = task_options(task)
     try:
-        bind_tokenizer(task, tokenizer)      # chat prompts render with the model's template
+        markers: Optional[Tuple[str, ...]] = None
+        if opts.prompt_format == "chat":
+            render_chat(tokenizer, "x")     # fails early, one line, without a chat template
+            markers = tuple(end_of_turn_markers(tokenizer))
     except ValueError as exc:
         raise UserError(f"task.prompt_format: {exc}") from None
-    limit = prompt_limit(budget, model)
-    if limit is None:
-        return
+    limit = prompt_limit(budget, model) if budget is not None and model is not None else None
     try:
-        report = limit_prompts(task, tokenizer, *limit)
+        splits = {"train": task.train_examples(), "eval": task.eval_examples()}
+        if markers is not None:
+            splits = {k: [_rendered(ex, tokenizer, opts.system_prompt) for ex in v] for k, v in splits.items()}
+        if limit is not None:
+            splits, report = limit_prompts(opts.long_prompts, tokenizer, splits, *limit)
+            line = report.line()
+            if line and not quiet and os.environ.get("RANK", "0") == "0":
+                print(f"rlctl: {line}", file=stream or sys.stderr, flush=True)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    line = report.line()
-    if line and not quiet and os.environ.get("RANK", "0") == "0":
-        print(f"rlctl: {line}", file=stream or sys.stderr, flush=True)
+    return Prepared(task, tuple(splits["train"]), tuple(splits["eval"]), markers, learned)

@@ -13,8 +13,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlctl.errors import RewardError
-from rlctl.tasks.base import ON_REWARD_ERROR, task_options
-from rlctl.tasks.base import learned_of
+from rlctl.tasks.base import ON_REWARD_ERROR, assistant_text, task_options
 from rlctl.tasks.reward_runners import (InlineRunner, ProcessRunner, ThreadRunner,
                                         describe_sample)
 from rlctl.types import Example
@@ -35,18 +34,22 @@ class RewardScorer:
     ``last_components`` holds each named reward of the last batch, one value per sample
     (``reward/<name>`` in the logs; ``metrics()`` gives the means).
 
-    Reward models attached to the task (``rlctl.reward_models.learned``) score the whole
-    batch in this process, after the task's own rewards: their raw scores join the
+    ``markers``: chat end-of-turn markers (``rlctl.tasks.prompt_budget.Prepared``; None
+    for raw prompts): the task's ``reward``/``is_correct`` then see the assistant's reply only
+    (``assistant_text``), the reward models and the logged samples the whole completion.
+
+    ``learned``: reward models (``rlctl.reward_models.learned.LearnedRewards``) that score
+    the whole batch in this process, after the task's own rewards: their raw scores join the
     components, their shaped scores the total (with ``task.reward_model`` the total is
     theirs alone: the task's rewards are logged, and eval correctness still comes from
-    them). The first scorer built for a task updates the running reward statistics and
+    them). The first scorer built with them updates the running reward statistics and
     carries them in ``state()``; later ones (eval) read them.
     """
 
-    def __init__(self, task, timeout_s: Any = FROM_TASK, on_error: Optional[str] = None,
-                 norm_owner: Optional[bool] = None):
+    def __init__(self, task, learned=None, markers: Optional[Sequence[str]] = None, timeout_s: Any = FROM_TASK,
+                 on_error: Optional[str] = None, norm_owner: Optional[bool] = None):
         opts = task_options(task)
-        self.task = task
+        self.task, self.markers = task, markers
         self.timeout_s = opts.reward_timeout_s if timeout_s is FROM_TASK else timeout_s
         self.on_error = on_error or opts.on_reward_error
         if self.on_error not in ON_REWARD_ERROR:
@@ -60,8 +63,8 @@ class RewardScorer:
         self._sums: Dict[str, float] = {}   # per-reward sums since the last metrics()
         self._count = 0
         self._warned = 0
-        self.learned = learned_of(task)
-        # norm_owner None: the first scorer of the task (training's) updates the running
+        self.learned = learned
+        # norm_owner None: the first scorer of the reward models (training's) updates the running
         # statistics; False: never (held-out scoring reads them: `rlctl eval`, `rollout`)
         self._owns_norm = (self.learned.claim(self) if norm_owner is None else norm_owner) \
             if self.learned is not None else False
@@ -109,7 +112,8 @@ class RewardScorer:
             else:
                 fatal.append(msg[1])
 
-        status = self._runner.run(examples, completions, self.timeout_s, on_item) if n else None
+        replies = self._replies(examples, completions)
+        status = self._runner.run(examples, replies, self.timeout_s, on_item) if n else None
         for i, why in failures:
             self._fail(describe_sample(i, n, examples[i], completions[i]), why, "error")
         failed = {i for i, _ in failures}
@@ -134,6 +138,12 @@ class RewardScorer:
             self._sums[k] = self._sums.get(k, 0.0) + sum(v)
         self._count += n
         return out
+
+    def _replies(self, examples: Sequence[Example], completions: Sequence[str]) -> Sequence[str]:
+        """What the task's own rewards see: with chat markers, the assistant's reply only."""
+        if self.markers is None:
+            return completions
+        return [assistant_text(c, self.markers, ex.prompt) for ex, c in zip(examples, completions)]
 
     def _learned_totals(self, examples, completions, gold: List[float],
                         comps: List[Dict[str, float]]) -> List[float]:
@@ -201,7 +211,8 @@ class RewardScorer:
             rewards = self._last_gold       # the task's own reward, not the proxy
         if from_reward is not None:
             return [bool(from_reward(ex, r)) for ex, r in zip(examples, rewards)]
-        return [bool(self.task.is_correct(ex, c)) for ex, c in zip(examples, completions)]
+        return [bool(self.task.is_correct(ex, c))
+                for ex, c in zip(examples, self._replies(examples, completions))]
 
     def metrics(self) -> Dict[str, float]:
         """reward/errors and reward/timeouts (cumulative counts) and reward/<name>: each

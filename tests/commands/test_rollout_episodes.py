@@ -51,7 +51,7 @@ def _number(text):
 def test_every_turn_is_dumped_with_its_tokens_mask_logprobs_and_reward(dump, episode_run):
     rows, _ = dump
     assert [(r["group"], r["sample"]) for r in rows] == [(g, s) for g in range(PROMPTS) for s in range(SAMPLES)]
-    secrets = [ex.fields["secret"] for ex in task_from_config(compose(EPISODE).cfg).train_examples()]
+    secrets = [ex.fields["secret"] for ex in task_from_config(compose(EPISODE).cfg).task.train_examples()]
     model, tok = load_model_and_tokenizer("hf", name_or_path=str(episode_run / "model"))
     model.eval()
     for r in rows:

@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 from rlctl.compose import compose
 from rlctl.learner.trainer import Trainer
 from rlctl.models import load_model_and_tokenizer
-from rlctl.run.build import task_from_config
+from rlctl.run.build import prepare_task
 from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 
@@ -20,7 +20,7 @@ def make_trainer():
         cfg = compose(list(overrides)).cfg
         OmegaConf.resolve(cfg)
         model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
-        task = task_from_config(cfg)
+        task = prepare_task(cfg, tok, model, quiet=True)   # as rlctl train prepares it
         torch.manual_seed(0)
         model = wrap(model) if wrap is not None else model
         made.append(Trainer.from_config(cfg, model, tok, task, NullSink(),

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.learner.trainer import Trainer
-from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.build import model_from_config, prepare_task
 from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 
@@ -76,7 +76,7 @@ def _first_step_log_ratios(model_dir: Path, disable: bool) -> torch.Tensor:
     OmegaConf.resolve(cfg)
     model, critic, tok, ref = model_from_config(cfg)
     model.double()
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tok, model, quiet=True)   # as rlctl train prepares it
     torch.manual_seed(0)
     tr = Trainer.from_config(cfg, model, tok, task, NullSink(),
                              source=build_source(cfg, model, tok, task), critic=critic, ref_model=ref)

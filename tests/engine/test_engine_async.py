@@ -70,9 +70,9 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
                           f"task.reward_fn={tmp_path / 'bad_reward.py'}:reward",
                           "task.on_reward_error=raise", "trainer.async_rollout.enabled=true"]).cfg
     OmegaConf.resolve(cfg)
-    from rlctl.run.build import model_from_config, task_from_config
+    from rlctl.run.build import model_from_config, prepare_task
     model, _, tok, _ = model_from_config(cfg)
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tok, model, quiet=True)   # as rlctl train prepares it
     tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
     t0 = time.monotonic()
     try:
@@ -171,9 +171,9 @@ def test_a_step_mixing_stale_and_fresh_rollouts_keeps_behaviour_logprobs(tmp_pat
     cfg = compose(BASE + ["algo=dapo", "task=jsonl", f"task.train_path={data}", "task.num_eval=2",
                           f"task.reward_fn={tmp_path / 'half.py'}:reward", "trainer.async_rollout.enabled=true"]).cfg
     OmegaConf.resolve(cfg)
-    from rlctl.run.build import model_from_config, task_from_config
+    from rlctl.run.build import model_from_config, prepare_task
     model, _, tok, _ = model_from_config(cfg)
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tok, model, quiet=True)   # as rlctl train prepares it
     tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=build_source(cfg, model, tok, task))
     try:
         _check_mixed_steps(tr)

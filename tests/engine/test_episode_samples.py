@@ -7,7 +7,7 @@ from rlctl.sinks.base import cell_text
 
 
 def _task(*overrides):
-    return task_from_config(compose(list(overrides)).cfg)
+    return task_from_config(compose(list(overrides)).cfg).task
 
 
 def test_only_a_task_whose_environment_has_tools_offers_them():

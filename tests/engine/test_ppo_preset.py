@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.learner.trainer import Trainer
-from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.build import model_from_config, prepare_task
 from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 
@@ -20,7 +20,7 @@ def _trainer(overrides, recipe=None):
     OmegaConf.resolve(cfg)
     model, critic, tok, _ = model_from_config(cfg)
     torch.manual_seed(0)
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tok, model, quiet=True)   # as rlctl train prepares it
     return cfg, Trainer.from_config(cfg, model, tok, task, NullSink(),
                                     source=build_source(cfg, model, tok, task), critic=critic)
 

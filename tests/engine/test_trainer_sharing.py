@@ -5,7 +5,7 @@ from rlctl.backends.base import TorchBackend
 from rlctl.compose import compose
 from rlctl.learner.trainer import Trainer
 from rlctl.models import load_model_and_tokenizer
-from rlctl.run.build import task_from_config
+from rlctl.run.build import prepare_task
 from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
 
@@ -15,7 +15,7 @@ def _trainer(backend):
                    "trainer.share_prompts=true"]).cfg
     OmegaConf.resolve(cfg)
     model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tok, model, quiet=True)   # as rlctl train prepares it
     source = build_source(cfg, model, tok, task)          # built without a backend: sharing on
     return Trainer.from_config(cfg, model, tok, task, NullSink(), source=source, backend=backend)
 

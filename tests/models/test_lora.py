@@ -231,14 +231,14 @@ def test_ppo_trainer_with_lora_reference(tiny):
     from rlctl.compose import compose
     from rlctl.run.rollout_setup import build_source
     from rlctl.learner.trainer import Trainer
-    from rlctl.run.build import task_from_config
+    from rlctl.run.build import prepare_task
     from rlctl.sinks import NullSink
 
     cfg = compose(["algo=ppo", "model.lora.enabled=true", "algo.kl.coef=0.05",
                    "trainer.prompts_per_step=2", "algo.group_size=4", "trainer.eval_every=0",
                    "trainer.lr=1e-3"]).cfg
     OmegaConf.resolve(cfg)
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tiny[1], tiny[0], quiet=True)   # as rlctl train prepares it
     torch.manual_seed(0)
     lc = cfg.model.lora
     pv = PolicyValueModel(apply_lora(copy.deepcopy(tiny[0]), lc.r, lc.alpha, lc.dropout,

@@ -12,10 +12,9 @@ from omegaconf import OmegaConf
 
 from rlctl.compose import compose
 from rlctl.learner.trainer import Trainer
-from rlctl.run.build import model_from_config, task_from_config
+from rlctl.run.build import model_from_config, prepare_task, task_from_config
 from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
-from rlctl.tasks.prompt_budget import PromptBudget, bind_task
 from rlctl.types import MODEL
 
 COUNT_UP = '''"""Count up from the first observation's number; reward 1 per right turn."""
@@ -60,9 +59,9 @@ def build_trainer(overrides, backend=None) -> Trainer:
     """The Trainer of ``rlctl train OVERRIDES`` (its model, task and rollout source)."""
     cfg = compose(list(overrides)).cfg
     OmegaConf.resolve(cfg)
-    task = task_from_config(cfg)
+    built = task_from_config(cfg)
     model, critic, tok, ref = model_from_config(cfg)
-    bind_task(PromptBudget.from_config(cfg), task, tok, model, quiet=True)
+    task = prepare_task(cfg, tok, model, built, quiet=True)
     torch.manual_seed(cfg.seed * 1000 + (backend.rank if backend is not None else 0))
     source = build_source(cfg, model, tok, task, backend)
     return Trainer.from_config(cfg, model, tok, task, NullSink(), source=source, critic=critic,

@@ -27,11 +27,10 @@ from rlctl.rollout.engine_source import CLOSE_WAIT_S, EngineSettings, EngineSour
 from rlctl.rollout.serve_app import build_app
 from rlctl.rollout.server_engine import ServerEngine
 from rlctl.rollout.source import SamplingSettings
-from rlctl.run.build import task_from_config
+from rlctl.run.build import prepare_task
 from rlctl.run.checks import check_episodes
 from rlctl.run.rollout_setup import build_source
 from rlctl.sinks import NullSink
-from rlctl.tasks.scoring import RewardScorer
 
 from serving import ServeThread, tiny_app
 
@@ -65,12 +64,12 @@ def _train(cfg, engine_for, steps=3):
     """``steps`` metrics of a Trainer whose source is an EngineSource on ``engine_for(model,
     tok)`` (None: the source the config asks for, from build_source)."""
     model, tok = _model(cfg)
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tok, model, quiet=True)
     torch.manual_seed(0)
     if engine_for is None:
         source = build_source(cfg, model, tok, task)
     else:
-        source = EngineSource(engine_for(model, tok), model, tok, task.train_examples(), RewardScorer(task),
+        source = EngineSource(engine_for(model, tok), model, tok, list(task.train), task.scorer(),
                               SamplingSettings.from_config(cfg, True), EngineSettings.from_config(cfg),
                               seed=cfg.seed * 1000)
     tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=source)
@@ -120,8 +119,8 @@ def test_one_server_lost_mid_run_the_run_finishes_on_the_other_and_it_comes_back
         engines.append(ServerEngine([s.url for s in servers], chunk_size=4, recheck_s=0.0, timeout_s=20.0, say=lines.append))
         return engines[-1]
     model2, tok2 = _model(cfg)
-    task = task_from_config(cfg)
-    source = EngineSource(engine_for(model2, tok2), model2, tok2, task.train_examples(), RewardScorer(task),
+    task = prepare_task(cfg, tok2, model2, quiet=True)
+    source = EngineSource(engine_for(model2, tok2), model2, tok2, list(task.train), task.scorer(),
                           SamplingSettings.from_config(cfg, True), EngineSettings(), seed=0)
     tr = Trainer.from_config(cfg, model2, tok2, task, NullSink(), source=source)
     try:
@@ -156,7 +155,7 @@ def test_a_server_restarted_unseen_before_its_first_use_is_not_taken_for_the_lea
     were taken as the learner's."""
     model, tok, _ = tiny
     cfg = _cfg(["task.reward_timeout_s=0"])        # inline: a forked worker keeps ports open
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tok, model, quiet=True)
     learner = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -168,7 +167,7 @@ def test_a_server_restarted_unseen_before_its_first_use_is_not_taken_for_the_lea
 
     def source(urls):
         engine = ServerEngine(urls, chunk_size=4, recheck_s=0.0, timeout_s=20.0, say=lines.append)
-        return EngineSource(engine, learner, tok, task.train_examples(), RewardScorer(task),
+        return EngineSource(engine, learner, tok, list(task.train), task.scorer(),
                             SamplingSettings.from_config(cfg, True), EngineSettings(), seed=0)
     ref, two = source([servers["ref"].url]), source([servers["a"].url, servers["b"].url])
     try:
@@ -221,14 +220,14 @@ def test_closing_with_a_request_ahead_on_a_hung_server_does_not_wait_for_it(tiny
     model, tok, _ = tiny
     cfg = _cfg(["task.reward_timeout_s=0", "trainer.async_rollout.enabled=true",
                 "trainer.async_rollout.max_staleness=1"])
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tok, model, quiet=True)
     engine = _HangsAfterFirst(copy.deepcopy(model), tok.pad_token_id)
     server = ServeThread(build_app(engine, "tiny", default_stops=(tok.eos_token_id,)))
     release = threading.Timer(60.0, engine.release.set)
     release.start()
     try:
         source = EngineSource(ServerEngine([server.url], max_staleness=1, chunk_size=16, timeout_s=300.0),
-                              model, tok, task.train_examples(), RewardScorer(task),
+                              model, tok, list(task.train), task.scorer(),
                               SamplingSettings.from_config(cfg, True), EngineSettings.from_config(cfg), seed=0)
         source.sample(4)                              # answered; the next request is ahead, hung
         deadline = time.monotonic() + 10.0
@@ -282,7 +281,7 @@ def test_the_run_starts_its_own_servers_survives_one_killed_and_stops_them(capfd
     requests; the next request goes to the other, one line naming the lost one."""
     cfg = _cfg(["rollout.engine=server", "rollout.server.num_local=2"])
     model, tok = _model(cfg)
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, tok, model, quiet=True)
     source = build_source(cfg, model, tok, task)
     procs = source.on_close.__self__.procs
     try:
@@ -331,7 +330,7 @@ def test_an_unknown_engine_is_refused_with_the_valid_ones():
 def test_an_episodic_task_is_refused_with_the_server_engine():
     """Refused before a run directory is made (rlctl.run.checks, called by run_training)."""
     cfg = _cfg(["task=guess_number", "rollout.engine=server", "rollout.server.urls=[http://127.0.0.1:9]"])
-    task = task_from_config(cfg)
+    task = prepare_task(cfg, None, None).task    # no model: no budget
     with pytest.raises(UserError, match="episodes"):
         check_episodes(cfg.rollout, task)
     check_episodes(_cfg(["task=guess_number"]).rollout, task)          # the torch engine: fine

@@ -150,7 +150,7 @@ def test_compose_defaults_and_the_tiny_warmup_key():
     cfg = compose(["task=arithmetic"]).cfg
     OmegaConf.resolve(cfg)
     assert cfg.model.warmup_task == "arithmetic" and list(cfg.task.ops) == ["+"]
-    task = task_from_config(cfg)           # as train/eval/rollout build it
+    task = task_from_config(cfg).task      # as train/eval/rollout build it
     assert task.num_digits == 2 and task.style == "symbolic" and len(task.eval_examples()) == 256
     assert compose([]).cfg.model.warmup_task == "sorting"
     assert resolve_warmup_task("jsonl") == "sorting" == resolve_warmup_task("sorting")

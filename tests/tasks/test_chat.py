@@ -1,13 +1,16 @@
 """task.prompt_format=chat with a tokenizer that has a chat template, built locally:
 prompts go through apply_chat_template(..., add_generation_prompt=True) (optional system
-prompt, no doubled BOS) and rewards see the assistant text only."""
+prompt, no doubled BOS) and rewards see the assistant text only. ``prepare`` builds them
+apart: the task itself is never changed."""
 import json
 
 import pytest
 import torch
 
-from rlctl.tasks import RewardScorer, bind_tokenizer, build_task
+from rlctl.errors import UserError
+from rlctl.tasks import build_task
 from rlctl.tasks.base import RAW_PROMPT, assistant_text, end_of_turn_markers, render_chat
+from rlctl.tasks.prompt_budget import prepare
 
 ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
@@ -61,10 +64,8 @@ def _task(data, **kw):
 def test_prompts_are_rendered_by_the_chat_template(data):
     tok = chat_tokenizer()
     task = _task(data, system_prompt="be brief")
-    with pytest.raises(ValueError, match="no tokenizer was bound"):
-        task.train_examples()
-    bind_tokenizer(task, tok)
-    a, b = task.train_examples()
+    a, b = prepare(task, tok).train
+    assert [ex.prompt for ex in task.train_examples()] == ["2 + 2 =", "3 + 3 ="]   # as built
     expect_a = tok.apply_chat_template(
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2 ="}],
         tokenize=False, add_generation_prompt=True)
@@ -81,8 +82,7 @@ def test_prompts_are_rendered_by_the_chat_template(data):
 def test_without_system_prompt_and_template_without_bos(data):
     tok = chat_tokenizer(TEMPLATE.replace("{{ bos_token }}", ""))
     task = _task(data)
-    bind_tokenizer(task, tok)
-    a = task.eval_examples()[0]
+    a = prepare(task, tok).eval[0]
     assert a.prompt == tok.apply_chat_template([{"role": "user", "content": "2 + 2 ="}],
                                                tokenize=False, add_generation_prompt=True)
     assert a.prompt == "<|user|> 2 + 2 = <|end|> <|assistant|> "
@@ -91,43 +91,44 @@ def test_without_system_prompt_and_template_without_bos(data):
 def test_scoring_sees_the_assistant_text_only(data):
     tok = chat_tokenizer()
     task = _task(data)
-    bind_tokenizer(task, tok)
-    a, b = task.eval_examples()
+    prepared = prepare(task, tok)
+    a, b = prepared.eval
     assert end_of_turn_markers(tok)[0].startswith("<|")
+    assert prepared.markers == tuple(end_of_turn_markers(tok))
     assert assistant_text("4 <|end|> <|user|> 9 =", end_of_turn_markers(tok)) == "4"
-    # the reply, then the end-of-turn marker and a hallucinated next turn: only "4" counts
-    assert task.reward(a, "4 <|end|> <|user|> 2 + 2 = <|end|> <|assistant|> 5") == 1.0
-    assert task.is_correct(a, " 4 <|end|>")
-    assert task.reward(a, "5 <|end|> 4") == 0.0
-    # the whole conversation echoed back (prompt + reply) is scored on the reply too
-    assert task.reward(b, b.prompt + "6 <|end|>") == 1.0
-    scorer = RewardScorer(task)
-    try:
-        assert scorer.score_batch([a, b], ["4 <|end|> 9", "6<|end|>"]) == [1.0, 1.0]
-        assert scorer.errors == 0
-    finally:
-        scorer.close()
+    with prepared.scorer() as scorer:
+        # the reply, then the end-of-turn marker and a hallucinated next turn: only "4"
+        # counts; the whole conversation echoed back (prompt + reply): the reply too
+        completions = ["4 <|end|> <|user|> 2 + 2 = <|end|> <|assistant|> 5", "5 <|end|> 4",
+                       b.prompt + "6 <|end|>", "6<|end|>"]
+        rewards = scorer.score_batch([a, a, b, b], completions)
+        assert rewards == [1.0, 0.0, 1.0, 1.0] and scorer.errors == 0
+        assert scorer.correct_batch([a, a], [" 4 <|end|>", "5 <|end|> 4"], [1.0, 0.0]) == [True, False]
+    # the task itself sees the text as given (it was not wrapped)
+    assert task.reward(a, "4 <|end|> 9") == 0.0
 
 
 def test_builtin_task_in_chat_format():
     tok = chat_tokenizer()
-    task = build_task("arithmetic", num_eval=3, prompt_format="chat", system_prompt="be brief")
-    bind_tokenizer(task, tok)
-    ex = task.eval_examples()[0]
+    task = build_task("arithmetic", num_eval=3, prompt_format="chat", system_prompt="be brief",
+                      reward_timeout_s=0)
+    prepared = prepare(task, tok)
+    ex = prepared.eval[0]
     raw = ex.fields[RAW_PROMPT]
     assert ex.prompt == f"<|system|> be brief <|end|> <|user|> {raw} <|end|> <|assistant|> "
     good = task.answer(ex)
-    assert task.is_correct(ex, f"{good} <|end|> <|user|> 1 =")
-    assert task.reward(ex, f"{good} <|end|> 1") == 1.0
+    with prepared.scorer() as scorer:
+        assert scorer.correct_batch([ex], [f"{good} <|end|> <|user|> 1 ="], [0.0]) == [True]
+        assert scorer.score_batch([ex], [f"{good} <|end|> 1"]) == [1.0]
 
 
 def test_tokenizer_without_chat_template_fails_in_one_line(data):
     from rlctl.models.tiny import build_tokenizer
 
     task = _task(data)
-    with pytest.raises(ValueError, match="needs a tokenizer with a chat template; this model's "
-                                         "tokenizer has none"):
-        bind_tokenizer(task, build_tokenizer())
+    with pytest.raises(UserError, match="task.prompt_format: task.prompt_format=chat needs a "
+                                        "tokenizer with a chat template; this model's tokenizer has none"):
+        prepare(task, build_tokenizer())
     with pytest.raises(ValueError):
         render_chat(build_tokenizer(), "x")
 
@@ -148,14 +149,15 @@ def test_rollout_with_a_chat_model(data, tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path / "m")
     assert tok.chat_template == TEMPLATE
     task = _task(data, system_prompt="be brief")
-    bind_tokenizer(task, tok)
-    exs = task.train_examples()
-    scorer = RewardScorer(task)
+    prepared = prepare(task, tok)
+    exs = list(prepared.train)
+    scorer = prepared.scorer()
     try:
         torch.manual_seed(0)
         batch = rollout(model, tok, exs, 3, 4, 1.0, 0, scorer.score_batch)
         assert batch.prompts == [exs[0].prompt] * 3 + [exs[1].prompt] * 3
-        expect = [task.reward(exs[i // 3], c) for i, c in enumerate(batch.completions)]
+        expect = [task.reward(exs[i // 3], assistant_text(c, prepared.markers, exs[i // 3].prompt))
+                  for i, c in enumerate(batch.completions)]
         assert batch.rewards.tolist() == expect
         for c in batch.completions:
             assert "<|end|>" not in c and "<|user|>" not in c

@@ -112,23 +112,23 @@ def test_truncate_left_trains(gpt2_32, data, tmp_path, rlctl_app):
 
 
 def _bound_task(model_dir, d, *overrides):
-    from rlctl.run.build import model_from_config, task_from_config
-    from rlctl.tasks.prompt_budget import PromptBudget, bind_task
+    """(the task prepared for the model, its tokenizer) as `rlctl train` prepares it."""
+    from rlctl.run.build import model_from_config, prepare_task, task_from_config
 
     cfg = compose(["model=hf", f"model.name_or_path={model_dir}", "task=jsonl",
                    f"task.train_path={d / 'train.jsonl'}", f"task.eval_path={d / 'eval.jsonl'}",
                    "task.reward_fn=exact", f"rollout.max_new_tokens={NEW}", *overrides]).cfg
     OmegaConf.resolve(cfg)
-    task = task_from_config(cfg)
+    built = task_from_config(cfg)
     model, _, tok, _ = model_from_config(cfg)
-    bind_task(PromptBudget.from_config(cfg), task, tok, model, quiet=True)
-    return task, tok
+    return prepare_task(cfg, tok, model, built, quiet=True), tok
 
 
 def test_truncate_left_keeps_the_last_tokens(gpt2_32, data):
     d, rows = data
-    task, tok = _bound_task(gpt2_32[0], d, "task.long_prompts=truncate_left")
-    examples = task.train_examples()
+    prepared, tok = _bound_task(gpt2_32[0], d, "task.long_prompts=truncate_left")
+    examples, task = prepared.train, prepared.task
+    assert [ex.prompt for ex in task.train_examples()] == rows      # the task is as built
     assert [ex.prompt for i, ex in enumerate(examples) if i != 2] == [r for i, r in enumerate(rows) if i != 2]
     kept = examples[2]
     full = tok(rows[2])["input_ids"]
@@ -142,8 +142,8 @@ def test_explicit_limit_and_no_room(gpt2_32, data):
     from rlctl.errors import UserError
 
     d, rows = data
-    task, tok = _bound_task(gpt2_32[0], d, f"rollout.max_prompt_tokens={LIMIT // 2}")
-    assert [ex.prompt for ex in task.train_examples()] == rows[:2] + rows[3:]
+    prepared, tok = _bound_task(gpt2_32[0], d, f"rollout.max_prompt_tokens={LIMIT // 2}")
+    assert [ex.prompt for ex in prepared.train] == rows[:2] + rows[3:]
     with pytest.raises(UserError, match=r"^rollout.max_prompt_tokens=30 plus rollout.max_new_tokens=8 "
                                         r"exceeds the model's context of 32 positions"):
         _bound_task(gpt2_32[0], d, "rollout.max_prompt_tokens=30")

@@ -21,7 +21,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassif
 from rlctl.models import tiny
 from rlctl.models.value import SeparateCritic, completion_values
 from rlctl.reward_models.learned import (LearnedRewards, RewardModel, RunningNorm,
-                                      attach, build_learned_rewards)
+                                      build_learned_rewards)
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.tasks.sorting import SortingTask
 from rlctl.types import Example
@@ -134,29 +134,26 @@ def test_shaping_normalises_the_batch_then_clips():
 
 
 def _scored_task(rm_dir, norm="running", clip=None):
-    task = SortingTask(num_digits=3, num_eval=4)
-    task.rlctl_options = None
-    attach(task, build_learned_rewards(str(rm_dir), [], norm, clip, "cpu"))
-    return task
+    """(a sorting task, its reward models)."""
+    return SortingTask(num_digits=3, num_eval=4), build_learned_rewards(str(rm_dir), [], norm, clip, "cpu")
 
 
 def test_gold_logged_beside_the_proxy_and_state_round_trip(tmp_path):
     rm_dir = save_rm(tmp_path / "rm")
-    task = _scored_task(rm_dir)
-    scorer, eval_scorer = RewardScorer(task, timeout_s=0), RewardScorer(task, timeout_s=0)
+    task, learned = _scored_task(rm_dir)
+    scorer, eval_scorer = RewardScorer(task, learned, timeout_s=0), RewardScorer(task, learned, timeout_s=0)
     totals = scorer.score_batch(EXAMPLES, COMPLETIONS)
-    raw = task.rlctl_learned_rewards.models[0].score(EXAMPLES, COMPLETIONS)
+    raw = learned.models[0].score(EXAMPLES, COMPLETIONS)
     assert scorer.last_components["reward_model"] == raw
     assert scorer.last_components["exact"] == [1.0, 0.0, 0.0]   # gold: computed, weight 0
     np.testing.assert_allclose(totals, (np.array(raw) - np.mean(raw)) / np.std(raw), atol=1e-12)
     assert eval_scorer.correct_batch(EXAMPLES, COMPLETIONS, eval_scorer.score_batch(
         EXAMPLES, COMPLETIONS)) == [True, False, False]             # exact match, not the proxy
-    assert task.rlctl_learned_rewards.norms["reward_model"].count == 3   # eval did not update
+    assert learned.norms["reward_model"].count == 3   # eval did not update
     state = json.loads(json.dumps(scorer.state()))                  # as a checkpoint stores it
     scorer.score_batch(EXAMPLES[:2], COMPLETIONS[:2])
     after = scorer.score_batch(EXAMPLES, COMPLETIONS)
-    resumed_task = _scored_task(rm_dir)
-    resumed = RewardScorer(resumed_task, timeout_s=0)
+    resumed = RewardScorer(*_scored_task(rm_dir), timeout_s=0)
     resumed.load_state(state)
     resumed.score_batch(EXAMPLES[:2], COMPLETIONS[:2])
     assert resumed.score_batch(EXAMPLES, COMPLETIONS) == after       # exact, float64 JSON
@@ -315,17 +312,17 @@ def _task(tmp_path, *overrides):
 def test_a_data_task_scored_by_reward_models_alone_or_beside_functions(tmp_path):
     rm_dir = save_rm(tmp_path / "rm")
     alone = _task(tmp_path, f"task.reward_model={rm_dir}")
-    assert alone.rewards == [] and alone.rlctl_learned_rewards.replace_task
-    (m,) = alone.rlctl_learned_rewards.models
+    assert alone.task.rewards == [] and alone.learned.replace_task
+    (m,) = alone.learned.models
     assert (m.name, m.weight, m.key) == ("reward_model", 1.0, "task.reward_model")
     mixed = _task(tmp_path, f"task.rewards=[{{fn: exact}},{{model: '{rm_dir}', name: rm, "
                             "weight: 0.5}]")
-    assert [r.name for r in mixed.rewards] == ["exact"]
-    (m,) = mixed.rlctl_learned_rewards.models
+    assert [r.name for r in mixed.task.rewards] == ["exact"]
+    (m,) = mixed.learned.models
     assert (m.name, m.weight, m.key) == ("rm", 0.5, "task.rewards[1].model")
-    assert not mixed.rlctl_learned_rewards.replace_task
+    assert not mixed.learned.replace_task
     only = _task(tmp_path, f"task.rewards=[{{model: '{rm_dir}'}}]")
-    assert only.rewards == [] and only.rlctl_learned_rewards.models[0].name == "reward_model"
+    assert only.task.rewards == [] and only.learned.models[0].name == "reward_model"
 
 
 @pytest.mark.parametrize("overrides, fragment", [
