@@ -226,9 +226,9 @@ class RolloutConfig:
 
 @dataclass
 class AsyncConfig:
-    enabled: bool = MISSING        # rollout actor processes + learner (rlctl/rollout/actors.py)
+    enabled: bool = MISSING        # local engine processes + learner (rlctl/rollout/local_engine.py)
     max_staleness: int = MISSING   # a rollout is at most this many learner steps old (0: synchronous)
-    sync_every: int = MISSING      # learner steps between weight syncs to the actor
+    sync_every: int = MISSING      # learner steps between weight syncs to an engine
     num_actors: int = 1            # rollout actor processes beside the learner (>= 1)
 
 

@@ -62,7 +62,7 @@ class RolloutBatch:
                                   None: old_logprobs (when present) hold in every row
         staleness:      [N]      long, or None; learner updates between the weights that
                                   sampled each row and the learner's when it is consumed
-                                  (async actors); None: sampled with the learner's own
+                                  (async engines); None: sampled with the learner's own
         reward_parts:   {name: [N floats]}, or None; each named reward of each row as the
                                   scorer gave it (``reward/<name>``; 0 where a row lacks it)
         token_rewards:  [N, T]   float, or None; multi-turn episodes: each turn's reward
@@ -75,7 +75,7 @@ class RolloutBatch:
                                   drew the token (0 off the mask), or None. Kept apart from
                                   ``old_logprobs`` (the learner's pi_old) for the rollout
                                   correction (rlctl.core.rollout_correction); set by
-                                  episodes and async actors always, by the local sampler
+                                  episodes and engines always, by the local sampler
                                   when ``algo.rollout_correction.enabled``
 
     Multi-turn rows: the completion holds every turn after the first observation (the

@@ -28,7 +28,7 @@ The columns of a train row, in order:
                     takes it), null at the length cap
     policy_version  learner updates in the weights that sampled the row (0: the initial
                     weights): step - 1 in the synchronous loop; step - 1 - staleness with
-                    asynchronous actors (the async/staleness metric is its step maximum)
+                    asynchronous engines (the async/staleness metric is its step maximum)
 
 An eval row (``table="eval"``, at every held-out eval while samples are on: rank 0's first n
 examples of the eval split, the same prompts each time): step, prompt, completion,

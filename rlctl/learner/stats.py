@@ -10,7 +10,7 @@ detached tensors until one host sync at log time. The schema:
   reward/<name>                      each named reward's mean since the last log: the task's
                                      designs (e.g. reward/exact) and each learned reward
                                      model's raw score (reward/reward_model by default)
-                                     (tasks/scoring.py; async: rollout/actors.py)
+                                     (tasks/scoring.py)
   rollout/kept_groups_frac           groups kept by dynamic sampling / groups sampled (stats.py)
   advantage/mean, advantage/std      token mean; std of per-row means over every rank's rows (stats.py)
   length/mean, length/min, length/max  counted completion tokens per row (stats.py): the
@@ -49,7 +49,7 @@ detached tensors until one host sync at log time. The schema:
   fault/skipped_steps                optimizer steps skipped as non-finite (update.py)
   time/rollout_s, time/update_s, time/generate_s, time/score_s, time/logprob_s,
   time/elapsed_s                     wall seconds (trainer.py)
-  time/learner_wait_s, time/actor_wait_s, async/staleness   async mode (async_rollout.py)
+  time/learner_wait_s, time/engine_generate_s, async/staleness   async mode (engine_source.py)
   perf/tokens_per_s                  counted tokens / step time (trainer.py); the model's
                                      tokens only: observations are forwarded, not counted
   eval/exact_match, eval/reward, eval/length_mean, eval/truncated_frac   held-out greedy

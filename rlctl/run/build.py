@@ -1,6 +1,6 @@
 """Build what a run needs from its config: the task, the policy (+LoRA, +critic, +the
 LoRA reference). Used by `rlctl train` (every rank), the
-dry run, the async rollout actors and `rlctl eval`/`rollout`, so all of them see the same
+dry run, the local engine processes and `rlctl eval`/`rollout`, so all of them see the same
 objects for the same config."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Bind a task to the loaded model: chat prompts through its template, and prompts kept
 within the context (``rollout.max_prompt_tokens``, ``task.long_prompts``).
 
-``rlctl train`` (every rank and the async rollout actors), ``rlctl eval`` and
+``rlctl train`` (every rank and the local engine processes), ``rlctl eval`` and
 ``rlctl rollout`` all call ``bind_task`` once the model and tokenizer are loaded, so all
 of them see the same prompts for the same config (``PromptBudget.from_config``). The limit is
 ``rollout.max_prompt_tokens``, by default the model's context (``max_position_embeddings``,
