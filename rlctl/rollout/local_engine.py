@@ -3,7 +3,9 @@
 ``LocalEngine`` is the engine protocol (rollout/engine.py) on the learner's side of a
 ``multiprocessing`` pipe; ``serve_engine`` is the child's loop. A message is one pickled
 tuple (tensors inside, as their bytes; no HTTP, no JSON): ("generate", prompts, Sampling,
-seed), ("weights", version, tensors, kind) in the format of rollout/weights.py, ("play",
+seed), ("weights", version, safetensors bytes) in the format of rollout/weights.py
+(``to_bytes``: the body a server is pushed; not answered, a failure to load is the answer
+to the next request), ("play",
 rows, env_seed, rng state or None) for an episodic task (the child holds the task and plays
 the learner's rows as episodes, rollout/episodes.py), ("health",), ("stop",). The reply is
 ("ok", value, torch RNG state after a call seeded with a state, else None), or ("error",
@@ -21,6 +23,7 @@ import torch
 
 from rlctl.errors import ActorFailed, UserError
 from rlctl.rollout.engine import Completion, Sampling, TorchEngine
+from rlctl.rollout.weights import from_bytes, to_bytes
 from rlctl.types import RolloutBatch
 
 TIMEOUT_S = 300.0
@@ -36,9 +39,12 @@ class LocalEngine:
         self.version = 0
         self.rng_state: Optional[torch.Tensor] = None
 
+    def _send(self, message) -> None:
+        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
     def _call(self, *message):
         try:
-            self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            self._send(message)
             deadline = time.monotonic() + self.timeout_s
             while not self.conn.poll(0.5):
                 if not self.proc.is_alive():
@@ -63,7 +69,10 @@ class LocalEngine:
         return self._call("generate", [list(p) for p in prompts], sampling, seed)
 
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor], kind: str = "full") -> None:
-        self._call("weights", int(version), tensors, kind)
+        try:
+            self._send(("weights", int(version), to_bytes(tensors, kind)))
+        except OSError:
+            self._call("health")          # names the lost process
         self.version = int(version)
 
     def play(self, rows: List[int], env_seed: int, rng: Optional[torch.Tensor]) -> RolloutBatch:
@@ -87,6 +96,7 @@ def serve_engine(engine: TorchEngine, conn, player=None, examples=()) -> str:
     """The child's loop: answer the learner until it says stop or the pipe closes.
     ``player``/``examples``: the episodic task's player and training rows (else None).
     Returns what ended it ("" after a normal stop)."""
+    failed = None          # a weights push that failed: the answer to the next request
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -96,6 +106,15 @@ def serve_engine(engine: TorchEngine, conn, player=None, examples=()) -> str:
         if op == "stop":
             return "the learner ended its run early (it says why)" if args[0] else ""
         try:
+            if op == "weights":
+                try:
+                    engine.update_weights(args[0], *from_bytes(args[1]))
+                except Exception as exc:  # noqa: BLE001 - answered with the next request
+                    failed = exc
+                continue
+            if failed is not None:
+                failed, exc = None, failed
+                raise exc
             value, rng = _answer(engine, player, examples, op, args)
             reply = ("ok", value, rng)
         except UserError as exc:
@@ -109,9 +128,6 @@ def _answer(engine: TorchEngine, player, examples, op: str, args):
     if op == "generate":
         outs = engine.generate(*args)
         return outs, engine.rng_state if isinstance(args[2], torch.Tensor) else None
-    if op == "weights":
-        engine.update_weights(*args)
-        return None, None
     if op == "play":
         rows, env_seed, rng = args
         if rng is not None:
