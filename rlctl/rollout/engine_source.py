@@ -170,7 +170,8 @@ class EngineSource(SyncSource):
             snap, self.pushed[e] = (self.version, tensors, kind), self.version   # booked now
         examples = [self.examples[i] for i in rows]
         G, s = self.sampling.group_size, self.sampling
-        prompts = [p for ex in examples for p in [self.tokenizer(ex.prompt)["input_ids"]] * G]
+        prompts = [] if self.player is not None else \
+            [p for ex in examples for p in [self.tokenizer(ex.prompt)["input_ids"]] * G]
         sampling = Sampling(s.max_new_tokens, s.temperature, s.top_k, tuple(self.stops))
 
         def job():          # runs in the worker thread: it only calls the engine
