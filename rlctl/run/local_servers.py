@@ -78,9 +78,10 @@ class LocalProcesses:
     """``n`` children ``target(arg, conn, i)`` (spawned; ``conn`` their end of a duplex
     pipe), each of which first sends ("ready", value) or ("error", one line); ``values``
     once all are ready (a ``stop`` flag raised meanwhile ends the wait); ``close()``
-    stops them. ``what``: how an error names the i-th child ("rollout server 0")."""
+    stops them. ``what``: how an error names the i-th child ("rollout server 0"), counted
+    from ``first``."""
 
-    def __init__(self, target, arg, n: int, stop=None, what: str = "rollout server"):
+    def __init__(self, target, arg, n: int, stop=None, what: str = "rollout server", first: int = 0):
         ctx = mp.get_context("spawn")
         self.procs, self.conns, self.values, self.what = [], [], [], what
         for i in range(n):
@@ -91,7 +92,7 @@ class LocalProcesses:
             self.procs.append(p)
             self.conns.append(mine)
         try:
-            self.values = [self._ready(i, p, c, stop) for i, (p, c) in enumerate(zip(self.procs, self.conns))]
+            self.values = [self._ready(i, p, c, stop) for i, (p, c) in enumerate(zip(self.procs, self.conns), first)]
         except BaseException:
             self.close()
             raise

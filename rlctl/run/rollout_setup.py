@@ -73,7 +73,7 @@ def build_source(cfg, policy, tokenizer, task, backend=None, stop=None):
         raise UserError("trainer.async_rollout.enabled=true needs one learner process in no process "
                         "group of its own: hardware.num_processes=1 and hardware.backend=torch")
     engines = LocalProcesses(engine_main, OmegaConf.to_yaml(cfg, resolve=True),
-                             int(cfg.trainer.async_rollout.num_actors), stop, "rollout engine process")
+                             int(cfg.trainer.async_rollout.num_actors), stop, "rollout engine process", first=1)
     try:
         clients = [LocalEngine(p, c, f"rollout engine process {i + 1}")
                    for i, (p, c) in enumerate(zip(engines.procs, engines.conns))]
