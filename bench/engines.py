@@ -1,4 +1,4 @@
-"""Generation off the learner, side by side in one run: local actor processes (gloo)
+"""Generation off the learner, side by side in one run: local engine processes (a pipe)
 against one and two `rlctl serve` processes on loopback (HTTP), and the synchronous loop.
 
     python bench/engines.py [--steps 300] [--out bench/engines.md]
@@ -9,8 +9,8 @@ Each row is one `rlctl train algo=grpo task=sorting` run on the embedded tiny mo
 when requests are smaller). steps/s is measured over the steps after the first 5
 (``time/elapsed_s``: start-up, the servers' included, is left out); "wait" is the
 learner's mean wait for a rollout per step; "sync" the mean weight-push time per step
-(servers only: the actors' transfer overlaps the update and is not timed apart).
-Runs are sequential; on a 2-core machine the learner, its actors or servers and their
+(``time/weight_sync_s``: the push happens in the request's worker thread, beside the update).
+Runs are sequential; on a 2-core machine the learner, its engines or servers and their
 reward workers share the cores, so the ratios, not the absolute figures, carry over.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ SKIP = 5
 ASYNC = ["trainer.async_rollout.enabled=true"]
 LAYOUTS = [
     ("synchronous (learner samples)", []),
-    ("1 local actor, staleness 1", ASYNC + ["trainer.async_rollout.num_actors=1"]),
-    ("2 local actors, staleness 1", ASYNC + ["trainer.async_rollout.num_actors=2"]),
+    ("1 local engine, staleness 1", ASYNC + ["trainer.async_rollout.num_actors=1"]),
+    ("2 local engines, staleness 1", ASYNC + ["trainer.async_rollout.num_actors=2"]),
     ("1 server, staleness 0", ["rollout.engine=server", "rollout.server.num_local=1"]),
     ("1 server, staleness 1", ASYNC + ["rollout.engine=server", "rollout.server.num_local=1"]),
     ("2 servers, staleness 1", ASYNC + ["rollout.engine=server", "rollout.server.num_local=2"]),

@@ -37,7 +37,7 @@ class TrainingFault(RuntimeError):
 
 
 class ActorFailed(RuntimeError):
-    """A rollout actor died or raised; the message says which and why (exit 1)."""
+    """A local rollout engine process died or raised; the message says which and why (exit 1)."""
 
 
 class LaunchError(RuntimeError):

@@ -289,11 +289,11 @@ class RolloutConfig:
 
 @dataclass
 class AsyncConfig:
-    enabled: bool = MISSING        # rollout actor processes + learner (rlctl/rollout/actors.py)
+    enabled: bool = MISSING        # local engine processes + learner (rlctl/rollout/local_engine.py)
     # a rollout is at most this many learner steps old (0: synchronous)
     max_staleness: int = knob(range=NON_NEGATIVE)
-    sync_every: int = knob(range=AT_LEAST_1)  # learner steps between weight syncs to the actor
-    # rollout actor processes beside the learner (at most min(num_actors, max_staleness) work ahead)
+    sync_every: int = knob(range=AT_LEAST_1)  # learner steps between weight syncs to an engine
+    # local engine processes beside the learner (at most min(num_actors, max_staleness) work ahead)
     num_actors: int = knob(1, range=AT_LEAST_1)
 
 

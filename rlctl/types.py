@@ -54,7 +54,7 @@ class RolloutBatch:
         behaviour_rows:  [N]      bool or None; the rows whose old_logprobs are real (the
                                   rest are placeholders for the learner's pi_old); None: all
         staleness:       [N]      long or None; learner updates since the weights that
-                                  sampled each row (async actors)
+                                  sampled each row (async engines)
         reward_parts:    {name: [N floats]} or None; each named reward (0 where missing)
         token_rewards:   [N, T]   float or None; episodes: each turn's weighted reward on its
                                   last token, each row summing to ``rewards``

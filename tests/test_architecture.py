@@ -209,9 +209,7 @@ TAKES_THE_CONFIG = {
     "rlctl/run/training.py:_train_here_or_launched": "trains in this process or passes the "
         "config to launched rank processes",
     "rlctl/run/rollout_setup.py:build_source": "the rollout source: an asynchronous one "
-        "ships the whole resolved config to its actor processes, which rebuild the run from it",
-    "rlctl/run/rollout_setup.py:_actor": "an actor process's body: builds its model and task "
-        "from the learner's config, as the learner did",
+        "ships the whole resolved config to its local engine processes, which build from it",
     "rlctl/run/dryrun.py:dry_run": "builds the run's model and task from the config and "
         "prints the estimate of every setting it resolves",
 }

@@ -123,7 +123,7 @@ class Trainer:
                    lr=lora.lr if lora.enabled and lora.lr is not None else tr.lr)
 
     def close(self) -> None:
-        """Stop the rollout source (actors, reward workers) and the eval reward workers."""
+        """Stop the rollout source (engine processes, reward workers) and the eval reward workers."""
         self.source.close()
         self.eval_scorer.close()
 
@@ -217,7 +217,7 @@ class Trainer:
                        "time/generate_s": t_gen - t0 - score_s, "time/score_s": score_s,
                        "time/logprob_s": t1 - t_gen,     # old/reference forwards + advantages
                        "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9)})
-        values.update(self.source.metrics())      # async: staleness, learner/actor waits
+        values.update(self.source.metrics())      # async: staleness, waits
         if "kl/seq_k1" in values:
             self.kl_ctl.update(values["kl/seq_k1"], sequences)   # horizon counts sequences (Ziegler et al.)
         if self.samples.due(step, self.tr.steps) and self.backend.is_main:

@@ -1,1 +1,1 @@
-"""Rollout: generation and sampling, the rollout sources, actor processes and remote actors with their wire format."""
+"""Rollout: generation and sampling, the rollout sources, the generation engines (in-process, local processes, servers) and their source."""

@@ -16,6 +16,9 @@ greedy decoding; its log-probs are log softmax(logits)[token].
 ``rollout.generate`` (each distinct prompt prefilled once): for the same prompts, settings
 and seed it draws the same tokens as ``generate`` (tests/rollout/test_engine.py). A seed
 is applied inside ``torch.random.fork_rng``: the caller's random state is left as it was.
+A seed may also be a torch CPU RNG state (``torch.get_rng_state()``): sampling starts from
+it and ``rng_state`` holds the state after, so a caller that sets it back has drawn the
+tokens from its own stream (a local engine at max_staleness=0: the synchronous loop).
 The engine's lock serialises generation in the process (the global RNG is shared), so two
 engines served from one process by threads stay reproducible.
 """
@@ -32,6 +35,7 @@ import torch
 from rlctl.errors import UserError
 from rlctl.models.kv_share import cache_keyword, shared_prefill, state_in_modules
 from rlctl.models.value import PolicyValueModel
+from rlctl.rollout.precision import sampling_precision
 from rlctl.rollout.sampler import sample
 from rlctl.rollout.weights import load_adapter, load_full
 from rlctl.tasks.prompt_budget import context_length
@@ -109,13 +113,15 @@ class TorchEngine:
     """rlctl's sampler in this process. ``pad_id``: the id finished rows and left padding
     use (the tokenizer's pad id). ``share_prompts``: prefill each distinct prompt once.
     ``chunk_size``: cut a batch into requests of that many prompts, request j seeded with
-    ``chunk_seed(seed, j)``, as the server engine cuts it (None: one request)."""
+    ``chunk_seed(seed, j)``, as the server engine cuts it (None: one request).
+    ``sample_dtype``: the sampling forwards' precision (rollout/precision.py)."""
 
     def __init__(self, model, pad_id: int, version: int = 0, share_prompts: bool = True,
-                 chunk_size: Optional[int] = None):
+                 chunk_size: Optional[int] = None, sample_dtype: str = "float32"):
         self.model = model.policy if isinstance(model, PolicyValueModel) else model
         self.pad_id, self.version, self.share_prompts = int(pad_id), int(version), share_prompts
-        self.chunk_size = chunk_size
+        self.chunk_size, self.sample_dtype = chunk_size, sample_dtype
+        self.rng_state: Optional[torch.Tensor] = None   # after a call seeded with a state
         self.key = cache_keyword(self.model)
         if self.key is None:
             raise UserError(f"{type(self.model).__name__}'s forward takes no KV cache: the "
@@ -155,10 +161,14 @@ class TorchEngine:
         if self.context and longest + sampling.max_new_tokens > self.context:
             raise UserError(f"a prompt of {longest} tokens + max_tokens {sampling.max_new_tokens} "
                             f"exceeds the model's context of {self.context} positions")
-        with _GENERATION, _seeded(seed, self.device):
+        with _GENERATION, _seeded(seed, self.device), sampling_precision(self.model, self.sample_dtype):
             if state_in_modules(self.model) and len({len(p) for p in prompts}) > 1:
-                return self._per_length(prompts, sampling)
-            return self._batch(prompts, sampling)
+                out = self._per_length(prompts, sampling)
+            else:
+                out = self._batch(prompts, sampling)
+            if isinstance(seed, torch.Tensor):
+                self.rng_state = torch.get_rng_state()
+            return out
 
     def _per_length(self, prompts, sampling: Sampling) -> List[Completion]:
         """A model that lets left padding reach its recurrent state (``generate``'s
@@ -207,11 +217,14 @@ def completions(new: torch.Tensor, logp: torch.Tensor, stops: Sequence[int],
 
 @contextlib.contextmanager
 def _seeded(seed: Optional[int], device: torch.device):
-    """Within: the global RNG seeded with ``seed`` (nothing changed for None); the state
-    before is restored after."""
+    """Within: the global RNG seeded with ``seed``, an int or a CPU RNG state (nothing
+    changed for None); the state before is restored after."""
     if seed is None:
         yield
         return
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(int(seed))
+        if isinstance(seed, torch.Tensor):
+            torch.set_rng_state(seed)
+        else:
+            torch.manual_seed(int(seed))
         yield

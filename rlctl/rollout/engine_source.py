@@ -1,29 +1,39 @@
-"""Rollouts from a generation engine (``rollout.engine=server``): the learner's prompts
-sent as token ids to an engine (rlctl/rollout/engine.py), the completions scored here and
-laid out as the learner's ``RolloutBatch``; the learner's weights pushed to the engine.
+"""Rollouts from generation engines (rollout/engine.py): remote or loopback servers
+(``rollout.engine=server``) or local engine processes (``trainer.async_rollout.enabled``,
+rollout/local_engine.py). The learner's prompts go to an engine as token ids, the
+completions are scored here and laid out as the learner's ``RolloutBatch``; the learner's
+weights are pushed to the engine. An episodic task's rows are played by local engines
+(``play``) and come back as batches.
 
 * **Seeds.** Each request draws its prompts and one seed from ``sampler`` (the checkpointed
   prompt RNG), so a run's tokens depend on that seed and the engine's ``chunk_size`` only:
   one server, two servers, or the ``torch`` engine in this process with the same
-  ``chunk_size`` give the same tokens (tests/rollout/test_engine_source.py).
-* **Weights.** The learner's weights go with the first request (the engine then holds
-  them, whatever it loaded; a resumed run's are the checkpoint's, loaded after this
-  source was built), then a new version after updates: when the
-  engine's copy is ``sync_every`` updates old, or sooner when the staleness bound needs
-  it. A LoRA policy pushes its adapter only (``policy_weights``). ``weight_dir``: the
-  weights go through that directory (``update_weights_from_disk``; servers that see it)
-  instead of the HTTP body.
-* **Ahead.** With ``max_staleness`` >= 1 the next request is made while the learner
-  updates (one request ahead, in a worker thread); the rows it returns are at most one
-  update old when consumed, and carry the engine's log-probs as ``old_logprobs`` (the
-  PPO ratio's behaviour policy). With 0 every request follows the update and uses the
-  newest weights: the synchronous loop, the learner computing pi_old itself.
-* Versions count learner updates from one past the engine's version when the source
-  started (servers that outlive a run keep their count; the first push is never a
-  version a server may hold without it).
+  ``chunk_size`` give the same tokens (tests/rollout/test_engine_source.py). Local
+  engines (``learner_rng``) draw no seed: at max_staleness=0 a request carries the
+  learner's torch RNG state and it comes back advanced, so the run is the synchronous
+  loop bit for bit; ahead, each engine samples from its own stream.
+* **Weights.** The learner's weights go with an engine's first request (the engine then
+  holds them, whatever it loaded; a resumed run's are the checkpoint's, loaded after this
+  source was built), then a new version after updates: when the engine's copy is
+  ``sync_every`` updates old, or sooner when the staleness bound needs it. A LoRA policy
+  pushes its adapter only (``policy_weights``). ``weight_dir``: the weights go through
+  that directory (``update_weights_from_disk``; servers that see it) instead of the body.
+* **Ahead (the staleness controller).** Versions count learner updates. Rollouts are
+  requested in the order the learner consumes them, one per idle engine: a step consumes
+  one rollout, or several with dynamic sampling, so a rollout requested with k pending is
+  consumed at the latest at version + k (+1 once the current step took one). It is
+  requested ahead only while that is within ``max_staleness`` of the weights it is made
+  with, so at most ``min(engines, max_staleness)`` rollouts are made while the learner
+  updates; a step that needs another rollout when none is pending asks for one at once.
+  A stale rollout keeps the engine's log-probs as ``old_logprobs`` (the PPO ratio's
+  behaviour policy); an on-policy one gets no correction (the learner computes pi_old).
+* Versions start one past the engine's version when the source started (servers that
+  outlive a run keep their count; the first push is never a version a server may hold
+  without it).
 """
 from __future__ import annotations
 
+import collections
 import random
 import shutil
 import threading
@@ -40,6 +50,8 @@ from rlctl.core.logprobs import completion_mask
 from rlctl.models.stop_ids import decode_completions, resolve_stop_ids
 from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.engine import Completion, Sampling, left_padded
+from rlctl.rollout.episode_source import SEED_RANGE
+from rlctl.rollout.local_engine import moved
 from rlctl.rollout.source import SamplingSettings, SyncSource
 from rlctl.rollout.weights import KIND_KEY, prune_versions
 from rlctl.types import Example, RolloutBatch
@@ -81,90 +93,128 @@ def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
 
 
 class EngineSource(SyncSource):
-    """B prompts drawn from ``examples`` by ``sampler``, G completions each from
-    ``engine``, scored by ``scorer``; ``policy``: the module the learner trains (its
-    weights are pushed). ``on_close``: called last by ``close`` (e.g. stop the servers
-    the run started)."""
+    """B prompts drawn from ``examples`` by ``sampler``, G completions each from an engine,
+    scored by ``scorer``; ``policy``: the module the learner trains (its weights are
+    pushed). ``engine``: one engine, or a list of them (local engine processes), each
+    making one request at a time. ``learner_rng``: at max_staleness=0 a request carries
+    the learner's torch RNG state as its seed, set back advanced when it is consumed (the
+    synchronous loop's stream), and ahead requests draw no seed (each engine's own
+    stream); else each request draws a seed from ``sampler``. ``player``: an episodic
+    task's player; its rows are then played by the engines (``engine.play``).
+    ``on_close``: called last by ``close`` (e.g. stop the processes the run started)."""
 
     def __init__(self, engine, policy, tokenizer, examples: Sequence[Example], scorer,
                  sampling: SamplingSettings, settings: EngineSettings, seed: int,
-                 device=None, on_close: Optional[Callable[[], None]] = None):
-        self.engine, self.policy, self.tokenizer = engine, policy, tokenizer
+                 device=None, on_close: Optional[Callable[[], None]] = None,
+                 learner_rng: bool = False, player=None):
+        self.engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
+        self.engine, self.policy, self.tokenizer = self.engines[0], policy, tokenizer
         self.examples, self.scorer, self.settings = list(examples), scorer, settings
-        self.sampling = sampling
+        self.sampling, self.learner_rng, self.player = sampling, learner_rng, player
         self.sampler = random.Random(seed)
         self.device = device if device is not None else next(policy.parameters()).device
         self.stops = resolve_stop_ids(policy, tokenizer, sampling.stop_token_ids)
         self.pad_id = int(tokenizer.pad_token_id)
         self.on_close = on_close
-        # the learner's weights: one past the engine's count when we started, never equal
+        # the learner's weights: one past the engines' count when we started, never equal
         # to what a server holds unpushed (a server restarted unseen reports 0, its own
         # load: with the first push at 0 its rows would pass as the learner's)
-        self.version = int(getattr(engine, "version", 0)) + 1
-        # the engine's weights version; None: nothing pushed yet. The first request pushes
+        self.version = max(int(getattr(e, "version", 0)) for e in self.engines) + 1
+        # each engine's weights version; None: nothing pushed yet. The first request pushes
         # (not this constructor): a resumed run loads its checkpoint's weights after this.
-        self.pushed: Optional[int] = None
-        self.ahead: Optional[Future] = None        # the request made while the learner updates
+        self.pushed: List[Optional[int]] = [None] * len(self.engines)
+        self.idle = collections.deque(range(len(self.engines)))
+        self.pending: collections.deque = collections.deque()   # (engine index, Future)
+        self.took = False                                  # this step consumed a rollout
         self.stats: Dict[str, List[float]] = {}
 
     # -- weights -----------------------------------------------------------------------
-    def _snapshot(self):
-        tensors, kind = policy_weights(self.policy)
-        return self.version, tensors, kind
-
-    def _push(self, snap) -> float:
-        """Send ``snap`` (version, tensors, kind) to the engine; returns the seconds it took."""
+    def _push(self, engine, snap) -> float:
+        """Send ``snap`` (version, tensors, kind) to ``engine``; returns the seconds it took."""
         version, tensors, kind = snap
         t0 = time.perf_counter()
         if self.settings.weight_dir is None:
-            self.engine.update_weights(version, tensors, kind)
+            engine.update_weights(version, tensors, kind)
         else:
-            self.engine.update_weights_from_disk(version, _write(self.settings.weight_dir, version,
-                                                                 tensors, kind))
+            engine.update_weights_from_disk(version, _write(self.settings.weight_dir, version,
+                                                            tensors, kind))
         return time.perf_counter() - t0
 
-    def _needs_push(self, consumed_at: int) -> bool:
-        s = self.settings
-        return (self.pushed is None or self.version - self.pushed >= s.sync_every
-                or self.pushed < consumed_at - s.max_staleness)
+    def _needs_push(self, e: int, consumed_at: int) -> bool:
+        s, pushed = self.settings, self.pushed[e]
+        return pushed is None or self.version - pushed >= s.sync_every or pushed < consumed_at - s.max_staleness
 
-    # -- requests ----------------------------------------------------------------------
-    def _request(self, num_groups: int, consumed_at: int):
-        """Draw the next request's rows and seed (in this thread, in order) and take a
-        weights snapshot if the engine must have newer ones; returns the job to run."""
-        examples = [self.examples[i] for i in self.draw(num_groups)]
-        seed = self.sampler.getrandbits(62)
-        snap = self._snapshot() if self._needs_push(consumed_at) else None
-        if snap is not None:
-            self.pushed = snap[0]          # booked now: the next request does not push it again
+    # -- requests: the staleness controller --------------------------------------------
+    def _fill(self, num_groups: int) -> None:
+        """Request rollouts ahead, in consumption order, while an engine is idle and the
+        next one would be at most ``max_staleness`` updates old when consumed: with k
+        pending, it is consumed at version + k (+1 once this step has taken one)."""
+        while self.idle:
+            latest = self.version + len(self.pending) + int(self.took)
+            if latest - self.version > self.settings.max_staleness:
+                break
+            self._request(self.idle.popleft(), num_groups, latest)
+
+    def _request(self, e: int, num_groups: int, consumed_at: int) -> None:
+        """Draw the next request's rows and seed (in this thread, in order), take a weights
+        snapshot if engine ``e`` must have newer ones, and start it in a worker thread."""
+        engine, rows = self.engines[e], self.draw(num_groups)
+        env_seed = self.sampler.randrange(SEED_RANGE) if self.player is not None else None
+        if self.learner_rng:
+            seed = torch.get_rng_state() if self.settings.max_staleness == 0 else None
+        else:
+            seed = self.sampler.getrandbits(62)
+        snap = None
+        if self._needs_push(e, consumed_at):
+            tensors, kind = policy_weights(self.policy)
+            snap, self.pushed[e] = (self.version, tensors, kind), self.version   # booked now
+        examples = [self.examples[i] for i in rows]
         G, s = self.sampling.group_size, self.sampling
-        ids = [self.tokenizer(ex.prompt)["input_ids"] for ex in examples]
-        rows = [p for p in ids for _ in range(G)]                        # N = B * G, grouped
+        prompts = [] if self.player is not None else \
+            [p for ex in examples for p in [self.tokenizer(ex.prompt)["input_ids"]] * G]
         sampling = Sampling(s.max_new_tokens, s.temperature, s.top_k, tuple(self.stops))
 
-        def job():          # may run in the worker thread: it only calls the engine
-            push_s = self._push(snap) if snap is not None else 0.0
+        def job():          # runs in the worker thread: it only calls the engine
+            push_s = self._push(engine, snap) if snap is not None else 0.0
             t0 = time.perf_counter()
-            outs = self.engine.generate(rows, sampling, seed)
-            return examples, rows, outs, time.perf_counter() - t0, push_s
-        return job
+            if self.player is not None:
+                outs = engine.play(rows, env_seed, seed)
+            else:
+                outs = engine.generate(prompts, sampling, seed)
+            rng = engine.rng_state if isinstance(seed, torch.Tensor) else None
+            return examples, prompts, outs, rng, time.perf_counter() - t0, push_s
+        self.pending.append((e, _in_thread(job)))
 
     def sample(self, num_groups: int) -> RolloutBatch:
         t0 = time.perf_counter()
-        if self.ahead is not None:
-            examples, rows, outs, gen_s, push_s = self.ahead.result()
-            self.ahead = None
-        else:
-            examples, rows, outs, gen_s, push_s = self._request(num_groups, self.version)()
+        self._fill(num_groups)
+        if not self.pending:     # another round within this step: made and consumed now
+            self._request(self.idle.popleft(), num_groups, self.version)
+        e, future = self.pending.popleft()
+        examples, prompts, outs, rng, gen_s, push_s = future.result()
+        self.idle.append(e)
+        if rng is not None:
+            torch.set_rng_state(rng)          # the learner's stream, advanced by the engine
         self._log("time/learner_wait_s", time.perf_counter() - t0)
         self._log("time/engine_generate_s", gen_s)
         self._log("time/weight_sync_s", push_s)
-        if self.settings.max_staleness > 0:          # made while the learner updates
-            self.ahead = _in_thread(self._request(num_groups, self.version + 1))
-        return self._batch(examples, rows, outs)
+        self.took = True
+        self._fill(num_groups)   # the freed engine starts the next rollout now
+        if self.player is not None:
+            return self._episodes(outs)
+        return self._batch(examples, prompts, outs)
 
     def after_update(self) -> None:
         self.version += 1
+        self.took = False
+
+    def _episodes(self, batch: RolloutBatch) -> RolloutBatch:
+        """An engine's episodes: the behaviour log-probs kept whether stale or not, as the
+        synchronous episode source keeps them; ``staleness`` arrives as the weights version."""
+        batch = moved(batch, self.device)
+        stale = self.version - batch.staleness                                         # [N]
+        self._log("async/staleness", float(stale.max()))
+        return batch.replace(staleness=stale, engine_logprobs=batch.old_logprobs * batch.mask)
 
     # -- the batch ---------------------------------------------------------------------
     def _batch(self, examples: List[Example], rows, outs: List[Completion]) -> RolloutBatch:
@@ -210,17 +260,18 @@ class EngineSource(SyncSource):
         return out
 
     def close(self) -> None:
-        """Waits ``CLOSE_WAIT_S`` at most for a request still ahead (a hung server must not
-        hold the run's exit for its ``timeout_s``), then leaves it to its daemon thread."""
+        """Waits ``CLOSE_WAIT_S`` at most for each request still pending (a hung server
+        must not hold the run's exit for its ``timeout_s``), then leaves it to its daemon
+        thread."""
         try:
-            if self.ahead is not None:
+            for e, future in self.pending:
                 try:
-                    self.ahead.result(CLOSE_WAIT_S)
+                    future.result(CLOSE_WAIT_S)
                 except FutureTimeout:
-                    _quiet(self.engine)
+                    _quiet(self.engines[e])
                 except Exception:  # noqa: BLE001 - nobody reads this request: the run is over
                     pass
-                self.ahead = None
+            self.pending.clear()
         finally:
             try:
                 super().close()

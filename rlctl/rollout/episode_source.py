@@ -7,8 +7,8 @@ drawn from the same sampler, so a resumed run replays the same episodes' seeds. 
 rewards come from the environments' steps, so the ``scorer`` (the Trainer reads its
 counters and named sums) never scores anything here. ``player`` is what the Trainer's
 held-out eval plays episodes with (``rlctl.learner.evaluate.evaluate``).
-Rollout actors (rlctl/rollout/actors.py) draw with ``draw`` and ``draw_seed`` on the
-learner and play with their own copy's ``player``.
+With local engine processes (rlctl/rollout/engine_source.py) the learner draws the rows
+and the seed in the same order and the engines play them with their own ``player``.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ stepped), ``metrics()``, ``close()``, a prompt ``sampler`` (a ``random.Random`` 
 state the checkpoint saves) and the training ``scorer``; nothing else is read by the
 Trainer (it decides its own prompt sharing from its backend). ``LocalSource`` samples with
 the learner's own policy module: the very object the backend trains, so each rollout
-is made with the newest weights. The asynchronous source (rollout actor processes)
-is ``rlctl.rollout.actors.AsyncSource``; the caller picks one and hands it to
+is made with the newest weights. The asynchronous source (local engine processes)
+is ``rlctl.rollout.engine_source.EngineSource``; the caller picks one and hands it to
 the Trainer.
 """
 from __future__ import annotations

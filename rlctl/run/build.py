@@ -1,7 +1,7 @@
 """Build what a run needs from its config: the task with its reward models
 (``task_from_config``, once per process), the task prepared for the loaded model
 (``prepare_task``: prompts and scorers), the policy (+LoRA, +critic, +the LoRA
-reference). Used by `rlctl train` (every rank), the dry run, the async rollout actors and
+reference). Used by `rlctl train` (every rank), the dry run, the local engine processes and
 `rlctl eval`/`rollout`, so all of them see the same objects for the same config."""
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""`rlctl serve` processes a run starts for itself (``rollout.engine=server`` with no
-``rollout.server.urls``): ``rollout.server.num_local`` servers on 127.0.0.1, each the
-torch engine behind the completions app (rlctl/rollout/serve_app.py), on a port the
-system picks and the child reports back.
+"""Engine processes a run starts for itself: ``LocalProcesses`` starts children and waits
+for each to say it is ready. ``LocalServers``: `rlctl serve` processes
+(``rollout.engine=server`` with no ``rollout.server.urls``), ``rollout.server.num_local``
+servers on 127.0.0.1, each the torch engine behind the completions app
+(rlctl/rollout/serve_app.py), on a port the system picks and the child reports back.
+The local engine processes of ``trainer.async_rollout`` (rlctl/run/rollout_setup.py) are
+started with ``LocalProcesses`` too and keep their pipe.
 
 Each child builds the configured model as `rlctl serve` with no TARGET does (the
 learner's base model: the learner pushes its own weights, or its adapter, before the
@@ -52,45 +55,49 @@ class ServeSpec:
                    tuple(cfg.rollout.get("stop_token_ids", None) or ()))
 
 
-class LocalServers:
-    """``n`` servers of ``spec``; ``urls`` once started; ``close()`` stops them."""
+class LocalProcesses:
+    """``n`` children ``target(arg, conn, i)`` (spawned; ``conn`` their end of a duplex
+    pipe), each of which first sends ("ready", value) or ("error", one line); ``values``
+    once all are ready (a ``stop`` flag raised meanwhile ends the wait); ``close()``
+    stops them. ``what``: how an error names the i-th child ("rollout server 0"), counted
+    from ``first``."""
 
-    def __init__(self, spec: ServeSpec, n: int, stop=None):
+    def __init__(self, target, arg, n: int, stop=None, what: str = "rollout server", first: int = 0):
         ctx = mp.get_context("spawn")
-        self.procs, self.urls, pipes = [], [], []
-        for _ in range(n):
-            mine, theirs = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=serve_child, args=(spec, theirs), daemon=True)
+        self.procs, self.conns, self.values, self.what = [], [], [], what
+        for i in range(n):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=target, args=(arg, theirs, i), daemon=True)
             p.start()
             theirs.close()
             self.procs.append(p)
-            pipes.append(mine)
+            self.conns.append(mine)
         try:
-            self.urls = [self._port(i, p, pipe, stop) for i, (p, pipe) in enumerate(zip(self.procs, pipes))]
+            self.values = [self._ready(i, p, c, stop) for i, (p, c) in enumerate(zip(self.procs, self.conns), first)]
         except BaseException:
             self.close()
             raise
-        finally:
-            for pipe in pipes:          # the port is all they say
-                pipe.close()
 
-    @staticmethod
-    def _port(i: int, proc, pipe, stop) -> str:
+    def _ready(self, i: int, proc, conn, stop):
         deadline = time.monotonic() + START_S
-        while not pipe.poll(0.2):
+        while not conn.poll(0.2):
             if stop is not None and stop.requested:
-                raise UserError("stopped while the rollout servers were starting")
+                raise UserError(f"stopped while the {self.what}s were starting")
             if not proc.is_alive() or time.monotonic() > deadline:
-                raise UserError(f"rollout server {i} did not start (exit code {proc.exitcode})")
+                raise UserError(f"{self.what} {i} did not start (exit code {proc.exitcode})")
         try:
-            kind, value = pipe.recv()
+            kind, value = conn.recv()
         except EOFError:
-            raise UserError(f"rollout server {i} exited while starting (exit code {proc.exitcode})") from None
+            raise UserError(f"{self.what} {i} exited while starting (exit code {proc.exitcode})") from None
         if kind == "error":
-            raise UserError(f"rollout server {i}: {value}")
-        return f"http://127.0.0.1:{value}"
+            raise UserError(f"{self.what} {i}: {value}")
+        return value
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
+        """Wait ``wait_s`` for children asked to stop, then terminate (and kill) the rest."""
+        deadline = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -99,10 +106,23 @@ class LocalServers:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        for c in self.conns:
+            c.close()
 
 
-def serve_child(spec: ServeSpec, conn) -> None:
-    """One server: build the model and app, bind 127.0.0.1:0, send ("port", p) (or
+class LocalServers(LocalProcesses):
+    """``n`` servers of ``spec``; ``urls`` once started; ``close()`` stops them."""
+
+    def __init__(self, spec: ServeSpec, n: int, stop=None):
+        super().__init__(serve_child, spec, n, stop)
+        self.urls = [f"http://127.0.0.1:{port}" for port in self.values]
+
+    def close(self, wait_s: float = 0.0) -> None:
+        super().close(wait_s)
+
+
+def serve_child(spec: ServeSpec, conn, index: int = 0) -> None:
+    """One server: build the model and app, bind 127.0.0.1:0, send ("ready", port) (or
     ("error", one line)), then serve until terminated."""
     os.setpgrp()
     die_with_parent(mp.parent_process().pid)
@@ -111,7 +131,7 @@ def serve_child(spec: ServeSpec, conn) -> None:
     except Exception as exc:  # noqa: BLE001 - one line for the learner
         conn.send(("error", user_message(exc)[0]))
         return
-    conn.send(("port", sock.getsockname()[1]))
+    conn.send(("ready", sock.getsockname()[1]))
     conn.close()
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
     server.run(sockets=[sock])

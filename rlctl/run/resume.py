@@ -5,7 +5,7 @@ complete checkpoint, written by as many ranks as will resume it, it has steps le
 train, and the overrides change none of the keys the checkpoint's tensors and layout depend
 on (``ResumeSettings.shape``). ``resume_point`` runs on every rank: the newest checkpoint,
 with the metric lines logged after it dropped (they will be redone). ``newest`` says where
-a run that lost a rank or an actor can continue from.
+a run that lost a rank or an engine can continue from.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def resume_point(run_dir: Path, backend) -> Path:
 
 
 def newest(run_dir: Path) -> str:
-    """Where a run that lost a rank or an actor can continue from."""
+    """Where a run that lost a rank or an engine can continue from."""
     last = checkpoint.latest_checkpoint(run_dir)
     if last is None:
         return "no checkpoint was saved yet"

@@ -105,13 +105,13 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool = False, stop=None,
                 trainer = Trainer.from_config(cfg, model, tokenizer, prepared, sink, source=source,
                                               critic=critic, ref_model=ref_model, backend=backend)
             except BaseException:
-                source.close()                   # async: the actors end now, not at Python's exit
+                source.close()                   # async: the engines end now, not at Python's exit
                 raise
             try:
                 result = trainer.train(run_dir=run_dir, resume_from=resume_from, on_step=on_step,
                                        stop=stop)
             finally:
-                trainer.close()                  # async mode: stop the rollout actor
+                trainer.close()                  # async mode: stop the engine processes
             sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
         finally:
             sink.close()

@@ -10,7 +10,7 @@ model reads and what its scorers are given; the task itself is never changed.
   model's context (``max_position_embeddings``, or GPT-2's ``n_positions``) minus
   ``rollout.max_new_tokens``; an explicit value must leave room for the completion too.
 
-``rlctl train`` (every rank and the async rollout actors), ``rlctl eval`` and ``rlctl
+``rlctl train`` (every rank and the local engine processes), ``rlctl eval`` and ``rlctl
 rollout`` all prepare through ``rlctl.run.build.prepare_task``, so all of them see the
 same prompts for the same config.
 """

@@ -1,4 +1,4 @@
-"""Asynchronous mode (rollout actor process + learner): with max_staleness=0 it is the
+"""Asynchronous mode (local engine processes + learner): with max_staleness=0 it is the
 synchronous loop bit for bit; with max_staleness=1 rollouts are one step old and the
 ratio against the behaviour policy's log-probs is logged."""
 import os
@@ -38,23 +38,27 @@ def test_async_one_step_stale_uses_behaviour_logprobs(make_trainer):
     assert [s["async/staleness"] for s in steps] == [0, 1, 1]
     assert "policy/ratio_std" not in steps[0]        # on-policy: no correction needed
     assert steps[2]["policy/ratio_std"] > 0          # stale: pi / pi_behaviour != 1
-    assert all(s["time/learner_wait_s"] >= 0 and s["time/actor_wait_s"] >= 0 for s in steps)
+    assert all(s["time/learner_wait_s"] >= 0 and s["time/engine_generate_s"] > 0 for s in steps)
 
 
 def test_two_actors_work_ahead_within_the_staleness_bound(make_trainer):
     """num_actors=2, max_staleness=2: while the learner updates, both actors generate;
     rollouts for steps 1, 2 come from the initial weights, later ones are 2 updates old
     (hand-traced from the request rule: step c may be requested once version >= c-1-2)."""
-    steps = _run(make_trainer, ["trainer.async_rollout.enabled=true", "trainer.async_rollout.max_staleness=2",
-                  "trainer.async_rollout.num_actors=2"], steps=5)
+    tr = make_trainer(BASE + ["trainer.async_rollout.enabled=true", "trainer.async_rollout.max_staleness=2",
+                              "trainer.async_rollout.num_actors=2"])
+    assert [e.name for e in tr.source.engines] == ["rollout engine process 1", "rollout engine process 2"]
+    assert len({e.proc.pid for e in tr.source.engines}) == 2      # two processes
+    steps = [tr.step(i) for i in range(1, 6)]
     assert [s["async/staleness"] for s in steps] == [0, 1, 2, 2, 2]
     assert all(s["policy/ratio_std"] > 0 for s in steps[1:])
     assert all(0 <= s["reward/mean"] <= 1 for s in steps)
 
 
 def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
-    """task.on_reward_error=raise inside an actor: the learner raises the RewardError with
-    the actor's message (the CLI prints it as one line), and close() returns."""
+    """task.on_reward_error=raise with local engines: the learner raises the RewardError
+    with the reward's message (the CLI prints it as one line), and close() returns with
+    the engine processes ended."""
     import json
     import time
 
@@ -81,7 +85,7 @@ def test_a_failing_reward_in_an_actor_is_one_error_not_a_hang(tmp_path):
     finally:
         tr.close()
     assert time.monotonic() - t0 < 120
-    assert not os.path.exists(tr.source.rendezvous_dir)        # the group's temp dir is gone
+    assert not any(e.proc.is_alive() for e in tr.source.engines)   # the engines are gone
 
 
 def test_an_actor_that_dies_is_reported_not_waited_for(make_trainer):
@@ -90,8 +94,9 @@ def test_an_actor_that_dies_is_reported_not_waited_for(make_trainer):
 
     tr = make_trainer(BASE + ["trainer.async_rollout.enabled=true"])
     tr.step(1)
-    tr.source.procs[0].kill()
-    with pytest.raises(ActorFailed, match="exited unexpectedly"):
+    tr.source.engines[0].proc.kill()
+    with pytest.raises(ActorFailed, match=r"^lost contact with rollout engine process 1: it exited "
+                                          r"unexpectedly \(exit code -9\)$"):
         tr.step(2)
         tr.step(3)
 
@@ -216,17 +221,14 @@ def _check_mixed_steps(tr):
     assert mixed, "no step mixed a stale and a fresh rollout"
 
 
-def test_actors_live_beside_the_learner_and_other_machines_are_servers():
-    """Ranks 1..num_actors on the learner's machine (world 1 + num_actors); num_actors=0
-    and async actors on several nodes are one line each: other machines run servers."""
+def test_engines_live_beside_the_learner_and_other_machines_are_servers():
+    """num_actors local engines (one EngineSource engine each); num_actors=0 and async
+    engines on several nodes are one line each: other machines run servers."""
     import pytest
 
     from rlctl.config import validate
     from rlctl.errors import ConfigError
-    from rlctl.rollout.layout import ActorLayout
 
-    cfg = compose(["trainer.async_rollout.enabled=true", "trainer.async_rollout.num_actors=2"]).cfg
-    assert ActorLayout.from_config(cfg).world_size == 3
     with pytest.raises(ConfigError, match="num_actors"):
         validate(compose(["trainer.async_rollout.enabled=true", "trainer.async_rollout.num_actors=0"]).cfg)
     with pytest.raises(ConfigError, match=r"rollout.engine=server rollout.server.urls=\[http://NODE:PORT"):
@@ -234,26 +236,26 @@ def test_actors_live_beside_the_learner_and_other_machines_are_servers():
     validate(compose(["hardware.nnodes=2"]).cfg)               # data-parallel nodes: still fine
 
 
-def test_lost_peer_messages_name_the_rank_and_the_timeout():
-    """gloo's own texts (copied from torch 2.13 runs: an irecv whose peer never sent within
-    the group's timeout, and one whose peer exited) become a few words; an actor is named
-    by its rank everywhere (actor index a is rank a + 1)."""
-    from types import SimpleNamespace
+def test_a_silent_or_lost_engine_is_one_line_naming_it():
+    """A local engine that does not answer within its time limit, and one that exited,
+    are each one line naming the process (the child here never reads its pipe)."""
+    import multiprocessing
+    import time
 
-    from rlctl.rollout.actors import AsyncSource
-    from rlctl.rollout.layout import ActorLayout
-    from rlctl.rollout.wire import gloo_reason
+    import pytest
 
-    timed_out = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
-                             "Timed out waiting 2000ms for recv operation to complete")
-    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
-                          "closed by peer [127.0.0.1]:18657. This is typically caused by a remote worker "
-                          "crashing. Check the logs of the remote worker before reporting an error. GLHF! x")
-    layout = ActorLayout(enabled=True, num_actors=1)
-    assert gloo_reason(timed_out, layout.timeout_text()) == "did not answer within the process group's timeout"
-    assert gloo_reason(closed) == "exited unexpectedly (Connection closed by peer [127.0.0.1]:18657)"
-    source = SimpleNamespace(layout=layout, failed=set(), timeout=layout.timeout_text(), _name=None)
-    source._name = lambda a: AsyncSource._name(source, a)
-    assert str(AsyncSource._lost(source, 0, timed_out)) == \
-        "lost contact with rollout actor rank 1: it did not answer within the process group's timeout"
-    assert source.failed == {0}
+    from rlctl.errors import ActorFailed
+    from rlctl.rollout.local_engine import LocalEngine
+
+    ctx = multiprocessing.get_context("fork")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    proc.start()
+    engine = LocalEngine(proc, mine, "rollout engine process 1", timeout_s=1.0)
+    with pytest.raises(ActorFailed, match=r"^lost contact with rollout engine process 1: it did not "
+                                          r"answer within 1 s$"):
+        engine.health()
+    proc.kill()
+    with pytest.raises(ActorFailed, match=r"^lost contact with rollout engine process 1: it exited "
+                                          r"unexpectedly \(exit code -9\)$"):
+        engine.health()

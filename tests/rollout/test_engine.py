@@ -50,6 +50,24 @@ def test_same_seed_same_tokens_and_logprobs_as_generate(tiny):
     assert len({tuple(c.token_ids) for c in outs}) > 2               # sampled, not all alike
 
 
+def test_an_rng_state_seed_draws_from_that_stream_and_hands_it_back_advanced(tiny):
+    """A seed that is a torch RNG state (a local engine at max_staleness=0): the tokens
+    ``generate`` draws from that state, and ``rng_state`` is where that stream ends; the
+    caller's own state is left as it was."""
+    model, tok = tiny
+    stops = (tok.eos_token_id,)
+    torch.manual_seed(5)
+    start = torch.get_rng_state()
+    seqs, _, P, _ = generate(model, tok, TEXTS, 12, do_sample=True, temperature=1.3,
+                             return_logprobs=True, stops=stops)
+    after, mine = torch.get_rng_state(), torch.manual_seed(9).get_state()
+    engine = TorchEngine(model, tok.pad_token_id)
+    outs = engine.generate(ids_of(tok, TEXTS), Sampling(12, 1.3, 0, stops), seed=start)
+    assert [c.token_ids for c in outs] == [cut(seqs[i, P:].tolist(), stops) for i in range(len(TEXTS))]
+    assert torch.equal(engine.rng_state, after) and not torch.equal(after, start)
+    assert torch.equal(torch.get_rng_state(), mine)
+
+
 def test_seed_leaves_the_callers_rng_alone(tiny):
     model, tok = tiny
     torch.manual_seed(3)
