@@ -1,6 +1,7 @@
-"""The calculator tool and the digits-as-words numbers of the built-in environments
-(``spell(5535) == "5 5 3 5"``). Standard library only: the subprocess sandbox loads
-``rlctl.envs.calc:calc`` in a fresh interpreter."""
+"""The words of the built-in environments: digits as words (``spell(5535) == "5 5 3 5"``),
+the calculator tool, and the words beyond digits and ``= + - * :`` that they write or
+expect (``TINY_AGENT_WORDS``, added to the tiny model's vocabulary). Standard library
+only: the subprocess sandbox loads ``calc`` from this file in a fresh interpreter."""
 from __future__ import annotations
 
 import ast
@@ -10,6 +11,12 @@ from typing import Optional
 MAX_CHARS = 200           # longest expression calc reads
 MAX_DIGITS = 60           # largest intermediate value, in digits
 
+TINY_AGENT_WORDS = (
+    "<call>", "</call>", "calc",            # the tag tool-call format and the calculator tool
+    "<result>", "</result>", "error",       # tool results and failed calls
+    "guess", "higher", "lower",             # guess_number
+    "sum",                                  # running_sum
+)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 

@@ -6,6 +6,7 @@
 sockets refused, a temporary working directory and a minimal environment; after
 ``timeout_s`` the whole process group is killed. The tool is loaded by ``Tool.source``
 (top-level functions only); arguments and result cross as JSON (else ``str(result)``).
+A tool here is ``rlctl.envs.tools.Tool`` (its name, fn and source).
 Best-effort isolation, not a security boundary."""
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
-
-from rlctl.envs.tools import Tool
 
 SANDBOXES = ("none", "subprocess")
 CHILD = Path(__file__).with_name("sandbox_child.py")
@@ -51,7 +50,7 @@ def check_sandbox(sandbox: str, tools=()) -> str:
     return sandbox
 
 
-def call_tool(tool: Tool, kwargs: Dict[str, Any], sandbox: str = "none",
+def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
               limits: Limits = Limits()) -> Any:
     """``tool.fn(**kwargs)`` in the sandbox; any failure raises ``ToolFailed``."""
     if sandbox == "none":
@@ -72,7 +71,7 @@ def _child_env(cwd: str) -> Dict[str, str]:
             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def run_in_subprocess(tool: Tool, kwargs: Dict[str, Any], limits: Limits) -> Any:
+def run_in_subprocess(tool, kwargs: Dict[str, Any], limits: Limits) -> Any:
     if tool.source is None:
         check_sandbox("subprocess", [tool])
     payload = json.dumps({"source": tool.source, "kwargs": kwargs,
@@ -101,7 +100,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.communicate()
 
 
-def _result(tool: Tool, rc: int, out: bytes) -> Any:
+def _result(tool, rc: int, out: bytes) -> Any:
     try:
         reply = json.loads(out.decode("utf-8", "replace") or "null")
     except json.JSONDecodeError:

@@ -1,19 +1,40 @@
-"""Plain Python functions as tools (docs/agents.md). ``make_tool(fn)`` (or an import path)
-gives a ``Tool``; ``Tool.bind`` maps ``tag`` words (all joined for a one-parameter tool,
-else one per parameter) or a ``json`` object (by name) to keyword arguments. ``int`` and
-``float`` parameters drop spaces (``"1 2 3"`` is 123), ``bool`` takes true/false; a
-failure raises ``ToolArgumentError``. ``Tool.source``: the import path the subprocess
-sandbox loads it by (None for a lambda or nested function)."""
+"""Tools, their call formats, and ``ToolEnv``: an environment in which the model may call
+tools before it answers (docs/agents.md, "Tools and call formats").
+
+``make_tool(fn)`` (or an import path) gives a ``Tool``; ``Tool.bind`` maps ``tag`` words
+(all joined for a one-parameter tool, else one per parameter) or a ``json`` object (by
+name) to keyword arguments; ``int``/``float`` drop spaces (``"1 2 3"`` is 123), ``bool``
+takes true/false; a failure raises ``ToolArgumentError``. ``Tool.source``: the import
+path the subprocess sandbox loads it by (None for a lambda or nested function).
+
+A parser (``PARSERS``: ``tool_parser=NAME`` or ``package.module:Class``) has
+``parse(text) -> ToolCall | None`` (malformed: ``ToolCallError``), ``format(call)`` and
+``stop`` (where a turn with a call is cut): ``json``
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) and ``tag``
+(``<call> calc 1 2 3 * 4 5 </call>``). Only a turn's first call is read.
+
+In ``ToolEnv`` a call is bound, run in the sandbox and answered ``<result> R </result>``;
+any failure is ``<result> error </result>``, counted. A turn without a call (or past
+``max_tool_calls``, or any first turn with ``use_tools=False``) is the final answer:
+``check(example, text)`` gives its reward, done. Each step's info holds ``tool_calls``,
+``tool_errors`` (0 or 1), ``error`` on a failure and ``stop`` while the episode goes on."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import sys
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
-from rlctl.registry import load_object
+from rlctl.envs.sandbox import Limits, ToolFailed, call_tool, check_sandbox
+from rlctl.registry import Registry, load_object
+from rlctl.types import Example, Step, Turn
+
+PARSERS = Registry("tool-call parser")
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+ERROR = "error"
 
 
 class ToolArgumentError(ValueError):
@@ -119,3 +140,159 @@ def make_tool(fn: Union[Callable, str, "Tool"], name: Optional[str] = None,
                 required=tuple(p.name for p in params if p.default is p.empty),
                 kinds={p.name: hints.get(p.name, p.annotation) for p in params},
                 source=source or _source(fn), doc=inspect.getdoc(fn) or "")
+
+
+class ToolCallError(ValueError):
+    """A turn opened a tool call that cannot be read (one line: what is wrong)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed call: tool name and arguments (words for ``tag``, the JSON object for ``json``)."""
+    name: str
+    arguments: Union[Tuple[str, ...], Dict[str, Any]] = ()
+
+
+def _between(text: str, open_: str, close: str) -> Optional[str]:
+    """The text between the first ``open_`` and the next ``close``; None without ``open_``."""
+    start = text.find(open_)
+    if start == -1:
+        return None
+    end = text.find(close, start + len(open_))
+    if end == -1:
+        raise ToolCallError(f"{open_} without {close}")
+    return text[start + len(open_):end]
+
+
+@PARSERS.register("tag")
+class TagParser:
+    """``<call> NAME ARG ARG ... </call>``: whitespace-separated words."""
+    OPEN, CLOSE = "<call>", "</call>"
+    stop = (CLOSE,)
+
+    def parse(self, text: str) -> Optional[ToolCall]:
+        inner = _between(text, self.OPEN, self.CLOSE)
+        if inner is None:
+            return None
+        words = inner.split()
+        if not words:
+            raise ToolCallError(f"{self.OPEN} {self.CLOSE} names no tool")
+        if self.OPEN in inner:
+            raise ToolCallError(f"{self.OPEN} inside a call")
+        return ToolCall(words[0], tuple(words[1:]))
+
+    def format(self, call: ToolCall) -> str:
+        args = call.arguments.values() if isinstance(call.arguments, dict) else call.arguments
+        return " ".join([self.OPEN, call.name, *map(str, args), self.CLOSE])
+
+
+@PARSERS.register("json")
+class JsonParser:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    stop = (CLOSE,)
+
+    def parse(self, text: str) -> Optional[ToolCall]:
+        inner = _between(text, self.OPEN, self.CLOSE)
+        if inner is None:
+            return None
+        obj = _json(inner, "the call")
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            raise ToolCallError('a call must be a JSON object with a "name" string')
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            args = _json(args, '"arguments"')
+        if not isinstance(args, dict):
+            raise ToolCallError('"arguments" must be a JSON object')
+        return ToolCall(obj["name"], args)
+
+    def format(self, call: ToolCall) -> str:
+        args = call.arguments if isinstance(call.arguments, dict) else list(call.arguments)
+        return f"{self.OPEN}{json.dumps({'name': call.name, 'arguments': args})}{self.CLOSE}"
+
+
+def _json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ToolCallError(f"{what} is not valid JSON ({exc.msg} at char {exc.pos})") from None
+
+
+def make_parser(name: str):
+    """The parser registered as ``name`` (or a user class by import path); one-line ValueError."""
+    try:
+        cls = PARSERS.get(name)
+    except ValueError as exc:
+        raise ValueError(f"task.tool_parser: {exc}") from None
+    where = f"task.tool_parser '{name}'"
+    try:
+        parser = cls()
+    except Exception as exc:  # noqa: BLE001 - the user's class: one line, not a traceback
+        raise ValueError(f"{where} cannot be made with no arguments: {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:160]}") from None
+    if not callable(getattr(parser, "parse", None)) or not hasattr(parser, "stop"):
+        raise ValueError(f"{where} is not a tool-call parser: it needs parse(text) and stop "
+                         "(the strings that end a turn holding a call); docs/agents.md")
+    stop = parser.stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+        raise ValueError(f"{where} has a bad stop: stop must be a list of strings, "
+                         f"got {type(stop).__name__}")
+    return parser
+
+
+def result_text(text: str) -> str:
+    return f"{RESULT_OPEN} {text} {RESULT_CLOSE}"
+
+
+class ToolEnv:
+    def __init__(self, tools: Sequence[Any], check: Callable[[Example, str], float],
+                 parser: Any = "tag", sandbox: str = "none", limits: Limits = Limits(),
+                 max_tool_calls: int = 4, format_result: Callable[[Any], str] = str,
+                 use_tools: bool = True):
+        tools = [make_tool(t) for t in tools]
+        self.tools: Dict[str, Tool] = {t.name: t for t in tools}
+        self.parser = make_parser(parser) if isinstance(parser, str) else parser
+        self.sandbox = check_sandbox(sandbox, tools)
+        if not isinstance(max_tool_calls, int) or max_tool_calls < 1:
+            raise ValueError(f"task.max_tool_calls must be an integer >= 1, got {max_tool_calls!r}")
+        self.check, self.limits, self.max_tool_calls = check, limits, max_tool_calls
+        self.format_result, self.use_tools = format_result, use_tools
+        self.stop = list(self.parser.stop) if use_tools else []
+        self.example: Optional[Example] = None
+        self.calls = 0
+
+    def reset(self, example: Example, seed: int) -> str:
+        self.example, self.calls = example, 0
+        return example.prompt
+
+    def step(self, turn: Turn) -> Step:
+        if not self.use_tools or self.calls >= self.max_tool_calls:
+            return self._final(turn.text, tool_limit=self.use_tools)
+        try:
+            call = self.parser.parse(turn.text)
+        except ToolCallError as exc:
+            return self._failed(f"malformed call: {exc}")
+        if call is None:
+            return self._final(turn.text)
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return self._failed(f"unknown tool '{call.name}'; tools: {', '.join(self.tools)}")
+        try:
+            value = call_tool(tool, tool.bind(call.arguments), self.sandbox, self.limits)
+        except (ToolArgumentError, ToolFailed) as exc:
+            return self._failed(str(exc))
+        self.calls += 1
+        return Step(result_text(self.format_result(value)), 0.0, False,
+                    {"tool_calls": 1, "tool_errors": 0, "stop": list(self.stop)})
+
+    def _failed(self, why: str) -> Step:
+        self.calls += 1
+        return Step(result_text(ERROR), 0.0, False,
+                    {"tool_calls": 1, "tool_errors": 1, "error": why, "stop": list(self.stop)})
+
+    def _final(self, text: str, tool_limit: bool = False) -> Step:
+        reward = float(self.check(self.example, text))
+        info = {"success": reward > 0, "tool_calls": 0, "tool_errors": 0}
+        if tool_limit and self.calls >= self.max_tool_calls:
+            info["tool_limit"] = True
+        return Step(None, reward, True, info)

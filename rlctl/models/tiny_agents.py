@@ -45,8 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-import rlctl.envs  # noqa: F401  (registers the built-in environments' tasks)
-from rlctl.envs.vocab import TINY_AGENT_WORDS
+from rlctl.envs.calc import TINY_AGENT_WORDS
 from rlctl.models.agent_scripts import MODEL, POLICIES, TURNS, Transcript, play_scripted
 from rlctl.models.tiny import (MAX_POSITIONS, build_cached, build_model, build_params,
                                build_tiny, build_tokenizer, cache_key, default_cache_dir,
@@ -67,7 +66,7 @@ AGENT_CODE_VERSION = 1   # bump when a change here alters an agent model
 # - guess_number, narrow_frac 1.0, 320 steps: (trained on 12 of the 16 secrets) all 16
 #   greedy success 0.88, mean turns 4.5 (first guess 13, not 8); narrow_frac 0.5 or 80
 #   steps: guesses repeat after a few turns (0.25 / 6.75-7.75 on 4 secrets). Since the
-#   rows are every secret (rlctl/envs/guess_number.py): 320 steps, 0.875 / 4.75 on all 16.
+#   rows are every secret (rlctl/envs/builtin.py): 320 steps, 0.875 / 4.75 on all 16.
 # - running_sum, correct_frac 0.5: 80 steps 7% of turns right, 160 steps (the setting) 36%.
 AGENT_WARMUPS: Dict[str, Dict[str, float]] = {
     "calculator": {"episodes": 2000, "call_frac": 0.3, "batch_size": 64, "steps_scale": 4.0,

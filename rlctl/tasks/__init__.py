@@ -9,6 +9,5 @@ from rlctl.tasks.base import TASKS, Task, build_task, register_task
 from rlctl.tasks.scoring import RewardScorer  # noqa: F401
 from rlctl.tasks import sorting  # noqa: F401  (registers "sorting")
 from rlctl.tasks import arithmetic  # noqa: F401  (registers "arithmetic")
-from rlctl.tasks import data  # noqa: F401  (registers "jsonl")
 
 __all__ = ["TASKS", "RewardScorer", "Task", "build_task", "register_task"]

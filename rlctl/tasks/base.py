@@ -1,32 +1,14 @@
-"""The Task protocol, the registry, and what every task shares: option checking, chat
-prompts, and reward scoring under a time limit.
+"""The Task protocol, the registry, and what every task shares: the common options, chat
+prompts and the disjoint splits of generated tasks.
 
-A task gives prompts (``train_examples``/``eval_examples``) and scores completions
-(``reward``, ``is_correct``). ``build_task(name, **options)`` is the only constructor the
-engine uses (``name``: a registered task or "package.module:factory"). It takes the
-keys every task has (``COMMON_OPTIONS``: ``prompt_format``, ``system_prompt``,
-``reward_timeout_s``, ``on_reward_error``) out of ``options``, drops
-``None`` values of keys the task does not take (``TaskConfig`` is shared by all tasks),
-rejects a non-``None`` value for such a key with a one-line ``ValueError``, builds the
-task and attaches the common options to it as ``task.rlctl_options``.
-
-The task is not changed after that. What a run makes of it for one model is built apart
-(``rlctl.tasks.prompt_budget.prepare``): its prompts rendered through the model's chat
-template (``prompt_format=chat``: ``render_chat``) and kept within the context, and the
-end-of-turn markers at which the scorer cuts a chat completion to the assistant's reply
-(``assistant_text``) before the task's ``reward``/``is_correct`` see it.
-
-Rewards: ``RewardScorer(task, ...).score_batch(examples, completions)`` scores a batch within
-``reward_timeout_s`` seconds. Why a process: a thread cannot be stopped, so a reward
-stuck in a pure-Python loop (or in C code that holds the GIL, e.g. a catastrophic regex)
-would keep a core, or the whole interpreter, busy for ever. The scorer therefore runs the
-reward in one persistent worker process forked from the trainer (copy-on-write, so the
-task and the user's imported functions are already there; only examples, completions and
-floats cross the pipe). When the deadline passes the worker is killed and a fresh one is
-forked for the next batch. ``reward_timeout_s`` of 0 or null scores in-process without a
-limit; on a platform without ``fork`` the limit is kept by a daemon thread that is
-abandoned at the deadline (it cannot be killed there).
-"""
+``build_task(name, **options)`` is the only constructor the engine uses (``name``: a
+registered task or "package.module:factory"). It takes the keys every task has
+(``COMMON_OPTIONS``) out of ``options``, drops ``None`` values of keys the task does not
+take (``TaskConfig`` is shared by all tasks), rejects a non-``None`` one in one line,
+builds the task and attaches the common options as ``task.rlctl_options``. The task is
+never changed after that: what a run makes of it for one model (chat rendering, the
+prompt budget, the scorer) is built apart by ``rlctl.tasks.prompt_budget.prepare``.
+``jsonl`` and the built-in environments (``ENV_TASKS``) are imported when first built."""
 from __future__ import annotations
 
 import inspect
@@ -35,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from rlctl.registry import Registry
+from rlctl.registry import Registry, load_object
 from rlctl.types import Example
 
 log = logging.getLogger(__name__)
@@ -69,6 +51,29 @@ class Task(Protocol):
 # also be "package.module:factory" for a task of the user's own.
 TASKS = Registry("task")
 register_task = TASKS.register
+ENV_TASKS = ("calculator", "guess_number", "running_sum")   # rlctl.envs.builtin
+
+
+class _Deferred:
+    """A built-in task whose module is imported when it is first built (``spec``:
+    ``module:factory``), which then registers the factory itself in its place; a run of
+    another task imports no environment, tool or sandbox. ``inspect.signature`` reads the
+    factory's options through ``__wrapped__``."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+
+    @property
+    def __wrapped__(self) -> Callable:
+        return load_object(self.spec, "task")
+
+    def __call__(self, **options):
+        return self.__wrapped__(**options)
+
+
+register_task("jsonl")(_Deferred("rlctl.tasks.data:DataTask"))
+for _name in ENV_TASKS:
+    register_task(_name)(_Deferred(f"rlctl.envs.builtin:{_name}"))
 
 
 # ---- options every task has ------------------------------------------------------------
@@ -220,9 +225,6 @@ def assistant_text(completion: str, markers: Sequence[str] = (), prompt: str = "
         if i != -1:
             cut = min(cut, i)
     return completion[:cut].strip()
-
-
-# ---- scoring ---------------------------------------------------------------------------
 
 
 def disjoint_splits(draw: Callable[[Any], Any], rng, num_eval: int, max_train: int, space: int,

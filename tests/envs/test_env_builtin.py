@@ -2,11 +2,9 @@
 rewards checked by hand, the registries, the splits, and bad task options."""
 import pytest
 
-from rlctl.envs import calculator, guess_number, running_sum
-from rlctl.envs.base import is_episodic
-from rlctl.envs.builtin import BUILTIN_ENVS
-from rlctl.envs.registration import ENVS
-from rlctl.envs.vocab import TINY_AGENT_WORDS
+from rlctl.envs.base import ENVS, is_episodic
+from rlctl.envs.builtin import BUILTIN_ENVS, guess_example, product_example, sum_example
+from rlctl.envs.calc import TINY_AGENT_WORDS
 from rlctl.tasks import TASKS, build_task
 from rlctl.types import Turn
 
@@ -40,20 +38,20 @@ def test_registered_as_environments_and_tasks():
 
 def test_calculator_episode_with_the_tool():
     env = small("calculator").make_env()
-    first, steps = play(env, calculator.example(123, 45),
+    first, steps = play(env, product_example(123, 45),
                         ["<call> calc 1 2 3 * 4 5 </call>", "5 5 3 5"])
     assert first == "1 2 3 * 4 5 ="
     assert steps[0] == ("<result> 5 5 3 5 </result>", 0.0, False,
                         {"tool_calls": 1, "tool_errors": 0, "stop": ["</call>"]})
     assert steps[1] == (None, 1.0, True, {"success": True, "tool_calls": 0, "tool_errors": 0})
     assert env.stop == ["</call>"]
-    _, (direct,) = play(env, calculator.example(123, 45), ["5 5 3 6"])
+    _, (direct,) = play(env, product_example(123, 45), ["5 5 3 6"])
     assert direct[:3] == (None, 0.0, True) and direct[3]["success"] is False
 
 
 def test_calculator_failed_calls_and_the_call_limit():
     env = small("calculator", max_tool_calls=2).make_env()
-    _, steps = play(env, calculator.example(123, 45),
+    _, steps = play(env, product_example(123, 45),
                     ["<call> abacus 1 </call>", "<call> calc 1 2 3 / 4 5 </call>",
                      "<call> calc 1 2 3 * 4 5 </call>"])
     for obs, reward, done, info in steps[:2]:
@@ -62,18 +60,18 @@ def test_calculator_failed_calls_and_the_call_limit():
     assert "unknown tool 'abacus'" in steps[0][3]["error"]
     assert "calc: ValueError" in steps[1][3]["error"]
     assert steps[2][:3] == (None, 0.0, True) and steps[2][3]["tool_limit"] is True   # third call not run
-    _, (bad,) = play(env, calculator.example(123, 45), ["<call> calc 1 2"])
+    _, (bad,) = play(env, product_example(123, 45), ["<call> calc 1 2"])
     assert bad[0] == "<result> error </result>" and "malformed call" in bad[3]["error"]
 
 
 def test_calculator_without_tools_and_with_json_calls():
     env = small("calculator", use_tools=False).make_env()
-    _, (call,) = play(env, calculator.example(123, 45), ["<call> calc 1 2 3 * 4 5 </call>"])
+    _, (call,) = play(env, product_example(123, 45), ["<call> calc 1 2 3 * 4 5 </call>"])
     assert call[:3] == (None, 0.0, True) and env.stop == []
-    _, (direct,) = play(env, calculator.example(123, 45), ["5 5 3 5"])
+    _, (direct,) = play(env, product_example(123, 45), ["5 5 3 5"])
     assert direct[:3] == (None, 1.0, True)
     env = small("calculator", tool_parser="json").make_env()
-    _, steps = play(env, calculator.example(999, 99), [
+    _, steps = play(env, product_example(999, 99), [
         '<tool_call>{"name": "calc", "arguments": {"expression": "999*99"}}</tool_call>', "98901"])
     assert steps[0][0] == "<result> 9 8 9 0 1 </result>" and steps[0][3]["stop"] == ["</tool_call>"]
     assert steps[1][:3] == (None, 1.0, True)                        # 999 * 99 = 98901
@@ -81,7 +79,7 @@ def test_calculator_without_tools_and_with_json_calls():
 
 def test_guess_number_episode():
     env = small("guess_number").make_env()
-    first, steps = play(env, guess_number.example(11, 16), ["8", "1 2", "1 0", "x", "1 1"])
+    first, steps = play(env, guess_example(11, 16), ["8", "1 2", "1 0", "x", "1 1"])
     assert first == "guess 1 6 :"
     assert [s[:3] for s in steps] == [("higher", 0.0, False), ("lower", 0.0, False),
                                       ("higher", 0.0, False), ("error", 0.0, False),
@@ -91,12 +89,12 @@ def test_guess_number_episode():
 
 def test_running_sum_rewards_every_turn():
     env = small("running_sum").make_env()
-    first, steps = play(env, running_sum.example(3, (4, 2, 5)), ["7", "8", "1 4"])
+    first, steps = play(env, sum_example(3, (4, 2, 5)), ["7", "8", "1 4"])
     assert first == "sum 3 + 4 ="
     # 3 + 4 = 7 (right); + 2 = 9, answered 8 (wrong); + 5 = 14 (right, from the true 9)
     assert [s[:3] for s in steps] == [("+ 2 =", 1.0, False), ("+ 5 =", 0.0, False), (None, 1.0, True)]
     assert steps[-1][3] == {"success": False, "correct": 2}
-    _, steps = play(env, running_sum.example(9, (9, 9, 9)), ["1 8", "2 7", "3 6"])
+    _, steps = play(env, sum_example(9, (9, 9, 9)), ["1 8", "2 7", "3 6"])
     assert [s[1] for s in steps] == [1.0, 1.0, 1.0] and steps[-1][3]["success"] is True
 
 
@@ -106,15 +104,15 @@ def _words(text):
 
 def test_every_word_written_is_in_the_vocabulary():
     env = small("calculator").make_env()
-    seen = _words(env.reset(calculator.example(123, 45), 0))
+    seen = _words(env.reset(product_example(123, 45), 0))
     seen |= _words(env.step(Turn("<call> calc 1 </call>", [])).observation)
     seen |= _words(env.step(Turn("<call> nope </call>", [])).observation)
     seen |= {"<call>", "</call>", "calc"}
     genv = small("guess_number").make_env()
-    seen |= _words(genv.reset(guess_number.example(5, 16), 0))
+    seen |= _words(genv.reset(guess_example(5, 16), 0))
     seen |= {genv.step(Turn(t, [])).observation for t in ("1", "9", "x")}
     renv = small("running_sum").make_env()
-    seen |= _words(renv.reset(running_sum.example(1, (2, 3, 4)), 0) + renv.step(Turn("3", [])).observation)
+    seen |= _words(renv.reset(sum_example(1, (2, 3, 4)), 0) + renv.step(Turn("3", [])).observation)
     assert seen == set(TINY_AGENT_WORDS)
 
 

@@ -8,10 +8,9 @@ import time
 
 import pytest
 
-from rlctl.envs import calculator
+from rlctl.envs.builtin import product_example
 from rlctl.envs.sandbox import Limits, ToolFailed, call_tool, check_sandbox
-from rlctl.envs.tool_env import ToolEnv
-from rlctl.envs.tools import make_tool
+from rlctl.envs.tools import ToolEnv, make_tool
 from rlctl.tasks import build_task
 from rlctl.types import Turn
 
@@ -151,7 +150,7 @@ def test_processes_a_tool_leaves_behind_end_with_its_call(tools):
 def test_failures_become_error_observations(tools):
     env = ToolEnv([tools("spin")], lambda ex, text: 0.0, sandbox="subprocess",
                   limits=Limits(timeout_s=0.5))
-    env.reset(calculator.example(123, 45), 0)
+    env.reset(product_example(123, 45), 0)
     step = env.step(Turn("<call> spin </call>", []))
     assert step.observation == "<result> error </result>" and not step.done
     assert (step.info["tool_calls"], step.info["tool_errors"]) == (1, 1)
@@ -161,7 +160,7 @@ def test_failures_become_error_observations(tools):
 def test_the_calculator_in_the_subprocess_sandbox():
     env = build_task("calculator", num_eval=3, max_train=50, sandbox="subprocess", tool_memory_gb=0.125,
                      prompt_format="raw", reward_timeout_s=60, on_reward_error="zero").make_env()
-    env.reset(calculator.example(123, 45), 0)
+    env.reset(product_example(123, 45), 0)
     assert env.step(Turn("<call> calc 1 2 3 * 4 5 </call>", [])).observation == "<result> 5 5 3 5 </result>"
     assert env.step(Turn("5 5 3 5", [])).reward == 1.0
 

@@ -3,8 +3,8 @@ binding), and the calc tool with the digits-as-words numbers."""
 import pytest
 
 from rlctl.envs.calc import calc, read_number, spell
-from rlctl.envs.toolcalls import PARSERS, JsonParser, TagParser, ToolCall, ToolCallError, make_parser
-from rlctl.envs.tools import ToolArgumentError, make_tool
+from rlctl.envs.tools import (PARSERS, JsonParser, TagParser, ToolArgumentError, ToolCall,
+                              ToolCallError, make_parser, make_tool)
 
 
 def test_tag_round_trip_and_text_around_the_call():
@@ -55,7 +55,7 @@ def test_parser_registry_and_a_user_parser(tmp_path):
         make_parser("xml")
     assert str(exc.value).startswith("task.tool_parser: unknown tool-call parser 'xml'; valid: json, tag")
     (tmp_path / "myparse.py").write_text(
-        "from rlctl.envs.toolcalls import ToolCall\n"
+        "from rlctl.envs.tools import ToolCall\n"
         "class Bang:\n    stop = ('!',)\n"
         "    def parse(self, text):\n"
         "        return ToolCall(text[1:].split()[0], tuple(text.split()[1:])) if text.startswith('!') else None\n"
@@ -66,7 +66,7 @@ def test_parser_registry_and_a_user_parser(tmp_path):
 
 @pytest.mark.parametrize("spec, why", [
     ("collections:OrderedDict", "is not a tool-call parser: it needs parse(text) and stop"),
-    ("rlctl.envs.toolcalls:ToolCall", "cannot be made with no arguments: TypeError"),
+    ("rlctl.envs.tools:ToolCall", "cannot be made with no arguments: TypeError"),
     ("myparse2.py:OneStop", "stop must be a list of strings, got str"),
 ])
 def test_a_user_parser_that_is_not_one_is_refused_in_one_line(spec, why, tmp_path, monkeypatch):

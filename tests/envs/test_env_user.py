@@ -9,8 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
-from rlctl.envs.base import close_env, is_episodic
-from rlctl.envs.registration import ENVS
+from rlctl.envs.base import ENVS, close_env, is_episodic
 from rlctl.models.tiny import resolve_warmup_task
 from rlctl.tasks import build_task
 from rlctl.types import Turn

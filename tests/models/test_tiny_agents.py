@@ -10,7 +10,7 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from rlctl.envs.vocab import TINY_AGENT_WORDS
+from rlctl.envs.calc import TINY_AGENT_WORDS
 from rlctl.models import load_model_and_tokenizer
 from rlctl.models.agent_scripts import MODEL, MODEL_CUT, OBS
 from rlctl.models import tiny_agents
