@@ -1,55 +1,226 @@
-"""Scoring completions with a task's reward(s): batches under a time limit, the error
-policy (``task.on_reward_error``), and per-reward components for ``reward/<name>``.
+"""Scoring completions with a task's reward(s): batches under ``task.reward_timeout_s``,
+the error policy (``task.on_reward_error``), and per-reward components (``reward/<name>``).
 
-Split from ``rlctl.tasks.base`` (which re-exports these names); the runners that keep
-the time limit are in ``rlctl.tasks.reward_runners``.
+Why a process: a thread cannot be stopped, so a reward stuck in a pure-Python loop (or in
+C code that holds the GIL, e.g. a catastrophic regex) would keep a core busy for ever.
+The reward runs in one persistent worker forked from the trainer (copy-on-write: the
+task and the user's functions are already there; only examples, completions and floats
+cross the pipe), killed at the deadline and forked again for the next batch. A limit of
+0 or null scores in-process; without ``fork`` a daemon thread is abandoned at the deadline.
 """
 from __future__ import annotations
 
 import logging
 import math
 import multiprocessing
+import os
+import queue
+import signal
+import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from rlctl.errors import RewardError
-from rlctl.tasks.base import ON_REWARD_ERROR, assistant_text, task_options
-from rlctl.tasks.reward_runners import (InlineRunner, ProcessRunner, ThreadRunner,
-                                        describe_sample)
+from rlctl.tasks.base import ON_REWARD_ERROR, RAW_PROMPT, assistant_text, task_options
 from rlctl.types import Example
 
 log = logging.getLogger(__name__)
-
-
 FROM_TASK = object()  # RewardScorer's default: the task's own reward_timeout_s
+
+
+def _one_line(text: Any, limit: int = 60) -> str:
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def describe_sample(i: int, n: int, example: Example, completion: str) -> str:
+    raw = example.fields.get(RAW_PROMPT, example.prompt)
+    return (f"sample {i} of {n} (prompt {_one_line(raw)!r}, "
+            f"completion {_one_line(completion)!r})")
+
+
+def _total(task, comps: Dict[str, float]) -> float:
+    weights = getattr(task, "reward_weights", None) or {}
+    return float(sum(weights.get(k, 1.0) * v for k, v in comps.items()))
+
+
+def _score_one(task, example: Example, completion: str) -> Tuple[float, Dict[str, float]]:
+    comp_fn = getattr(task, "reward_components", None)
+    if comp_fn is not None:
+        comps = {str(k): float(v) for k, v in comp_fn(example, completion).items()}
+        return _total(task, comps), comps
+    return float(task.reward(example, completion)), {}
+
+
+def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
+                 ) -> Iterator[Tuple]:
+    """("ok", i, total, components) or ("err", i, message) for each sample, in order.
+
+    A task's ``reward_components_batch`` is tried first; if it raises, the batch is
+    scored sample by sample so that the failing sample can be named."""
+    batch_fn = getattr(task, "reward_components_batch", None)
+    if batch_fn is not None and len(examples) > 1 and getattr(task, "score_in_batches", True):
+        try:
+            rows = batch_fn(list(examples), list(completions))
+            if len(rows) != len(examples):
+                raise ValueError(f"returned {len(rows)} scores for {len(examples)} samples")
+            parsed = [{str(k): float(v) for k, v in r.items()} for r in rows]
+        except Exception:  # noqa: BLE001 - retried per sample below, to name the culprit
+            parsed = None
+        if parsed is not None:
+            for i, comps in enumerate(parsed):
+                yield ("ok", i, _total(task, comps), comps)
+            return
+    for i, (ex, c) in enumerate(zip(examples, completions)):
+        try:
+            total, comps = _score_one(task, ex, c)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from user code included
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            yield ("err", i, f"{type(exc).__name__}: {_one_line(exc, 200)}")
+            continue
+        yield ("ok", i, total, comps)
+
+
+def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked child
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's stop handler (forked)
+    os.setpgrp()   # nor do signals sent to the run's process group (a terminal, `timeout`) reach it
+    while True:
+        try:
+            # A forked child holds copies of its parent's descriptors (the pipe's other
+            # end, distributed sockets): it must leave by itself when the parent dies.
+            while not conn.poll(1.0):
+                if os.getppid() != parent_pid:
+                    return
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        examples, completions = msg
+        try:
+            for item in score_stream(task, examples, completions):
+                conn.send(item)
+        except BaseException as exc:  # noqa: BLE001 - e.g. an unpicklable value
+            conn.send(("fatal", f"{type(exc).__name__}: {_one_line(exc, 200)}"))
+        conn.send(("done",))
+
+
+
+class InlineRunner:
+    """No limit (``reward_timeout_s`` 0 or null): scored in this process. A runner's
+    ``run`` gives (the ``score_stream`` items it got, None / "timeout" / "died")."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def run(self, examples, completions, timeout_s) -> Tuple[List[Tuple], Optional[str]]:
+        return list(score_stream(self.task, examples, completions)), None
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadRunner(InlineRunner):
+    """Without fork: a daemon thread per batch, abandoned at the deadline."""
+
+    def run(self, examples, completions, timeout_s: float) -> Tuple[List[Tuple], Optional[str]]:
+        q: "queue.Queue" = queue.Queue()
+
+        def work():
+            try:
+                for item in score_stream(self.task, examples, completions):
+                    q.put(item)
+            except BaseException as exc:  # noqa: BLE001
+                q.put(("fatal", f"{type(exc).__name__}: {_one_line(exc, 200)}"))
+            q.put(("done",))
+
+        threading.Thread(target=work, daemon=True, name="rlctl-reward").start()
+        deadline, items = time.monotonic() + timeout_s, []
+        while True:
+            try:
+                msg = q.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                return items, "timeout"
+            if msg[0] == "done":
+                return items, None
+            items.append(msg)
+
+
+class ProcessRunner(InlineRunner):
+    """One forked worker, kept between batches, killed at a deadline."""
+
+    def __init__(self, task):
+        self.task, self.proc, self.conn = task, None, None
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(self.task, child, os.getpid()), daemon=True,
+                                name="rlctl-reward")
+        self.proc.start()
+        child.close()
+        self.conn = parent
+
+    def run(self, examples, completions, timeout_s: float) -> Tuple[List[Tuple], Optional[str]]:
+        if self.proc is None or not self.proc.is_alive():
+            self.close()
+            self._start()
+        deadline, items = time.monotonic() + timeout_s, []
+        try:
+            self.conn.send((list(examples), list(completions)))
+        except (OSError, ValueError):
+            self.close()
+            return items, "died"
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if not (remaining > 0 and self.conn.poll(remaining)):
+                    self.close()
+                    return items, "timeout"
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self.close()
+                return items, "died"
+            if msg[0] == "done":
+                return items, None
+            items.append(msg)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+            self.proc = None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 class RewardScorer:
     """Scores batches with the task's reward(s) under ``task.reward_timeout_s``.
 
-    ``score_batch`` never raises with ``on_reward_error=zero``: a sample whose reward
+    With ``on_reward_error=zero`` ``score_batch`` never raises: a sample whose reward
     raised or is not finite scores 0 and counts in ``errors``; samples left unscored at
-    the deadline score 0 and count in ``timeouts`` (and a warning names the sample). With
-    ``on_reward_error=raise`` either raises ``RewardError`` naming the sample.
-    ``last_components`` holds each named reward of the last batch, one value per sample
-    (``reward/<name>`` in the logs; ``metrics()`` gives the means).
+    the deadline score 0 and count in ``timeouts`` (a warning names the sample). With
+    ``raise`` either raises ``RewardError`` naming the sample. ``last_components``: each
+    named reward of the last batch, one value per sample.
 
-    ``markers``: chat end-of-turn markers (``rlctl.tasks.prompt_budget.Prepared``; None
-    for raw prompts): the task's ``reward``/``is_correct`` then see the assistant's reply only
-    (``assistant_text``), the reward models and the logged samples the whole completion.
-
-    ``learned``: reward models (``rlctl.reward_models.learned.LearnedRewards``) that score
-    the whole batch in this process, after the task's own rewards: their raw scores join the
-    components, their shaped scores the total (with ``task.reward_model`` the total is
-    theirs alone: the task's rewards are logged, and eval correctness still comes from
-    them). The first scorer built with them updates the running reward statistics and
-    carries them in ``state()``; later ones (eval) read them.
+    ``markers``: chat end-of-turn markers (None for raw prompts): the task's rewards and
+    ``is_correct`` then see the assistant's reply only (``assistant_text``), the reward
+    models and logged samples the whole completion. ``learned``
+    (``rlctl.reward_models.learned.LearnedRewards``): reward models scoring the batch in
+    this process after the task's rewards: their raw scores join the components, their
+    shaped scores the total (``task.reward_model``: the total is theirs alone; eval
+    correctness still comes from the task). The first scorer built with them updates the
+    running reward statistics and carries them in ``state()``; later ones (eval) read them.
     """
 
     def __init__(self, task, learned=None, markers: Optional[Sequence[str]] = None, timeout_s: Any = FROM_TASK,
                  on_error: Optional[str] = None, norm_owner: Optional[bool] = None):
         opts = task_options(task)
-        self.task, self.markers = task, markers
+        self.task, self.markers, self.learned = task, markers, learned
         self.timeout_s = opts.reward_timeout_s if timeout_s is FROM_TASK else timeout_s
         self.on_error = on_error or opts.on_reward_error
         if self.on_error not in ON_REWARD_ERROR:
@@ -63,7 +234,6 @@ class RewardScorer:
         self._sums: Dict[str, float] = {}   # per-reward sums since the last metrics()
         self._count = 0
         self._warned = 0
-        self.learned = learned
         # norm_owner None: the first scorer of the reward models (training's) updates the running
         # statistics; False: never (held-out scoring reads them: `rlctl eval`, `rollout`)
         self._owns_norm = (self.learned.claim(self) if norm_owner is None else norm_owner) \
@@ -77,73 +247,52 @@ class RewardScorer:
         else:
             self._runner = ThreadRunner(task)
 
-    # per-sample form, a drop-in for the engine's former SafeScorer
     def __call__(self, example: Example, completion: str) -> float:
         return self.score_batch([example], [completion])[0]
 
     def score_batch(self, examples: Sequence[Example], completions: Sequence[str]
                     ) -> List[float]:
-        t0 = time.perf_counter()
-        try:
-            return self._score_batch(examples, completions)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def _score_batch(self, examples: Sequence[Example], completions: Sequence[str]
-                     ) -> List[float]:
-        n = len(examples)
+        t0, n = time.perf_counter(), len(examples)
         if len(completions) != n:
             raise ValueError(f"{n} examples but {len(completions)} completions")
         self.calls += n
+        replies = completions if self.markers is None else [
+            assistant_text(c, self.markers, ex.prompt) for ex, c in zip(examples, completions)]
+        items, status = self._runner.run(examples, replies, self.timeout_s) if n else ([], None)
         totals: List[Optional[float]] = [None] * n
         comps: List[Dict[str, float]] = [{} for _ in range(n)]
-        failures: List[Tuple[int, str]] = []
-        fatal: List[str] = []
-
-        def on_item(msg):
-            if msg[0] == "ok":
-                _, i, total, c = msg
-                if not math.isfinite(total):
-                    failures.append((i, f"the reward is {total}"))
-                else:
-                    totals[i], comps[i] = total, c
-            elif msg[0] == "err":
-                failures.append((msg[1], msg[2]))
-            else:
-                fatal.append(msg[1])
-
-        replies = self._replies(examples, completions)
-        status = self._runner.run(examples, replies, self.timeout_s, on_item) if n else None
-        for i, why in failures:
+        failed, fatal = set(), None
+        for msg in items:
+            if msg[0] == "fatal":
+                fatal = fatal or msg[1]
+                continue
+            i, why = msg[1], msg[2] if msg[0] == "err" else f"the reward is {msg[2]}"
+            if msg[0] == "ok" and math.isfinite(msg[2]):
+                totals[i], comps[i] = msg[2], msg[3]
+                continue
+            failed.add(i)
             self._fail(describe_sample(i, n, examples[i], completions[i]), why, "error")
-        failed = {i for i, _ in failures}
         missing = [i for i in range(n) if totals[i] is None and i not in failed]
         if missing:
-            first = missing[0]
-            where = describe_sample(first, n, examples[first], completions[first])
+            where = describe_sample(missing[0], n, examples[missing[0]], completions[missing[0]])
             if status == "timeout":
                 why = (f"the reward did not finish within task.reward_timeout_s="
                        f"{self.timeout_s:g} s ({len(missing)} sample(s) unscored)")
                 self._fail(where, why, "timeout", count=len(missing))
             else:
-                why = fatal[0] if fatal else "the reward worker process died"
-                self._fail(where, why, "error", count=len(missing))
+                self._fail(where, fatal or "the reward worker process died", "error",
+                           count=len(missing))
         out = [t if t is not None else 0.0 for t in totals]
         self.last_raw_totals = list(out)
         if self.learned is not None and n:
             out = self._learned_totals(examples, completions, out, comps)
-        names = sorted({k for c in comps for k in c})
+        names = sorted(set().union(*comps))
         self.last_components = {k: [c.get(k, 0.0) for c in comps] for k in names}
         for k, v in self.last_components.items():
             self._sums[k] = self._sums.get(k, 0.0) + sum(v)
         self._count += n
+        self.seconds += time.perf_counter() - t0
         return out
-
-    def _replies(self, examples: Sequence[Example], completions: Sequence[str]) -> Sequence[str]:
-        """What the task's own rewards see: with chat markers, the assistant's reply only."""
-        if self.markers is None:
-            return completions
-        return [assistant_text(c, self.markers, ex.prompt) for ex, c in zip(examples, completions)]
 
     def _learned_totals(self, examples, completions, gold: List[float],
                         comps: List[Dict[str, float]]) -> List[float]:
@@ -211,8 +360,10 @@ class RewardScorer:
             rewards = self._last_gold       # the task's own reward, not the proxy
         if from_reward is not None:
             return [bool(from_reward(ex, r)) for ex, r in zip(examples, rewards)]
-        return [bool(self.task.is_correct(ex, c))
-                for ex, c in zip(examples, self._replies(examples, completions))]
+        if self.markers is not None:
+            completions = [assistant_text(c, self.markers, ex.prompt)
+                           for ex, c in zip(examples, completions)]
+        return [bool(self.task.is_correct(ex, c)) for ex, c in zip(examples, completions)]
 
     def metrics(self) -> Dict[str, float]:
         """reward/errors and reward/timeouts (cumulative counts) and reward/<name>: each
