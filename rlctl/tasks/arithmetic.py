@@ -1,25 +1,13 @@
-"""A verifiable math task with generated data (``task=arithmetic``).
+"""A verifiable math task with generated data (``task=arithmetic``): ``a OP b`` with
+operands of up to ``num_digits`` digits and OP from ``ops`` (``+ - *``).
 
-Problems ``a OP b`` with operands of up to ``num_digits`` digits and OP from ``ops``
-(``+``, ``-``, ``*``). Two prompt styles:
-
-- ``symbolic`` (for the embedded tiny model, whose word-level vocabulary has single
-  digits and operators): digits are spaced out, ``"1 2 + 3 4 ="`` -> ``"4 6"``;
-- ``words`` (for real language models): short word problems, e.g. "Ana has 12 marbles
-  and finds 34 more. How many marbles does Ana have now?", answered with a number.
-
-Answers are extracted and verified by ``rlctl.tasks.verify.answers_equivalent``, which
-accepts equivalent forms ("46", "46.0", "4.6e1", "92/2", "\\boxed{46}", "The answer is
-46", "4 6") and uses math-verify. Rewards (``task.reward``):
-
-- ``exact``: 1 if the final answer is right, else 0;
-- ``partial``: 1 if right; otherwise 0.5 * the share of answer digits in the right place
-  (aligned from the units digit, over max(len(answer), len(output))), 0 when the output
-  holds no number.
-
-The held-out split is ``num_eval`` distinct problems drawn with ``random.Random(seed)``;
-the training split is disjoint from it (every other problem when the space is at most
-``max_train``, else ``max_train`` distinct draws).
+Prompt styles: ``symbolic`` (for the tiny model's word-level vocabulary: ``"1 2 + 3 4 ="``
+-> ``"4 6"``) or ``words`` (short word problems for real models, answered with a number).
+Answers are checked by ``rlctl.tasks.rewards.answers_equivalent`` (equivalent forms and
+math-verify). Rewards (``task.reward``): ``exact`` (1 if the final answer is right) or
+``partial`` (1 if right, else 0.5 * the share of answer digits in place, aligned from the
+units digit, over max(len(answer), len(output)); 0 without a number). Eval: ``num_eval``
+distinct problems drawn with ``random.Random(seed)``; training disjoint from it.
 """
 from __future__ import annotations
 
@@ -27,7 +15,7 @@ import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.base import disjoint_splits, register_task
-from rlctl.tasks.verify import answers_equivalent, parse_number
+from rlctl.tasks.rewards import answers_equivalent, parse_number
 from rlctl.types import Example
 
 OPS = ("+", "-", "*")
@@ -95,14 +83,15 @@ class ArithmeticTask:
                              f"for {num_digits}-digit operands and ops {ops}")
         if not isinstance(max_train, int) or max_train < 1:
             raise ValueError(f"invalid max_train '{max_train}'; must be >= 1")
-        self.reward_name = reward
-        self.num_eval, self.seed, self.max_train = num_eval, seed, max_train
-        self._eval, self._train = self._split()
+        self.reward_name, self.num_eval, self.seed, self.max_train = reward, num_eval, seed, max_train
+        hi = 10 ** num_digits
+        self._eval, self._train = disjoint_splits(
+            self._draw, random.Random(seed), num_eval, max_train, space,
+            lambda: ((a, op, b) for op in ops for a in range(hi) for b in range(hi)
+                     if not (self._ordered(op) and a < b)))
 
-    # -- splits -------------------------------------------------------------------
-    # Word problems take away no more than there is: "a - b" with a < b is asked as
-    # "b - a", so the problem (a, '-', b) is stored that way, and the splits (which compare
-    # problems) never put the same word problem in both.
+    # Word problems take away no more than there is: "a - b" with a < b is stored (and
+    # asked) as "b - a", so the splits never put the same word problem in both.
     def _ordered(self, op: str) -> bool:
         return self.style == "words" and op == "-"
 
@@ -114,13 +103,6 @@ class ArithmeticTask:
         hi = 10 ** self.num_digits
         a, op, b = rng.randrange(hi), rng.choice(self.ops), rng.randrange(hi)
         return (b, op, a) if self._ordered(op) and a < b else (a, op, b)
-
-    def _split(self):
-        hi = 10 ** self.num_digits
-        return disjoint_splits(self._draw, random.Random(self.seed), self.num_eval, self.max_train,
-                               self._space(),
-                               lambda: ((a, op, b) for op in self.ops for a in range(hi)
-                                        for b in range(hi) if not (self._ordered(op) and a < b)))
 
     def _example(self, problem: Tuple[int, str, int]) -> Example:
         a, op, b = problem
@@ -140,7 +122,6 @@ class ArithmeticTask:
     def eval_examples(self) -> List[Example]:
         return [self._example(p) for p in self._eval]
 
-    # -- scoring ------------------------------------------------------------------
     def is_correct(self, example: Example, completion: str) -> bool:
         return answers_equivalent(completion, example.fields["answer"])
 

@@ -12,15 +12,12 @@ prompt budget, the scorer) is built apart by ``rlctl.tasks.prompt_budget.prepare
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from rlctl.registry import Registry, load_object
 from rlctl.types import Example
-
-log = logging.getLogger(__name__)
 
 
 class Task(Protocol):
@@ -76,11 +73,10 @@ for _name in ENV_TASKS:
     register_task(_name)(_Deferred(f"rlctl.envs.builtin:{_name}"))
 
 
-# ---- options every task has ------------------------------------------------------------
 PROMPT_FORMATS = ("raw", "chat")
 ON_REWARD_ERROR = ("zero", "raise")
 RESERVED_REWARD_NAMES = ("mean", "std", "errors", "timeouts", "frac_zero_std_groups")
-LONG_PROMPTS = ("skip", "truncate_left", "error")   # rlctl.tasks.long_prompts
+LONG_PROMPTS = ("skip", "truncate_left", "error")   # rlctl.tasks.prompt_budget
 
 
 @dataclass
@@ -97,15 +93,10 @@ COMMON_OPTIONS = tuple(TaskOptions.__dataclass_fields__)
 
 
 def check_options(opts: TaskOptions) -> TaskOptions:
-    if opts.prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"invalid task.prompt_format '{opts.prompt_format}'; valid: "
-                         f"{', '.join(PROMPT_FORMATS)}")
-    if opts.on_reward_error not in ON_REWARD_ERROR:
-        raise ValueError(f"invalid task.on_reward_error '{opts.on_reward_error}'; valid: "
-                         f"{', '.join(ON_REWARD_ERROR)}")
-    if opts.long_prompts not in LONG_PROMPTS:
-        raise ValueError(f"invalid task.long_prompts '{opts.long_prompts}'; valid: "
-                         f"{', '.join(LONG_PROMPTS)}")
+    for key, valid in (("prompt_format", PROMPT_FORMATS), ("on_reward_error", ON_REWARD_ERROR),
+                       ("long_prompts", LONG_PROMPTS)):
+        if getattr(opts, key) not in valid:
+            raise ValueError(f"invalid task.{key} '{getattr(opts, key)}'; valid: {', '.join(valid)}")
     t = opts.reward_timeout_s
     if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or t < 0
                           or not math.isfinite(t)):
@@ -158,7 +149,6 @@ def build_task(name: str, **options) -> Task:
     return task
 
 
-# ---- chat prompts ----------------------------------------------------------------------
 RAW_PROMPT = "_raw_prompt"   # Example.fields key: the prompt before the chat template (or truncation)
 SOURCE = "_source"           # Example.fields key: where the prompt came from, e.g. "d.jsonl:3"
 
@@ -219,11 +209,7 @@ def assistant_text(completion: str, markers: Sequence[str] = (), prompt: str = "
         return completion
     if prompt and completion.startswith(prompt):
         completion = completion[len(prompt):]
-    cut = len(completion)
-    for m in markers:
-        i = completion.find(m)
-        if i != -1:
-            cut = min(cut, i)
+    cut = min((i for i in map(completion.find, markers) if i != -1), default=len(completion))
     return completion[:cut].strip()
 
 
@@ -232,20 +218,20 @@ def disjoint_splits(draw: Callable[[Any], Any], rng, num_eval: int, max_train: i
     """(eval, train) items of a generated task, never overlapping: ``num_eval`` distinct
     draws, then either every other item of the ``space`` (shuffled, when it is small
     enough) or ``max_train`` more distinct draws. Deterministic given ``rng``'s seed."""
-    seen, eval_list = set(), []
-    while len(eval_list) < num_eval:
-        item = draw(rng)
-        if item not in seen:
-            seen.add(item)
-            eval_list.append(item)
+    seen: set = set()
+
+    def distinct(n: int) -> List[Any]:
+        out = []
+        while len(out) < n:
+            item = draw(rng)
+            if item not in seen:
+                seen.add(item)
+                out.append(item)
+        return out
+
+    eval_list = distinct(num_eval)
     if space - num_eval <= max_train:
         train = [item for item in enumerate_all() if item not in seen]
         rng.shuffle(train)
         return eval_list, train
-    train = []
-    while len(train) < max_train:
-        item = draw(rng)
-        if item not in seen:
-            seen.add(item)
-            train.append(item)
-    return eval_list, train
+    return eval_list, distinct(max_train)

@@ -2,32 +2,34 @@
 model reads and what its scorers are given; the task itself is never changed.
 
 - chat (``task.prompt_format=chat``): each prompt through the model's chat template
-  (``rlctl.tasks.base.render_chat``; ``Example.fields[RAW_PROMPT]`` keeps it as written),
-  and the end-of-turn markers at which the scorer cuts a completion to the assistant's
-  reply;
-- the budget: prompts kept within ``rollout.max_prompt_tokens`` under
-  ``task.long_prompts`` (``rlctl.tasks.long_prompts``). The limit is by default the
-  model's context (``max_position_embeddings``, or GPT-2's ``n_positions``) minus
-  ``rollout.max_new_tokens``; an explicit value must leave room for the completion too.
+  (``Example.fields[RAW_PROMPT]`` keeps it as written), and the end-of-turn markers at
+  which the scorer cuts a completion to the assistant's reply;
+- the budget: a prompt of P tokens and ``rollout.max_new_tokens`` T need P + T positions
+  (past the context GPT-2 fails mid-run, rotary models run at untrained positions).
+  Prompts are counted as the sampler encodes them and kept within
+  ``rollout.max_prompt_tokens`` (default: the model's context minus T) under
+  ``task.long_prompts``: ``skip`` (left out, counted in one stderr line),
+  ``truncate_left`` (their last tokens kept, special tokens in front, as verl's
+  ``truncation=left``; the reward still sees the whole prompt) or ``error``.
 
 ``rlctl train`` (every rank and the local engine processes), ``rlctl eval`` and ``rlctl
-rollout`` all prepare through ``rlctl.run.build.prepare_task``, so all of them see the
-same prompts for the same config.
+rollout`` all prepare through ``rlctl.run.build.prepare_task``: the same prompts for the
+same config.
 """
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlctl.errors import UserError
-from rlctl.tasks.base import RAW_PROMPT, end_of_turn_markers, render_chat, task_options
-from rlctl.tasks.long_prompts import limit_prompts
+from rlctl.tasks.base import RAW_PROMPT, SOURCE, end_of_turn_markers, render_chat, task_options
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import Example
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions")   # GPT2Config maps the first to the second
+_CHUNK = 512   # prompts per tokenizer call
 
 
 def context_length(model) -> Optional[int]:
@@ -75,6 +77,69 @@ def prompt_limit(budget: PromptBudget, model) -> Optional[Tuple[int, str]]:
     return int(asked), f"rollout.max_prompt_tokens={asked}"
 
 
+def token_lengths(tokenizer, prompts: Sequence[str], max_tokens: int) -> List[int]:
+    """Each prompt's tokens as the sampler encodes it (special tokens included), exact for
+    those that may pass ``max_tokens``: a bound first (every token of a byte-level BPE,
+    WordPiece/WordLevel or byte-fallback SentencePiece vocabulary covers at least one
+    UTF-8 byte; plus the special tokens and a dummy prefix), the tokenizer for the rest."""
+    specials = len(tokenizer("")["input_ids"]) + 1
+    lengths = [len(p.encode("utf-8")) + specials for p in prompts]
+    maybe = [i for i, n in enumerate(lengths) if n > max_tokens]
+    for start in range(0, len(maybe), _CHUNK):
+        part = maybe[start:start + _CHUNK]
+        for i, ids in zip(part, tokenizer([prompts[i] for i in part])["input_ids"]):
+            lengths[i] = len(ids)
+    return lengths
+
+
+def truncate_left(tokenizer, prompt: str, max_tokens: int) -> str:
+    """The end of ``prompt`` whose encoding is its last tokens, at most ``max_tokens`` with
+    the special tokens the tokenizer adds. ValueError when those alone fill the limit."""
+    content = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    extra = len(tokenizer(prompt)["input_ids"]) - len(content)     # e.g. a BOS
+    keep = max_tokens - extra
+    if keep <= 0:
+        raise ValueError(f"a limit of {max_tokens} tokens leaves no room for prompt text after the "
+                         f"{extra} special tokens the tokenizer adds")
+    try:
+        enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+        # a token's text starts where the one before it ends (offsets may leave out its space)
+        starts = [0] + [end for _, end in enc["offset_mapping"][:-1]]
+        candidates = [prompt[s:] for s in starts[-keep:]]
+    except (NotImplementedError, TypeError, KeyError):   # slow tokenizers have no offsets
+        candidates = [tokenizer.decode(content[-k:]) for k in range(keep, 0, -1)]
+    for text in candidates:                 # longest first; re-encoding may merge differently
+        if len(tokenizer(text)["input_ids"]) <= max_tokens:
+            return text
+    raise ValueError(f"no end of the prompt fits in {max_tokens} tokens")
+
+
+def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int, limits: str,
+                  split: str) -> Tuple[List[Example], int]:
+    """(the examples kept under ``mode`` = ``task.long_prompts``, how many were over
+    ``max_tokens``) for one split (``limits``: how messages name the limit). ValueError,
+    one line: mode error, or a split left with no prompts."""
+    lengths = token_lengths(tokenizer, [ex.prompt for ex in examples], max_tokens)
+    kept, over = [], 0
+    for i, (ex, n) in enumerate(zip(examples, lengths)):
+        if n <= max_tokens:
+            kept.append(ex)
+            continue
+        over += 1
+        if mode == "error":
+            where = ex.fields.get(SOURCE) or f"{split} prompt {i + 1}"
+            raise ValueError(f"task.long_prompts=error: {where}: the prompt has {n} "
+                             f"tokens, more than {limits}; shorten it, or use "
+                             "task.long_prompts=skip or truncate_left")
+        if mode == "truncate_left":
+            fields = {**ex.fields, RAW_PROMPT: ex.fields.get(RAW_PROMPT, ex.prompt)}
+            kept.append(Example(prompt=truncate_left(tokenizer, ex.prompt, max_tokens), fields=fields))
+    if examples and not kept:
+        raise ValueError(f"task.long_prompts=skip: all {len(examples)} {split} prompts are longer "
+                         f"than {limits}; use task.long_prompts=truncate_left or shorter prompts")
+    return kept, over
+
+
 @dataclass(frozen=True)
 class Prepared:
     """The task, its prompts as the model reads them (train and eval splits, rendered and
@@ -113,14 +178,19 @@ def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, 
         raise UserError(f"task.prompt_format: {exc}") from None
     limit = prompt_limit(budget, model) if budget is not None and model is not None else None
     try:
-        splits = {"train": task.train_examples(), "eval": task.eval_examples()}
+        splits: Dict[str, List[Example]] = {"train": task.train_examples(), "eval": task.eval_examples()}
         if markers is not None:
             splits = {k: [_rendered(ex, tokenizer, opts.system_prompt) for ex in v] for k, v in splits.items()}
         if limit is not None:
-            splits, report = limit_prompts(opts.long_prompts, tokenizer, splits, *limit)
-            line = report.line()
-            if line and not quiet and os.environ.get("RANK", "0") == "0":
-                print(f"rlctl: {line}", file=stream or sys.stderr, flush=True)
+            counts = []
+            for split, examples in list(splits.items()):
+                splits[split], over = limit_prompts(opts.long_prompts, tokenizer, examples, *limit, split)
+                counts.append((over, f"{over} of {len(examples)} {split} prompts"))
+            verb = "skipped" if opts.long_prompts == "skip" else "truncated on the left"
+            if any(n for n, _ in counts) and not quiet and os.environ.get("RANK", "0") == "0":
+                print(f"rlctl: task.long_prompts={opts.long_prompts}: {verb} "
+                      f"{' and '.join(p for _, p in counts)} longer than {limit[1]}",
+                      file=stream or sys.stderr, flush=True)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return Prepared(task, tuple(splits["train"]), tuple(splits["eval"]), markers, learned)

@@ -1,41 +1,169 @@
-"""User reward functions: loaded by import path, several with weights.
+"""Rule rewards: the user's reward functions, loaded by import path (several with
+weights), and the answer verifier behind the built-in ``math`` and ``exact`` rewards.
 
-A reward function is ``reward(prompt, completion, **fields) -> float``: ``prompt`` is the
-data's prompt (text, or the chat messages), ``completion`` the model's decoded reply,
-and ``fields`` the data's other columns (``task.fields`` chooses which). A function that
-does not take ``**fields`` gets only the fields it names. The batched form takes lists
-and returns a list: ``reward(prompts, completions, **fields) -> list[float]`` (each field
-a list too); it is recognised by its first two parameters being named ``prompts`` and
-``completions``, or by ``batched: true`` in ``task.rewards``.
+A reward function is ``reward(prompt, completion, **fields) -> float``: ``prompt`` the
+data's prompt (text, or the chat messages), ``completion`` the decoded reply, ``fields``
+the data's other columns (``task.fields``; a function without ``**fields`` gets only those
+it names). The batched form ``reward(prompts, completions, **fields) -> list[float]`` is
+recognised by its first two parameters being ``prompts`` and ``completions``, or by
+``batched: true``. ``task.reward_fn`` is one function; ``task.rewards`` a list of
+``{fn, weight, name, batched}`` (or ``"module:function"`` strings); the total is
+``sum(weight * value)``, each value logged as ``reward/<name>``. An entry ``{model: PATH,
+weight, name}`` (or ``task.reward_model``, which replaces the task's own rewards) is a
+learned reward model (``rlctl.reward_models.learned``; ``model_entries``). ``fn``:
+``package.module:function``, ``path/to/file.py:function``, ``math`` or ``exact``.
 
-``task.reward_fn`` is one function; ``task.rewards`` a list of
-``{fn: ..., weight: 1.0, name: ..., batched: ...}`` (or plain ``"module:function"``
-strings, weight 1). The total reward is ``sum(weight * value)``; each value is logged as
-``reward/<name>`` (``name`` defaults to the function's name).
-
-An entry ``{model: PATH, weight: w, name: n}`` is a learned reward model
-(``rlctl.reward_models.learned``), scored in the trainer's process beside these functions:
-``model_entries`` reads those entries (and ``task.reward_model``, the one model that
-replaces the task's own rewards) and ``parse_rewards`` the functions; a task scored by
-reward models alone has no function.
-
-``fn`` is ``package.module:function`` (imported; the working directory is searched too),
-``path/to/file.py:function``, or a built-in: ``math`` (the completion's final answer
-equals the ``answer`` field, equivalent forms accepted, via math-verify) or ``exact``
-(the stripped completion equals the ``answer`` field).
+``answers_equivalent(completion, answer)``: the completion's final answer (the last
+``\\boxed{...}``, else after the last "####" / "answer is" / "answer:", else the whole
+text) equals ``answer``, either as an exact rational number ("46", "4.6e1", "92/2",
+"1,234", "4 6" spaced digits) or by math-verify (LaTeX, sets, expressions). math-verify's
+own time limits need the main thread; elsewhere they are off (the scorer's limit applies).
 """
 from __future__ import annotations
 
 import inspect
+import logging
 import math
+import re
+import threading
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from rlctl.registry import load_object
 from rlctl.tasks.base import RESERVED_REWARD_NAMES
 
-BUILTIN_REWARDS = {"math": "rlctl.tasks.verify:math_reward",
-                   "exact": "rlctl.tasks.verify:exact_reward"}
+BUILTIN_REWARDS = {"math": "rlctl.tasks.rewards:math_reward",
+                   "exact": "rlctl.tasks.rewards:exact_reward"}
+_BOXED = re.compile(r"\\boxed\s*\{")
+_MARKERS = re.compile(r"####|answer\s*(?:is|:)|answer\s*=", re.IGNORECASE)
+_SPACED_DIGITS = re.compile(r"(?<=\d) (?=\d)")
+_SIGN_SPACE = re.compile(r"(?<![\w)])([-+]) (?=\d)")
+_NUMBER = re.compile(
+    r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+    r"(?:\s*/\s*[-+]?\d+(?:\.\d+)?)?")
+
+
+def _last_boxed(text: str) -> Optional[str]:
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    i, depth = starts[-1], 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return text[i:]
+
+
+def normalize_spacing(text: str) -> str:
+    """Join digits written with single spaces ("4 6" -> "46", "- 1 2" -> "-12")."""
+    return _SIGN_SPACE.sub(r"\1", _SPACED_DIGITS.sub("", text))
+
+
+def final_answer_text(text: str) -> str:
+    """The part of a completion that holds the final answer (see the module doc)."""
+    if not isinstance(text, str):
+        return ""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    marks = list(_MARKERS.finditer(text))
+    return text[marks[-1].end():] if marks else text
+
+
+def _to_fraction(token: str) -> Optional[Fraction]:
+    token = token.replace(",", "").replace(" ", "")
+    try:
+        if "/" in token:
+            num, den = token.split("/", 1)
+            d = Fraction(den)
+            return Fraction(num) / d if d != 0 else None
+        return Fraction(token)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def parse_number(text: Any) -> Optional[Fraction]:
+    """The final answer as an exact rational number, or None."""
+    if not isinstance(text, str):
+        if isinstance(text, (int, Fraction)) and not isinstance(text, bool):
+            return Fraction(text)
+        if isinstance(text, float):
+            return Fraction(repr(text))   # 0.1 means 1/10, not the binary float's exact value
+        return None
+    part = normalize_spacing(final_answer_text(text)).replace("$", " ")
+    found = _NUMBER.findall(part)
+    return _to_fraction(found[-1]) if found else None
+
+
+def _math_verify(completion: str, answer: str) -> bool:
+    try:   # only for math answers (reward_fn=math), and slow to import (about 0.4 s)
+        from math_verify import parse, verify
+    except ImportError:  # pragma: no cover - math-verify is a dependency
+        return False
+    main = threading.current_thread() is threading.main_thread()
+    if not main:
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+    limit = {} if main else {"parsing_timeout": None}
+    try:
+        gold = parse(answer, **limit)
+        pred = parse(completion, **limit)
+        if not gold or not pred:
+            return False
+        return bool(verify(gold, pred, **({} if main else {"timeout_seconds": None})))
+    except Exception:  # noqa: BLE001 - a verifier never raises on bad text
+        return False
+
+
+def plain_number(answer: Any) -> Optional[Fraction]:
+    """``answer`` as a rational number when it is one ("46", "-1,234", "0.5", "1/2", 46)."""
+    if isinstance(answer, bool):
+        return None
+    if isinstance(answer, float):
+        return Fraction(repr(answer))     # 0.1 means 1/10, not the binary float's exact value
+    if isinstance(answer, (int, Fraction)):
+        return Fraction(answer)
+    if not isinstance(answer, str):
+        return None
+    text = normalize_spacing(answer.strip().strip("$").strip())
+    return _to_fraction(text) if _NUMBER.fullmatch(text or "x") else None
+
+
+def answers_equivalent(completion: Any, answer: Any) -> bool:
+    """Is the completion's final answer equal to ``answer`` (a number or math text)?"""
+    if not isinstance(completion, str) or not completion.strip():
+        return False
+    target = plain_number(answer)
+    if target is not None:
+        got = parse_number(completion)
+        if got == target:
+            return True
+        if got is not None and not any(ch in completion for ch in "\\{}^"):
+            return False  # a plain number that differs: math-verify cannot disagree
+    gold = answer if isinstance(answer, str) else str(answer)
+    return _math_verify(normalize_spacing(completion), gold)
+
+
+def math_reward(prompt: Any, completion: str, answer: Any = None, **_fields) -> float:
+    """A data-task reward: 1.0 when the completion's final answer equals the ``answer``
+    field (``task.reward_fn=math``), else 0.0."""
+    if answer is None:
+        raise ValueError("the math reward needs an 'answer' field in the data")
+    return float(answers_equivalent(completion, answer))
+
+
+def exact_reward(prompt: Any, completion: str, answer: Any = None, **_fields) -> float:
+    """A data-task reward: 1.0 when the completion, stripped, equals the ``answer`` field
+    as text (``task.reward_fn=exact``)."""
+    if answer is None:
+        raise ValueError("the exact reward needs an 'answer' field in the data")
+    return float(isinstance(completion, str) and completion.strip() == str(answer).strip())
+
+
 SPEC_KEYS = ("fn", "weight", "name", "batched")
 MODEL_KEYS = ("model", "weight", "name")
 DEFAULT_MODEL_NAME = "reward_model"

@@ -1,33 +1,23 @@
 """Sort n digits: prompt ``"3 1 4 1 5 ="``, correct completion ``"1 1 3 4 5"``.
 
-Three reward designs, all computed on the completion split on whitespace.
-A completion holding any token that is not a single ASCII digit is *malformed* and
-scores 0 under every design; no reward ever raises.
+Three reward designs on the completion split on whitespace; a token that is not one ASCII
+digit makes it malformed (0 under every design); no reward raises.
 
 - ``exact``: 1 iff the output equals the sorted digits. Sparse.
-- ``positional``: partial credit, the number of positions i with out[i] == target[i].
-  Divided by max(n, len(out)) rather than n, so that an over-long answer is
-  penalised (the count of matches alone is blind to extra tokens).
-- ``inclusion_order``: a naive shaping, on purpose: +1 for each output digit that
-  occurs in the prompt, +1 for each adjacent non-decreasing pair, divided by 2n-1 (the
-  score of the correct answer). Deliberately *not* clipped: an output longer than n can
-  score above 1 (e.g. ten 1s for the prompt "3 1 4 1 5" score 19/9), which is exactly
-  its reward-hacking risk: long wrong answers earn more credit (``--recipe
-  reward-hacking`` shows a policy find it).
+- ``positional``: positions i with out[i] == target[i], over max(n, len(out)) (an
+  over-long answer is penalised).
+- ``inclusion_order``: naive shaping on purpose: +1 per output digit found in the prompt,
+  +1 per adjacent non-decreasing pair, over 2n-1; unclipped, so long wrong answers score
+  above 1 (the reward-hacking risk ``--recipe reward-hacking`` shows).
 
-``is_correct`` is the exact match whatever reward is used for training.
-
-Every design is scored on every training sample and logged (``reward/exact``,
-``reward/positional``, ``reward/inclusion_order``) through the scorer's named
-components: the task's ``reward_weights`` give the training design weight 1 and the
-others weight 0, so the total (``reward/mean``) is the training reward alone while the
-others are monitored. Training on ``inclusion_order`` then shows its length hacking as
-it happens: ``reward/inclusion_order`` rising above 1 while ``reward/exact`` falls.
+``is_correct`` is the exact match. Every design is logged (``reward/<name>``) through the
+named components; ``reward_weights`` give the training design 1 and the others 0, so the
+total is the training reward alone.
 """
 from __future__ import annotations
 
 import random
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.base import disjoint_splits, register_task
 from rlctl.types import Example
@@ -39,13 +29,8 @@ def parse_digits(completion: str) -> Optional[List[int]]:
     """The completion's digits, or None when a whitespace token is not one digit 0-9."""
     if not isinstance(completion, str):
         return None
-    out = []
-    for tok in completion.split():
-        d = _DIGITS.get(tok)
-        if d is None:
-            return None
-        out.append(d)
-    return out
+    out = [_DIGITS.get(tok) for tok in completion.split()]
+    return None if None in out else out
 
 
 def exact_reward(digits: Sequence[int], out: Optional[List[int]]) -> float:
@@ -56,8 +41,7 @@ def positional_reward(digits: Sequence[int], out: Optional[List[int]]) -> float:
     if not out:
         return 0.0
     target = sorted(digits)
-    hits = sum(o == t for o, t in zip(out, target))
-    return hits / max(len(target), len(out))
+    return sum(o == t for o, t in zip(out, target)) / max(len(target), len(out))
 
 
 def inclusion_order_reward(digits: Sequence[int], out: Optional[List[int]]) -> float:
@@ -69,11 +53,8 @@ def inclusion_order_reward(digits: Sequence[int], out: Optional[List[int]]) -> f
     return (included + ordered) / (2 * len(digits) - 1)  # unclipped: may exceed 1
 
 
-REWARDS: Dict[str, Callable[[Sequence[int], Optional[List[int]]], float]] = {
-    "exact": exact_reward,
-    "positional": positional_reward,
-    "inclusion_order": inclusion_order_reward,
-}
+REWARDS = {"exact": exact_reward, "positional": positional_reward,
+           "inclusion_order": inclusion_order_reward}
 
 
 def reward_names() -> Tuple[str, ...]:
@@ -81,7 +62,7 @@ def reward_names() -> Tuple[str, ...]:
 
 
 def score_all(digits: Sequence[int], completion: str) -> Dict[str, float]:
-    """Every reward design on one completion (the eval reports each)."""
+    """Every reward design on one completion."""
     out = parse_digits(completion)
     return {name: fn(digits, out) for name, fn in REWARDS.items()}
 
@@ -96,15 +77,11 @@ def format_answer(digits: Sequence[int]) -> str:
 
 @register_task("sorting")
 class SortingTask:
-    """Sort ``num_digits`` digits; held-out split of ``num_eval`` distinct tuples.
-
-    The eval split is ``num_eval`` distinct tuples drawn with ``random.Random(seed)``.
-    The training split is deterministic and disjoint from it: every other tuple when
-    10**num_digits <= ``max_train`` (after shuffling), otherwise ``max_train`` distinct
-    tuples drawn from the same generator, skipping eval tuples.
-    """
+    """Sort ``num_digits`` digits; eval: ``num_eval`` distinct tuples drawn with
+    ``random.Random(seed)``; training disjoint from it (``disjoint_splits``)."""
 
     name = "sorting"
+    reward_names = staticmethod(reward_names)
 
     def __init__(self, num_digits: int = 5, reward: str = "positional", num_eval: int = 256,
                  seed: int = 1234, max_train: int = 20000):
@@ -118,26 +95,18 @@ class SortingTask:
                              f"got {num_eval}")
         self.num_digits, self.reward_name, self.num_eval = num_digits, reward, num_eval
         self.seed, self.max_train = seed, max_train
-        self._reward_fn = REWARDS[reward]
-        # monitored designs weigh 0: the total is the training reward (scoring.py)
         self.reward_weights = {name: float(name == reward) for name in REWARDS}
-        self._eval, self._train = self._split()
+        self._eval, self._train = disjoint_splits(
+            self._draw, random.Random(seed), num_eval, max_train, space,
+            lambda: (tuple(int(c) for c in str(i).zfill(num_digits)) for i in range(space)))
 
-    # -- splits -------------------------------------------------------------------
     def _draw(self, rng: random.Random) -> Tuple[int, ...]:
         return tuple(rng.randrange(10) for _ in range(self.num_digits))
-
-    def _split(self) -> Tuple[List[Tuple[int, ...]], List[Tuple[int, ...]]]:
-        n = self.num_digits
-        return disjoint_splits(self._draw, random.Random(self.seed), self.num_eval, self.max_train,
-                               10 ** n, lambda: (tuple(int(c) for c in str(i).zfill(n))
-                                                 for i in range(10 ** n)))
 
     @staticmethod
     def _example(digits: Sequence[int]) -> Example:
         digits = list(digits)
-        return Example(prompt=format_prompt(digits),
-                       fields={"digits": digits, "target": sorted(digits)})
+        return Example(prompt=format_prompt(digits), fields={"digits": digits, "target": sorted(digits)})
 
     def train_examples(self) -> List[Example]:
         return [self._example(t) for t in self._train]
@@ -145,9 +114,8 @@ class SortingTask:
     def eval_examples(self) -> List[Example]:
         return [self._example(t) for t in self._eval]
 
-    # -- scoring ------------------------------------------------------------------
     def reward(self, example: Example, completion: str) -> float:
-        return self._reward_fn(example.fields["digits"], parse_digits(completion))
+        return REWARDS[self.reward_name](example.fields["digits"], parse_digits(completion))
 
     def is_correct(self, example: Example, completion: str) -> bool:
         return exact_reward(example.fields["digits"], parse_digits(completion)) == 1.0
@@ -158,16 +126,13 @@ class SortingTask:
         return out is not None and len(out) == len(example.fields["digits"])
 
     def score_all(self, example: Example, completion: str) -> Dict[str, float]:
+        """Every design; as ``reward_components`` (``reward/<name>``) ``reward_weights``
+        keep the total equal to ``reward()``."""
         return score_all(example.fields["digits"], completion)
 
-    def reward_components(self, example: Example, completion: str) -> Dict[str, float]:
-        """Every design (``reward/<name>`` each step); ``reward_weights`` keeps the total
-        equal to ``reward()``."""
-        return self.score_all(example, completion)
+    reward_components = score_all
 
     @staticmethod
     def answer(example: Example) -> str:
         """The correct completion text (without EOS); used by the supervised warm-up."""
         return format_answer(example.fields["digits"])
-
-    reward_names = staticmethod(reward_names)

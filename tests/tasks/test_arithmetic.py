@@ -8,7 +8,7 @@ import pytest
 
 from rlctl.tasks import build_task
 from rlctl.tasks.arithmetic import ArithmeticTask, digit_credit, spaced
-from rlctl.tasks.verify import answers_equivalent, final_answer_text, parse_number
+from rlctl.tasks.rewards import answers_equivalent, final_answer_text, parse_number
 
 EQUIVALENT_46 = ["46", " 46 ", "46.0", "46.000", "4.6e1", "4.6E+1", "46/1", "92/2", "+46",
                  "$46$", "\\boxed{46}", "The answer is 46.", "answer: 46", "#### 46",
