@@ -92,14 +92,6 @@ class Tool:
             raise ToolArgumentError(f"{self.name}: missing argument '{missing[0]}'")
         return {k: _convert(v, self.kinds.get(k), k) for k, v in given.items()}
 
-    def schema(self) -> Dict[str, Any]:
-        """The tool as a JSON-schema function description (for chat templates' tool lists)."""
-        types = {int: "integer", float: "number", bool: "boolean", str: "string"}
-        props = {p: {"type": types.get(self.kinds.get(p), "string")} for p in self.params}
-        return {"name": self.name, "description": self.doc,
-                "parameters": {"type": "object", "properties": props,
-                               "required": list(self.required)}}
-
 
 def _source(fn: Callable) -> Optional[str]:
     mod_name, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")

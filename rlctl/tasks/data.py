@@ -1,20 +1,14 @@
-"""Data-driven tasks: prompts from files, rewards from the user's functions (``task=jsonl``).
+"""Data-driven tasks (``task=jsonl``): prompts from files, rewards from the user's
+functions (``rlctl.tasks.rewards``).
 
-    rlctl train task=jsonl task.train_path=train.jsonl task.eval_path=eval.jsonl \\
-        task.reward_fn=myreward:reward
-
-Files: JSON Lines (``.jsonl``), a JSON array (``.json``), CSV/TSV (``.csv``, ``.tsv``;
-every value is a string), Parquet (``.parquet``, needs pyarrow) or a local Hugging Face
-``datasets`` directory (``Dataset.save_to_disk``; read with pyarrow, ``datasets`` itself
-is not needed; a directory of data files is read whole). ``task.format`` forces a format.
-
-Each row is one prompt: ``task.prompt_field`` holds the prompt (text; with
-``task.prompt_format=chat`` also a list of {role, content} messages), the other columns
-(or those listed in ``task.fields``) are handed to the reward function(s) as keyword
-arguments (see ``rlctl.tasks.rewards``). Without ``task.eval_path``, ``task.num_eval``
-rows (default: 10%) are held out of the training file (shuffled with ``task.seed``);
-with it, ``task.num_eval`` caps the eval rows (null: all). ``eval/exact_match`` is the
-share of eval completions whose total reward is at least ``task.correct_threshold``.
+Files: JSON Lines, a JSON array, CSV/TSV (every value a string), Parquet/Arrow (needs
+pyarrow) or a Hugging Face ``datasets`` directory (``save_to_disk``, read with pyarrow; a
+directory of data files is read whole); ``task.format`` forces one. A row's
+``task.prompt_field`` is the prompt (text, or {role, content} messages with
+``prompt_format=chat``); the other columns (or ``task.fields``) go to the rewards as
+keyword arguments. Without ``task.eval_path`` ``task.num_eval`` rows (default 10%) are
+held out of the training file (shuffled with ``task.seed``); with it, it caps the eval
+rows. ``eval/exact_match``: total reward >= ``task.correct_threshold``.
 """
 from __future__ import annotations
 
@@ -31,9 +25,8 @@ from rlctl.errors import DataError, RewardError
 from rlctl.tasks.rewards import RewardFn, parse_rewards
 from rlctl.types import Example
 
-# A prompt longer than this is refused when the file is read, before any tokenizer or
-# model sees it: far beyond any model's context, and a single such row would otherwise
-# make the first forward try to allocate terabytes (attention over T^2 positions).
+# Refused when read: far beyond any context, one such row would make the first forward
+# try to allocate terabytes (attention over T^2 positions).
 MAX_PROMPT_CHARS = 1_000_000
 Located = List[Tuple[str, Dict[str, Any]]]   # (where in the file, e.g. "a.jsonl:7", row)
 

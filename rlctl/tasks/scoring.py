@@ -44,20 +44,10 @@ def _total(task, comps: Dict[str, float]) -> float:
     return float(sum(weights.get(k, 1.0) * v for k, v in comps.items()))
 
 
-def _score_one(task, example: Example, completion: str) -> Tuple[float, Dict[str, float]]:
-    comp_fn = getattr(task, "reward_components", None)
-    if comp_fn is not None:
-        comps = {str(k): float(v) for k, v in comp_fn(example, completion).items()}
-        return _total(task, comps), comps
-    return float(task.reward(example, completion)), {}
-
-
 def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
                  ) -> Iterator[Tuple]:
-    """("ok", i, total, components) or ("err", i, message) for each sample, in order.
-
-    A task's ``reward_components_batch`` is tried first; if it raises, the batch is
-    scored sample by sample so that the failing sample can be named."""
+    """("ok", i, total, components) or ("err", i, message) for each sample, in order; a
+    task's ``reward_components_batch`` first, sample by sample if it raises (to name one)."""
     batch_fn = getattr(task, "reward_components_batch", None)
     if batch_fn is not None and len(examples) > 1 and getattr(task, "score_in_batches", True):
         try:
@@ -71,9 +61,14 @@ def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
             for i, comps in enumerate(parsed):
                 yield ("ok", i, _total(task, comps), comps)
             return
+    comp_fn = getattr(task, "reward_components", None)
     for i, (ex, c) in enumerate(zip(examples, completions)):
         try:
-            total, comps = _score_one(task, ex, c)
+            if comp_fn is None:
+                total, comps = float(task.reward(ex, c)), {}
+            else:
+                comps = {str(k): float(v) for k, v in comp_fn(ex, c).items()}
+                total = _total(task, comps)
         except BaseException as exc:  # noqa: BLE001 - SystemExit from user code included
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -105,7 +100,6 @@ def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked chi
         except BaseException as exc:  # noqa: BLE001 - e.g. an unpicklable value
             conn.send(("fatal", f"{type(exc).__name__}: {_one_line(exc, 200)}"))
         conn.send(("done",))
-
 
 
 class InlineRunner:
@@ -367,8 +361,7 @@ class RewardScorer:
 
     def metrics(self) -> Dict[str, float]:
         """reward/errors and reward/timeouts (cumulative counts) and reward/<name>: each
-        named reward's mean over the samples scored since the previous ``metrics()`` call
-        (a failed sample counts 0). Resets those means."""
+        named reward's mean since the previous call (a failed sample counts 0)."""
         out = {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts)}
         sums, count = self.named_sums()
         for k, v in sums.items():
@@ -376,16 +369,14 @@ class RewardScorer:
         return out
 
     def named_sums(self) -> Tuple[Dict[str, float], int]:
-        """(each named reward's sum over the samples scored since the previous call, how
-        many samples that is); resets both. ``metrics`` gives their means; the trainer
-        pools them over ranks (``rlctl.learner.trainer.named_reward_metrics``)."""
+        """(each named reward's sum since the previous call, how many samples); resets
+        both. The trainer pools them over ranks."""
         out = (self._sums, self._count)
         self._sums, self._count = {}, 0
         return out
 
     def state(self) -> Dict[str, Any]:
-        """The counters (and the running reward statistics this scorer owns), for a
-        checkpoint (``load_state`` restores them)."""
+        """The counters (and the running reward statistics it owns), for a checkpoint."""
         state = {"errors": self.errors, "timeouts": self.timeouts, "calls": self.calls}
         if self._owns_norm:
             state["reward_norm"] = self.learned.state()
