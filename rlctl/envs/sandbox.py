@@ -57,18 +57,9 @@ def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
         try:
             return tool.fn(**kwargs)
         except Exception as exc:  # noqa: BLE001 - a tool's failure is an observation
-            raise ToolFailed(f"{tool.name}: {type(exc).__name__}: {_line(exc)}") from None
+            raise ToolFailed(f"{tool.name}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]}") from None
     return run_in_subprocess(tool, kwargs, limits)
-
-
-def _line(exc: BaseException, limit: int = 200) -> str:
-    s = " ".join(str(exc).split())
-    return s[:limit]
-
-
-def _child_env(cwd: str) -> Dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8",
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def run_in_subprocess(tool, kwargs: Dict[str, Any], limits: Limits) -> Any:
@@ -78,9 +69,11 @@ def run_in_subprocess(tool, kwargs: Dict[str, Any], limits: Limits) -> Any:
                           "path": [os.path.abspath(p or ".") for p in sys.path],
                           "memory_bytes": int(limits.memory_mb) * 2 ** 20, "cpu_s": limits.cpu()})
     with tempfile.TemporaryDirectory(prefix="rlctl-tool-") as cwd:
+        env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8",
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=cwd,
-                                env=_child_env(cwd), start_new_session=True, close_fds=True)
+                                env=env, start_new_session=True, close_fds=True)
         try:
             out, _ = proc.communicate(payload.encode(), timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:

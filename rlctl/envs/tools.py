@@ -41,13 +41,6 @@ class ToolArgumentError(ValueError):
     """A call's arguments do not fit the tool's signature (one line)."""
 
 
-def _hints(fn: Callable) -> Dict[str, Any]:
-    try:
-        return typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001 - unresolvable annotations: take values as given
-        return {}
-
-
 def _convert(value: Any, kind: Any, name: str) -> Any:
     if not isinstance(value, str) or kind not in (int, float, bool):
         return value
@@ -126,7 +119,10 @@ def make_tool(fn: Union[Callable, str, "Tool"], name: Optional[str] = None,
     except (TypeError, ValueError):
         raise ValueError(f"tool {fn!r}: its signature cannot be read") from None
     params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    hints = _hints(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: take values as given
+        hints = {}
     return Tool(name=name or getattr(fn, "__name__", "tool"), fn=fn,
                 params=tuple(p.name for p in params),
                 required=tuple(p.name for p in params if p.default is p.empty),

@@ -90,11 +90,7 @@ def _to_fraction(token: str) -> Optional[Fraction]:
 def parse_number(text: Any) -> Optional[Fraction]:
     """The final answer as an exact rational number, or None."""
     if not isinstance(text, str):
-        if isinstance(text, (int, Fraction)) and not isinstance(text, bool):
-            return Fraction(text)
-        if isinstance(text, float):
-            return Fraction(repr(text))   # 0.1 means 1/10, not the binary float's exact value
-        return None
+        return plain_number(text)
     part = normalize_spacing(final_answer_text(text)).replace("$", " ")
     found = _NUMBER.findall(part)
     return _to_fraction(found[-1]) if found else None
@@ -149,16 +145,14 @@ def answers_equivalent(completion: Any, answer: Any) -> bool:
 
 
 def math_reward(prompt: Any, completion: str, answer: Any = None, **_fields) -> float:
-    """A data-task reward: 1.0 when the completion's final answer equals the ``answer``
-    field (``task.reward_fn=math``), else 0.0."""
+    """``task.reward_fn=math``: 1.0 when the final answer equals the ``answer`` field."""
     if answer is None:
         raise ValueError("the math reward needs an 'answer' field in the data")
     return float(answers_equivalent(completion, answer))
 
 
 def exact_reward(prompt: Any, completion: str, answer: Any = None, **_fields) -> float:
-    """A data-task reward: 1.0 when the completion, stripped, equals the ``answer`` field
-    as text (``task.reward_fn=exact``)."""
+    """``task.reward_fn=exact``: 1.0 when the stripped completion is the ``answer`` field."""
     if answer is None:
         raise ValueError("the exact reward needs an 'answer' field in the data")
     return float(isinstance(completion, str) and completion.strip() == str(answer).strip())
@@ -190,8 +184,7 @@ def check_name_chars(name: str, key: str) -> None:
 
 
 def _weight(item: Dict[str, Any], key: str) -> float:
-    weight = item.get("weight", 1.0)
-    weight = 1.0 if weight is None else weight
+    weight = 1.0 if item.get("weight") is None else item["weight"]
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
         raise ValueError(f"{key}: weight must be a finite number, got {weight!r}")
     return float(weight)
