@@ -1,10 +1,7 @@
-"""Tasks: prompts + rewards, looked up by name (``build_task("sorting", ...)``).
-
-Built in: ``sorting`` (the demo), ``arithmetic`` (generated, verifiable math) and
-``jsonl`` (the user's data files and reward functions). ``RewardScorer`` scores batches
-under ``task.reward_timeout_s``; ``prompt_budget.prepare`` makes a task's prompts for one
-model (``task.prompt_format=chat``, the prompt budget) without changing the task.
-"""
+"""Tasks: prompts + rewards, looked up by name (``build_task("sorting", ...)``): ``sorting``
+(the demo), ``arithmetic`` (generated, verifiable math), ``jsonl`` (the user's data files
+and reward functions). ``RewardScorer`` scores batches; ``prompt_budget.prepare`` makes a
+task's prompts for one model."""
 from rlctl.tasks.base import TASKS, Task, build_task, register_task
 from rlctl.tasks.scoring import RewardScorer  # noqa: F401
 from rlctl.tasks import sorting  # noqa: F401  (registers "sorting")

@@ -1,20 +1,12 @@
-"""A task prepared for one model: ``prepare`` builds, once per process, the prompts the
-model reads and what its scorers are given; the task itself is never changed.
-
-- chat (``task.prompt_format=chat``): each prompt through the model's chat template
-  (``Example.fields[RAW_PROMPT]`` keeps it as written), and the end-of-turn markers at
-  which the scorer cuts a completion to the assistant's reply;
-- the budget: a prompt of P tokens and ``rollout.max_new_tokens`` T need P + T positions
-  (past the context GPT-2 fails mid-run, rotary models run at untrained positions).
-  Prompts are counted as the sampler encodes them and kept within
-  ``rollout.max_prompt_tokens`` (default: the model's context minus T) under
-  ``task.long_prompts``: ``skip`` (left out, counted in one stderr line),
-  ``truncate_left`` (their last tokens kept, special tokens in front, as verl's
-  ``truncation=left``; the reward still sees the whole prompt) or ``error``.
-
-``rlctl train`` (every rank and the local engine processes), ``rlctl eval`` and ``rlctl
-rollout`` all prepare through ``rlctl.run.build.prepare_task``: the same prompts for the
-same config.
+"""A task prepared for one model (``prepare``, once per process; the task is not changed):
+with ``task.prompt_format=chat`` each prompt through the chat template
+(``Example.fields[RAW_PROMPT]`` keeps it as written) and the end-of-turn markers at which
+the scorer cuts a reply; and the budget: a prompt of P tokens and T =
+``rollout.max_new_tokens`` need P + T positions, so prompts, counted as the sampler
+encodes them, are kept within ``rollout.max_prompt_tokens`` (default: the context minus
+T) under ``task.long_prompts``: ``skip`` (counted in one stderr line), ``truncate_left``
+(their last tokens kept, as verl's ``truncation=left``; the reward sees the whole prompt)
+or ``error``. Train, eval and rollout all prepare through ``rlctl.run.build.prepare_task``.
 """
 from __future__ import annotations
 
@@ -164,10 +156,9 @@ def _rendered(ex: Example, tokenizer, system: Optional[str]) -> Example:
 def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, learned=None,
             stream=None, quiet: bool = False) -> Prepared:
     """``task`` prepared for ``tokenizer`` and (with ``budget`` and ``model``) the model's
-    context; the count of prompts skipped or truncated goes to stderr in one line (on
-    rank 0, unless ``quiet``). UserError, one line: no chat template, a chat prompt that
-    is not text or messages, a limit with no room, a prompt over the limit under
-    ``task.long_prompts=error``, or a split left empty."""
+    context; prompts skipped or truncated are counted on stderr (rank 0, unless ``quiet``).
+    UserError, one line: no chat template, a bad chat prompt, no room, a prompt over the
+    limit under ``task.long_prompts=error``, or a split left empty."""
     opts = task_options(task)
     try:
         markers: Optional[Tuple[str, ...]] = None
