@@ -83,7 +83,8 @@ class ArithmeticTask:
                              f"for {num_digits}-digit operands and ops {ops}")
         if not isinstance(max_train, int) or max_train < 1:
             raise ValueError(f"invalid max_train '{max_train}'; must be >= 1")
-        self.reward_name, self.num_eval, self.seed, self.max_train = reward, num_eval, seed, max_train
+        self.reward_name, self.seed = reward, seed
+        self.num_eval, self.max_train = num_eval, max_train
         hi = 10 ** num_digits
         self._eval, self._train = disjoint_splits(
             self._draw, random.Random(seed), num_eval, max_train, space,

@@ -169,13 +169,16 @@ def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, 
         raise UserError(f"task.prompt_format: {exc}") from None
     limit = prompt_limit(budget, model) if budget is not None and model is not None else None
     try:
-        splits: Dict[str, List[Example]] = {"train": task.train_examples(), "eval": task.eval_examples()}
+        splits: Dict[str, List[Example]] = {"train": task.train_examples(),
+                                            "eval": task.eval_examples()}
         if markers is not None:
-            splits = {k: [_rendered(ex, tokenizer, opts.system_prompt) for ex in v] for k, v in splits.items()}
+            splits = {k: [_rendered(ex, tokenizer, opts.system_prompt) for ex in v]
+                      for k, v in splits.items()}
         if limit is not None:
             counts = []
             for split, examples in list(splits.items()):
-                splits[split], over = limit_prompts(opts.long_prompts, tokenizer, examples, *limit, split)
+                splits[split], over = limit_prompts(opts.long_prompts, tokenizer, examples,
+                                                    *limit, split)
                 counts.append((over, f"{over} of {len(examples)} {split} prompts"))
             verb = "skipped" if opts.long_prompts == "skip" else "truncated on the left"
             if any(n for n, _ in counts) and not quiet and os.environ.get("RANK", "0") == "0":

@@ -106,7 +106,8 @@ class SortingTask:
     @staticmethod
     def _example(digits: Sequence[int]) -> Example:
         digits = list(digits)
-        return Example(prompt=format_prompt(digits), fields={"digits": digits, "target": sorted(digits)})
+        return Example(prompt=format_prompt(digits),
+                       fields={"digits": digits, "target": sorted(digits)})
 
     def train_examples(self) -> List[Example]:
         return [self._example(t) for t in self._train]
