@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForSequenceClassification
@@ -159,6 +159,7 @@ def _fused(model) -> bool:
 
 def dry_run(cfg: DictConfig) -> List[str]:
     """Build the models as `train` would, print the plan; returns the printed lines."""
+    OmegaConf.resolve(cfg)
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
     rms = reward_model_sizes(task_from_config(cfg).learned)
