@@ -42,8 +42,8 @@ class ActorFailed(RuntimeError):
 
 
 class LaunchError(RuntimeError):
-    """A rank failed: the message is its own one line where it left one; ``code`` the
-    exit code to give (2 for bad input); ``before_training``: it failed in set-up."""
+    """A rank failed (its own one line where it left one); ``code``: the exit code (2 for
+    bad input); ``before_training``: a new run that never stepped is removed."""
 
     def __init__(self, message: str, before_training: bool = False, code: int = 1):
         super().__init__(message)
@@ -51,9 +51,9 @@ class LaunchError(RuntimeError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT/SIGTERM at a step boundary with its checkpoint saved
-    (``aborted``: a second Ctrl-C stopped it mid-step; ``step`` is then the newest
-    checkpoint's step, 0 if none). The exit code is 128 + the signal's number."""
+    """A run stopped by SIGINT/SIGTERM at a step boundary, its checkpoint saved (``aborted``:
+    a second Ctrl-C stopped it mid-step; ``step``: the newest checkpoint's, 0 if none).
+    Exit code 128 + the signal's number."""
 
     resume_args: Tuple[str, ...] = ()     # what this process adds to resume (its node's node_rank)
 

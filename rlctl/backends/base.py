@@ -104,9 +104,8 @@ class Backend:
         return self.scheduler.get_last_lr()[0]
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Element-wise sum / min / max over ranks (a new float tensor on ``t``'s device:
-        float64 stays float64, any other dtype becomes float32). The collective runs on
-        this backend's device (NCCL takes no CPU tensors)."""
+        """Element-wise sum / min / max over ranks: a new float tensor (float64 stays float64,
+        others float32) on ``t``'s device; the collective runs on the backend's device."""
         if self.world_size == 1:
             return t
         dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -118,8 +117,7 @@ class Backend:
     all_reduce_sum = all_reduce        # the sum, the default op
 
     def all_gather_rows(self, t: torch.Tensor) -> Tuple[torch.Tensor, int]:
-        """Concatenate every rank's rows (counts may differ) -> (all rows, this rank's
-        first row index)."""
+        """Every rank's rows (counts may differ) -> (all rows, this rank's first row index)."""
         if self.world_size == 1:
             return t, 0
         n = torch.tensor([t.shape[0]], device=self.device)     # on the backend's device:
@@ -166,18 +164,15 @@ class Backend:
         return contextlib.nullcontext()
 
     def close(self) -> None:
-        if self.world_size > 1:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class BF16Autocast(torch.nn.Module):
-    """The training module under ``hardware.precision=bf16`` on the torch backend: its
-    forward runs in ``torch.autocast(bfloat16)`` (matmuls in bf16, reductions and norms as
-    autocast keeps them), while the weights, their gradients and AdamW's state stay in the
-    wrapped model's own dtype (float32 by default: the fp32 master weights of mixed
-    precision, Micikevicius et al., 2018). bf16 keeps fp32's exponent range, so no loss
-    scaling is needed. Attributes the engine reads (config, train/eval, adapters) pass through."""
+    """``hardware.precision=bf16`` on the torch backend: the forward in ``torch.autocast(
+    bfloat16)``, weights, gradients and AdamW state in the model's own dtype (the fp32 master
+    weights of mixed precision, Micikevicius et al., 2018; bf16 needs no loss scaling).
+    Other attributes pass through to the wrapped model."""
 
     def __init__(self, module: torch.nn.Module, device_type: str):
         super().__init__()
@@ -196,9 +191,8 @@ class BF16Autocast(torch.nn.Module):
 
 @register_backend("torch")
 class TorchBackend(Backend):
-    """Plain torch; with several processes, gloo (CPU) or nccl (GPU) all-reduce of grads.
-    ``precision``: fp32, or bf16 (autocast forward, `BF16Autocast`); ``zero_stage`` and
-    ``deepspeed_config`` are DeepSpeed's (ignored)."""
+    """Plain torch; several processes all-reduce gradients over gloo (CPU) or nccl (GPU).
+    ``precision``: fp32 or bf16 (``BF16Autocast``); ``zero_stage``, ``deepspeed_config``: ignored."""
 
     def __init__(self, device: str = "cpu", zero_stage: int = 0, precision: str = "fp32",
                  deepspeed_config: Optional[str] = None):
@@ -210,13 +204,13 @@ class TorchBackend(Backend):
             init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
     def prepare(self, model, critic, *args, **kwargs):
-        """As `Backend.prepare`; under bf16 the returned module autocasts its forward
-        (``unwrap`` and checkpoints still see the plain model)."""
+        """As ``Backend.prepare``; under bf16 the returned module autocasts its forward."""
         module = super().prepare(model, critic, *args, **kwargs)
         return BF16Autocast(module, self.device.type) if self.precision == "bf16" else module
 
 
 def merge(base: Dict, override: Dict) -> Dict:
+    """``override`` laid over ``base``, nested dicts merged key by key."""
     out = dict(base)
     for k, v in override.items():
         out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
@@ -322,13 +316,11 @@ class DeepSpeedBackend(Backend):
 
 
 class _Joint(torch.nn.Module):
-    """Policy + separate critic as one module, so one engine owns both (the trainer
-    calls the critic directly; ZeRO-3's per-module hooks still gather its weights)."""
+    """Policy + separate critic as one module, so one DeepSpeed engine owns both."""
 
     def __init__(self, model, critic):
         super().__init__()
-        self.model = model
-        self.critic = critic
+        self.model, self.critic = model, critic
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)

@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from rlctl.errors import LaunchError, UserError
+from rlctl.errors import LaunchError, UserError, one_line
 
 EXIT_SETUP = 3          # a rank failed before its first training step (set-up)
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
@@ -119,7 +119,7 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
     try:
         codes = _run_agent(layout, hw.num_threads, argv, stop, poll_s, run_id="rlctl")
     except Exception as exc:  # noqa: BLE001 - the agent's store: port taken, or nodes missing
-        text = first(exc)
+        text = one_line(exc)[:160]
         if "clients joined" in text:
             joined = int(text.split("clients joined")[0].split()[-1].split("/")[0])
             missing = (f"rank(s) {spans(range(n, world))}" if joined == 1
@@ -146,10 +146,9 @@ def _failed(codes: Dict[int, int], stop) -> Optional[int]:
 
 def _run_agent(layout: dict, threads: int, args: List[str], stop, poll_s: float,
                run_id: Optional[str] = None) -> Dict[int, int]:
-    """torchrun's agent (``elastic_launch``) in a thread, running the command ``args`` in each
-    rank with OMP_NUM_THREADS=``threads`` and RLCTL_LAUNCHER_PID set; signals forwarded to
-    the ranks. Returns {rank: exit code} of the failed ranks, first failure first ({}: all
-    finished)."""
+    """torchrun's agent (``elastic_launch``) in a thread, running ``args`` in each rank with
+    OMP_NUM_THREADS=``threads`` and RLCTL_LAUNCHER_PID set, signals forwarded to the ranks;
+    {rank: exit code} of the failed ranks, first failure first ({}: all finished)."""
     logs = tempfile.mkdtemp(prefix="rlctl-launch-")
     launch_config = LaunchConfig(run_id=run_id or uuid.uuid4().hex, max_restarts=0, monitor_interval=0.1,
                                  logs_specs=DefaultLogsSpecs(log_dir=logs), **layout)
@@ -228,8 +227,7 @@ def _failure(run_dir: Path, rank: int, code: int) -> LaunchError:
 
 
 def leave_with_launcher() -> None:
-    """Ask the kernel for SIGTERM when the launcher dies (PR_SET_PDEATHSIG): the rank
-    then saves after its step and leaves instead of lingering in its own session."""
+    """SIGTERM when the launcher dies: the rank saves after its step and leaves."""
     launcher = os.environ.get("RLCTL_LAUNCHER_PID")
     if launcher:
         die_with_parent(int(launcher))
@@ -260,12 +258,8 @@ def wait_reachable(host: str, port: int, deadline: float, stop, message: str) ->
             return
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise UserError(f"{message} ({first(exc)})") from None
+                raise UserError(f"{message} ({one_line(exc)[:160]})") from None
             time.sleep(0.2)
-
-
-def first(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:160]
 
 
 def spans(xs) -> str:
@@ -360,14 +354,10 @@ def _checked(group: Group) -> Group:
 
 def join(group: Group, device: str, timeout_s: float,
          run_config: Optional[Dict[str, Any]] = None, stop=None) -> None:
-    """Export ``group`` to this process's environment and join it (gloo, nccl on CUDA)
-    through torch's ``env://`` rendezvous within ``timeout_s``: a rank that cannot reach the
-    master, a master whose peers never come, or a rank started twice (a counter in the
-    store) is one line. Then one ``all_gather_object`` of every rank's ``run_config`` (the
-    resolved config as plain nested dicts, less per-node keys: same_config) and its
-    digest: every rank raises the same line naming the keys that differ from rank 0's.
+    """Export ``group`` to the environment and join it (gloo; nccl on CUDA) within
+    ``timeout_s``, then compare every rank's ``run_config`` (the resolved config as nested
+    dicts) with rank 0's in one ``all_gather_object``; each failure is one line on every rank.
     ``stop``: a StopFlag whose signal ends the wait for the master (exit 128 + signal)."""
-
     os.environ.update(group.env())
     if dist.is_initialized():
         return
@@ -377,13 +367,13 @@ def join(group: Group, device: str, timeout_s: float,
     where = f"{group.master_addr}:{group.master_port}"
     if group.rank:
         wait_reachable(group.master_addr, group.master_port, time.monotonic() + timeout_s, stop,
-                              f"{who}: it cannot reach the master at {where} within hardware.dist_timeout_s="
-                              f"{timeout_s:g}; check MASTER_ADDR/MASTER_PORT (or hardware.master_addr/"
-                              "master_port) and that node 0 was started")
+                       f"{who}: it cannot reach the master at {where} within hardware.dist_timeout_s="
+                       f"{timeout_s:g}; check MASTER_ADDR/MASTER_PORT (or hardware.master_addr/"
+                       "master_port) and that node 0 was started")
     try:
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
     except Exception as exc:  # noqa: BLE001 - DistStoreError (peers missing), DistNetworkError (port)
-        text = first(exc)
+        text = one_line(exc)[:160]
         if "clients joined" in text:
             raise UserError(f"{who}: the other ranks did not all join at {where} within hardware."
                             f"dist_timeout_s={timeout_s:g} ({text}); check MASTER_ADDR/MASTER_PORT (or "
@@ -422,7 +412,6 @@ def _node(env: Dict[str, str]) -> Optional[int]:
 def share(group: Group, value: Optional[str], error: Optional[str] = None) -> str:
     """Rank 0 passes ``value`` (or its ``error`` line) to every rank; the others wait for it
     within the group's timeout and raise that error as theirs."""
-
     store = dist.distributed_c10d._get_default_store()
     if group.rank == 0:
         store.set(_KEY, _FAILED + error if error is not None else value)
@@ -431,7 +420,7 @@ def share(group: Group, value: Optional[str], error: Optional[str] = None) -> st
         got = store.get(_KEY).decode()
     except Exception as exc:  # noqa: BLE001 - the store's timeout or a lost master
         raise UserError(f"rank {group.rank}: rank 0 did not share the run directory "
-                        f"({' '.join(str(exc).split())[:160]})") from None
+                        f"({one_line(exc)[:160]})") from None
     if got.startswith(_FAILED):
         raise UserError(f"rank 0 failed: {got[len(_FAILED):]}")
     return got
@@ -478,13 +467,6 @@ def show(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
-def differences(mine: Dict[str, Any], theirs: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
-    """(key, my value, their value) for every key whose value differs or is set on one side."""
-    keys = sorted(set(mine) | set(theirs))
-    return [(k, mine.get(k, _UNSET), theirs.get(k, _UNSET)) for k in keys
-            if mine.get(k, _UNSET) != theirs.get(k, _UNSET)]
-
-
 def mismatch(own_label: str, own: Dict[str, Any], others: List[str]) -> Optional[str]:
     """The one line naming the keys where another rank's config (``others``: their
     payloads) differs from rank 0's, or None when every digest equals rank 0's."""
@@ -494,7 +476,11 @@ def mismatch(own_label: str, own: Dict[str, Any], others: List[str]) -> Optional
         got = json.loads(text)
         if got["digest"] == mine:
             continue
-        for key, a, b in differences(own, got["config"]):
+        theirs = got["config"]
+        for key in sorted(set(own) | set(theirs)):
+            a, b = own.get(key, _UNSET), theirs.get(key, _UNSET)
+            if a == b:
+                continue
             entry = (key, show(b), got["label"])
             if entry not in seen:                 # several ranks of one node: named once
                 seen.add(entry)

@@ -44,19 +44,20 @@ START_S = 600.0          # a child that has not reported its port by then failed
 
 
 def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
-    """The rollout source ``cfg`` asks for, on ``prepared``'s training prompts and scorer
-    (``rlctl.run.build.prepare_task``): ``LocalSource`` sampling with ``policy`` (the
-    module the backend will train), or an ``EngineSource`` on ``num_actors`` local engine
-    processes with ``trainer.async_rollout.enabled``, or on servers with
-    ``rollout.engine=server``; for a task played as episodes (``rlctl.envs.base.is_episodic``)
-    ``EpisodeSource`` in place of ``LocalSource`` (the local engines then play episodes
-    too). ``backend`` None: one process on ``hardware.device``; ``stop``: the run's
-    StopFlag (a signal ends a wait for engines starting). Takes the whole config: the local
-    engines are built from it, as the learner was."""
+    """The rollout source on ``prepared``'s prompts and scorer: ``LocalSource`` sampling with
+    ``policy`` (``EpisodeSource`` for a task played as episodes), or an ``EngineSource`` on
+    ``trainer.async_rollout.num_actors`` local engine processes (built from the whole config,
+    as the learner was) or on servers (``rollout.engine=server``). ``backend`` None: one
+    process on ``hardware.device``; ``stop``: a signal ends a wait for engines starting."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     device = backend.device if backend is not None else torch.device(cfg.hardware.device)
+    sampling = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
     if is_episodic(prepared.task):
-        check_episodic(backend)        # the config's side: rlctl.run.checks.check_episodes
+        if backend is not None and backend.generate_kwargs():    # ranks generating in step
+            raise ConfigError(f"a task played as episodes cannot run on {backend.world_size} ranks "
+                              "with hardware.zero_stage=3 (its ranks must generate in step, and each "
+                              "rank's episodes take their own number of turns); use "
+                              "hardware.zero_stage=2 or lower, or hardware.num_processes=1")
         local = EpisodeSource(policy, tokenizer, prepared, EpisodeSettings.from_config(cfg),
                               seed=cfg.seed * 1000 + rank)
     elif cfg.rollout.engine == "server":
@@ -64,8 +65,7 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
                              EngineSettings.from_config(cfg), SamplingSettings.from_config(cfg, True),
                              policy, tokenizer, prepared, device, cfg.seed * 1000, stop)
     else:
-        settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
-        local = LocalSource(policy, tokenizer, list(prepared.train), prepared.scorer(), settings,
+        local = LocalSource(policy, tokenizer, list(prepared.train), prepared.scorer(), sampling,
                             seed=cfg.seed * 1000 + rank,
                             generate_kwargs=backend.generate_kwargs() if backend is not None else None)
     if not cfg.trainer.async_rollout.enabled:
@@ -84,8 +84,7 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
             for engine in clients:
                 engine.stop(sys.exc_info()[0] is not None)
             engines.close(30.0)
-        return EngineSource(clients, policy, tokenizer, local.examples, local.scorer,
-                            SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend)),
+        return EngineSource(clients, policy, tokenizer, local.examples, local.scorer, sampling,
                             EngineSettings.from_config(cfg), seed=cfg.seed * 1000 + rank, device=device,
                             on_close=close, learner_rng=True, player=player)
     except BaseException:
@@ -111,17 +110,6 @@ def server_source(servers: ServerConfig, spec: ServeSpec, settings: EngineSettin
         if local is not None:
             local.close()
         raise
-
-
-def check_episodic(backend) -> None:
-    """Refuse (one line, exit 2) what episodic tasks do not run with: a backend whose
-    ranks must generate in step (multi-rank ZeRO-3: ``synced_gpus``), since each rank
-    plays its own episodes, as many turns as they take."""
-    if backend is not None and backend.generate_kwargs():
-        raise ConfigError(f"a task played as episodes cannot run on {backend.world_size} ranks "
-                          "with hardware.zero_stage=3 (its ranks must generate in step, and each "
-                          "rank's episodes take their own number of turns); use "
-                          "hardware.zero_stage=2 or lower, or hardware.num_processes=1")
 
 
 def engine_main(cfg_yaml: str, conn, index: int) -> None:
@@ -156,9 +144,8 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
 
 @dataclass(frozen=True)
 class ServeSpec:
-    """What a local server loads, derived from three sections: the learner's base model
-    (``model`` without ``lora``), on ``device`` with ``num_threads``, and the run's extra
-    stop ids."""
+    """What a local server loads (pickled to it): the learner's base model (``model`` less
+    ``lora``) on ``device`` with ``num_threads``, and the run's extra stop ids."""
     model_name: str
     model_opts: Dict = field(default_factory=dict)
     device: str = "cpu"
@@ -240,12 +227,21 @@ class LocalServers(LocalProcesses):
 
 
 def serve_child(spec: ServeSpec, conn, index: int = 0) -> None:
-    """One server: build the model and app, bind 127.0.0.1:0, send ("ready", port) (or
-    ("error", one line)), then serve until terminated."""
+    """One server: build the model and app, bind 127.0.0.1 on a port the system picks, send
+    ("ready", port) (or ("error", one line)), then serve until terminated."""
     os.setpgrp()
     die_with_parent(mp.parent_process().pid)
     try:
-        app, sock = _build(spec)
+        quiet_libraries(spec.device, spec.num_threads)
+        model, tok = load_model_and_tokenizer(spec.model_name, device=spec.device, **spec.model_opts)
+        model.eval()
+        stops = resolve_stop_ids(model, tok, list(spec.stop_token_ids))
+        app = build_app(TorchEngine(model, tok.pad_token_id), f"model={spec.model_name}",
+                        default_stops=stops, tokenizer=tok)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
     except Exception as exc:  # noqa: BLE001 - one line for the learner
         conn.send(("error", user_message(exc)[0]))
         return
@@ -253,19 +249,3 @@ def serve_child(spec: ServeSpec, conn, index: int = 0) -> None:
     conn.close()
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
     server.run(sockets=[sock])
-
-
-def _build(spec: ServeSpec):
-    """(app, listening socket on 127.0.0.1, port chosen by the system)."""
-    quiet_libraries(spec.device, spec.num_threads)
-    model, tok = load_model_and_tokenizer(spec.model_name, device=spec.device, **spec.model_opts)
-    model.eval()
-    stops = resolve_stop_ids(model, tok, list(spec.stop_token_ids))
-    app = build_app(TorchEngine(model, tok.pad_token_id), f"model={spec.model_name}",
-                    default_stops=stops, tokenizer=tok)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    return app, sock
-

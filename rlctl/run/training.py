@@ -1,13 +1,7 @@
-"""`rlctl train`: compose and check -> run directory -> build one rank -> train -> save.
-
-``run_training`` is the run: it checks the config before anything is written, owns the
-run directory (``owned_run``: locked, a new run's config written, removed again if the run
-fails before its first step), builds the rank (``built_rank``: task, models, backend,
-sinks, rollout source, Trainer) and calls ``Trainer.train`` itself; with several ranks it
-launches them (each runs ``train_rank``: the same build and train) or joins the group a
-launcher started. Resuming (``check_resumable``, ``resume_point``) and ``summary.json``
-(``run_summary``) live here too.
-"""
+"""`rlctl train`: check the config -> own the run directory (``owned_run``) -> build the
+rank (``built_rank``) -> ``Trainer.train`` -> save and summarize (``finish``).
+Several ranks: launched locally or on nodes (each runs ``train_rank``, the same build and
+train), or joined into the group a launcher started. Resuming and ``summary.json`` too."""
 from __future__ import annotations
 
 import copy
@@ -28,7 +22,8 @@ from rich.table import Table
 
 from rlctl.backends import build_backend, launch
 from rlctl.compose import Composed, compose
-from rlctl.errors import ActorFailed, Interrupted, LaunchError, TrainingFault, UserError, user_message
+from rlctl.errors import (ActorFailed, Interrupted, LaunchError, TrainingFault, UserError, one_line,
+                          user_message)
 from rlctl.learner.trainer import Trainer
 from rlctl.models.loading import check_source
 from rlctl.models.lora import count_parameters
@@ -53,12 +48,10 @@ _KINDS = (("reward", "training", "the policy was trained on all-zero rewards"),
 
 def run_training(overrides: List[str], recipe: Optional[str] = None,
                  resume: Optional[str] = None, composed: Optional[Composed] = None) -> dict:
-    """Train a new run, or (``resume`` = a run directory) continue one from its newest
-    checkpoint with the run's own recipe (``overrides`` may raise trainer.steps).
-    ``composed``: ``compose(overrides, recipe)`` when the caller already composed it.
-    Everything that can be checked is checked before anything is written; the run
-    directory is locked for the whole run; SIGINT/SIGTERM stop every rank after the same
-    step with a checkpoint saved. Returns the summary (rank 0; other ranks and nodes {})."""
+    """Train a new run, or continue ``resume`` (a run directory) from its newest checkpoint
+    with its own recipe (``overrides`` may raise trainer.steps); ``composed``: the caller's
+    ``compose(overrides, recipe)``. Checked before anything is written; SIGINT/SIGTERM stop
+    every rank after the same step, saved. The summary (rank 0; others {})."""
     cfg, composed, built = _checked(overrides, recipe, resume, composed)
     hw = cfg.hardware
     group = launch.from_environment(hw.master_port)
@@ -77,9 +70,9 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
         else:
             with owned_run(composed, resume, overrides, 1) as run, \
                     built_rank(cfg, run.dir, resume is not None, stop, built) as rank:
-                result = rank.trainer.train(run_dir=run.dir, resume_from=rank.resume_from,
-                                            on_step=run.step_done, stop=stop)
-                summary = rank.finish(result)
+                trainer, resume_from, finish = rank
+                summary = finish(trainer.train(run_dir=run.dir, resume_from=resume_from,
+                                               on_step=run.step_done, stop=stop))
     if summary is None:                       # not rank 0: it prints the summary
         return {}
     print_summary(summary)
@@ -88,8 +81,7 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
 
 def _checked(overrides: List[str], recipe: Optional[str], resume: Optional[str],
              composed: Optional[Composed]):
-    """(resolved config, composed, built task), every check that needs no run directory
-    passed (a resume takes the run's recipe.yaml)."""
+    """(resolved config, composed, built task), every check before a run directory passed."""
     if resume is not None:
         if not (Path(resume) / "recipe.yaml").is_file():
             raise UserError(f"cannot resume '{resume}': not a run directory (no recipe.yaml)")
@@ -122,10 +114,9 @@ class _Run:
 @contextmanager
 def owned_run(composed: Composed, resume: Optional[str], overrides: List[str], world: int,
               on_error=None, resume_args: Sequence[str] = ()):
-    """The run directory (new, or ``resume``'s, checked for ``world`` ranks), locked, with
-    the config written; yields a ``_Run``. A new run that fails before its first step is
-    removed (``rundir.discard_new``); a second Ctrl-C is ``Interrupted(aborted=True)``; a lost
-    engine names the newest checkpoint. ``on_error(exc)``: called when set-up fails;
+    """The run directory (new, or ``resume``'s checked for ``world`` ranks), locked, its config
+    written; yields a ``_Run``. A new run failing before its first step is removed; a second
+    Ctrl-C is ``Interrupted(aborted=True)``. ``on_error(exc)``: called if set-up fails;
     ``resume_args``: what this node adds to the resume command."""
     try:
         run_dir, kept = (Path(resume), None) if resume is not None else rundir.new_run_dir(composed.cfg.run)
@@ -176,46 +167,13 @@ def _launched(run: _Run, n: int, threads: int, resume: bool, stop) -> dict:
     return json.loads((run.dir / "summary.json").read_text())
 
 
-@dataclass
-class _Rank:
-    """One rank's run, built: ``finish`` after training saves and summarizes."""
-    run_dir: Path
-    backend: Any
-    trainer: Trainer
-    sink: Any
-    critic: Any
-    tokenizer: Any
-    params: tuple
-    resume_from: Optional[Path]
-    started: float
-    closing: ExitStack
-    lora: bool                   # model.lora.enabled
-    merged: bool                 # model.lora.save_merged (with lora)
-    save_model: bool             # run.save_model
-
-    def finish(self, result) -> Optional[dict]:
-        """Close the trainer and sinks; rank 0 saves the model and ``summary.json`` and
-        returns the summary (other ranks: None). Every rank calls it (collectives)."""
-        self.sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
-        self.closing.close()
-        seconds = time.perf_counter() - self.started
-        model_dir = None
-        if self.save_model:
-            model_dir = _save_model(self.backend, self.run_dir, self.trainer.policy, self.critic,
-                                    self.tokenizer, self.lora, self.merged)
-        summary = run_summary(self.run_dir, result, self.backend, seconds, self.lora, self.params,
-                              model_dir, (self.trainer.scorer, self.trainer.eval_scorer))
-        if not self.backend.is_main:
-            return None
-        rundir.write_json_atomic(self.run_dir / "summary.json", summary)
-        return summary
-
-
 @contextmanager
 def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None):
-    """This rank's task, models, backend, sinks, rollout source and Trainer, built from the
-    whole config (``built``: the task this process already built); yields a ``_Rank`` and
-    closes what it opened (the backend last)."""
+    """This rank's task (``built``: already built), models, backend, sinks, rollout source and
+    Trainer from the whole config; yields (trainer, checkpoint to resume from or None,
+    ``finish``), then closes them (the backend last). ``finish(result)`` (every rank: it
+    holds collectives) closes the trainer and sinks; rank 0 saves the model and
+    ``summary.json`` and returns the summary (others: None)."""
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     started = time.perf_counter()
     if cfg.hardware.device == "cuda" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
@@ -223,7 +181,7 @@ def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None):
         torch.cuda.set_device(local)
         cfg = copy.deepcopy(cfg)
         cfg.hardware.device = f"cuda:{local}"             # the builders read it from the config
-    hw = cfg.hardware
+    hw, lora = cfg.hardware, bool(cfg.model.lora.enabled)
     backend = build_backend(hw.backend, hw.device, hw.zero_stage, hw.precision, hw.deepspeed_config)
     closing = ExitStack()
     try:
@@ -243,9 +201,21 @@ def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None):
             source.close()                   # async: the engines end now, not at Python's exit
             raise
         closing.callback(trainer.close)      # async mode: stop the engine processes
-        lora = bool(cfg.model.lora.enabled)
-        yield _Rank(run_dir, backend, trainer, sink, critic, tokenizer, params, resume_from, started,
-                    closing, lora, lora and bool(cfg.model.lora.save_merged), bool(cfg.run.save_model))
+        merged, save = lora and bool(cfg.model.lora.save_merged), bool(cfg.run.save_model)
+
+        def finish(result) -> Optional[dict]:
+            sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
+            closing.close()
+            seconds = time.perf_counter() - started
+            model_dir = (_save_model(backend, run_dir, trainer.policy, critic, tokenizer, lora, merged)
+                         if save else None)
+            summary = run_summary(run_dir, result, backend, seconds, lora, params, model_dir,
+                                  (trainer.scorer, trainer.eval_scorer))
+            if not backend.is_main:
+                return None
+            rundir.write_json_atomic(run_dir / "summary.json", summary)
+            return summary
+        yield trainer, resume_from, finish
     finally:
         closing.close()
         backend.close()
@@ -253,17 +223,13 @@ def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None):
 
 def train_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, on_step=None,
                built=None) -> Optional[dict]:
-    """One rank of a launched run or a launcher's group: built and trained as
-    ``run_training`` trains its one process; rank 0's summary (others: None)."""
-    with built_rank(cfg, run_dir, resume, stop, built) as rank:
-        result = rank.trainer.train(run_dir=run_dir, resume_from=rank.resume_from, on_step=on_step,
-                                    stop=stop)
-        return rank.finish(result)
+    """A launched rank or one of a launcher's group, as ``run_training`` trains one process."""
+    with built_rank(cfg, run_dir, resume, stop, built) as (trainer, resume_from, finish):
+        return finish(trainer.train(run_dir=run_dir, resume_from=resume_from, on_step=on_step, stop=stop))
 
 
 def _sink(run_dir: Path, backend, logger, resolved: dict, total_steps: int):
-    """Metric sinks on rank 0 (the others log nothing); ``logger``: the config's section,
-    ``resolved``: the config as a plain dict, which wandb records with the run."""
+    """Rank 0's metric sinks (``resolved``: the config as a dict, for wandb); others log nothing."""
     if not backend.is_main:
         return NullSink()
     return build_sinks(run_dir=run_dir, jsonl=logger.jsonl, wandb=logger.wandb,
@@ -274,8 +240,8 @@ def _sink(run_dir: Path, backend, logger, resolved: dict, total_steps: int):
 
 def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
                 merged: bool) -> Optional[Path]:
-    """The final policy (the adapter for ``lora``, with ``merged`` also the merged model) and
-    a separate critic, written by rank 0; the policy's directory (other ranks: None)."""
+    """Rank 0 writes the policy (``lora``: the adapter, ``merged``: also merged) and a
+    separate critic; the policy's directory (other ranks: None)."""
     model_dir = None
     with backend.gathered(policy):
         if backend.is_main:
@@ -290,8 +256,8 @@ def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
 # ---- a rank of a group a launcher started (torchrun, srun, rlctl's own on several nodes) ----
 def train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], overrides: List[str],
                    stop, built) -> Optional[dict]:
-    """Join the group (the ranks check they agree on the config); rank 0 owns the run
-    directory and shares its path (or its set-up error); every rank trains."""
+    """Join the group (configs compared); rank 0 owns the run directory and shares its path
+    (or its set-up error); every rank trains."""
     hw = cfg.hardware
     _check_group(group, hw.num_processes, hw.nnodes, cfg.trainer.prompts_per_step)
     launch.leave_with_launcher()
@@ -311,8 +277,7 @@ def train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], over
 
 
 def _check_group(group, num_processes: int, nnodes: int, prompts_per_step: int) -> None:
-    """rlctl's own rank counts must not contradict the launcher's, and its world size
-    must divide the prompts."""
+    """rlctl's rank counts agree with the launcher's, whose world size divides the prompts."""
     if group.source != "rlctl" and (num_processes != 1 or nnodes != 1):
         raise UserError(f"hardware.num_processes={num_processes} / hardware.nnodes={nnodes} "
                         f"with {group.source} already starting {group.world_size} ranks: leave both "
@@ -325,8 +290,8 @@ def _check_group(group, num_processes: int, nnodes: int, prompts_per_step: int) 
 
 @contextmanager
 def _lost_rank_is_one_line(group, run_dir: Path, node_args: Sequence[str]):
-    """A collective that fails mid-run (another rank or node died) is one line naming the
-    newest checkpoint, not a gloo/NCCL traceback; an interrupted rank resumes as its node."""
+    """A collective failing mid-run (a rank or node died) is one line naming the newest
+    checkpoint; an interrupted rank resumes as its node."""
     try:
         yield
     except Interrupted as exc:
@@ -336,7 +301,7 @@ def _lost_rank_is_one_line(group, run_dir: Path, node_args: Sequence[str]):
         raise
     except RuntimeError as exc:   # before_training: a new run that never stepped is removed
         raise LaunchError(f"rank {group.rank} of {group.world_size}: lost contact with another rank "
-                          f"({' '.join(str(exc).split())[:160]}); {newest(run_dir)}", True) from None
+                          f"({one_line(exc)[:160]}); {newest(run_dir)}", True) from None
 
 
 # ---- resuming ------------------------------------------------------------------------------
@@ -364,8 +329,8 @@ def _no_checkpoint(run_dir: Path) -> UserError:
 
 
 def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str], world: int) -> None:
-    """Refuse (one line) a resume with nothing to do, a checkpoint of another number of
-    ranks than ``world``, or overrides that change a shape key (``settings``: the resume's)."""
+    """Refuse (one line) a resume with nothing to do, written by other than ``world`` ranks,
+    or whose overrides change a shape key."""
     last = checkpoint.latest_checkpoint(run_dir)
     if last is None:
         raise _no_checkpoint(run_dir)
@@ -439,8 +404,8 @@ def newest(run_dir: Path) -> str:
 
 # ---- summary.json --------------------------------------------------------------------------
 def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0)) -> Dict[str, Any]:
-    """summary.json fields from the (calls, errors, timeouts) counts of the training and
-    held-out eval rewards; ``warnings`` names failures, plainly when every call failed."""
+    """summary.json's fields of the (calls, errors, timeouts) of the training and eval
+    rewards; ``warnings`` names failures, plainly when every call failed."""
     out: Dict[str, Any] = {}
     warnings: List[str] = []
     for (prefix, what, meaning), (calls, errors, timeouts) in zip(_KINDS, (train, evaluation)):
@@ -460,8 +425,8 @@ def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0
 
 def run_summary(run_dir: Path, result, backend, seconds: float, lora: bool, params: Sequence[int],
                 model_dir: Optional[Path], scorers: Sequence[Any]) -> Dict[str, Any]:
-    """``summary.json`` from the trainer's ``result`` (``params``: trainable, total;
-    ``scorers``: training and eval, their reward counts summed over ranks). A collective."""
+    """``summary.json`` of the trainer's ``result`` (``params``: trainable, total;
+    ``scorers``: training and eval, counts summed over ranks). A collective."""
     trainable, total = params
     summary = {"run_dir": str(run_dir), "steps": result.steps, "train_seconds": result.seconds,
                "setup_seconds": seconds - result.seconds, "tokens_per_s": result.tokens_per_s,
