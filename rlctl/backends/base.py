@@ -29,19 +29,16 @@ BACKENDS = Registry("backend")
 register_backend = BACKENDS.register
 
 
-def dist_env() -> Dict[str, int]:
-    """Rank and world size from the launcher's environment (1 process if unset)."""
-    return {"rank": int(os.environ.get("RANK", 0)), "world_size": int(os.environ.get("WORLD_SIZE", 1)),
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0))}
+def dist_env() -> Tuple[int, int]:
+    """(rank, world size) from the launcher's environment (one process if unset)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def init_process_group(backend: str = "gloo") -> None:
-    """Join the process group the launcher's environment describes (env://: MASTER_ADDR,
-    MASTER_PORT, RANK, WORLD_SIZE), once."""
-    if dist.is_initialized():
-        return
-    env = dist_env()
-    dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"])
+    """Join, once, the process group the launcher's environment describes (env://)."""
+    if not dist.is_initialized():
+        rank, world_size = dist_env()
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
 
 
 class Backend:
@@ -50,8 +47,7 @@ class Backend:
     name = "torch"
 
     def __init__(self, device: str = "cpu"):
-        env = dist_env()
-        self.rank, self.world_size = env["rank"], env["world_size"]
+        self.rank, self.world_size = dist_env()
         self.is_main, self.dp_loss_scale = self.rank == 0, float(self.world_size)
         self.device = torch.device(device)
         self.module = None

@@ -1,22 +1,11 @@
-"""Starting ranks through torchrun's own launcher, and joining the group a launcher made.
-
-``launch``: ``hardware.num_processes`` local ranks of ``python -m rlctl.run.worker RUN_DIR``
-under a standalone c10d rendezvous (as ``torchrun --standalone``); rank k writes
-``rank<k>.log``, a failed rank ends the launch with its own one-line error. ``launch_node``:
-node ``hardware.node_rank`` of ``hardware.nnodes``, each rank running the same `rlctl train`,
-under torchrun's static rendezvous at ``hardware.master_addr:master_port``. The agent runs in
-a thread; this process's StopFlag forwards SIGINT/SIGTERM to every rank (ranks that start
-later get it on start), and a rank whose launcher dies gets SIGTERM (``leave_with_launcher``).
-
-``from_environment`` reads the group a launcher describes (torchrun/deepspeed: ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; srun: ``SLURM_*``, the first
-host of the node list as master). ``join`` forms it through ``env://`` within
-``hardware.dist_timeout_s`` and compares every rank's config with rank 0's in one
-``all_gather_object``: an unreachable master, missing peers, a rank started twice or
-configs that differ are one line on every node. ``share`` passes the run directory (or
-rank 0's error line) to every rank. Keys live under a prefix fresh for each restart of
-torchrun's workers.
-"""
+"""Ranks started through torchrun's own launcher (``elastic_launch``), and the group a
+launcher made. ``launch``: N local ranks of ``python -m rlctl.run.worker RUN_DIR`` (standalone
+c10d); ``launch_node``: one node's ranks of the same `rlctl train` under a static rendezvous
+at ``hardware.master_addr:master_port``. The agent runs in a thread; SIGINT/SIGTERM are
+forwarded to every rank. ``from_environment``/``join``/``share``: the group torchrun, the
+deepspeed launcher or srun describe, formed within ``hardware.dist_timeout_s``, every
+rank's config compared with rank 0's in one ``all_gather_object``; each failure (master
+unreachable, peers missing, a rank started twice, configs that differ) is one line."""
 from __future__ import annotations
 
 import ctypes
@@ -66,9 +55,8 @@ def write_error(run_dir: Path, message: str, code: int) -> None:
 
 def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False, stop=None,
            poll_s: float = 0.2) -> int:
-    """Run the ranks to the end. Returns 0 when they finished, or the signal number after
-    a forwarded SIGINT/SIGTERM made every rank save and stop; raises LaunchError if one
-    failed (the others are stopped)."""
+    """Run the ranks to the end: 0, or the signal number after a forwarded SIGINT/SIGTERM
+    made every rank save and stop; LaunchError if one failed (the others are stopped)."""
     for rank in range(num_processes):
         _error_file(run_dir, rank).unlink(missing_ok=True)
     layout = dict(min_nodes=1, max_nodes=1, nproc_per_node=num_processes, rdzv_backend="c10d",
@@ -99,11 +87,9 @@ def node_argv(overrides: List[str], recipe, resume) -> List[str]:
 
 
 def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
-    """Node ``hw.node_rank`` of ``hw.nnodes``: start its ``hw.num_processes`` ranks, each
-    running ``argv`` (the same `rlctl train` command), and wait. Returns the first
-    failed rank's exit code (it printed its own line; the others are then stopped), 128 +
-    signal after a forwarded SIGINT/SIGTERM, else 0; a rendezvous that does not form within
-    ``hw.dist_timeout_s`` raises UserError naming what is missing."""
+    """Node ``hw.node_rank`` of ``hw.nnodes``: its ``hw.num_processes`` ranks each run ``argv``.
+    The first failed rank's exit code (it printed its line), 128 + signal after a forwarded
+    stop, else 0; a rendezvous not formed within ``hw.dist_timeout_s`` is a UserError."""
     check_node_rank(hw)
     n, where = hw.num_processes, f"{hw.master_addr}:{hw.master_port}"
     world = hw.nnodes * n
@@ -135,9 +121,8 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
 
 
 def _failed(codes: Dict[int, int], stop) -> Optional[int]:
-    """The first rank whose exit is a failure; None when all finished or the launch was a
-    stop (ranks saved and exited 128 + signal; one the signal reached before its handler
-    was killed by it, and no step can run without it)."""
+    """The first failed rank; None when all finished or the launch was a stop (exits 128 +
+    signal, or killed by the signal before its handler)."""
     stopping = stop is not None and stop.requested
     if stopping and any(c in KILLED for c in codes.values()):
         return None
@@ -208,8 +193,7 @@ def _signal(pids: List[int], signum: int, sent: set) -> None:
 
 
 def _failure(run_dir: Path, rank: int, code: int) -> LaunchError:
-    """The failed rank's own message (the lowest rank that left one), else its exit code
-    and the last line of its log."""
+    """The failed rank's own message (the lowest rank's), else its exit code and last log line."""
     setup = code == EXIT_SETUP
     for r in sorted({0, rank}):
         try:
@@ -234,8 +218,8 @@ def leave_with_launcher() -> None:
 
 
 def die_with_parent(parent: int) -> None:
-    """SIGTERM to this process when ``parent`` (the process that started it) dies, even by
-    SIGKILL (PR_SET_PDEATHSIG); at once if it is already gone (this process was re-parented)."""
+    """SIGTERM to this process when ``parent`` dies, even by SIGKILL (PR_SET_PDEATHSIG); at
+    once if it is already gone."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):       # not Linux: the parent's own kill still applies
@@ -245,9 +229,8 @@ def die_with_parent(parent: int) -> None:
 
 
 def wait_reachable(host: str, port: int, deadline: float, stop, message: str) -> None:
-    """Return once ``host:port`` accepts a TCP connection (0.2 s polls: no c10d retry
-    warnings); UserError(``message``) at ``deadline``; LaunchError (exit 128 + signal) once
-    ``stop`` holds a signal."""
+    """Return once ``host:port`` accepts a connection; UserError(``message``) at ``deadline``;
+    LaunchError (exit 128 + signal) once ``stop`` holds a signal."""
     while True:
         if stop is not None and stop.requested:
             raise LaunchError(f"interrupted by {signal.Signals(stop.signum).name} while waiting for "
@@ -289,15 +272,9 @@ class Group:
     source: str                # "torchrun/deepspeed" | "SLURM" | "rlctl" (launch_node, via torchrun's agent)
     node: Optional[int] = None  # this rank's node, where the launcher says (``_node``)
 
-    def env(self) -> Dict[str, str]:
-        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(self.local_rank), "MASTER_ADDR": self.master_addr,
-                "MASTER_PORT": str(self.master_port)}
-
 
 def expand_nodelist(nodelist: str) -> List[str]:
-    """SLURM's compact host list -> host names: ``node[01-03,07],login`` -> node01,
-    node02, node03, node07, login (zero padding kept)."""
+    """SLURM's host list -> names: ``node[01-03,07],login`` -> node01-node03, node07, login."""
     hosts: List[str] = []
     for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]*)\]|([^,\[\]]+)", nodelist):
         if plain:
@@ -358,7 +335,9 @@ def join(group: Group, device: str, timeout_s: float,
     ``timeout_s``, then compare every rank's ``run_config`` (the resolved config as nested
     dicts) with rank 0's in one ``all_gather_object``; each failure is one line on every rank.
     ``stop``: a StopFlag whose signal ends the wait for the master (exit 128 + signal)."""
-    os.environ.update(group.env())
+    os.environ.update({"RANK": str(group.rank), "WORLD_SIZE": str(group.world_size),
+                       "LOCAL_RANK": str(group.local_rank), "MASTER_ADDR": group.master_addr,
+                       "MASTER_PORT": str(group.master_port)})
     if dist.is_initialized():
         return
     if device.startswith("cuda"):
@@ -401,8 +380,7 @@ def join(group: Group, device: str, timeout_s: float,
 
 
 def _node(env: Dict[str, str]) -> Optional[int]:
-    """The node number the launcher exports (torchrun, and rlctl's launcher through it:
-    GROUP_RANK; srun: SLURM_NODEID), if any."""
+    """The node number the launcher exports (GROUP_RANK: torchrun; SLURM_NODEID: srun)."""
     for name in ("GROUP_RANK", "SLURM_NODEID"):
         if env.get(name, "").isdigit():
             return int(env[name])
