@@ -66,34 +66,27 @@ def train(ctx: typer.Context,
     if bad_flags:
         _fail(f"unknown option '{bad_flags[0]}'; options: --recipe NAME|PATH, --resume RUN_DIR, -m/--multirun, "
               "--dry-run, --debug, --help")
-    from rlctl.errors import run_command
+    if resume and (recipe or multirun):
+        _fail("--resume takes the run's own recipe; it cannot be combined with --recipe or -m")
+    if dry_run and (multirun or resume):
+        _fail("--dry-run plans one run from a config; it cannot be combined with -m or --resume")
+    from rlctl.errors import handled
 
-    def work() -> None:
+    with handled(debug):
         if multirun:
             from rlctl.overrides import check_override_syntax
             check_override_syntax(overrides)     # one line for Hydra's grammar errors, before torch
             from rlctl.run.sweep import run_sweep
             run_sweep(overrides, recipe)
-        elif dry_run:
-            from omegaconf import OmegaConf
-
-            from rlctl.compose import compose
-            cfg = compose(overrides, recipe).cfg     # a bad override fails before torch is imported
-            OmegaConf.resolve(cfg)
+            return
+        from rlctl.compose import compose
+        composed = None if resume else compose(overrides, recipe)   # a bad override: before torch
+        if dry_run:
             from rlctl.run.dryrun import dry_run as plan
-            plan(cfg)
+            plan(composed.cfg)
         else:
-            from rlctl.compose import compose
-            # a bad override is one line in about a second, before torch is imported
-            composed = None if resume else compose(overrides, recipe)
             from rlctl.run.training import run_training
-            run_training(overrides, recipe, resume=resume, composed=composed)
-
-    if resume and (recipe or multirun):
-        _fail("--resume takes the run's own recipe; it cannot be combined with --recipe or -m")
-    if dry_run and (multirun or resume):
-        _fail("--dry-run plans one run from a config; it cannot be combined with -m or --resume")
-    run_command(work, debug)
+            run_training(overrides, recipe, resume, composed)
 
 
 @app.command()

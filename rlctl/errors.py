@@ -3,6 +3,7 @@ code (2 bad input, 1 a run that cannot go on, 128 + signal a stopped run). Impor
 nothing of the package."""
 from __future__ import annotations
 
+import contextlib
 import shlex
 import signal
 from typing import Callable, Tuple
@@ -41,8 +42,8 @@ class ActorFailed(RuntimeError):
 
 
 class LaunchError(RuntimeError):
-    """A rank failed: the message is its own one line where it left one; ``code`` the
-    exit code to give (2 for bad input); ``before_training``: it failed in set-up."""
+    """A rank failed (its own one line where it left one); ``code``: the exit code (2 for
+    bad input); ``before_training``: a new run that never stepped is removed."""
 
     def __init__(self, message: str, before_training: bool = False, code: int = 1):
         super().__init__(message)
@@ -50,9 +51,9 @@ class LaunchError(RuntimeError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT/SIGTERM at a step boundary with its checkpoint saved
-    (``aborted``: a second Ctrl-C stopped it mid-step; ``step`` is then the newest
-    checkpoint's step, 0 if none). The exit code is 128 + the signal's number."""
+    """A run stopped by SIGINT/SIGTERM at a step boundary, its checkpoint saved (``aborted``:
+    a second Ctrl-C stopped it mid-step; ``step``: the newest checkpoint's, 0 if none).
+    Exit code 128 + the signal's number."""
 
     resume_args: Tuple[str, ...] = ()     # what this process adds to resume (its node's node_rank)
 
@@ -88,14 +89,15 @@ def user_message(exc: BaseException) -> Tuple[str, int]:
     return f"{type(exc).__name__}: {text[:300]} (rerun with --debug for the traceback)", 1
 
 
-def run_command(fn: Callable[[], object], debug: bool) -> None:
-    """Run a CLI command: bad input is one line on stderr and exit code 2 (other failures
+@contextlib.contextmanager
+def handled(debug: bool = False):
+    """A CLI command's body: bad input is one line on stderr and exit code 2 (other failures
     1); --debug re-raises for the traceback. Ctrl-C exits 130 and SIGTERM 143, with the
     resume command when the trainer saved a checkpoint."""
     import typer  # the CLI's own dependency; errors.py stays importable without it
 
     try:
-        fn()
+        yield
     except Interrupted as exc:
         typer.echo(exc.message(), err=True)
         raise typer.Exit(128 + exc.signum)
@@ -110,3 +112,9 @@ def run_command(fn: Callable[[], object], debug: bool) -> None:
         message, code = user_message(exc)
         typer.echo(f"error: {message}", err=True)
         raise typer.Exit(code)
+
+
+def run_command(fn: Callable[[], object], debug: bool) -> None:
+    """``fn()`` inside ``handled(debug)``."""
+    with handled(debug):
+        fn()

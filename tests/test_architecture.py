@@ -199,15 +199,12 @@ def test_function_level_import_rule_can_fail(tmp_path):
 # until this table says why.
 BOUNDARY_FILES = ("cli.py", "compose.py", "config.py")
 TAKES_THE_CONFIG = {
-    "rlctl/run/training.py:train_rank": "the body of one rank: builds the task, models, "
+    "rlctl/run/training.py:built_rank": "the body of one rank: builds the task, models, "
         "sinks, rollout source and Trainer from the config each rank was handed",
-    "rlctl/run/training.py:_train_alone": "a one-process run: writes the resolved config into "
-        "the new run directory, then trains or launches ranks with it",
-    "rlctl/run/training.py:_train_in_group": "a rank of a multi-node group: hands the whole "
+    "rlctl/run/training.py:train_rank": "a launched rank or a rank of a launcher's group: "
+        "built_rank with the config it was handed, then trains",
+    "rlctl/run/training.py:train_in_group": "a rank of a multi-node group: hands the whole "
         "resolved config to the group's join, which compares it with rank 0's",
-    "rlctl/run/training.py:_train_new": "a fresh run: writes config.yaml and the recipe from it",
-    "rlctl/run/training.py:_train_here_or_launched": "trains in this process or passes the "
-        "config to launched rank processes",
     "rlctl/run/rollout_setup.py:build_source": "the rollout source: an asynchronous one "
         "ships the whole resolved config to its local engine processes, which build from it",
     "rlctl/run/dryrun.py:dry_run": "builds the run's model and task from the config and "

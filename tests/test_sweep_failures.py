@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlctl.run import sweep
-from rlctl.run.report import reward_report
+from rlctl.run.training import reward_report
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 

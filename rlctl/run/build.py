@@ -28,15 +28,6 @@ from rlctl.tasks.rewards import is_model_entry, model_entries
 LEARNED_KEYS = ("reward_model", "reward_norm", "reward_clip")   # read here, not by the task
 
 
-def attach_critic(model, critic: str):
-    """(model, separate critic or None) for algo.critic = none | shared | separate."""
-    if critic == "none":
-        return model, None
-    if critic == "shared":
-        return PolicyValueModel(model), None
-    return model, SeparateCritic(model)
-
-
 def _takes(name: str, option: str) -> bool:
     try:
         return option in inspect.signature(TASKS.get(name)).parameters
@@ -62,9 +53,8 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
 
 
 def _check_running_norm(cfg: DictConfig) -> None:
-    """task.reward_norm=running: the training scorers of all ranks merge their batches'
-    statistics in one collective per sampling round (rlctl.reward_models.norm), so every
-    rank must sample the same number of rounds, in the learner's processes."""
+    """task.reward_norm=running: every rank's scorer merges its statistics in one collective
+    per sampling round, so every rank samples the same rounds, in the learner's processes."""
     if cfg.trainer.async_rollout.enabled:
         raise ValueError("task.reward_norm=running keeps its statistics in the learner, and "
                          "rollout actors score apart from it; set "
@@ -79,9 +69,8 @@ def _check_running_norm(cfg: DictConfig) -> None:
 
 
 def _resolve_reward_model(path, cfg: DictConfig):
-    """``task.reward_model=tiny``: the embedded sorting reward model, built and cached on
-    first use (``rlctl.reward_models.tiny``), for the task it was fitted on only; any
-    other value is a directory."""
+    """``task.reward_model=tiny``: the embedded sorting reward model (built and cached on
+    first use) for the task it was fitted on; any other value is a directory."""
     if path != "tiny":
         return path
     problem = task_mismatch(cfg.task.name, cfg.task.get("num_digits", None))
@@ -111,9 +100,8 @@ class BuiltTask:
 
 
 def task_from_config(cfg: DictConfig) -> BuiltTask:
-    """The task named by ``cfg.task.name`` with the rest of ``cfg.task`` as its options,
-    and its reward models (``rlctl.reward_models.learned``). A run builds it once per
-    process; UserError, one line, on a bad option."""
+    """The task ``cfg.task.name`` with the rest of ``cfg.task`` as its options, and its reward
+    models; built once per process. UserError, one line, on a bad option."""
     opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
     try:
         learned = _learned_rewards(cfg, opts)
@@ -135,18 +123,16 @@ def prepare_task(cfg: DictConfig, tokenizer, model, built: Optional[BuiltTask] =
                    quiet=quiet)
 
 
-def _load_error(exc: Exception) -> UserError:
-    text = str(exc)
-    return UserError(text if text.startswith("cannot load model") else f"cannot load model: {text}")
-
-
 def model_from_config(cfg: DictConfig):
     """(policy or PolicyValueModel, separate critic or None, tokenizer, LoRA reference)."""
     opts = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in ("name", "lora")}
     try:
         model, tokenizer = load_model_and_tokenizer(cfg.model.name, device=cfg.hardware.device, **opts)
     except (ValueError, OSError) as exc:
-        raise _load_error(exc) from None
+        text = str(exc)
+        if not text.startswith("cannot load model"):
+            text = f"cannot load model: {text}"
+        raise UserError(text) from None
     keep_dropout = not cfg.model.get("disable_dropout", True)
     if not keep_dropout:     # before LoRA: model.lora.dropout stays as configured
         disable_dropout(model)   # the reference and a policy-copied critic are copies of it
@@ -165,7 +151,9 @@ def model_from_config(cfg: DictConfig):
             enable_gradient_checkpointing(model)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    model, critic = attach_critic(model, cfg.algo.critic)
+    critic = SeparateCritic(model) if cfg.algo.critic == "separate" else None
+    if cfg.algo.critic == "shared":
+        model = PolicyValueModel(model)
     if critic is not None and (cfg.algo.critic_init or "policy") == "reward_model":
         critic = _critic_from_reward_model(cfg, tokenizer)
         if not keep_dropout:
@@ -174,9 +162,8 @@ def model_from_config(cfg: DictConfig):
 
 
 def _critic_from_reward_model(cfg: DictConfig, tokenizer) -> SeparateCritic:
-    """algo.critic_init=reward_model: the reward model's backbone, its score head as the
-    value head (the critic reads the policy's ids: the vocabularies must agree). The path
-    is the config's (``task.reward_model`` or the one ``{model: ...}`` entry)."""
+    """algo.critic_init=reward_model: the one reward model's backbone, its score head as the
+    value head (the critic reads the policy's ids: the vocabularies must agree)."""
     try:
         task = OmegaConf.to_container(cfg.task)
         (entry,) = model_entries(task.get("rewards"), _resolve_reward_model(task.get("reward_model"), cfg))

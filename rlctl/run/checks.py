@@ -1,22 +1,8 @@
-"""The checks of a training config that need the registries or the built task, all run
-before a run directory is made (``rlctl.config.validate`` checked every range, choice and
-key pair that needs neither, at compose time, with no torch). Failures are one line
-(``ConfigError``, exit 2); warnings are one line on stderr and training goes on.
-
-``check_entries``: the names that pick registry entries (``algo.advantage``,
-``algo.policy_loss``, ``algo.loss_agg_mode``, ``algo.kl.estimator``, ``task.name``,
-``hardware.backend``) are looked up in the registries themselves, so a user entry given by
-import path (``algo.policy_loss=mypkg.losses:my_loss``) is imported once, early; whether
-the advantage estimator needs a critic is asked of its entry (``level``).
-``check_episodes``: what a task played as episodes runs with.
-
-Warnings: a group-relative advantage (an estimator registered with ``group=True``: GRPO,
-Dr. GRPO, RLOO) compares each completion with the others of its prompt, so with
-``algo.group_size=1`` every advantage is 0 and the policy gradient vanishes. A KL
-estimator's gradient follows a KL divergence in one placement and not in the other
-(rlctl/core/kl.py has the table, checked by exact enumeration): k1 in the loss has zero
-expected gradient, k2 and k3 in the reward give a biased gradient.
-"""
+"""The checks of a training config that need the registries or the built task, run before a
+run directory is made (``rlctl.config.validate`` checked the rest at compose time). Failures
+are one line (``ConfigError``, exit 2); warnings are one line on stderr: a group-relative
+advantage with ``algo.group_size=1`` (every advantage 0), and a KL estimator whose gradient
+follows no KL divergence where it is placed (the table in rlctl/core/kl.py)."""
 from __future__ import annotations
 
 import sys
@@ -31,9 +17,9 @@ from rlctl.tasks import TASKS
 
 
 def check_entries(algo, task_name, backend) -> None:
-    """Every registry name of ``algo`` (the config's section), ``task_name`` (task.name) and
-    ``backend`` (hardware.backend) resolves, and the advantage estimator's level agrees with
-    ``algo.critic``. Raises ConfigError (one line naming the key)."""
+    """Every registry name of ``algo``, ``task_name`` and ``backend`` resolves (a user entry
+    by import path is imported once, here), and the advantage estimator's level agrees with
+    ``algo.critic``. ConfigError naming the key."""
     lookups = (("algo.advantage", algo.advantage, ADVANTAGE_ESTIMATORS.entry),
                ("algo.policy_loss", algo.policy_loss, POLICY_LOSSES.entry),
                ("algo.loss_agg_mode", algo.loss_agg_mode, resolve_agg_mode),
@@ -69,8 +55,7 @@ def check_episodes(rollout, task) -> None:
 
 
 def kl_placement_warning(algo) -> Optional[str]:
-    """The warning for ``algo.kl`` (a config node with coef, estimator, placement), or
-    None when the pair follows a KL divergence or no KL term is used (coef 0)."""
+    """The warning for ``algo.kl``, or None (the pair follows a KL divergence, or coef 0)."""
     kl = algo.kl
     if not kl.coef > 0:
         return None
@@ -82,8 +67,7 @@ def kl_placement_warning(algo) -> Optional[str]:
 
 
 def group_size_warning(algo) -> Optional[str]:
-    """The warning for a group-relative advantage estimator with ``algo.group_size=1``
-    (the registry entry says whether it is one), or None."""
+    """The warning for a group-relative estimator with ``algo.group_size=1``, or None."""
     if algo.group_size != 1:
         return None
     try:

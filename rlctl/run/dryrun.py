@@ -1,40 +1,14 @@
-"""`rlctl train ... --dry-run`: what would be resident, and roughly how much memory per rank.
-
-Nothing is trained and no run directory is written. The estimate counts, per rank:
-
-- weights, gradients and AdamW state (two moments) in the policy's dtype
-  (``model.dtype``; ``hardware.precision=bf16`` on the torch backend only autocasts the
-  forward, so these stay fp32), with DeepSpeed ZeRO's partitioning (stage 1: optimizer
-  state / N, 2: + gradients / N, 3: + weights / N; DeepSpeed bf16 holds bf16 weights and
-  gradients plus an fp32 master copy in the optimizer state);
-- the reference model (a full frozen copy; none with LoRA, whose reference is the base
-  with the adapter disabled, nor when algo.kl.coef = 0) and each reward model's weights
-  (frozen, in its saved dtype, counted from its config without loading it);
-- a rough activation term for the largest micro-batch: about 16 values per hidden unit,
-  layer and token kept for backward, counted at 2 bytes under bf16 autocast (its matmuls
-  keep bf16 inputs for backward; norms keep fp32 ones, so this is low there) or 16-bit
-  weights, else 4; with
-  ``model.gradient_checkpointing`` each layer keeps only its input (1 value per hidden
-  unit and token) and one layer's 16 are live while it is recomputed. The micro-batch is
-  rows of a short prompt (16 tokens) + ``rollout.max_new_tokens`` (every row at the cap,
-  the worst case): ``trainer.micro_batch_size`` rows (0: the minibatch), at most
-  ``trainer.micro_batch_tokens`` padded tokens when set (a row alone when over it), as
-  ``learner/update.micro_batches`` packs them;
-- generation's key/value cache for a rank's rows, and the logits: with the fused learner
-  path (rlctl/learner/forward.py) two reused chunk buffers of ``CHUNK_ELEMENTS`` floats
-  plus one decoding step's [n, V] logits in the sampler; on the full-logits fallback about
-  4 x tokens x V floats (logits, log-softmax, their gradients) for the micro-batch.
-
-Real peaks also include the allocator, the framework's own buffers and Python; the
-README's Memory section states how far this is from measured runs.
-"""
+"""`rlctl train ... --dry-run`: the resident models and an estimate of the memory per rank
+(weights, gradients, AdamW state with ZeRO's partitioning, the reference and reward models,
+activations of the largest micro-batch, the KV cache and logits), by the rules of
+docs/memory.md. Nothing is trained and no run directory is written."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForSequenceClassification
@@ -159,6 +133,7 @@ def _fused(model) -> bool:
 
 def dry_run(cfg: DictConfig) -> List[str]:
     """Build the models as `train` would, print the plan; returns the printed lines."""
+    OmegaConf.resolve(cfg)
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
     rms = reward_model_sizes(task_from_config(cfg).learned)

@@ -1,19 +1,9 @@
-"""`rlctl train -m key=a,b seed=0,1,2`: run a grid of overrides, one run directory each.
-
-The grid is expanded with Hydra's own override parser and basic sweeper (comma lists,
-`range(...)`, `choice(...)`). Jobs run one after the other in this process, each in
-`<output_dir>/sweep-<time>/`; then a table of final metrics per cell (the overrides
-other than `seed`), with the mean and the spread (sample std) over seeds, goes to the
-terminal, to `sweep.json` / `sweep.md`, and a plot of the held-out exact-match curves
-(mean per cell) to `sweep.png`.
-
-A job that fails at run time (a reward that raises, a training fault, a launch error)
-does not stop the sweep: one line names it, the other jobs run, it is marked failed
-(with its error line) in the table and both files, and the sweep ends with a non-zero
-exit. Ctrl-C stops the whole sweep (the files then hold the jobs that finished).
-The printed table names each swept key once, in its column header, and shows only
-the values in the rows, so narrow terminals wrap a value instead of cutting it.
-"""
+"""`rlctl train -m key=a,b seed=0,1,2`: a grid of overrides (Hydra's parser and basic
+sweeper), one run after the other in `<output_dir>/sweep-<time>/`, then the final metrics
+per cell (the overrides other than `seed`: mean and sample std over seeds) on the terminal,
+in `sweep.json` / `sweep.md`, and the held-out exact-match curves in `sweep.png`. A job that
+fails is one line and marked failed; the others run, and the sweep then exits non-zero.
+Ctrl-C stops the sweep (the files hold the jobs that finished)."""
 from __future__ import annotations
 
 import json
@@ -44,7 +34,6 @@ HEADERS = {"eval/exact_match": "exact_match", "eval/reward": "reward",
 
 def expand(overrides: Sequence[str]) -> List[List[str]]:
     """The jobs of a sweep: each a plain override list (ConfigError on bad syntax)."""
-
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception as exc:  # noqa: BLE001
@@ -54,16 +43,6 @@ def expand(overrides: Sequence[str]) -> List[List[str]]:
 
 def _key(override: str) -> str:
     return override.partition("=")[0].lstrip("+~")
-
-
-def _varying(jobs: List[List[str]]) -> List[str]:
-    """The override keys whose values differ between jobs (the swept ones)."""
-    values: Dict[str, set] = {}
-    for job in jobs:
-        for o in job:
-            k, _, v = o.partition("=")
-            values.setdefault(k, set()).add(v)
-    return [k for k, vs in values.items() if len(vs) > 1]
 
 
 def _pick(job: Sequence[str], keys: Sequence[str], skip_seed: bool) -> List[str]:
@@ -80,7 +59,6 @@ def _curve(run_dir: Path) -> List[tuple]:
 def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optional[str] = None) -> Dict:
     """Run every job; raise UserError (every failure was bad input: exit 2) or
     TrainingFault (exit 1) at the end if any job failed, after the table and files."""
-
     jobs = expand(overrides)
     for job in jobs:                     # validate every cell before the first one runs
         cfg = compose(job, recipe).cfg
@@ -89,7 +67,11 @@ def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optio
     sweep_dir = root / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir.mkdir(parents=True, exist_ok=True)
     results: List[Dict] = []
-    swept = _varying(jobs)
+    values: Dict[str, set] = {}
+    for job in jobs:
+        for k, _, v in (o.partition("=") for o in job):
+            values.setdefault(k, set()).add(v)
+    swept = [k for k, vs in values.items() if len(vs) > 1]      # the keys whose values differ
     try:
         for i, job in enumerate(jobs, 1):
             results.append(_run_job(f"{i}/{len(jobs)}", job, swept, sweep_dir, recipe))
@@ -107,7 +89,6 @@ def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optio
 def _run_job(pos: str, job: List[str], swept: List[str], sweep_dir: Path,
              recipe: Optional[str]) -> Dict:
     """One job of the sweep: its result row, ``status`` "ok" or "failed" (+ ``error``)."""
-
     label = " ".join(_pick(job, swept, skip_seed=False)) or "(one job)"
     print(f"[sweep {pos}] {label}", flush=True)
     name = re.sub(r"[^A-Za-z0-9_.-]", "", "_".join(
@@ -215,14 +196,12 @@ def _metric_cells(row: Dict) -> List[str]:
 
 def _natural_width(t) -> int:
     """The width a borderless table needs with no cell wrapped or cut."""
-
     widths = [max([cell_len(str(c.header))] + [cell_len(str(x)) for x in c.cells]) for c in t.columns]
     return sum(widths) + 2 * (len(widths) - 1)
 
 
 def _table(title: str, first: Dict[str, str], rows: List[List[str]]):
     """A borderless table: ``first`` columns (header -> overflow) then runs and metrics."""
-
     t = Table(title=title, box=None, padding=(0, 1), pad_edge=False, title_justify="left")
     for head, overflow in first.items():
         t.add_column(head, overflow=overflow, no_wrap=overflow != "fold")

@@ -55,8 +55,7 @@ def _train(run_dir: Path, resume: bool, stop) -> int:
         for signum in _EARLY:                 # came before the StopFlag was installed
             stop.handle(signum)
         cfg = OmegaConf.load(run_dir / "config.yaml")
-        train_rank(cfg, run_dir, resume=resume, stop=stop,
-                   on_step=lambda step, values: steps.__setitem__(0, step))
+        train_rank(cfg, run_dir, resume, stop, on_step=lambda step, values: steps.__setitem__(0, step))
     except Interrupted as exc:
         return 128 + exc.signum
     except KeyboardInterrupt:                # a second Ctrl-C: abandon at once

@@ -2,8 +2,8 @@
 
     torchrun --max-restarts=1 ... restart_worker.py
 
-Every rank joins the group (tcp_group.join: torch's env:// rendezvous) and takes the text rank 0
-shares (tcp_group.share: the run directory in `rlctl train`), then sums its rank + 1
+Every rank joins the group (launch.join: torch's env:// rendezvous) and takes the text rank 0
+shares (launch.share: the run directory in `rlctl train`), then sums its rank + 1
 over the group. Attempt 0: rank 1 fails (exit 1) once that is done, so torchrun stops the
 workers and starts them again on the same agent store. Attempt 1: rank 0 waits 1 s
 before it shares, so a rank that read a value left from attempt 0 would have it by then.
@@ -17,14 +17,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rlctl.backends import tcp_group  # noqa: E402
+from rlctl.backends import launch  # noqa: E402
 
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-group = tcp_group.from_environment(29500)
-tcp_group.join(group, "cpu", 30.0)
+group = launch.from_environment(29500)
+launch.join(group, "cpu", 30.0)
 if group.rank == 0 and attempt:
     time.sleep(1.0)
-shared = tcp_group.share(group, f"dir-{attempt}" if group.rank == 0 else None)
+shared = launch.share(group, f"dir-{attempt}" if group.rank == 0 else None)
 total = torch.ones(1) * (group.rank + 1)
 dist.all_reduce(total)
 print(f"attempt {attempt} rank {group.rank} shared={shared} sum={total.item():g}", flush=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlctl.backends.tcp_group import expand_nodelist, from_environment
+from rlctl.backends.launch import expand_nodelist, from_environment
 from rlctl.errors import UserError
 from test_data_parallel import GRAD, TINY, WORKER, _grad, reference
 

@@ -15,7 +15,7 @@ import time
 
 from omegaconf import OmegaConf
 
-from rlctl.backends import same_config
+from rlctl.backends import launch
 from rlctl.compose import compose
 from test_multinode import TINY_RUN, error_lines, finish, free_port, kill_tree, rlctl_train, start, torchrun
 from proc_tools import _catches_sigterm, _wait_until
@@ -42,7 +42,7 @@ def _cleanup(procs) -> None:
 def _flat(*overrides):
     cfg = compose(list(overrides), None).cfg
     OmegaConf.resolve(cfg)
-    return same_config.flatten(OmegaConf.to_container(cfg))
+    return launch.flatten(OmegaConf.to_container(cfg))
 
 
 def test_per_node_keys_are_not_compared_and_the_rest_are():
@@ -55,9 +55,9 @@ def test_per_node_keys_are_not_compared_and_the_rest_are():
                 "hardware.master_addr=10.0.0.1", "hardware.master_port=29999", "hardware.num_threads=7",
                 "hardware.dist_timeout_s=9", "model.cache_dir=/scratch/node1", "run.dir=/elsewhere",
                 "run.output_dir=/other", "run.name=x", "logger.console=false", "logger.wandb=false")
-    assert same_config.mismatch("node 0", base, [same_config.payload(own, "node 1")]) is None
+    assert launch.mismatch("node 0", base, [launch.payload(own, "node 1")]) is None
     other = _flat("hardware.nnodes=2", "trainer.lr=0.05", "run.save_model=false", "hardware.node_rank=1")
-    got = same_config.mismatch("node 0", base, [same_config.payload(other, "node 1")] * 2)   # one node, 2 ranks
+    got = launch.mismatch("node 0", base, [launch.payload(other, "node 1")] * 2)   # one node, 2 ranks
     assert got == ("config differs between nodes: run.save_model is true on node 0 and false on node 1, "
                    "trainer.lr is 0.0001 on node 0 and 0.05 on node 1" + MISMATCH_TAIL)
 

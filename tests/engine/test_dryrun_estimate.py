@@ -1,7 +1,7 @@
 """`rlctl train --dry-run` (issue 21.13): the reward model is listed and counted, and the
 memory estimate follows the knobs docs/memory.md lists beside it
 (model.gradient_checkpointing, trainer.micro_batch_tokens, bf16). Expected values are
-worked by hand from the rules in rlctl/run/dryrun.py's docstring and the config."""
+worked by hand from the rules in docs/memory.md and the config."""
 import re
 
 import pytest

@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
-from rlctl.run.resume import SHAPE_KEYS, ResumeSettings
+from rlctl.run.training import SHAPE_KEYS, ResumeSettings
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 # 8 steps (was 12): a kill after step 5 or 6 still finds one checkpoint (4) and leaves 4
