@@ -1,37 +1,10 @@
-"""Audit a rollout JSONL file (`rlctl rollout --out`, or any file with the same fields).
+"""Audit a rollout JSONL file (`rlctl rollout --out`, or any file with the same fields) or
+a run's sample rows: statistics, reward-hacking signs and sample completions; the rows are
+read by rlctl.commands.audit_rows (the checks applied on the way). docs/runs.md lists the
+statistics and signs with their thresholds.
 
-The file is read by rlctl.commands.audit_rows, with the EOS / mask alignment checks of
-rlctl.commands.audit_checks applied to each row; this module turns the rows into the
-report: statistics, reward-hacking signs and sample completions.
-
-Statistics: truncation rate, length and reward spread, the fraction of groups (rows
-sharing `group`, size >= 2) whose rewards are all equal (zero std: no GRPO/RLOO learning
-signal) or whose completions are all identical, and the Pearson correlation of reward
-with length, over all rows and within groups (both centred on their group mean, which
-removes prompt difficulty), for the reward and each reward design.
-
-Reward-hacking signs (flagged when over the stated threshold):
-    reward_rises_with_length   within-group corr(reward, length) > 0.3: longer answers
-                               to the same prompt earn more, the reward may pay for length
-    truncated_scores_as_well   mean reward of truncated rows >= that of finished rows
-                               (>= 3 truncated rows): unfinished answers are not penalised
-    top_rewards_at_length_cap  >= 25% of the top-quartile rewards are truncated rows
-    wrong_beats_correct        an incorrect completion scores above the best correct one
-                               (needs `correct`); e.g. sorting's unclipped inclusion_order
-    repetition_rewarded        >= 20% of completions repeat one token for >= 60% of their
-                               (>= 4) tokens, more often than the prompt holds it, and
-                               they score at least the mean of the rest
-
-Rows that are episodes (a `turns` list) add `episodes` (their count, statuses and tool
-task's count) to the statistics and the episode signs of rlctl.commands.audit_episodes
-(tool never called, tool errors rewarded, observations truncated, episodes at the turn
-or token limit), each with a count and an example.
-
-``audit_samples`` runs the same statistics and signs over a run's sample tables (the
-train rows of samples.jsonl, rlctl/learner/samples.py): a group is (step, group), a row
-is truncated when its finish_reason is "length" (an episode: any status but "done"); the
-alignment checks need token ids, which sample rows do not hold.
-"""
+``audit_samples``: a group is (step, group), a row is truncated when its finish_reason is
+"length" (an episode: any status but "done"); sample rows hold no token ids to check."""
 from __future__ import annotations
 
 import math
@@ -199,32 +172,23 @@ def _hacking_signs(rows: Rows, trunc: List[bool], stats: dict) -> List[dict]:
     sign("top_rewards_at_length_cap", at_cap, at_cap is not None and at_cap >= CAP_FLAG,
          f"share of top-quartile rewards that are truncated >= {CAP_FLAG}: the best-paid "
          "completions hit the length cap")
-    signs.append(_wrong_beats_correct(rows))
-    signs.append(_repetition_rewarded(rows))
-    return signs
-
-
-def _wrong_beats_correct(rows: Rows) -> dict:
     known = [(r, ok) for r, ok in zip(rows.reward, rows.correct) if ok is not None]
     best_correct = max((r for r, ok in known if ok), default=None)
     if best_correct is None:
-        return {"sign": "wrong_beats_correct", "value": None, "flagged": False,
-                "why": "needs rows with correct=true (none in this file)"}
-    frac = sum(1 for r, ok in known if not ok and r > best_correct + 1e-9) / len(known)
-    return {"sign": "wrong_beats_correct", "value": frac, "flagged": bool(frac > 0),
-            "why": "share of incorrect completions scoring above the best correct one: the "
-                   "reward is exploitable"}
-
-
-def _repetition_rewarded(rows: Rows) -> dict:
-    rep, rewards = rows.repetitive, rows.reward
+        sign("wrong_beats_correct", None, False, "needs rows with correct=true (none in this file)")
+    else:
+        frac = sum(1 for r, ok in known if not ok and r > best_correct + 1e-9) / len(known)
+        sign("wrong_beats_correct", frac, frac > 0, "share of incorrect completions scoring above "
+             "the best correct one: the reward is exploitable")
+    rep = rows.repetitive
     frac_rep = sum(rep) / len(rep)
     r_rep = _mean(r for r, x in zip(rewards, rep) if x)
     r_rest = _mean(r for r, x in zip(rewards, rep) if not x)
-    flagged = frac_rep >= REPEAT_FLAG and r_rep is not None and (r_rest is None or r_rep >= r_rest)
-    return {"sign": "repetition_rewarded", "value": frac_rep, "flagged": bool(flagged),
-            "why": f"share of completions repeating one token (>= {REPEAT_FLAG} flags when "
-                   "they score at least the mean of the rest)"}
+    sign("repetition_rewarded", frac_rep,
+         frac_rep >= REPEAT_FLAG and r_rep is not None and (r_rest is None or r_rep >= r_rest),
+         f"share of completions repeating one token (>= {REPEAT_FLAG} flags when "
+         "they score at least the mean of the rest)")
+    return signs
 
 
 def _samples(path: Path, rows: Rows, per_bucket: int) -> Dict[str, List[dict]]:

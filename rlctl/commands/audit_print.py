@@ -1,11 +1,23 @@
-"""Print a rollout audit (the report of `rlctl.commands.audit.audit_rollout`) as rich
-tables: statistics, EOS/mask alignment checks, reward-hacking signs, sample completions."""
+"""A rollout audit (`rlctl.commands.audit.audit_rollout`) printed as rich tables:
+statistics, EOS/mask alignment checks, reward-hacking signs, sample completions."""
 from __future__ import annotations
+
+import math
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from rlctl.commands.fmt import show
+
+def show(value: Any, digits: int = 4) -> str:
+    """A compact cell: ``digits`` significant digits for floats, YAML-like null/true/false."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.{digits}g}"
+    return str(value)
 
 
 def print_audit(report: dict) -> None:

@@ -1,16 +1,6 @@
-"""`rlctl inspect`: one run dir, several run dirs, or a rollout JSONL file.
-
-The PATH arguments decide what is inspected:
-    one run dir        its config against the defaults, metric summary, curves
-    several run dirs   their config differences, summaries side by side, overlaid curves
-    a rollout file     the audit: EOS/mask alignment, statistics, reward-hacking signs
-    one run --samples  its sample tables (samples.jsonl; --step N) and the audit's
-                       statistics and signs over them (also: RUN/samples.jsonl as PATH)
-The reports are built in rlctl.commands.inspect_report (run dirs, read by
-rlctl.commands.run_record), rlctl.commands.inspect_samples and rlctl.commands.audit
-(rollout files), and printed by inspect_print and audit_print; this module reads the
-arguments, dispatches, and writes --json.
-"""
+"""`rlctl inspect PATH...`: the PATH arguments pick the report (one run dir, several run
+dirs: inspect_report; a rollout JSONL file: audit; a run's sample tables: inspect_samples);
+this module dispatches, prints and writes --json."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,10 +9,9 @@ from typing import Optional, Sequence
 from rlctl.commands.audit import audit_rollout
 from rlctl.commands.audit_print import print_audit
 from rlctl.commands.files import is_run_dir, write_json
-from rlctl.commands.fmt import MISSING
-from rlctl.commands.inspect_print import print_compare, print_run, print_samples
-from rlctl.commands.inspect_report import compare_runs, inspect_run
-from rlctl.commands.inspect_samples import samples_report
+from rlctl.commands.inspect_report import (MISSING, compare_runs, inspect_run, print_compare,
+                                           print_run)
+from rlctl.commands.inspect_samples import print_samples, samples_report
 from rlctl.errors import UserError
 
 
@@ -71,41 +60,29 @@ def run_inspect(paths: Sequence[str], out_dir: Optional[str] = None,
     if step is not None and not samples:
         raise UserError("--step N picks a sample table: use it with --samples")
     if samples:
-        report = _samples(kind, what, step)
-        if not quiet:
-            print_samples(report)
+        if kind == "rollout" or len(what) != 1:
+            raise UserError("--samples reads one run directory (its samples.jsonl); got "
+                            + ("a rollout file" if kind == "rollout" else f"{len(what)} runs"))
+        report, printer = samples_report(what[0], step), print_samples
     elif kind == "rollout":
-        report = _audit(what, examples)
-        if not quiet:
-            print_audit(report)
+        try:
+            report, printer = audit_rollout(what, examples=examples), print_audit
+        except UnicodeDecodeError as exc:
+            raise UserError(f"cannot read '{what}': not UTF-8 text (byte "
+                            f"{exc.object[exc.start]:#04x}); a rollout file is JSON Lines, as "
+                            "`rlctl rollout --out` writes") from None
     elif len(what) == 1:
-        report = inspect_run(what[0], Path(out_dir) if out_dir else None, plots)
-        if not quiet:
-            print_run(report)
+        report, printer = inspect_run(what[0], Path(out_dir) if out_dir else None, plots), print_run
     else:
         report = compare_runs(what, Path(out_dir) if out_dir else Path.cwd(), plots)
-        if not quiet:
-            print_compare(report)
+        printer = print_compare
+    if not quiet:
+        printer(report)
     if json_out:
         write_json(Path(json_out), _jsonable(report))
         if not quiet:
             print(f"wrote {json_out}")
     return report
-
-
-def _samples(kind: str, what, step: Optional[int]) -> dict:
-    if kind == "rollout" or len(what) != 1:
-        raise UserError("--samples reads one run directory (its samples.jsonl); got "
-                        + ("a rollout file" if kind == "rollout" else f"{len(what)} runs"))
-    return samples_report(what[0], step)
-
-
-def _audit(path: Path, examples: int) -> dict:
-    try:
-        return audit_rollout(path, examples=examples)
-    except UnicodeDecodeError as exc:
-        raise UserError(f"cannot read '{path}': not UTF-8 text (byte {exc.object[exc.start]:#04x}); "
-                        "a rollout file is JSON Lines, as `rlctl rollout --out` writes") from None
 
 
 def _jsonable(obj):

@@ -1,22 +1,31 @@
-"""The reports of `rlctl inspect` on run directories (as dicts; --json writes them).
+"""`rlctl inspect` of run directories, as dicts (--json writes them) and printed.
 
 One run: the config keys that differ from its command's defaults, a metric summary
-(first / last / min / max, and best for the metrics where higher is better) and curves
-written as ``<run>/inspect_*.png``.
-Several runs: the config keys whose values differ (key x run), the metric summary side
-by side and overlaid curves ``inspect_compare_*.png`` in the output directory.
-RL runs and reward-model runs summarise their own metrics; mixed, both kinds'.
+(first / last / min / max, and best where higher is better), curves ``<run>/inspect_*.png``.
+Several runs: the differing config keys (key x run), the summaries side by side, overlaid
+curves ``inspect_compare_*.png``. RL and reward-model runs summarise their own metrics.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from rlctl.commands.fmt import MISSING
+from rich.console import Console
+from rich.table import Table
+
+from rlctl.commands.audit_print import show
 from rlctl.commands.plots import (PLOTS, REWARD_MODEL_PLOTS, plot_compare, plot_proxy_gold,
                                   plot_run, series)
 from rlctl.commands.run_record import Run, default_config, load_run
 from rlctl.errors import UserError
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+MISSING = _Missing()     # a key a config lacks
 
 SUMMARY_KEYS = ("reward/mean", "eval/exact_match", "eval/reward", "policy/kl_ref",
                 "policy/approx_kl", "policy/clip_frac", "policy/entropy", "length/mean",
@@ -143,3 +152,107 @@ def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
                                         _ensure_dir(out_dir), plots=plot_set)
         report["plots"], report["plots_skipped"] = [str(p) for p in written], skipped
     return report
+
+
+def print_run(report: dict) -> None:
+    console = Console()
+    console.print(f"[bold]run[/bold] {report['run_dir']}", soft_wrap=True)
+    if report["overrides"]:
+        console.print("overrides: " + " ".join(report["overrides"]), soft_wrap=True,
+                      markup=False)
+    table = Table(title="config differing from the defaults")
+    for col in ("key", "default", "run"):
+        table.add_column(col, no_wrap=col == "key")
+    for key, v in report["config_diff"].items():
+        table.add_row(key, show(v["default"]), show(v["run"]))
+    if not report["config_diff"]:
+        table.add_row("(none)", "", "")
+    console.print(table)
+    if report["keys_not_in_run"]:
+        console.print(f"{len(report['keys_not_in_run'])} default key(s) not in this run's "
+                      "config (added since the run?): " + ", ".join(report["keys_not_in_run"]),
+                      soft_wrap=True, markup=False)
+    _print_metrics(console, report["metrics"], report["metrics_source"], report["steps"])
+    _print_plots(console, report)
+
+
+def _print_metrics(console, metrics: dict, source: Optional[str], steps: int) -> None:
+    if source is None:
+        console.print("no metrics logged (no metrics.jsonl; logger=none or logger.jsonl=false?)")
+        return
+    table = Table(title=f"metrics ({source}, {steps} steps; -: not logged; min in --json)")
+    for col in ("metric", "first", "last", "max", "best@step"):
+        table.add_column(col, justify="left" if col == "metric" else "right",
+                         no_wrap=True)
+    for key, m in metrics.items():
+        if m is None:
+            table.add_row(key, "-", "-", "-", "-")
+            continue
+        best = "" if m["best"] is None else f"{show(m['best'], 3)}@{m['best_step']}"
+        table.add_row(key, show(m["first"], 3), show(m["last"], 3), show(m["max"], 3), best)
+    console.print(table)
+
+
+def _print_plots(console, report: dict) -> None:
+    for p in report["plots"]:
+        console.print(f"wrote {p}", soft_wrap=True, markup=False)
+    if report["plots_skipped"]:
+        console.print("no data for plot(s): " + ", ".join(report["plots_skipped"]))
+
+
+def print_compare(report: dict) -> None:
+    console = Console()
+    labels = report["runs"]
+    table = Table(title=f"config keys that differ between {len(labels)} runs")
+    table.add_column("key", no_wrap=True)
+    for label in labels:
+        table.add_column(label, overflow="fold")
+    for key, values in report["config_diff"].items():
+        table.add_row(key, *[show(values[lb]) for lb in labels])
+    if not report["config_diff"]:
+        table.add_row("(no differing values)", *[""] * len(labels))
+    console.print(table)
+    _print_partial_keys(console, report)
+    console.print(_compare_metrics_table(report))
+    _print_plots(console, report)
+
+
+def _print_partial_keys(console, report: dict) -> None:
+    partial = report["keys_not_in_every_run"]
+    if partial and report.get("mixed_kinds"):
+        console.print(_kind_sections(partial), soft_wrap=True, markup=False)
+    elif partial:
+        console.print("keys only some runs hold (config schema changed between runs?): "
+                      + ", ".join(f"{k} [{', '.join(v)}]" for k, v in partial.items()),
+                      soft_wrap=True, markup=False)
+
+
+def _kind_sections(partial: Dict[str, List[str]]) -> str:
+    """One line for RL and reward-model runs compared: the config sections only one kind
+    has (by section, not key by key: a different command, not a changed schema)."""
+    sections: Dict[tuple, set] = {}
+    for key, holders in partial.items():
+        sections.setdefault(tuple(holders), set()).add(key.split(".")[0] + ".*")
+    return ("RL and reward-model runs compared: only the keys both kinds hold are compared; "
+            + "; ".join(f"{', '.join(sorted(secs))} [{', '.join(holders)}]"
+                        for holders, secs in sections.items()))
+
+
+def _compare_metrics_table(report: dict) -> Table:
+    labels = report["runs"]
+    table = Table(title="metrics: last (best)")
+    table.add_column("metric", no_wrap=True)
+    for label in labels:
+        table.add_column(label, justify="right", overflow="fold")
+    for key in report["summary_keys"]:
+        cells = []
+        for label in labels:
+            m = report["metrics"][label].get(key)
+            if m is None:
+                cells.append("-")
+            else:
+                best = "" if m["best"] is None else f" ({show(m['best'])})"
+                cells.append(show(m["last"]) + best)
+        if any(c != "-" for c in cells):
+            table.add_row(key, *cells)
+    return table

@@ -1,21 +1,33 @@
-"""A run directory read back for `rlctl inspect`: its config.yaml flattened to dotted
-keys, its overrides.yaml, its metric rows (metrics.jsonl), and the defaults of the command
-that made it (`rlctl train`, or `rlctl reward-model train`: rm.* keys), which the run's
-config is compared with; its sample tables (samples.jsonl) for `rlctl inspect --samples`."""
+"""A run directory read back for `rlctl inspect`: config.yaml flattened to dotted keys,
+overrides.yaml, the metric rows of metrics.jsonl, and the defaults of the command that
+made it (`rlctl train`, or `rlctl reward-model train`: rm.* keys) to compare it with."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import yaml
 from omegaconf import OmegaConf
 
-from rlctl.commands.fmt import flatten
 from rlctl.compose import compose
 from rlctl.errors import UserError
 from rlctl.reward_models.config import default_config as reward_model_defaults
-from rlctl.sinks.jsonl import read_jsonl, read_samples
+from rlctl.sinks.jsonl import read_jsonl
+
+
+def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    if not isinstance(tree, Mapping):
+        return {prefix: tree} if prefix else {}
+    out: Dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out
 
 
 @dataclass
@@ -40,61 +52,18 @@ def load_run(path: Path) -> Run:
             from None
     if not isinstance(config, dict):
         raise UserError(f"{path}/config.yaml is not a mapping of config keys")
-    rows, source = _load_metrics(path)
-    return Run(path, flatten(config), rows, source, _load_overrides(path))
-
-
-def _load_overrides(path: Path) -> Dict[str, Any]:
-    """overrides.yaml ({overrides: [...], choices: {...}}); empty when absent or unreadable."""
-    if not (path / "overrides.yaml").is_file():
-        return {}
-    try:
-        return yaml.safe_load((path / "overrides.yaml").read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError):
-        return {}
-
-
-def _load_metrics(path: Path):
+    rows, source, overrides = [], None, {}
     if (path / "metrics.jsonl").is_file():
         try:
-            return read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
+            rows, source = read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
         except ValueError as exc:       # not UTF-8: one line naming the file
             raise UserError(str(exc)) from None
-    return [], None
-
-
-def load_samples(path: Path) -> List[dict]:
-    """The rows of ``path``/samples.jsonl ({"table", "step", columns...}, as written);
-    one-line errors when the run has none."""
-    file = path / "samples.jsonl"
-    if not file.is_file():
-        raise UserError(f"{path} has no samples.jsonl (a run writes one with logger.jsonl=true "
-                        "and logger.samples.every > 0, from its first sample table)")
-    try:
-        rows = read_samples(file)
-    except ValueError as exc:       # not UTF-8: one line naming the file
-        raise UserError(str(exc)) from None
-    if not rows:
-        raise UserError(f"{file} holds no sample rows")
-    for i, row in enumerate(rows, 1):
-        _check_sample_row(file, i, row)
-    return rows
-
-
-# what a row needs to be shown and audited (the producer writes them all)
-SAMPLE_NUMBERS = {"train": ("step", "reward", "length"), "eval": ("step",)}
-
-
-def _check_sample_row(file: Path, i: int, row: dict) -> None:
-    need = SAMPLE_NUMBERS.get(row.get("table"))
-    if need is None:
-        raise UserError(f"{file}: row {i} has table {row.get('table')!r}; valid: "
-                        f"{', '.join(SAMPLE_NUMBERS)}")
-    bad = [k for k in need if isinstance(row.get(k), bool)
-           or not isinstance(row.get(k), (int, float))]
-    if bad:
-        raise UserError(f"{file}: row {i} ({row['table']}) needs numbers in {', '.join(bad)} "
-                        f"(required: {', '.join(need)})")
+    if (path / "overrides.yaml").is_file():     # {overrides: [...], choices: {...}}
+        try:
+            overrides = yaml.safe_load((path / "overrides.yaml").read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError):
+            pass                                # unreadable: none
+    return Run(path, flatten(config), rows, source, overrides)
 
 
 def default_config(reward_model: bool = False) -> Dict[str, Any]:
