@@ -38,7 +38,7 @@ def print_audit(report: dict) -> None:
 
 
 def print_examples(console, report: dict) -> None:
-    """Each episode sign's count and its first example (rlctl.commands.audit_episodes)."""
+    """Each episode sign's count and its first example (rlctl.commands.audit_rows)."""
     for s in report["hacking_signs"]:
         e = s.get("example")
         if e is None:

@@ -1,25 +1,12 @@
 """`rlctl eval`: held-out metrics of a run, a checkpoint, an adapter or the starting model.
 
-On the task's eval split:
-    greedy   exact_match, reward (the configured design) and reward/<design> for every
-             design the task defines (sorting: exact, positional, inclusion_order),
-             length_mean (tokens, EOS included), truncated_frac (no EOS within
-             rollout.max_new_tokens), well_formed (tasks that define a format)
-    sampled  the same over k = --samples completions per prompt at rollout.temperature
-             (the behaviour policy of training), plus pass@j for j = 1, 2, 4, ..., k from
-             the unbiased estimator (rlctl.commands.passk).
-Both come from the trainer's evaluator (``rlctl.learner.evaluate``); ``eval`` in the
-JSON holds the greedy ``eval/*`` keys and values `rlctl train` logs for the same model
-and config (a run's last eval row, exactly, at the default --batch-size). A task played
-as episodes reports success_rate, turns, tool calls and errors per episode instead
-(``rlctl.learner.evaluate.EPISODE_KEYS``), pass@k over the successes.
-
-With reward models (``task.reward_model``, ``{model: ...}`` entries), ``reward`` is the
-training reward as the run used it, the table's label says which: the reward models'
-scores normalised with the run's *saved* statistics (``task.reward_norm=running``: the
-newest checkpoint's, never the evaluated batch's own) and clipped (``task.reward_clip``);
-``reward_raw`` the same total from the raw scores, and ``reward/<model name>`` each model's
-raw score, beside the task's own designs (the gold reward).
+Greedy and sampled (k = --samples completions per prompt at rollout.temperature) metrics
+from the trainer's evaluator (``rlctl.learner.evaluate``): exact_match, reward, every
+reward design, length_mean, truncated_frac, well_formed, pass@j for j = 1, 2, 4, ..., k
+(an episodic task: ``EPISODE_KEYS``). ``eval`` in the JSON is the greedy ``eval/*`` that
+`rlctl train` logs for the same model and config. With reward models ``reward`` is the
+training reward (normalised with the run's saved statistics, clipped), ``reward_raw`` the
+same from the raw scores and ``reward/<model name>`` each model's raw score.
 """
 from __future__ import annotations
 
@@ -36,9 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 
 from rlctl.commands.files import write_json
-from rlctl.commands.held_out import held_out_scorer, reward_label
-from rlctl.commands.passk import mean_pass_at_k, report_ks
-from rlctl.commands.targets import open_target, task_scores
+from rlctl.commands.targets import (held_out_scorer, learned_names, open_target, reward_label,
+                                   task_scores)
 from rlctl.envs.base import is_episodic
 from rlctl.errors import UserError
 from rlctl.learner.evaluate import EPISODE_KEYS, evaluate, means
@@ -47,6 +33,36 @@ from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
 
 # The first metrics of each column (then reward/<design>, well_formed, pass@k).
 METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one prompt with c of n samples correct (Chen et al. 2021,
+    eq. 1, in the stable form of Fig. 3): 1 - C(n-c, k) / C(n, k)
+    = 1 - prod_{i=n-c+1}^{n} (1 - k / i)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:          # every k-subset holds a correct sample
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def mean_pass_at_k(n: int, correct_counts: Sequence[int], k: int) -> float:
+    """Mean over prompts of pass@k, each prompt having n samples."""
+    if not correct_counts:
+        return 0.0
+    return sum(pass_at_k(n, c, k) for c in correct_counts) / len(correct_counts)
+
+
+def report_ks(n: int) -> List[int]:
+    """The k reported for n samples: 1, 2, 4, ... below n, and n."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
 
 
 def _splits(cfg, model, tokenizer, task, examples, samples: int, batch_size: Optional[int],
@@ -154,11 +170,6 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     if not quiet:
         print_eval(result)
     return result
-
-
-def learned_names(scorer) -> List[str]:
-    """The reward models' names (their raw scores are the components reward/<name>)."""
-    return [m.name for m in scorer.learned.models] if scorer.learned is not None else []
 
 
 def row_label(key: str, result: dict) -> str:
