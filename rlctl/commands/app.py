@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import typer
 
@@ -199,27 +199,6 @@ rm_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mod
                      help="Train and evaluate reward models (Bradley-Terry, on preference pairs).")
 
 
-def format_eval(stats: Dict[str, float]) -> List[str]:
-    """The lines `rlctl reward-model eval` prints."""
-    lines = [f"pairwise accuracy  {stats['pairwise_accuracy']:.4f}  "
-             f"({int(stats['num_pairs'])} pairs, mean margin {stats['mean_margin']:+.4f})",
-             f"{'scores':<9} {'mean':>9} {'std':>9} {'p10':>9} {'p50':>9} {'p90':>9}"]
-    for name in ("chosen", "rejected"):
-        lines.append(f"{name:<9} " + " ".join(f"{stats[f'{name}_{k}']:>9.4f}"
-                                               for k in ("mean", "std", "p10", "p50", "p90")))
-    return lines
-
-
-def format_fit(summary: Dict) -> str:
-    """The line `rlctl reward-model train` ends with: the held-out figures and the last
-    training step's."""
-    train = ", ".join(f"{name} {summary[key]:.4f}" for key, name in
-                      (("train_loss", "loss"), ("train_accuracy", "accuracy")) if key in summary)
-    return (f"held-out pairwise accuracy {summary['eval/pairwise_accuracy']:.4f} "
-            f"({summary['eval_pairs']} pairs, mean margin {summary['eval/margin']:+.4f})"
-            + (f"; last training step: {train}" if train else ""))
-
-
 @rm_app.command("train", context_settings=FREE_ARGS, help=RM_TRAIN_HELP,
                 options_metavar="PREFS [OVERRIDES]... [OPTIONS]")
 def train_(ctx: typer.Context,
@@ -233,7 +212,12 @@ def train_(ctx: typer.Context,
         from rlctl.reward_models.train import train_reward_model
 
         run_dir = train_reward_model(args[1:], args[0], eval_prefs)
-        typer.echo(format_fit(json.loads((run_dir / "summary.json").read_text())))
+        summary = json.loads((run_dir / "summary.json").read_text())
+        train = ", ".join(f"{name} {summary[key]:.4f}" for key, name in (
+            ("train_loss", "loss"), ("train_accuracy", "accuracy")) if key in summary)
+        typer.echo(f"held-out pairwise accuracy {summary['eval/pairwise_accuracy']:.4f} "
+                   f"({summary['eval_pairs']} pairs, mean margin {summary['eval/margin']:+.4f})"
+                   + (f"; last training step: {train}" if train else ""))
         typer.echo(f"reward model: {run_dir / 'model'}")
     run_command(go, debug)
 
@@ -251,8 +235,12 @@ def eval_(ctx: typer.Context,
         from rlctl.reward_models.train import eval_reward_model
 
         stats = eval_reward_model(args[0], args[1])
-        for line in format_eval(stats):
-            typer.echo(line)
+        typer.echo(f"pairwise accuracy  {stats['pairwise_accuracy']:.4f}  "
+                   f"({int(stats['num_pairs'])} pairs, mean margin {stats['mean_margin']:+.4f})")
+        typer.echo(f"{'scores':<9} {'mean':>9} {'std':>9} {'p10':>9} {'p50':>9} {'p90':>9}")
+        for name in ("chosen", "rejected"):
+            typer.echo(f"{name:<9} " + " ".join(f"{stats[f'{name}_{k}']:>9.4f}"
+                                                for k in ("mean", "std", "p10", "p50", "p90")))
         if out:
             from rlctl.commands.files import write_json
 

@@ -33,17 +33,9 @@ def pearson(xs, ys) -> Optional[float]:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy)
 
 
-def _groups(rows: Rows) -> Dict[object, List[int]]:
-    groups: Dict[object, List[int]] = defaultdict(list)
-    for i, g in enumerate(rows.group):
-        if g is not None:
-            groups[g].append(i)
-    return {g: idx for g, idx in groups.items() if len(idx) >= 2}
-
-
-def _centred(values: List[float], groups: Dict[object, List[int]]) -> List[float]:
+def _centred(values: List[float], groups: List[List[int]]) -> List[float]:
     out = []
-    for idx in groups.values():
+    for idx in groups:
         mean = sum(values[i] for i in idx) / len(idx)
         out.extend(values[i] - mean for i in idx)
     return out
@@ -52,13 +44,6 @@ def _centred(values: List[float], groups: Dict[object, List[int]]) -> List[float
 def _mean(xs) -> Optional[float]:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else None
-
-
-def _spread(xs: List[float]) -> dict:
-    n = len(xs)
-    mean = sum(xs) / n
-    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / n)
-    return {"mean": mean, "std": std, "min": min(xs), "max": max(xs)}
 
 
 def _quantile(xs: List[float], q: float) -> float:
@@ -82,7 +67,7 @@ def audit_rollout(path: Path, examples: int = 3) -> dict:
              for t, length in zip(rows.truncated, rows.length)]
     report = {
         "kind": "rollout", "path": str(path), "rows": n, "bad_lines": len(bad),
-        "bad_line_numbers": bad[:5], **_statistics(rows, trunc, _groups(rows)),
+        "bad_line_numbers": bad[:5], **_statistics(rows, trunc),
         "checks": checks,
         "alignment_ok": all(c["violations"] == 0 for c in checks.values()) and not bad,
     }
@@ -100,7 +85,7 @@ def audit_samples(samples: List[dict]) -> dict:
         rows.add(i, {**r, "group": (r.get("step"), r.get("group")),
                      "truncated": r.get("finish_reason") in TRUNCATED_ENDINGS, "rewards": designs})
     trunc = [bool(t) for t in rows.truncated]
-    report = {"rows": len(samples), **_statistics(rows, trunc, _groups(rows))}
+    report = {"rows": len(samples), **_statistics(rows, trunc)}
     _add_episodes(report, rows, trunc)
     return report
 
@@ -113,39 +98,40 @@ def _add_episodes(report: dict, rows: Rows, trunc: List[bool]) -> None:
         report["hacking_signs"] += rows.episodes.signs()
 
 
-def _statistics(rows: Rows, trunc: List[bool], groups: Dict[object, List[int]]) -> dict:
-    """The report's statistics, in its key order (groups ... mean_reward_finished)."""
-    n = len(rows.reward)
-    zero_std = sum(max(rows.reward[i] for i in idx) - min(rows.reward[i] for i in idx) <= 1e-9
-                   for idx in groups.values())
-    identical = sum(len({rows.text_hash[i] for i in idx}) == 1 for idx in groups.values())
+def _statistics(rows: Rows, trunc: List[bool]) -> dict:
+    """The report's statistics, in its key order (groups ... mean_reward_finished); a
+    group is the rows sharing ``group`` (size >= 2)."""
+    by_group: Dict[object, List[int]] = defaultdict(list)
+    for i, g in enumerate(rows.group):
+        if g is not None:
+            by_group[g].append(i)
+    groups = [idx for idx in by_group.values() if len(idx) >= 2]
+    rewards, n = rows.reward, len(rows.reward)
+    zero_std = sum(max(rewards[i] for i in idx) - min(rewards[i] for i in idx) <= 1e-9
+                   for idx in groups)
+    identical = sum(len({rows.text_hash[i] for i in idx}) == 1 for idx in groups)
     lengths = [float(x) for x in rows.length]
-    return {
-        "groups": len(groups),
-        "group_sizes": dict(Counter(len(idx) for idx in groups.values())),
-        "truncation_rate": sum(trunc) / n,
-        "length": {"mean": sum(lengths) / n, "min": min(rows.length), "max": max(rows.length)},
-        "reward": _spread(rows.reward),
-        "frac_zero_std_groups": zero_std / len(groups) if groups else None,
-        "frac_identical_groups": identical / len(groups) if groups else None,
-        **_length_correlations(rows, lengths, groups),
-        "mean_reward_truncated": _mean(r for r, t in zip(rows.reward, trunc) if t),
-        "mean_reward_finished": _mean(r for r, t in zip(rows.reward, trunc) if not t),
-    }
+    mean = sum(rewards) / n
 
-
-def _length_correlations(rows: Rows, lengths: List[float],
-                         groups: Dict[object, List[int]]) -> dict:
-    """corr(reward, length) over all rows and within groups, and the same for each reward
-    design that every row holds."""
-    def within(values):
+    def within(values):     # corr(centred on the group mean: prompt difficulty removed)
         return pearson(_centred(lengths, groups), _centred(values, groups)) if groups else None
 
-    designs = {name: {"all": pearson(lengths, vals), "within_group": within(vals)}
-               for name, vals in rows.designs.items() if len(vals) == len(rows.reward)}
-    return {"reward_length_corr": pearson(lengths, rows.reward),
-            "reward_length_corr_within_group": within(rows.reward),
-            "design_length_corr": designs}
+    return {
+        "groups": len(groups),
+        "group_sizes": dict(Counter(len(idx) for idx in groups)),
+        "truncation_rate": sum(trunc) / n,
+        "length": {"mean": sum(lengths) / n, "min": min(rows.length), "max": max(rows.length)},
+        "reward": {"mean": mean, "std": math.sqrt(sum((x - mean) ** 2 for x in rewards) / n),
+                   "min": min(rewards), "max": max(rewards)},
+        "frac_zero_std_groups": zero_std / len(groups) if groups else None,
+        "frac_identical_groups": identical / len(groups) if groups else None,
+        "reward_length_corr": pearson(lengths, rewards),
+        "reward_length_corr_within_group": within(rewards),
+        "design_length_corr": {name: {"all": pearson(lengths, vals), "within_group": within(vals)}
+                               for name, vals in rows.designs.items() if len(vals) == n},
+        "mean_reward_truncated": _mean(r for r, t in zip(rewards, trunc) if t),
+        "mean_reward_finished": _mean(r for r, t in zip(rewards, trunc) if not t),
+    }
 
 
 def _hacking_signs(rows: Rows, trunc: List[bool], stats: dict) -> List[dict]:
@@ -192,28 +178,23 @@ def _hacking_signs(rows: Rows, trunc: List[bool], stats: dict) -> List[dict]:
 
 
 def _samples(path: Path, rows: Rows, per_bucket: int) -> Dict[str, List[dict]]:
-    """Up to ``per_bucket`` rows of each reward bucket, spread over the bucket."""
+    """Up to ``per_bucket`` rows of each reward bucket, spread over the bucket: one bucket
+    per value when there are <= 6 distinct values, else low / mid / high thirds."""
     if per_bucket == 0:
         return {}
-    buckets = _reward_buckets(rows.reward)
+    rewards = rows.reward
+    distinct = sorted({round(r, 6) for r in rewards})
+    if len(distinct) <= 6:
+        buckets = {f"reward = {v:g}": [i for i, r in enumerate(rewards) if round(r, 6) == v]
+                   for v in distinct}
+    else:
+        q1, q2 = _quantile(rewards, 1 / 3), _quantile(rewards, 2 / 3)
+        buckets = {f"low (<= {q1:.3g})": [i for i, r in enumerate(rewards) if r <= q1],
+                   "mid": [i for i, r in enumerate(rewards) if q1 < r <= q2],
+                   f"high (> {q2:.3g})": [i for i, r in enumerate(rewards) if r > q2]}
     picks: Dict[int, str] = {}
     for name, idx in buckets.items():
-        if not idx:
-            continue
         step = max(1, len(idx) // per_bucket)
         for i in idx[::step][:per_bucket]:
             picks[rows.line[i]] = name
     return read_samples(path, picks, [name for name, idx in buckets.items() if idx])
-
-
-def _reward_buckets(rewards: List[float]) -> Dict[str, List[int]]:
-    """Row indices by reward: one bucket per value when there are <= 6 distinct values,
-    else low / mid / high thirds."""
-    distinct = sorted({round(r, 6) for r in rewards})
-    if len(distinct) <= 6:
-        return {f"reward = {v:g}": [i for i, r in enumerate(rewards) if round(r, 6) == v]
-                for v in distinct}
-    q1, q2 = _quantile(rewards, 1 / 3), _quantile(rewards, 2 / 3)
-    return {f"low (<= {q1:.3g})": [i for i, r in enumerate(rewards) if r <= q1],
-            "mid": [i for i, r in enumerate(rewards) if q1 < r <= q2],
-            f"high (> {q2:.3g})": [i for i, r in enumerate(rewards) if r > q2]}

@@ -8,7 +8,7 @@ import json
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from rlctl.errors import UserError
 from rlctl.sinks.base import cell_text

@@ -1,20 +1,14 @@
-"""`rlctl eval`: held-out metrics of a run, a checkpoint, an adapter or the starting model.
-
-Greedy and sampled (k = --samples completions per prompt at rollout.temperature) metrics
-from the trainer's evaluator (``rlctl.learner.evaluate``): exact_match, reward, every
-reward design, length_mean, truncated_frac, well_formed, pass@j for j = 1, 2, 4, ..., k
-(an episodic task: ``EPISODE_KEYS``). ``eval`` in the JSON is the greedy ``eval/*`` that
-`rlctl train` logs for the same model and config. With reward models ``reward`` is the
-training reward (normalised with the run's saved statistics, clipped), ``reward_raw`` the
-same from the raw scores and ``reward/<model name>`` each model's raw score.
-"""
+"""`rlctl eval`: greedy and sampled (--samples k at rollout.temperature) held-out metrics
+from the trainer's evaluator (``rlctl.learner.evaluate``), plus every reward design,
+well_formed, each reward model's raw score and pass@j (j = 1, 2, 4, ..., k). ``eval`` in
+the JSON is the greedy ``eval/*`` that `rlctl train` logs for the same model and config."""
 from __future__ import annotations
 
 import re
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from omegaconf import OmegaConf
@@ -65,35 +59,6 @@ def report_ks(n: int) -> List[int]:
     return ks + [n]
 
 
-def _splits(cfg, model, tokenizer, task, examples, samples: int, batch_size: Optional[int],
-            scorer, err):
-    """(greedy metrics, sampled metrics, the greedy ``eval/*`` the Trainer logs) from the
-    one evaluator (``rlctl.learner.evaluate``); this command adds each reward design,
-    well_formed, the reward models' raw scores and pass@k."""
-    ro = cfg.rollout
-    player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg), stop_ids(model, tokenizer)) \
-        if is_episodic(task) else None                 # open_target resolved the stop ids
-    common = dict(scorer=scorer, player=player, max_new_tokens=int(ro.max_new_tokens),
-                  batch_size=batch_size, extra=None if player else _extras(task, scorer, cfg))
-    with scorer, Progress("[progress.description]{task.description}", BarColumn(),
-                          MofNCompleteColumn(), TimeElapsedColumn(), console=err,
-                          transient=True) as bar:
-        g = bar.add_task("greedy", total=len(examples))
-        greedy = evaluate(model, tokenizer, examples, on_chunk=lambda n: bar.advance(g, n), **common)
-        s = bar.add_task("sampled", total=len(examples))
-        torch.manual_seed(cfg.seed)
-        sampled = evaluate(model, tokenizer, examples, greedy=False, samples=samples,
-                           temperature=float(ro.temperature), top_k=int(ro.get("top_k", 0) or 0),
-                           seed=int(cfg.seed), on_chunk=lambda n: bar.advance(s, n), **common)
-    trained = {f"eval/{k}": v for k, v in means(greedy.sums).items()}
-    first = EPISODE_KEYS if player is not None else METRIC_KEYS
-    out = [_ordered(means({**ev.sums, **ev.extra}), first) for ev in (greedy, sampled)]
-    if player is not None or scorer.has_gold:
-        for k in report_ks(samples):
-            out[1][f"pass@{k}"] = mean_pass_at_k(samples, sampled.correct, k)
-    return out[0], out[1], trained
-
-
 def _extras(task, scorer, cfg):
     """The chunk's sums of every reward design (a task without ``score_all``: its reward
     under the configured name), each reward model's raw score and well_formed."""
@@ -111,19 +76,6 @@ def _extras(task, scorer, cfg):
                 sums["well_formed"] += bool(well_formed(ex, text))
         return sums
     return extra
-
-
-def _ordered(metrics: Dict[str, float], keys) -> Dict[str, float]:
-    first = {k: metrics[k] for k in keys if k in metrics}
-    return {**first, **{k: v for k, v in sorted(metrics.items()) if k not in first}}
-
-
-def default_out(target, cfg) -> Path:
-    if target.kind in ("run", "model", "adapter"):
-        return target.path / "eval.json"
-    label = cfg.model.name_or_path or cfg.model.name
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(label)).strip("-.") or "model"
-    return Path.cwd() / f"eval-{slug}.json"
 
 
 def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int = 1,
@@ -148,8 +100,32 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     scorer, saved = held_out_scorer(prepared, target)
     if saved is not None:
         err.print(saved.note, soft_wrap=True)
-    greedy, sampled, trained = _splits(cfg, model, tokenizer, task, examples, samples,
-                                       batch_size, scorer, err)
+    player = None                                   # open_target resolved the stop ids
+    if is_episodic(task):
+        player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg),
+                               stop_ids(model, tokenizer))
+    common = dict(scorer=scorer, player=player, max_new_tokens=int(ro.max_new_tokens),
+                  batch_size=batch_size, extra=None if player else _extras(task, scorer, cfg))
+    with scorer, Progress("[progress.description]{task.description}", BarColumn(),
+                          MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                          transient=True) as bar:
+        g = bar.add_task("greedy", total=len(examples))
+        greedy = evaluate(model, tokenizer, examples, on_chunk=lambda n: bar.advance(g, n),
+                          **common)
+        s = bar.add_task("sampled", total=len(examples))
+        torch.manual_seed(cfg.seed)
+        sampled = evaluate(model, tokenizer, examples, greedy=False, samples=samples,
+                           temperature=float(ro.temperature), top_k=top_k, seed=int(cfg.seed),
+                           on_chunk=lambda n: bar.advance(s, n), **common)
+    cols = []    # the first metrics, then the rest sorted (reward/<design>, well_formed, pass@k)
+    for ev in (greedy, sampled):
+        metrics = means({**ev.sums, **ev.extra})
+        keys = EPISODE_KEYS if player is not None else METRIC_KEYS
+        first = {k: metrics[k] for k in keys if k in metrics}
+        cols.append({**first, **{k: v for k, v in sorted(metrics.items()) if k not in first}})
+    if player is not None or scorer.has_gold:
+        for k in report_ks(samples):
+            cols[1][f"pass@{k}"] = mean_pass_at_k(samples, sampled.correct, k)
     result = {
         "target": None if target.path is None else str(target.path),
         "target_kind": target.kind, "model": what,
@@ -162,25 +138,18 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
         "num_prompts": len(examples), "samples": samples, "temperature": float(ro.temperature),
         "top_k": top_k, "max_new_tokens": int(ro.max_new_tokens), "seed": int(cfg.seed),
         "stop_token_ids": list(stop_ids(model, tokenizer)),
-        "overrides": list(overrides), "greedy": greedy, "sampled": sampled, "eval": trained,
+        "overrides": list(overrides), "greedy": cols[0], "sampled": cols[1],
+        "eval": {f"eval/{k}": v for k, v in means(greedy.sums).items()},   # as the trainer logs
         "seconds": round(time.perf_counter() - t0, 3),
     }
-    path = write_json(Path(out) if out else default_out(target, cfg), result)
+    if not out and target.kind == "config":
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(cfg.model.name_or_path or cfg.model.name))
+        out = Path.cwd() / f"eval-{slug.strip('-.') or 'model'}.json"
+    path = write_json(Path(out) if out else target.path / "eval.json", result)
     result["path"] = str(path)
     if not quiet:
         print_eval(result)
     return result
-
-
-def row_label(key: str, result: dict) -> str:
-    if key == "reward":
-        return f"reward ({result.get('reward_label') or result['reward_name']})"
-    if key == "reward_raw":
-        return "reward_raw (from the reward models' raw scores)"
-    models = result.get("reward_models") or []
-    if key.startswith("reward/") and key[len("reward/"):] in models:
-        return f"{key} (reward model, raw score)"
-    return key
 
 
 def print_eval(result: dict) -> None:
@@ -190,10 +159,16 @@ def print_eval(result: dict) -> None:
     table.add_column("greedy", justify="right")
     table.add_column(f"sampled (n={result['samples']}, T={result['temperature']:g})",
                      justify="right")
-    keys = list(greedy) + [k for k in sampled if k not in greedy]
-    for key in keys:
-        fmt = lambda d: "" if key not in d else f"{d[key]:.4f}"  # noqa: E731
-        table.add_row(row_label(key, result), fmt(greedy), fmt(sampled))
+    models = result.get("reward_models") or []
+    for key in list(greedy) + [k for k in sampled if k not in greedy]:
+        label = key
+        if key == "reward":
+            label = f"reward ({result.get('reward_label') or result['reward_name']})"
+        elif key == "reward_raw":
+            label = "reward_raw (from the reward models' raw scores)"
+        elif key.startswith("reward/") and key[len("reward/"):] in models:
+            label = f"{key} (reward model, raw score)"
+        table.add_row(label, *("" if key not in d else f"{d[key]:.4f}" for d in (greedy, sampled)))
     console = Console()
     console.print(table)
     console.print(f"{result['num_prompts']} prompts (split {result['split']}); "

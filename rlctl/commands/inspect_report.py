@@ -52,17 +52,11 @@ def config_diff(configs: Sequence[Dict[str, Any]]) -> Dict[str, List[Any]]:
     diff = {}
     for key in keys:
         values = [c.get(key, MISSING) for c in configs]
-        if any(_differs(values[0], v) for v in values[1:]):
+        a = values[0]       # MISSING and booleans differ from anything but themselves
+        if any(a is not b if a is MISSING or b is MISSING or isinstance(a, bool)
+               or isinstance(b, bool) else a != b for b in values[1:]):
             diff[key] = values
     return diff
-
-
-def _differs(a, b) -> bool:
-    if a is MISSING or b is MISSING:
-        return a is not b
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is not b
-    return a != b
 
 
 def metric_summary(rows: Sequence[dict], keys: Sequence[str] = SUMMARY_KEYS
@@ -125,16 +119,11 @@ def proxy_keys(config: Dict[str, Any]) -> List[str]:
     return [f"reward/{e.get('name') or 'reward_model'}" for e in entries]
 
 
-def _labels(paths: Sequence[Path]) -> List[str]:
-    names = [p.name for p in paths]
-    if len(set(names)) == len(names):
-        return names
-    return [str(p) for p in paths]
-
-
 def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
     runs = [load_run(p) for p in paths]
-    labels = _labels(paths)
+    labels = [p.name for p in paths]
+    if len(set(labels)) < len(labels):
+        labels = [str(p) for p in paths]
     keys, plot_set = kinds_of(runs)
     diff = config_diff([r.config for r in runs])
     partial = sorted(k for k, v in diff.items() if any(x is MISSING for x in v))
@@ -172,25 +161,21 @@ def print_run(report: dict) -> None:
         console.print(f"{len(report['keys_not_in_run'])} default key(s) not in this run's "
                       "config (added since the run?): " + ", ".join(report["keys_not_in_run"]),
                       soft_wrap=True, markup=False)
-    _print_metrics(console, report["metrics"], report["metrics_source"], report["steps"])
-    _print_plots(console, report)
-
-
-def _print_metrics(console, metrics: dict, source: Optional[str], steps: int) -> None:
-    if source is None:
+    if report["metrics_source"] is None:
         console.print("no metrics logged (no metrics.jsonl; logger=none or logger.jsonl=false?)")
-        return
-    table = Table(title=f"metrics ({source}, {steps} steps; -: not logged; min in --json)")
-    for col in ("metric", "first", "last", "max", "best@step"):
-        table.add_column(col, justify="left" if col == "metric" else "right",
-                         no_wrap=True)
-    for key, m in metrics.items():
-        if m is None:
-            table.add_row(key, "-", "-", "-", "-")
-            continue
-        best = "" if m["best"] is None else f"{show(m['best'], 3)}@{m['best_step']}"
-        table.add_row(key, show(m["first"], 3), show(m["last"], 3), show(m["max"], 3), best)
-    console.print(table)
+    else:
+        table = Table(title=f"metrics ({report['metrics_source']}, {report['steps']} steps; "
+                            "-: not logged; min in --json)")
+        for col in ("metric", "first", "last", "max", "best@step"):
+            table.add_column(col, justify="left" if col == "metric" else "right", no_wrap=True)
+        for key, m in report["metrics"].items():
+            if m is None:
+                table.add_row(key, "-", "-", "-", "-")
+                continue
+            best = "" if m["best"] is None else f"{show(m['best'], 3)}@{m['best_step']}"
+            table.add_row(key, show(m["first"], 3), show(m["last"], 3), show(m["max"], 3), best)
+        console.print(table)
+    _print_plots(console, report)
 
 
 def _print_plots(console, report: dict) -> None:
@@ -212,47 +197,28 @@ def print_compare(report: dict) -> None:
     if not report["config_diff"]:
         table.add_row("(no differing values)", *[""] * len(labels))
     console.print(table)
-    _print_partial_keys(console, report)
-    console.print(_compare_metrics_table(report))
-    _print_plots(console, report)
-
-
-def _print_partial_keys(console, report: dict) -> None:
     partial = report["keys_not_in_every_run"]
-    if partial and report.get("mixed_kinds"):
-        console.print(_kind_sections(partial), soft_wrap=True, markup=False)
+    if partial and report.get("mixed_kinds"):   # by config section: a different command
+        sections: Dict[tuple, set] = {}
+        for key, holders in partial.items():
+            sections.setdefault(tuple(holders), set()).add(key.split(".")[0] + ".*")
+        console.print("RL and reward-model runs compared: only the keys both kinds hold are "
+                      "compared; " + "; ".join(f"{', '.join(sorted(secs))} [{', '.join(holders)}]"
+                                               for holders, secs in sections.items()),
+                      soft_wrap=True, markup=False)
     elif partial:
         console.print("keys only some runs hold (config schema changed between runs?): "
                       + ", ".join(f"{k} [{', '.join(v)}]" for k, v in partial.items()),
                       soft_wrap=True, markup=False)
-
-
-def _kind_sections(partial: Dict[str, List[str]]) -> str:
-    """One line for RL and reward-model runs compared: the config sections only one kind
-    has (by section, not key by key: a different command, not a changed schema)."""
-    sections: Dict[tuple, set] = {}
-    for key, holders in partial.items():
-        sections.setdefault(tuple(holders), set()).add(key.split(".")[0] + ".*")
-    return ("RL and reward-model runs compared: only the keys both kinds hold are compared; "
-            + "; ".join(f"{', '.join(sorted(secs))} [{', '.join(holders)}]"
-                        for holders, secs in sections.items()))
-
-
-def _compare_metrics_table(report: dict) -> Table:
-    labels = report["runs"]
     table = Table(title="metrics: last (best)")
     table.add_column("metric", no_wrap=True)
     for label in labels:
         table.add_column(label, justify="right", overflow="fold")
     for key in report["summary_keys"]:
-        cells = []
-        for label in labels:
-            m = report["metrics"][label].get(key)
-            if m is None:
-                cells.append("-")
-            else:
-                best = "" if m["best"] is None else f" ({show(m['best'])})"
-                cells.append(show(m["last"]) + best)
+        ms = [report["metrics"][label].get(key) for label in labels]
+        cells = ["-" if m is None else show(m["last"])
+                 + ("" if m["best"] is None else f" ({show(m['best'])})") for m in ms]
         if any(c != "-" for c in cells):
             table.add_row(key, *cells)
-    return table
+    console.print(table)
+    _print_plots(console, report)

@@ -1,8 +1,5 @@
-"""Training curves as PNG files (matplotlib, Agg backend: no display needed).
-
-A plot is a named set of metric series over `step`; series that a run did not log are
-left out, and a plot with none of its series is skipped (reported to the caller).
-"""
+"""Training curves as PNG files (matplotlib, Agg backend). A plot is a named set of metric
+series over `step`: series a run did not log are left out, a plot with none is skipped."""
 from __future__ import annotations
 
 import math

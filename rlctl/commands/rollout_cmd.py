@@ -56,8 +56,18 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     t0 = time.perf_counter()
     target, cfg, prepared, model, tokenizer, what = open_target(target_arg, overrides)
     task = prepared.task
-    plan = _plan(cfg, prepared, tokenizer, split, prompts, samples, batch_size,
-                 stop_ids(model, tokenizer))
+    examples = list(prepared.train if split == "train" else prepared.eval)
+    n_prompts = prompts or int(cfg.trainer.prompts_per_step)
+    group = samples or int(cfg.algo.group_size)
+    if n_prompts > len(examples):
+        raise UserError(f"--prompts {n_prompts} exceeds the {len(examples)} prompts of the "
+                        f"{split} split")
+    ro = cfg.rollout
+    plan = _Plan(split=split, examples=examples[:n_prompts], group=group,
+                 per_chunk=max(1, batch_size // group), temperature=float(ro.temperature),
+                 top_k=int(ro.get("top_k", 0) or 0), max_new=int(ro.max_new_tokens),
+                 reward_name=str(cfg.task.get("reward", None) or "reward"),
+                 eos=int(tokenizer.eos_token_id), stops=tuple(stop_ids(model, tokenizer)))
     episodes = None
     if is_episodic(task):
         settings = EpisodeSettings.from_config(cfg)
@@ -69,7 +79,6 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
         fh = path.open("w", encoding="utf-8")
     except OSError as exc:
         raise UserError(f"cannot write '{out}': {exc.strerror or exc}") from None
-    n_prompts = len(plan.examples)
     err = Console(stderr=True, quiet=quiet)
     err.print(f"rollout: {what}, {n_prompts} {split} prompts x {plan.group} samples "
               f"(temperature {plan.temperature:g}, max_new_tokens {plan.max_new}) -> {path}",
@@ -105,21 +114,6 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
               f"reward/mean {summary['reward_mean']:.4f}, truncated "
               f"{summary['truncated_frac']:.3f}, {summary['seconds']:.1f}s")
     return summary
-
-
-def _plan(cfg, prepared, tokenizer, split, prompts, samples, batch_size, stops) -> _Plan:
-    examples = list(prepared.train if split == "train" else prepared.eval)
-    n_prompts = prompts or int(cfg.trainer.prompts_per_step)
-    group = samples or int(cfg.algo.group_size)
-    if n_prompts > len(examples):
-        raise UserError(f"--prompts {n_prompts} exceeds the {len(examples)} prompts of the "
-                        f"{split} split")
-    ro = cfg.rollout
-    return _Plan(split=split, examples=examples[:n_prompts], group=group,
-                 per_chunk=max(1, batch_size // group), temperature=float(ro.temperature),
-                 top_k=int(ro.get("top_k", 0) or 0), max_new=int(ro.max_new_tokens),
-                 reward_name=str(cfg.task.get("reward", None) or "reward"),
-                 eos=int(tokenizer.eos_token_id), stops=tuple(stops))
 
 
 def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) -> List[dict]:
