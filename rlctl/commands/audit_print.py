@@ -23,33 +23,6 @@ def show(value: Any, digits: int = 4) -> str:
 def print_audit(report: dict) -> None:
     console = Console()
     console.print(f"[bold]rollout audit[/bold] {report['path']}", soft_wrap=True)
-    console.print(_statistics_table(report))
-    console.print(_alignment_table(report))
-    console.print(signs_table(report))
-    print_examples(console, report)
-    for bucket, samples in report["samples"].items():
-        console.print(f"[bold]{bucket}[/bold]")
-        for s in samples:
-            flag = " [truncated]" if s["truncated"] else ""
-            text = s["turns"] if "turns" in s else s["completion"]
-            console.print(f"  line {s['line']}: {s['prompt']!r} -> {text!r} "
-                          f"(reward {show(s['reward'])}, length {s['length']}{flag})",
-                          markup=False, soft_wrap=True)
-
-
-def print_examples(console, report: dict) -> None:
-    """Each episode sign's count and its first example (rlctl.commands.audit_rows)."""
-    for s in report["hacking_signs"]:
-        e = s.get("example")
-        if e is None:
-            continue
-        where = f"line {e['line']}" if e.get("step") is None else f"step {e['step']} (row {e['line']})"
-        console.print(f"{s['sign']}: {s['count']} episode(s); e.g. {where}: {e['prompt']!r} -> "
-                      f"{e['turns']!r} (reward {show(e['reward'])}, {e['status']})",
-                      markup=False, soft_wrap=True)
-
-
-def _statistics_table(report: dict) -> Table:
     t = Table(title="statistics", show_header=False)
     t.add_column("stat")
     t.add_column("value", justify="right")
@@ -73,10 +46,7 @@ def _statistics_table(report: dict) -> Table:
     for name, c in report["design_length_corr"].items():
         t.add_row(f"corr({name}, length) all / within",
                   f"{show(c['all'])} / {show(c['within_group'])}")
-    return t
-
-
-def _alignment_table(report: dict) -> Table:
+    console.print(t)
     t = Table(title="EOS / mask alignment: " + ("ok" if report["alignment_ok"] else "PROBLEMS"))
     for col in ("check", "rows checked", "violations", "first lines"):
         t.add_column(col)
@@ -86,14 +56,32 @@ def _alignment_table(report: dict) -> Table:
         else:
             t.add_row(name, str(c["applicable"]), str(c["violations"]),
                       ", ".join(map(str, c["lines"])))
-    return t
+    console.print(t)
+    print_signs(console, report)
+    for bucket, samples in report["samples"].items():
+        console.print(f"[bold]{bucket}[/bold]")
+        for s in samples:
+            flag = " [truncated]" if s["truncated"] else ""
+            text = s["turns"] if "turns" in s else s["completion"]
+            console.print(f"  line {s['line']}: {s['prompt']!r} -> {text!r} "
+                          f"(reward {show(s['reward'])}, length {s['length']}{flag})",
+                          markup=False, soft_wrap=True)
 
 
-def signs_table(report: dict) -> Table:
+def print_signs(console, report: dict) -> None:
+    """The reward-hacking signs' table, then each episode sign's count and first example."""
     t = Table(title="reward-hacking signs")
     for col in ("sign", "value", "flag", "meaning"):
         t.add_column(col)
     for s in report["hacking_signs"]:
         value = show(s["value"]) + (f" ({s['count']})" if "count" in s else "")
         t.add_row(s["sign"], value, "FLAG" if s["flagged"] else "ok", s["why"])
-    return t
+    console.print(t)
+    for s in report["hacking_signs"]:
+        e = s.get("example")
+        if e is None:
+            continue
+        where = f"line {e['line']}" if e.get("step") is None else f"step {e['step']} (row {e['line']})"
+        console.print(f"{s['sign']}: {s['count']} episode(s); e.g. {where}: {e['prompt']!r} -> "
+                      f"{e['turns']!r} (reward {show(e['reward'])}, {e['status']})",
+                      markup=False, soft_wrap=True)

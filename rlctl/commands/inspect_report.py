@@ -1,4 +1,5 @@
-"""`rlctl inspect` of run directories, as dicts (--json writes them) and printed.
+"""`rlctl inspect` of run directories (config.yaml flattened to dotted keys, overrides.yaml,
+metrics.jsonl), as dicts (--json writes them) and printed.
 
 One run: the config keys that differ from its command's defaults, a metric summary
 (first / last / min / max, and best where higher is better), curves ``<run>/inspect_*.png``.
@@ -7,17 +8,21 @@ curves ``inspect_compare_*.png``. RL and reward-model runs summarise their own m
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+import yaml
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from rlctl.commands.audit_print import show
-from rlctl.commands.plots import (PLOTS, REWARD_MODEL_PLOTS, plot_compare, plot_proxy_gold,
-                                  plot_run, series)
-from rlctl.commands.run_record import Run, default_config, load_run
+from rlctl.commands.plots import PLOTS, REWARD_MODEL_PLOTS, plot_curves, plot_proxy_gold, series
+from rlctl.compose import compose
 from rlctl.errors import UserError
+from rlctl.reward_models.config import default_config as reward_model_defaults
+from rlctl.sinks.jsonl import read_jsonl
 
 
 class _Missing:
@@ -26,6 +31,66 @@ class _Missing:
 
 
 MISSING = _Missing()     # a key a config lacks
+
+
+def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    if not isinstance(tree, Mapping):
+        return {prefix: tree} if prefix else {}
+    out: Dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+@dataclass
+class Run:
+    path: Path
+    config: Dict[str, Any]                 # flattened dotted keys
+    rows: List[dict]                       # metric rows with a "step"
+    metrics_source: Optional[str]
+    overrides: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reward_model(self) -> bool:
+        """A run of `rlctl reward-model train` (its own config: rm.*, data.*)."""
+        return any(k.startswith("rm.") for k in self.config)
+
+
+def load_run(path: Path) -> Run:
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {path}/config.yaml: {' '.join(str(exc).split())[:200]}") \
+            from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}/config.yaml is not a mapping of config keys")
+    rows, source, overrides = [], None, {}
+    if (path / "metrics.jsonl").is_file():
+        try:
+            rows, source = read_jsonl(path / "metrics.jsonl"), "metrics.jsonl"
+        except ValueError as exc:       # not UTF-8: one line naming the file
+            raise UserError(str(exc)) from None
+    if (path / "overrides.yaml").is_file():     # {overrides: [...], choices: {...}}
+        try:
+            overrides = yaml.safe_load((path / "overrides.yaml").read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError):
+            pass                                # unreadable: none
+    return Run(path, flatten(config), rows, source, overrides)
+
+
+def default_config(reward_model: bool = False) -> Dict[str, Any]:
+    """The flattened config of a run with no overrides: `rlctl train`'s, or with
+    ``reward_model`` `rlctl reward-model train`'s (its sections and rm.*, data.* unset)."""
+    if reward_model:
+        return flatten(dict(reward_model_defaults(), data={"prefs": None, "eval": None}))
+    cfg = compose([]).cfg
+    return flatten(OmegaConf.to_container(cfg, resolve=True))
+
 
 SUMMARY_KEYS = ("reward/mean", "eval/exact_match", "eval/reward", "policy/kl_ref",
                 "policy/approx_kl", "policy/clip_frac", "policy/entropy", "length/mean",
@@ -101,7 +166,8 @@ def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
               "keys_not_in_run": newer,
               "metrics": metric_summary(run.rows, keys), "plots": [], "plots_skipped": []}
     if plots and run.rows:
-        written, skipped = plot_run(run.rows, _ensure_dir(out_dir or path), plots=plot_set)
+        written, skipped = plot_curves({path.name: run.rows}, _ensure_dir(out_dir or path),
+                                       plots=plot_set)
         extra = None if run.reward_model else plot_proxy_gold(
             run.rows, proxy_keys(run.config), (out_dir or path) / "inspect_proxy_gold.png")
         report["plots"], report["plots_skipped"] = [str(p) for p in written + [extra] if p], skipped
@@ -137,8 +203,8 @@ def compare_runs(paths: Sequence[Path], out_dir: Path, plots: bool) -> dict:
               "metrics": {label: metric_summary(r.rows, keys) for label, r in zip(labels, runs)},
               "plots": [], "plots_skipped": []}
     if plots and any(r.rows for r in runs):
-        written, skipped = plot_compare({lb: r.rows for lb, r in zip(labels, runs)},
-                                        _ensure_dir(out_dir), plots=plot_set)
+        written, skipped = plot_curves({lb: r.rows for lb, r in zip(labels, runs)},
+                                       _ensure_dir(out_dir), plots=plot_set, compare=True)
         report["plots"], report["plots_skipped"] = [str(p) for p in written], skipped
     return report
 

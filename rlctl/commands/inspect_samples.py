@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from rlctl.commands.audit import audit_samples
-from rlctl.commands.audit_print import print_examples, show, signs_table
+from rlctl.commands.audit_print import print_signs, show
 from rlctl.errors import UserError
 from rlctl.sinks.jsonl import read_samples
 
@@ -92,8 +92,7 @@ def print_samples(report: dict) -> None:
                   f"{show(ln['mean'], 3)}; truncated {show(audit['truncation_rate'], 3)}; "
                   f"zero-std groups {show(audit['frac_zero_std_groups'], 3)}", soft_wrap=True,
                   markup=False)
-    console.print(signs_table(audit))
-    print_examples(console, audit)
+    print_signs(console, audit)
 
 
 def _print_table(console, title: str, rows: List[dict]) -> None:
