@@ -143,7 +143,7 @@ def register(app: typer.Typer) -> None:
                  step: Optional[str] = typer.Option(None, "--step", metavar="N", help="With --samples: the tables of step N."),
                  debug: bool = DEBUG) -> None:
         def go():
-            from rlctl.commands.inspect_cmd import run_inspect
+            from rlctl.commands.inspect_report import run_inspect
 
             run_inspect(list(ctx.args), out_dir=out_dir, json_out=json_out, plots=plots,
                         examples=_int("--examples", examples), samples=samples,

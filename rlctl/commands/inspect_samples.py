@@ -10,8 +10,7 @@ from typing import Dict, List, Optional
 from rich.console import Console
 from rich.text import Text
 
-from rlctl.commands.audit import audit_samples
-from rlctl.commands.audit_print import print_signs, show
+from rlctl.commands.audit import audit_samples, print_signs, show
 from rlctl.errors import UserError
 from rlctl.sinks.jsonl import read_samples
 

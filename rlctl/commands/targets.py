@@ -1,10 +1,7 @@
-"""TARGET resolution shared by `rlctl eval`, `rollout` and `serve`, and their held-out scorer.
-
-A TARGET is a run dir (config.yaml: its recipe.yaml recomposed with the overrides on top,
-its model/ loaded), a model dir (config.json), a LoRA adapter dir (adapter_config.json:
-loaded onto its base model and merged) or absent (the configured model). A model or
-adapter dir inside a run dir takes its settings from that run.
-"""
+"""TARGET resolution for `rlctl eval`, `rollout` and `serve`, and their held-out scorer. A
+TARGET is a run dir (its recipe + the overrides, its model/), a model dir, a LoRA adapter
+dir (merged onto its base model) or absent (the configured model); a model or adapter dir
+inside a run dir takes its settings from that run."""
 from __future__ import annotations
 
 import json
@@ -56,40 +53,33 @@ def resolve_target(target: Optional[str]) -> Target:
 
 
 def load_config(target: Target, overrides: Sequence[str]):
-    """The resolved config: the run's recipe (when there is a run) + overrides."""
-    if target.run_dir is not None:
-        recipe = target.run_dir / "recipe.yaml"
-        if recipe.is_file():
-            cfg = compose(overrides, str(recipe)).cfg
-        else:  # an older run without a recipe: its resolved config + dotted overrides
-            cfg = _config_yaml_with_overrides(target.run_dir / "config.yaml", overrides)
-    else:
+    """The resolved config: the run's recipe (when there is a run) + overrides; an older
+    run without recipe.yaml: its resolved config.yaml + dotted overrides."""
+    if target.run_dir is None:
         cfg = compose(overrides).cfg
+    elif (target.run_dir / "recipe.yaml").is_file():
+        cfg = compose(overrides, str(target.run_dir / "recipe.yaml")).cfg
+    else:
+        path = target.run_dir / "config.yaml"
+        cfg = OmegaConf.load(path)
+        OmegaConf.set_struct(cfg, True)
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+                raise ConfigError(f"unknown config key '{key}' in {path}")
+            OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"x={value}"]).x, merge=False)
     OmegaConf.resolve(cfg)
-    return cfg
-
-
-def _config_yaml_with_overrides(path: Path, overrides: Sequence[str]):
-    cfg = OmegaConf.load(path)
-    OmegaConf.set_struct(cfg, True)
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
-            raise ConfigError(f"unknown config key '{key}' in {path}")
-        OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"x={value}"]).x, merge=False)
     return cfg
 
 
 def open_target(target_arg, overrides):
     """(target, cfg, prepared task, model, tokenizer, description) for eval/rollout: path
-    errors come before the config is composed and the model loaded; the task is prepared
-    for the model (``rlctl.run.build.prepare_task``); the model's generation config holds
-    the full stop set."""
+    errors first, then the config, the model (its generation config given the full stop
+    set) and the task prepared for it (``rlctl.run.build.prepare_task``)."""
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
     built = task_from_config(cfg)
     model, tokenizer, what = load_policy(target, cfg)
-    # the stop set (tokenizer EOS, generation config, rollout.stop_token_ids) onto the model
     resolve_stop_ids(model, tokenizer, cfg.rollout.get("stop_token_ids", None))
     prepared = prepare_task(cfg, tokenizer, model, built)   # chat template; prompts within the context
     return target, cfg, prepared, model, tokenizer, what
