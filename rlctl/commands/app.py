@@ -70,8 +70,7 @@ See docs/engines.md.
 
 
 def _int(name: str, value: Optional[str]) -> Optional[int]:
-    """Integer options are parsed here so that a bad value is one line (click prints
-    a usage block)."""
+    """An integer option's value; a bad one is one line (click would print a usage block)."""
     if value is None:
         return None
     try:

@@ -4,6 +4,7 @@ dict and printed. A sample row's group is (step, group); it is truncated when it
 a length or budget limit."""
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -12,8 +13,9 @@ from typing import Any, Dict, List, Optional
 from rich.console import Console
 from rich.table import Table
 
-from rlctl.commands.audit_rows import Rows, read_rows, read_samples
+from rlctl.commands.audit_rows import EXAMPLE_CHARS, Rows, is_episode, read_rows
 from rlctl.errors import UserError
+from rlctl.sinks.base import cell_text
 from rlctl.types import LENGTH_LIMIT, TOKEN_LIMIT, TURN_LIMIT
 
 CORR_FLAG, CAP_FLAG, REPEAT_FLAG = 0.3, 0.25, 0.2
@@ -197,7 +199,20 @@ def _samples(path: Path, rows: Rows, per_bucket: int) -> Dict[str, List[dict]]:
         step = max(1, len(idx) // per_bucket)
         for i in idx[::step][:per_bucket]:
             picks[rows.line[i]] = name
-    return read_samples(path, picks, [name for name, idx in buckets.items() if idx])
+    out: Dict[str, List[dict]] = {name: [] for name, idx in buckets.items() if idx}
+    with path.open(encoding="utf-8") as fh:     # the picked lines, re-read for their texts
+        for lineno, line in enumerate(fh, 1):
+            if lineno in picks:
+                row = json.loads(line)
+                sample = {
+                    "line": lineno, "prompt": str(row.get("prompt", ""))[:200],
+                    "completion": str(row.get("completion", ""))[:200],
+                    "reward": row["reward"], "length": row.get("length"),
+                    "truncated": row.get("truncated"), "correct": row.get("correct")}
+                if is_episode(row):     # the turns as one line: model turns and observations
+                    sample["turns"] = cell_text(row["turns"])[:EXAMPLE_CHARS]
+                out[picks[lineno]].append(sample)
+    return out
 
 
 def show(value: Any, digits: int = 4) -> str:

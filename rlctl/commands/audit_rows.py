@@ -1,7 +1,6 @@
 """A rollout JSONL file read for the audit in one streaming pass: compact per-row columns,
 the EOS / mask alignment checks and the episodes' tallies applied on the way (unreadable
-lines counted); the few sampled lines re-read for their texts. The checks and signs are
-listed in docs/runs.md (rollout files and their audit)."""
+lines counted). docs/runs.md lists the checks and signs."""
 from __future__ import annotations
 
 import json
@@ -255,22 +254,3 @@ def read_rows(path: Path):
             checker.row(lineno, row)
             rows.add(lineno, row)
     return rows, bad, checker
-
-
-def read_samples(path: Path, picks: Dict[int, str], buckets: List[str]) -> Dict[str, List[dict]]:
-    """The rows at the line numbers of ``picks`` (line -> bucket name), truncated texts,
-    grouped by bucket in file order; every name of ``buckets`` is a key."""
-    out: Dict[str, List[dict]] = {name: [] for name in buckets}
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if lineno in picks:
-                row = json.loads(line)
-                sample = {
-                    "line": lineno, "prompt": str(row.get("prompt", ""))[:200],
-                    "completion": str(row.get("completion", ""))[:200],
-                    "reward": row["reward"], "length": row.get("length"),
-                    "truncated": row.get("truncated"), "correct": row.get("correct")}
-                if is_episode(row):     # the turns as one line: model turns and observations
-                    sample["turns"] = cell_text(row["turns"])[:EXAMPLE_CHARS]
-                out[picks[lineno]].append(sample)
-    return out

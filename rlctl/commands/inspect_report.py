@@ -24,12 +24,11 @@ from rlctl.reward_models.config import default_config as reward_model_defaults
 from rlctl.sinks.jsonl import read_jsonl
 
 
-class _Missing:
-    def __repr__(self) -> str:
-        return "(absent)"
+class _Missing(str):
+    """A key a config lacks: shown and written as "(absent)", told apart by identity."""
 
 
-MISSING = _Missing()     # a key a config lacks
+MISSING = _Missing("(absent)")
 
 
 def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
@@ -80,15 +79,6 @@ def load_run(path: Path) -> Run:
         except (yaml.YAMLError, UnicodeDecodeError):
             pass                                # unreadable: none
     return Run(path, flatten(config), rows, source, overrides)
-
-
-def default_config(reward_model: bool = False) -> Dict[str, Any]:
-    """The flattened config of a run with no overrides: `rlctl train`'s, or with
-    ``reward_model`` `rlctl reward-model train`'s (its sections and rm.*, data.* unset)."""
-    if reward_model:
-        return flatten(dict(reward_model_defaults(), data={"prefs": None, "eval": None}))
-    cfg = compose([]).cfg
-    return flatten(OmegaConf.to_container(cfg, resolve=True))
 
 
 SUMMARY_KEYS = ("reward/mean", "eval/exact_match", "eval/reward", "policy/kl_ref",
@@ -150,7 +140,10 @@ def _ensure_dir(path: Path) -> Path:
 
 def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
     run = load_run(path)
-    defaults = default_config(run.reward_model)
+    if run.reward_model:    # `rlctl reward-model train`'s defaults, its data.* unset
+        defaults = flatten(dict(reward_model_defaults(), data={"prefs": None, "eval": None}))
+    else:
+        defaults = flatten(OmegaConf.to_container(compose([]).cfg, resolve=True))
     keys, plot_set = kinds_of([run])
     diff = config_diff([defaults, run.config])
     # keys the run's config lacks were added to the schema after the run: not a choice
@@ -360,8 +353,6 @@ def run_inspect(paths: Sequence[str], out_dir: Optional[str] = None,
 
 
 def _jsonable(obj):
-    if obj is MISSING:
-        return "(absent)"
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

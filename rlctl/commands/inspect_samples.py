@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from rlctl.commands.audit import audit_samples, print_signs, show
+from rlctl.commands.audit_rows import is_number
 from rlctl.errors import UserError
 from rlctl.sinks.jsonl import read_samples
 
@@ -19,9 +20,13 @@ PROMPT_TAIL = 160        # characters of a prompt shown (its end: the question; 
 SAMPLE_NUMBERS = {"train": ("step", "reward", "length"), "eval": ("step",)}
 
 
-def load_samples(path: Path) -> List[dict]:
-    """The rows of ``path``/samples.jsonl ({"table", "step", columns...}, as written);
-    one-line errors when the run has none or a row lacks its numbers."""
+def _listing(steps: Dict[str, List[int]]) -> str:
+    return "; ".join(f"{t}: {', '.join(map(str, s))}" for t, s in steps.items())
+
+
+def samples_report(path: Path, step: Optional[int] = None) -> dict:
+    """The tables of ``path``/samples.jsonl at one step and the audit of its train rows;
+    one-line errors when the run has none, a row lacks its numbers or the step none."""
     file = path / "samples.jsonl"
     if not file.is_file():
         raise UserError(f"{path} has no samples.jsonl (a run writes one with logger.jsonl=true "
@@ -37,20 +42,10 @@ def load_samples(path: Path) -> List[dict]:
         if need is None:
             raise UserError(f"{file}: row {i} has table {row.get('table')!r}; valid: "
                             f"{', '.join(SAMPLE_NUMBERS)}")
-        bad = [k for k in need if isinstance(row.get(k), bool)
-               or not isinstance(row.get(k), (int, float))]
+        bad = [k for k in need if not is_number(row.get(k))]
         if bad:
             raise UserError(f"{file}: row {i} ({row['table']}) needs numbers in {', '.join(bad)} "
                             f"(required: {', '.join(need)})")
-    return rows
-
-
-def _listing(steps: Dict[str, List[int]]) -> str:
-    return "; ".join(f"{t}: {', '.join(map(str, s))}" for t, s in steps.items())
-
-
-def samples_report(path: Path, step: Optional[int] = None) -> dict:
-    rows = load_samples(path)
     by_table: Dict[str, set] = {}
     for r in rows:
         by_table.setdefault(str(r["table"]), set()).add(r["step"])

@@ -59,15 +59,12 @@ def _band(ax, rows, key, color):
     xs, ys = series(rows, key)
     if len(extra) == 1:  # mean +- std
         sx, sd = series(rows, extra[0])
-        if sx != xs:
-            return
         lo, hi = [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)]
+        aligned = sx == xs
     else:
-        lx, lo = series(rows, extra[0])
-        hx, hi = series(rows, extra[1])
-        if not (lx == hx == xs):
-            return
-    if xs and all(math.isfinite(v) for v in lo + hi):
+        (lx, lo), (hx, hi) = series(rows, extra[0]), series(rows, extra[1])
+        aligned = lx == hx == xs
+    if aligned and xs and all(math.isfinite(v) for v in lo + hi):
         ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
 
 
