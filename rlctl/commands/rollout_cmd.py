@@ -40,6 +40,9 @@ class _Plan:
     reward_name: str
     eos: int
     stops: tuple            # every stop id (rlctl.models.stop_ids)
+    seed: int
+    player: Optional[EpisodePlayer] = None      # a task played as episodes
+    tool_task: bool = False
 
 
 def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Optional[str],
@@ -67,12 +70,11 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                  per_chunk=max(1, batch_size // group), temperature=float(ro.temperature),
                  top_k=int(ro.get("top_k", 0) or 0), max_new=int(ro.max_new_tokens),
                  reward_name=str(cfg.task.get("reward", None) or "reward"),
-                 eos=int(tokenizer.eos_token_id), stops=tuple(stop_ids(model, tokenizer)))
-    episodes = None
+                 eos=int(tokenizer.eos_token_id), stops=tuple(stop_ids(model, tokenizer)),
+                 seed=int(cfg.seed))
     if is_episodic(task):
-        settings = EpisodeSettings.from_config(cfg)
-        episodes = EpisodeDump(EpisodePlayer(tokenizer, task, settings, plan.stops), settings,
-                               offers_tools(task), int(cfg.seed))
+        plan.player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg), plan.stops)
+        plan.tool_task = offers_tools(task)
     path = Path(out).expanduser()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
         job = bar.add_task("prompts", total=n_prompts)
         for start in range(0, n_prompts, plan.per_chunk):
             chunk = plan.examples[start:start + plan.per_chunk]
-            lines = episodes.rows(plan, model, start, chunk) if episodes is not None else \
+            lines = _episode_rows(plan, model, start, chunk) if plan.player is not None else \
                 _chunk_rows(plan, model, tokenizer, task, scorer, start, chunk)
             for row in lines:
                 rows += 1
@@ -109,7 +111,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                "reward_mean": reward_sum / max(rows, 1),
                "seconds": round(time.perf_counter() - t0, 3)}
     if not quiet:
-        what = "episodes" if episodes is not None else "completions"
+        what = "episodes" if plan.player is not None else "completions"
         print(f"wrote {rows} {what} ({n_prompts} prompts x {plan.group}) to {path}; "
               f"reward/mean {summary['reward_mean']:.4f}, truncated "
               f"{summary['truncated_frac']:.3f}, {summary['seconds']:.1f}s")
@@ -159,40 +161,33 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
     return rows
 
 
-@dataclass
-class EpisodeDump:
-    """Plays a chunk of prompts as episodes (the G of a prompt share its environment seed,
-    ``seed`` + the prompt's index in the file) and gives their rows."""
-    player: EpisodePlayer
-    settings: EpisodeSettings
-    tool_task: bool
-    seed: int
-
-    def rows(self, plan: _Plan, model, start: int, chunk) -> List[dict]:
-        g, s = plan.group, self.settings
-        batch = self.player.play(model, chunk, self.seed + start, group_size=g)
-        widths = batch.attention_mask[:, batch.prompt_len:].sum(-1).tolist()  # [N] transcripts
-        ids, masks = batch.completion_ids.tolist(), batch.mask.long().tolist()
-        logps, rewards = batch.old_logprobs.double().tolist(), batch.rewards.double().tolist()
-        out = []
-        for i, e in enumerate(batch.episodes):
-            n = int(widths[i])
-            mask = masks[i][:n]
-            lps = [round(v, 6) if m else 0.0 for v, m in zip(logps[i][:n], mask)]
-            row = {"group": start + i // g, "sample": i % g, "split": plan.split,
-                   "prompt_index": start + i // g, "prompt": chunk[i // g].prompt,
-                   "completion": batch.completions[i], "token_ids": ids[i][:n], "mask": mask,
-                   "logprobs": lps, "logprob_sum": round(sum(lps), 6), "length": sum(mask),
-                   "transcript_length": len(ids[i][:n]), "max_new_tokens": s.max_new_tokens,
-                   "max_turns": s.max_turns, "max_tokens": s.max_tokens, "eos_token_id": plan.eos,
-                   "stop_token_ids": list(plan.stops), "truncated": e.status != DONE,
-                   "reward": rewards[i], "turn_rewards": list(e.turn_rewards),
-                   "turn_reward": s.turn_reward, "correct": episode_success(e, rewards[i]),
-                   **episode_columns(e, self.tool_task)}       # the sample tables' columns
-            row["turns"] = [
-                {**turn, "start": x.start, "end": x.end, "token_ids": ids[i][x.start:x.end],
-                 "logprobs": [round(v, 6) for v in logps[i][x.start:x.end]] if x.role == MODEL
-                 else []}
-                for turn, x in zip(row["turns"], e.spans)]
-            out.append(row)
-        return out
+def _episode_rows(plan: _Plan, model, start: int, chunk) -> List[dict]:
+    """G episodes of each prompt in ``chunk`` (the G of a prompt share its environment seed,
+    ``seed`` + the prompt's index in the file), one row each."""
+    g, s = plan.group, plan.player.settings
+    batch = plan.player.play(model, chunk, plan.seed + start, group_size=g)
+    widths = batch.attention_mask[:, batch.prompt_len:].sum(-1).tolist()  # [N] transcripts
+    ids, masks = batch.completion_ids.tolist(), batch.mask.long().tolist()
+    logps, rewards = batch.old_logprobs.double().tolist(), batch.rewards.double().tolist()
+    out = []
+    for i, e in enumerate(batch.episodes):
+        n = int(widths[i])
+        mask = masks[i][:n]
+        lps = [round(v, 6) if m else 0.0 for v, m in zip(logps[i][:n], mask)]
+        row = {"group": start + i // g, "sample": i % g, "split": plan.split,
+               "prompt_index": start + i // g, "prompt": chunk[i // g].prompt,
+               "completion": batch.completions[i], "token_ids": ids[i][:n], "mask": mask,
+               "logprobs": lps, "logprob_sum": round(sum(lps), 6), "length": sum(mask),
+               "transcript_length": len(ids[i][:n]), "max_new_tokens": s.max_new_tokens,
+               "max_turns": s.max_turns, "max_tokens": s.max_tokens, "eos_token_id": plan.eos,
+               "stop_token_ids": list(plan.stops), "truncated": e.status != DONE,
+               "reward": rewards[i], "turn_rewards": list(e.turn_rewards),
+               "turn_reward": s.turn_reward, "correct": episode_success(e, rewards[i]),
+               **episode_columns(e, plan.tool_task)}       # the sample tables' columns
+        row["turns"] = [
+            {**turn, "start": x.start, "end": x.end, "token_ids": ids[i][x.start:x.end],
+             "logprobs": [round(v, 6) for v in logps[i][x.start:x.end]] if x.role == MODEL
+             else []}
+            for turn, x in zip(row["turns"], e.spans)]
+        out.append(row)
+    return out
