@@ -96,7 +96,9 @@ def _add_episodes(report: dict, rows: Rows, trunc: List[bool]) -> None:
     """The reward-hacking signs; with episodes among the rows, their statistics and signs."""
     report["hacking_signs"] = _hacking_signs(rows, trunc, report)
     if rows.episodes.episodes:
-        report["episodes"] = rows.episodes.statistics()
+        t = rows.episodes
+        report["episodes"] = {"episodes": t.episodes, "status": dict(t.status),
+                              "tool_task_episodes": t.tool_episodes}
         report["hacking_signs"] += rows.episodes.signs()
 
 

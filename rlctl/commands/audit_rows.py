@@ -111,7 +111,6 @@ class Checker:
         then only the checks some row was checked by."""
         for lineno, length, is_trunc in self.deferred:
             self._cap(lineno, length, is_trunc, cap_default)
-        self.deferred = []
         mixed = self.checks["turns_cover_tokens"]["applicable"] > 0     # some rows are episodes
         return {k: v for k, v in self.checks.items()
                 if v["applicable"] > 0 or not (mixed or k in EPISODE_CHECKS)}
@@ -166,10 +165,6 @@ class EpisodeTally:
                     "prompt": str(row.get("prompt", ""))[:200],
                     "turns": cell_text(row["turns"])[:EXAMPLE_CHARS], "reward": row.get("reward"),
                     "status": row.get("status")})
-
-    def statistics(self) -> dict:
-        return {"episodes": self.episodes, "status": dict(self.status),
-                "tool_task_episodes": self.tool_episodes}
 
     def signs(self) -> List[dict]:
         out = []

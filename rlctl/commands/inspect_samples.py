@@ -15,6 +15,7 @@ from rlctl.commands.audit_rows import is_number
 from rlctl.errors import UserError
 from rlctl.sinks.jsonl import read_samples
 
+NOT_FIGURES = ("step", "prompt", "completion", "stop_id", "stop_token", "turns")
 PROMPT_TAIL = 160        # characters of a prompt shown (its end: the question; --json has all)
 # what a row needs to be shown and audited (the producer writes them all)
 SAMPLE_NUMBERS = {"train": ("step", "reward", "length"), "eval": ("step",)}
@@ -75,7 +76,31 @@ def print_samples(report: dict) -> None:
     console.print(f"[bold]samples[/bold] {report['run_dir']} step {report['step']} "
                   f"(steps with samples: {_listing(report['steps'])})", soft_wrap=True)
     for table, rows in report["tables"].items():
-        _print_table(console, f"{table} samples at step {report['step']}", rows)
+        # one block per row (readable at any width): its figures on one line, then the
+        # prompt's end and the completion (an episode: turn by turn), as text (no markup)
+        console.print(f"[bold]{table} samples at step {report['step']}[/bold] ({len(rows)} rows)")
+        for i, row in enumerate(rows, 1):
+            figures = [f"{k} {show(v, 3)}" for k, v in row.items() if k not in NOT_FIGURES]
+            if row.get("stop_token") is not None:
+                figures.append(f"stop {row['stop_token']} (id {row.get('stop_id')})")
+            prompt = str(row.get("prompt", ""))
+            if len(prompt) > PROMPT_TAIL:
+                prompt = "..." + prompt[-PROMPT_TAIL:]
+            console.print(Text(f"#{i} " + " | ".join(figures), style="bold"), soft_wrap=True)
+            console.print(Text(f"   prompt:     {prompt!r}"), soft_wrap=True)
+            if not isinstance(row.get("turns"), list):
+                console.print(Text(f"   completion: {row.get('completion', '')!r}"), soft_wrap=True)
+                continue
+            k = 0
+            for t in row["turns"]:   # model turns numbered with their reward, observations
+                if t.get("role") == "model":
+                    k += 1
+                    line = (f"   model {k}:    {t.get('text', '')!r} "
+                            f"(reward {show(t.get('reward'), 3)})")
+                else:
+                    cut = " [truncated]" if t.get("truncated") else ""
+                    line = f"     {t.get('role', 'observation')}: {t.get('text', '')!r}{cut}"
+                console.print(Text(line), soft_wrap=True)
     audit = report["audit"]
     if audit is None:
         console.print("no train rows to audit")
@@ -87,31 +112,3 @@ def print_samples(report: dict) -> None:
                   f"zero-std groups {show(audit['frac_zero_std_groups'], 3)}", soft_wrap=True,
                   markup=False)
     print_signs(console, audit)
-
-
-def _print_table(console, title: str, rows: List[dict]) -> None:
-    """One block per row (readable at any width): its figures on one line, then the
-    prompt's end and the completion (an episode: turn by turn), as text (no markup)."""
-    console.print(f"[bold]{title}[/bold] ({len(rows)} rows)")
-    for i, row in enumerate(rows, 1):
-        figures = [f"{k} {show(v, 3)}" for k, v in row.items()
-                   if k not in ("step", "prompt", "completion", "stop_id", "stop_token", "turns")]
-        if row.get("stop_token") is not None:
-            figures.append(f"stop {row['stop_token']} (id {row.get('stop_id')})")
-        prompt = str(row.get("prompt", ""))
-        if len(prompt) > PROMPT_TAIL:
-            prompt = "..." + prompt[-PROMPT_TAIL:]
-        console.print(Text(f"#{i} " + " | ".join(figures), style="bold"), soft_wrap=True)
-        console.print(Text(f"   prompt:     {prompt!r}"), soft_wrap=True)
-        if not isinstance(row.get("turns"), list):
-            console.print(Text(f"   completion: {row.get('completion', '')!r}"), soft_wrap=True)
-            continue
-        k = 0
-        for t in row["turns"]:   # model turns numbered with their reward, observations under them
-            if t.get("role") == "model":
-                k += 1
-                line = f"   model {k}:    {t.get('text', '')!r} (reward {show(t.get('reward'), 3)})"
-            else:
-                cut = " [truncated]" if t.get("truncated") else ""
-                line = f"     {t.get('role', 'observation')}: {t.get('text', '')!r}{cut}"
-            console.print(Text(line), soft_wrap=True)
