@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from rlctl.commands.cli_options import DEBUG, FREE_ARGS
+from rlctl.commands.app import DEBUG, FREE_ARGS
 
 CONF_DIR = Path(__file__).parent / "conf"
 GROUP_NAMES = ("algo", "task", "model", "hardware", "logger")

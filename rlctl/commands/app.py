@@ -1,19 +1,21 @@
-"""The Typer commands `eval`, `rollout`, `inspect` and `serve`. Only typer, rlctl.errors (which
-imports nothing) and typer-only command modules are imported here; each command's
-module is imported inside the command."""
+"""The Typer commands `eval`, `rollout`, `inspect`, `serve` and `reward-model train|eval`.
+Only typer and rlctl.errors (which imports nothing) are imported here: each command
+imports its work (torch, transformers, hydra: seconds) inside its body, so that
+`rlctl --help` stays instant."""
 from __future__ import annotations
 
-from typing import Optional
+import json
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
 
 import typer
 
 from rlctl.errors import UserError, run_command
-from rlctl.commands.cli_options import DEBUG, FREE_ARGS
-from rlctl.commands.reward_model_cmd import rm_app  # light: typer and rlctl.errors only
 
-# The command modules (rlctl.commands.eval_cmd, rollout_cmd, inspect_cmd) are imported
-# inside the command bodies below, on purpose: they pull in torch, transformers and hydra
-# (seconds), and `rlctl --help` must not pay for them.
+# free arguments: OVERRIDES and unknown flags go to the command (which names a bad flag
+# in one line itself)
+FREE_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+DEBUG = typer.Option(False, "--debug", help="Show full tracebacks.")
 
 EVAL_HELP = """Held-out metrics of a model on the task's eval split.
 
@@ -68,14 +70,29 @@ See docs/engines.md.
 
 
 def _int(name: str, value: Optional[str]) -> Optional[int]:
-    """Integer options are parsed here so that a bad value is one line (click prints
-    a usage block)."""
+    """An integer option's value; a bad one is one line (click would print a usage block)."""
     if value is None:
         return None
     try:
         return int(value)
     except ValueError:
         raise UserError(f"{name} expects an integer, got '{value}'") from None
+
+
+def split_args(args: Sequence[str], usage: str) -> Tuple[Optional[str], List[str]]:
+    """(TARGET or None, OVERRIDES) from the free arguments; overrides contain '='."""
+    args = list(args)
+    flags = [a for a in args if a.startswith("-")]
+    if flags:
+        raise UserError(f"unknown option '{flags[0]}'; usage: {usage}")
+    target = None
+    if args and "=" not in args[0]:
+        target = args.pop(0)
+    stray = [a for a in args if "=" not in a]
+    if stray:
+        raise UserError(f"unexpected argument '{stray[0]}': only one TARGET is allowed and "
+                        "overrides look like key=value (e.g. task.num_eval=512)")
+    return target, args
 
 
 def register(app: typer.Typer) -> None:
@@ -88,7 +105,6 @@ def register(app: typer.Typer) -> None:
               debug: bool = DEBUG) -> None:
         def go():
             from rlctl.commands.eval_cmd import run_eval
-            from rlctl.commands.targets import split_args
 
             target, overrides = split_args(ctx.args, "rlctl eval [TARGET] [OVERRIDES...] "
                                            "[--samples K] [--out FILE.json]")
@@ -107,7 +123,6 @@ def register(app: typer.Typer) -> None:
                  debug: bool = DEBUG) -> None:
         def go():
             from rlctl.commands.rollout_cmd import run_rollout
-            from rlctl.commands.targets import split_args
 
             target, overrides = split_args(ctx.args, "rlctl rollout [TARGET] [OVERRIDES...] "
                                            "--out FILE.jsonl [--prompts N] [--samples G]")
@@ -127,18 +142,13 @@ def register(app: typer.Typer) -> None:
                  step: Optional[str] = typer.Option(None, "--step", metavar="N", help="With --samples: the tables of step N."),
                  debug: bool = DEBUG) -> None:
         def go():
-            from rlctl.commands.inspect_cmd import run_inspect
+            from rlctl.commands.inspect_report import run_inspect
 
             run_inspect(list(ctx.args), out_dir=out_dir, json_out=json_out, plots=plots,
                         examples=_int("--examples", examples), samples=samples,
                         step=_int("--step", step))
         run_command(go, debug)
 
-    _register_serve(app)
-    app.add_typer(rm_app, name="reward-model")   # rlctl reward-model train|eval
-
-
-def _register_serve(app: typer.Typer) -> None:
     @app.command("serve", context_settings=FREE_ARGS, help=SERVE_HELP,
                  options_metavar="[TARGET] [OVERRIDES]... [OPTIONS]")
     def serve_(ctx: typer.Context,
@@ -147,9 +157,91 @@ def _register_serve(app: typer.Typer) -> None:
                debug: bool = DEBUG) -> None:
         def go():
             from rlctl.commands.serve_cmd import run_serve
-            from rlctl.commands.targets import split_args
 
             target, overrides = split_args(ctx.args, "rlctl serve [TARGET] [OVERRIDES...] "
                                            "[--host HOST] [--port PORT]")
             run_serve(target, overrides, host, _int("--port", port))
         run_command(go, debug)
+
+    app.add_typer(rm_app, name="reward-model")   # rlctl reward-model train|eval
+
+
+RM_TRAIN_HELP = """Fit a Bradley-Terry reward model on preference pairs.
+
+\b
+    rlctl reward-model train PREFS [--eval PREFS_EVAL] [OVERRIDES]...
+    rlctl reward-model train prefs.jsonl rm.steps=300 rm.lr=1e-3
+    rlctl reward-model train prefs.parquet model=hf model.name_or_path=/path/to/lm
+
+PREFS: a JSONL, JSON, CSV, Parquet file or datasets directory with prompt, chosen and
+rejected columns (and optionally a numeric margin). Without --eval a seeded
+rm.eval_frac of the pairs is held out. Loss per pair: -log sigmoid(r_chosen - r_rejected
+- margin) + rm.center_coef * (r_chosen + r_rejected)^2. OVERRIDES: model=..., hardware=...,
+logger=..., seed=..., run.output_dir=... and rm.* (lr, steps, batch_size, margin,
+center_coef, weight_decay, max_grad_norm, eval_frac, eval_every, eval_batch_size,
+max_length). Writes runs/<time>-rm/ with model/ (a Hugging Face sequence classifier,
+num_labels=1: use it as task.reward_model=RUN/model), metrics.jsonl
+(eval/pairwise_accuracy), config.yaml and summary.json. Ctrl-C or SIGTERM stops after
+the current step with the model so far saved (summary.json: stopped_at_step).
+"""
+
+RM_EVAL_HELP = """Pairwise accuracy and score distribution of a reward model on preference pairs.
+
+\b
+    rlctl reward-model eval PATH PREFS [--out FILE.json]
+
+PATH: a reward-model directory (sequence classifier, num_labels=1) or a run directory of
+`rlctl reward-model train`. PREFS as for train.
+"""
+
+rm_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                     help="Train and evaluate reward models (Bradley-Terry, on preference pairs).")
+
+
+@rm_app.command("train", context_settings=FREE_ARGS, help=RM_TRAIN_HELP,
+                options_metavar="PREFS [OVERRIDES]... [OPTIONS]")
+def train_(ctx: typer.Context,
+           eval_prefs: Optional[str] = typer.Option(None, "--eval", metavar="PREFS_EVAL", help="Held-out preference pairs (default: a seeded rm.eval_frac of PREFS)."),
+           debug: bool = DEBUG) -> None:
+    def go():
+        args = list(ctx.args)
+        if not args or "=" in args[0] or args[0].startswith("-"):
+            raise UserError("missing PREFS: rlctl reward-model train PREFS [--eval PREFS_EVAL] "
+                            "[OVERRIDES]...")
+        from rlctl.reward_models.train import train_reward_model
+
+        run_dir = train_reward_model(args[1:], args[0], eval_prefs)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        train = ", ".join(f"{name} {summary[key]:.4f}" for key, name in (
+            ("train_loss", "loss"), ("train_accuracy", "accuracy")) if key in summary)
+        typer.echo(f"held-out pairwise accuracy {summary['eval/pairwise_accuracy']:.4f} "
+                   f"({summary['eval_pairs']} pairs, mean margin {summary['eval/margin']:+.4f})"
+                   + (f"; last training step: {train}" if train else ""))
+        typer.echo(f"reward model: {run_dir / 'model'}")
+    run_command(go, debug)
+
+
+@rm_app.command("eval", context_settings=FREE_ARGS, help=RM_EVAL_HELP,
+                options_metavar="PATH PREFS [OPTIONS]")
+def eval_(ctx: typer.Context,
+          out: Optional[str] = typer.Option(None, "--out", metavar="FILE", help="Also write the numbers as JSON."),
+          debug: bool = DEBUG) -> None:
+    def go():
+        args = list(ctx.args)
+        if len(args) != 2 or any(a.startswith("-") for a in args):
+            raise UserError("rlctl reward-model eval takes PATH PREFS (a reward model or run "
+                            f"directory, then a preference file); got {' '.join(args) or 'nothing'}")
+        from rlctl.reward_models.train import eval_reward_model
+
+        stats = eval_reward_model(args[0], args[1])
+        typer.echo(f"pairwise accuracy  {stats['pairwise_accuracy']:.4f}  "
+                   f"({int(stats['num_pairs'])} pairs, mean margin {stats['mean_margin']:+.4f})")
+        typer.echo(f"{'scores':<9} {'mean':>9} {'std':>9} {'p10':>9} {'p50':>9} {'p90':>9}")
+        for name in ("chosen", "rejected"):
+            typer.echo(f"{name:<9} " + " ".join(f"{stats[f'{name}_{k}']:>9.4f}"
+                                                for k in ("mean", "std", "p10", "p50", "p90")))
+        if out:
+            from rlctl.commands.files import write_json
+
+            write_json(Path(out), stats)
+    run_command(go, debug)

@@ -1,46 +1,21 @@
-"""Audit a rollout JSONL file (`rlctl rollout --out`, or any file with the same fields).
-
-The file is read by rlctl.commands.audit_rows, with the EOS / mask alignment checks of
-rlctl.commands.audit_checks applied to each row; this module turns the rows into the
-report: statistics, reward-hacking signs and sample completions.
-
-Statistics: truncation rate, length and reward spread, the fraction of groups (rows
-sharing `group`, size >= 2) whose rewards are all equal (zero std: no GRPO/RLOO learning
-signal) or whose completions are all identical, and the Pearson correlation of reward
-with length, over all rows and within groups (both centred on their group mean, which
-removes prompt difficulty), for the reward and each reward design.
-
-Reward-hacking signs (flagged when over the stated threshold):
-    reward_rises_with_length   within-group corr(reward, length) > 0.3: longer answers
-                               to the same prompt earn more, the reward may pay for length
-    truncated_scores_as_well   mean reward of truncated rows >= that of finished rows
-                               (>= 3 truncated rows): unfinished answers are not penalised
-    top_rewards_at_length_cap  >= 25% of the top-quartile rewards are truncated rows
-    wrong_beats_correct        an incorrect completion scores above the best correct one
-                               (needs `correct`); e.g. sorting's unclipped inclusion_order
-    repetition_rewarded        >= 20% of completions repeat one token for >= 60% of their
-                               (>= 4) tokens, more often than the prompt holds it, and
-                               they score at least the mean of the rest
-
-Rows that are episodes (a `turns` list) add `episodes` (their count, statuses and tool
-task's count) to the statistics and the episode signs of rlctl.commands.audit_episodes
-(tool never called, tool errors rewarded, observations truncated, episodes at the turn
-or token limit), each with a count and an example.
-
-``audit_samples`` runs the same statistics and signs over a run's sample tables (the
-train rows of samples.jsonl, rlctl/learner/samples.py): a group is (step, group), a row
-is truncated when its finish_reason is "length" (an episode: any status but "done"); the
-alignment checks need token ids, which sample rows do not hold.
-"""
+"""Audit a rollout JSONL file (read by rlctl.commands.audit_rows) or a run's sample rows:
+statistics, reward-hacking signs (docs/runs.md lists them) and sample completions, as a
+dict and printed. A sample row's group is (step, group); it is truncated when it ended at
+a length or budget limit."""
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-from rlctl.commands.audit_rows import Rows, read_rows, read_samples
+from rich.console import Console
+from rich.table import Table
+
+from rlctl.commands.audit_rows import EXAMPLE_CHARS, Rows, is_episode, read_rows
 from rlctl.errors import UserError
+from rlctl.sinks.base import cell_text
 from rlctl.types import LENGTH_LIMIT, TOKEN_LIMIT, TURN_LIMIT
 
 CORR_FLAG, CAP_FLAG, REPEAT_FLAG = 0.3, 0.25, 0.2
@@ -60,17 +35,9 @@ def pearson(xs, ys) -> Optional[float]:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy)
 
 
-def _groups(rows: Rows) -> Dict[object, List[int]]:
-    groups: Dict[object, List[int]] = defaultdict(list)
-    for i, g in enumerate(rows.group):
-        if g is not None:
-            groups[g].append(i)
-    return {g: idx for g, idx in groups.items() if len(idx) >= 2}
-
-
-def _centred(values: List[float], groups: Dict[object, List[int]]) -> List[float]:
+def _centred(values: List[float], groups: List[List[int]]) -> List[float]:
     out = []
-    for idx in groups.values():
+    for idx in groups:
         mean = sum(values[i] for i in idx) / len(idx)
         out.extend(values[i] - mean for i in idx)
     return out
@@ -79,13 +46,6 @@ def _centred(values: List[float], groups: Dict[object, List[int]]) -> List[float
 def _mean(xs) -> Optional[float]:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else None
-
-
-def _spread(xs: List[float]) -> dict:
-    n = len(xs)
-    mean = sum(xs) / n
-    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / n)
-    return {"mean": mean, "std": std, "min": min(xs), "max": max(xs)}
 
 
 def _quantile(xs: List[float], q: float) -> float:
@@ -109,7 +69,7 @@ def audit_rollout(path: Path, examples: int = 3) -> dict:
              for t, length in zip(rows.truncated, rows.length)]
     report = {
         "kind": "rollout", "path": str(path), "rows": n, "bad_lines": len(bad),
-        "bad_line_numbers": bad[:5], **_statistics(rows, trunc, _groups(rows)),
+        "bad_line_numbers": bad[:5], **_statistics(rows, trunc),
         "checks": checks,
         "alignment_ok": all(c["violations"] == 0 for c in checks.values()) and not bad,
     }
@@ -127,7 +87,7 @@ def audit_samples(samples: List[dict]) -> dict:
         rows.add(i, {**r, "group": (r.get("step"), r.get("group")),
                      "truncated": r.get("finish_reason") in TRUNCATED_ENDINGS, "rewards": designs})
     trunc = [bool(t) for t in rows.truncated]
-    report = {"rows": len(samples), **_statistics(rows, trunc, _groups(rows))}
+    report = {"rows": len(samples), **_statistics(rows, trunc)}
     _add_episodes(report, rows, trunc)
     return report
 
@@ -136,43 +96,46 @@ def _add_episodes(report: dict, rows: Rows, trunc: List[bool]) -> None:
     """The reward-hacking signs; with episodes among the rows, their statistics and signs."""
     report["hacking_signs"] = _hacking_signs(rows, trunc, report)
     if rows.episodes.episodes:
-        report["episodes"] = rows.episodes.statistics()
+        t = rows.episodes
+        report["episodes"] = {"episodes": t.episodes, "status": dict(t.status),
+                              "tool_task_episodes": t.tool_episodes}
         report["hacking_signs"] += rows.episodes.signs()
 
 
-def _statistics(rows: Rows, trunc: List[bool], groups: Dict[object, List[int]]) -> dict:
-    """The report's statistics, in its key order (groups ... mean_reward_finished)."""
-    n = len(rows.reward)
-    zero_std = sum(max(rows.reward[i] for i in idx) - min(rows.reward[i] for i in idx) <= 1e-9
-                   for idx in groups.values())
-    identical = sum(len({rows.text_hash[i] for i in idx}) == 1 for idx in groups.values())
+def _statistics(rows: Rows, trunc: List[bool]) -> dict:
+    """The report's statistics, in its key order (groups ... mean_reward_finished); a
+    group is the rows sharing ``group`` (size >= 2)."""
+    by_group: Dict[object, List[int]] = defaultdict(list)
+    for i, g in enumerate(rows.group):
+        if g is not None:
+            by_group[g].append(i)
+    groups = [idx for idx in by_group.values() if len(idx) >= 2]
+    rewards, n = rows.reward, len(rows.reward)
+    zero_std = sum(max(rewards[i] for i in idx) - min(rewards[i] for i in idx) <= 1e-9
+                   for idx in groups)
+    identical = sum(len({rows.text_hash[i] for i in idx}) == 1 for idx in groups)
     lengths = [float(x) for x in rows.length]
-    return {
-        "groups": len(groups),
-        "group_sizes": dict(Counter(len(idx) for idx in groups.values())),
-        "truncation_rate": sum(trunc) / n,
-        "length": {"mean": sum(lengths) / n, "min": min(rows.length), "max": max(rows.length)},
-        "reward": _spread(rows.reward),
-        "frac_zero_std_groups": zero_std / len(groups) if groups else None,
-        "frac_identical_groups": identical / len(groups) if groups else None,
-        **_length_correlations(rows, lengths, groups),
-        "mean_reward_truncated": _mean(r for r, t in zip(rows.reward, trunc) if t),
-        "mean_reward_finished": _mean(r for r, t in zip(rows.reward, trunc) if not t),
-    }
+    mean = sum(rewards) / n
 
-
-def _length_correlations(rows: Rows, lengths: List[float],
-                         groups: Dict[object, List[int]]) -> dict:
-    """corr(reward, length) over all rows and within groups, and the same for each reward
-    design that every row holds."""
-    def within(values):
+    def within(values):     # corr(centred on the group mean: prompt difficulty removed)
         return pearson(_centred(lengths, groups), _centred(values, groups)) if groups else None
 
-    designs = {name: {"all": pearson(lengths, vals), "within_group": within(vals)}
-               for name, vals in rows.designs.items() if len(vals) == len(rows.reward)}
-    return {"reward_length_corr": pearson(lengths, rows.reward),
-            "reward_length_corr_within_group": within(rows.reward),
-            "design_length_corr": designs}
+    return {
+        "groups": len(groups),
+        "group_sizes": dict(Counter(len(idx) for idx in groups)),
+        "truncation_rate": sum(trunc) / n,
+        "length": {"mean": sum(lengths) / n, "min": min(rows.length), "max": max(rows.length)},
+        "reward": {"mean": mean, "std": math.sqrt(sum((x - mean) ** 2 for x in rewards) / n),
+                   "min": min(rewards), "max": max(rewards)},
+        "frac_zero_std_groups": zero_std / len(groups) if groups else None,
+        "frac_identical_groups": identical / len(groups) if groups else None,
+        "reward_length_corr": pearson(lengths, rewards),
+        "reward_length_corr_within_group": within(rewards),
+        "design_length_corr": {name: {"all": pearson(lengths, vals), "within_group": within(vals)}
+                               for name, vals in rows.designs.items() if len(vals) == n},
+        "mean_reward_truncated": _mean(r for r, t in zip(rewards, trunc) if t),
+        "mean_reward_finished": _mean(r for r, t in zip(rewards, trunc) if not t),
+    }
 
 
 def _hacking_signs(rows: Rows, trunc: List[bool], stats: dict) -> List[dict]:
@@ -199,57 +162,134 @@ def _hacking_signs(rows: Rows, trunc: List[bool], stats: dict) -> List[dict]:
     sign("top_rewards_at_length_cap", at_cap, at_cap is not None and at_cap >= CAP_FLAG,
          f"share of top-quartile rewards that are truncated >= {CAP_FLAG}: the best-paid "
          "completions hit the length cap")
-    signs.append(_wrong_beats_correct(rows))
-    signs.append(_repetition_rewarded(rows))
-    return signs
-
-
-def _wrong_beats_correct(rows: Rows) -> dict:
     known = [(r, ok) for r, ok in zip(rows.reward, rows.correct) if ok is not None]
     best_correct = max((r for r, ok in known if ok), default=None)
     if best_correct is None:
-        return {"sign": "wrong_beats_correct", "value": None, "flagged": False,
-                "why": "needs rows with correct=true (none in this file)"}
-    frac = sum(1 for r, ok in known if not ok and r > best_correct + 1e-9) / len(known)
-    return {"sign": "wrong_beats_correct", "value": frac, "flagged": bool(frac > 0),
-            "why": "share of incorrect completions scoring above the best correct one: the "
-                   "reward is exploitable"}
-
-
-def _repetition_rewarded(rows: Rows) -> dict:
-    rep, rewards = rows.repetitive, rows.reward
+        sign("wrong_beats_correct", None, False, "needs rows with correct=true (none in this file)")
+    else:
+        frac = sum(1 for r, ok in known if not ok and r > best_correct + 1e-9) / len(known)
+        sign("wrong_beats_correct", frac, frac > 0, "share of incorrect completions scoring above "
+             "the best correct one: the reward is exploitable")
+    rep = rows.repetitive
     frac_rep = sum(rep) / len(rep)
     r_rep = _mean(r for r, x in zip(rewards, rep) if x)
     r_rest = _mean(r for r, x in zip(rewards, rep) if not x)
-    flagged = frac_rep >= REPEAT_FLAG and r_rep is not None and (r_rest is None or r_rep >= r_rest)
-    return {"sign": "repetition_rewarded", "value": frac_rep, "flagged": bool(flagged),
-            "why": f"share of completions repeating one token (>= {REPEAT_FLAG} flags when "
-                   "they score at least the mean of the rest)"}
+    sign("repetition_rewarded", frac_rep,
+         frac_rep >= REPEAT_FLAG and r_rep is not None and (r_rest is None or r_rep >= r_rest),
+         f"share of completions repeating one token (>= {REPEAT_FLAG} flags when "
+         "they score at least the mean of the rest)")
+    return signs
 
 
 def _samples(path: Path, rows: Rows, per_bucket: int) -> Dict[str, List[dict]]:
-    """Up to ``per_bucket`` rows of each reward bucket, spread over the bucket."""
+    """Up to ``per_bucket`` rows of each reward bucket, spread over the bucket: one bucket
+    per value when there are <= 6 distinct values, else low / mid / high thirds."""
     if per_bucket == 0:
         return {}
-    buckets = _reward_buckets(rows.reward)
+    rewards = rows.reward
+    distinct = sorted({round(r, 6) for r in rewards})
+    if len(distinct) <= 6:
+        buckets = {f"reward = {v:g}": [i for i, r in enumerate(rewards) if round(r, 6) == v]
+                   for v in distinct}
+    else:
+        q1, q2 = _quantile(rewards, 1 / 3), _quantile(rewards, 2 / 3)
+        buckets = {f"low (<= {q1:.3g})": [i for i, r in enumerate(rewards) if r <= q1],
+                   "mid": [i for i, r in enumerate(rewards) if q1 < r <= q2],
+                   f"high (> {q2:.3g})": [i for i, r in enumerate(rewards) if r > q2]}
     picks: Dict[int, str] = {}
     for name, idx in buckets.items():
-        if not idx:
-            continue
         step = max(1, len(idx) // per_bucket)
         for i in idx[::step][:per_bucket]:
             picks[rows.line[i]] = name
-    return read_samples(path, picks, [name for name, idx in buckets.items() if idx])
+    out: Dict[str, List[dict]] = {name: [] for name, idx in buckets.items() if idx}
+    with path.open(encoding="utf-8") as fh:     # the picked lines, re-read for their texts
+        for lineno, line in enumerate(fh, 1):
+            if lineno in picks:
+                row = json.loads(line)
+                sample = {
+                    "line": lineno, "prompt": str(row.get("prompt", ""))[:200],
+                    "completion": str(row.get("completion", ""))[:200],
+                    "reward": row["reward"], "length": row.get("length"),
+                    "truncated": row.get("truncated"), "correct": row.get("correct")}
+                if is_episode(row):     # the turns as one line: model turns and observations
+                    sample["turns"] = cell_text(row["turns"])[:EXAMPLE_CHARS]
+                out[picks[lineno]].append(sample)
+    return out
 
 
-def _reward_buckets(rewards: List[float]) -> Dict[str, List[int]]:
-    """Row indices by reward: one bucket per value when there are <= 6 distinct values,
-    else low / mid / high thirds."""
-    distinct = sorted({round(r, 6) for r in rewards})
-    if len(distinct) <= 6:
-        return {f"reward = {v:g}": [i for i, r in enumerate(rewards) if round(r, 6) == v]
-                for v in distinct}
-    q1, q2 = _quantile(rewards, 1 / 3), _quantile(rewards, 2 / 3)
-    return {f"low (<= {q1:.3g})": [i for i, r in enumerate(rewards) if r <= q1],
-            "mid": [i for i, r in enumerate(rewards) if q1 < r <= q2],
-            f"high (> {q2:.3g})": [i for i, r in enumerate(rewards) if r > q2]}
+def show(value: Any, digits: int = 4) -> str:
+    """A compact cell: ``digits`` significant digits for floats, YAML-like null/true/false."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def print_audit(report: dict) -> None:
+    console = Console()
+    console.print(f"[bold]rollout audit[/bold] {report['path']}", soft_wrap=True)
+    t = Table(title="statistics", show_header=False)
+    t.add_column("stat")
+    t.add_column("value", justify="right")
+    sizes = ", ".join(f"{n} x {s}" for s, n in sorted(report["group_sizes"].items()))
+    r, ln = report["reward"], report["length"]
+    for label, value in (
+            ("rows", report["rows"]), ("unreadable lines", report["bad_lines"]),
+            ("groups (size >= 2)", f"{report['groups']}" + (f" ({sizes})" if sizes else "")),
+            ("truncation rate", report["truncation_rate"]),
+            ("length mean / min / max", f"{ln['mean']:.3g} / {ln['min']} / {ln['max']}"),
+            ("reward mean / std / min / max",
+             " / ".join(f"{r[k]:.3g}" for k in ("mean", "std", "min", "max"))),
+            ("zero-std groups", report["frac_zero_std_groups"]),
+            ("identical-completion groups", report["frac_identical_groups"]),
+            ("corr(reward, length)", report["reward_length_corr"]),
+            ("corr(reward, length) within groups", report["reward_length_corr_within_group"]),
+            ("mean reward truncated / finished",
+             f"{show(report['mean_reward_truncated'])} / {show(report['mean_reward_finished'])}"),
+    ):
+        t.add_row(label, show(value))
+    for name, c in report["design_length_corr"].items():
+        t.add_row(f"corr({name}, length) all / within",
+                  f"{show(c['all'])} / {show(c['within_group'])}")
+    console.print(t)
+    t = Table(title="EOS / mask alignment: " + ("ok" if report["alignment_ok"] else "PROBLEMS"))
+    for col in ("check", "rows checked", "violations", "first lines"):
+        t.add_column(col)
+    for name, c in report["checks"].items():
+        if c["applicable"] == 0:
+            t.add_row(name, "n/a (fields absent)", "", "")
+        else:
+            t.add_row(name, str(c["applicable"]), str(c["violations"]),
+                      ", ".join(map(str, c["lines"])))
+    console.print(t)
+    print_signs(console, report)
+    for bucket, samples in report["samples"].items():
+        console.print(f"[bold]{bucket}[/bold]")
+        for s in samples:
+            flag = " [truncated]" if s["truncated"] else ""
+            text = s["turns"] if "turns" in s else s["completion"]
+            console.print(f"  line {s['line']}: {s['prompt']!r} -> {text!r} "
+                          f"(reward {show(s['reward'])}, length {s['length']}{flag})",
+                          markup=False, soft_wrap=True)
+
+
+def print_signs(console, report: dict) -> None:
+    """The reward-hacking signs' table, then each episode sign's count and first example."""
+    t = Table(title="reward-hacking signs")
+    for col in ("sign", "value", "flag", "meaning"):
+        t.add_column(col)
+    for s in report["hacking_signs"]:
+        value = show(s["value"]) + (f" ({s['count']})" if "count" in s else "")
+        t.add_row(s["sign"], value, "FLAG" if s["flagged"] else "ok", s["why"])
+    console.print(t)
+    for s in report["hacking_signs"]:
+        e = s.get("example")
+        if e is None:
+            continue
+        where = f"line {e['line']}" if e.get("step") is None else f"step {e['step']} (row {e['line']})"
+        console.print(f"{s['sign']}: {s['count']} episode(s); e.g. {where}: {e['prompt']!r} -> "
+                      f"{e['turns']!r} (reward {show(e['reward'])}, {e['status']})",
+                      markup=False, soft_wrap=True)

@@ -1,33 +1,14 @@
-"""`rlctl eval`: held-out metrics of a run, a checkpoint, an adapter or the starting model.
-
-On the task's eval split:
-    greedy   exact_match, reward (the configured design) and reward/<design> for every
-             design the task defines (sorting: exact, positional, inclusion_order),
-             length_mean (tokens, EOS included), truncated_frac (no EOS within
-             rollout.max_new_tokens), well_formed (tasks that define a format)
-    sampled  the same over k = --samples completions per prompt at rollout.temperature
-             (the behaviour policy of training), plus pass@j for j = 1, 2, 4, ..., k from
-             the unbiased estimator (rlctl.commands.passk).
-Both come from the trainer's evaluator (``rlctl.learner.evaluate``); ``eval`` in the
-JSON holds the greedy ``eval/*`` keys and values `rlctl train` logs for the same model
-and config (a run's last eval row, exactly, at the default --batch-size). A task played
-as episodes reports success_rate, turns, tool calls and errors per episode instead
-(``rlctl.learner.evaluate.EPISODE_KEYS``), pass@k over the successes.
-
-With reward models (``task.reward_model``, ``{model: ...}`` entries), ``reward`` is the
-training reward as the run used it, the table's label says which: the reward models'
-scores normalised with the run's *saved* statistics (``task.reward_norm=running``: the
-newest checkpoint's, never the evaluated batch's own) and clipped (``task.reward_clip``);
-``reward_raw`` the same total from the raw scores, and ``reward/<model name>`` each model's
-raw score, beside the task's own designs (the gold reward).
-"""
+"""`rlctl eval`: greedy and sampled (--samples k at rollout.temperature) held-out metrics
+from the trainer's evaluator (``rlctl.learner.evaluate``), plus every reward design,
+well_formed, each reward model's raw score and pass@j (j = 1, 2, 4, ..., k). ``eval`` in
+the JSON is the greedy ``eval/*`` that `rlctl train` logs for the same model and config."""
 from __future__ import annotations
 
 import re
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from omegaconf import OmegaConf
@@ -36,9 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 
 from rlctl.commands.files import write_json
-from rlctl.commands.held_out import held_out_scorer, reward_label
-from rlctl.commands.passk import mean_pass_at_k, report_ks
-from rlctl.commands.targets import open_target, task_scores
+from rlctl.commands.targets import (held_out_scorer, learned_names, open_target, reward_label,
+                                   task_scores)
 from rlctl.envs.base import is_episodic
 from rlctl.errors import UserError
 from rlctl.learner.evaluate import EPISODE_KEYS, evaluate, means
@@ -49,33 +29,34 @@ from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
 METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")
 
 
-def _splits(cfg, model, tokenizer, task, examples, samples: int, batch_size: Optional[int],
-            scorer, err):
-    """(greedy metrics, sampled metrics, the greedy ``eval/*`` the Trainer logs) from the
-    one evaluator (``rlctl.learner.evaluate``); this command adds each reward design,
-    well_formed, the reward models' raw scores and pass@k."""
-    ro = cfg.rollout
-    player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg), stop_ids(model, tokenizer)) \
-        if is_episodic(task) else None                 # open_target resolved the stop ids
-    common = dict(scorer=scorer, player=player, max_new_tokens=int(ro.max_new_tokens),
-                  batch_size=batch_size, extra=None if player else _extras(task, scorer, cfg))
-    with scorer, Progress("[progress.description]{task.description}", BarColumn(),
-                          MofNCompleteColumn(), TimeElapsedColumn(), console=err,
-                          transient=True) as bar:
-        g = bar.add_task("greedy", total=len(examples))
-        greedy = evaluate(model, tokenizer, examples, on_chunk=lambda n: bar.advance(g, n), **common)
-        s = bar.add_task("sampled", total=len(examples))
-        torch.manual_seed(cfg.seed)
-        sampled = evaluate(model, tokenizer, examples, greedy=False, samples=samples,
-                           temperature=float(ro.temperature), top_k=int(ro.get("top_k", 0) or 0),
-                           seed=int(cfg.seed), on_chunk=lambda n: bar.advance(s, n), **common)
-    trained = {f"eval/{k}": v for k, v in means(greedy.sums).items()}
-    first = EPISODE_KEYS if player is not None else METRIC_KEYS
-    out = [_ordered(means({**ev.sums, **ev.extra}), first) for ev in (greedy, sampled)]
-    if player is not None or scorer.has_gold:
-        for k in report_ks(samples):
-            out[1][f"pass@{k}"] = mean_pass_at_k(samples, sampled.correct, k)
-    return out[0], out[1], trained
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one prompt with c of n samples correct (Chen et al. 2021,
+    eq. 1, in the stable form of Fig. 3): 1 - C(n-c, k) / C(n, k)
+    = 1 - prod_{i=n-c+1}^{n} (1 - k / i)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:          # every k-subset holds a correct sample
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def mean_pass_at_k(n: int, correct_counts: Sequence[int], k: int) -> float:
+    """Mean over prompts of pass@k, each prompt having n samples."""
+    if not correct_counts:
+        return 0.0
+    return sum(pass_at_k(n, c, k) for c in correct_counts) / len(correct_counts)
+
+
+def report_ks(n: int) -> List[int]:
+    """The k reported for n samples: 1, 2, 4, ... below n, and n."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
 
 
 def _extras(task, scorer, cfg):
@@ -95,19 +76,6 @@ def _extras(task, scorer, cfg):
                 sums["well_formed"] += bool(well_formed(ex, text))
         return sums
     return extra
-
-
-def _ordered(metrics: Dict[str, float], keys) -> Dict[str, float]:
-    first = {k: metrics[k] for k in keys if k in metrics}
-    return {**first, **{k: v for k, v in sorted(metrics.items()) if k not in first}}
-
-
-def default_out(target, cfg) -> Path:
-    if target.kind in ("run", "model", "adapter"):
-        return target.path / "eval.json"
-    label = cfg.model.name_or_path or cfg.model.name
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(label)).strip("-.") or "model"
-    return Path.cwd() / f"eval-{slug}.json"
 
 
 def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int = 1,
@@ -132,8 +100,32 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
     scorer, saved = held_out_scorer(prepared, target)
     if saved is not None:
         err.print(saved.note, soft_wrap=True)
-    greedy, sampled, trained = _splits(cfg, model, tokenizer, task, examples, samples,
-                                       batch_size, scorer, err)
+    player = None                                   # open_target resolved the stop ids
+    if is_episodic(task):
+        player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg),
+                               stop_ids(model, tokenizer))
+    common = dict(scorer=scorer, player=player, max_new_tokens=int(ro.max_new_tokens),
+                  batch_size=batch_size, extra=None if player else _extras(task, scorer, cfg))
+    with scorer, Progress("[progress.description]{task.description}", BarColumn(),
+                          MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                          transient=True) as bar:
+        g = bar.add_task("greedy", total=len(examples))
+        greedy = evaluate(model, tokenizer, examples, on_chunk=lambda n: bar.advance(g, n),
+                          **common)
+        s = bar.add_task("sampled", total=len(examples))
+        torch.manual_seed(cfg.seed)
+        sampled = evaluate(model, tokenizer, examples, greedy=False, samples=samples,
+                           temperature=float(ro.temperature), top_k=top_k, seed=int(cfg.seed),
+                           on_chunk=lambda n: bar.advance(s, n), **common)
+    cols = []    # the first metrics, then the rest sorted (reward/<design>, well_formed, pass@k)
+    for ev in (greedy, sampled):
+        metrics = means({**ev.sums, **ev.extra})
+        keys = EPISODE_KEYS if player is not None else METRIC_KEYS
+        first = {k: metrics[k] for k in keys if k in metrics}
+        cols.append({**first, **{k: v for k, v in sorted(metrics.items()) if k not in first}})
+    if player is not None or scorer.has_gold:
+        for k in report_ks(samples):
+            cols[1][f"pass@{k}"] = mean_pass_at_k(samples, sampled.correct, k)
     result = {
         "target": None if target.path is None else str(target.path),
         "target_kind": target.kind, "model": what,
@@ -146,30 +138,18 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
         "num_prompts": len(examples), "samples": samples, "temperature": float(ro.temperature),
         "top_k": top_k, "max_new_tokens": int(ro.max_new_tokens), "seed": int(cfg.seed),
         "stop_token_ids": list(stop_ids(model, tokenizer)),
-        "overrides": list(overrides), "greedy": greedy, "sampled": sampled, "eval": trained,
+        "overrides": list(overrides), "greedy": cols[0], "sampled": cols[1],
+        "eval": {f"eval/{k}": v for k, v in means(greedy.sums).items()},   # as the trainer logs
         "seconds": round(time.perf_counter() - t0, 3),
     }
-    path = write_json(Path(out) if out else default_out(target, cfg), result)
+    if not out and target.kind == "config":
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", str(cfg.model.name_or_path or cfg.model.name))
+        out = Path.cwd() / f"eval-{slug.strip('-.') or 'model'}.json"
+    path = write_json(Path(out) if out else target.path / "eval.json", result)
     result["path"] = str(path)
     if not quiet:
         print_eval(result)
     return result
-
-
-def learned_names(scorer) -> List[str]:
-    """The reward models' names (their raw scores are the components reward/<name>)."""
-    return [m.name for m in scorer.learned.models] if scorer.learned is not None else []
-
-
-def row_label(key: str, result: dict) -> str:
-    if key == "reward":
-        return f"reward ({result.get('reward_label') or result['reward_name']})"
-    if key == "reward_raw":
-        return "reward_raw (from the reward models' raw scores)"
-    models = result.get("reward_models") or []
-    if key.startswith("reward/") and key[len("reward/"):] in models:
-        return f"{key} (reward model, raw score)"
-    return key
 
 
 def print_eval(result: dict) -> None:
@@ -179,10 +159,16 @@ def print_eval(result: dict) -> None:
     table.add_column("greedy", justify="right")
     table.add_column(f"sampled (n={result['samples']}, T={result['temperature']:g})",
                      justify="right")
-    keys = list(greedy) + [k for k in sampled if k not in greedy]
-    for key in keys:
-        fmt = lambda d: "" if key not in d else f"{d[key]:.4f}"  # noqa: E731
-        table.add_row(row_label(key, result), fmt(greedy), fmt(sampled))
+    models = result.get("reward_models") or []
+    for key in list(greedy) + [k for k in sampled if k not in greedy]:
+        label = key
+        if key == "reward":
+            label = f"reward ({result.get('reward_label') or result['reward_name']})"
+        elif key == "reward_raw":
+            label = "reward_raw (from the reward models' raw scores)"
+        elif key.startswith("reward/") and key[len("reward/"):] in models:
+            label = f"{key} (reward model, raw score)"
+        table.add_row(label, *("" if key not in d else f"{d[key]:.4f}" for d in (greedy, sampled)))
     console = Console()
     console.print(table)
     console.print(f"{result['num_prompts']} prompts (split {result['split']}); "

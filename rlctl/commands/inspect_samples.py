@@ -1,27 +1,24 @@
-"""`rlctl inspect RUN --samples [--step N]`: a run's sample tables (samples.jsonl, written
-by the sinks from rlctl/learner/samples.py's rows) and the audit's statistics and
-reward-hacking signs over them.
-
-Without --step the newest step with a train table is shown (its eval table too, when
-that step has one); the audit covers the train rows of every step, or of step N only.
-"""
+"""`rlctl inspect RUN --samples [--step N]`: a run's sample tables (samples.jsonl, rows of
+rlctl/learner/samples.py) and the audit's statistics and signs over them, as a dict and
+printed. Without --step: the newest step with a train table (and its eval table); the
+audit covers the train rows of every step, or of step N only."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from rlctl.commands.audit import audit_samples
-from rlctl.commands.run_record import load_samples
+from rich.console import Console
+from rich.text import Text
+
+from rlctl.commands.audit import audit_samples, print_signs, show
+from rlctl.commands.audit_rows import is_number
 from rlctl.errors import UserError
+from rlctl.sinks.jsonl import read_samples
 
-
-def _steps(rows: List[dict]) -> Dict[str, List[int]]:
-    """{table: its steps, ascending}: train, eval, then any other."""
-    out: Dict[str, set] = {}
-    for r in rows:
-        out.setdefault(str(r["table"]), set()).add(r["step"])
-    order = sorted(out, key=lambda t: (["train", "eval"] + [t]).index(t))
-    return {t: sorted(out[t]) for t in order}
+NOT_FIGURES = ("step", "prompt", "completion", "stop_id", "stop_token", "turns")
+PROMPT_TAIL = 160        # characters of a prompt shown (its end: the question; --json has all)
+# what a row needs to be shown and audited (the producer writes them all)
+SAMPLE_NUMBERS = {"train": ("step", "reward", "length"), "eval": ("step",)}
 
 
 def _listing(steps: Dict[str, List[int]]) -> str:
@@ -29,8 +26,32 @@ def _listing(steps: Dict[str, List[int]]) -> str:
 
 
 def samples_report(path: Path, step: Optional[int] = None) -> dict:
-    rows = load_samples(path)
-    steps = _steps(rows)
+    """The tables of ``path``/samples.jsonl at one step and the audit of its train rows;
+    one-line errors when the run has none, a row lacks its numbers or the step none."""
+    file = path / "samples.jsonl"
+    if not file.is_file():
+        raise UserError(f"{path} has no samples.jsonl (a run writes one with logger.jsonl=true "
+                        "and logger.samples.every > 0, from its first sample table)")
+    try:
+        rows = read_samples(file)
+    except ValueError as exc:       # not UTF-8: one line naming the file
+        raise UserError(str(exc)) from None
+    if not rows:
+        raise UserError(f"{file} holds no sample rows")
+    for i, row in enumerate(rows, 1):
+        need = SAMPLE_NUMBERS.get(row.get("table"))
+        if need is None:
+            raise UserError(f"{file}: row {i} has table {row.get('table')!r}; valid: "
+                            f"{', '.join(SAMPLE_NUMBERS)}")
+        bad = [k for k in need if not is_number(row.get(k))]
+        if bad:
+            raise UserError(f"{file}: row {i} ({row['table']}) needs numbers in {', '.join(bad)} "
+                            f"(required: {', '.join(need)})")
+    by_table: Dict[str, set] = {}
+    for r in rows:
+        by_table.setdefault(str(r["table"]), set()).add(r["step"])
+    order = sorted(by_table, key=lambda t: (["train", "eval"] + [t]).index(t))
+    steps = {t: sorted(by_table[t]) for t in order}       # train, eval, then any other
     if step is None:
         shown = max(steps.get("train") or [r["step"] for r in rows])
     elif any(step in s for s in steps.values()):
@@ -38,9 +59,11 @@ def samples_report(path: Path, step: Optional[int] = None) -> dict:
     else:
         raise UserError(f"{path}/samples.jsonl has no sample table at step {step}; steps with "
                         f"samples: {_listing(steps)}")
-    tables = {t: [_columns(r) for r in rows if r["table"] == t and r["step"] == shown]
+    columns = [{k: v for k, v in r.items() if k != "table"} for r in rows]   # as the learner wrote
+    tables = {t: [c for r, c in zip(rows, columns) if r["table"] == t and r["step"] == shown]
               for t in steps}
-    train = [_columns(r) for r in rows if r["table"] == "train" and (step is None or r["step"] == step)]
+    train = [c for r, c in zip(rows, columns)
+             if r["table"] == "train" and (step is None or r["step"] == step)]
     return {"kind": "samples", "run_dir": str(path), "steps": steps, "step": shown,
             "tables": {t: v for t, v in tables.items() if v},
             "audit": audit_samples(train) if train else None,
@@ -48,6 +71,44 @@ def samples_report(path: Path, step: Optional[int] = None) -> dict:
                            f"train rows of all {len(steps.get('train', []))} steps"}
 
 
-def _columns(row: dict) -> dict:
-    """A row's columns as the learner wrote them (the file's "table" key dropped)."""
-    return {k: v for k, v in row.items() if k != "table"}
+def print_samples(report: dict) -> None:
+    console = Console()
+    console.print(f"[bold]samples[/bold] {report['run_dir']} step {report['step']} "
+                  f"(steps with samples: {_listing(report['steps'])})", soft_wrap=True)
+    for table, rows in report["tables"].items():
+        # one block per row (readable at any width): its figures on one line, then the
+        # prompt's end and the completion (an episode: turn by turn), as text (no markup)
+        console.print(f"[bold]{table} samples at step {report['step']}[/bold] ({len(rows)} rows)")
+        for i, row in enumerate(rows, 1):
+            figures = [f"{k} {show(v, 3)}" for k, v in row.items() if k not in NOT_FIGURES]
+            if row.get("stop_token") is not None:
+                figures.append(f"stop {row['stop_token']} (id {row.get('stop_id')})")
+            prompt = str(row.get("prompt", ""))
+            if len(prompt) > PROMPT_TAIL:
+                prompt = "..." + prompt[-PROMPT_TAIL:]
+            console.print(Text(f"#{i} " + " | ".join(figures), style="bold"), soft_wrap=True)
+            console.print(Text(f"   prompt:     {prompt!r}"), soft_wrap=True)
+            if not isinstance(row.get("turns"), list):
+                console.print(Text(f"   completion: {row.get('completion', '')!r}"), soft_wrap=True)
+                continue
+            k = 0
+            for t in row["turns"]:   # model turns numbered with their reward, observations
+                if t.get("role") == "model":
+                    k += 1
+                    line = (f"   model {k}:    {t.get('text', '')!r} "
+                            f"(reward {show(t.get('reward'), 3)})")
+                else:
+                    cut = " [truncated]" if t.get("truncated") else ""
+                    line = f"     {t.get('role', 'observation')}: {t.get('text', '')!r}{cut}"
+                console.print(Text(line), soft_wrap=True)
+    audit = report["audit"]
+    if audit is None:
+        console.print("no train rows to audit")
+        return
+    r, ln = audit["reward"], audit["length"]
+    console.print(f"audit of {report['audit_scope']} ({audit['rows']} rows, {audit['groups']} "
+                  f"groups): reward mean {show(r['mean'], 3)} std {show(r['std'], 3)}; length mean "
+                  f"{show(ln['mean'], 3)}; truncated {show(audit['truncation_rate'], 3)}; "
+                  f"zero-std groups {show(audit['frac_zero_std_groups'], 3)}", soft_wrap=True,
+                  markup=False)
+    print_signs(console, audit)

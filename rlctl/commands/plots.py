@@ -1,8 +1,5 @@
-"""Training curves as PNG files (matplotlib, Agg backend: no display needed).
-
-A plot is a named set of metric series over `step`; series that a run did not log are
-left out, and a plot with none of its series is skipped (reported to the caller).
-"""
+"""Training curves as PNG files (matplotlib, Agg backend). A plot is a named set of metric
+series over `step`: series a run did not log are left out, a plot with none is skipped."""
 from __future__ import annotations
 
 import math
@@ -62,44 +59,49 @@ def _band(ax, rows, key, color):
     xs, ys = series(rows, key)
     if len(extra) == 1:  # mean +- std
         sx, sd = series(rows, extra[0])
-        if sx != xs:
-            return
         lo, hi = [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)]
+        aligned = sx == xs
     else:
-        lx, lo = series(rows, extra[0])
-        hx, hi = series(rows, extra[1])
-        if not (lx == hx == xs):
-            return
-    if xs and all(math.isfinite(v) for v in lo + hi):
+        (lx, lo), (hx, hi) = series(rows, extra[0]), series(rows, extra[1])
+        aligned = lx == hx == xs
+    if aligned and xs and all(math.isfinite(v) for v in lo + hi):
         ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
 
 
-def plot_run(rows: Sequence[dict], out_dir: Path, prefix: str = "inspect_", plots=PLOTS
-             ) -> Tuple[List[Path], List[str]]:
-    """One PNG per plot (``plots``: PLOTS or REWARD_MODEL_PLOTS) for a single run:
-    (written files, skipped plot names)."""
+def plot_curves(runs: Dict[str, Sequence[dict]], out_dir: Path, plots=PLOTS,
+                compare: bool = False) -> Tuple[List[Path], List[str]]:
+    """One PNG per plot (``plots``: PLOTS or REWARD_MODEL_PLOTS): every series of the one
+    run (``inspect_<stem>.png``), or with ``compare`` the plot's first logged series of
+    every run overlaid (``inspect_compare_<stem>.png``); (written files, skipped plots)."""
     plt = _plt()
     written, skipped = [], []
     for stem, title, keys in plots:
-        present = [k for k in keys if series(rows, k)[0]]
+        present = [k for k in keys if any(series(rows, k)[0] for rows in runs.values())]
         if not present:
             skipped.append(stem)
             continue
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         twin = None
-        for i, key in enumerate(present):
-            xs, ys = series(rows, key)
-            color = f"C{i}"
-            if key == "length/truncated_frac":
-                twin = twin or ax.twinx()
-                twin.plot(xs, ys, "--", color=color, label=key)
-                twin.set_ylabel("truncated fraction")
-                twin.set_ylim(0, 1)
-                continue
-            marker = "o" if key.startswith("eval/") else None
-            ax.plot(xs, ys, color=color, marker=marker, markersize=3,
-                    label=BAND_LABELS.get(key, key))
-            _band(ax, rows, key, color)
+        if compare:
+            title = present[0]
+            for i, (label, rows) in enumerate(runs.items()):
+                xs, ys = series(rows, title)
+                if xs:
+                    ax.plot(xs, ys, color=f"C{i % 10}", markersize=3, label=label,
+                            marker="o" if title.startswith("eval/") else None)
+        else:
+            (rows,) = runs.values()
+            for i, key in enumerate(present):
+                xs, ys = series(rows, key)
+                if key == "length/truncated_frac":
+                    twin = twin or ax.twinx()
+                    twin.plot(xs, ys, "--", color=f"C{i}", label=key)
+                    twin.set_ylabel("truncated fraction")
+                    twin.set_ylim(0, 1)
+                    continue
+                ax.plot(xs, ys, color=f"C{i}", marker="o" if key.startswith("eval/") else None,
+                        markersize=3, label=BAND_LABELS.get(key, key))
+                _band(ax, rows, key, f"C{i}")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -107,7 +109,8 @@ def plot_run(rows: Sequence[dict], out_dir: Path, prefix: str = "inspect_", plot
         if twin is not None:
             h2, l2 = twin.get_legend_handles_labels()
             handles, labels = handles + h2, labels + l2
-        ax.legend(handles, labels, fontsize=8)
+        ax.legend(handles, labels, fontsize=7 if compare else 8)
+        prefix = "inspect_compare_" if compare else "inspect_"
         written.append(_save(plt, fig, out_dir / f"{prefix}{stem}.png"))
     return written, skipped
 
@@ -117,30 +120,6 @@ def _save(plt, fig, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def plot_compare(runs: Dict[str, Sequence[dict]], out_dir: Path,
-                 prefix: str = "inspect_compare_", plots=PLOTS) -> Tuple[List[Path], List[str]]:
-    """One PNG per plot, the plot's main metric of every run overlaid."""
-    plt = _plt()
-    written, skipped = [], []
-    for stem, title, keys in plots:
-        key = next((k for k in keys if any(series(rows, k)[0] for rows in runs.values())), None)
-        if key is None:
-            skipped.append(stem)
-            continue
-        fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        for i, (label, rows) in enumerate(runs.items()):
-            xs, ys = series(rows, key)
-            if xs:
-                ax.plot(xs, ys, color=f"C{i % 10}", marker="o" if key.startswith("eval/") else None,
-                        markersize=3, label=label)
-        ax.set_title(f"{key}", fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        written.append(_save(plt, fig, out_dir / f"{prefix}{stem}.png"))
-    return written, skipped
 
 
 GOLD_KEYS = ("reward/exact", "eval/exact_match")   # the task's own check, logged beside a proxy

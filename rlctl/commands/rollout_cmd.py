@@ -1,45 +1,7 @@
-"""`rlctl rollout`: sample G completions for N prompts, score them, write JSONL.
-
-One JSON object per completion (the fields `rlctl inspect FILE.jsonl` audits):
-
-    group           int   prompt index in this file (rows of a group are contiguous)
-    sample          int   0..G-1 within the group
-    split           str   "train" | "eval"
-    prompt_index    int   index of the prompt in the task's split
-    prompt          str
-    completion      str   decoded counted tokens (the closing stop id and padding dropped)
-    token_ids       [int] the counted completion tokens: up to and including the first
-                          stop id, or all max_new_tokens tokens of a truncated row
-    logprobs        [float] log pi(token) for each of token_ids, from the learner's forward
-                          (rlctl.learner.forward.learner_forward) at rollout.temperature,
-                          i.e. the sampling distribution; same length as token_ids
-    logprob_sum     float
-    length          int   == len(token_ids)
-    ended_with_eos  bool  token_ids[-1] is a stop id
-    truncated       bool  no stop id within max_new_tokens (then length == max_new_tokens)
-    max_new_tokens  int
-    eos_token_id    int   the tokenizer's EOS
-    stop_token_ids  [int] every id that ends a completion: the tokenizer's EOS, the model's
-                          generation_config.eos_token_id and rollout.stop_token_ids
-    reward          float the configured reward (task.reward; also the training reward).
-                          With reward models: their scores as training used them, i.e.
-                          normalised with the run's saved statistics (task.reward_norm=
-                          running: the newest checkpoint's; never this file's own) and
-                          clipped (task.reward_clip)
-    reward_raw      float the same total from the reward models' raw scores (only when
-                          task.reward_norm or task.reward_clip applies)
-    rewards         {design: float} every reward design of the task, and each reward
-                          model's raw score under its name (default reward_model)
-    correct         bool  task.is_correct (null for a data task scored by reward models
-                          alone: it has no gold reward)
-
-Rows are written chunk by chunk (--batch-size sequences per generate call) and flushed,
-so N may be large; an interrupted run leaves the complete chunks written so far.
-
-A task played as episodes (``rlctl.envs.base.is_episodic``) writes one row per episode,
-every turn with its tokens, mask, behaviour log-probs and reward
-(rlctl/commands/rollout_episodes.py lists the fields).
-"""
+"""`rlctl rollout`: sample G completions for N prompts, score them, write one JSON line per
+completion (per episode, for a task played as episodes), chunk by chunk and flushed; the
+fields are listed in docs/runs.md (rollout files). Log-probs come from the learner's
+forward at rollout.temperature (the sampling distribution)."""
 from __future__ import annotations
 
 import json
@@ -53,14 +15,16 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from rlctl.commands.held_out import held_out_scorer
-from rlctl.commands.rollout_episodes import EpisodeDump
-from rlctl.commands.targets import open_target, task_scores
+from rlctl.commands.targets import held_out_scorer, learned_names, open_target, task_scores
 from rlctl.envs.base import is_episodic
 from rlctl.errors import UserError
+from rlctl.learner.evaluate import episode_success
 from rlctl.learner.forward import learner_forward
+from rlctl.learner.samples import episode_columns, offers_tools
 from rlctl.models.stop_ids import stop_ids
+from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
 from rlctl.rollout.generate import rollout
+from rlctl.types import DONE, MODEL
 
 
 @dataclass
@@ -76,20 +40,47 @@ class _Plan:
     reward_name: str
     eos: int
     stops: tuple            # every stop id (rlctl.models.stop_ids)
+    seed: int
+    player: Optional[EpisodePlayer] = None      # a task played as episodes
+    tool_task: bool = False
 
 
 def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Optional[str],
                 prompts: Optional[int] = None, samples: Optional[int] = None,
                 split: str = "train", batch_size: int = 256, quiet: bool = False) -> dict:
-    _check_options(out, split, prompts, samples, batch_size)
+    if not out:
+        raise UserError("rollout needs --out FILE.jsonl")
+    if split not in ("train", "eval"):
+        raise UserError(f"invalid --split '{split}'; valid: train, eval")
+    for name, value in (("--prompts", prompts), ("--samples", samples),
+                        ("--batch-size", batch_size)):
+        if value is not None and value < 1:
+            raise UserError(f"{name} must be >= 1 (got {value})")
     t0 = time.perf_counter()
     target, cfg, prepared, model, tokenizer, what = open_target(target_arg, overrides)
     task = prepared.task
-    plan = _plan(cfg, prepared, tokenizer, split, prompts, samples, batch_size,
-                 stop_ids(model, tokenizer))
-    episodes = EpisodeDump.of(cfg, tokenizer, task, plan.stops) if is_episodic(task) else None
-    path, fh = _open_out(out)
-    n_prompts = len(plan.examples)
+    examples = list(prepared.train if split == "train" else prepared.eval)
+    n_prompts = prompts or int(cfg.trainer.prompts_per_step)
+    group = samples or int(cfg.algo.group_size)
+    if n_prompts > len(examples):
+        raise UserError(f"--prompts {n_prompts} exceeds the {len(examples)} prompts of the "
+                        f"{split} split")
+    ro = cfg.rollout
+    plan = _Plan(split=split, examples=examples[:n_prompts], group=group,
+                 per_chunk=max(1, batch_size // group), temperature=float(ro.temperature),
+                 top_k=int(ro.get("top_k", 0) or 0), max_new=int(ro.max_new_tokens),
+                 reward_name=str(cfg.task.get("reward", None) or "reward"),
+                 eos=int(tokenizer.eos_token_id), stops=tuple(stop_ids(model, tokenizer)),
+                 seed=int(cfg.seed))
+    if is_episodic(task):
+        plan.player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg), plan.stops)
+        plan.tool_task = offers_tools(task)
+    path = Path(out).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = path.open("w", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write '{out}': {exc.strerror or exc}") from None
     err = Console(stderr=True, quiet=quiet)
     err.print(f"rollout: {what}, {n_prompts} {split} prompts x {plan.group} samples "
               f"(temperature {plan.temperature:g}, max_new_tokens {plan.max_new}) -> {path}",
@@ -106,7 +97,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
         job = bar.add_task("prompts", total=n_prompts)
         for start in range(0, n_prompts, plan.per_chunk):
             chunk = plan.examples[start:start + plan.per_chunk]
-            lines = episodes.rows(plan, model, start, chunk) if episodes is not None else \
+            lines = _episode_rows(plan, model, start, chunk) if plan.player is not None else \
                 _chunk_rows(plan, model, tokenizer, task, scorer, start, chunk)
             for row in lines:
                 rows += 1
@@ -120,46 +111,11 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                "reward_mean": reward_sum / max(rows, 1),
                "seconds": round(time.perf_counter() - t0, 3)}
     if not quiet:
-        what = "episodes" if episodes is not None else "completions"
+        what = "episodes" if plan.player is not None else "completions"
         print(f"wrote {rows} {what} ({n_prompts} prompts x {plan.group}) to {path}; "
               f"reward/mean {summary['reward_mean']:.4f}, truncated "
               f"{summary['truncated_frac']:.3f}, {summary['seconds']:.1f}s")
     return summary
-
-
-def _check_options(out, split, prompts, samples, batch_size) -> None:
-    if not out:
-        raise UserError("rollout needs --out FILE.jsonl")
-    if split not in ("train", "eval"):
-        raise UserError(f"invalid --split '{split}'; valid: train, eval")
-    for name, value in (("--prompts", prompts), ("--samples", samples),
-                        ("--batch-size", batch_size)):
-        if value is not None and value < 1:
-            raise UserError(f"{name} must be >= 1 (got {value})")
-
-
-def _plan(cfg, prepared, tokenizer, split, prompts, samples, batch_size, stops) -> _Plan:
-    examples = list(prepared.train if split == "train" else prepared.eval)
-    n_prompts = prompts or int(cfg.trainer.prompts_per_step)
-    group = samples or int(cfg.algo.group_size)
-    if n_prompts > len(examples):
-        raise UserError(f"--prompts {n_prompts} exceeds the {len(examples)} prompts of the "
-                        f"{split} split")
-    ro = cfg.rollout
-    return _Plan(split=split, examples=examples[:n_prompts], group=group,
-                 per_chunk=max(1, batch_size // group), temperature=float(ro.temperature),
-                 top_k=int(ro.get("top_k", 0) or 0), max_new=int(ro.max_new_tokens),
-                 reward_name=str(cfg.task.get("reward", None) or "reward"),
-                 eos=int(tokenizer.eos_token_id), stops=tuple(stops))
-
-
-def _open_out(out: str):
-    path = Path(out).expanduser()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path, path.open("w", encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot write '{out}': {exc.strerror or exc}") from None
 
 
 def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) -> List[dict]:
@@ -170,7 +126,7 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
     def score(rows, texts):        # keep the exact totals (the batch holds float32)
         totals[:] = scorer.score_batch(rows, texts)
         return totals
-    models = [m.name for m in scorer.learned.models] if scorer.learned is not None else []
+    models = learned_names(scorer)
     g = plan.group
     batch = rollout(model, tokenizer, chunk, g, plan.max_new, plan.temperature, plan.top_k,
                     score, stops=plan.stops)
@@ -185,9 +141,17 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
     truncated = batch.truncated.tolist()                             # [N]
     rows = []
     for i, text in enumerate(batch.completions):
-        n = lengths[i]
-        row = _row(plan, task, start + i // g, i % g, chunk[i // g], text, ids[i][:n],
-                   logp_rows[i][:n], bool(truncated[i]), totals[i], bool(oks[i]))
+        ex, n, trunc = chunk[i // g], lengths[i], bool(truncated[i])
+        tok, lps = ids[i][:n], logp_rows[i][:n]
+        row = {"group": start + i // g, "sample": i % g, "split": plan.split,
+               "prompt_index": start + i // g, "prompt": ex.prompt, "completion": text,
+               "token_ids": tok, "logprobs": [round(v, 6) for v in lps],
+               "logprob_sum": round(sum(lps), 6), "length": len(tok),
+               "ended_with_eos": bool(tok and tok[-1] in plan.stops and not trunc),
+               "truncated": trunc, "max_new_tokens": plan.max_new, "eos_token_id": plan.eos,
+               "stop_token_ids": list(plan.stops), "reward": float(totals[i]),  # exact, not float32
+               "rewards": task_scores(task, ex, text, plan.reward_name, totals[i]),
+               "correct": bool(oks[i])}
         if scorer.shapes:
             row["reward_raw"] = float(scorer.last_raw_totals[i])
         if not scorer.has_gold:          # reward models alone: no gold, no correctness
@@ -197,19 +161,33 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
     return rows
 
 
-def _row(plan: _Plan, task, group: int, sample: int, ex, text: str, token_ids, lps,
-         truncated: bool, total: float, correct: bool) -> dict:
-    n = len(token_ids)
-    return {
-        "group": group, "sample": sample, "split": plan.split,
-        "prompt_index": group, "prompt": ex.prompt, "completion": text,
-        "token_ids": token_ids, "logprobs": [round(v, 6) for v in lps],
-        "logprob_sum": round(sum(lps), 6), "length": n,
-        "ended_with_eos": bool(n > 0 and token_ids[-1] in plan.stops and not truncated),
-        "truncated": truncated,
-        "max_new_tokens": plan.max_new, "eos_token_id": plan.eos,
-        "stop_token_ids": list(plan.stops),
-        "reward": float(total),  # exact, not float32
-        "rewards": task_scores(task, ex, text, plan.reward_name, total),
-        "correct": correct,
-    }
+def _episode_rows(plan: _Plan, model, start: int, chunk) -> List[dict]:
+    """G episodes of each prompt in ``chunk`` (the G of a prompt share its environment seed,
+    ``seed`` + the prompt's index in the file), one row each."""
+    g, s = plan.group, plan.player.settings
+    batch = plan.player.play(model, chunk, plan.seed + start, group_size=g)
+    widths = batch.attention_mask[:, batch.prompt_len:].sum(-1).tolist()  # [N] transcripts
+    ids, masks = batch.completion_ids.tolist(), batch.mask.long().tolist()
+    logps, rewards = batch.old_logprobs.double().tolist(), batch.rewards.double().tolist()
+    out = []
+    for i, e in enumerate(batch.episodes):
+        n = int(widths[i])
+        mask = masks[i][:n]
+        lps = [round(v, 6) if m else 0.0 for v, m in zip(logps[i][:n], mask)]
+        row = {"group": start + i // g, "sample": i % g, "split": plan.split,
+               "prompt_index": start + i // g, "prompt": chunk[i // g].prompt,
+               "completion": batch.completions[i], "token_ids": ids[i][:n], "mask": mask,
+               "logprobs": lps, "logprob_sum": round(sum(lps), 6), "length": sum(mask),
+               "transcript_length": len(ids[i][:n]), "max_new_tokens": s.max_new_tokens,
+               "max_turns": s.max_turns, "max_tokens": s.max_tokens, "eos_token_id": plan.eos,
+               "stop_token_ids": list(plan.stops), "truncated": e.status != DONE,
+               "reward": rewards[i], "turn_rewards": list(e.turn_rewards),
+               "turn_reward": s.turn_reward, "correct": episode_success(e, rewards[i]),
+               **episode_columns(e, plan.tool_task)}       # the sample tables' columns
+        row["turns"] = [
+            {**turn, "start": x.start, "end": x.end, "token_ids": ids[i][x.start:x.end],
+             "logprobs": [round(v, 6) for v in logps[i][x.start:x.end]] if x.role == MODEL
+             else []}
+            for turn, x in zip(row["turns"], e.spans)]
+        out.append(row)
+    return out

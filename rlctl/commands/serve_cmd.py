@@ -1,11 +1,6 @@
 """`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible completions server
-(rollout/serve_app.py; routes and fields in docs/engines.md).
-
-TARGET as for `rlctl eval` (commands/targets.py): a run directory serves its saved
-model/, a model or LoRA adapter directory serves that (an adapter merged), none the
-configured model. The stop set a request adds to its own stop_token_ids is the
-model's (tokenizer EOS, generation config, rollout.stop_token_ids of the run).
-"""
+(rollout/serve_app.py; docs/engines.md) for a TARGET as `rlctl eval` takes it; the model's
+stop set is added to each request's stop_token_ids."""
 from __future__ import annotations
 
 from typing import Optional, Sequence

@@ -1,15 +1,7 @@
-"""TARGET resolution shared by `rlctl eval` and `rlctl rollout`.
-
-A TARGET is one of
-    run dir      holds config.yaml (written by `rlctl train`); its recipe.yaml is
-                 recomposed with the shell overrides on top, and its model/ is loaded
-    model dir    a Hugging Face checkpoint (config.json), e.g. runs/<id>/model
-    LoRA adapter a peft adapter dir (adapter_config.json), loaded onto the base model
-                 named in the adapter config and merged
-    (absent)     the model configured by the composed config (the starting point)
-A model or adapter dir inside a run dir (runs/<id>/model) takes the task and rollout
-settings from that run; elsewhere from the default config plus overrides.
-"""
+"""TARGET resolution for `rlctl eval`, `rollout` and `serve`, and their held-out scorer. A
+TARGET is a run dir (its recipe + the overrides, its model/), a model dir, a LoRA adapter
+dir (merged onto its base model) or absent (the configured model); a model or adapter dir
+inside a run dir takes its settings from that run."""
 from __future__ import annotations
 
 import json
@@ -23,11 +15,13 @@ from transformers import AutoTokenizer
 
 from rlctl.commands.files import is_run_dir
 from rlctl.compose import compose
-from rlctl.errors import ConfigError, UserError
+from rlctl.errors import CheckpointError, ConfigError, UserError
 from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer
 from rlctl.models.quiet import quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.run.build import prepare_task, task_from_config
+from rlctl.storage.checkpoint import latest_checkpoint, read_state, step_of
+from rlctl.tasks.scoring import RewardScorer
 
 
 @dataclass
@@ -35,22 +29,6 @@ class Target:
     kind: str                       # "run" | "model" | "adapter" | "config"
     path: Optional[Path] = None     # what the user named
     run_dir: Optional[Path] = None  # the run whose config is used, if any
-
-
-def split_args(args: Sequence[str], usage: str) -> Tuple[Optional[str], List[str]]:
-    """(TARGET or None, OVERRIDES) from the free arguments; overrides contain '='."""
-    args = list(args)
-    flags = [a for a in args if a.startswith("-")]
-    if flags:
-        raise UserError(f"unknown option '{flags[0]}'; usage: {usage}")
-    target = None
-    if args and "=" not in args[0]:
-        target = args.pop(0)
-    stray = [a for a in args if "=" not in a]
-    if stray:
-        raise UserError(f"unexpected argument '{stray[0]}': only one TARGET is allowed and "
-                        "overrides look like key=value (e.g. task.num_eval=512)")
-    return target, args
 
 
 def resolve_target(target: Optional[str]) -> Target:
@@ -75,40 +53,33 @@ def resolve_target(target: Optional[str]) -> Target:
 
 
 def load_config(target: Target, overrides: Sequence[str]):
-    """The resolved config: the run's recipe (when there is a run) + overrides."""
-    if target.run_dir is not None:
-        recipe = target.run_dir / "recipe.yaml"
-        if recipe.is_file():
-            cfg = compose(overrides, str(recipe)).cfg
-        else:  # an older run without a recipe: its resolved config + dotted overrides
-            cfg = _config_yaml_with_overrides(target.run_dir / "config.yaml", overrides)
-    else:
+    """The resolved config: the run's recipe (when there is a run) + overrides; an older
+    run without recipe.yaml: its resolved config.yaml + dotted overrides."""
+    if target.run_dir is None:
         cfg = compose(overrides).cfg
+    elif (target.run_dir / "recipe.yaml").is_file():
+        cfg = compose(overrides, str(target.run_dir / "recipe.yaml")).cfg
+    else:
+        path = target.run_dir / "config.yaml"
+        cfg = OmegaConf.load(path)
+        OmegaConf.set_struct(cfg, True)
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+                raise ConfigError(f"unknown config key '{key}' in {path}")
+            OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"x={value}"]).x, merge=False)
     OmegaConf.resolve(cfg)
-    return cfg
-
-
-def _config_yaml_with_overrides(path: Path, overrides: Sequence[str]):
-    cfg = OmegaConf.load(path)
-    OmegaConf.set_struct(cfg, True)
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
-            raise ConfigError(f"unknown config key '{key}' in {path}")
-        OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"x={value}"]).x, merge=False)
     return cfg
 
 
 def open_target(target_arg, overrides):
     """(target, cfg, prepared task, model, tokenizer, description) for eval/rollout: path
-    errors come before the config is composed and the model loaded; the task is prepared
-    for the model (``rlctl.run.build.prepare_task``); the model's generation config holds
-    the full stop set."""
+    errors first, then the config, the model (its generation config given the full stop
+    set) and the task prepared for it (``rlctl.run.build.prepare_task``)."""
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
     built = task_from_config(cfg)
     model, tokenizer, what = load_policy(target, cfg)
-    # the stop set (tokenizer EOS, generation config, rollout.stop_token_ids) onto the model
     resolve_stop_ids(model, tokenizer, cfg.rollout.get("stop_token_ids", None))
     prepared = prepare_task(cfg, tokenizer, model, built)   # chat template; prompts within the context
     return target, cfg, prepared, model, tokenizer, what
@@ -175,3 +146,61 @@ def task_scores(task, example, completion: str, reward_name: str, reward: float)
     if callable(score_all):
         return {k: float(v) for k, v in score_all(example, completion).items()}
     return {reward_name: float(reward)}
+
+
+def learned_names(scorer) -> List[str]:
+    """The reward models' names (their raw scores are the components reward/<name>)."""
+    return [m.name for m in scorer.learned.models] if scorer.learned is not None else []
+
+
+@dataclass
+class SavedNorm:
+    """Where the statistics came from (None: there were none to read)."""
+    checkpoint: Optional[str]
+    step: Optional[int]
+    note: str                # one line for stderr and the report
+
+
+def held_out_scorer(prepared, target) -> Tuple[RewardScorer, Optional[SavedNorm]]:
+    """(a scorer that never updates the running reward statistics of
+    task.reward_norm=running but reads the run's saved ones from its newest checkpoint,
+    where they came from: None without task.reward_norm=running). A held-out batch
+    whitened by its own scores would score mean 0, std 1 whatever the policy does."""
+    scorer = prepared.scorer(norm_owner=False)
+    learned = scorer.learned
+    if learned is None or learned.norm != "running":
+        return scorer, None
+    ckpt = latest_checkpoint(target.run_dir) if target.run_dir is not None else None
+    state, why = None, "no checkpoint"
+    if ckpt is not None:
+        try:
+            state = read_state(ckpt).get("scorer", {}).get("reward_norm")
+            why = f"none in {ckpt}"
+        except CheckpointError as exc:
+            why = str(exc)
+    if not state:
+        where = f"run '{target.run_dir}'" if target.run_dir is not None else "this target"
+        return scorer, SavedNorm(None, None, (
+            f"task.reward_norm=running: {where} has no saved reward statistics ({why}), so "
+            "'reward' is the reward models' score without normalisation"))
+    learned.load_state(state)
+    step = step_of(ckpt)
+    return scorer, SavedNorm(str(ckpt), step, (
+        f"task.reward_norm=running: 'reward' is normalised with the run's saved statistics "
+        f"(checkpoint step {step}); 'reward_raw' is the raw score"))
+
+
+def reward_label(scorer: RewardScorer, reward_name: str, saved: Optional[SavedNorm]) -> str:
+    """What the 'reward' row holds: the configured reward design, or the reward models'
+    score (normalised with the saved statistics, clipped) as training used it."""
+    learned = scorer.learned
+    if learned is None:
+        return reward_name
+    what = "reward model" if learned.replace_task else f"{reward_name} + reward models"
+    shaping = []
+    if saved is not None:
+        shaping.append(f"normalised with the run's saved statistics, step {saved.step}"
+                       if saved.step is not None else "raw: no saved statistics")
+    if learned.clip is not None:
+        shaping.append(f"clipped to +-{learned.clip:g}")
+    return f"{what}, {'; '.join(shaping)}" if shaping else what

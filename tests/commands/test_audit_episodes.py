@@ -1,4 +1,4 @@
-"""The audit of episodes (rlctl/commands/audit_episodes.py, audit_checks.py) over hand-made
+"""The audit of episodes (rlctl/commands/audit_rows.py) over hand-made
 rollout rows and sample rows: each sign's count, share, flag and first example, counted
 here by hand from the rows written; the transcript checks find misaligned rows; a
 single-turn file gets none of it."""

@@ -1,7 +1,7 @@
 """pass@k against hand-computed values of 1 - C(n-c, k) / C(n, k)."""
 import pytest
 
-from rlctl.commands.passk import mean_pass_at_k, pass_at_k, report_ks
+from rlctl.commands.eval_cmd import mean_pass_at_k, pass_at_k, report_ks
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
