@@ -97,16 +97,15 @@ def load_object(spec: str, key: str) -> Callable:
 
 @dataclass(frozen=True)
 class Entry:
-    """A registered callable, its canonical name and its attributes (e.g. level)."""
+    """A registered callable, its canonical name and its attributes, also read as
+    ``entry.level`` (plain attributes: no lookup hook on the step path)."""
     name: str
     fn: Callable
     attrs: Mapping[str, Any] = field(default_factory=dict)
 
-    def __getattr__(self, key: str) -> Any:
-        attrs = self.__dict__.get("attrs") or {}   # not yet set while copying
-        if key in attrs:
-            return attrs[key]
-        raise AttributeError(key)
+    def __post_init__(self):
+        for key, value in self.attrs.items():
+            object.__setattr__(self, key, value)
 
 
 class Registry:
@@ -155,11 +154,14 @@ class Registry:
 
     def entry(self, name: str) -> Entry:
         """The entry for a registered name, alias or user import path; ValueError if none."""
+        found = self._entries.get(name)
+        if found is not None:
+            return found
         if is_import_path(name):
             return self._user_entry(name)
-        key = self.canonical(name)
-        if key in self._entries:
-            return self._entries[key]
+        found = self._entries.get(self.canonical(name))
+        if found is not None:
+            return found
         alias = f" (aliases: {', '.join(sorted(self.aliases))})" if self.aliases else ""
         raise ValueError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}"
                          f"{alias}, or package.module:function for your own")
@@ -173,7 +175,8 @@ class Registry:
 
     def get(self, name: str) -> Callable:
         """The callable registered as ``name`` (or named by a user import path)."""
-        return self.entry(name).fn
+        found = self._entries.get(name)
+        return found.fn if found is not None else self.entry(name).fn
 
     def names(self) -> List[str]:
         """Registered names, sorted (aliases and user entries not included)."""
