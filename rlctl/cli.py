@@ -70,7 +70,7 @@ def train(ctx: typer.Context,
 
     def work() -> None:
         if multirun:
-            from rlctl.overrides import check_override_syntax
+            from rlctl.compose import check_override_syntax
             check_override_syntax(overrides)     # one line for Hydra's grammar errors, before torch
             from rlctl.run.sweep import run_sweep
             run_sweep(overrides, recipe)

@@ -1,25 +1,19 @@
-"""One registry shape for every pluggable kind: advantage estimators, policy losses, KL
-estimators, tasks and backends.
+"""One registry shape for every pluggable kind (advantage estimators, policy losses, KL
+estimators, tasks, backends): entries registered where defined
+(``@ADVANTAGES.register("gae", level="token")``), looked up with ``get(name)`` (the callable)
+or ``entry(name)`` (with its attributes). ``package.module:attr`` or ``path/file.py:attr`` is
+a user entry, with the registry's default attributes unless it sets its own. Every failure
+is a one-line ValueError (an unknown name lists the valid ones). Calling conventions:
 
-Entries are registered where defined (``@ADVANTAGES.register("gae", level="token")``)
-and looked up with ``get(name)`` (the callable) or ``entry(name)`` (with its attributes).
-``package.module:attr`` or ``path/to/file.py:attr`` is a user entry: imported, callable,
-with the registry's default attributes unless it sets its own (``my_adv.level =
-"token"``). Every failure is a one-line ``ValueError`` (an unknown name lists the valid
-ones).
-
-Calling conventions, one per kind:
-
-- advantage estimator, level "outcome": ``fn(rewards [B, G], eps, **options) -> [B, G]``
-  (ignore options you do not use); level "token": ``fn(rewards [N, T], values [N, T],
-  mask [N, T], gamma, lam) -> (advantages [N, T], returns [N, T])``.
+- advantage, level "outcome": ``fn(rewards [B, G], eps, **options) -> [B, G]``; level
+  "token": ``fn(rewards, values, mask [N, T], gamma, lam) -> (advantages, returns) [N, T]``.
 - policy loss: ``fn(logp, old_logp, advantages, mask, clip_low, clip_high,
   clip_ratio_c=None) -> (loss [N, T], metrics dict of detached scalar tensors)``.
 - KL estimator: ``fn(logp [N, T], ref_logp [N, T]) -> [N, T]``.
-- task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage,
-  precision, deepspeed_config)``.
+- task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage, precision,
+  deepspeed_config)``.
 
-Imports nothing of rlctl and no torch, so any layer can use it."""
+Imports nothing of rlctl and no torch."""
 from __future__ import annotations
 
 import importlib

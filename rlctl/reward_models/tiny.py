@@ -22,7 +22,8 @@ import torch
 import transformers
 
 from rlctl.models.tiny import build_cached, build_tiny, build_tokenizer, default_cache_dir
-from rlctl.reward_models.fit import (FitSettings, Pair, classifier_from_lm, fit,
+from rlctl.reward_models.config import RMConfig
+from rlctl.reward_models.fit import (Pair, classifier_from_lm, fit,
                                      pairwise_accuracy, prepare_for_scoring, score_pairs)
 from rlctl.tasks.sorting import SortingTask, positional_reward
 
@@ -108,9 +109,8 @@ def _build_into(directory: Path, params: Dict[str, object], cache_dir: Optional[
     task = SortingTask(num_digits=NUM_DIGITS, seed=TASK_SEED)
     train = sorting_pairs(task.train_examples(), NUM_PAIRS, params["seed"])
     held = sorting_pairs(task.eval_examples(), NUM_HELDOUT, params["seed"] + 1)
-    settings = FitSettings(steps=STEPS, lr=LR, batch_size=BATCH_SIZE, center_coef=CENTER_COEF,
-                           seed=params["seed"])
-    losses = fit(model, tokenizer, train, settings)
+    losses = fit(model, tokenizer, train, RMConfig(steps=STEPS, lr=LR, batch_size=BATCH_SIZE,
+                                                   center_coef=CENTER_COEF), params["seed"])
     acc = pairwise_accuracy(*score_pairs(model, tokenizer, held))
     model.save_pretrained(directory)   # safetensors
     tokenizer.save_pretrained(directory)

@@ -63,7 +63,7 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
 
 def _check_running_norm(cfg: DictConfig) -> None:
     """task.reward_norm=running: the training scorers of all ranks merge their batches'
-    statistics in one collective per sampling round (rlctl.reward_models.norm), so every
+    statistics in one collective per sampling round (rlctl.reward_models.learned), so every
     rank must sample the same number of rounds, in the learner's processes."""
     if cfg.trainer.async_rollout.enabled:
         raise ValueError("task.reward_norm=running keeps its statistics in the learner, and "
