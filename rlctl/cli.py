@@ -99,7 +99,7 @@ def train(ctx: typer.Context,
 @app.command()
 def recipes() -> None:
     """List the saved experiments (recipes/*.yaml) with a one-line description each."""
-    from rlctl.recipes import recipe_description, recipe_files
+    from rlctl.compose import recipe_description, recipe_files
 
     files = recipe_files()
     if not files:

@@ -1,14 +1,17 @@
 """Compose the run config from ``rlctl/conf`` + a recipe + shell overrides with Hydra, then
-validate it (``rlctl.config.validate``). Before composition the overrides pass Hydra's grammar
-check and old key names move to their new ones; every failure of Hydra or OmegaConf becomes
-a ``ConfigError`` whose message is one line naming the key and what is valid (``explain``)."""
+validate it (``rlctl.config.validate``). A recipe is a YAML mapping of config keys, by path
+or by name (./recipes, then the repository's). Before composition the overrides pass Hydra's
+grammar check and old key names move to their new ones; every failure of Hydra or OmegaConf
+becomes a ``ConfigError`` whose message is one line naming the key and what is valid."""
 from __future__ import annotations
 
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -18,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rlctl.config import example_value, validate
 from rlctl.errors import ConfigError, one_line
-from rlctl.recipes import load_recipe
 from rlctl.schema import CONF_DIR, GROUPS, RLConfig, group_options, register_schemas, schema_fields
 
 
@@ -92,6 +94,55 @@ def check_override_syntax(overrides: Sequence[str]) -> None:
         OverridesParser.create().parse_overrides(list(overrides))
     except Exception as exc:  # noqa: BLE001 - Hydra's grammar errors
         raise ConfigError(grammar_message(one_line(exc), overrides)) from None
+
+
+# ---- recipe files: shipped and local ones by name, read into a mapping of config keys ----
+RECIPE_DIRS = (Path.cwd() / "recipes", Path(__file__).resolve().parents[1] / "recipes")
+
+
+def recipe_files() -> Dict[str, Path]:
+    """Shipped and local recipes by name (./recipes wins over the repository's)."""
+    found: Dict[str, Path] = {}
+    for d in reversed(RECIPE_DIRS):
+        for p in sorted(d.glob("*.yaml")) if d.is_dir() else []:
+            found[p.stem] = p
+    return found
+
+
+def recipe_description(path: Path) -> str:
+    """The first comment line after `# @package _global_`."""
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        text = line.lstrip("# ").strip()
+        if line.startswith("#") and text and not text.startswith("@package"):
+            return text
+    return ""
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    known = recipe_files()
+    if name_or_path in known:
+        return known[name_or_path]
+    raise ConfigError(f"cannot read recipe '{name_or_path}': no such file or recipe name; "
+                      f"recipes: {', '.join(known) or 'none'} (list them with `rlctl recipes`)")
+
+
+def load_recipe(path: str) -> Dict:
+    p = resolve_recipe(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read recipe '{path}': not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                          f"at offset {exc.start}); a recipe is a YAML file of config keys") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read recipe '{path}': {one_line(exc)[:200]}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"cannot read recipe '{path}': expected a YAML mapping of config keys")
+    return data
 
 
 # ---- composition ---------------------------------------------------------------------------

@@ -1,8 +1,6 @@
-"""Reward models as Hugging Face sequence classifiers (``num_labels=1``, safetensors, own
-tokenizer): build one from a causal LM and fit it on preference pairs with the
-Bradley-Terry loss (rlctl.core.preference). Text, tokens and read-out are
-``rlctl.reward_models.scoring``'s, so a model is fitted on what a run's scorer feeds it;
-over-long pairs keep their last tokens (not dropped, unlike TRL)."""
+"""A reward model (a Hugging Face sequence classifier, ``num_labels=1``) built from a causal
+LM and fitted on preference pairs with the Bradley-Terry loss (rlctl.core.preference),
+through ``rlctl.reward_models.scoring``: fitted on what a run's scorer feeds it."""
 from __future__ import annotations
 
 import random

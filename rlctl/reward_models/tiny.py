@@ -1,12 +1,7 @@
-"""The embedded tiny reward model for the sorting task (``task.reward_model=tiny``).
-
-``tiny_reward_model_dir()`` builds on first use and caches (as the tiny policy, in
-``tiny-rm-<hash>`` of every input to the weights) a Bradley-Terry reward model: the tiny
-policy's backbone with a 1-output head, fitted by ``rlctl.reward_models.fit.fit`` on
-``NUM_PAIRS`` pairs from the training split of 5-digit sorting, ranked by the positional
-reward (ties skipped), ``STEPS`` steps: an imperfect proxy on purpose. Its held-out
-accuracy and where it fails: docs/rlhf.md, "The tiny reward model" (each build records
-``heldout_pairwise_accuracy`` in ``rlctl_tiny_rm.json``)."""
+"""The embedded tiny reward model for 5-digit sorting (``task.reward_model=tiny``), built on
+first use and cached in ``tiny-rm-<hash of every input>``: the tiny policy's backbone with a
+1-output head, fitted on ``NUM_PAIRS`` training-split pairs ranked by the positional reward
+(ties skipped), an imperfect proxy on purpose (docs/rlhf.md, "The tiny reward model")."""
 from __future__ import annotations
 
 import hashlib
