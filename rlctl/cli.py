@@ -74,7 +74,7 @@ def train(ctx: typer.Context,
 
     with handled(debug):
         if multirun:
-            from rlctl.overrides import check_override_syntax
+            from rlctl.compose import check_override_syntax
             check_override_syntax(overrides)     # one line for Hydra's grammar errors, before torch
             from rlctl.run.sweep import run_sweep
             run_sweep(overrides, recipe)
@@ -92,7 +92,7 @@ def train(ctx: typer.Context,
 @app.command()
 def recipes() -> None:
     """List the saved experiments (recipes/*.yaml) with a one-line description each."""
-    from rlctl.recipes import recipe_description, recipe_files
+    from rlctl.compose import recipe_description, recipe_files
 
     files = recipe_files()
     if not files:

@@ -18,11 +18,8 @@ from rlctl.schema import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldSpec, Range, s
 __all__ = ["AT_LEAST_1", "NON_NEGATIVE", "POSITIVE", "RANGES", "CHOICES", "FREE_NUMBERS", "validate"]
 
 
-# -- value ranges and choices ---------------------------------------------------------
-# Written once, in the schema (``rlctl.schema.knob``); checked here by one loop each
-# (``check_ranges``, ``check_choices``). Every float key also rejects nan and inf. A new
-# numeric key must have a range or be listed in FREE_NUMBERS (a test checks).
-
+# Ranges and choices are written once, in the schema (``knob``); every float is also finite.
+# A new numeric key needs a range or a place in FREE_NUMBERS (a test checks).
 RANGES: Dict[str, Range] = {s.key: s.range for s in schema_fields() if s.range is not None}
 CHOICES: Dict[str, tuple] = {s.key: s.choices for s in schema_fields() if s.choices}
 # any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
@@ -236,13 +233,10 @@ def _check_critic_keys(cfg: DictConfig, overrides: Sequence[str], algo: str) -> 
 
 
 def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> None:
-    """Checks beyond types that need no torch: ranges (every numeric key), options that
-    must agree, and the machine (CUDA, the DeepSpeed JSON); ``overrides`` (the shell's)
-    may not set a critic key (CRITIC_KEYS) of ``algo`` (the group's option) without a
-    critic. Raises ConfigError (one line).
-    The one home of the checks that need no torch; those that need the registries (names
-    such as algo.advantage, task.name) or the built task are ``rlctl.run.checks``, run
-    before a run directory is made."""
+    """The checks that need no torch (ranges, choices, keys that must agree, CUDA, the
+    DeepSpeed JSON; the shell's ``overrides`` may not set a critic key of ``algo`` without a
+    critic); ConfigError, one line. Those needing registries or the built task:
+    ``rlctl.run.checks``, also before a run directory is made."""
     _check_resolved(cfg)
     check_ranges(cfg)
     check_choices(cfg)

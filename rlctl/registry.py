@@ -1,25 +1,19 @@
-"""One registry shape for every pluggable kind: advantage estimators, policy losses, KL
-estimators, tasks and backends.
+"""One registry shape for every pluggable kind (advantage estimators, policy losses, KL
+estimators, tasks, backends): entries registered where defined
+(``@ADVANTAGES.register("gae", level="token")``), looked up with ``get(name)`` (the callable)
+or ``entry(name)`` (with its attributes). ``package.module:attr`` or ``path/file.py:attr`` is
+a user entry, with the registry's default attributes unless it sets its own. Every failure
+is a one-line ValueError (an unknown name lists the valid ones). Calling conventions:
 
-Entries are registered where defined (``@ADVANTAGES.register("gae", level="token")``)
-and looked up with ``get(name)`` (the callable) or ``entry(name)`` (with its attributes).
-``package.module:attr`` or ``path/to/file.py:attr`` is a user entry: imported, callable,
-with the registry's default attributes unless it sets its own (``my_adv.level =
-"token"``). Every failure is a one-line ``ValueError`` (an unknown name lists the valid
-ones).
-
-Calling conventions, one per kind:
-
-- advantage estimator, level "outcome": ``fn(rewards [B, G], eps, **options) -> [B, G]``
-  (ignore options you do not use); level "token": ``fn(rewards [N, T], values [N, T],
-  mask [N, T], gamma, lam) -> (advantages [N, T], returns [N, T])``.
+- advantage, level "outcome": ``fn(rewards [B, G], eps, **options) -> [B, G]``; level
+  "token": ``fn(rewards, values, mask [N, T], gamma, lam) -> (advantages, returns) [N, T]``.
 - policy loss: ``fn(logp, old_logp, advantages, mask, clip_low, clip_high,
   clip_ratio_c=None) -> (loss [N, T], metrics dict of detached scalar tensors)``.
 - KL estimator: ``fn(logp [N, T], ref_logp [N, T]) -> [N, T]``.
-- task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage,
-  precision, deepspeed_config)``.
+- task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage, precision,
+  deepspeed_config)``.
 
-Imports nothing of rlctl and no torch, so any layer can use it."""
+Imports nothing of rlctl and no torch."""
 from __future__ import annotations
 
 import importlib
@@ -97,16 +91,15 @@ def load_object(spec: str, key: str) -> Callable:
 
 @dataclass(frozen=True)
 class Entry:
-    """A registered callable, its canonical name and its attributes (e.g. level)."""
+    """A registered callable, its canonical name and its attributes, also read as
+    ``entry.level`` (plain attributes: no lookup hook on the step path)."""
     name: str
     fn: Callable
     attrs: Mapping[str, Any] = field(default_factory=dict)
 
-    def __getattr__(self, key: str) -> Any:
-        attrs = self.__dict__.get("attrs") or {}   # not yet set while copying
-        if key in attrs:
-            return attrs[key]
-        raise AttributeError(key)
+    def __post_init__(self):
+        for key, value in self.attrs.items():
+            object.__setattr__(self, key, value)
 
 
 class Registry:
@@ -155,11 +148,14 @@ class Registry:
 
     def entry(self, name: str) -> Entry:
         """The entry for a registered name, alias or user import path; ValueError if none."""
+        found = self._entries.get(name)
+        if found is not None:
+            return found
         if is_import_path(name):
             return self._user_entry(name)
-        key = self.canonical(name)
-        if key in self._entries:
-            return self._entries[key]
+        found = self._entries.get(self.canonical(name))
+        if found is not None:
+            return found
         alias = f" (aliases: {', '.join(sorted(self.aliases))})" if self.aliases else ""
         raise ValueError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}"
                          f"{alias}, or package.module:function for your own")
@@ -173,7 +169,8 @@ class Registry:
 
     def get(self, name: str) -> Callable:
         """The callable registered as ``name`` (or named by a user import path)."""
-        return self.entry(name).fn
+        found = self._entries.get(name)
+        return found.fn if found is not None else self.entry(name).fn
 
     def names(self) -> List[str]:
         """Registered names, sorted (aliases and user entries not included)."""

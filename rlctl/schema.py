@@ -59,8 +59,8 @@ class KLConfig:
     estimator: Optional[str] = None
     placement: str = knob(choices=("in_loss", "in_reward"))
     target: Optional[float] = knob(None, range=POSITIVE)  # adaptive: target KL per sequence (nats); null: fixed
-    # adaptive controller horizon, in sequences (Ziegler et al., TRL): each update moves
-    # beta by up to 0.2 * n_seq / horizon
+    # adaptive controller horizon, in sequences summed over ranks (Ziegler et al., TRL):
+    # each update moves beta by up to 0.2 * n_seq / horizon
     horizon: int = knob(range=AT_LEAST_1)
 
 
@@ -87,7 +87,8 @@ class AlgoConfig:
     policy_loss: str = MISSING     # registry key in rlctl.core.losses
     group_size: int = knob(range=AT_LEAST_1)  # G completions per prompt
     loss_agg_mode: str = MISSING   # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    # constant normaliser for seq-mean-token-sum-norm (conf: rollout.max_new_tokens)
+    # seq-mean-token-sum-norm's constant divisor (Dr. GRPO): the generation limit
+    # (conf: rollout.max_new_tokens), never a step's own length (varies by step and rank)
     norm_len: Optional[int] = knob(None, range=AT_LEAST_1)
     clip_eps: float = knob(range=NON_NEGATIVE)
     clip_eps_high: Optional[float] = knob(None, range=NON_NEGATIVE)  # None: same as clip_eps
@@ -106,7 +107,8 @@ class AlgoConfig:
     gamma: float = knob(range=UNIT)
     lam: float = knob(range=UNIT)
     critic_warmup_steps: int = knob(range=NON_NEGATIVE)
-    critic_init: Optional[str] = None  # separate critic: policy (null) | reward_model (its backbone + score head)
+    # separate critic: policy (null) | reward_model (its backbone, score head as value head)
+    critic_init: Optional[str] = None
     # DAPO: drop groups whose rewards are all equal and sample more to refill the batch
     dynamic_sampling: bool = MISSING
     max_sampling_rounds: int = knob(range=AT_LEAST_1)
@@ -121,34 +123,48 @@ class AlgoConfig:
 
 @dataclass
 class TaskConfig:
-    """One schema for every task; each conf/task/*.yaml sets the keys its task takes
-    (the first four in all of them). A key left None does not apply to the chosen task;
-    a task rejects a non-None key it does not take (rlctl.tasks.base.build_task)."""
+    """One schema for every task; each conf/task/*.yaml sets the keys its task takes. A key
+    left None does not apply to the chosen task; a task rejects a non-None key it does not
+    take (rlctl.tasks.base.build_task)."""
     name: str = MISSING
-    prompt_format: str = MISSING   # raw | chat (prompts through the tokenizer's chat template)
-    system_prompt: Optional[str] = None  # chat only
-    # per reward batch; 0 or null: no limit
-    reward_timeout_s: Optional[float] = knob(range=Range(0, why="0 or null: no limit"))
-    on_reward_error: str = MISSING  # zero (score 0 and count) | raise
-    long_prompts: str = "skip"     # over rollout.max_prompt_tokens: skip | truncate_left | error
-    num_digits: Optional[int] = knob(None, range=AT_LEAST_1)  # generated tasks (sorting, arithmetic)
-    reward: Optional[str] = None   # sorting: exact | positional | inclusion_order; arithmetic: exact | partial
-    num_eval: Optional[int] = knob(None, range=NON_NEGATIVE)  # held-out prompts
-    seed: Optional[int] = knob(None, range=NON_NEGATIVE)  # seed of the prompt generator (train/eval split)
-    ops: Optional[List[str]] = None  # arithmetic: + - *
-    style: Optional[str] = None    # arithmetic: symbolic | words
-    # data tasks (jsonl)
+    prompt_format: str = "raw"     # raw | chat (prompts through the tokenizer's chat template)
+    system_prompt: Optional[str] = None  # chat only: a system message before each prompt
+    # seconds per reward batch (a forked worker, killed at the limit); 0 or null: no limit
+    reward_timeout_s: Optional[float] = knob(60.0, range=Range(0, why="0 or null: no limit"))
+    # zero: an error or timeout scores 0 and is counted | raise: stop, naming the sample
+    on_reward_error: str = "zero"
+    # prompts over rollout.max_prompt_tokens: skip (counted) | truncate_left | error
+    long_prompts: str = "skip"
+    # generated tasks: operand digits (arithmetic: operands in [0, 10^num_digits)), digits to sort
+    num_digits: Optional[int] = knob(None, range=AT_LEAST_1)
+    # sorting: exact | positional | inclusion_order; arithmetic: exact (1/0) | partial
+    # (exact, else 0.5 * digits in place)
+    reward: Optional[str] = None
+    # held-out prompts, disjoint from the training ones; jsonl: at most this many eval rows
+    # (null: all of eval_path, or 10% of train_path held out)
+    # guess_number: episodes cycling over every secret
+    num_eval: Optional[int] = knob(None, range=NON_NEGATIVE)
+    # seed of the prompt generator (train/eval split); jsonl: shuffles the hold-out
+    seed: Optional[int] = knob(None, range=NON_NEGATIVE)
+    ops: Optional[List[str]] = None  # arithmetic: any of + - *
+    style: Optional[str] = None    # arithmetic: symbolic (for the tiny model) | words
+    # data tasks (jsonl): a file or a datasets directory (train_path required)
     train_path: Optional[str] = None
-    eval_path: Optional[str] = None
-    format: Optional[str] = None   # auto | jsonl | json | csv | tsv | parquet | arrow | hf
+    eval_path: Optional[str] = None  # null: hold out num_eval rows of train_path
+    # auto (from the file name) | jsonl | json | csv | tsv | parquet | arrow | hf
+    format: Optional[str] = None
     prompt_field: Optional[str] = None
     fields: Optional[List[str]] = None  # columns handed to the reward; null: all but the prompt
     reward_fn: Optional[str] = None     # package.module:function | path/file.py:function | math | exact
-    rewards: Optional[List[Any]] = None  # [{fn: ..., weight: 1.0, name: ..., batched: ...}]
+    # or several: [{fn: mod:f, weight: 1.0, name: f, batched: ...}, ...] -> reward/<name>
+    rewards: Optional[List[Any]] = None
     correct_threshold: Optional[float] = None  # eval/exact_match: total reward >= this
     # multi-turn environments (rlctl/envs/: calculator, guess_number, running_sum)
-    use_tools: Optional[bool] = None       # calculator: false = the no-tool ablation (calls not parsed)
-    tool_parser: Optional[str] = None      # tag | json | package.module:Class
+    # calculator: false = the no-tool ablation (calls not parsed; the first turn is the answer)
+    use_tools: Optional[bool] = None
+    # tag: <call> calc ... </call> | json: <tool_call>{"name": ..., "arguments": ...}</tool_call>
+    # | package.module:Class
+    tool_parser: Optional[str] = None
     sandbox: Optional[str] = None          # none (in-process) | subprocess (best-effort isolation)
     # per episode; a call past it is taken as the answer
     max_tool_calls: Optional[int] = knob(None, range=AT_LEAST_1)
@@ -159,31 +175,36 @@ class TaskConfig:
         0.05, why="the sandboxed interpreter itself needs ~20 MB"))
     max_number: Optional[int] = knob(None, range=Range(2))  # guess_number: the secret is in 1..max_number
     num_additions: Optional[int] = knob(None, range=Range(1, 12))  # running_sum: answers per episode
-    # learned reward models, any task (rlctl/reward_models/learned.py)
-    reward_model: Optional[str] = None  # sequence-classifier dir; the task's own rewards then weigh 0 (still logged)
-    reward_norm: Optional[str] = None   # none | running (mean/std whitening, checkpointed)
+    # learned reward models, any task (rlctl/reward_models/learned.py, docs/rlhf.md): a
+    # sequence-classifier dir (one label, safetensors); the task's own rewards then weigh 0
+    # (still scored and logged)
+    reward_model: Optional[str] = None
+    reward_norm: Optional[str] = "none"  # none | running (mean/std whitening, checkpointed)
     # clip the (normalised) score to [-c, c]; null: no clip
     reward_clip: Optional[float] = knob(None, range=POSITIVE)
 
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters via peft (rlctl.models.lora); values in conf/model/*.yaml."""
-    enabled: bool = MISSING
-    r: int = knob(range=AT_LEAST_1)  # adapter rank (> 0)
-    alpha: int = knob(range=POSITIVE)  # scaling: alpha / r
-    dropout: float = knob(range=Range(0, 1, hi_open=True))  # dropout on the adapter input, [0, 1)
-    target_modules: List[str] = MISSING  # [all-linear] or names (suffixes) of Linear modules
-    save_merged: bool = MISSING    # also save base + adapter merged to <run>/model/merged
-    # learning rate while LoRA is on (larger); null: trainer.lr
-    lr: Optional[float] = knob(None, range=POSITIVE)
+    """LoRA adapters via peft (rlctl.models.lora): low-rank adapters trained, the base frozen;
+    with algo.kl.coef > 0 the reference is the same model with the adapter disabled."""
+    enabled: bool = False
+    r: int = knob(8, range=AT_LEAST_1)  # adapter rank (> 0)
+    alpha: int = knob(16, range=POSITIVE)  # scaling: alpha / r
+    dropout: float = knob(0.0, range=Range(0, 1, hi_open=True))  # dropout on the adapter input, [0, 1)
+    # [all-linear]: every Linear (and GPT-2 Conv1D) layer but the LM head, as peft's; or
+    # module names (suffixes), e.g. [q_proj, v_proj] or [c_attn]
+    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])
+    save_merged: bool = False      # also save base + adapter merged to <run>/model/merged
+    # learning rate while LoRA is on (adapters take a larger one); null: trainer.lr
+    lr: Optional[float] = knob(5e-4, range=POSITIVE)
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING            # tiny | hf
     name_or_path: Optional[str] = None
-    dtype: str = knob(choices=("float32", "bfloat16"))
+    dtype: str = knob("float32", choices=("float32", "bfloat16"))
     # Embedded tiny model only (ignored by hf); part of its cache key.
     hidden_size: int = knob(128, range=AT_LEAST_1)
     num_layers: int = knob(2, range=AT_LEAST_1)
@@ -193,7 +214,9 @@ class ModelConfig:
     warmup_task: str = "sorting"   # sorting | arithmetic (other task names: sorting)
     cache_dir: Optional[str] = None
     gradient_checkpointing: bool = False  # recompute activations in the backward (HF checkpointing)
-    disable_dropout: bool = True   # every dropout p = 0 (policy, reference, critic); LoRA's kept
+    # every dropout p = 0 in policy, reference and critic (TRL's): old log-probs come from eval
+    # mode, so dropout in the update would make pi/pi_old != 1 at theta_old; LoRA's is kept
+    disable_dropout: bool = True
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -203,10 +226,10 @@ class HardwareConfig:
     backend: str = MISSING         # torch | deepspeed
     device: str = knob(choices=("cpu", "cuda"))
     num_threads: int = knob(range=AT_LEAST_1)  # torch intra-op threads per process (1 on small shared CPUs)
-    num_processes: int = knob(range=AT_LEAST_1)  # data-parallel ranks that `rlctl train` launches itself
-    zero_stage: int = knob(choices=(0, 1, 2, 3))  # deepspeed: ZeRO stage 0-3
+    num_processes: int = knob(1, range=AT_LEAST_1)  # data-parallel ranks that `rlctl train` launches itself
+    zero_stage: int = knob(0, choices=(0, 1, 2, 3))  # deepspeed: ZeRO stage 0-3
     # bf16, torch backend: autocast, fp32 weights and AdamW state
-    precision: str = knob(choices=("fp32", "bf16"))
+    precision: str = knob("fp32", choices=("fp32", "bf16"))
     deepspeed_config: Optional[str] = None  # deepspeed: a user JSON merged under rlctl's keys
     # seconds a rank waits for the others to join (or answer)
     dist_timeout_s: float = knob(300.0, range=POSITIVE)
@@ -255,22 +278,26 @@ class EpisodeConfig:
 
 @dataclass
 class ServerConfig:
-    """rollout.engine=server: where the servers are and how weights reach them."""
+    """rollout.engine=server: where the servers are and how weights reach them
+    (docs/engines.md, docs/server-kinds.md)."""
     # running servers (rlctl serve, vLLM, SGLang); []: the learner starts num_local of its own
     urls: List[str] = field(default_factory=list)
-    num_local: int = knob(range=AT_LEAST_1)  # `rlctl serve` processes the learner starts on 127.0.0.1
+    # urls=[]: `rlctl serve` processes the learner starts (and stops) on 127.0.0.1
+    num_local: int = knob(range=AT_LEAST_1)
     # how weights are pushed and replies read (rollout/server_kinds.py)
     kind: str = knob(choices=("rlctl", "vllm", "sglang"))
-    chunk_size: int = knob(range=AT_LEAST_1)  # rows per request (the tokens depend on it)
+    # rows per request; the tokens depend on it, not on how many servers there are
+    chunk_size: int = knob(range=AT_LEAST_1)
     timeout_s: float = knob(range=POSITIVE)  # one request; past it the server counts as lost
-    weight_sync: str = knob(choices=("http", "disk"))  # disk: through weight_dir
+    # http: weights in the request body | disk: through weight_dir (every server reads it)
+    weight_sync: str = knob(choices=("http", "disk"))
     weight_dir: Optional[str] = None  # read by every server at one path: disk (rlctl), LoRA (vllm), all (sglang)
     model_dir: Optional[str] = None  # kind=vllm, full weights: the dir `vllm serve` loads (rewritten per push)
 
 
 @dataclass
 class RolloutConfig:
-    max_new_tokens: int = knob(range=AT_LEAST_1)
+    max_new_tokens: int = knob(range=AT_LEAST_1)  # completion budget T; longer ones are truncated
     temperature: float = knob(range=Range(0, lo_open=True,
                                          why="sampling needs > 0 (eval is greedy already)"))
     # 0: full distribution; > 0 for eval/rollout only (train refuses it)
@@ -283,7 +310,9 @@ class RolloutConfig:
     # the training sampler's precision (bfloat16: autocast; the learner keeps its own)
     sample_dtype: str = knob("float32", choices=("float32", "bfloat16"))
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)   # multi-turn tasks only
-    engine: str = knob(choices=("torch", "server"))  # torch: the learner's own sampler
+    # who samples: torch (rlctl's sampler, in the learner or its local engine processes:
+    # trainer.async_rollout) | server (completions servers: rollout.server; docs/engines.md)
+    engine: str = knob(choices=("torch", "server"))
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -300,7 +329,7 @@ class AsyncConfig:
 @dataclass
 class TrainerConfig:
     steps: int = knob(range=NON_NEGATIVE)
-    prompts_per_step: int = knob(range=AT_LEAST_1)  # B
+    prompts_per_step: int = knob(range=AT_LEAST_1)  # B; N = B * algo.group_size sequences per step
     lr: float = knob(range=POSITIVE)
     weight_decay: float = knob(range=NON_NEGATIVE)
     betas: List[float] = knob(factory=lambda: [0.9, 0.999], range=Range(0, 1, hi_open=True))
@@ -314,10 +343,12 @@ class TrainerConfig:
     compile: bool = False            # torch.compile the learner's forward (plain torch backend)
     eval_every: int = knob(range=Range(0, why="0: no held-out evaluation"))
     log_every: int = knob(1, range=AT_LEAST_1)
-    # steps between checkpoints (0: only at the end)
+    # steps between checkpoints of the full training state, written atomically (0: only at
+    # the end); `rlctl train --resume RUN_DIR`
     checkpoint_every: int = knob(range=Range(0, why="0: only at the end"))
     keep_checkpoints: int = knob(range=AT_LEAST_1)  # the newest K are kept
-    max_bad_steps: int = knob(range=AT_LEAST_1)  # consecutive non-finite steps before the run stops
+    # consecutive non-finite steps (each skipped and counted) before the run stops
+    max_bad_steps: int = knob(range=AT_LEAST_1)
     async_rollout: AsyncConfig = field(default_factory=AsyncConfig)
 
 

@@ -94,16 +94,6 @@ class RolloutBatch:
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
 
-    @classmethod
-    def axis(cls, name: str) -> str:
-        """How field ``name`` is laid out: TOKENS, COMPLETION, ROW, TEXT, COLUMNS or SCALAR."""
-        return next(f.metadata["axis"] for f in fields(cls) if f.name == name)
-
-    def _tensors(self, kinds) -> Dict[str, torch.Tensor]:
-        """The fields laid out along ``kinds`` that are set (None ones left out)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.metadata["axis"] in kinds and getattr(self, f.name) is not None}
-
     def replace(self, **changes) -> "RolloutBatch":
         """A new batch with some fields changed (the others shared, not copied)."""
         return dataclasses.replace(self, **changes)
@@ -112,22 +102,32 @@ class RolloutBatch:
         """Some rows (a micro-batch, the kept groups): every per-row field is indexed.
         ``text=False`` leaves the text lists (and named rewards' lists) empty: no host
         sync for ``rows``."""
-        picked: Dict[str, Any] = {k: v[rows] for k, v in self._tensors((TOKENS, COMPLETION, ROW)).items()}
         idx = rows.tolist() if text else []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.metadata["axis"] == TEXT and value is not None:
-                picked[f.name] = [value[i] for i in idx]
-            elif f.metadata["axis"] == COLUMNS and value is not None:
-                picked[f.name] = {k: [v[i] for i in idx] for k, v in value.items()}
-        return self.replace(**picked)
+        picked: Dict[str, Any] = {}
+        for name, kind in _AXES:
+            value = getattr(self, name)
+            if value is None or kind == SCALAR:
+                continue
+            if kind == TEXT:
+                picked[name] = list(map(value.__getitem__, idx))
+            elif kind == COLUMNS:
+                picked[name] = {}
+                for key, column in value.items():
+                    picked[name][key] = list(map(column.__getitem__, idx))
+            else:
+                picked[name] = value[rows]
+        return dataclasses.replace(self, **picked)
 
     def cut(self, width: int) -> "RolloutBatch":
         """The first ``width`` completion columns (prompt kept); exact if the rest is padding."""
-        P = self.prompt_len
-        cut = {k: v[:, :P + width] for k, v in self._tensors((TOKENS,)).items()}     # [N, P+w]
-        cut.update({k: v[:, :width] for k, v in self._tensors((COMPLETION,)).items()})  # [N, w]
-        return self.replace(**cut)
+        cut: Dict[str, Any] = {}
+        for name, kind in _AXES:
+            value = getattr(self, name)
+            if value is not None and kind == TOKENS:
+                cut[name] = value[:, :self.prompt_len + width]               # [N, P+w]
+            elif value is not None and kind == COMPLETION:
+                cut[name] = value[:, :width]                                 # [N, w]
+        return dataclasses.replace(self, **cut)
 
     @staticmethod
     def concat(batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBatch":
@@ -158,6 +158,7 @@ class RolloutBatch:
         return parts[0].replace(**out)
 
 
+_AXES = tuple((f.name, f.metadata["axis"]) for f in fields(RolloutBatch))   # (name, layout)
 _PAIRED = ("old_logprobs", "behaviour_rows")    # stacked together by _cat_behaviour
 
 

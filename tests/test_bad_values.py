@@ -20,7 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlctl.compose import compose
-from rlctl.compose_errors import explain as _explain
+from rlctl.compose import explain as _explain
 from rlctl.config import CHOICES, FREE_NUMBERS, RANGES, example_value, range_problem, validate
 from rlctl.core.advantages import REINFORCE_BASELINES
 from rlctl.core.kl import KL_PLACEMENTS

@@ -297,7 +297,7 @@ def test_more_bad_inputs_in_process(bad_files):
 
 
 def test_hold_out_is_seeded_and_never_takes_every_pair():
-    from rlctl.reward_models.pairs import hold_out
+    from rlctl.reward_models.train import hold_out
     from rlctl.reward_models.fit import Pair
 
     pairs = [Pair(str(i), "a", "b") for i in range(20)]
@@ -310,7 +310,7 @@ def test_hold_out_is_seeded_and_never_takes_every_pair():
 
 
 def test_read_pairs_takes_csv_and_a_margin_column(tmp_path):
-    from rlctl.reward_models.pairs import read_pairs
+    from rlctl.reward_models.train import read_pairs
 
     path = tmp_path / "p.csv"
     path.write_text("prompt,chosen,rejected,margin\n1 =,1,2,0.5\n2 =,2,3,\n")
@@ -370,7 +370,8 @@ def test_fit_uses_each_pairs_margin_else_the_default():
     margins [0.5 (the row's), 2.0 (rm.margin)]: the margin reaches the loss."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from rlctl.reward_models.fit import FitSettings, Pair, fit, pair_scores, prepare_for_scoring
+    from rlctl.reward_models.config import RMConfig
+    from rlctl.reward_models.fit import Pair, fit, pair_scores, prepare_for_scoring
     from rlctl.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
@@ -384,8 +385,7 @@ def test_fit_uses_each_pairs_margin_else_the_default():
         r_c, r_r = pair_scores(model.eval(), tok, pairs)
     expected, _ = bradley_terry_loss(r_c, r_r, torch.tensor([0.5, 2.0]), center_coef=0.1)
     logged = []
-    fit(model, tok, pairs, FitSettings(steps=1, lr=1e-3, batch_size=2, margin=2.0,
-                                       center_coef=0.1),
+    fit(model, tok, pairs, RMConfig(steps=1, lr=1e-3, batch_size=2, margin=2.0, center_coef=0.1),
         on_step=lambda step, m: logged.append(m["train/loss"]))
     # the same float32 forward on the same two pairs (in another order): ~1e-7
     assert logged[0] == pytest.approx(float(expected), abs=1e-5)

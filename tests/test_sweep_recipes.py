@@ -10,7 +10,7 @@ import pytest
 
 from rlctl.compose import compose
 from rlctl.errors import ConfigError
-from rlctl.recipes import recipe_files
+from rlctl.compose import recipe_files
 from rlctl.run.sweep import expand, summarize
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")

@@ -1,56 +1,56 @@
-"""The configuration of `rlctl reward-model train`: the fit's ``rm.*`` knobs (typed by
-``RMConfig``, defaults in rlctl/conf/reward_model.yaml) and the sections composed as for
+"""The configuration of `rlctl reward-model train`: the fit's ``rm.*`` knobs (``RMConfig``:
+each default, range and help written there once) and the sections composed as for
 `rlctl train` (``SECTIONS``). No torch here: `rlctl inspect` reads a reward-model run's
 defaults from this module (``default_config``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 from omegaconf import OmegaConf
 
-from rlctl.compose import CONF_DIR, compose
-from rlctl.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range
+from rlctl.compose import compose
 from rlctl.errors import ConfigError, UserError
+from rlctl.schema import AT_LEAST_1, NON_NEGATIVE, POSITIVE, Range, knob
 
 SECTIONS = ("model", "hardware", "logger", "seed", "run")   # composed like `rlctl train`
 
 
 @dataclass
 class RMConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    steps: int = 200
-    batch_size: int = 16
-    margin: float = 0.0
-    center_coef: float = 0.01
-    max_grad_norm: float = 1.0
-    eval_frac: float = 0.1
-    eval_every: int = 50
-    eval_batch_size: int = 64
-    max_length: Optional[int] = None
-
-
-RM_RANGES = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "steps": AT_LEAST_1,
-             "batch_size": AT_LEAST_1, "margin": Range(), "center_coef": NON_NEGATIVE,
-             "max_grad_norm": Range(0, why="0: no clipping"),
-             "eval_frac": Range(0, 1, lo_open=True, hi_open=True),
-             "eval_every": Range(0, why="0: only at the end"), "eval_batch_size": AT_LEAST_1,
-             "max_length": AT_LEAST_1}
+    lr: float = knob(1e-4, range=POSITIVE)  # AdamW learning rate
+    weight_decay: float = knob(0.0, range=NON_NEGATIVE)
+    steps: int = knob(200, range=AT_LEAST_1)  # optimizer steps (batches of pairs)
+    batch_size: int = knob(16, range=AT_LEAST_1)  # pairs per step (2x sequences per forward)
+    # m in -log sigmoid(r_c - r_r - m); a `margin` column overrides it per pair
+    margin: float = knob(0.0, range=Range())
+    # c * (r_c + r_r)^2 keeps scores centred (Eisenstein et al., 2023)
+    center_coef: float = knob(0.01, range=NON_NEGATIVE)
+    max_grad_norm: float = knob(1.0, range=Range(0, why="0: no clipping"))
+    # without --eval: this seeded share of the pairs is held out
+    eval_frac: float = knob(0.1, range=Range(0, 1, lo_open=True, hi_open=True))
+    # steps between held-out evaluations (0: only at the end)
+    eval_every: int = knob(50, range=Range(0, why="0: only at the end"))
+    eval_batch_size: int = knob(64, range=AT_LEAST_1)  # pairs per held-out forward
+    # Tokens per prompt + completion. A longer text keeps its last max_length tokens (a leading
+    # BOS stays first): the end of the completion, where the score is read. Saved with the model
+    # (the tokenizer's model_max_length), so runs and `reward-model eval` score with the same
+    # limit. null: the model's context (the tokenizer's model_max_length, at most its positions).
+    max_length: Optional[int] = knob(None, range=AT_LEAST_1)
 
 
 def rm_config(overrides: Sequence[str]) -> RMConfig:
-    """conf/reward_model.yaml with ``rm.KEY=VALUE`` overrides, typed and range-checked."""
-    base = OmegaConf.merge(OmegaConf.structured(RMConfig),
-                           OmegaConf.load(CONF_DIR / "reward_model.yaml"))
+    """``RMConfig`` with ``rm.KEY=VALUE`` overrides, typed and range-checked."""
+    base = OmegaConf.structured(RMConfig)
+    ranges = {f.name: f.metadata["range"] for f in fields(RMConfig)}
     for o in overrides:
         key, eq, value = o.partition("=")
         leaf = key[len("rm."):]
-        if not eq or leaf not in RM_RANGES:
+        if not eq or leaf not in ranges:
             raise ConfigError(f"unknown reward-model key '{key}'; valid: "
-                              f"{', '.join('rm.' + k for k in RM_RANGES)}")
+                              f"{', '.join('rm.' + k for k in ranges)}")
         try:
             base[leaf] = yaml.safe_load(value)
         except Exception:  # noqa: BLE001 - OmegaConf's type errors
@@ -58,7 +58,7 @@ def rm_config(overrides: Sequence[str]) -> RMConfig:
             raise ConfigError(f"invalid value '{value}' for '{key}': expected "
                               f"{'an integer' if kind == 'int' else 'a float'}") from None
     cfg = RMConfig(**OmegaConf.to_container(base))
-    for leaf, rng in RM_RANGES.items():
+    for leaf, rng in ranges.items():
         v = getattr(cfg, leaf)
         if v is not None and (not math.isfinite(v) or not rng.contains(v)):
             what = f"{rng.describe()} and finite" if rng.lo is not None else "finite"

@@ -1,8 +1,6 @@
-"""Reward models as Hugging Face sequence classifiers (``num_labels=1``, safetensors, own
-tokenizer): build one from a causal LM and fit it on preference pairs with the
-Bradley-Terry loss (rlctl.core.preference). Text, tokens and read-out are
-``rlctl.reward_models.scoring``'s, so a model is fitted on what a run's scorer feeds it;
-over-long pairs keep their last tokens (not dropped, unlike TRL)."""
+"""A reward model (a Hugging Face sequence classifier, ``num_labels=1``) built from a causal
+LM and fitted on preference pairs with the Bradley-Terry loss (rlctl.core.preference),
+through ``rlctl.reward_models.scoring``: fitted on what a run's scorer feeds it."""
 from __future__ import annotations
 
 import random
@@ -13,8 +11,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.preference import bradley_terry_loss
-from rlctl.reward_models.checkpoint import LAST_NON_PAD, READ_KEY
-from rlctl.reward_models.scoring import render, text_scores, token_rows
+from rlctl.reward_models.config import RMConfig
+from rlctl.reward_models.scoring import LAST_NON_PAD, READ_KEY, render, text_scores, token_rows
 
 
 @dataclass
@@ -89,29 +87,16 @@ def pairwise_accuracy(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> float
     return float((r_chosen > r_rejected).float().mean()) if len(r_chosen) else float("nan")
 
 
-@dataclass
-class FitSettings:
-    steps: int
-    lr: float
-    batch_size: int
-    margin: float = 0.0
-    center_coef: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_length: Optional[int] = None
-    seed: int = 0
-
-
 def _margins(batch: Sequence[Pair], default: float) -> torch.Tensor:
     return torch.tensor([default if p.margin is None else float(p.margin) for p in batch])  # [P]
 
 
-def fit(model, tokenizer, pairs: Sequence[Pair], s: FitSettings,
+def fit(model, tokenizer, pairs: Sequence[Pair], s: RMConfig, seed: int = 0,
         on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> List[float]:
     """``s.steps`` AdamW steps of the Bradley-Terry loss on shuffled batches of ``pairs``
-    (reshuffled each epoch under ``s.seed``); ``on_step(step, metrics)`` after each.
-    Returns the losses."""
-    rng = random.Random(s.seed)
+    (reshuffled each epoch under ``seed``); ``on_step(step, metrics)`` after each. Returns
+    the losses."""
+    rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     model.train()
     order: List[int] = []

@@ -1,42 +1,29 @@
-"""Learned reward models: a sequence classifier's score as a reward, beside or instead of
-a task's own (verifiable) rewards.
-
-A reward model is a Hugging Face ``AutoModelForSequenceClassification`` directory with one
-label, safetensors weights and its own tokenizer (optionally a chat template), the form
-in which TRL, OpenRLHF and Hugging Face save Bradley-Terry reward models (Ouyang et al.,
-2022, "Training language models to follow instructions with human feedback").
-
-Scoring (``RewardModel.score``) goes through the one path in
-``rlctl.reward_models.scoring`` (text, tokens, score), which ``rlctl reward-model train``
-fits with too, so that a model is scored on exactly what it was fitted on.
-
-Batched (``BATCH_ROWS`` rows per forward) on the training device, under ``no_grad``, in
-the model's saved dtype. The weights load on the first score (so that checking a config
-costs no weight loading).
-
-``task.reward_norm=running`` whitens each model's scores with running statistics over
-every training score seen so far (count, mean, M2: the batched form of Welford's update,
-Chan et al., 1979), updated with the batch before the batch is normalised, as OpenRLHF's
-and TRL's reward normalisation do; ``task.reward_clip=c`` then clips to [-c, c]. The
-statistics are part of the scorer's checkpointed state (``LearnedRewards.state``).
-"""
+"""Learned reward models: a sequence classifier's score as a reward, beside or instead of a
+task's own rewards. A reward model is a Hugging Face ``AutoModelForSequenceClassification``
+directory (one label, safetensors, its own tokenizer), as TRL, OpenRLHF and Hugging Face save
+Bradley-Terry models (Ouyang et al., 2022). Scored through ``rlctl.reward_models.scoring``, the
+path the fit uses; batched, on the training device, under no_grad, loaded on the first score.
+``task.reward_norm=running`` whitens each model's scores with running count, mean and M2 over
+every training score (Chan et al., 1979), merged over ranks, updated before the batch is
+normalised (as OpenRLHF and TRL); ``task.reward_clip=c`` then clips to [-c, c]."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlctl.errors import UserError
 from rlctl.model_files import corrupt_safetensors, reward_model_dir, vocab_problem
-from rlctl.reward_models.checkpoint import (LAST_ATTENDED, checkpoint_keys, head_names,
-                                           head_params, pad_id_of, read_positions, score_read,
-                                           untrained_head_problem)
-from rlctl.reward_models.norm import RunningNorm, global_batch_stats
-from rlctl.reward_models.scoring import encode, last_token_scores, length_limit, render
+from rlctl.reward_models.scoring import (LAST_ATTENDED, checkpoint_keys, encode, head_names,
+                                         head_params, last_token_scores, length_limit, pad_id_of,
+                                         read_positions, render, score_read,
+                                         untrained_head_problem)
 from rlctl.tasks.base import RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
@@ -45,6 +32,84 @@ log = logging.getLogger(__name__)
 
 NORMS = ("none", "running")
 BATCH_ROWS = 64          # rows per reward-model forward (bounds activation memory)
+
+
+# ---- running statistics (task.reward_norm=running) ----------------------------------------
+STD_FLOOR = 1e-6         # running std below this divides by 1 (all scores so far equal)
+Stats = Tuple[int, float, float]   # (count, mean, M2)
+
+
+def batch_stats(xs: Sequence[float]) -> Stats:
+    """(count, mean, M2) of ``xs``, with exactly rounded sums."""
+    m = len(xs)
+    if m == 0:
+        return 0, 0.0, 0.0
+    mean = math.fsum(xs) / m
+    return m, mean, math.fsum((x - mean) ** 2 for x in xs)
+
+
+def merged(a: Stats, b: Stats) -> Stats:
+    """The statistics of the union of two sets of values (Chan et al.'s pairwise update)."""
+    (na, ma, m2a), (nb, mb, m2b) = a, b
+    n = na + nb
+    if nb == 0:
+        return a
+    delta = mb - ma
+    return n, ma + delta * nb / n, m2a + m2b + delta * delta * na * nb / n
+
+
+def global_batch_stats(batches: Sequence[Sequence[float]]) -> List[Stats]:
+    """The statistics of each of this rank's batches (one per reward model) over every rank:
+    one float64 all-reduce, merged in rank order. One process: the local statistics."""
+    local = [batch_stats(b) for b in batches]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    table = torch.zeros(world, len(local), 3, dtype=torch.float64, device=device)  # [W, M, 3]
+    table[rank] = torch.tensor(local, dtype=torch.float64, device=device)
+    dist.all_reduce(table)                 # each row is one rank's: the sum is a gather
+    rows, out = table.tolist(), []         # one host copy of the [W, M, 3] table
+    for j in range(len(local)):
+        acc: Stats = (0, 0.0, 0.0)
+        for r in range(world):
+            n, mean, m2 = rows[r][j]
+            acc = merged(acc, (int(round(n)), mean, m2))
+        out.append(acc)
+    return out
+
+
+@dataclass
+class RunningNorm:
+    """Count, mean and M2 (sum of squared deviations) of every value seen, float64."""
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def update(self, xs: Sequence[float]) -> None:
+        """Merge a batch (Chan et al.'s pairwise update; one value at a time is Welford's)."""
+        self.merge(*batch_stats(xs))
+
+    def merge(self, m: int, b_mean: float, b_m2: float) -> None:
+        """Merge the statistics (count, mean, M2) of another set of values."""
+        self.count, self.mean, self.m2 = merged((self.count, self.mean, self.m2),
+                                                (m, b_mean, b_m2))
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation of the values seen (0 before two values)."""
+        return math.sqrt(self.m2 / self.count) if self.count else 0.0
+
+    def normalize(self, x: float) -> float:
+        std = self.std
+        return (x - self.mean) / (std if std > STD_FLOOR else 1.0)
+
+    def state(self) -> Dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state(self, state: Dict[str, Any]) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
 # ---- one reward model --------------------------------------------------------------------

@@ -1,12 +1,7 @@
-"""The embedded tiny reward model for the sorting task (``task.reward_model=tiny``).
-
-``tiny_reward_model_dir()`` builds on first use and caches (as the tiny policy, in
-``tiny-rm-<hash>`` of every input to the weights) a Bradley-Terry reward model: the tiny
-policy's backbone with a 1-output head, fitted by ``rlctl.reward_models.fit.fit`` on
-``NUM_PAIRS`` pairs from the training split of 5-digit sorting, ranked by the positional
-reward (ties skipped), ``STEPS`` steps: an imperfect proxy on purpose. Its held-out
-accuracy and where it fails: docs/rlhf.md, "The tiny reward model" (each build records
-``heldout_pairwise_accuracy`` in ``rlctl_tiny_rm.json``)."""
+"""The embedded tiny reward model for 5-digit sorting (``task.reward_model=tiny``), built on
+first use and cached in ``tiny-rm-<hash of every input>``: the tiny policy's backbone with a
+1-output head, fitted on ``NUM_PAIRS`` training-split pairs ranked by the positional reward
+(ties skipped), an imperfect proxy on purpose (docs/rlhf.md, "The tiny reward model")."""
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +17,8 @@ import torch
 import transformers
 
 from rlctl.models.tiny import build_cached, build_tiny, build_tokenizer, default_cache_dir
-from rlctl.reward_models.fit import (FitSettings, Pair, classifier_from_lm, fit,
+from rlctl.reward_models.config import RMConfig
+from rlctl.reward_models.fit import (Pair, classifier_from_lm, fit,
                                      pairwise_accuracy, prepare_for_scoring, score_pairs)
 from rlctl.tasks.sorting import SortingTask, positional_reward
 
@@ -108,9 +104,8 @@ def _build_into(directory: Path, params: Dict[str, object], cache_dir: Optional[
     task = SortingTask(num_digits=NUM_DIGITS, seed=TASK_SEED)
     train = sorting_pairs(task.train_examples(), NUM_PAIRS, params["seed"])
     held = sorting_pairs(task.eval_examples(), NUM_HELDOUT, params["seed"] + 1)
-    settings = FitSettings(steps=STEPS, lr=LR, batch_size=BATCH_SIZE, center_coef=CENTER_COEF,
-                           seed=params["seed"])
-    losses = fit(model, tokenizer, train, settings)
+    losses = fit(model, tokenizer, train, RMConfig(steps=STEPS, lr=LR, batch_size=BATCH_SIZE,
+                                                   center_coef=CENTER_COEF), params["seed"])
     acc = pairwise_accuracy(*score_pairs(model, tokenizer, held))
     model.save_pretrained(directory)   # safetensors
     tokenizer.save_pretrained(directory)

@@ -1,22 +1,21 @@
 """`rlctl reward-model train|eval`: fit a Bradley-Terry reward model on preference pairs
-and measure one (docs/rlhf.md, "Training a reward model").
-
-Model, hardware, logger, ``seed`` and ``run.output_dir`` compose as for ``rlctl train``;
-the fit's knobs are ``rm.*`` (``RMConfig``). A run writes ``<run.output_dir>/<time>-rm/``
-with ``model/`` (classifier, safetensors, tokenizer), ``metrics.jsonl``, ``config.yaml``,
-``overrides.yaml`` and ``summary.json``. Texts over ``rm.max_length`` keep their last
-tokens (``scoring.keep_end``), and the limit is saved as the tokenizer's
-``model_max_length`` for later scoring; over-long and identical pairs are counted (all
-training pairs identical: DataError before a run directory). SIGINT/SIGTERM stop after
-the current step with the model saved (``FitStopped``, exit 128 + signal)."""
+(``prompt``, ``chosen``, ``rejected`` columns; docs/rlhf.md) and measure one. Model, hardware,
+logger, ``seed`` and ``run.output_dir`` compose as for ``rlctl train``; the fit's knobs are
+``rm.*`` (``RMConfig``). A run writes ``<run.output_dir>/<time>-rm/`` with ``model/``,
+``metrics.jsonl``, ``config.yaml``, ``overrides.yaml`` and ``summary.json``. Over-long and
+identical pairs are counted (all training pairs identical: DataError before a run directory).
+SIGINT/SIGTERM stop after the current step with the model saved (``FitStopped``)."""
 from __future__ import annotations
 
 import inspect
+import math
+import random
 import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import yaml
@@ -24,23 +23,123 @@ from safetensors import SafetensorError
 from transformers import AutoTokenizer
 
 from rlctl.compose import compose
-from rlctl.errors import ConfigError, Interrupted, UserError
+from rlctl.errors import ConfigError, DataError, Interrupted, UserError
 from rlctl.models.dropout import disable_dropout
 from rlctl.models.loading import adapter_problem, check_vocab, corrupt_safetensors, resolve_dtype
 from rlctl.models.quiet import quiet_libraries
 from rlctl.models.tiny import build_tiny
 from rlctl.reward_models.config import RMConfig, resolved_sections, rm_config, split_overrides
-from rlctl.reward_models.fit import (FitSettings, Pair, classifier_from_lm, fit,
+from rlctl.reward_models.fit import (Pair, classifier_from_lm, fit,
                                      pairs_over, pairwise_accuracy, prepare_for_scoring,
                                      score_pairs)
 from rlctl.reward_models.learned import RewardModel
-from rlctl.reward_models.pairs import check_identical, fit_limit, hold_out, note_truncation, read_pairs
+from rlctl.reward_models.scoring import keep_end, length_limit, render, token_rows
 from rlctl.sinks import build_sinks
 from rlctl.sinks.console import REWARD_MODEL_KEYS
 from rlctl.stopping import StopFlag
 from rlctl.storage.rundir import create_run_dir, write_json_atomic
+from rlctl.tasks.data import load_records
 
 
+# ---- preference pairs: read, split, length limit, identical pairs ------------------------
+COLUMNS = ("prompt", "chosen", "rejected")
+
+
+def read_pairs(path: str, key: str) -> List[Pair]:
+    """Preference rows (prompt, chosen, rejected text; an optional numeric margin)."""
+    rows = load_records(path, "auto", key, located=True)
+    pairs = []
+    for where, row in rows:
+        missing = [c for c in COLUMNS if c not in row]
+        if missing:
+            raise DataError(f"{key}: {where} has no '{missing[0]}' column; a preference row "
+                            f"needs {', '.join(COLUMNS)} (and optionally margin); it has "
+                            f"{', '.join(map(str, row)) or 'none'}")
+        bad = next((c for c in COLUMNS if not isinstance(row[c], str)), None)
+        if bad:
+            raise DataError(f"{key}: {where}: '{bad}' must be text, got "
+                            f"{type(row[bad]).__name__}")
+        margin = row.get("margin")
+        if margin is not None and margin != "":
+            try:
+                margin = float(margin)
+            except (TypeError, ValueError):
+                margin = float("nan")
+            if not math.isfinite(margin):
+                raise DataError(f"{key}: {where}: 'margin' must be a finite number, got "
+                                f"'{row.get('margin')}'")
+        pairs.append(Pair(row["prompt"], row["chosen"], row["rejected"],
+                          None if margin in (None, "") else margin))
+    return pairs
+
+
+def hold_out(pairs: List[Pair], frac: float, seed: int) -> Tuple[List[Pair], List[Pair]]:
+    """(train, held out): a seeded ``frac`` of the pairs held out (at least 1, never all)."""
+    if len(pairs) < 2:
+        raise DataError("PREFS has one pair: nothing to hold out; pass --eval PREFS_EVAL")
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:min(len(pairs) - 1, max(1, round(frac * len(pairs))))])
+    return ([p for i, p in enumerate(pairs) if i not in held],
+            [p for i, p in enumerate(pairs) if i in held])
+
+
+def fit_limit(rm: RMConfig, tokenizer, model_config) -> Optional[int]:
+    """The fit's tokens per text: ``rm.max_length``, saved on the tokenizer (so the
+    scorer reads it), or the model's context; ConfigError above that context."""
+    context = length_limit(tokenizer, model_config)
+    if rm.max_length is None:
+        return context
+    if context is not None and rm.max_length > context:
+        raise ConfigError(f"invalid rm.max_length '{rm.max_length}'; must be <= {context}, "
+                          "the model's context (null: the whole context)")
+    tokenizer.model_max_length = rm.max_length
+    return rm.max_length
+
+
+def note_truncation(limit: Optional[int], what: str, counts: Dict[str, Tuple[int, int]],
+                    stream=None) -> None:
+    """One line on stderr when any pair (split: (over the limit, pairs)) is too long."""
+    if not any(n for n, _ in counts.values()):
+        return
+    parts = " and ".join(" ".join(filter(None, (f"{n} of {total}", split, "pairs")))
+                         for split, (n, total) in counts.items())
+    print(f"rlctl: {what}: {parts} have a text (prompt + answer) longer than {limit} tokens; "
+          f"each such text keeps its last {limit} tokens (a leading BOS stays first), the end "
+          "of the answer, where the score is read", file=stream or sys.stderr, flush=True)
+
+
+def same_tokens(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> int:
+    """How many pairs read the same for chosen and rejected: the same tokens once rendered
+    and cut to ``limit`` (what the model reads), so both score alike whatever the model."""
+    if not pairs:
+        return 0
+    rows = token_rows(tokenizer, [render(tokenizer, p.prompt, x)
+                                  for p in pairs for x in (p.chosen, p.rejected)])
+    rows = [keep_end(r, limit, tokenizer.bos_token_id) for r in rows]
+    return sum(rows[2 * i] == rows[2 * i + 1] for i in range(len(pairs)))
+
+
+def check_identical(tokenizer, limit: Optional[int], train: Sequence[Pair],
+                    held: Sequence[Pair], held_key: str, stream=None) -> Dict[str, int]:
+    """DataError when every training pair's chosen and rejected read the same (the loss
+    cannot move from log 2); one line on stderr counting them when only some do."""
+    n_train, n_held = same_tokens(tokenizer, train, limit), same_tokens(tokenizer, held, limit)
+    if n_train == len(train):
+        raise DataError(f"PREFS: all {len(train)} training pairs have chosen and rejected "
+                        "reading as the same tokens (once rendered and cut to the length "
+                        "limit): nothing can be learned from them (the loss stays at log 2); "
+                        "give pairs whose chosen and rejected answers differ")
+    if n_train or n_held:
+        print(f"rlctl: {n_train} of {len(train)} training pairs and {n_held} of {len(held)} "
+              f"held-out pairs ({held_key}) have chosen == rejected (the same tokens once "
+              "rendered): they carry no preference (loss log 2 whatever the model) and a "
+              "held-out tie counts as wrong in pairwise accuracy",
+              file=stream or sys.stderr, flush=True)
+    return {"train_pairs_identical": n_train, "eval_pairs_identical": n_held}
+
+
+# ---- the fit -------------------------------------------------------------------------------
 def backbone_path(name: str, name_or_path: Optional[str] = None, **tiny_kwargs) -> str:
     """The causal LM (or classifier) directory the reward model starts from: for model=tiny the
     cached policy `rlctl train` starts from (``tiny_kwargs``: build_tiny's arguments)."""
@@ -202,7 +301,7 @@ def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop
     try:
         torch.manual_seed(int(cfg.seed))
         try:
-            fit(model, tokenizer, train, _settings(rm, int(cfg.seed)), on_step)
+            fit(model, tokenizer, train, rm, int(cfg.seed), on_step)
         except _StopAt as at:
             _save(run_dir, model, tokenizer, sink, dict(
                 counts, stopped_at_step=at.step, signal=signal.Signals(stop.signum).name,
@@ -214,12 +313,6 @@ def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop
     finally:
         sink.close()
     return run_dir
-
-
-def _settings(rm: RMConfig, seed: int) -> FitSettings:
-    return FitSettings(steps=rm.steps, lr=rm.lr, batch_size=rm.batch_size, margin=rm.margin,
-                       center_coef=rm.center_coef, weight_decay=rm.weight_decay,
-                       max_grad_norm=rm.max_grad_norm, max_length=rm.max_length, seed=seed)
 
 
 def _last_train(last: Dict[str, float]) -> Dict[str, float]:

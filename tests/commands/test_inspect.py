@@ -1,8 +1,11 @@
 """`rlctl inspect`: one run, two runs, and the audit of a hand-made rollout file."""
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+
+from rlctl.reward_models.config import RMConfig
 
 PLOTS = ("reward", "eval_exact_match", "kl", "clip_frac", "entropy", "length")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -94,10 +97,8 @@ def test_inspect_rollout_audit_finds_misaligned_rows(cli, tmp_path):
 
 def test_inspect_of_a_reward_model_run_reads_its_metrics_and_its_own_defaults(cli, run_a, tmp_path):
     """A run of `rlctl reward-model train` (issue 21.13): its config is compared with the
-    reward-model command's defaults (conf/reward_model.yaml and the composed sections),
+    reward-model command's defaults (``RMConfig``'s and the composed sections),
     not `rlctl train`'s, and its metrics are the fit's."""
-    import yaml
-
     prefs = tmp_path / "p.jsonl"
     prefs.write_text("".join(json.dumps({"prompt": f"{a} {b} =", "chosen": f"{min(a, b)} {max(a, b)}",
                                          "rejected": f"{max(a, b)} {min(a, b)}"}) + "\n"
@@ -111,7 +112,7 @@ def test_inspect_of_a_reward_model_run_reads_its_metrics_and_its_own_defaults(cl
     assert res.exit_code == 0, res.output
     report = json.loads((tmp_path / "rm.json").read_text())
     assert report["keys_not_in_run"] == [] and "not in this run's config" not in res.stdout
-    defaults = yaml.safe_load((Path(__file__).parents[2] / "rlctl/conf/reward_model.yaml").read_text())
+    defaults = dataclasses.asdict(RMConfig())
     diff = report["config_diff"]
     assert diff["rm.steps"] == {"default": defaults["steps"], "run": 3}
     assert diff["rm.eval_every"] == {"default": defaults["eval_every"], "run": 2}

@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from rlctl.overrides import rename_deprecated
+from rlctl.compose import rename_deprecated
 from rlctl.types import RolloutBatch
 
 
@@ -82,7 +82,7 @@ def test_concat_keeps_old_logprobs_and_behaviour_rows_as_a_pair():
 def test_rename_notice_is_printed_once_per_process(monkeypatch):
     import io
 
-    import rlctl.overrides as overrides
+    import rlctl.compose as overrides
     monkeypatch.setattr(overrides, "_TOLD_RENAMES", set())
     err = io.StringIO()
     for _ in range(3):      # a sweep composes every cell with the same overrides

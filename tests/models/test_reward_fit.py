@@ -3,6 +3,8 @@ which `rlctl reward-model train` fits with (rlctl.reward_models.fit) and a run's
 scorer reads with (RewardModel): same text, same tokens, same read-out."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -159,13 +161,13 @@ def test_run_scoring_keeps_the_same_end_and_counts_it(tmp_path, caplog):
     assert len(warned) == 1 and "1 of 2 texts" in warned[0], warned
 
 
-def test_the_yaml_says_what_null_max_length_means_and_it_does():
-    """rm.max_length's comment in conf/reward_model.yaml names null's meaning (the model's
-    context, not "no limit"), and with null a text past the tiny model's 64 positions is
-    scored at its last 64 tokens, as the comment says."""
-    from rlctl.compose import CONF_DIR
+def test_the_help_says_what_null_max_length_means_and_it_does():
+    """rm.max_length's help (the comment above it in RMConfig) names null's meaning (the
+    model's context, not "no limit"), and with null a text past the tiny model's 64
+    positions is scored at its last 64 tokens, as the comment says."""
+    import rlctl.reward_models.config as rm_conf
 
-    lines = (CONF_DIR / "reward_model.yaml").read_text().splitlines()
+    lines = [ln.strip() for ln in Path(rm_conf.__file__).read_text().splitlines()]
     at = next(i for i, ln in enumerate(lines) if ln.startswith("max_length:"))
     comment = " ".join(ln.lstrip("# ") for ln in lines[at - 4:at] if ln.startswith("#"))
     assert "null: the model's context" in comment and "no limit" not in comment

@@ -17,7 +17,7 @@ from transformers import (AutoModelForSequenceClassification, LlamaConfig, Llama
                           LlamaForSequenceClassification, PreTrainedTokenizerFast)
 
 from rlctl.models import tiny
-from rlctl.reward_models.checkpoint import LAST_ATTENDED, LAST_NON_PAD, READ_KEY
+from rlctl.reward_models.scoring import LAST_ATTENDED, LAST_NON_PAD, READ_KEY
 from rlctl.reward_models.fit import scores as fit_scores
 from rlctl.reward_models.learned import RewardModel
 
