@@ -35,8 +35,7 @@ import torch
 from rlctl.errors import UserError
 from rlctl.models.kv_share import cache_keyword, shared_prefill, state_in_modules
 from rlctl.models.value import PolicyValueModel
-from rlctl.rollout.precision import sampling_precision
-from rlctl.rollout.sampler import sample
+from rlctl.rollout.generate import sample, sampling_precision
 from rlctl.rollout.weights import load_adapter, load_full
 from rlctl.tasks.prompt_budget import context_length
 

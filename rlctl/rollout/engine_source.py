@@ -111,7 +111,7 @@ class EngineSource(SyncSource):
         self.engine, self.policy, self.tokenizer = self.engines[0], policy, tokenizer
         self.examples, self.scorer, self.settings = list(examples), scorer, settings
         self.sampling, self.learner_rng, self.player = sampling, learner_rng, player
-        self.sampler = random.Random(seed)
+        self.prompt_rng = random.Random(seed)
         self.device = device if device is not None else next(policy.parameters()).device
         self.stops = resolve_stop_ids(policy, tokenizer, sampling.stop_token_ids)
         self.pad_id = int(tokenizer.pad_token_id)
@@ -159,11 +159,11 @@ class EngineSource(SyncSource):
         """Draw the next request's rows and seed (in this thread, in order), take a weights
         snapshot if engine ``e`` must have newer ones, and start it in a worker thread."""
         engine, rows = self.engines[e], self.draw(num_groups)
-        env_seed = self.sampler.randrange(SEED_RANGE) if self.player is not None else None
+        env_seed = self.prompt_rng.randrange(SEED_RANGE) if self.player is not None else None
         if self.learner_rng:
             seed = torch.get_rng_state() if self.settings.max_staleness == 0 else None
         else:
-            seed = self.sampler.getrandbits(62)
+            seed = self.prompt_rng.getrandbits(62)
         snap = None
         if self._needs_push(e, consumed_at):
             tensors, kind = policy_weights(self.policy)

@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicLayer
 from rlctl.errors import TrainingFault, UserError
 from rlctl.models.kv_share import (cache_keyword, distinct_rows, forward_takes, index_rows,
                                    innermost, say_once, state_in_modules, unpadded_notice)
-from rlctl.rollout.sampler import sample
+from rlctl.rollout.generate import sample
 from rlctl.tasks.prompt_budget import context_length
 
 Sampled = Tuple[List[List[int]], List[List[float]]]

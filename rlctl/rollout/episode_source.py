@@ -31,14 +31,14 @@ class EpisodeSource(SyncSource):
     def __init__(self, policy, tokenizer, prepared, settings: EpisodeSettings, seed: int):
         self.policy, self.tokenizer, self.task, self.settings = policy, tokenizer, prepared.task, settings
         self.examples = list(prepared.train)
-        self.sampler = random.Random(seed)
+        self.prompt_rng = random.Random(seed)
         self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
         self.player = EpisodePlayer(tokenizer, prepared.task, settings, self.stops)
         self.scorer = prepared.scorer(timeout_s=0)     # counters only: rewards are the env's
 
     def draw_seed(self) -> int:
         """The environments' seed of the next batch (drawn after its rows)."""
-        return self.sampler.randrange(SEED_RANGE)
+        return self.prompt_rng.randrange(SEED_RANGE)
 
     def sample(self, num_groups: int) -> RolloutBatch:
         examples = [self.examples[i] for i in self.draw(num_groups)]
