@@ -200,18 +200,39 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=temperature,
             top_k=top_k, return_logprobs=behaviour_logprobs or engine_logprobs,
             share_prompts=share_prompts, stops=stops, **backend_kwargs)
-    completion_ids = seqs[:, plen:]                                          # [N, T]
     logp = logp[0] if logp else None                                         # [N, T]
-    old = logp if behaviour_logprobs else None                               # [N, T]
-    mask, truncated = completion_mask(completion_ids, stops, tokenizer.pad_token_id)
-    attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)            # [N, P+T]
-    completions = decode_completions(tokenizer, completion_ids, mask, stops)
+    mask, truncated = completion_mask(seqs[:, plen:], stops, tokenizer.pad_token_id)
+    return scored(tokenizer, examples, group_size, seqs, prompt_mask, mask, truncated, stops,
+                  score_batch, old_logprobs=logp if behaviour_logprobs else None,
+                  engine_logprobs=None if logp is None else logp * mask.to(logp.dtype))
+
+
+def scored(tokenizer, examples: Sequence[Example], group_size: int, seqs: torch.Tensor,
+           prompt_mask: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor,
+           stops: Sequence[int], score_batch, **fields) -> RolloutBatch:
+    """Sequences [N, P+T] of B examples x G (prompts [N, P] left-padded, completions masked by
+    ``mask`` [N, T]) decoded and scored in one batch (``score_batch``) -> a RolloutBatch
+    with ``fields`` (log-probs, staleness)."""
+    plen = prompt_mask.shape[1]
+    completions = decode_completions(tokenizer, seqs[:, plen:], mask, stops)
     per_row = [examples[i // group_size] for i in range(len(completions))]
     rewards = torch.tensor(score_batch(per_row, completions), dtype=torch.float32,
                            device=seqs.device)                               # [N]
     group_ids = torch.arange(len(examples), device=seqs.device).repeat_interleave(group_size)
     return RolloutBatch(
-        input_ids=seqs, attention_mask=attention_mask, mask=mask, truncated=truncated,
-        rewards=rewards, group_ids=group_ids, prompt_len=plen, group_size=group_size,
-        prompts=prompts, completions=completions, old_logprobs=old,
-        engine_logprobs=None if logp is None else logp * mask.to(logp.dtype))
+        input_ids=seqs, attention_mask=torch.cat([prompt_mask, mask.long()], 1), mask=mask,
+        truncated=truncated, rewards=rewards, group_ids=group_ids, prompt_len=plen,
+        group_size=group_size, prompts=[ex.prompt for ex in examples for _ in range(group_size)],
+        completions=completions, **fields)
+
+
+def left_padded(prompts, pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (ids [N, P] left-padded with ``pad_id``, attention mask [N, P]),
+    as a left-padding tokenizer lays them out."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, P - len(p):] = 1
+    return ids.to(device), mask.to(device)

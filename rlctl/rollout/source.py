@@ -19,6 +19,8 @@ from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.generate import rollout
 from rlctl.types import Example, RolloutBatch
 
+SEED_RANGE = 2 ** 31     # the environments' seeds of an episodic task
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -79,7 +81,8 @@ class LocalSource(SyncSource):
 
     def sample(self, num_groups: int) -> RolloutBatch:
         s = self.settings
-        examples = [self.examples[i] for i in self.draw(num_groups)]
+        examples = [self.examples[self.prompt_rng.randrange(len(self.examples))]   # as ``draw``
+                    for _ in range(num_groups)]
         batch = rollout(self.policy, self.tokenizer, examples, s.group_size, s.max_new_tokens,
                         s.temperature, s.top_k, self.scorer.score_batch,
                         share_prompts=s.share_prompts, stops=self.stops,

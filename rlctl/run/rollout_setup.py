@@ -4,10 +4,13 @@ learner samples from, and ``engine_main``, the entry point of each local engine 
 The functions here that take the whole config need all of it: the local engines are
 built from the learner's resolved config, sent to each as YAML text, exactly as the
 learner was built (rlctl/run/build.py). Below them, rlctl/rollout/ takes settings:
-``SamplingSettings``, ``EngineSettings``, ``EpisodeSettings``.
+``SamplingSettings``, ``EngineSettings``, ``EpisodeSettings``. The modules of episodes,
+engines and servers are imported (``importlib.import_module``) where a run chooses them:
+a default run imports none of them.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -22,16 +25,8 @@ from rlctl.envs.base import is_episodic
 from rlctl.errors import ConfigError, UserError, user_message
 from rlctl.learner.forward import prompt_sharing
 from rlctl.models.quiet import quiet_libraries
-from rlctl.rollout.engine import TorchEngine
-from rlctl.rollout.engine_source import EngineSettings, EngineSource
-from rlctl.rollout.episode_source import EpisodeSource
-from rlctl.rollout.episodes import EpisodeSettings
-from rlctl.rollout.local_engine import LocalEngine, serve_engine
-from rlctl.rollout.server_engine import ServerEngine
-from rlctl.rollout.server_kinds import configured_kind
 from rlctl.rollout.source import LocalSource, SamplingSettings
 from rlctl.run.build import model_from_config, prepare_task
-from rlctl.run.local_servers import LocalProcesses, LocalServers, ServeSpec
 from rlctl.schema import ServerConfig
 
 
@@ -49,11 +44,14 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
     device = backend.device if backend is not None else Backend(cfg.hardware.device).device
     if is_episodic(prepared.task):
         check_episodic(backend)        # the config's side: rlctl.run.checks.check_episodes
-        local = EpisodeSource(policy, tokenizer, prepared, EpisodeSettings.from_config(cfg),
-                              seed=cfg.seed * 1000 + rank)
+        episodes = importlib.import_module("rlctl.rollout.episodes")
+        local = episodes.EpisodeSource(policy, tokenizer, prepared,
+                                       episodes.EpisodeSettings.from_config(cfg),
+                                       seed=cfg.seed * 1000 + rank)
     elif cfg.rollout.engine == "server":
-        return server_source(cfg.rollout.server, ServeSpec.from_config(cfg),
-                             EngineSettings.from_config(cfg), SamplingSettings.from_config(cfg, True),
+        return server_source(cfg.rollout.server, _local_servers().ServeSpec.from_config(cfg),
+                             _engine_source().EngineSettings.from_config(cfg),
+                             SamplingSettings.from_config(cfg, True),
                              policy, tokenizer, prepared, device, cfg.seed * 1000, stop)
     else:
         settings = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
@@ -65,10 +63,11 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
     if world > 1 or dist.is_initialized():
         raise UserError("trainer.async_rollout.enabled=true needs one learner process in no process "
                         "group of its own: hardware.num_processes=1 and hardware.backend=torch")
-    engines = LocalProcesses(engine_main, OmegaConf.to_yaml(cfg, resolve=True),
+    engine_source = _engine_source()
+    engines = _local_servers().LocalProcesses(engine_main, OmegaConf.to_yaml(cfg, resolve=True),
                              int(cfg.trainer.async_rollout.num_actors), stop, "rollout engine process", first=1)
     try:
-        clients = [LocalEngine(p, c, f"rollout engine process {i + 1}")
+        clients = [engine_source.LocalEngine(p, c, f"rollout engine process {i + 1}")
                    for i, (p, c) in enumerate(zip(engines.procs, engines.conns))]
         player = getattr(local, "player", None)
 
@@ -76,27 +75,36 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
             for engine in clients:
                 engine.stop(sys.exc_info()[0] is not None)
             engines.close(30.0)
-        return EngineSource(clients, policy, tokenizer, local.examples, local.scorer,
-                            SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend)),
-                            EngineSettings.from_config(cfg), seed=cfg.seed * 1000 + rank, device=device,
-                            on_close=close, learner_rng=True, player=player)
+        return engine_source.EngineSource(
+            clients, policy, tokenizer, local.examples, local.scorer,
+            SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend)),
+            engine_source.EngineSettings.from_config(cfg), seed=cfg.seed * 1000 + rank,
+            device=device, on_close=close, learner_rng=True, player=player)
     except BaseException:
         engines.close()
         raise
 
 
-def server_source(servers: ServerConfig, spec: ServeSpec, settings: EngineSettings,
-                  sampling: SamplingSettings, policy, tokenizer, prepared, device, seed: int,
-                  stop=None) -> EngineSource:
+def _engine_source():
+    return importlib.import_module("rlctl.rollout.engine_source")
+
+
+def _local_servers():
+    return importlib.import_module("rlctl.run.local_servers")
+
+
+def server_source(servers: ServerConfig, spec, settings, sampling: SamplingSettings, policy,
+                  tokenizer, prepared, device, seed: int, stop=None):
     """``rollout.engine=server``: an ``EngineSource`` on the servers at ``servers.urls``,
     or on ``servers.num_local`` `rlctl serve` processes of ``spec`` started here (and
-    stopped when the source closes)."""
-    local = None if servers.urls else LocalServers(spec, servers.num_local, stop)
+    stopped when the source closes). ``spec``: a ``ServeSpec``, ``settings``: ``EngineSettings``."""
+    local = None if servers.urls else _local_servers().LocalServers(spec, servers.num_local, stop)
+    server_engine = importlib.import_module("rlctl.rollout.server_engine")
     try:
-        engine = ServerEngine(list(servers.urls) or local.urls, max_staleness=settings.max_staleness,
+        engine = server_engine.ServerEngine(list(servers.urls) or local.urls, max_staleness=settings.max_staleness,
                               chunk_size=servers.chunk_size, timeout_s=servers.timeout_s,
-                              kind=configured_kind(servers.kind, servers.weight_dir, servers.model_dir))
-        return EngineSource(engine, policy, tokenizer, list(prepared.train), prepared.scorer(),
+                              kind=server_engine.configured_kind(servers.kind, servers.weight_dir, servers.model_dir))
+        return _engine_source().EngineSource(engine, policy, tokenizer, list(prepared.train), prepared.scorer(),
                             sampling, settings, seed=seed, device=device,
                             on_close=local.close if local is not None else None)
     except BaseException:
@@ -132,9 +140,12 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
         model.eval()
         player, examples = None, ()
         if is_episodic(prepared.task):      # the learner draws the rows and the environments' seed
-            local = EpisodeSource(model, tok, prepared, EpisodeSettings.from_config(cfg), seed=0)
+            episodes = importlib.import_module("rlctl.rollout.episodes")
+            local = episodes.EpisodeSource(model, tok, prepared,
+                                           episodes.EpisodeSettings.from_config(cfg), seed=0)
             player, examples = local.player, local.examples
-        engine = TorchEngine(model, tok.pad_token_id, share_prompts=bool(cfg.trainer.share_prompts),
+        engine_source = _engine_source()
+        engine = engine_source.TorchEngine(model, tok.pad_token_id, share_prompts=bool(cfg.trainer.share_prompts),
                              sample_dtype=cfg.rollout.sample_dtype)
     except Exception as exc:  # noqa: BLE001 - one line for the learner
         conn.send(("error", user_message(exc)[0]))
@@ -143,4 +154,4 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
     # The learner is the bottleneck: when the cores are oversubscribed it keeps its core.
     os.nice(5)
     conn.send(("ready", None))
-    serve_engine(engine, conn, player, examples)
+    engine_source.serve_engine(engine, conn, player, examples)
