@@ -196,7 +196,7 @@ def _check_engine(cfg: DictConfig) -> None:
 
 def _check_kind_dirs(cfg: DictConfig) -> None:
     """vllm/sglang servers read every push from files this run writes where they read
-    (rollout/server_foreign.py): the directories must be named before the first push."""
+    (rollout/server_kinds.py): the directories must be named before the first push."""
     sv, lora = cfg.rollout.server, bool(cfg.model.lora.enabled)
     if sv.kind == "rlctl":
         return

@@ -318,7 +318,7 @@ class RolloutConfig:
 
 @dataclass
 class AsyncConfig:
-    enabled: bool = MISSING        # local engine processes + learner (rlctl/rollout/local_engine.py)
+    enabled: bool = MISSING        # local engine processes + learner (rlctl/rollout/engine_source.py)
     # a rollout is at most this many learner steps old (0: synchronous)
     max_staleness: int = knob(range=NON_NEGATIVE)
     sync_every: int = knob(range=AT_LEAST_1)  # learner steps between weight syncs to an engine

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def _resolve(mod: str, node: ast.ImportFrom, is_pkg: bool) -> str:
 
 
 def import_graph():
-    """{module: set of rlctl modules it imports anywhere (top level or inside functions)}."""
+    """{module: set of rlctl modules it imports anywhere (top level or inside functions, or by
+    name: ``importlib.import_module("rlctl....")``, a feature imported where a run chooses it)}."""
     mods = _modules()
     graph = {}
     for mod, path in mods.items():
@@ -42,6 +44,8 @@ def import_graph():
             elif isinstance(node, ast.ImportFrom):
                 target = _resolve(mod, node, is_pkg)
                 names = [target] + [f"{target}.{a.name}" for a in node.names]
+            elif _imports_by_name(node):
+                names = [node.args[0].value]
             else:
                 continue
             for name in names:
@@ -55,6 +59,24 @@ def import_graph():
                     name = name.rpartition(".")[0]
         graph[mod] = deps
     return graph
+
+
+def _imports_by_name(node) -> bool:
+    """``import_module("<constant>")`` or ``importlib.import_module("<constant>")``."""
+    return (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module")
+
+
+def test_imports_by_name_are_edges(tmp_path, monkeypatch):
+    pkg = tmp_path / "rlctl"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("import importlib\n\n\ndef f():\n    "
+                              "return importlib.import_module('rlctl.b')\n")
+    (pkg / "b.py").write_text("from rlctl import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
+    graph = import_graph()
+    assert graph["rlctl.a"] == {"rlctl.b"} and find_cycle(graph) is not None
 
 
 def _is_ancestor_package(a: str, b: str) -> bool:

@@ -27,7 +27,7 @@ from rlctl.core.kl import KL_PLACEMENTS
 from rlctl.core.rollout_correction import CORRECTION_LEVELS, CORRECTION_MODES
 from rlctl.core.turns import TURN_REWARD_RULES
 from rlctl.errors import ConfigError
-from rlctl.rollout.precision import SAMPLE_DTYPES
+from rlctl.rollout.generate import SAMPLE_DTYPES
 from rlctl.rollout.server_kinds import KINDS
 from rlctl.schema import RLConfig, schema_fields
 from rlctl.sinks.wandb_sink import MODES

@@ -30,8 +30,8 @@ from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
 from rlctl.learner.samples import SampleSettings, draw_rows, offers_tools, train_rows
 from rlctl.learner.stats import Moments, reduce_metrics, rollout_metrics
 from rlctl.learner.update import UpdateSettings, UpdateState, update_policy
-from rlctl.rollout.collect import collect
-from rlctl.rollout.sampler import check_training_sampling
+from rlctl.rollout.source import collect
+from rlctl.rollout.generate import check_training_sampling
 from rlctl.schema import AlgoConfig, TrainerConfig
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint
@@ -135,7 +135,7 @@ class Trainer:
     @property
     def sampler(self):
         """The prompt sampler (a ``random.Random``; its state is checkpointed)."""
-        return self.source.sampler
+        return self.source.prompt_rng
 
     # ---- rollout side -------------------------------------------------------------
     @torch.no_grad()

@@ -1,46 +1,39 @@
-"""The generation engine protocol, and the ``torch`` engine: rlctl's own sampler behind it.
+"""The generation engine protocol, the ``torch`` engine behind it, and the weights format.
 
-An engine turns prompts given as token ids into completions (docs/engines.md):
-
-    generate(prompts [[int]], Sampling, seed=None) -> [Completion] (one per prompt, in order)
-    update_weights(version, tensors, kind="full"|"adapter")   the weights the next call uses
-    health() -> {"status": "ok", "weights_version": int}
-
-A ``Completion`` holds the sampled token ids up to and including the first stop id, the
-log-prob of each, log softmax(logits / temperature)[token], taken before any top-k
-renormalisation (the learner's definition: rollout/sampler.py), and the finish reason:
-"stop" (a stop id was sampled) or "length" (``max_new_tokens`` reached). Temperature 0 is
-greedy decoding; its log-probs are log softmax(logits)[token].
-
-``TorchEngine`` runs ``rollout.sampler.sample`` in this process with the prompt sharing of
-``rollout.generate`` (each distinct prompt prefilled once): for the same prompts, settings
-and seed it draws the same tokens as ``generate`` (tests/rollout/test_engine.py). A seed
-is applied inside ``torch.random.fork_rng``: the caller's random state is left as it was.
-A seed may also be a torch CPU RNG state (``torch.get_rng_state()``): sampling starts from
-it and ``rng_state`` holds the state after, so a caller that sets it back has drawn the
-tokens from its own stream (a local engine at max_staleness=0: the synchronous loop).
-The engine's lock serialises generation in the process (the global RNG is shared), so two
-engines served from one process by threads stay reproducible.
+An engine turns token-id prompts into completions (docs/engines.md):
+``generate(prompts [[int]], Sampling, seed=None) -> [Completion]`` (token ids up to and
+including the first stop id, each one's log softmax(logits / temperature) before top-k,
+finish reason "stop" or "length"; temperature 0 is greedy), ``update_weights(version,
+tensors, kind)`` and ``health()``. Weights are safetensors: ``full`` (every parameter, as
+``named_parameters()`` names it) or ``adapter`` (``M.lora_A`` [r, in], ``M.lora_B`` [out, r]
+with alpha / r in B: the weight becomes W0 + B @ A, W0 the weight before the first adapter);
+the kind rides in the metadata (``rlctl.kind``).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import shutil
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load, save as st_save
+from transformers.pytorch_utils import Conv1D
 
 from rlctl.errors import UserError
 from rlctl.models.kv_share import cache_keyword, shared_prefill, state_in_modules
 from rlctl.models.value import PolicyValueModel
-from rlctl.rollout.precision import sampling_precision
-from rlctl.rollout.sampler import sample
-from rlctl.rollout.weights import load_adapter, load_full
+from rlctl.rollout.generate import left_padded, sample, sampling_precision
 from rlctl.tasks.prompt_budget import context_length
 
 STOP, LENGTH = "stop", "length"
+KINDS = ("full", "adapter")
+KIND_KEY = "rlctl.kind"
 _GENERATION = threading.Lock()     # the global RNG and the model are shared by the threads
 
 
@@ -110,11 +103,10 @@ def chunk_seed(seed: Optional[int], index: int) -> Optional[int]:
 
 
 class TorchEngine:
-    """rlctl's sampler in this process. ``pad_id``: the id finished rows and left padding
-    use (the tokenizer's pad id). ``share_prompts``: prefill each distinct prompt once.
-    ``chunk_size``: cut a batch into requests of that many prompts, request j seeded with
-    ``chunk_seed(seed, j)``, as the server engine cuts it (None: one request).
-    ``sample_dtype``: the sampling forwards' precision (rollout/precision.py)."""
+    """rlctl's lean loop (``generate.sample``) in this process: the tokens ``generate`` draws
+    for the same prompts, settings and seed. ``chunk_size``: requests of that many prompts,
+    request j seeded ``chunk_seed(seed, j)`` as the server engine cuts them. A seed runs in
+    ``fork_rng``; a torch RNG state as the seed leaves ``rng_state`` advanced (local engines)."""
 
     def __init__(self, model, pad_id: int, version: int = 0, share_prompts: bool = True,
                  chunk_size: Optional[int] = None, sample_dtype: str = "float32"):
@@ -136,8 +128,7 @@ class TorchEngine:
 
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
                        kind: str = "full") -> None:
-        """Full weights (every parameter by name) or a LoRA adapter's tensors
-        (rollout/weights.py: merged onto the weights served before the first adapter)."""
+        """Full weights or a LoRA adapter's tensors (module docstring)."""
         with _GENERATION:
             if kind == "full":
                 load_full(self.model, tensors)
@@ -190,18 +181,6 @@ class TorchEngine:
         return completions(seqs[:, ids.shape[1]:], logp, sampling.stop_ids, self.version)
 
 
-def left_padded(prompts, pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists -> (ids [N, P] left-padded with ``pad_id``, attention mask [N, P]),
-    as a left-padding tokenizer lays them out."""
-    P = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        mask[i, P - len(p):] = 1
-    return ids.to(device), mask.to(device)
-
-
 def completions(new: torch.Tensor, logp: torch.Tensor, stops: Sequence[int],
                 version: int) -> List[Completion]:
     """Sampled ids [N, T] and their log-probs [N, T] -> one Completion per row, cut after
@@ -228,3 +207,108 @@ def _seeded(seed: Optional[int], device: torch.device):
         else:
             torch.manual_seed(int(seed))
         yield
+
+
+def to_bytes(tensors: Dict[str, torch.Tensor], kind: str = "full") -> bytes:
+    if kind not in KINDS:
+        raise UserError(f"unknown weights kind '{kind}'; valid: {', '.join(KINDS)}")
+    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    return st_save(flat, metadata={KIND_KEY: kind})
+
+
+def from_bytes(data: bytes) -> Tuple[Dict[str, torch.Tensor], str]:
+    """safetensors bytes -> (tensors, kind). UserError for bytes that are not safetensors."""
+    try:
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        tensors = st_load(data)
+    except Exception as exc:         # json's, safetensors' and slicing errors alike
+        raise UserError(f"the body is not a safetensors file ({type(exc).__name__})") from None
+    kind = (header.get("__metadata__") or {}).get(KIND_KEY, "full")
+    return tensors, _checked_kind(kind)
+
+
+def read_dir(path: str) -> Tuple[Dict[str, torch.Tensor], str]:
+    """A ``.safetensors`` file or a directory of them -> (tensors, kind); all files of a
+    directory must be of one kind."""
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not p.exists() or not files:
+        raise UserError(f"'{path}' is neither a .safetensors file nor a directory holding some")
+    tensors, kinds = {}, set()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                kinds.add((handle.metadata() or {}).get(KIND_KEY, "full"))
+                tensors.update({k: handle.get_tensor(k) for k in handle.keys()})
+        except Exception as exc:      # safetensors raises its own error types
+            raise UserError(f"cannot read {f}: {exc}") from None
+    if len(kinds) > 1:
+        raise UserError(f"'{path}' mixes weights kinds {sorted(kinds)}; one kind per update")
+    return tensors, _checked_kind(kinds.pop())
+
+
+def prune_versions(root: Path, prefix: str, version: int) -> None:
+    """Removes the ``root``/<prefix><n> directories of pushes older than the one before
+    ``version`` (every server has loaded a newer one; the one before may still be read)."""
+    for old in Path(root).glob(prefix + "*"):
+        n = old.name[len(prefix):]
+        if old.is_dir() and n.isdigit() and int(n) < version - 1:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _checked_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise UserError(f"weights kind '{kind}' in the metadata is unknown; valid: {', '.join(KINDS)}")
+    return kind
+
+
+@torch.no_grad()
+def load_full(model, tensors: Dict[str, torch.Tensor]) -> None:
+    """Copy every parameter from ``tensors``; nothing is changed when any name is
+    missing, unknown or of the wrong shape."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params))
+    missing = sorted(set(params) - set(tensors))
+    if unknown or missing:
+        what = f"unknown tensor '{unknown[0]}'" if unknown else f"parameter '{missing[0]}' missing"
+        raise UserError(f"full weights must name every parameter of the served model: {what} "
+                        f"({len(unknown)} unknown, {len(missing)} missing of {len(params)})")
+    for name, p in params.items():
+        if tuple(tensors[name].shape) != tuple(p.shape):
+            raise UserError(f"tensor '{name}' has shape {tuple(tensors[name].shape)}; the served "
+                            f"parameter has {tuple(p.shape)}")
+    for name, p in params.items():
+        p.copy_(tensors[name])
+
+
+@torch.no_grad()
+def load_adapter(model, tensors: Dict[str, torch.Tensor], base: Dict[str, torch.Tensor]) -> None:
+    """Merge an adapter (module docstring) onto the weights in ``base`` (filled here with
+    a copy of each adapted weight on its first adapter)."""
+    modules = dict(model.named_modules())
+    pairs = {}
+    for key in tensors:
+        name, _, part = key.rpartition(".")
+        if part not in ("lora_A", "lora_B") or not isinstance(modules.get(name), (torch.nn.Linear, Conv1D)):
+            raise UserError(f"adapter tensor '{key}' is not <linear module>.lora_A|lora_B of "
+                            "the served model")
+        pairs.setdefault(name, {})[part] = tensors[key]
+    deltas = {}
+    for name, ab in pairs.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise UserError(f"adapter module '{name}' needs both lora_A and lora_B")
+        weight = modules[name].weight
+        delta = ab["lora_B"].double() @ ab["lora_A"].double()                 # [out, in]
+        if isinstance(modules[name], Conv1D):
+            delta = delta.T                                                   # Conv1D: [in, out]
+        if tuple(delta.shape) != tuple(weight.shape):
+            raise UserError(f"adapter for '{name}' makes shape {tuple(delta.shape)}; its weight "
+                            f"has {tuple(weight.shape)}")
+        deltas[name] = delta
+    for name in set(base) - set(deltas):        # adapted before, not now: back to W0
+        modules[name].weight.copy_(base[name])
+    for name, delta in deltas.items():
+        weight = modules[name].weight
+        w0 = base.setdefault(name, weight.detach().clone())
+        weight.copy_((w0.double() + delta.to(w0.device)).to(weight.dtype))

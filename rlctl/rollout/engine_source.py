@@ -1,39 +1,27 @@
-"""Rollouts from generation engines (rollout/engine.py): remote or loopback servers
-(``rollout.engine=server``) or local engine processes (``trainer.async_rollout.enabled``,
-rollout/local_engine.py). The learner's prompts go to an engine as token ids, the
-completions are scored here and laid out as the learner's ``RolloutBatch``; the learner's
-weights are pushed to the engine. An episodic task's rows are played by local engines
-(``play``) and come back as batches.
+"""Rollouts from generation engines: servers (``rollout.engine=server``) or local engine
+processes (``trainer.async_rollout.enabled``), laid out and scored as the learner's batch.
 
-* **Seeds.** Each request draws its prompts and one seed from ``sampler`` (the checkpointed
-  prompt RNG), so a run's tokens depend on that seed and the engine's ``chunk_size`` only:
-  one server, two servers, or the ``torch`` engine in this process with the same
-  ``chunk_size`` give the same tokens (tests/rollout/test_engine_source.py). Local
-  engines (``learner_rng``) draw no seed: at max_staleness=0 a request carries the
-  learner's torch RNG state and it comes back advanced, so the run is the synchronous
-  loop bit for bit; ahead, each engine samples from its own stream.
-* **Weights.** The learner's weights go with an engine's first request (the engine then
-  holds them, whatever it loaded; a resumed run's are the checkpoint's, loaded after this
-  source was built), then a new version after updates: when the engine's copy is
-  ``sync_every`` updates old, or sooner when the staleness bound needs it. A LoRA policy
-  pushes its adapter only (``policy_weights``). ``weight_dir``: the weights go through
-  that directory (``update_weights_from_disk``; servers that see it) instead of the body.
-* **Ahead (the staleness controller).** Versions count learner updates. Rollouts are
-  requested in the order the learner consumes them, one per idle engine: a step consumes
-  one rollout, or several with dynamic sampling, so a rollout requested with k pending is
-  consumed at the latest at version + k (+1 once the current step took one). It is
-  requested ahead only while that is within ``max_staleness`` of the weights it is made
-  with, so at most ``min(engines, max_staleness)`` rollouts are made while the learner
-  updates; a step that needs another rollout when none is pending asks for one at once.
-  A stale rollout keeps the engine's log-probs as ``old_logprobs`` (the PPO ratio's
-  behaviour policy); an on-policy one gets no correction (the learner computes pi_old).
-* Versions start one past the engine's version when the source started (servers that
-  outlive a run keep their count; the first push is never a version a server may hold
-  without it).
+* Seeds: each request draws its rows and one seed from ``prompt_rng``, so the tokens depend on
+  that seed and the engine's ``chunk_size`` only. Local engines (``learner_rng``) at
+  max_staleness=0 carry the learner's torch RNG state and hand it back advanced: the
+  synchronous loop bit for bit.
+* Weights go with an engine's first request, then when its copy is ``sync_every`` updates
+  old or the staleness bound needs newer ones (a LoRA policy pushes its adapter only).
+* The staleness controller: versions count learner updates; a rollout is requested ahead
+  (one per idle engine) only while it will be at most ``max_staleness`` versions old when
+  consumed. A stale rollout keeps the engine's log-probs as ``old_logprobs``.
+* ``LocalEngine``/``serve_engine``: the torch engine in a child process over a pipe, one
+  pickled tuple a message: ("generate", prompts, Sampling, seed), ("weights", version,
+  ``to_bytes``) (unanswered: a failed load answers the next request), ("play", rows,
+  env_seed, rng), ("health",), ("stop", failed). Replies ("ok", value, rng state or None),
+  ("error", UserError) or ("failed", line); a child that exits or is silent for
+  ``timeout_s`` is one line (``ActorFailed``).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
+import pickle
 import random
 import shutil
 import threading
@@ -47,14 +35,16 @@ import torch
 from safetensors.torch import save_file
 
 from rlctl.core.logprobs import completion_mask
-from rlctl.models.stop_ids import decode_completions, resolve_stop_ids
+from rlctl.errors import ActorFailed, UserError
+from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.models.value import PolicyValueModel
-from rlctl.rollout.engine import Completion, Sampling, left_padded
-from rlctl.rollout.episode_source import SEED_RANGE
-from rlctl.rollout.local_engine import moved
-from rlctl.rollout.source import SamplingSettings, SyncSource
-from rlctl.rollout.weights import KIND_KEY, prune_versions
+from rlctl.rollout.engine import (KIND_KEY, Completion, Sampling, TorchEngine, from_bytes,
+                                  prune_versions, to_bytes)
+from rlctl.rollout.generate import left_padded, scored
+from rlctl.rollout.source import SEED_RANGE, SamplingSettings, SyncSource
 from rlctl.types import Example, RolloutBatch
+
+TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -75,10 +65,8 @@ class EngineSettings:
 
 
 def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
-    """(tensors, kind) the engine needs to serve ``policy``: a peft LoRA policy's adapter
-    (rollout/weights.py layout: ``M.lora_A``, ``M.lora_B`` scaled, M named in the base
-    model), else every parameter of the language model (no value head). Detached copies
-    on the CPU: the learner may change its own right after."""
+    """(tensors, kind) to serve ``policy``: a peft LoRA policy's adapter (rollout/engine.py's
+    layout), else every parameter of the language model; detached CPU copies."""
     model = policy.policy if isinstance(policy, PolicyValueModel) else policy
     if hasattr(model, "peft_config"):
         base = model.get_base_model()
@@ -93,15 +81,10 @@ def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
 
 
 class EngineSource(SyncSource):
-    """B prompts drawn from ``examples`` by ``sampler``, G completions each from an engine,
-    scored by ``scorer``; ``policy``: the module the learner trains (its weights are
-    pushed). ``engine``: one engine, or a list of them (local engine processes), each
-    making one request at a time. ``learner_rng``: at max_staleness=0 a request carries
-    the learner's torch RNG state as its seed, set back advanced when it is consumed (the
-    synchronous loop's stream), and ahead requests draw no seed (each engine's own
-    stream); else each request draws a seed from ``sampler``. ``player``: an episodic
-    task's player; its rows are then played by the engines (``engine.play``).
-    ``on_close``: called last by ``close`` (e.g. stop the processes the run started)."""
+    """B prompts from ``examples``, G completions each from ``engine`` (one, or a list making
+    one request each at a time), scored by ``scorer``; ``policy``'s weights are pushed.
+    ``learner_rng``: seeds as the module docstring says; ``player``: the engines play an
+    episodic task's rows (``engine.play``); ``on_close``: called last by ``close``."""
 
     def __init__(self, engine, policy, tokenizer, examples: Sequence[Example], scorer,
                  sampling: SamplingSettings, settings: EngineSettings, seed: int,
@@ -111,17 +94,14 @@ class EngineSource(SyncSource):
         self.engine, self.policy, self.tokenizer = self.engines[0], policy, tokenizer
         self.examples, self.scorer, self.settings = list(examples), scorer, settings
         self.sampling, self.learner_rng, self.player = sampling, learner_rng, player
-        self.sampler = random.Random(seed)
+        self.prompt_rng = random.Random(seed)
         self.device = device if device is not None else next(policy.parameters()).device
         self.stops = resolve_stop_ids(policy, tokenizer, sampling.stop_token_ids)
         self.pad_id = int(tokenizer.pad_token_id)
         self.on_close = on_close
-        # the learner's weights: one past the engines' count when we started, never equal
-        # to what a server holds unpushed (a server restarted unseen reports 0, its own
-        # load: with the first push at 0 its rows would pass as the learner's)
+        # one past the engines' count: never a version a server may hold unpushed
         self.version = max(int(getattr(e, "version", 0)) for e in self.engines) + 1
-        # each engine's weights version; None: nothing pushed yet. The first request pushes
-        # (not this constructor): a resumed run loads its checkpoint's weights after this.
+        # each engine's version; None: the first request pushes (a resume loads weights after)
         self.pushed: List[Optional[int]] = [None] * len(self.engines)
         self.idle = collections.deque(range(len(self.engines)))
         self.pending: collections.deque = collections.deque()   # (engine index, Future)
@@ -146,9 +126,8 @@ class EngineSource(SyncSource):
 
     # -- requests: the staleness controller --------------------------------------------
     def _fill(self, num_groups: int) -> None:
-        """Request rollouts ahead, in consumption order, while an engine is idle and the
-        next one would be at most ``max_staleness`` updates old when consumed: with k
-        pending, it is consumed at version + k (+1 once this step has taken one)."""
+        """Request rollouts ahead while an engine is idle and the next would be at most
+        ``max_staleness`` old when consumed (k pending: at version + k, +1 once one was taken)."""
         while self.idle:
             latest = self.version + len(self.pending) + int(self.took)
             if latest - self.version > self.settings.max_staleness:
@@ -156,14 +135,14 @@ class EngineSource(SyncSource):
             self._request(self.idle.popleft(), num_groups, latest)
 
     def _request(self, e: int, num_groups: int, consumed_at: int) -> None:
-        """Draw the next request's rows and seed (in this thread, in order), take a weights
-        snapshot if engine ``e`` must have newer ones, and start it in a worker thread."""
+        """Draw the next request's rows and seed here, in order, snapshot the weights if
+        engine ``e`` needs newer ones, and start the request in a worker thread."""
         engine, rows = self.engines[e], self.draw(num_groups)
-        env_seed = self.sampler.randrange(SEED_RANGE) if self.player is not None else None
+        env_seed = self.prompt_rng.randrange(SEED_RANGE) if self.player is not None else None
         if self.learner_rng:
             seed = torch.get_rng_state() if self.settings.max_staleness == 0 else None
         else:
-            seed = self.sampler.getrandbits(62)
+            seed = self.prompt_rng.getrandbits(62)
         snap = None
         if self._needs_push(e, consumed_at):
             tensors, kind = policy_weights(self.policy)
@@ -209,8 +188,8 @@ class EngineSource(SyncSource):
         self.took = False
 
     def _episodes(self, batch: RolloutBatch) -> RolloutBatch:
-        """An engine's episodes: the behaviour log-probs kept whether stale or not, as the
-        synchronous episode source keeps them; ``staleness`` arrives as the weights version."""
+        """An engine's episodes (behaviour log-probs kept, stale or not); ``staleness`` arrives
+        as the weights version."""
         batch = moved(batch, self.device)
         stale = self.version - batch.staleness                                         # [N]
         self._log("async/staleness", float(stale.max()))
@@ -229,29 +208,21 @@ class EngineSource(SyncSource):
             logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float64).float()
         comp, logp = comp.to(dev), logp.to(dev)
         mask, truncated = completion_mask(comp, self.stops, self.pad_id)
-        texts = decode_completions(self.tokenizer, comp, mask, self.stops)
-        per_row = [examples[i // G] for i in range(N)]
-        rewards = torch.tensor(self.scorer.score_batch(per_row, texts), dtype=torch.float32, device=dev)
         stale = torch.tensor([self.version - c.weights_version for c in outs], device=dev)  # [N]
-        self._log("async/staleness", float(stale.max()))
         engine_lp = logp * mask                                                       # [N, T]
-        return RolloutBatch(
-            input_ids=torch.cat([prompt_ids, comp], 1), attention_mask=torch.cat([prompt_mask, mask.long()], 1),
-            mask=mask, truncated=truncated, rewards=rewards,
-            group_ids=torch.arange(len(examples), device=dev).repeat_interleave(G),
-            prompt_len=prompt_ids.shape[1], group_size=G,
-            prompts=[ex.prompt for ex in examples for _ in range(G)], completions=texts,
-            old_logprobs=engine_lp if bool((stale > 0).any()) else None,
-            staleness=stale, engine_logprobs=engine_lp,
-            reward_parts=self.scorer.last_components)
+        batch = scored(self.tokenizer, examples, G, torch.cat([prompt_ids, comp], 1), prompt_mask,
+                       mask, truncated, self.stops, self.scorer.score_batch,
+                       old_logprobs=engine_lp if bool((stale > 0).any()) else None,
+                       staleness=stale, engine_logprobs=engine_lp)
+        self._log("async/staleness", float(stale.max()))
+        return batch.replace(reward_parts=self.scorer.last_components)
 
     # -- the rest ----------------------------------------------------------------------
     def _log(self, key: str, value: float) -> None:
         self.stats.setdefault(key, []).append(value)
 
     def metrics(self) -> Dict[str, float]:
-        """Staleness (max) and times (sums) since the last call, and how many servers
-        are usable (``engine/servers_up``, a server engine only)."""
+        """Staleness (max), times (sums) since the last call, ``engine/servers_up`` (servers)."""
         out = {k: (max(v) if k == "async/staleness" else sum(v)) for k, v in self.stats.items()}
         servers = getattr(self.engine, "servers", None)
         if servers is not None:
@@ -260,9 +231,8 @@ class EngineSource(SyncSource):
         return out
 
     def close(self) -> None:
-        """Waits ``CLOSE_WAIT_S`` at most for each request still pending (a hung server
-        must not hold the run's exit for its ``timeout_s``), then leaves it to its daemon
-        thread."""
+        """Waits ``CLOSE_WAIT_S`` at most for each pending request (a hung server must not
+        hold the exit), then leaves it to its daemon thread."""
         try:
             for e, future in self.pending:
                 try:
@@ -317,3 +287,117 @@ def _write(root: str, version: int, tensors: Dict[str, torch.Tensor], kind: str)
     tmp.rename(final)
     prune_versions(base, "v", version)
     return str(final)
+
+
+class LocalEngine:
+    """The engine protocol over ``conn`` to the child process ``proc`` (``name``: how errors
+    call it); ``rng_state``: where the child's last call seeded with an RNG state ended."""
+
+    def __init__(self, proc, conn, name: str, timeout_s: float = TIMEOUT_S):
+        self.proc, self.conn, self.name, self.timeout_s = proc, conn, name, timeout_s
+        self.version = 0
+        self.rng_state: Optional[torch.Tensor] = None
+
+    def _send(self, message) -> None:
+        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _call(self, *message):
+        try:
+            self._send(message)
+            deadline = time.monotonic() + self.timeout_s
+            while not self.conn.poll(0.5):
+                if not self.proc.is_alive():
+                    raise EOFError
+                if time.monotonic() > deadline:
+                    raise ActorFailed(f"lost contact with {self.name}: it did not answer within "
+                                      f"{self.timeout_s:g} s")
+            reply = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self.proc.join(timeout=5)
+            raise ActorFailed(f"lost contact with {self.name}: it exited unexpectedly "
+                              f"(exit code {self.proc.exitcode})") from None
+        if reply[0] == "error":
+            raise reply[1]
+        if reply[0] == "failed":
+            raise ActorFailed(f"{self.name}: {reply[1]}")
+        self.rng_state = reply[2]
+        return reply[1]
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
+                 seed=None) -> List[Completion]:
+        return self._call("generate", [list(p) for p in prompts], sampling, seed)
+
+    def update_weights(self, version: int, tensors: Dict[str, torch.Tensor], kind: str = "full") -> None:
+        try:
+            self._send(("weights", int(version), to_bytes(tensors, kind)))
+        except OSError:
+            self._call("health")          # names the lost process
+        self.version = int(version)
+
+    def play(self, rows: List[int], env_seed: int, rng: Optional[torch.Tensor]) -> RolloutBatch:
+        """Training rows ``rows`` played as episodes (``env_seed``; ``rng`` None: the child's
+        own stream); the weights version rides in ``staleness``."""
+        return self._call("play", rows, env_seed, rng)
+
+    def health(self) -> Dict[str, object]:
+        return self._call("health")
+
+    def stop(self, learner_failed: bool) -> None:
+        """Ask the child to end (it exits after this message); no answer is read."""
+        try:
+            self.conn.send_bytes(pickle.dumps(("stop", learner_failed)))
+        except OSError:
+            pass
+
+
+def serve_engine(engine: TorchEngine, conn, player=None, examples=()) -> str:
+    """The child's loop: answer the learner until it says stop or the pipe closes
+    (``player``/``examples``: an episodic task's). Returns what ended it ("": a stop)."""
+    failed = None          # a weights push that failed: the answer to the next request
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return "the learner exited"
+        op, args = message[0], message[1:]
+        if op == "stop":
+            return "the learner ended its run early (it says why)" if args[0] else ""
+        try:
+            if op == "weights":
+                try:
+                    engine.update_weights(args[0], *from_bytes(args[1]))
+                except Exception as exc:  # noqa: BLE001 - answered with the next request
+                    failed = exc
+                continue
+            if failed is not None:
+                failed, exc = None, failed
+                raise exc
+            value, rng = _answer(engine, player, examples, op, args)
+            reply = ("ok", value, rng)
+        except UserError as exc:
+            reply = ("error", exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the learner, which stops
+            reply = ("failed", f"{type(exc).__name__}: {exc}")
+        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _answer(engine: TorchEngine, player, examples, op: str, args):
+    if op == "generate":
+        outs = engine.generate(*args)
+        return outs, engine.rng_state if isinstance(args[2], torch.Tensor) else None
+    if op == "play":
+        rows, env_seed, rng = args
+        if rng is not None:
+            torch.set_rng_state(rng)
+        batch = player.play(engine.model, [examples[i] for i in rows], env_seed)
+        version = torch.full((batch.num_sequences,), engine.version, dtype=torch.long)
+        return moved(batch.replace(staleness=version), "cpu"), torch.get_rng_state() if rng is not None else None
+    if op == "health":
+        return engine.health(), None
+    raise ValueError(f"unknown request '{op}'")
+
+
+def moved(batch: RolloutBatch, device) -> RolloutBatch:
+    """``batch`` with every tensor field on ``device``."""
+    return batch.replace(**{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+                            if isinstance(getattr(batch, f.name), torch.Tensor)})

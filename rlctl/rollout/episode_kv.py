@@ -1,31 +1,13 @@
-"""Sampling an episode's next model turn: the whole context recomputed, or the episode's
-key/value cache carried from its previous turn.
+"""Sampling an episode's next model turn: ``turn_sampler(model, pad, kv_reuse)`` ->
+``(keys, contexts, max_new, temperature, top_k, stops) -> (ids, behaviour log-probs)``.
 
-``turn_sampler(model, pad, kv_reuse)`` returns a callable ``(keys, contexts, max_new,
-temperature, top_k, stops) -> (ids, behaviour log-probs)`` per context; ``keys`` name the
-episodes (stable across the turns of one play), ``contexts`` are their whole token
-contexts (prompt and transcript so far).
-
-``Recompute``: the contexts left-padded together and run from the first token each turn
-(one prompt length at a time, unpadded, for a model that keeps its state in its modules).
-Correct on every architecture.
-
-``CachedTurns``: each episode's cache is kept after its turn; the next turn runs only the
-tokens the cache does not hold. The cache holds, per row, the tokens it was fed (the context
-and the sampled tokens but the last; after a row's stop, the pad ids the sampler fed it). A
-new context reuses the longest prefix it shares with them (at least its last token is run
-again, for its logits); the rest of a row's columns become gaps. At the start of a turn the
-rows are compacted (each row's reused columns gathered, in order, left-padded); the new
-tokens of each row go right-aligned in one chunk after them (its gaps before them), run once
-per distinct row (a group's episodes share their prompt), and the sampler runs the last one.
-Gaps and pads have attention mask 0 and the positions are the mask's cumsum, so every real
-token sees exactly the tokens and positions it sees when recomputed: the logits equal the
-recompute path's up to floating-point rounding (the sums run over other layouts). That holds
-for attention whose keys carry their own position (rotary or absolute embeddings) and where
-a key column's index means nothing: plain full-attention cache layers, eager or SDPA
-attention. A sliding window or chunked layer (windows count columns, gaps included), a
-linear-attention or state-space layer, or a state in the modules would see the gaps:
-``gaps_unsupported`` names the reason and those models recompute (said once).
+``Recompute`` runs each whole context every turn (correct on every architecture).
+``CachedTurns`` keeps each episode's (``keys``) cache rows and runs only the tokens they do not
+hold: the longest shared prefix is reused, other columns become gaps (mask 0, positions the
+mask's cumsum), so every token sees what it sees recomputed (the same logits up to rounding).
+That needs keys that carry their own position and plain full-attention cache layers (eager or
+SDPA); a window, a recurrent state or a state in the modules would see the gaps
+(``gaps_unsupported``) and those models recompute.
 """
 from __future__ import annotations
 
@@ -38,7 +20,7 @@ from transformers.cache_utils import DynamicLayer
 from rlctl.errors import TrainingFault, UserError
 from rlctl.models.kv_share import (cache_keyword, distinct_rows, forward_takes, index_rows,
                                    innermost, say_once, state_in_modules, unpadded_notice)
-from rlctl.rollout.sampler import sample
+from rlctl.rollout.generate import left_padded, sample
 from rlctl.tasks.prompt_budget import context_length
 
 Sampled = Tuple[List[List[int]], List[List[float]]]
@@ -97,13 +79,9 @@ class Recompute:
         new: List[List[int]] = [[] for _ in contexts]
         logps: List[List[float]] = [[] for _ in contexts]
         for rows in groups:
-            L = max(len(contexts[i]) for i in rows)
-            ids = torch.full((len(rows), L), self.pad, dtype=torch.long)                # [n, L]
-            mask = torch.zeros(len(rows), L, dtype=torch.long)                          # [n, L]
-            for j, i in enumerate(rows):
-                ids[j, L - len(contexts[i]):] = torch.tensor(contexts[i])
-                mask[j, L - len(contexts[i]):] = 1
-            seqs, lp = sample(self.model, ids.to(device), mask.to(device), max_new, temperature,
+            ids, mask = left_padded([contexts[i] for i in rows], self.pad, device)       # [n, L]
+            L = ids.shape[1]
+            seqs, lp = sample(self.model, ids, mask, max_new, temperature,
                               top_k, stops, self.pad, self.key, None, keep_logprobs=True,
                               max_position=self.context)
             for j, i in enumerate(rows):
@@ -130,11 +108,7 @@ class CachedTurns:
         held = self._compact(keys, reused, device)                                 # [n, F]
         news = [c[f:] for c, f in zip(contexts, reused)]                           # >= 1 token each
         n, W = len(contexts), max(len(t) for t in news) - 1
-        chunk = torch.full((n, W + 1), self.pad, dtype=torch.long)                 # [n, W+1]
-        chunk_mask = torch.zeros(n, W + 1, dtype=torch.long)
-        for i, t in enumerate(news):
-            chunk[i, W + 1 - len(t):] = torch.tensor(t)
-            chunk_mask[i, W + 1 - len(t):] = 1
+        chunk, chunk_mask = left_padded(news, self.pad, "cpu")                     # [n, W+1]
         ids = torch.cat([held, chunk], 1).to(device)                               # [n, F+W+1]
         mask = torch.cat([self.mask, chunk_mask], 1)                               # [n, F+W+1]
         on_device = mask.to(device)

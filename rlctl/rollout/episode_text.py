@@ -1,27 +1,11 @@
 """The text side of an episode: how observations become tokens, and where a turn stops.
 
-Token-in, token-out: the model's turns stay the ids it sampled; only observations are
-tokenized, each once (``add_special_tokens=False``), and appended.
-
-Raw prompts (``task.prompt_format=raw``, or a tokenizer without a chat template): the
-first observation is encoded as a single-turn prompt (``tokenizer(text)``: its BOS
-included); each later observation's text is appended as it is.
-
-Chat prompts (``task.prompt_format=chat``): the first observation is the user message
-rendered with the template (``rlctl.tasks.base.render_chat``: system prompt, generation
-prompt). A later observation becomes a message of the ``tool`` role when the template
-mentions one, else of the ``user`` role, and its tokens are the template's text for the
-conversation with that message (and the next generation prompt) beyond the text of the
-tokens already in the context (decoded with their special tokens). When the template's
-rendering does not start with that text (a template that rewrites earlier turns, e.g.
-dropping a reasoning block, or strips the assistant's text), one line says so (once per
-process) and the fallback is used: the new message rendered alone, as the template
-writes a message after an assistant turn (``[user, assistant] + [new]`` beyond
-``[user, assistant]``). Earlier tokens are never changed either way.
-
-Observations longer than ``rollout.episode.max_obs_tokens`` are cut on the configured
-side (raw: their tokens; chat: the message content's tokens, the template's markers
-added around the cut content) and marked (``Span.truncated``).
+Token-in, token-out: model turns stay the sampled ids; each observation is tokenized once
+(no special tokens) and appended. Raw prompts: the first observation is ``tokenizer(text)``,
+later ones appended as text. Chat: the first is the rendered user message; a later one is a
+``tool`` message if the template renders one, else ``user``, its tokens the template's text
+beyond the context's (else, said once, the message rendered alone after an assistant turn).
+Observations past ``max_obs_tokens`` are cut on the configured side and marked truncated.
 """
 from __future__ import annotations
 

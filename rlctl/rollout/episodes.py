@@ -1,58 +1,41 @@
 """The episode loop: B examples x G episodes played with the policy, as one RolloutBatch.
 
-The framework owns the episode (the environment only answers turns):
-
-1. each of the N = B*G episodes gets a fresh environment (``task.make_env()``), reset with
-   its row and a seed (the G episodes of a group share the seed, so a group compares the
-   policy on the same problem);
-2. turn by turn, the active episodes' token contexts (ids, never text) are left-padded and
-   the next model turn is sampled (``rlctl.rollout.sampler.sample``, behaviour log-probs
-   kept), at most ``min(rollout.max_new_tokens, tokens left in the episode's budget, the
-   model's context)`` tokens; a turn ends at a stop id or right after the token that
-   completes one of the previous step's ``info["stop"]`` strings;
-3. the turns are decoded and the environments stepped concurrently (``env_steps``: a
-   time limit per step; an exception or a timeout becomes the observation ``error``,
-   counted in ``Episode.env_errors``); observations are tokenized once and appended;
-4. an episode ends at ``done``, after ``max_turns`` model turns (``turn_limit``), when
-   its token budget (``token_limit``) or the model's context (``length_limit``) leaves no
-   room for another token. A model turn cut by a budget is kept (its tokens count) but
-   not sent to the environment: its turn reward is 0. No episode is ever dropped.
-
-KV cache (``rlctl.rollout.episode_kv``): each episode's cache is carried from its turn to
-the next, which runs only the tokens not yet in it (the observation, the turn's last
-token), where the model allows it (plain full-attention cache layers; the same logits as
-recomputing, up to rounding); otherwise (``rollout.episode.kv_reuse=false``, sliding
-windows, linear-attention or state-space layers, a state kept in the modules) each turn
-recomputes the whole token context.
-
-The batch (the contract in ``rlctl.types.RolloutBatch``): the first observation
-left-padded to P, the transcript right-padded to T; ``attention_mask`` 1 on every real
-token; ``mask`` 1 on the model's tokens only; ``old_logprobs`` the behaviour log-probs
-on model tokens, 0 elsewhere; ``rewards`` and ``token_rewards`` from the turn rewards by
-``rollout.episode.turn_reward`` (``rlctl.core.turns.place_turn_rewards``).
+Each of the N = B*G episodes gets a fresh environment, reset with its row and its group's
+seed; turn by turn the active episodes' token contexts are sampled (``episode_kv``) up to
+``min(max_new_tokens, budget left, context)`` tokens, ending at a stop id or a step's
+``info["stop"]`` string; the turns' texts step the environments concurrently (``run_calls``:
+a time limit per call, an exception or timeout becomes the observation ``error``). An
+episode ends at ``done``, ``max_turns``, its token budget or the context; none is dropped.
+The batch: first observation left-padded to P, transcript right-padded to T; ``mask`` 1 on
+model tokens; rewards placed by ``rollout.episode.turn_reward`` (``core.turns``).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rlctl.core.turns import place_turn_rewards
 from rlctl.envs.base import close_env
 from rlctl.errors import TrainingFault, one_line
+from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.models.value import PolicyValueModel
-from rlctl.rollout.env_steps import run_calls
-from rlctl.rollout.episode_batch import EpisodeRun, episode_batch
 from rlctl.rollout.episode_kv import turn_sampler
 from rlctl.rollout.episode_text import (ERROR_OBSERVATION, EpisodeText, stop_string_cut,
                                         stop_strings, uses_chat)
+from rlctl.rollout.source import SEED_RANGE, SyncSource
 from rlctl.tasks.base import RAW_PROMPT, task_options
 from rlctl.tasks.prompt_budget import context_length
-from rlctl.types import (DONE, LENGTH_LIMIT, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Example,
-                         RolloutBatch, Span, Step, Turn)
+from rlctl.types import (DONE, LENGTH_LIMIT, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode,
+                         Example, RolloutBatch, Span, Step, Turn)
 
 
 @dataclass(frozen=True)
@@ -88,10 +71,8 @@ class EpisodeSettings:
 
 class EpisodePlayer:
     """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch.
-    ``stops``: the resolved stop ids. Chat prompts (``task.prompt_format=chat`` and a
-    tokenizer with a template) go through ``EpisodeText``'s template rendering; an
-    environment's ``reset`` gets the row with its prompt as the task wrote it (before
-    the chat template)."""
+    ``stops``: the resolved stop ids; chat prompts are rendered by ``EpisodeText``; ``reset``
+    gets the row with its prompt as the task wrote it."""
 
     def __init__(self, tokenizer, task, settings: EpisodeSettings, stops: Sequence[int]):
         opts = task_options(task)
@@ -124,7 +105,6 @@ class EpisodePlayer:
         return episode_batch(runs, self.tokenizer, s.turn_reward, s.turn_discount, G, self.stops,
                              weight.device,
                              torch.float64 if weight.dtype == torch.float64 else torch.float32)
-
 
     def _turns(self, sampler, runs: List[EpisodeRun], budget: "_Budget", greedy: bool) -> None:
         """Model turns and environment steps until every episode has ended."""
@@ -273,3 +253,138 @@ def _finite(x) -> Optional[float]:
     except (TypeError, ValueError):
         return None
     return value if math.isfinite(value) else None
+
+
+class EpisodeSource(SyncSource):
+    """LocalSource's multi-turn twin: B rows of ``prepared.train`` x G episodes per ``sample``,
+    played with ``policy``; the environments' seed is drawn from ``prompt_rng`` after the rows.
+    Rewards are the environments': ``scorer`` only counts."""
+
+    def __init__(self, policy, tokenizer, prepared, settings: EpisodeSettings, seed: int):
+        self.policy, self.tokenizer, self.task, self.settings = policy, tokenizer, prepared.task, settings
+        self.examples = list(prepared.train)
+        self.prompt_rng = random.Random(seed)
+        self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
+        self.player = EpisodePlayer(tokenizer, prepared.task, settings, self.stops)
+        self.scorer = prepared.scorer(timeout_s=0)     # counters only: rewards are the env's
+
+    def draw_seed(self) -> int:
+        """The environments' seed of the next batch (drawn after its rows)."""
+        return self.prompt_rng.randrange(SEED_RANGE)
+
+    def sample(self, num_groups: int) -> RolloutBatch:
+        examples = [self.examples[i] for i in self.draw(num_groups)]
+        return self.player.play(self.policy, examples, self.draw_seed())
+
+
+@dataclass
+class EpisodeRun:
+    """One episode in play."""
+    env: Any
+    prompt: str
+    prompt_ids: List[int]
+    messages: List[Dict[str, str]]
+    ids: List[int] = field(default_factory=list)        # the transcript (completion columns)
+    logps: List[float] = field(default_factory=list)    # per transcript column (0 on observations)
+    episode: Episode = field(default_factory=Episode)
+    stop_strings: Tuple[str, ...] = ()
+    ended: bool = False
+    last: Optional[Outcome] = None                      # the last env call (busy if abandoned)
+
+    def end(self, status: str) -> None:
+        self.episode.status, self.ended = status, True
+
+
+def episode_batch(runs: List[EpisodeRun], tokenizer, turn_reward: str, turn_discount: float,
+                  G: int, stops: Sequence[int], device, logp_dtype: torch.dtype = torch.float32
+                  ) -> RolloutBatch:
+    """The played episodes as a RolloutBatch (module docstring; ``old_logprobs`` and
+    ``engine_logprobs`` 0 off model tokens); ``logp_dtype``: float64 for a float64 model."""
+    N, pad = len(runs), _pad_id(tokenizer, stops)
+    P = max(len(r.prompt_ids) for r in runs)
+    T = max(1, max(len(r.ids) for r in runs))           # at least one column
+    input_ids = torch.full((N, P + T), pad, dtype=torch.long)                      # [N, P+T]
+    attention = torch.zeros(N, P + T, dtype=torch.long)                            # [N, P+T]
+    mask = torch.zeros(N, T)                                                       # [N, T]
+    old = torch.zeros(N, T, dtype=torch.float64)                                   # [N, T]
+    for i, r in enumerate(runs):
+        p, t = len(r.prompt_ids), len(r.ids)
+        input_ids[i, P - p:P] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        input_ids[i, P:P + t] = torch.tensor(r.ids, dtype=torch.long)
+        attention[i, P - p:P + t] = 1
+        old[i, :t] = torch.tensor(r.logps, dtype=torch.float64)
+        for s in r.episode.spans:
+            if s.role == MODEL:
+                mask[i, s.start:s.end] = 1.0
+    ends = [[s.end - 1 for s in r.episode.spans if s.role == MODEL] for r in runs]
+    behaviour = (old * mask.double()).to(device, logp_dtype)                         # [N, T]
+    rewards, token_rewards = place_turn_rewards([r.episode.turn_rewards for r in runs], ends, T,
+                                                turn_reward, turn_discount)
+    return RolloutBatch(
+        input_ids=input_ids.to(device), attention_mask=attention.to(device), mask=mask.to(device),
+        truncated=torch.tensor([r.episode.status != DONE for r in runs], device=device),
+        rewards=rewards.to(device), group_ids=torch.arange(N, device=device) // G,
+        prompt_len=P, group_size=G, prompts=[r.prompt for r in runs],
+        completions=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in runs],
+        old_logprobs=behaviour, engine_logprobs=behaviour,
+        token_rewards=token_rewards.to(device), episodes=[r.episode for r in runs])
+
+
+@dataclass
+class Outcome:
+    """What one call gave: ``value``, or ``error`` (an exception, or a timeout)."""
+    value: Any = None
+    error: Optional[BaseException] = None
+    timed_out: bool = False
+    thread: Optional[threading.Thread] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def busy(self) -> bool:
+        """Whether the call is still running (abandoned past its deadline)."""
+        return self.thread is not None and self.thread.is_alive()
+
+
+class StepTimeout(TimeoutError):
+    pass
+
+
+def run_calls(calls: Sequence[Callable[[], Any]], timeout_s: float, concurrency: int
+              ) -> List[Outcome]:
+    """Run the zero-argument ``calls``, at most ``concurrency`` at once, each in a daemon
+    thread of its own (one past ``timeout_s`` is abandoned, never joined: ``Outcome.busy``)
+    -> one Outcome per call, in order."""
+    outcomes = [Outcome() for _ in calls]
+    done: "queue.Queue[int]" = queue.Queue()
+    started, running = 0, {}                    # running: index -> deadline
+    while started < len(calls) or running:
+        while started < len(calls) and len(running) < max(1, concurrency):
+            i = started
+            outcomes[i].thread = threading.Thread(target=_call, args=(calls[i], outcomes[i], done, i),
+                                                  daemon=True, name=f"rlctl-env-{i}")
+            running[i] = time.monotonic() + timeout_s
+            outcomes[i].thread.start()
+            started += 1
+        try:
+            i = done.get(timeout=max(0.0, min(running.values()) - time.monotonic()))
+            running.pop(i, None)
+        except queue.Empty:
+            now = time.monotonic()
+            for i in [i for i, deadline in running.items() if deadline <= now]:
+                del running[i]               # abandoned: its thread may run on
+                outcomes[i].timed_out = True
+                outcomes[i].error = StepTimeout(f"no answer within {timeout_s:g} s")
+    return outcomes
+
+
+def _call(fn: Callable[[], Any], outcome: Outcome, done: "queue.Queue[int]", i: int) -> None:
+    try:
+        value = fn()
+        if not outcome.timed_out:
+            outcome.value = value
+    except BaseException as exc:  # noqa: BLE001 - any failure of user code is an outcome
+        if not outcome.timed_out:
+            outcome.error = exc
+    done.put(i)

@@ -1,34 +1,103 @@
-"""Rollout: B prompts x G sampled completions -> a scored ``RolloutBatch``.
+"""Generation: B prompts x G sampled completions -> a scored ``RolloutBatch``.
 
-Sampling draws from the full distribution softmax(logits / temperature) (top-p off),
-the same distribution the learner's log-probs are computed from (optional top-k for
-eval and rollout only: ``rlctl train`` refuses it, rollout/sampler.py says why):
-with a KV cache through rlctl's lean loop (rollout/sampler.py, the same tokens as
-``generate`` for the same seed), otherwise (ZeRO-3 across ranks: ``synced_gpus``) and
-for greedy decoding through the model's ``generate``. That fallback runs with the
-library's default generation settings in place of the checkpoint's own
-(``generation_config.json``: repetition penalty, top-k/top-p, min-p, banned words, ...),
-so its only logits processor is the temperature: the tokens are drawn from the same
-softmax(logits / temperature) the behaviour and learner log-probs are computed from.
+Tokens are drawn from softmax(logits / temperature) (top-p off; top-k for eval and rollout
+only), the distribution the learner's log-probs use: with a KV cache through ``sample``, the
+lean loop (the tokens Hugging Face's sampling draws for the same seed), else through the
+model's ``generate`` with the library's default generation settings (no processor from a
+checkpoint's generation config). ``sampling_precision``: the sampling forwards' dtype.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import GenerationConfig
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.errors import UserError
-from rlctl.models.kv_share import (cache_keyword, innermost, shared_prefill, state_in_modules,
-                                   unpadded_notice)
+from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, shared_prefill,
+                                   state_in_modules, unpadded_notice)
 from rlctl.models.stop_ids import decode_completions, stop_ids  # noqa: F401 - re-exported
 from rlctl.models.positions import position_ids_from_mask  # noqa: F401 - also imported from here
 from rlctl.models.value import PolicyValueModel
-from rlctl.rollout.precision import sampling_precision
-from rlctl.rollout.sampler import sample
 from rlctl.types import Example, RolloutBatch
+
+SAMPLE_DTYPES = ("float32", "bfloat16")
+
+
+def check_training_sampling(top_k: int) -> None:
+    """Training samples from softmax(logits / temperature), the distribution of its log-probs:
+    top-k is refused for ``rlctl train`` (its support moves with the weights, so a sampled
+    token can have probability 0 under the learner). UserError (one line, exit 2)."""
+    if top_k:
+        raise UserError(f"rollout.top_k={top_k} is for rlctl eval and rollout only: training "
+                        "samples from the full softmax(logits / rollout.temperature) that its "
+                        "log-probs and ratios use; set rollout.top_k=0 for rlctl train")
+
+
+@contextlib.contextmanager
+def sampling_precision(model, dtype: str):
+    """Within: ``model``'s forwards in ``dtype`` (SAMPLE_DTYPES): float32 as the model is;
+    bfloat16 under ``torch.autocast`` (the weights untouched: the learner keeps float32)."""
+    if dtype not in SAMPLE_DTYPES:
+        raise ValueError(f"rollout.sample_dtype must be one of {SAMPLE_DTYPES}; got {dtype!r}")
+    if dtype == "float32":
+        yield
+        return
+    device = next(model.parameters()).device.type
+    with torch.autocast(device, dtype=torch.bfloat16):
+        yield
+
+
+@torch.no_grad()
+def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+           temperature: float, top_k: int, stop_ids: Sequence[int], pad_id: int, key: str,
+           cache=None, keep_logprobs: bool = False, max_position: Optional[int] = None
+           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The lean sampling loop: left-padded prompts [N, P] -> (sequences [N, P+T], behaviour
+    log-probs [N, T] or None). ``keep_logprobs``: log softmax(logits / temperature) of each
+    sampled token (top-k not applied; float64 for a float64 model), never [N, T, V] rows.
+    ``cache``: a KV cache of every prompt token but the last (``kv_share.shared_prefill``);
+    ``key``: the forward's cache keyword. T <= max_new_tokens: stops when every row has
+    emitted a stop id; finished rows get ``pad_id``. ``max_position``: the model's context
+    (a token fed past it gets the last position: episodes sample rows of different rooms)."""
+    n = input_ids.shape[0]
+    mask = attention_mask.long()
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=input_ids.device)  # [S]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)                                     # [N, P]
+    kept = fresh_cache(model) if state_in_modules(model) else None     # filled, not returned
+    if cache is not None:
+        out = model(input_ids=input_ids[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
+                    use_cache=True, **{key: cache})
+    else:
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                    **({key: kept} if kept is not None else {}))
+    pos = pos[:, -1:]                                                              # [N, 1]
+    unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
+    tokens, logps = [], []
+    for t in range(max_new_tokens):
+        logits = out.logits[:, -1]                                                 # [N, V]
+        scores = logits.float() / temperature                                      # [N, V]
+        drawn = scores
+        if top_k:
+            kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
+            drawn = scores.masked_fill(scores < kth, float("-inf"))
+        nxt = torch.multinomial(torch.softmax(drawn, -1), 1).squeeze(1)            # [N]
+        nxt = nxt * unfinished + pad_id * (1 - unfinished)
+        tokens.append(nxt)
+        if keep_logprobs:        # float32, or float64 for a float64 model (exact checks)
+            exact = scores if logits.dtype != torch.float64 else logits / temperature
+            logps.append(exact.gather(-1, nxt[:, None])[:, 0] - torch.logsumexp(exact, -1))
+        unfinished = unfinished & (~torch.isin(nxt, stops)).long()
+        if t == max_new_tokens - 1 or not bool(unfinished.any()):
+            break
+        mask = torch.cat([mask, mask.new_ones(n, 1)], 1)                           # [N, P+t+1]
+        pos = pos + 1 if max_position is None else (pos + 1).clamp(max=max_position - 1)
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                    use_cache=True, **{key: cache_of(out) if kept is None else kept})
+    old = torch.stack(logps, 1) if keep_logprobs else None                         # [N, T]
+    return torch.cat([input_ids, torch.stack(tokens, 1)], 1), old
 
 
 @torch.no_grad()
@@ -36,18 +105,10 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
              do_sample: bool, temperature: float = 1.0, top_k: int = 0,
              return_logprobs: bool = False, share_prompts: bool = True,
              stops: Optional[Sequence[int]] = None, **backend_kwargs):
-    """Left-padded prompts -> (sequences [N, P+T], prompt attention mask [N, P], P), plus
-    the behaviour log-probs log softmax(logits / temperature) [N, T] of each generated
-    token (top-k not applied) when ``return_logprobs``; no [N, T, V] logits are kept.
-
-    ``stops``: the stop ids (default ``stop_ids(model, tokenizer)``: tokenizer EOS and the
-    generation config's ids). ``backend_kwargs``: e.g. ``synced_gpus=True`` under ZeRO-3
-    with several ranks. ``share_prompts``: prefill each distinct prompt once
-    (rlctl/models/kv_share.py); the same samples as without, up to float rounding.
-
-    T <= max_new_tokens: generation stops early when every row has emitted a stop id;
-    rows that finished earlier are right-padded with the pad token.
-    """
+    """Prompts -> (sequences [N, P+T], prompt attention mask [N, P], P), plus the behaviour
+    log-probs [N, T] when ``return_logprobs`` (as ``sample``'s). ``stops``: default
+    ``stop_ids(model, tokenizer)``; ``backend_kwargs``: e.g. ``synced_gpus=True`` (ZeRO-3);
+    ``share_prompts``: prefill each distinct prompt once (the same samples up to rounding)."""
     if isinstance(model, PolicyValueModel):    # sample from the LM alone: no value head per token
         model = model.policy
     stops = tuple(stops) if stops is not None else stop_ids(model, tokenizer)
@@ -66,7 +127,7 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
             share_prompts, stops, **backend_kwargs), prompts, prompt_mask, tokenizer.pad_token_id, model)
     cache = shared_prefill(model, input_ids, prompt_mask) if share_prompts else None
     key = cache_keyword(model)
-    if do_sample and not backend_kwargs and key is not None:     # the lean loop (sampler.py)
+    if do_sample and not backend_kwargs and key is not None:     # the lean loop
         seqs, logp = sample(model, input_ids, prompt_mask, max_new_tokens, temperature, top_k,
                             stops, tokenizer.pad_token_id, key, cache, keep_logprobs=return_logprobs)
         return (seqs, prompt_mask, input_ids.shape[1]) + ((logp,) if return_logprobs else ())
@@ -90,10 +151,8 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
 
 
 def _per_length(run, prompts, prompt_mask: torch.Tensor, pad_id: int, model):
-    """``generate``'s result for a model whose recurrent layers see left padding
-    (RecurrentGemma: the pads' activations enter its convolution; it keeps its state in its
-    modules): ``run`` on each group of prompts of one token length, unpadded, then the
-    groups left-padded to P and right-padded (pad id, log-prob 0) to the longest T."""
+    """``generate`` for a model whose recurrent state sees left padding (RecurrentGemma):
+    ``run`` on the prompts of each token length, unpadded, the results padded back together."""
     unpadded_notice(model)
     lengths = prompt_mask.sum(-1)                                                 # [N]
     groups = [(lengths == n).nonzero()[:, 0] for n in sorted(set(lengths.tolist()))]
@@ -112,10 +171,8 @@ def _per_length(run, prompts, prompt_mask: torch.Tensor, pad_id: int, model):
 
 @contextlib.contextmanager
 def library_generation_defaults(model):
-    """Within: every (sub)module's ``generation_config`` is a fresh ``GenerationConfig()``.
-    ``generate`` fills each setting the call leaves unset from the model's config, so
-    passing a clean config is not enough (a checkpoint's repetition_penalty or min_p
-    would still apply); wrappers (PEFT, DeepSpeed) hold the config on an inner module."""
+    """Within: every (sub)module's ``generation_config`` is a fresh ``GenerationConfig()``
+    (``generate`` fills unset settings from it; wrappers hold it on an inner module)."""
     saved = [(m, m.generation_config) for m in model.modules()
              if isinstance(getattr(m, "generation_config", None), GenerationConfig)]
     try:
@@ -133,14 +190,9 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             behaviour_logprobs: bool = False, share_prompts: bool = True,
             stops: Optional[Sequence[int]] = None, engine_logprobs: bool = False,
             sample_dtype: str = "float32", **backend_kwargs) -> RolloutBatch:
-    """Sample G completions for each of the B examples and score them in one batch
-    (``score_batch``: e.g. ``RewardScorer.score_batch``, which enforces the time limit).
-    ``behaviour_logprobs``: also record log softmax(logits / temperature) of each sampled
-    token from generation's own logits (no extra forward) as ``old_logprobs``;
-    ``engine_logprobs``: record them as ``engine_logprobs`` (set too whenever they are
-    recorded). ``sample_dtype``: the sampling forwards' precision (``sampling_precision``).
-    ``stops``: the stop ids (default: ``stop_ids(model, tokenizer)``); the mask counts
-    each completion up to and including its first stop id."""
+    """G completions for each of the B examples, scored in one batch (``score_batch``).
+    The sampled tokens' log-probs are kept as ``old_logprobs`` (``behaviour_logprobs``)
+    and/or ``engine_logprobs`` (set whenever kept); the mask runs to the first stop id."""
     stops = tuple(stops) if stops is not None else stop_ids(model, tokenizer)
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
     with sampling_precision(model, sample_dtype):
@@ -148,18 +200,39 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             model, tokenizer, prompts, max_new_tokens, do_sample=True, temperature=temperature,
             top_k=top_k, return_logprobs=behaviour_logprobs or engine_logprobs,
             share_prompts=share_prompts, stops=stops, **backend_kwargs)
-    completion_ids = seqs[:, plen:]                                          # [N, T]
     logp = logp[0] if logp else None                                         # [N, T]
-    old = logp if behaviour_logprobs else None                               # [N, T]
-    mask, truncated = completion_mask(completion_ids, stops, tokenizer.pad_token_id)
-    attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)            # [N, P+T]
-    completions = decode_completions(tokenizer, completion_ids, mask, stops)
+    mask, truncated = completion_mask(seqs[:, plen:], stops, tokenizer.pad_token_id)
+    return scored(tokenizer, examples, group_size, seqs, prompt_mask, mask, truncated, stops,
+                  score_batch, old_logprobs=logp if behaviour_logprobs else None,
+                  engine_logprobs=None if logp is None else logp * mask.to(logp.dtype))
+
+
+def scored(tokenizer, examples: Sequence[Example], group_size: int, seqs: torch.Tensor,
+           prompt_mask: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor,
+           stops: Sequence[int], score_batch, **fields) -> RolloutBatch:
+    """Sequences [N, P+T] of B examples x G (prompts [N, P] left-padded, completions masked by
+    ``mask`` [N, T]) decoded and scored in one batch (``score_batch``) -> a RolloutBatch
+    with ``fields`` (log-probs, staleness)."""
+    plen = prompt_mask.shape[1]
+    completions = decode_completions(tokenizer, seqs[:, plen:], mask, stops)
     per_row = [examples[i // group_size] for i in range(len(completions))]
     rewards = torch.tensor(score_batch(per_row, completions), dtype=torch.float32,
                            device=seqs.device)                               # [N]
     group_ids = torch.arange(len(examples), device=seqs.device).repeat_interleave(group_size)
     return RolloutBatch(
-        input_ids=seqs, attention_mask=attention_mask, mask=mask, truncated=truncated,
-        rewards=rewards, group_ids=group_ids, prompt_len=plen, group_size=group_size,
-        prompts=prompts, completions=completions, old_logprobs=old,
-        engine_logprobs=None if logp is None else logp * mask.to(logp.dtype))
+        input_ids=seqs, attention_mask=torch.cat([prompt_mask, mask.long()], 1), mask=mask,
+        truncated=truncated, rewards=rewards, group_ids=group_ids, prompt_len=plen,
+        group_size=group_size, prompts=[ex.prompt for ex in examples for _ in range(group_size)],
+        completions=completions, **fields)
+
+
+def left_padded(prompts, pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (ids [N, P] left-padded with ``pad_id``, attention mask [N, P]),
+    as a left-padding tokenizer lays them out."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, P - len(p):] = 1
+    return ids.to(device), mask.to(device)

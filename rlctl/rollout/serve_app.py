@@ -1,18 +1,10 @@
 """An engine behind an OpenAI-compatible completions server (FastAPI; ``rlctl serve``).
 
-Routes (docs/engines.md has the fields and what vLLM and SGLang return for each):
-
-    POST /v1/completions          prompt as token ids -> choices with token_ids, log-probs
-                                  and finish_reason
-    GET  /health                  200 {"status": "ok", "weights_version": v}
-    GET  /version                 {"weights_version": v}
-    POST /update_weights?version=V            body: safetensors bytes (rollout/weights.py)
-    POST /update_weights_from_disk            {"path": DIR_OR_FILE, "version": V}
-
-Bad input is a 400 (409 for a weights version older than the served one) with the body
-{"error": {"message": one line, "type": "BadRequestError", "code": 400}}. Requests are
-served one at a time (no continuous batching); a request's prompts and its ``n`` samples
-per prompt run as one batch, each distinct prompt prefilled once.
+Routes (docs/engines.md has the fields): POST /v1/completions (token-id prompts -> choices
+with token_ids, log-probs, finish_reason), GET /health, GET /version, POST
+/update_weights?version=V (safetensors bytes, rollout/engine.py), POST
+/update_weights_from_disk {"path", "version"}. Bad input is a 400 (409: a weights version
+older than the served one) with OpenAI's error body; requests are served one at a time.
 """
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from rlctl.errors import UserError
 from rlctl.rollout.engine import Sampling, TorchEngine
-from rlctl.rollout.weights import from_bytes, read_dir
+from rlctl.rollout.engine import from_bytes, read_dir
 
 _FIELDS = {"prompt", "model", "max_tokens", "temperature", "top_k", "top_p", "n", "seed",
            "stop_token_ids", "logprobs", "ignore_eos", "return_token_ids", "stream", "echo"}

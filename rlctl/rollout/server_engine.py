@@ -1,27 +1,14 @@
 """The ``server`` engine: a client of one or several completions servers of one kind
-(``rlctl serve``, vLLM or SGLang: rollout/server_kinds.py holds what differs per kind, the
-request and reply translation, the probe route and how weights are pushed; here is what
-they share). Standard library HTTP only.
+(rollout/server_kinds.py holds what differs per kind). Standard library HTTP only.
 
-* generate: the prompts are cut into requests of ``chunk_size`` prompts, request j
-  seeded with ``chunk_seed(seed, j)``; one thread per usable server takes the next
-  request as soon as it is free (least busy first), so the tokens do not depend on how
-  many servers there are or which ran what. A request that fails (no connection,
-  timeout, 5xx) names its server in one line and goes to the others; a 4xx is the
-  request's fault and is raised (UserError, the server's message).
-* weights: ``update_weights`` pushes to every server that is up, with a version; the last
-  push is kept and re-sent to a server that comes back. A server is used only while
-  its weights are at most ``max_staleness`` versions behind the newest push (checked
-  again on every reply's ``weights_version``). A reply whose version went back (a server
-  restarted unseen: its own load, whatever its number) is discarded and the server is
-  sent the newest push before it serves again, within ``max_staleness`` or not; with no
-  other server usable it is sent that push in the same ``generate``.
-* a lost server is probed (its kind's probe route: GET /version for rlctl) at the start
-  of a later ``generate``, at most every ``recheck_s`` seconds, and taken back in one line
-  once it answers, after it is sent the newest push (whatever version it reports).
-* a kind whose replies carry no weights version (vLLM, SGLang) is tracked client-side: a
-  server is at the version last pushed to it successfully, and at 0 when first seen or
-  back after being lost (so it is sent the newest weights before it is used).
+* generate: requests of ``chunk_size`` prompts, request j seeded ``chunk_seed(seed, j)``,
+  taken by one thread per usable server, so the tokens do not depend on the servers. A failed
+  request (no connection, timeout, 5xx) names its server in one line and goes to the others;
+  a 4xx is raised (UserError).
+* weights: pushed to every server that is up; the last push is re-sent to one that comes
+  back. A server serves only while at most ``max_staleness`` versions behind (checked on
+  every reply); one whose version went back (restarted) is sent the newest push first.
+* a lost server is probed again at most every ``recheck_s`` seconds.
 """
 from __future__ import annotations
 
@@ -39,7 +26,7 @@ import torch
 
 from rlctl.errors import UserError
 from rlctl.rollout.engine import Completion, Sampling, check_sampling, chunk_seed
-from rlctl.rollout.server_kinds import KINDS, Link, ServerKind, server_kind
+from rlctl.rollout.server_kinds import KINDS, Link, ServerKind, configured_kind, server_kind  # noqa: F401
 
 
 class NoServerLeft(UserError):
@@ -90,7 +77,7 @@ class ServerEngine:
     # -- weights ------------------------------------------------------------------------
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
                        kind: str = "full") -> None:
-        """Push full weights or an adapter (rollout/weights.py) to every server that is up."""
+        """Push full weights or an adapter (rollout/engine.py) to every server that is up."""
         self._broadcast(int(version), self.kind.push(int(version), tensors, kind))
 
     def update_weights_from_disk(self, version: int, path: str) -> None:

@@ -4,10 +4,13 @@ learner samples from) and the processes a run starts for itself: local engine pr
 ``rollout.engine=server`` without ``rollout.server.urls``). Each child builds the learner's
 base model (the learner pushes its weights before the first request), sits in its own
 process group (a terminal's Ctrl-C reaches the learner, which stops at a step and closes
-them) and gets SIGTERM if the learner dies. Below this, rlctl/rollout/ takes settings.
+them) and gets SIGTERM if the learner dies. Below this, rlctl/rollout/ takes settings. The
+modules of episodes, engines and servers are imported (``importlib.import_module``) where a
+run chooses them: a default run imports none of them.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -18,7 +21,6 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import uvicorn
 from omegaconf import OmegaConf
 
 from rlctl.backends.launch import die_with_parent
@@ -28,19 +30,19 @@ from rlctl.learner.forward import prompt_sharing
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.quiet import quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.rollout.engine import TorchEngine
-from rlctl.rollout.engine_source import EngineSettings, EngineSource
-from rlctl.rollout.episode_source import EpisodeSource
-from rlctl.rollout.episodes import EpisodeSettings
-from rlctl.rollout.local_engine import LocalEngine, serve_engine
-from rlctl.rollout.serve_app import build_app
-from rlctl.rollout.server_engine import ServerEngine
-from rlctl.rollout.server_kinds import configured_kind
 from rlctl.rollout.source import LocalSource, SamplingSettings
 from rlctl.run.build import model_from_config, prepare_task
 from rlctl.schema import ServerConfig
 
 START_S = 600.0          # a child that has not reported its port by then failed
+
+
+def _episodes():
+    return importlib.import_module("rlctl.rollout.episodes")
+
+
+def _engine_source():
+    return importlib.import_module("rlctl.rollout.engine_source")
 
 
 def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
@@ -58,11 +60,14 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
                               "with hardware.zero_stage=3 (its ranks must generate in step, and each "
                               "rank's episodes take their own number of turns); use "
                               "hardware.zero_stage=2 or lower, or hardware.num_processes=1")
-        local = EpisodeSource(policy, tokenizer, prepared, EpisodeSettings.from_config(cfg),
-                              seed=cfg.seed * 1000 + rank)
+        episodes = _episodes()
+        local = episodes.EpisodeSource(policy, tokenizer, prepared,
+                                       episodes.EpisodeSettings.from_config(cfg),
+                                       seed=cfg.seed * 1000 + rank)
     elif cfg.rollout.engine == "server":
         return server_source(cfg.rollout.server, ServeSpec.from_config(cfg),
-                             EngineSettings.from_config(cfg), SamplingSettings.from_config(cfg, True),
+                             _engine_source().EngineSettings.from_config(cfg),
+                             SamplingSettings.from_config(cfg, True),
                              policy, tokenizer, prepared, device, cfg.seed * 1000, stop)
     else:
         local = LocalSource(policy, tokenizer, list(prepared.train), prepared.scorer(), sampling,
@@ -73,10 +78,11 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
     if world > 1 or dist.is_initialized():
         raise UserError("trainer.async_rollout.enabled=true needs one learner process in no process "
                         "group of its own: hardware.num_processes=1 and hardware.backend=torch")
+    engine_source = _engine_source()
     engines = LocalProcesses(engine_main, OmegaConf.to_yaml(cfg, resolve=True),
                              int(cfg.trainer.async_rollout.num_actors), stop, "rollout engine process", first=1)
     try:
-        clients = [LocalEngine(p, c, f"rollout engine process {i + 1}")
+        clients = [engine_source.LocalEngine(p, c, f"rollout engine process {i + 1}")
                    for i, (p, c) in enumerate(zip(engines.procs, engines.conns))]
         player = getattr(local, "player", None)
 
@@ -84,26 +90,28 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
             for engine in clients:
                 engine.stop(sys.exc_info()[0] is not None)
             engines.close(30.0)
-        return EngineSource(clients, policy, tokenizer, local.examples, local.scorer, sampling,
-                            EngineSettings.from_config(cfg), seed=cfg.seed * 1000 + rank, device=device,
-                            on_close=close, learner_rng=True, player=player)
+        return engine_source.EngineSource(
+            clients, policy, tokenizer, local.examples, local.scorer, sampling,
+            engine_source.EngineSettings.from_config(cfg), seed=cfg.seed * 1000 + rank,
+            device=device, on_close=close, learner_rng=True, player=player)
     except BaseException:
         engines.close()
         raise
 
 
-def server_source(servers: ServerConfig, spec: ServeSpec, settings: EngineSettings,
-                  sampling: SamplingSettings, policy, tokenizer, prepared, device, seed: int,
-                  stop=None) -> EngineSource:
-    """``rollout.engine=server``: an ``EngineSource`` on the servers at ``servers.urls``,
-    or on ``servers.num_local`` `rlctl serve` processes of ``spec`` started here (and
-    stopped when the source closes)."""
+def server_source(servers: ServerConfig, spec: "ServeSpec", settings, sampling: SamplingSettings,
+                  policy, tokenizer, prepared, device, seed: int, stop=None):
+    """``rollout.engine=server``: an ``EngineSource`` (``settings``: its ``EngineSettings``) on
+    the servers at ``servers.urls``, or on ``servers.num_local`` `rlctl serve` processes of
+    ``spec`` started here (and stopped when the source closes)."""
     local = None if servers.urls else LocalServers(spec, servers.num_local, stop)
+    server_engine = importlib.import_module("rlctl.rollout.server_engine")
     try:
-        engine = ServerEngine(list(servers.urls) or local.urls, max_staleness=settings.max_staleness,
-                              chunk_size=servers.chunk_size, timeout_s=servers.timeout_s,
-                              kind=configured_kind(servers.kind, servers.weight_dir, servers.model_dir))
-        return EngineSource(engine, policy, tokenizer, list(prepared.train), prepared.scorer(),
+        engine = server_engine.ServerEngine(
+            list(servers.urls) or local.urls, max_staleness=settings.max_staleness,
+            chunk_size=servers.chunk_size, timeout_s=servers.timeout_s,
+            kind=server_engine.configured_kind(servers.kind, servers.weight_dir, servers.model_dir))
+        return _engine_source().EngineSource(engine, policy, tokenizer, list(prepared.train), prepared.scorer(),
                             sampling, settings, seed=seed, device=device,
                             on_close=local.close if local is not None else None)
     except BaseException:
@@ -128,10 +136,14 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
         model.eval()
         player, examples = None, ()
         if is_episodic(prepared.task):      # the learner draws the rows and the environments' seed
-            local = EpisodeSource(model, tok, prepared, EpisodeSettings.from_config(cfg), seed=0)
+            episodes = _episodes()
+            local = episodes.EpisodeSource(model, tok, prepared,
+                                           episodes.EpisodeSettings.from_config(cfg), seed=0)
             player, examples = local.player, local.examples
-        engine = TorchEngine(model, tok.pad_token_id, share_prompts=bool(cfg.trainer.share_prompts),
-                             sample_dtype=cfg.rollout.sample_dtype)
+        engine_source = _engine_source()
+        engine = engine_source.TorchEngine(model, tok.pad_token_id,
+                                           share_prompts=bool(cfg.trainer.share_prompts),
+                                           sample_dtype=cfg.rollout.sample_dtype)
     except Exception as exc:  # noqa: BLE001 - one line for the learner
         conn.send(("error", user_message(exc)[0]))
         return
@@ -139,7 +151,7 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
     # The learner is the bottleneck: when the cores are oversubscribed it keeps its core.
     os.nice(5)
     conn.send(("ready", None))
-    serve_engine(engine, conn, player, examples)
+    engine_source.serve_engine(engine, conn, player, examples)
 
 
 @dataclass(frozen=True)
@@ -231,12 +243,15 @@ def serve_child(spec: ServeSpec, conn, index: int = 0) -> None:
     ("ready", port) (or ("error", one line)), then serve until terminated."""
     os.setpgrp()
     die_with_parent(mp.parent_process().pid)
+    import uvicorn   # heavy, and only a server needs it
+    serve_app = importlib.import_module("rlctl.rollout.serve_app")
     try:
         quiet_libraries(spec.device, spec.num_threads)
         model, tok = load_model_and_tokenizer(spec.model_name, device=spec.device, **spec.model_opts)
         model.eval()
         stops = resolve_stop_ids(model, tok, list(spec.stop_token_ids))
-        app = build_app(TorchEngine(model, tok.pad_token_id), f"model={spec.model_name}",
+        engine = _engine_source().TorchEngine(model, tok.pad_token_id)
+        app = serve_app.build_app(engine, f"model={spec.model_name}",
                         default_stops=stops, tokenizer=tok)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

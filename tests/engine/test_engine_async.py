@@ -245,7 +245,7 @@ def test_a_silent_or_lost_engine_is_one_line_naming_it():
     import pytest
 
     from rlctl.errors import ActorFailed
-    from rlctl.rollout.local_engine import LocalEngine
+    from rlctl.rollout.engine_source import LocalEngine
 
     ctx = multiprocessing.get_context("fork")
     mine, theirs = ctx.Pipe()

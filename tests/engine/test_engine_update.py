@@ -11,7 +11,7 @@ from rlctl.learner.advantage import AdvantageSettings, compute_advantages
 from rlctl.learner.forward import learner_forward
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models import load_model_and_tokenizer
-from rlctl.rollout.collect import keep_informative_groups
+from rlctl.rollout.source import keep_informative_groups
 from rlctl.types import RolloutBatch
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

@@ -2,8 +2,8 @@
 (the approach of test_engine_resume.py, in this process): a 3-step run checkpointing
 every step; a copy of it with its last checkpoint removed is resumed from step 2 and
 redoes step 3. The environment writes its reset seed into the first observation, so the
-sample tables show that the seeds of the redone step come from the checkpointed prompt
-sampler (rlctl.rollout.episode_source: rows and seed drawn from it)."""
+sample tables show that the seeds of the redone step come from the checkpointed
+prompt RNG (rlctl.rollout.episodes:EpisodeSource: rows and seed drawn from it)."""
 import json
 import shutil
 from pathlib import Path

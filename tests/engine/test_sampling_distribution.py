@@ -1,6 +1,6 @@
 """The sampler's distribution is the learner's: softmax(logits / rollout.temperature).
 
-Training refuses rollout.top_k > 0 (rlctl/rollout/sampler.py says why); eval and rollout
+Training refuses rollout.top_k > 0 (rlctl/rollout/generate.py says why); eval and rollout
 may still use it."""
 import pytest
 import torch

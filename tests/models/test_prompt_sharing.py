@@ -169,11 +169,11 @@ def test_the_shared_prefill_runs_once_per_distinct_prompt(tiny):
 
 @pytest.mark.parametrize("temperature,top_k,shared", [(1.0, 0, True), (0.7, 3, False), (1.3, 0, False)])
 def test_the_lean_sampler_draws_what_hf_generate_draws(tiny, temperature, top_k, shared):
-    """rollout/sampler.py against ``model.generate`` with rlctl's settings, same seed:
+    """rollout/generate.py:sample against ``model.generate`` with rlctl's settings, same seed:
     the same tokens (left-padded prompts of different lengths, rows ending early), and
     the same behaviour log-probs (HF's raw logits, log-softmaxed at the temperature)."""
     from rlctl.models.kv_share import shared_prefill
-    from rlctl.rollout.sampler import sample
+    from rlctl.rollout.generate import sample
 
     model, tok = tiny
     enc = tok([p for p in PROMPTS for _ in range(G)], return_tensors="pt", padding=True)

@@ -22,7 +22,7 @@ from rlctl.models.kv_share import cache_keyword
 from rlctl.models.stop_ids import (decode_completions, parse_stop_override,
                                    resolve_stop_ids, stop_ids)
 from rlctl.rollout.generate import rollout
-from rlctl.rollout.sampler import sample
+from rlctl.rollout.generate import sample
 from rlctl.types import Example
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")

@@ -16,7 +16,7 @@ from rlctl.errors import UserError
 from rlctl.models.tiny import build_model, build_tokenizer
 from rlctl.rollout.engine import Sampling, TorchEngine, chunk_seed
 from rlctl.rollout.server_engine import ServerEngine
-from rlctl.rollout.weights import to_bytes
+from rlctl.rollout.engine import to_bytes
 
 from serving import ServeThread, tiny_app
 

@@ -34,7 +34,7 @@ from rlctl.rollout.server_engine import ServerEngine
 from rlctl.rollout.server_kinds import (KINDS, Link, RlctlKind, SGLangKind, VLLMKind, parse_openai,
                                         parse_sglang, server_kind, sglang_body, vllm_requests,
                                         write_peft_adapter)
-from rlctl.rollout.weights import load_adapter
+from rlctl.rollout.engine import load_adapter
 
 from serving import ServeThread, tiny_app
 
