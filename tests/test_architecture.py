@@ -172,7 +172,7 @@ def test_no_references_outside_the_repository():
 # boundary, which keeps `rlctl --help` from importing torch, and (b) for heavy optional
 # dependencies, each with a comment on its line saying why.
 LAZY_BOUNDARY = {"rlctl.cli", "rlctl.commands.app"}
-OPTIONAL_HEAVY = {"deepspeed", "peft", "wandb", "matplotlib", "pyarrow", "math_verify",
+OPTIONAL_HEAVY = {"deepspeed", "peft", "wandb", "matplotlib", "pyarrow", "math_verify", "uvicorn",
                   "transformers", "torch", "typer"}
 
 
