@@ -12,7 +12,7 @@ from rlctl.compose import compose
 from rlctl.core import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, gae,
                         get_advantage_estimator, get_policy_loss, kl_estimate,
                         ppo_clip_per_token, resolve_kl_estimator)
-from rlctl.core.kl import kl_k2
+from rlctl.core.losses import kl_k2
 from rlctl.errors import ConfigError
 from rlctl.learner.advantage import estimator_kind
 from rlctl.registry import Registry

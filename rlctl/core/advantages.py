@@ -26,7 +26,7 @@ import torch
 
 from rlctl.registry import Registry
 
-from ._util import acc_dtype, keep, upcast
+from .logprobs import acc_dtype, upcast
 
 __all__ = ["group_advantages", "rloo_advantages", "grpo_advantages", "dr_grpo_advantages",
            "reinforce_advantages", "reinforce_baseline_advantages", "REINFORCE_BASELINES",
@@ -47,11 +47,6 @@ def zero_std_groups(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards == rewards[:, :1]).all(-1)  # [B]
 
 
-def _zero_constant_groups(adv: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
-    constant = zero_std_groups(rewards)[:, None]  # [B, 1]
-    return torch.where(constant, torch.zeros_like(adv), adv)  # [B, G]
-
-
 def group_advantages(rewards: torch.Tensor, scale_std: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
     """GRPO group-normalised advantages. rewards [B, G] -> [B, G]."""
@@ -61,7 +56,8 @@ def group_advantages(rewards: torch.Tensor, scale_std: bool = True,
     adv = r - r.mean(-1, keepdim=True)  # [B, G]
     if scale_std:
         adv = adv / (r.std(-1, keepdim=True) + eps)  # unbiased std
-    return _zero_constant_groups(adv, r)
+    constant = (r == r[:, :1]).all(-1, keepdim=True)  # [B, 1] zero_std_groups
+    return torch.where(constant, torch.zeros_like(adv), adv)  # [B, G]
 
 
 @register_advantage("rloo", group=True)
@@ -72,7 +68,8 @@ def rloo_advantages(rewards: torch.Tensor, eps: float = 0.0, **ignored) -> torch
     if g < 2:
         return torch.zeros_like(r)
     loo_mean = (r.sum(-1, keepdim=True) - r) / (g - 1)  # [B, G]
-    return _zero_constant_groups(r - loo_mean, r)
+    constant = (r == r[:, :1]).all(-1, keepdim=True)  # [B, 1] zero_std_groups
+    return torch.where(constant, torch.zeros_like(r), r - loo_mean)  # [B, G]
 
 
 @register_advantage("grpo", group=True)
@@ -148,7 +145,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     (advantages [N, T], returns = advantages + values), advantages 0 off the mask."""
     dtype = acc_dtype(rewards, values)
     r, v = upcast(rewards, dtype), upcast(values, dtype)  # [N, T]
-    m = keep(mask)  # [N, T] bool
+    m = mask != 0  # [N, T] bool
     n, t_len = r.shape
     next_value = r.new_zeros(n)  # [N] V of the next counted token (0 past the end)
     running = r.new_zeros(n)  # [N] A of the next counted token

@@ -2,7 +2,7 @@
 
 Fused head (``fused_head``): the forward runs with ``output_hidden_states=True,
 logits_to_keep=1`` and the log-probs come from the final hidden states [N, T, H] through
-`rlctl.core.chunked_logprobs.chunked_token_logprobs`, never all [N, T, V] logits at once;
+`rlctl.core.logprobs.chunked_token_logprobs`, never all [N, T, V] logits at once;
 exact to the full-logits path (tests/engine/test_chunked_learner.py). A head that is not a
 plain ``nn.Linear``, a ZeRO-3 partitioned weight, no ``logits_to_keep``, or logits that
 are not the head's output (rlctl/models/head_check.py) keep the full-logits path.
@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from rlctl.core.chunked_logprobs import chunked_token_logprobs
+from rlctl.core.logprobs import chunked_token_logprobs
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
 from rlctl.models.head_check import head_matches, verdict as head_verdict
 from rlctl.models.kv_share import (cache_keyword, cache_of, detach_module_state, differentiable,

@@ -2,7 +2,7 @@
 
 Algorithm-free: the policy loss comes from the ``POLICY_LOSSES`` registry, the KL term
 from ``kl_estimate``, the value loss from ``value_loss_per_token``, extra terms (an
-entropy bonus) from ``rlctl.core.terms``; this module never looks at an algorithm's name.
+entropy bonus) from ``rlctl.core.losses``; this module never looks at an algorithm's name.
 
 ``mask_truncated`` (DAPO's overlong filtering, Yu et al., 2025): rows with no stop id
 have their mask zeroed here, before the update, so they add nothing to any loss term or
@@ -27,8 +27,7 @@ from omegaconf import OmegaConf
 
 from rlctl.core import (agg_denominator, aggregate_sum, counted_width, get_policy_loss, kl_estimate,
                         masked_mean, resolve_kl_estimator)
-from rlctl.core.losses import value_loss_per_token
-from rlctl.core.terms import active_terms
+from rlctl.core.losses import active_terms, value_loss_per_token
 from rlctl.learner.correction import batch_metrics, weighted
 from rlctl.learner.forward import PromptGroups, learner_forward
 from rlctl.learner.stats import Metric, Moments, explained_variance_of, pool, population_std
@@ -60,7 +59,7 @@ class UpdateSettings:
     share_prompts: bool = True             # one prompt forward per distinct prompt
     vf_coef: float = 0.0
     value_clip: Optional[float] = None
-    terms: Tuple[Tuple[str, float, Callable], ...] = ()   # (name, coef, fn): rlctl.core.terms
+    terms: Tuple[Tuple[str, float, Callable], ...] = ()   # (name, coef, fn): rlctl.core.losses
     mask_truncated: bool = False           # rows with no stop id out of the loss (DAPO)
     rollout_correction: Optional[RolloutCorrectionConfig] = None   # sampler/learner mismatch; None: off
 
@@ -201,7 +200,7 @@ def _gather(metrics: Dict[str, Metric], weight: torch.Tensor, sums: Dict[str, to
 
 
 def _extra_terms(f, mb: RolloutBatch, s: "UpdateSettings", denom: torch.Tensor) -> torch.Tensor:
-    """Sum of coef * aggregated term matrix (rlctl.core.terms), each over the minibatch's
+    """Sum of coef * aggregated term matrix (rlctl.core.losses), each over the minibatch's
     policy-loss denominator like the policy loss; 0 without terms."""
     total = f.logp.new_zeros(())
     for _, coef, fn in s.terms:

@@ -14,7 +14,7 @@ Warnings: a group-relative advantage (an estimator registered with ``group=True`
 Dr. GRPO, RLOO) compares each completion with the others of its prompt, so with
 ``algo.group_size=1`` every advantage is 0 and the policy gradient vanishes. A KL
 estimator's gradient follows a KL divergence in one placement and not in the other
-(rlctl/core/kl.py has the table, checked by exact enumeration): k1 in the loss has zero
+(rlctl/core/losses.py has the table, checked by exact enumeration): k1 in the loss has zero
 expected gradient, k2 and k3 in the reward give a biased gradient.
 """
 from __future__ import annotations

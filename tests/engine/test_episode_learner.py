@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlctl.core import gae, get_policy_loss, group_advantages, place_turn_rewards
-from rlctl.core.terms import active_terms
+from rlctl.core.losses import active_terms
 from rlctl.learner.advantage import AdvantageSettings, compute_advantages
 from rlctl.learner.forward import learner_forward
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
