@@ -14,7 +14,7 @@ from rlctl.core import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, gae,
                         ppo_clip_per_token, resolve_kl_estimator)
 from rlctl.core.losses import kl_k2
 from rlctl.errors import ConfigError
-from rlctl.learner.advantage import estimator_kind
+from rlctl.learner.trainer import estimator_kind
 from rlctl.registry import Registry
 from rlctl.run.checks import check_entries
 from rlctl.tasks import TASKS

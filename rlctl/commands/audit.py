@@ -28,7 +28,7 @@ task's count) to the statistics and the episode signs of rlctl.commands.audit_ep
 or token limit), each with a count and an example.
 
 ``audit_samples`` runs the same statistics and signs over a run's sample tables (the
-train rows of samples.jsonl, rlctl/learner/samples.py): a group is (step, group), a row
+train rows of samples.jsonl, rlctl/learner/metrics.py): a group is (step, group), a row
 is truncated when its finish_reason is "length" (an episode: any status but "done"); the
 alignment checks need token ids, which sample rows do not hold.
 """

@@ -1,5 +1,5 @@
 """`rlctl inspect RUN --samples [--step N]`: a run's sample tables (samples.jsonl, written
-by the sinks from rlctl/learner/samples.py's rows) and the audit's statistics and
+by the sinks from rlctl/learner/metrics.py's rows) and the audit's statistics and
 reward-hacking signs over them.
 
 Without --step the newest step with a train table is shown (its eval table too, when

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import List
 
 from rlctl.learner.evaluate import episode_success
-from rlctl.learner.samples import episode_columns, offers_tools
+from rlctl.learner.metrics import episode_columns, offers_tools
 from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
 from rlctl.types import DONE, MODEL, Episode
 

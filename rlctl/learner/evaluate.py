@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from rlctl.core.logprobs import completion_mask
-from rlctl.learner.samples import Row, endings, episode_columns, eval_rows, offers_tools
+from rlctl.learner.metrics import Row, endings, episode_columns, eval_rows, offers_tools
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
 from rlctl.types import Episode, Example, RolloutBatch
@@ -164,7 +164,7 @@ def _add_episodes(sums: Dict[str, float], batch: RolloutBatch) -> List[bool]:
 def _episode_rows(batch: RolloutBatch, ok: List[bool], n: int, step: int, tool_task: bool) -> List[Row]:
     """The eval table's rows of the batch's first ``n`` episodes: the transcript as the
     completion, the episode's end as its finish_reason (its status), then the episode's
-    columns turn by turn (``rlctl.learner.samples.episode_columns``)."""
+    columns turn by turn (``rlctl.learner.metrics.episode_columns``)."""
     k = min(n, batch.num_sequences)
     ends = [{"finish_reason": e.status, "stop_id": None, "stop_token": None}
             for e in batch.episodes[:k]]
