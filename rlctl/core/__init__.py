@@ -20,7 +20,7 @@ from .logprobs import (chunked_token_logprobs, completion_mask, counted_width,
 from .losses import (AGG_ALIASES, AGG_MODES, KL_ALIASES, KL_DEFAULT_ESTIMATOR, KL_ESTIMATORS,
                      KL_PLACEMENT_NOTES, KL_PLACEMENTS, POLICY_LOSSES, AdaptiveKLController,
                      FixedKLController, agg_denominator, aggregate, aggregate_sum,
-                     cispo_per_token, explained_variance, get_policy_loss, gspo_per_token,
+                     cispo_per_token, get_policy_loss, gspo_per_token,
                      kl_estimate, kl_shaped_rewards, ppo_clip_loss, ppo_clip_per_token,
                      register_kl, register_policy_loss, resolve_agg_mode, resolve_kl_estimator,
                      vanilla_pg_loss, vanilla_pg_per_token, value_loss, value_loss_per_token)
@@ -40,6 +40,6 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS", "get_advantage_estimator", "overlong_penalty", "zero_std_groups",
     "ppo_clip_per_token", "vanilla_pg_per_token", "gspo_per_token", "cispo_per_token",
     "ppo_clip_loss", "vanilla_pg_loss", "POLICY_LOSSES", "register_policy_loss",
-    "get_policy_loss", "value_loss_per_token", "value_loss", "explained_variance",
+    "get_policy_loss", "value_loss_per_token", "value_loss",
     "turn_weights", "place_turn_rewards", "TURN_REWARD_RULES",
 ]

@@ -1,25 +1,13 @@
-"""Advantage estimators: outcome (one reward per completion) and token-level GAE
-(docs/math.md, sections 3, 6 and 9).
-
-- REINFORCE (Williams, 1992): A = R (`baseline="none"`), or R - batch mean
-  (`baseline="batch_mean"`, alias estimator `reinforce_baseline`).
-- RLOO (Kool et al., 2019; Ahmadian et al., 2024): b_i = mean of the other G-1 rewards,
-  i.e. G/(G-1) * (r - group mean).
-- GRPO (Shao et al., 2024): (r - group mean) / (group std + eps), std unbiased.
-  Dr. GRPO (Liu et al., 2025): no std scaling.
-- DAPO (Yu et al., 2025): `overlong_penalty` and the zero-variance groups that dynamic
-  sampling filters (`zero_std_groups`).
-- GAE (Schulman et al., 2015): delta_t = r_t + gamma V_{t+1} - V_t,
-  A_t = delta_t + gamma lam A_{t+1}, V = 0 after the last token.
+"""Advantage estimators (docs/math.md, sections 3, 6 and 9): REINFORCE (Williams, 1992;
+baseline "none" or "batch_mean"), RLOO (Kool et al., 2019: r_i minus the mean of the
+other G-1), GRPO (Shao et al., 2024: (r - group mean) / (std + eps)), Dr. GRPO (Liu et al.,
+2025: no std), DAPO's overlong penalty (Yu et al., 2025), GAE (Schulman et al., 2015).
 
 Departures: a group of equal rewards gets exactly 0; G == 1 gives zeros. GAE skips masked
 positions (padding, tool output) instead of ending the episode there, runs under no_grad
-and does not whiten. float32 (float64 kept).
-
-``ADVANTAGE_ESTIMATORS`` entries (``@register_advantage``) each have a ``level``: outcome
-entries are fn(rewards [B, G], eps, **options) -> [B, G] (unused options ignored;
-`reinforce` reads `baseline`); the token-level `gae` is fn(rewards [N, T], values [N, T],
-mask [N, T], gamma, lam) -> (advantages, returns)."""
+and does not whiten. float32 (float64 kept). ``ADVANTAGE_ESTIMATORS`` entries have a
+``level``: outcome fn(rewards [B, G], eps, **options) -> [B, G]; token-level fn(rewards,
+values, mask [N, T], gamma, lam) -> (advantages, returns)."""
 from __future__ import annotations
 
 import torch
@@ -27,11 +15,6 @@ import torch
 from rlctl.registry import Registry
 
 from .logprobs import acc_dtype, upcast
-
-__all__ = ["group_advantages", "rloo_advantages", "grpo_advantages", "dr_grpo_advantages",
-           "reinforce_advantages", "reinforce_baseline_advantages", "REINFORCE_BASELINES",
-           "gae", "broadcast_to_tokens", "ADVANTAGE_ESTIMATORS", "register_advantage",
-           "get_advantage_estimator", "overlong_penalty", "zero_std_groups"]
 
 # ``group``: the estimator compares a completion with the others of its group (G >= 2 needed)
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator",

@@ -14,10 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-__all__ = ["token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum",
-           "masked_whiten", "completion_mask", "counted_width", "chunked_token_logprobs",
-           "default_chunk_tokens"]
-
 CHUNK_ELEMENTS = 1 << 22   # rows per chunk: as many as fit in 4M elements (at least one)
 
 
@@ -115,7 +111,7 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int | Sequence[int],
     ids = completion_ids
     n, t = ids.shape
     many = isinstance(eos_id, (list, tuple, set, frozenset))
-    eos_ids = [int(e) for e in eos_id] if many else [int(eos_id)]
+    eos_ids = list(map(int, eos_id)) if many else [int(eos_id)]
     is_eos = torch.isin(ids, torch.tensor(eos_ids, device=ids.device))  # [N, T]
     has_eos = is_eos.any(-1)  # [N]
     last = torch.full((n,), t - 1, dtype=torch.long, device=ids.device)
@@ -189,11 +185,21 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         p_buf = torch.empty_like(z_buf)
         for s in range(0, m, ctx.chunk):
             e = min(s + ctx.chunk, m)
-            gl = None if g_logp is None else g_logp[s:e].to(acc)
-            ge = None if g_ent is None else g_ent[s:e].to(acc)
-            dz = _chunk_grad(h[s:e], weight, bias, tokens[s:e], lse[s:e],
-                             ent[s:e] if ge is not None else None, gl, ge,
-                             ctx.temperature, z_buf[:e - s], p_buf[:e - s])  # [C, V]
+            gl = None if g_logp is None else g_logp[s:e].to(acc)    # [C]
+            ge = None if g_ent is None else g_ent[s:e].to(acc)      # [C]
+            logq = _chunk_logits(h[s:e], weight, bias, ctx.temperature, z_buf[:e - s])
+            logq.sub_(lse[s:e, None])  # [C, V] log p
+            p = torch.exp(logq, out=p_buf[:e - s])  # [C, V]
+            if ge is not None:
+                dz = logq.add_(ent[s:e, None]).mul_(p).mul_(-ge[:, None])  # [C, V] entropy part
+                if gl is not None:
+                    dz.sub_(p.mul_(gl[:, None]))
+            else:
+                dz = p.mul_(-gl[:, None])  # [C, V]
+            if gl is not None:
+                dz.scatter_add_(1, tokens[s:e, None], gl[:, None])  # + gl * onehot(y)
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)            # dL/d(raw logits) [C, V]
             if grad_h is not None:
                 _matmul_into(grad_h[s:e], dz, weight)  # [C, H] = [C, V] @ [V, H]
             if grad_w is not None:
@@ -214,24 +220,15 @@ def _matmul_into(out, a, b, accumulate=False):
     return out.add_(prod) if accumulate else out.copy_(prod)
 
 
-def _chunk_grad(h_c, weight, bias, tok_c, lse_c, ent_c, gl, ge, temperature, z_buf, p_buf):
-    """dL/d(raw logits) for one chunk, [C, V] in the accumulation dtype, in the two buffers."""
-    logq = _chunk_logits(h_c, weight, bias, temperature, z_buf)
-    logq.sub_(lse_c[:, None])  # [C, V] log p
-    p = torch.exp(logq, out=p_buf)  # [C, V]
-    if ge is not None:
-        dz = logq.add_(ent_c[:, None]).mul_(p).mul_(-ge[:, None])  # [C, V] entropy part
-        if gl is not None:
-            dz.sub_(p.mul_(gl[:, None]))
-    else:
-        dz = p.mul_(-gl[:, None])  # [C, V]
-    if gl is not None:
-        dz.scatter_add_(1, tok_c[:, None], gl[:, None])  # + gl * onehot(y)
-    return dz.div_(temperature) if temperature != 1.0 else dz
-
-
-def _check(hidden, weight, bias, tokens, temperature, chunk_tokens) -> None:
-    """One clear ValueError per bad argument (shapes, temperature, chunk, token range)."""
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
+                           bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
+                           chunk_tokens: Optional[int] = None, with_entropy: bool = False
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log softmax((hidden @ weight^T + bias) / temperature) at `tokens`, at most
+    `chunk_tokens` rows of logits at once (default `default_chunk_tokens(V)`).
+    hidden [N, T, H] (any leading shape), weight [V, H], bias [V] or None, tokens [N, T] in
+    [0, V), shifted by the caller -> (logp [N, T], entropy [N, T] or None), float32 (float64
+    kept), differentiable w.r.t. hidden, weight, bias. Matmuls in the inputs' dtype."""
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"chunked_token_logprobs: hidden [..., H] and weight [V, H] must "
                          f"share H; got hidden {tuple(hidden.shape)}, weight "
@@ -252,18 +249,6 @@ def _check(hidden, weight, bias, tokens, temperature, chunk_tokens) -> None:
         if int(lo) < 0 or int(hi) >= weight.shape[0]:
             raise ValueError(f"chunked_token_logprobs: token ids must be in [0, {weight.shape[0]}); "
                              f"got min {int(lo)}, max {int(hi)}")
-
-
-def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
-                           bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
-                           chunk_tokens: Optional[int] = None, with_entropy: bool = False
-                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log softmax((hidden @ weight^T + bias) / temperature) at `tokens`, at most
-    `chunk_tokens` rows of logits at once (default `default_chunk_tokens(V)`).
-    hidden [N, T, H] (any leading shape), weight [V, H], bias [V] or None, tokens [N, T] in
-    [0, V), shifted by the caller -> (logp [N, T], entropy [N, T] or None), float32 (float64
-    kept), differentiable w.r.t. hidden, weight, bias. Matmuls in the inputs' dtype."""
-    _check(hidden, weight, bias, tokens, temperature, chunk_tokens)
     chunk = int(chunk_tokens) if chunk_tokens is not None else \
         max(1, CHUNK_ELEMENTS // max(int(weight.shape[0]), 1))
     lead = tuple(hidden.shape[:-1])

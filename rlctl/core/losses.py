@@ -1,35 +1,21 @@
-"""Policy, value and KL loss terms, their aggregation, and the KL-coefficient controllers
-(docs/math.md, sections 4 to 8). Per-token losses return ([N, T], detached metrics).
+"""Policy, value and KL loss terms, their aggregation and the KL-coefficient controllers
+(docs/math.md, sections 4 to 8, has the formulas). Per-token losses return ([N, T], metrics).
 
-- PPO clipped surrogate (Schulman et al., 2017) -min(rho A, clip(rho, 1 - lo, 1 + hi) A),
-  rho = exp(logp - old_logp), asymmetric clips as DAPO's clip-higher (Yu et al., 2025);
-  dual clip (Ye et al., 2020; verl's `clip_ratio_c`): c > 1 caps a token with A < 0 at -A c.
-- Vanilla policy gradient (Williams, 1992): -A * logp. Value loss: 0.5 (V - R)^2, optionally
-  PPO2's value clipping (as CleanRL's ppo.py).
-- GSPO (Zheng et al., 2025), GSPO-token form: s_i = exp(mean_t (logp_t - old_t)), token
-  weight sg[s_i] * pi / sg[pi]; the clip acts on whole sequences, one advantage per row
-  ([N, T] advantages: the masked row mean). CISPO (MiniMax-M1, 2025):
-  -sg[clip(rho_t)] * A_t * logp_t, every token keeps a gradient (clip_ratio_c ignored).
-- Every policy loss emits policy/clip_frac_low, clip_frac_high, clip_frac (their sum),
-  clip_frac_dual and approx_kl (masked mean of k3(old -> new) = (rho - 1) - log rho).
-- KL estimators (Schulman, "Approximating KL Divergence", 2020; tokens from pi):
-  k1 = logp - ref, k2 = 0.5 (logp - ref)^2, k3 = exp(ref - logp) - (ref - logp) - 1.
-  in_reward (no gradient through k): k1 follows grad KL(pi||ref) (Ziegler et al., 2019);
-  in_loss: k2 -> grad KL(pi||ref), k3 -> grad KL(ref||pi) (GRPO), k1 -> 0 in expectation.
-- Aggregation (verl's `loss_agg_mode`): token-mean sum(m l) / sum(m) (DAPO);
-  seq-mean-token-mean (GRPO), seq-mean-token-sum, seq-mean-token-sum-norm (/ norm_len,
-  default T; Dr. GRPO), seq modes over non-empty rows; aggregate = aggregate_sum /
-  agg_denominator, so micro-batch sums over the full denominator equal the whole.
-- Extra terms (``LOSS_TERMS``): fn(logp, entropy, mask) -> [N, T], aggregated like the
-  policy loss times ``algo.<name>_coef``; ``entropy``: A3C/PPO's bonus, -entropy.
-- `AdaptiveKLController` (Ziegler et al., 2019, Sec. 2.2): e = clip(KL / target - 1,
-  -0.2, 0.2), beta <- beta (1 + e n_steps / horizon), KL and n counted per sequence.
+- PPO clip (Schulman et al., 2017) with DAPO's asymmetric clips and the dual clip (Ye et
+  al., 2020: c > 1 caps A < 0 at -A c); vanilla PG (Williams, 1992); GSPO-token (Zheng et
+  al., 2025: one sequence ratio, clipped per sequence); CISPO (MiniMax-M1, 2025: a clipped,
+  detached weight); value loss with PPO2's optional clipping (as CleanRL).
+- Every policy loss emits policy/clip_frac_low, clip_frac_high, clip_frac, clip_frac_dual
+  and approx_kl (masked mean of k3(old -> new)).
+- KL estimators k1, k2, k3 (Schulman, 2020); ``KL_DEFAULT_ESTIMATOR`` gives each placement
+  the one whose gradient follows a KL, ``KL_PLACEMENT_NOTES`` warns for the others.
+- Aggregation (verl's `loss_agg_mode`): aggregate = aggregate_sum / agg_denominator, so
+  micro-batch sums over the full denominator equal the whole.
+- Registries ``POLICY_LOSSES``, ``KL_ESTIMATORS`` (verl's names as aliases), ``LOSS_TERMS``
+  (fn(logp, entropy, mask) -> [N, T], times ``algo.<name>_coef``).
 
-Registries: ``POLICY_LOSSES`` fn(logp, old_logp, advantages, mask, clip_low, clip_high,
-clip_ratio_c=None), ``KL_ESTIMATORS`` fn(logp, ref_logp) (verl's names as aliases),
-``LOSS_TERMS``; each also takes "package.module:function". Departures: the log-ratio is 0
-off the mask and clamped to +-20 before exp; advantages, old log-probs, old values and
-returns are detached here."""
+Departures: the log-ratio is 0 off the mask and clamped to +-20 before exp; advantages, old
+log-probs, old values and returns are detached here."""
 from __future__ import annotations
 
 import math
@@ -40,16 +26,6 @@ import torch
 from rlctl.registry import Registry
 
 from .logprobs import acc_dtype, masked_mean, masked_sum, upcast
-
-__all__ = ["ppo_clip_per_token", "vanilla_pg_per_token", "gspo_per_token", "cispo_per_token",
-           "ppo_clip_loss", "vanilla_pg_loss", "POLICY_LOSSES", "register_policy_loss",
-           "get_policy_loss", "value_loss_per_token", "value_loss", "explained_variance",
-           "AGG_MODES", "AGG_ALIASES", "resolve_agg_mode", "aggregate", "aggregate_sum",
-           "agg_denominator", "kl_k1", "kl_k2", "kl_k3", "kl_estimate", "KL_ESTIMATORS",
-           "KL_ALIASES", "register_kl", "KL_PLACEMENTS", "KL_DEFAULT_ESTIMATOR",
-           "KL_PLACEMENT_NOTES", "resolve_kl_estimator", "kl_shaped_rewards",
-           "AdaptiveKLController", "FixedKLController", "LOSS_TERMS", "register_loss_term",
-           "entropy_bonus", "active_terms"]
 
 Metrics = Dict[str, torch.Tensor]
 LOG_RATIO_CLAMP = 20.0
@@ -109,27 +85,17 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
 
 
 # ---- shared pieces of the policy losses -----------------------------------------------
-def _zero_out(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x where m, else 0 (torch.where: a NaN at a dropped position cannot leak)."""
-    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
 def _token_adv(advantages: torch.Tensor, m: torch.Tensor, dtype) -> torch.Tensor:
     """Detached advantages as [N, T] ([N] broadcast along T), 0 off the mask ``m``."""
     adv = upcast(advantages, dtype).detach()
     adv = adv[:, None].expand(m.shape) if adv.dim() == 1 else adv  # [N, T]
-    return _zero_out(adv, m)
+    return torch.where(m, adv, 0.0)   # garbage off the mask cannot become NaN
 
 
 def _log_ratio(lp: torch.Tensor, old_logp: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """log rho = logp - sg(old_logp), 0 where m is False, clamped to +-20. [N, T]."""
     diff = lp - upcast(old_logp, lp.dtype).detach()  # [N, T]
-    return _zero_out(diff, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def _check_clip_ratio_c(clip_ratio_c: Optional[float]) -> None:
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None, got {clip_ratio_c!r}")
+    return torch.where(m, diff, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def _clipped(weight: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float,
@@ -168,7 +134,8 @@ def ppo_clip_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: t
     """PPO clipped surrogate per token, optionally dual-clipped. logp, old_logp, mask [N, T];
     advantages [N, T] or [N] -> (loss_mat [N, T], 0 off the mask; metrics). Clip fractions:
     low = A < 0 and rho < 1 - lo, high = A > 0 and rho > 1 + hi, dual = capped."""
-    _check_clip_ratio_c(clip_ratio_c)
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None, got {clip_ratio_c!r}")
     dtype = acc_dtype(logp, old_logp, advantages)
     m = mask != 0
     adv = _token_adv(advantages, m, dtype)  # [N, T]
@@ -177,7 +144,7 @@ def ppo_clip_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: t
     loss, capped = _clipped(ratio, adv, clip_low, clip_high, clip_ratio_c)  # [N, T]
     low = (adv < 0) & (ratio < 1.0 - clip_low)  # [N, T] clipped branch active
     high = (adv > 0) & (ratio > 1.0 + clip_high)
-    return _zero_out(loss, m), _clip_metrics(log_ratio, mask, low, high, capped)
+    return torch.where(m, loss, 0.0), _clip_metrics(log_ratio, mask, low, high, capped)
 
 
 @register_policy_loss("vanilla_pg")
@@ -192,7 +159,7 @@ def vanilla_pg_per_token(logp: torch.Tensor, old_logp: Optional[torch.Tensor],
     m = mask != 0
     lp = upcast(logp, dtype)
     adv = _token_adv(advantages, m, dtype)  # [N, T]
-    loss_mat = _zero_out(-adv * lp, m)  # [N, T]
+    loss_mat = torch.where(m, -adv * lp, 0.0)  # [N, T]
     log_ratio = (torch.zeros_like(lp) if old_logp is None
                  else _log_ratio(lp, old_logp, m))  # [N, T]
     never = torch.zeros_like(m)
@@ -206,22 +173,23 @@ def gspo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
     """GSPO-token loss per token (module doc; the paper's clips are the defaults).
     logp, old_logp, mask [N, T]; advantages [N] or [N, T] -> (loss_mat [N, T], metrics);
     clip fractions count every token of a clipped sequence."""
-    _check_clip_ratio_c(clip_ratio_c)
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None, got {clip_ratio_c!r}")
     dtype = acc_dtype(logp, old_logp, advantages)
     m = mask != 0
-    lp = _zero_out(upcast(logp, dtype), m)  # [N, T]
+    lp = torch.where(m, upcast(logp, dtype), 0.0)  # [N, T]
     log_ratio = _log_ratio(lp, old_logp, m)  # [N, T]
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).to(dtype).detach()  # [N] log s_i
     # s_{i,t} = sg[s_i] * exp(logp_t - sg[logp_t]): value s_i, d/d logp_t = s_i
     s_tok = torch.exp(seq_log_ratio[:, None] + (lp - lp.detach()))  # [N, T]
     adv = upcast(advantages, dtype).detach()
     adv = adv if adv.dim() == 1 else masked_mean(adv, mask, dim=-1).to(dtype)  # [N]
-    adv = _zero_out(adv, m.any(-1))[:, None].expand(mask.shape)  # [N, T]
+    adv = torch.where(m.any(-1), adv, 0.0)[:, None].expand(mask.shape)  # [N, T]
     loss, capped = _clipped(s_tok, adv, clip_low, clip_high, clip_ratio_c)  # [N, T]
     s = s_tok.detach()  # [N, T], s_i on every token of row i
     low = (adv < 0) & (s < 1.0 - clip_low)
     high = (adv > 0) & (s > 1.0 + clip_high)
-    return _zero_out(loss, m), _clip_metrics(log_ratio, mask, low, high, capped)
+    return torch.where(m, loss, 0.0), _clip_metrics(log_ratio, mask, low, high, capped)
 
 
 @register_policy_loss("cispo")
@@ -232,13 +200,13 @@ def cispo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     old_logp, mask [N, T]; advantages [N, T] or [N] -> (loss_mat [N, T], metrics)."""
     dtype = acc_dtype(logp, old_logp, advantages)
     m = mask != 0
-    lp = _zero_out(upcast(logp, dtype), m)  # [N, T]
+    lp = torch.where(m, upcast(logp, dtype), 0.0)  # [N, T]
     log_ratio = _log_ratio(lp, old_logp, m)  # [N, T]
     ratio = torch.exp(log_ratio.detach())  # [N, T], no gradient
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # sg[clip(rho)]
     loss = -weight * _token_adv(advantages, m, dtype) * lp  # [N, T]
     low, high = ratio < 1.0 - clip_low, ratio > 1.0 + clip_high
-    return _zero_out(loss, m), _clip_metrics(log_ratio, mask, low, high)
+    return torch.where(m, loss, 0.0), _clip_metrics(log_ratio, mask, low, high)
 
 
 def get_policy_loss(name: str):
@@ -286,7 +254,7 @@ def value_loss_per_token(values: torch.Tensor, old_values: Optional[torch.Tensor
         # the clipped branch counts only where the clamp moved V (not a rounding of old + d)
         taken = ((v - old).abs() > clip) & (err_clipped > err)  # [N, T]
         clip_frac = masked_mean(taken.to(dtype), mask).detach()
-    return _zero_out(loss_mat, mask != 0), {"value/clip_frac": clip_frac}
+    return torch.where(mask != 0, loss_mat, 0.0), {"value/clip_frac": clip_frac}
 
 
 def value_loss(values, old_values, returns, mask, clip: float | None = None,
@@ -295,19 +263,6 @@ def value_loss(values, old_values, returns, mask, clip: float | None = None,
     """Aggregated value loss -> (scalar loss, {"value/clip_frac"})."""
     loss_mat, metrics = value_loss_per_token(values, old_values, returns, mask, clip)
     return aggregate(loss_mat, mask, agg_mode, norm_len), metrics
-
-
-@torch.no_grad()
-def explained_variance(values: torch.Tensor, returns: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-    """1 - Var[R - V] / Var[R] over counted tokens (CleanRL's metric); 0 if Var[R] == 0."""
-    dtype = acc_dtype(values, returns)
-    v, ret = upcast(values, dtype), upcast(returns, dtype)
-    var_r = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
-    res = ret - v
-    var_res = masked_mean((res - masked_mean(res, mask)) ** 2, mask)
-    return torch.where(var_r > 0, 1.0 - var_res / var_r.clamp(min=1e-30),
-                       torch.zeros_like(var_r))
 
 
 # ---- extra terms ------------------------------------------------------------------------
@@ -377,11 +332,14 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
 def kl_shaped_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor,
                       mask: torch.Tensor, beta: float, kind: str = "k1") -> torch.Tensor:
     """-beta * kl_estimate on counted tokens plus rewards[i] on row i's last counted token
-    (masked gaps allowed; an empty row gives zeros). rewards [N] (or [B, G]); logp,
-    ref_logp, mask [N, T] -> [N, T] float32 (float64 kept), 0 where mask == 0."""
+    (masked gaps allowed; an empty row gives zeros; beta = 0 reads no log-probs). rewards
+    [N] (or [B, G]); logp, ref_logp, mask [N, T] -> [N, T] float32 (float64 kept)."""
     m = mask != 0  # [N, T]
-    kl = kl_estimate(logp, ref_logp, kind)  # [N, T]
-    shaped = torch.where(m, -beta * kl, torch.zeros_like(kl))  # [N, T]
+    if beta == 0:       # no KL term: the log-probs are not read
+        shaped = torch.zeros(m.shape, dtype=acc_dtype(logp, ref_logp), device=m.device)
+    else:
+        kl = kl_estimate(logp, ref_logp, kind)  # [N, T]
+        shaped = torch.where(m, -beta * kl, torch.zeros_like(kl))  # [N, T]
     r = upcast(rewards, shaped.dtype).reshape(-1)  # [N]
     n, t_len = m.shape
     if r.shape[0] != n:

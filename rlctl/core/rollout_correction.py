@@ -16,9 +16,6 @@ import torch
 
 from .logprobs import masked_mean, upcast
 
-__all__ = ["CORRECTION_LEVELS", "CORRECTION_MODES", "log_importance_weights",
-           "correction_weights", "mismatch_metrics"]
-
 CORRECTION_LEVELS = ("token", "sequence")
 CORRECTION_MODES = ("truncate", "mask", "measure")
 

@@ -42,10 +42,6 @@ class PromptGroups:
     def rows(self, rows: torch.Tensor) -> "PromptGroups":
         return PromptGroups(self.labels[rows])                                         # [n]
 
-    def on(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(first [U], inv [n]) as ``kv_share.regroup`` gives them, on ``device``."""
-        return tuple(t.to(device, non_blocking=True) for t in regroup(self.labels))
-
 
 def prompt_sharing(enabled: bool, backend) -> bool:
     """``trainer.share_prompts`` as it applies on this backend (off under multi-rank ZeRO-3,
@@ -87,13 +83,6 @@ def enable_gradient_checkpointing(model) -> None:
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _checkpointing_now(model) -> bool:
-    inner = innermost(model)
-    on = getattr(inner, "is_activation_checkpointing", None)     # transformers >= 5.x name
-    on = getattr(inner, "is_gradient_checkpointing", False) if on is None else on
-    return bool(on) and inner.training and torch.is_grad_enabled()
-
-
 class Forward(NamedTuple):
     logp: torch.Tensor                 # [N, T] log pi(completion token t)
     entropy: Optional[torch.Tensor]    # [N, T] (no grad unless entropy_grad), when asked for
@@ -117,10 +106,17 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     head = fused_head(model, inputs) if fused else None
     extra = {} if head is None else {"output_hidden_states": True, "logits_to_keep": 1}
     padded = state_in_modules(model)       # no cache to share, and left pads leak (RecurrentGemma)
-    key = cache_keyword(model) if share_prompts and P > 1 and not padded \
-        and not _checkpointing_now(model) else None
+    inner = innermost(model)
+    ckpt = getattr(inner, "is_activation_checkpointing", None)     # transformers >= 5.x name
+    ckpt = getattr(inner, "is_gradient_checkpointing", False) if ckpt is None else ckpt
+    ckpt = bool(ckpt) and inner.training and torch.is_grad_enabled()
+    key = cache_keyword(model) if share_prompts and P > 1 and not padded and not ckpt else None
     if key is not None:
-        groups = share_prompts.on(input_ids.device) if isinstance(share_prompts, PromptGroups) else None
+        groups = None
+        if isinstance(share_prompts, PromptGroups):    # (first [U], inv [n]) on the device
+            first, inv = regroup(share_prompts.labels)
+            dev = input_ids.device
+            groups = first.to(dev, non_blocking=True), inv.to(dev, non_blocking=True)
         scores, values = _shared_prompt_forward(model, input_ids, attention_mask, P, key,
                                                 groups, extra)
     else:

@@ -122,7 +122,8 @@ def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float
         kl = (zero, zero, batch.mask, 0.0)
     seq_return = None
     if batch.token_rewards is None:      # the reward on the last counted token, KL shaping
-        per_token = kl_shaped_rewards(shaped_task_rewards(batch, s), *kl)             # [N, T]
+        rewards = batch.rewards + overlong(batch, s) if s.overlong_buffer > 0 else batch.rewards
+        per_token = kl_shaped_rewards(rewards, *kl)                                   # [N, T]
     else:       # episodes: the placed turn rewards, plus the shaping (KL, overlong penalty)
         shaping = kl_shaped_rewards(overlong(batch, s), *kl)                         # [N, T]
         per_token = batch.token_rewards.to(shaping.dtype) + shaping                 # [N, T]
@@ -345,32 +346,43 @@ class Trainer:
         save a checkpoint and raise ``Interrupted``; ``trainer.max_bad_steps``
         consecutive steps whose updates were all skipped (non-finite) raise
         ``TrainingFault`` (the newest checkpoint predates them)."""
-        o = self.tr
+        tr = self.tr
         t_start, tokens, bad_streak = time.perf_counter(), 0.0, 0
-        result = TrainResult(steps=o.steps, seconds=0.0, tokens_per_s=0.0)
+        result = TrainResult(steps=tr.steps, seconds=0.0, tokens_per_s=0.0)
         first = self._start(result, resume_from)
         stop = stop or StopFlag()
         with stop.installed():
-            for step in range(first, o.steps + 1):
+            for step in range(first, tr.steps + 1):
                 values = self.step(step)
                 tokens += values["perf/tokens_per_s"] * (values["time/rollout_s"] + values["time/update_s"])
                 updates = self.update_settings.epochs * self.update_settings.minibatches
                 bad_streak = bad_streak + 1 if values.get("fault/skipped_steps", 0) >= updates else 0
-                if o.eval_every > 0 and (step % o.eval_every == 0 or step == o.steps):
+                if tr.eval_every > 0 and (step % tr.eval_every == 0 or step == tr.steps):
                     values.update(self._evaluate(step))
                 values["time/elapsed_s"] = time.perf_counter() - t_start
-                if step % o.log_every == 0 or step == o.steps:
+                if step % tr.log_every == 0 or step == tr.steps:
                     self.sink.log(values, step=step)
                 result.last_metrics = values
                 if on_step is not None:
                     on_step(step, values)
-                self._after_step(step, bad_streak, run_dir, result, stop)
-        self._save(run_dir, o.steps, result)
+                if bad_streak >= tr.max_bad_steps:
+                    last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
+                    raise TrainingFault(
+                        f"stopped at step {step}: {bad_streak} steps in a row had a non-finite loss "
+                        f"or gradient (trainer.max_bad_steps={tr.max_bad_steps}); last good "
+                        f"checkpoint: {last or 'none'}")
+                signum = stop.agreed(self.backend)       # all ranks stop after the same step
+                if signum and step < tr.steps:          # finish the step, save, leave
+                    self._save(run_dir, step, result)
+                    raise Interrupted(run_dir, step, signum)
+                if tr.checkpoint_every > 0 and step % tr.checkpoint_every == 0 and step < tr.steps:
+                    self._save(run_dir, step, result)
+        self._save(run_dir, tr.steps, result)
         result.seconds = time.perf_counter() - t_start
         result.tokens_per_s = tokens / max(result.seconds, 1e-9)
-        if o.eval_every > 0:
+        if tr.eval_every > 0:
             result.eval_end = {k: v for k, v in result.last_metrics.items() if k.startswith("eval/")} \
-                or self._evaluate(o.steps)
+                or self._evaluate(tr.steps)
         return result
 
     def _start(self, result: TrainResult, resume_from) -> int:
@@ -391,19 +403,4 @@ class Trainer:
                                                   "scorer": self.scorer.state()},
                             self.tr.keep_checkpoints)
 
-    def _after_step(self, step: int, bad_streak: int, run_dir, result: TrainResult, stop) -> None:
-        """Stop on too many non-finite steps or on a signal (saved first); checkpoint."""
-        o = self.tr
-        if bad_streak >= o.max_bad_steps:
-            last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
-            raise TrainingFault(
-                f"stopped at step {step}: {bad_streak} steps in a row had a non-finite loss "
-                f"or gradient (trainer.max_bad_steps={o.max_bad_steps}); last good "
-                f"checkpoint: {last or 'none'}")
-        signum = stop.agreed(self.backend)       # all ranks stop after the same step
-        if signum and step < o.steps:           # finish the step, save, leave
-            self._save(run_dir, step, result)
-            raise Interrupted(run_dir, step, signum)
-        if o.checkpoint_every > 0 and step % o.checkpoint_every == 0 and step < o.steps:
-            self._save(run_dir, step, result)
 
