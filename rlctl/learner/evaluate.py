@@ -1,12 +1,8 @@
 """Held-out evaluation, the one evaluator of the Trainer's ``eval/*`` and of ``rlctl eval``:
-completions on the task's eval split, greedy (``rlctl.rollout.generate.generate`` with
-``do_sample=False``, the one greedy decoder) or sampled, scored by a ``RewardScorer``; or,
-for a task played as episodes (``rlctl.envs.base.is_episodic``), episodes on its eval rows.
-
-``evaluate`` gives sums; ``means`` divides them by ``count`` after the ranks' reduction.
-Both sides run the same code with the same batches, so ``rlctl eval RUN`` reproduces the
-run's last ``eval/*`` exactly (a one-rank run; ``--batch-size`` left at its default).
-"""
+completions on the eval split, greedy (``rlctl.rollout.generate.generate``) or sampled,
+scored by a ``RewardScorer``, or episodes for a task played as episodes. ``evaluate`` gives
+sums, ``means`` divides them by ``count`` after the ranks' reduction; both sides run the
+same code and batches, so ``rlctl eval RUN`` reproduces a one-rank run's last ``eval/*``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

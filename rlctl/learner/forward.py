@@ -1,17 +1,12 @@
 """The learner's forward pass: token log-probs, entropy and (with a critic) values.
 
-Fused head (``fused_head``): the forward runs with ``output_hidden_states=True,
-logits_to_keep=1`` and the log-probs come from the final hidden states [N, T, H] through
-`rlctl.core.logprobs.chunked_token_logprobs`, never all [N, T, V] logits at once;
-exact to the full-logits path (tests/engine/test_chunked_learner.py). A head that is not a
-plain ``nn.Linear``, a ZeRO-3 partitioned weight, no ``logits_to_keep``, or logits that
-are not the head's output (rlctl/models/head_check.py) keep the full-logits path.
-
-Prompt sharing (``share_prompts``, rlctl/models/kv_share.py): each distinct prompt runs
-once, its cache is indexed out to every row, and the completions run on top; gradients
-reach the prompt positions summed over the rows, as in the full forward. No cache or
-gradient checkpointing: the full forward. A model whose recurrent state in its modules
-sees left padding (RecurrentGemma) runs unshared and unpadded (``_unpadded``)."""
+Fused head (``fused_head``): log-probs from the final hidden states through
+`rlctl.core.logprobs.chunked_token_logprobs`, never all [N, T, V] logits; a head that is
+not a plain ``nn.Linear``, a ZeRO-3 weight, no ``logits_to_keep``, or logits that are not
+the head's output (rlctl/models/head_check.py) keep the full logits. Prompt sharing
+(rlctl/models/kv_share.py): each distinct prompt runs once, its cache indexed out to every
+row (not with gradient checkpointing); a model whose module state sees left padding
+(RecurrentGemma) runs unshared and unpadded (``_unpadded``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,19 +1,13 @@
 """The training loop: rollout -> prepare (old and reference log-probs, advantages) ->
-minibatch updates -> log. The loop asks registries for the advantage estimator and the
-policy loss; it never branches on an algorithm's name.
+minibatch updates -> log; it asks registries for the advantage estimator and the policy
+loss, never an algorithm's name. Forward passes only where needed (`needs_old_forward`);
+pi_ref (the frozen start weights) only with a non-zero KL coefficient.
 
-Forward passes only where the configuration needs them (`needs_old_forward`); reference
-log-probs only when the KL coefficient is non-zero (only then is a reference model kept).
-pi_old (the weights that generated this rollout, ``self.model`` before the update) and
-pi_ref (the weights at the start, the frozen ``self.ref_model``) are distinct.
-
-Advantages (``ADVANTAGE_ESTIMATORS``): outcome estimators map one return per completion
-[B, G] to one advantage broadcast to its tokens; token-level ones (``gae``) map per-token
-rewards and values to advantages and returns. With ``kl.placement=in_reward`` each counted
-token gets -beta * k and the task reward goes on the last counted token (Ziegler et al.,
-2019); DAPO's overlong penalty is added to the task reward first. Episodes
-(``batch.token_rewards``, rlctl/core/turns.py) get the same shaping, their overlong penalty
-measured on the transcript against ``rollout.episode.max_tokens``."""
+Advantages: outcome estimators map one return per completion [B, G] to one advantage
+per token; token-level ones (``gae``) map per-token rewards and values. ``in_reward`` KL
+puts -beta * k on each counted token and the reward on the last (Ziegler et al., 2019);
+DAPO's overlong penalty is added to the task reward (an episode's transcript is measured
+against ``rollout.episode.max_tokens``)."""
 from __future__ import annotations
 
 import copy
@@ -41,12 +35,6 @@ from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint
 from rlctl.tasks.prompt_budget import Prepared
 from rlctl.types import RolloutBatch
-
-
-def estimator_kind(name: str) -> str:
-    """The entry's level: 'token' (needs a critic) or 'outcome'; raises ValueError for
-    unknown names (a user import path is loaded)."""
-    return ADVANTAGE_ESTIMATORS.entry(name).level
 
 
 @dataclass
@@ -157,13 +145,6 @@ class TrainResult:
     last_metrics: Dict[str, float] = field(default_factory=dict)
 
 
-def frozen_copy(model):
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
 def needs_old_forward(algo) -> bool:
     """Whether a step needs pi_old's forward before the update: several passes over the
     rollout, a critic's values, KL shaped into the reward, an adaptive KL coefficient, or
@@ -198,8 +179,9 @@ class Trainer:
         kl = algo.kl
         self.kl_ctl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
                        if kl.target is not None else FixedKLController(kl.coef))
-        self.ref_model = ref_model if ref_model is not None else (
-            frozen_copy(getattr(model, "policy", model)) if kl.coef > 0 else None)
+        if ref_model is None and kl.coef > 0:      # pi_ref: the policy's start, frozen
+            ref_model = copy.deepcopy(getattr(model, "policy", model)).eval().requires_grad_(False)
+        self.ref_model = ref_model
         self.model = self.backend.prepare(model, critic, lr, tuple(trainer.betas), trainer.weight_decay,
                                           trainer.warmup_steps, trainer.max_grad_norm)
         if trainer.compile:      # learner forwards only; generation keeps the eager module

@@ -87,13 +87,10 @@ class UpdateState:
 
 def micro_batches(row_width: torch.Tensor, prompt_len: int, size: int = 0, tokens: int = 0,
                   width: Optional[int] = None) -> List[torch.Tensor]:
-    """Row indices (CPU) of each micro-batch: at most ``size`` rows (0: any number) and at
-    most ``tokens`` padded tokens, rows x (prompt_len + widest completion among them)
-    (0: no budget). ``row_width`` [n]: each row's completion width (`counted_width`: last
-    counted column + 1); ``width``: the completion width every micro-batch keeps (None:
-    trimmed to its widest row). Rows are taken widest first, so similar widths share a
-    micro-batch; a row is never split, so one wider than the budget alone is a
-    micro-batch by itself."""
+    """Row indices (CPU) of each micro-batch: at most ``size`` rows and ``tokens`` padded
+    tokens, rows x (prompt_len + widest completion) (0: no limit). ``row_width`` [n]: each
+    row's `counted_width`; ``width``: the width every micro-batch keeps (None: its widest
+    row). Widest rows first; a row is never split (one over the budget goes alone)."""
     rows = torch.arange(row_width.numel())
     if tokens <= 0:
         return [rows] if size <= 0 or size >= rows.numel() else list(rows.split(size))
@@ -230,17 +227,10 @@ _LOCAL = _LocalBackend()
 
 def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                   critic=None, prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
-    """Run the optimizer steps for one rollout; returns detached metric tensors: means
-    over the optimizer steps, and `Moments` (``policy/ratio_std``,
-    ``value/explained_var``) pooled over every token the steps saw, which
-    `rlctl.learner.metrics.reduce_metrics` finishes (over ranks too).
-
-    ``model`` is what the backend returned from ``prepare`` (the module to call).
-    ``batch.old_logprobs`` None means a single pass (1 epoch, 1 minibatch): the ratio is
-    exactly 1 and the old log-probs are the current ones, detached; no extra forward.
-    During critic warm-up (``st.policy_frozen``) the policy loss is left out and the
-    values are computed from a detached backbone, so only critic-only weights move.
-    """
+    """The optimizer steps for one rollout -> detached metrics: means over the steps, and
+    `Moments` pooled over every token (`reduce_metrics` finishes them). ``model``: what
+    ``backend.prepare`` returned. ``batch.old_logprobs`` None: a single pass, ratio 1
+    exactly. Critic warm-up (``st.policy_frozen``): only critic-only weights move."""
     model.train()
     if s.mask_truncated:     # DAPO's overlong filtering; the advantages were computed before
         batch = batch.replace(mask=batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype))
