@@ -55,14 +55,6 @@ def correction_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: 
     return torch.where(m, capped, 0.0)
 
 
-def _units(d: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """The weights' logs, one per unit, from the token log-ratios ``d`` [N, T] (0 off the
-    mask): every counted token, or every row with a counted token (its row sum) -> [n]
-    (a host sync)."""
-    m = mask != 0
-    return d[m] if level == "token" else d.sum(-1)[m.any(-1)]
-
-
 def mismatch_metrics(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
                      level: str, mode: str, upper: float, lower: float = 0.0
                      ) -> Dict[str, torch.Tensor]:
@@ -78,7 +70,7 @@ def mismatch_metrics(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: to
     out["ppl_gap"] = torch.exp(nll_engine) - torch.exp(nll_old)
     if level not in CORRECTION_LEVELS:
         raise ValueError(f"rollout correction level must be one of {CORRECTION_LEVELS}; got {level!r}")
-    lw = _units(d, mask, level)                                                       # [n]
+    lw = d[m] if level == "token" else d.sum(-1)[m.any(-1)]    # [n] log w per unit (host sync)
     n = lw.numel()
     if n == 0:
         zero = d.new_zeros(())

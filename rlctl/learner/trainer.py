@@ -171,7 +171,7 @@ class Trainer:
                  advantage: AdvantageSettings, samples: SampleSettings, model, tokenizer, prepared: Prepared,
                  sink, *, source, backend, lr: float, eval_max_new_tokens: int, critic=None,
                  ref_model=None):
-        self.algo, self.tr, self.samples = algo, trainer, samples
+        self.algo, self.trainer_cfg, self.sample_settings = algo, trainer, samples
         self.old_forward, self.eval_max_new_tokens = needs_old_forward(algo), eval_max_new_tokens
         self.tokenizer, self.task, self.sink, self.source = tokenizer, prepared.task, sink, source
         self.critic, self.backend = critic, backend
@@ -258,7 +258,7 @@ class Trainer:
         """Greedy eval after ``step`` (greedy episodes when the source plays them); each rank
         takes every world_size-th example, sums are reduced. With samples on, rank 0's first
         logger.samples.n rows go to the sink."""
-        b, samples = self.backend, self.samples
+        b, samples = self.backend, self.sample_settings
         ev = evaluate(self.policy, self.tokenizer, self.eval_examples[b.rank::b.world_size],
                       scorer=self.eval_scorer, player=getattr(self.source, "player", None),
                       max_new_tokens=self.eval_max_new_tokens,
@@ -303,16 +303,16 @@ class Trainer:
         values.update(self.source.metrics())      # async: staleness, waits
         if "kl/seq_k1" in values:
             self.kl_ctl.update(values["kl/seq_k1"], sequences)   # horizon counts sequences (Ziegler et al.)
-        samples = self.samples
+        samples = self.sample_settings
         if samples.every > 0 and samples.n > 0 and self.backend.is_main \
-                and (step % samples.every == 0 or step == self.tr.steps):   # and at the last step
+                and (step % samples.every == 0 or step == self.trainer_cfg.steps):   # and at the last step
             self._log_samples(batch, step)
         return values
 
     def _log_samples(self, batch: RolloutBatch, step: int) -> None:
         """The step's sample table (rlctl/learner/metrics.py): a few whole groups, drawn
         with an RNG of their own, read back and decoded alone."""
-        n, seed = self.samples.n, self.samples.seed
+        n, seed = self.sample_settings.n, self.sample_settings.seed
         rows = draw_rows(batch.num_sequences, batch.group_size, n, seed, step)
         rewards = shaped_task_rewards(batch, self.adv_settings)                  # [N]
         player = getattr(self.source, "player", None)     # a source that plays episodes
@@ -328,7 +328,7 @@ class Trainer:
         save a checkpoint and raise ``Interrupted``; ``trainer.max_bad_steps``
         consecutive steps whose updates were all skipped (non-finite) raise
         ``TrainingFault`` (the newest checkpoint predates them)."""
-        tr = self.tr
+        tr = self.trainer_cfg
         t_start, tokens, bad_streak = time.perf_counter(), 0.0, 0
         result = TrainResult(steps=tr.steps, seconds=0.0, tokens_per_s=0.0)
         first = self._start(result, resume_from)
@@ -374,7 +374,7 @@ class Trainer:
             result.eval_start = state.get("eval_start", {})
             self.scorer.load_state(state.get("scorer", {}))
             return state["step"] + 1
-        if self.tr.eval_every > 0:
+        if self.trainer_cfg.eval_every > 0:
             result.eval_start = self._evaluate(0)
             self.sink.log(result.eval_start, step=0)
         return 1
@@ -383,6 +383,6 @@ class Trainer:
         if run_dir is not None:
             checkpoint.save(self, run_dir, step, {"eval_start": result.eval_start,
                                                   "scorer": self.scorer.state()},
-                            self.tr.keep_checkpoints)
+                            self.trainer_cfg.keep_checkpoints)
 
 
