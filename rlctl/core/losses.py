@@ -56,7 +56,7 @@ def aggregate_sum(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
                   norm_len: int | None = None) -> torch.Tensor:
     """Numerator of `aggregate`, a sum over rows. loss_mat, mask [N, T] -> scalar (float32,
     float64 kept); `norm_len` only enters the denominator."""
-    if resolve_agg_mode(mode) == "seq-mean-token-mean":
+    if (mode if mode in AGG_MODES else resolve_agg_mode(mode)) == "seq-mean-token-mean":
         row_len = upcast(mask, acc_dtype(loss_mat, mask)).sum(-1).clamp(min=1.0)  # [N]
         return (masked_sum(loss_mat, mask, dim=-1) / row_len).sum()
     return masked_sum(loss_mat, mask)    # token-mean, seq-mean-token-sum(-norm)
@@ -65,7 +65,7 @@ def aggregate_sum(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
 def agg_denominator(mask: torch.Tensor, mode: str, norm_len: int | None = None
                     ) -> torch.Tensor:
     """Denominator of `aggregate` (detached scalar, >= 1 or norm_len), from the mask only."""
-    mode = resolve_agg_mode(mode)
+    mode = mode if mode in AGG_MODES else resolve_agg_mode(mode)
     dtype = acc_dtype(mask)
     if mode == "token-mean":
         den = upcast(mask, dtype).sum()

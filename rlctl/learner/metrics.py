@@ -140,10 +140,9 @@ def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
 
 
 def named_reward_metrics(sums: Dict[str, float], count: int, backend) -> Dict[str, Moments]:
-    """reward/<name>: each named reward's mean over the samples every rank scored since the
-    last step, as `Moments` pooled by `reduce_metrics`. The names are the union over the
-    ranks (one gather), so every rank sends the same metrics; a rank without a name counts
-    0 for it, as a failed sample counts 0."""
+    """reward/<name>: each named reward's mean over every rank's samples since the last
+    step, as `Moments`; the names are the union over the ranks (one gather), a rank
+    without a name counting 0 for it, as a failed sample counts 0."""
     names = sorted(sums)
     if backend.world_size > 1:
         blob = torch.tensor(list("".join(f"{k}\n" for k in names).encode() + b"\n"),

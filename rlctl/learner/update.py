@@ -31,9 +31,8 @@ from rlctl.types import RolloutBatch
 
 @dataclass
 class UpdateSettings:
-    """The update's arguments, derived from the ``algo``, ``trainer`` and ``rollout``
-    sections (``from_config``): the policy loss looked up in its registry, clip_high's
-    default, the KL estimator resolved for its placement, the active extra loss terms,
+    """The update's arguments from the ``algo``, ``trainer`` and ``rollout`` sections: the
+    policy loss and extra terms looked up, the KL estimator resolved for its placement,
     the rollout correction (None: off)."""
     policy_loss: Callable
     clip_low: float
@@ -59,9 +58,7 @@ class UpdateSettings:
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
-        """From the composed config's ``algo``, ``trainer`` and ``rollout`` sections;
-        ``share_prompts``: ``trainer.share_prompts`` as it applies on the backend
-        (``policy.prompt_sharing``)."""
+        """``share_prompts``: ``trainer.share_prompts`` as it applies on the backend."""
         algo, tr, rc = cfg.algo, cfg.trainer, cfg.algo.rollout_correction
         return cls(policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
                    clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
@@ -106,13 +103,6 @@ def micro_batches(row_width: torch.Tensor, prompt_len: int, size: int = 0, token
     return [torch.tensor(m, dtype=torch.long) for m in out]
 
 
-def take_rows(batch: RolloutBatch, rows: torch.Tensor, width: Optional[int] = None) -> RolloutBatch:
-    """Rows (a CPU index) of the batch, completion columns cut to ``width`` (None: all
-    T); no text lists and no host sync (the learner needs neither)."""
-    out = batch.select(rows.to(batch.mask.device), text=False)             # [n, P+T]
-    return out if width is None else out.cut(width)                        # [n, P+width]
-
-
 def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                          critic=None, backend=None, row_width: Optional[torch.Tensor] = None,
                          prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
@@ -138,7 +128,8 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     for rows in micro_batches(row_width, batch.prompt_len, s.micro_batch_size, s.micro_batch_tokens,
                               None if s.trim_padding else batch.mask.shape[1]):   # CPU rows
         width = max(int(row_width[rows].max()), 1) if s.trim_padding else None
-        mb = take_rows(batch, rows, width)                                    # [n, P + width]
+        mb = batch.select(rows.to(batch.mask.device), text=False)           # [n, P+T], no host sync
+        mb = mb if width is None else mb.cut(width)                          # [n, P + width]
         mask = mb.mask
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
                             s.temperature, with_entropy=True, critic=critic, entropy_grad=bool(s.terms),
@@ -247,7 +238,8 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
         # ranks keeping different numbers of groups would step a different number of times)
         for rows in torch.tensor_split(order, s.minibatches):
             backend.zero_grad()
-            mb = batch if not shuffle and s.minibatches == 1 else take_rows(batch, rows)
+            mb = batch if not shuffle and s.minibatches == 1 else \
+                batch.select(rows.to(batch.mask.device), text=False)
             metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_width[rows],
                                            None if prompts is None else prompts.rows(rows))
             # A non-finite loss (on any rank) skips this optimizer step on every rank, and so
