@@ -103,7 +103,7 @@ def main() -> None:
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.chunk is None:
-        from rlctl.core.chunked_logprobs import default_chunk_tokens
+        from rlctl.core.logprobs import default_chunk_tokens
         args.chunk = default_chunk_tokens(args.vocab)
     if args.worker:
         print(json.dumps(_worker(args)))

@@ -55,7 +55,7 @@ def knob(default: Any = MISSING, *, range: Optional[Range] = None, choices: Sequ
 class KLConfig:
     coef: float = knob(range=NON_NEGATIVE)  # beta (initial beta when adaptive); 0: no reference model
     # k1 | k2 | k3 | null (the placement's unbiased default: k1 in_reward, k3 in_loss;
-    # rlctl.core.kl explains which divergence each pair follows, and train warns otherwise)
+    # rlctl.core.losses explains which divergence each pair follows, and train warns otherwise)
     estimator: Optional[str] = None
     placement: str = knob(choices=("in_loss", "in_reward"))
     target: Optional[float] = knob(None, range=POSITIVE)  # adaptive: target KL per sequence (nats); null: fixed
@@ -114,7 +114,7 @@ class AlgoConfig:
     max_sampling_rounds: int = knob(range=AT_LEAST_1)
     overlong_buffer: int = knob(range=NON_NEGATIVE)  # 0: no overlong penalty
     overlong_penalty: float = knob(range=NON_NEGATIVE)
-    # entropy bonus: loss -= coef * aggregated entropy (rlctl.core.terms)
+    # entropy bonus: loss -= coef * aggregated entropy (rlctl.core.losses)
     entropy_coef: float = knob(0.0, range=Range(0, why="an entropy bonus; 0: off"))
     mask_truncated: bool = False   # completions with no stop id left out of the loss (DAPO)
     kl: KLConfig = field(default_factory=KLConfig)

@@ -23,7 +23,7 @@ from rlctl.compose import compose
 from rlctl.compose import explain as _explain
 from rlctl.config import CHOICES, FREE_NUMBERS, RANGES, example_value, range_problem, validate
 from rlctl.core.advantages import REINFORCE_BASELINES
-from rlctl.core.kl import KL_PLACEMENTS
+from rlctl.core.losses import KL_PLACEMENTS
 from rlctl.core.rollout_correction import CORRECTION_LEVELS, CORRECTION_MODES
 from rlctl.core.turns import TURN_REWARD_RULES
 from rlctl.errors import ConfigError

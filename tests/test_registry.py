@@ -12,9 +12,8 @@ from rlctl.compose import compose
 from rlctl.core import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, gae,
                         get_advantage_estimator, get_policy_loss, kl_estimate,
                         ppo_clip_per_token, resolve_kl_estimator)
-from rlctl.core.kl import kl_k2
+from rlctl.core.losses import kl_k2
 from rlctl.errors import ConfigError
-from rlctl.learner.advantage import estimator_kind
 from rlctl.registry import Registry
 from rlctl.run.checks import check_entries
 from rlctl.tasks import TASKS
@@ -88,7 +87,7 @@ def test_user_entries_by_import_path(user_module, tmp_path):
     e = ADVANTAGE_ESTIMATORS.entry(f"{user_module}:outcome")
     assert e.level == "outcome" and e.name == f"{user_module}:outcome"
     assert (e.fn(torch.zeros(2, 3), 0.0) == 5.0).all()
-    assert estimator_kind(f"{user_module}:token") == "token"   # the function's own attribute
+    assert ADVANTAGE_ESTIMATORS.entry(f"{user_module}:token").level == "token"   # its own attribute
     assert get_advantage_estimator(f"{user_module}:outcome") is e.fn
     # dotted attribute, and the path/file.py:attr form
     assert kl_estimate(torch.ones(1, 2), torch.zeros(1, 2), f"{user_module}:Box.double").eq(2).all()
@@ -118,8 +117,8 @@ def test_user_entry_errors_are_one_line(user_module, spec, message):
 def test_every_registry_has_its_built_ins():
     assert ADVANTAGE_ESTIMATORS.names() == ["dr_grpo", "gae", "grpo", "reinforce",
                                             "reinforce_baseline", "rloo"]
-    assert ADVANTAGE_ESTIMATORS.get("gae") is gae and estimator_kind("gae") == "token"
-    assert estimator_kind("grpo") == "outcome"
+    assert ADVANTAGE_ESTIMATORS.get("gae") is gae and ADVANTAGE_ESTIMATORS.entry("gae").level == "token"
+    assert ADVANTAGE_ESTIMATORS.entry("grpo").level == "outcome"
     assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo_clip", "vanilla_pg"]
     assert get_policy_loss("ppo-clip") is ppo_clip_per_token
     assert KL_ESTIMATORS.names() == ["k1", "k2", "k3"] and KL_ESTIMATORS.get("mse") is kl_k2

@@ -1,5 +1,5 @@
 """`rlctl inspect RUN --samples [--step N]`: a run's sample tables (samples.jsonl, rows of
-rlctl/learner/samples.py) and the audit's statistics and signs over them, as a dict and
+rlctl/learner/metrics.py) and the audit's statistics and signs over them, as a dict and
 printed. Without --step: the newest step with a train table (and its eval table); the
 audit covers the train rows of every step, or of step N only."""
 from __future__ import annotations

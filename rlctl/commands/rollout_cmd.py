@@ -20,7 +20,7 @@ from rlctl.envs.base import is_episodic
 from rlctl.errors import UserError
 from rlctl.learner.evaluate import episode_success
 from rlctl.learner.forward import learner_forward
-from rlctl.learner.samples import episode_columns, offers_tools
+from rlctl.learner.metrics import episode_columns, offers_tools
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
 from rlctl.rollout.generate import rollout

@@ -5,58 +5,41 @@ B prompts, G samples per prompt, N = B*G sequences, T completion tokens, V vocab
 `mask` is 1.0 on completion tokens that count (EOS included; prompt and padding
 excluded). Every function accepts float32 and bfloat16, computes reductions in float32
 (float64 kept), and returns 0, never NaN, for an all-masked row or all-zero mask.
-Losses return `(loss, metrics)` with detached metric tensors; every policy loss emits the
-same metric keys (clip_frac_low, clip_frac_high, clip_frac, clip_frac_dual, approx_kl).
-
-Registries (``rlctl.registry.Registry``, one shape): ``ADVANTAGE_ESTIMATORS``,
-``POLICY_LOSSES`` and ``KL_ESTIMATORS``, extended with ``@register_advantage(name,
-level=...)``, ``@register_policy_loss(name)`` and ``@register_kl(name)``; their ``get``
-functions also take a user entry by import path, "package.module:function".
+Losses return `(loss, metrics)` with detached metric tensors. Registries
+(``rlctl.registry.Registry``): ``ADVANTAGE_ESTIMATORS``, ``POLICY_LOSSES``, ``KL_ESTIMATORS``
+and ``LOSS_TERMS``; their ``get`` also takes "package.module:function".
 """
 from .advantages import (ADVANTAGE_ESTIMATORS, REINFORCE_BASELINES, broadcast_to_tokens,
                          dr_grpo_advantages, gae, get_advantage_estimator, group_advantages,
                          grpo_advantages, overlong_penalty, register_advantage,
                          reinforce_advantages, reinforce_baseline_advantages,
                          rloo_advantages, zero_std_groups)
-from .aggregation import (AGG_ALIASES, AGG_MODES, agg_denominator, aggregate,
-                          aggregate_sum, resolve_agg_mode)
-from .chunked_logprobs import chunked_token_logprobs
-from .kl import (KL_ALIASES, KL_DEFAULT_ESTIMATOR, KL_ESTIMATORS, KL_PLACEMENT_NOTES,
-                 KL_PLACEMENTS, AdaptiveKLController, FixedKLController, kl_estimate,
-                 kl_shaped_rewards, register_kl, resolve_kl_estimator)
-from .logprobs import (completion_mask, counted_width, entropy_from_logits, masked_mean,
-                       masked_sum, masked_whiten, token_logprobs)
-from .losses import (POLICY_LOSSES, explained_variance, get_policy_loss, ppo_clip_loss,
-                     ppo_clip_per_token, register_policy_loss, vanilla_pg_loss,
-                     vanilla_pg_per_token, value_loss, value_loss_per_token)
-from .policy_variants import cispo_per_token, gspo_per_token
+from .logprobs import (chunked_token_logprobs, completion_mask, counted_width,
+                       entropy_from_logits, masked_mean, masked_sum, masked_whiten,
+                       token_logprobs)
+from .losses import (AGG_ALIASES, AGG_MODES, KL_ALIASES, KL_DEFAULT_ESTIMATOR, KL_ESTIMATORS,
+                     KL_PLACEMENT_NOTES, KL_PLACEMENTS, POLICY_LOSSES, AdaptiveKLController,
+                     FixedKLController, agg_denominator, aggregate, aggregate_sum,
+                     cispo_per_token, get_policy_loss, gspo_per_token,
+                     kl_estimate, kl_shaped_rewards, ppo_clip_loss, ppo_clip_per_token,
+                     register_kl, register_policy_loss, resolve_agg_mode, resolve_kl_estimator,
+                     vanilla_pg_loss, vanilla_pg_per_token, value_loss, value_loss_per_token)
 from .turns import TURN_REWARD_RULES, place_turn_rewards, turn_weights
 
 __all__ = [
-    # logprobs
     "token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum", "masked_whiten",
-    "completion_mask", "counted_width",
-    # chunked_logprobs (LM head fused with the log-softmax, memory-bounded)
-    "chunked_token_logprobs",
-    # kl
+    "completion_mask", "counted_width", "chunked_token_logprobs",
     "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES", "register_kl", "kl_shaped_rewards",
-    "resolve_kl_estimator",
-    "KL_PLACEMENTS", "KL_DEFAULT_ESTIMATOR", "KL_PLACEMENT_NOTES",
+    "resolve_kl_estimator", "KL_PLACEMENTS", "KL_DEFAULT_ESTIMATOR", "KL_PLACEMENT_NOTES",
     "AdaptiveKLController", "FixedKLController",
-    # aggregation
     "aggregate", "aggregate_sum", "agg_denominator", "resolve_agg_mode", "AGG_MODES",
     "AGG_ALIASES",
-    # advantages
     "group_advantages", "rloo_advantages", "grpo_advantages", "dr_grpo_advantages",
     "reinforce_advantages", "register_advantage",
     "reinforce_baseline_advantages", "REINFORCE_BASELINES", "gae", "broadcast_to_tokens",
     "ADVANTAGE_ESTIMATORS", "get_advantage_estimator", "overlong_penalty", "zero_std_groups",
-    # losses
     "ppo_clip_per_token", "vanilla_pg_per_token", "gspo_per_token", "cispo_per_token",
-    "ppo_clip_loss", "vanilla_pg_loss",
-    "POLICY_LOSSES", "register_policy_loss", "get_policy_loss", "value_loss_per_token",
-    "value_loss",
-    "explained_variance",
-    # turns (multi-turn episodes: turn-reward rules and their placement)
+    "ppo_clip_loss", "vanilla_pg_loss", "POLICY_LOSSES", "register_policy_loss",
+    "get_policy_loss", "value_loss_per_token", "value_loss",
     "turn_weights", "place_turn_rewards", "TURN_REWARD_RULES",
 ]

@@ -1,37 +1,20 @@
-"""Advantage estimators: outcome (one reward per completion) and token-level GAE
-(docs/math.md, sections 3, 6 and 9).
-
-- REINFORCE (Williams, 1992): A = R (`baseline="none"`), or R - batch mean
-  (`baseline="batch_mean"`, alias estimator `reinforce_baseline`).
-- RLOO (Kool et al., 2019; Ahmadian et al., 2024): b_i = mean of the other G-1 rewards,
-  i.e. G/(G-1) * (r - group mean).
-- GRPO (Shao et al., 2024): (r - group mean) / (group std + eps), std unbiased.
-  Dr. GRPO (Liu et al., 2025): no std scaling.
-- DAPO (Yu et al., 2025): `overlong_penalty` and the zero-variance groups that dynamic
-  sampling filters (`zero_std_groups`).
-- GAE (Schulman et al., 2015): delta_t = r_t + gamma V_{t+1} - V_t,
-  A_t = delta_t + gamma lam A_{t+1}, V = 0 after the last token.
+"""Advantage estimators (docs/math.md, sections 3, 6 and 9): REINFORCE (Williams, 1992;
+baseline "none" or "batch_mean"), RLOO (Kool et al., 2019: r_i minus the mean of the
+other G-1), GRPO (Shao et al., 2024: (r - group mean) / (std + eps)), Dr. GRPO (Liu et al.,
+2025: no std), DAPO's overlong penalty (Yu et al., 2025), GAE (Schulman et al., 2015).
 
 Departures: a group of equal rewards gets exactly 0; G == 1 gives zeros. GAE skips masked
 positions (padding, tool output) instead of ending the episode there, runs under no_grad
-and does not whiten. float32 (float64 kept).
-
-``ADVANTAGE_ESTIMATORS`` entries (``@register_advantage``) each have a ``level``: outcome
-entries are fn(rewards [B, G], eps, **options) -> [B, G] (unused options ignored;
-`reinforce` reads `baseline`); the token-level `gae` is fn(rewards [N, T], values [N, T],
-mask [N, T], gamma, lam) -> (advantages, returns)."""
+and does not whiten. float32 (float64 kept). ``ADVANTAGE_ESTIMATORS`` entries have a
+``level``: outcome fn(rewards [B, G], eps, **options) -> [B, G]; token-level fn(rewards,
+values, mask [N, T], gamma, lam) -> (advantages, returns)."""
 from __future__ import annotations
 
 import torch
 
 from rlctl.registry import Registry
 
-from ._util import acc_dtype, keep, upcast
-
-__all__ = ["group_advantages", "rloo_advantages", "grpo_advantages", "dr_grpo_advantages",
-           "reinforce_advantages", "reinforce_baseline_advantages", "REINFORCE_BASELINES",
-           "gae", "broadcast_to_tokens", "ADVANTAGE_ESTIMATORS", "register_advantage",
-           "get_advantage_estimator", "overlong_penalty", "zero_std_groups"]
+from .logprobs import acc_dtype, upcast
 
 # ``group``: the estimator compares a completion with the others of its group (G >= 2 needed)
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator",
@@ -47,11 +30,6 @@ def zero_std_groups(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards == rewards[:, :1]).all(-1)  # [B]
 
 
-def _zero_constant_groups(adv: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
-    constant = zero_std_groups(rewards)[:, None]  # [B, 1]
-    return torch.where(constant, torch.zeros_like(adv), adv)  # [B, G]
-
-
 def group_advantages(rewards: torch.Tensor, scale_std: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
     """GRPO group-normalised advantages. rewards [B, G] -> [B, G]."""
@@ -61,7 +39,8 @@ def group_advantages(rewards: torch.Tensor, scale_std: bool = True,
     adv = r - r.mean(-1, keepdim=True)  # [B, G]
     if scale_std:
         adv = adv / (r.std(-1, keepdim=True) + eps)  # unbiased std
-    return _zero_constant_groups(adv, r)
+    constant = (r == r[:, :1]).all(-1, keepdim=True)  # [B, 1] zero_std_groups
+    return torch.where(constant, torch.zeros_like(adv), adv)  # [B, G]
 
 
 @register_advantage("rloo", group=True)
@@ -72,7 +51,8 @@ def rloo_advantages(rewards: torch.Tensor, eps: float = 0.0, **ignored) -> torch
     if g < 2:
         return torch.zeros_like(r)
     loo_mean = (r.sum(-1, keepdim=True) - r) / (g - 1)  # [B, G]
-    return _zero_constant_groups(r - loo_mean, r)
+    constant = (r == r[:, :1]).all(-1, keepdim=True)  # [B, 1] zero_std_groups
+    return torch.where(constant, torch.zeros_like(r), r - loo_mean)  # [B, G]
 
 
 @register_advantage("grpo", group=True)
@@ -148,7 +128,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     (advantages [N, T], returns = advantages + values), advantages 0 off the mask."""
     dtype = acc_dtype(rewards, values)
     r, v = upcast(rewards, dtype), upcast(values, dtype)  # [N, T]
-    m = keep(mask)  # [N, T] bool
+    m = mask != 0  # [N, T] bool
     n, t_len = r.shape
     next_value = r.new_zeros(n)  # [N] V of the next counted token (0 past the end)
     running = r.new_zeros(n)  # [N] A of the next counted token

@@ -1,24 +1,37 @@
-"""Token log-probs, entropy, masked statistics and completion masks (docs/math.md,
-section 1). `token_logprobs` computes gather(logits) - logsumexp(logits) in chunks of
-rows, never a second [N, T, V] tensor. Masked statistics clamp denominators at 1 (empty
-gives 0, never NaN) and drop masked positions with `torch.where` (no NaN leaks)."""
+"""Token log-probs, entropy, masked statistics and completion masks (docs/math.md, section 1).
+
+Reductions and exponentials run in float32 (float64 stays float64). Masked statistics clamp
+denominators at 1 (empty gives 0, never NaN) and drop masked positions with `torch.where`.
+`chunked_token_logprobs` fuses the LM head into the log-softmax, a chunk of tokens at a time
+(fused linear cross-entropy: Hsu et al. 2024, arXiv:2410.10989; Wijmans et al. 2024,
+arXiv:2411.09009): never all [N, T, V] logits (or their gradient) at once, exact to the
+unchunked computation, not twice differentiable."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
-
-from ._util import acc_dtype, keep, upcast
-
-__all__ = ["token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum",
-           "masked_whiten", "completion_mask", "counted_width"]
-
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 CHUNK_ELEMENTS = 1 << 22   # rows per chunk: as many as fit in 4M elements (at least one)
 
 
+def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32."""
+    for t in tensors:
+        if t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+def upcast(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`x` in the accumulation dtype (a no-op for float32 / float64 inputs)."""
+    return x.to(dtype or acc_dtype(x))
+
+
 def _rowwise(logits: torch.Tensor, fn) -> torch.Tensor:
-    """Apply `fn` ([..., V] -> [...]) to chunks of rows of [N, T, V], each at most
+    """`fn` ([..., V] -> [...]) over chunks of rows of [N, T, V], each at most
     ``CHUNK_ELEMENTS`` floats (a large-vocabulary row is its own chunk)."""
     dtype = acc_dtype(logits)
     if logits.shape[0] == 0:
@@ -30,11 +43,8 @@ def _rowwise(logits: torch.Tensor, fn) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log pi(tokens[n, t]) where logits[n, t] already scores tokens[n, t].
-
-    logits [N, T, V] (any float dtype), tokens [N, T] long -> [N, T] float32
-    (float64 for float64 logits). The caller has done the shift by one.
-    """
+    """log pi(tokens[n, t]) where logits[n, t] already scores tokens[n, t] (the caller has
+    shifted). logits [N, T, V], tokens [N, T] long -> [N, T] float32 (float64 kept)."""
     picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # [N, T]
     lse = _rowwise(logits, lambda row: torch.logsumexp(row, dim=-1))  # [N, T]
     return upcast(picked, lse.dtype) - lse  # [N, T]
@@ -55,7 +65,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """sum(x * mask) over `dim` (all dims if None), in float32; ignores NaN where mask==0."""
     dtype = acc_dtype(x, mask)
     w = upcast(mask, dtype)
-    xw = torch.where(keep(mask), upcast(x, dtype) * w, torch.zeros((), dtype=dtype,
+    xw = torch.where(mask != 0, upcast(x, dtype) * w, torch.zeros((), dtype=dtype,
                                                                  device=x.device))
     return xw.sum() if dim is None else xw.sum(dim)
 
@@ -70,11 +80,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
                   eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked-in entries (var unbiased, as TRL).
-
-    shift_mean=False adds the mean back (only rescales). Masked-out positions are 0.
-    Fewer than 2 masked-in entries: variance taken as 0 (no NaN). Returns x.dtype.
-    """
+    """(x - mean) / sqrt(var + eps) over the masked-in entries (var unbiased, as TRL);
+    shift_mean=False adds the mean back. 0 off the mask; fewer than 2 entries: var 0.
+    Returns x.dtype."""
     mean = masked_mean(x, mask)
     centred = upcast(x, mean.dtype) - mean
     n = upcast(mask, mean.dtype).sum()
@@ -82,33 +90,28 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
     out = centred * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return torch.where(keep(mask), out, torch.zeros_like(out)).to(x.dtype)
+    return torch.where(mask != 0, out, torch.zeros_like(out)).to(x.dtype)
 
 
 def counted_width(mask: torch.Tensor) -> torch.Tensor:
-    """Each row's width: its last counted column + 1 (0 for a row with nothing counted).
-    mask [N, T] -> [N] long. Equal to ``mask.sum(-1)`` when a row's counted tokens are
-    contiguous from column 0 (single-turn completions); larger when masked gaps
-    (multi-turn observations) lie between them."""
+    """Each row's last counted column + 1 (0 for an empty row). mask [N, T] -> [N] long;
+    ``mask.sum(-1)`` for single-turn rows, more when masked gaps (observations) lie inside."""
     n, t_len = mask.shape
     if t_len == 0:
         return torch.zeros(n, dtype=torch.long, device=mask.device)
     cols = torch.arange(1, t_len + 1, device=mask.device)                # [T]
-    return torch.where(keep(mask), cols, 0).max(-1).values               # [N]
+    return torch.where(mask != 0, cols, 0).max(-1).values                # [N]
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int | Sequence[int],
                     pad_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which sampled completion tokens count, and which rows hit the length limit.
-
-    completion_ids [N, T] -> (mask [N, T] float32, truncated [N] bool). mask is 1 up to and
-    including the first EOS (any id of `eos_id` if a list); a row with no EOS is truncated and
-    all T tokens count. Padding never defines the mask (pad_id may equal eos_id); `pad_id`
-    is accepted and ignored."""
+    """completion_ids [N, T] -> (mask [N, T] float32, truncated [N] bool): 1 up to and
+    including the first EOS (any id of `eos_id` if a list); a row with no EOS is truncated
+    and all T tokens count. Padding never defines the mask (`pad_id` is ignored)."""
     ids = completion_ids
     n, t = ids.shape
     many = isinstance(eos_id, (list, tuple, set, frozenset))
-    eos_ids = [int(e) for e in eos_id] if many else [int(eos_id)]
+    eos_ids = list(map(int, eos_id)) if many else [int(eos_id)]
     is_eos = torch.isin(ids, torch.tensor(eos_ids, device=ids.device))  # [N, T]
     has_eos = is_eos.any(-1)  # [N]
     last = torch.full((n,), t - 1, dtype=torch.long, device=ids.device)
@@ -116,3 +119,141 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int | Sequence[int],
     pos = torch.arange(t, device=ids.device)  # [T]
     mask = pos[None, :] <= first[:, None]  # [N, T]
     return mask.float(), ~has_eos
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk so one chunk's logits hold about ``CHUNK_ELEMENTS`` floats, at least 1."""
+    return max(1, CHUNK_ELEMENTS // max(int(vocab_size), 1))
+
+
+def _chunk_logits(h_c, weight, bias, temperature, out):
+    """(h_c [C, H] @ W^T + b) / temperature written into `out` ([C, V], accumulation dtype);
+    bf16 inputs are multiplied in bf16, then upcast."""
+    if weight.dtype == out.dtype:
+        if bias is None:
+            torch.mm(h_c, weight.t(), out=out)  # [C, V]
+        else:
+            torch.addmm(bias, h_c, weight.t(), out=out)  # [C, V], as F.linear
+    else:
+        out.copy_(F.linear(h_c, weight, bias))  # [C, V] bf16 -> float32
+    return out.div_(temperature) if temperature != 1.0 else out
+
+
+class _ChunkedLinearLogprobs(torch.autograd.Function):
+    """h [M, H], W [V, H], b [V] | None, tokens [M] -> (logp [M], entropy [M] | [0]). The
+    backward recomputes each chunk's logits z; with p = softmax(z), upstream gL (log-prob)
+    and gE (entropy): dL/dz = gL * (onehot(y) - p) - gE * p * (log p + H), / temperature."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, tokens, temperature, chunk, want_entropy):
+        acc = acc_dtype(h, weight)
+        m = h.shape[0]
+        logp = h.new_empty(m, dtype=acc)  # [M]
+        lse = h.new_empty(m, dtype=acc)  # [M]
+        ent = h.new_empty(m if want_entropy else 0, dtype=acc)  # [M] or [0]
+        rows = min(chunk, m)
+        z_buf = h.new_empty((rows, weight.shape[0]), dtype=acc)  # [C, V]
+        p_buf = torch.empty_like(z_buf) if want_entropy else None
+        for s in range(0, m, chunk):
+            e = min(s + chunk, m)
+            z = _chunk_logits(h[s:e], weight, bias, temperature, z_buf[:e - s])  # [C, V]
+            lse_c = torch.logsumexp(z, dim=-1)  # [C]
+            lse[s:e] = lse_c
+            logp[s:e] = z.gather(1, tokens[s:e, None]).squeeze(1) - lse_c
+            if want_entropy:
+                logq = z.sub_(lse_c[:, None])  # [C, V] log p, in place
+                p = torch.exp(logq, out=p_buf[:e - s])  # [C, V]
+                ent[s:e] = -p.mul_(logq).sum(-1)  # [C]  (p = 0 gives 0, not NaN)
+        ctx.save_for_backward(h, weight, bias, tokens, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.want_entropy = temperature, chunk, want_entropy
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logp, g_ent):
+        h, weight, bias, tokens, lse, ent = ctx.saved_tensors
+        g_ent = g_ent if ctx.want_entropy else None
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None, None, None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc, m = lse.dtype, h.shape[0]
+        grad_h = torch.zeros_like(h) if need_h else None  # [M, H]
+        grad_w = weight.new_zeros(weight.shape, dtype=acc) if need_w else None  # [V, H]
+        grad_b = bias.new_zeros(bias.shape, dtype=acc) if need_b else None  # [V]
+        z_buf = h.new_empty((min(ctx.chunk, m), weight.shape[0]), dtype=acc)  # [C, V]
+        p_buf = torch.empty_like(z_buf)
+        for s in range(0, m, ctx.chunk):
+            e = min(s + ctx.chunk, m)
+            gl = None if g_logp is None else g_logp[s:e].to(acc)    # [C]
+            ge = None if g_ent is None else g_ent[s:e].to(acc)      # [C]
+            logq = _chunk_logits(h[s:e], weight, bias, ctx.temperature, z_buf[:e - s])
+            logq.sub_(lse[s:e, None])  # [C, V] log p
+            p = torch.exp(logq, out=p_buf[:e - s])  # [C, V]
+            if ge is not None:
+                dz = logq.add_(ent[s:e, None]).mul_(p).mul_(-ge[:, None])  # [C, V] entropy part
+                if gl is not None:
+                    dz.sub_(p.mul_(gl[:, None]))
+            else:
+                dz = p.mul_(-gl[:, None])  # [C, V]
+            if gl is not None:
+                dz.scatter_add_(1, tokens[s:e, None], gl[:, None])  # + gl * onehot(y)
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)            # dL/d(raw logits) [C, V]
+            if grad_h is not None:
+                _matmul_into(grad_h[s:e], dz, weight)  # [C, H] = [C, V] @ [V, H]
+            if grad_w is not None:
+                _matmul_into(grad_w, dz.t(), h[s:e], accumulate=True)  # [V, H]
+            if grad_b is not None:
+                grad_b += dz.sum(0)  # [V]
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _matmul_into(out, a, b, accumulate=False):
+    """out (+)= a @ b with no fresh output allocation when the dtypes agree; otherwise
+    (bf16 inputs, float32 dz) a is cast to b's dtype, multiplied there, and upcast."""
+    if a.dtype == b.dtype == out.dtype:
+        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    prod = (a.to(b.dtype) @ b).to(out.dtype)
+    return out.add_(prod) if accumulate else out.copy_(prod)
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
+                           bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
+                           chunk_tokens: Optional[int] = None, with_entropy: bool = False
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log softmax((hidden @ weight^T + bias) / temperature) at `tokens`, at most
+    `chunk_tokens` rows of logits at once (default `default_chunk_tokens(V)`).
+    hidden [N, T, H] (any leading shape), weight [V, H], bias [V] or None, tokens [N, T] in
+    [0, V), shifted by the caller -> (logp [N, T], entropy [N, T] or None), float32 (float64
+    kept), differentiable w.r.t. hidden, weight, bias. Matmuls in the inputs' dtype."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"chunked_token_logprobs: hidden [..., H] and weight [V, H] must "
+                         f"share H; got hidden {tuple(hidden.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    if tuple(tokens.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"chunked_token_logprobs: tokens must have shape "
+                         f"{tuple(hidden.shape[:-1])} (hidden without H); got {tuple(tokens.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"chunked_token_logprobs: bias must have shape ({weight.shape[0]},); "
+                         f"got {tuple(bias.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"chunked_token_logprobs: temperature must be > 0; got {temperature}")
+    if chunk_tokens is not None and int(chunk_tokens) < 1:
+        raise ValueError(f"chunked_token_logprobs: chunk_tokens must be >= 1; got {chunk_tokens}")
+    # the id range is read on the CPU only (on an accelerator: a host sync per forward)
+    if tokens.numel() and tokens.device.type == "cpu":
+        lo, hi = torch.aminmax(tokens)
+        if int(lo) < 0 or int(hi) >= weight.shape[0]:
+            raise ValueError(f"chunked_token_logprobs: token ids must be in [0, {weight.shape[0]}); "
+                             f"got min {int(lo)}, max {int(hi)}")
+    chunk = int(chunk_tokens) if chunk_tokens is not None else \
+        max(1, CHUNK_ELEMENTS // max(int(weight.shape[0]), 1))
+    lead = tuple(hidden.shape[:-1])
+    h = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
+    tok = tokens.reshape(-1).long()  # [M]
+    logp, ent = _ChunkedLinearLogprobs.apply(h, weight, bias, tok, float(temperature), chunk,
+                                             bool(with_entropy))
+    return logp.view(lead), (ent.view(lead) if with_entropy else None)

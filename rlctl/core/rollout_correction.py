@@ -14,11 +14,7 @@ from typing import Dict
 
 import torch
 
-from ._util import keep, upcast
-from .logprobs import masked_mean
-
-__all__ = ["CORRECTION_LEVELS", "CORRECTION_MODES", "log_importance_weights",
-           "correction_weights", "mismatch_metrics"]
+from .logprobs import masked_mean, upcast
 
 CORRECTION_LEVELS = ("token", "sequence")
 CORRECTION_MODES = ("truncate", "mask", "measure")
@@ -34,7 +30,7 @@ def log_importance_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, ma
     sequence level each row's sum of them on every counted token of the row."""
     if level not in CORRECTION_LEVELS:
         raise ValueError(f"rollout correction level must be one of {CORRECTION_LEVELS}; got {level!r}")
-    m = keep(mask)
+    m = mask != 0
     d = torch.where(m, upcast(old_logp.detach()) - upcast(engine_logp.detach()), 0.0)   # [N, T]
     if level == "token":
         return d
@@ -49,7 +45,7 @@ def correction_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: 
     if mode not in CORRECTION_MODES:
         raise ValueError(f"rollout correction mode must be one of {CORRECTION_MODES}; got {mode!r}")
     log_w = log_importance_weights(old_logp, engine_logp, mask, level)               # [N, T]
-    m = keep(mask)
+    m = mask != 0
     if mode == "measure":
         return m.to(log_w.dtype)
     capped = torch.exp(log_w.clamp(max=_log(upper)))                                  # [N, T]
@@ -59,14 +55,6 @@ def correction_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: 
     return torch.where(m, capped, 0.0)
 
 
-def _units(d: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """The weights' logs, one per unit, from the token log-ratios ``d`` [N, T] (0 off the
-    mask): every counted token, or every row with a counted token (its row sum) -> [n]
-    (a host sync)."""
-    m = keep(mask)
-    return d[m] if level == "token" else d.sum(-1)[m.any(-1)]
-
-
 def mismatch_metrics(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
                      level: str, mode: str, upper: float, lower: float = 0.0
                      ) -> Dict[str, torch.Tensor]:
@@ -74,7 +62,7 @@ def mismatch_metrics(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: to
     meanings: docs/metrics.md): ``k3`` (KL(pi_engine || pi_old) on the engine's samples),
     ``ppl_gap``, ``ess`` in (0, 1], ``log_w_abs_mean``, ``truncated_frac`` or
     ``masked_frac``, ``weight_mean``. Empty mask: every value 0 (ess 1)."""
-    m = keep(mask)
+    m = mask != 0
     d = log_importance_weights(old_logp, engine_logp, mask, "token")                  # [N, T]
     out = {"k3": masked_mean((torch.expm1(d) - d).clamp(min=0.0), mask)}
     nll_engine = masked_mean(torch.where(m, -upcast(engine_logp.detach()), 0.0), mask)
@@ -82,7 +70,7 @@ def mismatch_metrics(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: to
     out["ppl_gap"] = torch.exp(nll_engine) - torch.exp(nll_old)
     if level not in CORRECTION_LEVELS:
         raise ValueError(f"rollout correction level must be one of {CORRECTION_LEVELS}; got {level!r}")
-    lw = _units(d, mask, level)                                                       # [n]
+    lw = d[m] if level == "token" else d.sum(-1)[m.any(-1)]    # [n] log w per unit (host sync)
     n = lw.numel()
     if n == 0:
         zero = d.new_zeros(())

@@ -13,8 +13,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["TURN_REWARD_RULES", "turn_weights", "place_turn_rewards"]
-
 TURN_REWARD_RULES = ("last", "sum", "discounted")
 
 

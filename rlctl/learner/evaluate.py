@@ -1,12 +1,8 @@
 """Held-out evaluation, the one evaluator of the Trainer's ``eval/*`` and of ``rlctl eval``:
-completions on the task's eval split, greedy (``rlctl.rollout.generate.generate`` with
-``do_sample=False``, the one greedy decoder) or sampled, scored by a ``RewardScorer``; or,
-for a task played as episodes (``rlctl.envs.base.is_episodic``), episodes on its eval rows.
-
-``evaluate`` gives sums; ``means`` divides them by ``count`` after the ranks' reduction.
-Both sides run the same code with the same batches, so ``rlctl eval RUN`` reproduces the
-run's last ``eval/*`` exactly (a one-rank run; ``--batch-size`` left at its default).
-"""
+completions on the eval split, greedy (``rlctl.rollout.generate.generate``) or sampled,
+scored by a ``RewardScorer``, or episodes for a task played as episodes. ``evaluate`` gives
+sums, ``means`` divides them by ``count`` after the ranks' reduction; both sides run the
+same code and batches, so ``rlctl eval RUN`` reproduces a one-rank run's last ``eval/*``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,10 +11,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from rlctl.core.logprobs import completion_mask
-from rlctl.learner.samples import Row, endings, episode_columns, eval_rows, offers_tools
+from rlctl.learner.metrics import Row, endings, episode_columns, eval_rows, offers_tools
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
-from rlctl.types import Episode, Example, RolloutBatch
+from rlctl.types import Episode, Example
 
 BATCH = 256            # completions per generate call
 EPISODE_BATCH = 64     # episodes played together
@@ -129,47 +125,37 @@ def episode_success(episode: Episode, reward: float) -> bool:
 
 def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, step,
               on_chunk) -> Evaluation:
+    """``EPISODE_KEYS`` sums; the table's rows: the transcript as the completion, the
+    episode's status as its finish_reason, then ``episode_columns``."""
     ev = Evaluation(dict.fromkeys(EPISODE_KEYS, 0.0))
-    per_chunk = max(1, batch_size // samples)
+    sums, per_chunk = ev.sums, max(1, batch_size // samples)
     tool_task = offers_tools(player.task) if keep > 0 else False
     for start in range(0, len(examples), per_chunk):
         chunk = examples[start:start + per_chunk]
         batch = player.play(model, chunk, seed + start, greedy=greedy, group_size=samples)
-        ok = _add_episodes(ev.sums, batch)
+        rewards = batch.rewards.tolist()
+        ok = [episode_success(e, r) for e, r in zip(batch.episodes, rewards)]
+        for e, r, good in zip(batch.episodes, rewards, ok):
+            sums["success_rate"] += good
+            sums["exact_match"] += good
+            sums["reward"] += r
+            sums["turns_mean"] += e.turns
+            sums["tool_calls_mean"] += e.tool_calls
+            sums["tool_errors_mean"] += e.tool_errors
+            sums["env_errors_mean"] += e.env_errors
+        sums["truncated_frac"] += float(batch.truncated.sum())
+        sums["length_mean"] += float(batch.mask.sum())
         ev.correct += [sum(ok[i * samples:(i + 1) * samples]) for i in range(len(chunk))]
         if len(ev.rows) < keep:
-            ev.rows += _episode_rows(batch, ok, keep - len(ev.rows), step, tool_task)
+            k = min(keep - len(ev.rows), batch.num_sequences)
+            ends = [{"finish_reason": e.status, "stop_id": None, "stop_token": None}
+                    for e in batch.episodes[:k]]
+            rows = eval_rows(step, batch.prompts[:k], batch.completions[:k],
+                             batch.rewards[:k].tolist(), ok[:k], batch.mask[:k], ends)
+            for row, e in zip(rows, batch.episodes[:k]):
+                row.update(episode_columns(e, tool_task))
+            ev.rows += rows
         if on_chunk is not None:
             on_chunk(len(chunk))
-    ev.sums["count"] = float(len(examples) * samples)
+    sums["count"] = float(len(examples) * samples)
     return ev
-
-
-def _add_episodes(sums: Dict[str, float], batch: RolloutBatch) -> List[bool]:
-    rewards = batch.rewards.tolist()
-    ok = [episode_success(e, r) for e, r in zip(batch.episodes, rewards)]
-    for e, r, good in zip(batch.episodes, rewards, ok):
-        sums["success_rate"] += good
-        sums["exact_match"] += good
-        sums["reward"] += r
-        sums["turns_mean"] += e.turns
-        sums["tool_calls_mean"] += e.tool_calls
-        sums["tool_errors_mean"] += e.tool_errors
-        sums["env_errors_mean"] += e.env_errors
-    sums["truncated_frac"] += float(batch.truncated.sum())
-    sums["length_mean"] += float(batch.mask.sum())
-    return ok
-
-
-def _episode_rows(batch: RolloutBatch, ok: List[bool], n: int, step: int, tool_task: bool) -> List[Row]:
-    """The eval table's rows of the batch's first ``n`` episodes: the transcript as the
-    completion, the episode's end as its finish_reason (its status), then the episode's
-    columns turn by turn (``rlctl.learner.samples.episode_columns``)."""
-    k = min(n, batch.num_sequences)
-    ends = [{"finish_reason": e.status, "stop_id": None, "stop_token": None}
-            for e in batch.episodes[:k]]
-    rows = eval_rows(step, batch.prompts[:k], batch.completions[:k], batch.rewards[:k].tolist(),
-                     ok[:k], batch.mask[:k], ends)
-    for row, e in zip(rows, batch.episodes[:k]):
-        row.update(episode_columns(e, tool_task))
-    return rows

@@ -1,17 +1,12 @@
 """The learner's forward pass: token log-probs, entropy and (with a critic) values.
 
-Fused head (``fused_head``): the forward runs with ``output_hidden_states=True,
-logits_to_keep=1`` and the log-probs come from the final hidden states [N, T, H] through
-`rlctl.core.chunked_logprobs.chunked_token_logprobs`, never all [N, T, V] logits at once;
-exact to the full-logits path (tests/engine/test_chunked_learner.py). A head that is not a
-plain ``nn.Linear``, a ZeRO-3 partitioned weight, no ``logits_to_keep``, or logits that
-are not the head's output (rlctl/models/head_check.py) keep the full-logits path.
-
-Prompt sharing (``share_prompts``, rlctl/models/kv_share.py): each distinct prompt runs
-once, its cache is indexed out to every row, and the completions run on top; gradients
-reach the prompt positions summed over the rows, as in the full forward. No cache or
-gradient checkpointing: the full forward. A model whose recurrent state in its modules
-sees left padding (RecurrentGemma) runs unshared and unpadded (``_unpadded``)."""
+Fused head (``fused_head``): log-probs from the final hidden states through
+`rlctl.core.logprobs.chunked_token_logprobs`, never all [N, T, V] logits; a head that is
+not a plain ``nn.Linear``, a ZeRO-3 weight, no ``logits_to_keep``, or logits that are not
+the head's output (rlctl/models/head_check.py) keep the full logits. Prompt sharing
+(rlctl/models/kv_share.py): each distinct prompt runs once, its cache indexed out to every
+row (not with gradient checkpointing); a model whose module state sees left padding
+(RecurrentGemma) runs unshared and unpadded (``_unpadded``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +14,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from rlctl.core.chunked_logprobs import chunked_token_logprobs
+from rlctl.core.logprobs import chunked_token_logprobs
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
 from rlctl.models.head_check import head_matches, verdict as head_verdict
 from rlctl.models.kv_share import (cache_keyword, cache_of, detach_module_state, differentiable,
@@ -41,10 +36,6 @@ class PromptGroups:
 
     def rows(self, rows: torch.Tensor) -> "PromptGroups":
         return PromptGroups(self.labels[rows])                                         # [n]
-
-    def on(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(first [U], inv [n]) as ``kv_share.regroup`` gives them, on ``device``."""
-        return tuple(t.to(device, non_blocking=True) for t in regroup(self.labels))
 
 
 def prompt_sharing(enabled: bool, backend) -> bool:
@@ -87,13 +78,6 @@ def enable_gradient_checkpointing(model) -> None:
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _checkpointing_now(model) -> bool:
-    inner = innermost(model)
-    on = getattr(inner, "is_activation_checkpointing", None)     # transformers >= 5.x name
-    on = getattr(inner, "is_gradient_checkpointing", False) if on is None else on
-    return bool(on) and inner.training and torch.is_grad_enabled()
-
-
 class Forward(NamedTuple):
     logp: torch.Tensor                 # [N, T] log pi(completion token t)
     entropy: Optional[torch.Tensor]    # [N, T] (no grad unless entropy_grad), when asked for
@@ -117,10 +101,17 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     head = fused_head(model, inputs) if fused else None
     extra = {} if head is None else {"output_hidden_states": True, "logits_to_keep": 1}
     padded = state_in_modules(model)       # no cache to share, and left pads leak (RecurrentGemma)
-    key = cache_keyword(model) if share_prompts and P > 1 and not padded \
-        and not _checkpointing_now(model) else None
+    inner = innermost(model)
+    ckpt = getattr(inner, "is_activation_checkpointing", None)     # transformers >= 5.x name
+    ckpt = getattr(inner, "is_gradient_checkpointing", False) if ckpt is None else ckpt
+    ckpt = bool(ckpt) and inner.training and torch.is_grad_enabled()
+    key = cache_keyword(model) if share_prompts and P > 1 and not padded and not ckpt else None
     if key is not None:
-        groups = share_prompts.on(input_ids.device) if isinstance(share_prompts, PromptGroups) else None
+        groups = None
+        if isinstance(share_prompts, PromptGroups):    # (first [U], inv [n]) on the device
+            first, inv = regroup(share_prompts.labels)
+            dev = input_ids.device
+            groups = first.to(dev, non_blocking=True), inv.to(dev, non_blocking=True)
         scores, values = _shared_prompt_forward(model, input_ids, attention_mask, P, key,
                                                 groups, extra)
     else:

@@ -1,42 +1,138 @@
-"""The training loop: rollout -> score -> advantages -> minibatch updates -> log.
+"""The training loop: rollout -> prepare (old and reference log-probs, advantages) ->
+minibatch updates -> log; it asks registries for the advantage estimator and the policy
+loss, never an algorithm's name. Forward passes only where needed (`needs_old_forward`);
+pi_ref (the frozen start weights) only with a non-zero KL coefficient.
 
-The loop asks registries for the advantage estimator and the policy loss; it never
-branches on an algorithm's name. Forward passes are made only where the configuration
-needs them: old log-probs when a rollout feeds several optimizer steps, KL is shaped
-into the reward or the coefficient is adaptive, or a critic needs rollout-time values;
-reference log-probs only when the KL coefficient is non-zero (and only then is a
-reference model kept in memory). The old policy (pi_old: the weights that generated
-this rollout) and the reference policy (pi_ref: the weights at the start of the run)
-are distinct: ``old_logprobs`` come from ``self.model`` before the update,
-``ref_logprobs`` from the frozen ``self.ref_model``.
-"""
+Advantages: outcome estimators map one return per completion [B, G] to one advantage
+per token; token-level ones (``gae``) map per-token rewards and values. ``in_reward`` KL
+puts -beta * k on each counted token and the reward on the last (Ziegler et al., 2019);
+DAPO's overlong penalty is added to the task reward (an episode's transcript is measured
+against ``rollout.episode.max_tokens``)."""
 from __future__ import annotations
 
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from rlctl.backends.base import TorchBackend
-from rlctl.core import AdaptiveKLController, FixedKLController, masked_mean
+from rlctl.core import (ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController,
+                        broadcast_to_tokens, kl_shaped_rewards, masked_whiten, overlong_penalty,
+                        resolve_kl_estimator)
 from rlctl.errors import Interrupted, TrainingFault
-from rlctl.models.stop_ids import stop_ids
-from rlctl.learner.advantage import AdvantageSettings, compute_advantages, shaped_task_rewards
-from rlctl.learner.correction import old_policy_inputs
 from rlctl.learner.evaluate import evaluate, means
 from rlctl.learner.forward import PromptGroups, learner_forward, prompt_sharing
-from rlctl.learner.samples import SampleSettings, draw_rows, offers_tools, train_rows
-from rlctl.learner.stats import Moments, reduce_metrics, rollout_metrics
-from rlctl.learner.update import UpdateSettings, UpdateState, update_policy
-from rlctl.rollout.source import collect
+from rlctl.learner.metrics import (SampleSettings, draw_rows, named_reward_metrics, offers_tools,
+                                   reduce_metrics, rollout_metrics, train_rows)
+from rlctl.learner.update import UpdateSettings, UpdateState, old_policy_inputs, update_policy
+from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import check_training_sampling
+from rlctl.rollout.source import collect
 from rlctl.schema import AlgoConfig, TrainerConfig
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint
 from rlctl.tasks.prompt_budget import Prepared
 from rlctl.types import RolloutBatch
+
+
+@dataclass
+class AdvantageSettings:
+    """The advantage step's arguments, from the ``algo`` and ``rollout`` sections
+    (``from_config``): the KL estimator resolved for its placement, whether KL is shaped
+    into the reward, and the overlong limits."""
+    estimator: str
+    std_eps: float
+    baseline: str
+    gamma: float
+    lam: float
+    whiten: bool
+    kl_in_reward: bool
+    kl_estimator: str
+    overlong_buffer: int
+    overlong_penalty: float
+    max_new_tokens: int
+    episode_max_tokens: int = 0        # rollout.episode.max_tokens: an episode's overlong limit
+
+    @classmethod
+    def from_config(cls, cfg) -> "AdvantageSettings":
+        algo = cfg.algo
+        return cls(estimator=algo.advantage, std_eps=algo.std_eps, baseline=algo.baseline,
+                   gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
+                   kl_in_reward=algo.kl.placement == "in_reward",
+                   kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
+                   overlong_buffer=algo.overlong_buffer, overlong_penalty=algo.overlong_penalty,
+                   max_new_tokens=cfg.rollout.max_new_tokens,
+                   episode_max_tokens=cfg.rollout.episode.max_tokens)
+
+
+def shaped_task_rewards(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tensor:
+    """Task (or episode) reward plus the DAPO overlong penalty when configured. -> [N]"""
+    return batch.rewards + overlong(batch, s) if s.overlong_buffer > 0 else batch.rewards
+
+
+def overlong(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tensor:
+    """The DAPO overlong penalty of each row [N] (0 when not configured): counted tokens
+    against ``rollout.max_new_tokens``; an episode's transcript against
+    ``rollout.episode.max_tokens``."""
+    if s.overlong_buffer <= 0:
+        return torch.zeros_like(batch.rewards)
+    if batch.token_rewards is None:
+        return overlong_penalty(batch.mask.sum(-1), s.max_new_tokens, s.overlong_buffer,
+                                s.overlong_penalty)
+    lengths = batch.attention_mask[:, batch.prompt_len:].sum(-1)          # [N]
+    return overlong_penalty(lengths, s.episode_max_tokens, s.overlong_buffer, s.overlong_penalty)
+
+
+def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, backend, eps: float = 1e-8) -> torch.Tensor:
+    """``masked_whiten`` with the mean and unbiased variance over every rank's tokens, two
+    passes in float64; two collectives. Returns x's dtype, 0 where mask == 0."""
+    if backend is None or backend.world_size == 1:
+        return masked_whiten(x, mask, eps=eps) * mask
+    m = mask.double()                                                   # [N, T]
+    xd = torch.where(mask != 0, x.double(), 0.0)     # [N, T]; a NaN/inf not counted cannot leak
+    n, s1 = backend.all_reduce_sum(torch.stack([m.sum(), (xd * m).sum()]))
+    centred = (xd - s1 / n.clamp(min=1)) * m                            # [N, T]
+    var = backend.all_reduce_sum(centred.square().sum()) / (n - 1).clamp(min=1)
+    return (centred * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float,
+                       values: Optional[torch.Tensor], backend=None
+                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(advantages [N, T], returns [N, T] or None); ``values`` [N, T] for GAE. With several
+    ranks, outcome estimators see every rank's groups and whitening is global."""
+    if s.kl_in_reward and kl_coef > 0:   # the trainer computes old log-probs for this case
+        kl = (batch.old_logprobs, batch.ref_logprobs, batch.mask, kl_coef, s.kl_estimator)
+    else:
+        zero = torch.zeros_like(batch.mask)
+        kl = (zero, zero, batch.mask, 0.0)
+    seq_return = None
+    if batch.token_rewards is None:      # the reward on the last counted token, KL shaping
+        rewards = batch.rewards + overlong(batch, s) if s.overlong_buffer > 0 else batch.rewards
+        per_token = kl_shaped_rewards(rewards, *kl)                                   # [N, T]
+    else:       # episodes: the placed turn rewards, plus the shaping (KL, overlong penalty)
+        shaping = kl_shaped_rewards(overlong(batch, s), *kl)                         # [N, T]
+        per_token = batch.token_rewards.to(shaping.dtype) + shaping                 # [N, T]
+        seq_return = batch.rewards.to(shaping.dtype) + (shaping * batch.mask).sum(-1)   # [N]
+    returns = None
+    entry = ADVANTAGE_ESTIMATORS.entry(s.estimator)
+    if entry.level == "token":
+        adv, returns = entry.fn(per_token, values, batch.mask, s.gamma, s.lam)   # [N, T] each
+    else:
+        if seq_return is None:
+            seq_return = (per_token * batch.mask).sum(-1)                         # [N]
+        seq_return = seq_return.view(-1, batch.group_size)                        # [B, G]
+        first = 0
+        if backend is not None and backend.world_size > 1:
+            seq_return, first = backend.all_gather_rows(seq_return)              # [B_all, G]
+        adv = entry.fn(seq_return, s.std_eps, baseline=s.baseline)               # [B_all, G]
+        adv = adv[first: first + batch.num_sequences // batch.group_size]         # [B, G]
+        adv = broadcast_to_tokens(adv, batch.mask)                                # [N, T]
+    if s.whiten:
+        adv = whiten_over_ranks(adv, batch.mask, backend)
+    return adv, returns
 
 
 @dataclass
@@ -47,13 +143,6 @@ class TrainResult:
     eval_start: Dict[str, float] = field(default_factory=dict)
     eval_end: Dict[str, float] = field(default_factory=dict)
     last_metrics: Dict[str, float] = field(default_factory=dict)
-
-
-def frozen_copy(model):
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
 
 
 def needs_old_forward(algo) -> bool:
@@ -68,33 +157,31 @@ def needs_old_forward(algo) -> bool:
 
 
 class Trainer:
-    """``algo``, ``trainer``: the config's sections, read directly (DictConfig nodes over
-    the schema's dataclasses, or the dataclasses);
-    ``update``/``advantage``: the update's and the advantage estimator's settings;
-    ``samples``: the sample tables'; ``lr``: model.lora.lr when LoRA sets one, else
-    trainer.lr; ``eval_max_new_tokens``: rollout.max_new_tokens (``Trainer.from_config``
-    builds all of these from the config); ``model``: the policy, or a PolicyValueModel (shared critic);
-    ``prepared``: the task prepared for the model (``rlctl.tasks.prompt_budget.Prepared``:
-    the eval prompts and the eval scorer come from it);
-    ``source``: where rollouts come from (``build_source``: it samples with this same
-    ``model``, and owns the prompt sampler and the training reward scorer); ``critic``: a
-    separate value model or None; ``backend``: how to step and how ranks communicate
-    (each rank samples its own share of the step's prompts, whole groups only)."""
+    """``algo``, ``trainer``: the config's sections (DictConfig nodes or the dataclasses);
+    ``update``/``advantage``/``samples``: the settings of the update, the advantages and the
+    sample tables; ``lr``: model.lora.lr when LoRA sets one, else trainer.lr (``from_config``
+    builds these); ``model``: the policy, or a PolicyValueModel (shared critic);
+    ``prepared``: the task prepared for the model (eval prompts and eval scorer);
+    ``source``: where rollouts come from (it samples with this ``model``, owns the prompt
+    sampler and the training reward scorer); ``critic``: a separate value model or None;
+    ``backend``: how to step and how ranks communicate (each rank samples its own share of
+    the step's prompts, whole groups only)."""
 
     def __init__(self, algo: AlgoConfig, trainer: TrainerConfig, update: UpdateSettings,
                  advantage: AdvantageSettings, samples: SampleSettings, model, tokenizer, prepared: Prepared,
                  sink, *, source, backend, lr: float, eval_max_new_tokens: int, critic=None,
                  ref_model=None):
-        self.algo, self.tr, self.samples = algo, trainer, samples
+        self.algo, self.trainer_cfg, self.sample_settings = algo, trainer, samples
         self.old_forward, self.eval_max_new_tokens = needs_old_forward(algo), eval_max_new_tokens
         self.tokenizer, self.task, self.sink, self.source = tokenizer, prepared.task, sink, source
         self.critic, self.backend = critic, backend
-        self.settings, self.adv_settings = update, advantage     # the update's, the advantages'
+        self.update_settings, self.adv_settings = update, advantage
         kl = algo.kl
         self.kl_ctl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
                        if kl.target is not None else FixedKLController(kl.coef))
-        self.ref_model = ref_model if ref_model is not None else (
-            frozen_copy(getattr(model, "policy", model)) if kl.coef > 0 else None)
+        if ref_model is None and kl.coef > 0:      # pi_ref: the policy's start, frozen
+            ref_model = copy.deepcopy(getattr(model, "policy", model)).eval().requires_grad_(False)
+        self.ref_model = ref_model
         self.model = self.backend.prepare(model, critic, lr, tuple(trainer.betas), trainer.weight_decay,
                                           trainer.warmup_steps, trainer.max_grad_norm)
         if trainer.compile:      # learner forwards only; generation keeps the eager module
@@ -103,6 +190,7 @@ class Trainer:
         self.eval_scorer = prepared.scorer()    # kept apart so eval never mixes into reward/*
         self.eval_examples = list(prepared.eval)
         self.local_prompts = trainer.prompts_per_step // self.backend.world_size   # compose() checks
+        self.detaches_backbone = hasattr(self.policy, "detach_backbone")    # a shared critic
 
     @classmethod
     def from_config(cls, cfg, model, tokenizer, prepared: Prepared, sink, *, source, critic=None,
@@ -141,11 +229,24 @@ class Trainer:
     @torch.no_grad()
     def _prepare(self, batch: RolloutBatch, prompts: Optional[PromptGroups]) -> RolloutBatch:
         """The batch with old/reference log-probs and values where needed, advantages and
-        returns. ``prompts``: which rows share a prompt (None: no prompt sharing)."""
-        args = (batch.input_ids, batch.attention_mask, batch.prompt_len, self.settings.temperature)
+        returns. ``prompts``: which rows share a prompt (None: no prompt sharing). Async: a
+        stale rollout keeps the behaviour policy's log-probs; the forward then runs only for
+        a critic's values, or for pi_old of the on-policy rows (``behaviour_rows``)."""
+        args = (batch.input_ids, batch.attention_mask, batch.prompt_len,
+                self.update_settings.temperature)
         share = prompts if prompts is not None else False
-        batch = old_policy_inputs(batch, self.settings.rollout_correction)   # off: unchanged
-        old, values = self._old_forward(batch, args, share)
+        corr = self.update_settings.rollout_correction
+        if corr is not None:
+            batch = old_policy_inputs(batch, corr)
+        old, values, mixed = batch.old_logprobs, batch.old_values, batch.behaviour_rows is not None
+        if mixed or self.old_forward and (old is None or self.algo.critic != "none"):
+            self.model.eval()
+            f = learner_forward(self.model, *args, critic=self.critic, share_prompts=share)
+            values = f.values
+            if old is None:
+                old = f.logp
+            elif mixed:          # stale rows keep the behaviour log-probs exactly
+                old = torch.where(batch.behaviour_rows[:, None], old, f.logp)
         ref = learner_forward(self.ref_model, *args, share_prompts=share).logp \
             if self.ref_model is not None else None
         out = batch.replace(old_logprobs=old, old_values=values, ref_logprobs=ref, behaviour_rows=None)
@@ -153,28 +254,11 @@ class Trainer:
                                                  self.backend)
         return out.replace(advantages=advantages, returns=returns)
 
-    def _old_forward(self, batch: RolloutBatch, args, share):
-        """(old log-probs [N, T] or None, critic values [N, T] or None). Async: a stale
-        rollout keeps the behaviour policy's log-probs; the forward is then only needed
-        for a critic's values, or (a step mixing stale and on-policy rollouts:
-        ``behaviour_rows``) for pi_old of the on-policy rows."""
-        mixed = batch.behaviour_rows is not None
-        if not (mixed or self.old_forward and (
-                batch.old_logprobs is None or self.algo.critic != "none")):
-            return batch.old_logprobs, batch.old_values
-        self.model.eval()
-        f = learner_forward(self.model, *args, critic=self.critic, share_prompts=share)
-        if batch.old_logprobs is None:
-            return f.logp, f.values
-        if mixed:                # stale rows keep the behaviour log-probs exactly
-            return torch.where(batch.behaviour_rows[:, None], batch.old_logprobs, f.logp), f.values
-        return batch.old_logprobs, f.values
-
     def _evaluate(self, step: int) -> Dict[str, float]:
-        """Greedy eval after ``step`` (``rlctl.learner.evaluate``: greedy episodes when the
-        source plays them); each rank takes every world_size-th example, sums are
-        reduced. With samples on, rank 0's first logger.samples.n rows go to the sink."""
-        b, samples = self.backend, self.samples
+        """Greedy eval after ``step`` (greedy episodes when the source plays them); each rank
+        takes every world_size-th example, sums are reduced. With samples on, rank 0's first
+        logger.samples.n rows go to the sink."""
+        b, samples = self.backend, self.sample_settings
         ev = evaluate(self.policy, self.tokenizer, self.eval_examples[b.rank::b.world_size],
                       scorer=self.eval_scorer, player=getattr(self.source, "player", None),
                       max_new_tokens=self.eval_max_new_tokens,
@@ -193,19 +277,18 @@ class Trainer:
                               a.max_sampling_rounds, self.tokenizer.pad_token_id)
         t_gen, score_s = time.perf_counter(), self.scorer.seconds - score0
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len) \
-            if self.settings.share_prompts else None                         # found on the CPU
+            if self.update_settings.share_prompts else None                  # found on the CPU
         batch = self._prepare(batch, prompts)
         t1 = time.perf_counter()
         frozen = step <= a.critic_warmup_steps
-        if hasattr(self.policy, "detach_backbone"):
+        if self.detaches_backbone:
             self.policy.detach_backbone = frozen
         state = UpdateState(kl_coef=self.kl_ctl.coef, policy_frozen=frozen)
-        metrics = update_policy(self.model, self.backend, batch, self.settings, state, self.critic,
-                                prompts)
+        metrics = update_policy(self.model, self.backend, batch, self.update_settings, state,
+                                self.critic, prompts)
         self.source.after_update()
         t2 = time.perf_counter()
         metrics.update(rollout_metrics(batch, kept))
-        metrics.update(_step_metrics(batch))
         metrics.update(named_reward_metrics(*self.scorer.named_sums(), self.backend))
         values = reduce_metrics(metrics, self.backend)
         tokens = values.pop("perf/step_tokens")
@@ -220,14 +303,16 @@ class Trainer:
         values.update(self.source.metrics())      # async: staleness, waits
         if "kl/seq_k1" in values:
             self.kl_ctl.update(values["kl/seq_k1"], sequences)   # horizon counts sequences (Ziegler et al.)
-        if self.samples.due(step, self.tr.steps) and self.backend.is_main:
+        samples = self.sample_settings
+        if samples.every > 0 and samples.n > 0 and self.backend.is_main \
+                and (step % samples.every == 0 or step == self.trainer_cfg.steps):   # and at the last step
             self._log_samples(batch, step)
         return values
 
     def _log_samples(self, batch: RolloutBatch, step: int) -> None:
-        """The step's sample table (rlctl/learner/samples.py): a few whole groups, drawn
+        """The step's sample table (rlctl/learner/metrics.py): a few whole groups, drawn
         with an RNG of their own, read back and decoded alone."""
-        n, seed = self.samples.n, self.samples.seed
+        n, seed = self.sample_settings.n, self.sample_settings.seed
         rows = draw_rows(batch.num_sequences, batch.group_size, n, seed, step)
         rewards = shaped_task_rewards(batch, self.adv_settings)                  # [N]
         player = getattr(self.source, "player", None)     # a source that plays episodes
@@ -243,32 +328,43 @@ class Trainer:
         save a checkpoint and raise ``Interrupted``; ``trainer.max_bad_steps``
         consecutive steps whose updates were all skipped (non-finite) raise
         ``TrainingFault`` (the newest checkpoint predates them)."""
-        o = self.tr
+        tr = self.trainer_cfg
         t_start, tokens, bad_streak = time.perf_counter(), 0.0, 0
-        result = TrainResult(steps=o.steps, seconds=0.0, tokens_per_s=0.0)
+        result = TrainResult(steps=tr.steps, seconds=0.0, tokens_per_s=0.0)
         first = self._start(result, resume_from)
         stop = stop or StopFlag()
         with stop.installed():
-            for step in range(first, o.steps + 1):
+            for step in range(first, tr.steps + 1):
                 values = self.step(step)
                 tokens += values["perf/tokens_per_s"] * (values["time/rollout_s"] + values["time/update_s"])
-                updates = self.settings.epochs * self.settings.minibatches
+                updates = self.update_settings.epochs * self.update_settings.minibatches
                 bad_streak = bad_streak + 1 if values.get("fault/skipped_steps", 0) >= updates else 0
-                if o.eval_every > 0 and (step % o.eval_every == 0 or step == o.steps):
+                if tr.eval_every > 0 and (step % tr.eval_every == 0 or step == tr.steps):
                     values.update(self._evaluate(step))
                 values["time/elapsed_s"] = time.perf_counter() - t_start
-                if step % o.log_every == 0 or step == o.steps:
+                if step % tr.log_every == 0 or step == tr.steps:
                     self.sink.log(values, step=step)
                 result.last_metrics = values
                 if on_step is not None:
                     on_step(step, values)
-                self._after_step(step, bad_streak, run_dir, result, stop)
-        self._save(run_dir, o.steps, result)
+                if bad_streak >= tr.max_bad_steps:
+                    last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
+                    raise TrainingFault(
+                        f"stopped at step {step}: {bad_streak} steps in a row had a non-finite loss "
+                        f"or gradient (trainer.max_bad_steps={tr.max_bad_steps}); last good "
+                        f"checkpoint: {last or 'none'}")
+                signum = stop.agreed(self.backend)       # all ranks stop after the same step
+                if signum and step < tr.steps:          # finish the step, save, leave
+                    self._save(run_dir, step, result)
+                    raise Interrupted(run_dir, step, signum)
+                if tr.checkpoint_every > 0 and step % tr.checkpoint_every == 0 and step < tr.steps:
+                    self._save(run_dir, step, result)
+        self._save(run_dir, tr.steps, result)
         result.seconds = time.perf_counter() - t_start
         result.tokens_per_s = tokens / max(result.seconds, 1e-9)
-        if o.eval_every > 0:
+        if tr.eval_every > 0:
             result.eval_end = {k: v for k, v in result.last_metrics.items() if k.startswith("eval/")} \
-                or self._evaluate(o.steps)
+                or self._evaluate(tr.steps)
         return result
 
     def _start(self, result: TrainResult, resume_from) -> int:
@@ -278,7 +374,7 @@ class Trainer:
             result.eval_start = state.get("eval_start", {})
             self.scorer.load_state(state.get("scorer", {}))
             return state["step"] + 1
-        if self.tr.eval_every > 0:
+        if self.trainer_cfg.eval_every > 0:
             result.eval_start = self._evaluate(0)
             self.sink.log(result.eval_start, step=0)
         return 1
@@ -287,59 +383,6 @@ class Trainer:
         if run_dir is not None:
             checkpoint.save(self, run_dir, step, {"eval_start": result.eval_start,
                                                   "scorer": self.scorer.state()},
-                            self.tr.keep_checkpoints)
-
-    def _after_step(self, step: int, bad_streak: int, run_dir, result: TrainResult, stop) -> None:
-        """Stop on too many non-finite steps or on a signal (saved first); checkpoint."""
-        o = self.tr
-        if bad_streak >= o.max_bad_steps:
-            last = checkpoint.latest_checkpoint(run_dir) if run_dir is not None else None
-            raise TrainingFault(
-                f"stopped at step {step}: {bad_streak} steps in a row had a non-finite loss "
-                f"or gradient (trainer.max_bad_steps={o.max_bad_steps}); last good "
-                f"checkpoint: {last or 'none'}")
-        signum = stop.agreed(self.backend)       # all ranks stop after the same step
-        if signum and step < o.steps:           # finish the step, save, leave
-            self._save(run_dir, step, result)
-            raise Interrupted(run_dir, step, signum)
-        if o.checkpoint_every > 0 and step % o.checkpoint_every == 0 and step < o.steps:
-            self._save(run_dir, step, result)
+                            self.trainer_cfg.keep_checkpoints)
 
 
-def _step_metrics(batch: RolloutBatch) -> Dict[str, torch.Tensor]:
-    """Value targets' mean, the per-sequence KL to the reference, and the counts the
-    throughput needs (summed over ranks)."""
-    out = {"perf/step_tokens": batch.mask.sum(),
-           "perf/step_sequences": torch.tensor(float(batch.num_sequences))}
-    if batch.returns is not None:
-        out["value/return_mean"] = masked_mean(batch.returns, batch.mask)
-    if batch.ref_logprobs is not None and batch.old_logprobs is not None:
-        out["kl/seq_k1"] = ((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean()
-    return out
-
-
-def named_reward_metrics(sums: Dict[str, float], count: int, backend) -> Dict[str, Moments]:
-    """reward/<name>: each named reward's mean over the samples every rank scored since
-    the last step (the sum of the ranks' sums over the sum of their counts), as `Moments`
-    that `reduce_metrics` pools in its one collective. The names are the union over the
-    ranks (one gather), so that every rank sends the same metrics: a rank without a name
-    (every one of its samples failed, or the task names it for some samples only) counts
-    0 for it, as a failed sample counts 0 on one rank."""
-    n = torch.tensor(float(count), dtype=torch.float64)
-    return {f"reward/{k}": Moments(n, torch.tensor([sums.get(k, 0.0) / max(count, 1)],
-                                                   dtype=torch.float64),
-                                   torch.zeros(1, dtype=torch.float64), _first_mean)
-            for k in _names_of_every_rank(sorted(sums), backend)}
-
-
-def _names_of_every_rank(names: List[str], backend) -> List[str]:
-    if backend.world_size == 1:
-        return names
-    blob = torch.tensor(list("".join(f"{k}\n" for k in names).encode() + b"\n"),
-                        dtype=torch.uint8)                              # [bytes]
-    rows, _ = backend.all_gather_rows(blob)                             # [every rank's bytes]
-    return sorted({k for k in bytes(rows.tolist()).decode().split("\n") if k})
-
-
-def _first_mean(m: Moments) -> torch.Tensor:
-    return m.mean[0]

@@ -1,22 +1,15 @@
-"""The learner's update: epochs x minibatches of optimizer steps on one rollout.
+"""The learner's update: epochs x minibatches of optimizer steps on one rollout, and the
+rollout correction's hooks (``algo.rollout_correction``; math: rlctl.core.rollout_correction).
 
-Algorithm-free: the policy loss comes from the ``POLICY_LOSSES`` registry, the KL term
-from ``kl_estimate``, the value loss from ``value_loss_per_token``, extra terms (an
-entropy bonus) from ``rlctl.core.terms``; this module never looks at an algorithm's name.
-
-``mask_truncated`` (DAPO's overlong filtering, Yu et al., 2025): rows with no stop id
-have their mask zeroed here, before the update, so they add nothing to any loss term or
-metric; their rewards still counted in the advantages (group means and stds are computed
-before, unchanged). A minibatch left with no token takes no optimizer step.
-
-Gradient accumulation over micro-batches is exact for every aggregation mode: each
-micro-batch contributes ``aggregate_sum(...) / agg_denominator(minibatch mask)``, i.e.
-its share of the numerator over the *minibatch's* denominator (token count, or count of
-non-empty rows, times norm_len for seq-mean-token-sum-norm), so the summed gradient
-equals the gradient of the minibatch aggregate (tested against the full-batch loss).
-Micro-batches are rows (``micro_batch_size``) or a padded-token budget
-(``micro_batch_tokens``, `micro_batches`), or both.
-"""
+Algorithm-free: the policy loss comes from ``POLICY_LOSSES``, the KL term from
+``kl_estimate``, the value loss from ``value_loss_per_token``, extra terms (an entropy
+bonus) from ``LOSS_TERMS``; `accumulate_gradients` sums them in one line. Gradient
+accumulation is exact for every aggregation mode: each micro-batch adds
+``aggregate_sum(...) / agg_denominator(minibatch mask)``. Micro-batches are rows
+(``micro_batch_size``), a padded-token budget (``micro_batch_tokens``), or both.
+``mask_truncated`` (DAPO's overlong filtering, Yu et al., 2025) zeroes the mask of rows with
+no stop id before the update (their rewards still counted in the advantages); a minibatch
+left with no token takes no optimizer step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,20 +20,19 @@ from omegaconf import OmegaConf
 
 from rlctl.core import (agg_denominator, aggregate_sum, counted_width, get_policy_loss, kl_estimate,
                         masked_mean, resolve_kl_estimator)
-from rlctl.core.losses import value_loss_per_token
-from rlctl.core.terms import active_terms
-from rlctl.learner.correction import batch_metrics, weighted
+from rlctl.core.losses import active_terms, value_loss_per_token
+from rlctl.core.rollout_correction import correction_weights, mismatch_metrics
+from rlctl.errors import UserError
 from rlctl.learner.forward import PromptGroups, learner_forward
-from rlctl.learner.stats import Metric, Moments, explained_variance_of, pool, population_std
+from rlctl.learner.metrics import Metric, Moments, explained_variance_of, pool, population_std
 from rlctl.schema import RolloutCorrectionConfig
 from rlctl.types import RolloutBatch
 
 
 @dataclass
 class UpdateSettings:
-    """The update's arguments, derived from the ``algo``, ``trainer`` and ``rollout``
-    sections (``from_config``): the policy loss looked up in its registry, clip_high's
-    default, the KL estimator resolved for its placement, the active extra loss terms,
+    """The update's arguments from the ``algo``, ``trainer`` and ``rollout`` sections: the
+    policy loss and extra terms looked up, the KL estimator resolved for its placement,
     the rollout correction (None: off)."""
     policy_loss: Callable
     clip_low: float
@@ -60,15 +52,13 @@ class UpdateSettings:
     share_prompts: bool = True             # one prompt forward per distinct prompt
     vf_coef: float = 0.0
     value_clip: Optional[float] = None
-    terms: Tuple[Tuple[str, float, Callable], ...] = ()   # (name, coef, fn): rlctl.core.terms
+    terms: Tuple[Tuple[str, float, Callable], ...] = ()   # (name, coef, fn): rlctl.core.losses
     mask_truncated: bool = False           # rows with no stop id out of the loss (DAPO)
     rollout_correction: Optional[RolloutCorrectionConfig] = None   # sampler/learner mismatch; None: off
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
-        """From the composed config's ``algo``, ``trainer`` and ``rollout`` sections;
-        ``share_prompts``: ``trainer.share_prompts`` as it applies on the backend
-        (``policy.prompt_sharing``)."""
+        """``share_prompts``: ``trainer.share_prompts`` as it applies on the backend."""
         algo, tr, rc = cfg.algo, cfg.trainer, cfg.algo.rollout_correction
         return cls(policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
                    clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
@@ -92,22 +82,15 @@ class UpdateState:
     policy_frozen: bool = False            # critic warm-up: only critic-only weights move
 
 
-def _chunks(rows: torch.Tensor, size: int) -> List[torch.Tensor]:
-    return [rows] if size <= 0 or size >= rows.numel() else list(rows.split(size))
-
-
 def micro_batches(row_width: torch.Tensor, prompt_len: int, size: int = 0, tokens: int = 0,
                   width: Optional[int] = None) -> List[torch.Tensor]:
-    """Row indices (CPU) of each micro-batch: at most ``size`` rows (0: any number) and at
-    most ``tokens`` padded tokens, rows x (prompt_len + widest completion among them)
-    (0: no budget). ``row_width`` [n]: each row's completion width (`counted_width`: last
-    counted column + 1); ``width``: the completion width every micro-batch keeps (None:
-    trimmed to its widest row). Rows are taken widest first, so similar widths share a
-    micro-batch; a row is never split, so one wider than the budget alone is a
-    micro-batch by itself."""
+    """Row indices (CPU) of each micro-batch: at most ``size`` rows and ``tokens`` padded
+    tokens, rows x (prompt_len + widest completion) (0: no limit). ``row_width`` [n]: each
+    row's `counted_width`; ``width``: the width every micro-batch keeps (None: its widest
+    row). Widest rows first; a row is never split (one over the budget goes alone)."""
     rows = torch.arange(row_width.numel())
     if tokens <= 0:
-        return _chunks(rows, size)
+        return [rows] if size <= 0 or size >= rows.numel() else list(rows.split(size))
     out: List[List[int]] = []
     for r in torch.argsort(row_width, descending=True, stable=True).tolist():
         if out:
@@ -120,26 +103,15 @@ def micro_batches(row_width: torch.Tensor, prompt_len: int, size: int = 0, token
     return [torch.tensor(m, dtype=torch.long) for m in out]
 
 
-def take_rows(batch: RolloutBatch, rows: torch.Tensor, width: Optional[int] = None) -> RolloutBatch:
-    """Rows (a CPU index) of the batch, completion columns cut to ``width`` (None: all
-    T); no text lists and no host sync (the learner needs neither)."""
-    out = batch.select(rows.to(batch.mask.device), text=False)             # [n, P+T]
-    return out if width is None else out.cut(width)                        # [n, P+width]
-
-
 def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                          critic=None, backend=None, row_width: Optional[torch.Tensor] = None,
                          prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
     """Backward of one minibatch's loss, micro-batch by micro-batch; returns metrics
-    (token-weighted means of detached tensors; spreads as `Moments` pooled over the
-    micro-batches). Does not step or zero the optimizer.
-
-    With a data-parallel ``backend`` the normalisers are summed over ranks, so each
-    rank's backward carries its exact share of the global minibatch loss.
-    ``row_width``: each row's last counted column + 1 ([N] long on the CPU, `counted_width`;
-    found here, one host sync, when not given; a multi-turn row's mask sums to less, its
-    observations being 0): each micro-batch is cut to its widest row (``s.trim_padding``).
-    ``prompts``: which rows share a prompt (found here when not given), for prompt sharing."""
+    (token-weighted means of detached tensors; spreads as `Moments`). Does not step or
+    zero the optimizer. With a data-parallel ``backend`` the normalisers are summed over
+    ranks, so each rank's backward carries its exact share of the global minibatch loss.
+    ``row_width``: each row's `counted_width` ([N] long, CPU; found here when not given);
+    ``prompts``: which rows share a prompt (found here when not given)."""
     backend = backend or _LOCAL
     if row_width is None:
         row_width = counted_width(batch.mask).cpu()                          # [N]
@@ -150,102 +122,75 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     scale = backend.dp_loss_scale            # undoes the backend's averaging of gradients
     sums: Dict[str, torch.Tensor] = {}       # token-weighted metric sums
     exact: Dict[str, torch.Tensor] = {}      # loss terms: micro-batch shares add up exactly
-    peak: Dict[str, torch.Tensor] = {}       # maxima over micro-batches
     pooled: Dict[str, Moments] = {}          # spreads: moments pooled over micro-batches
+    corr = s.rollout_correction if s.rollout_correction is not None and \
+        not s.rollout_correction.bypass else None
     for rows in micro_batches(row_width, batch.prompt_len, s.micro_batch_size, s.micro_batch_tokens,
                               None if s.trim_padding else batch.mask.shape[1]):   # CPU rows
         width = max(int(row_width[rows].max()), 1) if s.trim_padding else None
-        mb = take_rows(batch, rows, width)                                    # [n, P + width]
+        mb = batch.select(rows.to(batch.mask.device), text=False)           # [n, P+T], no host sync
+        mb = mb if width is None else mb.cut(width)                          # [n, P + width]
+        mask = mb.mask
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
                             s.temperature, with_entropy=True, critic=critic, entropy_grad=bool(s.terms),
                             share_prompts=prompts.rows(rows) if s.share_prompts else False)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
-        metrics_ratio = {}
-        if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
-            metrics_ratio, mb_max = _ratio_spread(f.logp.detach(), old, mb.mask)
-            peak["policy/ratio_max"] = torch.maximum(peak["policy/ratio_max"], mb_max) \
-                if "policy/ratio_max" in peak else mb_max
-        loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mb.mask,
+        loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mask,
                                           s.clip_low, s.clip_high, s.clip_ratio_c)   # [n, T]
-        loss_mat = weighted(loss_mat, mb, s.rollout_correction)   # x pi_old / pi_engine (off: as is)
-        metrics.update(metrics_ratio)
-        pg_loss = aggregate_sum(loss_mat, mb.mask, s.agg_mode, s.norm_len) / denom
-        loss = pg_loss.new_zeros(()) if st.policy_frozen else pg_loss + _extra_terms(f, mb, s, denom)
-        if mb.ref_logprobs is not None:
-            kl_loss, kl_metrics = _kl_term(f.logp, mb, s, st)
-            loss = loss + kl_loss / denom
-            metrics.update(kl_metrics)
-        if mb.returns is not None and f.values is not None:
-            v_loss, v_metrics = _value_term(f.values, mb, s, vdenom)
-            loss = loss + s.vf_coef * v_loss
+        if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
+            ratio = torch.exp((f.logp.detach() - old).clamp(-20, 20))                  # [n, T]
+            metrics["policy/ratio_std"] = Moments.of(ratio[None], mask, population_std)
+            mb_max = torch.where(mask > 0, ratio, 0.0).max()
+            exact["policy/ratio_max"] = torch.maximum(exact["policy/ratio_max"], mb_max) \
+                if "policy/ratio_max" in exact else mb_max
+        if corr is not None:                 # x pi_old / pi_engine (rlctl.core.rollout_correction)
+            loss_mat = loss_mat * correction_weight(mb, corr).to(loss_mat.dtype)
+        pg_loss = aggregate_sum(loss_mat, mask, s.agg_mode, s.norm_len) / denom
+        terms_loss = 0.0                     # extra terms (an entropy bonus), like the policy loss
+        for _, coef, fn in s.terms:
+            terms_loss = terms_loss + coef * aggregate_sum(fn(f.logp, f.entropy, mask), mask,
+                                                           s.agg_mode, s.norm_len) / denom
+        kl_loss = 0.0
+        if mb.ref_logprobs is not None:      # one estimate: the loss (in_loss) and policy/kl_ref
+            in_loss = st.kl_coef > 0 and s.kl_in_loss and not st.policy_frozen   # warm-up: critic only
+            kl_mat = kl_estimate(f.logp if in_loss else f.logp.detach(), mb.ref_logprobs,
+                                 s.kl_estimator)                                           # [n, T]
+            if in_loss:
+                kl_loss = st.kl_coef * aggregate_sum(kl_mat, mask, s.agg_mode, s.norm_len) / denom
+            metrics["policy/kl_ref"] = masked_mean(kl_mat.detach(), mask)
+            metrics.update(kl_side_by_side(f.logp.detach(), mb.ref_logprobs, mask))
+        v_loss = 0.0
+        if mb.returns is not None and f.values is not None:    # token-mean over the minibatch
+            v_mat, v_metrics = value_loss_per_token(f.values, mb.old_values, mb.returns, mask,
+                                                    s.value_clip)                          # [n, T]
+            v_loss = (v_mat * mask).sum() / vdenom
             exact["value/loss"] = exact.get("value/loss", 0.0) + v_loss.detach()
+            r = mb.returns.detach().double()                   # moments of (R, R - V): 1 - Var ratio
             metrics.update(v_metrics)
-        backend.backward(loss * scale)
-        weight = mb.mask.sum()
-        exact["policy/loss"] = exact.get("policy/loss", 0.0) + pg_loss.detach()
-        metrics["policy/entropy"] = masked_mean(f.entropy, mb.mask)
-        _gather(metrics, weight, sums, pooled)
-    total = batch.mask.sum().clamp(min=1)
-    return {**{k: v / total for k, v in sums.items()}, **exact, **peak, **pooled}
-
-
-def _gather(metrics: Dict[str, Metric], weight: torch.Tensor, sums: Dict[str, torch.Tensor],
-            pooled: Dict[str, Moments]) -> None:
-    """Adds one micro-batch's metrics: token means weighted by its ``weight`` tokens into
-    ``sums``, `Moments` pooled into ``pooled``."""
-    for k, v in metrics.items():
-        if isinstance(v, Moments):
-            pooled[k] = pooled[k].combine(v) if k in pooled else v
+            metrics["value/explained_var"] = Moments.of(
+                torch.stack([r, r - f.values.detach().double()]), mask, explained_variance_of)
+            metrics["value/mean"] = masked_mean(f.values.detach(), mask)
+        if st.policy_frozen:                 # critic warm-up: only critic-only weights move
+            pg_term, terms_loss = pg_loss.new_zeros(()), 0.0
         else:
-            sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
-
-
-def _extra_terms(f, mb: RolloutBatch, s: "UpdateSettings", denom: torch.Tensor) -> torch.Tensor:
-    """Sum of coef * aggregated term matrix (rlctl.core.terms), each over the minibatch's
-    policy-loss denominator like the policy loss; 0 without terms."""
-    total = f.logp.new_zeros(())
-    for _, coef, fn in s.terms:
-        term = fn(f.logp, f.entropy, mb.mask)                                         # [n, T]
-        total = total + coef * aggregate_sum(term, mb.mask, s.agg_mode, s.norm_len) / denom
-    return total
-
-
-def _ratio_spread(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor):
-    """({"policy/ratio_std": moments of the counted ratios}, their max) of pi / pi_old;
-    logp, old [n, T]. The std (population) is finished over the whole update."""
-    ratio = torch.exp((logp - old).clamp(-20, 20))                                    # [n, T]
-    return ({"policy/ratio_std": Moments.of(ratio[None], mask, population_std)},
-            torch.where(mask > 0, ratio, 0.0).max())
-
-
-def _kl_term(logp: torch.Tensor, mb: RolloutBatch, s: "UpdateSettings", st: "UpdateState"):
-    """(kl_coef * aggregate_sum of the KL estimate when it is in the loss, else 0; metrics).
-    One estimate serves the loss and ``policy/kl_ref``; ``kl/k1``, ``kl/k3`` are logged beside it."""
-    in_loss = st.kl_coef > 0 and s.kl_in_loss and not st.policy_frozen   # warm-up: critic only
-    kl_mat = kl_estimate(logp if in_loss else logp.detach(), mb.ref_logprobs, s.kl_estimator)  # [n, T]
-    term = st.kl_coef * aggregate_sum(kl_mat, mb.mask, s.agg_mode, s.norm_len) if in_loss \
-        else logp.new_zeros(())
-    metrics = {"policy/kl_ref": masked_mean(kl_mat.detach(), mb.mask)}
-    metrics.update(kl_side_by_side(logp.detach(), mb.ref_logprobs, mb.mask))
-    return term, metrics
-
-
-def _value_term(values: torch.Tensor, mb: RolloutBatch, s: "UpdateSettings", vdenom: torch.Tensor):
-    """(this micro-batch's share of the token-mean value loss, value metrics); values [n, T]."""
-    v_mat, v_metrics = value_loss_per_token(values, mb.old_values, mb.returns, mb.mask,
-                                            s.value_clip)                            # [n, T]
-    metrics = {**v_metrics,                                         # value/clip_frac
-               # moments of (R, R - V), finished over the whole update: 1 - Var[R - V] / Var[R]
-               "value/explained_var": Moments.of(_returns_and_residuals(mb.returns, values), mb.mask,
-                                                 explained_variance_of),
-               "value/mean": masked_mean(values.detach(), mb.mask)}
-    return (v_mat * mb.mask).sum() / vdenom, metrics
-
-
-def _returns_and_residuals(returns: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[2, n, T] float64: R and R - V (the residual taken in float64)."""
-    r = returns.detach().double()                                                     # [n, T]
-    return torch.stack([r, r - values.detach().double()])
+            pg_term = pg_loss
+        loss = pg_term + terms_loss + kl_loss + s.vf_coef * v_loss     # the loss, term by term
+        backend.backward(loss * scale)
+        exact["policy/loss"] = exact.get("policy/loss", 0.0) + pg_loss.detach()
+        metrics["policy/entropy"] = masked_mean(f.entropy, mask)
+        weight = mask.sum()
+        for k, v in metrics.items():
+            if isinstance(v, Moments):
+                pooled[k] = pooled[k].combine(v) if k in pooled else v
+            else:
+                sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
+    total = batch.mask.sum().clamp(min=1)
+    out: Dict[str, Metric] = {}
+    for k, v in sums.items():
+        out[k] = v / total
+    out.update(exact)
+    out.update(pooled)
+    return out
 
 
 def kl_side_by_side(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor
@@ -273,17 +218,10 @@ _LOCAL = _LocalBackend()
 
 def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                   critic=None, prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
-    """Run the optimizer steps for one rollout; returns detached metric tensors: means
-    over the optimizer steps, and `Moments` (``policy/ratio_std``,
-    ``value/explained_var``) pooled over every token the steps saw, which
-    `rlctl.learner.stats.reduce_metrics` finishes (over ranks too).
-
-    ``model`` is what the backend returned from ``prepare`` (the module to call).
-    ``batch.old_logprobs`` None means a single pass (1 epoch, 1 minibatch): the ratio is
-    exactly 1 and the old log-probs are the current ones, detached; no extra forward.
-    During critic warm-up (``st.policy_frozen``) the policy loss is left out and the
-    values are computed from a detached backbone, so only critic-only weights move.
-    """
+    """The optimizer steps for one rollout -> detached metrics: means over the steps, and
+    `Moments` pooled over every token (`reduce_metrics` finishes them). ``model``: what
+    ``backend.prepare`` returned. ``batch.old_logprobs`` None: a single pass, ratio 1
+    exactly. Critic warm-up (``st.policy_frozen``): only critic-only weights move."""
     model.train()
     if s.mask_truncated:     # DAPO's overlong filtering; the advantages were computed before
         batch = batch.replace(mask=batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype))
@@ -300,7 +238,8 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
         # ranks keeping different numbers of groups would step a different number of times)
         for rows in torch.tensor_split(order, s.minibatches):
             backend.zero_grad()
-            mb = batch if not shuffle and s.minibatches == 1 else take_rows(batch, rows)
+            mb = batch if not shuffle and s.minibatches == 1 else \
+                batch.select(rows.to(batch.mask.device), text=False)
             metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_width[rows],
                                            None if prompts is None else prompts.rows(rows))
             # A non-finite loss (on any rank) skips this optimizer step on every rank, and so
@@ -320,9 +259,38 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
             metrics["fault/skipped_steps"] = (~torch.isfinite(metrics["optim/grad_norm"])).float()
             for k, v in metrics.items():
                 records.setdefault(k, []).append(v)
-    out = {k: pool(v) if isinstance(v[0], Moments) else torch.stack(v).mean() for k, v in records.items()}
+    out: Dict[str, Metric] = {}
+    for k, v in records.items():
+        out[k] = pool(v) if isinstance(v[0], Moments) else torch.stack(v).mean()
     out["fault/skipped_steps"] = torch.stack(records["fault/skipped_steps"]).sum()
     if "policy/ratio_max" in records:
         out["policy/ratio_max"] = torch.stack(records["policy/ratio_max"]).max()
-    out.update(batch_metrics(batch, s.rollout_correction))     # rollout_corr/*: once per rollout
+    corr = s.rollout_correction
+    if corr is not None and not corr.bypass and batch.engine_logprobs is not None \
+            and batch.old_logprobs is not None:     # rollout_corr/*: once per rollout
+        m = mismatch_metrics(batch.old_logprobs, batch.engine_logprobs, batch.mask, corr.level,
+                             corr.mode, corr.upper, corr.lower)
+        out.update({f"rollout_corr/{k}": v for k, v in m.items()})
     return out
+
+
+def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrectionConfig]) -> RolloutBatch:
+    """The batch as the old-policy forward sees it: unchanged with the correction off;
+    bypass: pi_old := pi_engine in every row; otherwise no old log-probs, so the learner
+    computes pi_old for every row (the sampler's stay in ``engine_logprobs``)."""
+    if corr is None:
+        return batch
+    if batch.engine_logprobs is None:
+        raise UserError("algo.rollout_correction.enabled=true needs the sampler's log-probs, "
+                        "and this rollout source recorded none (engine_logprobs)")
+    old = batch.engine_logprobs if corr.bypass else None
+    return batch.replace(old_logprobs=old, behaviour_rows=None)
+
+
+def correction_weight(mb: RolloutBatch, corr: RolloutCorrectionConfig) -> torch.Tensor:
+    """The weight [n, T] multiplying each token's policy loss (correction on, no bypass)."""
+    if mb.engine_logprobs is None or mb.old_logprobs is None:
+        raise UserError("algo.rollout_correction needs both the sampler's log-probs and the "
+                        "learner's old ones in the batch (engine_logprobs, old_logprobs)")
+    return correction_weights(mb.old_logprobs, mb.engine_logprobs, mb.mask, corr.level, corr.mode,
+                              corr.upper, corr.lower)

@@ -2,7 +2,7 @@
 run directory is made (``rlctl.config.validate`` checked the rest at compose time). Failures
 are one line (``ConfigError``, exit 2); warnings are one line on stderr: a group-relative
 advantage with ``algo.group_size=1`` (every advantage 0), and a KL estimator whose gradient
-follows no KL divergence where it is placed (the table in rlctl/core/kl.py)."""
+follows no KL divergence where it is placed (the table in rlctl/core/losses.py)."""
 from __future__ import annotations
 
 import sys

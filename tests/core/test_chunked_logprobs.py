@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from rlctl.core import chunked_token_logprobs
-from rlctl.core.chunked_logprobs import default_chunk_tokens
+from rlctl.core.logprobs import default_chunk_tokens
 
 F64 = torch.float64
 

@@ -17,7 +17,7 @@ import torch
 
 from rlctl.core import (KL_DEFAULT_ESTIMATOR, KL_PLACEMENT_NOTES, get_policy_loss,
                         kl_estimate, resolve_kl_estimator)
-from rlctl.learner.advantage import AdvantageSettings, compute_advantages
+from rlctl.learner.trainer import AdvantageSettings, compute_advantages
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.types import RolloutBatch
 
@@ -91,7 +91,7 @@ def k2_mean(theta):       # E_pi[k2] = 0.5 * sum_a pi(a) (log pi(a) - log ref(a)
     return (logp.exp() * 0.5 * (logp - REF) ** 2).sum()
 
 
-# What each pair follows, as stated in rlctl/core/kl.py's docstring and docs/algorithms.md.
+# What each pair follows, as stated in rlctl/core/losses.py's docstring and docs/algorithms.md.
 STATED = {
     ("k1", "in_reward"): lambda: _grad(kl_forward),
     ("k2", "in_reward"): lambda: _grad(k2_mean) - _grad(kl_forward),

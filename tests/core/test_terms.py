@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlctl.core import aggregate, entropy_from_logits
-from rlctl.core.terms import LOSS_TERMS, active_terms, entropy_bonus
+from rlctl.core.losses import LOSS_TERMS, active_terms, entropy_bonus
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.types import RolloutBatch
 

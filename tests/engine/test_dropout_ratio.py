@@ -80,12 +80,12 @@ def _first_step_log_ratios(model_dir: Path, disable: bool) -> torch.Tensor:
     torch.manual_seed(0)
     tr = Trainer.from_config(cfg, model, tok, task, NullSink(),
                              source=build_source(cfg, model, tok, task), critic=critic, ref_model=ref)
-    seen, loss = [], tr.settings.policy_loss
+    seen, loss = [], tr.update_settings.policy_loss
 
     def recorded(logp, old_logp, advantages, mask, *args, **kw):   # the registry's loss, seen
         seen.append((logp.detach() - old_logp)[mask > 0])
         return loss(logp, old_logp, advantages, mask, *args, **kw)
-    tr.settings.policy_loss = recorded
+    tr.update_settings.policy_loss = recorded
     try:
         tr.step(1)
     finally:

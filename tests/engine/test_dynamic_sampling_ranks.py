@@ -16,7 +16,7 @@ from rlctl.compose import compose
 from rlctl.core import get_policy_loss
 from rlctl.errors import ConfigError
 from rlctl.learner.forward import learner_forward
-from rlctl.learner.stats import reduce_metrics
+from rlctl.learner.metrics import reduce_metrics
 from rlctl.learner.update import UpdateSettings, UpdateState, update_policy
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.types import RolloutBatch

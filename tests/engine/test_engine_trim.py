@@ -7,7 +7,7 @@ import torch
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
 from rlctl.learner.forward import learner_forward
-from rlctl.learner.stats import Moments
+from rlctl.learner.metrics import Moments
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models import load_model_and_tokenizer
 from rlctl.types import RolloutBatch

@@ -7,7 +7,7 @@ from gloo_ranks import run_two_ranks
 
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
-from rlctl.learner.advantage import AdvantageSettings, compute_advantages
+from rlctl.learner.trainer import AdvantageSettings, compute_advantages
 from rlctl.learner.forward import learner_forward
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models import load_model_and_tokenizer
@@ -171,8 +171,8 @@ def test_kl_estimator_and_norm_len_defaults_resolve_once(make_trainer, placement
     tr = make_trainer(["algo=rloo", f"algo.kl.placement={placement}", "algo.kl.coef=0.05",
                        "algo.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_new_tokens=6"])
     assert compose(["algo=rloo"]).cfg.algo.kl.estimator is None        # null in the config
-    assert tr.settings.kl_estimator == tr.adv_settings.kl_estimator == kind
-    assert tr.settings.norm_len == 6
+    assert tr.update_settings.kl_estimator == tr.adv_settings.kl_estimator == kind
+    assert tr.update_settings.norm_len == 6
     assert compose(["algo=ppo"]).cfg.algo.kl.estimator is None          # PPO: k1 in the reward
     assert compose(["algo=ppo"]).cfg.algo.kl.placement == "in_reward"
 
@@ -210,7 +210,7 @@ def _dp_loss_worker(out_dir: str) -> None:
 
     from dp_worker import B, G, synthetic_batch
     from rlctl.backends.base import build_backend
-    from rlctl.learner.stats import reduce_metrics
+    from rlctl.learner.metrics import reduce_metrics
     from rlctl.learner.update import update_policy
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -19,8 +19,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlctl.core import gae, get_policy_loss, group_advantages, place_turn_rewards
-from rlctl.core.terms import active_terms
-from rlctl.learner.advantage import AdvantageSettings, compute_advantages
+from rlctl.core.losses import active_terms
+from rlctl.learner.trainer import AdvantageSettings, compute_advantages
 from rlctl.learner.forward import learner_forward
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.types import MODEL, OBSERVATION, Episode, RolloutBatch, Span
@@ -155,7 +155,7 @@ def test_observation_positions_get_zero_gradient_and_the_loss_is_the_slow_loops(
     torch.testing.assert_close(got["policy/loss"], pg.detach(), **tol)
     torch.testing.assert_close(grads(model), grads(slow_model), **tol)
     assert 0 < clip_frac < 1
-    f32 = dict(rtol=1e-6, atol=1e-9)     # token-mean metrics are summed in float32 (update._gather)
+    f32 = dict(rtol=1e-6, atol=1e-9)     # token-mean metrics are summed in float32 (update.accumulate_gradients)
     torch.testing.assert_close(got["policy/clip_frac"].double(), torch.tensor(clip_frac, dtype=F64), **f32)
     torch.testing.assert_close(got["kl/k3"].double(), k3.detach(), **f32)
     torch.testing.assert_close(got["policy/entropy"].double(), entropy.detach(), **f32)

@@ -1,10 +1,10 @@
-"""episode/* metrics of a batch of episodes (rlctl.learner.stats), length/* counting the
+"""episode/* metrics of a batch of episodes (rlctl.learner.metrics), length/* counting the
 model's tokens only, and the sample table's stop id at a multi-turn row's last counted
-column (rlctl.learner.samples.endings)."""
+column (rlctl.learner.metrics.endings)."""
 import torch
 
-from rlctl.learner.samples import endings
-from rlctl.learner.stats import reduce_metrics, rollout_metrics
+from rlctl.learner.metrics import endings
+from rlctl.learner.metrics import reduce_metrics, rollout_metrics
 from rlctl.types import (DONE, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode, RolloutBatch,
                          Span)
 

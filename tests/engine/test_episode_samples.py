@@ -1,7 +1,7 @@
-"""Sample-table pieces of episodes (rlctl/learner/samples.py, rlctl/sinks/base.py): which
+"""Sample-table pieces of episodes (rlctl/learner/metrics.py, rlctl/sinks/base.py): which
 tasks offer tools, and a list of turns written as one cell."""
 from rlctl.compose import compose
-from rlctl.learner.samples import offers_tools
+from rlctl.learner.metrics import offers_tools
 from rlctl.run.build import task_from_config
 from rlctl.sinks.base import cell_text
 

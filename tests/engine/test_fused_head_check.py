@@ -122,7 +122,7 @@ def test_plain_llama_keeps_the_fused_head():
 def test_the_fused_path_differs_where_a_transform_is_not_caught():
     """Why the check matters: Gemma-2's hidden states through its plain head (what the
     fused path would score) give other log-probs than its own soft-capped logits."""
-    from rlctl.core.chunked_logprobs import chunked_token_logprobs
+    from rlctl.core.logprobs import chunked_token_logprobs
     from rlctl.models.positions import position_ids_from_mask
 
     model = _model(TRANSFORMED["gemma2"]())

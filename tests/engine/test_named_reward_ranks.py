@@ -44,8 +44,8 @@ def _rank_worker(out_dir: str) -> None:
     pair of processes for both: each start-up imports torch), a fresh task and scorer score
     its rows and pool the named means."""
     from rlctl.backends.base import build_backend
-    from rlctl.learner.stats import reduce_metrics
-    from rlctl.learner.trainer import named_reward_metrics
+    from rlctl.learner.metrics import reduce_metrics
+    from rlctl.learner.metrics import named_reward_metrics
     from rlctl.tasks.scoring import RewardScorer
 
     rank = int(os.environ["RANK"])

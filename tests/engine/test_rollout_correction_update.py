@@ -10,7 +10,7 @@ import torch
 
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
-from rlctl.learner.correction import old_policy_inputs
+from rlctl.learner.update import old_policy_inputs
 from rlctl.learner.forward import learner_forward
 from rlctl.learner.trainer import needs_old_forward
 from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients

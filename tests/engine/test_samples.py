@@ -1,4 +1,4 @@
-"""Sample tables (rlctl/learner/samples.py): which rows are drawn, what their columns hold
+"""Sample tables (rlctl/learner/metrics.py): which rows are drawn, what their columns hold
 (checked against the batch they came from, and by hand), that drawing them leaves the
 run unchanged, the eval table, and the policy version of asynchronous rollouts."""
 import math
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from rlctl.learner.samples import draw_rows, sequence_advantages
+from rlctl.learner.metrics import draw_rows, sequence_advantages
 from rlctl.models.stop_ids import stop_ids
 
 BASE = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=0", "trainer.lr=1e-3"]

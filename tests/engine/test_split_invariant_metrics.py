@@ -32,7 +32,7 @@ import torch
 from rlctl.backends.base import Backend, build_backend
 from rlctl.compose import compose
 from rlctl.core import get_policy_loss
-from rlctl.learner.stats import reduce_metrics, rollout_metrics
+from rlctl.learner.metrics import reduce_metrics, rollout_metrics
 from rlctl.learner.update import UpdateSettings, UpdateState, update_policy
 from rlctl.models import load_model_and_tokenizer
 from rlctl.models.value import SeparateCritic

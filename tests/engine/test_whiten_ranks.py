@@ -42,7 +42,7 @@ def _rank_worker(out_dir: str) -> None:
     """One of 2 ranks (a subprocess of the test): whitens its half of the rows, clean then
     poisoned (one pair of processes for both cases: each start-up imports torch)."""
     from rlctl.backends.base import build_backend
-    from rlctl.learner.advantage import whiten_over_ranks
+    from rlctl.learner.trainer import whiten_over_ranks
 
     rank = int(os.environ["RANK"])
     backend = build_backend("torch", "cpu")
@@ -73,7 +73,7 @@ def test_two_ranks_whiten_like_one_process_at_mean_1000_std_1(whitened, poison):
                           for r in range(2)])
     assert abs(want[keep].std(ddof=1) - 1) < 1e-6
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    from rlctl.learner.advantage import whiten_over_ranks
+    from rlctl.learner.trainer import whiten_over_ranks
     one = whiten_over_ranks(x, mask, None).double().numpy()                  # one process
     np.testing.assert_allclose(one, want, rtol=0, atol=2e-3)
     np.testing.assert_allclose(got, one, rtol=0, atol=2e-3 + 1e-6)
