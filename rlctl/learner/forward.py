@@ -21,11 +21,11 @@ import torch
 
 from rlctl.core.chunked_logprobs import chunked_token_logprobs
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
-from rlctl.models.head_check import head_matches, verdict as head_verdict
+from rlctl.models.head_check import VERDICTS as HEAD_VERDICTS, head_matches
 from rlctl.models.kv_share import (cache_keyword, cache_of, detach_module_state, differentiable,
                                    distinct_rows, forward_takes, index_rows, innermost, regroup,
                                    state_in_modules, unpadded_notice)
-from rlctl.models.positions import position_ids_from_mask
+from rlctl.models.kv_share import position_ids_from_mask
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,9 @@ def fused_head(model, inputs: Optional[dict] = None) -> Optional[Tuple[torch.Ten
     lm_head = get() if callable(get) else None
     if type(lm_head) is not torch.nn.Linear or lm_head.weight.dim() != 2 or lm_head.weight.numel() == 0:
         return None     # a LoRA-wrapped head, or a ZeRO-3 partitioned weight
-    exact = head_verdict(inner) if inputs is None else \
-        head_matches(model, inner, lm_head.weight, lm_head.bias, inputs)
+    exact = HEAD_VERDICTS.get(inner)           # checked once per model, on its first inputs
+    if exact is None and inputs is not None:
+        exact = head_matches(model, inner, lm_head.weight, lm_head.bias, inputs)
     return None if exact is False else (lm_head.weight, lm_head.bias)
 
 

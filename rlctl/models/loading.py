@@ -1,22 +1,21 @@
 """Load a causal LM and its tokenizer: the embedded tiny model or any HF checkpoint.
-
-Tokenizers come back with ``padding_side="left"`` and a pad token (EOS when the
-checkpoint has none), as batched generation needs.
-"""
+Tokenizers come back with ``padding_side="left"`` and a pad token (EOS when the checkpoint
+has none), as batched generation needs."""
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
 import torch
+import transformers
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlctl.model_files import adapter_problem, corrupt_safetensors, vocab_problem
-from rlctl.models.tiny import build_tiny
-from rlctl.models.tiny_agents import build_tiny_model
+from rlctl.models.tiny import AGENT_TASKS, build_tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODELS = ("tiny", "hf")
@@ -33,6 +32,26 @@ def resolve_dtype(dtype: Any) -> torch.dtype:
 def _looks_like_path(name_or_path: str) -> bool:
     return (os.path.isabs(name_or_path) or name_or_path.startswith((".", "~"))
             or name_or_path.count("/") > 1 or os.sep in name_or_path and os.sep != "/")
+
+
+def quiet_libraries(device: str, num_threads: int) -> None:
+    """Before a model is loaded: no progress bars or info logs from transformers, and the
+    configured number of torch threads."""
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers may import deepspeed
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(num_threads)
+
+
+def build_tiny_model(warmup_task: Optional[str] = "sorting", **kwargs) -> Path:
+    """The tiny model's directory for ``warmup_task``: a built-in environment's agent model
+    (its module, a demo, is imported only then), else ``build_tiny``'s."""
+    if warmup_task in AGENT_TASKS:
+        kwargs.pop("warmup_num_digits", None)
+        agents = importlib.import_module("rlctl.models.tiny_agents")
+        return agents.build_agent_tiny(warmup_task, **kwargs)
+    return build_tiny(warmup_task=warmup_task, **kwargs)
 
 
 def prepare_tokenizer(tokenizer, model):

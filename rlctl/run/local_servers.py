@@ -27,8 +27,7 @@ from omegaconf import OmegaConf
 
 from rlctl.backends.launch import die_with_parent
 from rlctl.errors import UserError, user_message
-from rlctl.models.loading import load_model_and_tokenizer
-from rlctl.models.quiet import quiet_libraries
+from rlctl.models.loading import load_model_and_tokenizer, quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.engine import TorchEngine
 from rlctl.rollout.serve_app import build_app

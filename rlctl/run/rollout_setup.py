@@ -21,7 +21,7 @@ from rlctl.backends.launch import die_with_parent
 from rlctl.envs.base import is_episodic
 from rlctl.errors import ConfigError, UserError, user_message
 from rlctl.learner.forward import prompt_sharing
-from rlctl.models.quiet import quiet_libraries
+from rlctl.models.loading import quiet_libraries
 from rlctl.rollout.engine import TorchEngine
 from rlctl.rollout.engine_source import EngineSettings, EngineSource
 from rlctl.rollout.episode_source import EpisodeSource

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
+
 from rlctl.errors import CheckpointError
 
 PREFIX = "step-"
