@@ -1,12 +1,9 @@
-"""``model.disable_dropout``: no train-mode randomness in the models rlctl trains or scores.
-
-pi_old, the reference and the critic run in eval mode and the update in train mode, so
-dropout would make pi / pi_old != 1 at theta = theta_old. As TRL's ``disable_dropout``,
-every probability is set to 0: dropout modules (``p``), floats kept on modules
-(``attention_dropout``, ``layerdrop``, ...) and config fields read at forward time (top
-level and nested), named ``*dropout*``, ``*pdrop*``, ``layerdrop`` and the MoE routers'
-train-only jitter (PhiMoE's ``router_jitter_noise`` is kept: it is read in eval too).
-Called before adapters exist, so ``model.lora.dropout`` stays as configured."""
+"""``model.disable_dropout``: pi_old, the reference and the critic run in eval mode and the
+update in train mode, so dropout would make pi / pi_old != 1 at theta = theta_old. As TRL's
+``disable_dropout``, every probability is 0: dropout modules, and floats on modules and
+(nested) configs named ``*dropout*``, ``*pdrop*``, ``layerdrop`` or the MoE routers' train-only
+jitter (PhiMoE's ``router_jitter_noise`` is read in eval too: kept). Called before adapters
+exist, so ``model.lora.dropout`` stays as configured."""
 from __future__ import annotations
 
 from typing import Iterator

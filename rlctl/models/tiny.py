@@ -47,9 +47,7 @@ MAX_POSITIONS = 64
 WARMUP_BATCH_SIZE = 64
 WARMUP_TASK_SEED = 1234  # the default sorting task's split seed
 WARMUP_SORTED_FRAC = 0.2  # share of warm-up answers that are sorted; the rest are permuted
-# Warm-up tasks (model.warmup_task). Any other registered task name (e.g. jsonl) gets the
-# sorting warm-up. The arithmetic warm-up is on 2-digit addition ("1 2 + 3 4 =" -> "4 6")
-# from the default arithmetic task's training split; its settings are calibrated below.
+# Warm-up tasks (model.warmup_task); any other registered task name gets the sorting warm-up.
 WARMUP_TASKS = ("sorting", "arithmetic")
 AGENT_TASKS = ("calculator", "guess_number", "running_sum")   # models: rlctl.models.tiny_agents
 ARITH_WARMUP = {"batch_size": 256, "correct_frac": 1.0, "steps_scale": 2.5}
@@ -162,48 +160,29 @@ def cache_key(params: Dict[str, object]) -> str:
     return "tiny-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
-def warmup_answers(task, examples, sorted_frac: float, seed: int) -> List[str]:
-    """Sorted answer with probability ``sorted_frac``, else a random permutation."""
-    rng = random.Random(seed)
-    answers = []
-    for ex in examples:
-        digits = list(ex.fields["digits"])
-        if rng.random() < sorted_frac:
-            answers.append(task.answer(ex))
-        else:
-            rng.shuffle(digits)
-            answers.append(" ".join(map(str, digits)))
-    return answers
-
-
-def arithmetic_warmup_answers(task, examples, correct_frac: float, seed: int) -> List[str]:
-    """The right answer with probability ``correct_frac``, else a random number with as
-    many digits (the format without the skill)."""
-    rng = random.Random(seed)
-    answers = []
-    for ex in examples:
-        n = ex.fields["answer"]
-        if rng.random() < correct_frac:
-            answers.append(task.answer(ex))
-        else:
-            width = len(str(abs(n)))
-            answers.append(spaced(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width)))
-    return answers
-
-
 def _warmup_data(params: Dict[str, object]):
-    """(prompts, answers, batch size) of the warm-up task."""
+    """(prompts, answers, batch size) of the warm-up task's training rows: sorting's answer
+    sorted with probability ``warmup_sorted_frac``, else its digits permuted; arithmetic's
+    right with probability ``warmup_correct_frac``, else a random number as wide."""
+    rng = random.Random(params["seed"])
     if params.get("warmup_task", "sorting") == "arithmetic":
         task = ArithmeticTask(num_digits=2, ops=["+"], seed=WARMUP_TASK_SEED)
-        train = task.train_examples()
-        return ([ex.prompt for ex in train],
-                arithmetic_warmup_answers(task, train, params["warmup_correct_frac"],
-                                          params["seed"]), params["warmup_batch_size"])
-    task = SortingTask(num_digits=params["warmup_num_digits"], seed=WARMUP_TASK_SEED)
-    train = task.train_examples()
-    return ([ex.prompt for ex in train],
-            warmup_answers(task, train, params["warmup_sorted_frac"], params["seed"]),
-            WARMUP_BATCH_SIZE)
+        frac, batch_size = params["warmup_correct_frac"], params["warmup_batch_size"]
+    else:
+        task = SortingTask(num_digits=params["warmup_num_digits"], seed=WARMUP_TASK_SEED)
+        frac, batch_size = params["warmup_sorted_frac"], WARMUP_BATCH_SIZE
+    train, answers = task.train_examples(), []
+    for ex in train:
+        if rng.random() < frac:
+            answers.append(task.answer(ex))
+        elif isinstance(task, SortingTask):
+            digits = list(ex.fields["digits"])
+            rng.shuffle(digits)
+            answers.append(" ".join(map(str, digits)))
+        else:
+            width = len(str(abs(ex.fields["answer"])))
+            answers.append(spaced(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width)))
+    return [ex.prompt for ex in train], answers, batch_size
 
 
 def warm_up_and_save(directory: Path, params: Dict[str, object], tokenizer, rows,
@@ -250,14 +229,9 @@ def build_tiny(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                warmup_steps: int = 0, warmup_lr: float = 1e-3, seed: int = 0,
                warmup_num_digits: int = 5, cache_dir: Optional[os.PathLike] = None,
                warmup_task: str = "sorting") -> Path:
-    """Directory of the tiny model (model + tokenizer), building it on first use.
-
-    ``warmup_task``: sorting | arithmetic; the name of any other registered task (e.g.
-    jsonl, the default config's ``${task.name}``) means sorting.
-
-    Cached under ``cache_dir`` (default ``$RLCTL_CACHE`` or ``~/.cache/rlctl``) in
-    ``tiny-<hash>``, the hash covering every parameter that affects the weights.
-    """
+    """Directory of the tiny model (model + tokenizer), built on first use into ``cache_dir``
+    (default ``$RLCTL_CACHE`` or ``~/.cache/rlctl``). ``warmup_task``: sorting | arithmetic;
+    any other registered task (e.g. jsonl, the default ``${task.name}``) means sorting."""
     params = build_params(hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed,
                           warmup_num_digits, resolve_warmup_task(warmup_task))
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()

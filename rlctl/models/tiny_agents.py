@@ -146,8 +146,6 @@ def play_scripted(task, example, seed: int, policy, opts, rng, tokenizer) -> Tra
     return tr
 
 
-# ---- transcripts and the warm-up batch --------------------------------------------------
-
 def transcript_rows(tokenizer, transcripts: Sequence[Transcript]
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, labels) [M, L]: ``<bos>`` prompt, model
@@ -178,12 +176,6 @@ def warmup_transcripts(name: str, opts, seed: int, tokenizer) -> List[Transcript
             for i in range(int(opts["episodes"]))]
 
 
-def transcripts_digest(transcripts: Sequence[Transcript]) -> str:
-    return hashlib.sha256(json.dumps(transcripts).encode()).hexdigest()[:16]
-
-
-# ---- build and cache --------------------------------------------------------------------
-
 def agent_params(name: str, hidden_size: int, num_layers: int, num_heads: int,
                  warmup_steps: int, warmup_lr: float, seed: int) -> Dict[str, object]:
     """Everything that determines the agent model of task ``name`` (the cache key hashes
@@ -196,8 +188,8 @@ def agent_params(name: str, hidden_size: int, num_layers: int, num_heads: int,
     params.update({"warmup_task": name, "agent_code_version": AGENT_CODE_VERSION,
                    "agent_words": list(TINY_AGENT_WORDS),
                    **{f"warmup_{k}": v for k, v in opts.items()},
-                   "warmup_transcripts": transcripts_digest(
-                       warmup_transcripts(name, opts, int(seed), tokenizer))})
+                   "warmup_transcripts": hashlib.sha256(json.dumps(warmup_transcripts(
+                       name, opts, int(seed), tokenizer)).encode()).hexdigest()[:16]})
     return params
 
 
@@ -220,10 +212,6 @@ def build_agent_tiny(name: str, hidden_size: int = 128, num_layers: int = 2,
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     final, meta = build_cached(root, cache_key(params), lambda tmp: _build_agent_into(tmp, params))
     if meta is not None:
-        log.info("built tiny %s model in %.1f s (%d warm-up steps): %s", name,
-                 meta["build_seconds"], steps_of(params), final)
+        log.info("built tiny %s model in %.1f s (%d warm-up steps): %s", name, meta["build_seconds"],
+                 int(round(params["warmup_steps"] * params["warmup_steps_scale"])), final)
     return final
-
-
-def steps_of(params: Dict[str, object]) -> int:
-    return int(round(params["warmup_steps"] * params["warmup_steps_scale"]))

@@ -27,22 +27,6 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-class NullSink:
-    """Accepts everything, does nothing."""
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        pass
-
-    def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
-        pass
-
-    def summary(self, values: Mapping[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def cell_text(value: Any) -> str:
     """One sample value as table text: "" for None, true/false, floats to 4 significant
     digits, an episode's turns as `role: text` joined by ` | `, anything else as str()."""
@@ -104,3 +88,10 @@ class MultiSink:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class NullSink(MultiSink):
+    """Accepts everything, does nothing (a fan-out to no sinks)."""
+
+    def __init__(self):
+        super().__init__(())

@@ -23,22 +23,15 @@ from typing import Any, Mapping, Sequence
 from .base import cell_text
 
 MODES = ("online", "offline", "disabled")
-SAMPLES_PREFIX = "samples"
 
 
 def sample_key(table: str, step: int) -> str:
     """The history key of one sample table, e.g. `samples/train/step_000025`."""
-    return f"{SAMPLES_PREFIX}/{table}/step_{step:06d}"
+    return f"samples/{table}/step_{step:06d}"
 
 
 def _warn(message: str) -> None:
     print(f"rlctl: warning: {message}", file=sys.stderr, flush=True)
-
-
-def _cell(value: Any) -> Any:
-    """A sample value as a wandb.Table cell: an episode's turns (a list) as one text
-    (`rlctl.sinks.base.cell_text`), the rest as `_plain` gives it."""
-    return cell_text(value) if isinstance(value, list) else _plain(value)
 
 
 def _plain(value: Any) -> Any:
@@ -196,7 +189,8 @@ class WandbSink:
         import wandb   # already imported by _start (the run exists)
 
         columns = [str(k) for k in rows[0]]
-        data = [[_cell(row.get(c)) for c in columns] for row in rows]
+        data = [[cell_text(v) if isinstance(v, list) else _plain(v)    # turns: one text
+                 for v in map(row.get, columns)] for row in rows]
         key = sample_key(table, int(step))
         self._add({key: wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, int(step))
 
