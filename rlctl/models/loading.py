@@ -1,17 +1,18 @@
 """Load a causal LM and its tokenizer: the embedded tiny model or any HF checkpoint.
 Tokenizers come back with ``padding_side="left"`` and a pad token (EOS when the checkpoint
-has none), as batched generation needs."""
+has none), as batched generation needs. ``disable_dropout``: ``model.disable_dropout``."""
 from __future__ import annotations
 
 import importlib
 import inspect
 import os
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 import transformers
 from safetensors import SafetensorError
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlctl.model_files import adapter_problem, corrupt_safetensors, vocab_problem
@@ -126,3 +127,49 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
     check_vocab(tokenizer, model, path)
     model.to(device)
     return model, prepare_tokenizer(tokenizer, model)
+
+
+_NAMES = ("dropout", "pdrop")                      # substrings of a dropout probability's name
+_EXACT = ("layerdrop", "jitter_noise", "input_jitter_noise", "moe_jitter_eps")
+
+
+def _is_rate(name: str, value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        return False
+    name = name.lower()
+    return name in _EXACT or any(s in name for s in _NAMES)
+
+
+def _configs(model: nn.Module) -> Iterator:
+    """Every config object the model's modules hold, nested ones included (each once)."""
+    seen, todo = set(), [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        conf = todo.pop()
+        if conf is None or id(conf) in seen or not hasattr(conf, "to_dict"):
+            continue
+        seen.add(id(conf))
+        yield conf
+        todo.extend(v for v in vars(conf).values() if hasattr(v, "to_dict"))
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """``model.disable_dropout``: every dropout probability of ``model`` set to 0 in place (as
+    TRL's), so pi / pi_old = 1 at theta = theta_old although pi_old runs in eval mode and the
+    update in train mode: dropout modules, and floats on modules and (nested) configs named
+    ``*dropout*``, ``*pdrop*``, ``layerdrop`` or a MoE router's train-only jitter (PhiMoE's
+    ``router_jitter_noise`` is read in eval too: kept). Called before adapters exist
+    (``model.lora.dropout`` stays). Returns how many modules, attributes and fields changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, (nn.modules.dropout._DropoutNd, nn.AlphaDropout)) and module.p:
+            module.p, changed = 0.0, changed + 1
+        for name, value in list(vars(module).items()):
+            if not name.startswith("_") and _is_rate(name, value):
+                setattr(module, name, 0.0)
+                changed += 1
+    for conf in _configs(model):
+        for name, value in list(vars(conf).items()):
+            if not name.startswith("_") and _is_rate(name, value):
+                setattr(conf, name, 0.0)
+                changed += 1
+    return changed

@@ -16,16 +16,14 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 
-
 def _json_safe(value: Any) -> Any:
-    if isinstance(value, bool) or value is None or isinstance(value, str):
+    """``value`` as strict JSON: non-finite numbers None, what float() refuses str()."""
+    if isinstance(value, (bool, int, str)) or value is None:
         return value
     if isinstance(value, Mapping):
         return {str(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
-    if isinstance(value, int):
-        return value
     try:
         number = float(value)
     except (TypeError, ValueError):

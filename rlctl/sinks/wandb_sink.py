@@ -71,12 +71,9 @@ class WandbSink:
     `finish_seconds`, and `run_file` (the `.wandb` run file; None when disabled)."""
 
     name = "wandb"
-    ENV_DIRS = {
-        "WANDB_DIR": "",  # wandb puts its own `wandb/` folder inside
-        "WANDB_CACHE_DIR": "wandb-cache",
-        "WANDB_CONFIG_DIR": "wandb-config",
-        "WANDB_DATA_DIR": "wandb-data",
-    }
+    ENV_DIRS = {"WANDB_DIR": "",  # wandb puts its own `wandb/` folder inside
+                "WANDB_CACHE_DIR": "wandb-cache", "WANDB_CONFIG_DIR": "wandb-config",
+                "WANDB_DATA_DIR": "wandb-data"}
 
     def __init__(self, run_dir: str | Path, project: str, name: str | None,
                  run_config: Mapping[str, Any] | None, mode: str = "offline", *,
