@@ -113,11 +113,7 @@ class PolicyValueModel(nn.Module):
 
 def _backbone_copy(policy):
     """A deep copy of ``policy``'s base model (no LM head); peft adapters merged in."""
-    try:
-        from peft import PeftModel   # optional, and seconds to import: only when copying
-    except ImportError:  # pragma: no cover - peft is optional
-        PeftModel = ()
-    if isinstance(policy, PeftModel):
+    if hasattr(policy, "merge_and_unload"):             # a PeftModel
         return copy.deepcopy(policy).merge_and_unload().get_decoder()
     if hasattr(policy, "get_decoder"):
         return copy.deepcopy(policy.get_decoder())

@@ -79,25 +79,18 @@ class ConsoleSink:
         self._plain_console: Console | None = None
         self._closed = False
 
-    def figures(self, short: bool = False) -> str:
-        parts = []
+    def line(self, step: int) -> str:
+        """The plain line: `step s/total | key value | ... | elapsed<eta`."""
+        parts = [f"step {step}/{self.total_steps}"]
         for key in self.keys:
             if key in self.latest:
-                label = SHORT_LABELS.get(key, key) if short else key
-                parts.append(f"{label} {format_value(self.latest[key])}")
-        return ("  " if short else " | ").join(parts)
-
-    def line(self, step: int) -> str:
+                parts.append(f"{key} {format_value(self.latest[key])}")
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
-        text = f"step {step}/{self.total_steps}"
-        figures = self.figures()
-        if figures:
-            text += " | " + figures
         timing = _format_seconds(elapsed)
         done = step - (self._first_step or 0)
         if 0 < done and step < self.total_steps:
             timing += "<" + _format_seconds(elapsed / done * (self.total_steps - step))
-        return text + " | " + timing
+        return " | ".join(parts + [timing])
 
     def _start_live(self) -> None:
         console = Console(file=self.file) if self.file is not None else None
@@ -123,7 +116,9 @@ class ConsoleSink:
             if self._progress is None:
                 self._start_live()
             completed = min(max(step, 0), self.total_steps)
-            self._progress.figures = "  " + self.figures(short=True)
+            self._progress.figures = "  " + "  ".join(   # the live row: short labels
+                f"{SHORT_LABELS.get(k, k)} {format_value(self.latest[k])}"
+                for k in self.keys if k in self.latest)
             self._progress.update(self._task, completed=completed)
             return
         due = (self._printed_step is None or step >= self._printed_step + self.print_every
