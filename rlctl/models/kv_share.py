@@ -141,18 +141,6 @@ def fresh_cache(model):
     return DynamicCache(config=innermost(model).config)
 
 
-def index_rows(cache, rows: torch.Tensor):
-    """The cache with every layer's rows gathered ([U, ...] -> [len(rows), ...]): keys/values
-    and conv/recurrent states alike, via the differentiable per-layer ``reorder_cache``
-    (``batch_select_indices`` would skip the hybrid states)."""
-    gather = getattr(cache, "reorder_cache", None)
-    if gather is None:                 # a cache type without the per-layer row gather
-        cache.batch_select_indices(rows)
-    else:
-        gather(rows)
-    return cache
-
-
 class _ReplacingCache(DynamicCache):
     """A DynamicCache whose linear-attention states are replaced on update instead of copied in
     place: the in-place copy would overwrite a state saved for backward."""
@@ -165,9 +153,17 @@ class _ReplacingCache(DynamicCache):
         return recurrent_states
 
 
-def differentiable(cache):
-    """``cache`` for a forward differentiated through its states (hybrid: a ``_ReplacingCache``)."""
-    if type(cache) is not DynamicCache or not any(
+def index_rows(cache, rows: torch.Tensor, grad: bool = False):
+    """The cache with every layer's rows gathered ([U, ...] -> [len(rows), ...]): keys/values
+    and conv/recurrent states alike, via the differentiable per-layer ``reorder_cache``
+    (``batch_select_indices`` would skip the hybrid states). ``grad``: for a forward
+    differentiated through the states (hybrid: a ``_ReplacingCache``)."""
+    gather = getattr(cache, "reorder_cache", None)
+    if gather is None:                 # a cache type without the per-layer row gather
+        cache.batch_select_indices(rows)
+    else:
+        gather(rows)
+    if not grad or type(cache) is not DynamicCache or not any(
             map(hasattr, cache.layers, repeat("recurrent_states"))):
         return cache
     out = _ReplacingCache(cache.layers)
