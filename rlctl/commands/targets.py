@@ -16,8 +16,7 @@ from transformers import AutoTokenizer
 from rlctl.commands.files import is_run_dir
 from rlctl.compose import compose
 from rlctl.errors import CheckpointError, ConfigError, UserError
-from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer
-from rlctl.models.quiet import quiet_libraries
+from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer, quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.run.build import prepare_task, task_from_config
 from rlctl.storage.checkpoint import latest_checkpoint, read_state, step_of

@@ -16,11 +16,11 @@ import torch
 
 from rlctl.core.logprobs import chunked_token_logprobs
 from rlctl.core.logprobs import entropy_from_logits, token_logprobs
-from rlctl.models.head_check import head_matches, verdict as head_verdict
-from rlctl.models.kv_share import (cache_keyword, cache_of, detach_module_state, differentiable,
+from rlctl.models.head_check import VERDICTS as HEAD_VERDICTS, head_matches
+from rlctl.models.kv_share import (cache_keyword, cache_of, detach_module_state,
                                    distinct_rows, forward_takes, index_rows, innermost, regroup,
                                    state_in_modules, unpadded_notice)
-from rlctl.models.positions import position_ids_from_mask
+from rlctl.models.kv_share import position_ids_from_mask
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,9 @@ def fused_head(model, inputs: Optional[dict] = None) -> Optional[Tuple[torch.Ten
     lm_head = get() if callable(get) else None
     if type(lm_head) is not torch.nn.Linear or lm_head.weight.dim() != 2 or lm_head.weight.numel() == 0:
         return None     # a LoRA-wrapped head, or a ZeRO-3 partitioned weight
-    exact = head_verdict(inner) if inputs is None else \
-        head_matches(model, inner, lm_head.weight, lm_head.bias, inputs)
+    exact = HEAD_VERDICTS.get(inner)           # checked once per model, on its first inputs
+    if exact is None and inputs is not None:
+        exact = head_matches(model, inner, lm_head.weight, lm_head.bias, inputs)
     return None if exact is False else (lm_head.weight, lm_head.bias)
 
 
@@ -194,7 +195,7 @@ def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, g
     scores, values = _scores(out, extra)[inv, P - 1:], _values(out)               # [N, 1|0, V|H]
     values = values[inv, P - 1:] if values is not None else None                   # [N, 0|1]
     if T > 1:                                      # completion tokens 1..T-1 to score
-        cache = differentiable(index_rows(cache_of(out), inv))   # [U, ...] -> [N, ...]
+        cache = index_rows(cache_of(out), inv, grad=True)         # [U, ...] -> [N, ...]
         pos = position_ids_from_mask(attention_mask[:, :-1])[:, cut:]              # [N, L-1-cut]
         rest = model(input_ids=input_ids[:, cut:-1], attention_mask=attention_mask[:, :-1],
                      position_ids=pos, use_cache=True, **{key: cache}, **extra)

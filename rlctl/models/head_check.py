@@ -1,14 +1,11 @@
-"""Whether a model's logits are its LM head applied to its final hidden state, checked at
-run time (``rlctl.learner.forward.fused_head``'s verification).
-
-The fused log-probs score ``lm_head(hidden_states[-1])``; the sampler draws from the
-model's own logits. Soft-caps, multipliers or logit scales after the head would make them
-differ, so ``head_matches`` runs one row once per model (``logits_to_keep=1``) and
-compares. Tolerance per logit, with u_low the unit roundoff of the lowest dtype involved,
-u_acc the accumulator's and (|W||h|)_v = sum_i |w_vi h_i| (+ |b_v|):
-    |fused_v - own_v| <= 2 ((2 u_low + H u_acc) (|W||h|)_v + u_low |z_v|).
-As that bound can admit a mild multiplier under bf16, a forward hook also checks that the
-head ran on the final hidden state and the logits are its output up to a cast."""
+"""Whether a model's logits are its LM head applied to its final hidden state, checked once
+per model on one row (``rlctl.learner.forward.fused_head``): the fused log-probs score
+``lm_head(hidden_states[-1])``, the sampler the model's own logits, so a soft-cap or scale
+after the head must send the learner to the full logits. Tolerance per logit, with u_low /
+u_acc the unit roundoff of the lowest dtype / the accumulator and (|W||h|)_v = sum_i |w_vi h_i|:
+    |fused_v - own_v| <= 2 ((2 u_low + H u_acc) (|W||h|)_v + u_low |z_v|),
+and a forward hook checks that the head ran on the final hidden state and the logits are its
+output up to a cast (the bound can admit a mild multiplier under bf16)."""
 from __future__ import annotations
 
 import logging
@@ -18,7 +15,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> bool
+VERDICTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> head exact
 _SAID: set = set()       # architectures already named in the log (the policy and its copies)
 
 
@@ -47,11 +44,6 @@ def _head_is_last(seen: dict, hidden: torch.Tensor, own: torch.Tensor) -> bool:
     return bool(((own.float() - z.float()).abs() <= u * z.float().abs()).all())
 
 
-def verdict(model):
-    """The cached verdict for ``model`` (True: fused head exact, False: not), None if unchecked."""
-    return _VERDICTS.get(model)
-
-
 def _unit(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
 
@@ -60,7 +52,7 @@ def _unit(dtype: torch.dtype) -> float:
 def head_matches(model, key, weight: torch.Tensor, bias, inputs: dict) -> bool:
     """Check (once per ``key``) that ``model``'s logits are ``hidden @ weight.T + bias`` at the
     last position of the first row of ``inputs``; if not, log one line per architecture."""
-    known = _VERDICTS.get(key)
+    known = VERDICTS.get(key)
     if known is not None:
         return known
     row = {k: v[:1] for k, v in inputs.items()}                                   # [1, L]
@@ -82,5 +74,5 @@ def head_matches(model, key, weight: torch.Tensor, bias, inputs: dict) -> bool:
         log.warning(f"{type(key).__name__}: its logits are not its LM head applied to the final "
                     f"hidden state (max difference {gap.max().item():.3g}: a soft-cap, scale or other "
                     "transform after the head); the learner uses the full logits for it")
-    _VERDICTS[key] = ok
+    VERDICTS[key] = ok
     return ok

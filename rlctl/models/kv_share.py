@@ -1,18 +1,18 @@
-"""Sharing a prompt's key/value cache across the rows that repeat it.
+"""A model's forward on left-padded rows: positions, and one prompt's key/value cache shared
+across the rows that repeat it.
 
 The G completions of a group share one prompt: the rollout's prefill and the learner's
 forward run each distinct prompt once and index its cache out to every row (exact under
-causal attention). The cache may also hold hybrid models' conv windows and recurrent
-states (Qwen3-Next, Qwen3.5, LFM2, Falcon-H1); ``index_rows`` gathers them alike. Models
-that keep their state in their own modules (RecurrentGemma) return no cache:
-``state_in_modules`` keeps them on the plain path, as it does models whose forward takes
-no cache."""
+causal attention). Hybrid models' conv windows and recurrent states (Qwen3-Next, LFM2,
+Falcon-H1) are gathered alike. Models that keep their state in their own modules
+(RecurrentGemma) or whose forward takes no cache stay on the plain path."""
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
 import typing
+from itertools import repeat
 from typing import Optional, Tuple
 
 import torch
@@ -23,26 +23,26 @@ log = logging.getLogger(__name__)
 _said = set()
 
 
-def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rows [N, P] -> (first [U]: one row index per distinct row, inv [N]: each row's
-    distinct row). Ids and mask both count, so two rows are equal only when identical."""
-    rows = torch.cat([input_ids, attention_mask.long()], 1)                        # [N, 2P]
-    _, inv = torch.unique(rows, dim=0, return_inverse=True)                        # [N]
-    return _first_rows(inv), inv
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` assigns them. [N, L] -> [N, L]"""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def regroup(labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Group labels of some rows [n] -> (first [U], inv [n]) numbered 0..U-1 for them, on the
-    CPU (no device-to-host sync in the forward)."""
+    """Group labels [n] -> (first [U]: each group's first row, inv [n]: each row's group,
+    numbered 0..U-1), on the labels' device."""
     _, inv = torch.unique(labels, return_inverse=True)                             # [n]
-    return _first_rows(inv), inv
-
-
-def _first_rows(inv: torch.Tensor) -> torch.Tensor:
     n, U = inv.shape[0], int(inv.max()) + 1
     return torch.full((U,), n, dtype=torch.long, device=inv.device).scatter_reduce(
-        0, inv, torch.arange(n, device=inv.device), "amin")                       # [U]
+        0, inv, torch.arange(n, device=inv.device), "amin"), inv                   # [U], [n]
+
+
+def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rows [N, P] -> (first [U], inv [N]) as ``regroup`` gives them; two rows are equal only
+    when their ids and mask both are."""
+    rows = torch.cat([input_ids, attention_mask.long()], 1)                        # [N, 2P]
+    return regroup(torch.unique(rows, dim=0, return_inverse=True)[1])
 
 
 def cache_of(out):
@@ -70,10 +70,11 @@ def innermost(model):
 
 
 def cache_keyword(model) -> Optional[str]:
-    """The keyword under which the innermost Hugging Face model's forward takes a KV
-    cache (``cache`` in transformers 5, ``past_key_values`` before), or None."""
+    """The keyword under which the innermost model's forward takes a KV cache (``cache`` in
+    transformers 5, ``past_key_values`` before), or None."""
     params = _forward_parameters(type(innermost(model)))
-    return next((k for k in ("cache", "past_key_values") if k in params), None)
+    return "cache" if "cache" in params else "past_key_values" if "past_key_values" in params \
+        else None
 
 
 def forward_takes(model, keyword: str) -> bool:
@@ -97,8 +98,7 @@ def say_once(message: str) -> None:
 
 
 def unpadded_notice(model) -> None:
-    """Say once (naming the architecture) what runs differently for a model that keeps its
-    recurrent state in its modules (``state_in_modules``)."""
+    """Say once, naming the architecture, that a ``state_in_modules`` model runs unshared."""
     config = getattr(innermost(model), "config", None)
     arch = type(config).__name__.removesuffix("Config") if config is not None \
         else type(innermost(model)).__name__
@@ -116,8 +116,7 @@ def state_in_modules(model) -> bool:
 
 def detach_module_state(model) -> None:
     """Detach the graph tensors a ``state_in_modules`` model left on its modules after a
-    training forward (RecurrentGemma's conv window and RG-LRU state), so ``copy.deepcopy``
-    works and the graph is freed. The values stay."""
+    training forward, so ``copy.deepcopy`` works and the graph is freed. The values stay."""
     for module in innermost(model).modules():
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and value.grad_fn is not None:
@@ -142,22 +141,6 @@ def fresh_cache(model):
     return DynamicCache(config=innermost(model).config)
 
 
-def index_rows(cache, rows: torch.Tensor):
-    """The cache with every layer's rows gathered ([U, ...] -> [len(rows), ...]): attention
-    keys/values and conv/recurrent states alike, via each layer's differentiable
-    ``reorder_cache`` (``batch_select_indices`` would skip the hybrid states)."""
-    gather = getattr(cache, "reorder_cache", None)
-    if gather is None:                 # a cache type without the per-layer row gather
-        cache.batch_select_indices(rows)
-    else:
-        gather(rows)
-    return cache
-
-
-def _has_states(cache) -> bool:
-    return any(hasattr(layer, "recurrent_states") for layer in getattr(cache, "layers", ()))
-
-
 class _ReplacingCache(DynamicCache):
     """A DynamicCache whose linear-attention states are replaced on update instead of copied in
     place: the in-place copy would overwrite a state saved for backward."""
@@ -170,9 +153,18 @@ class _ReplacingCache(DynamicCache):
         return recurrent_states
 
 
-def differentiable(cache):
-    """``cache`` for a forward differentiated through its states (hybrid: a ``_ReplacingCache``)."""
-    if type(cache) is not DynamicCache or not _has_states(cache):
+def index_rows(cache, rows: torch.Tensor, grad: bool = False):
+    """The cache with every layer's rows gathered ([U, ...] -> [len(rows), ...]): keys/values
+    and conv/recurrent states alike, via the differentiable per-layer ``reorder_cache``
+    (``batch_select_indices`` would skip the hybrid states). ``grad``: for a forward
+    differentiated through the states (hybrid: a ``_ReplacingCache``)."""
+    gather = getattr(cache, "reorder_cache", None)
+    if gather is None:                 # a cache type without the per-layer row gather
+        cache.batch_select_indices(rows)
+    else:
+        gather(rows)
+    if not grad or type(cache) is not DynamicCache or not any(
+            map(hasattr, cache.layers, repeat("recurrent_states"))):
         return cache
     out = _ReplacingCache(cache.layers)
     out.activate_past_recording()
@@ -190,6 +182,6 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     if len(first) == len(inv):
         return None
     mask = attention_mask[first, :-1]                                              # [U, P-1]
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids[first, :-1], attention_mask=mask, position_ids=pos, use_cache=True)
+    out = model(input_ids=input_ids[first, :-1], attention_mask=mask,
+                position_ids=position_ids_from_mask(mask), use_cache=True)
     return index_rows(cache_of(out), inv)                                          # [N, ...]

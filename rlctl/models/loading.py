@@ -1,22 +1,22 @@
 """Load a causal LM and its tokenizer: the embedded tiny model or any HF checkpoint.
-
-Tokenizers come back with ``padding_side="left"`` and a pad token (EOS when the
-checkpoint has none), as batched generation needs.
-"""
+Tokenizers come back with ``padding_side="left"`` and a pad token (EOS when the checkpoint
+has none), as batched generation needs. ``disable_dropout``: ``model.disable_dropout``."""
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
+import transformers
 from safetensors import SafetensorError
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlctl.model_files import adapter_problem, corrupt_safetensors, vocab_problem
-from rlctl.models.tiny import build_tiny
-from rlctl.models.tiny_agents import build_tiny_model
+from rlctl.models.tiny import AGENT_TASKS, build_tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODELS = ("tiny", "hf")
@@ -33,6 +33,26 @@ def resolve_dtype(dtype: Any) -> torch.dtype:
 def _looks_like_path(name_or_path: str) -> bool:
     return (os.path.isabs(name_or_path) or name_or_path.startswith((".", "~"))
             or name_or_path.count("/") > 1 or os.sep in name_or_path and os.sep != "/")
+
+
+def quiet_libraries(device: str, num_threads: int) -> None:
+    """Before a model is loaded: no progress bars or info logs from transformers, and the
+    configured number of torch threads."""
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers may import deepspeed
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(num_threads)
+
+
+def build_tiny_model(warmup_task: Optional[str] = "sorting", **kwargs) -> Path:
+    """The tiny model's directory for ``warmup_task``: a built-in environment's agent model
+    (its module, a demo, is imported only then), else ``build_tiny``'s."""
+    if warmup_task in AGENT_TASKS:
+        kwargs.pop("warmup_num_digits", None)
+        agents = importlib.import_module("rlctl.models.tiny_agents")
+        return agents.build_agent_tiny(warmup_task, **kwargs)
+    return build_tiny(warmup_task=warmup_task, **kwargs)
 
 
 def prepare_tokenizer(tokenizer, model):
@@ -107,3 +127,49 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
     check_vocab(tokenizer, model, path)
     model.to(device)
     return model, prepare_tokenizer(tokenizer, model)
+
+
+_NAMES = ("dropout", "pdrop")                      # substrings of a dropout probability's name
+_EXACT = ("layerdrop", "jitter_noise", "input_jitter_noise", "moe_jitter_eps")
+
+
+def _is_rate(name: str, value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        return False
+    name = name.lower()
+    return name in _EXACT or any(s in name for s in _NAMES)
+
+
+def _configs(model: nn.Module) -> Iterator:
+    """Every config object the model's modules hold, nested ones included (each once)."""
+    seen, todo = set(), [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        conf = todo.pop()
+        if conf is None or id(conf) in seen or not hasattr(conf, "to_dict"):
+            continue
+        seen.add(id(conf))
+        yield conf
+        todo.extend(v for v in vars(conf).values() if hasattr(v, "to_dict"))
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """``model.disable_dropout``: every dropout probability of ``model`` set to 0 in place (as
+    TRL's), so pi / pi_old = 1 at theta = theta_old although pi_old runs in eval mode and the
+    update in train mode: dropout modules, and floats on modules and (nested) configs named
+    ``*dropout*``, ``*pdrop*``, ``layerdrop`` or a MoE router's train-only jitter (PhiMoE's
+    ``router_jitter_noise`` is read in eval too: kept). Called before adapters exist
+    (``model.lora.dropout`` stays). Returns how many modules, attributes and fields changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, (nn.modules.dropout._DropoutNd, nn.AlphaDropout)) and module.p:
+            module.p, changed = 0.0, changed + 1
+        for name, value in list(vars(module).items()):
+            if not name.startswith("_") and _is_rate(name, value):
+                setattr(module, name, 0.0)
+                changed += 1
+    for conf in _configs(model):
+        for name, value in list(vars(conf).items()):
+            if not name.startswith("_") and _is_rate(name, value):
+                setattr(conf, name, 0.0)
+                changed += 1
+    return changed

@@ -1,14 +1,7 @@
-"""LoRA adapters (peft): apply, reference policy, save, count.
-
-* ``apply_lora``: a ``PeftModel`` (CAUSAL_LM), base frozen, B at zero (the policy equals
-  the base at step 0). Default targets ``[all-linear]``: every linear layer but the head
-  (QLoRA, Dettmers et al., 2023).
-* ``AdapterDisabledReference`` / ``reference_for``: the KL reference is the same model
-  inside ``disable_adapter()``; no second copy of the weights.
-* ``save_lora``: the adapter in peft format plus the tokenizer; optionally a merged model
-  in ``<dir>/merged``.
-
-peft is imported lazily: only LoRA runs pay for it."""
+"""LoRA adapters (peft, imported only by LoRA runs): ``apply_lora`` (base frozen, B at zero,
+so the policy equals the base at step 0; ``[all-linear]``: every linear layer but the head,
+QLoRA, Dettmers et al., 2023), the KL reference as the same model inside
+``disable_adapter()`` (no second copy), ``save_lora`` (adapter, tokenizer, optionally merged)."""
 from __future__ import annotations
 
 import copy
@@ -20,17 +13,13 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every Linear layer except the output head
-
-
-def _linear_types() -> Tuple[type, ...]:
-    return (nn.Linear, Conv1D)   # GPT-2 style checkpoints use transformers' Conv1D; peft adapts both
+LINEAR_TYPES = (nn.Linear, Conv1D)   # GPT-2 style checkpoints use transformers' Conv1D
 
 
 def linear_module_names(model: nn.Module) -> List[str]:
     """Sorted leaf names of the model's Linear (and Conv1D) modules: valid targets."""
-    kinds = _linear_types()
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                   if name and isinstance(m, kinds)})
+                   if name and isinstance(m, LINEAR_TYPES)})
 
 
 def _check_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) -> Any:
@@ -48,8 +37,7 @@ def _check_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) 
     if not targets:
         raise ValueError("LoRA target_modules is empty; valid Linear module names: "
                          + ", ".join(valid))
-    kinds = _linear_types()
-    linears = [name for name, m in model.named_modules() if name and isinstance(m, kinds)]
+    linears = [name for name, m in model.named_modules() if name and isinstance(m, LINEAR_TYPES)]
     missing = [t for t in targets
                if not any(n == t or n.endswith("." + t) for n in linears)]
     if missing:

@@ -1,11 +1,8 @@
-"""The set of stop ids, where a completion ends, computed here and nowhere else:
-
-    {tokenizer.eos_token_id} | set(generation_config.eos_token_id) | rollout.stop_token_ids
-
-Chat checkpoints end a turn with ids other than the EOS (Qwen2.5-Instruct's <|im_end|>).
-``resolve_stop_ids`` writes the set back into the generation config, so ``generate`` and
-saved checkpoints agree. A stop id may equal the pad id: the completion mask follows the
-first stop id, never padding (rlctl.core.logprobs.completion_mask)."""
+"""The stop ids, where a completion ends, computed here and nowhere else (once per run):
+{tokenizer.eos_token_id} | set(generation_config.eos_token_id) | rollout.stop_token_ids
+(chat checkpoints end a turn with e.g. <|im_end|>). ``resolve_stop_ids`` writes the set
+into the generation config, so ``generate`` and saved checkpoints agree. A stop id may
+equal the pad id: the completion mask follows the first stop id, never padding."""
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -85,7 +82,8 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tens
                        stops: Sequence[int] = ()) -> List[str]:
     """Text of each completion's counted tokens, the closing stop id (any of ``stops``,
     special or not), other special tokens and padding dropped."""
-    lengths = mask.sum(-1).long().tolist()
-    rows, end = completion_ids.tolist(), set(int(i) for i in stops)
-    cut = [n - 1 if n and r[n - 1] in end else n for r, n in zip(rows, lengths)]
-    return [tokenizer.decode(r[:n], skip_special_tokens=True).strip() for r, n in zip(rows, cut)]
+    end, texts = set(map(int, stops)), []
+    for row, n in zip(completion_ids.tolist(), mask.sum(-1).long().tolist()):
+        n = n - 1 if n and row[n - 1] in end else n
+        texts.append(tokenizer.decode(row[:n], skip_special_tokens=True).strip())
+    return texts

@@ -1,41 +1,15 @@
-"""The embedded tiny model: a small Llama plus a word-level tokenizer, built locally.
+"""The embedded tiny model: a small Llama plus a word-level tokenizer, built locally (no
+download) and cached in ``tiny-<hash>``, the hash of every input that affects the weights.
 
-No weights are downloaded. ``build_tiny`` initialises a ``LlamaForCausalLM`` from a
-``LlamaConfig`` with a fixed seed, gives it a brief supervised warm-up on the sorting
-task (or on arithmetic, see below) so that the policy knows the answer *format* but not
-yet the skill, and saves it with ``save_pretrained`` (safetensors + tokenizer) into a
-cache directory named by a hash of every input that affects the result.
-
-Warm-up (a departure from plain SFT, measured in the module's calibration): AdamW on
-prompt -> answer + EOS, loss on completion tokens only, where the answer is the sorted
-digits for a fraction ``WARMUP_SORTED_FRAC`` of the prompts and a random permutation of
-the prompt's digits otherwise. Plain SFT on sorted answers learns format and skill at the
-same pace (format only reaches ~0.8 when greedy exact-match is already ~0.7), so it
-cannot give "format known, skill not"; the permutation answers teach the format (n prompt
-digits, then EOS) with little ordering signal. The prompts come from the *training*
-split of the default sorting task (seed 1234), never from its held-out eval split.
-
-Calibration (hidden 128, 2 layers, 4 heads, lr 1e-3, batch 64, 1 thread; held-out greedy
-exact / format, seeds 0, 1, 2): 40 steps 0.06-0.13 / 0.94-1.0; 80 steps 0.10-0.15 /
-1.0 (the default, conf/model/tiny.yaml); 120 steps 0.22-0.29; 150 steps 0.17-0.34.
-Plain SFT on sorted answers: 20 steps 0.14 / 0.17, 40 steps 0.69 / 0.80, 150-300 steps
-0.93-0.98 (so the architecture can solve the task).
-
-Arithmetic warm-up (``model.warmup_task=arithmetic``, which ``task=arithmetic`` selects
-by default): 2-digit addition, prompts from the default arithmetic task's training split
-(never its eval split), batch 256, ``warmup_steps * 2.5`` steps (200 for the default 80).
-A format-only warm-up (random answers of the right length) leaves the model at ~0.0-0.03
-held-out greedy exact and GRPO does not move it in 300 steps with the binary reward, so
-this warm-up is plain SFT stopped early, where part of the skill is there. Calibration
-(seed 0, 1 thread; held-out greedy exact / format): 80 steps 0.016 / 0.87; 160 steps
-0.08; 200 steps 0.36 / 0.96 (the default); 220 steps 0.49; 240 steps 0.53; with 20% of
-the answers random instead, 200-240 steps 0.06-0.10. GRPO from the default (``rlctl train
-algo=grpo task=arithmetic``, 300 steps, seeds 0-2): 0.36 -> 0.42-0.46; with
-``trainer.steps=1000 trainer.prompts_per_step=16`` (~2.5 min): 0.36 -> 0.67.
-
-The write is atomic: the model is built in a temporary sibling directory and renamed
-into place, so concurrent builders never see a half-written directory (the loser of a
-race discards its copy and uses the winner's; both are identical).
+``build_tiny`` initialises a ``LlamaForCausalLM`` with a fixed seed and gives it a brief
+supervised warm-up (AdamW, loss on the completion tokens) on the training split of the
+default task (seed 1234; never its eval split), so the policy knows the answer *format* but
+not yet the skill. Sorting: the answer is the sorted digits for a share
+``WARMUP_SORTED_FRAC`` of the prompts, a random permutation of them otherwise (plain SFT
+learns format and skill at the same pace). Arithmetic (``model.warmup_task=arithmetic``):
+2-digit addition, plain SFT stopped early (batch 256, ``warmup_steps * 2.5`` steps), where
+part of the skill is there. Calibration: docs/benchmarks.md (tiny-model warm-ups).
+The write is atomic (``build_cached``): concurrent builders never see a half-written model.
 """
 from __future__ import annotations
 
@@ -73,10 +47,9 @@ MAX_POSITIONS = 64
 WARMUP_BATCH_SIZE = 64
 WARMUP_TASK_SEED = 1234  # the default sorting task's split seed
 WARMUP_SORTED_FRAC = 0.2  # share of warm-up answers that are sorted; the rest are permuted
-# Warm-up tasks (model.warmup_task). Any other registered task name (e.g. jsonl) gets the
-# sorting warm-up. The arithmetic warm-up is on 2-digit addition ("1 2 + 3 4 =" -> "4 6")
-# from the default arithmetic task's training split; its settings are calibrated below.
+# Warm-up tasks (model.warmup_task); any other registered task name gets the sorting warm-up.
 WARMUP_TASKS = ("sorting", "arithmetic")
+AGENT_TASKS = ("calculator", "guess_number", "running_sum")   # models: rlctl.models.tiny_agents
 ARITH_WARMUP = {"batch_size": 256, "correct_frac": 1.0, "steps_scale": 2.5}
 
 
@@ -113,38 +86,29 @@ def build_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, se
     return model
 
 
-def completion_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+answer+EOS: (input_ids, attention_mask, labels), each [b, L].
-
-    ``labels`` is -100 on the prompt and padding, so the loss covers completion tokens
-    (EOS included) only.
-    """
-    rows: List[Tuple[List[int], List[int]]] = []
-    for p, a in zip(prompts, answers):
-        p_ids = tokenizer(p)["input_ids"]  # <bos> prompt
-        a_ids = tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((p_ids, a_ids))
-    width = max(len(p) + len(a) for p, a in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
+def pad_rows(rows: Sequence[Tuple[List[int], List[int]]], pad_id: int
+             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, labels) rows -> right-padded (input_ids, attention_mask, labels) [M, L]; labels
+    -100 on padding (and wherever a row's labels say -100: not counted)."""
+    width = max(len(i) for i, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)
-    for i, (p, a) in enumerate(rows):
-        n = len(p) + len(a)
-        ids[i, :n] = torch.tensor(p + a)
-        mask[i, :n] = 1
-        labels[i, len(p):n] = torch.tensor(a)
+    mask = torch.zeros_like(ids)
+    for r, (i, lab) in enumerate(rows):
+        ids[r, :len(i)], labels[r, :len(i)], mask[r, :len(i)] = (
+            torch.tensor(i), torch.tensor(lab), 1)
     return ids, mask, labels
 
 
-def supervised_warmup(model, tokenizer, prompts: Sequence[str], answers: Sequence[str],
-                      steps: int, lr: float, seed: int,
-                      batch_size: int = WARMUP_BATCH_SIZE) -> List[float]:
-    """``steps`` AdamW steps of completion-only cross-entropy; returns the losses."""
-    if steps <= 0:
-        return []
-    ids, mask, labels = completion_batch(tokenizer, prompts, answers)  # [M, L]
-    return train_on_rows(model, ids, mask, labels, steps, lr, seed, batch_size)
+def completion_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``<bos>`` prompt + answer + EOS [b, L], the loss on the answer and EOS."""
+    rows = []
+    for p, a in zip(prompts, answers):
+        p_ids = tokenizer(p)["input_ids"]
+        a_ids = tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((p_ids + a_ids, [-100] * len(p_ids) + a_ids))
+    return pad_rows(rows, tokenizer.pad_token_id)
 
 
 def train_on_rows(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
@@ -196,68 +160,57 @@ def cache_key(params: Dict[str, object]) -> str:
     return "tiny-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
-def warmup_answers(task, examples, sorted_frac: float, seed: int) -> List[str]:
-    """Sorted answer with probability ``sorted_frac``, else a random permutation."""
-    rng = random.Random(seed)
-    answers = []
-    for ex in examples:
-        digits = list(ex.fields["digits"])
-        if rng.random() < sorted_frac:
-            answers.append(task.answer(ex))
-        else:
-            rng.shuffle(digits)
-            answers.append(" ".join(map(str, digits)))
-    return answers
-
-
-def arithmetic_warmup_answers(task, examples, correct_frac: float, seed: int) -> List[str]:
-    """The right answer with probability ``correct_frac``, else a random number with as
-    many digits (the format without the skill)."""
-    rng = random.Random(seed)
-    answers = []
-    for ex in examples:
-        n = ex.fields["answer"]
-        if rng.random() < correct_frac:
-            answers.append(task.answer(ex))
-        else:
-            width = len(str(abs(n)))
-            answers.append(spaced(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width)))
-    return answers
-
-
 def _warmup_data(params: Dict[str, object]):
-    """(prompts, answers, batch size) of the warm-up task."""
+    """(prompts, answers, batch size) of the warm-up task's training rows: sorting's answer
+    sorted with probability ``warmup_sorted_frac``, else its digits permuted; arithmetic's
+    right with probability ``warmup_correct_frac``, else a random number as wide."""
+    rng = random.Random(params["seed"])
     if params.get("warmup_task", "sorting") == "arithmetic":
         task = ArithmeticTask(num_digits=2, ops=["+"], seed=WARMUP_TASK_SEED)
-        train = task.train_examples()
-        return ([ex.prompt for ex in train],
-                arithmetic_warmup_answers(task, train, params["warmup_correct_frac"],
-                                          params["seed"]), params["warmup_batch_size"])
-    task = SortingTask(num_digits=params["warmup_num_digits"], seed=WARMUP_TASK_SEED)
-    train = task.train_examples()
-    return ([ex.prompt for ex in train],
-            warmup_answers(task, train, params["warmup_sorted_frac"], params["seed"]),
-            WARMUP_BATCH_SIZE)
+        frac, batch_size = params["warmup_correct_frac"], params["warmup_batch_size"]
+    else:
+        task = SortingTask(num_digits=params["warmup_num_digits"], seed=WARMUP_TASK_SEED)
+        frac, batch_size = params["warmup_sorted_frac"], WARMUP_BATCH_SIZE
+    train, answers = task.train_examples(), []
+    for ex in train:
+        if rng.random() < frac:
+            answers.append(task.answer(ex))
+        elif isinstance(task, SortingTask):
+            digits = list(ex.fields["digits"])
+            rng.shuffle(digits)
+            answers.append(" ".join(map(str, digits)))
+        else:
+            width = len(str(abs(ex.fields["answer"])))
+            answers.append(spaced(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width)))
+    return [ex.prompt for ex in train], answers, batch_size
 
 
-def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]:
+def warm_up_and_save(directory: Path, params: Dict[str, object], tokenizer, rows,
+                     steps: int, batch_size: int) -> Dict[str, object]:
+    """The model of ``params`` trained ``steps`` steps on ``rows`` (``rows()`` gives the
+    padded batch), saved with its tokenizer and ``rlctl_tiny.json`` (``params`` and build
+    facts) into ``directory``; returns that metadata."""
     t0 = time.perf_counter()
-    tokenizer = build_tokenizer()
     model = build_model(tokenizer, params["hidden_size"], params["num_layers"],
                         params["num_heads"], params["seed"])
-    prompts, answers, batch_size = _warmup_data(params)
-    steps = int(round(params["warmup_steps"] * params.get("warmup_steps_scale", 1)))
-    losses = supervised_warmup(model, tokenizer, prompts, answers, steps,
-                               params["warmup_lr"], params["seed"], batch_size=batch_size)
+    losses = train_on_rows(model, *rows(), steps, params["warmup_lr"], params["seed"],
+                           batch_size) if steps > 0 else []
     t_train = time.perf_counter() - t0
     model.save_pretrained(directory)  # safetensors
     tokenizer.save_pretrained(directory)
     meta = dict(params, num_parameters=sum(p.numel() for p in model.parameters()),
                 final_warmup_loss=losses[-1] if losses else None,
-                warmup_seconds=round(t_train, 3),
-                build_seconds=round(time.perf_counter() - t0, 3))
+                warmup_seconds=round(t_train, 3), build_seconds=round(time.perf_counter() - t0, 3))
     (directory / "rlctl_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]:
+    tokenizer = build_tokenizer()
+    prompts, answers, batch_size = _warmup_data(params)
+    steps = int(round(params["warmup_steps"] * params.get("warmup_steps_scale", 1)))
+    return warm_up_and_save(directory, params, tokenizer,
+                            lambda: completion_batch(tokenizer, prompts, answers), steps, batch_size)
 
 
 def resolve_warmup_task(name: Optional[str]) -> str:
@@ -276,14 +229,9 @@ def build_tiny(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                warmup_steps: int = 0, warmup_lr: float = 1e-3, seed: int = 0,
                warmup_num_digits: int = 5, cache_dir: Optional[os.PathLike] = None,
                warmup_task: str = "sorting") -> Path:
-    """Directory of the tiny model (model + tokenizer), building it on first use.
-
-    ``warmup_task``: sorting | arithmetic; the name of any other registered task (e.g.
-    jsonl, the default config's ``${task.name}``) means sorting.
-
-    Cached under ``cache_dir`` (default ``$RLCTL_CACHE`` or ``~/.cache/rlctl``) in
-    ``tiny-<hash>``, the hash covering every parameter that affects the weights.
-    """
+    """Directory of the tiny model (model + tokenizer), built on first use into ``cache_dir``
+    (default ``$RLCTL_CACHE`` or ``~/.cache/rlctl``). ``warmup_task``: sorting | arithmetic;
+    any other registered task (e.g. jsonl, the default ``${task.name}``) means sorting."""
     params = build_params(hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed,
                           warmup_num_digits, resolve_warmup_task(warmup_task))
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()

@@ -1,73 +1,38 @@
 """The embedded tiny model for the built-in multi-turn environments (calculator,
-guess_number, running_sum): a tokenizer with the environments' words and a warm-up on
-episode transcripts, so that the call / answer *format* exists at step 0, not the skill.
-
-``model.warmup_task`` (``${task.name}`` by default) naming one of ``AGENT_WARMUPS`` selects
-it (``build_tiny_model``; any other name goes to ``rlctl.models.tiny.build_tiny``, whose
-sorting / arithmetic models, vocabulary and cache keys these settings never touch). The
-tokenizer is ``build_tokenizer(TINY_AGENT_WORDS)``: the default words keep their ids, the
-environments' words follow. The model is initialised as the default one (same seed and
-shape, a larger embedding). The warm-up is supervised (AdamW, ``warmup_lr``) on
-``episodes`` transcripts that a scripted policy (rlctl.models.agent_scripts) plays
-against the environment itself (its default task, training rows only, never the eval
-rows), laid out as the episode loop lays them out: ``<bos>`` prompt, each model turn and
-its ``<eos>`` (no ``<eos>`` after a turn cut at a stop string), each observation as the
-environment wrote it; the loss is on model-turn tokens only (observations and the prompt:
-labels -100). The scripted policies know the format, not the skill:
-
-- calculator: with probability ``call_frac`` the first turn is the tool call
-  ``<call> calc EXPR </call>`` (EXPR copied from the prompt) and the second copies the
-  tool's result; otherwise the first turn is the product itself (plain SFT on 3-digit by
-  2-digit products, which the warm-up does not teach: direct answers are ~never exact);
-- guess_number: each guess is a number in 1..N, with probability ``narrow_frac`` (per
-  turn; 1.0 by default) drawn uniformly from the range the answers so far leave, else
-  anywhere in 1..N: legal, consistent moves, not binary search (what RL has to find);
-- running_sum: each turn is the right total with probability ``correct_frac``, else a
-  random number of as many digits.
-
-The cache key of an agent model covers every parameter, ``AGENT_CODE_VERSION`` and a
-digest of the warm-up transcripts themselves, so a change of an environment's text
-builds a new model (``rlctl eval`` of the starting model measures it: greedy episodes
-on the eval rows).
-
-Calibration (hidden 128, 2 layers, ``warmup_steps`` 80 of conf/model/tiny.yaml times
-``steps_scale``, 1 thread, held-out greedy): see ``AGENT_WARMUPS``' comments.
-"""
+guess_number, running_sum): the tokenizer ``build_tokenizer(TINY_AGENT_WORDS)`` (the default
+words keep their ids) and a supervised warm-up (AdamW, ``warmup_lr``) on transcripts that
+a scripted policy plays against the environment itself (its default task, training rows
+only), so that the turns' *format* exists at step 0, not the skill. Transcripts are laid out
+as the episode loop lays them out: ``<bos>`` prompt, each model turn and its ``<eos>`` (none
+after a turn cut at a stop string), each observation; the loss is on model turns only.
+The scripted policies: calculator calls ``<call> calc EXPR </call>`` with probability
+``call_frac`` and copies the result, else answers directly (~never exact); guess_number
+guesses within the range the answers leave with probability ``narrow_frac`` per turn (legal,
+not binary search); running_sum answers right with probability ``correct_frac``.
+The cache key covers every parameter, ``AGENT_CODE_VERSION`` and a digest of the
+transcripts. Calibration of ``AGENT_WARMUPS``: docs/benchmarks.md (tiny-model warm-ups)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import random
-import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from rlctl.envs.calc import TINY_AGENT_WORDS
-from rlctl.models.agent_scripts import MODEL, POLICIES, TURNS, Transcript, play_scripted
-from rlctl.models.tiny import (MAX_POSITIONS, build_cached, build_model, build_params,
-                               build_tiny, build_tokenizer, cache_key, default_cache_dir,
-                               train_on_rows)
+from rlctl.envs.calc import TINY_AGENT_WORDS, spell
+from rlctl.models.tiny import (MAX_POSITIONS, build_cached, build_params, build_tokenizer,
+                               cache_key, default_cache_dir, pad_rows, warm_up_and_save)
 from rlctl.tasks import build_task
+from rlctl.types import Turn
 
 log = logging.getLogger(__name__)
 
 AGENT_CODE_VERSION = 1   # bump when a change here alters an agent model
 # Per task: scripted-policy settings, warm-up batch, steps = warmup_steps * steps_scale,
-# turns per scripted (and measured) episode, new tokens per measured turn. Calibration
-# (seed 0 unless said; held-out greedy episodes at the recipes' budgets):
-# - calculator, call_frac 0.3: 160 steps: tool calls 0.40-0.45 / success 0.28-0.33 (seeds
-#   0-2: calls 0.45, 0.20, 0.30), but 4-digit results are copied wrong and GRPO then
-#   stalls at 0.82 (it fails every 4-digit product); 320 steps (the setting): calls 0.34,
-#   success 0.32 (every call right, every direct answer wrong), GRPO 300 steps -> 0.99.
-#   call_frac 0.5: greedy calls every time (0.93 at step 0: the skill already there).
-# - guess_number, narrow_frac 1.0, 320 steps: (trained on 12 of the 16 secrets) all 16
-#   greedy success 0.88, mean turns 4.5 (first guess 13, not 8); narrow_frac 0.5 or 80
-#   steps: guesses repeat after a few turns (0.25 / 6.75-7.75 on 4 secrets). Since the
-#   rows are every secret (rlctl/envs/builtin.py): 320 steps, 0.875 / 4.75 on all 16.
-# - running_sum, correct_frac 0.5: 80 steps 7% of turns right, 160 steps (the setting) 36%.
+# turns per scripted (and measured) episode, new tokens per measured turn.
 AGENT_WARMUPS: Dict[str, Dict[str, float]] = {
     "calculator": {"episodes": 2000, "call_frac": 0.3, "batch_size": 64, "steps_scale": 4.0,
                    "max_turns": 2, "max_new_tokens": 12},
@@ -75,10 +40,109 @@ AGENT_WARMUPS: Dict[str, Dict[str, float]] = {
                      "max_turns": 8, "max_new_tokens": 4},
     "running_sum": {"episodes": 2000, "correct_frac": 0.5, "batch_size": 64, "steps_scale": 2.0,
                     "max_turns": 4, "max_new_tokens": 4},
-}
+}   # keys: tiny.AGENT_TASKS
+# transcript segment roles (the prompt is segment 0): a model turn that ends with <eos>,
+# one cut at a stop string (no <eos>), an observation
+MODEL, MODEL_CUT, OBS = "model", "model_cut", "obs"
+TURNS = (MODEL, MODEL_CUT)
+Transcript = List[Tuple[str, str]]   # [(role, text)]: ("prompt", ...), then model/obs turns
 
 
-# ---- transcripts and the warm-up batch --------------------------------------------------
+def _number(words: Sequence[str]) -> int:
+    return int("".join(words))
+
+
+def _random_like(n: int, rng: random.Random) -> str:
+    """A random non-negative number with as many digits as ``n`` (format, not value)."""
+    width = len(str(abs(n)))
+    return spell(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width))
+
+
+# ---- scripted policies: (transcript so far, settings, rng) -> the next model turn's text ----
+
+def calculator_policy(tr: Transcript, opts, rng: random.Random) -> str:
+    expr = tr[0][1].split()
+    expr = expr[:expr.index("=")] if "=" in expr else expr
+    if len(tr) == 1:
+        if rng.random() < opts["call_frac"]:
+            return " ".join(["<call>", "calc", *expr, "</call>"])
+        return spell(_apply(*_split_expr(expr)))
+    words = tr[-1][1].split()
+    inner = [w for w in words if w not in ("<result>", "</result>")]
+    if inner and all(w.isdigit() or w == "-" for w in inner):
+        return " ".join(inner)
+    return _random_like(_apply(*_split_expr(expr)), rng)   # an error result: a guess
+
+
+def _split_expr(words: Sequence[str]) -> Tuple[int, str, int]:
+    at = next(i for i, w in enumerate(words) if i > 0 and w in "+-*")
+    return _number(words[:at]), words[at], _number(words[at + 1:])
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def guess_number_policy(tr: Transcript, opts, rng: random.Random) -> str:
+    words = tr[0][1].split()
+    n = _number(words[1:words.index(":")])
+    lo, hi = 1, n
+    guesses = [_number(t.split()) for role, t in tr if role in TURNS]
+    answers = [t.split() for role, t in tr[1:] if role == OBS]
+    for g, a in zip(guesses, answers):
+        if "higher" in a:
+            lo = max(lo, g + 1)
+        elif "lower" in a:
+            hi = min(hi, g - 1)
+    if lo > hi or rng.random() >= opts["narrow_frac"]:
+        lo, hi = 1, n
+    return spell(rng.randint(lo, hi))
+
+
+def running_sum_policy(tr: Transcript, opts, rng: random.Random) -> str:
+    words = " ".join(t for _, t in [tr[0]] + [s for s in tr[1:] if s[0] == OBS]).split()
+    nums, sign, cur = [], 1, []
+    for w in words + ["="]:
+        if w.isdigit():
+            cur.append(w)
+            continue
+        if cur:
+            nums.append(sign * _number(cur))
+            cur = []
+        sign = -1 if w == "-" else 1 if w == "+" else sign
+    total = sum(nums)
+    return spell(total) if rng.random() < opts["correct_frac"] else _random_like(total, rng)
+
+
+POLICIES: Dict[str, Callable[[Transcript, dict, random.Random], str]] = {
+    "calculator": calculator_policy, "guess_number": guess_number_policy,
+    "running_sum": running_sum_policy}
+
+
+def play_scripted(task, example, seed: int, policy, opts, rng, tokenizer) -> Transcript:
+    """One episode of ``policy`` against the task's environment: its transcript. A model
+    turn is ``(MODEL, text)``, or ``(MODEL_CUT, text)`` when it ends with one of the
+    previous step's ``info["stop"]`` strings (the episode loop cuts it there: no ``<eos>``)."""
+    env = task.make_env()
+    tr: Transcript = [("prompt", env.reset(example, seed))]
+    stops: Tuple[str, ...] = ()      # the first turn has none (as in rlctl.rollout.episodes)
+    try:
+        for _ in range(int(opts["max_turns"])):
+            text = policy(tr, opts, rng)
+            cut = any(text.endswith(s) for s in stops)
+            ids = tokenizer.convert_tokens_to_ids(text.split()) + ([] if cut else [tokenizer.eos_token_id])
+            tr.append((MODEL_CUT if cut else MODEL, text))
+            step = env.step(Turn(text, ids))
+            if step.done:
+                break
+            stop = (step.info or {}).get("stop") or ()
+            stops = (stop,) if isinstance(stop, str) else tuple(stop)
+            if step.observation is not None:
+                tr.append((OBS, step.observation))
+    finally:
+        getattr(env, "close", lambda: None)()
+    return tr
+
 
 def transcript_rows(tokenizer, transcripts: Sequence[Transcript]
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,7 +150,7 @@ def transcript_rows(tokenizer, transcripts: Sequence[Transcript]
     turns + ``<eos>`` (labels = ids), observations (labels -100), as episodes are laid out."""
     rows = []
     for tr in transcripts:
-        ids, labels = list(tokenizer(tr[0][1])["input_ids"]), None
+        ids = list(tokenizer(tr[0][1])["input_ids"])
         labels = [-100] * len(ids)
         for role, text in tr[1:]:
             seg = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -98,14 +162,7 @@ def transcript_rows(tokenizer, transcripts: Sequence[Transcript]
             raise ValueError(f"a warm-up transcript has {len(ids)} tokens, over the tiny "
                              f"model's {MAX_POSITIONS} positions")
         rows.append((ids, labels))
-    width = max(len(i) for i, _ in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    mask = torch.zeros_like(ids)
-    for r, (i, lab) in enumerate(rows):
-        ids[r, :len(i)], labels[r, :len(i)], mask[r, :len(i)] = (
-            torch.tensor(i), torch.tensor(lab), 1)
-    return ids, mask, labels
+    return pad_rows(rows, tokenizer.pad_token_id)
 
 
 def warmup_transcripts(name: str, opts, seed: int, tokenizer) -> List[Transcript]:
@@ -116,12 +173,6 @@ def warmup_transcripts(name: str, opts, seed: int, tokenizer) -> List[Transcript
     return [play_scripted(task, train[i % len(train)], i, POLICIES[name], opts, rng, tokenizer)
             for i in range(int(opts["episodes"]))]
 
-
-def transcripts_digest(transcripts: Sequence[Transcript]) -> str:
-    return hashlib.sha256(json.dumps(transcripts).encode()).hexdigest()[:16]
-
-
-# ---- build and cache --------------------------------------------------------------------
 
 def agent_params(name: str, hidden_size: int, num_layers: int, num_heads: int,
                  warmup_steps: int, warmup_lr: float, seed: int) -> Dict[str, object]:
@@ -135,30 +186,19 @@ def agent_params(name: str, hidden_size: int, num_layers: int, num_heads: int,
     params.update({"warmup_task": name, "agent_code_version": AGENT_CODE_VERSION,
                    "agent_words": list(TINY_AGENT_WORDS),
                    **{f"warmup_{k}": v for k, v in opts.items()},
-                   "warmup_transcripts": transcripts_digest(
-                       warmup_transcripts(name, opts, int(seed), tokenizer))})
+                   "warmup_transcripts": hashlib.sha256(json.dumps(warmup_transcripts(
+                       name, opts, int(seed), tokenizer)).encode()).hexdigest()[:16]})
     return params
 
 
 def _build_agent_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]:
-    t0, name = time.perf_counter(), str(params["warmup_task"])
-    opts = AGENT_WARMUPS[name]
-    tokenizer = build_tokenizer(TINY_AGENT_WORDS)
-    model = build_model(tokenizer, params["hidden_size"], params["num_layers"],
-                        params["num_heads"], params["seed"])
+    name = str(params["warmup_task"])
+    opts, tokenizer = AGENT_WARMUPS[name], build_tokenizer(TINY_AGENT_WORDS)
     transcripts = warmup_transcripts(name, opts, int(params["seed"]), tokenizer)
-    ids, mask, labels = transcript_rows(tokenizer, transcripts)
-    steps = int(round(params["warmup_steps"] * opts["steps_scale"]))
-    losses = train_on_rows(model, ids, mask, labels, steps, params["warmup_lr"],
-                           params["seed"], int(opts["batch_size"]))
-    t_train = time.perf_counter() - t0
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    meta = dict(params, num_parameters=sum(p.numel() for p in model.parameters()),
-                final_warmup_loss=losses[-1] if losses else None,
-                warmup_seconds=round(t_train, 3), build_seconds=round(time.perf_counter() - t0, 3))
-    (directory / "rlctl_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return warm_up_and_save(directory, params, tokenizer,
+                            lambda: transcript_rows(tokenizer, transcripts),
+                            int(round(params["warmup_steps"] * opts["steps_scale"])),
+                            int(opts["batch_size"]))
 
 
 def build_agent_tiny(name: str, hidden_size: int = 128, num_layers: int = 2,
@@ -170,19 +210,6 @@ def build_agent_tiny(name: str, hidden_size: int = 128, num_layers: int = 2,
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     final, meta = build_cached(root, cache_key(params), lambda tmp: _build_agent_into(tmp, params))
     if meta is not None:
-        log.info("built tiny %s model in %.1f s (%d warm-up steps): %s", name,
-                 meta["build_seconds"], steps_of(params), final)
+        log.info("built tiny %s model in %.1f s (%d warm-up steps): %s", name, meta["build_seconds"],
+                 int(round(params["warmup_steps"] * params["warmup_steps_scale"])), final)
     return final
-
-
-def steps_of(params: Dict[str, object]) -> int:
-    return int(round(params["warmup_steps"] * params["warmup_steps_scale"]))
-
-
-def build_tiny_model(warmup_task: Optional[str] = "sorting", **kwargs) -> Path:
-    """The tiny model for ``warmup_task``: an environment's agent model, else
-    ``build_tiny`` (sorting, arithmetic, and the sorting warm-up for other tasks)."""
-    if warmup_task in AGENT_WARMUPS:
-        kwargs.pop("warmup_num_digits", None)
-        return build_agent_tiny(warmup_task, **kwargs)
-    return build_tiny(warmup_task=warmup_task, **kwargs)

@@ -1,14 +1,8 @@
-"""The PPO critic: a scalar value head on a causal LM's last hidden state.
-
-* ``PolicyValueModel`` (critic=shared): one backbone pass gives the logits and the
-  values, read from ``hidden_states[-1]``, in transformers 5 the final-normed state the LM
-  head reads (tests/models/test_value.py checks ``lm_head(hidden_states[-1]) == logits``).
-* ``SeparateCritic`` (critic=separate): a trainable copy of the backbone
-  (``get_decoder()``) with its own head; no parameter shared with the policy.
-
-``completion_values``: the value aligned with completion token t is V(s_t), the head at
-position P-1+t (the position whose logits score token t). The head is float32 and starts
-at zero (first advantages are the plain returns; ``init_std > 0`` for a random init)."""
+"""The PPO critic: a float32 value head (zero at start, ``init_std > 0`` for a random init)
+on a causal LM's final-normed hidden state ``hidden_states[-1]``, the one the LM head reads.
+``PolicyValueModel`` (critic=shared): one backbone pass gives logits and values;
+``SeparateCritic`` (critic=separate): a trainable copy of the backbone with its own head.
+``completion_values``: completion token t's value V(s_t) is the head at position P-1+t."""
 from __future__ import annotations
 
 import copy
@@ -116,17 +110,10 @@ class PolicyValueModel(nn.Module):
         self.policy.save_pretrained(directory, **kwargs)
         self.value_head.save(directory)
 
-    def load_value_head(self, directory) -> None:
-        self.value_head.load(directory)
-
 
 def _backbone_copy(policy):
     """A deep copy of ``policy``'s base model (no LM head); peft adapters merged in."""
-    try:
-        from peft import PeftModel   # optional, and seconds to import: only when copying
-    except ImportError:  # pragma: no cover - peft is optional
-        PeftModel = ()
-    if isinstance(policy, PeftModel):
+    if hasattr(policy, "merge_and_unload"):             # a PeftModel
         return copy.deepcopy(policy).merge_and_unload().get_decoder()
     if hasattr(policy, "get_decoder"):
         return copy.deepcopy(policy.get_decoder())
@@ -156,9 +143,6 @@ class SeparateCritic(nn.Module):
         self.backbone.save_pretrained(directory, **kwargs)
         self.value_head.save(directory)
 
-    def load_value_head(self, directory) -> None:
-        self.value_head.load(directory)
-
     @classmethod
     def from_sequence_classifier(cls, classifier) -> "SeparateCritic":
         """A critic from a reward model (``*ForSequenceClassification``, one label): its backbone
@@ -179,7 +163,7 @@ class SeparateCritic(nn.Module):
     def from_pretrained(cls, directory, **kwargs) -> "SeparateCritic":
         """Reload a ``save_pretrained`` directory (backbone via ``AutoModel``)."""
         critic = cls(backbone=AutoModel.from_pretrained(directory, **kwargs))
-        critic.load_value_head(directory)
+        critic.value_head.load(directory)
         return critic
 
 

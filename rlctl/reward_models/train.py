@@ -24,9 +24,8 @@ from transformers import AutoTokenizer
 
 from rlctl.compose import compose
 from rlctl.errors import ConfigError, DataError, Interrupted, UserError
-from rlctl.models.dropout import disable_dropout
-from rlctl.models.loading import adapter_problem, check_vocab, corrupt_safetensors, resolve_dtype
-from rlctl.models.quiet import quiet_libraries
+from rlctl.models.loading import (adapter_problem, check_vocab, corrupt_safetensors,
+                                  disable_dropout, quiet_libraries, resolve_dtype)
 from rlctl.models.tiny import build_tiny
 from rlctl.reward_models.config import RMConfig, resolved_sections, rm_config, split_overrides
 from rlctl.reward_models.fit import (Pair, classifier_from_lm, fit,

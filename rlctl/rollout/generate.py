@@ -19,7 +19,7 @@ from rlctl.errors import UserError
 from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, shared_prefill,
                                    state_in_modules, unpadded_notice)
 from rlctl.models.stop_ids import decode_completions, stop_ids  # noqa: F401 - re-exported
-from rlctl.models.positions import position_ids_from_mask  # noqa: F401 - also imported from here
+from rlctl.models.kv_share import position_ids_from_mask  # noqa: F401 - also imported from here
 from rlctl.models.value import PolicyValueModel
 from rlctl.types import Example, RolloutBatch
 

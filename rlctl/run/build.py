@@ -15,8 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlctl.errors import UserError
 from rlctl.learner.forward import enable_gradient_checkpointing
-from rlctl.models.dropout import disable_dropout
-from rlctl.models.loading import load_model_and_tokenizer
+from rlctl.models.loading import disable_dropout, load_model_and_tokenizer
 from rlctl.models.lora import apply_lora, reference_for
 from rlctl.models.value import PolicyValueModel, SeparateCritic
 from rlctl.reward_models.learned import LearnedRewards, RewardModel, build_learned_rewards, check_names

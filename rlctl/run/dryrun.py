@@ -17,7 +17,7 @@ from rlctl.core.logprobs import CHUNK_ELEMENTS
 from rlctl.learner.forward import fused_head
 from rlctl.learner.trainer import needs_old_forward
 from rlctl.models.lora import count_parameters
-from rlctl.models.quiet import quiet_libraries
+from rlctl.models.loading import quiet_libraries
 from rlctl.rollout.generate import check_training_sampling
 from rlctl.run.build import model_from_config, task_from_config
 from rlctl.run.checks import check_entries

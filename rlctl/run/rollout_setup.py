@@ -27,8 +27,7 @@ from rlctl.backends.launch import die_with_parent
 from rlctl.envs.base import is_episodic
 from rlctl.errors import ConfigError, UserError, user_message
 from rlctl.learner.forward import prompt_sharing
-from rlctl.models.loading import load_model_and_tokenizer
-from rlctl.models.quiet import quiet_libraries
+from rlctl.models.loading import load_model_and_tokenizer, quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.source import LocalSource, SamplingSettings
 from rlctl.run.build import model_from_config, prepare_task

@@ -25,9 +25,8 @@ from rlctl.compose import Composed, compose
 from rlctl.errors import (ActorFailed, Interrupted, LaunchError, TrainingFault, UserError, one_line,
                           user_message)
 from rlctl.learner.trainer import Trainer
-from rlctl.models.loading import check_source
+from rlctl.models.loading import check_source, quiet_libraries
 from rlctl.models.lora import count_parameters
-from rlctl.models.quiet import quiet_libraries
 from rlctl.rollout.generate import check_training_sampling
 from rlctl.run.build import model_from_config, prepare_task, task_from_config
 from rlctl.run.checks import check_entries, check_episodes, warn_config

@@ -1,63 +1,37 @@
-"""Metric sinks: console (rich), JSONL, wandb (offline by default), TensorBoard, a null sink.
+"""Metric sinks: console (rich), JSONL, W&B (offline by default), TensorBoard, a null sink.
 
-The trainer holds one `MultiSink` from `build_sinks` and calls log/samples/summary/close on
-it; which loggers are on is decided here, once (no `if wandb:` branches elsewhere).
+The trainer holds the one `MultiSink` that `build_sinks` returns; which loggers are on is
+decided there, once (no `if wandb:` branches elsewhere).
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .base import MultiSink, NullSink, Sink
 from .console import DEFAULT_KEYS, ConsoleSink
 from .jsonl import JsonlSink, SamplesFile, read_jsonl, read_samples
-from .tensorboard_sink import TENSORBOARD_DIR, TensorboardSink  # light: imports torch when used
-from .wandb_sink import WandbSink, sample_key  # light: wandb itself is imported when a run starts
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 
-__all__ = [
-    "Sink",
-    "NullSink",
-    "MultiSink",
-    "JsonlSink",
-    "ConsoleSink",
-    "WandbSink",
-    "TensorboardSink",
-    "SamplesFile",
-    "build_sinks",
-    "read_jsonl",
-    "read_samples",
-    "sample_key",
-    "METRICS_FILE",
-    "SAMPLES_FILE",
-    "TENSORBOARD_DIR",
-]
+__all__ = ["Sink", "NullSink", "MultiSink", "JsonlSink", "ConsoleSink", "SamplesFile",
+           "build_sinks", "read_jsonl", "read_samples", "METRICS_FILE", "SAMPLES_FILE"]
 
 
-def build_sinks(
-    run_dir: Path | str | None,
-    jsonl: bool,
-    wandb: bool,
-    wandb_mode: str,
-    project: str,
-    name: str,
-    run_config: Mapping[str, Any],
-    console: bool,
-    total_steps: int,
-    console_keys: Sequence[str] = DEFAULT_KEYS,
-    tensorboard: bool = False,
-) -> MultiSink:
+def build_sinks(run_dir: Path | str | None, jsonl: bool, wandb: bool, wandb_mode: str,
+                project: str, name: str, run_config: Mapping[str, Any], console: bool,
+                total_steps: int, console_keys: Sequence[str] = DEFAULT_KEYS,
+                tensorboard: bool = False) -> MultiSink:
     """The sinks a run asked for, fanned out by one MultiSink (empty = null sink).
 
-    jsonl, wandb and tensorboard write inside `run_dir` (`metrics.jsonl` with
-    `samples.jsonl` beside it, `wandb/...`, `tensorboard/`) and are skipped when run_dir
-    is None. Only an unknown wandb_mode raises; otherwise wandb
-    falls back to offline or to disabled with one warning line (see WandbSink).
-    ``run_config``: the resolved config as plain data, recorded as the W&B run's config.
-    ``console_keys``: the figures the console shows (the RL schema's by default).
+    jsonl, wandb and tensorboard write inside `run_dir` (`metrics.jsonl` and `samples.jsonl`,
+    `wandb/`, `tensorboard/`) and are skipped when it is None; the W&B and TensorBoard sinks'
+    modules are imported only when chosen. Only an unknown wandb_mode raises (WandbSink falls
+    back with one warning line). ``run_config``: the resolved config as plain data (the W&B
+    run's config); ``console_keys``: the figures the console shows.
     """
     sinks: list[Sink] = []
     if console:
@@ -68,8 +42,8 @@ def build_sinks(
             sinks.append(JsonlSink(run_dir / METRICS_FILE))
             sinks.append(SamplesFile(run_dir / SAMPLES_FILE))
         if wandb:
-            sinks.append(WandbSink(run_dir, project=project, name=name, run_config=dict(run_config),
-                                   mode=wandb_mode))
+            sinks.append(importlib.import_module("rlctl.sinks.wandb_sink").WandbSink(
+                run_dir, project=project, name=name, run_config=dict(run_config), mode=wandb_mode))
         if tensorboard:
-            sinks.append(TensorboardSink(run_dir))
+            sinks.append(importlib.import_module("rlctl.sinks.tensorboard_sink").TensorboardSink(run_dir))
     return MultiSink(sinks)

@@ -1,77 +1,46 @@
 """Console progress: a live rich bar on a terminal, plain lines elsewhere.
 
 On a TTY: a rich progress row `bar  step/total  elapsed  eta ETA` with the key figures on
-the line below, updated on every log() call. Off a TTY (CI logs, subprocess tests, `| tee`): no control codes, one
-line per `print_every` steps, e.g.
+the line below. Off a TTY (CI logs, `| tee`): no control codes, one line per `print_every`
+steps, e.g. `step 20/100 | reward/mean 0.5125 | length/mean 6.1 | 4.1s<16.4s`. Step 0 is the
+evaluation before training; each figure is the key's latest value; unlogged keys are left out.
 
-    step 20/100 | reward/mean 0.5125 | policy/clip_frac 0.0123 | length/mean 6.1 | perf/tokens_per_s 2345 | 4.1s<16.4s
-
-Steps follow the trainer: step 0 is the evaluation before training, 1..total_steps the
-updates. Figures show the latest value of each key (an eval figure stays shown until
-the next evaluation). Keys that were never logged are left out.
-
-samples(): a table titled with its table and step (rlctl/sinks/console_table.py: one line
-per row, cut to the terminal width), printed through the console that the live view draws
-on, so rich prints it above the view and the view stays intact; off a TTY, plain text.
+samples(): a table (`sample_table`: one line per row, cut to the terminal width), printed
+through the live view's console (above the view), or as plain text off a TTY.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from typing import Any, Mapping, Sequence, TextIO
 
+from rich import box
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
 from rich.text import Text
 
-from .base import to_float
-from .console_table import sample_table
+from .base import cell_text
 
-DEFAULT_KEYS = (
-    "reward/mean",
-    "eval/exact_match",
-    "policy/kl_ref",
-    "policy/clip_frac",
-    "length/mean",
-    "perf/tokens_per_s",
-)
+DEFAULT_KEYS = ("reward/mean", "eval/exact_match", "policy/kl_ref", "policy/clip_frac",
+                "length/mean", "perf/tokens_per_s")
 # `rlctl reward-model train`: the Bradley-Terry fit's own figures (rlctl/reward_models/fit.py).
-REWARD_MODEL_KEYS = (
-    "train/loss",
-    "train/accuracy",
-    "eval/pairwise_accuracy",
-    "eval/margin",
-)
+REWARD_MODEL_KEYS = ("train/loss", "train/accuracy", "eval/pairwise_accuracy", "eval/margin")
 # Short labels for the live row, where width is scarce.
-SHORT_LABELS = {
-    "train/loss": "loss",
-    "train/accuracy": "acc",
-    "eval/pairwise_accuracy": "eval_acc",
-    "eval/margin": "eval_margin",
-    "reward/mean": "reward",
-    "eval/exact_match": "exact",
-    "policy/kl_ref": "kl_ref",
-    "policy/clip_frac": "clip",
-    "length/mean": "len",
-    "perf/tokens_per_s": "tok/s",
-}
+SHORT_LABELS = {"train/loss": "loss", "train/accuracy": "acc", "eval/pairwise_accuracy": "eval_acc",
+                "eval/margin": "eval_margin", "reward/mean": "reward", "eval/exact_match": "exact",
+                "policy/kl_ref": "kl_ref", "policy/clip_frac": "clip", "length/mean": "len",
+                "perf/tokens_per_s": "tok/s"}
 
 
 def format_value(value: float) -> str:
-    if math.isnan(value) or math.isinf(value):
+    if not math.isfinite(value):
         return str(value)
-    if value != 0 and (abs(value) >= 1000):
-        return f"{value:.0f}"
-    return f"{value:.4g}"
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
 def _format_seconds(seconds: float) -> str:
@@ -85,16 +54,9 @@ def _format_seconds(seconds: float) -> str:
 class ConsoleSink:
     name = "console"
 
-    def __init__(
-        self,
-        total_steps: int,
-        keys: Sequence[str] = DEFAULT_KEYS,
-        *,
-        print_every: int | None = None,
-        live: bool | None = None,
-        file: TextIO | None = None,
-        description: str = "train",
-    ):
+    def __init__(self, total_steps: int, keys: Sequence[str] = DEFAULT_KEYS, *,
+                 print_every: int | None = None, live: bool | None = None,
+                 file: TextIO | None = None, description: str = "train"):
         """live=None picks the rich view when `file` (default stdout) is a TTY.
         print_every=None prints about 20 lines per run off a TTY."""
         self.total_steps = max(int(total_steps), 0)
@@ -113,46 +75,29 @@ class ConsoleSink:
         self._progress: Any = None
         self._task: Any = None
         self._t0: float | None = None
-        self._first_step: int | None = None
-        self._last_step: int | None = None
-        self._printed_step: int | None = None
+        self._first_step = self._last_step = self._printed_step = None   # int once logged
         self._plain_console: Console | None = None
         self._closed = False
 
-    # ------------------------------------------------------------ formatting
-    def figures(self, short: bool = False) -> str:
-        parts = []
+    def line(self, step: int) -> str:
+        """The plain line: `step s/total | key value | ... | elapsed<eta`."""
+        parts = [f"step {step}/{self.total_steps}"]
         for key in self.keys:
             if key in self.latest:
-                label = SHORT_LABELS.get(key, key) if short else key
-                parts.append(f"{label} {format_value(self.latest[key])}")
-        return ("  " if short else " | ").join(parts)
-
-    def line(self, step: int) -> str:
+                parts.append(f"{key} {format_value(self.latest[key])}")
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
-        text = f"step {step}/{self.total_steps}"
-        figures = self.figures()
-        if figures:
-            text += " | " + figures
         timing = _format_seconds(elapsed)
         done = step - (self._first_step or 0)
         if 0 < done and step < self.total_steps:
             timing += "<" + _format_seconds(elapsed / done * (self.total_steps - step))
-        return text + " | " + timing
+        return " | ".join(parts + [timing])
 
-    # ------------------------------------------------------------ sink API
     def _start_live(self) -> None:
         console = Console(file=self.file) if self.file is not None else None
         self._progress = FiguresProgress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(bar_width=30),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            console=console,
-            refresh_per_second=4,
-        )
+            TextColumn("[bold]{task.description}"), BarColumn(bar_width=30), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+            refresh_per_second=4)
         self._progress.start()
         self._task = self._progress.add_task(self.description, total=self.total_steps)
 
@@ -165,22 +110,22 @@ class ConsoleSink:
             self._first_step = step
         for key in self.keys:
             if key in metrics:
-                self.latest[key] = to_float(metrics[key])
+                self.latest[key] = float(metrics[key])
         self._last_step = step
         if self.live:
             if self._progress is None:
                 self._start_live()
             completed = min(max(step, 0), self.total_steps)
-            self._progress.figures = "  " + self.figures(short=True)
+            self._progress.figures = "  " + "  ".join(   # the live row: short labels
+                f"{SHORT_LABELS.get(k, k)} {format_value(self.latest[k])}"
+                for k in self.keys if k in self.latest)
             self._progress.update(self._task, completed=completed)
             return
-        due = (
-            self._printed_step is None
-            or step >= self._printed_step + self.print_every
-            or step == self.total_steps
-        )
+        due = (self._printed_step is None or step >= self._printed_step + self.print_every
+               or step == self.total_steps)
         if due and step != self._printed_step:
-            self._print(step)
+            print(self.line(step), file=self.file or sys.stdout, flush=True)
+            self._printed_step = step
 
     def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
         if self._closed or not rows:
@@ -195,10 +140,6 @@ class ConsoleSink:
             console = self._plain_console
         console.print(sample_table(rows, int(step), str(table), console.width))
 
-    def _print(self, step: int) -> None:
-        print(self.line(step), file=self.file if self.file is not None else sys.stdout, flush=True)
-        self._printed_step = step
-
     def summary(self, values: Mapping[str, Any]) -> None:
         pass  # the run report prints final values
 
@@ -210,7 +151,7 @@ class ConsoleSink:
             self._progress.stop()
             self._progress = None
         elif not self.live and self._last_step is not None and self._last_step != self._printed_step:
-            self._print(self._last_step)
+            print(self.line(self._last_step), file=self.file or sys.stdout, flush=True)
 
 
 class FiguresProgress(Progress):
@@ -223,3 +164,52 @@ class FiguresProgress(Progress):
         yield self.make_tasks_table(self.tasks)
         if self.figures:
             yield Text(self.figures, overflow="ellipsis")
+
+
+# ---- the sample table: short columns keep their width (headers broken after each / or _),
+# the long texts share the rest and end with an ellipsis where cut; a line break shows as `\\n`;
+# a `step` column equal to the title's step is left out.
+SHORT = 12  # a column this wide or narrower is never cut
+HEADER_PARTS = re.compile(r"[^/_]+[/_]?|[/_]")
+
+
+def _one_line(value: Any) -> str:
+    return cell_text(value).replace("\r\n", "\n").replace("\n", "\\n")
+
+
+def header_lines(key: str, width: int) -> str:
+    """`key` broken after '/' and '_' into lines of at most `width` (a longer part is kept
+    whole: the column's ellipsis cuts it)."""
+    lines: list[str] = []
+    for part in HEADER_PARTS.findall(key):
+        if lines and len(lines[-1]) + len(part) <= width:
+            lines[-1] += part
+        else:
+            lines.append(part)
+    return "\n".join(lines)
+
+
+def sample_table(rows: Sequence[Mapping[str, Any]], step: int, table: str, width: int) -> Table:
+    """The rows as a rich Table `width` characters wide at most, columns in the rows' order.
+    Cells are Text, so brackets in a completion are never read as rich markup."""
+    columns = [str(k) for k in rows[0]]
+    if "step" in columns and all(row.get("step") == step for row in rows):
+        columns.remove("step")
+    cells = {key: [_one_line(row.get(key)) for row in rows] for key in columns}
+    widths = {key: max(max(len(c) for c in cells[key]),
+                       min(max(len(p) for p in HEADER_PARTS.findall(key) or [key]), SHORT), 1)
+              for key in columns}
+    long = [key for key in columns if widths[key] > SHORT]
+    left = width - (len(columns) - 1) - sum(widths[k] for k in columns if k not in long)
+    for key in long:  # the long texts share what the short columns leave (at least 4 each)
+        widths[key] = min(widths[key], max(left // len(long), 4))
+    view = Table(title=f"samples: {table}, step {step}", title_justify="left",
+                 box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0))
+    for key in columns:
+        numeric = all(isinstance(row.get(key), (int, float)) for row in rows)
+        head = key if key in long else header_lines(key, widths[key])
+        view.add_column(Text(head, overflow="ellipsis"), width=widths[key], no_wrap=True,
+                        overflow="ellipsis", justify="right" if numeric else "left")
+    for i in range(len(rows)):
+        view.add_row(*(Text(cells[key][i], no_wrap=True, overflow="ellipsis") for key in columns))
+    return view

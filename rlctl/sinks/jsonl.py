@@ -1,22 +1,11 @@
-"""`metrics.jsonl`: one JSON object per log() call, readable with any tool.
+"""`metrics.jsonl` and `samples.jsonl`: strict JSON lines, each flushed when written.
 
-Line format: {"step": <int>, "<metric>": <float or null>, ...}.
-- Values go through float(), so 0-d torch tensors and numpy scalars are accepted.
-- Non-finite values (NaN, +-inf) are written as null: the file stays strict JSON
-  (json.dumps(allow_nan=False); `jq` and JavaScript reject NaN), and a null in a
-  metric column means "not a finite number". A diverged loss is then visible as a
-  null rather than silently dropped.
-- Every line is flushed when written, so a killed run keeps all lines logged so far.
-- summary() writes one final line {"summary": {...}} (non-finite floats -> null,
-  other values as JSON allows, else str()).
-
-`read_jsonl(path)` reads the metric lines back (summary lines are skipped); a file that
-is not UTF-8 raises ValueError with one line naming it.
-
-`samples.jsonl` (SamplesFile, beside metrics.jsonl whenever that is written): one line per
-sample row, {"table": "train"|"eval", "step": <int>, <the row's columns in order>}, so a
-step logged with n rows has n lines. The file is created at the first table (a run with
-samples off has none); `read_samples(path)` reads it back.
+metrics.jsonl: one line per log() call, {"step": <int>, "<metric>": <float or null>, ...}
+(values through float(); NaN and +-inf as null, so `jq` reads it and a diverged loss shows
+as null), and summary()'s final {"summary": {...}}. samples.jsonl (SamplesFile, created at
+the first table): one line per sample row, {"table": "train"|"eval", "step": <int>, <the
+row's columns in order>}. `read_jsonl` / `read_samples` read them back (a torn last line is
+skipped; a file that is not UTF-8 is one ValueError naming it).
 """
 
 from __future__ import annotations
@@ -26,18 +15,15 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .base import finite_or_none, to_float
-
 
 def _json_safe(value: Any) -> Any:
-    if isinstance(value, bool) or value is None or isinstance(value, str):
+    """``value`` as strict JSON: non-finite numbers None, what float() refuses str()."""
+    if isinstance(value, (bool, int, str)) or value is None:
         return value
     if isinstance(value, Mapping):
         return {str(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
-    if isinstance(value, int):
-        return value
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -53,21 +39,20 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
 
-    def _write(self, obj: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(obj, allow_nan=False) + "\n")
-        self._file.flush()
-
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         row: dict[str, Any] = {"step": int(step)}
         for key, value in metrics.items():
-            row[str(key)] = finite_or_none(to_float(value))
-        self._write(row)
+            value = float(value)
+            row[str(key)] = value if math.isfinite(value) else None
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        self._file.flush()
 
     def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
         pass  # rows go to samples.jsonl (SamplesFile): a bad row can never stop this file
 
     def summary(self, values: Mapping[str, Any]) -> None:
-        self._write({"summary": _json_safe(dict(values))})
+        self._file.write(json.dumps({"summary": _json_safe(dict(values))}, allow_nan=False) + "\n")
+        self._file.flush()
 
     def close(self) -> None:
         if not self._file.closed:
@@ -75,7 +60,7 @@ class JsonlSink:
 
 
 class SamplesFile:
-    """The sample tables as JSON lines (see the module docstring); log() ignores metrics."""
+    """The sample tables as JSON lines; log() ignores metrics."""
 
     name = "samples.jsonl"
 

@@ -1,14 +1,9 @@
 """TensorBoard event files under `<run_dir>/tensorboard/`: `tensorboard --logdir runs`.
 
-log():     one scalar per metric (`add_scalar`, tag = the metric key, e.g. `reward/mean`).
-samples(): one markdown table per step (`add_text`, tag `samples/<table>`; TensorBoard
-           stores it as `samples/<table>/text_summary` and shows a step slider).
-summary(): a two-column markdown table (tag `summary`) at the last logged step.
-
-The writer is torch's `SummaryWriter` (it needs the `tensorboard` package). It is created
-at the first call, so a run without this sink never imports it, and a failure to create
-it happens inside a logging call, where MultiSink disables the sink and training goes on.
-Events are flushed every `flush_secs` and at close().
+log(): one scalar per metric (tag = the key); samples(): one markdown table per step (tag
+`samples/<table>`); summary(): a two-column markdown table (tag `summary`) at the last step.
+torch's `SummaryWriter` is created at the first call, so a failure to create it happens
+inside a logging call (MultiSink disables the sink, training goes on).
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .base import cell_text, to_float
+from .base import cell_text
 
 TENSORBOARD_DIR = "tensorboard"
 # Characters that Python-Markdown (TensorBoard's renderer, with its table extension)
@@ -64,7 +59,7 @@ class TensorboardSink:
             return
         self._last_step = max(self._last_step, int(step))
         for key, value in metrics.items():
-            writer.add_scalar(str(key), to_float(value), global_step=int(step))
+            writer.add_scalar(str(key), float(value), global_step=int(step))
 
     def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
         writer = self._open()

@@ -1,20 +1,14 @@
 """Weights & Biases sink that never hangs or crashes training.
 
-Offline by default: wandb writes `run_dir/wandb/offline-run-*/run-<id>.wandb` (upload it
-with `wandb sync`) and opens no network connection; `wandb` is imported only when a run
-asks for it. Start-up, with at most one warning line on stderr:
-  online    needs an API key (env, .netrc or wandb settings; wandb would otherwise prompt
-            forever), else offline; a failing or timed-out init (init_timeout) also
-            falls back to offline.
-  offline   a failing init leaves the sink a no-op; training goes on.
-  disabled  no wandb at all.
+Offline by default: `run_dir/wandb/offline-run-*/run-<id>.wandb` (upload with `wandb sync`),
+no network. Start-up, with at most one warning line: online needs an API key (else wandb
+would prompt forever) and falls back to offline without one or when init fails or times out;
+offline: a failing init leaves the sink a no-op; disabled: no wandb at all.
 
 Invariants (wandb 0.31): one history row per step, committed when a higher step comes and
-before summary() and close() (wandb's own late commit would overwrite the summary); a
-step below the last committed one is left out with one warning (wandb drops it silently);
-the wandb singleton is torn down and the environment restored at close(), so a second
-run in the process gets its own directories; console="off" (wandb would wrap stdout,
-fighting the live view).
+before summary() and close() (wandb's late commit would overwrite the summary); a step below
+the last committed one is left out with one warning; the wandb singleton is torn down and
+the environment restored at close(); console="off" (wrapping stdout fights the live view).
 """
 
 from __future__ import annotations
@@ -26,25 +20,18 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .base import cell_text, to_float
+from .base import cell_text
 
 MODES = ("online", "offline", "disabled")
-SAMPLES_PREFIX = "samples"
 
 
 def sample_key(table: str, step: int) -> str:
     """The history key of one sample table, e.g. `samples/train/step_000025`."""
-    return f"{SAMPLES_PREFIX}/{table}/step_{step:06d}"
+    return f"samples/{table}/step_{step:06d}"
 
 
 def _warn(message: str) -> None:
     print(f"rlctl: warning: {message}", file=sys.stderr, flush=True)
-
-
-def _cell(value: Any) -> Any:
-    """A sample value as a wandb.Table cell: an episode's turns (a list) as one text
-    (`rlctl.sinks.base.cell_text`), the rest as `_plain` gives it."""
-    return cell_text(value) if isinstance(value, list) else _plain(value)
 
 
 def _plain(value: Any) -> Any:
@@ -73,49 +60,32 @@ def has_wandb_credentials(base_url: str | None = None) -> bool:
         from wandb.sdk.lib.wbauth import authenticate
 
         host = base_url or wandb.setup().settings.base_url
-        auth = authenticate.authenticate_session(
-            host=host, source="rlctl", prompt=False, update_session=False
-        )
-        return auth is not None
+        return authenticate.authenticate_session(host=host, source="rlctl", prompt=False,
+                                                 update_session=False) is not None
     except Exception:
         return False
 
 
 class WandbSink:
-    """Log to wandb; see the module docstring for the fallbacks.
-
-    Attributes after construction: `mode` (the mode actually in use: online, offline or
-    disabled), `init_seconds`; after close(): `finish_seconds`, `run_file`.
-    """
+    """Log to wandb (module docstring). `mode`: the mode in use; `init_seconds`; after close:
+    `finish_seconds`, and `run_file` (the `.wandb` run file; None when disabled)."""
 
     name = "wandb"
-    ENV_DIRS = {
-        "WANDB_DIR": "",  # wandb puts its own `wandb/` folder inside
-        "WANDB_CACHE_DIR": "wandb-cache",
-        "WANDB_CONFIG_DIR": "wandb-config",
-        "WANDB_DATA_DIR": "wandb-data",
-    }
+    ENV_DIRS = {"WANDB_DIR": "",  # wandb puts its own `wandb/` folder inside
+                "WANDB_CACHE_DIR": "wandb-cache", "WANDB_CONFIG_DIR": "wandb-config",
+                "WANDB_DATA_DIR": "wandb-data"}
 
-    def __init__(
-        self,
-        run_dir: str | Path,
-        project: str,
-        name: str | None,
-        run_config: Mapping[str, Any] | None,
-        mode: str = "offline",
-        *,
-        init_timeout: float = 30.0,
-        finish_timeout: float = 60.0,
-    ):
+    def __init__(self, run_dir: str | Path, project: str, name: str | None,
+                 run_config: Mapping[str, Any] | None, mode: str = "offline", *,
+                 init_timeout: float = 30.0, finish_timeout: float = 60.0):
         if mode not in MODES:
             raise ValueError(f"wandb mode must be one of {MODES}, got {mode!r}")
         self.run_dir = Path(run_dir).resolve()
-        self.requested_mode = mode
         self.mode = "disabled"
         self.init_seconds: float | None = None
         self.finish_seconds: float | None = None
         self._run: Any = None
-        self._run_file: Path | None = None
+        self.run_file: Path | None = None
         self._pending: tuple[int, dict[str, float]] | None = None
         self._last_step = -1  # last committed step
         self._warned_order = False
@@ -132,7 +102,6 @@ class WandbSink:
                 self.mode = "disabled"
                 self._teardown()
 
-    # ---------------------------------------------------------------- start-up
     def _set_env(self, mode: str) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         values = {"WANDB_SILENT": "true"}
@@ -169,26 +138,14 @@ class WandbSink:
             problems.append("online: no API key configured (wandb login / WANDB_API_KEY)")
             attempts = ["offline"]
         for attempt in attempts:
-            settings = wandb.Settings(
-                x_disable_stats=True,  # no system-monitor thread
-                console="off",
-                x_save_requirements=False,
-                save_code=False,
-                disable_git=True,
-                init_timeout=init_timeout,
-                finish_timeout=finish_timeout if attempt == "online" else 0.0,
-                silent=True,
-            )
+            settings = wandb.Settings(  # x_disable_stats: no system-monitor thread
+                x_disable_stats=True, console="off", x_save_requirements=False, save_code=False,
+                disable_git=True, init_timeout=init_timeout, silent=True,
+                finish_timeout=finish_timeout if attempt == "online" else 0.0)
             start = time.perf_counter()
             try:
-                self._run = wandb.init(
-                    project=project,
-                    name=name,
-                    config=run_config,
-                    dir=str(self.run_dir),
-                    mode=attempt,
-                    settings=settings,
-                )
+                self._run = wandb.init(project=project, name=name, config=run_config,
+                                       dir=str(self.run_dir), mode=attempt, settings=settings)
             except Exception as exc:
                 first = (str(exc).splitlines() or [""])[0]
                 problems.append(f"{attempt}: {type(exc).__name__}: {first}")
@@ -199,16 +156,15 @@ class WandbSink:
                 self.mode = "disabled"
             else:
                 self.mode = attempt
-                self._run_file = Path(self._run.settings.sync_file)
+                self.run_file = Path(self._run.settings.sync_file)
             break
 
         if self._run is None:
             _warn(f"wandb init failed ({'; '.join(problems)}); wandb logging disabled")
             self._teardown()
         elif problems:
-            _warn(f"wandb {'; '.join(problems)}; logging offline to {self._run_file}")
+            _warn(f"wandb {'; '.join(problems)}; logging offline to {self.run_file}")
 
-    # ---------------------------------------------------------------- logging
     def _commit(self) -> None:
         if self._pending is None or self._run is None:
             return
@@ -220,7 +176,7 @@ class WandbSink:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._run is None:
             return
-        self._add({str(k): to_float(v) for k, v in metrics.items()}, int(step))
+        self._add({str(k): float(v) for k, v in metrics.items()}, int(step))
 
     def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
         """One wandb.Table per call, under its own key: `samples/<table>/step_<step, 6 digits>`
@@ -230,7 +186,8 @@ class WandbSink:
         import wandb   # already imported by _start (the run exists)
 
         columns = [str(k) for k in rows[0]]
-        data = [[_cell(row.get(c)) for c in columns] for row in rows]
+        data = [[cell_text(v) if isinstance(v, list) else _plain(v)    # turns: one text
+                 for v in map(row.get, columns)] for row in rows]
         key = sample_key(table, int(step))
         self._add({key: wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, int(step))
 
@@ -242,11 +199,9 @@ class WandbSink:
         if step <= self._last_step or (self._pending is not None and step < self._pending[0]):
             if not self._warned_order:
                 self._warned_order = True
-                _warn(
-                    f"wandb keeps steps in increasing order only: step {step} came after "
-                    f"step {max(self._last_step, self._pending[0] if self._pending else -1)}"
-                    "; such rows are left out of wandb (they stay in the JSONL)"
-                )
+                _warn(f"wandb keeps steps in increasing order only: step {step} came after "
+                      f"step {max(self._last_step, self._pending[0] if self._pending else -1)}"
+                      "; such rows are left out of wandb (they stay in the JSONL)")
             return
         self._commit()
         self._pending = (step, row)
@@ -284,10 +239,3 @@ class WandbSink:
         finally:
             self._owns_setup = False
             self._restore_env()
-
-    # ---------------------------------------------------------------- results
-    @property
-    def run_file(self) -> Path | None:
-        """The offline run file `.../run-<id>.wandb` (online runs keep one too), or None
-        when wandb is disabled. Complete once close() has returned."""
-        return self._run_file

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
+
 from rlctl.errors import CheckpointError
 
 PREFIX = "step-"
@@ -30,6 +31,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The last complete checkpoint of the run, or None."""
     root = checkpoint_dir(run_dir)
     done = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp")) \
         if root.is_dir() else []

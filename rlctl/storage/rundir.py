@@ -1,22 +1,14 @@
 """Run directories: ``<output_dir>/<time>-<name>/`` with everything needed to replay.
 
-    config.yaml            the resolved config (what ran)
-    config_unresolved.yaml the config with interpolations kept
-    overrides.yaml         the command-line overrides (and the recipe, if any; under
-                           `resumes`, each resume's overrides)
-    recipe.yaml            a replayable recipe: `rlctl train --recipe <run>/recipe.yaml`
-                           (a resume rewrites it and config.yaml with its overrides)
-    metrics.jsonl          one line per logged step (logger=wandb|jsonl|tensorboard)
-    samples.jsonl          the sample tables, one line per row (logger.samples.*)
-    wandb/                 the W&B offline run (logger=wandb)
-    tensorboard/           TensorBoard event files (logger=tensorboard)
-    model/                 final weights (safetensors) and tokenizer, Hugging Face format;
-                           LoRA runs: the adapter (adapter_model.safetensors,
-                           adapter_config.json; PeftModel.from_pretrained(base, dir))
-    model/merged/          LoRA runs with model.lora.save_merged: base + adapter merged
-    summary.json           final eval and timing (rank 0 writes it, and the metrics,
-                           W&B run and model; every rank writes its part of a checkpoint)
-    .lock                  while a run writes: the writer's pid (see RunLock)
+    config.yaml, config_unresolved.yaml   the resolved config, and with interpolations kept
+    overrides.yaml    the command-line overrides and recipe (`resumes`: each resume's)
+    recipe.yaml       `rlctl train --recipe <run>/recipe.yaml` replays it (a resume rewrites
+                      it and config.yaml)
+    metrics.jsonl, samples.jsonl, wandb/, tensorboard/   the sinks' files (rlctl.sinks)
+    model/            final weights and tokenizer (HF format); LoRA runs: the adapter, and
+                      with model.lora.save_merged base + adapter in model/merged/
+    summary.json      final eval and timing (rank 0 writes it, the metrics and the model)
+    .lock             while a run writes: the writer's pid (RunLock)
 """
 from __future__ import annotations
 
@@ -55,13 +47,11 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunLock:
-    """One writer per run directory: ``<run>/.lock`` holds the writer's pid, and an
-    exclusive ``flock`` on it is held for the whole run. Before it launches ranks, the
-    owner turns it into a shared lock that each rank takes too (``share_lock``), so the
-    run stays locked until the launcher and every rank have exited, even when the
-    launcher is killed. The kernel
-    drops the flock when the last holder dies, so a lock file left by a killed run is
-    stale and simply taken over; a live holder is refused by pid."""
+    """One writer per run directory: ``<run>/.lock`` holds the writer's pid under an
+    exclusive ``flock`` for the whole run; before launching ranks the owner shares it with
+    them (``share_lock``), so the run stays locked until every one has exited. The kernel
+    drops the flock with its last holder: a stale lock file is taken over, a live holder
+    refused by pid."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
@@ -153,6 +143,13 @@ def _alive(pid: str) -> bool:
     return True
 
 
+def _probe(path: Path) -> None:
+    """OSError unless ``path`` is a writable directory."""
+    probe = path / ".write_test"
+    probe.write_text("ok")
+    probe.unlink()
+
+
 def create_run_dir(output_dir: str, name: str) -> Path:
     """A new, writable run directory (fails early with a clear message if it is not)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
@@ -167,9 +164,7 @@ def create_run_dir(output_dir: str, name: str) -> Path:
                 break
             except FileExistsError:
                 continue
-        probe = path / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
+        _probe(path)
     except OSError as exc:
         raise RunDirError(f"cannot write the run directory under '{output_dir}': "
                           f"{exc.strerror or exc}; set run.output_dir=WRITABLE_DIR") from None
@@ -190,9 +185,7 @@ def new_run_dir(run_cfg) -> Tuple[Path, Optional[FrozenSet[str]]]:
     try:
         kept = frozenset(p.name for p in path.iterdir()) if path.is_dir() else None
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
+        _probe(path)
     except OSError as exc:
         raise RunDirError(f"cannot write run.dir='{path}': {exc.strerror or exc}; "
                           "set run.dir to a writable directory") from None
@@ -223,6 +216,7 @@ def recipe_text(composed: Composed) -> str:
 
 
 def write_config(run_dir: Path, composed: Composed) -> None:
+    """config.yaml, config_unresolved.yaml, overrides.yaml and recipe.yaml of a new run."""
     cfg = composed.cfg
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     (run_dir / "config_unresolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=False))
@@ -263,7 +257,6 @@ def save_model(run_dir: Path, model, tokenizer, lora: bool = False, merged: bool
     also the merged full model in ``model/merged``). A PolicyValueModel adds its value head."""
     out = run_dir / "model"
     if lora:
-
         return save_lora(model, out, tokenizer, merged=merged)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -68,7 +68,7 @@ def _batch(left_pad: bool = False):
 
 def _reference_logp(model, ids, attn):
     """log pi(token t) from the model's own logits, [N, T]."""
-    from rlctl.models.positions import position_ids_from_mask
+    from rlctl.models.kv_share import position_ids_from_mask
 
     with torch.no_grad():
         logits = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
@@ -98,14 +98,14 @@ def test_a_logit_transform_falls_back_to_the_full_logits(name, caplog):
             again = learner_forward(model, ids, attn, P).logp
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(again, want, **TOL)
-    assert head_check.verdict(model) is False and fused_head(model) is None
+    assert head_check.VERDICTS.get(model) is False and fused_head(model) is None
     lines = [r.getMessage() for r in caplog.records if r.name == head_check.__name__]
     assert len(lines) == 1 and "full logits" in lines[0], lines       # said once, one line
     assert first == 1 + (len(calls) - first)        # one check forward, in the first call only
     reference = copy.deepcopy(model)                 # a frozen copy (the KL reference): checked
     with caplog.at_level(logging.WARNING, logger=head_check.__name__), torch.no_grad():
         torch.testing.assert_close(learner_forward(reference, ids, attn, P).logp, want, **TOL)
-    assert head_check.verdict(reference) is False
+    assert head_check.VERDICTS.get(reference) is False
     assert len([r for r in caplog.records if r.name == head_check.__name__]) == 1   # not said again
 
 
@@ -115,7 +115,7 @@ def test_plain_llama_keeps_the_fused_head():
     want = _reference_logp(model, ids, attn)
     got = learner_forward(model, ids, attn, P).logp
     torch.testing.assert_close(got.detach(), want, **TOL)
-    assert head_check.verdict(model) is True
+    assert head_check.VERDICTS.get(model) is True
     assert fused_head(model) is not None
 
 
@@ -123,7 +123,7 @@ def test_the_fused_path_differs_where_a_transform_is_not_caught():
     """Why the check matters: Gemma-2's hidden states through its plain head (what the
     fused path would score) give other log-probs than its own soft-capped logits."""
     from rlctl.core.logprobs import chunked_token_logprobs
-    from rlctl.models.positions import position_ids_from_mask
+    from rlctl.models.kv_share import position_ids_from_mask
 
     model = _model(TRANSFORMED["gemma2"]())
     ids, attn = _batch()
@@ -146,13 +146,13 @@ def test_bf16_autocast_keeps_a_plain_head_and_catches_a_real_sized_soft_cap():
     ids, attn = _batch(left_pad=True)
     llama = _model(tf.LlamaConfig(num_hidden_layers=2, **DIMS)).float()
     learner_forward(BF16Autocast(llama, "cpu"), ids, attn, P)
-    assert head_check.verdict(llama) is True
+    assert head_check.VERDICTS.get(llama) is True
     gemma = _model(tf.Gemma2Config(num_hidden_layers=2, final_logit_softcapping=30.0, **DIMS)).float()
     with torch.no_grad():
         gemma.lm_head.weight.mul_(30)
     ids, attn = _batch()
     learner_forward(BF16Autocast(gemma, "cpu"), ids, attn, P)
-    assert head_check.verdict(gemma) is False
+    assert head_check.VERDICTS.get(gemma) is False
 
 
 @pytest.mark.parametrize("kind", ["cohere", "llama"])
@@ -176,7 +176,7 @@ def test_bf16_a_mild_multiplier_at_a_real_width_is_caught_and_a_plain_head_kept(
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
                   position_ids=torch.arange(12).expand(2, 12))
     fused_head(BF16Autocast(model, "cpu"), inputs)
-    assert head_check.verdict(model) is (kind == "llama")
+    assert head_check.VERDICTS.get(model) is (kind == "llama")
 
 
 def test_the_dry_runs_memory_estimate_asks_the_same_check():

@@ -1,4 +1,4 @@
-"""``disable_dropout`` (rlctl/models/dropout.py) on the ways transformers models read a
+"""``disable_dropout`` (rlctl/models/loading.py) on the ways transformers models read a
 dropout probability: nn.Dropout modules (GPT-2, also its ``attn_dropout.p`` passed to the
 attention function), floats kept on a module at construction (Llama's
 ``self.attention_dropout``), the config read at forward time (Falcon, GPT-Neo) and an
@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers as tf
 
-from rlctl.models.dropout import disable_dropout
+from rlctl.models.loading import disable_dropout
 
 V, H = 97, 32
 COMMON = dict(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4)

@@ -1,6 +1,8 @@
 """load_model_and_tokenizer: tiny (cached build) and hf (any save_pretrained directory)."""
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,3 +60,10 @@ def test_hf_directory_that_is_not_a_model(tmp_path):
     with pytest.raises(ValueError, match="cannot load model") as err:
         load_model_and_tokenizer("hf", name_or_path=str(tmp_path / "empty"))
     assert "\n" not in str(err.value)
+
+
+def test_a_training_run_imports_neither_the_agent_demos_nor_the_optional_sinks():
+    mods = ("rlctl.models.tiny_agents", "rlctl.sinks.wandb_sink", "rlctl.sinks.tensorboard_sink")
+    code = f"import sys, rlctl.run.training; print([m for m in {mods!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

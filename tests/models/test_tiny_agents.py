@@ -11,12 +11,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlctl.envs.calc import TINY_AGENT_WORDS
-from rlctl.models import load_model_and_tokenizer
-from rlctl.models.agent_scripts import MODEL, MODEL_CUT, OBS
-from rlctl.models import tiny_agents
+from rlctl.models import load_model_and_tokenizer, tiny_agents
+from rlctl.models.loading import build_tiny_model
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.models.tiny import build_params, build_tiny, build_tokenizer, cache_key
-from rlctl.models.tiny_agents import (AGENT_WARMUPS, agent_params, build_tiny_model,
+from rlctl.models.tiny import AGENT_TASKS, build_params, build_tiny, build_tokenizer, cache_key
+from rlctl.models.tiny_agents import (AGENT_WARMUPS, MODEL, MODEL_CUT, OBS, agent_params,
                                       transcript_rows, warmup_transcripts)
 from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
 from rlctl.tasks import build_task
@@ -33,6 +32,10 @@ def test_default_vocabulary_unchanged_and_agent_words_appended():
     assert build_tokenizer().get_vocab() == {w: i for i, w in enumerate(DEFAULT_WORDS)}
     agent = build_tokenizer(TINY_AGENT_WORDS).get_vocab()
     assert agent == {w: i for i, w in enumerate(DEFAULT_WORDS + list(TINY_AGENT_WORDS))}
+
+
+def test_the_loader_routes_exactly_the_agent_warmups_tasks():
+    assert tuple(AGENT_WARMUPS) == AGENT_TASKS
 
 
 def test_other_tasks_build_the_default_model_and_keys(tmp_path):

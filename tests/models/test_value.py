@@ -124,7 +124,7 @@ def test_save_load_round_trip(policy, batch, tmp_path):
     pv2 = PolicyValueModel(AutoModelForCausalLM.from_pretrained(tmp_path / "pv")).eval()
     with torch.no_grad():
         assert torch.count_nonzero(pv2(**_inputs(seqs, mask)).values) == 0  # before loading
-        pv2.load_value_head(tmp_path / "pv")
+        pv2.value_head.load(tmp_path / "pv")
         a, b = pv(**_inputs(seqs, mask)), pv2(**_inputs(seqs, mask))
     torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
     torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)

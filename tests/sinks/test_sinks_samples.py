@@ -25,9 +25,8 @@ from rlctl.sinks import (
     build_sinks,
     read_jsonl,
     read_samples,
-    sample_key,
 )
-from rlctl.sinks.wandb_sink import WandbSink
+from rlctl.sinks.wandb_sink import WandbSink, sample_key
 
 COLUMNS = ["step", "prompt", "completion", "reward/exact_match", "reward/format", "reward",
            "advantage", "length", "finish_reason", "policy_version"]

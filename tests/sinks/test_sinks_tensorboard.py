@@ -11,8 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
 
-from rlctl.sinks import MultiSink, TensorboardSink, build_sinks
-from rlctl.sinks.tensorboard_sink import markdown_cell, markdown_table
+from rlctl.sinks import MultiSink, build_sinks
+from rlctl.sinks.tensorboard_sink import TensorboardSink, markdown_cell, markdown_table
 
 METRICS = {
     1: {"reward/mean": 0.25, "policy/clip_frac": 0.0, "length/mean": 6.0},
@@ -111,7 +111,7 @@ def test_build_sinks_tensorboard_flag(tmp_path):
 
 
 def test_importing_the_sinks_loads_neither_torch_nor_tensorboard():
-    code = ("import sys, rlctl.sinks; "
-            "print(sorted(m for m in ('torch', 'tensorboard', 'wandb') if m in sys.modules))")
+    code = ("import sys, rlctl.sinks; print(sorted(m for m in ('torch', 'tensorboard', 'wandb', "
+            "'rlctl.sinks.wandb_sink', 'rlctl.sinks.tensorboard_sink') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -16,7 +16,8 @@ from tensorboard.backend.event_processing.event_accumulator import (
 
 from wandb_file import find_run_file, read_history, read_tables
 
-from rlctl.sinks import read_jsonl, read_samples, sample_key
+from rlctl.sinks import read_jsonl, read_samples
+from rlctl.sinks.wandb_sink import sample_key
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 SMALL = ["trainer.steps=4", "trainer.eval_every=2", "task.num_eval=16",
