@@ -4,10 +4,10 @@
         [--cache DIR] [--rows 128]
 
 Builds (or reuses, from ``--cache`` or $RLCTL_CACHE, else the default cache) the agent
-model of each task with the shipped settings (rlctl/conf/model/tiny.yaml) and plays one
+model of each task with the shipped settings (rlctl/config/conf/model/tiny.yaml) and plays one
 greedy episode on each of the task's first ``--rows`` eval rows with its recipe's budgets
 (recipes/calculator-tool.yaml, guess-number.yaml, running-sum.yaml), through the real
-episode loop (rlctl.rollout.episodes.EpisodePlayer). Prints per task: success, mean
+episode loop (rlctl.rollout.episodes.loop.EpisodePlayer). Prints per task: success, mean
 turns, the share of episodes with a tool call and their tool errors, the share of model
 turns that are numbers (digit words) and the share of turns rewarded. These are the
 step-0 numbers the recipes start from (the warm-up teaches the format, not the skill):
@@ -26,9 +26,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rlctl.envs.calc import read_number
-from rlctl.models import load_model_and_tokenizer
+from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
+from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
 from rlctl.tasks import build_task
 from rlctl.types import MODEL
 
@@ -39,7 +39,7 @@ TINY_KEYS = ("hidden_size", "num_layers", "num_heads", "warmup_steps", "warmup_l
 
 
 def shipped_tiny() -> dict:
-    cfg = OmegaConf.load(ROOT / "rlctl" / "conf" / "model" / "tiny.yaml")
+    cfg = OmegaConf.load(ROOT / "rlctl" / "config" / "conf" / "model" / "tiny.yaml")
     return {k: cfg[k] for k in TINY_KEYS}
 
 

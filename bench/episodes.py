@@ -28,9 +28,9 @@ import torch
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlctl.envs.base import EnvTask
-from rlctl.models.tiny import build_model, build_tokenizer
-from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
+from rlctl.envs.environment import EnvTask
+from rlctl.demo.tiny import build_model, build_tokenizer
+from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
 from rlctl.types import Example, Step
 
 

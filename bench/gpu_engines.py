@@ -8,7 +8,7 @@ For each engine it samples ``prompts x group`` completions (random prompt token 
 temperature 1, no stop ids, one seed) and prints:
 - tokens/s: completion tokens / wall time of the generate call (after one warm-up call);
 - mean and max |engine log-prob - learner log-prob| per completion token, where the
-  learner's log-prob is ``rlctl.learner.forward.learner_forward`` on prompt + completion
+  learner's log-prob is ``rlctl.models.forward.learner_forward`` on prompt + completion
   (the training forward) with the same weights, once in bf16 (what training uses) and
   once in float32 (how far bf16 sampling is from exact).
 
@@ -69,7 +69,7 @@ def learner_gaps(model, prompts, outs, pad: int):
     and in float32."""
     import copy
     import torch
-    from rlctl.learner.forward import learner_forward
+    from rlctl.models.forward import learner_forward
     P = len(prompts[0])                                   # every prompt has the same length
     T = max(len(c.token_ids) for c in outs)
     ids = torch.full((len(outs), P + T), pad, dtype=torch.long)
@@ -113,7 +113,7 @@ def timed_generate(engine, prompts, sampling):
 
 
 def run_torch(model, pad, prompts, sampling):
-    from rlctl.rollout.engine import TorchEngine
+    from rlctl.rollout.engines.protocol import TorchEngine
     return timed_generate(TorchEngine(model, pad), prompts, sampling)
 
 
@@ -126,7 +126,7 @@ def _free_port() -> int:
 def run_vllm(model, model_dir, prompts, sampling, args):
     """Serve ``model`` with vLLM, generate through ServerEngine(kind="vllm"); None and a
     reason when it cannot."""
-    from rlctl.rollout.server_engine import ServerEngine
+    from rlctl.rollout.engines.server import ServerEngine
     tmp = tempfile.mkdtemp(prefix="rlctl-vllm-")
     if model_dir is None:
         model_dir = os.path.join(tmp, "model")
@@ -186,7 +186,7 @@ def main() -> None:
         sys.exit("gpu_engines: no CUDA device here (torch.cuda.is_available() is False); "
                  "run it where a GPU is lent")
     torch.set_num_threads(min(8, os.cpu_count() or 1))
-    from rlctl.rollout.engine import Sampling
+    from rlctl.rollout.engines.protocol import Sampling
 
     model, pad, model_dir = build_model(args)
     vocab = model.get_input_embeddings().num_embeddings

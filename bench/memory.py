@@ -36,7 +36,7 @@ def build_model(vocab_size: int, out: Path) -> Path:
     from tokenizers.models import WordLevel
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from rlctl.models.tiny import SPECIAL_TOKENS, SYMBOLS
+    from rlctl.demo.tiny import SPECIAL_TOKENS, SYMBOLS
 
     words = SPECIAL_TOKENS + SYMBOLS
     vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(vocab_size - len(words))])}

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rlctl.learner.trainer import Trainer  # noqa: E402
-from rlctl.run.training import run_training  # noqa: E402
-from rlctl.sinks.base import MultiSink  # noqa: E402
+from rlctl.train.trainer import Trainer# noqa: E402
+from rlctl.train.run import run_training# noqa: E402
+from rlctl.sinks.sink import MultiSink# noqa: E402
 
 
 class SamplePathTimer:

@@ -37,8 +37,8 @@ def _setup(overrides):
     import torch
     from omegaconf import OmegaConf
 
-    from rlctl.compose import compose
-    from rlctl.run.build import model_from_config, prepare_task, task_from_config, quiet_libraries
+    from rlctl.config.compose import compose
+    from rlctl.train.build import model_from_config, prepare_task, task_from_config, quiet_libraries
 
     cfg = compose(["trainer.eval_every=0", "logger=none", *overrides]).cfg
     OmegaConf.resolve(cfg)
@@ -89,8 +89,8 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
     shared CPU: every mode sees the same background load)."""
     import copy
 
-    from rlctl.run.rollout_setup import build_source
-    from rlctl.learner.trainer import Trainer
+    from rlctl.train.sources import build_source
+    from rlctl.train.trainer import Trainer
     from rlctl.sinks import NullSink
 
     cfg, task, model, tok = _setup(overrides)
@@ -125,8 +125,8 @@ def run_modes(modes, steps: int, warmup: int, overrides) -> dict:
 
 
 def run_trainer(steps: int, warmup: int, overrides) -> dict:
-    from rlctl.run.rollout_setup import build_source
-    from rlctl.learner.trainer import Trainer
+    from rlctl.train.sources import build_source
+    from rlctl.train.trainer import Trainer
     from rlctl.sinks import NullSink
 
     cfg, task, model, tok = _setup(overrides)

@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from rlctl.core import completion_mask, group_advantages, ppo_clip_loss, token_logprobs
-from rlctl.learner.evaluate import evaluate, means
+from rlctl.train.evaluate import evaluate, means
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.rollout.generate import position_ids_from_mask
 from rlctl.tasks.scoring import RewardScorer

@@ -14,7 +14,7 @@ import typer
 
 from rlctl.commands.app import DEBUG, FREE_ARGS
 
-CONF_DIR = Path(__file__).parent / "conf"
+CONF_DIR = Path(__file__).parent / "config" / "conf"
 GROUP_NAMES = ("algo", "task", "model", "hardware", "logger")
 
 
@@ -74,25 +74,25 @@ def train(ctx: typer.Context,
 
     with handled(debug):
         if multirun:
-            from rlctl.compose import check_override_syntax
+            from rlctl.config.compose import check_override_syntax
             check_override_syntax(overrides)     # one line for Hydra's grammar errors, before torch
-            from rlctl.run.sweep import run_sweep
+            from rlctl.commands.sweep import run_sweep
             run_sweep(overrides, recipe)
             return
-        from rlctl.compose import compose
+        from rlctl.config.compose import compose
         composed = None if resume else compose(overrides, recipe)   # a bad override: before torch
         if dry_run:
-            from rlctl.run.dryrun import dry_run as plan
+            from rlctl.train.dryrun import dry_run as plan
             plan(composed.cfg)
         else:
-            from rlctl.run.training import run_training
+            from rlctl.train.run import run_training
             run_training(overrides, recipe, resume, composed)
 
 
 @app.command()
 def recipes() -> None:
     """List the saved experiments (recipes/*.yaml) with a one-line description each."""
-    from rlctl.compose import recipe_description, recipe_files
+    from rlctl.config.compose import recipe_description, recipe_files
 
     files = recipe_files()
     if not files:

@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlctl.compose import compose
-from rlctl.compose import explain as _explain
-from rlctl.config import CHOICES, FREE_NUMBERS, RANGES, example_value, range_problem, validate
+from rlctl.config.compose import compose
+from rlctl.config.compose import explain as _explain
+from rlctl.config.checks import CHOICES, FREE_NUMBERS, RANGES, example_value, range_problem, validate
 from rlctl.core.advantages import REINFORCE_BASELINES
 from rlctl.core.losses import KL_PLACEMENTS
 from rlctl.core.rollout_correction import CORRECTION_LEVELS, CORRECTION_MODES
 from rlctl.core.turns import TURN_REWARD_RULES
 from rlctl.errors import ConfigError
 from rlctl.rollout.generate import SAMPLE_DTYPES
-from rlctl.rollout.server_kinds import KINDS
-from rlctl.schema import RLConfig, schema_fields
+from rlctl.rollout.engines.kinds import KINDS
+from rlctl.config.schema import RLConfig, schema_fields
 from rlctl.sinks.wandb_sink import MODES
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
@@ -261,7 +261,7 @@ def _train(tmp_path, *args, in_process=False):
 @pytest.fixture(scope="module")
 def truncated_model(tmp_path_factory):
     """A saved model directory whose model.safetensors lost its tail (a copy cut short)."""
-    from rlctl.models.tiny import build_tiny
+    from rlctl.demo.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("broken_model")
     src = build_tiny(warmup_steps=0, cache_dir=root / "cache")
@@ -278,7 +278,7 @@ def test_a_truncated_safetensors_is_named(tmp_path, truncated_model, command):
     else:
         extra = ["--out", tmp_path / "r.jsonl", "--prompts", "2"] if command == "rollout" else []
         line = _run(tmp_path, command, truncated_model, *extra, in_process=True)
-    # train checks the weights' header before building (rlctl/model_files.py) and names the file
+    # train checks the weights' header before building (rlctl/models/hf_files.py) and names the file
     # itself; eval and rollout name the model directory
     named = f"'{truncated_model}/model.safetensors'" if command == "train" else f"'{truncated_model}'"
     _one_line(line, "cannot load model", named, "corrupt or truncated")

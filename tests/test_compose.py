@@ -4,11 +4,11 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from rlctl.compose import compose
-from rlctl.run.training import _sink
+from rlctl.config.compose import compose
+from rlctl.train.run import _sink
 
 from rlctl.errors import ConfigError
-from rlctl.run.checks import check_entries
+from rlctl.train.preflight import check_entries
 from rlctl.storage.rundir import recipe_text
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.config import RANGES
+from rlctl.config.checks import RANGES
 from rlctl.sinks.jsonl import read_jsonl
 from rlctl.tasks.arithmetic import ArithmeticTask
 from rlctl.tasks.sorting import SortingTask

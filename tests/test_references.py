@@ -18,7 +18,7 @@ TOP = r"(?:rlctl|tests|docs|bench|recipes|examples|scripts)"
 PATH = re.compile(rf"(?<![\w./~$-]){TOP}/[\w./-]*(?::\w+)?")
 # a dotted reference: rlctl.a.b, optionally :name
 DOTTED = re.compile(r"(?<![\w./-])rlctl(?:\.\w+)+(?::\w+)?")
-# a module file named without its top folder: learner/update.py (under rlctl/ or beside the
+# a module file named without its top folder: train/update.py (under rlctl/ or beside the
 # naming file), update.py (in a docstring or comment of the package: any file of that name)
 RELATIVE = re.compile(rf"(?<![\w./~$-])(?!{TOP}/)\w+(?:/\w+)*\.py(?::\w+)?\b")
 # not the repository's: the weight kind's key in safetensors metadata, other projects' files
@@ -171,7 +171,7 @@ def test_checker_finds_made_up_references(tmp_path):
     page = tmp_path / "docs" / "x.md"
     page.write_text("Real: rlctl/sinks/jsonl.py, `rlctl/sinks/jsonl.py:read_jsonl`,\n"
                     "rlctl.sinks.read_jsonl, rlctl.sinks.jsonl.JsonlSink.path, rlctl/sinks/,\n"
-                    "rlctl/conf/*.yaml, rlctl/<room>/.\nMade up: rlctl/sinks/gone.py, "
+                    "rlctl/config/conf/*.yaml, rlctl/<room>/.\nMade up: rlctl/sinks/gone.py, "
                     "rlctl.sinks.jsonl.read_csv, rlctl/sinks/jsonl.py:write,\n"
                     "rlctl.sinks.jsonl.JsonlSink.nope, tests/nothing/, rlctl.nowhere:f.\n")
     assert bad_references([page], tmp_path) == [

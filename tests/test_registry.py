@@ -7,15 +7,15 @@ import sys
 import pytest
 import torch
 
-from rlctl.backends import BACKENDS
-from rlctl.compose import compose
+from rlctl.dist import BACKENDS
+from rlctl.config.compose import compose
 from rlctl.core import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, gae,
                         get_advantage_estimator, get_policy_loss, kl_estimate,
                         ppo_clip_per_token, resolve_kl_estimator)
 from rlctl.core.losses import kl_k2
 from rlctl.errors import ConfigError
 from rlctl.registry import Registry
-from rlctl.run.checks import check_entries
+from rlctl.train.preflight import check_entries
 from rlctl.tasks import TASKS
 
 USER = '''
@@ -166,7 +166,7 @@ def test_a_user_token_level_estimator_needs_a_critic(user_module):
 
 
 def test_validation_imports_no_torch():
-    code = ("import sys; from rlctl.compose import compose; "
+    code = ("import sys; from rlctl.config.compose import compose; "
             "compose(['algo=ppo', 'algo.policy_loss=mypkg.losses:anything', 'algo.kl.coef=0.1']); "
             "heavy = [m for m in ('torch', 'transformers', 'rlctl.core', 'rlctl.learner', 'rlctl.run') "
             "if m in sys.modules]; print(heavy); assert not heavy")

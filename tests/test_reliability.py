@@ -166,14 +166,14 @@ def test_two_ranks_stop_after_the_same_step_save_and_resume(tmp_path, sig, group
 
 
 def _workers_of(root: Path):
-    """Pids of launched ranks (`python -m rlctl.run.worker RUN`) whose run is under ``root``."""
+    """Pids of launched ranks (`python -m rlctl.train.worker RUN`) whose run is under ``root``."""
     found = []
     for cmd in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = cmd.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"rlctl.run.worker" in argv and any(str(root).encode() in a for a in argv):
+        if b"rlctl.train.worker" in argv and any(str(root).encode() in a for a in argv):
             found.append(int(cmd.parent.name))
     return found
 

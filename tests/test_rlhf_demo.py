@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.commands.inspect_report import proxy_keys
-from rlctl.commands.plots import plot_proxy_gold
+from rlctl.commands.inspect.report import proxy_keys
+from rlctl.commands.inspect.plots import plot_proxy_gold
 
 RLCTL = str(Path(sys.executable).with_name("rlctl"))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -36,7 +36,7 @@ def _train(tmp_path, name, *overrides, rlctl=_rlctl):
 
 def test_recipe_with_tiny_equals_the_cached_directory_and_inspect_plots_proxy_vs_gold(tmp_path,
                                                                                      rlctl_app):
-    from rlctl.reward_models.tiny import tiny_reward_model_dir
+    from rlctl.rm.tiny_rm import tiny_reward_model_dir
 
     def in_process(cwd, *args):          # the same CLI app, without a new interpreter
         return rlctl_app(*args, cwd=cwd)

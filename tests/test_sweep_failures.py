@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.run import sweep
-from rlctl.run.training import reward_report
+from rlctl.commands import sweep
+from rlctl.train.run import reward_report
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 

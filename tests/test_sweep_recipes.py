@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.compose import compose
+from rlctl.config.compose import compose
 from rlctl.errors import ConfigError
-from rlctl.compose import recipe_files
-from rlctl.run.sweep import expand, summarize
+from rlctl.config.compose import recipe_files
+from rlctl.commands.sweep import expand, summarize
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 SHIPPED = sorted(recipe_files())
@@ -82,6 +82,6 @@ def test_sweep_through_the_cli(tmp_path):
 
 def test_sweep_validates_every_cell_first(tmp_path):
     with pytest.raises(ConfigError, match="algo.loss_agg_mode"):
-        from rlctl.run.sweep import run_sweep
+        from rlctl.commands.sweep import run_sweep
         run_sweep(["algo.loss_agg_mode=token-mean,bogus", f"run.output_dir={tmp_path}"], None)
     assert not any(tmp_path.iterdir())

@@ -106,7 +106,7 @@ def test_recipe_replay_with_override(wandb_run, tmp_path, rlctl_app):
 
 
 def test_same_seed_gives_identical_metrics(tmp_path):
-    from rlctl.run.training import run_training
+    from rlctl.train.run import run_training
 
     def metrics(sub, seed=0):
         summary = run_training([f"run.output_dir={tmp_path / sub}", *FAST, "logger=jsonl",

@@ -142,7 +142,7 @@ def register(app: typer.Typer) -> None:
                  step: Optional[str] = typer.Option(None, "--step", metavar="N", help="With --samples: the tables of step N."),
                  debug: bool = DEBUG) -> None:
         def go():
-            from rlctl.commands.inspect_report import run_inspect
+            from rlctl.commands.inspect.report import run_inspect
 
             run_inspect(list(ctx.args), out_dir=out_dir, json_out=json_out, plots=plots,
                         examples=_int("--examples", examples), samples=samples,
@@ -208,7 +208,7 @@ def train_(ctx: typer.Context,
         if not args or "=" in args[0] or args[0].startswith("-"):
             raise UserError("missing PREFS: rlctl reward-model train PREFS [--eval PREFS_EVAL] "
                             "[OVERRIDES]...")
-        from rlctl.reward_models.train import train_reward_model
+        from rlctl.rm.training import train_reward_model
 
         run_dir = train_reward_model(args[1:], args[0], eval_prefs)
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -231,7 +231,7 @@ def eval_(ctx: typer.Context,
         if len(args) != 2 or any(a.startswith("-") for a in args):
             raise UserError("rlctl reward-model eval takes PATH PREFS (a reward model or run "
                             f"directory, then a preference file); got {' '.join(args) or 'nothing'}")
-        from rlctl.reward_models.train import eval_reward_model
+        from rlctl.rm.training import eval_reward_model
 
         stats = eval_reward_model(args[0], args[1])
         typer.echo(f"pairwise accuracy  {stats['pairwise_accuracy']:.4f}  "

@@ -1,5 +1,5 @@
 """`rlctl eval`: greedy and sampled (--samples k at rollout.temperature) held-out metrics
-from the trainer's evaluator (``rlctl.learner.evaluate``), plus every reward design,
+from the trainer's evaluator (``rlctl.train.evaluate``), plus every reward design,
 well_formed, each reward model's raw score and pass@j (j = 1, 2, 4, ..., k). ``eval`` in
 the JSON is the greedy ``eval/*`` that `rlctl train` logs for the same model and config."""
 from __future__ import annotations
@@ -19,11 +19,11 @@ from rich.table import Table
 from rlctl.commands.files import write_json
 from rlctl.commands.targets import (held_out_scorer, learned_names, open_target, reward_label,
                                    task_scores)
-from rlctl.envs.base import is_episodic
+from rlctl.envs.environment import is_episodic
 from rlctl.errors import UserError
-from rlctl.learner.evaluate import EPISODE_KEYS, evaluate, means
+from rlctl.train.evaluate import EPISODE_KEYS, evaluate, means
 from rlctl.models.stop_ids import stop_ids
-from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
+from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
 
 # The first metrics of each column (then reward/<design>, well_formed, pass@k).
 METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")

@@ -16,13 +16,13 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedC
                            TimeRemainingColumn)
 
 from rlctl.commands.targets import held_out_scorer, learned_names, open_target, task_scores
-from rlctl.envs.base import is_episodic
+from rlctl.envs.environment import is_episodic
 from rlctl.errors import UserError
-from rlctl.learner.evaluate import episode_success
-from rlctl.learner.forward import learner_forward
-from rlctl.learner.metrics import episode_columns, offers_tools
+from rlctl.train.evaluate import episode_success
+from rlctl.models.forward import learner_forward
+from rlctl.train.metrics import episode_columns, offers_tools
 from rlctl.models.stop_ids import stop_ids
-from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
+from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
 from rlctl.rollout.generate import rollout
 from rlctl.types import DONE, MODEL
 

@@ -1,5 +1,5 @@
 """`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible completions server
-(rollout/serve_app.py; docs/engines.md) for a TARGET as `rlctl eval` takes it; the model's
+(rollout/engines/serve_app.py; docs/engines.md) for a TARGET as `rlctl eval` takes it; the model's
 stop set is added to each request's stop_token_ids."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import uvicorn
 from rlctl.commands.targets import load_config, load_policy, resolve_target
 from rlctl.errors import UserError
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.rollout.engine import TorchEngine
-from rlctl.rollout.serve_app import build_app
+from rlctl.rollout.engines.protocol import TorchEngine
+from rlctl.rollout.engines.serve_app import build_app
 
 
 def serving_app(target_arg: Optional[str], overrides: Sequence[str]):

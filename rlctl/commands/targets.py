@@ -14,11 +14,11 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from rlctl.commands.files import is_run_dir
-from rlctl.compose import compose
+from rlctl.config.compose import compose
 from rlctl.errors import CheckpointError, ConfigError, UserError
 from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer, quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.run.build import prepare_task, task_from_config
+from rlctl.train.build import prepare_task, task_from_config
 from rlctl.storage.checkpoint import latest_checkpoint, read_state, step_of
 from rlctl.tasks.scoring import RewardScorer
 
@@ -74,7 +74,7 @@ def load_config(target: Target, overrides: Sequence[str]):
 def open_target(target_arg, overrides):
     """(target, cfg, prepared task, model, tokenizer, description) for eval/rollout: path
     errors first, then the config, the model (its generation config given the full stop
-    set) and the task prepared for it (``rlctl.run.build.prepare_task``)."""
+    set) and the task prepared for it (``rlctl.train.build.prepare_task``)."""
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
     built = task_from_config(cfg)

@@ -3,7 +3,7 @@
 
 - ``calculator``: 3-digit by 2-digit multiplication with a calculator tool; reward 1 for
   the exact product on the answering turn; ``use_tools=false`` (the ablation) parses no
-  calls. Held-out pairs are disjoint from training (``rlctl.tasks.base.disjoint_splits``).
+  calls. Held-out pairs are disjoint from training (``rlctl.tasks.task.disjoint_splits``).
 - ``guess_number``: find a number in 1..N with higher/lower answers; reward 1 on the
   correct guess (done, success); a non-number turn is answered ``error``. Nothing is held
   out (the prompt is the same for every secret, so a split by secret would measure
@@ -19,11 +19,11 @@ from itertools import product
 from typing import Tuple
 
 from rlctl.envs import calc as calc_module
-from rlctl.envs.base import EnvTask, check_bool, check_int, check_number, register_env
+from rlctl.envs.environment import EnvTask, check_bool, check_int, check_number, register_env
 from rlctl.envs.calc import calc, read_number, spell
 from rlctl.envs.sandbox import Limits
 from rlctl.envs.tools import ToolEnv, make_tool
-from rlctl.tasks.base import ENV_TASKS, disjoint_splits
+from rlctl.tasks.task import ENV_TASKS, disjoint_splits
 from rlctl.types import Example, Step, Turn
 
 BUILTIN_ENVS = ENV_TASKS

@@ -1,4 +1,1 @@
-"""Models: the embedded tiny Llama (built and cached locally) and HF loading."""
-from rlctl.models.loading import load_model_and_tokenizer
-
-__all__ = ["load_model_and_tokenizer"]
+"""Models: loading (HF directories, GGUF, LoRA), the learner forward, the value head and critic, the shared prompt KV cache, stop ids."""

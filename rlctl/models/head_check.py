@@ -1,5 +1,5 @@
 """Whether a model's logits are its LM head applied to its final hidden state, checked once
-per model on one row (``rlctl.learner.forward.fused_head``): the fused log-probs score
+per model on one row (``rlctl.models.forward.fused_head``): the fused log-probs score
 ``lm_head(hidden_states[-1])``, the sampler the model's own logits, so a soft-cap or scale
 after the head must send the learner to the full logits. Tolerance per logit, with u_low /
 u_acc the unit roundoff of the lowest dtype / the accumulator and (|W||h|)_v = sum_i |w_vi h_i|:

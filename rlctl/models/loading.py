@@ -15,8 +15,8 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlctl.model_files import adapter_problem, corrupt_safetensors, vocab_problem
-from rlctl.models.tiny import AGENT_TASKS, build_tiny
+from rlctl.models.hf_files import adapter_problem, corrupt_safetensors, vocab_problem
+from rlctl.demo.tiny import AGENT_TASKS, build_tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODELS = ("tiny", "hf")
@@ -50,7 +50,7 @@ def build_tiny_model(warmup_task: Optional[str] = "sorting", **kwargs) -> Path:
     (its module, a demo, is imported only then), else ``build_tiny``'s."""
     if warmup_task in AGENT_TASKS:
         kwargs.pop("warmup_num_digits", None)
-        agents = importlib.import_module("rlctl.models.tiny_agents")
+        agents = importlib.import_module("rlctl.demo.tiny_agents")
         return agents.build_agent_tiny(warmup_task, **kwargs)
     return build_tiny(warmup_task=warmup_task, **kwargs)
 

@@ -10,7 +10,7 @@ import importlib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .base import MultiSink, NullSink, Sink
+from .sink import MultiSink, NullSink, Sink
 from .console import DEFAULT_KEYS, ConsoleSink
 from .jsonl import JsonlSink, SamplesFile, read_jsonl, read_samples
 

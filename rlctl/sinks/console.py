@@ -24,11 +24,11 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 from rich.text import Text
 
-from .base import cell_text
+from .sink import cell_text
 
 DEFAULT_KEYS = ("reward/mean", "eval/exact_match", "policy/kl_ref", "policy/clip_frac",
                 "length/mean", "perf/tokens_per_s")
-# `rlctl reward-model train`: the Bradley-Terry fit's own figures (rlctl/reward_models/fit.py).
+# `rlctl reward-model train`: the Bradley-Terry fit's own figures (rlctl/rm/fit.py).
 REWARD_MODEL_KEYS = ("train/loss", "train/accuracy", "eval/pairwise_accuracy", "eval/margin")
 # Short labels for the live row, where width is scarce.
 SHORT_LABELS = {"train/loss": "loss", "train/accuracy": "acc", "eval/pairwise_accuracy": "eval_acc",

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .base import cell_text
+from .sink import cell_text
 
 TENSORBOARD_DIR = "tensorboard"
 # Characters that Python-Markdown (TensorBoard's renderer, with its table extension)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .base import cell_text
+from .sink import cell_text
 
 MODES = ("online", "offline", "disabled")
 

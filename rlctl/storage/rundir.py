@@ -24,7 +24,7 @@ from typing import Any, Dict, FrozenSet, Optional, Tuple
 import yaml
 from omegaconf import OmegaConf
 
-from rlctl.compose import Composed
+from rlctl.config.compose import Composed
 from rlctl.errors import RunDirError
 from rlctl.models.lora import save_lora
 

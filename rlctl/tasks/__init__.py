@@ -2,7 +2,7 @@
 (the demo), ``arithmetic`` (generated, verifiable math), ``jsonl`` (the user's data files
 and reward functions). ``RewardScorer`` scores batches; ``prompt_budget.prepare`` makes a
 task's prompts for one model."""
-from rlctl.tasks.base import TASKS, Task, build_task, register_task
+from rlctl.tasks.task import TASKS, Task, build_task, register_task
 from rlctl.tasks.scoring import RewardScorer  # noqa: F401
 from rlctl.tasks import sorting  # noqa: F401  (registers "sorting")
 from rlctl.tasks import arithmetic  # noqa: F401  (registers "arithmetic")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rlctl.tasks.base import disjoint_splits, register_task
+from rlctl.tasks.task import disjoint_splits, register_task
 from rlctl.tasks.rewards import answers_equivalent, parse_number
 from rlctl.types import Example
 

@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from rlctl.tasks.base import RAW_PROMPT, SOURCE, register_task, task_options
+from rlctl.tasks.task import RAW_PROMPT, SOURCE, register_task, task_options
 from rlctl.tasks.scoring import describe_sample
 from rlctl.errors import DataError, RewardError
 from rlctl.tasks.rewards import RewardFn, parse_rewards

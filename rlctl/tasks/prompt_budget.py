@@ -6,7 +6,7 @@ the scorer cuts a reply; and the budget: a prompt of P tokens and T =
 encodes them, are kept within ``rollout.max_prompt_tokens`` (default: the context minus
 T) under ``task.long_prompts``: ``skip`` (counted in one stderr line), ``truncate_left``
 (their last tokens kept, as verl's ``truncation=left``; the reward sees the whole prompt)
-or ``error``. Train, eval and rollout all prepare through ``rlctl.run.build.prepare_task``.
+or ``error``. Train, eval and rollout all prepare through ``rlctl.train.build.prepare_task``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlctl.errors import UserError
-from rlctl.tasks.base import RAW_PROMPT, SOURCE, end_of_turn_markers, render_chat, task_options
+from rlctl.tasks.task import RAW_PROMPT, SOURCE, end_of_turn_markers, render_chat, task_options
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import Example
 
@@ -136,7 +136,7 @@ def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int
 class Prepared:
     """The task, its prompts as the model reads them (train and eval splits, rendered and
     within the budget), the chat end-of-turn markers (None for raw prompts) and the learned
-    reward models (``rlctl.reward_models.learned.LearnedRewards`` or None). ``scorer``
+    reward models (``rlctl.rm.learned.LearnedRewards`` or None). ``scorer``
     builds a ``RewardScorer`` given all of them."""
     task: Any
     train: Tuple[Example, ...]

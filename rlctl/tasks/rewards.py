@@ -10,7 +10,7 @@ recognised by its first two parameters being ``prompts`` and ``completions``, or
 ``{fn, weight, name, batched}`` (or ``"module:function"`` strings); the total is
 ``sum(weight * value)``, each value logged as ``reward/<name>``. An entry ``{model: PATH,
 weight, name}`` (or ``task.reward_model``, which replaces the task's own rewards) is a
-learned reward model (``rlctl.reward_models.learned``; ``model_entries``). ``fn``:
+learned reward model (``rlctl.rm.learned``; ``model_entries``). ``fn``:
 ``package.module:function``, ``path/to/file.py:function``, ``math`` or ``exact``.
 
 ``answers_equivalent(completion, answer)``: the completion's final answer (the last
@@ -31,7 +31,7 @@ from fractions import Fraction
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from rlctl.registry import load_object
-from rlctl.tasks.base import RESERVED_REWARD_NAMES
+from rlctl.tasks.task import RESERVED_REWARD_NAMES
 
 BUILTIN_REWARDS = {"math": "rlctl.tasks.rewards:math_reward",
                    "exact": "rlctl.tasks.rewards:exact_reward"}

@@ -21,7 +21,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from rlctl.errors import RewardError
-from rlctl.tasks.base import ON_REWARD_ERROR, RAW_PROMPT, assistant_text, task_options
+from rlctl.tasks.task import ON_REWARD_ERROR, RAW_PROMPT, assistant_text, task_options
 from rlctl.types import Example
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class RewardScorer:
     ``markers``: chat end-of-turn markers (None for raw prompts): the task's rewards and
     ``is_correct`` then see the assistant's reply only (``assistant_text``), the reward
     models and logged samples the whole completion. ``learned``
-    (``rlctl.reward_models.learned.LearnedRewards``): reward models scoring the batch in
+    (``rlctl.rm.learned.LearnedRewards``): reward models scoring the batch in
     this process after the task's rewards: their raw scores join the components, their
     shaped scores the total (``task.reward_model``: the total is theirs alone; eval
     correctness still comes from the task). The first scorer built with them updates the

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rlctl.tasks.base import disjoint_splits, register_task
+from rlctl.tasks.task import disjoint_splits, register_task
 from rlctl.types import Example
 
 _DIGITS = {str(d): d for d in range(10)}

@@ -13,7 +13,7 @@ FAST = ["trainer.steps=4", "trainer.eval_every=2", "task.num_eval=32",
 
 
 def _train(out_dir: Path, *overrides: str) -> Path:
-    from rlctl.run.training import run_training
+    from rlctl.train.run import run_training
 
     summary = run_training([f"run.output_dir={out_dir}", *FAST, *overrides])
     return Path(summary["run_dir"])

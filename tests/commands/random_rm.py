@@ -3,7 +3,7 @@ as a reward-model directory: a real checkpoint with a score head, seconds to bui
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from rlctl.models import tiny
+from rlctl.demo import tiny
 
 
 def save_random_reward_model(out_dir, seed: int = 0):

@@ -1,4 +1,4 @@
-"""The audit of episodes (rlctl/commands/audit_rows.py) over hand-made
+"""The audit of episodes (rlctl/commands/audit/rows.py) over hand-made
 rollout rows and sample rows: each sign's count, share, flag and first example, counted
 here by hand from the rows written; the transcript checks find misaligned rows; a
 single-turn file gets none of it."""
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlctl.commands.audit import audit_rollout, audit_samples
+from rlctl.commands.audit.cmd import audit_rollout, audit_samples
 
 M, O = "model", "observation"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from random_rm import save_random_reward_model
-from rlctl.reward_models.learned import RewardModel
-from rlctl.reward_models.scoring import render
+from rlctl.rm.learned import RewardModel
+from rlctl.rm.score import render
 
 FAST = ["trainer.steps=2", "trainer.eval_every=2", "task.num_eval=8",
         "trainer.prompts_per_step=4", "algo.group_size=4", "logger=jsonl",
@@ -23,7 +23,7 @@ FAST = ["trainer.steps=2", "trainer.eval_every=2", "task.num_eval=8",
 @pytest.fixture(scope="module")
 def rm_run(tmp_path_factory):
     """(run dir, reward-model dir): 2 steps against a random reward model, running norm."""
-    from rlctl.run.training import run_training
+    from rlctl.train.run import run_training
 
     root = tmp_path_factory.mktemp("rm_run")
     save_random_reward_model(root / "rm")
@@ -49,7 +49,7 @@ def test_eval_normalises_with_the_saved_statistics_and_reports_raw(cli, rm_run, 
     for part in ("greedy", "sampled"):
         d = data[part]
         # normalisation is affine, so the mean normalised score is the normalised mean
-        # (to float32: the sums travel as eval/*'s float32 tensor, rlctl.learner.evaluate.means)
+        # (to float32: the sums travel as eval/*'s float32 tensor, rlctl.train.evaluate.means)
         assert d["reward"] == pytest.approx((d["reward_raw"] - mean) / std, rel=1e-6, abs=1e-7)
         assert d["reward/reward_model"] == pytest.approx(d["reward_raw"], abs=1e-12)
     assert abs(data["greedy"]["reward"]) > 1e-3   # not whitened by its own batch (was ~1e-17)

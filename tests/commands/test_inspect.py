@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.reward_models.config import RMConfig
+from rlctl.rm.settings import RMConfig
 
 PLOTS = ("reward", "eval_exact_match", "kl", "clip_frac", "entropy", "length")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

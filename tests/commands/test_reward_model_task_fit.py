@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from random_rm import save_random_reward_model
-from rlctl.models import tiny
+from rlctl.demo import tiny
 
 FAST = ["trainer.steps=2", "trainer.eval_every=2", "trainer.prompts_per_step=2",
         "algo.group_size=2", "logger=jsonl", "logger.console=false", "rollout.max_new_tokens=6"]
@@ -30,14 +30,14 @@ def test_the_tiny_reward_model_is_refused_for_another_task(cli, tmp_path, task, 
 
 
 def test_the_tiny_reward_model_is_accepted_for_its_task():
-    from rlctl.reward_models.tiny import task_mismatch
+    from rlctl.rm.tiny_rm import task_mismatch
 
     assert task_mismatch("sorting", 5) is None
 
 
 @pytest.fixture(scope="module")
 def rm_only_run(tmp_path_factory):
-    from rlctl.run.training import run_training
+    from rlctl.train.run import run_training
 
     root = tmp_path_factory.mktemp("rm_only")
     save_random_reward_model(root / "rm")

@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from rlctl.compose import compose
+from rlctl.config.compose import compose
 from rlctl.models.loading import load_model_and_tokenizer
-from rlctl.run.build import task_from_config
+from rlctl.train.build import task_from_config
 
 EPISODE = ["task=guess_number", "task.max_number=4", "task.num_eval=1", "model.warmup_task=sorting", "rollout.max_new_tokens=1",
            "rollout.episode.max_turns=4", "rollout.episode.max_tokens=14", "rollout.temperature=1.0"]

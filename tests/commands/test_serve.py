@@ -7,8 +7,8 @@ import pytest
 
 from rlctl.commands.serve_cmd import serving_app
 from rlctl.models.loading import load_model_and_tokenizer
-from rlctl.rollout.engine import Sampling, TorchEngine
-from rlctl.rollout.server_engine import ServerEngine
+from rlctl.rollout.engines.protocol import Sampling, TorchEngine
+from rlctl.rollout.engines.server import ServerEngine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "rollout"))
 from serving import ServeThread  # noqa: E402

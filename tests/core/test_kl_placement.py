@@ -17,8 +17,8 @@ import torch
 
 from rlctl.core import (KL_DEFAULT_ESTIMATOR, KL_PLACEMENT_NOTES, get_policy_loss,
                         kl_estimate, resolve_kl_estimator)
-from rlctl.learner.trainer import AdvantageSettings, compute_advantages
-from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
+from rlctl.train.trainer import AdvantageSettings, compute_advantages
+from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.types import RolloutBatch
 
 V, BETA = 5, 0.3

@@ -12,7 +12,7 @@ import torch
 
 from rlctl.core import aggregate, entropy_from_logits
 from rlctl.core.losses import LOSS_TERMS, active_terms, entropy_bonus
-from rlctl.learner.update import UpdateSettings, UpdateState, accumulate_gradients
+from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.types import RolloutBatch
 
 V, P, T, N = 5, 2, 3, 2
@@ -109,7 +109,7 @@ def test_entropy_bonus_off_leaves_no_gradient():
 
 
 def test_entropy_coef_reaches_update_settings():
-    from rlctl.compose import compose
+    from rlctl.config.compose import compose
     cfg = compose(["algo.entropy_coef=0.01"]).cfg
     s = UpdateSettings.from_config(cfg, share_prompts=True)
     assert [(n, c) for n, c, _ in s.terms] == [("entropy", 0.01)]

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from rlctl.envs.base import ENVS, is_episodic
+from rlctl.envs.environment import ENVS, is_episodic
 from rlctl.envs.builtin import BUILTIN_ENVS, guess_example, product_example, sum_example
 from rlctl.envs.calc import TINY_AGENT_WORDS
 from rlctl.tasks import TASKS, build_task
@@ -174,13 +174,13 @@ def test_bad_options_are_one_line(name, opts, message):
 
 
 def test_other_tasks_import_no_environment_and_env_tasks_build_on_demand():
-    """rlctl.tasks and rlctl.envs.base import no built-in environment, tool, sandbox or data
+    """rlctl.tasks and rlctl.envs.environment import no built-in environment, tool, sandbox or data
     task; the registry's deferred entries import them when built, with the factory's options."""
-    code = ("import inspect, sys\nimport rlctl.tasks, rlctl.envs.base\n"
+    code = ("import inspect, sys\nimport rlctl.tasks, rlctl.envs.environment\n"
             "from rlctl.tasks import TASKS, build_task\n"
             "held = sorted(m for m in sys.modules if m.startswith(('rlctl.envs.', 'rlctl.tasks.data')))\n"
             "params = list(inspect.signature(TASKS.get('guess_number')).parameters)\n"
             "task = build_task('guess_number', num_eval=2)\n"
             "print(held, params, 'rlctl.envs.tools' in sys.modules, len(task.eval_examples()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[0] == "['rlctl.envs.base'] ['max_number', 'num_eval', 'seed'] True 2"
+    assert out.stdout.split("\n")[0] == "['rlctl.envs.environment'] ['max_number', 'num_eval', 'seed'] True 2"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlctl.compose import compose
-from rlctl.envs.base import ENVS, close_env, is_episodic
-from rlctl.models.tiny import resolve_warmup_task
+from rlctl.config.compose import compose
+from rlctl.envs.environment import ENVS, close_env, is_episodic
+from rlctl.demo.tiny import resolve_warmup_task
 from rlctl.tasks import build_task
 from rlctl.types import Turn
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMON = dict(prompt_format="raw", reward_timeout_s=60, on_reward_error="zero")
 
 COUNTDOWN = '''
-from rlctl.envs.base import EnvTask
+from rlctl.envs.environment import EnvTask
 from rlctl.types import Example, Step
 
 
@@ -110,7 +110,7 @@ def test_a_close_that_raises_is_said_once_and_the_episodes_go_on(caplog):
         def close(self):
             raise RuntimeError("close\nboom")
 
-    with caplog.at_level(logging.WARNING, logger="rlctl.envs.base"):
+    with caplog.at_level(logging.WARNING, logger="rlctl.envs.environment"):
         close_env(Leaky())                    # an episode ended: no exception reaches the loop
         close_env(Leaky())
         close_env(object())                   # no close(): nothing to do

@@ -6,9 +6,9 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from rlctl.models.tiny import build_tiny
+from rlctl.demo.tiny import build_tiny
 
-TINY_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "rlctl", "conf", "model",
+TINY_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "rlctl", "config", "conf", "model",
                          "tiny.yaml")
 
 
@@ -28,7 +28,7 @@ def tiny_dir(tiny_cfg, build_once):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir, tiny_cfg):
-    from rlctl.models import load_model_and_tokenizer
+    from rlctl.models.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer("tiny", cache_dir=tiny_dir.parent, **tiny_cfg)
 

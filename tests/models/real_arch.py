@@ -159,9 +159,9 @@ def build_model(name: str, tok, seed: int = 0):
 
 def warmup(model, tok, name: str, seed: int = 0) -> List[float]:
     """AdamW on chat-rendered sorting prompts -> sorted digits + the family's end-of-turn
-    token, loss on the answer tokens only (as rlctl.models.tiny's warm-up, but ending with
+    token, loss on the answer tokens only (as rlctl.demo.tiny's warm-up, but ending with
     a token that need not be the tokenizer's EOS). Returns the losses."""
-    from rlctl.tasks.base import render_chat
+    from rlctl.tasks.task import render_chat
     from rlctl.tasks.sorting import SortingTask, format_answer
 
     examples = SortingTask(num_digits=3).train_examples()[:512]

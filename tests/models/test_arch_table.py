@@ -70,7 +70,7 @@ def _train(name: str, model_dir: Path, tmp: Path) -> None:
     backbone, 2 epochs, so pi_old and the update's forwards both run) with a KL to the
     reference (its forward too) and an entropy bonus (a random model earns no reward, so
     the bonus is what gives the update a gradient), prompt sharing on."""
-    from rlctl.run.training import run_training
+    from rlctl.train.run import run_training
     from rlctl.sinks.jsonl import read_jsonl
 
     run = run_training(["model=hf", f"model.name_or_path={model_dir}", "algo=ppo",
@@ -100,7 +100,7 @@ def _eval(name: str, model_dir: Path, tmp: Path) -> None:
 def _logprob_batch(tok):
     """Two chat prompts of different lengths x 2 rows (left-padded, the rollout's layout)
     and random completions of 6, 3, 6 and 1 tokens, pad after the end."""
-    from rlctl.tasks.base import render_chat
+    from rlctl.tasks.task import render_chat
     from rlctl.tasks.sorting import SortingTask
 
     short, long_ = (render_chat(tok, SortingTask(num_digits=n, num_eval=4).train_examples()[0].prompt)
@@ -147,8 +147,8 @@ def _logprobs(name: str, model_dir: Path, tmp: Path) -> None:
     """``learner_forward`` as the trainer runs it (fused head, prompt groups found on the
     CPU) and its other paths (full logits, sharing found on the device, no sharing) vs
     the model's own logits, in float64 (DTYPES: where not)."""
-    from rlctl.learner.forward import PromptGroups, learner_forward
-    from rlctl.models import load_model_and_tokenizer
+    from rlctl.models.forward import PromptGroups, learner_forward
+    from rlctl.models.loading import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer("hf", name_or_path=str(model_dir))
     model = model.to(DTYPES.get(name, torch.float64)).eval()

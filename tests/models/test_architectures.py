@@ -20,12 +20,12 @@ pytest.importorskip("peft")
 
 from real_arch import FAMILIES  # noqa: E402
 
-from rlctl.models import load_model_and_tokenizer  # noqa: E402
+from rlctl.models.loading import load_model_and_tokenizer  # noqa: E402
 from rlctl.models.lora import apply_lora  # noqa: E402
 from rlctl.sinks.jsonl import read_jsonl  # noqa: E402
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
-HF_YAML = Path(__file__).resolve().parents[2] / "rlctl" / "conf" / "model" / "hf.yaml"
+HF_YAML = Path(__file__).resolve().parents[2] / "rlctl" / "config" / "conf" / "model" / "hf.yaml"
 COMMON = ["task.prompt_format=chat", "task.num_digits=3", "task.num_eval=8",
           "trainer.prompts_per_step=2", "algo.group_size=2", "rollout.max_new_tokens=8",
           "trainer.eval_every=0"]
@@ -115,7 +115,7 @@ def test_train_lora_with_chat_prompts(lora_runs, family):
 # ---- full fine-tune, then --resume (in-process: exact against an uninterrupted run) -----
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_finetune_resume_matches_an_uninterrupted_run(real_arch, family, tmp_path):
-    from rlctl.run.training import run_training
+    from rlctl.train.run import run_training
 
     base = ["model=hf", f"model.name_or_path={real_arch(family)}", "logger=jsonl",
             "logger.console=false", "trainer.checkpoint_every=1", "trainer.lr=1e-3", *COMMON]
@@ -141,7 +141,7 @@ def test_full_finetune_resume_matches_an_uninterrupted_run(real_arch, family, tm
 # ---- eval and rollout (in-process) on the LoRA runs ------------------------------------
 def _chat_affixes(tok):
     """(prefix, suffix) the chat template puts around a user prompt, BOS dropped."""
-    from rlctl.tasks.base import render_chat
+    from rlctl.tasks.task import render_chat
 
     before, after = render_chat(tok, "@@").split("@@")
     return before, after
@@ -176,7 +176,7 @@ def test_eval_stops_where_hf_generate_stops(real_arch, family, tmp_path):
     equal those of Hugging Face ``generate`` with the checkpoint's generation config, one
     prompt at a time (no padding)."""
     from rlctl.commands.eval_cmd import run_eval
-    from rlctl.tasks.base import render_chat
+    from rlctl.tasks.task import render_chat
     from rlctl.tasks.sorting import SortingTask
 
     model_dir = real_arch(family)
@@ -217,7 +217,7 @@ def test_left_padding_with_absolute_positions_matches_the_prompt_alone(real_arch
     """A short prompt left-padded next to a longer one scores its completion exactly as
     alone: rlctl's position ids skip the padding (float64, so any position shift shows
     far above rounding: 1e-10 vs the > 1e-3 a shifted position table gives)."""
-    from rlctl.learner.forward import learner_forward
+    from rlctl.models.forward import learner_forward
     from rlctl.rollout.generate import generate
 
     model, tok = load_model_and_tokenizer("hf", name_or_path=str(real_arch("gpt2")))

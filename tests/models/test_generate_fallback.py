@@ -9,8 +9,8 @@ processors HF builds are read off its own ``_get_logits_processor`` during the c
 import pytest
 import torch
 
-from rlctl.compose import compose
-from rlctl.models import load_model_and_tokenizer
+from rlctl.config.compose import compose
+from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.rollout.generate import generate
 
 # every setting that adds a processor when the call leaves it unset (written by hand)

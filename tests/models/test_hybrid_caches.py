@@ -27,7 +27,7 @@ import torch
 
 from arch_zoo import TOKENIZERS, build_config, ARCHS
 from real_arch import build_tokenizer
-from rlctl.learner.forward import learner_forward
+from rlctl.models.forward import learner_forward
 from rlctl.rollout.generate import generate
 
 HYBRIDS = ("qwen3_next", "qwen3_5", "lfm2", "falcon_h1", "recurrent_gemma")
@@ -240,7 +240,7 @@ def test_rollout_behaviour_logprobs_equal_the_learners(hybrid, name):
     cache the sampler carried agree (RecurrentGemma: sampled per prompt length and merged
     back into one left-padded batch). The sampler keeps float32 log-probs of float32
     logits (|logit| <= 30 here): 1e-5 more than the float64 bound covers that rounding."""
-    from rlctl.learner.forward import PromptGroups
+    from rlctl.models.forward import PromptGroups
     from rlctl.rollout.generate import rollout
     from rlctl.types import Example
 

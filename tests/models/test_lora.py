@@ -15,7 +15,7 @@ from torch import nn
 
 peft = pytest.importorskip("peft")
 
-from rlctl.learner.forward import learner_forward  # noqa: E402
+from rlctl.models.forward import learner_forward# noqa: E402
 from rlctl.models.lora import (AdapterDisabledReference, apply_lora, count_parameters,  # noqa: E402
                                linear_module_names, reference_for, save_lora)
 from rlctl.models.value import VALUE_HEAD_FILE, PolicyValueModel  # noqa: E402
@@ -228,10 +228,10 @@ def test_ppo_trainer_with_lora_reference(tiny):
     reference; after two steps only the adapter and the value head have moved."""
     from omegaconf import OmegaConf
 
-    from rlctl.compose import compose
-    from rlctl.run.rollout_setup import build_source
-    from rlctl.learner.trainer import Trainer
-    from rlctl.run.build import prepare_task
+    from rlctl.config.compose import compose
+    from rlctl.train.sources import build_source
+    from rlctl.train.trainer import Trainer
+    from rlctl.train.build import prepare_task
     from rlctl.sinks import NullSink
 
     cfg = compose(["algo=ppo", "model.lora.enabled=true", "algo.kl.coef=0.05",
@@ -303,7 +303,7 @@ def test_rlctl_train_with_lora_end_to_end(tiny, tiny_dir, tmp_path):
 
 
 def test_lora_off_by_default_summary(tmp_path, tiny_dir):
-    from rlctl.run.training import run_training
+    from rlctl.train.run import run_training
 
     summary = run_training([f"run.output_dir={tmp_path}", f"model.cache_dir={tiny_dir.parent}",
                             "trainer.steps=1", "trainer.eval_every=0", "logger=none",
@@ -315,7 +315,7 @@ def test_lora_off_by_default_summary(tmp_path, tiny_dir):
 
 
 def test_bad_lora_target_is_a_user_error(tmp_path, tiny_dir):
-    from rlctl.run.training import run_training
+    from rlctl.train.run import run_training
     from rlctl.errors import UserError
 
     with pytest.raises(UserError, match="valid: .*q_proj"):
@@ -326,8 +326,8 @@ def test_bad_lora_target_is_a_user_error(tmp_path, tiny_dir):
 
 def test_run_training_passes_the_adapter_disabled_reference(tmp_path, tiny_dir, monkeypatch):
     """run.py hands the Trainer the adapter-disabled reference (no deep copy of the policy)."""
-    from rlctl.learner import trainer as trainer_mod
-    from rlctl.run.training import run_training
+    from rlctl.train import trainer as trainer_mod
+    from rlctl.train.run import run_training
 
     seen = {}
     init = trainer_mod.Trainer.__init__

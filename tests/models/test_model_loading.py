@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from rlctl.models import load_model_and_tokenizer
+from rlctl.models.loading import load_model_and_tokenizer
 
 
 def test_tiny_and_hf_give_the_same_model(tiny, tiny_dir):
@@ -63,7 +63,7 @@ def test_hf_directory_that_is_not_a_model(tmp_path):
 
 
 def test_a_training_run_imports_neither_the_agent_demos_nor_the_optional_sinks():
-    mods = ("rlctl.models.tiny_agents", "rlctl.sinks.wandb_sink", "rlctl.sinks.tensorboard_sink")
-    code = f"import sys, rlctl.run.training; print([m for m in {mods!r} if m in sys.modules])"
+    mods = ("rlctl.demo.tiny_agents", "rlctl.sinks.wandb_sink", "rlctl.sinks.tensorboard_sink")
+    code = f"import sys, rlctl.train.run; print([m for m in {mods!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

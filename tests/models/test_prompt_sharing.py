@@ -1,4 +1,4 @@
-"""Prompt sharing in the learner's forward (rlctl/learner/forward.py): one prompt forward
+"""Prompt sharing in the learner's forward (rlctl/models/forward.py): one prompt forward
 per distinct prompt plus a completion forward over the indexed KV cache must give the
 full forward's log-probs, entropies, values and gradients, on left-padded prompts of
 different lengths, ragged completions and rows in any order."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlctl.core.logprobs import completion_mask
-from rlctl.learner.forward import learner_forward
+from rlctl.models.forward import learner_forward
 from rlctl.models.kv_share import cache_keyword
 from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.generate import generate

@@ -1,5 +1,5 @@
-"""The one reward-model scoring path (rlctl.reward_models.learned: render, text_scores),
-which `rlctl reward-model train` fits with (rlctl.reward_models.fit) and a run's reward
+"""The one reward-model scoring path (rlctl.rm.learned: render, text_scores),
+which `rlctl reward-model train` fits with (rlctl.rm.fit) and a run's reward
 scorer reads with (RewardModel): same text, same tokens, same read-out."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from rlctl.models import tiny
-from rlctl.reward_models.fit import pair_scores, scores, Pair
-from rlctl.reward_models.learned import RewardModel
-from rlctl.reward_models.scoring import keep_end, render, text_scores
+from rlctl.demo import tiny
+from rlctl.rm.fit import pair_scores, scores, Pair
+from rlctl.rm.learned import RewardModel
+from rlctl.rm.score import keep_end, render, text_scores
 from rlctl.types import Example
 
 CHAT = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
@@ -151,7 +151,7 @@ def test_run_scoring_keeps_the_same_end_and_counts_it(tmp_path, caplog):
     texts = [render(tok, "3 1 4 1 5 9 2 6 =", "1 1 2 3 4 5 6 9"), render(tok, "9 =", "9")]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert len(ids[0]) > 7 and tok.convert_ids_to_tokens(ids[0][-2:]) == ["9", "<eos>"]
-    with caplog.at_level("WARNING", logger="rlctl.reward_models.learned"):
+    with caplog.at_level("WARNING", logger="rlctl.rm.learned"):
         got = rm.score_texts(texts)
         again = rm.score_texts(texts[:1])
     want = _head_at_end(model, ids[0][-7:])
@@ -165,7 +165,7 @@ def test_the_help_says_what_null_max_length_means_and_it_does():
     """rm.max_length's help (the comment above it in RMConfig) names null's meaning (the
     model's context, not "no limit"), and with null a text past the tiny model's 64
     positions is scored at its last 64 tokens, as the comment says."""
-    import rlctl.reward_models.config as rm_conf
+    import rlctl.rm.settings as rm_conf
 
     lines = [ln.strip() for ln in Path(rm_conf.__file__).read_text().splitlines()]
     at = next(i for i, ln in enumerate(lines) if ln.startswith("max_length:"))

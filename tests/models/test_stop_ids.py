@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 from real_arch import SPECS, build_tokenizer
 
-from rlctl.commands.audit_rows import stop_set
+from rlctl.commands.audit.rows import stop_set
 from rlctl.core.logprobs import completion_mask
 from rlctl.errors import UserError
 from rlctl.models.kv_share import cache_keyword

@@ -1,8 +1,8 @@
-"""The tiny model's agent warm-ups (rlctl/models/tiny_agents.py): the default model's
+"""The tiny model's agent warm-ups (rlctl/demo/tiny_agents.py): the default model's
 vocabulary and cache key untouched, the transcript layout and its loss labels, the
 scripted episodes, and small agent models (the same build, a few warm-up steps) routed,
 cached and answering in the format, played by the real episode loop
-(rlctl.rollout.episodes). The shipped models are not built here (minutes):
+(rlctl.rollout.episodes.loop). The shipped models are not built here (minutes):
 bench/agent_warmups.py prints their step-0 numbers."""
 import json
 import os
@@ -11,13 +11,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlctl.envs.calc import TINY_AGENT_WORDS
-from rlctl.models import load_model_and_tokenizer, tiny_agents
+from rlctl.models import load_model_and_tokenizer
+from rlctl.demo import tiny_agents
 from rlctl.models.loading import build_tiny_model
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.models.tiny import AGENT_TASKS, build_params, build_tiny, build_tokenizer, cache_key
-from rlctl.models.tiny_agents import (AGENT_WARMUPS, MODEL, MODEL_CUT, OBS, agent_params,
+from rlctl.demo.tiny import AGENT_TASKS, build_params, build_tiny, build_tokenizer, cache_key
+from rlctl.demo.tiny_agents import (AGENT_WARMUPS, MODEL, MODEL_CUT, OBS, agent_params,
                                       transcript_rows, warmup_transcripts)
-from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
+from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
 from rlctl.tasks import build_task
 from rlctl.types import MODEL as SPAN_MODEL
 

@@ -1,15 +1,15 @@
 """The embedded tiny model: deterministic cached build, format-but-not-skill warm start
 and left padding, measured with the one greedy decoder and evaluator
-(rlctl.rollout.generate.generate with do_sample=False; rlctl.learner.evaluate)."""
+(rlctl.rollout.generate.generate with do_sample=False; rlctl.train.evaluate)."""
 import threading
 
 import pytest
 import torch
 
-from rlctl.models import tiny
+from rlctl.demo import tiny
 from rlctl.core.logprobs import completion_mask
-from rlctl.learner.evaluate import evaluate, means
-from rlctl.models.tiny import build_params, build_tiny, cache_key
+from rlctl.train.evaluate import evaluate, means
+from rlctl.demo.tiny import build_params, build_tiny, cache_key
 from rlctl.rollout.generate import decode_completions, generate
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.tasks.sorting import SortingTask

@@ -1,7 +1,7 @@
 """The tiny model's word-level tokenizer (built in memory and as saved)."""
 from transformers import AutoTokenizer
 
-from rlctl.models.tiny import SPECIAL_TOKENS, SYMBOLS, build_tokenizer
+from rlctl.demo.tiny import SPECIAL_TOKENS, SYMBOLS, build_tokenizer
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 D = {str(d): 4 + d for d in range(10)}  # digits follow the four special tokens

@@ -1,7 +1,7 @@
 """Shared by the tests of episodic runs beyond one plain process (async actors, several
 ranks, LoRA): a user environment of per-turn rewards written to a file and loaded by
 path, the overrides of a short run on the shipped tiny model, and a Trainer built from
-them as ``rlctl train`` builds it (rlctl/run/training.py), minus the run directory.
+them as ``rlctl train`` builds it (rlctl/train/run.py), minus the run directory.
 
 The environment's first observation depends on the episode's seed (``start + seed % 5``),
 so a rollout played with another seed than the learner drew differs."""
@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from rlctl.compose import compose
-from rlctl.learner.trainer import Trainer
-from rlctl.run.build import model_from_config, prepare_task, task_from_config
-from rlctl.run.rollout_setup import build_source
+from rlctl.config.compose import compose
+from rlctl.train.trainer import Trainer
+from rlctl.train.build import model_from_config, prepare_task, task_from_config
+from rlctl.train.sources import build_source
 from rlctl.sinks import NullSink
 from rlctl.types import MODEL
 
 COUNT_UP = '''"""Count up from the first observation's number; reward 1 per right turn."""
-from rlctl.envs.base import EnvTask
+from rlctl.envs.environment import EnvTask
 from rlctl.types import Example, Step
 
 

@@ -8,8 +8,8 @@ import time
 
 import uvicorn
 
-from rlctl.rollout.engine import TorchEngine
-from rlctl.rollout.serve_app import build_app
+from rlctl.rollout.engines.protocol import TorchEngine
+from rlctl.rollout.engines.serve_app import build_app
 
 LIMIT_S = 10.0
 

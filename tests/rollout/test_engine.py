@@ -1,4 +1,4 @@
-"""The torch engine (rlctl/rollout/engine.py) against rollout.generate's path on a tiny
+"""The torch engine (rlctl/rollout/engines/protocol.py) against rollout.generate's path on a tiny
 random-init Llama: the same seed gives the same tokens and log-probs (the same sampler on
 the same tensors: exact), greedy equals Hugging Face's greedy generate, finish reasons and
 cuts follow the stop set, and weight updates (full, adapter) serve the new weights."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlctl.errors import UserError
-from rlctl.models.tiny import build_model, build_tokenizer
-from rlctl.rollout.engine import LENGTH, STOP, Sampling, TorchEngine
+from rlctl.demo.tiny import build_model, build_tokenizer
+from rlctl.rollout.engines.protocol import LENGTH, STOP, Sampling, TorchEngine
 from rlctl.rollout.generate import generate
 
 TEXTS = ["3 1 2 :", "3 1 2 :", "9 :", "9 :", "4 4 1 2 :", "4 4 1 2 :"]   # groups of 2, 3 lengths

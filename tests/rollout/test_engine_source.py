@@ -1,4 +1,4 @@
-"""Training against engines (rlctl/rollout/engine_source.py): the torch engine in this
+"""Training against engines (rlctl/rollout/engines/engine_source.py): the torch engine in this
 process, one and two real `rlctl serve` apps on 127.0.0.1 (uvicorn threads:
 tests/rollout/serving.py), and servers the run starts itself.
 
@@ -16,20 +16,20 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlctl.compose import compose
-from rlctl.config import validate
+from rlctl.config.compose import compose
+from rlctl.config.checks import validate
 from rlctl.errors import ConfigError, UserError
-from rlctl.learner.trainer import Trainer
-from rlctl.models import load_model_and_tokenizer
+from rlctl.train.trainer import Trainer
+from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora
-from rlctl.rollout.engine import Sampling, TorchEngine
-from rlctl.rollout.engine_source import CLOSE_WAIT_S, EngineSettings, EngineSource, policy_weights
-from rlctl.rollout.serve_app import build_app
-from rlctl.rollout.server_engine import ServerEngine
+from rlctl.rollout.engines.protocol import Sampling, TorchEngine
+from rlctl.rollout.engines.engine_source import CLOSE_WAIT_S, EngineSettings, EngineSource, policy_weights
+from rlctl.rollout.engines.serve_app import build_app
+from rlctl.rollout.engines.server import ServerEngine
 from rlctl.rollout.source import SamplingSettings
-from rlctl.run.build import prepare_task
-from rlctl.run.checks import check_episodes
-from rlctl.run.rollout_setup import build_source
+from rlctl.train.build import prepare_task
+from rlctl.train.preflight import check_episodes
+from rlctl.train.sources import build_source
 from rlctl.sinks import NullSink
 
 from serving import ServeThread, tiny_app
@@ -328,7 +328,7 @@ def test_an_unknown_engine_is_refused_with_the_valid_ones():
 
 
 def test_an_episodic_task_is_refused_with_the_server_engine():
-    """Refused before a run directory is made (rlctl.run.checks, called by run_training)."""
+    """Refused before a run directory is made (rlctl.train.preflight, called by run_training)."""
     cfg = _cfg(["task=guess_number", "rollout.engine=server", "rollout.server.urls=[http://127.0.0.1:9]"])
     task = prepare_task(cfg, None, None).task    # no model: no budget
     with pytest.raises(UserError, match="episodes"):

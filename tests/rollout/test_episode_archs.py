@@ -32,11 +32,11 @@ from episode_runs import model_turn_gaps  # noqa: E402
 from arch_zoo import TOKENIZERS, build_config  # noqa: E402
 from real_arch import SPECS, build_model, build_tokenizer  # noqa: E402
 
-from rlctl.envs.base import EnvTask  # noqa: E402
-from rlctl.learner.forward import learner_forward  # noqa: E402
-from rlctl.rollout.episode_text import EpisodeText  # noqa: E402
-from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings  # noqa: E402
-from rlctl.tasks.base import TaskOptions  # noqa: E402
+from rlctl.envs.environment import EnvTask# noqa: E402
+from rlctl.models.forward import learner_forward# noqa: E402
+from rlctl.rollout.episodes.text import EpisodeText# noqa: E402
+from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings# noqa: E402
+from rlctl.tasks.task import TaskOptions# noqa: E402
 from rlctl.types import MODEL, OBSERVATION, Example, Step  # noqa: E402
 
 QWEN_TOOL = (

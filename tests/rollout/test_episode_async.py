@@ -1,4 +1,4 @@
-"""Episodes played by local engine processes (rlctl/rollout/engine_source.py): the engine
+"""Episodes played by local engine processes (rlctl/rollout/engines/engine_source.py): the engine
 plays the rows and seed the learner drew with its copy of the weights and sends the
 episodes back with their token rewards. At max_staleness=0 the run is the synchronous
 episode loop bit for bit (same RNG stream, same weights, same environment seeds); at

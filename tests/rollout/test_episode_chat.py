@@ -1,4 +1,4 @@
-"""Chat observations (rlctl/rollout/episode_text.py): the template's text for the new
+"""Chat observations (rlctl/rollout/episodes/text.py): the template's text for the new
 message beyond the tokens already sampled, and the one-line fallback when the template
 rewrites earlier text. The tokenizer is real_arch's Qwen2.5-style byte-level BPE."""
 import logging
@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from real_arch import QWEN_TEMPLATE, build_tokenizer  # noqa: E402
 
 from rlctl.models import kv_share  # noqa: E402
-from rlctl.rollout.episode_text import EpisodeText  # noqa: E402
+from rlctl.rollout.episodes.text import EpisodeText# noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The episode KV cache carried across turns (rlctl/rollout/episode_kv.py) against the
+"""The episode KV cache carried across turns (rlctl/rollout/episodes/kv.py) against the
 recompute path, on float64 models: a 2-layer Llama (rlctl's tiny model), and Qwen2- and
 GPT-2-shaped ones (tests/models/arch_zoo.py configurations on the tiny tokenizer); models
 whose cache would see the gaps fall back to recomputing.
@@ -32,12 +32,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from arch_zoo import build_config  # noqa: E402
 
-from rlctl.envs.base import EnvTask  # noqa: E402
-from rlctl.learner.forward import learner_forward  # noqa: E402
+from rlctl.envs.environment import EnvTask# noqa: E402
+from rlctl.models.forward import learner_forward# noqa: E402
 from rlctl.models import kv_share  # noqa: E402
-from rlctl.models.tiny import build_model, build_tokenizer  # noqa: E402
-from rlctl.rollout.episode_kv import CachedTurns, Recompute, gaps_unsupported, turn_sampler  # noqa: E402
-from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings  # noqa: E402
+from rlctl.demo.tiny import build_model, build_tokenizer# noqa: E402
+from rlctl.rollout.episodes.kv import CachedTurns, Recompute, gaps_unsupported, turn_sampler# noqa: E402
+from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings# noqa: E402
 from rlctl.types import Example, Step  # noqa: E402
 
 TOL = 1e-10

@@ -9,9 +9,9 @@ import torch
 from omegaconf import OmegaConf
 
 from episode_runs import build_trainer, env_file, run_args
-from rlctl.compose import compose
-from rlctl.learner.forward import learner_forward
-from rlctl.run.build import model_from_config
+from rlctl.config.compose import compose
+from rlctl.models.forward import learner_forward
+from rlctl.train.build import model_from_config
 
 LORA = ["model.lora.enabled=true", "model.lora.r=4", "algo.kl.coef=0.05", "trainer.lr=1e-2"]
 

@@ -1,6 +1,6 @@
 """Episodes on 2 gloo ranks (hardware.num_processes=2 on the CPU): each rank plays its share
 of the step's rows (one row x 2 episodes), and the logged metrics are those of every
-rank's episodes. The ranks run as subprocesses (tests/engine/gloo_ranks.py), each a
+rank's episodes. The ranks run as subprocesses (tests/train/gloo_ranks.py), each a
 Trainer built as `rlctl train` builds it; each writes its reduced metrics and its own
 episodes; the test recomputes the pooled values from the episodes of both ranks. The
 weights stay equal on both ranks (one update of the summed gradients)."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "engine"))
+sys.path.insert(0, str(HERE.parent / "train"))
 from gloo_ranks import run_two_ranks  # noqa: E402
 
 from episode_runs import env_file, run_args  # noqa: E402
@@ -24,7 +24,7 @@ STEPS = 2
 def _rank_worker(out_dir: str, spec: str) -> None:
     """One of 2 ranks (a subprocess of the test): 2 steps; its metrics and episodes."""
     from episode_runs import build_trainer
-    from rlctl.backends.base import build_backend
+    from rlctl.dist.backends import build_backend
     from rlctl.types import TOKEN_LIMIT, TURN_LIMIT
 
     rank = int(os.environ["RANK"])

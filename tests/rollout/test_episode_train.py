@@ -7,7 +7,7 @@ import json
 import pytest
 
 USER_ENV = '''"""A user's own environment: count up; each turn's reward is 1 if it says the next number."""
-from rlctl.envs.base import EnvTask
+from rlctl.envs.environment import EnvTask
 from rlctl.types import Example, Step
 
 

@@ -1,4 +1,4 @@
-"""The episode loop (rlctl/rollout/episodes.py) on a tiny random-init Llama built here,
+"""The episode loop (rlctl/rollout/episodes/loop.py) on a tiny random-init Llama built here,
 with scripted environments written against the Environment protocol: the batch's layout,
 the learner's log-probs against the behaviour ones, budgets, truncation, errors and time
 limits. Every expected value is derived from the environments' scripts, not read back."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 from episode_runs import model_turn_gaps
 
-from rlctl.envs.base import EnvTask
-from rlctl.learner.forward import learner_forward
-from rlctl.models.tiny import build_model, build_tokenizer
-from rlctl.rollout.episodes import EpisodePlayer, EpisodeSettings
+from rlctl.envs.environment import EnvTask
+from rlctl.models.forward import learner_forward
+from rlctl.demo.tiny import build_model, build_tokenizer
+from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
 from rlctl.types import DONE, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Example, Step
 
 ROWS = [Example("1 2 +"), Example("3 *")]          # prompts of 4 and 3 tokens (<bos> added)
@@ -171,7 +171,7 @@ def test_stop_strings_of_the_previous_step_end_the_next_turn(tiny):
 
 def test_an_abandoned_step_does_not_block_the_interpreter_exit():
     """Timed from the call's return (the import of torch may take long on a loaded machine)."""
-    code = ("import time\nfrom rlctl.rollout.episodes import run_calls\n"
+    code = ("import time\nfrom rlctl.rollout.episodes.loop import run_calls\n"
             "out = run_calls([lambda: time.sleep(600)], timeout_s=0.1, concurrency=1)\n"
             "assert out[0].timed_out and out[0].busy()\nprint(time.time(), flush=True)\n")
     done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)

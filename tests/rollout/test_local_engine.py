@@ -1,4 +1,4 @@
-"""A local engine (rlctl/rollout/engine_source.py): the torch engine in a child process,
+"""A local engine (rlctl/rollout/engines/engine_source.py): the torch engine in a child process,
 reached through a pipe, gives the tokens the torch engine gives in this process; a push
 it cannot load is the answer to the next request (one line), and stop ends the child."""
 import multiprocessing
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rlctl.errors import UserError
-from rlctl.models.tiny import build_model, build_tokenizer
-from rlctl.rollout.engine import Sampling, TorchEngine
-from rlctl.rollout.engine_source import LocalEngine, serve_engine
+from rlctl.demo.tiny import build_model, build_tokenizer
+from rlctl.rollout.engines.protocol import Sampling, TorchEngine
+from rlctl.rollout.engines.engine_source import LocalEngine, serve_engine
 
 
 def test_a_child_engine_samples_as_this_process_does_and_reports_a_bad_push():

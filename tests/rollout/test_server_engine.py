@@ -1,4 +1,4 @@
-"""The server engine (rlctl/rollout/server_engine.py) against real `rlctl serve` apps on
+"""The server engine (rlctl/rollout/engines/server.py) against real `rlctl serve` apps on
 127.0.0.1 (uvicorn in threads of this process: tests/rollout/serving.py), compared with
 the torch engine on the same weights.
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from rlctl.errors import UserError
-from rlctl.models.tiny import build_model, build_tokenizer
-from rlctl.rollout.engine import Sampling, TorchEngine, chunk_seed
-from rlctl.rollout.server_engine import ServerEngine
-from rlctl.rollout.engine import to_bytes
+from rlctl.demo.tiny import build_model, build_tokenizer
+from rlctl.rollout.engines.protocol import Sampling, TorchEngine, chunk_seed
+from rlctl.rollout.engines.server import ServerEngine
+from rlctl.rollout.engines.protocol import to_bytes
 
 from serving import ServeThread, tiny_app
 

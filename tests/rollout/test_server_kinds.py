@@ -1,4 +1,4 @@
-"""Server kinds (rlctl/rollout/server_kinds.py): the request/reply translation of each
+"""Server kinds (rlctl/rollout/engines/kinds.py): the request/reply translation of each
 kind, the registry, the PEFT layout LoRA pushes write, and the ``rlctl`` kind end to end
 against real `rlctl serve` apps (tests/rollout/serving.py).
 
@@ -26,15 +26,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rlctl.compose import compose
+from rlctl.config.compose import compose
 from rlctl.errors import UserError
-from rlctl.models.tiny import build_model, build_tokenizer
-from rlctl.rollout.engine import Sampling, TorchEngine, chunk_seed
-from rlctl.rollout.server_engine import ServerEngine
-from rlctl.rollout.server_kinds import (KINDS, Link, RlctlKind, SGLangKind, VLLMKind, parse_openai,
+from rlctl.demo.tiny import build_model, build_tokenizer
+from rlctl.rollout.engines.protocol import Sampling, TorchEngine, chunk_seed
+from rlctl.rollout.engines.server import ServerEngine
+from rlctl.rollout.engines.kinds import (KINDS, Link, RlctlKind, SGLangKind, VLLMKind, parse_openai,
                                         parse_sglang, server_kind, sglang_body, vllm_requests,
                                         write_peft_adapter)
-from rlctl.rollout.engine import load_adapter
+from rlctl.rollout.engines.protocol import load_adapter
 
 from serving import ServeThread, tiny_app
 

@@ -54,7 +54,7 @@ def test_extraction():
 
 
 def test_symbolic_prompts_fit_the_tiny_vocabulary():
-    from rlctl.models.tiny import build_tokenizer
+    from rlctl.demo.tiny import build_tokenizer
 
     tok = build_tokenizer()
     task = ArithmeticTask(num_digits=2, ops=["+", "-", "*"], num_eval=32)
@@ -140,12 +140,12 @@ def test_bad_options(kw, msg):
 
 
 def test_compose_defaults_and_the_tiny_warmup_key():
-    from rlctl.compose import compose
-    from rlctl.models.tiny import build_params, cache_key, resolve_warmup_task
+    from rlctl.config.compose import compose
+    from rlctl.demo.tiny import build_params, cache_key, resolve_warmup_task
 
     from omegaconf import OmegaConf
 
-    from rlctl.run.build import task_from_config
+    from rlctl.train.build import task_from_config
 
     cfg = compose(["task=arithmetic"]).cfg
     OmegaConf.resolve(cfg)

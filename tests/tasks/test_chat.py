@@ -9,7 +9,7 @@ import torch
 
 from rlctl.errors import UserError
 from rlctl.tasks import build_task
-from rlctl.tasks.base import RAW_PROMPT, assistant_text, end_of_turn_markers, render_chat
+from rlctl.tasks.task import RAW_PROMPT, assistant_text, end_of_turn_markers, render_chat
 from rlctl.tasks.prompt_budget import prepare
 
 ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -23,7 +23,7 @@ def chat_tokenizer(template=TEMPLATE):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from rlctl.models.tiny import SPECIAL_TOKENS, SYMBOLS
+    from rlctl.demo.tiny import SPECIAL_TOKENS, SYMBOLS
 
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + SYMBOLS + ROLES + ["be", "brief"])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -123,7 +123,7 @@ def test_builtin_task_in_chat_format():
 
 
 def test_tokenizer_without_chat_template_fails_in_one_line(data):
-    from rlctl.models.tiny import build_tokenizer
+    from rlctl.demo.tiny import build_tokenizer
 
     task = _task(data)
     with pytest.raises(UserError, match="task.prompt_format: task.prompt_format=chat needs a "
@@ -139,7 +139,7 @@ def test_rollout_with_a_chat_model(data, tmp_path):
     decoded assistant replies."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlctl.models.tiny import build_model
+    from rlctl.demo.tiny import build_model
     from rlctl.rollout.generate import rollout
 
     tok = chat_tokenizer()

@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from real_arch import _config, build_tokenizer  # noqa: E402
 
-from rlctl.compose import compose  # noqa: E402
-from rlctl.run.checks import group_size_warning  # noqa: E402
+from rlctl.config.compose import compose# noqa: E402
+from rlctl.train.preflight import group_size_warning# noqa: E402
 
 RLCTL = str(Path(sys.executable).parent / "rlctl")
 LIMIT, NEW = 24, 8
@@ -113,7 +113,7 @@ def test_truncate_left_trains(gpt2_32, data, tmp_path, rlctl_app):
 
 def _bound_task(model_dir, d, *overrides):
     """(the task prepared for the model, its tokenizer) as `rlctl train` prepares it."""
-    from rlctl.run.build import model_from_config, prepare_task, task_from_config
+    from rlctl.train.build import model_from_config, prepare_task, task_from_config
 
     cfg = compose(["model=hf", f"model.name_or_path={model_dir}", "task=jsonl",
                    f"task.train_path={d / 'train.jsonl'}", f"task.eval_path={d / 'eval.jsonl'}",

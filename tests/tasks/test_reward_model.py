@@ -1,4 +1,4 @@
-"""Learned reward models (rlctl/reward_models/learned.py): scoring equals a manual forward at
+"""Learned reward models (rlctl/rm/learned.py): scoring equals a manual forward at
 the last non-pad token, the model's own tokenizer and chat template are used, running
 normalisation and clipping against numpy, the statistics survive a checkpoint, the gold
 reward is logged beside the proxy in a real `rlctl train`, the critic starts from the
@@ -18,9 +18,9 @@ from tokenizers.models import WordLevel
 from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
                           PreTrainedTokenizerFast)
 
-from rlctl.models import tiny
+from rlctl.demo import tiny
 from rlctl.models.value import SeparateCritic, completion_values
-from rlctl.reward_models.learned import (LearnedRewards, RewardModel, RunningNorm,
+from rlctl.rm.learned import (LearnedRewards, RewardModel, RunningNorm,
                                       build_learned_rewards)
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.tasks.sorting import SortingTask
@@ -299,8 +299,8 @@ def test_reward_model_eval_refuses_what_train_refuses_in_one_line(tmp_path, rlct
 
 # ---- reward entries: task.reward_model and {model: ...} in task.rewards -------------------
 def _task(tmp_path, *overrides):
-    from rlctl.compose import compose
-    from rlctl.run.build import task_from_config
+    from rlctl.config.compose import compose
+    from rlctl.train.build import task_from_config
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i} =", "answer": str(i)}) + "\n"
@@ -370,7 +370,7 @@ def test_the_load_time_check_reads_transformers_loading_report(tmp_path):
     """Where the weights' names cannot be read up front (here: the header check is given
     no keys), loading still refuses a head transformers reports as newly initialised."""
     dirs = _bad_dirs(tmp_path)
-    from rlctl.reward_models import learned as rm_mod
+    from rlctl.rm import learned as rm_mod
 
     rm = RewardModel(dirs["other"])
     rm.load()                                            # a trained head: loads

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from rlctl.models import tiny
-from rlctl.reward_models.learned import build_learned_rewards
+from rlctl.demo import tiny
+from rlctl.rm.learned import build_learned_rewards
 from rlctl.types import Example
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")

@@ -16,10 +16,10 @@ from tokenizers.models import WordLevel
 from transformers import (AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                           LlamaForSequenceClassification, PreTrainedTokenizerFast)
 
-from rlctl.models import tiny
-from rlctl.reward_models.scoring import LAST_ATTENDED, LAST_NON_PAD, READ_KEY
-from rlctl.reward_models.fit import scores as fit_scores
-from rlctl.reward_models.learned import RewardModel
+from rlctl.demo import tiny
+from rlctl.rm.score import LAST_ATTENDED, LAST_NON_PAD, READ_KEY
+from rlctl.rm.fit import scores as fit_scores
+from rlctl.rm.learned import RewardModel
 
 PAIRS = [("3 1 4 =", "1 3 4"), ("9 =", "9 9"), ("2 7 1 8 2 8 =", "1 2 2 7 8 8"), ("5 =", "")]
 TEXTS = [f"{p} {c}".strip() for p, c in PAIRS]       # render()'s join of prompt and answer
@@ -138,7 +138,7 @@ def test_an_earlier_rlctl_fit_keeps_its_last_token_read_and_says_so(fitted, tmp_
     (old / "model" / "config.json").write_text(json.dumps(conf))
     rm = RewardModel(old / "model")
     assert rm.read == LAST_ATTENDED
-    with caplog.at_level(logging.WARNING, logger="rlctl.reward_models.learned"):
+    with caplog.at_level(logging.WARNING, logger="rlctl.rm.learned"):
         got = rm.score_texts(TEXTS)
         rm.score_texts(TEXTS)
     notes = [r for r in caplog.records if "as it was fitted" in r.getMessage()]

@@ -1,0 +1,1 @@
+"""`rlctl inspect` of runs: config diffs, metric summaries, plots, sample tables."""

@@ -1,0 +1,248 @@
+"""What values a composed config may hold, checked beyond its types with no torch (unless
+it asks for a GPU): the range of every numeric key, options, keys that must agree, and
+the DeepSpeed JSON it names. Every failure is a one-line ``ConfigError``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlctl.errors import ConfigError, one_line
+from rlctl.config.schema import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldSpec, Range, schema_fields
+
+__all__ = ["AT_LEAST_1", "NON_NEGATIVE", "POSITIVE", "RANGES", "CHOICES", "FREE_NUMBERS", "validate"]
+
+
+# Ranges and choices are written once, in the schema (``knob``); every float is also finite.
+# A new numeric key needs a range or a place in FREE_NUMBERS (a test checks).
+RANGES: Dict[str, Range] = {s.key: s.range for s in schema_fields() if s.range is not None}
+CHOICES: Dict[str, tuple] = {s.key: s.choices for s in schema_fields() if s.choices}
+# any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
+FREE_NUMBERS = ("task.correct_threshold", "hardware.zero_stage")
+CRITIC_KEYS = {"algo.vf_coef", "algo.value_clip", "algo.critic_warmup_steps", "algo.lam"}
+
+
+EXAMPLES = {"float": "0.1", "int": "1", "bool": "true", "str": "name", "any": "1"}
+
+
+def example_value(spec: FieldSpec) -> str:
+    """A value of the right type (and inside the key's range) to show in a message."""
+    if spec.kind == "list":
+        return {"float": "[0.9,0.999]", "str": "[a,b]"}.get(spec.item, "[...]")
+    if spec.kind == "group":
+        return "{...}"
+    rng = RANGES.get(spec.key)
+    candidates = {"float": (0.1, 0.5, 1.0, 3.0), "int": (1, 0, 4)}.get(spec.kind, ())
+    if rng is not None:
+        return next((repr(x) for x in candidates if rng.contains(x)), EXAMPLES[spec.kind])
+    return EXAMPLES[spec.kind]
+
+
+def range_problem(spec: FieldSpec, value: Any) -> Optional[str]:
+    """What is wrong with one value of a numeric key (None: nothing), for the message
+    "invalid KEY 'VALUE'; must be ..."."""
+    kind = spec.item if spec.kind == "list" else spec.kind
+    if value is None or kind not in ("float", "int") or isinstance(value, bool):
+        return None
+    rng = RANGES.get(spec.key)
+    finite = math.isfinite(value)
+    if finite and (rng is None or rng.contains(value)):
+        return None
+    what = rng.describe() if rng is not None else "a number"
+    tail = " and finite" if kind == "float" and rng is not None else (" (finite)" if kind == "float" else "")
+    why = f"; {rng.why}" if rng is not None and rng.why and finite else ""
+    return f"must be {what}{tail}{why}"
+
+
+# -- checks of the composed config -----------------------------------------------------
+
+def check_choices(cfg: DictConfig) -> None:
+    """Every key with fixed choices (the schema's ``knob(choices=...)``) holds one of them."""
+    for key, valid in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in valid:
+            raise ConfigError(f"invalid {key} '{value}'; valid: {', '.join(map(str, valid))}")
+
+
+def _check_resolved(cfg: DictConfig) -> None:
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except Exception as exc:  # noqa: BLE001
+        msg = one_line(exc)
+        key = re.search(r"full_key: ([\w.]+)", msg)
+        if "Missing mandatory value" in msg and key:
+            raise ConfigError(f"missing value for '{key.group(1)}'; set it with {key.group(1)}=...") from None
+        raise ConfigError(msg) from None
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Every numeric key against RANGES (and finite, for floats); no torch."""
+    def interpolated(key: str) -> bool:   # checked last: a bad source is named, not its copy
+        parent, _, leaf = key.rpartition(".")
+        return OmegaConf.is_interpolation(OmegaConf.select(cfg, parent) if parent else cfg, leaf)
+
+    numeric = [s for s in schema_fields() if s.kind in ("float", "int", "list")]
+    for spec in sorted(numeric, key=lambda s: interpolated(s.key)):
+        value = OmegaConf.select(cfg, spec.key)
+        items = list(value) if spec.kind == "list" and value is not None else [value]
+        for item in items:
+            problem = range_problem(spec, item)
+            if problem:
+                shown = list(value) if spec.kind == "list" else value
+                raise ConfigError(f"invalid {spec.key} '{shown}'; {problem}")
+
+
+def read_deepspeed_config(path: str) -> Dict:
+    """The user's DeepSpeed JSON (hardware.deepspeed_config) as a dict; ConfigError naming
+    the file and what is wrong with it."""
+    where = f"hardware.deepspeed_config '{path}'"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"hardware.deepspeed_config: no such file '{path}'") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not UTF-8 text; it must be a DeepSpeed JSON config") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} column "
+                          f"{exc.colno}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {where}: {exc.strerror or exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a JSON object ({{\"key\": value, ...}}), "
+                          f"got a {type(data).__name__}")
+    return data
+
+
+def _check_cuda(hw: DictConfig) -> None:
+    if hw.device != "cuda":
+        return
+    import torch  # only to ask for a GPU: validation of a CPU config imports no torch
+
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(f"hardware.device=cuda (hardware={hw.name}) needs a CUDA GPU, and {why}; "
+                          "use hardware=cpu (or hardware.device=cpu)")
+
+
+def _check_hardware(cfg: DictConfig) -> None:
+    hw = cfg.hardware
+    if cfg.trainer.prompts_per_step % hw.num_processes:
+        raise ConfigError(f"hardware.num_processes={hw.num_processes} must be >= 1 and divide "
+                          f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} (each rank "
+                          "samples whole prompt groups)")
+    if hw.deepspeed_config is not None:
+        read_deepspeed_config(hw.deepspeed_config)
+    _check_cuda(hw)
+    if cfg.trainer.compile and hw.backend != "torch":
+        raise ConfigError("trainer.compile=true needs hardware.backend=torch (DeepSpeed wraps the "
+                          f"model in its own engine; got hardware.backend={hw.backend})")
+    if cfg.trainer.async_rollout.enabled and hw.nnodes > 1 and cfg.rollout.engine == "torch":
+        raise ConfigError("trainer.async_rollout runs its actors beside the learner, on one machine "
+                          f"(got hardware.nnodes={hw.nnodes}); rollout on other machines is "
+                          "rollout.engine=server rollout.server.urls=[http://NODE:PORT,...] with "
+                          "`rlctl serve` on those machines (docs/engines.md)")
+    if cfg.trainer.async_rollout.enabled and hw.num_processes > 1:
+        raise ConfigError("trainer.async_rollout.enabled=true runs one learner process; it needs "
+                          f"hardware.num_processes=1 (got {hw.num_processes})")
+
+
+def _check_algo(cfg: DictConfig) -> None:
+    _check_engine(cfg)
+    a = cfg.algo
+    rc = a.rollout_correction
+    if rc.mode == "mask" and rc.lower > rc.upper:
+        raise ConfigError(f"algo.rollout_correction.lower={rc.lower} must be <= "
+                          f"algo.rollout_correction.upper={rc.upper} (mask keeps weights in [lower, upper])")
+    if a.kl.target is not None and a.kl.coef <= 0:
+        raise ConfigError("an adaptive KL (algo.kl.target) needs algo.kl.coef > 0 and a target > 0")
+    n = cfg.trainer.prompts_per_step * a.group_size
+    if n % a.minibatches and not a.dynamic_sampling:
+        raise ConfigError(f"algo.minibatches={a.minibatches} must divide the "
+                          f"{n} sequences per step (trainer.prompts_per_step * algo.group_size)")
+    if a.dynamic_sampling and a.minibatches > a.group_size:   # a rank keeps >= 1 group
+        raise ConfigError(f"algo.minibatches={a.minibatches} with algo.dynamic_sampling=true must be "
+                          f"<= algo.group_size={a.group_size} (a step may keep a single group)")
+
+
+def _check_engine(cfg: DictConfig) -> None:
+    """rollout.engine=server: what it runs with (one learner process, single-turn tasks are
+    checked where the task is built: rlctl/train/sources.py)."""
+    sv = cfg.rollout.server
+    if cfg.rollout.engine != "server":
+        return
+    if cfg.hardware.num_processes > 1 or cfg.hardware.nnodes > 1:
+        raise ConfigError("rollout.engine=server runs one learner process (hardware.num_processes=1, "
+                          "hardware.nnodes=1); the servers are the other machines")
+    if cfg.rollout.sample_dtype != "float32":
+        raise ConfigError("rollout.sample_dtype applies to rollout.engine=torch; a server samples "
+                          "in its own precision (start it with model.dtype=bfloat16)")
+    if sv.weight_sync == "disk" and not sv.weight_dir:
+        raise ConfigError("rollout.server.weight_sync=disk needs rollout.server.weight_dir "
+                          "(a directory every server can read)")
+    urls = list(sv.urls or [])
+    if not urls and sv.kind != "rlctl":
+        raise ConfigError(f"rollout.server.kind={sv.kind} needs rollout.server.urls (the running "
+                          "servers); with urls=[] the run starts `rlctl serve` processes (kind rlctl)")
+    bad = next((u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))), None)
+    if bad is not None:
+        raise ConfigError(f"rollout.server.urls holds {bad!r}; each is http://HOST:PORT")
+    _check_kind_dirs(cfg)
+
+
+def _check_kind_dirs(cfg: DictConfig) -> None:
+    """vllm/sglang servers read every push from files this run writes where they read
+    (rollout/engines/kinds.py): the directories must be named before the first push."""
+    sv, lora = cfg.rollout.server, bool(cfg.model.lora.enabled)
+    if sv.kind == "rlctl":
+        return
+    if sv.weight_sync == "disk":
+        raise ConfigError(f"rollout.server.weight_sync=disk is for kind=rlctl; kind={sv.kind} always "
+                          "pushes through shared files: set rollout.server.weight_dir"
+                          + ("" if sv.kind == "sglang" else " (LoRA) or model_dir (full weights)")
+                          + " and keep weight_sync=http")
+    if sv.kind == "vllm" and not lora and not sv.model_dir:
+        raise ConfigError("rollout.server.kind=vllm with full weights needs rollout.server.model_dir "
+                          "(the directory `vllm serve` loads, at the same path here); or model.lora.enabled=true")
+    if sv.kind == "vllm" and not lora and not Path(str(sv.model_dir)).is_dir():
+        raise ConfigError(f"rollout.server.model_dir={sv.model_dir} is not a directory here; it is the "
+                          "directory `vllm serve` loads, at the same path on this machine")
+    if not sv.weight_dir and (sv.kind == "sglang" or lora):
+        raise ConfigError(f"rollout.server.kind={sv.kind} needs rollout.server.weight_dir (a directory "
+                          "the servers read at the same path) to push "
+                          + ("the LoRA adapter" if lora else "weights"))
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    if cfg.task.get("num_eval") == 0 and cfg.trainer.eval_every > 0:
+        raise ConfigError("task.num_eval=0 leaves no held-out set to evaluate every "
+                          f"trainer.eval_every={cfg.trainer.eval_every} steps; set "
+                          "trainer.eval_every=0 (no evaluation) or task.num_eval >= 1")
+
+
+def _check_critic_keys(cfg: DictConfig, overrides: Sequence[str], algo: str) -> None:
+    given = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in CRITIC_KEYS]
+    if given and cfg.algo.critic == "none":
+        raise ConfigError(f"{given[0]} is a critic setting, and algo={algo} has no "
+                          "critic; use an algorithm with one (algo=ppo) or set algo.critic=shared "
+                          "with algo.advantage=gae")
+
+
+def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> None:
+    """The checks that need no torch (ranges, choices, keys that must agree, CUDA, the
+    DeepSpeed JSON; the shell's ``overrides`` may not set a critic key of ``algo`` without a
+    critic); ConfigError, one line. Those needing registries or the built task:
+    ``rlctl.train.preflight``, also before a run directory is made."""
+    _check_resolved(cfg)
+    check_ranges(cfg)
+    check_choices(cfg)
+    _check_algo(cfg)
+    _check_eval(cfg)
+    if cfg.model.name == "hf" and not cfg.model.name_or_path:
+        raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")
+    _check_hardware(cfg)
+    _check_critic_keys(cfg, overrides, algo)

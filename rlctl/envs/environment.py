@@ -1,0 +1,111 @@
+"""The environment interface of multi-turn episodes, the task that carries one, and the
+environment registry (docs/agents.md).
+
+``reset(example, seed)`` gives the first observation (the prompt text); ``step(turn)``
+takes a ``rlctl.types.Turn`` (text and exact sampled ids) and returns a
+``rlctl.types.Step``. The episode loop (``rlctl.rollout.episodes.loop``) owns tokenization,
+budgets and time limits. One environment object serves one episode. An ``EnvTask`` is a
+task (in ``rlctl.tasks.TASKS``) whose rows are played as episodes; ``@register_env(name)``
+puts its factory in ``ENVS`` and ``TASKS``. Your own needs no registration:
+``task.name=package.module:factory`` returning an ``EnvTask`` is played as episodes."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, List, Optional, Protocol, Sequence, Set
+
+from rlctl.registry import Registry
+from rlctl.tasks import register_task
+from rlctl.types import Example, Step, Turn
+
+log = logging.getLogger(__name__)
+_CLOSE_FAILED: Set[str] = set()     # environment classes whose close() raised (said once)
+ENVS = Registry("environment")
+
+
+class Environment(Protocol):
+    def reset(self, example: Example, seed: int) -> str:
+        """Start an episode from a dataset row; returns the first observation (prompt)."""
+
+    def step(self, turn: Turn) -> Step:
+        """The model's turn -> the next observation (or None), reward, done, info."""
+
+    # Optional: close() -> None, called once the episode has ended (any way).
+
+
+class EnvTask:
+    """A task played as episodes: ``train_examples``/``eval_examples`` (disjoint rows) and
+    ``make_env()`` (a fresh environment per episode). Eval reads ``success`` from the last
+    info (else total reward > 0)."""
+
+    def __init__(self, name: str, make_env: Callable[[], Environment],
+                 train: Sequence[Example], eval: Sequence[Example]):
+        self.name = name
+        self._make_env, self._train, self._eval = make_env, list(train), list(eval)
+
+    def make_env(self) -> Environment:
+        return self._make_env()
+
+    def train_examples(self) -> List[Example]:
+        return list(self._train)
+
+    def eval_examples(self) -> List[Example]:
+        return list(self._eval)
+
+    def reward(self, example: Example, completion: str) -> float:   # Task protocol: unused
+        raise TypeError(f"task '{self.name}' is played as episodes: its rewards come from "
+                        "its environment's steps, not from one completion")
+
+    is_correct = reward
+
+
+def is_episodic(task) -> bool:
+    """True for a task whose rows are played as multi-turn episodes."""
+    return callable(getattr(task, "make_env", None))
+
+
+def close_env(env: Optional[Environment]) -> None:
+    """``env.close()`` when it has one; a raise is logged (once per class) and ignored."""
+    close = getattr(env, "close", None)
+    if not callable(close):
+        return
+    try:
+        close()
+    except Exception as exc:  # noqa: BLE001 - user code; the episode is already recorded
+        name = type(env).__name__
+        if name not in _CLOSE_FAILED:
+            _CLOSE_FAILED.add(name)
+            log.warning("environment %s: close() raised %s: %s (ignored; said once)", name,
+                        type(exc).__name__, " ".join(str(exc).split())[:200])
+
+
+def register_env(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``factory(**task options) -> EnvTask`` registered in ``ENVS`` and ``TASKS``."""
+    def deco(factory: Callable) -> Callable:
+        ENVS.register(name)(factory)
+        register_task(name)(factory)
+        return factory
+    return deco
+
+
+def check_int(key: str, value, lo: int, hi: float = math.inf) -> int:
+    """``value`` if it is an integer in [lo, hi]; else a one-line ValueError naming task.KEY."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        where = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
+        raise ValueError(f"task.{key} must be an integer {where}, got {value!r}")
+    return value
+
+
+def check_bool(key: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"task.{key} must be true or false, got {value!r}")
+    return value
+
+
+def check_number(key: str, value, lo: float, unit: str, lo_open: bool = False) -> float:
+    """``value`` if it is a finite number >= lo (> lo with ``lo_open``); else one line."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value > lo if lo_open else value >= lo))
+    if not ok:
+        raise ValueError(f"task.{key} must be {'>' if lo_open else '>='} {lo:g} {unit}, got {value!r}")
+    return float(value)

@@ -1,1 +1,0 @@
-"""The learner: the training loop, the policy update, advantages, the learner forward pass, metric statistics and held-out evaluation."""

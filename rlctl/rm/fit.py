@@ -1,0 +1,126 @@
+"""A reward model (a Hugging Face sequence classifier, ``num_labels=1``) built from a causal
+LM and fitted on preference pairs with the Bradley-Terry loss (rlctl.core.preference),
+through ``rlctl.rm.score``: fitted on what a run's scorer feeds it."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rlctl.core.preference import bradley_terry_loss
+from rlctl.rm.settings import RMConfig
+from rlctl.rm.score import LAST_NON_PAD, READ_KEY, render, text_scores, token_rows
+
+
+@dataclass
+class Pair:
+    prompt: str
+    chosen: str
+    rejected: str
+    margin: Optional[float] = None     # per-pair margin (a `margin` column); None: the default
+
+
+def classifier_from_lm(path: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A 1-output sequence classifier with the backbone of the causal LM at ``path`` (the
+    LM head dropped, a new score head initialised under ``seed``)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, use_safetensors=True)
+    return model
+
+
+def prepare_for_scoring(model, tokenizer) -> None:
+    """A pad token on the tokenizer (EOS if none), the same id on the model's config, and
+    ``READ_KEY`` in config.json: read at the last non-pad token, as transformers and TRL."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    setattr(model.config, READ_KEY, LAST_NON_PAD)
+
+
+def scores(model, tokenizer, prompts: Sequence[Any], completions: Sequence[str],
+           max_length: Optional[int] = None) -> torch.Tensor:
+    """The model's score of each rendered pair, [n] float32 (grad flows when enabled)."""
+    texts = [render(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    return text_scores(model, tokenizer, texts, max_length)
+
+
+def pairs_over(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> int:
+    """How many pairs have a chosen or a rejected text longer than ``limit`` tokens."""
+    if limit is None or not pairs:
+        return 0
+    lengths = [len(r) for r in token_rows(tokenizer, [
+        render(tokenizer, p.prompt, x) for p in pairs for x in (p.chosen, p.rejected)])]
+    return sum(max(lengths[2 * i], lengths[2 * i + 1]) > limit for i in range(len(pairs)))
+
+
+def pair_scores(model, tokenizer, pairs: Sequence[Pair], max_length: Optional[int] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(r_chosen [P], r_rejected [P]) in one forward of 2P rows."""
+    prompts = [p.prompt for p in pairs] * 2
+    comps = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    r = scores(model, tokenizer, prompts, comps, max_length)          # [2P]
+    return r[:len(pairs)], r[len(pairs):]
+
+
+@torch.no_grad()
+def score_pairs(model, tokenizer, pairs: Sequence[Pair], batch_size: int = 64,
+                max_length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Held-out scores of every pair, batched: (r_chosen [P], r_rejected [P])."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    for i in range(0, len(pairs), batch_size):
+        c, r = pair_scores(model, tokenizer, pairs[i:i + batch_size], max_length)
+        chosen.append(c.cpu())
+        rejected.append(r.cpu())
+    model.train(was_training)
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+def pairwise_accuracy(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> float:
+    """Share of pairs the model ranks right (a tie counts as wrong)."""
+    return float((r_chosen > r_rejected).float().mean()) if len(r_chosen) else float("nan")
+
+
+def _margins(batch: Sequence[Pair], default: float) -> torch.Tensor:
+    return torch.tensor([default if p.margin is None else float(p.margin) for p in batch])  # [P]
+
+
+def fit(model, tokenizer, pairs: Sequence[Pair], s: RMConfig, seed: int = 0,
+        on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> List[float]:
+    """``s.steps`` AdamW steps of the Bradley-Terry loss on shuffled batches of ``pairs``
+    (reshuffled each epoch under ``seed``); ``on_step(step, metrics)`` after each. Returns
+    the losses."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+    model.train()
+    order: List[int] = []
+    losses = []
+    for step in range(1, s.steps + 1):
+        if len(order) < s.batch_size:
+            fresh = list(range(len(pairs)))
+            rng.shuffle(fresh)
+            order += fresh
+        batch = [pairs[i] for i in order[:s.batch_size]]
+        order = order[s.batch_size:]
+        r_c, r_r = pair_scores(model, tokenizer, batch, s.max_length)   # [P], [P]
+        loss, m = bradley_terry_loss(r_c, r_r, _margins(batch, s.margin).to(r_c.device),
+                                     s.center_coef)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
+        opt.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, {"train/loss": losses[-1], "train/accuracy": float(m["accuracy"]),
+                           "train/bt_loss": float(m["bt_loss"]),
+                           "train/margin": float(m["margin"]),
+                           "optim/grad_norm": float(grad_norm)})
+    model.eval()
+    return losses

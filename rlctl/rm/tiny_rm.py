@@ -1,0 +1,133 @@
+"""The embedded tiny reward model for 5-digit sorting (``task.reward_model=tiny``), built on
+first use and cached in ``tiny-rm-<hash of every input>``: the tiny policy's backbone with a
+1-output head, fitted on ``NUM_PAIRS`` training-split pairs ranked by the positional reward
+(ties skipped), an imperfect proxy on purpose (docs/rlhf.md, "The tiny reward model")."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import transformers
+
+from rlctl.demo.tiny import build_cached, build_tiny, build_tokenizer, default_cache_dir
+from rlctl.rm.settings import RMConfig
+from rlctl.rm.fit import (Pair, classifier_from_lm, fit,
+                                     pairwise_accuracy, prepare_for_scoring, score_pairs)
+from rlctl.tasks.sorting import SortingTask, positional_reward
+
+log = logging.getLogger(__name__)
+
+CODE_VERSION = 3        # bump when a change here alters the built model (in the cache key)
+TASK_SEED = 1234        # the default sorting task's split seed
+NUM_DIGITS = 5
+NUM_PAIRS = 2048        # training pairs: still limited (an imperfect proxy)
+NUM_HELDOUT = 512       # held-out pairs from the eval split, for the stated accuracy
+STEPS = 300
+BATCH_SIZE = 32
+LR = 1e-3
+CENTER_COEF = 0.01
+POLICY_WARMUP_STEPS = 80   # config/conf/model/tiny.yaml's warmup_steps: the policy's backbone
+FITTED_FOR = {"task": "sorting", "num_digits": NUM_DIGITS}   # the prompts it was fitted on
+
+
+def task_mismatch(task_name: str, num_digits) -> Optional[str]:
+    """Why the tiny reward model does not fit a run of ``task_name`` (``num_digits`` for
+    sorting), or None: it knows only 5-digit sorting prompts."""
+    if task_name == FITTED_FOR["task"] and num_digits == FITTED_FOR["num_digits"]:
+        return None
+    got = f"task={task_name}" + (f" task.num_digits={num_digits}" if task_name == "sorting" else "")
+    return (f"task.reward_model=tiny was fitted on task=sorting task.num_digits={NUM_DIGITS} "
+            f"prompts only, not {got}; fit a reward model for this task with rlctl "
+            "reward-model train and pass its directory")
+
+
+def _candidate(digits: Sequence[int], rng: random.Random) -> List[int]:
+    """One answer: right (20%), nearly sorted or permuted, a digit dropped or repeated 35% of
+    the time (the near misses a policy finds first)."""
+    out = sorted(digits)
+    kind = rng.random()
+    if kind < 0.2:                        # the right answer
+        pass
+    elif kind < 0.5:                      # one or two random swaps of the sorted answer
+        for _ in range(rng.choice((1, 2))):
+            i, j = rng.sample(range(len(out)), 2)
+            out[i], out[j] = out[j], out[i]
+    elif kind < 0.65:                     # a random permutation of the prompt's digits
+        rng.shuffle(out)
+    if rng.random() < 0.35:               # a digit dropped or repeated
+        i = rng.randrange(len(out))
+        out = out[:i] + out[i + 1:] if rng.random() < 0.5 else out[:i + 1] + out[i:]
+    return out
+
+
+def sorting_pairs(examples, n: int, seed: int) -> List[Pair]:
+    """``n`` preference pairs ranked by the positional reward, one per example in turn
+    (cycling through ``examples``), ties skipped."""
+    rng = random.Random(seed)
+    pairs: List[Pair] = []
+    i = 0
+    while len(pairs) < n:
+        ex = examples[i % len(examples)]
+        i += 1
+        digits = ex.fields["digits"]
+        a, b = _candidate(digits, rng), _candidate(digits, rng)
+        ra, rb = positional_reward(digits, a), positional_reward(digits, b)
+        if ra == rb:
+            continue
+        win, lose = (a, b) if ra > rb else (b, a)
+        pairs.append(Pair(ex.prompt, " ".join(map(str, win)), " ".join(map(str, lose))))
+    return pairs
+
+
+def build_params(seed: int = 0) -> Dict[str, object]:
+    """Everything that determines the built reward model (hashed into the cache key)."""
+    return {"code_version": CODE_VERSION, "task_seed": TASK_SEED, "num_digits": NUM_DIGITS,
+            "num_pairs": NUM_PAIRS, "num_heldout": NUM_HELDOUT, "steps": STEPS,
+            "batch_size": BATCH_SIZE, "lr": LR, "center_coef": CENTER_COEF,
+            "policy_warmup_steps": POLICY_WARMUP_STEPS, "seed": int(seed),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _build_into(directory: Path, params: Dict[str, object], cache_dir: Optional[Path]) -> Dict:
+    t0 = time.perf_counter()
+    policy = build_tiny(warmup_steps=POLICY_WARMUP_STEPS, cache_dir=cache_dir)
+    tokenizer = build_tokenizer()
+    model = classifier_from_lm(str(policy), seed=params["seed"])
+    prepare_for_scoring(model, tokenizer)
+    task = SortingTask(num_digits=NUM_DIGITS, seed=TASK_SEED)
+    train = sorting_pairs(task.train_examples(), NUM_PAIRS, params["seed"])
+    held = sorting_pairs(task.eval_examples(), NUM_HELDOUT, params["seed"] + 1)
+    losses = fit(model, tokenizer, train, RMConfig(steps=STEPS, lr=LR, batch_size=BATCH_SIZE,
+                                                   center_coef=CENTER_COEF), params["seed"])
+    acc = pairwise_accuracy(*score_pairs(model, tokenizer, held))
+    model.save_pretrained(directory)   # safetensors
+    tokenizer.save_pretrained(directory)
+    meta = dict(params, fitted_for=FITTED_FOR, heldout_pairwise_accuracy=round(acc, 4),
+                final_loss=losses[-1],
+                build_seconds=round(time.perf_counter() - t0, 3))
+    (directory / "rlctl_tiny_rm.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def cache_key(params: Dict[str, object]) -> str:
+    return "tiny-rm-" + hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tiny_reward_model_dir(seed: int = 0, cache_dir: Optional[os.PathLike] = None) -> Path:
+    """The tiny sorting reward model's directory (classifier + tokenizer), built atomically once."""
+    params = build_params(seed)
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    policy_cache = Path(cache_dir).expanduser() if cache_dir else None
+    final, meta = build_cached(root, cache_key(params),
+                               lambda tmp: _build_into(tmp, params, policy_cache))
+    if meta is not None:
+        log.info("built tiny reward model in %.1f s (held-out pairwise accuracy %.3f): %s",
+                 meta["build_seconds"], meta["heldout_pairwise_accuracy"], final)
+    return final

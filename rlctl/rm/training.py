@@ -1,0 +1,353 @@
+"""`rlctl reward-model train|eval`: fit a Bradley-Terry reward model on preference pairs
+(``prompt``, ``chosen``, ``rejected`` columns; docs/rlhf.md) and measure one. Model, hardware,
+logger, ``seed`` and ``run.output_dir`` compose as for ``rlctl train``; the fit's knobs are
+``rm.*`` (``RMConfig``). A run writes ``<run.output_dir>/<time>-rm/`` with ``model/``,
+``metrics.jsonl``, ``config.yaml``, ``overrides.yaml`` and ``summary.json``. Over-long and
+identical pairs are counted (all training pairs identical: DataError before a run directory).
+SIGINT/SIGTERM stop after the current step with the model saved (``FitStopped``)."""
+from __future__ import annotations
+
+import inspect
+import math
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import yaml
+from safetensors import SafetensorError
+from transformers import AutoTokenizer
+
+from rlctl.config.compose import compose
+from rlctl.errors import ConfigError, DataError, Interrupted, UserError
+from rlctl.models.loading import (adapter_problem, check_vocab, corrupt_safetensors,
+                                  disable_dropout, quiet_libraries, resolve_dtype)
+from rlctl.demo.tiny import build_tiny
+from rlctl.rm.settings import RMConfig, resolved_sections, rm_config, split_overrides
+from rlctl.rm.fit import (Pair, classifier_from_lm, fit,
+                                     pairs_over, pairwise_accuracy, prepare_for_scoring,
+                                     score_pairs)
+from rlctl.rm.learned import RewardModel
+from rlctl.rm.score import keep_end, length_limit, render, token_rows
+from rlctl.sinks import build_sinks
+from rlctl.sinks.console import REWARD_MODEL_KEYS
+from rlctl.stopping import StopFlag
+from rlctl.storage.rundir import create_run_dir, write_json_atomic
+from rlctl.tasks.data import load_records
+
+
+# ---- preference pairs: read, split, length limit, identical pairs ------------------------
+COLUMNS = ("prompt", "chosen", "rejected")
+
+
+def read_pairs(path: str, key: str) -> List[Pair]:
+    """Preference rows (prompt, chosen, rejected text; an optional numeric margin)."""
+    rows = load_records(path, "auto", key, located=True)
+    pairs = []
+    for where, row in rows:
+        missing = [c for c in COLUMNS if c not in row]
+        if missing:
+            raise DataError(f"{key}: {where} has no '{missing[0]}' column; a preference row "
+                            f"needs {', '.join(COLUMNS)} (and optionally margin); it has "
+                            f"{', '.join(map(str, row)) or 'none'}")
+        bad = next((c for c in COLUMNS if not isinstance(row[c], str)), None)
+        if bad:
+            raise DataError(f"{key}: {where}: '{bad}' must be text, got "
+                            f"{type(row[bad]).__name__}")
+        margin = row.get("margin")
+        if margin is not None and margin != "":
+            try:
+                margin = float(margin)
+            except (TypeError, ValueError):
+                margin = float("nan")
+            if not math.isfinite(margin):
+                raise DataError(f"{key}: {where}: 'margin' must be a finite number, got "
+                                f"'{row.get('margin')}'")
+        pairs.append(Pair(row["prompt"], row["chosen"], row["rejected"],
+                          None if margin in (None, "") else margin))
+    return pairs
+
+
+def hold_out(pairs: List[Pair], frac: float, seed: int) -> Tuple[List[Pair], List[Pair]]:
+    """(train, held out): a seeded ``frac`` of the pairs held out (at least 1, never all)."""
+    if len(pairs) < 2:
+        raise DataError("PREFS has one pair: nothing to hold out; pass --eval PREFS_EVAL")
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:min(len(pairs) - 1, max(1, round(frac * len(pairs))))])
+    return ([p for i, p in enumerate(pairs) if i not in held],
+            [p for i, p in enumerate(pairs) if i in held])
+
+
+def fit_limit(rm: RMConfig, tokenizer, model_config) -> Optional[int]:
+    """The fit's tokens per text: ``rm.max_length``, saved on the tokenizer (so the
+    scorer reads it), or the model's context; ConfigError above that context."""
+    context = length_limit(tokenizer, model_config)
+    if rm.max_length is None:
+        return context
+    if context is not None and rm.max_length > context:
+        raise ConfigError(f"invalid rm.max_length '{rm.max_length}'; must be <= {context}, "
+                          "the model's context (null: the whole context)")
+    tokenizer.model_max_length = rm.max_length
+    return rm.max_length
+
+
+def note_truncation(limit: Optional[int], what: str, counts: Dict[str, Tuple[int, int]],
+                    stream=None) -> None:
+    """One line on stderr when any pair (split: (over the limit, pairs)) is too long."""
+    if not any(n for n, _ in counts.values()):
+        return
+    parts = " and ".join(" ".join(filter(None, (f"{n} of {total}", split, "pairs")))
+                         for split, (n, total) in counts.items())
+    print(f"rlctl: {what}: {parts} have a text (prompt + answer) longer than {limit} tokens; "
+          f"each such text keeps its last {limit} tokens (a leading BOS stays first), the end "
+          "of the answer, where the score is read", file=stream or sys.stderr, flush=True)
+
+
+def same_tokens(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> int:
+    """How many pairs read the same for chosen and rejected: the same tokens once rendered
+    and cut to ``limit`` (what the model reads), so both score alike whatever the model."""
+    if not pairs:
+        return 0
+    rows = token_rows(tokenizer, [render(tokenizer, p.prompt, x)
+                                  for p in pairs for x in (p.chosen, p.rejected)])
+    rows = [keep_end(r, limit, tokenizer.bos_token_id) for r in rows]
+    return sum(rows[2 * i] == rows[2 * i + 1] for i in range(len(pairs)))
+
+
+def check_identical(tokenizer, limit: Optional[int], train: Sequence[Pair],
+                    held: Sequence[Pair], held_key: str, stream=None) -> Dict[str, int]:
+    """DataError when every training pair's chosen and rejected read the same (the loss
+    cannot move from log 2); one line on stderr counting them when only some do."""
+    n_train, n_held = same_tokens(tokenizer, train, limit), same_tokens(tokenizer, held, limit)
+    if n_train == len(train):
+        raise DataError(f"PREFS: all {len(train)} training pairs have chosen and rejected "
+                        "reading as the same tokens (once rendered and cut to the length "
+                        "limit): nothing can be learned from them (the loss stays at log 2); "
+                        "give pairs whose chosen and rejected answers differ")
+    if n_train or n_held:
+        print(f"rlctl: {n_train} of {len(train)} training pairs and {n_held} of {len(held)} "
+              f"held-out pairs ({held_key}) have chosen == rejected (the same tokens once "
+              "rendered): they carry no preference (loss log 2 whatever the model) and a "
+              "held-out tie counts as wrong in pairwise accuracy",
+              file=stream or sys.stderr, flush=True)
+    return {"train_pairs_identical": n_train, "eval_pairs_identical": n_held}
+
+
+# ---- the fit -------------------------------------------------------------------------------
+def backbone_path(name: str, name_or_path: Optional[str] = None, **tiny_kwargs) -> str:
+    """The causal LM (or classifier) directory the reward model starts from: for model=tiny the
+    cached policy `rlctl train` starts from (``tiny_kwargs``: build_tiny's arguments)."""
+    if name == "tiny":
+        accepted = inspect.signature(build_tiny).parameters
+        return str(build_tiny(**{k: v for k, v in tiny_kwargs.items()
+                                 if k in accepted and k != "seed" and v is not None}))
+    path = Path(str(name_or_path)).expanduser()
+    if not path.is_dir():
+        raise UserError(f"model path '{name_or_path}' does not exist or is not a directory")
+    problem = adapter_problem(path, new_adapter=False) or corrupt_safetensors(path)
+    if problem:      # a LoRA adapter would load with every weight frozen
+        raise UserError(f"cannot load model: {problem}")
+    return str(path)
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def load_classifier(path: str, dtype: str, seed: int, device: str):
+    """(1-output sequence classifier, tokenizer) from a model directory; UserError if not."""
+    try:
+        model = classifier_from_lm(path, resolve_dtype(dtype), seed)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        check_vocab(tokenizer, model, path)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        why = (corrupt_safetensors(Path(path)) if isinstance(exc, SafetensorError) else None)
+        raise UserError(f"cannot load model '{path}' as a sequence classifier: "
+                        f"{why or _first_line(exc)}") from None
+    prepare_for_scoring(model, tokenizer)
+    return model.to(device), tokenizer
+
+
+def score_stats(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> Dict[str, float]:
+    """Pairwise accuracy and the score distribution of chosen and rejected answers."""
+    out = {"pairwise_accuracy": pairwise_accuracy(r_chosen, r_rejected),
+           "num_pairs": float(len(r_chosen)),
+           "mean_margin": float((r_chosen - r_rejected).mean())}
+    q = torch.tensor([0.1, 0.5, 0.9])
+    for name, r in (("chosen", r_chosen), ("rejected", r_rejected)):
+        r = r.double()
+        qs = torch.quantile(r, q.double()).tolist()
+        out.update({f"{name}_mean": float(r.mean()),
+                    f"{name}_std": float(r.std()) if len(r) > 1 else 0.0,
+                    f"{name}_p10": qs[0], f"{name}_p50": qs[1], f"{name}_p90": qs[2]})
+    return out
+
+
+def _evaluate(model, tokenizer, held: Sequence[Pair], rm: RMConfig) -> Dict[str, float]:
+    r_c, r_r = score_pairs(model, tokenizer, held, rm.eval_batch_size, rm.max_length)  # [P] each
+    stats = score_stats(r_c, r_r)
+    return {"eval/pairwise_accuracy": stats["pairwise_accuracy"],
+            "eval/margin": stats["mean_margin"], "eval/chosen_mean": stats["chosen_mean"],
+            "eval/rejected_mean": stats["rejected_mean"]}
+
+
+def _plan(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str]):
+    """Everything checked before a run directory is made: (composed, rm, train, held)."""
+    base, rm_overrides = split_overrides(overrides)
+    composed = compose(base)
+    rm = rm_config(rm_overrides)
+    hw = composed.cfg.hardware
+    if hw.backend != "torch" or hw.num_processes != 1:
+        raise ConfigError("rlctl reward-model train runs one process on the torch backend; got "
+                          f"hardware.backend={hw.backend}, hardware.num_processes={hw.num_processes}")
+    if composed.cfg.model.lora.enabled:
+        raise ConfigError("rlctl reward-model train fits the whole model; model.lora.enabled=true "
+                          "is not supported here (leave it false)")
+    pairs = read_pairs(prefs, "PREFS")
+    if eval_prefs:
+        train, held = pairs, read_pairs(eval_prefs, "--eval")
+    else:
+        train, held = hold_out(pairs, rm.eval_frac, int(composed.cfg.seed))
+    return composed, rm, train, held
+
+
+def _write_config(run_dir: Path, resolved: Dict, rm: RMConfig, composed, prefs, eval_prefs) -> Dict:
+    """Write ``resolved`` (the run's composed sections, resolved) with ``rm`` and the data
+    paths as config.yaml, and the overrides; returns what was written."""
+    resolved["rm"] = asdict(rm)
+    resolved["data"] = {"prefs": str(prefs), "eval": None if eval_prefs is None else str(eval_prefs)}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    (run_dir / "overrides.yaml").write_text(yaml.safe_dump(
+        {"overrides": list(composed.overrides)}, sort_keys=False))
+    return resolved
+
+
+class FitStopped(Interrupted):
+    """A fit stopped by SIGINT/SIGTERM after a step, with the model so far saved (exit
+    128 + the signal's number); ``run_dir`` None: stopped before a run directory."""
+
+    def __init__(self, run_dir: Optional[Path], step: int, steps: int, signum: int):
+        super().__init__(run_dir, step, signum)
+        self.steps = steps
+
+    def message(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.run_dir is None:
+            return f"interrupted by {name} before the fit started; nothing was written"
+        return (f"interrupted by {name} after step {self.step} of {self.steps}; the model so "
+                f"far is saved in {self.run_dir / 'model'} (summary.json: stopped_at_step "
+                f"{self.step}; a reward-model fit does not resume)")
+
+
+class _StopAt(Exception):
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+def train_reward_model(overrides: Sequence[str], prefs: str,
+                       eval_prefs: Optional[str] = None) -> Path:
+    """Fit a reward model; returns its run directory (the model in ``model/``). SIGINT/SIGTERM:
+    save the model so far and raise FitStopped."""
+    stop = StopFlag()
+    with stop.installed():
+        return _train(overrides, prefs, eval_prefs, stop)
+
+
+def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop) -> Path:
+    composed, rm, train, held = _plan(overrides, prefs, eval_prefs)
+    cfg = composed.cfg
+    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
+    model, tokenizer = load_classifier(backbone_path(**cfg.model), cfg.model.dtype, int(cfg.seed),
+                                       cfg.hardware.device)
+    if cfg.model.get("disable_dropout", True):   # the fit's train-mode scores = eval mode's
+        disable_dropout(model)
+    limit = fit_limit(rm, tokenizer, model.config)
+    over = {"training": (pairs_over(tokenizer, train, limit), len(train)),
+            "held-out": (pairs_over(tokenizer, held, limit), len(held))}
+    note_truncation(limit, f"rm.max_length={'null' if rm.max_length is None else limit}",
+                    over)
+    counts = dict(check_identical(tokenizer, limit, train, held, "--eval" if eval_prefs
+                                  else f"rm.eval_frac={rm.eval_frac} of PREFS"),
+                  train_pairs=len(train), eval_pairs=len(held),
+                  train_pairs_truncated=over["training"][0],
+                  eval_pairs_truncated=over["held-out"][0])
+    if stop.requested:
+        raise FitStopped(None, 0, rm.steps, stop.signum)
+    run_dir = create_run_dir(cfg.run.output_dir, "rm")
+    resolved = _write_config(run_dir, resolved_sections(cfg), rm, composed, prefs, eval_prefs)
+    lg = cfg.logger
+    sink = build_sinks(run_dir=run_dir, jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode,
+                       project=lg.project, name=run_dir.name, run_config=resolved,
+                       console=lg.console, total_steps=rm.steps, console_keys=REWARD_MODEL_KEYS,
+                       tensorboard=lg.tensorboard)
+    t0, last = time.perf_counter(), {}
+
+    def on_step(step: int, metrics: Dict[str, float]) -> None:
+        metrics = dict(metrics, **{"optim/lr": rm.lr})
+        if step == rm.steps or (rm.eval_every and step % rm.eval_every == 0):
+            metrics.update(_evaluate(model, tokenizer, held, rm))
+        sink.log(metrics, step)
+        last.update(metrics, step=step)
+        if stop.requested and step < rm.steps:
+            raise _StopAt(step)
+
+    try:
+        torch.manual_seed(int(cfg.seed))
+        try:
+            fit(model, tokenizer, train, rm, int(cfg.seed), on_step)
+        except _StopAt as at:
+            _save(run_dir, model, tokenizer, sink, dict(
+                counts, stopped_at_step=at.step, signal=signal.Signals(stop.signum).name,
+                **_last_train(last), train_seconds=round(time.perf_counter() - t0, 3)))
+            raise FitStopped(run_dir, at.step, rm.steps, stop.signum) from None
+        final = _evaluate(model, tokenizer, held, rm)
+        _save(run_dir, model, tokenizer, sink, dict(
+            final, **counts, **_last_train(last), train_seconds=round(time.perf_counter() - t0, 3)))
+    finally:
+        sink.close()
+    return run_dir
+
+
+def _last_train(last: Dict[str, float]) -> Dict[str, float]:
+    """The last step's training figures, for summary.json and the final console line."""
+    return {k.replace("/", "_"): last[k] for k in ("train/loss", "train/accuracy") if k in last}
+
+
+def _save(run_dir: Path, model, tokenizer, sink, summary: Dict) -> None:
+    """The model (safetensors + tokenizer) in ``run_dir/model``, then summary.json."""
+    model.save_pretrained(run_dir / "model")
+    tokenizer.save_pretrained(run_dir / "model")
+    summary = dict(summary, model_dir=str(run_dir / "model"))
+    write_json_atomic(run_dir / "summary.json", summary)
+    sink.summary(summary)
+
+
+def eval_reward_model(path: str, prefs: str, batch_size: int = 64, device: str = "cpu"
+                      ) -> Dict[str, float]:
+    """Pairwise accuracy and score distribution of the reward model at ``path`` (a model
+    directory or a run directory holding ``model/``) on the pairs in ``prefs``."""
+    p = Path(path).expanduser()
+    if (p / "model" / "config.json").is_file():
+        p = p / "model"
+    if not (p / "config.json").is_file():
+        raise UserError(f"'{path}' is not a reward model directory (no config.json; expected "
+                        "a sequence-classifier directory or a run directory with model/)")
+    pairs = read_pairs(prefs, "PREFS")
+    try:     # the loader `rlctl train` scores with: the same checks, the same one-line errors
+        rm = RewardModel(p, device=device, key="PATH")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        model = rm.load()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise UserError(f"cannot load reward model '{path}': {_first_line(exc)}") from None
+    over = pairs_over(rm.tokenizer, pairs, rm.limit)
+    note_truncation(rm.limit, f"the reward model's {rm.limit}-token limit", {"": (over, len(pairs))})
+    r_c, r_r = score_pairs(model, rm.tokenizer, pairs, batch_size)   # [P] each
+    return dict(score_stats(r_c, r_r), truncated_pairs=float(over))

@@ -1,0 +1,1 @@
+"""Generation engines: the protocol, the in-process, local-process and server engines, weights, and the completions server."""

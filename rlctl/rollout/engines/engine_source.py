@@ -1,0 +1,403 @@
+"""Rollouts from generation engines: servers (``rollout.engine=server``) or local engine
+processes (``trainer.async_rollout.enabled``), laid out and scored as the learner's batch.
+
+* Seeds: each request draws its rows and one seed from ``prompt_rng``, so the tokens depend on
+  that seed and the engine's ``chunk_size`` only. Local engines (``learner_rng``) at
+  max_staleness=0 carry the learner's torch RNG state and hand it back advanced: the
+  synchronous loop bit for bit.
+* Weights go with an engine's first request, then when its copy is ``sync_every`` updates
+  old or the staleness bound needs newer ones (a LoRA policy pushes its adapter only).
+* The staleness controller: versions count learner updates; a rollout is requested ahead
+  (one per idle engine) only while it will be at most ``max_staleness`` versions old when
+  consumed. A stale rollout keeps the engine's log-probs as ``old_logprobs``.
+* ``LocalEngine``/``serve_engine``: the torch engine in a child process over a pipe, one
+  pickled tuple a message: ("generate", prompts, Sampling, seed), ("weights", version,
+  ``to_bytes``) (unanswered: a failed load answers the next request), ("play", rows,
+  env_seed, rng), ("health",), ("stop", failed). Replies ("ok", value, rng state or None),
+  ("error", UserError) or ("failed", line); a child that exits or is silent for
+  ``timeout_s`` is one line (``ActorFailed``).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import pickle
+import random
+import shutil
+import threading
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from safetensors.torch import save_file
+
+from rlctl.core.logprobs import completion_mask
+from rlctl.errors import ActorFailed, UserError
+from rlctl.models.stop_ids import resolve_stop_ids
+from rlctl.models.value import PolicyValueModel
+from rlctl.rollout.engines.protocol import (KIND_KEY, Completion, Sampling, TorchEngine, from_bytes,
+                                  prune_versions, to_bytes)
+from rlctl.rollout.generate import left_padded, scored
+from rlctl.rollout.source import SEED_RANGE, SamplingSettings, SyncSource
+from rlctl.types import Example, RolloutBatch
+
+TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the learner drives its engine (``rollout.*`` and ``trainer.async_rollout.*``)."""
+    max_staleness: int = 0          # 0: every request after the update (synchronous)
+    sync_every: int = 1             # updates between weight pushes
+    weight_dir: Optional[str] = None   # push through this directory (None: HTTP body)
+
+    @classmethod
+    def from_config(cls, cfg) -> "EngineSettings":
+        a = cfg.trainer.async_rollout
+        ahead = bool(a.enabled)
+        return cls(max_staleness=int(a.max_staleness) if ahead else 0,
+                   sync_every=int(a.sync_every) if ahead else 1,
+                   weight_dir=(cfg.rollout.server.weight_dir if cfg.rollout.server.weight_sync == "disk"
+                               else None))
+
+
+def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
+    """(tensors, kind) to serve ``policy``: a peft LoRA policy's adapter (rollout/engines/protocol.py's
+    layout), else every parameter of the language model; detached CPU copies."""
+    model = policy.policy if isinstance(policy, PolicyValueModel) else policy
+    if hasattr(model, "peft_config"):
+        base = model.get_base_model()
+        out = {}
+        for name, m in base.named_modules():
+            if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
+                out[f"{name}.lora_A"] = m.lora_A["default"].weight.detach().cpu().clone()
+                out[f"{name}.lora_B"] = (m.lora_B["default"].weight.detach()
+                                         * m.scaling["default"]).cpu()        # a new tensor
+        return out, "adapter"
+    return {k: v.detach().cpu().clone() for k, v in model.named_parameters()}, "full"
+
+
+class EngineSource(SyncSource):
+    """B prompts from ``examples``, G completions each from ``engine`` (one, or a list making
+    one request each at a time), scored by ``scorer``; ``policy``'s weights are pushed.
+    ``learner_rng``: seeds as the module docstring says; ``player``: the engines play an
+    episodic task's rows (``engine.play``); ``on_close``: called last by ``close``."""
+
+    def __init__(self, engine, policy, tokenizer, examples: Sequence[Example], scorer,
+                 sampling: SamplingSettings, settings: EngineSettings, seed: int,
+                 device=None, on_close: Optional[Callable[[], None]] = None,
+                 learner_rng: bool = False, player=None):
+        self.engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
+        self.engine, self.policy, self.tokenizer = self.engines[0], policy, tokenizer
+        self.examples, self.scorer, self.settings = list(examples), scorer, settings
+        self.sampling, self.learner_rng, self.player = sampling, learner_rng, player
+        self.prompt_rng = random.Random(seed)
+        self.device = device if device is not None else next(policy.parameters()).device
+        self.stops = resolve_stop_ids(policy, tokenizer, sampling.stop_token_ids)
+        self.pad_id = int(tokenizer.pad_token_id)
+        self.on_close = on_close
+        # one past the engines' count: never a version a server may hold unpushed
+        self.version = max(int(getattr(e, "version", 0)) for e in self.engines) + 1
+        # each engine's version; None: the first request pushes (a resume loads weights after)
+        self.pushed: List[Optional[int]] = [None] * len(self.engines)
+        self.idle = collections.deque(range(len(self.engines)))
+        self.pending: collections.deque = collections.deque()   # (engine index, Future)
+        self.took = False                                  # this step consumed a rollout
+        self.stats: Dict[str, List[float]] = {}
+
+    # -- weights -----------------------------------------------------------------------
+    def _push(self, engine, snap) -> float:
+        """Send ``snap`` (version, tensors, kind) to ``engine``; returns the seconds it took."""
+        version, tensors, kind = snap
+        t0 = time.perf_counter()
+        if self.settings.weight_dir is None:
+            engine.update_weights(version, tensors, kind)
+        else:
+            engine.update_weights_from_disk(version, _write(self.settings.weight_dir, version,
+                                                            tensors, kind))
+        return time.perf_counter() - t0
+
+    def _needs_push(self, e: int, consumed_at: int) -> bool:
+        s, pushed = self.settings, self.pushed[e]
+        return pushed is None or self.version - pushed >= s.sync_every or pushed < consumed_at - s.max_staleness
+
+    # -- requests: the staleness controller --------------------------------------------
+    def _fill(self, num_groups: int) -> None:
+        """Request rollouts ahead while an engine is idle and the next would be at most
+        ``max_staleness`` old when consumed (k pending: at version + k, +1 once one was taken)."""
+        while self.idle:
+            latest = self.version + len(self.pending) + int(self.took)
+            if latest - self.version > self.settings.max_staleness:
+                break
+            self._request(self.idle.popleft(), num_groups, latest)
+
+    def _request(self, e: int, num_groups: int, consumed_at: int) -> None:
+        """Draw the next request's rows and seed here, in order, snapshot the weights if
+        engine ``e`` needs newer ones, and start the request in a worker thread."""
+        engine, rows = self.engines[e], self.draw(num_groups)
+        env_seed = self.prompt_rng.randrange(SEED_RANGE) if self.player is not None else None
+        if self.learner_rng:
+            seed = torch.get_rng_state() if self.settings.max_staleness == 0 else None
+        else:
+            seed = self.prompt_rng.getrandbits(62)
+        snap = None
+        if self._needs_push(e, consumed_at):
+            tensors, kind = policy_weights(self.policy)
+            snap, self.pushed[e] = (self.version, tensors, kind), self.version   # booked now
+        examples = [self.examples[i] for i in rows]
+        G, s = self.sampling.group_size, self.sampling
+        prompts = [] if self.player is not None else \
+            [p for ex in examples for p in [self.tokenizer(ex.prompt)["input_ids"]] * G]
+        sampling = Sampling(s.max_new_tokens, s.temperature, s.top_k, tuple(self.stops))
+
+        def job():          # runs in the worker thread: it only calls the engine
+            push_s = self._push(engine, snap) if snap is not None else 0.0
+            t0 = time.perf_counter()
+            if self.player is not None:
+                outs = engine.play(rows, env_seed, seed)
+            else:
+                outs = engine.generate(prompts, sampling, seed)
+            rng = engine.rng_state if isinstance(seed, torch.Tensor) else None
+            return examples, prompts, outs, rng, time.perf_counter() - t0, push_s
+        self.pending.append((e, _in_thread(job)))
+
+    def sample(self, num_groups: int) -> RolloutBatch:
+        t0 = time.perf_counter()
+        self._fill(num_groups)
+        if not self.pending:     # another round within this step: made and consumed now
+            self._request(self.idle.popleft(), num_groups, self.version)
+        e, future = self.pending.popleft()
+        examples, prompts, outs, rng, gen_s, push_s = future.result()
+        self.idle.append(e)
+        if rng is not None:
+            torch.set_rng_state(rng)          # the learner's stream, advanced by the engine
+        self._log("time/learner_wait_s", time.perf_counter() - t0)
+        self._log("time/engine_generate_s", gen_s)
+        self._log("time/weight_sync_s", push_s)
+        self.took = True
+        self._fill(num_groups)   # the freed engine starts the next rollout now
+        if self.player is not None:
+            return self._episodes(outs)
+        return self._batch(examples, prompts, outs)
+
+    def after_update(self) -> None:
+        self.version += 1
+        self.took = False
+
+    def _episodes(self, batch: RolloutBatch) -> RolloutBatch:
+        """An engine's episodes (behaviour log-probs kept, stale or not); ``staleness`` arrives
+        as the weights version."""
+        batch = moved(batch, self.device)
+        stale = self.version - batch.staleness                                         # [N]
+        self._log("async/staleness", float(stale.max()))
+        return batch.replace(staleness=stale, engine_logprobs=batch.old_logprobs * batch.mask)
+
+    # -- the batch ---------------------------------------------------------------------
+    def _batch(self, examples: List[Example], rows, outs: List[Completion]) -> RolloutBatch:
+        """The completions laid out as ``rollout.generate.rollout`` lays out its own."""
+        G, dev = self.sampling.group_size, self.device
+        prompt_ids, prompt_mask = left_padded(rows, self.pad_id, dev)                # [N, P]
+        N, T = len(outs), max(len(c.token_ids) for c in outs)
+        comp = torch.full((N, T), self.pad_id, dtype=torch.long)                     # [N, T]
+        logp = torch.zeros(N, T, dtype=torch.float32)                                # [N, T]
+        for i, c in enumerate(outs):
+            comp[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+            logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float64).float()
+        comp, logp = comp.to(dev), logp.to(dev)
+        mask, truncated = completion_mask(comp, self.stops, self.pad_id)
+        stale = torch.tensor([self.version - c.weights_version for c in outs], device=dev)  # [N]
+        engine_lp = logp * mask                                                       # [N, T]
+        batch = scored(self.tokenizer, examples, G, torch.cat([prompt_ids, comp], 1), prompt_mask,
+                       mask, truncated, self.stops, self.scorer.score_batch,
+                       old_logprobs=engine_lp if bool((stale > 0).any()) else None,
+                       staleness=stale, engine_logprobs=engine_lp)
+        self._log("async/staleness", float(stale.max()))
+        return batch.replace(reward_parts=self.scorer.last_components)
+
+    # -- the rest ----------------------------------------------------------------------
+    def _log(self, key: str, value: float) -> None:
+        self.stats.setdefault(key, []).append(value)
+
+    def metrics(self) -> Dict[str, float]:
+        """Staleness (max), times (sums) since the last call, ``engine/servers_up`` (servers)."""
+        out = {k: (max(v) if k == "async/staleness" else sum(v)) for k, v in self.stats.items()}
+        servers = getattr(self.engine, "servers", None)
+        if servers is not None:
+            out["engine/servers_up"] = float(sum(s.up for s in servers))
+        self.stats = {}
+        return out
+
+    def close(self) -> None:
+        """Waits ``CLOSE_WAIT_S`` at most for each pending request (a hung server must not
+        hold the exit), then leaves it to its daemon thread."""
+        try:
+            for e, future in self.pending:
+                try:
+                    future.result(CLOSE_WAIT_S)
+                except FutureTimeout:
+                    _quiet(self.engines[e])
+                except Exception:  # noqa: BLE001 - nobody reads this request: the run is over
+                    pass
+            self.pending.clear()
+        finally:
+            try:
+                super().close()
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
+
+
+CLOSE_WAIT_S = 5.0
+
+
+def _in_thread(job: Callable[[], tuple]) -> Future:
+    """``job()`` in a daemon thread (not an executor's: its threads are joined at exit,
+    so a request to a hung server would hold the process up to the request's limit)."""
+    future: Future = Future()
+
+    def run():
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - raised where the result is read
+                future.set_exception(exc)
+    threading.Thread(target=run, name="rlctl-engine", daemon=True).start()
+    return future
+
+
+def _quiet(engine) -> None:
+    """A request left behind at close says nothing more (its servers may be stopping)."""
+    if hasattr(engine, "say"):
+        engine.say = lambda message: None
+
+
+def _write(root: str, version: int, tensors: Dict[str, torch.Tensor], kind: str) -> str:
+    """``root``/v<version>/weights.safetensors (written, then renamed into place: a server
+    never reads a half-written file); older versions but the one before are removed."""
+    base = Path(root)
+    final, tmp = base / f"v{version}", base / f".v{version}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "weights.safetensors"),
+              metadata={KIND_KEY: kind})
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    prune_versions(base, "v", version)
+    return str(final)
+
+
+class LocalEngine:
+    """The engine protocol over ``conn`` to the child process ``proc`` (``name``: how errors
+    call it); ``rng_state``: where the child's last call seeded with an RNG state ended."""
+
+    def __init__(self, proc, conn, name: str, timeout_s: float = TIMEOUT_S):
+        self.proc, self.conn, self.name, self.timeout_s = proc, conn, name, timeout_s
+        self.version = 0
+        self.rng_state: Optional[torch.Tensor] = None
+
+    def _send(self, message) -> None:
+        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _call(self, *message):
+        try:
+            self._send(message)
+            deadline = time.monotonic() + self.timeout_s
+            while not self.conn.poll(0.5):
+                if not self.proc.is_alive():
+                    raise EOFError
+                if time.monotonic() > deadline:
+                    raise ActorFailed(f"lost contact with {self.name}: it did not answer within "
+                                      f"{self.timeout_s:g} s")
+            reply = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self.proc.join(timeout=5)
+            raise ActorFailed(f"lost contact with {self.name}: it exited unexpectedly "
+                              f"(exit code {self.proc.exitcode})") from None
+        if reply[0] == "error":
+            raise reply[1]
+        if reply[0] == "failed":
+            raise ActorFailed(f"{self.name}: {reply[1]}")
+        self.rng_state = reply[2]
+        return reply[1]
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
+                 seed=None) -> List[Completion]:
+        return self._call("generate", [list(p) for p in prompts], sampling, seed)
+
+    def update_weights(self, version: int, tensors: Dict[str, torch.Tensor], kind: str = "full") -> None:
+        try:
+            self._send(("weights", int(version), to_bytes(tensors, kind)))
+        except OSError:
+            self._call("health")          # names the lost process
+        self.version = int(version)
+
+    def play(self, rows: List[int], env_seed: int, rng: Optional[torch.Tensor]) -> RolloutBatch:
+        """Training rows ``rows`` played as episodes (``env_seed``; ``rng`` None: the child's
+        own stream); the weights version rides in ``staleness``."""
+        return self._call("play", rows, env_seed, rng)
+
+    def health(self) -> Dict[str, object]:
+        return self._call("health")
+
+    def stop(self, learner_failed: bool) -> None:
+        """Ask the child to end (it exits after this message); no answer is read."""
+        try:
+            self.conn.send_bytes(pickle.dumps(("stop", learner_failed)))
+        except OSError:
+            pass
+
+
+def serve_engine(engine: TorchEngine, conn, player=None, examples=()) -> str:
+    """The child's loop: answer the learner until it says stop or the pipe closes
+    (``player``/``examples``: an episodic task's). Returns what ended it ("": a stop)."""
+    failed = None          # a weights push that failed: the answer to the next request
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return "the learner exited"
+        op, args = message[0], message[1:]
+        if op == "stop":
+            return "the learner ended its run early (it says why)" if args[0] else ""
+        try:
+            if op == "weights":
+                try:
+                    engine.update_weights(args[0], *from_bytes(args[1]))
+                except Exception as exc:  # noqa: BLE001 - answered with the next request
+                    failed = exc
+                continue
+            if failed is not None:
+                failed, exc = None, failed
+                raise exc
+            value, rng = _answer(engine, player, examples, op, args)
+            reply = ("ok", value, rng)
+        except UserError as exc:
+            reply = ("error", exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the learner, which stops
+            reply = ("failed", f"{type(exc).__name__}: {exc}")
+        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _answer(engine: TorchEngine, player, examples, op: str, args):
+    if op == "generate":
+        outs = engine.generate(*args)
+        return outs, engine.rng_state if isinstance(args[2], torch.Tensor) else None
+    if op == "play":
+        rows, env_seed, rng = args
+        if rng is not None:
+            torch.set_rng_state(rng)
+        batch = player.play(engine.model, [examples[i] for i in rows], env_seed)
+        version = torch.full((batch.num_sequences,), engine.version, dtype=torch.long)
+        return moved(batch.replace(staleness=version), "cpu"), torch.get_rng_state() if rng is not None else None
+    if op == "health":
+        return engine.health(), None
+    raise ValueError(f"unknown request '{op}'")
+
+
+def moved(batch: RolloutBatch, device) -> RolloutBatch:
+    """``batch`` with every tensor field on ``device``."""
+    return batch.replace(**{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+                            if isinstance(getattr(batch, f.name), torch.Tensor)})

@@ -1,0 +1,402 @@
+"""Server kinds: what differs between the completions servers ``ServerEngine`` talks to
+(``rlctl serve``, vLLM, SGLang): the completion request for token-id prompts and its reply
+parsed into ``Completion``, the probe route, and how weights are pushed (docs/server-kinds.md
+has the routes and the documents each adapter was written from). ``KINDS`` maps a name to its
+adapter; a kind whose replies carry no weights version (vLLM, SGLang) is tracked client-side:
+a server is at the version last pushed to it, 0 when first seen or back after being lost.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from safetensors.torch import save_file
+
+from rlctl.errors import UserError
+from rlctl.rollout.engines.protocol import (LENGTH, STOP, Completion, Sampling, chunk_seed, prune_versions,
+                                  read_dir, to_bytes)
+
+JSON = "application/json"
+
+
+class Link:
+    """One server as an adapter sees it: ``url``, and ``call(route, body=None, ctype=JSON,
+    expect_json=True)``: GET without a body, POST with one (a dict is sent as JSON); the
+    reply's JSON ({} for a reply that is not JSON when ``expect_json`` is false). Raises
+    what the engine's HTTP layer raises (a lost server, or UserError for a 4xx)."""
+
+    def __init__(self, url: str, call: Callable[..., dict]):
+        self.url, self._call = url, call
+
+    def __call__(self, route: str, body=None, ctype: str = JSON, expect_json: bool = True) -> dict:
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body).encode()
+        return self._call(route, body, ctype, expect_json)
+
+
+Push = Callable[[Link], Optional[int]]     # pushes to one server -> the version it reports
+
+
+class ServerKind:
+    """The part of the server protocol that differs per kind (module docstring)."""
+    name = ""
+    parallel_push = False     # True: a push's sends hold no client state (servers pushed at once)
+
+    def probe(self, link: Link) -> Optional[int]:
+        """Raise when the server does not answer; else its weights version (None: not reported)."""
+        raise NotImplementedError
+
+    def complete(self, link: Link, rows: List[List[int]], sampling: Sampling,
+                 seed: Optional[int]) -> Tuple[List[Completion], Optional[int]]:
+        """One request's completions (one per row, in order) and the version the reply reports."""
+        raise NotImplementedError
+
+    def push(self, version: int, tensors: Dict[str, torch.Tensor], kind: str) -> Push:
+        """Prepare a push of full weights or an adapter (rollout/engines/protocol.py); the result sends
+        it to one server."""
+        raise NotImplementedError
+
+    def push_from_disk(self, version: int, path: str) -> Push:
+        raise NotImplementedError
+
+
+# -- rlctl: our own server (rollout/engines/serve_app.py) ----------------------------------------
+
+def rlctl_body(rows, sampling: Sampling, seed: Optional[int]) -> dict:
+    return {"prompt": rows, "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature, "top_k": sampling.top_k,
+            "stop_token_ids": list(sampling.stop_ids), "ignore_eos": True, "logprobs": 0,
+            "seed": seed}
+
+
+def parse_openai(reply: dict, version: int) -> List[Completion]:
+    """An OpenAI completion object with per-choice ``token_ids`` (rlctl serve, vLLM with
+    ``return_token_ids``) -> completions in choice order."""
+    choices = sorted(reply["choices"], key=lambda c: c["index"])
+    out = []
+    for c in choices:
+        ids = c.get("token_ids")
+        logprobs = c["logprobs"]["token_logprobs"]
+        if ids is None:      # vLLM without return_token_ids, --return-tokens-as-token-ids
+            ids = [int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]]
+        if len(ids) != len(logprobs):
+            raise UserError(f"a completion holds {len(ids)} tokens but {len(logprobs)} log-probs")
+        out.append(Completion(list(ids), [float(x) for x in logprobs],
+                              _finish(c["finish_reason"]), version))
+    return out
+
+
+def _finish(reason) -> str:
+    if reason in (STOP, LENGTH):
+        return reason
+    raise UserError(f"the server ended a completion with finish reason {reason!r}; "
+                    "expected 'stop' or 'length'")
+
+
+class RlctlKind(ServerKind):
+    """``rlctl serve``: every reply carries ``weights_version``; weights travel as
+    safetensors bytes (POST /update_weights?version=V) or by path on a shared directory."""
+    name = "rlctl"
+    parallel_push = True
+
+    def probe(self, link: Link) -> Optional[int]:
+        return int(link("/version")["weights_version"])
+
+    def complete(self, link, rows, sampling, seed):
+        reply = link("/v1/completions", rlctl_body(rows, sampling, seed))
+        version = int(reply.get("weights_version", 0))
+        return parse_openai(reply, version), version
+
+    def push(self, version, tensors, kind):
+        data = to_bytes(tensors, kind)
+        route = f"/update_weights?version={int(version)}"
+        return lambda link: int(link(route, data, "application/octet-stream")["weights_version"])
+
+    def push_from_disk(self, version, path):
+        body = {"path": str(path), "version": int(version)}
+        return lambda link: int(link("/update_weights_from_disk", body)["weights_version"])
+
+
+# -- LoRA adapters on disk, as PEFT writes them (vLLM and SGLang load this layout) --------
+
+def write_peft_adapter(tensors: Dict[str, torch.Tensor], directory: Path) -> Path:
+    """rlctl adapter tensors -> ``directory`` in PEFT's layout (adapter_config.json with
+    lora_alpha = r, B already scaled; adapter_model.safetensors ``base_model.model.M.lora_A.weight``)."""
+    ranks, modules, flat = set(), set(), {}
+    for key, t in tensors.items():
+        name, _, part = key.rpartition(".")
+        if part not in ("lora_A", "lora_B") or not name:
+            raise UserError(f"adapter tensor '{key}' is not <module>.lora_A|lora_B")
+        if part == "lora_A":
+            ranks.add(int(t.shape[0]))
+        modules.add(name)
+        flat[f"base_model.model.{name}.{part}.weight"] = t.detach().to("cpu").contiguous()
+    if len(ranks) != 1:
+        raise UserError(f"adapter ranks differ across modules ({sorted(ranks)}); one rank per adapter")
+    r = ranks.pop()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(flat, str(directory / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": r,
+              "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False}
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def _needs(value, what: str, kind: str):
+    if not value:
+        raise UserError(f"the {kind} server kind needs {what} to push these weights")
+    return value
+
+
+class _LoraNames:
+    """The LoRA adapter each server has loaded (by url): replaced, never stacked."""
+
+    def __init__(self):
+        self.current: Optional[str] = None      # the name requests use; None: base weights
+        self.loaded: Dict[str, str] = {}
+        # this client's own tag: a server that outlives a run, or another run sharing the
+        # directory, may hold the same version's name already (a load would be refused)
+        self.tag = os.urandom(3).hex()
+
+    def name(self, prefix: str, version: int) -> str:
+        return f"{prefix}-{self.tag}-v{int(version)}"
+
+    def swap(self, link: Link, name: str, load: Callable[[], None], unload: Callable[[str], None]):
+        load()
+        old = self.loaded.pop(link.url, None)
+        if old and old != name:
+            try:
+                unload(old)
+            except UserError:        # already gone (a restarted server): nothing to free
+                pass
+        self.loaded[link.url] = name
+
+
+def _checked(reply: dict) -> dict:
+    if reply.get("success") is False:
+        raise UserError(f"the server refused the weights: {reply.get('message', 'no message')}")
+    return reply
+
+
+# -- vLLM ------------------------------------------------------------------------------
+
+def vllm_requests(rows, sampling: Sampling, seed: Optional[int], model: Optional[str]):
+    """Token-id prompts -> [(body, row indices its choices fill)]. vLLM seeds sample i of a
+    request seed + i: runs of equal consecutive prompts go once with ``n`` = the run length,
+    in one request when every run has the same length, else one request per run (run k
+    seeded ``chunk_seed(seed, k)``); without a seed the prompts go as they are."""
+    runs = _runs(rows)
+    if seed is None:
+        groups = [(list(range(len(rows))), [list(r) for r in rows], 1, None)]
+    elif len({len(ix) for ix in runs}) == 1:
+        groups = [([i for ix in runs for i in ix], [list(rows[ix[0]]) for ix in runs],
+                   len(runs[0]), seed)]
+    else:
+        groups = [(ix, [list(rows[ix[0]])], len(ix), chunk_seed(seed, k))
+                  for k, ix in enumerate(runs)]
+    out = []
+    for indices, prompts, n, s in groups:
+        body = {"prompt": prompts, "n": n, "max_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature, "top_k": sampling.top_k or -1,
+                "top_p": 1.0, "stop_token_ids": list(sampling.stop_ids), "ignore_eos": True,
+                "logprobs": 0, "return_token_ids": True}
+        if s is not None:
+            body["seed"] = s
+        if model:
+            body["model"] = model
+        out.append((body, indices))
+    return out
+
+
+def _runs(rows) -> List[List[int]]:
+    runs: List[List[int]] = []
+    for i, row in enumerate(rows):
+        if runs and list(rows[runs[-1][0]]) == list(row):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+class VLLMKind(ServerKind):
+    """A vLLM OpenAI-compatible server (``vllm serve``; docs/server-kinds.md has the flags
+    it needs). generate: POST /v1/completions with ``return_token_ids``, ``logprobs: 0``.
+    Full weights: ``model.safetensors`` rewritten in ``model_dir`` (shared), then POST
+    /collective_rpc reload_weights and /reset_prefix_cache. LoRA: a PEFT adapter under
+    ``lora_dir``, POST /v1/load_lora_adapter, named as ``model`` by later requests (the previous
+    one unloaded). ``model``: the served name (default: the first of GET /v1/models, the probe)."""
+    name = "vllm"
+
+    def __init__(self, model_dir: Optional[str] = None, lora_dir: Optional[str] = None,
+                 model: Optional[str] = None):
+        self.model_dir, self.lora_dir, self.model = model_dir, lora_dir, model
+        self.lora = _LoraNames()
+
+    def probe(self, link: Link) -> Optional[int]:
+        served = link("/v1/models").get("data") or []
+        if self.model is None and served:
+            self.model = served[0]["id"]
+        return None
+
+    def complete(self, link, rows, sampling, seed):
+        out: List[Optional[Completion]] = [None] * len(rows)
+        for body, indices in vllm_requests(rows, sampling, seed, self.lora.current or self.model):
+            for i, c in zip(indices, parse_openai(link("/v1/completions", body), 0)):
+                out[i] = c
+        return out, None
+
+    def push(self, version, tensors, kind):
+        if kind == "adapter":
+            return self._push_lora(version, tensors)
+        if kind != "full":
+            raise UserError(f"unknown weights kind '{kind}'; valid: full, adapter")
+        model_dir = Path(_needs(self.model_dir, "model_dir (the directory vllm serve loads, "
+                                "shared with this machine)", self.name))
+        others = [p.name for p in model_dir.glob("*.safetensors") if p.name != "model.safetensors"]
+        if others:
+            raise UserError(f"{model_dir} holds other weight files ({others[0]}): vLLM would "
+                            "reload them too; serve a directory with one model.safetensors")
+        tmp = model_dir / ".model.safetensors.tmp"
+        tmp.write_bytes(to_bytes(tensors, "full"))
+        os.replace(tmp, model_dir / "model.safetensors")
+
+        def send(link: Link) -> None:
+            link("/collective_rpc", {"method": "reload_weights"}, expect_json=False)
+            link("/reset_prefix_cache", b"", expect_json=False)
+            self.lora.current = None
+        return send
+
+    def _push_lora(self, version, tensors) -> Push:
+        name = self.lora.name("rlctl", version)
+        path = write_peft_adapter(tensors, Path(_needs(self.lora_dir, "lora_dir (a directory the "
+                                                       "servers read at the same path)", self.name)) / name)
+
+        def send(link: Link) -> None:
+            self.lora.swap(link, name,
+                           lambda: link("/v1/load_lora_adapter",
+                                        {"lora_name": name, "lora_path": str(path)}, expect_json=False),
+                           lambda old: link("/v1/unload_lora_adapter", {"lora_name": old},
+                                            expect_json=False))
+            self.lora.current = name
+        return send
+
+    def push_from_disk(self, version, path):
+        tensors, kind = read_dir(path)        # read here: vLLM reloads only its own directory
+        return self.push(version, tensors, kind)
+
+
+# -- SGLang ------------------------------------------------------------------------------
+
+def sglang_body(rows, sampling: Sampling, seed: Optional[int], lora: Optional[str]) -> dict:
+    """Token-id prompts -> a native /generate body, one sampling_params per row (row i
+    seeded ``chunk_seed(seed, i)``, so equal prompts draw different tokens)."""
+    params = []
+    for i in range(len(rows)):
+        p = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+             "top_k": sampling.top_k or -1, "top_p": 1.0,
+             "stop_token_ids": list(sampling.stop_ids), "ignore_eos": False}
+        if seed is not None:
+            p["sampling_seed"] = chunk_seed(seed, i)
+        params.append(p)
+    body = {"input_ids": [list(r) for r in rows], "sampling_params": params,
+            "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 0}
+    if lora:
+        body["lora_path"] = [lora] * len(rows)
+    return body
+
+
+def parse_sglang(reply, version: int) -> List[Completion]:
+    """/generate's reply (a list for a batch; meta_info.output_token_logprobs holds
+    [logprob, token_id, text] per sampled token) -> completions in order."""
+    items = reply if isinstance(reply, list) else [reply]
+    out = []
+    for item in items:
+        meta = item["meta_info"]
+        pairs = meta["output_token_logprobs"]
+        ids = [int(p[1]) for p in pairs]
+        if "output_ids" in item and list(item["output_ids"]) != ids:
+            raise UserError("SGLang's output_ids and output_token_logprobs disagree")
+        reason = meta["finish_reason"]
+        reason = reason.get("type") if isinstance(reason, dict) else reason
+        out.append(Completion(ids, [float(p[0]) for p in pairs], _finish(reason), version))
+    return out
+
+
+class SGLangKind(ServerKind):
+    """An SGLang server. generate: POST /generate with ``input_ids`` and one ``sampling_params``
+    per row (its ``sampling_seed``). Full weights: ``<weights_dir>/rlctl-v<V>/model.safetensors``
+    (the two newest kept), then POST /update_weights_from_disk. LoRA: a PEFT adapter under
+    ``weights_dir``, POST /load_lora_adapter, ``lora_path`` per request. Probe: GET /health."""
+    name = "sglang"
+
+    def __init__(self, weights_dir: Optional[str] = None):
+        self.weights_dir = weights_dir
+        self.lora = _LoraNames()
+
+    def probe(self, link: Link) -> Optional[int]:
+        link("/health", expect_json=False)
+        return None
+
+    def complete(self, link, rows, sampling, seed):
+        reply = link("/generate", sglang_body(rows, sampling, seed, self.lora.current))
+        return parse_sglang(reply, 0), None
+
+    def _dir(self) -> Path:
+        return Path(_needs(self.weights_dir, "weights_dir (a directory the servers read at "
+                           "the same path)", self.name))
+
+    def push(self, version, tensors, kind):
+        if kind == "adapter":
+            name = self.lora.name("rlctl-lora", version)
+            path = write_peft_adapter(tensors, self._dir() / name)
+
+            def send(link: Link) -> None:
+                self.lora.swap(link, name,
+                               lambda: _checked(link("/load_lora_adapter",
+                                                     {"lora_name": name, "lora_path": str(path)})),
+                               lambda old: link("/unload_lora_adapter", {"lora_name": old}))
+                self.lora.current = name
+            return send
+        if kind != "full":
+            raise UserError(f"unknown weights kind '{kind}'; valid: full, adapter")
+        directory = self._dir() / f"rlctl-v{int(version)}"
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "model.safetensors").write_bytes(to_bytes(tensors, "full"))
+        prune_versions(self._dir(), "rlctl-v", int(version))        # a model per push: keep two
+        return self.push_from_disk(version, str(directory))
+
+    def push_from_disk(self, version, path):
+        body = {"model_path": str(path), "weight_version": str(int(version)), "flush_cache": True}
+
+        def send(link: Link) -> None:
+            _checked(link("/update_weights_from_disk", body))
+            self.lora.current = None
+        return send
+
+
+KINDS: "OrderedDict[str, type]" = OrderedDict(
+    [("rlctl", RlctlKind), ("vllm", VLLMKind), ("sglang", SGLangKind)])
+
+
+def server_kind(kind) -> ServerKind:
+    """A kind's name (its adapter with default options) or an adapter -> the adapter."""
+    if isinstance(kind, ServerKind):
+        return kind
+    if kind not in KINDS:
+        raise UserError(f"unknown server kind '{kind}'; valid: {', '.join(KINDS)}")
+    return KINDS[kind]()
+
+
+def configured_kind(name: str, weight_dir=None, model_dir=None) -> ServerKind:
+    """The adapter of ``rollout.server.kind`` with the run's directories: ``weight_dir``
+    (vllm: LoRA adapters; sglang: every push), ``model_dir`` (vllm: full weights)."""
+    if name == "vllm":
+        return VLLMKind(model_dir=model_dir, lora_dir=weight_dir)
+    if name == "sglang":
+        return SGLangKind(weights_dir=weight_dir)
+    return server_kind(name)

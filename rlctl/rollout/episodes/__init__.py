@@ -1,0 +1,1 @@
+"""Episodes: the multi-turn loop of model turns and environment observations, its batch and its rollout source."""

@@ -1,0 +1,390 @@
+"""The episode loop: B examples x G episodes played with the policy, as one RolloutBatch.
+
+Each of the N = B*G episodes gets a fresh environment, reset with its row and its group's
+seed; turn by turn the active episodes' token contexts are sampled (``episode_kv``) up to
+``min(max_new_tokens, budget left, context)`` tokens, ending at a stop id or a step's
+``info["stop"]`` string; the turns' texts step the environments concurrently (``run_calls``:
+a time limit per call, an exception or timeout becomes the observation ``error``). An
+episode ends at ``done``, ``max_turns``, its token budget or the context; none is dropped.
+The batch: first observation left-padded to P, transcript right-padded to T; ``mask`` 1 on
+model tokens; rewards placed by ``rollout.episode.turn_reward`` (``core.turns``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from rlctl.core.turns import place_turn_rewards
+from rlctl.envs.environment import close_env
+from rlctl.errors import TrainingFault, one_line
+from rlctl.models.stop_ids import resolve_stop_ids
+from rlctl.models.value import PolicyValueModel
+from rlctl.rollout.episodes.kv import turn_sampler
+from rlctl.rollout.episodes.text import (ERROR_OBSERVATION, EpisodeText, stop_string_cut,
+                                        stop_strings, uses_chat)
+from rlctl.rollout.source import SEED_RANGE, SyncSource
+from rlctl.tasks.task import RAW_PROMPT, task_options
+from rlctl.tasks.prompt_budget import context_length
+from rlctl.types import (DONE, LENGTH_LIMIT, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode,
+                         Example, RolloutBatch, Span, Step, Turn)
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """How episodes are played (``algo.group_size``, ``rollout`` and ``rollout.episode``)."""
+    group_size: int
+    max_new_tokens: int              # per model turn
+    temperature: float
+    top_k: int = 0
+    stop_token_ids: Tuple = ()
+    max_turns: int = 4
+    max_tokens: int = 48             # completion tokens per episode (turns and observations)
+    max_obs_tokens: int = 16
+    obs_truncation: str = "right"
+    step_timeout_s: float = 10.0
+    concurrency: int = 8
+    turn_reward: str = "sum"
+    turn_discount: float = 1.0
+    kv_reuse: bool = True            # carry each episode's KV cache across turns (episode_kv)
+
+    @classmethod
+    def from_config(cls, cfg) -> "EpisodeSettings":
+        ro, ep = cfg.rollout, cfg.rollout.episode
+        return cls(group_size=int(cfg.algo.group_size), max_new_tokens=int(ro.max_new_tokens),
+                   temperature=float(ro.temperature), top_k=int(ro.get("top_k", 0) or 0),
+                   stop_token_ids=tuple(ro.get("stop_token_ids", None) or ()),
+                   max_turns=int(ep.max_turns), max_tokens=int(ep.max_tokens),
+                   max_obs_tokens=int(ep.max_obs_tokens), obs_truncation=str(ep.obs_truncation),
+                   step_timeout_s=float(ep.step_timeout_s), concurrency=int(ep.concurrency),
+                   turn_reward=str(ep.turn_reward), turn_discount=float(ep.turn_discount),
+                   kv_reuse=bool(ep.get("kv_reuse", True)))
+
+
+class EpisodePlayer:
+    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch.
+    ``stops``: the resolved stop ids; chat prompts are rendered by ``EpisodeText``; ``reset``
+    gets the row with its prompt as the task wrote it."""
+
+    def __init__(self, tokenizer, task, settings: EpisodeSettings, stops: Sequence[int]):
+        opts = task_options(task)
+        self.tokenizer, self.task, self.settings, self.stops = tokenizer, task, settings, tuple(stops)
+        self.text = EpisodeText(tokenizer, uses_chat(tokenizer, opts.prompt_format),
+                                opts.system_prompt, settings.max_obs_tokens, settings.obs_truncation)
+
+    def play(self, model, examples: Sequence[Example], seed: int, greedy: bool = False,
+             group_size: Optional[int] = None) -> RolloutBatch:
+        """G episodes of each example (``group_size``, default ``settings.group_size``),
+        played with ``model``; ``greedy``: the most likely token each time (eval)."""
+        if isinstance(model, PolicyValueModel):     # sample from the LM alone
+            model = model.policy
+        s, G = self.settings, group_size or self.settings.group_size
+        rows = [_as_written(ex) for ex in examples for _ in range(G)]
+        runs = _reset([self.task.make_env() for _ in rows], rows,
+                      [seed + i // G for i in range(len(rows))], s, self.text)
+        budget, weight = _Budget(s, context_length(model)), next(model.parameters())
+        # greedy draws (top-k 1) leave the training's RNG streams as they were
+        rng = torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []) \
+            if greedy else contextlib.nullcontext()
+        try:
+            with rng:
+                self._turns(turn_sampler(model, _pad_id(self.tokenizer, self.stops), s.kv_reuse),
+                            runs, budget, greedy)
+        finally:
+            for r in runs:
+                if r.last is None or not r.last.busy():   # never close one a thread still runs in
+                    close_env(r.env)
+        return episode_batch(runs, self.tokenizer, s.turn_reward, s.turn_discount, G, self.stops,
+                             weight.device,
+                             torch.float64 if weight.dtype == torch.float64 else torch.float32)
+
+    def _turns(self, sampler, runs: List[EpisodeRun], budget: "_Budget", greedy: bool) -> None:
+        """Model turns and environment steps until every episode has ended."""
+        while True:
+            active = [r for r in runs if not r.ended and not budget.exhausted(r)]
+            if not active:
+                return
+            stepping = _model_turns(sampler, self.tokenizer, active, self.settings, self.stops,
+                                    greedy, budget, self.text)
+            _step(stepping, self.settings, self.text, budget)
+
+
+def _pad_id(tokenizer, stops: Sequence[int]) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stops[0])
+
+
+def _as_written(example: Example) -> Example:
+    """The row with the prompt the task wrote (chat rendering undone: the player renders)."""
+    raw = example.fields.get(RAW_PROMPT)
+    return example if raw is None else Example(prompt=raw, fields=example.fields)
+
+
+class _Budget:
+    """Tokens an episode may still take: its budget and the model's context."""
+
+    def __init__(self, settings: EpisodeSettings, context: Optional[int]):
+        self.max_tokens, self.context = settings.max_tokens, context
+
+    def left(self, r: EpisodeRun) -> Tuple[int, str]:
+        """(tokens left, the status of running out)."""
+        tokens = self.max_tokens - len(r.ids)
+        if self.context is None:
+            return tokens, TOKEN_LIMIT
+        ctx = self.context - len(r.prompt_ids) - len(r.ids)
+        return (ctx, LENGTH_LIMIT) if ctx < tokens else (tokens, TOKEN_LIMIT)
+
+    def exhausted(self, r: EpisodeRun) -> bool:
+        left, status = self.left(r)
+        if left <= 0 and not r.ended:
+            r.end(status)
+        return r.ended
+
+
+def _reset(envs, rows: Sequence[Example], seeds: Sequence[int], settings: EpisodeSettings,
+           text: EpisodeText) -> List[EpisodeRun]:
+    calls = [functools.partial(env.reset, ex, s) for env, ex, s in zip(envs, rows, seeds)]
+    outs = run_calls(calls, settings.step_timeout_s, settings.concurrency)
+    for i, out in enumerate(outs):
+        if not out.ok or not isinstance(out.value, str):
+            why = one_line(out.error) if not out.ok else \
+                f"returned {type(out.value).__name__}, not the first observation's text"
+            raise TrainingFault(f"environment reset of episode {i} ({type(envs[i]).__name__}) "
+                                f"failed: {why}")
+    runs = []
+    for env, out in zip(envs, outs):
+        prompt, ids, messages = text.first(out.value)
+        runs.append(EpisodeRun(env=env, prompt=prompt, prompt_ids=ids, messages=messages))
+    return runs
+
+
+def _model_turns(sampler, tokenizer, active: List[EpisodeRun], settings: EpisodeSettings,
+                 stops: Sequence[int], greedy: bool, budget: _Budget, text: EpisodeText
+                 ) -> List[EpisodeRun]:
+    """Sample one model turn for each of ``active``; returns those to send to their
+    environment (a turn cut by a budget ends its episode instead)."""
+    rooms = [min(settings.max_new_tokens, budget.left(r)[0]) for r in active]
+    new, logps = sampler([id(r) for r in active], [r.prompt_ids + r.ids for r in active],
+                         max(rooms), 1.0 if greedy else settings.temperature,
+                         1 if greedy else settings.top_k, stops)
+    stepping, stop_set = [], set(int(s) for s in stops)
+    for r, room, ids, lp in zip(active, rooms, new, logps):
+        k = next((j + 1 for j, t in enumerate(ids) if t in stop_set), len(ids))
+        k = min(k, room)
+        by_string = stop_string_cut(tokenizer, ids[:k], r.stop_strings)
+        k = by_string or k
+        turn = ids[:k]
+        r.episode.spans.append(Span(MODEL, len(r.ids), len(r.ids) + k, text.turn_text(turn, stop_set)))
+        r.ids += turn
+        r.logps += lp[:k]
+        finished = by_string is not None or turn[-1] in stop_set or k == settings.max_new_tokens
+        if finished:
+            stepping.append(r)
+        else:                               # cut by the episode's budget: not stepped
+            r.episode.turn_rewards.append(0.0)
+            r.end(budget.left(r)[1])
+    return stepping
+
+
+def _step(runs: List[EpisodeRun], settings: EpisodeSettings, text: EpisodeText, budget: _Budget) -> None:
+    """Step the environments of ``runs`` with their last turns, concurrently."""
+    todo = [r for r in runs if r.last is None or not r.last.busy()]
+    calls = [functools.partial(r.env.step, Turn(r.episode.spans[-1].text,
+                                                r.ids[r.episode.spans[-1].start:]))
+             for r in todo]
+    outs = dict(zip(map(id, todo), run_calls(calls, settings.step_timeout_s, settings.concurrency)))
+    for r in runs:
+        out = outs.get(id(r))
+        if out is not None:
+            r.last = out
+        step = out.value if out is not None and out.ok and isinstance(out.value, Step) else None
+        if step is None:        # raised, timed out, returned no Step, or still busy
+            r.episode.env_errors += 1
+            step = Step(observation=ERROR_OBSERVATION)
+        _apply(r, step, settings, text, budget)
+
+
+def _apply(r: EpisodeRun, step: Step, settings: EpisodeSettings, text: EpisodeText, budget: _Budget) -> None:
+    info = step.info if isinstance(step.info, dict) else {}
+    reward = _finite(step.reward)
+    if reward is None:              # None, text, NaN: the step is an error, its reward 0
+        r.episode.env_errors += 1
+        reward = 0.0
+    r.episode.spans[-1].reward = reward
+    r.episode.turn_rewards.append(reward)
+    r.episode.tool_calls += int(info.get("tool_calls", 0) or 0)
+    r.episode.tool_errors += int(info.get("tool_errors", 0) or 0)
+    if "success" in info:
+        r.episode.success = bool(info["success"])
+    r.stop_strings = stop_strings(info)
+    if step.done:
+        return r.end(DONE)
+    if r.episode.turns >= settings.max_turns:
+        return r.end(TURN_LIMIT)
+    if step.observation is None:
+        return None                                   # the model writes again
+    if not isinstance(step.observation, str):         # not text: an error, like a bad Step
+        r.episode.env_errors += 1
+        step = Step(observation=ERROR_OBSERVATION)
+    turn = r.episode.spans[-1]
+    ids, cut = text.observation(step.observation, r.prompt_ids + r.ids, r.messages, turn.text)
+    left = max(budget.left(r)[0], 0)
+    if left == 0:                                     # no room: the episode ends, no empty span
+        return r.end(budget.left(r)[1])
+    if len(ids) > left:                               # the episode's budget cuts it too
+        ids, cut = (ids[:left] if settings.obs_truncation == "right" else ids[len(ids) - left:]), True
+    r.episode.spans.append(Span(OBSERVATION, len(r.ids), len(r.ids) + len(ids), step.observation,
+                                truncated=cut))
+    r.ids += ids
+    r.logps += [0.0] * len(ids)
+
+
+def _finite(x) -> Optional[float]:
+    """``x`` as a finite float, or None (a reward that is not a number)."""
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+class EpisodeSource(SyncSource):
+    """LocalSource's multi-turn twin: B rows of ``prepared.train`` x G episodes per ``sample``,
+    played with ``policy``; the environments' seed is drawn from ``prompt_rng`` after the rows.
+    Rewards are the environments': ``scorer`` only counts."""
+
+    def __init__(self, policy, tokenizer, prepared, settings: EpisodeSettings, seed: int):
+        self.policy, self.tokenizer, self.task, self.settings = policy, tokenizer, prepared.task, settings
+        self.examples = list(prepared.train)
+        self.prompt_rng = random.Random(seed)
+        self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
+        self.player = EpisodePlayer(tokenizer, prepared.task, settings, self.stops)
+        self.scorer = prepared.scorer(timeout_s=0)     # counters only: rewards are the env's
+
+    def draw_seed(self) -> int:
+        """The environments' seed of the next batch (drawn after its rows)."""
+        return self.prompt_rng.randrange(SEED_RANGE)
+
+    def sample(self, num_groups: int) -> RolloutBatch:
+        examples = [self.examples[i] for i in self.draw(num_groups)]
+        return self.player.play(self.policy, examples, self.draw_seed())
+
+
+@dataclass
+class EpisodeRun:
+    """One episode in play."""
+    env: Any
+    prompt: str
+    prompt_ids: List[int]
+    messages: List[Dict[str, str]]
+    ids: List[int] = field(default_factory=list)        # the transcript (completion columns)
+    logps: List[float] = field(default_factory=list)    # per transcript column (0 on observations)
+    episode: Episode = field(default_factory=Episode)
+    stop_strings: Tuple[str, ...] = ()
+    ended: bool = False
+    last: Optional[Outcome] = None                      # the last env call (busy if abandoned)
+
+    def end(self, status: str) -> None:
+        self.episode.status, self.ended = status, True
+
+
+def episode_batch(runs: List[EpisodeRun], tokenizer, turn_reward: str, turn_discount: float,
+                  G: int, stops: Sequence[int], device, logp_dtype: torch.dtype = torch.float32
+                  ) -> RolloutBatch:
+    """The played episodes as a RolloutBatch (module docstring; ``old_logprobs`` and
+    ``engine_logprobs`` 0 off model tokens); ``logp_dtype``: float64 for a float64 model."""
+    N, pad = len(runs), _pad_id(tokenizer, stops)
+    P = max(len(r.prompt_ids) for r in runs)
+    T = max(1, max(len(r.ids) for r in runs))           # at least one column
+    input_ids = torch.full((N, P + T), pad, dtype=torch.long)                      # [N, P+T]
+    attention = torch.zeros(N, P + T, dtype=torch.long)                            # [N, P+T]
+    mask = torch.zeros(N, T)                                                       # [N, T]
+    old = torch.zeros(N, T, dtype=torch.float64)                                   # [N, T]
+    for i, r in enumerate(runs):
+        p, t = len(r.prompt_ids), len(r.ids)
+        input_ids[i, P - p:P] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        input_ids[i, P:P + t] = torch.tensor(r.ids, dtype=torch.long)
+        attention[i, P - p:P + t] = 1
+        old[i, :t] = torch.tensor(r.logps, dtype=torch.float64)
+        for s in r.episode.spans:
+            if s.role == MODEL:
+                mask[i, s.start:s.end] = 1.0
+    ends = [[s.end - 1 for s in r.episode.spans if s.role == MODEL] for r in runs]
+    behaviour = (old * mask.double()).to(device, logp_dtype)                         # [N, T]
+    rewards, token_rewards = place_turn_rewards([r.episode.turn_rewards for r in runs], ends, T,
+                                                turn_reward, turn_discount)
+    return RolloutBatch(
+        input_ids=input_ids.to(device), attention_mask=attention.to(device), mask=mask.to(device),
+        truncated=torch.tensor([r.episode.status != DONE for r in runs], device=device),
+        rewards=rewards.to(device), group_ids=torch.arange(N, device=device) // G,
+        prompt_len=P, group_size=G, prompts=[r.prompt for r in runs],
+        completions=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in runs],
+        old_logprobs=behaviour, engine_logprobs=behaviour,
+        token_rewards=token_rewards.to(device), episodes=[r.episode for r in runs])
+
+
+@dataclass
+class Outcome:
+    """What one call gave: ``value``, or ``error`` (an exception, or a timeout)."""
+    value: Any = None
+    error: Optional[BaseException] = None
+    timed_out: bool = False
+    thread: Optional[threading.Thread] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def busy(self) -> bool:
+        """Whether the call is still running (abandoned past its deadline)."""
+        return self.thread is not None and self.thread.is_alive()
+
+
+class StepTimeout(TimeoutError):
+    pass
+
+
+def run_calls(calls: Sequence[Callable[[], Any]], timeout_s: float, concurrency: int
+              ) -> List[Outcome]:
+    """Run the zero-argument ``calls``, at most ``concurrency`` at once, each in a daemon
+    thread of its own (one past ``timeout_s`` is abandoned, never joined: ``Outcome.busy``)
+    -> one Outcome per call, in order."""
+    outcomes = [Outcome() for _ in calls]
+    done: "queue.Queue[int]" = queue.Queue()
+    started, running = 0, {}                    # running: index -> deadline
+    while started < len(calls) or running:
+        while started < len(calls) and len(running) < max(1, concurrency):
+            i = started
+            outcomes[i].thread = threading.Thread(target=_call, args=(calls[i], outcomes[i], done, i),
+                                                  daemon=True, name=f"rlctl-env-{i}")
+            running[i] = time.monotonic() + timeout_s
+            outcomes[i].thread.start()
+            started += 1
+        try:
+            i = done.get(timeout=max(0.0, min(running.values()) - time.monotonic()))
+            running.pop(i, None)
+        except queue.Empty:
+            now = time.monotonic()
+            for i in [i for i, deadline in running.items() if deadline <= now]:
+                del running[i]               # abandoned: its thread may run on
+                outcomes[i].timed_out = True
+                outcomes[i].error = StepTimeout(f"no answer within {timeout_s:g} s")
+    return outcomes
+
+
+def _call(fn: Callable[[], Any], outcome: Outcome, done: "queue.Queue[int]", i: int) -> None:
+    try:
+        value = fn()
+        if not outcome.timed_out:
+            outcome.value = value
+    except BaseException as exc:  # noqa: BLE001 - any failure of user code is an outcome
+        if not outcome.timed_out:
+            outcome.error = exc
+    done.put(i)

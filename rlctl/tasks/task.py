@@ -1,0 +1,237 @@
+"""The Task protocol, the registry, and what every task shares: the common options, chat
+prompts and the disjoint splits of generated tasks.
+
+``build_task(name, **options)`` is the only constructor the engine uses (``name``: a
+registered task or "package.module:factory"). It takes the keys every task has
+(``COMMON_OPTIONS``) out of ``options``, drops ``None`` values of keys the task does not
+take (``TaskConfig`` is shared by all tasks), rejects a non-``None`` one in one line,
+builds the task and attaches the common options as ``task.rlctl_options``. The task is
+never changed after that: what a run makes of it for one model (chat rendering, the
+prompt budget, the scorer) is built apart by ``rlctl.tasks.prompt_budget.prepare``.
+``jsonl`` and the built-in environments (``ENV_TASKS``) are imported when first built."""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from rlctl.registry import Registry, load_object
+from rlctl.types import Example
+
+
+class Task(Protocol):
+    name: str
+
+    def train_examples(self) -> List[Example]:
+        """Training prompts (sampled with replacement by the engine)."""
+
+    def eval_examples(self) -> List[Example]:
+        """Held-out prompts, disjoint from the training prompts."""
+
+    def reward(self, example: Example, completion: str) -> float:
+        """Score one decoded completion. Must not raise on malformed text (score 0)."""
+
+    def is_correct(self, example: Example, completion: str) -> bool:
+        """Exact correctness, for the eval metric ``eval/exact_match``."""
+
+    # Optional, used by RewardScorer when present:
+    #   reward_components(example, completion) -> Dict[str, float]   raw named rewards;
+    #       the total is sum(reward_weights.get(name, 1.0) * value), equal to reward().
+    #   reward_components_batch(examples, completions) -> List[Dict[str, float]]
+    #       (used unless the task sets score_in_batches = False)
+    #   reward_weights: Dict[str, float]
+    #   correct_from_reward(example, reward) -> bool   eval correctness from the total.
+
+
+# factory(**task options) -> Task, registered with @register_task(name); task.name may
+# also be "package.module:factory" for a task of the user's own.
+TASKS = Registry("task")
+register_task = TASKS.register
+ENV_TASKS = ("calculator", "guess_number", "running_sum")   # rlctl.envs.builtin
+
+
+class _Deferred:
+    """A built-in task whose module is imported when it is first built (``spec``:
+    ``module:factory``), which then registers the factory itself in its place; a run of
+    another task imports no environment, tool or sandbox. ``inspect.signature`` reads the
+    factory's options through ``__wrapped__``."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+
+    @property
+    def __wrapped__(self) -> Callable:
+        return load_object(self.spec, "task")
+
+    def __call__(self, **options):
+        return self.__wrapped__(**options)
+
+
+register_task("jsonl")(_Deferred("rlctl.tasks.data:DataTask"))
+for _name in ENV_TASKS:
+    register_task(_name)(_Deferred(f"rlctl.envs.builtin:{_name}"))
+
+
+PROMPT_FORMATS = ("raw", "chat")
+ON_REWARD_ERROR = ("zero", "raise")
+RESERVED_REWARD_NAMES = ("mean", "std", "errors", "timeouts", "frac_zero_std_groups")
+LONG_PROMPTS = ("skip", "truncate_left", "error")   # rlctl.tasks.prompt_budget
+
+
+@dataclass
+class TaskOptions:
+    """The keys every task YAML sets (see config/conf/task/*.yaml)."""
+    prompt_format: str = "raw"            # raw | chat
+    system_prompt: Optional[str] = None   # chat only
+    reward_timeout_s: Optional[float] = 60.0  # per batch; 0/None: in-process, no limit
+    on_reward_error: str = "zero"         # zero: score 0 and count; raise: stop the run
+    long_prompts: str = "skip"            # prompts over rollout.max_prompt_tokens: skip | truncate_left | error
+
+
+COMMON_OPTIONS = tuple(TaskOptions.__dataclass_fields__)
+
+
+def check_options(opts: TaskOptions) -> TaskOptions:
+    for key, valid in (("prompt_format", PROMPT_FORMATS), ("on_reward_error", ON_REWARD_ERROR),
+                       ("long_prompts", LONG_PROMPTS)):
+        if getattr(opts, key) not in valid:
+            raise ValueError(f"invalid task.{key} '{getattr(opts, key)}'; valid: {', '.join(valid)}")
+    t = opts.reward_timeout_s
+    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or t < 0
+                          or not math.isfinite(t)):
+        raise ValueError(f"invalid task.reward_timeout_s '{t}'; must be >= 0 seconds "
+                         "(0 or null: no limit)")
+    if opts.system_prompt is not None and opts.prompt_format != "chat":
+        raise ValueError("task.system_prompt needs task.prompt_format=chat")
+    return opts
+
+
+def task_options(task) -> TaskOptions:
+    return getattr(task, "rlctl_options", None) or TaskOptions()
+
+
+def _factory_params(factory) -> Tuple[Dict[str, inspect.Parameter], bool]:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}, True
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {k: p for k, p in params.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}, var_kw
+
+
+def build_task(name: str, **options) -> Task:
+    """The task ``name`` built from config keys (all of ``TaskConfig`` but ``name``)."""
+    factory = TASKS.get(name)
+    common = {k: options.pop(k) for k in COMMON_OPTIONS if k in options}
+    opts = check_options(TaskOptions(**{k: v for k, v in common.items()
+                                        if v is not None or k in ("reward_timeout_s",
+                                                                  "system_prompt")}))
+    params, var_kw = _factory_params(factory)
+    kwargs = {}
+    for key, value in options.items():
+        if key in params:
+            default = params[key].default
+            if value is None and default is not inspect.Parameter.empty and default is not None:
+                raise ValueError(f"task.{key} must be set for task '{name}' (got null)")
+            kwargs[key] = value
+        elif var_kw:
+            kwargs[key] = value
+        elif value is not None:
+            valid = ", ".join(sorted(list(params) + list(COMMON_OPTIONS)))
+            raise ValueError(f"task.{key} does not apply to task '{name}'; its options: {valid}")
+    task = factory(**kwargs)
+    try:
+        task.rlctl_options = opts
+    except AttributeError:  # a slotted class: the defaults apply
+        pass
+    return task
+
+
+RAW_PROMPT = "_raw_prompt"   # Example.fields key: the prompt before the chat template (or truncation)
+SOURCE = "_source"           # Example.fields key: where the prompt came from, e.g. "d.jsonl:3"
+
+
+def chat_messages(prompt: Any, system_prompt: Optional[str]) -> List[Dict[str, str]]:
+    """A user prompt (text or a list of {role, content} messages) as chat messages."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise ValueError("a chat prompt must be a string or a list of {role, content} "
+                         f"messages, got {type(prompt).__name__}")
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render_chat(tokenizer, prompt: Any, system_prompt: Optional[str] = None) -> str:
+    """The prompt through the tokenizer's chat template, ending with the assistant header.
+
+    A leading BOS that the template writes is dropped when the tokenizer adds BOS itself
+    on encoding (the engine tokenizes prompts with special tokens), so it is not doubled.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("task.prompt_format=chat needs a tokenizer with a chat template; "
+                         "this model's tokenizer has none (use task.prompt_format=raw)")
+    text = tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos):
+        ids = tokenizer("x")["input_ids"]
+        if ids and ids[0] == tokenizer.bos_token_id:
+            text = text[len(bos):]
+    return text
+
+
+def end_of_turn_markers(tokenizer) -> List[str]:
+    """Special-token strings that end an assistant turn: EOS and every special or added
+    token that the chat template writes (e.g. <|im_end|>, <|eot_id|>, <|user|>)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    specials |= set((getattr(tokenizer, "get_added_vocab", lambda: {})() or {}).keys())
+    markers = {t for t in specials if t and t in template}
+    if getattr(tokenizer, "eos_token", None):
+        markers.add(tokenizer.eos_token)
+    markers.discard(getattr(tokenizer, "pad_token", None) or "\0")
+    return sorted(markers, key=len, reverse=True)
+
+
+def assistant_text(completion: str, markers: Sequence[str] = (), prompt: str = "") -> str:
+    """The assistant's reply only: after the rendered prompt if the text repeats it, up to
+    the first end-of-turn marker."""
+    if not isinstance(completion, str):
+        return completion
+    if prompt and completion.startswith(prompt):
+        completion = completion[len(prompt):]
+    cut = min((i for i in map(completion.find, markers) if i != -1), default=len(completion))
+    return completion[:cut].strip()
+
+
+def disjoint_splits(draw: Callable[[Any], Any], rng, num_eval: int, max_train: int, space: int,
+                    enumerate_all: Callable[[], Any]) -> Tuple[List[Any], List[Any]]:
+    """(eval, train) items of a generated task, never overlapping: ``num_eval`` distinct
+    draws, then either every other item of the ``space`` (shuffled, when it is small
+    enough) or ``max_train`` more distinct draws. Deterministic given ``rng``'s seed."""
+    seen: set = set()
+
+    def distinct(n: int) -> List[Any]:
+        out = []
+        while len(out) < n:
+            item = draw(rng)
+            if item not in seen:
+                seen.add(item)
+                out.append(item)
+        return out
+
+    eval_list = distinct(num_eval)
+    if space - num_eval <= max_train:
+        train = [item for item in enumerate_all() if item not in seen]
+        rng.shuffle(train)
+        return eval_list, train
+    return eval_list, distinct(max_train)

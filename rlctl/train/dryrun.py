@@ -1,0 +1,193 @@
+"""`rlctl train ... --dry-run`: the resident models and an estimate of the memory per rank
+(weights, gradients, AdamW state with ZeRO's partitioning, the reference and reward models,
+activations of the largest micro-batch, the KV cache and logits), by the rules of
+docs/memory.md. Nothing is trained and no run directory is written."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoModelForSequenceClassification
+
+from rlctl.core.logprobs import CHUNK_ELEMENTS
+from rlctl.models.forward import fused_head
+from rlctl.train.trainer import needs_old_forward
+from rlctl.models.lora import count_parameters
+from rlctl.models.loading import quiet_libraries
+from rlctl.rollout.generate import check_training_sampling
+from rlctl.train.build import model_from_config, task_from_config
+from rlctl.train.preflight import check_entries
+
+PROMPT_TOKENS = 16        # the rough prompt length of the estimate
+HALF = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What the estimate reads of five config sections, by key, and what it derives from
+    them (``rank_rows``)."""
+    max_new_tokens: int             # rollout.max_new_tokens
+    prompts_per_step: int           # trainer.prompts_per_step
+    group_size: int                 # algo.group_size
+    minibatches: int                # algo.minibatches
+    micro_batch_size: int           # trainer.micro_batch_size (0: the minibatch)
+    micro_batch_tokens: int         # trainer.micro_batch_tokens (0: no budget)
+    num_processes: int              # hardware.num_processes
+    backend: str                    # hardware.backend
+    precision: str                  # hardware.precision
+    zero_stage: int                 # hardware.zero_stage (DeepSpeed only)
+    dtype: str                      # model.dtype
+    gradient_checkpointing: bool    # model.gradient_checkpointing
+    lora: bool                      # model.lora.enabled
+    kl_coef: float                  # algo.kl.coef
+
+    @classmethod
+    def from_config(cls, cfg) -> "MemorySettings":
+        algo, tr, hw, model = cfg.algo, cfg.trainer, cfg.hardware, cfg.model
+        return cls(max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_step=tr.prompts_per_step,
+                   group_size=algo.group_size, minibatches=algo.minibatches,
+                   micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
+                   num_processes=hw.num_processes, backend=hw.backend, precision=hw.precision,
+                   zero_stage=hw.zero_stage, dtype=model.dtype,
+                   gradient_checkpointing=model.gradient_checkpointing, lora=model.lora.enabled,
+                   kl_coef=algo.kl.coef)
+
+    @property
+    def rank_rows(self) -> int:
+        """The rows (completions) of a rank's step."""
+        return self.prompts_per_step * self.group_size // self.num_processes
+
+
+def micro_batch(s: MemorySettings, n: int) -> Tuple[int, int]:
+    """(rows, padded tokens) of the largest micro-batch of a rank's ``n`` rows."""
+    seq = PROMPT_TOKENS + s.max_new_tokens
+    rows = max(1, n // s.minibatches)                        # a minibatch's rows
+    if s.micro_batch_size:
+        rows = min(rows, s.micro_batch_size)
+    if s.micro_batch_tokens > 0:
+        rows = max(1, min(rows, s.micro_batch_tokens // seq))
+    return rows, rows * seq
+
+
+def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, layers: int,
+                    vocab: int = 0, fused: bool = True, reward_model_bytes: float = 0.0
+                    ) -> Dict[str, float]:
+    """Bytes per rank by component (``fused``: log-probs from hidden states in chunks)."""
+    world = s.num_processes
+    deepspeed_bf16 = s.backend == "deepspeed" and s.precision == "bf16"
+    b = 2 if deepspeed_bf16 or s.dtype in HALF else 4              # weights and gradients
+    stage = s.zero_stage if s.backend == "deepspeed" else 0
+    # AdamW's two moments: in the weights' dtype on the torch backend; DeepSpeed bf16 keeps
+    # them and an fp32 master copy in fp32
+    adam = trainable * (8 + 4 if deepspeed_bf16 else 2 * b)
+    out = {
+        "weights": total * b / (world if stage >= 3 else 1),
+        "gradients": trainable * b / (world if stage >= 2 else 1),
+        "optimizer state": adam / (world if stage >= 1 else 1),
+        "reference model": 0.0 if (s.kl_coef == 0 or s.lora) else total * b,
+    }
+    if reward_model_bytes:
+        out["reward model(s)"] = reward_model_bytes
+    n = s.rank_rows
+    _, tokens = micro_batch(s, n)
+    a = 2 if b == 2 or s.precision == "bf16" else 4                  # stored activations
+    kept = hidden * (layers + 16) if s.gradient_checkpointing else 16 * hidden * layers
+    out["activations (rough)"] = float(kept) * tokens * a
+    out["generation KV cache"] = 2.0 * layers * n * (PROMPT_TOKENS + s.max_new_tokens) * hidden * b
+    out["logits"] = (2.0 * CHUNK_ELEMENTS * 4 + n * vocab * 4) if fused else 4.0 * tokens * vocab * 4
+    return out
+
+
+def reward_model_sizes(learned) -> List[Tuple[str, int, float]]:
+    """(name, parameters, bytes of its weights) of each reward model of ``learned`` (a
+    ``LearnedRewards`` or None), from its config on the meta device (nothing is loaded),
+    in its saved dtype (float32 if none)."""
+    out = []
+    for m in (learned.models if learned is not None else []):
+        with torch.device("meta"):
+            skeleton = AutoModelForSequenceClassification.from_config(m.config)
+        params = sum(p.numel() for p in skeleton.parameters())
+        dtype = getattr(m.config, "dtype", None) or getattr(m.config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, torch.float32)
+        size = torch.empty(0, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32
+                           ).element_size()
+        out.append((m.name, params, float(params * size)))
+    return out
+
+
+def _fused(model) -> bool:
+    """Whether the learner will compute log-probs with the fused head for ``model``:
+    ``fused_head``'s structural checks and its run-time check of the head (one probe row
+    of two tokens, as the first training batch would be checked)."""
+    device = next(model.parameters()).device
+    inputs = {"input_ids": torch.tensor([[0, 1]], device=device),              # [1, 2]
+              "attention_mask": torch.ones((1, 2), dtype=torch.long, device=device)}
+    with torch.no_grad():
+        return fused_head(model, inputs) is not None
+
+
+def dry_run(cfg: DictConfig) -> List[str]:
+    """Build the models as `train` would, print the plan; returns the printed lines."""
+    OmegaConf.resolve(cfg)
+    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
+    check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
+    rms = reward_model_sizes(task_from_config(cfg).learned)
+    check_training_sampling(cfg.rollout.top_k)
+    model, critic, _, ref = model_from_config(cfg)
+    policy = getattr(model, "policy", model)
+    pt, ptotal = count_parameters(model)
+    ct, ctotal = count_parameters(critic)
+    conf = getattr(policy, "config", None)
+    hidden = getattr(conf, "hidden_size", 0) or 0
+    layers = getattr(conf, "num_hidden_layers", 0) or 0
+    kl = cfg.algo.kl.coef > 0
+    resident = [("policy" + (" + value head" if cfg.algo.critic == "shared" else "")
+                 + (" (LoRA adapter)" if cfg.model.lora.enabled else ""), f"{ptotal:,}", f"{pt:,}")]
+    if critic is not None:
+        resident.append(("separate critic", f"{ctotal:,}", f"{ct:,}"))
+    if kl:
+        what = "adapter disabled: no copy" if ref is not None else "frozen copy of the policy"
+        resident.append((f"reference ({what})", "0" if ref is not None else f"{ptotal:,}", "0"))
+    for name, params, _ in rms:
+        resident.append((f"reward model '{name}' (frozen)", f"{params:,}", "0"))
+    passes = cfg.algo.epochs * cfg.algo.minibatches
+    needs_old = needs_old_forward(cfg.algo)
+    settings = MemorySettings.from_config(cfg)
+    est = memory_estimate(settings, pt + ct, ptotal + ctotal, hidden, layers,
+                          getattr(conf, "vocab_size", 0) or 0, _fused(model),
+                          sum(size for _, _, size in rms))
+    line = (f"forward passes per step: rollout generate, "
+            f"{'old-policy forward, ' if needs_old else ''}{'reference forward, ' if kl else ''}"
+            f"{'reward-model forward, ' if rms else ''}{passes} update pass(es)")
+    _print(settings, resident, est, line)
+    return [line]
+
+
+def _print(s: MemorySettings, resident, est: Dict[str, float], line: str) -> None:
+    console = Console()
+    table = Table(title="rlctl dry run: resident models")
+    for col in ("model", "parameters", "trainable"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for row in resident:
+        table.add_row(*row)
+    console.print(table)
+    rows, tokens = micro_batch(s, s.rank_rows)
+    mem = Table(title="memory per rank (estimate)",
+                caption=f"{s.num_processes} rank(s), backend {s.backend}"
+                        + (f", ZeRO {s.zero_stage}" if s.backend == "deepspeed" else ""))
+    mem.add_column("component")
+    mem.add_column("MiB", justify="right")
+    for k, v in est.items():
+        mem.add_row(k, f"{v / 2**20:.1f}")
+    mem.add_row("total", f"{sum(est.values()) / 2**20:.1f}")
+    console.print(mem)
+    console.print(f"estimated with {s.dtype} weights, hardware.precision={s.precision}; "
+                  f"activations of a micro-batch of {rows} row(s) x {tokens // rows} tokens"
+                  + (", gradient checkpointing" if s.gradient_checkpointing else ""),
+                  soft_wrap=True)
+    console.print(line, soft_wrap=True)

@@ -1,0 +1,328 @@
+"""The metric schema every algorithm shares (docs/metrics.md's table), its reduction over
+data-parallel ranks, and the sample tables handed to the sinks.
+
+Values are detached tensors until one host sync at log time. Token means are exact over
+micro-batches (weighted by their tokens) and averaged over optimizer steps and ranks;
+spreads travel as `Moments` pooled over micro-batches, steps and ranks and are finished
+once, so no split of the batch changes them. Sample tables (docs/metrics.md, "Sample
+tables"): a few whole groups drawn with their own RNG (``random.Random`` seeded with
+(seed, step)), so metrics are the same with samples on or off; a row of an episode task
+gets the transcript, the episode's status as finish_reason and ``episode_columns``."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from rlctl.core import counted_width, masked_mean
+from rlctl.envs.environment import close_env
+from rlctl.models.stop_ids import decode_completions
+from rlctl.types import TOKEN_LIMIT, TURN_LIMIT, Episode, RolloutBatch
+
+Row = Dict[str, Any]
+
+
+@dataclass
+class Moments:
+    """Pooled statistics of k variables over the same n entries, in float64: the count
+    ``n`` [], the means ``mean`` [k], the sums of squared deviations ``m2`` [k].
+    ``combine`` pools two sets exactly (Chan, Golub & LeVeque, 1983); ``finish`` turns the
+    pooled set into the metric."""
+    n: torch.Tensor
+    mean: torch.Tensor
+    m2: torch.Tensor
+    finish: Callable[["Moments"], torch.Tensor]
+
+    @classmethod
+    def of(cls, x: torch.Tensor, mask: torch.Tensor, finish) -> "Moments":
+        """x [k, ...] (k variables), mask [...] (entries counted where > 0)."""
+        counted = mask.detach() > 0                                         # [...]
+        x = torch.where(counted, x.detach().double(), 0.0)                  # [k, ...]
+        m = counted.double()
+        n = m.sum()
+        dims = tuple(range(1, x.dim()))
+        mean = x.sum(dims) / n.clamp(min=1)                                 # [k]
+        dev = (x - mean.view((-1,) + (1,) * len(dims))) * m                 # [k, ...]
+        return cls(n, mean, dev.square().sum(dims), finish)
+
+    def combine(self, other: "Moments") -> "Moments":
+        n = self.n + other.n
+        d = other.mean - self.mean                                          # [k]
+        w = other.n / n.clamp(min=1)
+        return Moments(n, self.mean + d * w, self.m2 + other.m2 + d.square() * self.n * w, self.finish)
+
+
+def pool(parts: List[Moments]) -> Moments:
+    out = parts[0]
+    for p in parts[1:]:
+        out = out.combine(p)
+    return out
+
+
+def population_std(m: Moments) -> torch.Tensor:
+    """sqrt(M2 / n) of the first variable (0 without entries)."""
+    return (m.m2[0] / m.n.clamp(min=1)).sqrt()
+
+
+def sample_std(m: Moments) -> torch.Tensor:
+    """sqrt(M2 / (n - 1)) of the first variable, as ``torch.std`` (0 below 2 entries)."""
+    return torch.where(m.n > 1, m.m2[0] / (m.n - 1).clamp(min=1), torch.zeros_like(m.n)).sqrt()
+
+
+def explained_variance_of(m: Moments) -> torch.Tensor:
+    """1 - Var[R - V] / Var[R] from moments of (R, R - V); 0 where Var[R] == 0."""
+    return torch.where(m.m2[0] > 0, 1.0 - m.m2[1] / m.m2[0].clamp(min=1e-300), torch.zeros_like(m.n))
+
+
+def mean_of(m: Moments) -> torch.Tensor:
+    return m.mean[0]
+
+
+Metric = Union[torch.Tensor, Moments]
+
+
+def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[str, Metric]:
+    """reward/, advantage/, length/, rollout/kept_groups_frac, value/return_mean, kl/seq_k1
+    (per-sequence KL to the reference) and the counts throughput needs (perf/step_*)."""
+    r = batch.rewards                                          # [N]
+    groups = r.view(-1, batch.group_size)                      # [B, G]
+    lengths = batch.mask.sum(-1)                               # [N]
+    seq_adv = batch.advantages.sum(-1) / lengths.clamp(min=1)  # [N] (constant per row for outcome advantages)
+    zero_std = (groups.max(-1).values == groups.min(-1).values).float()   # [B]
+    out: Dict[str, Metric] = episode_metrics(batch) if batch.episodes is not None else {}
+    out.update({
+        "reward/mean": r.mean(),
+        "reward/std": Moments.of(r[None], torch.ones_like(r), sample_std),
+        "reward/frac_zero_std_groups": zero_std.mean(),
+        "advantage/mean": masked_mean(batch.advantages, batch.mask),
+        "advantage/std": Moments.of(seq_adv[None], torch.ones_like(seq_adv), sample_std),
+        "length/mean": lengths.mean(),
+        "length/min": lengths.min(),
+        "length/max": lengths.max(),
+        "length/truncated_frac": batch.truncated.float().mean(),
+        "rollout/kept_groups_frac": torch.tensor(float(kept_groups_frac)),
+        "perf/step_tokens": batch.mask.sum(),
+        "perf/step_sequences": torch.tensor(float(batch.num_sequences)),
+    })
+    if batch.returns is not None:
+        out["value/return_mean"] = masked_mean(batch.returns, batch.mask)
+    if batch.ref_logprobs is not None and batch.old_logprobs is not None:
+        out["kl/seq_k1"] = ((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean()
+    return out
+
+
+def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
+    """episode/* of a batch of episodes: per-episode means, the two sums, and the success
+    rate as `Moments` over the episodes that report one."""
+    eps = batch.episodes
+    P = batch.prompt_len
+
+    def mean(values) -> torch.Tensor:
+        return torch.tensor([float(v) for v in values], dtype=torch.float64).mean()
+
+    obs = batch.attention_mask[:, P:].sum(-1).double() - batch.mask.sum(-1).double()   # [N]
+    known = torch.tensor([float(e.success) for e in eps if e.success is not None],
+                         dtype=torch.float64)                                          # [n known]
+    return {
+        "episode/turns_mean": mean(e.turns for e in eps),
+        "episode/obs_tokens_mean": obs.mean(),
+        "episode/tool_calls_mean": mean(e.tool_calls for e in eps),
+        "episode/tool_errors_mean": mean(e.tool_errors for e in eps),
+        "episode/env_errors": torch.tensor(float(sum(e.env_errors for e in eps))),
+        "episode/obs_truncated": torch.tensor(float(sum(sp.truncated for e in eps for sp in e.spans))),
+        "episode/turn_limit_frac": mean(e.status == TURN_LIMIT for e in eps),
+        "episode/token_limit_frac": mean(e.status == TOKEN_LIMIT for e in eps),
+        "episode/success_rate": Moments.of(known[None], torch.ones_like(known), mean_of),
+    }
+
+
+def named_reward_metrics(sums: Dict[str, float], count: int, backend) -> Dict[str, Moments]:
+    """reward/<name>: each named reward's mean over every rank's samples since the last
+    step, as `Moments`; the names are the union over the ranks (one gather), a rank
+    without a name counting 0 for it, as a failed sample counts 0."""
+    names = sorted(sums)
+    if backend.world_size > 1:
+        blob = torch.tensor(list("".join(f"{k}\n" for k in names).encode() + b"\n"),
+                            dtype=torch.uint8)                          # [bytes]
+        rows, _ = backend.all_gather_rows(blob)                         # [every rank's bytes]
+        names = sorted({k for k in bytes(rows.tolist()).decode().split("\n") if k})
+    n = torch.tensor(float(count), dtype=torch.float64)
+    out: Dict[str, Moments] = {}
+    for k in names:
+        mean = torch.tensor([sums.get(k, 0.0) / max(count, 1)], dtype=torch.float64)
+        out[f"reward/{k}"] = Moments(n, mean, torch.zeros(1, dtype=torch.float64), mean_of)
+    return out
+
+
+# Summed over ranks: counts, and the loss terms (each rank's value is its share of the
+# global batch's loss: its numerator over the normaliser summed over every rank).
+SUMMED = {"perf/step_tokens", "perf/step_sequences", "policy/loss", "value/loss",
+          "episode/env_errors", "episode/obs_truncated"}
+REDUCE_OP = {"length/min": "min", "length/max": "max", "policy/ratio_max": "max"}
+# Per-sequence means, weighted by each rank's sequence count (dynamic sampling leaves
+# ranks with different counts, where a plain average over ranks is biased).
+PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_frac",
+                "episode/turns_mean", "episode/obs_tokens_mean", "episode/tool_calls_mean",
+                "episode/tool_errors_mean", "episode/turn_limit_frac", "episode/token_limit_frac"}
+
+
+def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
+    """Floats averaged over data-parallel ranks (min/max/sum where the name says so;
+    `Moments` pooled over every rank's entries, then finished); one host sync, and one
+    collective per reduction kind, for the whole dict."""
+    keys: List[str] = []
+    pooled: List[str] = []
+    for k in sorted(metrics):
+        (pooled if isinstance(metrics[k], Moments) else keys).append(k)
+    x = torch.zeros(len(keys), dtype=torch.float64)                    # [len(keys)]
+    for i, k in enumerate(keys):
+        x[i] = torch.as_tensor(metrics[k], dtype=torch.float64).detach().cpu()
+    flat = torch.zeros(0, dtype=torch.float64)           # n, means, m2 of each pooled metric
+    for k in pooled:
+        m = metrics[k]
+        flat = torch.cat([flat, m.n.reshape(1).detach().double().cpu(),
+                          m.mean.detach().double().cpu(), m.m2.detach().double().cpu()])
+    rows = flat[None]                                              # [ranks, moments]
+    if backend.world_size > 1:
+        n = x[keys.index("perf/step_sequences")] if "perf/step_sequences" in metrics else torch.ones(())
+        weighted = torch.where(torch.tensor([k in PER_SEQUENCE for k in keys], dtype=torch.bool), x * n, x)
+        rows = torch.zeros(backend.world_size, flat.numel(), dtype=torch.float64)
+        if pooled:                  # an all-gather as a sum: each rank fills its own row
+            rows[backend.rank] = flat
+        total = backend.all_reduce(torch.cat([weighted, n.reshape(1).double(), rows.flatten()]), "sum")
+        total, n_all, rows = total[:len(keys)], total[len(keys)], total[len(keys) + 1:].view(rows.shape)
+        lo, hi, avg = backend.all_reduce(x, "min"), backend.all_reduce(x, "max"), total / backend.world_size
+        pick = {"min": lo, "max": hi}
+        x = torch.stack([total[i] if k in SUMMED else total[i] / n_all if k in PER_SEQUENCE
+                         else pick.get(REDUCE_OP.get(k), avg)[i] for i, k in enumerate(keys)]) if keys else x
+    out = dict(zip(keys, x.tolist()))
+    at = 0
+    for k in pooled:               # each pooled over the ranks' rows, then finished
+        m = metrics[k]
+        size = 1 + 2 * m.mean.numel()
+        whole = None
+        for r in rows:
+            part = Moments(r[at], r[at + 1:at + 1 + m.mean.numel()], r[at + 1 + m.mean.numel():at + size],
+                           m.finish)
+            whole = part if whole is None else whole.combine(part)
+        out[k], at = float(whole.finish(whole)), at + size
+    return out
+
+
+# ---- sample tables ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SampleSettings:
+    """``logger.samples`` as the loop reads it, and the run's seed for the draw."""
+    every: int        # logger.samples.every: steps between tables (0: none)
+    n: int            # logger.samples.n: rows per table
+    seed: int         # seed: the draw's RNG is seeded with (seed, step)
+
+    @property
+    def on(self) -> bool:
+        return self.every > 0 and self.n > 0
+
+
+def draw_rows(num_rows: int, group_size: int, n: int, seed: int, step: int) -> List[int]:
+    """Row indices of a step's table: ceil(n / G) whole groups chosen by ``random.Random``
+    seeded with (seed, step), in group order, then the first n of their rows."""
+    groups = num_rows // group_size
+    k = min(math.ceil(n / group_size), groups)
+    chosen = sorted(random.Random(f"rlctl-samples:{seed}:{step}").sample(range(groups), k))
+    return [g * group_size + j for g in chosen for j in range(group_size)][:n]
+
+
+def endings(completion_ids: torch.Tensor, mask: torch.Tensor, truncated: Sequence[bool],
+            tokenizer) -> List[Row]:
+    """finish_reason, stop_id and stop_token of each row (``completion_ids`` [n, T], ``mask``
+    [n, T], ``truncated`` [n]); the stop id is at the row's width - 1."""
+    widths = counted_width(mask).tolist()
+    ids = completion_ids.tolist()
+    out = []
+    for row, n, cut in zip(ids, widths, truncated):
+        stop = None if cut or n == 0 else int(row[n - 1])
+        out.append({"finish_reason": "length" if stop is None else "stop", "stop_id": stop,
+                    "stop_token": None if stop is None else tokenizer.convert_ids_to_tokens(stop)})
+    return out
+
+
+def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> List[float]:
+    """Each row's advantage (``advantages`` [n, T] or [n, 1], ``mask`` [n, T]): the mean
+    over its counted tokens, in float64 (exact for a row holding one value)."""
+    m = mask.double()
+    total = (advantages.double().expand_as(m) * m).sum(-1)
+    return (total / m.sum(-1).clamp(min=1)).tolist()
+
+
+def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.Tensor,
+               tokenizer, stops: Sequence[int], tool_task: bool = False) -> List[Row]:
+    """The table of ``rows`` of ``batch`` (after advantages); ``rewards`` [N]: the totals the
+    advantage estimator received. Reads back and decodes only those rows."""
+    idx = torch.tensor(rows, dtype=torch.long, device=batch.mask.device)
+    mask, ids = batch.mask[idx], batch.completion_ids[idx]                   # [n, T] each
+    ends = endings(ids, mask, batch.truncated[idx].tolist(), tokenizer)
+    if batch.episodes is None:
+        texts = decode_completions(tokenizer, ids, mask, stops)
+    else:                  # the transcript: a multi-turn row's mask has gaps
+        texts = [batch.completions[i] for i in rows]
+        for end, i in zip(ends, rows):
+            end["finish_reason"] = batch.episodes[i].status
+    advantages = sequence_advantages(batch.advantages[idx], mask) \
+        if batch.advantages is not None else [None] * len(rows)
+    stale = batch.staleness[idx].tolist() if batch.staleness is not None else [0] * len(rows)
+    parts = batch.reward_parts or {}
+    out = []
+    for j, (i, groups, reward, length) in enumerate(zip(
+            rows, batch.group_ids[idx].tolist(), rewards[idx].tolist(),
+            mask.sum(-1).long().tolist())):
+        row: Row = {"step": step, "group": groups, "prompt": batch.prompts[i],
+                    "completion": texts[j]}
+        row.update({f"reward/{k}": float(parts[k][i]) for k in sorted(parts)})
+        row.update({"reward": reward, "advantage": advantages[j], "length": length, **ends[j],
+                    "policy_version": step - 1 - int(stale[j])})
+        if batch.episodes is not None:
+            row.update(episode_columns(batch.episodes[i], tool_task))
+        out.append(row)
+    return out
+
+
+def offers_tools(task) -> bool:
+    """Whether a task played as episodes gives its model tools (a fresh environment's non-empty
+    ``tools`` and ``use_tools`` not False). False for other tasks."""
+    make_env = getattr(task, "make_env", None)
+    if not callable(make_env):
+        return False
+    env = make_env()
+    try:
+        return bool(getattr(env, "tools", None)) and getattr(env, "use_tools", True) is not False
+    finally:
+        close_env(env)            # a close() that raises is logged, not fatal (as in the loop)
+
+
+def episode_columns(episode: Episode, tool_task: bool) -> Row:
+    """An episode's columns of a sample row: num_turns, status, success (null if never
+    set), tool_calls, tool_errors, env_errors, obs_truncated, tool_task (``offers_tools``)
+    and turns, a list of {role ("model" | "observation"), text, reward, truncated}."""
+    return {"num_turns": episode.turns, "status": episode.status, "success": episode.success,
+            "tool_calls": int(episode.tool_calls), "tool_errors": int(episode.tool_errors),
+            "env_errors": int(episode.env_errors),
+            "obs_truncated": sum(bool(s.truncated) for s in episode.spans),
+            "tool_task": bool(tool_task),
+            "turns": [{"role": s.role, "text": s.text, "reward": float(s.reward),
+                       "truncated": bool(s.truncated)} for s in episode.spans]}
+
+
+def eval_rows(step: int, prompts: Sequence[str], texts: Sequence[str], rewards: Sequence[float],
+              correct: Optional[Sequence[bool]], mask: torch.Tensor, ends: Sequence[Row]) -> List[Row]:
+    """The eval table's rows (``correct`` None: no exact_match column); ``mask`` [n, T]."""
+    out = []
+    for j, length in enumerate(mask.sum(-1).long().tolist()):
+        row: Row = {"step": step, "prompt": prompts[j], "completion": texts[j],
+                    "reward": float(rewards[j])}
+        if correct is not None:
+            row["exact_match"] = float(correct[j])
+        row.update({"length": length, **ends[j], "policy_version": step})
+        out.append(row)
+    return out

@@ -1,0 +1,88 @@
+"""The checks of a training config that need the registries or the built task, run before a
+run directory is made (``rlctl.config.checks.validate`` checked the rest at compose time). Failures
+are one line (``ConfigError``, exit 2); warnings are one line on stderr: a group-relative
+advantage with ``algo.group_size=1`` (every advantage 0), and a KL estimator whose gradient
+follows no KL divergence where it is placed (the table in rlctl/core/losses.py)."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from rlctl.dist import BACKENDS
+from rlctl.core import (ADVANTAGE_ESTIMATORS, KL_PLACEMENT_NOTES, POLICY_LOSSES, resolve_agg_mode,
+                        resolve_kl_estimator)
+from rlctl.envs.environment import is_episodic
+from rlctl.errors import ConfigError
+from rlctl.tasks import TASKS
+
+
+def check_entries(algo, task_name, backend) -> None:
+    """Every registry name of ``algo``, ``task_name`` and ``backend`` resolves (a user entry
+    by import path is imported once, here), and the advantage estimator's level agrees with
+    ``algo.critic``. ConfigError naming the key."""
+    lookups = (("algo.advantage", algo.advantage, ADVANTAGE_ESTIMATORS.entry),
+               ("algo.policy_loss", algo.policy_loss, POLICY_LOSSES.entry),
+               ("algo.loss_agg_mode", algo.loss_agg_mode, resolve_agg_mode),
+               ("algo.kl.estimator", algo.kl.estimator,
+                lambda kind: resolve_kl_estimator(kind, algo.kl.placement)),
+               ("task.name", task_name, TASKS.entry), ("hardware.backend", backend, BACKENDS.entry))
+    for key, name, lookup in lookups:
+        try:
+            lookup(name)
+        except ValueError as exc:
+            raise ConfigError(f"invalid {key}: {' '.join(str(exc).split())}") from None
+    advantage, critic = algo.advantage, algo.critic
+    token_level = ADVANTAGE_ESTIMATORS.entry(advantage).level == "token"
+    if token_level and critic == "none":
+        raise ConfigError(f"algo.advantage={advantage} needs a critic; set algo.critic=shared or separate")
+    if not token_level and critic != "none":
+        raise ConfigError(f"algo.critic={critic} trains a value model that algo.advantage="
+                          f"{advantage} does not use; set algo.critic=none or algo.advantage=gae")
+
+
+def check_episodes(rollout, task) -> None:
+    """A task played as episodes (``rlctl.envs.environment.is_episodic``) is sampled by the
+    learner's own sampler in the model's precision; ``rollout``: the config's section."""
+    if not is_episodic(task):
+        return
+    if rollout.engine == "server":
+        raise ConfigError("rollout.engine=server samples single-turn tasks; a task played as "
+                          "episodes is played by the learner's own sampler (rollout.engine=torch)")
+    if rollout.sample_dtype != "float32":
+        raise ConfigError(f"rollout.sample_dtype={rollout.sample_dtype} applies to the "
+                          "single-turn sampler; a task played as episodes samples in the "
+                          "model's own precision (use rollout.sample_dtype=float32)")
+
+
+def kl_placement_warning(algo) -> Optional[str]:
+    """The warning for ``algo.kl``, or None (the pair follows a KL divergence, or coef 0)."""
+    kl = algo.kl
+    if not kl.coef > 0:
+        return None
+    kind = resolve_kl_estimator(kl.estimator, kl.placement)
+    note = KL_PLACEMENT_NOTES.get((kind, kl.placement))
+    if note is None:
+        return None
+    return f"algo.kl.estimator={kind} with algo.kl.placement={kl.placement}: {note}"
+
+
+def group_size_warning(algo) -> Optional[str]:
+    """The warning for a group-relative estimator with ``algo.group_size=1``, or None."""
+    if algo.group_size != 1:
+        return None
+    try:
+        entry = ADVANTAGE_ESTIMATORS.entry(algo.advantage)
+    except ValueError:       # an unknown name is refused by check_entries, in one line
+        return None
+    if not entry.group:
+        return None
+    return (f"algo.group_size=1 with algo.advantage={algo.advantage}: a group-relative advantage "
+            "compares a completion with the others of its group, so every advantage is 0 and "
+            "the policy does not learn; use algo.group_size >= 2")
+
+
+def warn_config(algo, stream=None) -> None:
+    """Print each configuration warning as one line on stderr."""
+    for message in (kl_placement_warning(algo), group_size_warning(algo)):
+        if message is not None:
+            print(f"rlctl: warning: {message}", file=stream or sys.stderr, flush=True)

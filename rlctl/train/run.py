@@ -1,0 +1,462 @@
+"""`rlctl train`: check the config -> own the run directory (``owned_run``) -> build the
+rank (``built_rank``) -> ``Trainer.train`` -> save and summarize (``finish``).
+Several ranks: launched locally or on nodes (each runs ``train_rank``, the same build and
+train), or joined into the group a launcher started. Resuming and ``summary.json`` too."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import resource
+import shlex
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from rlctl.dist import build_backend, launch
+from rlctl.config.compose import Composed, compose
+from rlctl.errors import (ActorFailed, Interrupted, LaunchError, TrainingFault, UserError, one_line,
+                          user_message)
+from rlctl.train.trainer import Trainer
+from rlctl.models.loading import check_source, quiet_libraries
+from rlctl.models.lora import count_parameters
+from rlctl.rollout.generate import check_training_sampling
+from rlctl.train.build import model_from_config, prepare_task, task_from_config
+from rlctl.train.preflight import check_entries, check_episodes, warn_config
+from rlctl.train.sources import build_source
+from rlctl.sinks import SAMPLES_FILE, NullSink, build_sinks
+from rlctl.stopping import StopFlag
+from rlctl.storage import checkpoint, rundir
+
+# The config keys a checkpoint's tensors and layout depend on: a resume cannot change them.
+SHAPE_KEYS = ("model.name", "model.name_or_path", "model.hidden_size", "model.num_layers",
+              "model.num_heads", "model.lora.enabled", "model.lora.r", "model.lora.alpha",
+              "model.lora.target_modules", "algo.critic", "hardware.backend")
+DEEPSPEED_KEYS = ("hardware.zero_stage", "hardware.num_processes")   # ZeRO partitions
+# (what the scorer scored, what a run whose every call failed means)
+_KINDS = (("reward", "training", "the policy was trained on all-zero rewards"),
+          ("eval_reward", "held-out eval", "the eval/* metrics say nothing about the policy"))
+
+
+def run_training(overrides: List[str], recipe: Optional[str] = None,
+                 resume: Optional[str] = None, composed: Optional[Composed] = None) -> dict:
+    """Train a new run, or continue ``resume`` (a run directory) from its newest checkpoint
+    with its own recipe (``overrides`` may raise trainer.steps); ``composed``: the caller's
+    ``compose(overrides, recipe)``. Checked before anything is written; SIGINT/SIGTERM stop
+    every rank after the same step, saved. The summary (rank 0; others {})."""
+    cfg, composed, built = _checked(overrides, recipe, resume, composed)
+    hw = cfg.hardware
+    group = launch.from_environment(hw.master_port)
+    stop = StopFlag()
+    with stop.installed():
+        if group is not None and group.world_size > 1:
+            summary = train_in_group(group, cfg, composed, resume, overrides, stop, built)
+        elif hw.nnodes > 1:
+            code = launch.launch_node(launch.node_argv(overrides, recipe, resume), hw, stop)
+            if code:
+                raise SystemExit(code)        # the failed rank printed its own line
+            return {}
+        elif hw.num_processes > 1:
+            with owned_run(composed, resume, overrides, hw.num_processes) as run:
+                summary = _launched(run, hw.num_processes, hw.num_threads, resume is not None, stop)
+        else:
+            with owned_run(composed, resume, overrides, 1) as run, \
+                    built_rank(cfg, run.dir, resume is not None, stop, built) as rank:
+                trainer, resume_from, finish = rank
+                summary = finish(trainer.train(run_dir=run.dir, resume_from=resume_from,
+                                               on_step=run.step_done, stop=stop))
+    if summary is None:                       # not rank 0: it prints the summary
+        return {}
+    print_summary(summary)
+    return summary
+
+
+def _checked(overrides: List[str], recipe: Optional[str], resume: Optional[str],
+             composed: Optional[Composed]):
+    """(resolved config, composed, built task), every check before a run directory passed."""
+    if resume is not None:
+        if not (Path(resume) / "recipe.yaml").is_file():
+            raise UserError(f"cannot resume '{resume}': not a run directory (no recipe.yaml)")
+        recipe = str(Path(resume) / "recipe.yaml")
+    composed = composed or compose(overrides, recipe)
+    cfg = composed.cfg
+    OmegaConf.resolve(cfg)
+    check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)  # registry names, user entries
+    built = task_from_config(cfg)               # bad task options fail before anything is written
+    try:
+        check_source(cfg.model.name, cfg.model.name_or_path)
+    except ValueError as exc:
+        raise UserError(f"cannot load model: {exc}") from None
+    check_training_sampling(cfg.rollout.top_k)
+    warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
+    check_episodes(cfg.rollout, built.task)
+    return cfg, composed, built
+
+
+class _Run:
+    """The run directory this process owns and the steps it saw finish."""
+
+    def __init__(self, run_dir: Path):
+        self.dir, self.done = run_dir, 0
+
+    def step_done(self, step: int, values) -> None:
+        self.done += 1
+
+
+@contextmanager
+def owned_run(composed: Composed, resume: Optional[str], overrides: List[str], world: int,
+              on_error=None, resume_args: Sequence[str] = ()):
+    """The run directory (new, or ``resume``'s checked for ``world`` ranks), locked, its config
+    written; yields a ``_Run``. A new run failing before its first step is removed; a second
+    Ctrl-C is ``Interrupted(aborted=True)``. ``on_error(exc)``: called if set-up fails;
+    ``resume_args``: what this node adds to the resume command."""
+    try:
+        run_dir, kept = (Path(resume), None) if resume is not None else rundir.new_run_dir(composed.cfg.run)
+        lock = rundir.RunLock(run_dir).acquire()
+    except Exception as exc:
+        if on_error is not None:
+            on_error(exc)
+        raise
+    run = _Run(run_dir)
+    with lock:
+        try:
+            try:
+                if resume is None:
+                    rundir.write_config(run_dir, composed)
+                else:
+                    check_resumable(run_dir, ResumeSettings.from_config(composed.cfg), overrides, world)
+                    rundir.record_resume(run_dir, composed)
+            except Exception as exc:
+                if on_error is not None:
+                    on_error(exc)
+                raise
+            try:
+                yield run
+            except Interrupted:
+                raise
+            except KeyboardInterrupt:              # a second Ctrl-C: abandoned mid-step
+                last = checkpoint.latest_checkpoint(run_dir)
+                run.done = run.done or int(last is not None)
+                raise Interrupted(run_dir, checkpoint.step_of(last) if last else 0, aborted=True) from None
+        except BaseException as exc:
+            if isinstance(exc, Interrupted):
+                exc.resume_args = tuple(resume_args)
+            if resume is None and not run.done and getattr(exc, "before_training", True):
+                rundir.discard_new(run_dir, kept)   # launched: before_training set by LaunchError
+            if isinstance(exc, ActorFailed):       # a local rollout engine was lost
+                raise ActorFailed(f"{exc}; {newest(run_dir)}") from None
+            raise
+
+
+def _launched(run: _Run, n: int, threads: int, resume: bool, stop) -> dict:
+    """Launch ``n`` local ranks on ``run`` and wait; rank 0's summary."""
+    rundir.share_lock(run.dir)               # every rank holds it too
+    signum = launch.launch(n, run.dir, threads, resume=resume, stop=stop)
+    last = checkpoint.latest_checkpoint(run.dir)
+    run.done = int(last is not None or (run.dir / "summary.json").is_file())
+    if signum:
+        raise Interrupted(run.dir, checkpoint.step_of(last) if last else 0, signum)
+    return json.loads((run.dir / "summary.json").read_text())
+
+
+@contextmanager
+def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None):
+    """This rank's task (``built``: already built), models, backend, sinks, rollout source and
+    Trainer from the whole config; yields (trainer, checkpoint to resume from or None,
+    ``finish``), then closes them (the backend last). ``finish(result)`` (every rank: it
+    holds collectives) closes the trainer and sinks; rank 0 saves the model and
+    ``summary.json`` and returns the summary (others: None)."""
+    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
+    started = time.perf_counter()
+    if cfg.hardware.device == "cuda" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        local = int(os.environ.get("LOCAL_RANK", 0))     # each rank its launcher's local GPU
+        torch.cuda.set_device(local)
+        cfg = copy.deepcopy(cfg)
+        cfg.hardware.device = f"cuda:{local}"             # the builders read it from the config
+    hw, lora = cfg.hardware, bool(cfg.model.lora.enabled)
+    backend = build_backend(hw.backend, hw.device, hw.zero_stage, hw.precision, hw.deepspeed_config)
+    closing = ExitStack()
+    try:
+        built = built or task_from_config(cfg)
+        model, critic, tokenizer, ref_model = model_from_config(cfg)
+        prepared = prepare_task(cfg, tokenizer, model, built)   # chat template; prompts within the context
+        params = count_parameters(model, critic)
+        torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
+        resume_from = resume_point(run_dir, backend) if resume else None
+        sink = _sink(run_dir, backend, cfg.logger, OmegaConf.to_container(cfg), cfg.trainer.steps)
+        closing.callback(sink.close)
+        source = build_source(cfg, model, tokenizer, prepared, backend, stop)
+        try:
+            trainer = Trainer.from_config(cfg, model, tokenizer, prepared, sink, source=source,
+                                          critic=critic, ref_model=ref_model, backend=backend)
+        except BaseException:
+            source.close()                   # async: the engines end now, not at Python's exit
+            raise
+        closing.callback(trainer.close)      # async mode: stop the engine processes
+        merged, save = lora and bool(cfg.model.lora.save_merged), bool(cfg.run.save_model)
+
+        def finish(result) -> Optional[dict]:
+            sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
+            closing.close()
+            seconds = time.perf_counter() - started
+            model_dir = (_save_model(backend, run_dir, trainer.policy, critic, tokenizer, lora, merged)
+                         if save else None)
+            summary = run_summary(run_dir, result, backend, seconds, lora, params, model_dir,
+                                  (trainer.scorer, trainer.eval_scorer))
+            if not backend.is_main:
+                return None
+            rundir.write_json_atomic(run_dir / "summary.json", summary)
+            return summary
+        yield trainer, resume_from, finish
+    finally:
+        closing.close()
+        backend.close()
+
+
+def train_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, on_step=None,
+               built=None) -> Optional[dict]:
+    """A launched rank or one of a launcher's group, as ``run_training`` trains one process."""
+    with built_rank(cfg, run_dir, resume, stop, built) as (trainer, resume_from, finish):
+        return finish(trainer.train(run_dir=run_dir, resume_from=resume_from, on_step=on_step, stop=stop))
+
+
+def _sink(run_dir: Path, backend, logger, resolved: dict, total_steps: int):
+    """Rank 0's metric sinks (``resolved``: the config as a dict, for wandb); others log nothing."""
+    if not backend.is_main:
+        return NullSink()
+    return build_sinks(run_dir=run_dir, jsonl=logger.jsonl, wandb=logger.wandb,
+                       wandb_mode=logger.wandb_mode, project=logger.project, name=run_dir.name,
+                       run_config=resolved, console=logger.console, total_steps=total_steps,
+                       tensorboard=logger.tensorboard)
+
+
+def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
+                merged: bool) -> Optional[Path]:
+    """Rank 0 writes the policy (``lora``: the adapter, ``merged``: also merged) and a
+    separate critic; the policy's directory (other ranks: None)."""
+    model_dir = None
+    with backend.gathered(policy):
+        if backend.is_main:
+            model_dir = rundir.save_model(run_dir, policy, tokenizer, lora=lora, merged=merged)
+    if critic is not None:
+        with backend.gathered(critic):
+            if backend.is_main:
+                critic.save_pretrained(run_dir / "critic")
+    return model_dir
+
+
+# ---- a rank of a group a launcher started (torchrun, srun, rlctl's own on several nodes) ----
+def train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], overrides: List[str],
+                   stop, built) -> Optional[dict]:
+    """Join the group (configs compared); rank 0 owns the run directory and shares its path
+    (or its set-up error); every rank trains."""
+    hw = cfg.hardware
+    _check_group(group, hw.num_processes, hw.nnodes, cfg.trainer.prompts_per_step)
+    launch.leave_with_launcher()
+    launch.join(group, hw.device, hw.dist_timeout_s, OmegaConf.to_container(cfg), stop)
+    node_args = (f"hardware.node_rank={group.node}",) if group.source == "rlctl" else ()
+    if group.rank != 0:
+        run_dir = Path(launch.share(group, None))
+        with _lost_rank_is_one_line(group, run_dir, node_args):
+            return train_rank(cfg, run_dir, resume is not None, stop, built=built)
+
+    def share_error(exc):
+        launch.share(group, None, error=user_message(exc)[0])
+    with owned_run(composed, resume, overrides, group.world_size, share_error, node_args) as run:
+        launch.share(group, str(run.dir))
+        with _lost_rank_is_one_line(group, run.dir, node_args):
+            return train_rank(cfg, run.dir, resume is not None, stop, run.step_done, built)
+
+
+def _check_group(group, num_processes: int, nnodes: int, prompts_per_step: int) -> None:
+    """rlctl's rank counts agree with the launcher's, whose world size divides the prompts."""
+    if group.source != "rlctl" and (num_processes != 1 or nnodes != 1):
+        raise UserError(f"hardware.num_processes={num_processes} / hardware.nnodes={nnodes} "
+                        f"with {group.source} already starting {group.world_size} ranks: leave both "
+                        "at 1 (the launcher's WORLD_SIZE is the number of ranks)")
+    if prompts_per_step % group.world_size:
+        raise UserError(f"the launcher's world size {group.world_size} ({group.source}) must divide "
+                        f"trainer.prompts_per_step={prompts_per_step} (each rank samples "
+                        "whole prompt groups)")
+
+
+@contextmanager
+def _lost_rank_is_one_line(group, run_dir: Path, node_args: Sequence[str]):
+    """A collective failing mid-run (a rank or node died) is one line naming the newest
+    checkpoint; an interrupted rank resumes as its node."""
+    try:
+        yield
+    except Interrupted as exc:
+        exc.resume_args = tuple(node_args)
+        raise
+    except (UserError, TrainingFault, ActorFailed, LaunchError):
+        raise
+    except RuntimeError as exc:   # before_training: a new run that never stepped is removed
+        raise LaunchError(f"rank {group.rank} of {group.world_size}: lost contact with another rank "
+                          f"({one_line(exc)[:160]}); {newest(run_dir)}", True) from None
+
+
+# ---- resuming ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResumeSettings:
+    """What a resume is checked against: the steps to train to and the shape keys set."""
+    steps: Optional[int]         # trainer.steps
+    shape: Dict[str, Any]        # the SHAPE_KEYS (and DEEPSPEED_KEYS under deepspeed) set
+
+    @classmethod
+    def from_config(cls, cfg) -> "ResumeSettings":
+        """From a composed config, or an older run's config.yaml (keys it lacks left out)."""
+        deepspeed = OmegaConf.select(cfg, "hardware.backend") == "deepspeed"
+        missing = object()
+        found = {k: OmegaConf.select(cfg, k, default=missing)
+                 for k in SHAPE_KEYS + (DEEPSPEED_KEYS if deepspeed else ())}
+        return cls(steps=OmegaConf.select(cfg, "trainer.steps"),
+                   shape={k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)
+                          for k, v in found.items() if v is not missing})
+
+
+def _no_checkpoint(run_dir: Path) -> UserError:
+    return UserError(f"cannot resume '{run_dir}': it has no complete checkpoint "
+                     "(trainer.checkpoint_every writes them)")
+
+
+def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str], world: int) -> None:
+    """Refuse (one line) a resume with nothing to do, written by other than ``world`` ranks,
+    or whose overrides change a shape key."""
+    last = checkpoint.latest_checkpoint(run_dir)
+    if last is None:
+        raise _no_checkpoint(run_dir)
+    step = checkpoint.read_state(last)["step"]
+    saved = len(list(last.glob("rng-rank*.pt")))       # one per rank that wrote it
+    if saved and saved != world:
+        raise UserError(f"cannot resume '{run_dir}' with {world} rank(s): its checkpoint {last.name} "
+                        f"was written by {saved}; resume with the same number of ranks")
+    q, steps = shlex.quote(str(run_dir)), settings.steps
+    if steps <= step:
+        done = "finished" if _summary_steps(run_dir) == step else "trained"
+        raise UserError(f"run '{run_dir}' is already {done} at step {step} (trainer.steps="
+                        f"{steps}); nothing to resume. To extend it, raise trainer.steps: "
+                        f"rlctl train --resume {q} trainer.steps={max(2 * step, step + 1)}")
+    try:
+        before = ResumeSettings.from_config(OmegaConf.load(run_dir / "config.yaml")).shape
+    except Exception:  # noqa: BLE001 - an unreadable config.yaml: the recipe still rules
+        return
+    after = settings.shape
+    changed = [f"{k}: {before[k]} -> {after.get(k)}" for k in sorted(before)   # keys both know
+               if k in after and before[k] != after[k]]
+    if changed:
+        raise UserError(f"cannot resume '{run_dir}' with {' '.join(overrides)}: the override changes "
+                        f"the model's shape or the checkpoint's layout ({'; '.join(changed[:3])}), so it "
+                        f"cannot apply to a resume; start a new run from the recipe instead: rlctl train "
+                        f"--recipe {shlex.quote(str(run_dir / 'recipe.yaml'))} {' '.join(overrides)}")
+
+
+def _summary_steps(run_dir: Path) -> Optional[int]:
+    try:
+        return int(json.loads((run_dir / "summary.json").read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop the lines of a JSONL run file logged after ``step`` (they will be redone)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue                     # a line torn by the kill
+        if row.get("step", step + 1) <= step:
+            keep.append(line)
+    path.write_text("".join(x + "\n" for x in keep))
+
+
+def resume_point(run_dir: Path, backend) -> Path:
+    """The newest checkpoint; rank 0 drops the metric and sample lines logged after it."""
+    resume_from = checkpoint.latest_checkpoint(run_dir)
+    if resume_from is None:
+        raise _no_checkpoint(run_dir)
+    if backend.is_main:
+        for name in ("metrics.jsonl", SAMPLES_FILE):
+            truncate_after(run_dir / name, checkpoint.step_of(resume_from))
+    backend.barrier()
+    return resume_from
+
+
+def newest(run_dir: Path) -> str:
+    """Where a run that lost a rank or an engine can continue from."""
+    last = checkpoint.latest_checkpoint(run_dir)
+    if last is None:
+        return "no checkpoint was saved yet"
+    return (f"the newest checkpoint is {last}; once every node is back, run the same launch with "
+            f"rlctl train --resume {run_dir}")
+
+
+# ---- summary.json --------------------------------------------------------------------------
+def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0)) -> Dict[str, Any]:
+    """summary.json's fields of the (calls, errors, timeouts) of the training and eval
+    rewards; ``warnings`` names failures, plainly when every call failed."""
+    out: Dict[str, Any] = {}
+    warnings: List[str] = []
+    for (prefix, what, meaning), (calls, errors, timeouts) in zip(_KINDS, (train, evaluation)):
+        calls, errors, timeouts = int(calls), int(errors), int(timeouts)
+        out.update({f"{prefix}_calls": calls, f"{prefix}_errors": errors,
+                    f"{prefix}_timeouts": timeouts})
+        failed = errors + timeouts
+        detail = f"{errors} raised or were not finite, {timeouts} timed out"
+        if calls and failed >= calls:
+            warnings.append(f"every {what} reward call failed ({failed} of {calls}: {detail}) and "
+                            f"scored 0: {meaning}; the log's 'reward failed' lines show why")
+        elif failed:
+            warnings.append(f"{failed} of {calls} {what} reward calls failed ({detail}) and scored 0")
+    out["warnings"] = warnings
+    return out
+
+
+def run_summary(run_dir: Path, result, backend, seconds: float, lora: bool, params: Sequence[int],
+                model_dir: Optional[Path], scorers: Sequence[Any]) -> Dict[str, Any]:
+    """``summary.json`` of the trainer's ``result`` (``params``: trainable, total;
+    ``scorers``: training and eval, counts summed over ranks). A collective."""
+    trainable, total = params
+    summary = {"run_dir": str(run_dir), "steps": result.steps, "train_seconds": result.seconds,
+               "setup_seconds": seconds - result.seconds, "tokens_per_s": result.tokens_per_s,
+               "eval_start": result.eval_start, "eval_end": result.eval_end,
+               "final_metrics": result.last_metrics, "lora": lora,
+               "params_trainable": trainable, "params_total": total,
+               "num_processes": backend.world_size, "backend": backend.name}
+    if model_dir is not None:
+        summary["model_dir"] = str(model_dir)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])  # KiB -> MiB
+    summary["peak_rss_mb"] = float(backend.all_reduce(peak, "max"))
+    counts = torch.tensor([[float(s.calls), float(s.errors), float(s.timeouts)] for s in scorers])  # [2, 3]
+    summary.update(reward_report(*backend.all_reduce(counts, "sum").tolist()))
+    return summary
+
+
+def print_summary(summary: Dict[str, Any]) -> None:
+    table = Table(title="rlctl run summary", show_header=True)
+    for name, justify in (("metric", "left"), ("start", "right"), ("end", "right")):
+        table.add_column(name, justify=justify)
+    start, end = summary.get("eval_start", {}), summary.get("eval_end", {})
+    for key in sorted(set(start) | set(end)):
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        table.add_row(key, fmt(start.get(key)), fmt(end.get(key)))
+    table.add_row("train time (s)", "", f"{summary['train_seconds']:.1f}")
+    table.add_row("tokens/s", "", f"{summary['tokens_per_s']:.0f}")
+    if "reward_calls" in summary:
+        failed = summary["reward_errors"] + summary["reward_timeouts"]
+        table.add_row("reward calls failed", "", f"{failed} of {summary['reward_calls']}")
+    console = Console()
+    console.print(table)
+    for line in summary.get("warnings", []):
+        console.print(f"warning: {line}", highlight=False)
+    console.print(f"run dir: {summary['run_dir']}", highlight=False, soft_wrap=True)  # no newline in the path

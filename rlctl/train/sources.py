@@ -1,0 +1,265 @@
+"""A run's rollout, set up from the composed config: ``build_source`` (the source the
+learner samples from) and the processes a run starts for itself: local engine processes
+(``engine_main``, over a pipe) and `rlctl serve` servers on 127.0.0.1 (``LocalServers``,
+``rollout.engine=server`` without ``rollout.server.urls``). Each child builds the learner's
+base model (the learner pushes its weights before the first request), sits in its own
+process group (a terminal's Ctrl-C reaches the learner, which stops at a step and closes
+them) and gets SIGTERM if the learner dies. Below this, rlctl/rollout/ takes settings. The
+modules of episodes, engines and servers are imported (``importlib.import_module``) where a
+run chooses them: a default run imports none of them.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+
+from rlctl.dist.launch import die_with_parent
+from rlctl.envs.environment import is_episodic
+from rlctl.errors import ConfigError, UserError, user_message
+from rlctl.models.forward import prompt_sharing
+from rlctl.models.loading import load_model_and_tokenizer, quiet_libraries
+from rlctl.models.stop_ids import resolve_stop_ids
+from rlctl.rollout.source import LocalSource, SamplingSettings
+from rlctl.train.build import model_from_config, prepare_task
+from rlctl.config.schema import ServerConfig
+
+START_S = 600.0          # a child that has not reported its port by then failed
+
+
+def _episodes():
+    return importlib.import_module("rlctl.rollout.episodes.loop")
+
+
+def _engine_source():
+    return importlib.import_module("rlctl.rollout.engines.engine_source")
+
+
+def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
+    """The rollout source on ``prepared``'s prompts and scorer: ``LocalSource`` sampling with
+    ``policy`` (``EpisodeSource`` for a task played as episodes), or an ``EngineSource`` on
+    ``trainer.async_rollout.num_actors`` local engine processes (built from the whole config,
+    as the learner was) or on servers (``rollout.engine=server``). ``backend`` None: one
+    process on ``hardware.device``; ``stop``: a signal ends a wait for engines starting."""
+    rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
+    device = backend.device if backend is not None else torch.device(cfg.hardware.device)
+    sampling = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
+    if is_episodic(prepared.task):
+        if backend is not None and backend.generate_kwargs():    # ranks generating in step
+            raise ConfigError(f"a task played as episodes cannot run on {backend.world_size} ranks "
+                              "with hardware.zero_stage=3 (its ranks must generate in step, and each "
+                              "rank's episodes take their own number of turns); use "
+                              "hardware.zero_stage=2 or lower, or hardware.num_processes=1")
+        episodes = _episodes()
+        local = episodes.EpisodeSource(policy, tokenizer, prepared,
+                                       episodes.EpisodeSettings.from_config(cfg),
+                                       seed=cfg.seed * 1000 + rank)
+    elif cfg.rollout.engine == "server":
+        return server_source(cfg.rollout.server, ServeSpec.from_config(cfg),
+                             _engine_source().EngineSettings.from_config(cfg),
+                             SamplingSettings.from_config(cfg, True),
+                             policy, tokenizer, prepared, device, cfg.seed * 1000, stop)
+    else:
+        local = LocalSource(policy, tokenizer, list(prepared.train), prepared.scorer(), sampling,
+                            seed=cfg.seed * 1000 + rank,
+                            generate_kwargs=backend.generate_kwargs() if backend is not None else None)
+    if not cfg.trainer.async_rollout.enabled:
+        return local
+    if world > 1 or dist.is_initialized():
+        raise UserError("trainer.async_rollout.enabled=true needs one learner process in no process "
+                        "group of its own: hardware.num_processes=1 and hardware.backend=torch")
+    engine_source = _engine_source()
+    engines = LocalProcesses(engine_main, OmegaConf.to_yaml(cfg, resolve=True),
+                             int(cfg.trainer.async_rollout.num_actors), stop, "rollout engine process", first=1)
+    try:
+        clients = [engine_source.LocalEngine(p, c, f"rollout engine process {i + 1}")
+                   for i, (p, c) in enumerate(zip(engines.procs, engines.conns))]
+        player = getattr(local, "player", None)
+
+        def close():
+            for engine in clients:
+                engine.stop(sys.exc_info()[0] is not None)
+            engines.close(30.0)
+        return engine_source.EngineSource(
+            clients, policy, tokenizer, local.examples, local.scorer, sampling,
+            engine_source.EngineSettings.from_config(cfg), seed=cfg.seed * 1000 + rank,
+            device=device, on_close=close, learner_rng=True, player=player)
+    except BaseException:
+        engines.close()
+        raise
+
+
+def server_source(servers: ServerConfig, spec: "ServeSpec", settings, sampling: SamplingSettings,
+                  policy, tokenizer, prepared, device, seed: int, stop=None):
+    """``rollout.engine=server``: an ``EngineSource`` (``settings``: its ``EngineSettings``) on
+    the servers at ``servers.urls``, or on ``servers.num_local`` `rlctl serve` processes of
+    ``spec`` started here (and stopped when the source closes)."""
+    local = None if servers.urls else LocalServers(spec, servers.num_local, stop)
+    server_engine = importlib.import_module("rlctl.rollout.engines.server")
+    try:
+        engine = server_engine.ServerEngine(
+            list(servers.urls) or local.urls, max_staleness=settings.max_staleness,
+            chunk_size=servers.chunk_size, timeout_s=servers.timeout_s,
+            kind=server_engine.configured_kind(servers.kind, servers.weight_dir, servers.model_dir))
+        return _engine_source().EngineSource(engine, policy, tokenizer, list(prepared.train), prepared.scorer(),
+                            sampling, settings, seed=seed, device=device,
+                            on_close=local.close if local is not None else None)
+    except BaseException:
+        if local is not None:
+            local.close()
+        raise
+
+
+def engine_main(cfg_yaml: str, conn, index: int) -> None:
+    """One local engine process: the learner's model (its base, without LoRA or a value
+    head: the learner pushes its weights before the first request) in a ``TorchEngine``,
+    and for an episodic task the task's player; says ("ready", None), then serves
+    (``serve_engine``) until the learner says stop."""
+    os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
+    die_with_parent(mp.parent_process().pid)   # SIGTERM when the process that started it dies
+    cfg = OmegaConf.create(cfg_yaml)
+    try:
+        quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
+        base = OmegaConf.merge(cfg, {"model": {"lora": {"enabled": False}}, "algo": {"critic": "none"}})
+        model, _, tok, _ = model_from_config(base)
+        prepared = prepare_task(cfg, tok, model, quiet=True)   # the learner's prompts
+        model.eval()
+        player, examples = None, ()
+        if is_episodic(prepared.task):      # the learner draws the rows and the environments' seed
+            episodes = _episodes()
+            local = episodes.EpisodeSource(model, tok, prepared,
+                                           episodes.EpisodeSettings.from_config(cfg), seed=0)
+            player, examples = local.player, local.examples
+        engine_source = _engine_source()
+        engine = engine_source.TorchEngine(model, tok.pad_token_id,
+                                           share_prompts=bool(cfg.trainer.share_prompts),
+                                           sample_dtype=cfg.rollout.sample_dtype)
+    except Exception as exc:  # noqa: BLE001 - one line for the learner
+        conn.send(("error", user_message(exc)[0]))
+        return
+    torch.manual_seed(cfg.seed * 1000 + 7919 * (index + 1))      # each engine its own stream
+    # The learner is the bottleneck: when the cores are oversubscribed it keeps its core.
+    os.nice(5)
+    conn.send(("ready", None))
+    engine_source.serve_engine(engine, conn, player, examples)
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """What a local server loads (pickled to it): the learner's base model (``model`` less
+    ``lora``) on ``device`` with ``num_threads``, and the run's extra stop ids."""
+    model_name: str
+    model_opts: Dict = field(default_factory=dict)
+    device: str = "cpu"
+    num_threads: Optional[int] = None
+    stop_token_ids: Tuple = ()
+
+    @classmethod
+    def from_config(cls, cfg) -> "ServeSpec":
+        opts = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()
+                if k not in ("name", "lora")}
+        return cls(str(cfg.model.name), opts, str(cfg.hardware.device), cfg.hardware.num_threads,
+                   tuple(cfg.rollout.get("stop_token_ids", None) or ()))
+
+
+class LocalProcesses:
+    """``n`` children ``target(arg, conn, i)`` (spawned; ``conn`` their end of a duplex
+    pipe), each of which first sends ("ready", value) or ("error", one line); ``values``
+    once all are ready (a ``stop`` flag raised meanwhile ends the wait); ``close()``
+    stops them. ``what``: how an error names the i-th child ("rollout server 0"), counted
+    from ``first``."""
+
+    def __init__(self, target, arg, n: int, stop=None, what: str = "rollout server", first: int = 0):
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns, self.values, self.what = [], [], [], what
+        for i in range(n):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=target, args=(arg, theirs, i), daemon=True)
+            p.start()
+            theirs.close()
+            self.procs.append(p)
+            self.conns.append(mine)
+        try:
+            self.values = [self._ready(i, p, c, stop) for i, (p, c) in enumerate(zip(self.procs, self.conns), first)]
+        except BaseException:
+            self.close()
+            raise
+
+    def _ready(self, i: int, proc, conn, stop):
+        deadline = time.monotonic() + START_S
+        while not conn.poll(0.2):
+            if stop is not None and stop.requested:
+                raise UserError(f"stopped while the {self.what}s were starting")
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise UserError(f"{self.what} {i} did not start (exit code {proc.exitcode})")
+        try:
+            kind, value = conn.recv()
+        except EOFError:
+            raise UserError(f"{self.what} {i} exited while starting (exit code {proc.exitcode})") from None
+        if kind == "error":
+            raise UserError(f"{self.what} {i}: {value}")
+        return value
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Wait ``wait_s`` for children asked to stop, then terminate (and kill) the rest."""
+        deadline = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for c in self.conns:
+            c.close()
+
+
+class LocalServers(LocalProcesses):
+    """``n`` servers of ``spec``; ``urls`` once started; ``close()`` stops them."""
+
+    def __init__(self, spec: ServeSpec, n: int, stop=None):
+        super().__init__(serve_child, spec, n, stop)
+        self.urls = [f"http://127.0.0.1:{port}" for port in self.values]
+
+    def close(self, wait_s: float = 0.0) -> None:
+        super().close(wait_s)
+
+
+def serve_child(spec: ServeSpec, conn, index: int = 0) -> None:
+    """One server: build the model and app, bind 127.0.0.1 on a port the system picks, send
+    ("ready", port) (or ("error", one line)), then serve until terminated."""
+    os.setpgrp()
+    die_with_parent(mp.parent_process().pid)
+    import uvicorn   # heavy, and only a server needs it
+    serve_app = importlib.import_module("rlctl.rollout.engines.serve_app")
+    try:
+        quiet_libraries(spec.device, spec.num_threads)
+        model, tok = load_model_and_tokenizer(spec.model_name, device=spec.device, **spec.model_opts)
+        model.eval()
+        stops = resolve_stop_ids(model, tok, list(spec.stop_token_ids))
+        engine = _engine_source().TorchEngine(model, tok.pad_token_id)
+        app = serve_app.build_app(engine, f"model={spec.model_name}",
+                        default_stops=stops, tokenizer=tok)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+    except Exception as exc:  # noqa: BLE001 - one line for the learner
+        conn.send(("error", user_message(exc)[0]))
+        return
+    conn.send(("ready", sock.getsockname()[1]))
+    conn.close()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
+    server.run(sockets=[sock])

@@ -1,0 +1,83 @@
+"""`rlctl train --dry-run` (issue 21.13): the reward model is listed and counted, and the
+memory estimate follows the knobs docs/memory.md lists beside it
+(model.gradient_checkpointing, trainer.micro_batch_tokens, bf16). Expected values are
+worked by hand from the rules in docs/memory.md and the config."""
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+MIB = 2 ** 20
+
+
+def dry_run(*overrides):
+    from rlctl.cli import app
+
+    res = CliRunner().invoke(app, ["train", "--dry-run", *overrides], catch_exceptions=False)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def row(out: str, name: str) -> float:
+    (m,) = re.findall(rf"│ {re.escape(name)}\s*│\s*([\d.]+) │", out)
+    return float(m)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    from rlctl.config.compose import compose
+
+    return compose([]).cfg
+
+
+def test_the_reward_model_is_listed_and_counted(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from rlctl.rm.tiny_rm import tiny_reward_model_dir
+
+    out = dry_run("--recipe", "rlhf-sorting", f"run.output_dir={tmp_path}")
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir())
+    params = sum(p.numel() for p in rm.parameters())
+    size = next(rm.parameters()).element_size()
+    assert re.search(rf"reward model 'reward_model' \(frozen\)\s*│\s*{params:,} │\s*0 │", out), out
+    assert row(out, "reward model(s)") == round(params * size / MIB, 1)
+    assert "reward-model forward" in " ".join(out.split())
+    parts = [row(out, k) for k in ("weights", "gradients", "optimizer state", "reference model",
+                                   "reward model(s)", "activations (rough)",
+                                   "generation KV cache", "logits")]
+    assert row(out, "total") == pytest.approx(sum(parts), abs=0.05 * len(parts))  # each rounded to 0.1
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_estimate_follows_checkpointing_token_budget_and_bf16(cfg, tmp_path):
+    out_dir = f"run.output_dir={tmp_path}"
+    h, layers = cfg.model.hidden_size, cfg.model.num_layers
+    seq = 16 + cfg.rollout.max_new_tokens                 # the estimate's prompt + completion
+    rows = cfg.trainer.prompts_per_step * cfg.algo.group_size // cfg.algo.minibatches
+    base = dry_run(out_dir)
+    # 16 values per hidden unit, layer and token, fp32
+    assert row(base, "activations (rough)") == round(16 * h * layers * rows * seq * 4 / MIB, 1)
+    ckpt = dry_run("model.gradient_checkpointing=true", out_dir)
+    # each layer keeps its input (1 value per hidden unit) + one layer's 16 while recomputed
+    assert row(ckpt, "activations (rough)") == round(h * (layers + 16) * rows * seq * 4 / MIB, 1)
+    budget = 10 * seq + seq // 2                          # room for 10 full rows, not 11
+    packed = dry_run(f"trainer.micro_batch_tokens={budget}", out_dir)
+    assert row(packed, "activations (rough)") == round(16 * h * layers * 10 * seq * 4 / MIB, 1)
+    alone = dry_run(f"trainer.micro_batch_tokens={seq - 1}", out_dir)   # a row alone
+    assert row(alone, "activations (rough)") == round(16 * h * layers * 1 * seq * 4 / MIB, 1)
+    bf16 = dry_run("hardware.precision=bf16", out_dir)   # autocast: bf16 activations,
+    assert row(bf16, "activations (rough)") == round(16 * h * layers * rows * seq * 2 / MIB, 1)
+    for k in ("weights", "gradients", "optimizer state"):  # fp32 weights, grads, AdamW
+        assert row(bf16, k) == row(base, k)
+    half = dry_run("model.dtype=bfloat16", out_dir)      # 16-bit weights: every part halves
+    for k in ("weights", "gradients", "optimizer state", "activations (rough)"):
+        assert row(half, k) == pytest.approx(row(base, k) / 2, abs=0.1), k
+    assert not any(tmp_path.iterdir())
+
+
+def test_deepspeed_bf16_keeps_fp32_moments_and_a_master_copy(tmp_path):
+    out = dry_run("hardware=deepspeed", "hardware.precision=bf16", f"run.output_dir={tmp_path}")
+    (total, trainable) = map(lambda x: int(x.replace(",", "")),
+                             re.findall(r"│ policy\s*│\s*([\d,]+) │\s*([\d,]+) │", out)[0])
+    assert row(out, "weights") == round(total * 2 / MIB, 1)             # bf16 weights
+    assert row(out, "optimizer state") == round(trainable * 12 / MIB, 1)  # 2 fp32 moments + master

@@ -1,0 +1,136 @@
+"""Memory knobs: trainer.micro_batch_tokens (rows packed under a padded-token budget; the
+update equals one micro-batch's), model.gradient_checkpointing (same gradients, fewer
+saved activations), hardware.precision=bf16 on the torch backend (autocast forward,
+fp32 weights and AdamW state), and the CLI path of all three."""
+import copy
+
+import pytest
+import torch
+
+from rlctl.dist.backends import TorchBackend
+from rlctl.models.forward import enable_gradient_checkpointing, learner_forward
+from rlctl.train.update import UpdateState, accumulate_gradients, micro_batches
+from test_engine_update import MODES, _batch, _settings, tiny  # noqa: F401  (fixture reused)
+
+
+
+def test_micro_batches_by_hand():
+    """row_len [3, 7, 1, 5, 7], P = 2, budget 20: longest first (rows 1, 4, 3, 0, 2);
+    [1, 4] = 2 x (2 + 7) = 18; + row 3 would be 27 -> [3, 0] = 2 x (2 + 5) = 14; + row 2
+    would be 21 -> [2] = 3."""
+    got = micro_batches(torch.tensor([3, 7, 1, 5, 7]), 2, tokens=20)
+    assert [m.tolist() for m in got] == [[1, 4], [3, 0], [2]]
+    got = micro_batches(torch.tensor([3, 7, 1, 5, 7]), 2, size=1, tokens=20)   # both limits
+    assert [m.tolist() for m in got] == [[1], [4], [3], [0], [2]]
+    got = micro_batches(torch.tensor([3, 7]), 2, tokens=5)                     # a row over budget: alone
+    assert [m.tolist() for m in got] == [[1], [0]]
+    got = micro_batches(torch.tensor([3, 7, 1]), 2, tokens=20, width=7)        # untrimmed width
+    assert [m.tolist() for m in got] == [[1, 0], [2]]
+
+
+def test_micro_batches_respect_the_budget():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        row_len = torch.randint(0, 30, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g)
+        P, budget = int(torch.randint(1, 10, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g))
+        parts = micro_batches(row_len, P, tokens=budget)
+        assert sorted(torch.cat(parts).tolist()) == list(range(len(row_len)))   # each row once
+        for m in parts:
+            assert len(m) == 1 or len(m) * (P + max(int(row_len[m].max()), 1)) <= budget
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_token_budget_update_equals_one_micro_batch(tiny, mode):  # noqa: F811
+    """float64 model: several budgeted micro-batches give the one-batch gradient to 1e-6.
+    Not tighter because transformers runs Llama's RMSNorm in float32 even in a float64
+    model, and micro-batches trimmed to other widths reduce in another order (measured
+    9e-8 at most), far below the gradient's scale (its entries reach O(1))."""
+    model = copy.deepcopy(tiny[0]).double()
+    batch = _batch(tiny[1])
+    row_len = batch.mask.sum(-1).long()
+    budget = 2 * (batch.prompt_len + 5)
+    assert len(micro_batches(row_len, batch.prompt_len, tokens=budget)) >= 3
+    grads = []
+    for tokens in (0, budget):
+        s = _settings(mode, 0)
+        s.micro_batch_tokens = tokens
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, batch, s, UpdateState())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
+
+
+def _grads_and_saved(model, batch, share):
+    """(gradients, bytes saved for backward outside checkpointed regions) of one forward +
+    backward; the bytes come from a saved-tensor hook (checkpointed layers save through
+    their own hooks and keep only their inputs), each tensor counted once."""
+    saved = {}
+
+    def pack(t):
+        saved[(t.data_ptr(), tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        f = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len,
+                            share_prompts=share)
+    (f.logp * batch.mask).sum().backward()
+    return [p.grad.clone() for p in model.parameters()], sum(saved.values())
+
+
+def test_gradient_checkpointing_same_gradients_less_saved(tiny):  # noqa: F811
+    """Same gradients as the full forward (float64; the recomputation is the same
+    arithmetic: 1e-10), also when prompt sharing is asked for (skipped under
+    checkpointing: its layers would drop the cache), and fewer bytes kept for backward."""
+    plain = copy.deepcopy(tiny[0]).double().train()
+    ckpt = copy.deepcopy(plain)
+    enable_gradient_checkpointing(ckpt)
+    batch = _batch(tiny[1])
+    g_plain, bytes_plain = _grads_and_saved(plain, batch, share=False)
+    g_ckpt, bytes_ckpt = _grads_and_saved(ckpt, batch, share=True)
+    for a, b in zip(g_ckpt, g_plain):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    assert bytes_ckpt < 0.7 * bytes_plain, (bytes_ckpt, bytes_plain)
+
+
+def test_bf16_autocast_keeps_fp32_weights_and_adam_state(tiny):  # noqa: F811
+    model = copy.deepcopy(tiny[0]).float()
+    before = [p.detach().clone() for p in model.parameters()]
+    backend = TorchBackend("cpu", precision="bf16")
+    module = backend.prepare(model, None, 1e-2, (0.9, 0.999), 0.0, 0, 1.0)
+    assert backend.unwrap() is model and module is not model
+    seen = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    batch = _batch(tiny[1])
+    batch.advantages = batch.advantages.float()
+    accumulate_gradients(module, batch, _settings("token-mean", 0), UpdateState(), backend=backend)
+    hook.remove()
+    assert seen and all(d == torch.bfloat16 for d in seen)            # the forward ran in bf16
+    norm = backend.step()
+    assert torch.isfinite(norm) and norm > 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    state = [s for s in backend.optimizer.state.values()]
+    assert state and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in state)
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))   # it trained
+
+
+@pytest.fixture
+def train(tmp_path, rlctl_app):
+    """`rlctl train` with the knobs, through the Typer app in-process."""
+    return lambda *overrides: rlctl_app(
+        "train", "logger=none", "trainer.steps=2", "trainer.prompts_per_step=2", "algo.group_size=2",
+        "trainer.eval_every=0", "run.save_model=false", f"run.output_dir={tmp_path}", *overrides)
+
+
+def test_cli_runs_with_all_three_knobs(train):
+    proc = train("model.gradient_checkpointing=true", "hardware.precision=bf16",
+                  "trainer.micro_batch_tokens=24")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_bad_token_budget_is_one_line(train):
+    proc = train("trainer.micro_batch_tokens=-1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "trainer.micro_batch_tokens" in lines[0], proc.stderr

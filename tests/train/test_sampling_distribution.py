@@ -1,0 +1,75 @@
+"""The sampler's distribution is the learner's: softmax(logits / rollout.temperature).
+
+Training refuses rollout.top_k > 0 (rlctl/rollout/generate.py says why); eval and rollout
+may still use it."""
+import pytest
+import torch
+
+from rlctl.config.compose import compose
+from rlctl.errors import UserError
+from rlctl.models.forward import learner_forward
+from rlctl.models.loading import load_model_and_tokenizer
+from rlctl.rollout.generate import generate, rollout
+from rlctl.types import Example
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model_and_tokenizer("tiny", **{k: v for k, v in dict(compose([]).cfg.model).items()
+                                               if k != "name"})
+
+
+PROMPTS = [Example("3 1 4 1 5 ="), Example("9 2 6 ="), Example("5 3 5 8 9 7 =")]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_behaviour_logprobs_equal_the_learners_recomputation(tiny, temperature):
+    """Each sampled token's log-prob recorded at generation (from the sampling loop's own
+    logits) equals the learner's forward with the same temperature. Both are float32 on
+    the same weights, the first through the incremental KV-cache loop, the second in one
+    full forward: they differ only by rounding (measured ~1e-6; bound 1e-4)."""
+    model, tok = tiny
+    torch.manual_seed(0)
+    b = rollout(model, tok, PROMPTS, 4, 7, temperature, 0, lambda ex, c: [0.0] * len(c),
+                behaviour_logprobs=True)
+    with torch.no_grad():
+        f = learner_forward(model, b.input_ids, b.attention_mask, b.prompt_len, temperature)
+    m = b.mask > 0
+    assert m.sum() > 20
+    assert torch.allclose(b.old_logprobs[m], f.logp[m], atol=1e-4, rtol=0)
+    with torch.no_grad():            # the other temperature gives other log-probs: the check can fail
+        g = learner_forward(model, b.input_ids, b.attention_mask, b.prompt_len, 1.0)
+    assert (g.logp[m] - f.logp[m]).abs().max() > 1e-2
+
+
+def test_first_tokens_are_drawn_from_the_learners_distribution(tiny):
+    """8000 one-token samples of one prompt at temperature 0.7: their frequencies match
+    exp(learner log-probs) of every token. Each frequency has a standard deviation of at
+    most sqrt(0.25 / 8000) = 0.0056, so a 0.03 bound (over 5 sigma) fails only on a real
+    mismatch; the full softmax at temperature 1 differs from it by more than that."""
+    model, tok = tiny
+    torch.manual_seed(1)
+    n, T = 8000, 0.7
+    seqs, _, P = generate(model, tok, [PROMPTS[0].prompt] * n, 1, do_sample=True, temperature=T)
+    freq = torch.bincount(seqs[:, P], minlength=len(tok)).double() / n                 # [V]
+    enc = tok([PROMPTS[0].prompt], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**enc).logits[0, -1].double()                                  # [V]
+    p = torch.softmax(logits / T, -1)
+    assert (freq[:p.numel()] - p).abs().max() < 0.03
+    assert (torch.softmax(logits, -1) - p).abs().max() > 0.03
+
+
+def test_training_refuses_top_k(make_trainer):
+    with pytest.raises(UserError, match=r"rollout.top_k=5 is for rlctl eval and rollout only"):
+        make_trainer(["rollout.top_k=5", "trainer.eval_every=0"])
+
+
+def test_rlctl_train_with_top_k_is_one_line_and_exit_2(tmp_path, rlctl_app):
+    # through the Typer app in-process: the same message and exit code as the console script
+    out = rlctl_app("train", "rollout.top_k=5", "trainer.steps=1", "logger=none",
+                    f"run.output_dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "rollout.top_k=5" in lines[0] and "rollout.top_k=0" in lines[0]
+    assert "Traceback" not in out.stderr
+    assert not any(tmp_path.glob("*-grpo-*")), "refused before a run directory is made"
