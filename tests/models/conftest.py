@@ -2,10 +2,12 @@
 test run into the run's temporary directory (``build_once``, tests/conftest.py: one
 worker builds, the others reuse). (Threads are pinned to 1 by tests/conftest.py.)"""
 import os
+from dataclasses import fields
 
 import pytest
 from omegaconf import OmegaConf
 
+from rlctl.config.schema import ModelConfig
 from rlctl.demo.tiny import build_tiny
 
 TINY_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "rlctl", "config", "conf", "model",
@@ -14,8 +16,10 @@ TINY_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "rlctl", "config
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    """The shipped tiny-model config (so the tests check the calibrated values)."""
-    cfg = OmegaConf.to_container(OmegaConf.load(TINY_YAML))
+    """The shipped tiny-model config, schema defaults under model/tiny.yaml (so the tests
+    check the calibrated values)."""
+    cfg = {f.name: f.default for f in fields(ModelConfig)}
+    cfg.update(OmegaConf.to_container(OmegaConf.load(TINY_YAML)))
     return {k: cfg[k] for k in ("hidden_size", "num_layers", "num_heads", "warmup_steps",
                                 "warmup_lr")}
 

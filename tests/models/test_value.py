@@ -4,10 +4,24 @@ import copy
 import pytest
 import torch
 
-from rlctl.models.value import (VALUE_HEAD_FILE, PolicyValueModel, SeparateCritic, completion_values)
+from rlctl.models.value import VALUE_HEAD_FILE, PolicyValueModel, SeparateCritic
 from rlctl.rollout.generate import generate, position_ids_from_mask
 
 PROMPTS = ["3 1 2 =", "9 =", "5 4 8 7 ="]
+
+
+def completion_values(values_full: torch.Tensor, prompt_len: int,
+                      num_tokens: int | None = None) -> torch.Tensor:
+    """[N, L] -> [N, T]: column t is V(s_t), at ``prompt_len - 1 + t`` (``num_tokens=T`` for
+    a forward on the whole sequence)."""
+    if prompt_len < 1:
+        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+    start = prompt_len - 1
+    end = values_full.shape[1] if num_tokens is None else start + num_tokens
+    if end > values_full.shape[1]:
+        raise ValueError(f"num_tokens {num_tokens} needs {end} positions, have "
+                         f"{values_full.shape[1]}")
+    return values_full[:, start:end]
 
 
 @pytest.fixture()

@@ -19,7 +19,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassif
                           PreTrainedTokenizerFast)
 
 from rlctl.demo import tiny
-from rlctl.models.value import SeparateCritic, completion_values
+from rlctl.models.value import SeparateCritic
 from rlctl.rm.learned import (LearnedRewards, RewardModel, RunningNorm,
                                       build_learned_rewards)
 from rlctl.tasks.scoring import RewardScorer
@@ -358,7 +358,7 @@ def test_critic_from_the_reward_model_starts_at_the_score_without_the_final_toke
     mask = torch.ones_like(ids)
     with torch.no_grad():
         values = critic(ids[:, :-1], mask[:, :-1], (mask[:, :-1].cumsum(-1) - 1))  # [1, L-1]
-        last = float(completion_values(values, plen)[0, -1])
+        last = float(values[0, -1])           # V(s_{T-1}): the prompt and all but the last token
         without_final = float(rm.load()(input_ids=ids[:, :-1]).logits[0, 0])
         whole = float(rm.load()(input_ids=ids).logits[0, 0])
     # float64 forwards of the same ids; the value head is float32: relative 1e-6 bounds it
