@@ -88,10 +88,8 @@ def reinforce_baseline_advantages(rewards: torch.Tensor, eps: float = 0.0,
     return reinforce_advantages(rewards, eps, baseline="batch_mean")
 
 
-def get_advantage_estimator(name: str):
-    """Estimator by config name ("-" and "_" interchangeable) or import path
-    "package.module:function"; ValueError listing the valid names if unknown."""
-    return ADVANTAGE_ESTIMATORS.get(name)
+# by config name ("-" and "_" interchangeable) or "package.module:function"; ValueError if unknown
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
 
 
 def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -105,12 +103,9 @@ def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int,
                      penalty: float = 1.0) -> torch.Tensor:
-    """DAPO's soft overlong punishment, added to the task reward. lengths [N] -> [N].
-
-    0 for L <= max_len - buffer; (max_len - buffer - L) / buffer * penalty inside the
-    buffer (linear from 0 to -penalty at L = max_len); -penalty beyond max_len.
-    buffer == 0 is a hard cliff at max_len. float32 (float64 kept).
-    """
+    """DAPO's soft overlong punishment, added to the task reward. lengths [N] -> [N]: 0 for
+    L <= max_len - buffer, (max_len - buffer - L) / buffer * penalty inside the buffer,
+    -penalty beyond max_len (buffer 0: a cliff)."""
     if buffer < 0 or buffer > max_len:
         raise ValueError(f"overlong buffer must be in [0, max_len={max_len}], got {buffer}")
     length = upcast(lengths)  # [N]

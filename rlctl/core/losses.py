@@ -1,18 +1,14 @@
 """Policy, value and KL loss terms, their aggregation and the KL-coefficient controllers
-(docs/math.md, sections 4 to 8, has the formulas). Per-token losses return ([N, T], metrics).
+(formulas: docs/math.md, sections 4 to 8). Per-token losses return ([N, T], metrics).
 
 - PPO clip (Schulman et al., 2017) with DAPO's asymmetric clips and the dual clip (Ye et
   al., 2020: c > 1 caps A < 0 at -A c); vanilla PG (Williams, 1992); GSPO-token (Zheng et
-  al., 2025: one sequence ratio, clipped per sequence); CISPO (MiniMax-M1, 2025: a clipped,
-  detached weight); value loss with PPO2's optional clipping (as CleanRL).
-- Every policy loss emits policy/clip_frac_low, clip_frac_high, clip_frac, clip_frac_dual
-  and approx_kl (masked mean of k3(old -> new)).
-- KL estimators k1, k2, k3 (Schulman, 2020); ``KL_DEFAULT_ESTIMATOR`` gives each placement
-  the one whose gradient follows a KL, ``KL_PLACEMENT_NOTES`` warns for the others.
-- Aggregation (verl's `loss_agg_mode`): aggregate = aggregate_sum / agg_denominator, so
-  micro-batch sums over the full denominator equal the whole.
-- Registries ``POLICY_LOSSES``, ``KL_ESTIMATORS`` (verl's names as aliases), ``LOSS_TERMS``
-  (fn(logp, entropy, mask) -> [N, T], times ``algo.<name>_coef``).
+  al., 2025); CISPO (MiniMax-M1, 2025); value loss with PPO2's optional clipping.
+- Every policy loss emits policy/clip_frac_low, _high, clip_frac, clip_frac_dual, approx_kl.
+- KL estimators k1, k2, k3 (Schulman, 2020); ``KL_DEFAULT_ESTIMATOR`` per placement.
+- aggregate = aggregate_sum / agg_denominator (verl's `loss_agg_mode`): micro-batch sums
+  over the full denominator equal the whole.
+- ``LOSS_TERMS``: fn(logp, entropy, mask) -> [N, T], times ``algo.<name>_coef``.
 
 Departures: the log-ratio is 0 off the mask and clamped to +-20 before exp; advantages, old
 log-probs, old values and returns are detached here."""
@@ -207,10 +203,8 @@ def cispo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     return torch.where(m, loss, 0.0), _clip_metrics(log_ratio, mask, low, high)
 
 
-def get_policy_loss(name: str):
-    """Per-token policy loss by config name ("-" and "_" interchangeable) or import path
-    "package.module:function"; ValueError listing the valid names if unknown."""
-    return POLICY_LOSSES.get(name)
+# by config name ("-" and "_" interchangeable) or "package.module:function"; ValueError if unknown
+get_policy_loss = POLICY_LOSSES.get
 
 
 # ---- value loss -------------------------------------------------------------------------

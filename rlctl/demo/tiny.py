@@ -1,16 +1,8 @@
-"""The embedded tiny model: a small Llama plus a word-level tokenizer, built locally (no
-download) and cached in ``tiny-<hash>``, the hash of every input that affects the weights.
-
-``build_tiny`` initialises a ``LlamaForCausalLM`` with a fixed seed and gives it a brief
-supervised warm-up (AdamW, loss on the completion tokens) on the training split of the
-default task (seed 1234; never its eval split), so the policy knows the answer *format* but
-not yet the skill. Sorting: the answer is the sorted digits for a share
-``WARMUP_SORTED_FRAC`` of the prompts, a random permutation of them otherwise (plain SFT
-learns format and skill at the same pace). Arithmetic (``model.warmup_task=arithmetic``):
-2-digit addition, plain SFT stopped early (batch 256, ``warmup_steps * 2.5`` steps), where
-part of the skill is there. Calibration: docs/benchmarks.md (tiny-model warm-ups).
-The write is atomic (``build_cached``): concurrent builders never see a half-written model.
-"""
+"""The embedded tiny model: a seeded small Llama and a word-level tokenizer, built locally
+and cached atomically in ``tiny-<hash>`` (the hash of every input that affects the weights).
+A brief warm-up on the default task's training split teaches the answer format, not the
+skill: sorting answers are sorted for a share ``WARMUP_SORTED_FRAC``, else permuted;
+arithmetic is 2-digit addition, SFT stopped early (calibration: docs/benchmarks.md)."""
 from __future__ import annotations
 
 import hashlib
@@ -132,15 +124,10 @@ def train_on_rows(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Te
     return losses
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("RLCTL_CACHE") or Path.home() / ".cache" / "rlctl")
-
-
 def build_params(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                  warmup_steps: int = 0, warmup_lr: float = 1e-3, seed: int = 0,
                  warmup_num_digits: int = 5, warmup_task: str = "sorting") -> Dict[str, object]:
-    """Everything that determines the built model (the cache key hashes this). The
-    sorting warm-up adds no key, so its cache keys are those of before warm-up tasks."""
+    """Everything that determines the built model (the cache key hashes this)."""
     params = {"code_version": CODE_VERSION, "hidden_size": int(hidden_size),
             "num_layers": int(num_layers), "num_heads": int(num_heads),
             "warmup_steps": int(warmup_steps), "warmup_lr": float(warmup_lr),
@@ -187,9 +174,8 @@ def _warmup_data(params: Dict[str, object]):
 
 def warm_up_and_save(directory: Path, params: Dict[str, object], tokenizer, rows,
                      steps: int, batch_size: int) -> Dict[str, object]:
-    """The model of ``params`` trained ``steps`` steps on ``rows`` (``rows()`` gives the
-    padded batch), saved with its tokenizer and ``rlctl_tiny.json`` (``params`` and build
-    facts) into ``directory``; returns that metadata."""
+    """The model of ``params`` trained ``steps`` steps on ``rows()`` (the padded batch), saved
+    with its tokenizer and ``rlctl_tiny.json`` into ``directory``; returns that metadata."""
     t0 = time.perf_counter()
     model = build_model(tokenizer, params["hidden_size"], params["num_layers"],
                         params["num_heads"], params["seed"])
@@ -234,18 +220,19 @@ def build_tiny(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
     any other registered task (e.g. jsonl, the default ``${task.name}``) means sorting."""
     params = build_params(hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed,
                           warmup_num_digits, resolve_warmup_task(warmup_task))
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    final, meta = build_cached(root, cache_key(params), lambda tmp: _build_into(tmp, params))
+    final, meta = build_cached(cache_dir, cache_key(params), lambda tmp: _build_into(tmp, params))
     if meta is not None:
         log.info("built tiny model in %.1f s (%d params, %d warm-up steps): %s",
                  meta["build_seconds"], meta["num_parameters"], params["warmup_steps"], final)
     return final
 
 
-def build_cached(root: Path, name: str, build):
-    """(root / name, what ``build(tmp_dir)`` returned, or None when the directory was
-    already there or a concurrent builder won). The build goes into a temporary sibling
-    that is renamed into place (atomic), so a reader never sees a half-written model."""
+def build_cached(cache_dir: Optional[os.PathLike], name: str, build):
+    """(root / name, what ``build(tmp_dir)`` returned or None when already built), root
+    ``cache_dir`` or ``$RLCTL_CACHE`` or ``~/.cache/rlctl``; built in a temporary sibling
+    renamed into place (atomic), so a reader never sees a half-written model."""
+    root = Path(cache_dir).expanduser() if cache_dir else Path(
+        os.environ.get("RLCTL_CACHE") or Path.home() / ".cache" / "rlctl")
     final = root / name
     if final.is_dir():
         return final, None

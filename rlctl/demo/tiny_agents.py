@@ -1,16 +1,9 @@
-"""The embedded tiny model for the built-in multi-turn environments (calculator,
-guess_number, running_sum): the tokenizer ``build_tokenizer(TINY_AGENT_WORDS)`` (the default
-words keep their ids) and a supervised warm-up (AdamW, ``warmup_lr``) on transcripts that
-a scripted policy plays against the environment itself (its default task, training rows
-only), so that the turns' *format* exists at step 0, not the skill. Transcripts are laid out
-as the episode loop lays them out: ``<bos>`` prompt, each model turn and its ``<eos>`` (none
-after a turn cut at a stop string), each observation; the loss is on model turns only.
-The scripted policies: calculator calls ``<call> calc EXPR </call>`` with probability
-``call_frac`` and copies the result, else answers directly (~never exact); guess_number
-guesses within the range the answers leave with probability ``narrow_frac`` per turn (legal,
-not binary search); running_sum answers right with probability ``correct_frac``.
-The cache key covers every parameter, ``AGENT_CODE_VERSION`` and a digest of the
-transcripts. Calibration of ``AGENT_WARMUPS``: docs/benchmarks.md (tiny-model warm-ups)."""
+"""The tiny models of the built-in multi-turn environments (calculator, guess_number,
+running_sum): ``build_tokenizer(TINY_AGENT_WORDS)`` and a warm-up on transcripts a scripted
+policy plays against the environment (training rows only, laid out as the episode loop lays
+them out, loss on model turns), so the turns' format exists at step 0, not the skill. The
+cache key covers every parameter, ``AGENT_CODE_VERSION`` and the transcripts' digest
+(calibration of ``AGENT_WARMUPS``: docs/benchmarks.md)."""
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +17,7 @@ import torch
 
 from rlctl.envs.calc import TINY_AGENT_WORDS, spell
 from rlctl.demo.tiny import (MAX_POSITIONS, build_cached, build_params, build_tokenizer,
-                               cache_key, default_cache_dir, pad_rows, warm_up_and_save)
+                             cache_key, pad_rows, warm_up_and_save)
 from rlctl.tasks import build_task
 from rlctl.types import Turn
 
@@ -58,7 +51,10 @@ def _random_like(n: int, rng: random.Random) -> str:
     return spell(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width))
 
 
-# ---- scripted policies: (transcript so far, settings, rng) -> the next model turn's text ----
+# ---- scripted policies: (transcript so far, settings, rng) -> the next model turn's text:
+# calculator calls the tool with probability call_frac and copies the result, else answers;
+# guess_number guesses inside the range the answers leave with probability narrow_frac;
+# running_sum answers right with probability correct_frac.
 
 def calculator_policy(tr: Transcript, opts, rng: random.Random) -> str:
     expr = tr[0][1].split()
@@ -207,8 +203,8 @@ def build_agent_tiny(name: str, hidden_size: int = 128, num_layers: int = 2,
     """Directory of the agent tiny model of task ``name``, built on first use and cached
     beside the others (``tiny-<hash>``)."""
     params = agent_params(name, hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed)
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    final, meta = build_cached(root, cache_key(params), lambda tmp: _build_agent_into(tmp, params))
+    final, meta = build_cached(cache_dir, cache_key(params),
+                               lambda tmp: _build_agent_into(tmp, params))
     if meta is not None:
         log.info("built tiny %s model in %.1f s (%d warm-up steps): %s", name, meta["build_seconds"],
                  int(round(params["warmup_steps"] * params["warmup_steps_scale"])), final)

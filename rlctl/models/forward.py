@@ -1,12 +1,6 @@
-"""The learner's forward pass: token log-probs, entropy and (with a critic) values.
-
-Fused head (``fused_head``): log-probs from the final hidden states through
-`rlctl.core.logprobs.chunked_token_logprobs`, never all [N, T, V] logits; a head that is
-not a plain ``nn.Linear``, a ZeRO-3 weight, no ``logits_to_keep``, or logits that are not
-the head's output (rlctl/models/head_check.py) keep the full logits. Prompt sharing
-(rlctl/models/kv_share.py): each distinct prompt runs once, its cache indexed out to every
-row (not with gradient checkpointing); a model whose module state sees left padding
-(RecurrentGemma) runs unshared and unpadded (``_unpadded``)."""
+"""The learner's forward pass: token log-probs, entropy and (with a critic) values, from the
+final hidden states through `rlctl.core.logprobs.chunked_token_logprobs` when the head allows
+(``fused_head``), each distinct prompt run once (rlctl/models/kv_share.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,13 +8,12 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from rlctl.core.logprobs import chunked_token_logprobs
-from rlctl.core.logprobs import entropy_from_logits, token_logprobs
+from rlctl.core.logprobs import chunked_token_logprobs, entropy_from_logits, token_logprobs
 from rlctl.models.head_check import VERDICTS as HEAD_VERDICTS, head_matches
 from rlctl.models.kv_share import (cache_keyword, cache_of, detach_module_state,
-                                   distinct_rows, forward_takes, index_rows, innermost, regroup,
-                                   state_in_modules, unpadded_notice)
-from rlctl.models.kv_share import position_ids_from_mask
+                                   distinct_rows, forward_takes, index_rows, innermost,
+                                   position_ids_from_mask, regroup, state_in_modules,
+                                   unpadded_notice)
 
 
 @dataclass(frozen=True)
@@ -46,9 +39,8 @@ def prompt_sharing(enabled: bool, backend) -> bool:
 
 
 def fused_head(model, inputs: Optional[dict] = None) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-    """(weight [V, H], bias [V] or None) of the LM head when log-probs can be computed from the
-    final hidden states exactly; None: use the full logits. Structural checks, then
-    ``rlctl.models.head_check`` once per model on the first ``inputs``."""
+    """(weight [V, H], bias [V] or None) of a plain ``nn.Linear`` LM head whose output the
+    logits are (``rlctl.models.head_check``, once per model); None: use the full logits."""
     inner = innermost(model)
     if not forward_takes(model, "logits_to_keep"):
         return None
@@ -89,13 +81,10 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     prompt_len: int, temperature: float = 1.0, with_entropy: bool = False,
                     critic=None, share_prompts: Union[bool, PromptGroups] = False,
                     entropy_grad: bool = False, fused: bool = True) -> Forward:
-    """One policy forward for log-probs and entropy (and values, with a shared head).
-
-    Completion token t is scored by position P-1+t (logits[:, P-1:] of the input without its
-    last token); values[:, t] = V(prompt + first t completion tokens). ``critic``: a separate
-    value model on the same inputs (never prompt-shared). ``share_prompts``: False, True, or
-    the rows' ``PromptGroups``. ``entropy_grad``: keep the entropy's graph. ``fused``: False
-    for the full [N, T, V] logits."""
+    """One policy forward: completion token t scored at position P-1+t, values[:, t] =
+    V(prompt + first t tokens) from the shared head or ``critic`` (never prompt-shared).
+    ``share_prompts``: False, True or the rows' ``PromptGroups`` (not under gradient
+    checkpointing; a ``state_in_modules`` model runs unshared and unpadded)."""
     P = prompt_len
     inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                   position_ids=position_ids_from_mask(attention_mask[:, :-1]))
@@ -158,9 +147,8 @@ def _logprobs(scores, head, tokens, temperature, with_entropy, entropy_grad):
 
 
 def _unpadded(run, inputs, P: int, model) -> tuple:
-    """``run(**inputs)``'s outputs from position P-1 on ([N, T, ...]), computed without left
-    padding: one forward per pad width (a host sync), so a prompt's result does not depend on
-    the batch's other prompts (RecurrentGemma's convolution reads the pads)."""
+    """``run(**inputs)``'s outputs from position P-1 on ([N, T, ...]), one forward per pad width
+    without the pads (RecurrentGemma's convolution reads them)."""
     unpadded_notice(model)
     pads = (inputs["attention_mask"].long().cumsum(-1) == 0).sum(-1)                # [N]
     order, parts = [], []
@@ -180,10 +168,9 @@ def _values(out) -> Optional[torch.Tensor]:
 
 
 def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, groups=None, extra=None):
-    """(scores [N, T, V] logits or [N, T, H] hidden states, values [N, T] or None) from one
-    prompt forward per distinct prompt plus one completion forward over the indexed cache.
-    The completion forward never runs a single token (hybrid layers' one-step decode path
-    overwrites the state in place): with T = 2 the prompt forward stops one token short."""
+    """(scores [N, T, V|H], values [N, T] or None): one forward per distinct prompt, then one
+    over the completions on the indexed cache, never of a single token (a hybrid layer's
+    one-step path overwrites its state in place): with T = 2 the prompt stops one short."""
     extra = extra or {}
     first, inv = groups if groups is not None else \
         distinct_rows(input_ids[:, :P], attention_mask[:, :P])                    # [U], [N]

@@ -1,11 +1,8 @@
-"""Whether a model's logits are its LM head applied to its final hidden state, checked once
-per model on one row (``rlctl.models.forward.fused_head``): the fused log-probs score
-``lm_head(hidden_states[-1])``, the sampler the model's own logits, so a soft-cap or scale
-after the head must send the learner to the full logits. Tolerance per logit, with u_low /
-u_acc the unit roundoff of the lowest dtype / the accumulator and (|W||h|)_v = sum_i |w_vi h_i|:
+"""Whether a model's logits are its LM head on its final hidden state (else a soft-cap or
+scale sends the learner to the full logits), once per model on one row, per logit with u_low
+/ u_acc the unit roundoff of the lowest dtype / accumulator, (|W||h|)_v = sum_i |w_vi h_i|:
     |fused_v - own_v| <= 2 ((2 u_low + H u_acc) (|W||h|)_v + u_low |z_v|),
-and a forward hook checks that the head ran on the final hidden state and the logits are its
-output up to a cast (the bound can admit a mild multiplier under bf16)."""
+and a hook checks that the head ran on the final hidden state, its output the logits."""
 from __future__ import annotations
 
 import logging

@@ -1,7 +1,5 @@
-"""Checks of a model directory's files that load nothing (no torch): a LoRA adapter given
-for a whole model, an unreadable .safetensors header, tokenizer ids beyond the input
-embeddings, a `rlctl reward-model train` run directory. Each problem is one line; the
-callers raise it."""
+"""Checks of a model directory's files that load nothing (no torch), each problem one line
+for the caller to raise."""
 from __future__ import annotations
 
 import json

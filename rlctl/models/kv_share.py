@@ -1,11 +1,6 @@
-"""A model's forward on left-padded rows: positions, and one prompt's key/value cache shared
-across the rows that repeat it.
-
-The G completions of a group share one prompt: the rollout's prefill and the learner's
-forward run each distinct prompt once and index its cache out to every row (exact under
-causal attention). Hybrid models' conv windows and recurrent states (Qwen3-Next, LFM2,
-Falcon-H1) are gathered alike. Models that keep their state in their own modules
-(RecurrentGemma) or whose forward takes no cache stay on the plain path."""
+"""Forwards on left-padded rows: positions, and each distinct prompt's cache (keys/values,
+hybrid conv and recurrent states) computed once and indexed out to the rows that repeat it
+(exact under causal attention); models without a cache (RecurrentGemma) stay plain."""
 from __future__ import annotations
 
 import functools
@@ -154,10 +149,8 @@ class _ReplacingCache(DynamicCache):
 
 
 def index_rows(cache, rows: torch.Tensor, grad: bool = False):
-    """The cache with every layer's rows gathered ([U, ...] -> [len(rows), ...]): keys/values
-    and conv/recurrent states alike, via the differentiable per-layer ``reorder_cache``
-    (``batch_select_indices`` would skip the hybrid states). ``grad``: for a forward
-    differentiated through the states (hybrid: a ``_ReplacingCache``)."""
+    """The cache with every layer's rows, hybrid states included, gathered ([U, ...] ->
+    [len(rows), ...]); ``grad``: for a forward differentiated through the states."""
     gather = getattr(cache, "reorder_cache", None)
     if gather is None:                 # a cache type without the per-layer row gather
         cache.batch_select_indices(rows)

@@ -1,6 +1,5 @@
-"""Load a causal LM and its tokenizer: the embedded tiny model or any HF checkpoint.
-Tokenizers come back with ``padding_side="left"`` and a pad token (EOS when the checkpoint
-has none), as batched generation needs. ``disable_dropout``: ``model.disable_dropout``."""
+"""Load a causal LM and its tokenizer (left padding, a pad token): the tiny model or any HF
+checkpoint; ``disable_dropout`` for ``model.disable_dropout``."""
 from __future__ import annotations
 
 import importlib
@@ -153,12 +152,9 @@ def _configs(model: nn.Module) -> Iterator:
 
 
 def disable_dropout(model: nn.Module) -> int:
-    """``model.disable_dropout``: every dropout probability of ``model`` set to 0 in place (as
-    TRL's), so pi / pi_old = 1 at theta = theta_old although pi_old runs in eval mode and the
-    update in train mode: dropout modules, and floats on modules and (nested) configs named
-    ``*dropout*``, ``*pdrop*``, ``layerdrop`` or a MoE router's train-only jitter (PhiMoE's
-    ``router_jitter_noise`` is read in eval too: kept). Called before adapters exist
-    (``model.lora.dropout`` stays). Returns how many modules, attributes and fields changed."""
+    """Every dropout probability of ``model`` set to 0 in place (as TRL), so pi / pi_old = 1 at
+    theta_old: dropout modules and floats on modules and (nested) configs named ``*dropout*``,
+    ``*pdrop*``, ``layerdrop`` or a router's train-only jitter. Returns how many changed."""
     changed = 0
     for module in model.modules():
         if isinstance(module, (nn.modules.dropout._DropoutNd, nn.AlphaDropout)) and module.p:

@@ -1,7 +1,6 @@
-"""LoRA adapters (peft, imported only by LoRA runs): ``apply_lora`` (base frozen, B at zero,
-so the policy equals the base at step 0; ``[all-linear]``: every linear layer but the head,
-QLoRA, Dettmers et al., 2023), the KL reference as the same model inside
-``disable_adapter()`` (no second copy), ``save_lora`` (adapter, tokenizer, optionally merged)."""
+"""LoRA adapters (peft): base frozen and B at zero, so the policy is the base at step 0
+(``[all-linear]``: QLoRA, Dettmers et al., 2023); the KL reference is the same model inside
+``disable_adapter()``."""
 from __future__ import annotations
 
 import copy

@@ -1,8 +1,5 @@
-"""The stop ids, where a completion ends, computed here and nowhere else (once per run):
-{tokenizer.eos_token_id} | set(generation_config.eos_token_id) | rollout.stop_token_ids
-(chat checkpoints end a turn with e.g. <|im_end|>). ``resolve_stop_ids`` writes the set
-into the generation config, so ``generate`` and saved checkpoints agree. A stop id may
-equal the pad id: the completion mask follows the first stop id, never padding."""
+"""The stop ids, computed here only: {tokenizer EOS} | generation_config.eos_token_id |
+rollout.stop_token_ids, written into the generation config (``resolve_stop_ids``)."""
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence, Tuple

@@ -1,7 +1,6 @@
-"""The PPO critic: a float32 value head (zero at start, ``init_std > 0`` for a random init)
-on a causal LM's final-normed hidden state ``hidden_states[-1]``, the one the LM head reads.
-``PolicyValueModel`` (critic=shared): one backbone pass gives logits and values;
-``SeparateCritic`` (critic=separate): a trainable copy of the backbone with its own head."""
+"""The PPO critic: a float32 value head (zero at start unless ``init_std > 0``) on the final
+hidden state the LM head reads, on the policy's backbone (``PolicyValueModel``) or a copy
+(``SeparateCritic``)."""
 from __future__ import annotations
 
 import copy
@@ -144,10 +143,8 @@ class SeparateCritic(nn.Module):
 
     @classmethod
     def from_sequence_classifier(cls, classifier) -> "SeparateCritic":
-        """A critic from a reward model (``*ForSequenceClassification``, one label): its backbone
-        and a value head initialised from its score head (InstructGPT, Ouyang et al., 2022). A
-        completion's last value V(s_{T-1}) starts at the score without the final token, not at
-        the rollout's reward."""
+        """A critic from a one-label reward model: its backbone, the value head from its score
+        head (InstructGPT, Ouyang et al., 2022)."""
         head = getattr(classifier, "score", None) or getattr(classifier, "classifier", None)
         if not isinstance(head, nn.Linear) or head.out_features != 1:
             raise ValueError(f"{type(classifier).__name__} has no one-output linear score head")

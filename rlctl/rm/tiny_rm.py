@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import transformers
 
-from rlctl.demo.tiny import build_cached, build_tiny, build_tokenizer, default_cache_dir
+from rlctl.demo.tiny import build_cached, build_tiny, build_tokenizer
 from rlctl.rm.settings import RMConfig
 from rlctl.rm.fit import (Pair, classifier_from_lm, fit,
                                      pairwise_accuracy, prepare_for_scoring, score_pairs)
@@ -123,9 +123,8 @@ def cache_key(params: Dict[str, object]) -> str:
 def tiny_reward_model_dir(seed: int = 0, cache_dir: Optional[os.PathLike] = None) -> Path:
     """The tiny sorting reward model's directory (classifier + tokenizer), built atomically once."""
     params = build_params(seed)
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     policy_cache = Path(cache_dir).expanduser() if cache_dir else None
-    final, meta = build_cached(root, cache_key(params),
+    final, meta = build_cached(cache_dir, cache_key(params),
                                lambda tmp: _build_into(tmp, params, policy_cache))
     if meta is not None:
         log.info("built tiny reward model in %.1f s (held-out pairwise accuracy %.3f): %s",

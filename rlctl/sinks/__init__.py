@@ -1,9 +1,5 @@
-"""Metric sinks: console (rich), JSONL, W&B (offline by default), TensorBoard, a null sink.
-
-The trainer holds the one `MultiSink` that `build_sinks` returns; which loggers are on is
-decided there, once (no `if wandb:` branches elsewhere).
-"""
-
+"""Metric sinks: console (rich), JSONL, W&B (offline by default), TensorBoard, a null sink;
+the trainer holds the one `MultiSink` that `build_sinks` returns."""
 from __future__ import annotations
 
 import importlib
@@ -25,14 +21,9 @@ def build_sinks(run_dir: Path | str | None, jsonl: bool, wandb: bool, wandb_mode
                 project: str, name: str, run_config: Mapping[str, Any], console: bool,
                 total_steps: int, console_keys: Sequence[str] = DEFAULT_KEYS,
                 tensorboard: bool = False) -> MultiSink:
-    """The sinks a run asked for, fanned out by one MultiSink (empty = null sink).
-
-    jsonl, wandb and tensorboard write inside `run_dir` (`metrics.jsonl` and `samples.jsonl`,
-    `wandb/`, `tensorboard/`) and are skipped when it is None; the W&B and TensorBoard sinks'
-    modules are imported only when chosen. Only an unknown wandb_mode raises (WandbSink falls
-    back with one warning line). ``run_config``: the resolved config as plain data (the W&B
-    run's config); ``console_keys``: the figures the console shows.
-    """
+    """The sinks a run asked for, fanned out by one MultiSink (empty = null sink). jsonl, wandb
+    and tensorboard write inside `run_dir` (skipped when None); the W&B and TensorBoard
+    modules are imported only when chosen; only an unknown wandb_mode raises."""
     sinks: list[Sink] = []
     if console:
         sinks.append(ConsoleSink(total_steps, console_keys))

@@ -1,14 +1,6 @@
-"""Console progress: a live rich bar on a terminal, plain lines elsewhere.
-
-On a TTY: a rich progress row `bar  step/total  elapsed  eta ETA` with the key figures on
-the line below. Off a TTY (CI logs, `| tee`): no control codes, one line per `print_every`
-steps, e.g. `step 20/100 | reward/mean 0.5125 | length/mean 6.1 | 4.1s<16.4s`. Step 0 is the
-evaluation before training; each figure is the key's latest value; unlogged keys are left out.
-
-samples(): a table (`sample_table`: one line per row, cut to the terminal width), printed
-through the live view's console (above the view), or as plain text off a TTY.
-"""
-
+"""Console progress: on a TTY a live rich bar with the key figures below it; elsewhere one
+plain line per `print_every` steps (`step 20/100 | reward/mean 0.5125 | 4.1s<16.4s`), each
+key's latest value. samples(): a table cut to the terminal width (`sample_table`)."""
 from __future__ import annotations
 
 import math

@@ -1,13 +1,7 @@
 """`metrics.jsonl` and `samples.jsonl`: strict JSON lines, each flushed when written.
-
-metrics.jsonl: one line per log() call, {"step": <int>, "<metric>": <float or null>, ...}
-(values through float(); NaN and +-inf as null, so `jq` reads it and a diverged loss shows
-as null), and summary()'s final {"summary": {...}}. samples.jsonl (SamplesFile, created at
-the first table): one line per sample row, {"table": "train"|"eval", "step": <int>, <the
-row's columns in order>}. `read_jsonl` / `read_samples` read them back (a torn last line is
-skipped; a file that is not UTF-8 is one ValueError naming it).
-"""
-
+metrics: {"step": <int>, "<metric>": <float or null (NaN, +-inf)>, ...} per log(), then
+{"summary": {...}}; samples: {"table", "step", <the row's columns in order>} per row. The
+readers skip a torn last line; a file that is not UTF-8 is one ValueError naming it."""
 from __future__ import annotations
 
 import json

@@ -1,10 +1,6 @@
-"""The metric sink protocol, a null sink and a fan-out that survives broken sinks.
-
-Metric keys follow docs/metrics.md (`reward/mean`, `policy/clip_frac`, ...). Sample rows
-(`samples()`): dicts of JSON values (an episode's `turns`: a list of {role, text, ...}), every
-row with the same keys in the same order, which each sink keeps; `table` is "train" or "eval".
-"""
-
+"""The metric sink protocol, a null sink and a fan-out that survives broken sinks. Metric
+keys: docs/metrics.md. Sample rows: dicts of JSON values with the same keys in the same
+order (an episode's `turns`: a list of {role, text, ...}); `table` is "train" or "eval"."""
 from __future__ import annotations
 
 import sys

@@ -1,11 +1,6 @@
-"""TensorBoard event files under `<run_dir>/tensorboard/`: `tensorboard --logdir runs`.
-
-log(): one scalar per metric (tag = the key); samples(): one markdown table per step (tag
-`samples/<table>`); summary(): a two-column markdown table (tag `summary`) at the last step.
-torch's `SummaryWriter` is created at the first call, so a failure to create it happens
-inside a logging call (MultiSink disables the sink, training goes on).
-"""
-
+"""TensorBoard event files under `<run_dir>/tensorboard/`: a scalar per metric (tag = key),
+a markdown table per sample table (`samples/<table>`) and for the summary (`summary`). The
+writer is made at the first call, so a failure to make it disables only this sink."""
 from __future__ import annotations
 
 import json

@@ -1,16 +1,9 @@
-"""Weights & Biases sink that never hangs or crashes training.
-
-Offline by default: `run_dir/wandb/offline-run-*/run-<id>.wandb` (upload with `wandb sync`),
-no network. Start-up, with at most one warning line: online needs an API key (else wandb
-would prompt forever) and falls back to offline without one or when init fails or times out;
-offline: a failing init leaves the sink a no-op; disabled: no wandb at all.
-
-Invariants (wandb 0.31): one history row per step, committed when a higher step comes and
-before summary() and close() (wandb's late commit would overwrite the summary); a step below
-the last committed one is left out with one warning; the wandb singleton is torn down and
-the environment restored at close(); console="off" (wrapping stdout fights the live view).
-"""
-
+"""Weights & Biases sink that never hangs or crashes training. Offline by default (`wandb
+sync` uploads `run_dir/wandb/offline-run-*`); online without an API key, or when init fails,
+falls back to offline with one warning line; a failing offline init leaves a no-op.
+One history row per step, committed when a higher step comes and before summary() and
+close(); a lower step is left out with one warning; close() tears wandb down and restores
+the environment; console="off" (wrapping stdout fights the live view)."""
 from __future__ import annotations
 
 import json

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlctl.envs.calc import TINY_AGENT_WORDS
-from rlctl.models import load_model_and_tokenizer
+from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.demo import tiny_agents
 from rlctl.models.loading import build_tiny_model
 from rlctl.models.stop_ids import resolve_stop_ids
