@@ -7,7 +7,8 @@ excluded). Every function accepts float32 and bfloat16, computes reductions in f
 (float64 kept), and returns 0, never NaN, for an all-masked row or all-zero mask.
 Losses return `(loss, metrics)` with detached metric tensors. Registries
 (``rlctl.registry.Registry``): ``ADVANTAGE_ESTIMATORS``, ``POLICY_LOSSES``, ``KL_ESTIMATORS``
-and ``LOSS_TERMS``; their ``get`` also takes "package.module:function".
+and ``LOSS_TERMS``; their ``get`` also takes "package.module:function". The names imported
+below are the public API.
 """
 from .advantages import (ADVANTAGE_ESTIMATORS, REINFORCE_BASELINES, broadcast_to_tokens,
                          dr_grpo_advantages, gae, get_advantage_estimator, group_advantages,
@@ -25,20 +26,3 @@ from .losses import (AGG_ALIASES, AGG_MODES, KL_ALIASES, KL_DEFAULT_ESTIMATOR, K
                      register_kl, register_policy_loss, resolve_agg_mode, resolve_kl_estimator,
                      vanilla_pg_per_token, value_loss_per_token)
 from .turns import TURN_REWARD_RULES, place_turn_rewards, turn_weights
-
-__all__ = [
-    "token_logprobs", "entropy_from_logits", "masked_mean", "masked_sum", "masked_whiten",
-    "completion_mask", "counted_width", "chunked_token_logprobs",
-    "kl_estimate", "KL_ESTIMATORS", "KL_ALIASES", "register_kl", "kl_shaped_rewards",
-    "resolve_kl_estimator", "KL_PLACEMENTS", "KL_DEFAULT_ESTIMATOR", "KL_PLACEMENT_NOTES",
-    "AdaptiveKLController", "FixedKLController",
-    "aggregate", "aggregate_sum", "agg_denominator", "resolve_agg_mode", "AGG_MODES",
-    "AGG_ALIASES",
-    "group_advantages", "rloo_advantages", "grpo_advantages", "dr_grpo_advantages",
-    "reinforce_advantages", "register_advantage",
-    "reinforce_baseline_advantages", "REINFORCE_BASELINES", "gae", "broadcast_to_tokens",
-    "ADVANTAGE_ESTIMATORS", "get_advantage_estimator", "overlong_penalty", "zero_std_groups",
-    "ppo_clip_per_token", "vanilla_pg_per_token", "gspo_per_token", "cispo_per_token",
-    "POLICY_LOSSES", "register_policy_loss", "get_policy_loss", "value_loss_per_token",
-    "turn_weights", "place_turn_rewards", "TURN_REWARD_RULES",
-]

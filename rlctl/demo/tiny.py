@@ -46,8 +46,7 @@ ARITH_WARMUP = {"batch_size": 256, "correct_frac": 1.0, "steps_scale": 2.5}
 
 
 def build_tokenizer(extra_words: Sequence[str] = ()):
-    """Word-level tokenizer over digits and a few operators (then ``extra_words``, e.g. the
-    environments' TINY_AGENT_WORDS); prepends <bos>; pads left."""
+    """Word-level tokenizer over digits, operators and ``extra_words``; <bos> first, left pads."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + SYMBOLS + list(extra_words))}
     tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -80,8 +79,7 @@ def build_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, se
 
 def pad_rows(rows: Sequence[Tuple[List[int], List[int]]], pad_id: int
              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, labels) rows -> right-padded (input_ids, attention_mask, labels) [M, L]; labels
-    -100 on padding (and wherever a row's labels say -100: not counted)."""
+    """(ids, labels) rows -> right-padded (input_ids, attention_mask, labels) [M, L]."""
     width = max(len(i) for i, _ in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)
@@ -105,8 +103,7 @@ def completion_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]
 
 def train_on_rows(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
                   steps: int, lr: float, seed: int, batch_size: int) -> List[float]:
-    """``steps`` AdamW steps of cross-entropy on ``labels`` (-100: not counted) over
-    shuffled batches of the rows of ``ids`` [M, L]; returns the losses."""
+    """The losses of ``steps`` AdamW steps of cross-entropy on shuffled batches of rows."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -148,9 +145,7 @@ def cache_key(params: Dict[str, object]) -> str:
 
 
 def _warmup_data(params: Dict[str, object]):
-    """(prompts, answers, batch size) of the warm-up task's training rows: sorting's answer
-    sorted with probability ``warmup_sorted_frac``, else its digits permuted; arithmetic's
-    right with probability ``warmup_correct_frac``, else a random number as wide."""
+    """(prompts, answers, batch size) of the warm-up: answers right with the params' share."""
     rng = random.Random(params["seed"])
     if params.get("warmup_task", "sorting") == "arithmetic":
         task = ArithmeticTask(num_digits=2, ops=["+"], seed=WARMUP_TASK_SEED)
@@ -200,8 +195,7 @@ def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]
 
 
 def resolve_warmup_task(name: Optional[str]) -> str:
-    """The warm-up for ``name``: itself if it has one, sorting for other registered tasks
-    and for a user task by import path (``task.name=myenv.py:make_task``)."""
+    """The warm-up for task ``name``: its own if it has one, else sorting."""
     if name is None or name in WARMUP_TASKS:
         return name or "sorting"
     if name in TASKS or is_import_path(name):
@@ -215,9 +209,7 @@ def build_tiny(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                warmup_steps: int = 0, warmup_lr: float = 1e-3, seed: int = 0,
                warmup_num_digits: int = 5, cache_dir: Optional[os.PathLike] = None,
                warmup_task: str = "sorting") -> Path:
-    """Directory of the tiny model (model + tokenizer), built on first use into ``cache_dir``
-    (default ``$RLCTL_CACHE`` or ``~/.cache/rlctl``). ``warmup_task``: sorting | arithmetic;
-    any other registered task (e.g. jsonl, the default ``${task.name}``) means sorting."""
+    """Directory of the tiny model (model + tokenizer), built on first use (``build_cached``)."""
     params = build_params(hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed,
                           warmup_num_digits, resolve_warmup_task(warmup_task))
     final, meta = build_cached(cache_dir, cache_key(params), lambda tmp: _build_into(tmp, params))

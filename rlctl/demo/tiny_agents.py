@@ -116,9 +116,7 @@ POLICIES: Dict[str, Callable[[Transcript, dict, random.Random], str]] = {
 
 
 def play_scripted(task, example, seed: int, policy, opts, rng, tokenizer) -> Transcript:
-    """One episode of ``policy`` against the task's environment: its transcript. A model
-    turn is ``(MODEL, text)``, or ``(MODEL_CUT, text)`` when it ends with one of the
-    previous step's ``info["stop"]`` strings (the episode loop cuts it there: no ``<eos>``)."""
+    """The transcript of one episode of ``policy``; a turn ending at a stop string is MODEL_CUT."""
     env = task.make_env()
     tr: Transcript = [("prompt", env.reset(example, seed))]
     stops: Tuple[str, ...] = ()      # the first turn has none (as in rlctl.rollout.episodes.loop)
@@ -142,8 +140,7 @@ def play_scripted(task, example, seed: int, policy, opts, rng, tokenizer) -> Tra
 
 def transcript_rows(tokenizer, transcripts: Sequence[Transcript]
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, attention_mask, labels) [M, L]: ``<bos>`` prompt, model
-    turns + ``<eos>`` (labels = ids), observations (labels -100), as episodes are laid out."""
+    """Right-padded (input_ids, attention_mask, labels) [M, L], loss on model turns only."""
     rows = []
     for tr in transcripts:
         ids = list(tokenizer(tr[0][1])["input_ids"])
@@ -162,8 +159,7 @@ def transcript_rows(tokenizer, transcripts: Sequence[Transcript]
 
 
 def warmup_transcripts(name: str, opts, seed: int, tokenizer) -> List[Transcript]:
-    """``opts["episodes"]`` scripted episodes of task ``name`` (its default options), on
-    its training rows in turn (never its eval rows)."""
+    """``opts["episodes"]`` scripted episodes of task ``name`` on its training rows."""
     task, rng = build_task(name), random.Random(seed)
     train = task.train_examples()
     return [play_scripted(task, train[i % len(train)], i, POLICIES[name], opts, rng, tokenizer)
@@ -172,8 +168,7 @@ def warmup_transcripts(name: str, opts, seed: int, tokenizer) -> List[Transcript
 
 def agent_params(name: str, hidden_size: int, num_layers: int, num_heads: int,
                  warmup_steps: int, warmup_lr: float, seed: int) -> Dict[str, object]:
-    """Everything that determines the agent model of task ``name`` (the cache key hashes
-    it), the warm-up transcripts' digest included."""
+    """Everything that determines task ``name``'s agent model, transcripts' digest included."""
     params = build_params(hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed)
     for key in ("warmup_num_digits", "warmup_sorted_frac", "warmup_batch_size"):
         del params[key]          # sorting's settings; the agent warm-up has its own
@@ -200,8 +195,7 @@ def _build_agent_into(directory: Path, params: Dict[str, object]) -> Dict[str, o
 def build_agent_tiny(name: str, hidden_size: int = 128, num_layers: int = 2,
                      num_heads: int = 4, warmup_steps: int = 0, warmup_lr: float = 1e-3,
                      seed: int = 0, cache_dir=None) -> Path:
-    """Directory of the agent tiny model of task ``name``, built on first use and cached
-    beside the others (``tiny-<hash>``)."""
+    """Directory of task ``name``'s agent tiny model, built on first use (``build_cached``)."""
     params = agent_params(name, hidden_size, num_layers, num_heads, warmup_steps, warmup_lr, seed)
     final, meta = build_cached(cache_dir, cache_key(params),
                                lambda tmp: _build_agent_into(tmp, params))

@@ -32,8 +32,7 @@ class PromptGroups:
 
 
 def prompt_sharing(enabled: bool, backend) -> bool:
-    """``trainer.share_prompts`` as it applies on this backend (off under multi-rank ZeRO-3,
-    which needs every rank to run the same forwards)."""
+    """``trainer.share_prompts`` on this backend: off under multi-rank ZeRO-3."""
     zero3 = getattr(backend, "zero_stage", 0) == 3 and getattr(backend, "world_size", 1) > 1
     return bool(enabled) and not zero3
 
@@ -58,8 +57,7 @@ def fused_head(model, inputs: Optional[dict] = None) -> Optional[Tuple[torch.Ten
 
 
 def enable_gradient_checkpointing(model) -> None:
-    """``model.gradient_checkpointing``: Hugging Face activation checkpointing on the
-    policy (non-reentrant, so frozen inputs and LoRA work); ValueError if unsupported."""
+    """Non-reentrant activation checkpointing on the policy; ValueError if unsupported."""
     inner = innermost(model)
     if not getattr(inner, "supports_gradient_checkpointing", False):
         raise ValueError(f"model.gradient_checkpointing: {type(inner).__name__} does not support "
@@ -147,8 +145,7 @@ def _logprobs(scores, head, tokens, temperature, with_entropy, entropy_grad):
 
 
 def _unpadded(run, inputs, P: int, model) -> tuple:
-    """``run(**inputs)``'s outputs from position P-1 on ([N, T, ...]), one forward per pad width
-    without the pads (RecurrentGemma's convolution reads them)."""
+    """``run(**inputs)`` from position P-1 on ([N, T, ...]), one forward per pad width, unpadded."""
     unpadded_notice(model)
     pads = (inputs["attention_mask"].long().cumsum(-1) == 0).sum(-1)                # [N]
     order, parts = [], []

@@ -47,8 +47,7 @@ def _unit(dtype: torch.dtype) -> float:
 
 @torch.no_grad()
 def head_matches(model, key, weight: torch.Tensor, bias, inputs: dict) -> bool:
-    """Check (once per ``key``) that ``model``'s logits are ``hidden @ weight.T + bias`` at the
-    last position of the first row of ``inputs``; if not, log one line per architecture."""
+    """Whether ``model``'s logits are ``hidden @ weight.T + bias`` on ``inputs``' first row."""
     known = VERDICTS.get(key)
     if known is not None:
         return known

@@ -10,9 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 
 def adapter_problem(path: Path, new_adapter: bool = True) -> Optional[str]:
-    """One line when ``path`` is a peft LoRA adapter (adapter_config.json) and not a whole
-    model: training would load it with every weight frozen. Says what to pass instead
-    (``new_adapter``: also that model.lora.enabled=true trains a new adapter)."""
+    """One line when ``path`` is a LoRA adapter, not a whole model, saying what to pass instead."""
     path = Path(path)
     if not (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
         return None
@@ -29,8 +27,7 @@ def adapter_problem(path: Path, new_adapter: bool = True) -> Optional[str]:
 
 
 def corrupt_safetensors(path: Path) -> Optional[str]:
-    """One line naming the first .safetensors file in ``path`` whose header cannot be read
-    (a truncated or overwritten file); None when every header reads."""
+    """One line naming the first .safetensors file in ``path`` whose header cannot be read."""
     for file in sorted(Path(path).glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt"):
@@ -42,10 +39,8 @@ def corrupt_safetensors(path: Path) -> Optional[str]:
 
 
 def vocab_problem(tokenizer, rows: Optional[int], path: Any) -> Optional[str]:
-    """One line when the tokenizer can put an id the model's ``rows`` input embeddings lack into
-    a batch (ordinary text, the pad/BOS/EOS/UNK token, or the chat template); None when they
-    fit or ``rows`` is unknown. Added tokens only their literal text produces (Gemma 3's
-    ``<image_soft_token>``) are left alone."""
+    """One line when text, a special token or the chat template can reach an id beyond the
+    model's ``rows`` input embeddings (added tokens only their literal text makes are fine)."""
     if not isinstance(rows, int):
         return None
     added = tokenizer.get_added_vocab()                  # token -> id, matched only literally
@@ -68,8 +63,7 @@ def vocab_problem(tokenizer, rows: Optional[int], path: Any) -> Optional[str]:
 
 
 def reward_model_dir(path: Path) -> Path:
-    """``path``, or its ``model/`` when ``path`` is a run directory of `rlctl reward-model
-    train` (no config.json of its own, a model/config.json inside)."""
+    """``path``, or its ``model/`` for a run directory of `rlctl reward-model train`."""
     path = Path(path)
     if not (path / "config.json").is_file() and (path / "model" / "config.json").is_file():
         return path / "model"

@@ -24,8 +24,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def regroup(labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Group labels [n] -> (first [U]: each group's first row, inv [n]: each row's group,
-    numbered 0..U-1), on the labels' device."""
+    """Group labels [n] -> (first [U]: each group's first row, inv [n]: each row's group)."""
     _, inv = torch.unique(labels, return_inverse=True)                             # [n]
     n, U = inv.shape[0], int(inv.max()) + 1
     return torch.full((U,), n, dtype=torch.long, device=inv.device).scatter_reduce(
@@ -34,8 +33,7 @@ def regroup(labels: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rows [N, P] -> (first [U], inv [N]) as ``regroup`` gives them; two rows are equal only
-    when their ids and mask both are."""
+    """Rows [N, P] -> ``regroup``'s (first [U], inv [N]); equal rows: equal ids and mask."""
     rows = torch.cat([input_ids, attention_mask.long()], 1)                        # [N, 2P]
     return regroup(torch.unique(rows, dim=0, return_inverse=True)[1])
 
@@ -65,8 +63,7 @@ def innermost(model):
 
 
 def cache_keyword(model) -> Optional[str]:
-    """The keyword under which the innermost model's forward takes a KV cache (``cache`` in
-    transformers 5, ``past_key_values`` before), or None."""
+    """The innermost forward's KV-cache keyword (``cache`` or ``past_key_values``), or None."""
     params = _forward_parameters(type(innermost(model)))
     return "cache" if "cache" in params else "past_key_values" if "past_key_values" in params \
         else None
@@ -103,15 +100,13 @@ def unpadded_notice(model) -> None:
 
 
 def state_in_modules(model) -> bool:
-    """Whether the model keeps its recurrent state inside its own modules (RecurrentGemma:
-    ``_is_stateful`` and no cache in its output): nothing to index or share."""
+    """Whether the model keeps its state in its modules, not a cache (RecurrentGemma)."""
     inner = innermost(model)
     return bool(getattr(inner, "_is_stateful", False)) and not _returns_cache(type(inner))
 
 
 def detach_module_state(model) -> None:
-    """Detach the graph tensors a ``state_in_modules`` model left on its modules after a
-    training forward, so ``copy.deepcopy`` works and the graph is freed. The values stay."""
+    """Detach the graph tensors a ``state_in_modules`` forward left on the modules."""
     for module in innermost(model).modules():
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and value.grad_fn is not None:
@@ -137,8 +132,7 @@ def fresh_cache(model):
 
 
 class _ReplacingCache(DynamicCache):
-    """A DynamicCache whose linear-attention states are replaced on update instead of copied in
-    place: the in-place copy would overwrite a state saved for backward."""
+    """A DynamicCache that replaces linear-attention states (an in-place copy breaks backward)."""
 
     def __init__(self, layers):
         Cache.__init__(self, layers=layers)
@@ -166,9 +160,8 @@ def index_rows(cache, rows: torch.Tensor, grad: bool = False):
 
 @torch.no_grad()
 def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """A cache [N rows] of every prompt but its last token, computed once per distinct prompt;
-    None when nothing repeats, the prompt has one token, or the model takes no cache or is
-    ``state_in_modules``. ``generate`` given it runs from the last prompt token."""
+    """A cache [N rows] of every prompt but its last token, once per distinct prompt; None
+    when nothing repeats or the model cannot share a cache."""
     if cache_keyword(model) is None or input_ids.shape[1] < 2 or state_in_modules(model):
         return None
     first, inv = distinct_rows(input_ids, attention_mask)

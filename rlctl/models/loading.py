@@ -29,14 +29,19 @@ def resolve_dtype(dtype: Any) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _looks_like_path(name_or_path: str) -> bool:
-    return (os.path.isabs(name_or_path) or name_or_path.startswith((".", "~"))
-            or name_or_path.count("/") > 1 or os.sep in name_or_path and os.sep != "/")
+def _local_dir(name_or_path: str) -> Optional[Path]:
+    """The model directory, or None for a hub id; ValueError for a missing local path."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if (os.path.isabs(name_or_path) or name_or_path.startswith((".", "~"))
+            or name_or_path.count("/") > 1 or os.sep in name_or_path and os.sep != "/"):
+        raise ValueError(f"model path '{name_or_path}' does not exist or is not a directory")
+    return None
 
 
 def quiet_libraries(device: str, num_threads: int) -> None:
-    """Before a model is loaded: no progress bars or info logs from transformers, and the
-    configured number of torch threads."""
+    """Before loading: no transformers progress bars or info logs; ``num_threads`` threads."""
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers may import deepspeed
     transformers.utils.logging.disable_progress_bar()
@@ -45,8 +50,7 @@ def quiet_libraries(device: str, num_threads: int) -> None:
 
 
 def build_tiny_model(warmup_task: Optional[str] = "sorting", **kwargs) -> Path:
-    """The tiny model's directory for ``warmup_task``: a built-in environment's agent model
-    (its module, a demo, is imported only then), else ``build_tiny``'s."""
+    """The tiny model's directory for ``warmup_task`` (an environment's agent model or not)."""
     if warmup_task in AGENT_TASKS:
         kwargs.pop("warmup_num_digits", None)
         agents = importlib.import_module("rlctl.demo.tiny_agents")
@@ -55,8 +59,7 @@ def build_tiny_model(warmup_task: Optional[str] = "sorting", **kwargs) -> Path:
 
 
 def prepare_tokenizer(tokenizer, model):
-    """Left padding and a pad token (EOS if none) on ``tokenizer``; the model's generation
-    config gets the tokenizer's pad/EOS ids where it has none. Returns ``tokenizer``."""
+    """``tokenizer`` with left padding and a pad token (EOS if none), ids shared with ``model``."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -70,14 +73,11 @@ def prepare_tokenizer(tokenizer, model):
 
 
 def check_source(name: str, name_or_path: Optional[str]) -> None:
-    """Fail early (before a run directory is made) on a local model path that is missing,
-    that is a LoRA adapter rather than a model, or whose .safetensors header is corrupt."""
+    """ValueError, before a run directory exists, for a missing, adapter or corrupt model path."""
     if name != "hf" or not name_or_path:
         return
-    path = Path(name_or_path).expanduser()
-    if _looks_like_path(name_or_path) and not path.is_dir():
-        raise ValueError(f"model path '{name_or_path}' does not exist or is not a directory")
-    if path.is_dir():
+    path = _local_dir(name_or_path)
+    if path is not None:
         problem = adapter_problem(path) or corrupt_safetensors(path)
         if problem:
             raise ValueError(problem)
@@ -94,9 +94,8 @@ def check_vocab(tokenizer, model, path: Any) -> None:
 def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
                              dtype: Any = "float32", device: Any = "cpu",
                              **tiny_kwargs) -> Tuple[Any, Any]:
-    """(model, tokenizer) for ``name`` "tiny" (built and cached) or "hf" (``name_or_path``).
-    ``tiny_kwargs``: ``build_tiny``'s arguments; unknown keys (all of them for "hf") are
-    ignored. ValueError (one line) for an unknown name or dtype, or a missing path."""
+    """(model, tokenizer) for "tiny" (``build_tiny``'s kwargs; others ignored) or "hf"
+    (``name_or_path``). ValueError (one line) for a bad name, dtype or path."""
     torch_dtype = resolve_dtype(dtype)
     if name == "tiny":
         accepted = inspect.signature(build_tiny).parameters   # the agent models take fewer
@@ -105,12 +104,7 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
     elif name == "hf":
         if not name_or_path:
             raise ValueError("model=hf needs model.name_or_path (a local directory or hub id)")
-        path = str(Path(name_or_path).expanduser())
-        if not os.path.isdir(path):
-            if _looks_like_path(name_or_path):
-                raise ValueError(f"model path '{name_or_path}' does not exist or is not a "
-                                 "directory")
-            path = name_or_path  # a hub id such as "org/name"
+        path = str(_local_dir(name_or_path) or name_or_path)   # or a hub id such as "org/name"
     else:
         raise ValueError(f"unknown model '{name}'; valid: {', '.join(MODELS)}")
     try:

@@ -22,14 +22,11 @@ def linear_module_names(model: nn.Module) -> List[str]:
 
 
 def _check_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) -> Any:
-    if isinstance(target_modules, str):
-        if target_modules == ALL_LINEAR:
-            return target_modules
-        target_modules = [target_modules]
-    targets = [str(t) for t in target_modules]
-    valid = linear_module_names(model)
+    targets = [str(t) for t in ([target_modules] if isinstance(target_modules, str)
+                                else target_modules)]
     if targets == [ALL_LINEAR]:
         return ALL_LINEAR
+    valid = linear_module_names(model)
     if ALL_LINEAR in targets:
         raise ValueError(f"LoRA target_modules: '{ALL_LINEAR}' stands alone (got {targets}); "
                          f"use [{ALL_LINEAR}] or module names from: {', '.join(valid)}")
@@ -84,8 +81,7 @@ def _as_peft(model):
 
 
 class AdapterDisabledReference(nn.Module):
-    """The reference policy: a ``PeftModel`` run with its adapter disabled. It registers no
-    submodule (no parameters of its own); its forward runs in eval mode, without gradients."""
+    """The reference policy: a ``PeftModel`` run with its adapter disabled, eval, no grad."""
 
     def __init__(self, peft_model):
         super().__init__()
@@ -122,8 +118,7 @@ def reference_for(model) -> AdapterDisabledReference:
 
 
 def count_parameters(model: nn.Module, *more: Optional[nn.Module]) -> Tuple[int, int]:
-    """(trainable, total) parameter counts of ``model`` (and any further modules, None
-    skipped, e.g. a separate critic); every tensor is counted once, shared or tied ones too."""
+    """(trainable, total) parameters of ``model`` and ``more`` (None skipped), each once."""
     seen, trainable, total = set(), 0, 0
     for m in (model, *more):
         for p in (m.parameters() if m is not None else ()):
@@ -135,9 +130,8 @@ def count_parameters(model: nn.Module, *more: Optional[nn.Module]) -> Tuple[int,
 
 
 def save_lora(model, out_dir, tokenizer=None, merged: bool = False) -> Path:
-    """Write the adapter (peft format) and the tokenizer to ``out_dir``; returns it. ``model``:
-    a PeftModel or a PolicyValueModel around one (adds ``value_head.safetensors``).
-    ``merged``: a merged deep copy in ``out_dir/merged``; the live model is untouched."""
+    """The adapter (and value head) and tokenizer written to ``out_dir``, returned; ``merged``:
+    also a merged copy in ``out_dir/merged``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     peft_model = _as_peft(model)
@@ -149,5 +143,4 @@ def save_lora(model, out_dir, tokenizer=None, merged: bool = False) -> Path:
         full.save_pretrained(out / "merged")
         if tokenizer is not None:
             tokenizer.save_pretrained(out / "merged")
-        del full
     return out

@@ -8,12 +8,9 @@ import torch
 
 from rlctl.errors import UserError
 
-__all__ = ["stop_ids", "resolve_stop_ids", "parse_stop_override", "decode_completions"]
-
 
 def _generation_config(model):
-    """The generation config behind ``model`` (DeepSpeed engine, value-head wrapper and
-    peft model forward to the language model's), or None."""
+    """The generation config behind ``model`` (or a DeepSpeed engine), or None."""
     inner = getattr(model, "module", model)          # a DeepSpeed engine wraps .module
     return getattr(inner, "generation_config", None)
 
@@ -32,8 +29,7 @@ def _ordered(ids: Iterable[int]) -> Tuple[int, ...]:
 
 
 def stop_ids(model, tokenizer) -> Tuple[int, ...]:
-    """The tokenizer's EOS, then every id of the model's generation_config.eos_token_id
-    (an int or a list), without repeats."""
+    """The tokenizer's EOS, then the model's generation_config.eos_token_id(s), no repeats."""
     gen = _generation_config(model)
     declared = _as_ids(getattr(gen, "eos_token_id", None)) if gen is not None else ()
     return _ordered(_as_ids(tokenizer.eos_token_id) + declared)
@@ -66,8 +62,7 @@ def parse_stop_override(tokenizer, override: Optional[Sequence]) -> Tuple[int, .
 
 
 def resolve_stop_ids(model, tokenizer, override: Optional[Sequence] = None) -> Tuple[int, ...]:
-    """The full stop set (``stop_ids`` plus the validated ``override``), also written into
-    the model's generation config as its ``eos_token_id`` list. Returns the set."""
+    """``stop_ids`` plus ``override``, written into the model's generation config."""
     ids = _ordered(stop_ids(model, tokenizer) + parse_stop_override(tokenizer, override))
     gen = _generation_config(model)
     if gen is not None and ids:

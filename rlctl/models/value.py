@@ -62,9 +62,8 @@ class PolicyValueOutput(NamedTuple):
 
 
 class PolicyValueModel(nn.Module):
-    """A causal LM (``self.policy``, plain or peft) plus a value head on the shared backbone:
-    a drop-in for the policy (``.logits``, ``generate``, ``parameters()`` with the head,
-    ``save_pretrained``, ``config``); with peft the head trains outside the adapter."""
+    """A causal LM (``self.policy``, plain or peft) plus a value head on its backbone: a
+    drop-in for the policy (logits, ``generate``, ``save_pretrained``, ``config``)."""
 
     def __init__(self, policy, init_std: float = 0.0):
         super().__init__()

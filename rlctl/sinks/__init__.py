@@ -13,9 +13,6 @@ from .jsonl import JsonlSink, SamplesFile, read_jsonl, read_samples
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 
-__all__ = ["Sink", "NullSink", "MultiSink", "JsonlSink", "ConsoleSink", "SamplesFile",
-           "build_sinks", "read_jsonl", "read_samples", "METRICS_FILE", "SAMPLES_FILE"]
-
 
 def build_sinks(run_dir: Path | str | None, jsonl: bool, wandb: bool, wandb_mode: str,
                 project: str, name: str, run_config: Mapping[str, Any], console: bool,

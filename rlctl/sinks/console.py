@@ -147,8 +147,7 @@ class ConsoleSink:
 
 
 class FiguresProgress(Progress):
-    """The bar row, then the key figures on a line of their own (an 80-column terminal
-    has no room for both on one row)."""
+    """The bar row, then the key figures on a line of their own."""
 
     figures = ""
 
@@ -170,8 +169,7 @@ def _one_line(value: Any) -> str:
 
 
 def header_lines(key: str, width: int) -> str:
-    """`key` broken after '/' and '_' into lines of at most `width` (a longer part is kept
-    whole: the column's ellipsis cuts it)."""
+    """`key` broken after '/' and '_' into lines of at most `width` (longer parts kept whole)."""
     lines: list[str] = []
     for part in HEADER_PARTS.findall(key):
         if lines and len(lines[-1]) + len(part) <= width:
@@ -182,8 +180,7 @@ def header_lines(key: str, width: int) -> str:
 
 
 def sample_table(rows: Sequence[Mapping[str, Any]], step: int, table: str, width: int) -> Table:
-    """The rows as a rich Table `width` characters wide at most, columns in the rows' order.
-    Cells are Text, so brackets in a completion are never read as rich markup."""
+    """The rows as a rich Table at most `width` wide; Text cells, so never read as markup."""
     columns = [str(k) for k in rows[0]]
     if "step" in columns and all(row.get("step") == step for row in rows):
         columns.remove("step")

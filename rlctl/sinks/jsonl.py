@@ -109,8 +109,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def read_samples(path: str | Path, table: str | None = None,
                  step: int | None = None) -> list[dict[str, Any]]:
-    """The rows of a samples.jsonl file, in the order written (a torn last line is
-    skipped); only those of `table` and/or `step` when given."""
+    """The rows of a samples.jsonl file in order, only `table`'s and/or `step`'s if given."""
     return [obj for obj in _json_lines(path, "samples.jsonl")
             if "table" in obj and "step" in obj
             and (table is None or obj["table"] == table) and (step is None or obj["step"] == step)]

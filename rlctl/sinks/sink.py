@@ -79,12 +79,6 @@ class MultiSink:
             self._closed = True
             self._call("close")
 
-    def __enter__(self) -> "MultiSink":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
 
 class NullSink(MultiSink):
     """Accepts everything, does nothing (a fan-out to no sinks)."""

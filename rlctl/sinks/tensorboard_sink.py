@@ -16,8 +16,7 @@ MARKDOWN_ESCAPES = "\\`*_[]|#"
 
 
 def markdown_cell(value: Any) -> str:
-    """A value as the text of one markdown table cell: HTML and markup characters are
-    escaped, line breaks become <br> (a markdown row is one line)."""
+    """A value as one markdown table cell: HTML and markup escaped, line breaks as <br>."""
     text = cell_text(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     for char in MARKDOWN_ESCAPES:
         text = text.replace(char, "\\" + char)

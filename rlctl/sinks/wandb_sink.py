@@ -44,8 +44,7 @@ def _plain(value: Any) -> Any:
 
 
 def has_wandb_credentials(base_url: str | None = None) -> bool:
-    """True when wandb would find an API key without prompting (WANDB_API_KEY,
-    WANDB_IDENTITY_TOKEN_FILE, .netrc for the host, or wandb's settings)."""
+    """True when wandb would find an API key without prompting."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
     try:  # wandb's own lookup, without its prompt (internal API: guarded)
@@ -172,8 +171,7 @@ class WandbSink:
         self._add({str(k): float(v) for k, v in metrics.items()}, int(step))
 
     def samples(self, rows: Sequence[Mapping[str, Any]], step: int, table: str = "train") -> None:
-        """One wandb.Table per call, under its own key: `samples/<table>/step_<step, 6 digits>`
-        (a key per step, so a later table never replaces an earlier one)."""
+        """One wandb.Table per call, under its own key (``sample_key``)."""
         if self._run is None or not rows:
             return
         import wandb   # already imported by _start (the run exists)
