@@ -7,9 +7,7 @@ excluded). Every function accepts float32 and bfloat16, computes reductions in f
 (float64 kept), and returns 0, never NaN, for an all-masked row or all-zero mask.
 Losses return `(loss, metrics)` with detached metric tensors. Registries
 (``rlctl.registry.Registry``): ``ADVANTAGE_ESTIMATORS``, ``POLICY_LOSSES``, ``KL_ESTIMATORS``
-and ``LOSS_TERMS``; their ``get`` also takes "package.module:function". The names imported
-below are the public API.
-"""
+and ``LOSS_TERMS``; their ``get`` also takes "package.module:function"."""
 from .advantages import (ADVANTAGE_ESTIMATORS, REINFORCE_BASELINES, broadcast_to_tokens,
                          dr_grpo_advantages, gae, get_advantage_estimator, group_advantages,
                          grpo_advantages, overlong_penalty, register_advantage,

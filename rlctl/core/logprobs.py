@@ -31,8 +31,7 @@ def upcast(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def _rowwise(logits: torch.Tensor, fn) -> torch.Tensor:
-    """`fn` ([..., V] -> [...]) over chunks of rows of [N, T, V], each at most
-    ``CHUNK_ELEMENTS`` floats (a large-vocabulary row is its own chunk)."""
+    """`fn` ([..., V] -> [...]) over chunks of rows of [N, T, V] of ``CHUNK_ELEMENTS`` floats."""
     dtype = acc_dtype(logits)
     if logits.shape[0] == 0:
         return logits.new_zeros(logits.shape[:-1], dtype=dtype)
@@ -80,9 +79,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
                   eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked-in entries (var unbiased, as TRL);
-    shift_mean=False adds the mean back. 0 off the mask; fewer than 2 entries: var 0.
-    Returns x.dtype."""
+    """(x - mean) / sqrt(var + eps) over the masked-in entries (var unbiased, as TRL), 0 off
+    the mask, in x.dtype; shift_mean=False adds the mean back."""
     mean = masked_mean(x, mask)
     centred = upcast(x, mean.dtype) - mean
     n = upcast(mask, mean.dtype).sum()
@@ -105,9 +103,8 @@ def counted_width(mask: torch.Tensor) -> torch.Tensor:
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int | Sequence[int],
                     pad_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """completion_ids [N, T] -> (mask [N, T] float32, truncated [N] bool): 1 up to and
-    including the first EOS (any id of `eos_id` if a list); a row with no EOS is truncated
-    and all T tokens count. Padding never defines the mask (`pad_id` is ignored)."""
+    """completion_ids [N, T] -> (mask [N, T] float32: 1 up to the first EOS (any of `eos_id`)
+    inclusive, all T without one; truncated [N] bool). `pad_id` is ignored."""
     ids = completion_ids
     n, t = ids.shape
     many = isinstance(eos_id, (list, tuple, set, frozenset))
@@ -212,8 +209,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
 
 
 def _matmul_into(out, a, b, accumulate=False):
-    """out (+)= a @ b with no fresh output allocation when the dtypes agree; otherwise
-    (bf16 inputs, float32 dz) a is cast to b's dtype, multiplied there, and upcast."""
+    """out (+)= a @ b, in place when the dtypes agree, else in b's dtype and upcast."""
     if a.dtype == b.dtype == out.dtype:
         return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
     prod = (a.to(b.dtype) @ b).to(out.dtype)
@@ -224,11 +220,9 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
                            bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
                            chunk_tokens: Optional[int] = None, with_entropy: bool = False
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log softmax((hidden @ weight^T + bias) / temperature) at `tokens`, at most
-    `chunk_tokens` rows of logits at once (default `default_chunk_tokens(V)`).
-    hidden [N, T, H] (any leading shape), weight [V, H], bias [V] or None, tokens [N, T] in
-    [0, V), shifted by the caller -> (logp [N, T], entropy [N, T] or None), float32 (float64
-    kept), differentiable w.r.t. hidden, weight, bias. Matmuls in the inputs' dtype."""
+    """log softmax((hidden @ weight^T + bias) / temperature) at `tokens`, `chunk_tokens` rows
+    of logits at a time (default `default_chunk_tokens(V)`). hidden [N, T, H], weight [V, H],
+    bias [V] or None, tokens [N, T] -> (logp [N, T], entropy [N, T] or None), float32."""
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"chunked_token_logprobs: hidden [..., H] and weight [V, H] must "
                          f"share H; got hidden {tuple(hidden.shape)}, weight "

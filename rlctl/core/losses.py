@@ -320,8 +320,7 @@ def kl_shaped_rewards(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch
 
 
 class FixedKLController:
-    """A constant KL coefficient with the controller interface (`coef`, `update`,
-    `state_dict`, `load_state_dict`)."""
+    """A constant KL coefficient with the controller interface."""
 
     def __init__(self, coef: float):
         self.coef = float(coef)

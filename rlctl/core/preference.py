@@ -16,11 +16,9 @@ import torch.nn.functional as F
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor,
                        margin: Optional[Union[float, torch.Tensor]] = None,
                        center_coef: float = 0.0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Mean over P pairs of the loss above; scores [P] (computed in float32 or wider), margin [P] or a
-    float or None (0). Returns (loss: scalar, metrics: detached tensors):
-    ``accuracy`` (share of pairs with r_chosen > r_rejected; a tie counts as wrong),
-    ``bt_loss`` (the Bradley-Terry part alone), ``center_loss`` (the centring part before
-    ``center_coef``), ``margin`` (mean r_chosen - r_rejected)."""
+    """Mean over P pairs of the loss above; scores [P] (float32 or wider), margin [P], float or
+    None -> (loss, detached metrics ``accuracy`` (a tie is wrong), ``bt_loss``,
+    ``center_loss`` (before ``center_coef``), ``margin`` (mean r_chosen - r_rejected))."""
     if r_chosen.shape != r_rejected.shape or r_chosen.dim() != 1:
         raise ValueError(f"r_chosen and r_rejected must both be [P]; got "
                          f"{tuple(r_chosen.shape)} and {tuple(r_rejected.shape)}")

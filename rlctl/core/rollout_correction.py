@@ -58,10 +58,9 @@ def correction_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: 
 def mismatch_metrics(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
                      level: str, mode: str, upper: float, lower: float = 0.0
                      ) -> Dict[str, torch.Tensor]:
-    """How far the engine is from the learner's old policy, over the counted tokens (metric
-    meanings: docs/metrics.md): ``k3`` (KL(pi_engine || pi_old) on the engine's samples),
-    ``ppl_gap``, ``ess`` in (0, 1], ``log_w_abs_mean``, ``truncated_frac`` or
-    ``masked_frac``, ``weight_mean``. Empty mask: every value 0 (ess 1)."""
+    """How far the engine is from the old policy on the counted tokens (docs/metrics.md):
+    ``k3`` (KL(pi_engine || pi_old)), ``ppl_gap``, ``ess`` in (0, 1], ``log_w_abs_mean``,
+    ``truncated_frac`` or ``masked_frac``, ``weight_mean``; empty mask: 0 (ess 1)."""
     m = mask != 0
     d = log_importance_weights(old_logp, engine_logp, mask, "token")                  # [N, T]
     out = {"k3": masked_mean((torch.expm1(d) - d).clamp(min=0.0), mask)}

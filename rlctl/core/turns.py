@@ -1,7 +1,5 @@
 """Turn rewards of multi-turn episodes: the rule that weighs them and where they go
-(docs/math.md, section 13).
-
-An episode of K model turns gets a reward r_k per turn, weighted by the rule:
+(docs/math.md, section 13). Episode turn k's reward r_k is weighted by the rule:
     last: w = (0, ..., 0, 1);  sum: w = (1, ..., 1);  discounted: w_k = discount ** (k - 1)
 The episode reward is R = sum_k w_k r_k; the token rewards put w_k r_k on the last token
 of turn k, so each row sums to R. ``turn_ends[i]``: row i's completion columns of each
@@ -36,10 +34,8 @@ def place_turn_rewards(turn_rewards: Sequence[Sequence[float]], turn_ends: Seque
                        T: int, rule: str, discount: float = 1.0,
                        dtype: torch.dtype = torch.float32,
                        device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(episode rewards [N], token_rewards [N, T]): row i's turn k reward, weighted by the
-    rule, on column ``turn_ends[i][k]``; each row's R = sum_k w_k r_k. ValueError (naming
-    the row) when a row's rewards and ends differ in number, or an end is out of [0, T) or
-    not after the previous one."""
+    """(episode rewards [N], token_rewards [N, T]): w_k r_k of row i on column
+    ``turn_ends[i][k]``. ValueError naming the row for mismatched or misordered ends."""
     if len(turn_rewards) != len(turn_ends):
         raise ValueError(f"turn_rewards has {len(turn_rewards)} rows but turn_ends has {len(turn_ends)}")
     token = torch.zeros(len(turn_rewards), T, dtype=torch.float64)    # [N, T]

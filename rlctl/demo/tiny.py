@@ -169,8 +169,7 @@ def _warmup_data(params: Dict[str, object]):
 
 def warm_up_and_save(directory: Path, params: Dict[str, object], tokenizer, rows,
                      steps: int, batch_size: int) -> Dict[str, object]:
-    """The model of ``params`` trained ``steps`` steps on ``rows()`` (the padded batch), saved
-    with its tokenizer and ``rlctl_tiny.json`` into ``directory``; returns that metadata."""
+    """The metadata of ``params``' model trained on ``rows()``, saved into ``directory``."""
     t0 = time.perf_counter()
     model = build_model(tokenizer, params["hidden_size"], params["num_layers"],
                         params["num_heads"], params["seed"])
@@ -220,9 +219,8 @@ def build_tiny(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
 
 
 def build_cached(cache_dir: Optional[os.PathLike], name: str, build):
-    """(root / name, what ``build(tmp_dir)`` returned or None when already built), root
-    ``cache_dir`` or ``$RLCTL_CACHE`` or ``~/.cache/rlctl``; built in a temporary sibling
-    renamed into place (atomic), so a reader never sees a half-written model."""
+    """(root / name, ``build(tmp_dir)``'s result or None if already built), root ``cache_dir``,
+    ``$RLCTL_CACHE`` or ``~/.cache/rlctl``; the temporary directory is renamed into place."""
     root = Path(cache_dir).expanduser() if cache_dir else Path(
         os.environ.get("RLCTL_CACHE") or Path.home() / ".cache" / "rlctl")
     final = root / name

@@ -1,1 +1,1 @@
-"""Models: loading (HF directories, GGUF, LoRA), the learner forward, the value head and critic, the shared prompt KV cache, stop ids."""
+"""Models: loading, LoRA, the learner forward, value head and critic, KV sharing, stop ids."""

@@ -18,8 +18,7 @@ from rlctl.models.kv_share import (cache_keyword, cache_of, detach_module_state,
 
 @dataclass(frozen=True)
 class PromptGroups:
-    """Which rows share a prompt: ``labels`` [N] long on the CPU, equal for equal prompts (ids
-    and mask); narrowed to each micro-batch on the CPU (no device sync in the forward)."""
+    """Which rows share a prompt: ``labels`` [N] long on the CPU, equal for equal prompts."""
     labels: torch.Tensor
 
     @classmethod

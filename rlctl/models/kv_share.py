@@ -45,8 +45,7 @@ def cache_of(out):
 
 
 def innermost(model):
-    """The innermost Hugging Face model under compile / DeepSpeed / PolicyValueModel /
-    autocast / peft wrappers (the module whose class defines the forward's keywords)."""
+    """The Hugging Face model under compile / DeepSpeed / PolicyValueModel / peft wrappers."""
     inner = model
     for _ in range(8):
         if hasattr(inner, "_orig_mod"):

@@ -150,16 +150,11 @@ def disable_dropout(model: nn.Module) -> int:
     theta_old: dropout modules and floats on modules and (nested) configs named ``*dropout*``,
     ``*pdrop*``, ``layerdrop`` or a router's train-only jitter. Returns how many changed."""
     changed = 0
-    for module in model.modules():
-        if isinstance(module, (nn.modules.dropout._DropoutNd, nn.AlphaDropout)) and module.p:
-            module.p, changed = 0.0, changed + 1
-        for name, value in list(vars(module).items()):
+    for obj in [*model.modules(), *_configs(model)]:     # modules, then (nested) configs
+        if isinstance(obj, (nn.modules.dropout._DropoutNd, nn.AlphaDropout)) and obj.p:
+            obj.p, changed = 0.0, changed + 1
+        for name, value in list(vars(obj).items()):
             if not name.startswith("_") and _is_rate(name, value):
-                setattr(module, name, 0.0)
-                changed += 1
-    for conf in _configs(model):
-        for name, value in list(vars(conf).items()):
-            if not name.startswith("_") and _is_rate(name, value):
-                setattr(conf, name, 0.0)
+                setattr(obj, name, 0.0)
                 changed += 1
     return changed

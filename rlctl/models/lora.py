@@ -44,8 +44,7 @@ def _check_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) 
 
 def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
                target_modules: Union[str, Sequence[str]]):
-    """``model`` as a ``PeftModel`` with fresh LoRA adapters (base frozen). ValueError (one
-    line) for a bad rank, alpha or dropout, existing adapters, or unknown target names."""
+    """``model`` as a ``PeftModel`` with fresh LoRA adapters; ValueError for a bad setting."""
     try:
         from peft import LoraConfig, PeftModel, TaskType, get_peft_model
     except ImportError:

@@ -36,8 +36,7 @@ def stop_ids(model, tokenizer) -> Tuple[int, ...]:
 
 
 def parse_stop_override(tokenizer, override: Optional[Sequence]) -> Tuple[int, ...]:
-    """``rollout.stop_token_ids`` (ids, or token strings such as "<|im_end|>") -> ids.
-    Each must be in the vocabulary; UserError (one line, exit 2) otherwise."""
+    """``rollout.stop_token_ids`` (ids or tokens such as "<|im_end|>") -> ids, else UserError."""
     if override is None:
         return ()
     if isinstance(override, (str, int)):
@@ -72,8 +71,7 @@ def resolve_stop_ids(model, tokenizer, override: Optional[Sequence] = None) -> T
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor,
                        stops: Sequence[int] = ()) -> List[str]:
-    """Text of each completion's counted tokens, the closing stop id (any of ``stops``,
-    special or not), other special tokens and padding dropped."""
+    """Text of each completion's counted tokens without its closing stop id or special tokens."""
     end, texts = set(map(int, stops)), []
     for row, n in zip(completion_ids.tolist(), mask.sum(-1).long().tolist()):
         n = n - 1 if n and row[n - 1] in end else n

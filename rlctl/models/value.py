@@ -130,7 +130,7 @@ class SeparateCritic(nn.Module):
                                     device=_device(self.backbone))
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        """Values [N, L] (float32) from the backbone's last (final-normed) hidden state."""
+        """Values [N, L] (float32) from the backbone's final hidden state."""
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

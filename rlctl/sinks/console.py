@@ -49,8 +49,7 @@ class ConsoleSink:
     def __init__(self, total_steps: int, keys: Sequence[str] = DEFAULT_KEYS, *,
                  print_every: int | None = None, live: bool | None = None,
                  file: TextIO | None = None, description: str = "train"):
-        """live=None picks the rich view when `file` (default stdout) is a TTY.
-        print_every=None prints about 20 lines per run off a TTY."""
+        """live=None: the rich view on a TTY; print_every=None: about 20 plain lines a run."""
         self.total_steps = max(int(total_steps), 0)
         self.keys = list(keys)
         self.file = file
@@ -73,10 +72,8 @@ class ConsoleSink:
 
     def line(self, step: int) -> str:
         """The plain line: `step s/total | key value | ... | elapsed<eta`."""
-        parts = [f"step {step}/{self.total_steps}"]
-        for key in self.keys:
-            if key in self.latest:
-                parts.append(f"{key} {format_value(self.latest[key])}")
+        parts = [f"step {step}/{self.total_steps}"] + [
+            f"{key} {format_value(self.latest[key])}" for key in self.keys if key in self.latest]
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
         timing = _format_seconds(elapsed)
         done = step - (self._first_step or 0)
@@ -100,9 +97,7 @@ class ConsoleSink:
         if self._t0 is None:
             self._t0 = time.perf_counter()
             self._first_step = step
-        for key in self.keys:
-            if key in metrics:
-                self.latest[key] = float(metrics[key])
+        self.latest.update({key: float(metrics[key]) for key in self.keys if key in metrics})
         self._last_step = step
         if self.live:
             if self._progress is None:

@@ -10,9 +10,8 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 @runtime_checkable
 class Sink(Protocol):
-    """Where training metrics go. log: one call per (step, group of metrics), several may
-    share a step; samples: one table of rows for a step; summary: the run's final values;
-    close: flush and release, called once, also after a failed run."""
+    """Where training metrics go: log (several calls may share a step), samples (one table for
+    a step), summary (final values), close (once, also after a failed run)."""
 
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
 
@@ -24,8 +23,7 @@ class Sink(Protocol):
 
 
 def cell_text(value: Any) -> str:
-    """One sample value as table text: "" for None, true/false, floats to 4 significant
-    digits, an episode's turns as `role: text` joined by ` | `, anything else as str()."""
+    """One sample value as table text (floats to 4 digits, turns as `role: text | ...`)."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -39,9 +37,8 @@ def cell_text(value: Any) -> str:
 
 
 class MultiSink:
-    """Fans every call out to `sinks`, in order. A sink that raises in any call is reported
-    with ONE line on stderr (name and error) and disabled for the rest of the run; the
-    others and training carry on (close() still reaches every sink that has not failed)."""
+    """Fans every call out to `sinks`, in order; a sink that raises is reported in one stderr
+    line and disabled for the rest of the run, the others and training carry on."""
 
     def __init__(self, sinks: Iterable[Sink]):
         self.sinks: list[Sink] = list(sinks)

@@ -59,8 +59,7 @@ def has_wandb_credentials(base_url: str | None = None) -> bool:
 
 
 class WandbSink:
-    """Log to wandb (module docstring). `mode`: the mode in use; `init_seconds`; after close:
-    `finish_seconds`, and `run_file` (the `.wandb` run file; None when disabled)."""
+    """Log to wandb (module doc); `mode` in use, `run_file` (None when disabled)."""
 
     name = "wandb"
     ENV_DIRS = {"WANDB_DIR": "",  # wandb puts its own `wandb/` folder inside
@@ -96,12 +95,9 @@ class WandbSink:
 
     def _set_env(self, mode: str) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        values = {"WANDB_SILENT": "true"}
-        for var, sub in self.ENV_DIRS.items():
-            if var == "WANDB_CONFIG_DIR" and mode == "online":
-                continue  # keep the user's settings (base_url, entity) for online runs
-            values[var] = str(self.run_dir / sub) if sub else str(self.run_dir)
-        for var, value in values.items():
+        dirs = {var: str(self.run_dir / sub) for var, sub in self.ENV_DIRS.items()
+                if var != "WANDB_CONFIG_DIR" or mode != "online"}   # online: the user's settings
+        for var, value in {"WANDB_SILENT": "true", **dirs}.items():
             self._saved_env.setdefault(var, os.environ.get(var))
             os.environ[var] = value  # wandb creates these folders when it needs them
 
