@@ -1,11 +1,9 @@
 """Token log-probs, entropy, masked statistics and completion masks (docs/math.md, section 1).
-
-Reductions and exponentials run in float32 (float64 stays float64). Masked statistics clamp
-denominators at 1 (empty gives 0, never NaN) and drop masked positions with `torch.where`.
-`chunked_token_logprobs` fuses the LM head into the log-softmax, a chunk of tokens at a time
-(fused linear cross-entropy: Hsu et al. 2024, arXiv:2410.10989; Wijmans et al. 2024,
-arXiv:2411.09009): never all [N, T, V] logits (or their gradient) at once, exact to the
-unchunked computation, not twice differentiable."""
+Reductions run in float32 (float64 kept); masked statistics clamp denominators at 1 (empty
+gives 0, never NaN). `chunked_token_logprobs` fuses the LM head into the log-softmax a chunk
+of tokens at a time (fused linear cross-entropy: Hsu et al. 2024, arXiv:2410.10989; Wijmans
+et al. 2024, arXiv:2411.09009): never all [N, T, V] logits (or their gradient) at once,
+exact, not twice differentiable."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -42,8 +40,8 @@ def _rowwise(logits: torch.Tensor, fn) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log pi(tokens[n, t]) where logits[n, t] already scores tokens[n, t] (the caller has
-    shifted). logits [N, T, V], tokens [N, T] long -> [N, T] float32 (float64 kept)."""
+    """log pi(tokens[n, t]) where logits[n, t] scores it (shifted by the caller). logits
+    [N, T, V], tokens [N, T] long -> [N, T] float32 (float64 kept)."""
     picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # [N, T]
     lse = _rowwise(logits, lambda row: torch.logsumexp(row, dim=-1))  # [N, T]
     return upcast(picked, lse.dtype) - lse  # [N, T]
@@ -92,8 +90,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
 
 
 def counted_width(mask: torch.Tensor) -> torch.Tensor:
-    """Each row's last counted column + 1 (0 for an empty row). mask [N, T] -> [N] long;
-    ``mask.sum(-1)`` for single-turn rows, more when masked gaps (observations) lie inside."""
+    """Each row's last counted column + 1 (0 for an empty row). mask [N, T] -> [N] long."""
     n, t_len = mask.shape
     if t_len == 0:
         return torch.zeros(n, dtype=torch.long, device=mask.device)

@@ -276,8 +276,8 @@ KL_PLACEMENT_NOTES = {
 
 
 def resolve_kl_estimator(kind: Optional[str], placement: str) -> str:
-    """Canonical estimator name (aliases mapped; an import path is loaded and returned as
-    given); None: the placement's default (``KL_DEFAULT_ESTIMATOR``). ValueError if unknown."""
+    """Canonical estimator name (None: the placement's ``KL_DEFAULT_ESTIMATOR``); ValueError
+    if unknown."""
     if placement not in KL_PLACEMENTS:
         raise ValueError(f"unknown KL placement {placement!r}; valid: {', '.join(KL_PLACEMENTS)}")
     if kind is None:

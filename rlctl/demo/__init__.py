@@ -1,1 +1,1 @@
-"""The embedded demo models (tiny policy, agent and reward models) and their fixtures; only the model loader imports them."""
+"""The embedded demo models (tiny policy, agent and reward models); only loaders import them."""

@@ -43,6 +43,11 @@ WARMUP_SORTED_FRAC = 0.2  # share of warm-up answers that are sorted; the rest a
 WARMUP_TASKS = ("sorting", "arithmetic")
 AGENT_TASKS = ("calculator", "guess_number", "running_sum")   # models: rlctl.demo.tiny_agents
 ARITH_WARMUP = {"batch_size": 256, "correct_frac": 1.0, "steps_scale": 2.5}
+# transcript segment roles after the prompt: a model turn that ends with <eos>, one cut at a
+# stop string (no <eos>), an observation
+MODEL, MODEL_CUT, OBS = "model", "model_cut", "obs"
+TURNS = (MODEL, MODEL_CUT)
+Transcript = List[Tuple[str, str]]   # [(role, text)]: ("prompt", ...), then model/obs turns
 
 
 def build_tokenizer(extra_words: Sequence[str] = ()):
@@ -77,28 +82,31 @@ def build_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, se
     return model
 
 
-def pad_rows(rows: Sequence[Tuple[List[int], List[int]]], pad_id: int
-             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, labels) rows -> right-padded (input_ids, attention_mask, labels) [M, L]."""
+def transcript_rows(tokenizer, transcripts: Sequence[Transcript]
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, labels) [M, L], loss on model turns only."""
+    rows = []
+    for tr in transcripts:
+        ids = list(tokenizer(tr[0][1])["input_ids"])
+        labels = [-100] * len(ids)
+        for role, text in tr[1:]:
+            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if role == MODEL:
+                seg = seg + [tokenizer.eos_token_id]
+            ids += seg
+            labels += seg if role in TURNS else [-100] * len(seg)
+        if len(ids) > MAX_POSITIONS:
+            raise ValueError(f"a warm-up transcript has {len(ids)} tokens, over the tiny "
+                             f"model's {MAX_POSITIONS} positions")
+        rows.append((ids, labels))
     width = max(len(i) for i, _ in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)
     mask = torch.zeros_like(ids)
     for r, (i, lab) in enumerate(rows):
         ids[r, :len(i)], labels[r, :len(i)], mask[r, :len(i)] = (
             torch.tensor(i), torch.tensor(lab), 1)
     return ids, mask, labels
-
-
-def completion_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``<bos>`` prompt + answer + EOS [b, L], the loss on the answer and EOS."""
-    rows = []
-    for p, a in zip(prompts, answers):
-        p_ids = tokenizer(p)["input_ids"]
-        a_ids = tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((p_ids + a_ids, [-100] * len(p_ids) + a_ids))
-    return pad_rows(rows, tokenizer.pad_token_id)
 
 
 def train_on_rows(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
@@ -189,8 +197,9 @@ def _build_into(directory: Path, params: Dict[str, object]) -> Dict[str, object]
     tokenizer = build_tokenizer()
     prompts, answers, batch_size = _warmup_data(params)
     steps = int(round(params["warmup_steps"] * params.get("warmup_steps_scale", 1)))
+    rows = [[("prompt", p), (MODEL, a)] for p, a in zip(prompts, answers)]
     return warm_up_and_save(directory, params, tokenizer,
-                            lambda: completion_batch(tokenizer, prompts, answers), steps, batch_size)
+                            lambda: transcript_rows(tokenizer, rows), steps, batch_size)
 
 
 def resolve_warmup_task(name: Optional[str]) -> str:

@@ -13,11 +13,10 @@ import random
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
-import torch
-
 from rlctl.envs.calc import TINY_AGENT_WORDS, spell
-from rlctl.demo.tiny import (MAX_POSITIONS, build_cached, build_params, build_tokenizer,
-                             cache_key, pad_rows, warm_up_and_save)
+from rlctl.demo.tiny import (MODEL, MODEL_CUT, OBS, TURNS, Transcript, build_cached,
+                             build_params, build_tokenizer, cache_key, transcript_rows,
+                             warm_up_and_save)
 from rlctl.tasks import build_task
 from rlctl.types import Turn
 
@@ -34,11 +33,6 @@ AGENT_WARMUPS: Dict[str, Dict[str, float]] = {
     "running_sum": {"episodes": 2000, "correct_frac": 0.5, "batch_size": 64, "steps_scale": 2.0,
                     "max_turns": 4, "max_new_tokens": 4},
 }   # keys: tiny.AGENT_TASKS
-# transcript segment roles (the prompt is segment 0): a model turn that ends with <eos>,
-# one cut at a stop string (no <eos>), an observation
-MODEL, MODEL_CUT, OBS = "model", "model_cut", "obs"
-TURNS = (MODEL, MODEL_CUT)
-Transcript = List[Tuple[str, str]]   # [(role, text)]: ("prompt", ...), then model/obs turns
 
 
 def _number(words: Sequence[str]) -> int:
@@ -51,10 +45,8 @@ def _random_like(n: int, rng: random.Random) -> str:
     return spell(rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width))
 
 
-# ---- scripted policies: (transcript so far, settings, rng) -> the next model turn's text:
-# calculator calls the tool with probability call_frac and copies the result, else answers;
-# guess_number guesses inside the range the answers leave with probability narrow_frac;
-# running_sum answers right with probability correct_frac.
+# ---- scripted policies: (transcript so far, settings, rng) -> the next model turn's text,
+# right (or using the tool) with the probability AGENT_WARMUPS gives
 
 def calculator_policy(tr: Transcript, opts, rng: random.Random) -> str:
     expr = tr[0][1].split()
@@ -136,26 +128,6 @@ def play_scripted(task, example, seed: int, policy, opts, rng, tokenizer) -> Tra
     finally:
         getattr(env, "close", lambda: None)()
     return tr
-
-
-def transcript_rows(tokenizer, transcripts: Sequence[Transcript]
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, attention_mask, labels) [M, L], loss on model turns only."""
-    rows = []
-    for tr in transcripts:
-        ids = list(tokenizer(tr[0][1])["input_ids"])
-        labels = [-100] * len(ids)
-        for role, text in tr[1:]:
-            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if role == MODEL:
-                seg = seg + [tokenizer.eos_token_id]
-            ids += seg
-            labels += seg if role in TURNS else [-100] * len(seg)
-        if len(ids) > MAX_POSITIONS:
-            raise ValueError(f"a warm-up transcript has {len(ids)} tokens, over the tiny "
-                             f"model's {MAX_POSITIONS} positions")
-        rows.append((ids, labels))
-    return pad_rows(rows, tokenizer.pad_token_id)
 
 
 def warmup_transcripts(name: str, opts, seed: int, tokenizer) -> List[Transcript]:

@@ -37,8 +37,7 @@ def prompt_sharing(enabled: bool, backend) -> bool:
 
 
 def fused_head(model, inputs: Optional[dict] = None) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-    """(weight [V, H], bias [V] or None) of a plain ``nn.Linear`` LM head whose output the
-    logits are (``rlctl.models.head_check``, once per model); None: use the full logits."""
+    """(weight [V, H], bias [V] or None) of an exact plain ``nn.Linear`` LM head, else None."""
     inner = innermost(model)
     if not forward_takes(model, "logits_to_keep"):
         return None
@@ -94,13 +93,8 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ckpt = bool(ckpt) and inner.training and torch.is_grad_enabled()
     key = cache_keyword(model) if share_prompts and P > 1 and not padded and not ckpt else None
     if key is not None:
-        groups = None
-        if isinstance(share_prompts, PromptGroups):    # (first [U], inv [n]) on the device
-            first, inv = regroup(share_prompts.labels)
-            dev = input_ids.device
-            groups = first.to(dev, non_blocking=True), inv.to(dev, non_blocking=True)
         scores, values = _shared_prompt_forward(model, input_ids, attention_mask, P, key,
-                                                groups, extra)
+                                                share_prompts, extra)
     else:
         def run(**kw):
             out = model(**kw, use_cache=False, **extra)
@@ -163,13 +157,16 @@ def _values(out) -> Optional[torch.Tensor]:
     return values if isinstance(values, torch.Tensor) else None   # (HF outputs: a method)
 
 
-def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, groups=None, extra=None):
+def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, share_prompts,
+                           extra):
     """(scores [N, T, V|H], values [N, T] or None): one forward per distinct prompt, then one
     over the completions on the indexed cache, never of a single token (a hybrid layer's
     one-step path overwrites its state in place): with T = 2 the prompt stops one short."""
-    extra = extra or {}
-    first, inv = groups if groups is not None else \
-        distinct_rows(input_ids[:, :P], attention_mask[:, :P])                    # [U], [N]
+    if isinstance(share_prompts, PromptGroups):                                   # [U], [N]
+        first, inv = (t.to(input_ids.device, non_blocking=True)
+                      for t in regroup(share_prompts.labels))
+    else:
+        first, inv = distinct_rows(input_ids[:, :P], attention_mask[:, :P])
     T = input_ids.shape[1] - P
     cut = P - 1 if T == 2 and P > 1 else P         # prompt columns run once per prompt
     p_mask = attention_mask[first, :cut]                                           # [U, cut]

@@ -142,8 +142,7 @@ class _ReplacingCache(DynamicCache):
 
 
 def index_rows(cache, rows: torch.Tensor, grad: bool = False):
-    """The cache with every layer's rows, hybrid states included, gathered ([U, ...] ->
-    [len(rows), ...]); ``grad``: for a forward differentiated through the states."""
+    """The cache's rows (hybrid states too) gathered; ``grad``: for a differentiated forward."""
     gather = getattr(cache, "reorder_cache", None)
     if gather is None:                 # a cache type without the per-layer row gather
         cache.batch_select_indices(rows)

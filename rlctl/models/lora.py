@@ -70,11 +70,9 @@ def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
 def _as_peft(model):
     from peft import PeftModel
 
-    if isinstance(model, PeftModel):
-        return model
-    policy = getattr(model, "policy", None)  # PolicyValueModel(peft policy)
-    if isinstance(policy, PeftModel):
-        return policy
+    for m in (model, getattr(model, "policy", None)):   # or PolicyValueModel(peft policy)
+        if isinstance(m, PeftModel):
+            return m
     raise TypeError(f"expected a PeftModel or a model whose .policy is one, got "
                     f"{type(model).__name__}")
 
@@ -84,11 +82,7 @@ class AdapterDisabledReference(nn.Module):
 
     def __init__(self, peft_model):
         super().__init__()
-        object.__setattr__(self, "_peft_ref", [peft_model])
-
-    @property
-    def peft_model(self):
-        return self._peft_ref[0]
+        object.__setattr__(self, "peft_model", peft_model)   # not a submodule: no parameters
 
     @property
     def config(self):
@@ -129,8 +123,7 @@ def count_parameters(model: nn.Module, *more: Optional[nn.Module]) -> Tuple[int,
 
 
 def save_lora(model, out_dir, tokenizer=None, merged: bool = False) -> Path:
-    """The adapter (and value head) and tokenizer written to ``out_dir``, returned; ``merged``:
-    also a merged copy in ``out_dir/merged``."""
+    """``out_dir`` with the adapter (value head), tokenizer and if ``merged`` a merged copy."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     peft_model = _as_peft(model)

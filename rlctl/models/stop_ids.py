@@ -41,8 +41,7 @@ def parse_stop_override(tokenizer, override: Optional[Sequence]) -> Tuple[int, .
         return ()
     if isinstance(override, (str, int)):
         override = [override]
-    size = len(tokenizer)
-    vocab = tokenizer.get_vocab()
+    size, vocab = len(tokenizer), tokenizer.get_vocab()
     out = []
     for item in override:
         if isinstance(item, bool) or not isinstance(item, (int, str)):

@@ -38,9 +38,8 @@ class ValueHead(nn.Module):
                   os.path.join(directory, VALUE_HEAD_FILE))
 
     def load(self, directory) -> None:
-        state = load_file(os.path.join(directory, VALUE_HEAD_FILE),
-                          device=str(self.summary.weight.device))
-        self.load_state_dict(state)
+        self.load_state_dict(load_file(os.path.join(directory, VALUE_HEAD_FILE),
+                                       device=str(self.summary.weight.device)))
 
 
 def _hidden_size(model) -> int:
@@ -142,8 +141,7 @@ class SeparateCritic(nn.Module):
 
     @classmethod
     def from_sequence_classifier(cls, classifier) -> "SeparateCritic":
-        """A critic from a one-label reward model: its backbone, the value head from its score
-        head (InstructGPT, Ouyang et al., 2022)."""
+        """A critic from a one-label reward model's backbone and score head (InstructGPT)."""
         head = getattr(classifier, "score", None) or getattr(classifier, "classifier", None)
         if not isinstance(head, nn.Linear) or head.out_features != 1:
             raise ValueError(f"{type(classifier).__name__} has no one-output linear score head")

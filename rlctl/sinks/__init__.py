@@ -18,17 +18,15 @@ def build_sinks(run_dir: Path | str | None, jsonl: bool, wandb: bool, wandb_mode
                 project: str, name: str, run_config: Mapping[str, Any], console: bool,
                 total_steps: int, console_keys: Sequence[str] = DEFAULT_KEYS,
                 tensorboard: bool = False) -> MultiSink:
-    """The sinks a run asked for, fanned out by one MultiSink (empty = null sink). jsonl, wandb
-    and tensorboard write inside `run_dir` (skipped when None); the W&B and TensorBoard
-    modules are imported only when chosen; only an unknown wandb_mode raises."""
+    """The sinks a run asked for in one MultiSink; jsonl, wandb and tensorboard write inside
+    `run_dir` (skipped when None); only an unknown wandb_mode raises."""
     sinks: list[Sink] = []
     if console:
         sinks.append(ConsoleSink(total_steps, console_keys))
     if run_dir is not None:
         run_dir = Path(run_dir)
         if jsonl:
-            sinks.append(JsonlSink(run_dir / METRICS_FILE))
-            sinks.append(SamplesFile(run_dir / SAMPLES_FILE))
+            sinks += [JsonlSink(run_dir / METRICS_FILE), SamplesFile(run_dir / SAMPLES_FILE)]
         if wandb:
             sinks.append(importlib.import_module("rlctl.sinks.wandb_sink").WandbSink(
                 run_dir, project=project, name=name, run_config=dict(run_config), mode=wandb_mode))

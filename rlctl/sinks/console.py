@@ -20,9 +20,8 @@ from .sink import cell_text
 
 DEFAULT_KEYS = ("reward/mean", "eval/exact_match", "policy/kl_ref", "policy/clip_frac",
                 "length/mean", "perf/tokens_per_s")
-# `rlctl reward-model train`: the Bradley-Terry fit's own figures (rlctl/rm/fit.py).
 REWARD_MODEL_KEYS = ("train/loss", "train/accuracy", "eval/pairwise_accuracy", "eval/margin")
-# Short labels for the live row, where width is scarce.
+# Short labels for the live row; REWARD_MODEL_KEYS: `rlctl reward-model train`'s figures
 SHORT_LABELS = {"train/loss": "loss", "train/accuracy": "acc", "eval/pairwise_accuracy": "eval_acc",
                 "eval/margin": "eval_margin", "reward/mean": "reward", "eval/exact_match": "exact",
                 "policy/kl_ref": "kl_ref", "policy/clip_frac": "clip", "length/mean": "len",
@@ -152,9 +151,7 @@ class FiguresProgress(Progress):
             yield Text(self.figures, overflow="ellipsis")
 
 
-# ---- the sample table: short columns keep their width (headers broken after each / or _),
-# the long texts share the rest and end with an ellipsis where cut; a line break shows as `\\n`;
-# a `step` column equal to the title's step is left out.
+# ---- the sample table: short columns keep their width, the long texts share the rest
 SHORT = 12  # a column this wide or narrower is never cut
 HEADER_PARTS = re.compile(r"[^/_]+[/_]?|[/_]")
 

@@ -3,6 +3,7 @@ keys: docs/metrics.md. Sample rows: dicts of JSON values with the same keys in t
 order (an episode's `turns`: a list of {role, text, ...}); `table` is "train" or "eval"."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from functools import partialmethod
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
@@ -61,11 +62,9 @@ class MultiSink:
         first_line = (str(exc).splitlines() or [""])[0]
         print(f"rlctl: warning: metric sink {name} failed in {method}() and is disabled: "
               f"{type(exc).__name__}: {first_line}", file=sys.stderr, flush=True)
-        if method != "close":
-            try:  # give it a chance to release files / processes, quietly
+        if method != "close":   # give it a chance to release files / processes, quietly
+            with contextlib.suppress(Exception):
                 sink.close()
-            except Exception:
-                pass
 
     log = partialmethod(_call, "log")            # (metrics, step)
     samples = partialmethod(_call, "samples")    # (rows, step, table="train")

@@ -10,8 +10,7 @@ from typing import Any, Mapping, Sequence
 from .sink import cell_text
 
 TENSORBOARD_DIR = "tensorboard"
-# Characters that Python-Markdown (TensorBoard's renderer, with its table extension)
-# would read as markup; each is shown literally after a backslash.
+# Characters TensorBoard's Markdown would read as markup: each is escaped with a backslash.
 MARKDOWN_ESCAPES = "\\`*_[]|#"
 
 

@@ -6,6 +6,7 @@ close(); a lower step is left out with one warning; close() tears wandb down and
 the environment; console="off" (wrapping stdout fights the live view)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -36,10 +37,8 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if hasattr(value, "item"):
-        try:
+        with contextlib.suppress(Exception):
             return value.item()
-        except Exception:
-            pass
     return json.loads(json.dumps(value, default=str))
 
 
@@ -137,7 +136,6 @@ class WandbSink:
             except Exception as exc:
                 first = (str(exc).splitlines() or [""])[0]
                 problems.append(f"{attempt}: {type(exc).__name__}: {first}")
-                self._run = None
                 continue
             self.init_seconds = time.perf_counter() - start
             if getattr(self._run, "disabled", False):  # a no-op run: nothing is written
