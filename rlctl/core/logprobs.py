@@ -240,7 +240,8 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
         if int(lo) < 0 or int(hi) >= weight.shape[0]:
             raise ValueError(f"chunked_token_logprobs: token ids must be in [0, {weight.shape[0]}); "
                              f"got min {int(lo)}, max {int(hi)}")
-    chunk = int(chunk_tokens or default_chunk_tokens(weight.shape[0]))
+    chunk = int(chunk_tokens) if chunk_tokens is not None else \
+        max(1, CHUNK_ELEMENTS // max(int(weight.shape[0]), 1))
     lead = tuple(hidden.shape[:-1])
     h = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
     tok = tokens.reshape(-1).long()  # [M]

@@ -1,9 +1,7 @@
-"""The tiny models of the built-in multi-turn environments (calculator, guess_number,
-running_sum): ``build_tokenizer(TINY_AGENT_WORDS)`` and a warm-up on transcripts a scripted
-policy plays against the environment (training rows only, laid out as the episode loop lays
-them out, loss on model turns), so the turns' format exists at step 0, not the skill. The
-cache key covers every parameter, ``AGENT_CODE_VERSION`` and the transcripts' digest
-(calibration of ``AGENT_WARMUPS``: docs/benchmarks.md)."""
+"""The tiny models of the multi-turn environments: a warm-up on transcripts a scripted policy
+plays against the environment (training rows, loss on model turns) teaches the turns' format,
+not the skill; the cache key covers the parameters, ``AGENT_CODE_VERSION`` and the
+transcripts (calibration of ``AGENT_WARMUPS``: docs/benchmarks.md)."""
 from __future__ import annotations
 
 import hashlib

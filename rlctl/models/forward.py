@@ -163,8 +163,9 @@ def _shared_prompt_forward(model, input_ids, attention_mask, P: int, key: str, s
     over the completions on the indexed cache, never of a single token (a hybrid layer's
     one-step path overwrites its state in place): with T = 2 the prompt stops one short."""
     if isinstance(share_prompts, PromptGroups):                                   # [U], [N]
-        first, inv = (t.to(input_ids.device, non_blocking=True)
-                      for t in regroup(share_prompts.labels))
+        first, inv = regroup(share_prompts.labels)
+        dev = input_ids.device
+        first, inv = first.to(dev, non_blocking=True), inv.to(dev, non_blocking=True)
     else:
         first, inv = distinct_rows(input_ids[:, :P], attention_mask[:, :P])
     T = input_ids.shape[1] - P

@@ -1,6 +1,5 @@
-"""Whether a model's logits are its LM head on its final hidden state (else a soft-cap or
-scale sends the learner to the full logits), once per model on one row, per logit with u_low
-/ u_acc the unit roundoff of the lowest dtype / accumulator, (|W||h|)_v = sum_i |w_vi h_i|:
+"""Whether a model's logits are its LM head on its final hidden state (once per model, one
+row): per logit, u_low / u_acc the unit roundoff of the lowest dtype / accumulator,
     |fused_v - own_v| <= 2 ((2 u_low + H u_acc) (|W||h|)_v + u_low |z_v|),
 and a hook checks that the head ran on the final hidden state, its output the logits."""
 from __future__ import annotations

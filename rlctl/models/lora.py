@@ -112,14 +112,9 @@ def reference_for(model) -> AdapterDisabledReference:
 
 def count_parameters(model: nn.Module, *more: Optional[nn.Module]) -> Tuple[int, int]:
     """(trainable, total) parameters of ``model`` and ``more`` (None skipped), each once."""
-    seen, trainable, total = set(), 0, 0
-    for m in (model, *more):
-        for p in (m.parameters() if m is not None else ()):
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-                trainable += p.numel() if p.requires_grad else 0
-    return trainable, total
+    params = {id(p): p for m in (model, *more) if m is not None for p in m.parameters()}
+    return (sum(p.numel() for p in params.values() if p.requires_grad),
+            sum(p.numel() for p in params.values()))
 
 
 def save_lora(model, out_dir, tokenizer=None, merged: bool = False) -> Path:

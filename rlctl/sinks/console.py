@@ -71,8 +71,10 @@ class ConsoleSink:
 
     def line(self, step: int) -> str:
         """The plain line: `step s/total | key value | ... | elapsed<eta`."""
-        parts = [f"step {step}/{self.total_steps}"] + [
-            f"{key} {format_value(self.latest[key])}" for key in self.keys if key in self.latest]
+        parts = [f"step {step}/{self.total_steps}"]
+        for key in self.keys:
+            if key in self.latest:
+                parts.append(f"{key} {format_value(self.latest[key])}")
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
         timing = _format_seconds(elapsed)
         done = step - (self._first_step or 0)
@@ -96,7 +98,9 @@ class ConsoleSink:
         if self._t0 is None:
             self._t0 = time.perf_counter()
             self._first_step = step
-        self.latest.update({key: float(metrics[key]) for key in self.keys if key in metrics})
+        for key in self.keys:
+            if key in metrics:
+                self.latest[key] = float(metrics[key])
         self._last_step = step
         if self.live:
             if self._progress is None:

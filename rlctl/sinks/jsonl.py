@@ -34,7 +34,10 @@ class JsonlSink:
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        row = {"step": int(step), **{str(k): _json_safe(float(v)) for k, v in metrics.items()}}
+        row: dict[str, Any] = {"step": int(step)}
+        for key, value in metrics.items():
+            value = float(value)
+            row[str(key)] = value if math.isfinite(value) else None
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
 

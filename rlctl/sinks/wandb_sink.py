@@ -61,9 +61,8 @@ class WandbSink:
     """Log to wandb (module doc); `mode` in use, `run_file` (None when disabled)."""
 
     name = "wandb"
-    ENV_DIRS = {"WANDB_DIR": "",  # wandb puts its own `wandb/` folder inside
-                "WANDB_CACHE_DIR": "wandb-cache", "WANDB_CONFIG_DIR": "wandb-config",
-                "WANDB_DATA_DIR": "wandb-data"}
+    ENV_DIRS = {"WANDB_DIR": "", "WANDB_CACHE_DIR": "wandb-cache",   # WANDB_DIR gets `wandb/`
+                "WANDB_CONFIG_DIR": "wandb-config", "WANDB_DATA_DIR": "wandb-data"}
 
     def __init__(self, run_dir: str | Path, project: str, name: str | None,
                  run_config: Mapping[str, Any] | None, mode: str = "offline", *,
