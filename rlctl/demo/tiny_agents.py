@@ -22,10 +22,11 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from rlctl.envs.calc import TINY_AGENT_WORDS, spell
+from rlctl.envs.calc import TINY_AGENT_WORDS
 from rlctl.demo.tiny import (MAX_POSITIONS, build_cached, build_params, build_tokenizer,
                                cache_key, default_cache_dir, pad_rows, warm_up_and_save)
 from rlctl.tasks import build_task
+from rlctl.tasks.arithmetic import spaced as spell
 from rlctl.types import Turn
 
 log = logging.getLogger(__name__)

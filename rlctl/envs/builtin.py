@@ -1,17 +1,13 @@
-"""The built-in environments, registered as tasks (docs/agents.md). Each holds out
-``num_eval`` rows drawn with ``random.Random(seed)``; ``reset``'s seed is unused.
+"""The built-in environments, registered as tasks (docs/agents.md); each holds out
+``num_eval`` rows drawn with ``random.Random(seed)``.
 
-- ``calculator``: 3-digit by 2-digit multiplication with a calculator tool; reward 1 for
-  the exact product on the answering turn; ``use_tools=false`` (the ablation) parses no
-  calls. Held-out pairs are disjoint from training (``rlctl.tasks.task.disjoint_splits``).
-- ``guess_number``: find a number in 1..N with higher/lower answers; reward 1 on the
-  correct guess (done, success); a non-number turn is answered ``error``. Nothing is held
-  out (the prompt is the same for every secret, so a split by secret would measure
-  memorisation): training plays secrets 1..N once each in a shuffled order, eval row j
-  plays the (j mod N)-th of that order.
-- ``running_sum``: each turn is the new total (reward 1 if right, on that turn); the next
-  addend follows as the observation, ``num_additions`` in all, continuing from the true
-  total. Done after the last; info success (all right) and correct (how many)."""
+- ``calculator``: 3-digit by 2-digit products with a calculator tool; reward 1 for the
+  exact product; ``use_tools=false`` (the ablation) parses no calls.
+- ``guess_number``: find 1..N from higher/lower answers; reward 1 on the right guess.
+  Training plays secrets 1..N in a shuffled order; eval row j the (j mod N)-th (the
+  prompt is the same for every secret: a split by secret would measure memorisation).
+- ``running_sum``: each turn is the new total (reward 1 if right); the next addend follows,
+  ``num_additions`` in all; info success (all right) and correct (how many)."""
 from __future__ import annotations
 
 import random
@@ -20,9 +16,9 @@ from typing import Tuple
 
 from rlctl.envs import calc as calc_module
 from rlctl.envs.environment import EnvTask, check_bool, check_int, check_number, register_env
-from rlctl.envs.calc import calc, read_number, spell
-from rlctl.envs.sandbox import Limits
-from rlctl.envs.tools import ToolEnv, make_tool
+from rlctl.envs.calc import calc, read_number
+from rlctl.envs.tools import Limits, ToolEnv, make_tool
+from rlctl.tasks.arithmetic import spaced
 from rlctl.tasks.task import ENV_TASKS, disjoint_splits
 from rlctl.types import Example, Step, Turn
 
@@ -37,7 +33,7 @@ EVAL_PER_SECRET = 100           # guess_number's num_eval at most this many time
 
 
 def product_example(a: int, b: int) -> Example:
-    return Example(prompt=f"{spell(a)} * {spell(b)} =", fields={"a": a, "b": b, "answer": a * b})
+    return Example(prompt=f"{spaced(a)} * {spaced(b)} =", fields={"a": a, "b": b, "answer": a * b})
 
 
 def check_answer(ex: Example, text: str) -> float:
@@ -66,7 +62,7 @@ def calculator(use_tools: bool = True, tool_parser: str = "tag", sandbox: str = 
 
     def make_env() -> ToolEnv:
         return ToolEnv([tool], check_answer, parser=tool_parser, sandbox=sandbox, limits=limits,
-                       max_tool_calls=max_tool_calls, format_result=spell, use_tools=use_tools)
+                       max_tool_calls=max_tool_calls, format_result=spaced, use_tools=use_tools)
 
     make_env()   # the options' errors now, not at the first episode
     eval_pairs, train_pairs = disjoint_splits(_draw_pair, random.Random(seed), num_eval, max_train,
@@ -94,7 +90,7 @@ class GuessNumberEnv:
 
 
 def guess_example(secret: int, max_number: int) -> Example:
-    return Example(prompt=f"guess {spell(max_number)} :",
+    return Example(prompt=f"guess {spaced(max_number)} :",
                    fields={"secret": secret, "max_number": max_number})
 
 
@@ -128,11 +124,11 @@ class RunningSumEnv:
                                                    "correct": self.correct})
         nxt = self.addends[self.k]
         self.total, self.k = self.total + nxt, self.k + 1
-        return Step(f"+ {spell(nxt)} =", float(right), False, {})
+        return Step(f"+ {spaced(nxt)} =", float(right), False, {})
 
 
 def sum_example(start: int, addends: Tuple[int, ...]) -> Example:
-    return Example(prompt=f"sum {spell(start)} + {spell(addends[0])} =",
+    return Example(prompt=f"sum {spaced(start)} + {spaced(addends[0])} =",
                    fields={"start": start, "addends": list(addends)})
 
 

@@ -1,13 +1,7 @@
-"""The environment interface of multi-turn episodes, the task that carries one, and the
-environment registry (docs/agents.md).
-
-``reset(example, seed)`` gives the first observation (the prompt text); ``step(turn)``
-takes a ``rlctl.types.Turn`` (text and exact sampled ids) and returns a
-``rlctl.types.Step``. The episode loop (``rlctl.rollout.episodes.loop``) owns tokenization,
-budgets and time limits. One environment object serves one episode. An ``EnvTask`` is a
-task (in ``rlctl.tasks.TASKS``) whose rows are played as episodes; ``@register_env(name)``
-puts its factory in ``ENVS`` and ``TASKS``. Your own needs no registration:
-``task.name=package.module:factory`` returning an ``EnvTask`` is played as episodes."""
+"""The environment interface of multi-turn episodes (docs/agents.md), ``EnvTask`` (a task
+whose rows are played as episodes) and the registry ``ENVS``: ``reset(example, seed)``
+gives the first observation, ``step(turn)`` a ``rlctl.types.Step``; one environment per
+episode. The episode loop (``rlctl.rollout.episodes.loop``) owns tokens and time limits."""
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,4 @@
-"""The subprocess sandbox's child (``python -I sandbox_child.py``; see sandbox.py): reads a
+"""The subprocess sandbox's child (``python -I sandbox_child.py``; see tools.py): reads a
 JSON payload from stdin, limits itself, disables sockets, calls the tool, writes
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` and kills its process
 group. Standard library only until the limits are set."""

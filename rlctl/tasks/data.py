@@ -1,15 +1,6 @@
-"""Data-driven tasks (``task=jsonl``): prompts from files, rewards from the user's
-functions (``rlctl.tasks.rewards``).
-
-Files: JSON Lines, a JSON array, CSV/TSV (every value a string), Parquet/Arrow (needs
-pyarrow) or a Hugging Face ``datasets`` directory (``save_to_disk``, read with pyarrow; a
-directory of data files is read whole); ``task.format`` forces one. A row's
-``task.prompt_field`` is the prompt (text, or {role, content} messages with
-``prompt_format=chat``); the other columns (or ``task.fields``) go to the rewards as
-keyword arguments. Without ``task.eval_path`` ``task.num_eval`` rows (default 10%) are
-held out of the training file (shuffled with ``task.seed``); with it, it caps the eval
-rows. ``eval/exact_match``: total reward >= ``task.correct_threshold``.
-"""
+"""Data-driven tasks (``task=jsonl``, docs/extending.md): prompts from JSON Lines, JSON,
+CSV/TSV, Parquet/Arrow files or a ``datasets`` directory (``FORMATS``), scored by the
+user's reward functions (``rlctl.tasks.rewards``) with the row's other columns."""
 from __future__ import annotations
 
 import csv
@@ -25,8 +16,7 @@ from rlctl.errors import DataError, RewardError
 from rlctl.tasks.rewards import RewardFn, parse_rewards
 from rlctl.types import Example
 
-# Refused when read: far beyond any context, one such row would make the first forward
-# try to allocate terabytes (attention over T^2 positions).
+# refused when read: far beyond any context (attention over T^2 positions)
 MAX_PROMPT_CHARS = 1_000_000
 Located = List[Tuple[str, Dict[str, Any]]]   # (where in the file, e.g. "a.jsonl:7", row)
 
@@ -171,7 +161,9 @@ def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
 
 @register_task("jsonl")
 class DataTask:
-    """Prompts from data files, scored by the user's reward function(s)."""
+    """The rows' ``prompt_field`` as prompts, the other columns (or ``fields``) as the
+    rewards' fields; without ``eval_path`` ``num_eval`` rows (default 10%, shuffled with
+    ``seed``) are held out. Correct: total reward >= ``correct_threshold``."""
 
     name = "jsonl"
 
@@ -216,7 +208,6 @@ class DataTask:
         self._train = [self._example(r, where, "task.train_path") for where, r in train_rows]
         self._eval = [self._example(r, where, "task.eval_path" if eval_path else "task.train_path")
                       for where, r in eval_rows]
-        self._cache: Dict[tuple, float] = {}
 
     def _field_names(self, rows, fields) -> List[str]:
         if not any(self.prompt_field in r for r in rows):
@@ -289,9 +280,6 @@ class DataTask:
     def reward(self, example: Example, completion: str) -> float:
         """The weighted total; a failing function scores 0 (or raises RewardError with
         task.on_reward_error=raise). Prefer RewardScorer, which also enforces the time limit."""
-        key = (id(example), example.prompt, completion)
-        if key in self._cache:
-            return self._cache[key]
         try:
             comps = self.reward_components(example, completion)
             total = sum(self.reward_weights[k] * v for k, v in comps.items())
@@ -302,9 +290,6 @@ class DataTask:
                 raise RewardError(f"reward failed on {describe_sample(0, 1, example, completion)}: "
                                   f"{type(exc).__name__}: {exc}") from None
             total = 0.0
-        if len(self._cache) > 4096:
-            self._cache.clear()
-        self._cache[key] = total
         return total
 
     def correct_from_reward(self, example: Example, reward: float) -> bool:

@@ -1,12 +1,9 @@
-"""A task prepared for one model (``prepare``, once per process; the task is not changed):
-with ``task.prompt_format=chat`` each prompt through the chat template
-(``Example.fields[RAW_PROMPT]`` keeps it as written) and the end-of-turn markers at which
-the scorer cuts a reply; and the budget: a prompt of P tokens and T =
-``rollout.max_new_tokens`` need P + T positions, so prompts, counted as the sampler
-encodes them, are kept within ``rollout.max_prompt_tokens`` (default: the context minus
-T) under ``task.long_prompts``: ``skip`` (counted in one stderr line), ``truncate_left``
-(their last tokens kept, as verl's ``truncation=left``; the reward sees the whole prompt)
-or ``error``. Train, eval and rollout all prepare through ``rlctl.train.build.prepare_task``.
+"""A task prepared for one model (``prepare``; the task is not changed): chat prompts
+through the template (``Example.fields[RAW_PROMPT]`` keeps them as written) with the
+end-of-turn markers, and prompts of P tokens kept within ``rollout.max_prompt_tokens``
+(default: the context minus T = ``rollout.max_new_tokens``) under ``task.long_prompts``:
+``skip``, ``truncate_left`` (the last tokens, as verl's; the reward sees the whole
+prompt) or ``error``.
 """
 from __future__ import annotations
 
@@ -36,23 +33,10 @@ def context_length(model) -> Optional[int]:
     return None
 
 
-@dataclass(frozen=True)
-class PromptBudget:
-    """``rollout.max_new_tokens`` and ``rollout.max_prompt_tokens`` (None: the model's
-    context minus the completion)."""
-    max_new_tokens: int
-    max_prompt_tokens: Optional[int] = None
-
-    @classmethod
-    def from_config(cls, cfg) -> "PromptBudget":
-        """From the composed config's ``rollout`` section (an older run's config may lack
-        ``max_prompt_tokens``: None)."""
-        return cls(int(cfg.rollout.max_new_tokens), cfg.rollout.get("max_prompt_tokens"))
-
-
-def prompt_limit(budget: PromptBudget, model) -> Optional[Tuple[int, str]]:
-    """(max prompt tokens, how messages name it), or None: no limit set and none known."""
-    new, asked = budget.max_new_tokens, budget.max_prompt_tokens
+def prompt_limit(rollout, model) -> Optional[Tuple[int, str]]:
+    """(max prompt tokens, how messages name it) for the config's ``rollout`` section (an
+    older run's may lack ``max_prompt_tokens``: None), or None: no limit set and none known."""
+    new, asked = int(rollout.max_new_tokens), rollout.get("max_prompt_tokens")
     ctx = context_length(model)
     if asked is None:
         if ctx is None:
@@ -153,10 +137,10 @@ def _rendered(ex: Example, tokenizer, system: Optional[str]) -> Example:
     return Example(prompt=render_chat(tokenizer, raw, system), fields={**ex.fields, RAW_PROMPT: raw})
 
 
-def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, learned=None,
+def prepare(task, tokenizer, rollout=None, model=None, learned=None,
             stream=None, quiet: bool = False) -> Prepared:
-    """``task`` prepared for ``tokenizer`` and (with ``budget`` and ``model``) the model's
-    context; prompts skipped or truncated are counted on stderr (rank 0, unless ``quiet``).
+    """``task`` prepared for ``tokenizer`` and (with the config's ``rollout`` section and
+    ``model``) the model's context; prompts skipped or truncated are counted on stderr (rank 0, unless ``quiet``).
     UserError, one line: no chat template, a bad chat prompt, no room, a prompt over the
     limit under ``task.long_prompts=error``, or a split left empty."""
     opts = task_options(task)
@@ -167,7 +151,7 @@ def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, 
             markers = tuple(end_of_turn_markers(tokenizer))
     except ValueError as exc:
         raise UserError(f"task.prompt_format: {exc}") from None
-    limit = prompt_limit(budget, model) if budget is not None and model is not None else None
+    limit = prompt_limit(rollout, model) if rollout is not None and model is not None else None
     try:
         splits: Dict[str, List[Example]] = {"train": task.train_examples(),
                                             "eval": task.eval_examples()}

@@ -1,23 +1,15 @@
-"""Rule rewards: the user's reward functions, loaded by import path (several with
-weights), and the answer verifier behind the built-in ``math`` and ``exact`` rewards.
+"""Rule rewards (docs/extending.md): the user's functions by import path, weighted, and
+the answer verifier behind the built-in ``math`` and ``exact``.
 
-A reward function is ``reward(prompt, completion, **fields) -> float``: ``prompt`` the
-data's prompt (text, or the chat messages), ``completion`` the decoded reply, ``fields``
-the data's other columns (``task.fields``; a function without ``**fields`` gets only those
-it names). The batched form ``reward(prompts, completions, **fields) -> list[float]`` is
-recognised by its first two parameters being ``prompts`` and ``completions``, or by
-``batched: true``. ``task.reward_fn`` is one function; ``task.rewards`` a list of
-``{fn, weight, name, batched}`` (or ``"module:function"`` strings); the total is
-``sum(weight * value)``, each value logged as ``reward/<name>``. An entry ``{model: PATH,
-weight, name}`` (or ``task.reward_model``, which replaces the task's own rewards) is a
-learned reward model (``rlctl.rm.learned``; ``model_entries``). ``fn``:
-``package.module:function``, ``path/to/file.py:function``, ``math`` or ``exact``.
+A reward is ``fn(prompt, completion, **fields) -> float`` (a function without ``**fields``
+gets only the fields it names) or, batched (first parameters ``prompts, completions``, or
+``batched: true``), ``fn(prompts, completions, **fields) -> list[float]``. The total is
+``sum(weight * value)``, each logged as ``reward/<name>``; ``{model: PATH}`` entries are
+learned reward models (``model_entries``, ``rlctl.rm.learned``).
 
-``answers_equivalent(completion, answer)``: the completion's final answer (the last
-``\\boxed{...}``, else after the last "####" / "answer is" / "answer:", else the whole
-text) equals ``answer``, either as an exact rational number ("46", "4.6e1", "92/2",
-"1,234", "4 6" spaced digits) or by math-verify (LaTeX, sets, expressions). math-verify's
-own time limits need the main thread; elsewhere they are off (the scorer's limit applies).
+``answers_equivalent``: the final answer (last ``\\boxed{}``, else after the last "####" /
+"answer is" / "answer:", else the text) equals ``answer`` as an exact rational ("4.6e1",
+"92/2", "1,234", "4 6") or by math-verify (whose time limits need the main thread).
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Scoring completions with a task's reward(s): batches under ``task.reward_timeout_s``,
-the error policy (``task.on_reward_error``), and per-reward components (``reward/<name>``).
-
-Why a process: a thread cannot be stopped, so a reward stuck in a pure-Python loop (or in
-C code that holds the GIL, e.g. a catastrophic regex) would keep a core busy for ever.
-The reward runs in one persistent worker forked from the trainer (copy-on-write: the
-task and the user's functions are already there; only examples, completions and floats
-cross the pipe), killed at the deadline and forked again for the next batch. A limit of
-0 or null scores in-process; without ``fork`` a daemon thread is abandoned at the deadline.
+"""Scoring completions with a task's reward(s): batches under ``task.reward_timeout_s``
+in one persistent worker forked from the trainer (a thread cannot be stopped), killed at
+the deadline and forked again; 0 or null scores in-process. The error policy is
+``task.on_reward_error``; named rewards are logged as ``reward/<name>``.
 """
 from __future__ import annotations
 
@@ -14,9 +9,7 @@ import logging
 import math
 import multiprocessing
 import os
-import queue
 import signal
-import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -116,32 +109,6 @@ class InlineRunner:
         pass
 
 
-class ThreadRunner(InlineRunner):
-    """Without fork: a daemon thread per batch, abandoned at the deadline."""
-
-    def run(self, examples, completions, timeout_s: float) -> Tuple[List[Tuple], Optional[str]]:
-        q: "queue.Queue" = queue.Queue()
-
-        def work():
-            try:
-                for item in score_stream(self.task, examples, completions):
-                    q.put(item)
-            except BaseException as exc:  # noqa: BLE001
-                q.put(("fatal", f"{type(exc).__name__}: {_one_line(exc, 200)}"))
-            q.put(("done",))
-
-        threading.Thread(target=work, daemon=True, name="rlctl-reward").start()
-        deadline, items = time.monotonic() + timeout_s, []
-        while True:
-            try:
-                msg = q.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                return items, "timeout"
-            if msg[0] == "done":
-                return items, None
-            items.append(msg)
-
-
 class ProcessRunner(InlineRunner):
     """One forked worker, kept between batches, killed at a deadline."""
 
@@ -193,23 +160,13 @@ class ProcessRunner(InlineRunner):
 
 
 class RewardScorer:
-    """Scores batches with the task's reward(s) under ``task.reward_timeout_s``.
-
-    With ``on_reward_error=zero`` ``score_batch`` never raises: a sample whose reward
-    raised or is not finite scores 0 and counts in ``errors``; samples left unscored at
-    the deadline score 0 and count in ``timeouts`` (a warning names the sample). With
-    ``raise`` either raises ``RewardError`` naming the sample. ``last_components``: each
-    named reward of the last batch, one value per sample.
-
-    ``markers``: chat end-of-turn markers (None for raw prompts): the task's rewards and
-    ``is_correct`` then see the assistant's reply only (``assistant_text``), the reward
-    models and logged samples the whole completion. ``learned``
-    (``rlctl.rm.learned.LearnedRewards``): reward models scoring the batch in
-    this process after the task's rewards: their raw scores join the components, their
-    shaped scores the total (``task.reward_model``: the total is theirs alone; eval
-    correctness still comes from the task). The first scorer built with them updates the
-    running reward statistics and carries them in ``state()``; later ones (eval) read them.
-    """
+    """Scores batches with the task's reward(s). ``on_reward_error=zero``: a sample whose
+    reward raised, is not finite or timed out scores 0 and counts in ``errors`` or
+    ``timeouts``; ``raise``: ``RewardError`` naming the sample. ``markers`` (chat): the
+    task sees the assistant's reply only. ``learned`` (``rlctl.rm.learned``): reward
+    models scored after the task, their raw scores among the components, their shaped
+    scores in (or, with ``task.reward_model``, as) the total; the first such scorer owns
+    the running statistics (``state()``)."""
 
     def __init__(self, task, learned=None, markers: Optional[Sequence[str]] = None, timeout_s: Any = FROM_TASK,
                  on_error: Optional[str] = None, norm_owner: Optional[bool] = None):
@@ -228,18 +185,12 @@ class RewardScorer:
         self._sums: Dict[str, float] = {}   # per-reward sums since the last metrics()
         self._count = 0
         self._warned = 0
-        # norm_owner None: the first scorer of the reward models (training's) updates the running
-        # statistics; False: never (held-out scoring reads them: `rlctl eval`, `rollout`)
+        # norm_owner None: the first scorer (training's) updates the statistics; False: never
         self._owns_norm = (self.learned.claim(self) if norm_owner is None else norm_owner) \
             if self.learned is not None else False
         self._last_gold: List[float] = []     # the task's own totals of the last batch
         self.last_raw_totals: List[float] = []   # the last batch's totals, models' raw scores
-        if not self.timeout_s:
-            self._runner = InlineRunner(task)
-        elif "fork" in multiprocessing.get_all_start_methods():
-            self._runner = ProcessRunner(task)
-        else:
-            self._runner = ThreadRunner(task)
+        self._runner = ProcessRunner(task) if self.timeout_s else InlineRunner(task)
 
     def __call__(self, example: Example, completion: str) -> float:
         return self.score_batch([example], [completion])[0]
@@ -316,16 +267,14 @@ class RewardScorer:
 
     @property
     def has_gold(self) -> bool:
-        """False for a task with no reward of its own: a data task scored by reward models
-        alone (no reward function, ``rewards == []``), whose own total would read 0 for
-        every sample; then no reward/<task> component and no correctness are reported."""
+        """False for a data task scored by reward models alone (``rewards == []``): then no
+        reward/<task> component and no correctness are reported."""
         rewards = getattr(self.task, "rewards", None)
         return not (self.learned is not None and isinstance(rewards, list) and not rewards)
 
     @property
     def shapes(self) -> bool:
-        """True when training totals differ from the raw ones (task.reward_norm or
-        task.reward_clip on the reward models' scores)."""
+        """Training totals differ from the raw ones (task.reward_norm or task.reward_clip)."""
         return self.learned is not None and (self.learned.norm != "none"
                                              or self.learned.clip is not None)
 

@@ -1,14 +1,7 @@
-"""The Task protocol, the registry, and what every task shares: the common options, chat
-prompts and the disjoint splits of generated tasks.
-
-``build_task(name, **options)`` is the only constructor the engine uses (``name``: a
-registered task or "package.module:factory"). It takes the keys every task has
-(``COMMON_OPTIONS``) out of ``options``, drops ``None`` values of keys the task does not
-take (``TaskConfig`` is shared by all tasks), rejects a non-``None`` one in one line,
-builds the task and attaches the common options as ``task.rlctl_options``. The task is
-never changed after that: what a run makes of it for one model (chat rendering, the
-prompt budget, the scorer) is built apart by ``rlctl.tasks.prompt_budget.prepare``.
-``jsonl`` and the built-in environments (``ENV_TASKS``) are imported when first built."""
+"""The Task protocol, the task registry, and what every task shares: the common options
+(``TaskOptions``), chat prompts and the disjoint splits of generated tasks. A task is
+never changed once built; ``rlctl.tasks.prompt_budget.prepare`` makes its prompts for one
+model."""
 from __future__ import annotations
 
 import inspect
@@ -35,13 +28,9 @@ class Task(Protocol):
     def is_correct(self, example: Example, completion: str) -> bool:
         """Exact correctness, for the eval metric ``eval/exact_match``."""
 
-    # Optional, used by RewardScorer when present:
-    #   reward_components(example, completion) -> Dict[str, float]   raw named rewards;
-    #       the total is sum(reward_weights.get(name, 1.0) * value), equal to reward().
-    #   reward_components_batch(examples, completions) -> List[Dict[str, float]]
-    #       (used unless the task sets score_in_batches = False)
-    #   reward_weights: Dict[str, float]
-    #   correct_from_reward(example, reward) -> bool   eval correctness from the total.
+    # Optional (RewardScorer): reward_components(example, completion) -> {name: value}
+    # with reward() == sum(reward_weights.get(name, 1.0) * value); reward_components_batch
+    # (unless score_in_batches = False); correct_from_reward(example, reward) -> bool.
 
 
 # factory(**task options) -> Task, registered with @register_task(name); task.name may
@@ -52,10 +41,8 @@ ENV_TASKS = ("calculator", "guess_number", "running_sum")   # rlctl.envs.builtin
 
 
 class _Deferred:
-    """A built-in task whose module is imported when it is first built (``spec``:
-    ``module:factory``), which then registers the factory itself in its place; a run of
-    another task imports no environment, tool or sandbox. ``inspect.signature`` reads the
-    factory's options through ``__wrapped__``."""
+    """A built-in task ``module:factory`` imported when first built (it then registers
+    itself in its place); ``inspect.signature`` reads its options via ``__wrapped__``."""
 
     def __init__(self, spec: str):
         self.spec = spec
@@ -122,7 +109,9 @@ def _factory_params(factory) -> Tuple[Dict[str, inspect.Parameter], bool]:
 
 
 def build_task(name: str, **options) -> Task:
-    """The task ``name`` built from config keys (all of ``TaskConfig`` but ``name``)."""
+    """The task ``name`` (registered or "package.module:factory") built from config keys
+    (all of ``TaskConfig`` but ``name``): ``None`` for an option the task does not take is
+    dropped, another value refused in one line; the common options go to ``rlctl_options``."""
     factory = TASKS.get(name)
     common = {k: options.pop(k) for k in COMMON_OPTIONS if k in options}
     opts = check_options(TaskOptions(**{k: v for k, v in common.items()
