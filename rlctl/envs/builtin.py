@@ -19,13 +19,11 @@ from rlctl.envs.environment import EnvTask, check_bool, check_int, check_number,
 from rlctl.envs.calc import calc, read_number
 from rlctl.envs.tools import Limits, ToolEnv, make_tool
 from rlctl.tasks.arithmetic import spaced
-from rlctl.tasks.task import ENV_TASKS, disjoint_splits
+from rlctl.tasks.task import disjoint_splits
 from rlctl.types import Example, Step, Turn
 
-BUILTIN_ENVS = ENV_TASKS
 A_RANGE, B_RANGE = (100, 999), (10, 99)
-# The sandboxed interpreter loads calc from its file: importing rlctl.envs would import
-# rlctl.tasks and torch there (too big for the sandbox's memory limit, and slow).
+# the sandbox loads calc from its file: rlctl.envs would import torch (too big there)
 CALC_SOURCE = f"{calc_module.__file__}:calc"
 SPACE = (A_RANGE[1] - A_RANGE[0] + 1) * (B_RANGE[1] - B_RANGE[0] + 1)
 HIGHER, LOWER, ERROR = "higher", "lower", "error"

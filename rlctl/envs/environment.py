@@ -34,11 +34,8 @@ class EnvTask:
 
     def __init__(self, name: str, make_env: Callable[[], Environment],
                  train: Sequence[Example], eval: Sequence[Example]):
-        self.name = name
-        self._make_env, self._train, self._eval = make_env, list(train), list(eval)
-
-    def make_env(self) -> Environment:
-        return self._make_env()
+        self.name, self.make_env = name, make_env
+        self._train, self._eval = list(train), list(eval)
 
     def train_examples(self) -> List[Example]:
         return list(self._train)

@@ -37,11 +37,6 @@ def _no_network() -> None:
     socket.socketpair = socket.fromfd = socket.create_connection = _refuse
 
 
-def _run(payload: dict):
-    fn = load_object(payload["source"], "tool")
-    return fn(**payload["kwargs"])
-
-
 def main() -> None:
     reply_fd = os.dup(1)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -51,8 +46,8 @@ def main() -> None:
     _limit(payload["memory_bytes"], payload["cpu_s"])
     _no_network()
     try:
-        reply = {"ok": True, "result": _run(payload)}
-        text = json.dumps(reply, default=str)
+        result = load_object(payload["source"], "tool")(**payload["kwargs"])
+        text = json.dumps({"ok": True, "result": result}, default=str)
     except BaseException as exc:  # noqa: BLE001 - everything becomes the error reply
         text = json.dumps({"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"})
     if len(text) > MAX_RESULT_CHARS:

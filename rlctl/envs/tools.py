@@ -73,12 +73,7 @@ def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
         except Exception as exc:  # noqa: BLE001 - a tool's failure is an observation
             raise ToolFailed(f"{tool.name}: {type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:200]}") from None
-    return run_in_subprocess(tool, kwargs, limits)
-
-
-def run_in_subprocess(tool, kwargs: Dict[str, Any], limits: Limits) -> Any:
-    if tool.source is None:
-        check_sandbox("subprocess", [tool])
+    check_sandbox("subprocess", [tool])
     payload = json.dumps({"source": tool.source, "kwargs": kwargs,
                           "path": [os.path.abspath(p or ".") for p in sys.path],
                           "memory_bytes": int(limits.memory_mb) * 2 ** 20, "cpu_s": limits.cpu()})

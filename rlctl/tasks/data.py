@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.task import RAW_PROMPT, SOURCE, register_task, task_options
-from rlctl.tasks.scoring import describe_sample
-from rlctl.errors import DataError, RewardError
+from rlctl.tasks.scoring import RewardScorer
+from rlctl.errors import DataError
 from rlctl.tasks.rewards import RewardFn, parse_rewards
 from rlctl.types import Example
 
@@ -101,10 +101,7 @@ def _read_hf_dir(path: Path, key: str) -> Located:
     state = path / "state.json"
     if state.is_file():
         files = [path / d["filename"] for d in json.loads(state.read_text()).get("_data_files", [])]
-        rows: Located = []
-        for f in files:
-            rows.extend(_read_arrow(f))
-        return rows
+        return [row for f in files for row in _read_arrow(f)]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIX)
     kinds = {_SUFFIX[p.suffix] for p in files}
     if not files:
@@ -113,10 +110,7 @@ def _read_hf_dir(path: Path, key: str) -> Located:
     if len(kinds) > 1:
         raise DataError(f"{key}: directory '{path}' mixes formats ({', '.join(sorted(kinds))}); "
                          "point it at one file")
-    rows = []
-    for f in files:
-        rows.extend(_READERS[_SUFFIX[f.suffix]](f))
-    return rows
+    return [row for f in files for row in _READERS[_SUFFIX[f.suffix]](f)]
 
 
 def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
@@ -278,19 +272,10 @@ class DataTask:
         return out
 
     def reward(self, example: Example, completion: str) -> float:
-        """The weighted total; a failing function scores 0 (or raises RewardError with
-        task.on_reward_error=raise). Prefer RewardScorer, which also enforces the time limit."""
-        try:
-            comps = self.reward_components(example, completion)
-            total = sum(self.reward_weights[k] * v for k, v in comps.items())
-            if not math.isfinite(total):
-                raise DataError(f"the reward is {total}")
-        except Exception as exc:  # noqa: BLE001
-            if task_options(self).on_reward_error == "raise":
-                raise RewardError(f"reward failed on {describe_sample(0, 1, example, completion)}: "
-                                  f"{type(exc).__name__}: {exc}") from None
-            total = 0.0
-        return total
+        """The weighted total through ``RewardScorer`` under ``task.on_reward_error``, with
+        no time limit."""
+        with RewardScorer(self, timeout_s=0) as scorer:
+            return scorer.score_batch([example], [completion])[0]
 
     def correct_from_reward(self, example: Example, reward: float) -> bool:
         return reward >= self.correct_threshold

@@ -22,8 +22,7 @@ _CHUNK = 512   # prompts per tokenizer call
 
 
 def context_length(model) -> Optional[int]:
-    """Positions the model was built for: the first config among its modules (wrappers:
-    value heads, peft, DeepSpeed engines) that names one; None when none does."""
+    """Positions the model was built for: the first module config (of wrappers too) naming one."""
     for module in model.modules():
         config = getattr(module, "config", None)
         for key in CONTEXT_KEYS:
@@ -54,10 +53,8 @@ def prompt_limit(rollout, model) -> Optional[Tuple[int, str]]:
 
 
 def token_lengths(tokenizer, prompts: Sequence[str], max_tokens: int) -> List[int]:
-    """Each prompt's tokens as the sampler encodes it (special tokens included), exact for
-    those that may pass ``max_tokens``: a bound first (every token of a byte-level BPE,
-    WordPiece/WordLevel or byte-fallback SentencePiece vocabulary covers at least one
-    UTF-8 byte; plus the special tokens and a dummy prefix), the tokenizer for the rest."""
+    """Each prompt's tokens as the sampler encodes it, exact for those over ``max_tokens`` by
+    a bound first (UTF-8 bytes + specials + a dummy prefix: a token covers at least a byte)."""
     specials = len(tokenizer("")["input_ids"]) + 1
     lengths = [len(p.encode("utf-8")) + specials for p in prompts]
     maybe = [i for i, n in enumerate(lengths) if n > max_tokens]
@@ -118,10 +115,8 @@ def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int
 
 @dataclass(frozen=True)
 class Prepared:
-    """The task, its prompts as the model reads them (train and eval splits, rendered and
-    within the budget), the chat end-of-turn markers (None for raw prompts) and the learned
-    reward models (``rlctl.rm.learned.LearnedRewards`` or None). ``scorer``
-    builds a ``RewardScorer`` given all of them."""
+    """The task, its train and eval prompts as the model reads them, the chat end-of-turn
+    markers (None: raw prompts) and the learned reward models; ``scorer`` is given them."""
     task: Any
     train: Tuple[Example, ...]
     eval: Tuple[Example, ...]
@@ -140,9 +135,8 @@ def _rendered(ex: Example, tokenizer, system: Optional[str]) -> Example:
 def prepare(task, tokenizer, rollout=None, model=None, learned=None,
             stream=None, quiet: bool = False) -> Prepared:
     """``task`` prepared for ``tokenizer`` and (with the config's ``rollout`` section and
-    ``model``) the model's context; prompts skipped or truncated are counted on stderr (rank 0, unless ``quiet``).
-    UserError, one line: no chat template, a bad chat prompt, no room, a prompt over the
-    limit under ``task.long_prompts=error``, or a split left empty."""
+    ``model``) its context, skipped or truncated prompts counted on stderr (rank 0, unless
+    ``quiet``). UserError, one line, on no chat template, no room or an empty split."""
     opts = task_options(task)
     try:
         markers: Optional[Tuple[str, ...]] = None

@@ -44,15 +44,12 @@ def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
     batch_fn = getattr(task, "reward_components_batch", None)
     if batch_fn is not None and len(examples) > 1 and getattr(task, "score_in_batches", True):
         try:
-            rows = batch_fn(list(examples), list(completions))
-            if len(rows) != len(examples):
-                raise ValueError(f"returned {len(rows)} scores for {len(examples)} samples")
-            parsed = [{str(k): float(v) for k, v in r.items()} for r in rows]
+            parsed = [{str(k): float(v) for k, v in r.items()}
+                      for r in batch_fn(list(examples), list(completions))]
         except Exception:  # noqa: BLE001 - retried per sample below, to name the culprit
-            parsed = None
-        if parsed is not None:
-            for i, comps in enumerate(parsed):
-                yield ("ok", i, _total(task, comps), comps)
+            parsed = []
+        if len(parsed) == len(examples):   # else (or a wrong count) per sample below
+            yield from (("ok", i, _total(task, comps), comps) for i, comps in enumerate(parsed))
             return
     comp_fn = getattr(task, "reward_components", None)
     for i, (ex, c) in enumerate(zip(examples, completions)):
@@ -96,8 +93,8 @@ def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked chi
 
 
 class InlineRunner:
-    """No limit (``reward_timeout_s`` 0 or null): scored in this process. A runner's
-    ``run`` gives (the ``score_stream`` items it got, None / "timeout" / "died")."""
+    """Scores in this process; ``run`` gives (the ``score_stream`` items, None / "timeout" /
+    "died")."""
 
     def __init__(self, task):
         self.task = task
@@ -131,22 +128,18 @@ class ProcessRunner(InlineRunner):
         deadline, items = time.monotonic() + timeout_s, []
         try:
             self.conn.send((list(examples), list(completions)))
-        except (OSError, ValueError):
-            self.close()
-            return items, "died"
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
+            while True:
+                remaining = deadline - time.monotonic()
                 if not (remaining > 0 and self.conn.poll(remaining)):
                     self.close()
                     return items, "timeout"
                 msg = self.conn.recv()
-            except (EOFError, OSError):
-                self.close()
-                return items, "died"
-            if msg[0] == "done":
-                return items, None
-            items.append(msg)
+                if msg[0] == "done":
+                    return items, None
+                items.append(msg)
+        except (EOFError, OSError, ValueError):
+            self.close()
+            return items, "died"
 
     def close(self) -> None:
         if self.proc is not None:

@@ -47,9 +47,7 @@ class _Deferred:
     def __init__(self, spec: str):
         self.spec = spec
 
-    @property
-    def __wrapped__(self) -> Callable:
-        return load_object(self.spec, "task")
+    __wrapped__ = property(lambda self: load_object(self.spec, "task"))
 
     def __call__(self, **options):
         return self.__wrapped__(**options)
@@ -98,16 +96,6 @@ def task_options(task) -> TaskOptions:
     return getattr(task, "rlctl_options", None) or TaskOptions()
 
 
-def _factory_params(factory) -> Tuple[Dict[str, inspect.Parameter], bool]:
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return {}, True
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    return {k: p for k, p in params.items()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}, var_kw
-
-
 def build_task(name: str, **options) -> Task:
     """The task ``name`` (registered or "package.module:factory") built from config keys
     (all of ``TaskConfig`` but ``name``): ``None`` for an option the task does not take is
@@ -117,7 +105,13 @@ def build_task(name: str, **options) -> Task:
     opts = check_options(TaskOptions(**{k: v for k, v in common.items()
                                         if v is not None or k in ("reward_timeout_s",
                                                                   "system_prompt")}))
-    params, var_kw = _factory_params(factory)
+    try:
+        sig = dict(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        sig = None   # no signature: every option goes to the factory
+    var_kw = sig is None or any(p.kind is p.VAR_KEYWORD for p in sig.values())
+    params = {k: p for k, p in (sig or {}).items()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     kwargs = {}
     for key, value in options.items():
         if key in params:
@@ -158,11 +152,8 @@ def chat_messages(prompt: Any, system_prompt: Optional[str]) -> List[Dict[str, s
 
 
 def render_chat(tokenizer, prompt: Any, system_prompt: Optional[str] = None) -> str:
-    """The prompt through the tokenizer's chat template, ending with the assistant header.
-
-    A leading BOS that the template writes is dropped when the tokenizer adds BOS itself
-    on encoding (the engine tokenizes prompts with special tokens), so it is not doubled.
-    """
+    """The prompt through the tokenizer's chat template, ending with the assistant header;
+    a BOS the template writes is dropped when encoding adds one (never doubled)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("task.prompt_format=chat needs a tokenizer with a chat template; "
                          "this model's tokenizer has none (use task.prompt_format=raw)")
