@@ -1,13 +1,9 @@
-"""The built-in environments, registered as tasks (docs/agents.md); each holds out
-``num_eval`` rows drawn with ``random.Random(seed)``.
-
-- ``calculator``: 3-digit by 2-digit products with a calculator tool; reward 1 for the
-  exact product; ``use_tools=false`` (the ablation) parses no calls.
-- ``guess_number``: find 1..N from higher/lower answers; reward 1 on the right guess.
-  Training plays secrets 1..N in a shuffled order; eval row j the (j mod N)-th (the
-  prompt is the same for every secret: a split by secret would measure memorisation).
-- ``running_sum``: each turn is the new total (reward 1 if right); the next addend follows,
-  ``num_additions`` in all; info success (all right) and correct (how many)."""
+"""The built-in environments, registered as tasks (docs/agents.md), ``num_eval`` rows held
+out with ``random.Random(seed)``: ``calculator`` (3-digit by 2-digit products with a calc
+tool, reward 1 for the product; ``use_tools=false`` parses no calls), ``guess_number``
+(1..N from higher/lower, reward 1 on the guess; eval replays the shuffled secrets: the
+prompt is the same for all) and ``running_sum`` (each turn the new total, reward 1 if
+right; info success and correct)."""
 from __future__ import annotations
 
 import random
@@ -15,7 +11,7 @@ from itertools import product
 from typing import Tuple
 
 from rlctl.envs import calc as calc_module
-from rlctl.envs.environment import EnvTask, check_bool, check_int, check_number, register_env
+from rlctl.envs.environment import EnvTask, check_int, check_number, register_env
 from rlctl.envs.calc import calc, read_number
 from rlctl.envs.tools import Limits, ToolEnv, make_tool
 from rlctl.tasks.arithmetic import spaced
@@ -50,7 +46,8 @@ def _all_pairs():
 def calculator(use_tools: bool = True, tool_parser: str = "tag", sandbox: str = "none",
                max_tool_calls: int = 2, tool_timeout_s: float = 5.0, tool_memory_gb: float = 0.5,
                num_eval: int = 256, seed: int = 1234, max_train: int = 20000) -> EnvTask:
-    check_bool("use_tools", use_tools)
+    if not isinstance(use_tools, bool):
+        raise ValueError(f"task.use_tools must be true or false, got {use_tools!r}")
     check_int("num_eval", num_eval, 0, SPACE - 1)
     check_number("tool_memory_gb", tool_memory_gb, 0.05, "(GB)")
     check_number("tool_timeout_s", tool_timeout_s, 0, "seconds", lo_open=True)

@@ -28,9 +28,8 @@ class Environment(Protocol):
 
 
 class EnvTask:
-    """A task played as episodes: ``train_examples``/``eval_examples`` (disjoint rows) and
-    ``make_env()`` (a fresh environment per episode). Eval reads ``success`` from the last
-    info (else total reward > 0)."""
+    """A task played as episodes, ``make_env()`` a fresh environment for each; eval reads
+    ``success`` from the last info (else total reward > 0)."""
 
     def __init__(self, name: str, make_env: Callable[[], Environment],
                  train: Sequence[Example], eval: Sequence[Example]):
@@ -73,9 +72,7 @@ def close_env(env: Optional[Environment]) -> None:
 def register_env(name: str) -> Callable[[Callable], Callable]:
     """Decorator: ``factory(**task options) -> EnvTask`` registered in ``ENVS`` and ``TASKS``."""
     def deco(factory: Callable) -> Callable:
-        ENVS.register(name)(factory)
-        register_task(name)(factory)
-        return factory
+        return register_task(name)(ENVS.register(name)(factory))
     return deco
 
 
@@ -84,12 +81,6 @@ def check_int(key: str, value, lo: int, hi: float = math.inf) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         where = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
         raise ValueError(f"task.{key} must be an integer {where}, got {value!r}")
-    return value
-
-
-def check_bool(key: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"task.{key} must be true or false, got {value!r}")
     return value
 
 

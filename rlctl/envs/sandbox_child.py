@@ -9,8 +9,7 @@ import signal
 import socket
 import sys
 
-# Run as a script, its own folder (rlctl/envs/) heads sys.path: put the folder holding the
-# rlctl package there instead (rlctl.registry and rlctl/__init__ import only the stdlib).
+# sys.path[0] is rlctl/envs/ (a script): the folder holding rlctl (registry: stdlib only)
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rlctl.registry import load_object  # noqa: E402
 
@@ -32,19 +31,14 @@ class _NoSocket(socket.socket):
         _refuse()
 
 
-def _no_network() -> None:
-    socket.socket = _NoSocket
-    socket.socketpair = socket.fromfd = socket.create_connection = _refuse
-
-
 def main() -> None:
     reply_fd = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)                       # the tool's prints go nowhere
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # the tool's prints go nowhere
     payload = json.loads(sys.stdin.read())
     sys.path[:] = payload["path"]             # the parent's, made absolute
     _limit(payload["memory_bytes"], payload["cpu_s"])
-    _no_network()
+    socket.socket = _NoSocket                 # no network
+    socket.socketpair = socket.fromfd = socket.create_connection = _refuse
     try:
         result = load_object(payload["source"], "tool")(**payload["kwargs"])
         text = json.dumps({"ok": True, "result": result}, default=str)

@@ -1,19 +1,10 @@
-"""Tools, their call formats and ``ToolEnv``, an environment in which the model may call
-tools before it answers (docs/agents.md, "Tools and call formats").
-
-``make_tool`` gives a ``Tool`` (``bind``: parsed arguments to keyword arguments, ``int`` /
-``float`` without spaces; ``source``: its import path for the subprocess sandbox). A
-parser (``PARSERS``: ``tag``, ``json``, or ``package.module:Class``) has ``parse(text)``
-(the turn's first call, None, or ``ToolCallError``), ``format(call)`` and ``stop``. In
-``ToolEnv`` a call is answered ``<result> R </result>`` (any failure: ``error``, counted
-in ``tool_errors``); a turn without a call is the answer, scored by ``check``.
-
-Where a tool runs (docs/agents.md, "The sandbox"): ``none`` (in this process) or
-``subprocess``: each call in a fresh ``python -I sandbox_child.py`` under
-``RLIMIT_AS``/``RLIMIT_FSIZE``/``RLIMIT_CPU``, without sockets, in a temporary directory
-with a minimal environment, its process group killed after ``timeout_s``; the tool is
-loaded by ``Tool.source``, arguments and result cross as JSON. Best effort isolation.
-"""
+"""Tools, their call parsers and ``ToolEnv``, where the model may call tools before it
+answers (docs/agents.md). A parser (``PARSERS``: ``tag``, ``json`` or ``module:Class``)
+has ``parse(text)`` (the first call, None, or ``ToolCallError``), ``format(call)`` and
+``stop``; a call is answered ``<result> R </result>`` (a failure: ``error``), a turn
+without one is the answer, scored by ``check``. ``sandbox=subprocess`` runs each call in
+a fresh ``python -I sandbox_child.py`` under rlimits, without sockets or the trainer's
+environment, its process group killed after ``timeout_s`` (best effort, not a boundary)."""
 from __future__ import annotations
 
 import inspect
@@ -308,10 +299,6 @@ def make_parser(name: str):
     return parser
 
 
-def result_text(text: str) -> str:
-    return f"{RESULT_OPEN} {text} {RESULT_CLOSE}"
-
-
 class ToolEnv:
     def __init__(self, tools: Sequence[Any], check: Callable[[Example, str], float],
                  parser: Any = "tag", sandbox: str = "none", limits: Limits = Limits(),
@@ -350,12 +337,12 @@ class ToolEnv:
         except (ToolArgumentError, ToolFailed) as exc:
             return self._failed(str(exc))
         self.calls += 1
-        return Step(result_text(self.format_result(value)), 0.0, False,
+        return Step(f"{RESULT_OPEN} {self.format_result(value)} {RESULT_CLOSE}", 0.0, False,
                     {"tool_calls": 1, "tool_errors": 0, "stop": list(self.stop)})
 
     def _failed(self, why: str) -> Step:
         self.calls += 1
-        return Step(result_text(ERROR), 0.0, False,
+        return Step(f"{RESULT_OPEN} {ERROR} {RESULT_CLOSE}", 0.0, False,
                     {"tool_calls": 1, "tool_errors": 1, "error": why, "stop": list(self.stop)})
 
     def _final(self, text: str, tool_limit: bool = False) -> Step:

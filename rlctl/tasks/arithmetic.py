@@ -78,7 +78,6 @@ class ArithmeticTask:
         if not isinstance(max_train, int) or max_train < 1:
             raise ValueError(f"invalid max_train '{max_train}'; must be >= 1")
         self.reward_name, self.seed = reward, seed
-        self.num_eval, self.max_train = num_eval, max_train
         hi = 10 ** num_digits
         self._eval, self._train = disjoint_splits(
             self._draw, random.Random(seed), num_eval, max_train, space,

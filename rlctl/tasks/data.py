@@ -155,9 +155,8 @@ def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
 
 @register_task("jsonl")
 class DataTask:
-    """The rows' ``prompt_field`` as prompts, the other columns (or ``fields``) as the
-    rewards' fields; without ``eval_path`` ``num_eval`` rows (default 10%, shuffled with
-    ``seed``) are held out. Correct: total reward >= ``correct_threshold``."""
+    """Rows' ``prompt_field`` as prompts, other columns (or ``fields``) to the rewards; held
+    out without ``eval_path``: ``num_eval`` rows (10%). Correct: reward >= the threshold."""
 
     name = "jsonl"
 
@@ -177,8 +176,7 @@ class DataTask:
         self.prompt_field, self.correct_threshold = prompt_field, float(correct_threshold)
         self.rewards: List[RewardFn] = parse_rewards(reward_fn, rewards, reward_model)
         self.reward_weights = {r.name: r.weight for r in self.rewards}
-        # one call per batch only when a function is batched; otherwise sample by sample,
-        # so that a stuck sample leaves the ones before it scored
+        # per sample unless a function is batched: a stuck sample leaves those before it scored
         self.score_in_batches = any(r.batched for r in self.rewards)
         train_rows = load_records(train_path, format, "task.train_path", located=True)
         if eval_path:
@@ -235,7 +233,6 @@ class DataTask:
         raise DataError(f"{key}: {where}: the prompt must be text (or chat messages), got "
                          f"{type(prompt).__name__}")
 
-    # -- prompts -------------------------------------------------------------------
     def train_examples(self) -> List[Example]:
         self._check_messages()
         return list(self._train)
@@ -250,7 +247,6 @@ class DataTask:
             raise DataError(f"the prompt field '{self.prompt_field}' holds chat messages; "
                              "set task.prompt_format=chat")
 
-    # -- rewards -------------------------------------------------------------------
     @staticmethod
     def _args(example: Example):
         fields = {k: v for k, v in example.fields.items() if k not in (RAW_PROMPT, SOURCE)}

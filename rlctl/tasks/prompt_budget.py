@@ -1,10 +1,7 @@
 """A task prepared for one model (``prepare``; the task is not changed): chat prompts
-through the template (``Example.fields[RAW_PROMPT]`` keeps them as written) with the
-end-of-turn markers, and prompts of P tokens kept within ``rollout.max_prompt_tokens``
-(default: the context minus T = ``rollout.max_new_tokens``) under ``task.long_prompts``:
-``skip``, ``truncate_left`` (the last tokens, as verl's; the reward sees the whole
-prompt) or ``error``.
-"""
+through the template (``fields[RAW_PROMPT]`` keeps them as written) and prompts kept
+within ``rollout.max_prompt_tokens`` (default: the context minus ``max_new_tokens``) under
+``task.long_prompts``: ``skip``, ``truncate_left`` (as verl's) or ``error``."""
 from __future__ import annotations
 
 import os
@@ -90,8 +87,7 @@ def truncate_left(tokenizer, prompt: str, max_tokens: int) -> str:
 def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int, limits: str,
                   split: str) -> Tuple[List[Example], int]:
     """(the examples kept under ``mode`` = ``task.long_prompts``, how many were over
-    ``max_tokens``) for one split (``limits``: how messages name the limit). ValueError,
-    one line: mode error, or a split left with no prompts."""
+    ``max_tokens``) for one split; ValueError, one line: mode error, or no prompt left."""
     lengths = token_lengths(tokenizer, [ex.prompt for ex in examples], max_tokens)
     kept, over = [], 0
     for i, (ex, n) in enumerate(zip(examples, lengths)):

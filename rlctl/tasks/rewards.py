@@ -1,15 +1,10 @@
 """Rule rewards (docs/extending.md): the user's functions by import path, weighted, and
-the answer verifier behind the built-in ``math`` and ``exact``.
-
-A reward is ``fn(prompt, completion, **fields) -> float`` (a function without ``**fields``
-gets only the fields it names) or, batched (first parameters ``prompts, completions``, or
-``batched: true``), ``fn(prompts, completions, **fields) -> list[float]``. The total is
-``sum(weight * value)``, each logged as ``reward/<name>``; ``{model: PATH}`` entries are
-learned reward models (``model_entries``, ``rlctl.rm.learned``).
-
-``answers_equivalent``: the final answer (last ``\\boxed{}``, else after the last "####" /
-"answer is" / "answer:", else the text) equals ``answer`` as an exact rational ("4.6e1",
-"92/2", "1,234", "4 6") or by math-verify (whose time limits need the main thread).
+the verifier behind the built-in ``math`` and ``exact``. A reward is ``fn(prompt,
+completion, **fields) -> float`` or, batched (``prompts, completions`` first, or ``batched:
+true``), ``fn(prompts, completions, **fields) -> list[float]``; a function without
+``**fields`` gets the fields it names. ``answers_equivalent``: the final answer (last
+``\\boxed{}``, else after the last "####" / "answer is" / "answer:", else the text) equals
+``answer`` as a rational ("4.6e1", "92/2", "1,234", "4 6") or by math-verify.
 """
 from __future__ import annotations
 
@@ -226,15 +221,13 @@ class RewardFn:
     required: frozenset            # field names it cannot do without
 
     def _select(self, fields: Dict[str, Any]) -> Dict[str, Any]:
-        if self.accepts is None:
-            return fields
-        return {k: v for k, v in fields.items() if k in self.accepts}
+        return fields if self.accepts is None else {k: v for k, v in fields.items()
+                                                    if k in self.accepts}
 
     def call_one(self, prompt: Any, completion: str, fields: Dict[str, Any]) -> float:
         if self.batched:
-            out = self.fn([prompt], [completion],
-                          **{k: [v] for k, v in self._select(fields).items()})
-            out = list(out)
+            out = list(self.fn([prompt], [completion],
+                               **{k: [v] for k, v in self._select(fields).items()}))
             if len(out) != 1:
                 raise ValueError(f"batched reward '{self.name}' returned {len(out)} values for 1")
             return float(out[0])
@@ -309,9 +302,8 @@ def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]],
         if batched is not None and not isinstance(batched, bool):
             raise ValueError(f"{key}: batched must be true, false or null, got {batched!r}")
         fn = load_function(item["fn"], f"{key}.fn" if not reward_fn else key)
-        name = item.get("name") or (item["fn"] if item["fn"] in BUILTIN_REWARDS
-                                    else getattr(fn, "__name__", f"reward{i}"))
-        name = str(name)
+        name = str(item.get("name") or (item["fn"] if item["fn"] in BUILTIN_REWARDS
+                                        else getattr(fn, "__name__", f"reward{i}")))
         check_name_chars(name, key)
         if name in RESERVED_REWARD_NAMES:
             raise ValueError(f"{key}: reward name '{name}' is taken by the engine's own "

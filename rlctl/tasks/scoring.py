@@ -73,8 +73,7 @@ def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked chi
     os.setpgrp()   # nor do signals sent to the run's process group (a terminal, `timeout`) reach it
     while True:
         try:
-            # A forked child holds copies of its parent's descriptors (the pipe's other
-            # end, distributed sockets): it must leave by itself when the parent dies.
+            # it holds copies of the parent's descriptors: it leaves when the parent dies
             while not conn.poll(1.0):
                 if os.getppid() != parent_pid:
                     return
@@ -93,8 +92,7 @@ def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked chi
 
 
 class InlineRunner:
-    """Scores in this process; ``run`` gives (the ``score_stream`` items, None / "timeout" /
-    "died")."""
+    """Scores in this process; ``run``: (``score_stream`` items, None/"timeout"/"died")."""
 
     def __init__(self, task):
         self.task = task
@@ -112,19 +110,15 @@ class ProcessRunner(InlineRunner):
     def __init__(self, task):
         self.task, self.proc, self.conn = task, None, None
 
-    def _start(self) -> None:
-        ctx = multiprocessing.get_context("fork")
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(self.task, child, os.getpid()), daemon=True,
-                                name="rlctl-reward")
-        self.proc.start()
-        child.close()
-        self.conn = parent
-
     def run(self, examples, completions, timeout_s: float) -> Tuple[List[Tuple], Optional[str]]:
         if self.proc is None or not self.proc.is_alive():
             self.close()
-            self._start()
+            ctx = multiprocessing.get_context("fork")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_worker_main, args=(self.task, child, os.getpid()),
+                                    daemon=True, name="rlctl-reward")
+            self.proc.start()
+            child.close()
         deadline, items = time.monotonic() + timeout_s, []
         try:
             self.conn.send((list(examples), list(completions)))
@@ -288,9 +282,8 @@ class RewardScorer:
 
     def correct_batch(self, examples: Sequence[Example], completions: Sequence[str],
                       rewards: Sequence[float]) -> List[bool]:
-        """Eval correctness: from the total reward where the task defines it that way
-        (data tasks: reward >= task.correct_threshold; no user code runs again), else
-        ``task.is_correct``."""
+        """Eval correctness: the task's ``correct_from_reward`` on its own total (no user code
+        runs again), else ``task.is_correct``."""
         from_reward = getattr(self.task, "correct_from_reward", None)
         if self.learned is not None and len(self._last_gold) == len(rewards):
             rewards = self._last_gold       # the task's own reward, not the proxy

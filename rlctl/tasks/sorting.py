@@ -67,8 +67,7 @@ def format_answer(digits: Sequence[int]) -> str:
 
 @register_task("sorting")
 class SortingTask:
-    """Eval: ``num_eval`` distinct tuples drawn with ``random.Random(seed)``; training
-    disjoint from it (``disjoint_splits``)."""
+    """Eval: ``num_eval`` tuples drawn with ``random.Random(seed)``, disjoint from training."""
 
     name = "sorting"
     reward_names = staticmethod(reward_names)
@@ -83,8 +82,7 @@ class SortingTask:
         if not 0 <= num_eval < space:
             raise ValueError(f"num_eval must be in [0, {space - 1}] for {num_digits} digits, "
                              f"got {num_eval}")
-        self.num_digits, self.reward_name, self.num_eval = num_digits, reward, num_eval
-        self.seed, self.max_train = seed, max_train
+        self.num_digits, self.reward_name = num_digits, reward
         self.reward_weights = {name: float(name == reward) for name in REWARDS}
         self._eval, self._train = disjoint_splits(
             self._draw, random.Random(seed), num_eval, max_train, space,

@@ -1,7 +1,6 @@
-"""The Task protocol, the task registry, and what every task shares: the common options
-(``TaskOptions``), chat prompts and the disjoint splits of generated tasks. A task is
-never changed once built; ``rlctl.tasks.prompt_budget.prepare`` makes its prompts for one
-model."""
+"""The Task protocol, the task registry and what every task shares: the common options,
+chat prompts, the disjoint splits of generated tasks. A task is never changed once built.
+"""
 from __future__ import annotations
 
 import inspect
@@ -28,21 +27,18 @@ class Task(Protocol):
     def is_correct(self, example: Example, completion: str) -> bool:
         """Exact correctness, for the eval metric ``eval/exact_match``."""
 
-    # Optional (RewardScorer): reward_components(example, completion) -> {name: value}
-    # with reward() == sum(reward_weights.get(name, 1.0) * value); reward_components_batch
-    # (unless score_in_batches = False); correct_from_reward(example, reward) -> bool.
+    # Optional: reward_components(example, completion) -> {name: v} (reward() == sum of
+    # reward_weights.get(name, 1.0) * v), reward_components_batch, correct_from_reward.
 
 
-# factory(**task options) -> Task, registered with @register_task(name); task.name may
-# also be "package.module:factory" for a task of the user's own.
+# factory(**task options) -> Task, by @register_task(name) or as "package.module:factory"
 TASKS = Registry("task")
 register_task = TASKS.register
 ENV_TASKS = ("calculator", "guess_number", "running_sum")   # rlctl.envs.builtin
 
 
 class _Deferred:
-    """A built-in task ``module:factory`` imported when first built (it then registers
-    itself in its place); ``inspect.signature`` reads its options via ``__wrapped__``."""
+    """A built-in ``module:factory`` imported when first built; its options via ``__wrapped__``."""
 
     def __init__(self, spec: str):
         self.spec = spec
@@ -97,9 +93,8 @@ def task_options(task) -> TaskOptions:
 
 
 def build_task(name: str, **options) -> Task:
-    """The task ``name`` (registered or "package.module:factory") built from config keys
-    (all of ``TaskConfig`` but ``name``): ``None`` for an option the task does not take is
-    dropped, another value refused in one line; the common options go to ``rlctl_options``."""
+    """The task ``name`` built from ``TaskConfig``'s keys: ``None`` for an option it does not
+    take is dropped, another value refused; common options go to ``task.rlctl_options``."""
     factory = TASKS.get(name)
     common = {k: options.pop(k) for k in COMMON_OPTIONS if k in options}
     opts = check_options(TaskOptions(**{k: v for k, v in common.items()
@@ -195,9 +190,8 @@ def assistant_text(completion: str, markers: Sequence[str] = (), prompt: str = "
 
 def disjoint_splits(draw: Callable[[Any], Any], rng, num_eval: int, max_train: int, space: int,
                     enumerate_all: Callable[[], Any]) -> Tuple[List[Any], List[Any]]:
-    """(eval, train) items of a generated task, never overlapping: ``num_eval`` distinct
-    draws, then either every other item of the ``space`` (shuffled, when it is small
-    enough) or ``max_train`` more distinct draws. Deterministic given ``rng``'s seed."""
+    """(eval, train) items, disjoint: ``num_eval`` distinct draws, then every other item of
+    a small ``space`` (shuffled) or ``max_train`` more distinct draws; seeded by ``rng``."""
     seen: set = set()
 
     def distinct(n: int) -> List[Any]:
