@@ -11,11 +11,12 @@ import random
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from rlctl.envs.calc import TINY_AGENT_WORDS, spell
+from rlctl.envs.calc import TINY_AGENT_WORDS
 from rlctl.demo.tiny import (MODEL, MODEL_CUT, OBS, TURNS, Transcript, build_cached,
                              build_params, build_tokenizer, cache_key, transcript_rows,
                              warm_up_and_save)
 from rlctl.tasks import build_task
+from rlctl.tasks.arithmetic import spaced as spell
 from rlctl.types import Turn
 
 log = logging.getLogger(__name__)

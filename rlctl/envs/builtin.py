@@ -1,17 +1,9 @@
-"""The built-in environments, registered as tasks (docs/agents.md). Each holds out
-``num_eval`` rows drawn with ``random.Random(seed)``; ``reset``'s seed is unused.
-
-- ``calculator``: 3-digit by 2-digit multiplication with a calculator tool; reward 1 for
-  the exact product on the answering turn; ``use_tools=false`` (the ablation) parses no
-  calls. Held-out pairs are disjoint from training (``rlctl.tasks.task.disjoint_splits``).
-- ``guess_number``: find a number in 1..N with higher/lower answers; reward 1 on the
-  correct guess (done, success); a non-number turn is answered ``error``. Nothing is held
-  out (the prompt is the same for every secret, so a split by secret would measure
-  memorisation): training plays secrets 1..N once each in a shuffled order, eval row j
-  plays the (j mod N)-th of that order.
-- ``running_sum``: each turn is the new total (reward 1 if right, on that turn); the next
-  addend follows as the observation, ``num_additions`` in all, continuing from the true
-  total. Done after the last; info success (all right) and correct (how many)."""
+"""The built-in environments, registered as tasks (docs/agents.md), ``num_eval`` rows held
+out with ``random.Random(seed)``: ``calculator`` (3-digit by 2-digit products with a calc
+tool, reward 1 for the product; ``use_tools=false`` parses no calls), ``guess_number``
+(1..N from higher/lower, reward 1 on the guess; eval replays the shuffled secrets: the
+prompt is the same for all) and ``running_sum`` (each turn the new total, reward 1 if
+right; info success and correct)."""
 from __future__ import annotations
 
 import random
@@ -19,17 +11,15 @@ from itertools import product
 from typing import Tuple
 
 from rlctl.envs import calc as calc_module
-from rlctl.envs.environment import EnvTask, check_bool, check_int, check_number, register_env
-from rlctl.envs.calc import calc, read_number, spell
-from rlctl.envs.sandbox import Limits
-from rlctl.envs.tools import ToolEnv, make_tool
-from rlctl.tasks.task import ENV_TASKS, disjoint_splits
+from rlctl.envs.environment import EnvTask, check_int, check_number, register_env
+from rlctl.envs.calc import calc, read_number
+from rlctl.envs.tools import Limits, ToolEnv, make_tool
+from rlctl.tasks.arithmetic import spaced
+from rlctl.tasks.task import disjoint_splits
 from rlctl.types import Example, Step, Turn
 
-BUILTIN_ENVS = ENV_TASKS
 A_RANGE, B_RANGE = (100, 999), (10, 99)
-# The sandboxed interpreter loads calc from its file: importing rlctl.envs would import
-# rlctl.tasks and torch there (too big for the sandbox's memory limit, and slow).
+# the sandbox loads calc from its file: rlctl.envs would import torch (too big there)
 CALC_SOURCE = f"{calc_module.__file__}:calc"
 SPACE = (A_RANGE[1] - A_RANGE[0] + 1) * (B_RANGE[1] - B_RANGE[0] + 1)
 HIGHER, LOWER, ERROR = "higher", "lower", "error"
@@ -37,7 +27,7 @@ EVAL_PER_SECRET = 100           # guess_number's num_eval at most this many time
 
 
 def product_example(a: int, b: int) -> Example:
-    return Example(prompt=f"{spell(a)} * {spell(b)} =", fields={"a": a, "b": b, "answer": a * b})
+    return Example(prompt=f"{spaced(a)} * {spaced(b)} =", fields={"a": a, "b": b, "answer": a * b})
 
 
 def check_answer(ex: Example, text: str) -> float:
@@ -56,7 +46,8 @@ def _all_pairs():
 def calculator(use_tools: bool = True, tool_parser: str = "tag", sandbox: str = "none",
                max_tool_calls: int = 2, tool_timeout_s: float = 5.0, tool_memory_gb: float = 0.5,
                num_eval: int = 256, seed: int = 1234, max_train: int = 20000) -> EnvTask:
-    check_bool("use_tools", use_tools)
+    if not isinstance(use_tools, bool):
+        raise ValueError(f"task.use_tools must be true or false, got {use_tools!r}")
     check_int("num_eval", num_eval, 0, SPACE - 1)
     check_number("tool_memory_gb", tool_memory_gb, 0.05, "(GB)")
     check_number("tool_timeout_s", tool_timeout_s, 0, "seconds", lo_open=True)
@@ -66,7 +57,7 @@ def calculator(use_tools: bool = True, tool_parser: str = "tag", sandbox: str = 
 
     def make_env() -> ToolEnv:
         return ToolEnv([tool], check_answer, parser=tool_parser, sandbox=sandbox, limits=limits,
-                       max_tool_calls=max_tool_calls, format_result=spell, use_tools=use_tools)
+                       max_tool_calls=max_tool_calls, format_result=spaced, use_tools=use_tools)
 
     make_env()   # the options' errors now, not at the first episode
     eval_pairs, train_pairs = disjoint_splits(_draw_pair, random.Random(seed), num_eval, max_train,
@@ -94,7 +85,7 @@ class GuessNumberEnv:
 
 
 def guess_example(secret: int, max_number: int) -> Example:
-    return Example(prompt=f"guess {spell(max_number)} :",
+    return Example(prompt=f"guess {spaced(max_number)} :",
                    fields={"secret": secret, "max_number": max_number})
 
 
@@ -128,11 +119,11 @@ class RunningSumEnv:
                                                    "correct": self.correct})
         nxt = self.addends[self.k]
         self.total, self.k = self.total + nxt, self.k + 1
-        return Step(f"+ {spell(nxt)} =", float(right), False, {})
+        return Step(f"+ {spaced(nxt)} =", float(right), False, {})
 
 
 def sum_example(start: int, addends: Tuple[int, ...]) -> Example:
-    return Example(prompt=f"sum {spell(start)} + {spell(addends[0])} =",
+    return Example(prompt=f"sum {spaced(start)} + {spaced(addends[0])} =",
                    fields={"start": start, "addends": list(addends)})
 
 

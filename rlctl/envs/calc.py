@@ -1,7 +1,6 @@
-"""The words of the built-in environments: digits as words (``spell(5535) == "5 5 3 5"``),
-the calculator tool, and the words beyond digits and ``= + - * :`` that they write or
-expect (``TINY_AGENT_WORDS``, added to the tiny model's vocabulary). Standard library
-only: the subprocess sandbox loads ``calc`` from this file in a fresh interpreter."""
+"""The calculator tool, ``read_number`` (digit words to an integer) and the words beyond
+digits and ``= + - * :`` that the built-in environments use (``TINY_AGENT_WORDS``).
+Standard library only: the subprocess sandbox loads ``calc`` from this file."""
 from __future__ import annotations
 
 import ast
@@ -18,12 +17,6 @@ TINY_AGENT_WORDS = (
     "sum",                                  # running_sum
 )
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def spell(n: int) -> str:
-    """An integer as digit words: 123 -> "1 2 3", -4 -> "- 4"."""
-    text = " ".join(str(abs(int(n))))
-    return f"- {text}" if n < 0 else text
 
 
 def read_number(text: str) -> Optional[int]:

@@ -1,13 +1,7 @@
-"""The environment interface of multi-turn episodes, the task that carries one, and the
-environment registry (docs/agents.md).
-
-``reset(example, seed)`` gives the first observation (the prompt text); ``step(turn)``
-takes a ``rlctl.types.Turn`` (text and exact sampled ids) and returns a
-``rlctl.types.Step``. The episode loop (``rlctl.rollout.episodes.loop``) owns tokenization,
-budgets and time limits. One environment object serves one episode. An ``EnvTask`` is a
-task (in ``rlctl.tasks.TASKS``) whose rows are played as episodes; ``@register_env(name)``
-puts its factory in ``ENVS`` and ``TASKS``. Your own needs no registration:
-``task.name=package.module:factory`` returning an ``EnvTask`` is played as episodes."""
+"""The environment interface of multi-turn episodes (docs/agents.md), ``EnvTask`` (a task
+whose rows are played as episodes) and the registry ``ENVS``: ``reset(example, seed)``
+gives the first observation, ``step(turn)`` a ``rlctl.types.Step``; one environment per
+episode. The episode loop (``rlctl.rollout.episodes.loop``) owns tokens and time limits."""
 from __future__ import annotations
 
 import logging
@@ -34,17 +28,13 @@ class Environment(Protocol):
 
 
 class EnvTask:
-    """A task played as episodes: ``train_examples``/``eval_examples`` (disjoint rows) and
-    ``make_env()`` (a fresh environment per episode). Eval reads ``success`` from the last
-    info (else total reward > 0)."""
+    """A task played as episodes, ``make_env()`` a fresh environment for each; eval reads
+    ``success`` from the last info (else total reward > 0)."""
 
     def __init__(self, name: str, make_env: Callable[[], Environment],
                  train: Sequence[Example], eval: Sequence[Example]):
-        self.name = name
-        self._make_env, self._train, self._eval = make_env, list(train), list(eval)
-
-    def make_env(self) -> Environment:
-        return self._make_env()
+        self.name, self.make_env = name, make_env
+        self._train, self._eval = list(train), list(eval)
 
     def train_examples(self) -> List[Example]:
         return list(self._train)
@@ -82,9 +72,7 @@ def close_env(env: Optional[Environment]) -> None:
 def register_env(name: str) -> Callable[[Callable], Callable]:
     """Decorator: ``factory(**task options) -> EnvTask`` registered in ``ENVS`` and ``TASKS``."""
     def deco(factory: Callable) -> Callable:
-        ENVS.register(name)(factory)
-        register_task(name)(factory)
-        return factory
+        return register_task(name)(ENVS.register(name)(factory))
     return deco
 
 
@@ -93,12 +81,6 @@ def check_int(key: str, value, lo: int, hi: float = math.inf) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         where = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
         raise ValueError(f"task.{key} must be an integer {where}, got {value!r}")
-    return value
-
-
-def check_bool(key: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"task.{key} must be true or false, got {value!r}")
     return value
 
 

@@ -1,4 +1,4 @@
-"""The subprocess sandbox's child (``python -I sandbox_child.py``; see sandbox.py): reads a
+"""The subprocess sandbox's child (``python -I sandbox_child.py``; see tools.py): reads a
 JSON payload from stdin, limits itself, disables sockets, calls the tool, writes
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` and kills its process
 group. Standard library only until the limits are set."""
@@ -9,8 +9,7 @@ import signal
 import socket
 import sys
 
-# Run as a script, its own folder (rlctl/envs/) heads sys.path: put the folder holding the
-# rlctl package there instead (rlctl.registry and rlctl/__init__ import only the stdlib).
+# sys.path[0] is rlctl/envs/ (a script): the folder holding rlctl (registry: stdlib only)
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rlctl.registry import load_object  # noqa: E402
 
@@ -32,27 +31,17 @@ class _NoSocket(socket.socket):
         _refuse()
 
 
-def _no_network() -> None:
-    socket.socket = _NoSocket
-    socket.socketpair = socket.fromfd = socket.create_connection = _refuse
-
-
-def _run(payload: dict):
-    fn = load_object(payload["source"], "tool")
-    return fn(**payload["kwargs"])
-
-
 def main() -> None:
     reply_fd = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)                       # the tool's prints go nowhere
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # the tool's prints go nowhere
     payload = json.loads(sys.stdin.read())
     sys.path[:] = payload["path"]             # the parent's, made absolute
     _limit(payload["memory_bytes"], payload["cpu_s"])
-    _no_network()
+    socket.socket = _NoSocket                 # no network
+    socket.socketpair = socket.fromfd = socket.create_connection = _refuse
     try:
-        reply = {"ok": True, "result": _run(payload)}
-        text = json.dumps(reply, default=str)
+        result = load_object(payload["source"], "tool")(**payload["kwargs"])
+        text = json.dumps({"ok": True, "result": result}, default=str)
     except BaseException as exc:  # noqa: BLE001 - everything becomes the error reply
         text = json.dumps({"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"})
     if len(text) > MAX_RESULT_CHARS:

@@ -1,40 +1,112 @@
-"""Tools, their call formats, and ``ToolEnv``: an environment in which the model may call
-tools before it answers (docs/agents.md, "Tools and call formats").
-
-``make_tool(fn)`` (or an import path) gives a ``Tool``; ``Tool.bind`` maps ``tag`` words
-(all joined for a one-parameter tool, else one per parameter) or a ``json`` object (by
-name) to keyword arguments; ``int``/``float`` drop spaces (``"1 2 3"`` is 123), ``bool``
-takes true/false; a failure raises ``ToolArgumentError``. ``Tool.source``: the import
-path the subprocess sandbox loads it by (None for a lambda or nested function).
-
-A parser (``PARSERS``: ``tool_parser=NAME`` or ``package.module:Class``) has
-``parse(text) -> ToolCall | None`` (malformed: ``ToolCallError``), ``format(call)`` and
-``stop`` (where a turn with a call is cut): ``json``
-(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) and ``tag``
-(``<call> calc 1 2 3 * 4 5 </call>``). Only a turn's first call is read.
-
-In ``ToolEnv`` a call is bound, run in the sandbox and answered ``<result> R </result>``;
-any failure is ``<result> error </result>``, counted. A turn without a call (or past
-``max_tool_calls``, or any first turn with ``use_tools=False``) is the final answer:
-``check(example, text)`` gives its reward, done. Each step's info holds ``tool_calls``,
-``tool_errors`` (0 or 1), ``error`` on a failure and ``stop`` while the episode goes on."""
+"""Tools, their call parsers and ``ToolEnv``, where the model may call tools before it
+answers (docs/agents.md). A parser (``PARSERS``: ``tag``, ``json`` or ``module:Class``)
+has ``parse(text)`` (the first call, None, or ``ToolCallError``), ``format(call)`` and
+``stop``; a call is answered ``<result> R </result>`` (a failure: ``error``), a turn
+without one is the answer, scored by ``check``. ``sandbox=subprocess`` runs each call in
+a fresh ``python -I sandbox_child.py`` under rlimits, without sockets or the trainer's
+environment, its process group killed after ``timeout_s`` (best effort, not a boundary)."""
 from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
-from rlctl.envs.sandbox import Limits, ToolFailed, call_tool, check_sandbox
 from rlctl.registry import Registry, load_object
 from rlctl.types import Example, Step, Turn
 
 PARSERS = Registry("tool-call parser")
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 ERROR = "error"
+SANDBOXES = ("none", "subprocess")
+CHILD = Path(__file__).with_name("sandbox_child.py")
+
+
+class ToolFailed(Exception):
+    """A tool call that raised, timed out or was killed; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 5.0           # wall clock per call; the child is killed after it
+    memory_mb: int = 512             # RLIMIT_AS (and RLIMIT_FSIZE)
+    cpu_s: Optional[int] = None      # RLIMIT_CPU; None: ceil(timeout_s)
+
+    def cpu(self) -> int:
+        return self.cpu_s if self.cpu_s is not None else max(1, math.ceil(self.timeout_s))
+
+
+def check_sandbox(sandbox: str, tools=()) -> str:
+    if sandbox not in SANDBOXES:
+        raise ValueError(f"invalid task.sandbox {sandbox!r}; valid: {', '.join(SANDBOXES)}")
+    if sandbox == "subprocess":
+        for tool in tools:
+            if tool.source is None:
+                raise ValueError(f"tool '{tool.name}' cannot run in the subprocess sandbox: "
+                                 "define it at the top level of a module (module:function)")
+    return sandbox
+
+
+def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
+              limits: Limits = Limits()) -> Any:
+    """``tool.fn(**kwargs)`` in the sandbox; any failure raises ``ToolFailed``."""
+    if sandbox == "none":
+        try:
+            return tool.fn(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - a tool's failure is an observation
+            raise ToolFailed(f"{tool.name}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]}") from None
+    check_sandbox("subprocess", [tool])
+    payload = json.dumps({"source": tool.source, "kwargs": kwargs,
+                          "path": [os.path.abspath(p or ".") for p in sys.path],
+                          "memory_bytes": int(limits.memory_mb) * 2 ** 20, "cpu_s": limits.cpu()})
+    with tempfile.TemporaryDirectory(prefix="rlctl-tool-") as cwd:
+        env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8",
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=cwd,
+                                env=env, start_new_session=True, close_fds=True)
+        try:
+            out, _ = proc.communicate(payload.encode(), timeout=limits.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ToolFailed(f"{tool.name}: timed out after {limits.timeout_s:g} s") from None
+        finally:
+            _kill(proc)
+    return _result(tool, proc.returncode, out)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the child's process group even when the child has exited (the tool's processes
+    would outlive the call, or hold the reply pipe)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.communicate()
+
+
+def _result(tool, rc: int, out: bytes) -> Any:
+    try:
+        reply = json.loads(out.decode("utf-8", "replace") or "null")
+    except json.JSONDecodeError:
+        reply = None
+    if isinstance(reply, dict) and reply.get("ok") is True:
+        return reply.get("result")
+    if isinstance(reply, dict) and "error" in reply:
+        raise ToolFailed(f"{tool.name}: {reply['error']}")
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        why = " (CPU limit)" if name == "SIGXCPU" else ""
+        raise ToolFailed(f"{tool.name}: killed by {name}{why}")
+    raise ToolFailed(f"{tool.name}: the sandboxed interpreter exited with code {rc} and no result")
 
 
 class ToolArgumentError(ValueError):
@@ -63,7 +135,6 @@ class Tool:
     required: Tuple[str, ...]        # those without a default
     kinds: Dict[str, Any]            # parameter -> annotation (for conversion)
     source: Optional[str]            # import path for the subprocess sandbox, or None
-    doc: str = ""
 
     def bind(self, arguments: Union[Sequence[str], Dict[str, Any]]) -> Dict[str, Any]:
         """Keyword arguments for ``fn`` from a parsed call's arguments."""
@@ -127,7 +198,7 @@ def make_tool(fn: Union[Callable, str, "Tool"], name: Optional[str] = None,
                 params=tuple(p.name for p in params),
                 required=tuple(p.name for p in params if p.default is p.empty),
                 kinds={p.name: hints.get(p.name, p.annotation) for p in params},
-                source=source or _source(fn), doc=inspect.getdoc(fn) or "")
+                source=source or _source(fn))
 
 
 class ToolCallError(ValueError):
@@ -228,10 +299,6 @@ def make_parser(name: str):
     return parser
 
 
-def result_text(text: str) -> str:
-    return f"{RESULT_OPEN} {text} {RESULT_CLOSE}"
-
-
 class ToolEnv:
     def __init__(self, tools: Sequence[Any], check: Callable[[Example, str], float],
                  parser: Any = "tag", sandbox: str = "none", limits: Limits = Limits(),
@@ -270,12 +337,12 @@ class ToolEnv:
         except (ToolArgumentError, ToolFailed) as exc:
             return self._failed(str(exc))
         self.calls += 1
-        return Step(result_text(self.format_result(value)), 0.0, False,
+        return Step(f"{RESULT_OPEN} {self.format_result(value)} {RESULT_CLOSE}", 0.0, False,
                     {"tool_calls": 1, "tool_errors": 0, "stop": list(self.stop)})
 
     def _failed(self, why: str) -> Step:
         self.calls += 1
-        return Step(result_text(ERROR), 0.0, False,
+        return Step(f"{RESULT_OPEN} {ERROR} {RESULT_CLOSE}", 0.0, False,
                     {"tool_calls": 1, "tool_errors": 1, "error": why, "stop": list(self.stop)})
 
     def _final(self, text: str, tool_limit: bool = False) -> Step:

@@ -1,7 +1,5 @@
-"""Tasks: prompts + rewards, looked up by name (``build_task("sorting", ...)``): ``sorting``
-(the demo), ``arithmetic`` (generated, verifiable math), ``jsonl`` (the user's data files
-and reward functions). ``RewardScorer`` scores batches; ``prompt_budget.prepare`` makes a
-task's prompts for one model."""
+"""Tasks: prompts and rewards by name (``build_task``): ``sorting``, ``arithmetic``,
+``jsonl`` (the user's data and reward functions) and the environments of ``rlctl.envs``."""
 from rlctl.tasks.task import TASKS, Task, build_task, register_task
 from rlctl.tasks.scoring import RewardScorer  # noqa: F401
 from rlctl.tasks import sorting  # noqa: F401  (registers "sorting")

@@ -1,14 +1,8 @@
-"""A verifiable math task with generated data (``task=arithmetic``): ``a OP b`` with
-operands of up to ``num_digits`` digits and OP from ``ops`` (``+ - *``).
-
-Prompt styles: ``symbolic`` (for the tiny model's word-level vocabulary: ``"1 2 + 3 4 ="``
--> ``"4 6"``) or ``words`` (short word problems for real models, answered with a number).
-Answers are checked by ``rlctl.tasks.rewards.answers_equivalent`` (equivalent forms and
-math-verify). Rewards (``task.reward``): ``exact`` (1 if the final answer is right) or
-``partial`` (1 if right, else 0.5 * the share of answer digits in place, aligned from the
-units digit, over max(len(answer), len(output)); 0 without a number). Eval: ``num_eval``
-distinct problems drawn with ``random.Random(seed)``; training disjoint from it.
-"""
+"""Generated math (``task=arithmetic``): ``a OP b``, operands of up to ``num_digits``
+digits, OP from ``ops``; prompts ``symbolic`` (``"1 2 + 3 4 ="`` -> ``"4 6"``, the tiny
+vocabulary) or ``words`` (word problems). Checked by ``answers_equivalent``; rewards
+``exact`` or ``partial`` (1 if right, else 0.5 * ``digit_credit``). Splits:
+``disjoint_splits`` with ``random.Random(seed)``."""
 from __future__ import annotations
 
 import random
@@ -43,12 +37,12 @@ def compute(a: int, op: str, b: int) -> int:
 
 
 def spaced(n: int) -> str:
-    """12 -> "1 2", -5 -> "- 5" (one token per digit for the tiny vocabulary)."""
-    return ("- " if n < 0 else "") + " ".join(str(abs(n)))
+    """An integer as digit words, one token per digit: 12 -> "1 2", -5 -> "- 5"."""
+    return ("- " if n < 0 else "") + " ".join(str(abs(int(n))))
 
 
 def digit_credit(answer: int, out: Optional[int]) -> float:
-    """Share of the answer's digits matched in place, aligned from the units digit."""
+    """Share of digits in place, aligned from the units digit, over the longer of the two."""
     if out is None:
         return 0.0
     t, o = str(abs(answer))[::-1], str(abs(out))[::-1]
@@ -84,15 +78,13 @@ class ArithmeticTask:
         if not isinstance(max_train, int) or max_train < 1:
             raise ValueError(f"invalid max_train '{max_train}'; must be >= 1")
         self.reward_name, self.seed = reward, seed
-        self.num_eval, self.max_train = num_eval, max_train
         hi = 10 ** num_digits
         self._eval, self._train = disjoint_splits(
             self._draw, random.Random(seed), num_eval, max_train, space,
             lambda: ((a, op, b) for op in ops for a in range(hi) for b in range(hi)
                      if not (self._ordered(op) and a < b)))
 
-    # Word problems take away no more than there is: "a - b" with a < b is stored (and
-    # asked) as "b - a", so the splits never put the same word problem in both.
+    # a word problem "a - b" with a < b is asked as "b - a" (one problem, one split)
     def _ordered(self, op: str) -> bool:
         return self.style == "words" and op == "-"
 

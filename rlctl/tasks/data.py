@@ -1,15 +1,6 @@
-"""Data-driven tasks (``task=jsonl``): prompts from files, rewards from the user's
-functions (``rlctl.tasks.rewards``).
-
-Files: JSON Lines, a JSON array, CSV/TSV (every value a string), Parquet/Arrow (needs
-pyarrow) or a Hugging Face ``datasets`` directory (``save_to_disk``, read with pyarrow; a
-directory of data files is read whole); ``task.format`` forces one. A row's
-``task.prompt_field`` is the prompt (text, or {role, content} messages with
-``prompt_format=chat``); the other columns (or ``task.fields``) go to the rewards as
-keyword arguments. Without ``task.eval_path`` ``task.num_eval`` rows (default 10%) are
-held out of the training file (shuffled with ``task.seed``); with it, it caps the eval
-rows. ``eval/exact_match``: total reward >= ``task.correct_threshold``.
-"""
+"""Data-driven tasks (``task=jsonl``, docs/extending.md): prompts from JSON Lines, JSON,
+CSV/TSV, Parquet/Arrow files or a ``datasets`` directory (``FORMATS``), scored by the
+user's reward functions (``rlctl.tasks.rewards``) with the row's other columns."""
 from __future__ import annotations
 
 import csv
@@ -20,13 +11,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.task import RAW_PROMPT, SOURCE, register_task, task_options
-from rlctl.tasks.scoring import describe_sample
-from rlctl.errors import DataError, RewardError
+from rlctl.tasks.scoring import RewardScorer
+from rlctl.errors import DataError
 from rlctl.tasks.rewards import RewardFn, parse_rewards
 from rlctl.types import Example
 
-# Refused when read: far beyond any context, one such row would make the first forward
-# try to allocate terabytes (attention over T^2 positions).
+# refused when read: far beyond any context (attention over T^2 positions)
 MAX_PROMPT_CHARS = 1_000_000
 Located = List[Tuple[str, Dict[str, Any]]]   # (where in the file, e.g. "a.jsonl:7", row)
 
@@ -111,10 +101,7 @@ def _read_hf_dir(path: Path, key: str) -> Located:
     state = path / "state.json"
     if state.is_file():
         files = [path / d["filename"] for d in json.loads(state.read_text()).get("_data_files", [])]
-        rows: Located = []
-        for f in files:
-            rows.extend(_read_arrow(f))
-        return rows
+        return [row for f in files for row in _read_arrow(f)]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIX)
     kinds = {_SUFFIX[p.suffix] for p in files}
     if not files:
@@ -123,10 +110,7 @@ def _read_hf_dir(path: Path, key: str) -> Located:
     if len(kinds) > 1:
         raise DataError(f"{key}: directory '{path}' mixes formats ({', '.join(sorted(kinds))}); "
                          "point it at one file")
-    rows = []
-    for f in files:
-        rows.extend(_READERS[_SUFFIX[f.suffix]](f))
-    return rows
+    return [row for f in files for row in _READERS[_SUFFIX[f.suffix]](f)]
 
 
 def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
@@ -171,7 +155,8 @@ def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
 
 @register_task("jsonl")
 class DataTask:
-    """Prompts from data files, scored by the user's reward function(s)."""
+    """Rows' ``prompt_field`` as prompts, other columns (or ``fields``) to the rewards; held
+    out without ``eval_path``: ``num_eval`` rows (10%). Correct: reward >= the threshold."""
 
     name = "jsonl"
 
@@ -191,8 +176,7 @@ class DataTask:
         self.prompt_field, self.correct_threshold = prompt_field, float(correct_threshold)
         self.rewards: List[RewardFn] = parse_rewards(reward_fn, rewards, reward_model)
         self.reward_weights = {r.name: r.weight for r in self.rewards}
-        # one call per batch only when a function is batched; otherwise sample by sample,
-        # so that a stuck sample leaves the ones before it scored
+        # per sample unless a function is batched: a stuck sample leaves those before it scored
         self.score_in_batches = any(r.batched for r in self.rewards)
         train_rows = load_records(train_path, format, "task.train_path", located=True)
         if eval_path:
@@ -216,7 +200,6 @@ class DataTask:
         self._train = [self._example(r, where, "task.train_path") for where, r in train_rows]
         self._eval = [self._example(r, where, "task.eval_path" if eval_path else "task.train_path")
                       for where, r in eval_rows]
-        self._cache: Dict[tuple, float] = {}
 
     def _field_names(self, rows, fields) -> List[str]:
         if not any(self.prompt_field in r for r in rows):
@@ -250,7 +233,6 @@ class DataTask:
         raise DataError(f"{key}: {where}: the prompt must be text (or chat messages), got "
                          f"{type(prompt).__name__}")
 
-    # -- prompts -------------------------------------------------------------------
     def train_examples(self) -> List[Example]:
         self._check_messages()
         return list(self._train)
@@ -265,7 +247,6 @@ class DataTask:
             raise DataError(f"the prompt field '{self.prompt_field}' holds chat messages; "
                              "set task.prompt_format=chat")
 
-    # -- rewards -------------------------------------------------------------------
     @staticmethod
     def _args(example: Example):
         fields = {k: v for k, v in example.fields.items() if k not in (RAW_PROMPT, SOURCE)}
@@ -287,25 +268,10 @@ class DataTask:
         return out
 
     def reward(self, example: Example, completion: str) -> float:
-        """The weighted total; a failing function scores 0 (or raises RewardError with
-        task.on_reward_error=raise). Prefer RewardScorer, which also enforces the time limit."""
-        key = (id(example), example.prompt, completion)
-        if key in self._cache:
-            return self._cache[key]
-        try:
-            comps = self.reward_components(example, completion)
-            total = sum(self.reward_weights[k] * v for k, v in comps.items())
-            if not math.isfinite(total):
-                raise DataError(f"the reward is {total}")
-        except Exception as exc:  # noqa: BLE001
-            if task_options(self).on_reward_error == "raise":
-                raise RewardError(f"reward failed on {describe_sample(0, 1, example, completion)}: "
-                                  f"{type(exc).__name__}: {exc}") from None
-            total = 0.0
-        if len(self._cache) > 4096:
-            self._cache.clear()
-        self._cache[key] = total
-        return total
+        """The weighted total through ``RewardScorer`` under ``task.on_reward_error``, with
+        no time limit."""
+        with RewardScorer(self, timeout_s=0) as scorer:
+            return scorer.score_batch([example], [completion])[0]
 
     def correct_from_reward(self, example: Example, reward: float) -> bool:
         return reward >= self.correct_threshold

@@ -1,13 +1,7 @@
-"""A task prepared for one model (``prepare``, once per process; the task is not changed):
-with ``task.prompt_format=chat`` each prompt through the chat template
-(``Example.fields[RAW_PROMPT]`` keeps it as written) and the end-of-turn markers at which
-the scorer cuts a reply; and the budget: a prompt of P tokens and T =
-``rollout.max_new_tokens`` need P + T positions, so prompts, counted as the sampler
-encodes them, are kept within ``rollout.max_prompt_tokens`` (default: the context minus
-T) under ``task.long_prompts``: ``skip`` (counted in one stderr line), ``truncate_left``
-(their last tokens kept, as verl's ``truncation=left``; the reward sees the whole prompt)
-or ``error``. Train, eval and rollout all prepare through ``rlctl.train.build.prepare_task``.
-"""
+"""A task prepared for one model (``prepare``; the task is not changed): chat prompts
+through the template (``fields[RAW_PROMPT]`` keeps them as written) and prompts kept
+within ``rollout.max_prompt_tokens`` (default: the context minus ``max_new_tokens``) under
+``task.long_prompts``: ``skip``, ``truncate_left`` (as verl's) or ``error``."""
 from __future__ import annotations
 
 import os
@@ -25,8 +19,7 @@ _CHUNK = 512   # prompts per tokenizer call
 
 
 def context_length(model) -> Optional[int]:
-    """Positions the model was built for: the first config among its modules (wrappers:
-    value heads, peft, DeepSpeed engines) that names one; None when none does."""
+    """Positions the model was built for: the first module config (of wrappers too) naming one."""
     for module in model.modules():
         config = getattr(module, "config", None)
         for key in CONTEXT_KEYS:
@@ -36,23 +29,10 @@ def context_length(model) -> Optional[int]:
     return None
 
 
-@dataclass(frozen=True)
-class PromptBudget:
-    """``rollout.max_new_tokens`` and ``rollout.max_prompt_tokens`` (None: the model's
-    context minus the completion)."""
-    max_new_tokens: int
-    max_prompt_tokens: Optional[int] = None
-
-    @classmethod
-    def from_config(cls, cfg) -> "PromptBudget":
-        """From the composed config's ``rollout`` section (an older run's config may lack
-        ``max_prompt_tokens``: None)."""
-        return cls(int(cfg.rollout.max_new_tokens), cfg.rollout.get("max_prompt_tokens"))
-
-
-def prompt_limit(budget: PromptBudget, model) -> Optional[Tuple[int, str]]:
-    """(max prompt tokens, how messages name it), or None: no limit set and none known."""
-    new, asked = budget.max_new_tokens, budget.max_prompt_tokens
+def prompt_limit(rollout, model) -> Optional[Tuple[int, str]]:
+    """(max prompt tokens, how messages name it) for the config's ``rollout`` section (an
+    older run's may lack ``max_prompt_tokens``: None), or None: no limit set and none known."""
+    new, asked = int(rollout.max_new_tokens), rollout.get("max_prompt_tokens")
     ctx = context_length(model)
     if asked is None:
         if ctx is None:
@@ -70,10 +50,8 @@ def prompt_limit(budget: PromptBudget, model) -> Optional[Tuple[int, str]]:
 
 
 def token_lengths(tokenizer, prompts: Sequence[str], max_tokens: int) -> List[int]:
-    """Each prompt's tokens as the sampler encodes it (special tokens included), exact for
-    those that may pass ``max_tokens``: a bound first (every token of a byte-level BPE,
-    WordPiece/WordLevel or byte-fallback SentencePiece vocabulary covers at least one
-    UTF-8 byte; plus the special tokens and a dummy prefix), the tokenizer for the rest."""
+    """Each prompt's tokens as the sampler encodes it, exact for those over ``max_tokens`` by
+    a bound first (UTF-8 bytes + specials + a dummy prefix: a token covers at least a byte)."""
     specials = len(tokenizer("")["input_ids"]) + 1
     lengths = [len(p.encode("utf-8")) + specials for p in prompts]
     maybe = [i for i, n in enumerate(lengths) if n > max_tokens]
@@ -109,8 +87,7 @@ def truncate_left(tokenizer, prompt: str, max_tokens: int) -> str:
 def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int, limits: str,
                   split: str) -> Tuple[List[Example], int]:
     """(the examples kept under ``mode`` = ``task.long_prompts``, how many were over
-    ``max_tokens``) for one split (``limits``: how messages name the limit). ValueError,
-    one line: mode error, or a split left with no prompts."""
+    ``max_tokens``) for one split; ValueError, one line: mode error, or no prompt left."""
     lengths = token_lengths(tokenizer, [ex.prompt for ex in examples], max_tokens)
     kept, over = [], 0
     for i, (ex, n) in enumerate(zip(examples, lengths)):
@@ -134,10 +111,8 @@ def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int
 
 @dataclass(frozen=True)
 class Prepared:
-    """The task, its prompts as the model reads them (train and eval splits, rendered and
-    within the budget), the chat end-of-turn markers (None for raw prompts) and the learned
-    reward models (``rlctl.rm.learned.LearnedRewards`` or None). ``scorer``
-    builds a ``RewardScorer`` given all of them."""
+    """The task, its train and eval prompts as the model reads them, the chat end-of-turn
+    markers (None: raw prompts) and the learned reward models; ``scorer`` is given them."""
     task: Any
     train: Tuple[Example, ...]
     eval: Tuple[Example, ...]
@@ -153,12 +128,11 @@ def _rendered(ex: Example, tokenizer, system: Optional[str]) -> Example:
     return Example(prompt=render_chat(tokenizer, raw, system), fields={**ex.fields, RAW_PROMPT: raw})
 
 
-def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, learned=None,
+def prepare(task, tokenizer, rollout=None, model=None, learned=None,
             stream=None, quiet: bool = False) -> Prepared:
-    """``task`` prepared for ``tokenizer`` and (with ``budget`` and ``model``) the model's
-    context; prompts skipped or truncated are counted on stderr (rank 0, unless ``quiet``).
-    UserError, one line: no chat template, a bad chat prompt, no room, a prompt over the
-    limit under ``task.long_prompts=error``, or a split left empty."""
+    """``task`` prepared for ``tokenizer`` and (with the config's ``rollout`` section and
+    ``model``) its context, skipped or truncated prompts counted on stderr (rank 0, unless
+    ``quiet``). UserError, one line, on no chat template, no room or an empty split."""
     opts = task_options(task)
     try:
         markers: Optional[Tuple[str, ...]] = None
@@ -167,7 +141,7 @@ def prepare(task, tokenizer, budget: Optional[PromptBudget] = None, model=None, 
             markers = tuple(end_of_turn_markers(tokenizer))
     except ValueError as exc:
         raise UserError(f"task.prompt_format: {exc}") from None
-    limit = prompt_limit(budget, model) if budget is not None and model is not None else None
+    limit = prompt_limit(rollout, model) if rollout is not None and model is not None else None
     try:
         splits: Dict[str, List[Example]] = {"train": task.train_examples(),
                                             "eval": task.eval_examples()}

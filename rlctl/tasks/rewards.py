@@ -1,23 +1,10 @@
-"""Rule rewards: the user's reward functions, loaded by import path (several with
-weights), and the answer verifier behind the built-in ``math`` and ``exact`` rewards.
-
-A reward function is ``reward(prompt, completion, **fields) -> float``: ``prompt`` the
-data's prompt (text, or the chat messages), ``completion`` the decoded reply, ``fields``
-the data's other columns (``task.fields``; a function without ``**fields`` gets only those
-it names). The batched form ``reward(prompts, completions, **fields) -> list[float]`` is
-recognised by its first two parameters being ``prompts`` and ``completions``, or by
-``batched: true``. ``task.reward_fn`` is one function; ``task.rewards`` a list of
-``{fn, weight, name, batched}`` (or ``"module:function"`` strings); the total is
-``sum(weight * value)``, each value logged as ``reward/<name>``. An entry ``{model: PATH,
-weight, name}`` (or ``task.reward_model``, which replaces the task's own rewards) is a
-learned reward model (``rlctl.rm.learned``; ``model_entries``). ``fn``:
-``package.module:function``, ``path/to/file.py:function``, ``math`` or ``exact``.
-
-``answers_equivalent(completion, answer)``: the completion's final answer (the last
-``\\boxed{...}``, else after the last "####" / "answer is" / "answer:", else the whole
-text) equals ``answer``, either as an exact rational number ("46", "4.6e1", "92/2",
-"1,234", "4 6" spaced digits) or by math-verify (LaTeX, sets, expressions). math-verify's
-own time limits need the main thread; elsewhere they are off (the scorer's limit applies).
+"""Rule rewards (docs/extending.md): the user's functions by import path, weighted, and
+the verifier behind the built-in ``math`` and ``exact``. A reward is ``fn(prompt,
+completion, **fields) -> float`` or, batched (``prompts, completions`` first, or ``batched:
+true``), ``fn(prompts, completions, **fields) -> list[float]``; a function without
+``**fields`` gets the fields it names. ``answers_equivalent``: the final answer (last
+``\\boxed{}``, else after the last "####" / "answer is" / "answer:", else the text) equals
+``answer`` as a rational ("4.6e1", "92/2", "1,234", "4 6") or by math-verify.
 """
 from __future__ import annotations
 
@@ -234,15 +221,13 @@ class RewardFn:
     required: frozenset            # field names it cannot do without
 
     def _select(self, fields: Dict[str, Any]) -> Dict[str, Any]:
-        if self.accepts is None:
-            return fields
-        return {k: v for k, v in fields.items() if k in self.accepts}
+        return fields if self.accepts is None else {k: v for k, v in fields.items()
+                                                    if k in self.accepts}
 
     def call_one(self, prompt: Any, completion: str, fields: Dict[str, Any]) -> float:
         if self.batched:
-            out = self.fn([prompt], [completion],
-                          **{k: [v] for k, v in self._select(fields).items()})
-            out = list(out)
+            out = list(self.fn([prompt], [completion],
+                               **{k: [v] for k, v in self._select(fields).items()}))
             if len(out) != 1:
                 raise ValueError(f"batched reward '{self.name}' returned {len(out)} values for 1")
             return float(out[0])
@@ -317,9 +302,8 @@ def parse_rewards(reward_fn: Optional[str], rewards: Optional[Sequence[Any]],
         if batched is not None and not isinstance(batched, bool):
             raise ValueError(f"{key}: batched must be true, false or null, got {batched!r}")
         fn = load_function(item["fn"], f"{key}.fn" if not reward_fn else key)
-        name = item.get("name") or (item["fn"] if item["fn"] in BUILTIN_REWARDS
-                                    else getattr(fn, "__name__", f"reward{i}"))
-        name = str(name)
+        name = str(item.get("name") or (item["fn"] if item["fn"] in BUILTIN_REWARDS
+                                        else getattr(fn, "__name__", f"reward{i}")))
         check_name_chars(name, key)
         if name in RESERVED_REWARD_NAMES:
             raise ValueError(f"{key}: reward name '{name}' is taken by the engine's own "

@@ -1,12 +1,7 @@
-"""Scoring completions with a task's reward(s): batches under ``task.reward_timeout_s``,
-the error policy (``task.on_reward_error``), and per-reward components (``reward/<name>``).
-
-Why a process: a thread cannot be stopped, so a reward stuck in a pure-Python loop (or in
-C code that holds the GIL, e.g. a catastrophic regex) would keep a core busy for ever.
-The reward runs in one persistent worker forked from the trainer (copy-on-write: the
-task and the user's functions are already there; only examples, completions and floats
-cross the pipe), killed at the deadline and forked again for the next batch. A limit of
-0 or null scores in-process; without ``fork`` a daemon thread is abandoned at the deadline.
+"""Scoring completions with a task's reward(s): batches under ``task.reward_timeout_s``
+in one persistent worker forked from the trainer (a thread cannot be stopped), killed at
+the deadline and forked again; 0 or null scores in-process. The error policy is
+``task.on_reward_error``; named rewards are logged as ``reward/<name>``.
 """
 from __future__ import annotations
 
@@ -14,9 +9,7 @@ import logging
 import math
 import multiprocessing
 import os
-import queue
 import signal
-import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -51,15 +44,12 @@ def score_stream(task, examples: Sequence[Example], completions: Sequence[str]
     batch_fn = getattr(task, "reward_components_batch", None)
     if batch_fn is not None and len(examples) > 1 and getattr(task, "score_in_batches", True):
         try:
-            rows = batch_fn(list(examples), list(completions))
-            if len(rows) != len(examples):
-                raise ValueError(f"returned {len(rows)} scores for {len(examples)} samples")
-            parsed = [{str(k): float(v) for k, v in r.items()} for r in rows]
+            parsed = [{str(k): float(v) for k, v in r.items()}
+                      for r in batch_fn(list(examples), list(completions))]
         except Exception:  # noqa: BLE001 - retried per sample below, to name the culprit
-            parsed = None
-        if parsed is not None:
-            for i, comps in enumerate(parsed):
-                yield ("ok", i, _total(task, comps), comps)
+            parsed = []
+        if len(parsed) == len(examples):   # else (or a wrong count) per sample below
+            yield from (("ok", i, _total(task, comps), comps) for i, comps in enumerate(parsed))
             return
     comp_fn = getattr(task, "reward_components", None)
     for i, (ex, c) in enumerate(zip(examples, completions)):
@@ -83,8 +73,7 @@ def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked chi
     os.setpgrp()   # nor do signals sent to the run's process group (a terminal, `timeout`) reach it
     while True:
         try:
-            # A forked child holds copies of its parent's descriptors (the pipe's other
-            # end, distributed sockets): it must leave by itself when the parent dies.
+            # it holds copies of the parent's descriptors: it leaves when the parent dies
             while not conn.poll(1.0):
                 if os.getppid() != parent_pid:
                     return
@@ -103,8 +92,7 @@ def _worker_main(task, conn, parent_pid: int) -> None:  # runs in the forked chi
 
 
 class InlineRunner:
-    """No limit (``reward_timeout_s`` 0 or null): scored in this process. A runner's
-    ``run`` gives (the ``score_stream`` items it got, None / "timeout" / "died")."""
+    """Scores in this process; ``run``: (``score_stream`` items, None/"timeout"/"died")."""
 
     def __init__(self, task):
         self.task = task
@@ -116,70 +104,36 @@ class InlineRunner:
         pass
 
 
-class ThreadRunner(InlineRunner):
-    """Without fork: a daemon thread per batch, abandoned at the deadline."""
-
-    def run(self, examples, completions, timeout_s: float) -> Tuple[List[Tuple], Optional[str]]:
-        q: "queue.Queue" = queue.Queue()
-
-        def work():
-            try:
-                for item in score_stream(self.task, examples, completions):
-                    q.put(item)
-            except BaseException as exc:  # noqa: BLE001
-                q.put(("fatal", f"{type(exc).__name__}: {_one_line(exc, 200)}"))
-            q.put(("done",))
-
-        threading.Thread(target=work, daemon=True, name="rlctl-reward").start()
-        deadline, items = time.monotonic() + timeout_s, []
-        while True:
-            try:
-                msg = q.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                return items, "timeout"
-            if msg[0] == "done":
-                return items, None
-            items.append(msg)
-
-
 class ProcessRunner(InlineRunner):
     """One forked worker, kept between batches, killed at a deadline."""
 
     def __init__(self, task):
         self.task, self.proc, self.conn = task, None, None
 
-    def _start(self) -> None:
-        ctx = multiprocessing.get_context("fork")
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(self.task, child, os.getpid()), daemon=True,
-                                name="rlctl-reward")
-        self.proc.start()
-        child.close()
-        self.conn = parent
-
     def run(self, examples, completions, timeout_s: float) -> Tuple[List[Tuple], Optional[str]]:
         if self.proc is None or not self.proc.is_alive():
             self.close()
-            self._start()
+            ctx = multiprocessing.get_context("fork")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_worker_main, args=(self.task, child, os.getpid()),
+                                    daemon=True, name="rlctl-reward")
+            self.proc.start()
+            child.close()
         deadline, items = time.monotonic() + timeout_s, []
         try:
             self.conn.send((list(examples), list(completions)))
-        except (OSError, ValueError):
-            self.close()
-            return items, "died"
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
+            while True:
+                remaining = deadline - time.monotonic()
                 if not (remaining > 0 and self.conn.poll(remaining)):
                     self.close()
                     return items, "timeout"
                 msg = self.conn.recv()
-            except (EOFError, OSError):
-                self.close()
-                return items, "died"
-            if msg[0] == "done":
-                return items, None
-            items.append(msg)
+                if msg[0] == "done":
+                    return items, None
+                items.append(msg)
+        except (EOFError, OSError, ValueError):
+            self.close()
+            return items, "died"
 
     def close(self) -> None:
         if self.proc is not None:
@@ -193,23 +147,13 @@ class ProcessRunner(InlineRunner):
 
 
 class RewardScorer:
-    """Scores batches with the task's reward(s) under ``task.reward_timeout_s``.
-
-    With ``on_reward_error=zero`` ``score_batch`` never raises: a sample whose reward
-    raised or is not finite scores 0 and counts in ``errors``; samples left unscored at
-    the deadline score 0 and count in ``timeouts`` (a warning names the sample). With
-    ``raise`` either raises ``RewardError`` naming the sample. ``last_components``: each
-    named reward of the last batch, one value per sample.
-
-    ``markers``: chat end-of-turn markers (None for raw prompts): the task's rewards and
-    ``is_correct`` then see the assistant's reply only (``assistant_text``), the reward
-    models and logged samples the whole completion. ``learned``
-    (``rlctl.rm.learned.LearnedRewards``): reward models scoring the batch in
-    this process after the task's rewards: their raw scores join the components, their
-    shaped scores the total (``task.reward_model``: the total is theirs alone; eval
-    correctness still comes from the task). The first scorer built with them updates the
-    running reward statistics and carries them in ``state()``; later ones (eval) read them.
-    """
+    """Scores batches with the task's reward(s). ``on_reward_error=zero``: a sample whose
+    reward raised, is not finite or timed out scores 0 and counts in ``errors`` or
+    ``timeouts``; ``raise``: ``RewardError`` naming the sample. ``markers`` (chat): the
+    task sees the assistant's reply only. ``learned`` (``rlctl.rm.learned``): reward
+    models scored after the task, their raw scores among the components, their shaped
+    scores in (or, with ``task.reward_model``, as) the total; the first such scorer owns
+    the running statistics (``state()``)."""
 
     def __init__(self, task, learned=None, markers: Optional[Sequence[str]] = None, timeout_s: Any = FROM_TASK,
                  on_error: Optional[str] = None, norm_owner: Optional[bool] = None):
@@ -228,18 +172,12 @@ class RewardScorer:
         self._sums: Dict[str, float] = {}   # per-reward sums since the last metrics()
         self._count = 0
         self._warned = 0
-        # norm_owner None: the first scorer of the reward models (training's) updates the running
-        # statistics; False: never (held-out scoring reads them: `rlctl eval`, `rollout`)
+        # norm_owner None: the first scorer (training's) updates the statistics; False: never
         self._owns_norm = (self.learned.claim(self) if norm_owner is None else norm_owner) \
             if self.learned is not None else False
         self._last_gold: List[float] = []     # the task's own totals of the last batch
         self.last_raw_totals: List[float] = []   # the last batch's totals, models' raw scores
-        if not self.timeout_s:
-            self._runner = InlineRunner(task)
-        elif "fork" in multiprocessing.get_all_start_methods():
-            self._runner = ProcessRunner(task)
-        else:
-            self._runner = ThreadRunner(task)
+        self._runner = ProcessRunner(task) if self.timeout_s else InlineRunner(task)
 
     def __call__(self, example: Example, completion: str) -> float:
         return self.score_batch([example], [completion])[0]
@@ -316,16 +254,14 @@ class RewardScorer:
 
     @property
     def has_gold(self) -> bool:
-        """False for a task with no reward of its own: a data task scored by reward models
-        alone (no reward function, ``rewards == []``), whose own total would read 0 for
-        every sample; then no reward/<task> component and no correctness are reported."""
+        """False for a data task scored by reward models alone (``rewards == []``): then no
+        reward/<task> component and no correctness are reported."""
         rewards = getattr(self.task, "rewards", None)
         return not (self.learned is not None and isinstance(rewards, list) and not rewards)
 
     @property
     def shapes(self) -> bool:
-        """True when training totals differ from the raw ones (task.reward_norm or
-        task.reward_clip on the reward models' scores)."""
+        """Training totals differ from the raw ones (task.reward_norm or task.reward_clip)."""
         return self.learned is not None and (self.learned.norm != "none"
                                              or self.learned.clip is not None)
 
@@ -346,9 +282,8 @@ class RewardScorer:
 
     def correct_batch(self, examples: Sequence[Example], completions: Sequence[str],
                       rewards: Sequence[float]) -> List[bool]:
-        """Eval correctness: from the total reward where the task defines it that way
-        (data tasks: reward >= task.correct_threshold; no user code runs again), else
-        ``task.is_correct``."""
+        """Eval correctness: the task's ``correct_from_reward`` on its own total (no user code
+        runs again), else ``task.is_correct``."""
         from_reward = getattr(self.task, "correct_from_reward", None)
         if self.learned is not None and len(self._last_gold) == len(rewards):
             rewards = self._last_gold       # the task's own reward, not the proxy

@@ -1,19 +1,9 @@
-"""Sort n digits: prompt ``"3 1 4 1 5 ="``, correct completion ``"1 1 3 4 5"``.
-
-Three reward designs on the completion split on whitespace; a token that is not one ASCII
-digit makes it malformed (0 under every design); no reward raises.
-
-- ``exact``: 1 iff the output equals the sorted digits. Sparse.
-- ``positional``: positions i with out[i] == target[i], over max(n, len(out)) (an
-  over-long answer is penalised).
-- ``inclusion_order``: naive shaping on purpose: +1 per output digit found in the prompt,
-  +1 per adjacent non-decreasing pair, over 2n-1; unclipped, so long wrong answers score
-  above 1 (the reward-hacking risk ``--recipe reward-hacking`` shows).
-
-``is_correct`` is the exact match. Every design is logged (``reward/<name>``) through the
-named components; ``reward_weights`` give the training design 1 and the others 0, so the
-total is the training reward alone.
-"""
+"""Sort n digits: prompt ``"3 1 4 1 5 ="``, correct completion ``"1 1 3 4 5"``. Rewards
+on the whitespace tokens (one that is not a digit: 0 under every design): ``exact``;
+``positional`` (out[i] == target[i], over max(n, len(out))); ``inclusion_order`` (naive
+on purpose: +1 per output digit found in the prompt, +1 per non-decreasing pair, over
+2n-1, unclipped: the reward-hacking recipe). All are logged as components; the weights
+make the total the training design's."""
 from __future__ import annotations
 
 import random
@@ -77,8 +67,7 @@ def format_answer(digits: Sequence[int]) -> str:
 
 @register_task("sorting")
 class SortingTask:
-    """Sort ``num_digits`` digits; eval: ``num_eval`` distinct tuples drawn with
-    ``random.Random(seed)``; training disjoint from it (``disjoint_splits``)."""
+    """Eval: ``num_eval`` tuples drawn with ``random.Random(seed)``, disjoint from training."""
 
     name = "sorting"
     reward_names = staticmethod(reward_names)
@@ -93,8 +82,7 @@ class SortingTask:
         if not 0 <= num_eval < space:
             raise ValueError(f"num_eval must be in [0, {space - 1}] for {num_digits} digits, "
                              f"got {num_eval}")
-        self.num_digits, self.reward_name, self.num_eval = num_digits, reward, num_eval
-        self.seed, self.max_train = seed, max_train
+        self.num_digits, self.reward_name = num_digits, reward
         self.reward_weights = {name: float(name == reward) for name in REWARDS}
         self._eval, self._train = disjoint_splits(
             self._draw, random.Random(seed), num_eval, max_train, space,
@@ -127,8 +115,6 @@ class SortingTask:
         return out is not None and len(out) == len(example.fields["digits"])
 
     def score_all(self, example: Example, completion: str) -> Dict[str, float]:
-        """Every design; as ``reward_components`` (``reward/<name>``) ``reward_weights``
-        keep the total equal to ``reward()``."""
         return score_all(example.fields["digits"], completion)
 
     reward_components = score_all

@@ -1,14 +1,6 @@
-"""The Task protocol, the registry, and what every task shares: the common options, chat
-prompts and the disjoint splits of generated tasks.
-
-``build_task(name, **options)`` is the only constructor the engine uses (``name``: a
-registered task or "package.module:factory"). It takes the keys every task has
-(``COMMON_OPTIONS``) out of ``options``, drops ``None`` values of keys the task does not
-take (``TaskConfig`` is shared by all tasks), rejects a non-``None`` one in one line,
-builds the task and attaches the common options as ``task.rlctl_options``. The task is
-never changed after that: what a run makes of it for one model (chat rendering, the
-prompt budget, the scorer) is built apart by ``rlctl.tasks.prompt_budget.prepare``.
-``jsonl`` and the built-in environments (``ENV_TASKS``) are imported when first built."""
+"""The Task protocol, the task registry and what every task shares: the common options,
+chat prompts, the disjoint splits of generated tasks. A task is never changed once built.
+"""
 from __future__ import annotations
 
 import inspect
@@ -35,34 +27,23 @@ class Task(Protocol):
     def is_correct(self, example: Example, completion: str) -> bool:
         """Exact correctness, for the eval metric ``eval/exact_match``."""
 
-    # Optional, used by RewardScorer when present:
-    #   reward_components(example, completion) -> Dict[str, float]   raw named rewards;
-    #       the total is sum(reward_weights.get(name, 1.0) * value), equal to reward().
-    #   reward_components_batch(examples, completions) -> List[Dict[str, float]]
-    #       (used unless the task sets score_in_batches = False)
-    #   reward_weights: Dict[str, float]
-    #   correct_from_reward(example, reward) -> bool   eval correctness from the total.
+    # Optional: reward_components(example, completion) -> {name: v} (reward() == sum of
+    # reward_weights.get(name, 1.0) * v), reward_components_batch, correct_from_reward.
 
 
-# factory(**task options) -> Task, registered with @register_task(name); task.name may
-# also be "package.module:factory" for a task of the user's own.
+# factory(**task options) -> Task, by @register_task(name) or as "package.module:factory"
 TASKS = Registry("task")
 register_task = TASKS.register
 ENV_TASKS = ("calculator", "guess_number", "running_sum")   # rlctl.envs.builtin
 
 
 class _Deferred:
-    """A built-in task whose module is imported when it is first built (``spec``:
-    ``module:factory``), which then registers the factory itself in its place; a run of
-    another task imports no environment, tool or sandbox. ``inspect.signature`` reads the
-    factory's options through ``__wrapped__``."""
+    """A built-in ``module:factory`` imported when first built; its options via ``__wrapped__``."""
 
     def __init__(self, spec: str):
         self.spec = spec
 
-    @property
-    def __wrapped__(self) -> Callable:
-        return load_object(self.spec, "task")
+    __wrapped__ = property(lambda self: load_object(self.spec, "task"))
 
     def __call__(self, **options):
         return self.__wrapped__(**options)
@@ -111,24 +92,21 @@ def task_options(task) -> TaskOptions:
     return getattr(task, "rlctl_options", None) or TaskOptions()
 
 
-def _factory_params(factory) -> Tuple[Dict[str, inspect.Parameter], bool]:
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return {}, True
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    return {k: p for k, p in params.items()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}, var_kw
-
-
 def build_task(name: str, **options) -> Task:
-    """The task ``name`` built from config keys (all of ``TaskConfig`` but ``name``)."""
+    """The task ``name`` built from ``TaskConfig``'s keys: ``None`` for an option it does not
+    take is dropped, another value refused; common options go to ``task.rlctl_options``."""
     factory = TASKS.get(name)
     common = {k: options.pop(k) for k in COMMON_OPTIONS if k in options}
     opts = check_options(TaskOptions(**{k: v for k, v in common.items()
                                         if v is not None or k in ("reward_timeout_s",
                                                                   "system_prompt")}))
-    params, var_kw = _factory_params(factory)
+    try:
+        sig = dict(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        sig = None   # no signature: every option goes to the factory
+    var_kw = sig is None or any(p.kind is p.VAR_KEYWORD for p in sig.values())
+    params = {k: p for k, p in (sig or {}).items()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     kwargs = {}
     for key, value in options.items():
         if key in params:
@@ -169,11 +147,8 @@ def chat_messages(prompt: Any, system_prompt: Optional[str]) -> List[Dict[str, s
 
 
 def render_chat(tokenizer, prompt: Any, system_prompt: Optional[str] = None) -> str:
-    """The prompt through the tokenizer's chat template, ending with the assistant header.
-
-    A leading BOS that the template writes is dropped when the tokenizer adds BOS itself
-    on encoding (the engine tokenizes prompts with special tokens), so it is not doubled.
-    """
+    """The prompt through the tokenizer's chat template, ending with the assistant header;
+    a BOS the template writes is dropped when encoding adds one (never doubled)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("task.prompt_format=chat needs a tokenizer with a chat template; "
                          "this model's tokenizer has none (use task.prompt_format=raw)")
@@ -215,9 +190,8 @@ def assistant_text(completion: str, markers: Sequence[str] = (), prompt: str = "
 
 def disjoint_splits(draw: Callable[[Any], Any], rng, num_eval: int, max_train: int, space: int,
                     enumerate_all: Callable[[], Any]) -> Tuple[List[Any], List[Any]]:
-    """(eval, train) items of a generated task, never overlapping: ``num_eval`` distinct
-    draws, then either every other item of the ``space`` (shuffled, when it is small
-    enough) or ``max_train`` more distinct draws. Deterministic given ``rng``'s seed."""
+    """(eval, train) items, disjoint: ``num_eval`` distinct draws, then every other item of
+    a small ``space`` (shuffled) or ``max_train`` more distinct draws; seeded by ``rng``."""
     seen: set = set()
 
     def distinct(n: int) -> List[Any]:

@@ -21,7 +21,7 @@ from rlctl.models.value import PolicyValueModel, SeparateCritic
 from rlctl.rm.learned import LearnedRewards, RewardModel, build_learned_rewards, check_names
 from rlctl.rm.tiny_rm import task_mismatch, tiny_reward_model_dir
 from rlctl.tasks import TASKS, build_task as _task_from_registry
-from rlctl.tasks.prompt_budget import Prepared, PromptBudget, prepare
+from rlctl.tasks.prompt_budget import Prepared, prepare
 from rlctl.tasks.rewards import is_model_entry, model_entries
 
 LEARNED_KEYS = ("reward_model", "reward_norm", "reward_clip")   # read here, not by the task
@@ -118,7 +118,7 @@ def prepare_task(cfg: DictConfig, tokenizer, model, built: Optional[BuiltTask] =
     prompts through its template, prompts within ``rollout``'s budget, the scorers given
     the reward models and the chat markers (``rlctl.tasks.prompt_budget.prepare``)."""
     built = built or task_from_config(cfg)
-    return prepare(built.task, tokenizer, PromptBudget.from_config(cfg), model, built.learned,
+    return prepare(built.task, tokenizer, cfg.rollout, model, built.learned,
                    quiet=quiet)
 
 

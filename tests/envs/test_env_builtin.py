@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from rlctl.envs.environment import ENVS, is_episodic
-from rlctl.envs.builtin import BUILTIN_ENVS, guess_example, product_example, sum_example
+from rlctl.envs.builtin import guess_example, product_example, sum_example
+from rlctl.tasks.task import ENV_TASKS as BUILTIN_ENVS
 from rlctl.envs.calc import TINY_AGENT_WORDS
 from rlctl.tasks import TASKS, build_task
 from rlctl.types import Turn

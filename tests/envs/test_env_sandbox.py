@@ -9,8 +9,7 @@ import time
 import pytest
 
 from rlctl.envs.builtin import product_example
-from rlctl.envs.sandbox import Limits, ToolFailed, call_tool, check_sandbox
-from rlctl.envs.tools import ToolEnv, make_tool
+from rlctl.envs.tools import Limits, ToolEnv, ToolFailed, call_tool, check_sandbox, make_tool
 from rlctl.tasks import build_task
 from rlctl.types import Turn
 

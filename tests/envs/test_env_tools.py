@@ -2,7 +2,8 @@
 binding), and the calc tool with the digits-as-words numbers."""
 import pytest
 
-from rlctl.envs.calc import calc, read_number, spell
+from rlctl.envs.calc import calc, read_number
+from rlctl.tasks.arithmetic import spaced
 from rlctl.envs.tools import (PARSERS, JsonParser, TagParser, ToolArgumentError, ToolCall,
                               ToolCallError, make_parser, make_tool)
 
@@ -126,7 +127,7 @@ def test_calc_and_numbers():
             calc(bad)
     with pytest.raises(ValueError, match="digits"):
         calc("*".join(["9" * 30] * 3))
-    assert spell(5535) == "5 5 3 5" and spell(-12) == "- 1 2" and spell(0) == "0"
+    assert spaced(5535) == "5 5 3 5" and spaced(-12) == "- 1 2" and spaced(0) == "0"
     assert read_number("1 2") == 12 and read_number("- 4") == -4 and read_number(" 7 ") == 7
     assert read_number("5535") == 5535
     for bad in ("", "x", "1 x", "-", "<call> 1 </call>", "١"):
