@@ -88,7 +88,9 @@ class RolloutBatch:
             if kind == TEXT:
                 picked[name] = list(map(value.__getitem__, idx))
             elif kind == COLUMNS:
-                picked[name] = {k: list(map(c.__getitem__, idx)) for k, c in value.items()}
+                picked[name] = {}
+                for key, column in value.items():
+                    picked[name][key] = list(map(column.__getitem__, idx))
             else:
                 picked[name] = value[rows]
         return dataclasses.replace(self, **picked)
