@@ -1,6 +1,5 @@
 """Every exception rlctl raises on purpose, and how the CLI shows it: one line and an exit
-code (2 bad input, 1 a run that cannot go on, 128 + signal a stopped run). Imports
-nothing of the package."""
+code (2 bad input, 1 a run that cannot go on, 128 + signal a stopped run)."""
 from __future__ import annotations
 
 import contextlib
@@ -91,9 +90,8 @@ def user_message(exc: BaseException) -> Tuple[str, int]:
 
 @contextlib.contextmanager
 def handled(debug: bool = False):
-    """A CLI command's body: bad input is one line on stderr and exit code 2 (other failures
-    1); --debug re-raises for the traceback. Ctrl-C exits 130 and SIGTERM 143, with the
-    resume command when the trainer saved a checkpoint."""
+    """A CLI command's body: failures as ``user_message`` on stderr (--debug: the traceback);
+    a stopped run exits 128 + the signal, with its resume command."""
     import typer  # the CLI's own dependency; errors.py stays importable without it
 
     try:

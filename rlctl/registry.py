@@ -1,9 +1,6 @@
-"""One registry shape for every pluggable kind (advantage estimators, policy losses, KL
-estimators, tasks, backends): entries registered where defined
-(``@ADVANTAGES.register("gae", level="token")``), looked up with ``get(name)`` (the callable)
-or ``entry(name)`` (with its attributes). ``package.module:attr`` or ``path/file.py:attr`` is
-a user entry, with the registry's default attributes unless it sets its own. Every failure
-is a one-line ValueError (an unknown name lists the valid ones). Calling conventions:
+"""One registry shape for every pluggable kind: entries registered where defined, looked up
+by name, alias or a user's ``package.module:attr`` / ``path/file.py:attr`` (the registry's
+default attributes unless it sets its own); every failure is a one-line ValueError, no torch.
 
 - advantage, level "outcome": ``fn(rewards [B, G], eps, **options) -> [B, G]``; level
   "token": ``fn(rewards, values, mask [N, T], gamma, lam) -> (advantages, returns) [N, T]``.
@@ -12,8 +9,7 @@ is a one-line ValueError (an unknown name lists the valid ones). Calling convent
 - KL estimator: ``fn(logp [N, T], ref_logp [N, T]) -> [N, T]``.
 - task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage, precision,
   deepspeed_config)``.
-
-Imports nothing of rlctl and no torch."""
+"""
 from __future__ import annotations
 
 import importlib
@@ -91,8 +87,7 @@ def load_object(spec: str, key: str) -> Callable:
 
 @dataclass(frozen=True)
 class Entry:
-    """A registered callable, its canonical name and its attributes, also read as
-    ``entry.level`` (plain attributes: no lookup hook on the step path)."""
+    """A registered callable, its name and its attributes (also read as ``entry.level``)."""
     name: str
     fn: Callable
     attrs: Mapping[str, Any] = field(default_factory=dict)
@@ -109,10 +104,8 @@ class Registry:
 
     def __init__(self, kind: str, attrs: Optional[Dict[str, Tuple[Any, ...]]] = None,
                  aliases: Optional[Dict[str, str]] = None, dashes: bool = False):
-        self.kind = kind
-        self.attr_choices = dict(attrs or {})
-        self.aliases = dict(aliases or {})
-        self.dashes = dashes
+        self.kind, self.dashes = kind, dashes
+        self.attr_choices, self.aliases = dict(attrs or {}), dict(aliases or {})
         self._entries: Dict[str, Entry] = {}
         self._loaded: Dict[str, Entry] = {}
 

@@ -1,8 +1,5 @@
-"""Stopping a run on SIGINT or SIGTERM at a step boundary, the same way on every rank.
-
-The first signal sets a flag; after each step the ranks agree on it (an all-reduce max),
-so all stop after the same step. A second SIGINT aborts at once; further SIGTERMs are
-ignored."""
+"""Stopping on SIGINT/SIGTERM at a step boundary, after the same step on every rank (an
+all-reduce max of the flag); a second SIGINT aborts at once, further SIGTERMs are ignored."""
 from __future__ import annotations
 
 import contextlib
@@ -17,14 +14,10 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopFlag:
-    """``announce``: print a notice on the first signal (the process that owns the
-    terminal); ``forward``: called with every signal handled, before anything else (the
-    launcher passes them to its ranks)."""
+    """``announce``: a notice on the first signal; ``forward``: called first with each signal."""
 
     def __init__(self, announce: bool = True):
-        self.signum = 0                   # the first signal received; 0: none
-        self.aborted = False
-        self.announce = announce
+        self.signum, self.aborted, self.announce = 0, False, announce   # signum 0: none yet
         self.forward: Optional[Callable[[int], None]] = None
 
     @property
@@ -59,8 +52,7 @@ class StopFlag:
                 signal.signal(s, h)
 
     def agreed(self, backend) -> int:
-        """The signal every rank acts on now: the largest requested on any rank (0: go
-        on). A collective with several ranks: each calls it at the same step boundary."""
+        """The largest signal requested on any rank (0: go on); a collective at a step boundary."""
         if backend.world_size == 1:
             return self.signum
         return int(backend.all_reduce(torch.tensor([float(self.signum)]), "max").item())

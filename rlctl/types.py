@@ -1,9 +1,6 @@
-"""Typed containers passed between rollout, scoring and the learner.
-
-Shape letters (fixed across the code base): B prompts per step, G samples per prompt,
-N = B * G sequences, P prompt length (left-padded), T completion length (right-padded),
-V vocabulary size.
-"""
+"""Typed containers passed between rollout, scoring and the learner. Shape letters: B prompts
+per step, G samples per prompt, N = B * G sequences, P prompt length (left-padded), T completion
+length (right-padded), V vocabulary size."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,54 +33,36 @@ def _axis(kind: str, optional: bool = False):
 
 @dataclass
 class RolloutBatch:
-    """N = B*G sampled completions and everything the learner needs.
-
-    Shapes:
-        input_ids:       [N, P+T] long; prompt left-padded, completion right-padded
-        attention_mask:  [N, P+T] long; 1 on real prompt and completion tokens
-        completion_ids:  [N, T]   long; = input_ids[:, P:]
-        mask:            [N, T]   float; 1 on completion tokens that count (EOS included)
-        truncated:       [N]      bool; no EOS within the length limit
-        rewards:         [N]      float; task reward of each completion
-        group_ids:       [N]      long; prompt index 0..B-1, group g is rows g*G .. g*G+G-1
-        old_logprobs:    [N, T]   log pi_old at rollout time, or None (the learner's own)
-        ref_logprobs:    [N, T]   log pi_ref, or None without a KL term
-        advantages:      [N, T]   float; filled in by the advantage estimator
-        old_values:      [N, T]   critic values V(s_t) at rollout time (critic only)
-        returns:         [N, T]   value targets (GAE advantages + old values), detached
-        behaviour_rows:  [N]      bool or None; the rows whose old_logprobs are real (the
-                                  rest are placeholders for the learner's pi_old); None: all
-        staleness:       [N]      long or None; learner updates since the weights that
-                                  sampled each row (async engines)
-        reward_parts:    {name: [N floats]} or None; each named reward (0 where missing)
-        token_rewards:   [N, T]   float or None; episodes: each turn's weighted reward on its
-                                  last token, each row summing to ``rewards``
-        episodes:        N ``Episode`` records or None (single-turn)
-        engine_logprobs: [N, T]   log pi_engine as the sampler drew the token (0 off the
-                                  mask) or None; for rlctl.core.rollout_correction
-
-    Multi-turn rows: the completion holds every turn after the prompt; ``attention_mask`` is
-    1 on model turns and observations, ``mask`` on the model's own tokens only."""
-    input_ids: torch.Tensor = _axis(TOKENS)
-    attention_mask: torch.Tensor = _axis(TOKENS)
-    mask: torch.Tensor = _axis(COMPLETION)
-    truncated: torch.Tensor = _axis(ROW)
-    rewards: torch.Tensor = _axis(ROW)
-    group_ids: torch.Tensor = _axis(ROW)
+    """N = B*G sampled completions and everything the learner needs; each field's layout is its
+    axis (TOKENS [N, P+T], COMPLETION [N, T], ROW [N], ...); optional ones may be None. Multi-turn
+    rows: the completion holds every turn after the prompt; ``attention_mask`` is 1 on model
+    turns and observations, ``mask`` on the model's own tokens only."""
+    input_ids: torch.Tensor = _axis(TOKENS)           # long
+    attention_mask: torch.Tensor = _axis(TOKENS)      # long; 1 on real prompt and completion tokens
+    mask: torch.Tensor = _axis(COMPLETION)            # float; 1 on tokens that count (EOS included)
+    truncated: torch.Tensor = _axis(ROW)              # bool; no EOS within the length limit
+    rewards: torch.Tensor = _axis(ROW)                # float; task reward of each completion
+    group_ids: torch.Tensor = _axis(ROW)              # long; group g is rows g*G .. g*G+G-1
     prompt_len: int = _axis(SCALAR)
     group_size: int = _axis(SCALAR)
     prompts: List[str] = _axis(TEXT)
     completions: List[str] = _axis(TEXT)
+    # log pi_old at rollout time (None: the learner's own); log pi_ref (None: no KL term)
     old_logprobs: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
     ref_logprobs: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
-    advantages: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
-    old_values: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
-    returns: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    advantages: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)  # the estimator's
+    old_values: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)  # critic V(s_t)
+    returns: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)  # value targets, detached
+    # bool: the rows whose old_logprobs are real (the rest placeholders for pi_old); None: all
     behaviour_rows: Optional[torch.Tensor] = _axis(ROW, optional=True)
+    # long: learner updates since the weights that sampled each row (async engines)
     staleness: Optional[torch.Tensor] = _axis(ROW, optional=True)
+    # {name: [N floats]}: each named reward (0 where missing)
     reward_parts: Optional[Dict[str, List[float]]] = _axis(COLUMNS, optional=True)
+    # episodes: each turn's weighted reward on its last token, each row summing to ``rewards``
     token_rewards: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
-    episodes: Optional[List["Episode"]] = _axis(TEXT, optional=True)
+    episodes: Optional[List["Episode"]] = _axis(TEXT, optional=True)  # None: single-turn
+    # log pi_engine as the sampler drew each token (0 off the mask): rlctl.core.rollout_correction
     engine_logprobs: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
 
     @property
@@ -99,9 +78,7 @@ class RolloutBatch:
         return dataclasses.replace(self, **changes)
 
     def select(self, rows: torch.Tensor, text: bool = True) -> "RolloutBatch":
-        """Some rows (a micro-batch, the kept groups): every per-row field is indexed.
-        ``text=False`` leaves the text lists (and named rewards' lists) empty: no host
-        sync for ``rows``."""
+        """Some rows, every per-row field indexed (``text=False``: no text lists, no host sync)."""
         idx = rows.tolist() if text else []
         picked: Dict[str, Any] = {}
         for name, kind in _AXES:
@@ -163,15 +140,14 @@ _PAIRED = ("old_logprobs", "behaviour_rows")    # stacked together by _cat_behav
 
 
 def _cat_columns(values: Sequence[Dict[str, List[float]]], rows: Sequence[int]) -> Dict[str, List[float]]:
-    """Named per-row lists stacked: every name of any batch, 0.0 for the rows of a batch
-    without it (as a scorer fills a name some of its samples lack)."""
+    """Named per-row lists stacked: every name of any batch, 0.0 in the batches without it."""
     names = sorted({k for v in values for k in v})
     return {k: [x for v, n in zip(values, rows) for x in v.get(k, [0.0] * n)] for k in names}
 
 
 def _cat_behaviour(batches: Sequence[RolloutBatch], T: int):
-    """(old_logprobs [N, T] or None, behaviour_rows [N] bool or None) of the stacked batches:
-    rows without old log-probs get 0-filled placeholders, marked False in behaviour_rows."""
+    """(old_logprobs [N, T], behaviour_rows [N] bool) stacked, each None when not needed: rows
+    without old log-probs get 0-filled placeholders, marked False in behaviour_rows."""
     if all(b.old_logprobs is None for b in batches):
         return None, None
     olds, rows = [], []
@@ -187,8 +163,7 @@ def _cat_behaviour(batches: Sequence[RolloutBatch], T: int):
 
 
 def _pad(x: torch.Tensor, kind: str, left: int, t: int, T: int, value) -> torch.Tensor:
-    """One batch's field (``t`` completion columns) padded to ``T`` columns, and its
-    prompt to ``left`` more columns on the left (tokens only)."""
+    """One batch's field padded from ``t`` to ``T`` columns (tokens: ``left`` more on the left)."""
     if kind == TOKENS:
         return F.pad(x, (left, T - t), value=value)                  # [n, P+T]
     if kind == COMPLETION and x.shape[1] == t:
@@ -202,18 +177,16 @@ MODEL, OBSERVATION = "model", "observation"       # Span.role
 
 @dataclass
 class Turn:
-    """One model turn as the environment receives it: the decoded text and the exact
-    sampled token ids (never re-tokenized)."""
+    """One model turn: the decoded text and the exact sampled token ids (never re-tokenized)."""
     text: str
     ids: List[int]
 
 
 @dataclass
 class Step:
-    """An environment's answer to a turn. ``observation`` None: nothing is appended (the
-    episode must then be ``done``, or the model writes again). ``info`` may hold
-    ``stop`` (a list of strings that end the next model turn), ``success`` (bool, for
-    eval), ``tool_calls`` / ``tool_errors`` (ints, counted per episode)."""
+    """An environment's answer to a turn (``observation`` None: nothing appended; then ``done``
+    or the model writes again). ``info`` may hold ``stop`` (strings ending the next turn),
+    ``success``, ``tool_calls``, ``tool_errors``."""
     observation: Optional[str] = None
     reward: float = 0.0
     done: bool = False

@@ -1,7 +1,6 @@
-"""What values a composed config may hold, checked beyond its types with no torch (unless
-it asks for a GPU): the range of every numeric key, options, keys that must agree, and
-the DeepSpeed JSON it names. Every failure is a one-line ``ConfigError``.
-"""
+"""What a composed config may hold beyond its types, checked with no torch (unless it asks for a
+GPU): ranges, choices, keys that must agree, the DeepSpeed JSON; each failure a one-line
+``ConfigError``."""
 from __future__ import annotations
 
 import json
@@ -13,10 +12,7 @@ from typing import Any, Dict, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from rlctl.errors import ConfigError, one_line
-from rlctl.config.schema import AT_LEAST_1, NON_NEGATIVE, POSITIVE, FieldSpec, Range, schema_fields
-
-__all__ = ["AT_LEAST_1", "NON_NEGATIVE", "POSITIVE", "RANGES", "CHOICES", "FREE_NUMBERS", "validate"]
-
+from rlctl.config.schema import FieldSpec, Range, schema_fields
 
 # Ranges and choices are written once, in the schema (``knob``); every float is also finite.
 # A new numeric key needs a range or a place in FREE_NUMBERS (a test checks).
@@ -25,8 +21,6 @@ CHOICES: Dict[str, tuple] = {s.key: s.choices for s in schema_fields() if s.choi
 # any finite number, or checked elsewhere (zero_stage: one of 0-3, a choice)
 FREE_NUMBERS = ("task.correct_threshold", "hardware.zero_stage")
 CRITIC_KEYS = {"algo.vf_coef", "algo.value_clip", "algo.critic_warmup_steps", "algo.lam"}
-
-
 EXAMPLES = {"float": "0.1", "int": "1", "bool": "true", "str": "name", "any": "1"}
 
 
@@ -36,16 +30,13 @@ def example_value(spec: FieldSpec) -> str:
         return {"float": "[0.9,0.999]", "str": "[a,b]"}.get(spec.item, "[...]")
     if spec.kind == "group":
         return "{...}"
-    rng = RANGES.get(spec.key)
     candidates = {"float": (0.1, 0.5, 1.0, 3.0), "int": (1, 0, 4)}.get(spec.kind, ())
-    if rng is not None:
-        return next((repr(x) for x in candidates if rng.contains(x)), EXAMPLES[spec.kind])
-    return EXAMPLES[spec.kind]
+    return next((repr(x) for x in candidates if spec.range is None or spec.range.contains(x)),
+                EXAMPLES[spec.kind])
 
 
 def range_problem(spec: FieldSpec, value: Any) -> Optional[str]:
-    """What is wrong with one value of a numeric key (None: nothing), for the message
-    "invalid KEY 'VALUE'; must be ..."."""
+    """What is wrong with one value of a numeric key ("must be ..."), or None."""
     kind = spec.item if spec.kind == "list" else spec.kind
     if value is None or kind not in ("float", "int") or isinstance(value, bool):
         return None
@@ -59,10 +50,8 @@ def range_problem(spec: FieldSpec, value: Any) -> Optional[str]:
     return f"must be {what}{tail}{why}"
 
 
-# -- checks of the composed config -----------------------------------------------------
-
 def check_choices(cfg: DictConfig) -> None:
-    """Every key with fixed choices (the schema's ``knob(choices=...)``) holds one of them."""
+    """Every key with fixed choices holds one of them."""
     for key, valid in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in valid:
@@ -98,8 +87,7 @@ def check_ranges(cfg: DictConfig) -> None:
 
 
 def read_deepspeed_config(path: str) -> Dict:
-    """The user's DeepSpeed JSON (hardware.deepspeed_config) as a dict; ConfigError naming
-    the file and what is wrong with it."""
+    """The user's DeepSpeed JSON (hardware.deepspeed_config) as a dict; ConfigError if not."""
     where = f"hardware.deepspeed_config '{path}'"
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -170,8 +158,7 @@ def _check_algo(cfg: DictConfig) -> None:
 
 
 def _check_engine(cfg: DictConfig) -> None:
-    """rollout.engine=server: what it runs with (one learner process, single-turn tasks are
-    checked where the task is built: rlctl/train/sources.py)."""
+    """rollout.engine=server: one learner process, the server keys agree."""
     sv = cfg.rollout.server
     if cfg.rollout.engine != "server":
         return
@@ -195,8 +182,7 @@ def _check_engine(cfg: DictConfig) -> None:
 
 
 def _check_kind_dirs(cfg: DictConfig) -> None:
-    """vllm/sglang servers read every push from files this run writes where they read
-    (rollout/engines/kinds.py): the directories must be named before the first push."""
+    """vllm/sglang servers read each push from files at a shared path: it must be named."""
     sv, lora = cfg.rollout.server, bool(cfg.model.lora.enabled)
     if sv.kind == "rlctl":
         return
@@ -233,10 +219,8 @@ def _check_critic_keys(cfg: DictConfig, overrides: Sequence[str], algo: str) -> 
 
 
 def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> None:
-    """The checks that need no torch (ranges, choices, keys that must agree, CUDA, the
-    DeepSpeed JSON; the shell's ``overrides`` may not set a critic key of ``algo`` without a
-    critic); ConfigError, one line. Those needing registries or the built task:
-    ``rlctl.train.preflight``, also before a run directory is made."""
+    """Every check above (the shell's ``overrides`` may not set a critic key without a critic);
+    those needing registries or the built task: ``rlctl.train.preflight``."""
     _check_resolved(cfg)
     check_ranges(cfg)
     check_choices(cfg)

@@ -1,8 +1,6 @@
-"""Compose the run config from ``rlctl/config/conf`` + a recipe + shell overrides with Hydra, then
-validate it (``rlctl.config.checks.validate``). A recipe is a YAML mapping of config keys, by path
-or by name (./recipes, then the repository's). Before composition the overrides pass Hydra's
-grammar check and old key names move to their new ones; every failure of Hydra or OmegaConf
-becomes a ``ConfigError`` whose message is one line naming the key and what is valid."""
+"""Compose the run config from ``rlctl/config/conf`` + a recipe (a YAML mapping of keys, by path
+or name) + shell overrides with Hydra, then ``rlctl.config.checks.validate`` it; every failure is
+a one-line ``ConfigError`` naming the key and what is valid."""
 from __future__ import annotations
 
 import re
@@ -24,38 +22,32 @@ from rlctl.errors import ConfigError, one_line
 from rlctl.config.schema import CONF_DIR, GROUPS, RLConfig, group_options, register_schemas, schema_fields
 
 
-# ---- the shell's overrides before composition ------------------------------------------------
-# Old names still accepted (overrides and recipes), with a one-line notice.
-RENAMED = {"trainer.async": "trainer.async_rollout"}
+RENAMED = {"trainer.async": "trainer.async_rollout"}   # old names still accepted, with a notice
+_TOLD_RENAMES: set = set()   # renames already announced in this process
 
 
-def _renamed_notice(old: str, new: str, told: set, stream) -> None:
-    if old not in told:
-        told.add(old)
+def _renamed_notice(old: str, new: str, stream) -> None:
+    if old not in _TOLD_RENAMES:
+        _TOLD_RENAMES.add(old)
         print(f"rlctl: warning: {old} is deprecated, renamed {new} (e.g. {new}.enabled=true)",
               file=stream or sys.stderr, flush=True)
 
 
-_TOLD_RENAMES: set = set()   # renames already announced in this process
-
-
 def rename_deprecated(overrides: List[str], recipe: Optional[Dict] = None, stream=None):
     """(overrides, recipe) with renamed keys moved to their new names; one notice a process."""
-    told = _TOLD_RENAMES
     out = []
     for o in overrides:
-        bare = o.lstrip("+~")
-        prefix, key = o[:len(o) - len(bare)], bare
+        key = o.lstrip("+~")
         for old, new in RENAMED.items():
             if key == old or key.startswith((old + ".", old + "=")):
                 key = new + key[len(old):]
-                _renamed_notice(old, new, told, stream)
-        out.append(prefix + key)
+                _renamed_notice(old, new, stream)
+        out.append(o[:len(o) - len(o.lstrip("+~"))] + key)
     for old, new in RENAMED.items():
         (section, leaf), (_, new_leaf) = old.split("."), new.split(".")
         node = (recipe or {}).get(section)
         if isinstance(node, dict) and leaf in node:
-            _renamed_notice(old, new, told, stream)
+            _renamed_notice(old, new, stream)
             node = {(new_leaf if k == leaf else k): v for k, v in node.items()}
             recipe = {**recipe, section: node}
     return out, recipe
@@ -96,7 +88,6 @@ def check_override_syntax(overrides: Sequence[str]) -> None:
         raise ConfigError(grammar_message(one_line(exc), overrides)) from None
 
 
-# ---- recipe files: shipped and local ones by name, read into a mapping of config keys ----
 RECIPE_DIRS = (Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes")
 
 
@@ -145,13 +136,11 @@ def load_recipe(path: str) -> Dict:
     return data
 
 
-# ---- composition ---------------------------------------------------------------------------
 RECIPE_GROUP = "recipe"
 
 
 def _store_recipe(recipe: Dict, overrides: Sequence[str]) -> None:
-    """Register the recipe as a global config; groups that the shell overrides are
-    dropped from it, so `--recipe R algo=ppo` really gives PPO's defaults."""
+    """Register the recipe as a global config, less the groups the shell overrides."""
     chosen = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
     switched = {g for g in GROUPS if g in chosen}
     body = {k: v for k, v in recipe.items() if k not in switched}
@@ -199,8 +188,7 @@ def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Comp
 
 
 def _list_choice(group: str, overrides: Sequence[str], recipe: Optional[Dict]) -> List[str]:
-    """The options of a group given as a list (logger=[jsonl,wandb]), for which Hydra records
-    no choice: the shell's last list for it, else the recipe's defaults entry."""
+    """A group's options given as a list (logger=[jsonl,wandb]): the shell's, else the recipe's."""
     for o in reversed(OverridesParser.create().parse_overrides(list(overrides))):
         if o.key_or_group == group and isinstance(o.value(), list):
             return [str(v) for v in o.value()]
@@ -211,7 +199,6 @@ def _list_choice(group: str, overrides: Sequence[str], recipe: Optional[Dict]) -
     return []
 
 
-# ---- composition failures as one line ---------------------------------------------------------
 def explain(exc: Exception, overrides: Sequence[str]) -> str:
     """Turn Hydra/OmegaConf exceptions into one line naming the key and valid values."""
     parts, seen = [], exc

@@ -1,11 +1,6 @@
-"""The typed config schema: dataclasses registered in Hydra's ConfigStore, the groups of
-``rlctl/config/conf`` with their options, and the list of every key with its kind.
-
-Config flows one way: YAML in ``rlctl/config/conf`` -> these typed dataclasses -> the components,
-which take the section they use. A key's default is in the YAML or here (not both); its
-type, range or choices (``knob``) and help (the comment beside it) are written here only,
-so an unknown key, a wrong type or a value out of range fails at compose time.
-"""
+"""The typed config schema (Hydra's ConfigStore), the groups of ``rlctl/config/conf`` and every
+key with its kind. A key's default is in the YAML or here (not both); its type, range or choices
+(``knob``) and help (the comment beside it) only here; components take the section they use."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +38,7 @@ POSITIVE, NON_NEGATIVE, AT_LEAST_1, UNIT = Range(0, lo_open=True), Range(0), Ran
 
 def knob(default: Any = MISSING, *, range: Optional[Range] = None, choices: Sequence = (),
          factory: Optional[Callable] = None) -> Any:
-    """A schema field with the values it may take beyond its type: a numeric ``range`` or
-    ``choices`` (checked by ``rlctl.config.checks.validate``). Its help is the comment beside it."""
+    """A schema field with a numeric ``range`` or ``choices`` (``rlctl.config.checks.validate``)."""
     meta = {"range": range, "choices": tuple(choices)}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -383,12 +377,9 @@ def group_options(group: str) -> List[str]:
 
 
 def register_schemas() -> None:
-    """Register the schema; ``config.yaml`` lists it first in its defaults, so every
-    group file merged on top is validated against the typed node it lands in."""
+    """Register the schema (first in ``config.yaml``'s defaults: group files merge onto it)."""
     ConfigStore.instance().store(name="rlctl_schema", node=RLConfig)
 
-
-# -- every key with its kind, range and choices (for messages and the checks) -----------
 
 @dataclass(frozen=True)
 class FieldSpec:
@@ -408,8 +399,7 @@ def _kind(tp) -> str:
 
 
 def schema_fields(cls=None, prefix: str = "") -> List[FieldSpec]:
-    """Every key of the schema, depth first (groups and their keys), with its kind, range
-    and choices."""
+    """Every key of the schema, depth first, with its kind, range and choices."""
     cls = cls or RLConfig
     hints = typing.get_type_hints(cls)
     out: List[FieldSpec] = []

@@ -1,6 +1,6 @@
-"""A reward model (a Hugging Face sequence classifier, ``num_labels=1``) built from a causal
-LM and fitted on preference pairs with the Bradley-Terry loss (rlctl.core.preference),
-through ``rlctl.rm.score``: fitted on what a run's scorer feeds it."""
+"""A reward model (a sequence classifier, ``num_labels=1``) built from a causal LM and fitted
+on preference pairs with the Bradley-Terry loss (rlctl.core.preference), scored through
+``rlctl.rm.score`` as a run's scorer scores it."""
 from __future__ import annotations
 
 import random
@@ -12,7 +12,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.preference import bradley_terry_loss
 from rlctl.rm.settings import RMConfig
-from rlctl.rm.score import LAST_NON_PAD, READ_KEY, render, text_scores, token_rows
+from rlctl.rm.score import LAST_NON_PAD, READ_KEY, keep_end, render, text_scores, token_rows
 
 
 @dataclass
@@ -24,8 +24,7 @@ class Pair:
 
 
 def classifier_from_lm(path: str, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A 1-output sequence classifier with the backbone of the causal LM at ``path`` (the
-    LM head dropped, a new score head initialised under ``seed``)."""
+    """A 1-output sequence classifier on the causal LM at ``path`` (a new head under ``seed``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForSequenceClassification.from_pretrained(
@@ -49,21 +48,22 @@ def scores(model, tokenizer, prompts: Sequence[Any], completions: Sequence[str],
     return text_scores(model, tokenizer, texts, max_length)
 
 
-def pairs_over(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> int:
-    """How many pairs have a chosen or a rejected text longer than ``limit`` tokens."""
-    if limit is None or not pairs:
-        return 0
-    lengths = [len(r) for r in token_rows(tokenizer, [
-        render(tokenizer, p.prompt, x) for p in pairs for x in (p.chosen, p.rejected)])]
-    return sum(max(lengths[2 * i], lengths[2 * i + 1]) > limit for i in range(len(pairs)))
+def pair_counts(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> Tuple[int, int]:
+    """(pairs with a text over ``limit`` tokens, pairs whose chosen and rejected read as the
+    same tokens once rendered and cut to ``limit``)."""
+    rows = token_rows(tokenizer, [render(tokenizer, p.prompt, x)
+                                  for p in pairs for x in (p.chosen, p.rejected)]) if pairs else []
+    cut = [keep_end(r, limit, tokenizer.bos_token_id) for r in rows]
+    pairs_at = range(0, len(rows), 2)
+    return (sum(rows[i] != cut[i] or rows[i + 1] != cut[i + 1] for i in pairs_at),
+            sum(cut[i] == cut[i + 1] for i in pairs_at))
 
 
 def pair_scores(model, tokenizer, pairs: Sequence[Pair], max_length: Optional[int] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(r_chosen [P], r_rejected [P]) in one forward of 2P rows."""
-    prompts = [p.prompt for p in pairs] * 2
-    comps = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    r = scores(model, tokenizer, prompts, comps, max_length)          # [2P]
+    """(r_chosen [P], r_rejected [P]) in one forward of 2P rows (grad flows when enabled)."""
+    r = scores(model, tokenizer, [p.prompt for p in pairs] * 2,
+               [p.chosen for p in pairs] + [p.rejected for p in pairs], max_length)  # [2P]
     return r[:len(pairs)], r[len(pairs):]
 
 
@@ -87,15 +87,10 @@ def pairwise_accuracy(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> float
     return float((r_chosen > r_rejected).float().mean()) if len(r_chosen) else float("nan")
 
 
-def _margins(batch: Sequence[Pair], default: float) -> torch.Tensor:
-    return torch.tensor([default if p.margin is None else float(p.margin) for p in batch])  # [P]
-
-
 def fit(model, tokenizer, pairs: Sequence[Pair], s: RMConfig, seed: int = 0,
-        on_step: Optional[Callable[[int, Dict[str, float]], None]] = None) -> List[float]:
-    """``s.steps`` AdamW steps of the Bradley-Terry loss on shuffled batches of ``pairs``
-    (reshuffled each epoch under ``seed``); ``on_step(step, metrics)`` after each. Returns
-    the losses."""
+        on_step: Optional[Callable[[int, Dict[str, float]], Any]] = None) -> List[float]:
+    """``s.steps`` AdamW steps of the Bradley-Terry loss on batches of ``pairs`` reshuffled each
+    epoch under ``seed``; ``on_step(step, metrics)`` after each (true: stop). Returns the losses."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     model.train()
@@ -109,18 +104,19 @@ def fit(model, tokenizer, pairs: Sequence[Pair], s: RMConfig, seed: int = 0,
         batch = [pairs[i] for i in order[:s.batch_size]]
         order = order[s.batch_size:]
         r_c, r_r = pair_scores(model, tokenizer, batch, s.max_length)   # [P], [P]
-        loss, m = bradley_terry_loss(r_c, r_r, _margins(batch, s.margin).to(r_c.device),
-                                     s.center_coef)
+        margins = torch.tensor([s.margin if p.margin is None else float(p.margin)
+                                for p in batch])                    # [P]
+        loss, m = bradley_terry_loss(r_c, r_r, margins.to(r_c.device), s.center_coef)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
         opt.step()
         losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(step, {"train/loss": losses[-1], "train/accuracy": float(m["accuracy"]),
-                           "train/bt_loss": float(m["bt_loss"]),
-                           "train/margin": float(m["margin"]),
-                           "optim/grad_norm": float(grad_norm)})
+        if on_step is not None and on_step(step, {
+                "train/loss": losses[-1], "train/accuracy": float(m["accuracy"]),
+                "train/bt_loss": float(m["bt_loss"]), "train/margin": float(m["margin"]),
+                "optim/grad_norm": float(grad_norm)}):
+            break
     model.eval()
     return losses

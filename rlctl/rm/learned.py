@@ -1,11 +1,8 @@
-"""Learned reward models: a sequence classifier's score as a reward, beside or instead of a
-task's own rewards. A reward model is a Hugging Face ``AutoModelForSequenceClassification``
-directory (one label, safetensors, its own tokenizer), as TRL, OpenRLHF and Hugging Face save
-Bradley-Terry models (Ouyang et al., 2022). Scored through ``rlctl.rm.score``, the
-path the fit uses; batched, on the training device, under no_grad, loaded on the first score.
-``task.reward_norm=running`` whitens each model's scores with running count, mean and M2 over
-every training score (Chan et al., 1979), merged over ranks, updated before the batch is
-normalised (as OpenRLHF and TRL); ``task.reward_clip=c`` then clips to [-c, c]."""
+"""Learned reward models: a Hugging Face sequence classifier's score (one label,
+safetensors, its own tokenizer; Ouyang et al., 2022) as a reward beside or instead of a task's,
+scored through ``rlctl.rm.score`` as the fit scores. ``task.reward_norm=running`` whitens with
+the running count, mean and M2 over ranks (Chan et al., 1979), updated before the batch is
+normalised (OpenRLHF, TRL); ``task.reward_clip=c`` then clips to [-c, c]."""
 from __future__ import annotations
 
 import logging
@@ -20,10 +17,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from rlctl.errors import UserError
 from rlctl.models.hf_files import corrupt_safetensors, reward_model_dir, vocab_problem
-from rlctl.rm.score import (LAST_ATTENDED, checkpoint_keys, encode, head_names,
-                                         head_params, last_token_scores, length_limit, pad_id_of,
-                                         read_positions, render, score_read,
-                                         untrained_head_problem)
+from rlctl.rm.score import (LAST_ATTENDED, checkpoint_keys, encode, head_names, head_params,
+                            last_token_scores, length_limit, pad_id_of, read_positions, render,
+                            score_read, untrained_head_problem)
 from rlctl.tasks.task import RAW_PROMPT, RESERVED_REWARD_NAMES
 from rlctl.tasks.rewards import DEFAULT_MODEL_NAME, check_name_chars, model_entries
 from rlctl.types import Example
@@ -34,7 +30,6 @@ NORMS = ("none", "running")
 BATCH_ROWS = 64          # rows per reward-model forward (bounds activation memory)
 
 
-# ---- running statistics (task.reward_norm=running) ----------------------------------------
 STD_FLOOR = 1e-6         # running std below this divides by 1 (all scores so far equal)
 Stats = Tuple[int, float, float]   # (count, mean, M2)
 
@@ -51,16 +46,14 @@ def batch_stats(xs: Sequence[float]) -> Stats:
 def merged(a: Stats, b: Stats) -> Stats:
     """The statistics of the union of two sets of values (Chan et al.'s pairwise update)."""
     (na, ma, m2a), (nb, mb, m2b) = a, b
-    n = na + nb
     if nb == 0:
         return a
-    delta = mb - ma
+    n, delta = na + nb, mb - ma
     return n, ma + delta * nb / n, m2a + m2b + delta * delta * na * nb / n
 
 
 def global_batch_stats(batches: Sequence[Sequence[float]]) -> List[Stats]:
-    """The statistics of each of this rank's batches (one per reward model) over every rank:
-    one float64 all-reduce, merged in rank order. One process: the local statistics."""
+    """Each batch's (one per model) statistics over every rank: one float64 all-reduce."""
     local = [batch_stats(b) for b in batches]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local
@@ -73,8 +66,7 @@ def global_batch_stats(batches: Sequence[Sequence[float]]) -> List[Stats]:
     rows, out = table.tolist(), []         # one host copy of the [W, M, 3] table
     for j in range(len(local)):
         acc: Stats = (0, 0.0, 0.0)
-        for r in range(world):
-            n, mean, m2 = rows[r][j]
+        for n, mean, m2 in (row[j] for row in rows):
             acc = merged(acc, (int(round(n)), mean, m2))
         out.append(acc)
     return out
@@ -88,7 +80,6 @@ class RunningNorm:
     m2: float = 0.0
 
     def update(self, xs: Sequence[float]) -> None:
-        """Merge a batch (Chan et al.'s pairwise update; one value at a time is Welford's)."""
         self.merge(*batch_stats(xs))
 
     def merge(self, m: int, b_mean: float, b_m2: float) -> None:
@@ -102,8 +93,7 @@ class RunningNorm:
         return math.sqrt(self.m2 / self.count) if self.count else 0.0
 
     def normalize(self, x: float) -> float:
-        std = self.std
-        return (x - self.mean) / (std if std > STD_FLOOR else 1.0)
+        return (x - self.mean) / (self.std if self.std > STD_FLOOR else 1.0)
 
     def state(self) -> Dict[str, float]:
         return {"count": self.count, "mean": self.mean, "m2": self.m2}
@@ -112,7 +102,6 @@ class RunningNorm:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
-# ---- one reward model --------------------------------------------------------------------
 def _weights_problem(path: Path) -> Optional[str]:
     if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
         return None
@@ -155,15 +144,14 @@ def _load_tokenizer(path: Path, key: str):
 
 
 class RewardModel:
-    """A sequence-classifier reward model (see the module doc); ``device`` as in
-    ``hardware.device``. Raises ValueError (one line naming ``key``) on a bad directory."""
+    """A sequence-classifier reward model; ValueError (one line naming ``key``) if not one."""
 
     def __init__(self, path: Any, name: str = DEFAULT_MODEL_NAME, weight: float = 1.0,
                  device: str = "cpu", key: str = "task.reward_model"):
-        self.path, self.name, self.weight, self.key = Path(str(path)).expanduser(), name, weight, key
-        if not self.path.is_dir():
+        self.name, self.weight, self.key = name, weight, key
+        if not Path(str(path)).expanduser().is_dir():
             raise ValueError(f"{key}: no such reward model directory '{path}'")
-        self.path = reward_model_dir(self.path)     # a `reward-model train` run: its model/
+        self.path = reward_model_dir(Path(str(path)).expanduser())   # a run: its model/
         self.config = _check_config(self.path, key)
         corrupt = corrupt_safetensors(self.path)
         if corrupt:
@@ -178,12 +166,10 @@ class RewardModel:
         problem = vocab_problem(self.tokenizer, getattr(self.config, "vocab_size", None), self.path)
         if problem:
             raise ValueError(f"{key}: {problem}")
-        self.device_name = device
-        self.model = None
+        self.device_name, self.model, self.read_noted = device, None, False
         self.limit = length_limit(self.tokenizer, self.config)   # tokens per scored text
         self.truncated = 0       # texts scored so far that were over the limit
         self.read, self.read_why = score_read(self.config, self.path)  # where the score is read
-        self.read_noted = False
 
     def load(self):
         """The classifier, loaded once (on the device, in its saved dtype, eval mode)."""
@@ -225,8 +211,7 @@ class RewardModel:
         return out
 
     def _note_read(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """Say once when this model is read where transformers' pooling would not read it
-        (an earlier rlctl fit, whose texts end with its pad id)."""
+        """Say once when an earlier rlctl fit is read at a pad id (transformers would not)."""
         pad = pad_id_of(self.config)
         if self.read != LAST_ATTENDED or pad is None or self.read_noted:
             return
@@ -242,12 +227,10 @@ class RewardModel:
         return self.score_texts([self.text(e, c) for e, c in zip(examples, completions)])
 
 
-# ---- several models, given to the run's scorers ----------------------------------------------------
 @dataclass
 class LearnedRewards:
-    """The reward models of a run. ``replace_task``: the task's own rewards weigh 0 in
-    training (``task.reward_model``) but are still scored and logged (the gold reward
-    beside the proxy). Scores are ``clip(norm(raw))`` per model, weighted and summed."""
+    """A run's reward models: ``clip(norm(raw))`` per model, weighted and summed. ``replace_task``:
+    the task's own rewards weigh 0 in training but are still scored and logged."""
     models: List[RewardModel]
     replace_task: bool
     norm: str = "none"
@@ -259,8 +242,7 @@ class LearnedRewards:
         self.norms = {m.name: RunningNorm() for m in self.models}
 
     def claim(self, scorer) -> bool:
-        """True for the scorer that updates (and checkpoints) the running statistics:
-        the first one built with them (training's), not the eval scorer built after it."""
+        """True for the scorer that updates the running statistics: the first (training's)."""
         if self.owner is None:
             self.owner = scorer
         return self.owner is scorer
@@ -276,9 +258,8 @@ class LearnedRewards:
         return values
 
     def score(self, examples, completions, update: bool) -> Tuple[List[float], Dict[str, List[float]]]:
-        """(weighted sum of the shaped scores [n], raw scores by name). ``update``: the
-        running statistics take this batch first, over every rank (one collective: each
-        rank's scorer must update once per step, as training's does)."""
+        """(weighted sum of the shaped scores [n], raw scores by name). ``update``: the running
+        statistics take this batch first, over every rank (a collective: once per step)."""
         total = [0.0] * len(examples)
         raw = {m.name: m.score(examples, completions) for m in self.models}
         if update and self.norm == "running":

@@ -1,10 +1,6 @@
-"""The one path a reward model scores by, shared by the run's scorer and the fit: text
-(``render``: the model's chat template over [prompt, assistant: completion], else ``prompt +
-completion`` with one space at a bare join), tokens (``encode``: no special tokens over a
-template; a text over ``length_limit`` keeps its last tokens and leading BOS), score
-(``last_token_scores``: the head where the checkpoint's pooling reads, ``score_read``,
-positions counted over the mask, either padding side). And what a checkpoint says before its
-weights load: its tensor names and whether its score head was trained."""
+"""The one path a reward model scores by, for the run's scorer and the fit: ``render`` (text),
+``encode`` (tokens, the end kept within ``length_limit``), ``last_token_scores`` (the head where
+``score_read`` says); and what a checkpoint's headers say before its weights load."""
 from __future__ import annotations
 
 import json
@@ -26,8 +22,7 @@ def score_head(model):
 
 
 def checkpoint_keys(path: Path) -> Optional[set]:
-    """The tensor names in the directory's safetensors weights (headers only, nothing
-    loaded); None when they cannot be read (the loader then says why)."""
+    """The tensor names in the directory's safetensors headers; None when unreadable."""
     index = path / "model.safetensors.index.json"
     try:
         if index.is_file():
@@ -42,8 +37,7 @@ def checkpoint_keys(path: Path) -> Optional[set]:
 
 
 def head_names(model_config) -> List[str]:
-    """The score head's parameter names in a classifier built from ``model_config`` (on the
-    meta device: no memory); [] when the skeleton cannot be built."""
+    """The score head's parameter names in a meta-device classifier ([]: none built)."""
     try:
         with torch.device("meta"):
             return head_params(AutoModelForSequenceClassification.from_config(model_config))
@@ -73,10 +67,8 @@ LAST_ATTENDED = "last_attended"  # rlctl's fits before READ_KEY: the last token 
 
 
 def score_read(model_config, path: Optional[Path] = None) -> Tuple[str, str]:
-    """(where the score is read, why) for the reward model saved in ``path``: rlctl's fits
-    record it (``READ_KEY``); an older rlctl fit (no ``READ_KEY``) is read at the last token;
-    any other model where transformers' ``*ForSequenceClassification`` reads it, the last
-    token that is not ``model_config.pad_token_id``."""
+    """(where the score is read, why): ``READ_KEY`` when an rlctl fit recorded it; an older rlctl
+    fit at the last token; any other model as transformers' pooling, the last non-pad token."""
     read = getattr(model_config, READ_KEY, None)
     if read in (LAST_NON_PAD, LAST_ATTENDED):
         return read, f"{READ_KEY}={read} in its config (fitted by rlctl)"
@@ -124,8 +116,8 @@ UNSET_LENGTH = 10 ** 12  # a model_max_length this large is unset (transformers 
 
 
 def render(tokenizer, prompt: Union[str, List[Dict[str, str]]], completion: str) -> str:
-    """The text a reward model scores for ``prompt`` (text, or chat messages) answered by
-    ``completion`` (see the module doc)."""
+    """The model's chat template over [prompt, assistant: completion], else ``prompt +
+    completion`` (one space at a bare join)."""
     if getattr(tokenizer, "chat_template", None):
         msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         return tokenizer.apply_chat_template(
@@ -136,20 +128,14 @@ def render(tokenizer, prompt: Union[str, List[Dict[str, str]]], completion: str)
     return prompt + completion
 
 
-def backbone_of(model):
-    """The classifier's base model (``LlamaForSequenceClassification.model``, GPT-2's
-    ``transformer`` ...): its ``base_model_prefix`` attribute."""
-    return getattr(model, model.base_model_prefix)
-
-
 def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor,
                       read: Optional[str] = None) -> torch.Tensor:
     """[n, L] ids and mask -> [n] float32 scores: the head at ``read_positions`` (``read``,
     default the config's ``score_read``), positions counted over the mask."""
     read = read or score_read(model.config)[0]
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)            # [n, L]
-    out = backbone_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                             use_cache=False)
+    backbone = getattr(model, model.base_model_prefix)              # e.g. LlamaFor...: .model
+    out = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [n, L, H]
     last = read_positions(ids, mask, read, pad_id_of(model.config))     # [n]
     h = hidden[torch.arange(ids.shape[0], device=ids.device), last]     # [n, H]
@@ -157,8 +143,7 @@ def last_token_scores(model, ids: torch.Tensor, mask: torch.Tensor,
 
 
 def length_limit(tokenizer, model_config=None) -> Optional[int]:
-    """Tokens a scored text may have: min(tokenizer ``model_max_length``, the backbone's
-    position limit); None when neither is known."""
+    """min(tokenizer ``model_max_length``, the backbone's positions); None when neither is known."""
     known = [n for n in (getattr(tokenizer, "model_max_length", None),
                          getattr(model_config, "max_position_embeddings", None),
                          getattr(model_config, "n_positions", None))
@@ -167,8 +152,7 @@ def length_limit(tokenizer, model_config=None) -> Optional[int]:
 
 
 def keep_end(ids: List[int], limit: Optional[int], bos_id: Optional[int]) -> List[int]:
-    """``ids`` when within ``limit``, else its last ``limit`` tokens, the first of them
-    replaced by ``ids[0]`` when that is the BOS (kept: models are trained with it there)."""
+    """``ids``, or its last ``limit`` tokens with a leading BOS kept first."""
     if limit is None or len(ids) <= limit:
         return list(ids)
     head = ids[:1] if bos_id is not None and ids[0] == bos_id and limit > 1 else []
@@ -176,8 +160,7 @@ def keep_end(ids: List[int], limit: Optional[int], bos_id: Optional[int]) -> Lis
 
 
 def token_rows(tokenizer, texts: Sequence[str]) -> List[List[int]]:
-    """Each rendered text's token ids, whole (special tokens added unless a chat template
-    rendered it: the template has them)."""
+    """Each text's token ids, whole (special tokens added unless a chat template has them)."""
     templated = bool(getattr(tokenizer, "chat_template", None))
     return tokenizer(list(texts), add_special_tokens=not templated, verbose=False)["input_ids"]
 
@@ -202,8 +185,7 @@ def encode(tokenizer, texts: Sequence[str], limit: Optional[int]
 
 def text_scores(model, tokenizer, texts: Sequence[str], max_length: Optional[int] = None
                 ) -> torch.Tensor:
-    """The model's score of each rendered text, [n] float32 (grad flows when enabled);
-    ``max_length`` None: ``length_limit`` of the tokenizer and the model's config."""
+    """The model's score of each text, [n] float32; ``max_length`` None: ``length_limit``."""
     limit = max_length if max_length is not None else length_limit(tokenizer, model.config)
     ids, mask, _ = encode(tokenizer, texts, limit)                     # [n, L] each
     device = next(model.parameters()).device

@@ -1,7 +1,5 @@
-"""The configuration of `rlctl reward-model train`: the fit's ``rm.*`` knobs (``RMConfig``:
-each default, range and help written there once) and the sections composed as for
-`rlctl train` (``SECTIONS``). No torch here: `rlctl inspect` reads a reward-model run's
-defaults from this module (``default_config``)."""
+"""`rlctl reward-model train`'s config: the ``rm.*`` knobs (``RMConfig``) and the ``SECTIONS``
+composed as for `rlctl train`. No torch: `rlctl inspect` reads ``default_config``."""
 from __future__ import annotations
 
 import math
@@ -92,6 +90,5 @@ def resolved_sections(cfg) -> Dict[str, Any]:
 
 
 def default_config() -> Dict[str, Any]:
-    """What a reward-model run's config.yaml holds with no overrides (less ``data``, the
-    preference files)."""
+    """A reward-model run's config.yaml with no overrides (less ``data``)."""
     return dict(resolved_sections(compose([]).cfg), rm=asdict(rm_config([])))

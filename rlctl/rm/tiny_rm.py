@@ -18,8 +18,8 @@ import transformers
 
 from rlctl.demo.tiny import build_cached, build_tiny, build_tokenizer
 from rlctl.rm.settings import RMConfig
-from rlctl.rm.fit import (Pair, classifier_from_lm, fit,
-                                     pairwise_accuracy, prepare_for_scoring, score_pairs)
+from rlctl.rm.fit import (Pair, classifier_from_lm, fit, pairwise_accuracy, prepare_for_scoring,
+                          score_pairs)
 from rlctl.tasks.sorting import SortingTask, positional_reward
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,7 @@ def task_mismatch(task_name: str, num_digits) -> Optional[str]:
 
 
 def _candidate(digits: Sequence[int], rng: random.Random) -> List[int]:
-    """One answer: right (20%), nearly sorted or permuted, a digit dropped or repeated 35% of
-    the time (the near misses a policy finds first)."""
+    """One answer: right, swapped or permuted, a digit dropped or repeated 35% of the time."""
     out = sorted(digits)
     kind = rng.random()
     if kind < 0.2:                        # the right answer
@@ -68,14 +67,10 @@ def _candidate(digits: Sequence[int], rng: random.Random) -> List[int]:
 
 
 def sorting_pairs(examples, n: int, seed: int) -> List[Pair]:
-    """``n`` preference pairs ranked by the positional reward, one per example in turn
-    (cycling through ``examples``), ties skipped."""
-    rng = random.Random(seed)
-    pairs: List[Pair] = []
-    i = 0
+    """``n`` pairs ranked by the positional reward, cycling through ``examples``, ties skipped."""
+    rng, pairs, i = random.Random(seed), [], 0
     while len(pairs) < n:
-        ex = examples[i % len(examples)]
-        i += 1
+        ex, i = examples[i % len(examples)], i + 1
         digits = ex.fields["digits"]
         a, b = _candidate(digits, rng), _candidate(digits, rng)
         ra, rb = positional_reward(digits, a), positional_reward(digits, b)
@@ -110,8 +105,7 @@ def _build_into(directory: Path, params: Dict[str, object], cache_dir: Optional[
     model.save_pretrained(directory)   # safetensors
     tokenizer.save_pretrained(directory)
     meta = dict(params, fitted_for=FITTED_FOR, heldout_pairwise_accuracy=round(acc, 4),
-                final_loss=losses[-1],
-                build_seconds=round(time.perf_counter() - t0, 3))
+                final_loss=losses[-1], build_seconds=round(time.perf_counter() - t0, 3))
     (directory / "rlctl_tiny_rm.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

@@ -1,10 +1,7 @@
 """`rlctl reward-model train|eval`: fit a Bradley-Terry reward model on preference pairs
-(``prompt``, ``chosen``, ``rejected`` columns; docs/rlhf.md) and measure one. Model, hardware,
-logger, ``seed`` and ``run.output_dir`` compose as for ``rlctl train``; the fit's knobs are
-``rm.*`` (``RMConfig``). A run writes ``<run.output_dir>/<time>-rm/`` with ``model/``,
-``metrics.jsonl``, ``config.yaml``, ``overrides.yaml`` and ``summary.json``. Over-long and
-identical pairs are counted (all training pairs identical: DataError before a run directory).
-SIGINT/SIGTERM stop after the current step with the model saved (``FitStopped``)."""
+(``prompt``, ``chosen``, ``rejected``; docs/rlhf.md) into ``<run.output_dir>/<time>-rm/``
+(``model/``, metrics, config, summary), and measure one. Everything is checked before the run
+directory is made; SIGINT/SIGTERM stop after a step with the model saved (``FitStopped``)."""
 from __future__ import annotations
 
 import inspect
@@ -28,11 +25,10 @@ from rlctl.models.loading import (adapter_problem, check_vocab, corrupt_safetens
                                   disable_dropout, quiet_libraries, resolve_dtype)
 from rlctl.demo.tiny import build_tiny
 from rlctl.rm.settings import RMConfig, resolved_sections, rm_config, split_overrides
-from rlctl.rm.fit import (Pair, classifier_from_lm, fit,
-                                     pairs_over, pairwise_accuracy, prepare_for_scoring,
-                                     score_pairs)
+from rlctl.rm.fit import (Pair, classifier_from_lm, fit, pair_counts, pairwise_accuracy,
+                          prepare_for_scoring, score_pairs)
 from rlctl.rm.learned import RewardModel
-from rlctl.rm.score import keep_end, length_limit, render, token_rows
+from rlctl.rm.score import length_limit
 from rlctl.sinks import build_sinks
 from rlctl.sinks.console import REWARD_MODEL_KEYS
 from rlctl.stopping import StopFlag
@@ -40,7 +36,6 @@ from rlctl.storage.rundir import create_run_dir, write_json_atomic
 from rlctl.tasks.data import load_records
 
 
-# ---- preference pairs: read, split, length limit, identical pairs ------------------------
 COLUMNS = ("prompt", "chosen", "rejected")
 
 
@@ -84,8 +79,7 @@ def hold_out(pairs: List[Pair], frac: float, seed: int) -> Tuple[List[Pair], Lis
 
 
 def fit_limit(rm: RMConfig, tokenizer, model_config) -> Optional[int]:
-    """The fit's tokens per text: ``rm.max_length``, saved on the tokenizer (so the
-    scorer reads it), or the model's context; ConfigError above that context."""
+    """``rm.max_length`` (saved on the tokenizer) or the model's context; ConfigError above it."""
     context = length_limit(tokenizer, model_config)
     if rm.max_length is None:
         return context
@@ -108,22 +102,10 @@ def note_truncation(limit: Optional[int], what: str, counts: Dict[str, Tuple[int
           "of the answer, where the score is read", file=stream or sys.stderr, flush=True)
 
 
-def same_tokens(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> int:
-    """How many pairs read the same for chosen and rejected: the same tokens once rendered
-    and cut to ``limit`` (what the model reads), so both score alike whatever the model."""
-    if not pairs:
-        return 0
-    rows = token_rows(tokenizer, [render(tokenizer, p.prompt, x)
-                                  for p in pairs for x in (p.chosen, p.rejected)])
-    rows = [keep_end(r, limit, tokenizer.bos_token_id) for r in rows]
-    return sum(rows[2 * i] == rows[2 * i + 1] for i in range(len(pairs)))
-
-
-def check_identical(tokenizer, limit: Optional[int], train: Sequence[Pair],
-                    held: Sequence[Pair], held_key: str, stream=None) -> Dict[str, int]:
-    """DataError when every training pair's chosen and rejected read the same (the loss
-    cannot move from log 2); one line on stderr counting them when only some do."""
-    n_train, n_held = same_tokens(tokenizer, train, limit), same_tokens(tokenizer, held, limit)
+def check_identical(n_train: int, n_held: int, train: Sequence[Pair], held: Sequence[Pair],
+                    held_key: str, stream=None) -> Dict[str, int]:
+    """DataError when all ``n_train`` training pairs have chosen == rejected; one line on stderr
+    when some (``pair_counts``)."""
     if n_train == len(train):
         raise DataError(f"PREFS: all {len(train)} training pairs have chosen and rejected "
                         "reading as the same tokens (once rendered and cut to the length "
@@ -138,10 +120,8 @@ def check_identical(tokenizer, limit: Optional[int], train: Sequence[Pair],
     return {"train_pairs_identical": n_train, "eval_pairs_identical": n_held}
 
 
-# ---- the fit -------------------------------------------------------------------------------
 def backbone_path(name: str, name_or_path: Optional[str] = None, **tiny_kwargs) -> str:
-    """The causal LM (or classifier) directory the reward model starts from: for model=tiny the
-    cached policy `rlctl train` starts from (``tiny_kwargs``: build_tiny's arguments)."""
+    """The model directory the fit starts from (model=tiny: the cached tiny policy)."""
     if name == "tiny":
         accepted = inspect.signature(build_tiny).parameters
         return str(build_tiny(**{k: v for k, v in tiny_kwargs.items()
@@ -216,20 +196,8 @@ def _plan(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str]):
     return composed, rm, train, held
 
 
-def _write_config(run_dir: Path, resolved: Dict, rm: RMConfig, composed, prefs, eval_prefs) -> Dict:
-    """Write ``resolved`` (the run's composed sections, resolved) with ``rm`` and the data
-    paths as config.yaml, and the overrides; returns what was written."""
-    resolved["rm"] = asdict(rm)
-    resolved["data"] = {"prefs": str(prefs), "eval": None if eval_prefs is None else str(eval_prefs)}
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    (run_dir / "overrides.yaml").write_text(yaml.safe_dump(
-        {"overrides": list(composed.overrides)}, sort_keys=False))
-    return resolved
-
-
 class FitStopped(Interrupted):
-    """A fit stopped by SIGINT/SIGTERM after a step, with the model so far saved (exit
-    128 + the signal's number); ``run_dir`` None: stopped before a run directory."""
+    """A fit stopped by a signal after a step, its model saved (``run_dir`` None: before one)."""
 
     def __init__(self, run_dir: Optional[Path], step: int, steps: int, signum: int):
         super().__init__(run_dir, step, signum)
@@ -244,23 +212,16 @@ class FitStopped(Interrupted):
                 f"{self.step}; a reward-model fit does not resume)")
 
 
-class _StopAt(Exception):
-    def __init__(self, step: int):
-        super().__init__(step)
-        self.step = step
-
-
 def train_reward_model(overrides: Sequence[str], prefs: str,
                        eval_prefs: Optional[str] = None) -> Path:
-    """Fit a reward model; returns its run directory (the model in ``model/``). SIGINT/SIGTERM:
-    save the model so far and raise FitStopped."""
+    """Fit a reward model; its run directory (the model in ``model/``). Raises FitStopped."""
     stop = StopFlag()
     with stop.installed():
-        return _train(overrides, prefs, eval_prefs, stop)
+        run_dir = _train(*_plan(overrides, prefs, eval_prefs), prefs, eval_prefs, stop)
+    return run_dir
 
 
-def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop) -> Path:
-    composed, rm, train, held = _plan(overrides, prefs, eval_prefs)
+def _train(composed, rm: RMConfig, train, held, prefs, eval_prefs, stop) -> Path:
     cfg = composed.cfg
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     model, tokenizer = load_classifier(backbone_path(**cfg.model), cfg.model.dtype, int(cfg.seed),
@@ -268,19 +229,21 @@ def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop
     if cfg.model.get("disable_dropout", True):   # the fit's train-mode scores = eval mode's
         disable_dropout(model)
     limit = fit_limit(rm, tokenizer, model.config)
-    over = {"training": (pairs_over(tokenizer, train, limit), len(train)),
-            "held-out": (pairs_over(tokenizer, held, limit), len(held))}
+    (t_over, t_same), (h_over, h_same) = (pair_counts(tokenizer, x, limit) for x in (train, held))
     note_truncation(limit, f"rm.max_length={'null' if rm.max_length is None else limit}",
-                    over)
-    counts = dict(check_identical(tokenizer, limit, train, held, "--eval" if eval_prefs
+                    {"training": (t_over, len(train)), "held-out": (h_over, len(held))})
+    counts = dict(check_identical(t_same, h_same, train, held, "--eval" if eval_prefs
                                   else f"rm.eval_frac={rm.eval_frac} of PREFS"),
                   train_pairs=len(train), eval_pairs=len(held),
-                  train_pairs_truncated=over["training"][0],
-                  eval_pairs_truncated=over["held-out"][0])
+                  train_pairs_truncated=t_over, eval_pairs_truncated=h_over)
     if stop.requested:
         raise FitStopped(None, 0, rm.steps, stop.signum)
     run_dir = create_run_dir(cfg.run.output_dir, "rm")
-    resolved = _write_config(run_dir, resolved_sections(cfg), rm, composed, prefs, eval_prefs)
+    resolved = dict(resolved_sections(cfg), rm=asdict(rm), data={
+        "prefs": str(prefs), "eval": None if eval_prefs is None else str(eval_prefs)})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    (run_dir / "overrides.yaml").write_text(yaml.safe_dump(
+        {"overrides": list(composed.overrides)}, sort_keys=False))
     lg = cfg.logger
     sink = build_sinks(run_dir=run_dir, jsonl=lg.jsonl, wandb=lg.wandb, wandb_mode=lg.wandb_mode,
                        project=lg.project, name=run_dir.name, run_config=resolved,
@@ -288,35 +251,29 @@ def _train(overrides: Sequence[str], prefs: str, eval_prefs: Optional[str], stop
                        tensorboard=lg.tensorboard)
     t0, last = time.perf_counter(), {}
 
-    def on_step(step: int, metrics: Dict[str, float]) -> None:
+    def on_step(step: int, metrics: Dict[str, float]) -> bool:
         metrics = dict(metrics, **{"optim/lr": rm.lr})
         if step == rm.steps or (rm.eval_every and step % rm.eval_every == 0):
             metrics.update(_evaluate(model, tokenizer, held, rm))
         sink.log(metrics, step)
         last.update(metrics, step=step)
-        if stop.requested and step < rm.steps:
-            raise _StopAt(step)
+        return stop.requested and step < rm.steps
 
     try:
         torch.manual_seed(int(cfg.seed))
-        try:
-            fit(model, tokenizer, train, rm, int(cfg.seed), on_step)
-        except _StopAt as at:
-            _save(run_dir, model, tokenizer, sink, dict(
-                counts, stopped_at_step=at.step, signal=signal.Signals(stop.signum).name,
-                **_last_train(last), train_seconds=round(time.perf_counter() - t0, 3)))
-            raise FitStopped(run_dir, at.step, rm.steps, stop.signum) from None
-        final = _evaluate(model, tokenizer, held, rm)
+        fit(model, tokenizer, train, rm, int(cfg.seed), on_step)
+        stopped = {} if last["step"] == rm.steps else dict(
+            stopped_at_step=last["step"], signal=signal.Signals(stop.signum).name)
+        final = {} if stopped else _evaluate(model, tokenizer, held, rm)
+        last_train = {k.replace("/", "_"): last[k] for k in ("train/loss", "train/accuracy")}
         _save(run_dir, model, tokenizer, sink, dict(
-            final, **counts, **_last_train(last), train_seconds=round(time.perf_counter() - t0, 3)))
+            final, **counts, **stopped, **last_train,
+            train_seconds=round(time.perf_counter() - t0, 3)))
+        if stopped:
+            raise FitStopped(run_dir, last["step"], rm.steps, stop.signum)
     finally:
         sink.close()
     return run_dir
-
-
-def _last_train(last: Dict[str, float]) -> Dict[str, float]:
-    """The last step's training figures, for summary.json and the final console line."""
-    return {k.replace("/", "_"): last[k] for k in ("train/loss", "train/accuracy") if k in last}
 
 
 def _save(run_dir: Path, model, tokenizer, sink, summary: Dict) -> None:
@@ -330,8 +287,7 @@ def _save(run_dir: Path, model, tokenizer, sink, summary: Dict) -> None:
 
 def eval_reward_model(path: str, prefs: str, batch_size: int = 64, device: str = "cpu"
                       ) -> Dict[str, float]:
-    """Pairwise accuracy and score distribution of the reward model at ``path`` (a model
-    directory or a run directory holding ``model/``) on the pairs in ``prefs``."""
+    """Pairwise accuracy and scores of the reward model (or run) at ``path`` on ``prefs``."""
     p = Path(path).expanduser()
     if (p / "model" / "config.json").is_file():
         p = p / "model"
@@ -347,7 +303,7 @@ def eval_reward_model(path: str, prefs: str, batch_size: int = 64, device: str =
         model = rm.load()
     except (OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot load reward model '{path}': {_first_line(exc)}") from None
-    over = pairs_over(rm.tokenizer, pairs, rm.limit)
+    over = pair_counts(rm.tokenizer, pairs, rm.limit)[0]
     note_truncation(rm.limit, f"the reward model's {rm.limit}-token limit", {"": (over, len(pairs))})
     r_c, r_r = score_pairs(model, rm.tokenizer, pairs, batch_size)   # [P] each
     return dict(score_stats(r_c, r_r), truncated_pairs=float(over))
