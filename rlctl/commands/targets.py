@@ -1,7 +1,5 @@
-"""TARGET resolution for `rlctl eval`, `rollout` and `serve`, and their held-out scorer. A
-TARGET is a run dir (its recipe + the overrides, its model/), a model dir, a LoRA adapter
-dir (merged onto its base model) or absent (the configured model); a model or adapter dir
-inside a run dir takes its settings from that run."""
+"""TARGET of `rlctl eval`, `rollout` and `serve` (a run, model or LoRA adapter dir, or the
+configured model; a dir inside a run takes that run's settings) and their held-out scorer."""
 from __future__ import annotations
 
 import json

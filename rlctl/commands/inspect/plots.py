@@ -42,7 +42,7 @@ def series(rows: Sequence[dict], key: str) -> Tuple[List[float], List[float]]:
     return xs, ys
 
 
-def _plt():
+def pyplot():
     # matplotlib is optional and slow to import (about a second): only when plotting
     import matplotlib
 
@@ -73,7 +73,7 @@ def plot_curves(runs: Dict[str, Sequence[dict]], out_dir: Path, plots=PLOTS,
     """One PNG per plot (``plots``: PLOTS or REWARD_MODEL_PLOTS): every series of the one
     run (``inspect_<stem>.png``), or with ``compare`` the plot's first logged series of
     every run overlaid (``inspect_compare_<stem>.png``); (written files, skipped plots)."""
-    plt = _plt()
+    plt = pyplot()
     written, skipped = [], []
     for stem, title, keys in plots:
         present = [k for k in keys if any(series(rows, k)[0] for rows in runs.values())]
@@ -135,7 +135,7 @@ def plot_proxy_gold(rows: Sequence[dict], proxy_keys: Sequence[str], path: Path)
     if not proxies or not golds:
         return None
     kl_key = next((k for k in KL_KEYS if series(rows, k)[0]), None)
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2 if kl_key else 1, figsize=(11 if kl_key else 6.4, 4.0),
                              squeeze=False)
     _proxy_gold_axes(axes[0][0], rows, proxies, golds, "step", lambda r: r["step"], True)

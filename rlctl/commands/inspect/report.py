@@ -1,8 +1,6 @@
-"""`rlctl inspect PATH...`: the PATHs pick the report (run dirs here, a rollout file: audit,
-a run's sample tables: inspect_samples), printed and written as --json. One run's
-config keys that differ from its command's defaults, metric summary (first, last, min, max,
-best) and curves; several runs' differing keys (key x run), summaries and overlaid curves.
-RL and reward-model runs summarise their own metrics."""
+"""`rlctl inspect PATH...`: the PATHs pick the report (runs here, a rollout file: the audit,
+--samples: the sample tables), printed and written as --json. One run: config vs defaults,
+metric summary and curves; several: differing keys (key x run), summaries, overlaid curves."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
