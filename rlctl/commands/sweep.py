@@ -194,9 +194,8 @@ def _table(title: str, first: Dict[str, str], rows: List[List[str]]):
 
 def print_table(table: List[Dict], sweep_dir: Path, keys: Sequence[str] = (),
                 results: Sequence[Dict] = ()) -> None:
-    """One column per swept key (headed by its shortest unique suffix, the full keys
-    listed above) when that fits the terminal; else numbered cells with a legend line
-    each above the table. Either way no value is cut."""
+    """One column per swept key (its shortest unique suffix) when that fits the terminal,
+    else numbered cells with a legend line each; no value is cut."""
 
     console = Console()
     title = "sweep: final held-out eval/* metrics, mean±std over seeds"
