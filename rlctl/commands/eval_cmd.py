@@ -1,7 +1,6 @@
-"""`rlctl eval`: greedy and sampled (--samples k at rollout.temperature) held-out metrics
-from the trainer's evaluator (``rlctl.train.evaluate``), plus every reward design,
-well_formed, each reward model's raw score and pass@j (j = 1, 2, 4, ..., k). ``eval`` in
-the JSON is the greedy ``eval/*`` that `rlctl train` logs for the same model and config."""
+"""`rlctl eval`: greedy and sampled held-out metrics from the trainer's evaluator
+(``rlctl.train.evaluate``), every reward design and pass@j; the JSON's ``eval`` is the
+greedy ``eval/*`` that `rlctl train` logs for the same model and config."""
 from __future__ import annotations
 
 import re

@@ -1,7 +1,5 @@
-"""`rlctl rollout`: sample G completions for N prompts, score them, write one JSON line per
-completion (per episode, for a task played as episodes), chunk by chunk and flushed; the
-fields are listed in docs/runs.md (rollout files). Log-probs come from the learner's
-forward at rollout.temperature (the sampling distribution)."""
+"""`rlctl rollout`: G scored completions (or episodes) of N prompts, one JSON line each
+(docs/runs.md), flushed per chunk; log-probs from the learner's forward at rollout.temperature."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,6 @@
-"""`rlctl train -m key=a,b seed=0,1,2`: a grid of overrides (Hydra's parser and basic
-sweeper), one run after the other in `<output_dir>/sweep-<time>/`, then the final metrics
-per cell (the overrides other than `seed`: mean and sample std over seeds) on the terminal,
-in `sweep.json` / `sweep.md`, and the held-out exact-match curves in `sweep.png`. A job that
-fails is one line and marked failed; the others run, and the sweep then exits non-zero.
-Ctrl-C stops the sweep (the files hold the jobs that finished)."""
+"""`rlctl train -m key=a,b seed=0,1,2`: a Hydra grid run job by job in <output_dir>/sweep-<time>/,
+then each cell's final metrics (mean, std over seeds) printed, in sweep.json / sweep.md and
+sweep.png. A failed job is one line; the rest run, then the sweep exits non-zero."""
 from __future__ import annotations
 
 import json
@@ -21,8 +18,10 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
-from rlctl.config.compose import compose
-from rlctl.errors import ConfigError, TrainingFault, UserError, user_message
+from rlctl.commands.inspect.plots import pyplot
+from rlctl.config.compose import check_override_syntax, compose
+from rlctl.errors import TrainingFault, UserError, user_message
+from rlctl.sinks.jsonl import read_jsonl
 from rlctl.train.preflight import check_entries
 from rlctl.train.run import run_training
 
@@ -34,10 +33,8 @@ HEADERS = {"eval/exact_match": "exact_match", "eval/reward": "reward",
 
 def expand(overrides: Sequence[str]) -> List[List[str]]:
     """The jobs of a sweep: each a plain override list (ConfigError on bad syntax)."""
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except Exception as exc:  # noqa: BLE001
-        raise ConfigError(f"cannot parse sweep overrides: {' '.join(str(exc).split())[:200]}") from None
+    check_override_syntax(overrides)
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
     return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
@@ -48,12 +45,6 @@ def _key(override: str) -> str:
 def _pick(job: Sequence[str], keys: Sequence[str], skip_seed: bool) -> List[str]:
     return [o for o in job if o.partition("=")[0] in keys
             and not (skip_seed and _key(o) == "seed")]
-
-
-def _curve(run_dir: Path) -> List[tuple]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x] \
-        if (run_dir / "metrics.jsonl").exists() else []
-    return [(r["step"], r["eval/exact_match"]) for r in rows if "step" in r and "eval/exact_match" in r]
 
 
 def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optional[str] = None) -> Dict:
@@ -82,7 +73,13 @@ def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optio
     _write(results, table, sweep_dir)
     plot(results, sweep_dir / "sweep.png")
     print_table(table, sweep_dir, [_key(k) for k in swept if _key(k) != "seed"], results)
-    _raise_if_failed(results)
+    failed = [r for r in results if r["status"] == "failed"]
+    if failed:
+        names = "; ".join(r["job"] for r in failed[:3]) + ("; ..." if len(failed) > 3 else "")
+        message = (f"{len(failed)} of {len(results)} sweep jobs failed ({names}); "
+                   "sweep.json and sweep.md give each one's error")
+        bad_input = all(r.get("exit_code") == 2 for r in failed)
+        raise (UserError if bad_input else TrainingFault)(message)
     return {"sweep_dir": str(sweep_dir), "cells": table, "jobs": results}
 
 
@@ -112,18 +109,6 @@ def _run_job(pos: str, job: List[str], swept: List[str], sweep_dir: Path,
     row.update(run_dir=summary["run_dir"], eval_end=summary.get("eval_end", {}),
                train_seconds=summary["train_seconds"], warnings=summary.get("warnings", []))
     return row
-
-
-def _raise_if_failed(results: List[Dict]) -> None:
-    failed = [r for r in results if r["status"] == "failed"]
-    if not failed:
-        return
-    names = "; ".join(r["job"] for r in failed[:3]) + ("; ..." if len(failed) > 3 else "")
-    message = (f"{len(failed)} of {len(results)} sweep jobs failed ({names}); "
-               "sweep.json and sweep.md give each one's error")
-    if all(r.get("exit_code") == 2 for r in failed):
-        raise UserError(message)
-    raise TrainingFault(message)
 
 
 def _write(results: List[Dict], table: List[Dict], sweep_dir: Path, interrupted: bool = False) -> None:
@@ -194,12 +179,6 @@ def _metric_cells(row: Dict) -> List[str]:
     return [_fmt(row[k], "±", ".1f" if k == "train_seconds" else ".3f") for k in COLUMNS]
 
 
-def _natural_width(t) -> int:
-    """The width a borderless table needs with no cell wrapped or cut."""
-    widths = [max([cell_len(str(c.header))] + [cell_len(str(x)) for x in c.cells]) for c in t.columns]
-    return sum(widths) + 2 * (len(widths) - 1)
-
-
 def _table(title: str, first: Dict[str, str], rows: List[List[str]]):
     """A borderless table: ``first`` columns (header -> overflow) then runs and metrics."""
     t = Table(title=title, box=None, padding=(0, 1), pad_edge=False, title_justify="left")
@@ -215,9 +194,8 @@ def _table(title: str, first: Dict[str, str], rows: List[List[str]]):
 
 def print_table(table: List[Dict], sweep_dir: Path, keys: Sequence[str] = (),
                 results: Sequence[Dict] = ()) -> None:
-    """One column per swept key (headed by its shortest unique suffix, the full keys
-    listed above) when that fits the terminal; else numbered cells with a legend line
-    each above the table. Either way no value is cut."""
+    """One column per swept key (its shortest unique suffix) when that fits the terminal,
+    else numbered cells with a legend line each; no value is cut."""
 
     console = Console()
     title = "sweep: final held-out eval/* metrics, mean±std over seeds"
@@ -225,7 +203,9 @@ def print_table(table: List[Dict], sweep_dir: Path, keys: Sequence[str] = (),
     t = _table(title, {heads[k]: "ignore" for k in keys} or {"cell": "ignore"},
                [([row["values"].get(k, "") for k in keys] if keys else [row["cell"]])
                 + [_runs(row)] + _metric_cells(row) for row in table])
-    if _natural_width(t) <= console.width:
+    widths = [max([cell_len(str(c.header))] + [cell_len(str(x)) for x in c.cells])
+              for c in t.columns]       # what a borderless table needs with no cell cut
+    if sum(widths) + 2 * (len(widths) - 1) <= console.width:
         if any(heads[k] != k for k in keys):
             console.print("swept: " + ", ".join(f"{heads[k]} = {k}" for k in keys), highlight=False)
     else:
@@ -243,15 +223,15 @@ def print_table(table: List[Dict], sweep_dir: Path, keys: Sequence[str] = (),
 
 
 def plot(results: List[Dict], path: Path) -> None:
-    import matplotlib  # optional and slow to import (~1 s): only when a sweep is plotted
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     cells: Dict[str, List[List[tuple]]] = {}
     for r in results:
         if r.get("status", "ok") == "ok":
-            cells.setdefault(r["cell"], []).append(_curve(Path(r["run_dir"])))
+            metrics = Path(r["run_dir"]) / "metrics.jsonl"
+            rows = read_jsonl(metrics) if metrics.exists() else []
+            cells.setdefault(r["cell"], []).append(
+                [(x["step"], x["eval/exact_match"]) for x in rows if "eval/exact_match" in x])
     for cell, curves in cells.items():
         steps = sorted({s for c in curves for s, _ in c})
         mean = [statistics.fmean([v for c in curves for s2, v in c if s2 == s]) for s in steps]

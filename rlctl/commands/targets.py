@@ -1,7 +1,5 @@
-"""TARGET resolution for `rlctl eval`, `rollout` and `serve`, and their held-out scorer. A
-TARGET is a run dir (its recipe + the overrides, its model/), a model dir, a LoRA adapter
-dir (merged onto its base model) or absent (the configured model); a model or adapter dir
-inside a run dir takes its settings from that run."""
+"""TARGET of `rlctl eval`, `rollout` and `serve` (a run, model or LoRA adapter dir, or the
+configured model; a dir inside a run takes that run's settings) and their held-out scorer."""
 from __future__ import annotations
 
 import json
@@ -72,9 +70,8 @@ def load_config(target: Target, overrides: Sequence[str]):
 
 
 def open_target(target_arg, overrides):
-    """(target, cfg, prepared task, model, tokenizer, description) for eval/rollout: path
-    errors first, then the config, the model (its generation config given the full stop
-    set) and the task prepared for it (``rlctl.train.build.prepare_task``)."""
+    """(target, cfg, prepared task, model, tokenizer, description) for eval/rollout; path
+    errors first, then config, model (given the full stop set) and task errors."""
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
     built = task_from_config(cfg)
@@ -161,10 +158,8 @@ class SavedNorm:
 
 
 def held_out_scorer(prepared, target) -> Tuple[RewardScorer, Optional[SavedNorm]]:
-    """(a scorer that never updates the running reward statistics of
-    task.reward_norm=running but reads the run's saved ones from its newest checkpoint,
-    where they came from: None without task.reward_norm=running). A held-out batch
-    whitened by its own scores would score mean 0, std 1 whatever the policy does."""
+    """(a scorer that reads the run's saved task.reward_norm=running statistics and never
+    updates them, where they came from: None without running norm)."""
     scorer = prepared.scorer(norm_owner=False)
     learned = scorer.learned
     if learned is None or learned.norm != "running":

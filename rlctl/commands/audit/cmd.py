@@ -1,7 +1,5 @@
-"""Audit a rollout JSONL file (read by rlctl.commands.audit.rows) or a run's sample rows:
-statistics, reward-hacking signs (docs/runs.md lists them) and sample completions, as a
-dict and printed. A sample row's group is (step, group); it is truncated when it ended at
-a length or budget limit."""
+"""Audit a rollout JSONL file or a run's sample rows: statistics, reward-hacking signs
+(docs/runs.md lists them) and sample completions, as a dict and printed."""
 from __future__ import annotations
 
 import json

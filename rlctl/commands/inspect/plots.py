@@ -42,7 +42,7 @@ def series(rows: Sequence[dict], key: str) -> Tuple[List[float], List[float]]:
     return xs, ys
 
 
-def _plt():
+def pyplot():
     # matplotlib is optional and slow to import (about a second): only when plotting
     import matplotlib
 
@@ -70,10 +70,9 @@ def _band(ax, rows, key, color):
 
 def plot_curves(runs: Dict[str, Sequence[dict]], out_dir: Path, plots=PLOTS,
                 compare: bool = False) -> Tuple[List[Path], List[str]]:
-    """One PNG per plot (``plots``: PLOTS or REWARD_MODEL_PLOTS): every series of the one
-    run (``inspect_<stem>.png``), or with ``compare`` the plot's first logged series of
-    every run overlaid (``inspect_compare_<stem>.png``); (written files, skipped plots)."""
-    plt = _plt()
+    """(written, skipped): ``inspect_<stem>.png`` with every series of the one run, or with
+    ``compare`` ``inspect_compare_<stem>.png``, each run's first logged series overlaid."""
+    plt = pyplot()
     written, skipped = [], []
     for stem, title, keys in plots:
         present = [k for k in keys if any(series(rows, k)[0] for rows in runs.values())]
@@ -127,15 +126,14 @@ KL_KEYS = ("kl/k1", "policy/kl_ref")
 
 
 def plot_proxy_gold(rows: Sequence[dict], proxy_keys: Sequence[str], path: Path):
-    """Proxy (reward-model) score and gold reward of one run, over steps and against
-    KL(pi||ref): the picture of reward over-optimisation. None when the run lacks a
-    proxy series or every gold series."""
+    """Proxy (reward-model) and gold reward over steps and against KL(pi||ref): reward
+    over-optimisation. None without a proxy and a gold series."""
     proxies = [k for k in proxy_keys if series(rows, k)[0]]
     golds = [k for k in GOLD_KEYS if series(rows, k)[0]]
     if not proxies or not golds:
         return None
     kl_key = next((k for k in KL_KEYS if series(rows, k)[0]), None)
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2 if kl_key else 1, figsize=(11 if kl_key else 6.4, 4.0),
                              squeeze=False)
     _proxy_gold_axes(axes[0][0], rows, proxies, golds, "step", lambda r: r["step"], True)

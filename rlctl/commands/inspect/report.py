@@ -1,8 +1,6 @@
-"""`rlctl inspect PATH...`: the PATHs pick the report (run dirs here, a rollout file: audit,
-a run's sample tables: inspect_samples), printed and written as --json. One run's
-config keys that differ from its command's defaults, metric summary (first, last, min, max,
-best) and curves; several runs' differing keys (key x run), summaries and overlaid curves.
-RL and reward-model runs summarise their own metrics."""
+"""`rlctl inspect PATH...`: the PATHs pick the report (runs here, a rollout file: the audit,
+--samples: the sample tables), printed and written as --json. One run: config vs defaults,
+metric summary and curves; several: differing keys (key x run), summaries, overlaid curves."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -167,10 +165,8 @@ def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
 
 
 def proxy_keys(config: Dict[str, Any]) -> List[str]:
-    """The metrics of a run's reward-model scores: ``reward/<name>`` (name defaults to
-    ``reward_model``, as rlctl.rm.learned names it: the raw score), and the
-    held-out ``eval/reward`` (after task.reward_norm/reward_clip) when ``task.reward_model``
-    alone trains."""
+    """The metrics of a run's reward-model scores: ``reward/<name>`` (default name
+    ``reward_model``), and ``eval/reward`` when ``task.reward_model`` alone trains."""
     if config.get("task.reward_model"):
         return ["reward/reward_model", "eval/reward"]
     entries = [e for e in config.get("task.rewards") or [] if isinstance(e, dict) and "model" in e]

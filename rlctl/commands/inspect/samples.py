@@ -1,7 +1,5 @@
-"""`rlctl inspect RUN --samples [--step N]`: a run's sample tables (samples.jsonl, rows of
-rlctl/train/metrics.py) and the audit's statistics and signs over them, as a dict and
-printed. Without --step: the newest step with a train table (and its eval table); the
-audit covers the train rows of every step, or of step N only."""
+"""`rlctl inspect RUN --samples [--step N]`: the sample tables of step N (default: the newest
+train step) and the audit of the train rows (of step N, else of every step)."""
 from __future__ import annotations
 
 from pathlib import Path
