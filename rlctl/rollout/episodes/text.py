@@ -1,11 +1,9 @@
-"""The text side of an episode: how observations become tokens, and where a turn stops.
+"""The text side of an episode: observations to tokens, and where a turn stops.
 
-Token-in, token-out: model turns stay the sampled ids; each observation is tokenized once
-(no special tokens) and appended. Raw prompts: the first observation is ``tokenizer(text)``,
-later ones appended as text. Chat: the first is the rendered user message; a later one is a
-``tool`` message if the template renders one, else ``user``, its tokens the template's text
-beyond the context's (else, said once, the message rendered alone after an assistant turn).
-Observations past ``max_obs_tokens`` are cut on the configured side and marked truncated.
+Model turns stay the sampled ids; each observation is tokenized once (no special tokens) and
+appended. Chat: the first observation is the rendered user message, a later one a ``tool``
+message if the template renders one, else ``user``: the template's text beyond the context's
+(else the message rendered alone, said once). Observations past ``max_obs_tokens`` are cut.
 """
 from __future__ import annotations
 
@@ -64,10 +62,8 @@ class EpisodeText:
         return self._encode(self._alone(messages[-1])), cut
 
     def _observation_role(self) -> str:
-        """``tool`` when the template speaks of tools and renders a tool message (its
-        content appears in the text), else ``user``: a template that never mentions tools
-        may still print any role name (Gemma's writes ``<start_of_turn>tool``), and one
-        that describes tools may refuse or drop the role."""
+        """``tool`` when the template mentions tools and renders a tool message's content,
+        else ``user`` (Gemma's prints any role name; others refuse or drop it)."""
         if "tool" not in str(getattr(self.tok, "chat_template", "") or ""):
             return "user"
         marker = "rlctl-observation-probe"
@@ -103,8 +99,7 @@ class EpisodeText:
 
 
 def stop_string_cut(tokenizer, ids: Sequence[int], strings: Sequence[str]) -> Optional[int]:
-    """Tokens to keep so the turn ends right after the token that completes the first of
-    ``strings`` to appear in its text, or None when none appears."""
+    """Tokens to keep: up to the one completing the first of ``strings`` in the text, or None."""
     strings = [s for s in strings if s]
     if not strings or not any(s in tokenizer.decode(list(ids), skip_special_tokens=False)
                               for s in strings):
