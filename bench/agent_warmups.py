@@ -56,7 +56,8 @@ def step0(task_name: str, cache: str, rows: int) -> dict:
                                           **shipped_tiny())
     built = time.perf_counter() - t0
     task = build_task(task_name)
-    player = EpisodePlayer(tok, task, settings_of(RECIPES[task_name]), 1, resolve_stop_ids(model, tok))
+    player = EpisodePlayer(tok, task, settings_of(RECIPES[task_name]), 1,
+                           resolve_stop_ids(model, tok))
     eps = player.play(model, task.eval_examples()[:rows], 0, greedy=True).episodes
     turns = [s for e in eps for s in e.spans if s.role == MODEL]
     called = [e for e in eps if e.tool_calls]

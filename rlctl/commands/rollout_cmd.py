@@ -73,7 +73,8 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                  eos=int(tokenizer.eos_token_id), stops=tuple(stop_ids(model, tokenizer)),
                  seed=int(cfg.seed))
     if is_episodic(task):
-        plan.player = EpisodePlayer(tokenizer, task, cfg.rollout, int(cfg.algo.group_size), plan.stops)
+        plan.player = EpisodePlayer(tokenizer, task, cfg.rollout, int(cfg.algo.group_size),
+                                    plan.stops)
         plan.tool_task = offers_tools(task)
     path = Path(out).expanduser()
     try:

@@ -16,8 +16,7 @@ from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.errors import UserError
 from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, shared_prefill,
                                    state_in_modules, unpadded_notice)
-from rlctl.models.stop_ids import decode_completions, stop_ids  # noqa: F401 - re-exported
-from rlctl.models.kv_share import position_ids_from_mask  # noqa: F401 - also imported from here
+from rlctl.models.stop_ids import decode_completions, stop_ids
 from rlctl.models.value import PolicyValueModel
 from rlctl.types import Example, RolloutBatch
 
@@ -117,8 +116,8 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
                             "same calls on every rank; use hardware.zero_stage<3 or one rank")
         unpadded_notice(model)
         outs = [generate(model, tokenizer, [prompts[i] for i in rows], max_new_tokens, do_sample,
-                         temperature, top_k, return_logprobs, share_prompts, stops, **backend_kwargs)
-                for rows in groups]
+                         temperature, top_k, return_logprobs, share_prompts, stops,
+                         **backend_kwargs) for rows in groups]
         return _padded_back(outs, groups, prompt_mask, tokenizer.pad_token_id)
     cache = shared_prefill(model, input_ids, prompt_mask) if share_prompts else None
     key = cache_keyword(model)
@@ -146,7 +145,7 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
 
 
 def length_groups(model, lengths: Sequence[int]) -> List[List[int]]:
-    """Rows sampled together: all, or per length (shortest first) for a ``state_in_modules`` model."""
+    """Rows sampled together: all, or per length (shortest first): ``state_in_modules``."""
     if not state_in_modules(model) or len(set(lengths)) < 2:
         return [list(range(len(lengths)))]
     return [[i for i, n in enumerate(lengths) if n == m] for m in sorted(set(lengths))]

@@ -47,7 +47,8 @@ class LocalSource(SyncSource):
                  generate_kwargs: Optional[Dict] = None):
         self.policy, self.tokenizer, self.examples = policy, tokenizer, list(examples)
         self.scorer, self.rollout, self.share_prompts = scorer, rollout, share_prompts
-        self.group_size, self.engine_logprobs = algo.group_size, bool(algo.rollout_correction.enabled)
+        self.group_size = algo.group_size
+        self.engine_logprobs = bool(algo.rollout_correction.enabled)
         self.prompt_rng = random.Random(seed)
         self.generate_kwargs = dict(generate_kwargs or {})
         self.stops = resolve_stop_ids(policy, tokenizer, tuple(rollout.stop_token_ids or ()))

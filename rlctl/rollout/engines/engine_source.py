@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from rlctl.config.schema import AsyncConfig, RolloutConfig
 from rlctl.core.logprobs import completion_mask
@@ -75,7 +76,8 @@ class EngineSource(SyncSource):
         self.examples, self.scorer, self.rollout = list(examples), scorer, rollout
         self.group_size, self.learner_rng, self.player = group_size, learner_rng, player
         self.max_staleness, self.sync_every = staleness_bounds(ahead)
-        self.weight_dir = rollout.server.weight_dir if rollout.server.weight_sync == "disk" else None
+        server = rollout.server
+        self.weight_dir = server.weight_dir if server.weight_sync == "disk" else None
         self.prompt_rng = random.Random(seed)
         self.device = device if device is not None else next(policy.parameters()).device
         self.stops = resolve_stop_ids(policy, tokenizer, tuple(rollout.stop_token_ids or ()))
@@ -90,7 +92,6 @@ class EngineSource(SyncSource):
         self.took = False                                  # this step consumed a rollout
         self.stats: Dict[str, List[float]] = {}
 
-    # -- weights -----------------------------------------------------------------------
     def _push(self, engine, snap) -> float:
         """Send ``snap`` (version, tensors, kind) to ``engine`` -> the seconds it took."""
         version, tensors, kind = snap
@@ -98,7 +99,8 @@ class EngineSource(SyncSource):
         if self.weight_dir is None:
             engine.update_weights(version, tensors, kind)
         else:
-            engine.update_weights_from_disk(version, _write(self.weight_dir, version, tensors, kind))
+            path = _write(self.weight_dir, version, tensors, kind)
+            engine.update_weights_from_disk(version, path)
         return time.perf_counter() - t0
 
     def _needs_push(self, e: int, consumed_at: int) -> bool:
@@ -106,7 +108,6 @@ class EngineSource(SyncSource):
         return (pushed is None or self.version - pushed >= self.sync_every
                 or pushed < consumed_at - self.max_staleness)
 
-    # -- requests: the staleness controller --------------------------------------------
     def _fill(self, num_groups: int) -> None:
         """Request ahead while an engine is idle and the next would be at most ``max_staleness``
         old when consumed (k pending: at version + k, +1 once one was taken)."""
@@ -176,18 +177,14 @@ class EngineSource(SyncSource):
         self._log("async/staleness", float(stale.max()))
         return batch.replace(staleness=stale, engine_logprobs=batch.old_logprobs * batch.mask)
 
-    # -- the batch ---------------------------------------------------------------------
     def _batch(self, examples: List[Example], rows, outs: List[Completion]) -> RolloutBatch:
         """The completions laid out as ``rollout.generate.rollout`` lays out its own."""
         G, dev = self.group_size, self.device
         prompt_ids, prompt_mask = left_padded(rows, self.pad_id, dev)                # [N, P]
-        N, T = len(outs), max(len(c.token_ids) for c in outs)
-        comp = torch.full((N, T), self.pad_id, dtype=torch.long)                     # [N, T]
-        logp = torch.zeros(N, T, dtype=torch.float32)                                # [N, T]
-        for i, c in enumerate(outs):
-            comp[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-            logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float64).float()
-        comp, logp = comp.to(dev), logp.to(dev)
+        comp = pad_sequence([torch.tensor(c.token_ids, dtype=torch.long) for c in outs], True,
+                            self.pad_id).to(dev)                                      # [N, T]
+        logp = pad_sequence([torch.tensor(c.logprobs, dtype=torch.float64).float() for c in outs],
+                            True).to(dev)                                             # [N, T]
         mask, truncated = completion_mask(comp, self.stops, self.pad_id)
         stale = torch.tensor([self.version - c.weights_version for c in outs], device=dev)  # [N]
         engine_lp = logp * mask                                                       # [N, T]
@@ -198,7 +195,6 @@ class EngineSource(SyncSource):
         self._log("async/staleness", float(stale.max()))
         return batch.replace(reward_parts=self.scorer.last_components)
 
-    # -- the rest ----------------------------------------------------------------------
     def _log(self, key: str, value: float) -> None:
         self.stats.setdefault(key, []).append(value)
 
@@ -232,7 +228,7 @@ CLOSE_WAIT_S = 5.0
 
 
 def _in_thread(job: Callable[[], tuple]) -> Future:
-    """``job()`` in a daemon thread (an executor's is joined at exit: a hung server would hold it)."""
+    """``job()`` in a daemon thread (an executor's is joined at exit: a hung request holds it)."""
     future: Future = Future()
 
     def run():
@@ -321,7 +317,7 @@ class LocalEngine(Engine):
 
 
 def serve_engine(engine: TorchEngine, conn, player=None, examples=()) -> str:
-    """The child's loop until the learner says stop or the pipe closes -> what ended it ("": a stop)."""
+    """The child's loop until the learner says stop or the pipe closes -> what ended it."""
     failed = None          # a weights push that failed: the answer to the next request
     while True:
         try:

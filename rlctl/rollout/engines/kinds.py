@@ -5,6 +5,7 @@ the version last pushed to it, 0 when first seen or back after being lost.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections import OrderedDict
@@ -61,13 +62,6 @@ class ServerKind:
 
 # -- rlctl: our own server (rollout/engines/serve_app.py) ----------------------------------------
 
-def rlctl_body(rows, sampling: Sampling, seed: Optional[int]) -> dict:
-    return {"prompt": rows, "max_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature, "top_k": sampling.top_k,
-            "stop_token_ids": list(sampling.stop_ids), "ignore_eos": True, "logprobs": 0,
-            "seed": seed}
-
-
 def parse_openai(reply: dict, version: int) -> List[Completion]:
     """An OpenAI completion object with per-choice ``token_ids`` (rlctl serve, vLLM with
     ``return_token_ids``) -> completions in choice order."""
@@ -102,7 +96,10 @@ class RlctlKind(ServerKind):
         return int(link("/version")["weights_version"])
 
     def complete(self, link, rows, sampling, seed):
-        reply = link("/v1/completions", rlctl_body(rows, sampling, seed))
+        reply = link("/v1/completions", {
+            "prompt": rows, "max_tokens": sampling.max_new_tokens, "seed": seed,
+            "temperature": sampling.temperature, "top_k": sampling.top_k, "logprobs": 0,
+            "stop_token_ids": list(sampling.stop_ids), "ignore_eos": True})
         version = int(reply.get("weights_version", 0))
         return parse_openai(reply, version), version
 
@@ -190,7 +187,8 @@ def vllm_requests(rows, sampling: Sampling, seed: Optional[int], model: Optional
     request seed + i: runs of equal consecutive prompts go once with ``n`` = the run length,
     in one request when every run has the same length, else one request per run (run k
     seeded ``chunk_seed(seed, k)``); without a seed the prompts go as they are."""
-    runs = _runs(rows)
+    runs = [[i for i, _ in run]                                   # equal consecutive prompts
+            for _, run in itertools.groupby(enumerate(rows), lambda r: list(r[1]))]
     if seed is None:
         groups = [(list(range(len(rows))), [list(r) for r in rows], 1, None)]
     elif len({len(ix) for ix in runs}) == 1:
@@ -211,16 +209,6 @@ def vllm_requests(rows, sampling: Sampling, seed: Optional[int], model: Optional
             body["model"] = model
         out.append((body, indices))
     return out
-
-
-def _runs(rows) -> List[List[int]]:
-    runs: List[List[int]] = []
-    for i, row in enumerate(rows):
-        if runs and list(rows[runs[-1][0]]) == list(row):
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
 
 
 class VLLMKind(ServerKind):
@@ -249,8 +237,9 @@ class VLLMKind(ServerKind):
 
     def push(self, version, tensors, kind):
         if kind == "adapter":
-            return self.lora.push(version, tensors, Path(_needs(
-                self.lora_dir, "lora_dir (a directory the servers read at the same path)", self.name)))
+            lora_dir = _needs(self.lora_dir, "lora_dir (a directory the servers read at the same "
+                              "path)", self.name)
+            return self.lora.push(version, tensors, Path(lora_dir))
         if kind != "full":
             raise UserError(f"unknown weights kind '{kind}'; valid: full, adapter")
         model_dir = Path(_needs(self.model_dir, "model_dir (the directory vllm serve loads, "

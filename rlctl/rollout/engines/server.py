@@ -69,7 +69,6 @@ class ServerEngine(Engine):
                 self._lose(s, exc)
         self.version = max(s.weights_version for s in self.servers)
 
-    # -- weights ------------------------------------------------------------------------
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
                        kind: str = "full") -> None:
         """Push full weights or an adapter to every server that is up."""
@@ -94,11 +93,7 @@ class ServerEngine(Engine):
                 self._send_weights(s)
             except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 errors.append(exc)
-        threads = [threading.Thread(target=send, args=(s,)) for s in up]
-        for t in threads:             # every server at once: a push costs one transfer, not n
-            t.start()
-        for t in threads:
-            t.join()
+        _all_at_once(send, up)        # a push costs one transfer, not n
         if errors:
             raise errors[0]
 
@@ -113,7 +108,6 @@ class ServerEngine(Engine):
             self._lose(s, exc)
             return False
 
-    # -- health -------------------------------------------------------------------------
     def health(self) -> Dict[str, object]:
         self._recheck(force=True)
         usable = [s.url for s in self.servers if self._usable(s)]
@@ -160,7 +154,6 @@ class ServerEngine(Engine):
                      if was_lost else
                      f"rollout server {s.url} sent weights version {s.weights_version}")
 
-    # -- generation ---------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
                  seed: Optional[int] = None) -> List[Completion]:
         check_sampling(sampling)
@@ -182,12 +175,7 @@ class ServerEngine(Engine):
                 raise NoServerLeft(f"no rollout server left with weights within max_staleness="
                                    f"{self.max_staleness} of version {self.version}: "
                                    + ", ".join(s.url for s in self.servers))
-            threads = [threading.Thread(target=self._work, args=(s, todo, done, errors, sampling, seed))
-                       for s in workers]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            _all_at_once(lambda s: self._work(s, todo, done, errors, sampling, seed), workers)
         if errors:
             raise errors[0]
         return [c for j in sorted(done) for c in done[j]]
@@ -234,7 +222,6 @@ class ServerEngine(Engine):
             c.weights_version = version
         return outs
 
-    # -- HTTP ---------------------------------------------------------------------------
     def _probe(self, s: Server, timeout: float) -> int:
         """The kind's probe; a version not reported is 0 (the weights it started with)."""
         reported = self._read(s, "probe", self.kind.probe, self._link(s, timeout))
@@ -253,33 +240,40 @@ class ServerEngine(Engine):
 
     def _link(self, s: Server, timeout: float) -> Link:
         def call(route: str, body: Optional[bytes], ctype: str, expect_json: bool) -> dict:
-            if body is None:
-                req = urllib.request.Request(s.url + route)
-            else:
-                req = urllib.request.Request(s.url + route, data=body, method="POST",
-                                             headers={"Content-Type": ctype})
-            return self._call(req, timeout, expect_json)
+            headers = {} if body is None else {"Content-Type": ctype}      # a body: POST
+            req = urllib.request.Request(s.url + route, data=body, headers=headers)
+            return _http(req, timeout, expect_json)
         return Link(s.url, call)
 
-    @staticmethod
-    def _call(req: urllib.request.Request, timeout: float, expect_json: bool = True) -> dict:
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                data = resp.read()
-            if not expect_json:
-                try:
-                    reply = json.loads(data) if data else {}
-                except ValueError:
-                    return {}
-                return reply if isinstance(reply, dict) else {"reply": reply}
-            return json.loads(data)
-        except urllib.error.HTTPError as exc:
-            if exc.code >= 500:
-                raise _Lost(f"HTTP {exc.code}") from None
-            raise UserError(f"{req.full_url}: {_message(exc)}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise _Lost(f"{type(reason).__name__}: {reason}") from None
+
+def _http(req: urllib.request.Request, timeout: float, expect_json: bool) -> dict:
+    """The reply's JSON; a 5xx or no answer is a lost server, a 4xx one line (UserError)."""
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            data = resp.read()
+        if not expect_json:
+            try:
+                reply = json.loads(data) if data else {}
+            except ValueError:
+                return {}
+            return reply if isinstance(reply, dict) else {"reply": reply}
+        return json.loads(data)
+    except urllib.error.HTTPError as exc:
+        if exc.code >= 500:
+            raise _Lost(f"HTTP {exc.code}") from None
+        raise UserError(f"{req.full_url}: {_message(exc)}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise _Lost(f"{type(reason).__name__}: {reason}") from None
+
+
+def _all_at_once(fn: Callable, items) -> None:
+    """``fn(item)`` for every item, each in a thread of its own, all joined."""
+    threads = [threading.Thread(target=fn, args=(x,)) for x in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def _message(exc: urllib.error.HTTPError) -> str:

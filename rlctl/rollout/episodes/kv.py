@@ -135,7 +135,7 @@ class CachedTurns:
             index_rows(self.cache, inv)
 
     def _reusable(self, key: Hashable, context: List[int]) -> int:
-        """Tokens of ``context`` its cache row holds: the longest shared prefix but the last token."""
+        """Tokens of ``context`` its row holds: the longest shared prefix, short of the last."""
         held, m = self.held.get(key, []), min(len(self.held.get(key, [])), len(context) - 1)
         if held[:m] == context[:m]:
             return m

@@ -67,8 +67,11 @@ class EpisodePlayer:
             if greedy else contextlib.nullcontext()
         try:
             with rng:
-                self._turns(turn_sampler(model, _pad_id(self.tokenizer, self.stops), ep.kv_reuse),
-                            runs, budget, greedy)
+                sampler = turn_sampler(model, _pad_id(self.tokenizer, self.stops), ep.kv_reuse)
+                while active := [r for r in runs if not r.ended and not budget.exhausted(r)]:
+                    stepping = _model_turns(sampler, self.tokenizer, active, self.rollout,
+                                            self.stops, greedy, budget, self.text)
+                    _step(stepping, ep, self.text, budget)
         finally:
             for r in runs:
                 if r.last is None or not r.last.busy():   # never close one a thread still runs in
@@ -76,15 +79,6 @@ class EpisodePlayer:
         return episode_batch(runs, self.tokenizer, ep.turn_reward, ep.turn_discount, G, self.stops,
                              weight.device,
                              torch.float64 if weight.dtype == torch.float64 else torch.float32)
-
-    def _turns(self, sampler, runs: List[EpisodeRun], budget: "_Budget", greedy: bool) -> None:
-        while True:
-            active = [r for r in runs if not r.ended and not budget.exhausted(r)]
-            if not active:
-                return
-            stepping = _model_turns(sampler, self.tokenizer, active, self.rollout, self.stops,
-                                    greedy, budget, self.text)
-            _step(stepping, self.episode, self.text, budget)
 
 
 def _pad_id(tokenizer, stops: Sequence[int]) -> int:
@@ -180,7 +174,8 @@ def _step(runs: List[EpisodeRun], ep: EpisodeConfig, text: EpisodeText, budget: 
         _apply(r, step, ep, text, budget)
 
 
-def _apply(r: EpisodeRun, step: Step, ep: EpisodeConfig, text: EpisodeText, budget: _Budget) -> None:
+def _apply(r: EpisodeRun, step: Step, ep: EpisodeConfig, text: EpisodeText,
+           budget: _Budget) -> None:
     info = step.info if isinstance(step.info, dict) else {}
     reward = _finite(step.reward)
     if reward is None:              # None, text, NaN: the step is an error, its reward 0

@@ -30,7 +30,6 @@ class EpisodeText:
         self.max_obs, self.side = max_obs_tokens, obs_truncation
         self.role = self._observation_role() if chat else "user"
 
-    # ---- the first observation ------------------------------------------------------
     def first(self, text: str) -> Tuple[str, List[int], List[Dict[str, str]]]:
         """(prompt text, its ids with the tokenizer's special tokens, chat messages)."""
         if not self.chat:
@@ -40,7 +39,6 @@ class EpisodeText:
         prompt = render_chat(self.tok, text, self.system)
         return prompt, self.tok(prompt)["input_ids"], messages
 
-    # ---- later observations ---------------------------------------------------------
     def observation(self, text: str, context: Sequence[int], messages: List[Dict[str, str]],
                     turn_text: str) -> Tuple[List[int], bool]:
         """(ids of observation ``text`` after ``context``, cut to max_obs_tokens?). In
@@ -91,7 +89,6 @@ class EpisodeText:
             return ids, False
         return (ids[:self.max_obs] if self.side == "right" else ids[len(ids) - self.max_obs:]), True
 
-    # ---- model turns ----------------------------------------------------------------
     def turn_text(self, ids: Sequence[int], stops: Sequence[int]) -> str:
         """A model turn's text: its ids without the closing stop id, specials dropped."""
         ids = list(ids[:-1]) if ids and ids[-1] in stops else list(ids)
