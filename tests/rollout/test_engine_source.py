@@ -31,7 +31,7 @@ from rlctl.train.preflight import check_episodes
 from rlctl.train.sources import build_source
 from rlctl.sinks import NullSink
 
-from serving import ServeThread, tiny_app
+from serving import ChunkedEngine, ServeThread, tiny_app
 
 BASE = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=3", "trainer.lr=1e-3",
         "trainer.steps=3", "rollout.server.chunk_size=4"]     # N = 16 rows: 4 requests of 4
@@ -90,7 +90,7 @@ def test_torch_engine_one_and_two_servers_train_alike(tiny, tmp_path):
     _, _, servers = tiny
     cfg = _cfg([])
     urls = [s.url for s in servers]
-    here = _train(cfg, lambda m, tok: TorchEngine(copy.deepcopy(m), tok.pad_token_id, chunk_size=4))
+    here = _train(cfg, lambda m, tok: ChunkedEngine(copy.deepcopy(m), tok.pad_token_id, 4))
     one = _train(_cfg(["rollout.engine=server", f"rollout.server.urls=[{urls[0]}]"]), None)
     two = _train(cfg, lambda m, tok: ServerEngine(urls, chunk_size=4))
     disk = _train(_cfg(["rollout.engine=server", f"rollout.server.urls=[{urls[1]}]",
