@@ -107,14 +107,14 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
     enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
     input_ids = enc["input_ids"].to(device)            # [N, P]
     prompt_mask = enc["attention_mask"].to(device)     # [N, P]
-    groups = length_groups(model, prompt_mask.sum(-1).tolist())
-    if len(groups) > 1:
+    if state_in_modules(model) and not bool(prompt_mask.all()):      # prompts of several lengths
         if backend_kwargs.get("synced_gpus"):
             raise UserError(f"{type(innermost(model)).__name__} cannot sample under ZeRO-3 on "
                             "several ranks: left padding reaches its recurrent state, so its "
                             "prompts run one length at a time, and synced generation needs the "
                             "same calls on every rank; use hardware.zero_stage<3 or one rank")
         unpadded_notice(model)
+        groups = length_groups(model, prompt_mask.sum(-1).tolist())
         outs = [generate(model, tokenizer, [prompts[i] for i in rows], max_new_tokens, do_sample,
                          temperature, top_k, return_logprobs, share_prompts, stops,
                          **backend_kwargs) for rows in groups]
