@@ -28,7 +28,8 @@ from omegaconf import OmegaConf
 from rlctl.envs.calc import read_number
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
+from rlctl.config.schema import EpisodeConfig, RolloutConfig
+from rlctl.rollout.episodes.loop import EpisodePlayer
 from rlctl.tasks import build_task
 from rlctl.types import MODEL
 
@@ -43,10 +44,10 @@ def shipped_tiny() -> dict:
     return {k: cfg[k] for k in TINY_KEYS}
 
 
-def settings_of(recipe: str) -> EpisodeSettings:
+def settings_of(recipe: str) -> RolloutConfig:
     ro = OmegaConf.load(ROOT / "recipes" / f"{recipe}.yaml").rollout
-    return EpisodeSettings(group_size=1, max_new_tokens=ro.max_new_tokens, temperature=1.0,
-                           max_turns=ro.episode.max_turns, max_tokens=ro.episode.max_tokens)
+    return RolloutConfig(max_new_tokens=ro.max_new_tokens, temperature=1.0, episode=EpisodeConfig(
+        max_turns=ro.episode.max_turns, max_tokens=ro.episode.max_tokens))
 
 
 def step0(task_name: str, cache: str, rows: int) -> dict:
@@ -55,7 +56,8 @@ def step0(task_name: str, cache: str, rows: int) -> dict:
                                           **shipped_tiny())
     built = time.perf_counter() - t0
     task = build_task(task_name)
-    player = EpisodePlayer(tok, task, settings_of(RECIPES[task_name]), resolve_stop_ids(model, tok))
+    player = EpisodePlayer(tok, task, settings_of(RECIPES[task_name]), 1,
+                           resolve_stop_ids(model, tok))
     eps = player.play(model, task.eval_examples()[:rows], 0, greedy=True).episodes
     turns = [s for e in eps for s in e.spans if s.role == MODEL]
     called = [e for e in eps if e.tool_calls]

@@ -30,7 +30,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlctl.envs.environment import EnvTask
 from rlctl.demo.tiny import build_model, build_tokenizer
-from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
+from rlctl.config.schema import EpisodeConfig, RolloutConfig
+from rlctl.rollout.episodes.loop import EpisodePlayer
 from rlctl.types import Example, Step
 
 
@@ -51,13 +52,12 @@ class Sleepy:
 
 
 def play(model, tok, rows, args, concurrency: int) -> float:
-    s = EpisodeSettings(group_size=args.episodes // len(rows), max_new_tokens=3, temperature=1.0,
-                        max_turns=args.turns, max_tokens=200, concurrency=concurrency,
-                        step_timeout_s=60.0)
+    s = RolloutConfig(max_new_tokens=3, temperature=1.0, episode=EpisodeConfig(
+        max_turns=args.turns, max_tokens=200, concurrency=concurrency, step_timeout_s=60.0))
     task = EnvTask("sleepy", lambda: Sleepy(args.sleep, args.turns), rows, rows)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    batch = EpisodePlayer(tok, task, s, ()).play(model, rows, seed=0)
+    batch = EpisodePlayer(tok, task, s, args.episodes // len(rows), ()).play(model, rows, seed=0)
     seconds = time.perf_counter() - t0
     assert all(e.turns == args.turns and e.env_errors == 0 for e in batch.episodes)
     return seconds
@@ -81,13 +81,13 @@ class Chatty:
 
 def play_kv(model, tok, args, kv_reuse: bool):
     rows = [Example(" ".join(str((d + j) % 10) for j in range(args.kv_prompt - 1))) for d in range(4)]
-    s = EpisodeSettings(group_size=args.episodes // len(rows), max_new_tokens=8, temperature=1.0,
-                        max_turns=args.kv_turns, max_tokens=args.kv_turns * (8 + args.kv_obs),
-                        max_obs_tokens=args.kv_obs, concurrency=args.episodes, kv_reuse=kv_reuse)
+    s = RolloutConfig(max_new_tokens=8, temperature=1.0, episode=EpisodeConfig(
+        max_turns=args.kv_turns, max_tokens=args.kv_turns * (8 + args.kv_obs),
+        max_obs_tokens=args.kv_obs, concurrency=args.episodes, kv_reuse=kv_reuse))
     task = EnvTask("chatty", lambda: Chatty(args.kv_obs, args.kv_turns), rows, rows)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    batch = EpisodePlayer(tok, task, s, ()).play(model, rows, seed=0)
+    batch = EpisodePlayer(tok, task, s, args.episodes // len(rows), ()).play(model, rows, seed=0)
     seconds = time.perf_counter() - t0
     assert all(e.turns == args.kv_turns for e in batch.episodes)
     return seconds, batch

@@ -25,7 +25,7 @@ import transformers
 from rlctl.core import completion_mask, group_advantages, ppo_clip_loss, token_logprobs
 from rlctl.train.evaluate import evaluate, means
 from rlctl.models.loading import load_model_and_tokenizer
-from rlctl.rollout.generate import position_ids_from_mask
+from rlctl.models.kv_share import position_ids_from_mask
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.tasks.sorting import SortingTask, reward_names
 

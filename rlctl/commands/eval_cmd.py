@@ -22,7 +22,7 @@ from rlctl.envs.environment import is_episodic
 from rlctl.errors import UserError
 from rlctl.train.evaluate import EPISODE_KEYS, evaluate, means
 from rlctl.models.stop_ids import stop_ids
-from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
+from rlctl.rollout.episodes.loop import EpisodePlayer
 
 # The first metrics of each column (then reward/<design>, well_formed, pass@k).
 METRIC_KEYS = ("exact_match", "reward", "length_mean", "truncated_frac")
@@ -101,7 +101,7 @@ def run_eval(target_arg: Optional[str], overrides: Sequence[str], samples: int =
         err.print(saved.note, soft_wrap=True)
     player = None                                   # open_target resolved the stop ids
     if is_episodic(task):
-        player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg),
+        player = EpisodePlayer(tokenizer, task, cfg.rollout, int(cfg.algo.group_size),
                                stop_ids(model, tokenizer))
     common = dict(scorer=scorer, player=player, max_new_tokens=int(ro.max_new_tokens),
                   batch_size=batch_size, extra=None if player else _extras(task, scorer, cfg))

@@ -20,7 +20,7 @@ from rlctl.train.evaluate import episode_success
 from rlctl.models.forward import learner_forward
 from rlctl.train.metrics import episode_columns, offers_tools
 from rlctl.models.stop_ids import stop_ids
-from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
+from rlctl.rollout.episodes.loop import EpisodePlayer
 from rlctl.rollout.generate import rollout
 from rlctl.types import DONE, MODEL
 
@@ -71,7 +71,8 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                  eos=int(tokenizer.eos_token_id), stops=tuple(stop_ids(model, tokenizer)),
                  seed=int(cfg.seed))
     if is_episodic(task):
-        plan.player = EpisodePlayer(tokenizer, task, EpisodeSettings.from_config(cfg), plan.stops)
+        plan.player = EpisodePlayer(tokenizer, task, cfg.rollout, int(cfg.algo.group_size),
+                                    plan.stops)
         plan.tool_task = offers_tools(task)
     path = Path(out).expanduser()
     try:
@@ -162,7 +163,7 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
 def _episode_rows(plan: _Plan, model, start: int, chunk) -> List[dict]:
     """G episodes of each prompt in ``chunk`` (the G of a prompt share its environment seed,
     ``seed`` + the prompt's index in the file), one row each."""
-    g, s = plan.group, plan.player.settings
+    g, ro, s = plan.group, plan.player.rollout, plan.player.episode
     batch = plan.player.play(model, chunk, plan.seed + start, group_size=g)
     widths = batch.attention_mask[:, batch.prompt_len:].sum(-1).tolist()  # [N] transcripts
     ids, masks = batch.completion_ids.tolist(), batch.mask.long().tolist()
@@ -176,7 +177,7 @@ def _episode_rows(plan: _Plan, model, start: int, chunk) -> List[dict]:
                "prompt_index": start + i // g, "prompt": chunk[i // g].prompt,
                "completion": batch.completions[i], "token_ids": ids[i][:n], "mask": mask,
                "logprobs": lps, "logprob_sum": round(sum(lps), 6), "length": sum(mask),
-               "transcript_length": len(ids[i][:n]), "max_new_tokens": s.max_new_tokens,
+               "transcript_length": len(ids[i][:n]), "max_new_tokens": ro.max_new_tokens,
                "max_turns": s.max_turns, "max_tokens": s.max_tokens, "eos_token_id": plan.eos,
                "stop_token_ids": list(plan.stops), "truncated": e.status != DONE,
                "reward": rewards[i], "turn_rewards": list(e.turn_rewards),

@@ -1,10 +1,8 @@
 """Generation: B prompts x G sampled completions -> a scored ``RolloutBatch``.
 
-Tokens are drawn from softmax(logits / temperature) (top-p off; top-k for eval and rollout
-only), the distribution the learner's log-probs use: with a KV cache through ``sample``, the
-lean loop (the tokens Hugging Face's sampling draws for the same seed), else through the
-model's ``generate`` with the library's default generation settings (no processor from a
-checkpoint's generation config). ``sampling_precision``: the sampling forwards' dtype.
+Tokens come from softmax(logits / temperature) (top-k for eval and rollout only), the learner's
+distribution: through ``sample``, the lean loop (Hugging Face's tokens for the same seed), else
+(greedy, backend kwargs, no KV cache) the model's ``generate`` with the library's defaults.
 """
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.errors import UserError
 from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, shared_prefill,
                                    state_in_modules, unpadded_notice)
-from rlctl.models.stop_ids import decode_completions, stop_ids  # noqa: F401 - re-exported
-from rlctl.models.kv_share import position_ids_from_mask  # noqa: F401 - also imported from here
+from rlctl.models.stop_ids import decode_completions, stop_ids
 from rlctl.models.value import PolicyValueModel
 from rlctl.types import Example, RolloutBatch
 
@@ -27,9 +24,8 @@ SAMPLE_DTYPES = ("float32", "bfloat16")
 
 
 def check_training_sampling(top_k: int) -> None:
-    """Training samples from softmax(logits / temperature), the distribution of its log-probs:
-    top-k is refused for ``rlctl train`` (its support moves with the weights, so a sampled
-    token can have probability 0 under the learner). UserError (one line, exit 2)."""
+    """Top-k is refused for ``rlctl train``: a sampled token could have probability 0 under
+    the learner's softmax(logits / temperature). UserError (one line, exit 2)."""
     if top_k:
         raise UserError(f"rollout.top_k={top_k} is for rlctl eval and rollout only: training "
                         "samples from the full softmax(logits / rollout.temperature) that its "
@@ -38,8 +34,7 @@ def check_training_sampling(top_k: int) -> None:
 
 @contextlib.contextmanager
 def sampling_precision(model, dtype: str):
-    """Within: ``model``'s forwards in ``dtype`` (SAMPLE_DTYPES): float32 as the model is;
-    bfloat16 under ``torch.autocast`` (the weights untouched: the learner keeps float32)."""
+    """Within: ``model``'s forwards in ``dtype``: float32 as is, bfloat16 under autocast."""
     if dtype not in SAMPLE_DTYPES:
         raise ValueError(f"rollout.sample_dtype must be one of {SAMPLE_DTYPES}; got {dtype!r}")
     if dtype == "float32":
@@ -55,13 +50,10 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
            temperature: float, top_k: int, stop_ids: Sequence[int], pad_id: int, key: str,
            cache=None, keep_logprobs: bool = False, max_position: Optional[int] = None
            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The lean sampling loop: left-padded prompts [N, P] -> (sequences [N, P+T], behaviour
-    log-probs [N, T] or None). ``keep_logprobs``: log softmax(logits / temperature) of each
-    sampled token (top-k not applied; float64 for a float64 model), never [N, T, V] rows.
-    ``cache``: a KV cache of every prompt token but the last (``kv_share.shared_prefill``);
-    ``key``: the forward's cache keyword. T <= max_new_tokens: stops when every row has
-    emitted a stop id; finished rows get ``pad_id``. ``max_position``: the model's context
-    (a token fed past it gets the last position: episodes sample rows of different rooms)."""
+    """The lean loop: left-padded prompts [N, P] -> (sequences [N, P+T], log softmax(logits /
+    temperature) of each sampled token [N, T] (before top-k; float64 for a float64 model) or
+    None). ``cache``: of every prompt token but the last (``shared_prefill``); T <=
+    max_new_tokens, rows padded after their stop id; positions clamped below ``max_position``."""
     n = input_ids.shape[0]
     mask = attention_mask.long()
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=input_ids.device)  # [S]
@@ -105,9 +97,8 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
              do_sample: bool, temperature: float = 1.0, top_k: int = 0,
              return_logprobs: bool = False, share_prompts: bool = True,
              stops: Optional[Sequence[int]] = None, **backend_kwargs):
-    """Prompts -> (sequences [N, P+T], prompt attention mask [N, P], P), plus the behaviour
-    log-probs [N, T] when ``return_logprobs`` (as ``sample``'s). ``stops``: default
-    ``stop_ids(model, tokenizer)``; ``backend_kwargs``: e.g. ``synced_gpus=True`` (ZeRO-3);
+    """Prompts -> (sequences [N, P+T], prompt mask [N, P], P), plus ``sample``'s log-probs [N, T]
+    when ``return_logprobs``. ``backend_kwargs``: e.g. ``synced_gpus=True`` (ZeRO-3);
     ``share_prompts``: prefill each distinct prompt once (the same samples up to rounding)."""
     if isinstance(model, PolicyValueModel):    # sample from the LM alone: no value head per token
         model = model.policy
@@ -116,15 +107,18 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
     enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
     input_ids = enc["input_ids"].to(device)            # [N, P]
     prompt_mask = enc["attention_mask"].to(device)     # [N, P]
-    if state_in_modules(model) and not bool(prompt_mask.all()):
+    if state_in_modules(model) and not bool(prompt_mask.all()):      # prompts of several lengths
         if backend_kwargs.get("synced_gpus"):
             raise UserError(f"{type(innermost(model)).__name__} cannot sample under ZeRO-3 on "
                             "several ranks: left padding reaches its recurrent state, so its "
                             "prompts run one length at a time, and synced generation needs the "
                             "same calls on every rank; use hardware.zero_stage<3 or one rank")
-        return _per_length(lambda some: generate(
-            model, tokenizer, some, max_new_tokens, do_sample, temperature, top_k, return_logprobs,
-            share_prompts, stops, **backend_kwargs), prompts, prompt_mask, tokenizer.pad_token_id, model)
+        unpadded_notice(model)
+        groups = length_groups(model, prompt_mask.sum(-1).tolist())
+        outs = [generate(model, tokenizer, [prompts[i] for i in rows], max_new_tokens, do_sample,
+                         temperature, top_k, return_logprobs, share_prompts, stops,
+                         **backend_kwargs) for rows in groups]
+        return _padded_back(outs, groups, prompt_mask, tokenizer.pad_token_id)
     cache = shared_prefill(model, input_ids, prompt_mask) if share_prompts else None
     key = cache_keyword(model)
     if do_sample and not backend_kwargs and key is not None:     # the lean loop
@@ -150,18 +144,20 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int,
     return out.sequences, prompt_mask, input_ids.shape[1], logp
 
 
-def _per_length(run, prompts, prompt_mask: torch.Tensor, pad_id: int, model):
-    """``generate`` for a model whose recurrent state sees left padding (RecurrentGemma):
-    ``run`` on the prompts of each token length, unpadded, the results padded back together."""
-    unpadded_notice(model)
-    lengths = prompt_mask.sum(-1)                                                 # [N]
-    groups = [(lengths == n).nonzero()[:, 0] for n in sorted(set(lengths.tolist()))]
-    outs = [run([prompts[i] for i in rows.tolist()]) for rows in groups]
+def length_groups(model, lengths: Sequence[int]) -> List[List[int]]:
+    """Rows sampled together: all, or per length (shortest first): ``state_in_modules``."""
+    if not state_in_modules(model) or len(set(lengths)) < 2:
+        return [list(range(len(lengths)))]
+    return [[i for i, n in enumerate(lengths) if n == m] for m in sorted(set(lengths))]
+
+
+def _padded_back(outs, groups, prompt_mask: torch.Tensor, pad_id: int):
+    """``generate``'s results per length group, padded back together in row order."""
     N, P = prompt_mask.shape
     T = max(o[0].shape[1] - o[2] for o in outs)
     seqs = prompt_mask.new_full((N, P + T), pad_id)                               # [N, P+T]
     logp = torch.zeros(N, T, device=prompt_mask.device, dtype=outs[0][3].dtype) \
-        if len(outs[0]) > 3 else None                      # [N, T], the sampler's dtype (float64 model: float64)
+        if len(outs[0]) > 3 else None                      # [N, T], the sampler's dtype
     for rows, (s, m, p, *lp) in zip(groups, outs):
         seqs[rows, P - p:P - p + s.shape[1]] = s
         if logp is not None:
@@ -171,8 +167,7 @@ def _per_length(run, prompts, prompt_mask: torch.Tensor, pad_id: int, model):
 
 @contextlib.contextmanager
 def library_generation_defaults(model):
-    """Within: every (sub)module's ``generation_config`` is a fresh ``GenerationConfig()``
-    (``generate`` fills unset settings from it; wrappers hold it on an inner module)."""
+    """Within: every (sub)module's ``generation_config`` is a fresh ``GenerationConfig()``."""
     saved = [(m, m.generation_config) for m in model.modules()
              if isinstance(getattr(m, "generation_config", None), GenerationConfig)]
     try:
@@ -190,9 +185,8 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             behaviour_logprobs: bool = False, share_prompts: bool = True,
             stops: Optional[Sequence[int]] = None, engine_logprobs: bool = False,
             sample_dtype: str = "float32", **backend_kwargs) -> RolloutBatch:
-    """G completions for each of the B examples, scored in one batch (``score_batch``).
-    The sampled tokens' log-probs are kept as ``old_logprobs`` (``behaviour_logprobs``)
-    and/or ``engine_logprobs`` (set whenever kept); the mask runs to the first stop id."""
+    """G completions for each of the B examples, scored in one batch; the sampled tokens'
+    log-probs kept as ``old_logprobs`` (``behaviour_logprobs``) and ``engine_logprobs``."""
     stops = tuple(stops) if stops is not None else stop_ids(model, tokenizer)
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
     with sampling_precision(model, sample_dtype):
@@ -210,9 +204,8 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
 def scored(tokenizer, examples: Sequence[Example], group_size: int, seqs: torch.Tensor,
            prompt_mask: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor,
            stops: Sequence[int], score_batch, **fields) -> RolloutBatch:
-    """Sequences [N, P+T] of B examples x G (prompts [N, P] left-padded, completions masked by
-    ``mask`` [N, T]) decoded and scored in one batch (``score_batch``) -> a RolloutBatch
-    with ``fields`` (log-probs, staleness)."""
+    """Sequences [N, P+T] of B examples x G (completions masked by ``mask`` [N, T]) decoded
+    and scored in one batch -> a RolloutBatch with ``fields`` (log-probs, staleness)."""
     plen = prompt_mask.shape[1]
     completions = decode_completions(tokenizer, seqs[:, plen:], mask, stops)
     per_row = [examples[i // group_size] for i in range(len(completions))]
@@ -227,8 +220,7 @@ def scored(tokenizer, examples: Sequence[Example], group_size: int, seqs: torch.
 
 
 def left_padded(prompts, pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists -> (ids [N, P] left-padded with ``pad_id``, attention mask [N, P]),
-    as a left-padding tokenizer lays them out."""
+    """Token id lists -> (ids [N, P] left-padded with ``pad_id``, attention mask [N, P])."""
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), P, dtype=torch.long)

@@ -1,19 +1,16 @@
-"""Where a training step's rollouts come from, and how a step collects them.
-
-A source has ``sample(num_groups) -> RolloutBatch``, ``after_update()``, ``metrics()``,
-``close()``, a ``prompt_rng`` (a ``random.Random`` the checkpoint saves) and the training
-``scorer``. ``LocalSource`` samples with the learner's own policy module (the newest weights);
-``collect`` makes one step's batch, with DAPO's dynamic sampling: groups whose G rewards are
-all equal are dropped and more prompts sampled, up to ``max_rounds`` rollouts.
+"""Where a step's rollouts come from: a source has ``sample(num_groups) -> RolloutBatch``,
+``after_update()``, ``metrics()``, ``close()``, a ``prompt_rng`` (saved by the checkpoint)
+and the ``scorer``. ``collect``: one step's batch with DAPO's dynamic sampling (groups of
+equal rewards dropped, more prompts sampled, up to ``max_rounds`` rollouts).
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rlctl.config.schema import AlgoConfig, RolloutConfig
 from rlctl.core import zero_std_groups
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.generate import rollout
@@ -22,38 +19,13 @@ from rlctl.types import Example, RolloutBatch
 SEED_RANGE = 2 ** 31     # the environments' seeds of an episodic task
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How completions are sampled for training (``rollout`` and ``algo``), with the prompt
-    sharing the learner's backend allows."""
-    group_size: int                 # G
-    max_new_tokens: int             # T at most
-    temperature: float
-    top_k: int = 0                  # 0: the full distribution (train refuses > 0)
-    share_prompts: bool = True      # prefill each distinct prompt once
-    stop_token_ids: Tuple = ()      # extra stop ids or token strings (rollout.stop_token_ids)
-    engine_logprobs: bool = False   # record the sampler's log-probs (algo.rollout_correction.enabled)
-    sample_dtype: str = "float32"   # the sampling forwards' precision (rollout.sample_dtype)
-
-    @classmethod
-    def from_config(cls, cfg, share_prompts: bool) -> "SamplingSettings":
-        ro = cfg.rollout
-        return cls(group_size=cfg.algo.group_size, max_new_tokens=ro.max_new_tokens,
-                   temperature=ro.temperature, top_k=ro.top_k, share_prompts=share_prompts,
-                   stop_token_ids=tuple(ro.get("stop_token_ids", None) or ()),
-                   engine_logprobs=bool(cfg.algo.rollout_correction.enabled),
-                   sample_dtype=ro.sample_dtype)
-
-
 class SyncSource:
-    """What the synchronous sources share: rows drawn with replacement from ``examples``
-    by ``prompt_rng``, no work after an update, no metrics, the scorer closed at the end."""
+    """Rows drawn with replacement by ``prompt_rng``; no metrics; the scorer closed at the end."""
     examples: List[Example]
     prompt_rng: random.Random
     scorer: object
 
     def draw(self, num_groups: int) -> List[int]:
-        """Indices of the next ``num_groups`` prompts (with replacement)."""
         return [self.prompt_rng.randrange(len(self.examples)) for _ in range(num_groups)]
 
     def after_update(self) -> None:
@@ -67,26 +39,28 @@ class SyncSource:
 
 
 class LocalSource(SyncSource):
-    """The synchronous loop: B prompts from ``examples``, G completions each from ``policy``,
-    scored by ``scorer``. ``generate_kwargs``: the backend's (e.g. ``synced_gpus``). The stop
-    ids are resolved once (``resolve_stop_ids``) and written into the policy's generation config."""
+    """The synchronous loop: B prompts x ``algo.group_size`` completions sampled from ``policy``
+    as ``rollout`` says; ``generate_kwargs``: the backend's (e.g. ``synced_gpus``)."""
 
     def __init__(self, policy, tokenizer, examples: Sequence[Example], scorer,
-                 settings: SamplingSettings, seed: int, generate_kwargs: Optional[Dict] = None):
+                 rollout: RolloutConfig, algo: AlgoConfig, share_prompts: bool, seed: int,
+                 generate_kwargs: Optional[Dict] = None):
         self.policy, self.tokenizer, self.examples = policy, tokenizer, list(examples)
-        self.scorer, self.settings = scorer, settings
+        self.scorer, self.rollout, self.share_prompts = scorer, rollout, share_prompts
+        self.group_size = algo.group_size
+        self.engine_logprobs = bool(algo.rollout_correction.enabled)
         self.prompt_rng = random.Random(seed)
         self.generate_kwargs = dict(generate_kwargs or {})
-        self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
+        self.stops = resolve_stop_ids(policy, tokenizer, tuple(rollout.stop_token_ids or ()))
 
     def sample(self, num_groups: int) -> RolloutBatch:
-        s = self.settings
+        ro = self.rollout
         examples = [self.examples[self.prompt_rng.randrange(len(self.examples))]   # as ``draw``
                     for _ in range(num_groups)]
-        batch = rollout(self.policy, self.tokenizer, examples, s.group_size, s.max_new_tokens,
-                        s.temperature, s.top_k, self.scorer.score_batch,
-                        share_prompts=s.share_prompts, stops=self.stops,
-                        engine_logprobs=s.engine_logprobs, sample_dtype=s.sample_dtype,
+        batch = rollout(self.policy, self.tokenizer, examples, self.group_size, ro.max_new_tokens,
+                        ro.temperature, ro.top_k, self.scorer.score_batch,
+                        share_prompts=self.share_prompts, stops=self.stops,
+                        engine_logprobs=self.engine_logprobs, sample_dtype=ro.sample_dtype,
                         **self.generate_kwargs)
         return batch.replace(reward_parts=self.scorer.last_components)   # this batch's, per row
 

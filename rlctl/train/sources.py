@@ -29,9 +29,9 @@ from rlctl.errors import ConfigError, UserError, user_message
 from rlctl.models.forward import prompt_sharing
 from rlctl.models.loading import load_model_and_tokenizer, quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.rollout.source import LocalSource, SamplingSettings
+from rlctl.rollout.source import LocalSource
 from rlctl.train.build import model_from_config, prepare_task
-from rlctl.config.schema import ServerConfig
+from rlctl.config.schema import AsyncConfig, RolloutConfig
 
 START_S = 600.0          # a child that has not reported its port by then failed
 
@@ -52,7 +52,6 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
     process on ``hardware.device``; ``stop``: a signal ends a wait for engines starting."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     device = backend.device if backend is not None else torch.device(cfg.hardware.device)
-    sampling = SamplingSettings.from_config(cfg, prompt_sharing(cfg.trainer.share_prompts, backend))
     if is_episodic(prepared.task):
         if backend is not None and backend.generate_kwargs():    # ranks generating in step
             raise ConfigError(f"a task played as episodes cannot run on {backend.world_size} ranks "
@@ -60,16 +59,16 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
                               "rank's episodes take their own number of turns); use "
                               "hardware.zero_stage=2 or lower, or hardware.num_processes=1")
         episodes = _episodes()
-        local = episodes.EpisodeSource(policy, tokenizer, prepared,
-                                       episodes.EpisodeSettings.from_config(cfg),
-                                       seed=cfg.seed * 1000 + rank)
+        local = episodes.EpisodeSource(policy, tokenizer, prepared, cfg.rollout,
+                                       int(cfg.algo.group_size), seed=cfg.seed * 1000 + rank)
     elif cfg.rollout.engine == "server":
-        return server_source(cfg.rollout.server, ServeSpec.from_config(cfg),
-                             _engine_source().EngineSettings.from_config(cfg),
-                             SamplingSettings.from_config(cfg, True),
-                             policy, tokenizer, prepared, device, cfg.seed * 1000, stop)
+        return server_source(cfg.rollout, int(cfg.algo.group_size), cfg.trainer.async_rollout,
+                             ServeSpec.from_config(cfg), policy, tokenizer, prepared, device,
+                             cfg.seed * 1000, stop)
     else:
-        local = LocalSource(policy, tokenizer, list(prepared.train), prepared.scorer(), sampling,
+        local = LocalSource(policy, tokenizer, list(prepared.train), prepared.scorer(),
+                            cfg.rollout, cfg.algo,
+                            prompt_sharing(cfg.trainer.share_prompts, backend),
                             seed=cfg.seed * 1000 + rank,
                             generate_kwargs=backend.generate_kwargs() if backend is not None else None)
     if not cfg.trainer.async_rollout.enabled:
@@ -90,29 +89,33 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
                 engine.stop(sys.exc_info()[0] is not None)
             engines.close(30.0)
         return engine_source.EngineSource(
-            clients, policy, tokenizer, local.examples, local.scorer, sampling,
-            engine_source.EngineSettings.from_config(cfg), seed=cfg.seed * 1000 + rank,
+            clients, policy, tokenizer, local.examples, local.scorer, cfg.rollout,
+            int(cfg.algo.group_size), cfg.trainer.async_rollout, seed=cfg.seed * 1000 + rank,
             device=device, on_close=close, learner_rng=True, player=player)
     except BaseException:
         engines.close()
         raise
 
 
-def server_source(servers: ServerConfig, spec: "ServeSpec", settings, sampling: SamplingSettings,
+def server_source(rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, spec: "ServeSpec",
                   policy, tokenizer, prepared, device, seed: int, stop=None):
-    """``rollout.engine=server``: an ``EngineSource`` (``settings``: its ``EngineSettings``) on
-    the servers at ``servers.urls``, or on ``servers.num_local`` `rlctl serve` processes of
+    """``rollout.engine=server``: an ``EngineSource`` on the servers at
+    ``rollout.server.urls``, or on ``rollout.server.num_local`` `rlctl serve` processes of
     ``spec`` started here (and stopped when the source closes)."""
+    servers = rollout.server
     local = None if servers.urls else LocalServers(spec, servers.num_local, stop)
     server_engine = importlib.import_module("rlctl.rollout.engines.server")
+    engine_source = _engine_source()
     try:
         engine = server_engine.ServerEngine(
-            list(servers.urls) or local.urls, max_staleness=settings.max_staleness,
+            list(servers.urls) or local.urls,
+            max_staleness=engine_source.staleness_bounds(ahead)[0],
             chunk_size=servers.chunk_size, timeout_s=servers.timeout_s,
             kind=server_engine.configured_kind(servers.kind, servers.weight_dir, servers.model_dir))
-        return _engine_source().EngineSource(engine, policy, tokenizer, list(prepared.train), prepared.scorer(),
-                            sampling, settings, seed=seed, device=device,
-                            on_close=local.close if local is not None else None)
+        return engine_source.EngineSource(engine, policy, tokenizer, list(prepared.train),
+                                          prepared.scorer(), rollout, group_size, ahead,
+                                          seed=seed, device=device,
+                                          on_close=local.close if local is not None else None)
     except BaseException:
         if local is not None:
             local.close()
@@ -136,8 +139,8 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
         player, examples = None, ()
         if is_episodic(prepared.task):      # the learner draws the rows and the environments' seed
             episodes = _episodes()
-            local = episodes.EpisodeSource(model, tok, prepared,
-                                           episodes.EpisodeSettings.from_config(cfg), seed=0)
+            local = episodes.EpisodeSource(model, tok, prepared, cfg.rollout,
+                                           int(cfg.algo.group_size), seed=0)
             player, examples = local.player, local.examples
         engine_source = _engine_source()
         engine = engine_source.TorchEngine(model, tok.pad_token_id,

@@ -18,7 +18,8 @@ from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.demo.tiny import AGENT_TASKS, build_params, build_tiny, build_tokenizer, cache_key
 from rlctl.demo.tiny_agents import (AGENT_WARMUPS, MODEL, MODEL_CUT, OBS, agent_params,
                                       transcript_rows, warmup_transcripts)
-from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
+from rlctl.config.schema import EpisodeConfig, RolloutConfig
+from rlctl.rollout.episodes.loop import EpisodePlayer
 from rlctl.tasks import build_task
 from rlctl.types import MODEL as SPAN_MODEL
 
@@ -123,8 +124,8 @@ AGENT_RECIPES = {"calculator": "calculator-tool", "guess_number": "guess-number"
 
 def _recipe_settings(name):
     ro = OmegaConf.load(os.path.join(RECIPES, f"{name}.yaml")).rollout
-    return EpisodeSettings(group_size=1, max_new_tokens=ro.max_new_tokens, temperature=1.0,
-                           max_turns=ro.episode.max_turns, max_tokens=ro.episode.max_tokens)
+    return RolloutConfig(max_new_tokens=ro.max_new_tokens, temperature=1.0, episode=EpisodeConfig(
+        max_turns=ro.episode.max_turns, max_tokens=ro.episode.max_tokens))
 
 
 def _small(build_once, task_name, **changes):
@@ -139,7 +140,7 @@ def _small(build_once, task_name, **changes):
 def _greedy(cache, args, task_name, rows=32):
     model, tok = load_model_and_tokenizer("tiny", warmup_task=task_name, cache_dir=cache, **args)
     task = build_task(task_name)
-    player = EpisodePlayer(tok, task, _recipe_settings(AGENT_RECIPES[task_name]),
+    player = EpisodePlayer(tok, task, _recipe_settings(AGENT_RECIPES[task_name]), 1,
                            resolve_stop_ids(model, tok))
     return player.play(model, task.eval_examples()[:rows], 0, greedy=True), tok
 

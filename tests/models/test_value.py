@@ -4,8 +4,9 @@ import copy
 import pytest
 import torch
 
+from rlctl.models.kv_share import position_ids_from_mask
 from rlctl.models.value import VALUE_HEAD_FILE, PolicyValueModel, SeparateCritic
-from rlctl.rollout.generate import generate, position_ids_from_mask
+from rlctl.rollout.generate import generate
 
 PROMPTS = ["3 1 2 =", "9 =", "5 4 8 7 ="]
 

@@ -11,11 +11,19 @@ import torch
 from omegaconf import OmegaConf
 
 from rlctl.config.compose import compose
+from rlctl.config.schema import EpisodeConfig, RolloutConfig
 from rlctl.train.trainer import Trainer
 from rlctl.train.build import model_from_config, prepare_task, task_from_config
 from rlctl.train.sources import build_source
 from rlctl.sinks import NullSink
 from rlctl.types import MODEL
+
+def player_settings(group_size, max_new_tokens, temperature, top_k=0, **episode):
+    """(rollout section, group size) for an ``EpisodePlayer``: the schema's defaults for
+    every ``rollout.episode`` key not given."""
+    return RolloutConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                         episode=EpisodeConfig(**episode)), group_size
+
 
 COUNT_UP = '''"""Count up from the first observation's number; reward 1 per right turn."""
 from rlctl.envs.environment import EnvTask

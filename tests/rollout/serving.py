@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from rlctl.rollout.engines.protocol import TorchEngine
+from rlctl.rollout.engines.protocol import TorchEngine, chunk_seed
 from rlctl.rollout.engines.serve_app import build_app
 
 LIMIT_S = 10.0
@@ -21,6 +21,19 @@ class CountingEngine(TorchEngine):
     def generate(self, *args, **kwargs):
         self.calls += 1
         return super().generate(*args, **kwargs)
+
+
+class ChunkedEngine(TorchEngine):
+    """The torch engine cutting a batch into requests of ``size`` prompts, request j seeded
+    ``chunk_seed(seed, j)``, as the server engine cuts it."""
+
+    def __init__(self, model, pad_id, size):
+        super().__init__(model, pad_id)
+        self.size = size
+
+    def generate(self, prompts, sampling, seed=None):
+        return [c for j in range(0, len(prompts), self.size) for c in TorchEngine.generate(
+            self, prompts[j:j + self.size], sampling, chunk_seed(seed, j // self.size))]
 
 
 def tiny_app(model, pad_id, stops=()):

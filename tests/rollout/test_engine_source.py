@@ -23,16 +23,15 @@ from rlctl.train.trainer import Trainer
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora
 from rlctl.rollout.engines.protocol import Sampling, TorchEngine
-from rlctl.rollout.engines.engine_source import CLOSE_WAIT_S, EngineSettings, EngineSource, policy_weights
+from rlctl.rollout.engines.engine_source import CLOSE_WAIT_S, EngineSource, policy_weights
 from rlctl.rollout.engines.serve_app import build_app
 from rlctl.rollout.engines.server import ServerEngine
-from rlctl.rollout.source import SamplingSettings
 from rlctl.train.build import prepare_task
 from rlctl.train.preflight import check_episodes
 from rlctl.train.sources import build_source
 from rlctl.sinks import NullSink
 
-from serving import ServeThread, tiny_app
+from serving import ChunkedEngine, ServeThread, tiny_app
 
 BASE = ["trainer.prompts_per_step=4", "algo.group_size=4", "trainer.eval_every=3", "trainer.lr=1e-3",
         "trainer.steps=3", "rollout.server.chunk_size=4"]     # N = 16 rows: 4 requests of 4
@@ -70,7 +69,7 @@ def _train(cfg, engine_for, steps=3):
         source = build_source(cfg, model, tok, task)
     else:
         source = EngineSource(engine_for(model, tok), model, tok, list(task.train), task.scorer(),
-                              SamplingSettings.from_config(cfg, True), EngineSettings.from_config(cfg),
+                              cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout,
                               seed=cfg.seed * 1000)
     tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=source)
     try:
@@ -91,7 +90,7 @@ def test_torch_engine_one_and_two_servers_train_alike(tiny, tmp_path):
     _, _, servers = tiny
     cfg = _cfg([])
     urls = [s.url for s in servers]
-    here = _train(cfg, lambda m, tok: TorchEngine(copy.deepcopy(m), tok.pad_token_id, chunk_size=4))
+    here = _train(cfg, lambda m, tok: ChunkedEngine(copy.deepcopy(m), tok.pad_token_id, 4))
     one = _train(_cfg(["rollout.engine=server", f"rollout.server.urls=[{urls[0]}]"]), None)
     two = _train(cfg, lambda m, tok: ServerEngine(urls, chunk_size=4))
     disk = _train(_cfg(["rollout.engine=server", f"rollout.server.urls=[{urls[1]}]",
@@ -121,7 +120,7 @@ def test_one_server_lost_mid_run_the_run_finishes_on_the_other_and_it_comes_back
     model2, tok2 = _model(cfg)
     task = prepare_task(cfg, tok2, model2, quiet=True)
     source = EngineSource(engine_for(model2, tok2), model2, tok2, list(task.train), task.scorer(),
-                          SamplingSettings.from_config(cfg, True), EngineSettings(), seed=0)
+                          cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0)
     tr = Trainer.from_config(cfg, model2, tok2, task, NullSink(), source=source)
     try:
         first = tr.step(1)
@@ -168,7 +167,7 @@ def test_a_server_restarted_unseen_before_its_first_use_is_not_taken_for_the_lea
     def source(urls):
         engine = ServerEngine(urls, chunk_size=4, recheck_s=0.0, timeout_s=20.0, say=lines.append)
         return EngineSource(engine, learner, tok, list(task.train), task.scorer(),
-                            SamplingSettings.from_config(cfg, True), EngineSettings(), seed=0)
+                            cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0)
     ref, two = source([servers["ref"].url]), source([servers["a"].url, servers["b"].url])
     try:
         batches = {}
@@ -228,7 +227,7 @@ def test_closing_with_a_request_ahead_on_a_hung_server_does_not_wait_for_it(tiny
     try:
         source = EngineSource(ServerEngine([server.url], max_staleness=1, chunk_size=16, timeout_s=300.0),
                               model, tok, list(task.train), task.scorer(),
-                              SamplingSettings.from_config(cfg, True), EngineSettings.from_config(cfg), seed=0)
+                              cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0)
         source.sample(4)                              # answered; the next request is ahead, hung
         deadline = time.monotonic() + 10.0
         while engine.calls < 2 and time.monotonic() < deadline:

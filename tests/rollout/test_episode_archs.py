@@ -28,14 +28,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from episode_runs import model_turn_gaps  # noqa: E402
+from episode_runs import model_turn_gaps, player_settings  # noqa: E402
 from arch_zoo import TOKENIZERS, build_config  # noqa: E402
 from real_arch import SPECS, build_model, build_tokenizer  # noqa: E402
 
 from rlctl.envs.environment import EnvTask# noqa: E402
 from rlctl.models.forward import learner_forward# noqa: E402
 from rlctl.rollout.episodes.text import EpisodeText# noqa: E402
-from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings# noqa: E402
+from rlctl.rollout.episodes.loop import EpisodePlayer  # noqa: E402
 from rlctl.tasks.task import TaskOptions# noqa: E402
 from rlctl.types import MODEL, OBSERVATION, Example, Step  # noqa: E402
 
@@ -133,10 +133,10 @@ def test_learner_logprobs_equal_behaviour_turn_by_turn_on_real_architectures(arc
     rows = [Example("sort 3 1 2"), Example("answer 7")]
     task = EnvTask("answers", Answers, rows, rows)
     task.rlctl_options = TaskOptions(prompt_format="chat")
-    settings = EpisodeSettings(group_size=2, max_new_tokens=4, temperature=1.0, max_turns=3,
+    settings = player_settings(group_size=2, max_new_tokens=4, temperature=1.0, max_turns=3,
                                max_tokens=80)
     torch.manual_seed(0)
-    batch = EpisodePlayer(tok, task, settings, stops).play(model, rows, seed=0)
+    batch = EpisodePlayer(tok, task, *settings, stops).play(model, rows, seed=0)
     assert batch.old_logprobs.dtype == torch.float64
     learner = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
     for i, s, gap in model_turn_gaps(batch, learner):

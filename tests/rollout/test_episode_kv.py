@@ -31,13 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from arch_zoo import build_config  # noqa: E402
+from episode_runs import player_settings  # noqa: E402
 
 from rlctl.envs.environment import EnvTask# noqa: E402
 from rlctl.models.forward import learner_forward# noqa: E402
 from rlctl.models import kv_share  # noqa: E402
 from rlctl.demo.tiny import build_model, build_tokenizer# noqa: E402
 from rlctl.rollout.episodes.kv import CachedTurns, Recompute, gaps_unsupported, turn_sampler# noqa: E402
-from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings# noqa: E402
+from rlctl.rollout.episodes.loop import EpisodePlayer  # noqa: E402
 from rlctl.types import Example, Step  # noqa: E402
 
 TOL = 1e-10
@@ -87,13 +88,13 @@ class Varied:
 
 
 def _play(model, tok, kv_reuse, seed=3, **kw):
-    s = EpisodeSettings(**{"group_size": 2, "max_new_tokens": 5, "temperature": 1.0,
+    s = player_settings(**{"group_size": 2, "max_new_tokens": 5, "temperature": 1.0,
                            "max_turns": 6, "max_tokens": 60, "max_obs_tokens": 16,
                            "kv_reuse": kv_reuse, **kw})
     offsets = itertools.count()
     task = EnvTask("varied", lambda: Varied(next(offsets)), ROWS, ROWS)
     torch.manual_seed(seed)
-    return EpisodePlayer(tok, task, s, (tok.eos_token_id,)).play(model, ROWS, seed=seed)
+    return EpisodePlayer(tok, task, *s, (tok.eos_token_id,)).play(model, ROWS, seed=seed)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
@@ -129,7 +130,7 @@ def test_greedy_episodes_agree_too(models, tok):
     for reuse in (True, False):
         offsets = itertools.count()
         task = EnvTask("varied", lambda: Varied(next(offsets)), ROWS, ROWS)
-        batches.append(EpisodePlayer(tok, task, EpisodeSettings(**s, kv_reuse=reuse),
+        batches.append(EpisodePlayer(tok, task, *player_settings(**s, kv_reuse=reuse),
                                      (tok.eos_token_id,)).play(model, ROWS, seed=0, greedy=True))
     assert torch.equal(batches[0].input_ids, batches[1].input_ids)
     assert (batches[0].old_logprobs - batches[1].old_logprobs).abs().max().item() <= TOL
@@ -185,7 +186,7 @@ def test_episodes_reaching_the_context_at_different_turns(models, tok):
     for reuse in (True, False):
         torch.manual_seed(0)
         task = EnvTask("echo", Echo, rows, rows)
-        batches.append(EpisodePlayer(tok, task, EpisodeSettings(**s, kv_reuse=reuse),
+        batches.append(EpisodePlayer(tok, task, *player_settings(**s, kv_reuse=reuse),
                                      (tok.eos_token_id,)).play(model, rows, seed=0))
     cached, recomputed = batches
     assert [e.status for e in cached.episodes] == ["length_limit"] * len(rows)

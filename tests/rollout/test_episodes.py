@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
-from episode_runs import model_turn_gaps
+from episode_runs import model_turn_gaps, player_settings
 
 from rlctl.envs.environment import EnvTask
 from rlctl.models.forward import learner_forward
 from rlctl.demo.tiny import build_model, build_tokenizer
-from rlctl.rollout.episodes.loop import EpisodePlayer, EpisodeSettings
+from rlctl.rollout.episodes.loop import EpisodePlayer
 from rlctl.types import DONE, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Example, Step
 
 ROWS = [Example("1 2 +"), Example("3 *")]          # prompts of 4 and 3 tokens (<bos> added)
@@ -46,10 +46,10 @@ class Scripted:
 
 def play(tiny, make_env, rows=ROWS, stops=None, seed=0, **settings):
     model, tok = tiny
-    s = EpisodeSettings(**{"group_size": 2, "max_new_tokens": 3, "temperature": 1.0, **settings})
+    s = player_settings(**{"group_size": 2, "max_new_tokens": 3, "temperature": 1.0, **settings})
     task = EnvTask("scripted", make_env, rows, rows)
     torch.manual_seed(seed)
-    return EpisodePlayer(tok, task, s, (tok.eos_token_id,) if stops is None else stops).play(
+    return EpisodePlayer(tok, task, *s, (tok.eos_token_id,) if stops is None else stops).play(
         model, rows, seed=seed)
 
 

@@ -3,10 +3,10 @@ off by default and changes nothing then, bypass, and the old forward it needs (f
 tiny model unless said otherwise)."""
 import copy
 import re
-import dataclasses
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from rlctl.config.compose import compose
 from rlctl.core import get_policy_loss
@@ -154,7 +154,7 @@ def test_a_bf16_sampler_against_the_fp32_learner(make_trainer):
                        "algo.rollout_correction.enabled=true", "rollout.sample_dtype=bfloat16"])
     gap = {}
     for step, dtype in enumerate(("bfloat16", "float32"), 1):
-        tr.source.settings = dataclasses.replace(tr.source.settings, sample_dtype=dtype)
+        tr.source.rollout = OmegaConf.merge(tr.source.rollout, {"sample_dtype": dtype})
         values = tr.step(step)
         gap[dtype] = values["rollout_corr/log_w_abs_mean"]
         assert 0 < values["rollout_corr/ess"] <= 1 and values["rollout_corr/k3"] >= 0

@@ -27,7 +27,7 @@ def test_multi_rank_zero3_backend_turns_learner_prompt_sharing_off():
     zero3.zero_stage, zero3.world_size = 3, 2             # what a 2-rank ZeRO-3 backend reports
     tr = _trainer(zero3)
     try:
-        assert tr.source.settings.share_prompts is True and tr.update_settings.share_prompts is False
+        assert tr.source.share_prompts is True and tr.update_settings.share_prompts is False
     finally:
         tr.close()
     tr = _trainer(TorchBackend("cpu"))                     # one rank: sharing as configured

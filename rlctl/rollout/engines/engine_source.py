@@ -1,21 +1,15 @@
-"""Rollouts from generation engines: servers (``rollout.engine=server``) or local engine
-processes (``trainer.async_rollout.enabled``), laid out and scored as the learner's batch.
+"""Rollouts from engines (servers, or local engine processes), laid out and scored as the
+learner's batch, and the staleness controller.
 
-* Seeds: each request draws its rows and one seed from ``prompt_rng``, so the tokens depend on
-  that seed and the engine's ``chunk_size`` only. Local engines (``learner_rng``) at
-  max_staleness=0 carry the learner's torch RNG state and hand it back advanced: the
-  synchronous loop bit for bit.
-* Weights go with an engine's first request, then when its copy is ``sync_every`` updates
-  old or the staleness bound needs newer ones (a LoRA policy pushes its adapter only).
-* The staleness controller: versions count learner updates; a rollout is requested ahead
-  (one per idle engine) only while it will be at most ``max_staleness`` versions old when
-  consumed. A stale rollout keeps the engine's log-probs as ``old_logprobs``.
-* ``LocalEngine``/``serve_engine``: the torch engine in a child process over a pipe, one
-  pickled tuple a message: ("generate", prompts, Sampling, seed), ("weights", version,
-  ``to_bytes``) (unanswered: a failed load answers the next request), ("play", rows,
-  env_seed, rng), ("health",), ("stop", failed). Replies ("ok", value, rng state or None),
-  ("error", UserError) or ("failed", line); a child that exits or is silent for
-  ``timeout_s`` is one line (``ActorFailed``).
+Each request draws its rows and one seed from ``prompt_rng``; local engines at max_staleness=0
+take the learner's torch RNG state and hand it back advanced (the synchronous loop bit for
+bit). Versions count learner updates: a rollout is requested ahead (one per idle engine) only
+while it will be at most ``max_staleness`` old when consumed (a stale one's log-probs are its
+``old_logprobs``); an engine gets the weights with its first request, then every ``sync_every``
+updates or when the bound needs them (a LoRA policy: its adapter).
+``LocalEngine``/``serve_engine``: a pipe of pickled tuples ("generate" | "weights", unanswered |
+"play" | "health" | "stop", args...) answered ("ok", value, rng state or None), ("error",
+UserError) or ("failed", line); a child that exits or is silent for ``timeout_s``: ``ActorFailed``.
 """
 from __future__ import annotations
 
@@ -27,46 +21,34 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from safetensors.torch import save_file
+from torch.nn.utils.rnn import pad_sequence
 
+from rlctl.config.schema import AsyncConfig, RolloutConfig
 from rlctl.core.logprobs import completion_mask
 from rlctl.errors import ActorFailed, UserError
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.models.value import PolicyValueModel
-from rlctl.rollout.engines.protocol import (KIND_KEY, Completion, Sampling, TorchEngine, from_bytes,
+from rlctl.rollout.engines.protocol import (Completion, Engine, Sampling, TorchEngine, from_bytes,
                                   prune_versions, to_bytes)
 from rlctl.rollout.generate import left_padded, scored
-from rlctl.rollout.source import SEED_RANGE, SamplingSettings, SyncSource
+from rlctl.rollout.source import SEED_RANGE, SyncSource
 from rlctl.types import Example, RolloutBatch
 
 TIMEOUT_S = 300.0
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """How the learner drives its engine (``rollout.*`` and ``trainer.async_rollout.*``)."""
-    max_staleness: int = 0          # 0: every request after the update (synchronous)
-    sync_every: int = 1             # updates between weight pushes
-    weight_dir: Optional[str] = None   # push through this directory (None: HTTP body)
-
-    @classmethod
-    def from_config(cls, cfg) -> "EngineSettings":
-        a = cfg.trainer.async_rollout
-        ahead = bool(a.enabled)
-        return cls(max_staleness=int(a.max_staleness) if ahead else 0,
-                   sync_every=int(a.sync_every) if ahead else 1,
-                   weight_dir=(cfg.rollout.server.weight_dir if cfg.rollout.server.weight_sync == "disk"
-                               else None))
+def staleness_bounds(ahead: AsyncConfig) -> Tuple[int, int]:
+    """(max_staleness, sync_every): ``trainer.async_rollout``'s, (0, 1) when it is off."""
+    return (int(ahead.max_staleness), int(ahead.sync_every)) if ahead.enabled else (0, 1)
 
 
 def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
-    """(tensors, kind) to serve ``policy``: a peft LoRA policy's adapter (rollout/engines/protocol.py's
-    layout), else every parameter of the language model; detached CPU copies."""
+    """(tensors, kind) to serve ``policy``: a peft LoRA policy's adapter, else every parameter
+    of the language model; detached CPU copies."""
     model = policy.policy if isinstance(policy, PolicyValueModel) else policy
     if hasattr(model, "peft_config"):
         base = model.get_base_model()
@@ -81,26 +63,28 @@ def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
 
 
 class EngineSource(SyncSource):
-    """B prompts from ``examples``, G completions each from ``engine`` (one, or a list making
+    """B prompts from ``examples``, G completions each from ``engine`` (or a list of engines,
     one request each at a time), scored by ``scorer``; ``policy``'s weights are pushed.
-    ``learner_rng``: seeds as the module docstring says; ``player``: the engines play an
-    episodic task's rows (``engine.play``); ``on_close``: called last by ``close``."""
+    ``player``: the engines play an episodic task's rows; ``on_close``: called last by ``close``."""
 
     def __init__(self, engine, policy, tokenizer, examples: Sequence[Example], scorer,
-                 sampling: SamplingSettings, settings: EngineSettings, seed: int,
+                 rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, seed: int,
                  device=None, on_close: Optional[Callable[[], None]] = None,
                  learner_rng: bool = False, player=None):
         self.engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
         self.engine, self.policy, self.tokenizer = self.engines[0], policy, tokenizer
-        self.examples, self.scorer, self.settings = list(examples), scorer, settings
-        self.sampling, self.learner_rng, self.player = sampling, learner_rng, player
+        self.examples, self.scorer, self.rollout = list(examples), scorer, rollout
+        self.group_size, self.learner_rng, self.player = group_size, learner_rng, player
+        self.max_staleness, self.sync_every = staleness_bounds(ahead)
+        server = rollout.server
+        self.weight_dir = server.weight_dir if server.weight_sync == "disk" else None
         self.prompt_rng = random.Random(seed)
         self.device = device if device is not None else next(policy.parameters()).device
-        self.stops = resolve_stop_ids(policy, tokenizer, sampling.stop_token_ids)
+        self.stops = resolve_stop_ids(policy, tokenizer, tuple(rollout.stop_token_ids or ()))
         self.pad_id = int(tokenizer.pad_token_id)
         self.on_close = on_close
         # one past the engines' count: never a version a server may hold unpushed
-        self.version = max(int(getattr(e, "version", 0)) for e in self.engines) + 1
+        self.version = max(e.version for e in self.engines) + 1
         # each engine's version; None: the first request pushes (a resume loads weights after)
         self.pushed: List[Optional[int]] = [None] * len(self.engines)
         self.idle = collections.deque(range(len(self.engines)))
@@ -108,39 +92,38 @@ class EngineSource(SyncSource):
         self.took = False                                  # this step consumed a rollout
         self.stats: Dict[str, List[float]] = {}
 
-    # -- weights -----------------------------------------------------------------------
     def _push(self, engine, snap) -> float:
-        """Send ``snap`` (version, tensors, kind) to ``engine``; returns the seconds it took."""
+        """Send ``snap`` (version, tensors, kind) to ``engine`` -> the seconds it took."""
         version, tensors, kind = snap
         t0 = time.perf_counter()
-        if self.settings.weight_dir is None:
+        if self.weight_dir is None:
             engine.update_weights(version, tensors, kind)
         else:
-            engine.update_weights_from_disk(version, _write(self.settings.weight_dir, version,
-                                                            tensors, kind))
+            path = _write(self.weight_dir, version, tensors, kind)
+            engine.update_weights_from_disk(version, path)
         return time.perf_counter() - t0
 
     def _needs_push(self, e: int, consumed_at: int) -> bool:
-        s, pushed = self.settings, self.pushed[e]
-        return pushed is None or self.version - pushed >= s.sync_every or pushed < consumed_at - s.max_staleness
+        pushed = self.pushed[e]
+        return (pushed is None or self.version - pushed >= self.sync_every
+                or pushed < consumed_at - self.max_staleness)
 
-    # -- requests: the staleness controller --------------------------------------------
     def _fill(self, num_groups: int) -> None:
-        """Request rollouts ahead while an engine is idle and the next would be at most
-        ``max_staleness`` old when consumed (k pending: at version + k, +1 once one was taken)."""
+        """Request ahead while an engine is idle and the next would be at most ``max_staleness``
+        old when consumed (k pending: at version + k, +1 once one was taken)."""
         while self.idle:
             latest = self.version + len(self.pending) + int(self.took)
-            if latest - self.version > self.settings.max_staleness:
+            if latest - self.version > self.max_staleness:
                 break
             self._request(self.idle.popleft(), num_groups, latest)
 
     def _request(self, e: int, num_groups: int, consumed_at: int) -> None:
-        """Draw the next request's rows and seed here, in order, snapshot the weights if
-        engine ``e`` needs newer ones, and start the request in a worker thread."""
+        """Draw the rows and seed here, in order, snapshot the weights if engine ``e`` needs
+        them, and start the request in a worker thread."""
         engine, rows = self.engines[e], self.draw(num_groups)
         env_seed = self.prompt_rng.randrange(SEED_RANGE) if self.player is not None else None
         if self.learner_rng:
-            seed = torch.get_rng_state() if self.settings.max_staleness == 0 else None
+            seed = torch.get_rng_state() if self.max_staleness == 0 else None
         else:
             seed = self.prompt_rng.getrandbits(62)
         snap = None
@@ -148,10 +131,10 @@ class EngineSource(SyncSource):
             tensors, kind = policy_weights(self.policy)
             snap, self.pushed[e] = (self.version, tensors, kind), self.version   # booked now
         examples = [self.examples[i] for i in rows]
-        G, s = self.sampling.group_size, self.sampling
+        G, ro = self.group_size, self.rollout
         prompts = [] if self.player is not None else \
             [p for ex in examples for p in [self.tokenizer(ex.prompt)["input_ids"]] * G]
-        sampling = Sampling(s.max_new_tokens, s.temperature, s.top_k, tuple(self.stops))
+        sampling = Sampling(ro.max_new_tokens, ro.temperature, ro.top_k, tuple(self.stops))
 
         def job():          # runs in the worker thread: it only calls the engine
             push_s = self._push(engine, snap) if snap is not None else 0.0
@@ -188,25 +171,20 @@ class EngineSource(SyncSource):
         self.took = False
 
     def _episodes(self, batch: RolloutBatch) -> RolloutBatch:
-        """An engine's episodes (behaviour log-probs kept, stale or not); ``staleness`` arrives
-        as the weights version."""
+        """An engine's episodes; ``staleness`` arrives as the weights version."""
         batch = moved(batch, self.device)
         stale = self.version - batch.staleness                                         # [N]
         self._log("async/staleness", float(stale.max()))
         return batch.replace(staleness=stale, engine_logprobs=batch.old_logprobs * batch.mask)
 
-    # -- the batch ---------------------------------------------------------------------
     def _batch(self, examples: List[Example], rows, outs: List[Completion]) -> RolloutBatch:
         """The completions laid out as ``rollout.generate.rollout`` lays out its own."""
-        G, dev = self.sampling.group_size, self.device
+        G, dev = self.group_size, self.device
         prompt_ids, prompt_mask = left_padded(rows, self.pad_id, dev)                # [N, P]
-        N, T = len(outs), max(len(c.token_ids) for c in outs)
-        comp = torch.full((N, T), self.pad_id, dtype=torch.long)                     # [N, T]
-        logp = torch.zeros(N, T, dtype=torch.float32)                                # [N, T]
-        for i, c in enumerate(outs):
-            comp[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-            logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float64).float()
-        comp, logp = comp.to(dev), logp.to(dev)
+        comp = pad_sequence([torch.tensor(c.token_ids, dtype=torch.long) for c in outs], True,
+                            self.pad_id).to(dev)                                      # [N, T]
+        logp = pad_sequence([torch.tensor(c.logprobs, dtype=torch.float64).float() for c in outs],
+                            True).to(dev)                                             # [N, T]
         mask, truncated = completion_mask(comp, self.stops, self.pad_id)
         stale = torch.tensor([self.version - c.weights_version for c in outs], device=dev)  # [N]
         engine_lp = logp * mask                                                       # [N, T]
@@ -217,28 +195,24 @@ class EngineSource(SyncSource):
         self._log("async/staleness", float(stale.max()))
         return batch.replace(reward_parts=self.scorer.last_components)
 
-    # -- the rest ----------------------------------------------------------------------
     def _log(self, key: str, value: float) -> None:
         self.stats.setdefault(key, []).append(value)
 
     def metrics(self) -> Dict[str, float]:
         """Staleness (max), times (sums) since the last call, ``engine/servers_up`` (servers)."""
         out = {k: (max(v) if k == "async/staleness" else sum(v)) for k, v in self.stats.items()}
-        servers = getattr(self.engine, "servers", None)
-        if servers is not None:
-            out["engine/servers_up"] = float(sum(s.up for s in servers))
+        out.update(self.engine.metrics())
         self.stats = {}
         return out
 
     def close(self) -> None:
-        """Waits ``CLOSE_WAIT_S`` at most for each pending request (a hung server must not
-        hold the exit), then leaves it to its daemon thread."""
+        """Waits ``CLOSE_WAIT_S`` at most for each pending request, then leaves it to its thread."""
         try:
             for e, future in self.pending:
                 try:
                     future.result(CLOSE_WAIT_S)
                 except FutureTimeout:
-                    _quiet(self.engines[e])
+                    self.engines[e].quiet()
                 except Exception:  # noqa: BLE001 - nobody reads this request: the run is over
                     pass
             self.pending.clear()
@@ -254,8 +228,7 @@ CLOSE_WAIT_S = 5.0
 
 
 def _in_thread(job: Callable[[], tuple]) -> Future:
-    """``job()`` in a daemon thread (not an executor's: its threads are joined at exit,
-    so a request to a hung server would hold the process up to the request's limit)."""
+    """``job()`` in a daemon thread (an executor's is joined at exit: a hung request holds it)."""
     future: Future = Future()
 
     def run():
@@ -268,30 +241,22 @@ def _in_thread(job: Callable[[], tuple]) -> Future:
     return future
 
 
-def _quiet(engine) -> None:
-    """A request left behind at close says nothing more (its servers may be stopping)."""
-    if hasattr(engine, "say"):
-        engine.say = lambda message: None
-
-
 def _write(root: str, version: int, tensors: Dict[str, torch.Tensor], kind: str) -> str:
-    """``root``/v<version>/weights.safetensors (written, then renamed into place: a server
-    never reads a half-written file); older versions but the one before are removed."""
+    """``root``/v<version>/weights.safetensors, renamed into place; older ones pruned."""
     base = Path(root)
     final, tmp = base / f"v{version}", base / f".v{version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "weights.safetensors"),
-              metadata={KIND_KEY: kind})
+    (tmp / "weights.safetensors").write_bytes(to_bytes(tensors, kind))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     prune_versions(base, "v", version)
     return str(final)
 
 
-class LocalEngine:
-    """The engine protocol over ``conn`` to the child process ``proc`` (``name``: how errors
-    call it); ``rng_state``: where the child's last call seeded with an RNG state ended."""
+class LocalEngine(Engine):
+    """The engine protocol over ``conn`` to the child process ``proc`` (``name`` in errors);
+    ``rng_state``: where the last generate or play seeded with an RNG state ended."""
 
     def __init__(self, proc, conn, name: str, timeout_s: float = TIMEOUT_S):
         self.proc, self.conn, self.name, self.timeout_s = proc, conn, name, timeout_s
@@ -320,12 +285,12 @@ class LocalEngine:
             raise reply[1]
         if reply[0] == "failed":
             raise ActorFailed(f"{self.name}: {reply[1]}")
-        self.rng_state = reply[2]
-        return reply[1]
+        return reply[1], reply[2]
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
                  seed=None) -> List[Completion]:
-        return self._call("generate", [list(p) for p in prompts], sampling, seed)
+        outs, self.rng_state = self._call("generate", [list(p) for p in prompts], sampling, seed)
+        return outs
 
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor], kind: str = "full") -> None:
         try:
@@ -335,12 +300,13 @@ class LocalEngine:
         self.version = int(version)
 
     def play(self, rows: List[int], env_seed: int, rng: Optional[torch.Tensor]) -> RolloutBatch:
-        """Training rows ``rows`` played as episodes (``env_seed``; ``rng`` None: the child's
-        own stream); the weights version rides in ``staleness``."""
-        return self._call("play", rows, env_seed, rng)
+        """Training rows played as episodes (``rng`` None: the child's own stream); the
+        weights version rides in ``staleness``."""
+        batch, self.rng_state = self._call("play", rows, env_seed, rng)
+        return batch
 
     def health(self) -> Dict[str, object]:
-        return self._call("health")
+        return self._call("health")[0]
 
     def stop(self, learner_failed: bool) -> None:
         """Ask the child to end (it exits after this message); no answer is read."""
@@ -351,8 +317,7 @@ class LocalEngine:
 
 
 def serve_engine(engine: TorchEngine, conn, player=None, examples=()) -> str:
-    """The child's loop: answer the learner until it says stop or the pipe closes
-    (``player``/``examples``: an episodic task's). Returns what ended it ("": a stop)."""
+    """The child's loop until the learner says stop or the pipe closes -> what ended it."""
     failed = None          # a weights push that failed: the answer to the next request
     while True:
         try:

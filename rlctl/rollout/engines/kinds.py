@@ -1,12 +1,11 @@
 """Server kinds: what differs between the completions servers ``ServerEngine`` talks to
-(``rlctl serve``, vLLM, SGLang): the completion request for token-id prompts and its reply
-parsed into ``Completion``, the probe route, and how weights are pushed (docs/server-kinds.md
-has the routes and the documents each adapter was written from). ``KINDS`` maps a name to its
-adapter; a kind whose replies carry no weights version (vLLM, SGLang) is tracked client-side:
-a server is at the version last pushed to it, 0 when first seen or back after being lost.
+(``rlctl serve``, vLLM, SGLang; docs/server-kinds.md): the request and its reply, the probe,
+how weights are pushed. A kind whose replies carry no weights version (vLLM, SGLang) is at
+the version last pushed to it, 0 when first seen or back after being lost.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections import OrderedDict
@@ -24,10 +23,8 @@ JSON = "application/json"
 
 
 class Link:
-    """One server as an adapter sees it: ``url``, and ``call(route, body=None, ctype=JSON,
-    expect_json=True)``: GET without a body, POST with one (a dict is sent as JSON); the
-    reply's JSON ({} for a reply that is not JSON when ``expect_json`` is false). Raises
-    what the engine's HTTP layer raises (a lost server, or UserError for a 4xx)."""
+    """One server: ``link(route, body=None, ctype, expect_json)`` GETs without a body, POSTs
+    with one (a dict as JSON) -> the reply's JSON ({} for other text unless ``expect_json``)."""
 
     def __init__(self, url: str, call: Callable[..., dict]):
         self.url, self._call = url, call
@@ -47,17 +44,16 @@ class ServerKind:
     parallel_push = False     # True: a push's sends hold no client state (servers pushed at once)
 
     def probe(self, link: Link) -> Optional[int]:
-        """Raise when the server does not answer; else its weights version (None: not reported)."""
+        """The server's weights version (None: not reported); raises when it does not answer."""
         raise NotImplementedError
 
     def complete(self, link: Link, rows: List[List[int]], sampling: Sampling,
                  seed: Optional[int]) -> Tuple[List[Completion], Optional[int]]:
-        """One request's completions (one per row, in order) and the version the reply reports."""
+        """One request's completions, one per row in order, and the version it reports."""
         raise NotImplementedError
 
     def push(self, version: int, tensors: Dict[str, torch.Tensor], kind: str) -> Push:
-        """Prepare a push of full weights or an adapter (rollout/engines/protocol.py); the result sends
-        it to one server."""
+        """Prepare a push of full weights or an adapter; the result sends it to one server."""
         raise NotImplementedError
 
     def push_from_disk(self, version: int, path: str) -> Push:
@@ -65,13 +61,6 @@ class ServerKind:
 
 
 # -- rlctl: our own server (rollout/engines/serve_app.py) ----------------------------------------
-
-def rlctl_body(rows, sampling: Sampling, seed: Optional[int]) -> dict:
-    return {"prompt": rows, "max_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature, "top_k": sampling.top_k,
-            "stop_token_ids": list(sampling.stop_ids), "ignore_eos": True, "logprobs": 0,
-            "seed": seed}
-
 
 def parse_openai(reply: dict, version: int) -> List[Completion]:
     """An OpenAI completion object with per-choice ``token_ids`` (rlctl serve, vLLM with
@@ -98,8 +87,8 @@ def _finish(reason) -> str:
 
 
 class RlctlKind(ServerKind):
-    """``rlctl serve``: every reply carries ``weights_version``; weights travel as
-    safetensors bytes (POST /update_weights?version=V) or by path on a shared directory."""
+    """``rlctl serve``: replies carry ``weights_version``; weights go as safetensors bytes or
+    by path on a shared directory."""
     name = "rlctl"
     parallel_push = True
 
@@ -107,7 +96,10 @@ class RlctlKind(ServerKind):
         return int(link("/version")["weights_version"])
 
     def complete(self, link, rows, sampling, seed):
-        reply = link("/v1/completions", rlctl_body(rows, sampling, seed))
+        reply = link("/v1/completions", {
+            "prompt": rows, "max_tokens": sampling.max_new_tokens, "seed": seed,
+            "temperature": sampling.temperature, "top_k": sampling.top_k, "logprobs": 0,
+            "stop_token_ids": list(sampling.stop_ids), "ignore_eos": True})
         version = int(reply.get("weights_version", 0))
         return parse_openai(reply, version), version
 
@@ -124,8 +116,7 @@ class RlctlKind(ServerKind):
 # -- LoRA adapters on disk, as PEFT writes them (vLLM and SGLang load this layout) --------
 
 def write_peft_adapter(tensors: Dict[str, torch.Tensor], directory: Path) -> Path:
-    """rlctl adapter tensors -> ``directory`` in PEFT's layout (adapter_config.json with
-    lora_alpha = r, B already scaled; adapter_model.safetensors ``base_model.model.M.lora_A.weight``)."""
+    """rlctl adapter tensors -> ``directory`` in PEFT's layout (lora_alpha = r: B is scaled)."""
     ranks, modules, flat = set(), set(), {}
     for key, t in tensors.items():
         name, _, part = key.rpartition(".")
@@ -156,25 +147,31 @@ def _needs(value, what: str, kind: str):
 class _LoraNames:
     """The LoRA adapter each server has loaded (by url): replaced, never stacked."""
 
-    def __init__(self):
+    def __init__(self, prefix: str, routes: str, expect_json: bool):
         self.current: Optional[str] = None      # the name requests use; None: base weights
         self.loaded: Dict[str, str] = {}
-        # this client's own tag: a server that outlives a run, or another run sharing the
-        # directory, may hold the same version's name already (a load would be refused)
-        self.tag = os.urandom(3).hex()
+        self.routes, self.expect_json = routes, expect_json
+        # a tag of this client's own: a server that outlives a run may hold the same name
+        self.prefix = f"{prefix}-{os.urandom(3).hex()}-v"
 
-    def name(self, prefix: str, version: int) -> str:
-        return f"{prefix}-{self.tag}-v{int(version)}"
+    def push(self, version: int, tensors: Dict[str, torch.Tensor], directory: Path) -> Push:
+        """Write the adapter under ``directory``; the push loads it and unloads the last one."""
+        name = f"{self.prefix}{int(version)}"
+        body = {"lora_name": name, "lora_path": str(write_peft_adapter(tensors, directory / name))}
 
-    def swap(self, link: Link, name: str, load: Callable[[], None], unload: Callable[[str], None]):
-        load()
-        old = self.loaded.pop(link.url, None)
-        if old and old != name:
-            try:
-                unload(old)
-            except UserError:        # already gone (a restarted server): nothing to free
-                pass
-        self.loaded[link.url] = name
+        def send(link: Link) -> None:
+            reply = link(f"{self.routes}/load_lora_adapter", body, expect_json=self.expect_json)
+            _checked(reply if self.expect_json else {})
+            old = self.loaded.pop(link.url, None)
+            if old and old != name:
+                try:
+                    link(f"{self.routes}/unload_lora_adapter", {"lora_name": old},
+                         expect_json=self.expect_json)
+                except UserError:        # already gone (a restarted server): nothing to free
+                    pass
+            self.loaded[link.url] = name
+            self.current = name
+        return send
 
 
 def _checked(reply: dict) -> dict:
@@ -190,7 +187,8 @@ def vllm_requests(rows, sampling: Sampling, seed: Optional[int], model: Optional
     request seed + i: runs of equal consecutive prompts go once with ``n`` = the run length,
     in one request when every run has the same length, else one request per run (run k
     seeded ``chunk_seed(seed, k)``); without a seed the prompts go as they are."""
-    runs = _runs(rows)
+    runs = [[i for i, _ in run]                                   # equal consecutive prompts
+            for _, run in itertools.groupby(enumerate(rows), lambda r: list(r[1]))]
     if seed is None:
         groups = [(list(range(len(rows))), [list(r) for r in rows], 1, None)]
     elif len({len(ix) for ix in runs}) == 1:
@@ -213,29 +211,16 @@ def vllm_requests(rows, sampling: Sampling, seed: Optional[int], model: Optional
     return out
 
 
-def _runs(rows) -> List[List[int]]:
-    runs: List[List[int]] = []
-    for i, row in enumerate(rows):
-        if runs and list(rows[runs[-1][0]]) == list(row):
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
-
-
 class VLLMKind(ServerKind):
-    """A vLLM OpenAI-compatible server (``vllm serve``; docs/server-kinds.md has the flags
-    it needs). generate: POST /v1/completions with ``return_token_ids``, ``logprobs: 0``.
-    Full weights: ``model.safetensors`` rewritten in ``model_dir`` (shared), then POST
-    /collective_rpc reload_weights and /reset_prefix_cache. LoRA: a PEFT adapter under
-    ``lora_dir``, POST /v1/load_lora_adapter, named as ``model`` by later requests (the previous
-    one unloaded). ``model``: the served name (default: the first of GET /v1/models, the probe)."""
+    """A vLLM OpenAI-compatible server (``vllm serve``). Full weights: ``model.safetensors``
+    rewritten in ``model_dir``, then reloaded; LoRA: a PEFT adapter under ``lora_dir``, named
+    as ``model`` by later requests. ``model``: the served name (default: the first served)."""
     name = "vllm"
 
     def __init__(self, model_dir: Optional[str] = None, lora_dir: Optional[str] = None,
                  model: Optional[str] = None):
         self.model_dir, self.lora_dir, self.model = model_dir, lora_dir, model
-        self.lora = _LoraNames()
+        self.lora = _LoraNames("rlctl", "/v1", expect_json=False)
 
     def probe(self, link: Link) -> Optional[int]:
         served = link("/v1/models").get("data") or []
@@ -252,7 +237,9 @@ class VLLMKind(ServerKind):
 
     def push(self, version, tensors, kind):
         if kind == "adapter":
-            return self._push_lora(version, tensors)
+            lora_dir = _needs(self.lora_dir, "lora_dir (a directory the servers read at the same "
+                              "path)", self.name)
+            return self.lora.push(version, tensors, Path(lora_dir))
         if kind != "full":
             raise UserError(f"unknown weights kind '{kind}'; valid: full, adapter")
         model_dir = Path(_needs(self.model_dir, "model_dir (the directory vllm serve loads, "
@@ -269,20 +256,6 @@ class VLLMKind(ServerKind):
             link("/collective_rpc", {"method": "reload_weights"}, expect_json=False)
             link("/reset_prefix_cache", b"", expect_json=False)
             self.lora.current = None
-        return send
-
-    def _push_lora(self, version, tensors) -> Push:
-        name = self.lora.name("rlctl", version)
-        path = write_peft_adapter(tensors, Path(_needs(self.lora_dir, "lora_dir (a directory the "
-                                                       "servers read at the same path)", self.name)) / name)
-
-        def send(link: Link) -> None:
-            self.lora.swap(link, name,
-                           lambda: link("/v1/load_lora_adapter",
-                                        {"lora_name": name, "lora_path": str(path)}, expect_json=False),
-                           lambda old: link("/v1/unload_lora_adapter", {"lora_name": old},
-                                            expect_json=False))
-            self.lora.current = name
         return send
 
     def push_from_disk(self, version, path):
@@ -328,15 +301,14 @@ def parse_sglang(reply, version: int) -> List[Completion]:
 
 
 class SGLangKind(ServerKind):
-    """An SGLang server. generate: POST /generate with ``input_ids`` and one ``sampling_params``
-    per row (its ``sampling_seed``). Full weights: ``<weights_dir>/rlctl-v<V>/model.safetensors``
-    (the two newest kept), then POST /update_weights_from_disk. LoRA: a PEFT adapter under
-    ``weights_dir``, POST /load_lora_adapter, ``lora_path`` per request. Probe: GET /health."""
+    """An SGLang server: one ``sampling_params`` per row. Full weights:
+    ``<weights_dir>/rlctl-v<V>/model.safetensors`` (the two newest kept), loaded from disk;
+    LoRA: a PEFT adapter under ``weights_dir``, ``lora_path`` per request."""
     name = "sglang"
 
     def __init__(self, weights_dir: Optional[str] = None):
         self.weights_dir = weights_dir
-        self.lora = _LoraNames()
+        self.lora = _LoraNames("rlctl-lora", "", expect_json=True)
 
     def probe(self, link: Link) -> Optional[int]:
         link("/health", expect_json=False)
@@ -352,16 +324,7 @@ class SGLangKind(ServerKind):
 
     def push(self, version, tensors, kind):
         if kind == "adapter":
-            name = self.lora.name("rlctl-lora", version)
-            path = write_peft_adapter(tensors, self._dir() / name)
-
-            def send(link: Link) -> None:
-                self.lora.swap(link, name,
-                               lambda: _checked(link("/load_lora_adapter",
-                                                     {"lora_name": name, "lora_path": str(path)})),
-                               lambda old: link("/unload_lora_adapter", {"lora_name": old}))
-                self.lora.current = name
-            return send
+            return self.lora.push(version, tensors, self._dir())
         if kind != "full":
             raise UserError(f"unknown weights kind '{kind}'; valid: full, adapter")
         directory = self._dir() / f"rlctl-v{int(version)}"

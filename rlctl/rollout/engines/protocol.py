@@ -1,13 +1,10 @@
-"""The generation engine protocol, the ``torch`` engine behind it, and the weights format.
+"""The engine protocol (docs/engines.md), the ``torch`` engine, and the weights format.
 
-An engine turns token-id prompts into completions (docs/engines.md):
-``generate(prompts [[int]], Sampling, seed=None) -> [Completion]`` (token ids up to and
-including the first stop id, each one's log softmax(logits / temperature) before top-k,
-finish reason "stop" or "length"; temperature 0 is greedy), ``update_weights(version,
-tensors, kind)`` and ``health()``. Weights are safetensors: ``full`` (every parameter, as
-``named_parameters()`` names it) or ``adapter`` (``M.lora_A`` [r, in], ``M.lora_B`` [out, r]
-with alpha / r in B: the weight becomes W0 + B @ A, W0 the weight before the first adapter);
-the kind rides in the metadata (``rlctl.kind``).
+``generate(prompts [[int]], Sampling, seed) -> [Completion]``: token ids up to and including
+the first stop id, each one's log softmax(logits / temperature) before top-k; temperature 0
+is greedy. Weights are safetensors, their kind in the metadata (``rlctl.kind``): ``full``
+(every named parameter) or ``adapter`` (``M.lora_A`` [r, in], ``M.lora_B`` [out, r], alpha / r
+in B: the weight becomes W0 + B @ A, W0 the weight before the first adapter).
 """
 from __future__ import annotations
 
@@ -26,9 +23,9 @@ from safetensors.torch import load as st_load, save as st_save
 from transformers.pytorch_utils import Conv1D
 
 from rlctl.errors import UserError
-from rlctl.models.kv_share import cache_keyword, shared_prefill, state_in_modules
+from rlctl.models.kv_share import cache_keyword, shared_prefill
 from rlctl.models.value import PolicyValueModel
-from rlctl.rollout.generate import left_padded, sample, sampling_precision
+from rlctl.rollout.generate import left_padded, length_groups, sample, sampling_precision
 from rlctl.tasks.prompt_budget import context_length
 
 STOP, LENGTH = "stop", "length"
@@ -39,9 +36,8 @@ _GENERATION = threading.Lock()     # the global RNG and the model are shared by 
 
 @dataclass(frozen=True)
 class Sampling:
-    """What to draw: at most ``max_new_tokens`` tokens from softmax(logits / temperature)
-    (0: greedy), optionally restricted to the ``top_k`` largest (0: off), ending at the
-    first of ``stop_ids`` (the complete stop set: nothing is added to it)."""
+    """At most ``max_new_tokens`` tokens from softmax(logits / temperature) (0: greedy), the
+    ``top_k`` largest (0: all), ending at the first of ``stop_ids`` (the complete set)."""
     max_new_tokens: int
     temperature: float = 1.0
     top_k: int = 0
@@ -57,6 +53,7 @@ class Completion:
 
 
 class Engine(Protocol):
+    """The protocol (module docstring); engines subclass it for ``metrics`` and ``quiet``."""
     version: int
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
@@ -66,6 +63,13 @@ class Engine(Protocol):
                        kind: str = "full") -> None: ...
 
     def health(self) -> Dict[str, object]: ...
+
+    def metrics(self) -> Dict[str, float]:
+        """The engine's own gauges, logged with the source's metrics."""
+        return {}
+
+    def quiet(self) -> None:
+        """Say nothing more (a request left behind when the run ends)."""
 
 
 def check_sampling(sampling: Sampling) -> None:
@@ -102,17 +106,16 @@ def chunk_seed(seed: Optional[int], index: int) -> Optional[int]:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-class TorchEngine:
+class TorchEngine(Engine):
     """rlctl's lean loop (``generate.sample``) in this process: the tokens ``generate`` draws
-    for the same prompts, settings and seed. ``chunk_size``: requests of that many prompts,
-    request j seeded ``chunk_seed(seed, j)`` as the server engine cuts them. A seed runs in
-    ``fork_rng``; a torch RNG state as the seed leaves ``rng_state`` advanced (local engines)."""
+    for the same prompts, settings and seed. A seed runs in ``fork_rng``; a torch RNG state
+    as the seed leaves ``rng_state`` where that stream ended (local engines)."""
 
     def __init__(self, model, pad_id: int, version: int = 0, share_prompts: bool = True,
-                 chunk_size: Optional[int] = None, sample_dtype: str = "float32"):
+                 sample_dtype: str = "float32"):
         self.model = model.policy if isinstance(model, PolicyValueModel) else model
         self.pad_id, self.version, self.share_prompts = int(pad_id), int(version), share_prompts
-        self.chunk_size, self.sample_dtype = chunk_size, sample_dtype
+        self.sample_dtype = sample_dtype
         self.rng_state: Optional[torch.Tensor] = None   # after a call seeded with a state
         self.key = cache_keyword(self.model)
         if self.key is None:
@@ -143,33 +146,18 @@ class TorchEngine:
                  seed: Optional[int] = None) -> List[Completion]:
         check_sampling(sampling)
         check_prompts(prompts, self.vocab_size)
-        size = self.chunk_size or len(prompts)
-        return [c for j in range(0, len(prompts), size)
-                for c in self._request(prompts[j:j + size], sampling, chunk_seed(seed, j // size))]
-
-    def _request(self, prompts, sampling: Sampling, seed: Optional[int]) -> List[Completion]:
         longest = max(len(p) for p in prompts)
         if self.context and longest + sampling.max_new_tokens > self.context:
             raise UserError(f"a prompt of {longest} tokens + max_tokens {sampling.max_new_tokens} "
                             f"exceeds the model's context of {self.context} positions")
         with _GENERATION, _seeded(seed, self.device), sampling_precision(self.model, self.sample_dtype):
-            if state_in_modules(self.model) and len({len(p) for p in prompts}) > 1:
-                out = self._per_length(prompts, sampling)
-            else:
-                out = self._batch(prompts, sampling)
+            out: List[Optional[Completion]] = [None] * len(prompts)
+            for rows in length_groups(self.model, [len(p) for p in prompts]):
+                for i, c in zip(rows, self._batch([prompts[i] for i in rows], sampling)):
+                    out[i] = c
             if isinstance(seed, torch.Tensor):
                 self.rng_state = torch.get_rng_state()
             return out
-
-    def _per_length(self, prompts, sampling: Sampling) -> List[Completion]:
-        """A model that lets left padding reach its recurrent state (``generate``'s
-        ``_per_length``): each prompt length unpadded, in order of length."""
-        out: List[Optional[Completion]] = [None] * len(prompts)
-        for n in sorted({len(p) for p in prompts}):
-            rows = [i for i, p in enumerate(prompts) if len(p) == n]
-            for i, c in zip(rows, self._batch([prompts[i] for i in rows], sampling)):
-                out[i] = c
-        return out
 
     def _batch(self, prompts, sampling: Sampling) -> List[Completion]:
         ids, mask = left_padded(prompts, self.pad_id, self.device)                 # [N, P]

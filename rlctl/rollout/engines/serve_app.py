@@ -1,10 +1,6 @@
-"""An engine behind an OpenAI-compatible completions server (FastAPI; ``rlctl serve``).
-
-Routes (docs/engines.md has the fields): POST /v1/completions (token-id prompts -> choices
-with token_ids, log-probs, finish_reason), GET /health, GET /version, POST
-/update_weights?version=V (safetensors bytes, rollout/engines/protocol.py), POST
-/update_weights_from_disk {"path", "version"}. Bad input is a 400 (409: a weights version
-older than the served one) with OpenAI's error body; requests are served one at a time.
+"""An engine behind an OpenAI-compatible completions server (FastAPI; ``rlctl serve``;
+docs/engines.md has the routes and fields). Bad input is a 400 (409: a weights version older
+than the served one) with OpenAI's error body; requests are served one at a time.
 """
 from __future__ import annotations
 
@@ -29,9 +25,8 @@ class StaleVersion(UserError):
 
 
 def build_app(engine: TorchEngine, model_name: str, default_stops=(), tokenizer=None) -> FastAPI:
-    """``default_stops``: added to a request's ``stop_token_ids`` unless it sets
-    ``ignore_eos`` (the model's EOS set, as vLLM stops at EOS). ``tokenizer``: fills each
-    choice's ``text`` (empty without one)."""
+    """``default_stops``: added to a request's ``stop_token_ids`` unless it sets ``ignore_eos``
+    (as vLLM stops at EOS). ``tokenizer``: fills each choice's ``text``."""
     app = FastAPI(title="rlctl serve", docs_url=None, redoc_url=None)
 
     @app.exception_handler(UserError)
@@ -146,8 +141,7 @@ def parse_completion(body: Dict[str, Any], default_stops):
 
 def completion_response(outs, model_name: str, want_logprobs: bool, prompts,
                         tokenizer=None) -> Dict[str, Any]:
-    """The OpenAI completion object with vLLM's token-id fields (``token_ids``;
-    ``logprobs.tokens`` as "token_id:N", as vLLM's --return-tokens-as-token-ids)."""
+    """The OpenAI completion object with vLLM's token-id fields."""
     choices: List[Dict[str, Any]] = []
     for i, c in enumerate(outs):
         choice = {"index": i, "text": tokenizer.decode(c.token_ids) if tokenizer is not None else "",

@@ -1,14 +1,10 @@
-"""The ``server`` engine: a client of one or several completions servers of one kind
-(rollout/engines/kinds.py holds what differs per kind). Standard library HTTP only.
-
-* generate: requests of ``chunk_size`` prompts, request j seeded ``chunk_seed(seed, j)``,
-  taken by one thread per usable server, so the tokens do not depend on the servers. A failed
-  request (no connection, timeout, 5xx) names its server in one line and goes to the others;
-  a 4xx is raised (UserError).
-* weights: pushed to every server that is up; the last push is re-sent to one that comes
-  back. A server serves only while at most ``max_staleness`` versions behind (checked on
-  every reply); one whose version went back (restarted) is sent the newest push first.
-* a lost server is probed again at most every ``recheck_s`` seconds.
+"""The ``server`` engine: a client of completions servers of one kind (kinds.py), over
+standard library HTTP. Requests of ``chunk_size`` prompts (request j seeded ``chunk_seed(seed,
+j)``) are taken by one thread per usable server, so the tokens do not depend on the servers;
+a lost server (no connection, timeout, 5xx) is named in one line, its requests go to the
+others, and it is probed again every ``recheck_s``; a 4xx is a UserError. Weights go to every
+server that is up (the last push again to one that comes back); a server serves only while at
+most ``max_staleness`` versions behind, one whose version went back gets the newest push first.
 """
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from rlctl.errors import UserError
-from rlctl.rollout.engines.protocol import Completion, Sampling, check_sampling, chunk_seed
+from rlctl.rollout.engines.protocol import Completion, Engine, Sampling, check_sampling, chunk_seed
 from rlctl.rollout.engines.kinds import KINDS, Link, ServerKind, configured_kind, server_kind# noqa: F401
 
 
@@ -53,12 +49,11 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-class ServerEngine:
+class ServerEngine(Engine):
     def __init__(self, urls: Sequence[str], max_staleness: int = 0, chunk_size: int = 64,
                  timeout_s: float = 300.0, recheck_s: float = 5.0,
                  say: Callable[[str], None] = _say, kind: Union[str, ServerKind] = "rlctl"):
-        """``kind``: a name in server_kinds.KINDS, or an adapter built with its options
-        (e.g. ``VLLMKind(model_dir=..., lora_dir=...)``)."""
+        """``kind``: a name in ``KINDS``, or an adapter built with its options."""
         self.kind = server_kind(kind)
         if not urls:
             raise UserError("the server engine needs at least one server URL")
@@ -74,10 +69,9 @@ class ServerEngine:
                 self._lose(s, exc)
         self.version = max(s.weights_version for s in self.servers)
 
-    # -- weights ------------------------------------------------------------------------
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
                        kind: str = "full") -> None:
-        """Push full weights or an adapter (rollout/engines/protocol.py) to every server that is up."""
+        """Push full weights or an adapter to every server that is up."""
         self._broadcast(int(version), self.kind.push(int(version), tensors, kind))
 
     def update_weights_from_disk(self, version: int, path: str) -> None:
@@ -99,11 +93,7 @@ class ServerEngine:
                 self._send_weights(s)
             except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 errors.append(exc)
-        threads = [threading.Thread(target=send, args=(s,)) for s in up]
-        for t in threads:             # every server at once: a push costs one transfer, not n
-            t.start()
-        for t in threads:
-            t.join()
+        _all_at_once(send, up)        # a push costs one transfer, not n
         if errors:
             raise errors[0]
 
@@ -118,13 +108,18 @@ class ServerEngine:
             self._lose(s, exc)
             return False
 
-    # -- health -------------------------------------------------------------------------
     def health(self) -> Dict[str, object]:
         self._recheck(force=True)
         usable = [s.url for s in self.servers if self._usable(s)]
         return {"status": "ok" if usable else "down", "weights_version": self.version,
                 "servers": {s.url: {"up": s.up, "weights_version": s.weights_version}
                             for s in self.servers}}
+
+    def metrics(self) -> Dict[str, float]:
+        return {"engine/servers_up": float(sum(s.up for s in self.servers))}
+
+    def quiet(self) -> None:
+        self.say = lambda message: None
 
     def _usable(self, s: Server) -> bool:
         return s.up and not s.restarted and self.version - s.weights_version <= self.max_staleness
@@ -138,8 +133,8 @@ class ServerEngine:
         self.say(f"rollout server {s.url} lost ({exc}); its requests go to the other {others}")
 
     def _recheck(self, force: bool = False) -> None:
-        """Probe lost servers (due every ``recheck_s``) and send the newest weights to each
-        one that is back, and to any server whose weights are too old to be used."""
+        """Probe lost servers (every ``recheck_s``); send the newest weights to each one back
+        and to any whose weights are too old to be used."""
         now = time.monotonic()
         for s in self.servers:
             if self._usable(s) or (not s.up and not force and now - s.lost_at < self.recheck_s):
@@ -152,16 +147,13 @@ class ServerEngine:
                     s.lost_at = now
                     continue
                 s.up = True
-            # back: sent the newest push even when its version is within max_staleness (it
-            # missed that push; its rows would be read an update later) or reads as the
-            # newest (a restarted server's 0 is whatever it loaded)
+            # back: the newest push even when within max_staleness (it missed that push)
             if self._push is not None and (was_lost or not self._usable(s)) and not self._send_weights(s):
                 continue
             self.say(f"rollout server {s.url} is back (weights version {s.weights_version})"
                      if was_lost else
                      f"rollout server {s.url} sent weights version {s.weights_version}")
 
-    # -- generation ---------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
                  seed: Optional[int] = None) -> List[Completion]:
         check_sampling(sampling)
@@ -183,12 +175,7 @@ class ServerEngine:
                 raise NoServerLeft(f"no rollout server left with weights within max_staleness="
                                    f"{self.max_staleness} of version {self.version}: "
                                    + ", ".join(s.url for s in self.servers))
-            threads = [threading.Thread(target=self._work, args=(s, todo, done, errors, sampling, seed))
-                       for s in workers]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            _all_at_once(lambda s: self._work(s, todo, done, errors, sampling, seed), workers)
         if errors:
             raise errors[0]
         return [c for j in sorted(done) for c in done[j]]
@@ -235,15 +222,13 @@ class ServerEngine:
             c.weights_version = version
         return outs
 
-    # -- HTTP ---------------------------------------------------------------------------
     def _probe(self, s: Server, timeout: float) -> int:
-        """The kind's probe; a version it does not report is 0 (the weights it started with)."""
+        """The kind's probe; a version not reported is 0 (the weights it started with)."""
         reported = self._read(s, "probe", self.kind.probe, self._link(s, timeout))
         return 0 if reported is None else int(reported)
 
     def _read(self, s: Server, what: str, call, *args):
-        """``call(*args)``, a reply of a shape the kind cannot read being one line
-        (UserError) naming the server and the kind; a lost server and UserError pass."""
+        """``call(*args)``; a reply the kind cannot read is one line naming server and kind."""
         try:
             return call(*args)
         except (_Lost, UserError):
@@ -255,38 +240,44 @@ class ServerEngine:
 
     def _link(self, s: Server, timeout: float) -> Link:
         def call(route: str, body: Optional[bytes], ctype: str, expect_json: bool) -> dict:
-            if body is None:
-                req = urllib.request.Request(s.url + route)
-            else:
-                req = urllib.request.Request(s.url + route, data=body, method="POST",
-                                             headers={"Content-Type": ctype})
-            return self._call(req, timeout, expect_json)
+            headers = {} if body is None else {"Content-Type": ctype}      # a body: POST
+            req = urllib.request.Request(s.url + route, data=body, headers=headers)
+            return _http(req, timeout, expect_json)
         return Link(s.url, call)
 
-    @staticmethod
-    def _call(req: urllib.request.Request, timeout: float, expect_json: bool = True) -> dict:
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                data = resp.read()
-            if not expect_json:
-                try:
-                    reply = json.loads(data) if data else {}
-                except ValueError:
-                    return {}
-                return reply if isinstance(reply, dict) else {"reply": reply}
-            return json.loads(data)
-        except urllib.error.HTTPError as exc:
-            if exc.code >= 500:
-                raise _Lost(f"HTTP {exc.code}") from None
-            raise UserError(f"{req.full_url}: {_message(exc)}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise _Lost(f"{type(reason).__name__}: {reason}") from None
+
+def _http(req: urllib.request.Request, timeout: float, expect_json: bool) -> dict:
+    """The reply's JSON; a 5xx or no answer is a lost server, a 4xx one line (UserError)."""
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            data = resp.read()
+        if not expect_json:
+            try:
+                reply = json.loads(data) if data else {}
+            except ValueError:
+                return {}
+            return reply if isinstance(reply, dict) else {"reply": reply}
+        return json.loads(data)
+    except urllib.error.HTTPError as exc:
+        if exc.code >= 500:
+            raise _Lost(f"HTTP {exc.code}") from None
+        raise UserError(f"{req.full_url}: {_message(exc)}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise _Lost(f"{type(reason).__name__}: {reason}") from None
+
+
+def _all_at_once(fn: Callable, items) -> None:
+    """``fn(item)`` for every item, each in a thread of its own, all joined."""
+    threads = [threading.Thread(target=fn, args=(x,)) for x in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def _message(exc: urllib.error.HTTPError) -> str:
-    """rlctl's and OpenAI's {"error": {"message"}}, vLLM's older {"message"}, FastAPI's
-    {"detail"}; else the status alone."""
+    """The error body's message (OpenAI's, vLLM's older, FastAPI's), else the status alone."""
     try:
         body = json.loads(exc.read())
         err = body.get("error")

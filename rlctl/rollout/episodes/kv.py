@@ -1,13 +1,9 @@
-"""Sampling an episode's next model turn: ``turn_sampler(model, pad, kv_reuse)`` ->
-``(keys, contexts, max_new, temperature, top_k, stops) -> (ids, behaviour log-probs)``.
-
-``Recompute`` runs each whole context every turn (correct on every architecture).
-``CachedTurns`` keeps each episode's (``keys``) cache rows and runs only the tokens they do not
-hold: the longest shared prefix is reused, other columns become gaps (mask 0, positions the
-mask's cumsum), so every token sees what it sees recomputed (the same logits up to rounding).
-That needs keys that carry their own position and plain full-attention cache layers (eager or
-SDPA); a window, a recurrent state or a state in the modules would see the gaps
-(``gaps_unsupported``) and those models recompute.
+"""An episode's next model turn: ``turn_sampler(model, pad, kv_reuse)`` -> ``(keys, contexts,
+max_new, temperature, top_k, stops) -> (ids, behaviour log-probs)``. ``Recompute`` runs each
+whole context every turn. ``CachedTurns`` keeps each episode's (``keys``) cache rows and runs
+only the tokens they lack: the longest shared prefix is reused, other columns become gaps (mask
+0, positions the mask's cumsum), the same logits up to rounding; a model whose cache would see
+the gaps (``gaps_unsupported``) recomputes.
 """
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from transformers.cache_utils import DynamicLayer
 from rlctl.errors import TrainingFault, UserError
 from rlctl.models.kv_share import (cache_keyword, distinct_rows, forward_takes, index_rows,
                                    innermost, say_once, state_in_modules, unpadded_notice)
-from rlctl.rollout.generate import left_padded, sample
+from rlctl.rollout.generate import left_padded, length_groups, sample
 from rlctl.tasks.prompt_budget import context_length
 
 Sampled = Tuple[List[List[int]], List[List[float]]]
@@ -28,8 +24,7 @@ _ATTENTION = ("eager", "sdpa")        # implementations that read a 2-D mask col
 
 
 def gaps_unsupported(model) -> Optional[str]:
-    """Why ``model``'s cache cannot carry an episode across turns (gaps in its rows), or
-    None when it can (see the module docstring)."""
+    """Why ``model``'s cache cannot hold gaps (a window, a recurrent state...), or None."""
     if state_in_modules(model):
         return "keeps its recurrent state in its modules"
     if not (forward_takes(model, "position_ids") and forward_takes(model, "attention_mask")):
@@ -70,15 +65,12 @@ class Recompute:
 
     def __call__(self, keys: Sequence[Hashable], contexts: List[List[int]], max_new: int,
                  temperature: float, top_k: int, stops: Sequence[int]) -> Sampled:
-        groups = [list(range(len(contexts)))]
         if state_in_modules(self.model):
             unpadded_notice(self.model)
-            lengths = sorted({len(c) for c in contexts})
-            groups = [[i for i, c in enumerate(contexts) if len(c) == n] for n in lengths]
         device = next(self.model.parameters()).device
         new: List[List[int]] = [[] for _ in contexts]
         logps: List[List[float]] = [[] for _ in contexts]
-        for rows in groups:
+        for rows in length_groups(self.model, [len(c) for c in contexts]):
             ids, mask = left_padded([contexts[i] for i in rows], self.pad, device)       # [n, L]
             L = ids.shape[1]
             seqs, lp = sample(self.model, ids, mask, max_new, temperature,
@@ -130,9 +122,7 @@ class CachedTurns:
         return new, lp.tolist()
 
     def _extend(self, ids: torch.Tensor, mask: torch.Tensor, W: int) -> None:
-        """Run the last ``W`` columns of ``ids`` [n, F+W] into the cache, once per distinct
-        row (the G episodes of a group start from one prompt: identical ids and mask give
-        identical cache rows, indexed out to every row after)."""
+        """Run the last ``W`` columns of ``ids`` [n, F+W] into the cache, once per distinct row."""
         first, inv = distinct_rows(ids, mask)
         shared = len(first) < len(inv)
         if shared:
@@ -145,16 +135,15 @@ class CachedTurns:
             index_rows(self.cache, inv)
 
     def _reusable(self, key: Hashable, context: List[int]) -> int:
-        """Tokens of ``context`` the episode's cache row holds: the longest shared prefix,
-        short of the context's last token (run again for its logits)."""
+        """Tokens of ``context`` its row holds: the longest shared prefix, short of the last."""
         held, m = self.held.get(key, []), min(len(self.held.get(key, [])), len(context) - 1)
         if held[:m] == context[:m]:
             return m
         return next(j for j in range(m) if held[j] != context[j])
 
     def _compact(self, keys: Sequence[Hashable], reused: List[int], device) -> torch.Tensor:
-        """The cache cut to ``keys``' rows, each its first ``reused`` held columns, in order,
-        left-padded to F = max(reused); ``self.mask`` follows. Returns the held ids [n, F]."""
+        """The cache cut to ``keys``' rows, their first ``reused`` columns left-padded to
+        F = max(reused) (``self.mask`` follows) -> the held ids [n, F]."""
         n, F = len(keys), max(reused)
         ids = torch.full((n, F), self.pad, dtype=torch.long)
         mask = torch.zeros(n, F, dtype=torch.long)

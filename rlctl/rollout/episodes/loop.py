@@ -1,13 +1,12 @@
 """The episode loop: B examples x G episodes played with the policy, as one RolloutBatch.
 
-Each of the N = B*G episodes gets a fresh environment, reset with its row and its group's
-seed; turn by turn the active episodes' token contexts are sampled (``episode_kv``) up to
-``min(max_new_tokens, budget left, context)`` tokens, ending at a stop id or a step's
-``info["stop"]`` string; the turns' texts step the environments concurrently (``run_calls``:
-a time limit per call, an exception or timeout becomes the observation ``error``). An
-episode ends at ``done``, ``max_turns``, its token budget or the context; none is dropped.
-The batch: first observation left-padded to P, transcript right-padded to T; ``mask`` 1 on
-model tokens; rewards placed by ``rollout.episode.turn_reward`` (``core.turns``).
+Each episode gets a fresh environment, reset with its row and its group's seed; turn by turn
+the active episodes are sampled (``episodes.kv``) up to ``min(max_new_tokens, budget left,
+context)`` tokens, ending at a stop id or a step's ``info["stop"]`` string, and the turns step
+the environments concurrently (``run_calls``: a raise or a timeout is the observation
+``error``). An episode ends at ``done``, ``max_turns``, its token budget or the context. The
+batch: first observation left-padded to P, transcript right-padded to T, ``mask`` 1 on model
+tokens, rewards placed by ``rollout.episode.turn_reward`` (``core.turns``).
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rlctl.config.schema import EpisodeConfig, RolloutConfig
 from rlctl.core.turns import place_turn_rewards
 from rlctl.envs.environment import close_env
 from rlctl.errors import TrainingFault, one_line
@@ -38,83 +38,47 @@ from rlctl.types import (DONE, LENGTH_LIMIT, MODEL, OBSERVATION, TOKEN_LIMIT, TU
                          Example, RolloutBatch, Span, Step, Turn)
 
 
-@dataclass(frozen=True)
-class EpisodeSettings:
-    """How episodes are played (``algo.group_size``, ``rollout`` and ``rollout.episode``)."""
-    group_size: int
-    max_new_tokens: int              # per model turn
-    temperature: float
-    top_k: int = 0
-    stop_token_ids: Tuple = ()
-    max_turns: int = 4
-    max_tokens: int = 48             # completion tokens per episode (turns and observations)
-    max_obs_tokens: int = 16
-    obs_truncation: str = "right"
-    step_timeout_s: float = 10.0
-    concurrency: int = 8
-    turn_reward: str = "sum"
-    turn_discount: float = 1.0
-    kv_reuse: bool = True            # carry each episode's KV cache across turns (episode_kv)
-
-    @classmethod
-    def from_config(cls, cfg) -> "EpisodeSettings":
-        ro, ep = cfg.rollout, cfg.rollout.episode
-        return cls(group_size=int(cfg.algo.group_size), max_new_tokens=int(ro.max_new_tokens),
-                   temperature=float(ro.temperature), top_k=int(ro.get("top_k", 0) or 0),
-                   stop_token_ids=tuple(ro.get("stop_token_ids", None) or ()),
-                   max_turns=int(ep.max_turns), max_tokens=int(ep.max_tokens),
-                   max_obs_tokens=int(ep.max_obs_tokens), obs_truncation=str(ep.obs_truncation),
-                   step_timeout_s=float(ep.step_timeout_s), concurrency=int(ep.concurrency),
-                   turn_reward=str(ep.turn_reward), turn_discount=float(ep.turn_discount),
-                   kv_reuse=bool(ep.get("kv_reuse", True)))
-
-
 class EpisodePlayer:
-    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch.
-    ``stops``: the resolved stop ids; chat prompts are rendered by ``EpisodeText``; ``reset``
-    gets the row with its prompt as the task wrote it."""
+    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch,
+    turns sampled as ``rollout`` says, ``rollout.episode`` the rules; ``stops``: the resolved
+    stop ids. ``reset`` gets the row with its prompt as the task wrote it."""
 
-    def __init__(self, tokenizer, task, settings: EpisodeSettings, stops: Sequence[int]):
-        opts = task_options(task)
-        self.tokenizer, self.task, self.settings, self.stops = tokenizer, task, settings, tuple(stops)
+    def __init__(self, tokenizer, task, rollout: RolloutConfig, group_size: int,
+                 stops: Sequence[int]):
+        opts, ep = task_options(task), rollout.episode
+        self.tokenizer, self.task, self.stops = tokenizer, task, tuple(stops)
+        self.rollout, self.episode, self.group_size = rollout, ep, group_size
         self.text = EpisodeText(tokenizer, uses_chat(tokenizer, opts.prompt_format),
-                                opts.system_prompt, settings.max_obs_tokens, settings.obs_truncation)
+                                opts.system_prompt, ep.max_obs_tokens, ep.obs_truncation)
 
     def play(self, model, examples: Sequence[Example], seed: int, greedy: bool = False,
              group_size: Optional[int] = None) -> RolloutBatch:
-        """G episodes of each example (``group_size``, default ``settings.group_size``),
-        played with ``model``; ``greedy``: the most likely token each time (eval)."""
+        """G episodes of each example (``group_size``, default the player's), played with
+        ``model``; ``greedy``: the most likely token each time (eval)."""
         if isinstance(model, PolicyValueModel):     # sample from the LM alone
             model = model.policy
-        s, G = self.settings, group_size or self.settings.group_size
+        ep, G = self.episode, group_size or self.group_size
         rows = [_as_written(ex) for ex in examples for _ in range(G)]
         runs = _reset([self.task.make_env() for _ in rows], rows,
-                      [seed + i // G for i in range(len(rows))], s, self.text)
-        budget, weight = _Budget(s, context_length(model)), next(model.parameters())
+                      [seed + i // G for i in range(len(rows))], ep, self.text)
+        budget, weight = _Budget(ep.max_tokens, context_length(model)), next(model.parameters())
         # greedy draws (top-k 1) leave the training's RNG streams as they were
         rng = torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []) \
             if greedy else contextlib.nullcontext()
         try:
             with rng:
-                self._turns(turn_sampler(model, _pad_id(self.tokenizer, self.stops), s.kv_reuse),
-                            runs, budget, greedy)
+                sampler = turn_sampler(model, _pad_id(self.tokenizer, self.stops), ep.kv_reuse)
+                while active := [r for r in runs if not r.ended and not budget.exhausted(r)]:
+                    stepping = _model_turns(sampler, self.tokenizer, active, self.rollout,
+                                            self.stops, greedy, budget, self.text)
+                    _step(stepping, ep, self.text, budget)
         finally:
             for r in runs:
                 if r.last is None or not r.last.busy():   # never close one a thread still runs in
                     close_env(r.env)
-        return episode_batch(runs, self.tokenizer, s.turn_reward, s.turn_discount, G, self.stops,
+        return episode_batch(runs, self.tokenizer, ep.turn_reward, ep.turn_discount, G, self.stops,
                              weight.device,
                              torch.float64 if weight.dtype == torch.float64 else torch.float32)
-
-    def _turns(self, sampler, runs: List[EpisodeRun], budget: "_Budget", greedy: bool) -> None:
-        """Model turns and environment steps until every episode has ended."""
-        while True:
-            active = [r for r in runs if not r.ended and not budget.exhausted(r)]
-            if not active:
-                return
-            stepping = _model_turns(sampler, self.tokenizer, active, self.settings, self.stops,
-                                    greedy, budget, self.text)
-            _step(stepping, self.settings, self.text, budget)
 
 
 def _pad_id(tokenizer, stops: Sequence[int]) -> int:
@@ -122,7 +86,7 @@ def _pad_id(tokenizer, stops: Sequence[int]) -> int:
 
 
 def _as_written(example: Example) -> Example:
-    """The row with the prompt the task wrote (chat rendering undone: the player renders)."""
+    """The row with the prompt the task wrote (the player renders chat itself)."""
     raw = example.fields.get(RAW_PROMPT)
     return example if raw is None else Example(prompt=raw, fields=example.fields)
 
@@ -130,8 +94,8 @@ def _as_written(example: Example) -> Example:
 class _Budget:
     """Tokens an episode may still take: its budget and the model's context."""
 
-    def __init__(self, settings: EpisodeSettings, context: Optional[int]):
-        self.max_tokens, self.context = settings.max_tokens, context
+    def __init__(self, max_tokens: int, context: Optional[int]):
+        self.max_tokens, self.context = max_tokens, context
 
     def left(self, r: EpisodeRun) -> Tuple[int, str]:
         """(tokens left, the status of running out)."""
@@ -148,10 +112,10 @@ class _Budget:
         return r.ended
 
 
-def _reset(envs, rows: Sequence[Example], seeds: Sequence[int], settings: EpisodeSettings,
+def _reset(envs, rows: Sequence[Example], seeds: Sequence[int], ep: EpisodeConfig,
            text: EpisodeText) -> List[EpisodeRun]:
     calls = [functools.partial(env.reset, ex, s) for env, ex, s in zip(envs, rows, seeds)]
-    outs = run_calls(calls, settings.step_timeout_s, settings.concurrency)
+    outs = run_calls(calls, ep.step_timeout_s, ep.concurrency)
     for i, out in enumerate(outs):
         if not out.ok or not isinstance(out.value, str):
             why = one_line(out.error) if not out.ok else \
@@ -165,15 +129,14 @@ def _reset(envs, rows: Sequence[Example], seeds: Sequence[int], settings: Episod
     return runs
 
 
-def _model_turns(sampler, tokenizer, active: List[EpisodeRun], settings: EpisodeSettings,
+def _model_turns(sampler, tokenizer, active: List[EpisodeRun], ro: RolloutConfig,
                  stops: Sequence[int], greedy: bool, budget: _Budget, text: EpisodeText
                  ) -> List[EpisodeRun]:
-    """Sample one model turn for each of ``active``; returns those to send to their
-    environment (a turn cut by a budget ends its episode instead)."""
-    rooms = [min(settings.max_new_tokens, budget.left(r)[0]) for r in active]
+    """One model turn for each of ``active`` -> those to step (a turn cut by a budget ends it)."""
+    rooms = [min(ro.max_new_tokens, budget.left(r)[0]) for r in active]
     new, logps = sampler([id(r) for r in active], [r.prompt_ids + r.ids for r in active],
-                         max(rooms), 1.0 if greedy else settings.temperature,
-                         1 if greedy else settings.top_k, stops)
+                         max(rooms), 1.0 if greedy else ro.temperature,
+                         1 if greedy else ro.top_k, stops)
     stepping, stop_set = [], set(int(s) for s in stops)
     for r, room, ids, lp in zip(active, rooms, new, logps):
         k = next((j + 1 for j, t in enumerate(ids) if t in stop_set), len(ids))
@@ -184,7 +147,7 @@ def _model_turns(sampler, tokenizer, active: List[EpisodeRun], settings: Episode
         r.episode.spans.append(Span(MODEL, len(r.ids), len(r.ids) + k, text.turn_text(turn, stop_set)))
         r.ids += turn
         r.logps += lp[:k]
-        finished = by_string is not None or turn[-1] in stop_set or k == settings.max_new_tokens
+        finished = by_string is not None or turn[-1] in stop_set or k == ro.max_new_tokens
         if finished:
             stepping.append(r)
         else:                               # cut by the episode's budget: not stepped
@@ -193,13 +156,13 @@ def _model_turns(sampler, tokenizer, active: List[EpisodeRun], settings: Episode
     return stepping
 
 
-def _step(runs: List[EpisodeRun], settings: EpisodeSettings, text: EpisodeText, budget: _Budget) -> None:
+def _step(runs: List[EpisodeRun], ep: EpisodeConfig, text: EpisodeText, budget: _Budget) -> None:
     """Step the environments of ``runs`` with their last turns, concurrently."""
     todo = [r for r in runs if r.last is None or not r.last.busy()]
     calls = [functools.partial(r.env.step, Turn(r.episode.spans[-1].text,
                                                 r.ids[r.episode.spans[-1].start:]))
              for r in todo]
-    outs = dict(zip(map(id, todo), run_calls(calls, settings.step_timeout_s, settings.concurrency)))
+    outs = dict(zip(map(id, todo), run_calls(calls, ep.step_timeout_s, ep.concurrency)))
     for r in runs:
         out = outs.get(id(r))
         if out is not None:
@@ -208,10 +171,11 @@ def _step(runs: List[EpisodeRun], settings: EpisodeSettings, text: EpisodeText, 
         if step is None:        # raised, timed out, returned no Step, or still busy
             r.episode.env_errors += 1
             step = Step(observation=ERROR_OBSERVATION)
-        _apply(r, step, settings, text, budget)
+        _apply(r, step, ep, text, budget)
 
 
-def _apply(r: EpisodeRun, step: Step, settings: EpisodeSettings, text: EpisodeText, budget: _Budget) -> None:
+def _apply(r: EpisodeRun, step: Step, ep: EpisodeConfig, text: EpisodeText,
+           budget: _Budget) -> None:
     info = step.info if isinstance(step.info, dict) else {}
     reward = _finite(step.reward)
     if reward is None:              # None, text, NaN: the step is an error, its reward 0
@@ -226,7 +190,7 @@ def _apply(r: EpisodeRun, step: Step, settings: EpisodeSettings, text: EpisodeTe
     r.stop_strings = stop_strings(info)
     if step.done:
         return r.end(DONE)
-    if r.episode.turns >= settings.max_turns:
+    if r.episode.turns >= ep.max_turns:
         return r.end(TURN_LIMIT)
     if step.observation is None:
         return None                                   # the model writes again
@@ -239,7 +203,7 @@ def _apply(r: EpisodeRun, step: Step, settings: EpisodeSettings, text: EpisodeTe
     if left == 0:                                     # no room: the episode ends, no empty span
         return r.end(budget.left(r)[1])
     if len(ids) > left:                               # the episode's budget cuts it too
-        ids, cut = (ids[:left] if settings.obs_truncation == "right" else ids[len(ids) - left:]), True
+        ids, cut = (ids[:left] if ep.obs_truncation == "right" else ids[len(ids) - left:]), True
     r.episode.spans.append(Span(OBSERVATION, len(r.ids), len(r.ids) + len(ids), step.observation,
                                 truncated=cut))
     r.ids += ids
@@ -247,7 +211,7 @@ def _apply(r: EpisodeRun, step: Step, settings: EpisodeSettings, text: EpisodeTe
 
 
 def _finite(x) -> Optional[float]:
-    """``x`` as a finite float, or None (a reward that is not a number)."""
+    """``x`` as a finite float, or None."""
     try:
         value = float(x)
     except (TypeError, ValueError):
@@ -256,16 +220,16 @@ def _finite(x) -> Optional[float]:
 
 
 class EpisodeSource(SyncSource):
-    """LocalSource's multi-turn twin: B rows of ``prepared.train`` x G episodes per ``sample``,
-    played with ``policy``; the environments' seed is drawn from ``prompt_rng`` after the rows.
-    Rewards are the environments': ``scorer`` only counts."""
+    """LocalSource's multi-turn twin: B rows x G episodes per ``sample``, played with ``policy``;
+    the environments' seed drawn after the rows. Rewards are the environments'."""
 
-    def __init__(self, policy, tokenizer, prepared, settings: EpisodeSettings, seed: int):
-        self.policy, self.tokenizer, self.task, self.settings = policy, tokenizer, prepared.task, settings
+    def __init__(self, policy, tokenizer, prepared, rollout: RolloutConfig, group_size: int,
+                 seed: int):
+        self.policy, self.tokenizer, self.task = policy, tokenizer, prepared.task
         self.examples = list(prepared.train)
         self.prompt_rng = random.Random(seed)
-        self.stops = resolve_stop_ids(policy, tokenizer, settings.stop_token_ids)
-        self.player = EpisodePlayer(tokenizer, prepared.task, settings, self.stops)
+        self.stops = resolve_stop_ids(policy, tokenizer, tuple(rollout.stop_token_ids or ()))
+        self.player = EpisodePlayer(tokenizer, prepared.task, rollout, group_size, self.stops)
         self.scorer = prepared.scorer(timeout_s=0)     # counters only: rewards are the env's
 
     def draw_seed(self) -> int:
@@ -298,8 +262,7 @@ class EpisodeRun:
 def episode_batch(runs: List[EpisodeRun], tokenizer, turn_reward: str, turn_discount: float,
                   G: int, stops: Sequence[int], device, logp_dtype: torch.dtype = torch.float32
                   ) -> RolloutBatch:
-    """The played episodes as a RolloutBatch (module docstring; ``old_logprobs`` and
-    ``engine_logprobs`` 0 off model tokens); ``logp_dtype``: float64 for a float64 model."""
+    """The played episodes as a RolloutBatch (module docstring; log-probs 0 off model tokens)."""
     N, pad = len(runs), _pad_id(tokenizer, stops)
     P = max(len(r.prompt_ids) for r in runs)
     T = max(1, max(len(r.ids) for r in runs))           # at least one column
@@ -353,9 +316,8 @@ class StepTimeout(TimeoutError):
 
 def run_calls(calls: Sequence[Callable[[], Any]], timeout_s: float, concurrency: int
               ) -> List[Outcome]:
-    """Run the zero-argument ``calls``, at most ``concurrency`` at once, each in a daemon
-    thread of its own (one past ``timeout_s`` is abandoned, never joined: ``Outcome.busy``)
-    -> one Outcome per call, in order."""
+    """The zero-argument ``calls``, at most ``concurrency`` at once, each in a daemon thread
+    (one past ``timeout_s`` is abandoned, never joined) -> one Outcome per call, in order."""
     outcomes = [Outcome() for _ in calls]
     done: "queue.Queue[int]" = queue.Queue()
     started, running = 0, {}                    # running: index -> deadline

@@ -1,11 +1,9 @@
-"""The text side of an episode: how observations become tokens, and where a turn stops.
+"""The text side of an episode: observations to tokens, and where a turn stops.
 
-Token-in, token-out: model turns stay the sampled ids; each observation is tokenized once
-(no special tokens) and appended. Raw prompts: the first observation is ``tokenizer(text)``,
-later ones appended as text. Chat: the first is the rendered user message; a later one is a
-``tool`` message if the template renders one, else ``user``, its tokens the template's text
-beyond the context's (else, said once, the message rendered alone after an assistant turn).
-Observations past ``max_obs_tokens`` are cut on the configured side and marked truncated.
+Model turns stay the sampled ids; each observation is tokenized once (no special tokens) and
+appended. Chat: the first observation is the rendered user message, a later one a ``tool``
+message if the template renders one, else ``user``: the template's text beyond the context's
+(else the message rendered alone, said once). Observations past ``max_obs_tokens`` are cut.
 """
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ class EpisodeText:
         self.max_obs, self.side = max_obs_tokens, obs_truncation
         self.role = self._observation_role() if chat else "user"
 
-    # ---- the first observation ------------------------------------------------------
     def first(self, text: str) -> Tuple[str, List[int], List[Dict[str, str]]]:
         """(prompt text, its ids with the tokenizer's special tokens, chat messages)."""
         if not self.chat:
@@ -42,7 +39,6 @@ class EpisodeText:
         prompt = render_chat(self.tok, text, self.system)
         return prompt, self.tok(prompt)["input_ids"], messages
 
-    # ---- later observations ---------------------------------------------------------
     def observation(self, text: str, context: Sequence[int], messages: List[Dict[str, str]],
                     turn_text: str) -> Tuple[List[int], bool]:
         """(ids of observation ``text`` after ``context``, cut to max_obs_tokens?). In
@@ -64,10 +60,8 @@ class EpisodeText:
         return self._encode(self._alone(messages[-1])), cut
 
     def _observation_role(self) -> str:
-        """``tool`` when the template speaks of tools and renders a tool message (its
-        content appears in the text), else ``user``: a template that never mentions tools
-        may still print any role name (Gemma's writes ``<start_of_turn>tool``), and one
-        that describes tools may refuse or drop the role."""
+        """``tool`` when the template mentions tools and renders a tool message's content,
+        else ``user`` (Gemma's prints any role name; others refuse or drop it)."""
         if "tool" not in str(getattr(self.tok, "chat_template", "") or ""):
             return "user"
         marker = "rlctl-observation-probe"
@@ -95,7 +89,6 @@ class EpisodeText:
             return ids, False
         return (ids[:self.max_obs] if self.side == "right" else ids[len(ids) - self.max_obs:]), True
 
-    # ---- model turns ----------------------------------------------------------------
     def turn_text(self, ids: Sequence[int], stops: Sequence[int]) -> str:
         """A model turn's text: its ids without the closing stop id, specials dropped."""
         ids = list(ids[:-1]) if ids and ids[-1] in stops else list(ids)
@@ -103,8 +96,7 @@ class EpisodeText:
 
 
 def stop_string_cut(tokenizer, ids: Sequence[int], strings: Sequence[str]) -> Optional[int]:
-    """Tokens to keep so the turn ends right after the token that completes the first of
-    ``strings`` to appear in its text, or None when none appears."""
+    """Tokens to keep: up to the one completing the first of ``strings`` in the text, or None."""
     strings = [s for s in strings if s]
     if not strings or not any(s in tokenizer.decode(list(ids), skip_special_tokens=False)
                               for s in strings):
