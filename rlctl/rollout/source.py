@@ -51,6 +51,7 @@ class SyncSource:
     examples: List[Example]
     prompt_rng: random.Random
     scorer: object
+    player = None       # a source playing episodes: its EpisodePlayer (eval, sample tables)
 
     def draw(self, num_groups: int) -> List[int]:
         """Indices of the next ``num_groups`` prompts (with replacement)."""

@@ -1,15 +1,11 @@
-"""The learner's update: epochs x minibatches of optimizer steps on one rollout, and the
+"""The learner's update (epochs x minibatches of optimizer steps on one rollout) and the
 rollout correction's hooks (``algo.rollout_correction``; math: rlctl.core.rollout_correction).
 
-Algorithm-free: the policy loss comes from ``POLICY_LOSSES``, the KL term from
-``kl_estimate``, the value loss from ``value_loss_per_token``, extra terms (an entropy
-bonus) from ``LOSS_TERMS``; `accumulate_gradients` sums them in one line. Gradient
-accumulation is exact for every aggregation mode: each micro-batch adds
-``aggregate_sum(...) / agg_denominator(minibatch mask)``. Micro-batches are rows
-(``micro_batch_size``), a padded-token budget (``micro_batch_tokens``), or both.
-``mask_truncated`` (DAPO's overlong filtering, Yu et al., 2025) zeroes the mask of rows with
-no stop id before the update (their rewards still counted in the advantages); a minibatch
-left with no token takes no optimizer step."""
+The policy loss comes from ``POLICY_LOSSES``, the KL term from ``kl_estimate``, the value
+loss from ``value_loss_per_token``, extra terms from ``LOSS_TERMS``; `accumulate_gradients`
+sums them in one line. Gradient accumulation is exact for every aggregation mode: each
+micro-batch adds ``aggregate_sum(...) / agg_denominator(minibatch mask)``. ``mask_truncated``
+(DAPO's overlong filtering, Yu et al., 2025) zeroes the mask of rows with no stop id."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,48 +27,63 @@ from rlctl.types import RolloutBatch
 
 @dataclass
 class UpdateSettings:
-    """The update's arguments from the ``algo``, ``trainer`` and ``rollout`` sections: the
-    policy loss and extra terms looked up, the KL estimator resolved for its placement,
-    the rollout correction (None: off)."""
+    """What the update and the advantages derive from ``algo``, ``trainer`` and ``rollout``:
+    the policy loss and extra terms looked up, the KL estimator resolved for its placement,
+    the rollout correction (None: off), prompt sharing as the backend allows it."""
     policy_loss: Callable
     clip_low: float
     clip_high: float
+    clip_ratio_c: Optional[float]
     agg_mode: str
     norm_len: Optional[int]
     epochs: int
     minibatches: int
     kl_estimator: str
     kl_in_loss: bool
-    max_grad_norm: float
+    kl_in_reward: bool
     temperature: float
-    clip_ratio_c: Optional[float] = None
-    micro_batch_size: int = 0              # sequences per forward; 0: the whole minibatch
-    micro_batch_tokens: int = 0            # padded tokens per forward; 0: no token budget
-    trim_padding: bool = True              # cut each micro-batch to its longest completion
-    share_prompts: bool = True             # one prompt forward per distinct prompt
-    vf_coef: float = 0.0
-    value_clip: Optional[float] = None
-    terms: Tuple[Tuple[str, float, Callable], ...] = ()   # (name, coef, fn): rlctl.core.losses
-    mask_truncated: bool = False           # rows with no stop id out of the loss (DAPO)
-    rollout_correction: Optional[RolloutCorrectionConfig] = None   # sampler/learner mismatch; None: off
+    micro_batch_size: int          # sequences per forward; 0: the whole minibatch
+    micro_batch_tokens: int        # padded tokens per forward; 0: no token budget
+    share_prompts: bool            # one prompt forward per distinct prompt
+    vf_coef: float
+    value_clip: Optional[float]
+    terms: Tuple[Tuple[str, float, Callable], ...]     # (name, coef, fn): rlctl.core.losses
+    mask_truncated: bool
+    rollout_correction: Optional[RolloutCorrectionConfig]
+    estimator: str                 # the advantage estimator
+    std_eps: float
+    baseline: str
+    gamma: float
+    lam: float
+    whiten: bool
+    overlong_buffer: int
+    overlong_penalty: float
+    max_new_tokens: int
+    episode_max_tokens: int        # an episode's overlong limit
+    trim_padding: bool = True      # cut each micro-batch to its longest completion
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
         """``share_prompts``: ``trainer.share_prompts`` as it applies on the backend."""
-        algo, tr, rc = cfg.algo, cfg.trainer, cfg.algo.rollout_correction
+        algo, tr, ro, rc = cfg.algo, cfg.trainer, cfg.rollout, cfg.algo.rollout_correction
+        high = algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps
         return cls(policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
-                   clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
-                   clip_ratio_c=algo.clip_ratio_c, agg_mode=algo.loss_agg_mode, norm_len=algo.norm_len,
+                   clip_high=high, clip_ratio_c=algo.clip_ratio_c, agg_mode=algo.loss_agg_mode,
+                   norm_len=algo.norm_len,
                    epochs=algo.epochs, minibatches=algo.minibatches,
                    kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
-                   kl_in_loss=algo.kl.placement == "in_loss", max_grad_norm=tr.max_grad_norm,
-                   temperature=cfg.rollout.temperature, micro_batch_size=tr.micro_batch_size,
-                   micro_batch_tokens=tr.micro_batch_tokens,
-                   vf_coef=algo.vf_coef, value_clip=algo.value_clip, share_prompts=share_prompts,
+                   kl_in_loss=algo.kl.placement == "in_loss",
+                   kl_in_reward=algo.kl.placement == "in_reward", temperature=ro.temperature,
+                   micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
+                   share_prompts=share_prompts, vf_coef=algo.vf_coef, value_clip=algo.value_clip,
                    terms=tuple(active_terms({"entropy": algo.get("entropy_coef", 0.0)})),
                    mask_truncated=bool(algo.get("mask_truncated", False)),
                    rollout_correction=(RolloutCorrectionConfig(**OmegaConf.to_container(rc))
-                                       if rc.enabled else None))
+                                       if rc.enabled else None),
+                   estimator=algo.advantage, std_eps=algo.std_eps, baseline=algo.baseline,
+                   gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
+                   overlong_buffer=algo.overlong_buffer, overlong_penalty=algo.overlong_penalty,
+                   max_new_tokens=ro.max_new_tokens, episode_max_tokens=ro.episode.max_tokens)
 
 
 @dataclass
@@ -84,10 +95,9 @@ class UpdateState:
 
 def micro_batches(row_width: torch.Tensor, prompt_len: int, size: int = 0, tokens: int = 0,
                   width: Optional[int] = None) -> List[torch.Tensor]:
-    """Row indices (CPU) of each micro-batch: at most ``size`` rows and ``tokens`` padded
-    tokens, rows x (prompt_len + widest completion) (0: no limit). ``row_width`` [n]: each
-    row's `counted_width`; ``width``: the width every micro-batch keeps (None: its widest
-    row). Widest rows first; a row is never split (one over the budget goes alone)."""
+    """Row indices (CPU) of each micro-batch: at most ``size`` rows and ``tokens`` padded tokens
+    (0: no limit), widest rows first (``row_width`` [n]; ``width``: a fixed width, else each
+    micro-batch's widest row); a row over the budget goes alone."""
     rows = torch.arange(row_width.numel())
     if tokens <= 0:
         return [rows] if size <= 0 or size >= rows.numel() else list(rows.split(size))
@@ -103,16 +113,14 @@ def micro_batches(row_width: torch.Tensor, prompt_len: int, size: int = 0, token
     return [torch.tensor(m, dtype=torch.long) for m in out]
 
 
-def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
-                         critic=None, backend=None, row_width: Optional[torch.Tensor] = None,
+def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
+                         critic=None, row_width: Optional[torch.Tensor] = None,
                          prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
-    """Backward of one minibatch's loss, micro-batch by micro-batch; returns metrics
-    (token-weighted means of detached tensors; spreads as `Moments`). Does not step or
-    zero the optimizer. With a data-parallel ``backend`` the normalisers are summed over
-    ranks, so each rank's backward carries its exact share of the global minibatch loss.
-    ``row_width``: each row's `counted_width` ([N] long, CPU; found here when not given);
-    ``prompts``: which rows share a prompt (found here when not given)."""
-    backend = backend or _LOCAL
+    """Backward of one minibatch's loss, micro-batch by micro-batch (no optimizer step);
+    returns metrics (token-weighted means of detached tensors; spreads as `Moments`). The
+    normalisers are summed over ``backend``'s ranks, so each rank's backward carries its
+    exact share of the global minibatch loss. ``row_width``: each row's `counted_width`
+    ([N], CPU) and ``prompts``: which rows share a prompt (both found here when None)."""
     if row_width is None:
         row_width = counted_width(batch.mask).cpu()                          # [N]
     if prompts is None and s.share_prompts:
@@ -158,7 +166,8 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
             if in_loss:
                 kl_loss = st.kl_coef * aggregate_sum(kl_mat, mask, s.agg_mode, s.norm_len) / denom
             metrics["policy/kl_ref"] = masked_mean(kl_mat.detach(), mask)
-            metrics.update(kl_side_by_side(f.logp.detach(), mb.ref_logprobs, mask))
+            for k in ("k1", "k3"):       # whatever the estimator, so runs stay comparable
+                metrics[f"kl/{k}"] = masked_mean(kl_estimate(f.logp.detach(), mb.ref_logprobs, k), mask)
         v_loss = 0.0
         if mb.returns is not None and f.values is not None:    # token-mean over the minibatch
             v_mat, v_metrics = value_loss_per_token(f.values, mb.old_values, mb.returns, mask,
@@ -193,35 +202,10 @@ def accumulate_gradients(model, batch: RolloutBatch, s: UpdateSettings, st: Upda
     return out
 
 
-def kl_side_by_side(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor
-                    ) -> Dict[str, torch.Tensor]:
-    """``kl/k1`` and ``kl/k3``: masked token means of two estimates of KL(pi || ref),
-    logged whatever the training estimator so runs stay comparable. [n, T] -> scalars."""
-    return {f"kl/{k}": masked_mean(kl_estimate(logp, ref_logp, k).detach(), mask) for k in ("k1", "k3")}
-
-
-class _LocalBackend:
-    """Single-process stand-in (tests call ``accumulate_gradients`` without a backend)."""
-    dp_loss_scale = 1.0
-
-    @staticmethod
-    def all_reduce_sum(t):
-        return t
-
-    @staticmethod
-    def backward(loss):
-        loss.backward()
-
-
-_LOCAL = _LocalBackend()
-
-
 def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                   critic=None, prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
-    """The optimizer steps for one rollout -> detached metrics: means over the steps, and
-    `Moments` pooled over every token (`reduce_metrics` finishes them). ``model``: what
-    ``backend.prepare`` returned. ``batch.old_logprobs`` None: a single pass, ratio 1
-    exactly. Critic warm-up (``st.policy_frozen``): only critic-only weights move."""
+    """The optimizer steps for one rollout (``model``: what ``backend.prepare`` returned) ->
+    detached metrics, means over the steps and `Moments` pooled over every token."""
     model.train()
     if s.mask_truncated:     # DAPO's overlong filtering; the advantages were computed before
         batch = batch.replace(mask=batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype))
@@ -240,7 +224,7 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
             backend.zero_grad()
             mb = batch if not shuffle and s.minibatches == 1 else \
                 batch.select(rows.to(batch.mask.device), text=False)
-            metrics = accumulate_gradients(model, mb, s, st, critic, backend, row_width[rows],
+            metrics = accumulate_gradients(model, backend, mb, s, st, critic, row_width[rows],
                                            None if prompts is None else prompts.rows(rows))
             # A non-finite loss (on any rank) skips this optimizer step on every rank, and so
             # does a minibatch with no counted token on any rank (mask_truncated): one
@@ -275,9 +259,8 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
 
 
 def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrectionConfig]) -> RolloutBatch:
-    """The batch as the old-policy forward sees it: unchanged with the correction off;
-    bypass: pi_old := pi_engine in every row; otherwise no old log-probs, so the learner
-    computes pi_old for every row (the sampler's stay in ``engine_logprobs``)."""
+    """The batch as the old-policy forward sees it: bypass: pi_old := pi_engine; otherwise
+    no old log-probs, so the learner computes pi_old for every row."""
     if corr is None:
         return batch
     if batch.engine_logprobs is None:

@@ -29,6 +29,7 @@ import pytest
 from gloo_ranks import run_two_ranks
 import torch
 
+from learner_kit import settings
 from rlctl.dist.backends import Backend, build_backend
 from rlctl.config.compose import compose
 from rlctl.core import get_policy_loss
@@ -84,9 +85,9 @@ def _reference(model, critic, b: RolloutBatch) -> dict:
 
 
 def _settings(**kw) -> UpdateSettings:
-    return UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+    return settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                           agg_mode="token-mean", norm_len=None, epochs=1, minibatches=1,
-                          kl_estimator="k3", kl_in_loss=False, max_grad_norm=1.0, temperature=1.0,
+                          kl_estimator="k3", kl_in_loss=False, temperature=1.0,
                           share_prompts=False, vf_coef=0.5, **kw)
 
 
