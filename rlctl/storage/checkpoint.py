@@ -8,8 +8,7 @@
         rng-rank<k>.pt        torch RNG and the prompt RNG's state of every rank
         trainer_state.json    step, KL controller, fault counters, eval at step 0
 
-Built in `step-N.tmp` and renamed when complete; the oldest beyond
-`trainer.keep_checkpoints` are removed. DeepSpeed saves through its engine."""
+Built in `step-N.tmp` and renamed when complete; only `trainer.keep_checkpoints` are kept."""
 from __future__ import annotations
 
 import json

@@ -124,13 +124,9 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
         rewards = batch.rewards.tolist()
         ok = [episode_success(e, r) for e, r in zip(batch.episodes, rewards)]
         for e, r, good in zip(batch.episodes, rewards, ok):
-            sums["success_rate"] += good
-            sums["exact_match"] += good
-            sums["reward"] += r
-            sums["turns_mean"] += e.turns
-            sums["tool_calls_mean"] += e.tool_calls
-            sums["tool_errors_mean"] += e.tool_errors
-            sums["env_errors_mean"] += e.env_errors
+            for k, v in zip(EPISODE_KEYS, (good, good, r, e.turns, e.tool_calls, e.tool_errors,
+                                           e.env_errors)):
+                sums[k] += v
         sums["truncated_frac"] += float(batch.truncated.sum())
         sums["length_mean"] += float(batch.mask.sum())
         ev.correct += [sum(ok[i * samples:(i + 1) * samples]) for i in range(len(chunk))]

@@ -48,13 +48,6 @@ class Moments:
         return Moments(n, self.mean + d * w, self.m2 + other.m2 + d.square() * self.n * w, self.finish)
 
 
-def pool(parts: List[Moments]) -> Moments:
-    out = parts[0]
-    for p in parts[1:]:
-        out = out.combine(p)
-    return out
-
-
 def population_std(m: Moments) -> torch.Tensor:
     """sqrt(M2 / n) of the first variable (0 without entries)."""
     return (m.m2[0] / m.n.clamp(min=1)).sqrt()

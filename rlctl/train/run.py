@@ -185,7 +185,11 @@ def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None):
         params = count_parameters(model, critic)
         torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
         resume_from = resume_point(run_dir, backend) if resume else None
-        sink = _sink(run_dir, backend, cfg.logger, OmegaConf.to_container(cfg), cfg.trainer.steps)
+        log = cfg.logger                     # rank 0's sinks (the config as a dict for wandb)
+        sink = NullSink() if not backend.is_main else build_sinks(
+            run_dir=run_dir, jsonl=log.jsonl, wandb=log.wandb, wandb_mode=log.wandb_mode,
+            project=log.project, name=run_dir.name, run_config=OmegaConf.to_container(cfg),
+            console=log.console, total_steps=cfg.trainer.steps, tensorboard=log.tensorboard)
         closing.callback(sink.close)
         source = build_source(cfg, model, tokenizer, prepared, backend, stop)
         try:
@@ -220,16 +224,6 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, on_step=None,
     """A launched rank or one of a launcher's group, as ``run_training`` trains one process."""
     with built_rank(cfg, run_dir, resume, stop, built) as (trainer, resume_from, finish):
         return finish(trainer.train(run_dir=run_dir, resume_from=resume_from, on_step=on_step, stop=stop))
-
-
-def _sink(run_dir: Path, backend, logger, resolved: dict, total_steps: int):
-    """Rank 0's metric sinks (``resolved``: the config as a dict, for wandb); others log nothing."""
-    if not backend.is_main:
-        return NullSink()
-    return build_sinks(run_dir=run_dir, jsonl=logger.jsonl, wandb=logger.wandb,
-                       wandb_mode=logger.wandb_mode, project=logger.project, name=run_dir.name,
-                       run_config=resolved, console=logger.console, total_steps=total_steps,
-                       tensorboard=logger.tensorboard)
 
 
 def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,

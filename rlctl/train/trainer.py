@@ -34,19 +34,19 @@ from rlctl.types import RolloutBatch
 
 def shaped_task_rewards(batch: RolloutBatch, s: UpdateSettings) -> torch.Tensor:
     """Task (or episode) reward plus the DAPO overlong penalty when configured. -> [N]"""
-    return batch.rewards + overlong(batch, s) if s.overlong_buffer > 0 else batch.rewards
+    return batch.rewards + overlong(batch, s) if s.algo.overlong_buffer > 0 else batch.rewards
 
 
 def overlong(batch: RolloutBatch, s: UpdateSettings) -> torch.Tensor:
     """DAPO's overlong penalty [N] (0 when off) of the counted tokens against
     ``max_new_tokens``, or of an episode's transcript against ``episode_max_tokens``."""
-    if s.overlong_buffer <= 0:
+    buffer, penalty = s.algo.overlong_buffer, s.algo.overlong_penalty
+    if buffer <= 0:
         return torch.zeros_like(batch.rewards)
     if batch.token_rewards is None:
-        return overlong_penalty(batch.mask.sum(-1), s.max_new_tokens, s.overlong_buffer,
-                                s.overlong_penalty)
+        return overlong_penalty(batch.mask.sum(-1), s.max_new_tokens, buffer, penalty)
     lengths = batch.attention_mask[:, batch.prompt_len:].sum(-1)          # [N]
-    return overlong_penalty(lengths, s.episode_max_tokens, s.overlong_buffer, s.overlong_penalty)
+    return overlong_penalty(lengths, s.episode_max_tokens, buffer, penalty)
 
 
 def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, backend, eps: float = 1e-8) -> torch.Tensor:
@@ -80,9 +80,10 @@ def compute_advantages(batch: RolloutBatch, s: UpdateSettings, kl_coef: float,
         per_token = batch.token_rewards.to(shaping.dtype) + shaping                 # [N, T]
         seq_return = batch.rewards.to(shaping.dtype) + (shaping * batch.mask).sum(-1)   # [N]
     returns = None
-    entry = ADVANTAGE_ESTIMATORS.entry(s.estimator)
+    a = s.algo
+    entry = ADVANTAGE_ESTIMATORS.entry(a.advantage)
     if entry.level == "token":
-        adv, returns = entry.fn(per_token, values, batch.mask, s.gamma, s.lam)   # [N, T] each
+        adv, returns = entry.fn(per_token, values, batch.mask, a.gamma, a.lam)   # [N, T] each
     else:
         if seq_return is None:
             seq_return = (per_token * batch.mask).sum(-1)                         # [N]
@@ -90,10 +91,10 @@ def compute_advantages(batch: RolloutBatch, s: UpdateSettings, kl_coef: float,
         first = 0
         if backend is not None and backend.world_size > 1:
             seq_return, first = backend.all_gather_rows(seq_return)              # [B_all, G]
-        adv = entry.fn(seq_return, s.std_eps, baseline=s.baseline)               # [B_all, G]
+        adv = entry.fn(seq_return, a.std_eps, baseline=a.baseline)               # [B_all, G]
         adv = adv[first: first + batch.num_sequences // batch.group_size]         # [B, G]
         adv = broadcast_to_tokens(adv, batch.mask)                                # [N, T]
-    if s.whiten:
+    if a.whiten_advantages:
         adv = whiten_over_ranks(adv, batch.mask, backend)
     return adv, returns
 
@@ -118,12 +119,10 @@ def needs_old_forward(algo) -> bool:
 
 
 class Trainer:
-    """The loop over one rank's steps. ``algo``, ``trainer``, ``samples``: the config's
-    sections (``logger.samples``); ``update``: what the update derives; ``model``: the
-    policy, or a PolicyValueModel (shared critic); ``prepared``: the task prepared for the
-    model (eval prompts and scorer); ``source``: where rollouts come from (it samples with
-    ``model``, owns the prompt RNG and the training scorer); ``critic``: a separate value
-    model or None; ``backend``: how to step and how ranks communicate."""
+    """The loop over one rank's steps. ``algo``, ``trainer``, ``samples`` (logger.samples): the
+    config's sections; ``model``: the policy or a PolicyValueModel; ``prepared``: eval prompts
+    and scorer; ``source``: the rollouts (it samples with ``model``, owns the prompt RNG and
+    the training scorer); ``critic``: a separate value model or None."""
 
     def __init__(self, algo: AlgoConfig, trainer: TrainerConfig, update: UpdateSettings,
                  samples: SamplesConfig, model, tokenizer, prepared: Prepared, sink, *,
@@ -284,7 +283,7 @@ class Trainer:
             for step in range(first, tr.steps + 1):
                 values = self.step(step)
                 tokens += values["perf/tokens_per_s"] * (values["time/rollout_s"] + values["time/update_s"])
-                updates = self.update_settings.epochs * self.update_settings.minibatches
+                updates = self.algo.epochs * self.algo.minibatches
                 bad_streak = bad_streak + 1 if values.get("fault/skipped_steps", 0) >= updates else 0
                 if tr.eval_every > 0 and (step % tr.eval_every == 0 or step == tr.steps):
                     values.update(self._evaluate(step))

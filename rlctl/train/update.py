@@ -9,6 +9,7 @@ micro-batch adds ``aggregate_sum(...) / agg_denominator(minibatch mask)``. ``mas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import reduce
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -20,69 +21,46 @@ from rlctl.core.losses import active_terms, value_loss_per_token
 from rlctl.core.rollout_correction import correction_weights, mismatch_metrics
 from rlctl.errors import UserError
 from rlctl.models.forward import PromptGroups, learner_forward
-from rlctl.train.metrics import Metric, Moments, explained_variance_of, pool, population_std
-from rlctl.config.schema import RolloutCorrectionConfig
+from rlctl.train.metrics import Metric, Moments, explained_variance_of, population_std
+from rlctl.config.schema import AlgoConfig, RolloutCorrectionConfig
 from rlctl.types import RolloutBatch
 
 
 @dataclass
 class UpdateSettings:
-    """What the update and the advantages derive from ``algo``, ``trainer`` and ``rollout``:
-    the policy loss and extra terms looked up, the KL estimator resolved for its placement,
-    the rollout correction (None: off), prompt sharing as the backend allows it."""
+    """What the update and the advantages take: ``algo`` (the config's section) and what they
+    derive from it, ``trainer`` and ``rollout``: the policy loss and extra terms looked up,
+    the KL estimator resolved for its placement, the rollout correction (None: off)."""
+    algo: AlgoConfig
     policy_loss: Callable
-    clip_low: float
-    clip_high: float
-    clip_ratio_c: Optional[float]
-    agg_mode: str
-    norm_len: Optional[int]
-    epochs: int
-    minibatches: int
+    clip_high: float               # algo.clip_eps_high, else algo.clip_eps
     kl_estimator: str
     kl_in_loss: bool
     kl_in_reward: bool
-    temperature: float
+    terms: Tuple[Tuple[str, float, Callable], ...]     # (name, coef, fn): rlctl.core.losses
+    rollout_correction: Optional[RolloutCorrectionConfig]
+    share_prompts: bool            # one prompt forward per distinct prompt, as the backend allows
+    temperature: float             # rollout.temperature
     micro_batch_size: int          # sequences per forward; 0: the whole minibatch
     micro_batch_tokens: int        # padded tokens per forward; 0: no token budget
-    share_prompts: bool            # one prompt forward per distinct prompt
-    vf_coef: float
-    value_clip: Optional[float]
-    terms: Tuple[Tuple[str, float, Callable], ...]     # (name, coef, fn): rlctl.core.losses
-    mask_truncated: bool
-    rollout_correction: Optional[RolloutCorrectionConfig]
-    estimator: str                 # the advantage estimator
-    std_eps: float
-    baseline: str
-    gamma: float
-    lam: float
-    whiten: bool
-    overlong_buffer: int
-    overlong_penalty: float
-    max_new_tokens: int
-    episode_max_tokens: int        # an episode's overlong limit
+    max_new_tokens: int            # the overlong limits: rollout.max_new_tokens and
+    episode_max_tokens: int        # rollout.episode.max_tokens
     trim_padding: bool = True      # cut each micro-batch to its longest completion
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
         """``share_prompts``: ``trainer.share_prompts`` as it applies on the backend."""
         algo, tr, ro, rc = cfg.algo, cfg.trainer, cfg.rollout, cfg.algo.rollout_correction
-        high = algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps
-        return cls(policy_loss=get_policy_loss(algo.policy_loss), clip_low=algo.clip_eps,
-                   clip_high=high, clip_ratio_c=algo.clip_ratio_c, agg_mode=algo.loss_agg_mode,
-                   norm_len=algo.norm_len,
-                   epochs=algo.epochs, minibatches=algo.minibatches,
+        return cls(algo=algo, policy_loss=get_policy_loss(algo.policy_loss),
+                   clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
                    kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
                    kl_in_loss=algo.kl.placement == "in_loss",
-                   kl_in_reward=algo.kl.placement == "in_reward", temperature=ro.temperature,
-                   micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
-                   share_prompts=share_prompts, vf_coef=algo.vf_coef, value_clip=algo.value_clip,
+                   kl_in_reward=algo.kl.placement == "in_reward",
                    terms=tuple(active_terms({"entropy": algo.get("entropy_coef", 0.0)})),
-                   mask_truncated=bool(algo.get("mask_truncated", False)),
                    rollout_correction=(RolloutCorrectionConfig(**OmegaConf.to_container(rc))
                                        if rc.enabled else None),
-                   estimator=algo.advantage, std_eps=algo.std_eps, baseline=algo.baseline,
-                   gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
-                   overlong_buffer=algo.overlong_buffer, overlong_penalty=algo.overlong_penalty,
+                   share_prompts=share_prompts, temperature=ro.temperature,
+                   micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
                    max_new_tokens=ro.max_new_tokens, episode_max_tokens=ro.episode.max_tokens)
 
 
@@ -116,16 +94,15 @@ def micro_batches(row_width: torch.Tensor, prompt_len: int, size: int = 0, token
 def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                          critic=None, row_width: Optional[torch.Tensor] = None,
                          prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
-    """Backward of one minibatch's loss, micro-batch by micro-batch (no optimizer step);
-    returns metrics (token-weighted means of detached tensors; spreads as `Moments`). The
-    normalisers are summed over ``backend``'s ranks, so each rank's backward carries its
-    exact share of the global minibatch loss. ``row_width``: each row's `counted_width`
-    ([N], CPU) and ``prompts``: which rows share a prompt (both found here when None)."""
+    """Backward of one minibatch's loss, micro-batch by micro-batch, each rank's exact share of
+    the global loss (normalisers summed over ``backend``'s ranks) -> detached metrics.
+    ``row_width`` ([N], CPU) and ``prompts``: found here when None."""
+    a = s.algo
     if row_width is None:
         row_width = counted_width(batch.mask).cpu()                          # [N]
     if prompts is None and s.share_prompts:
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
-    denom = backend.all_reduce_sum(agg_denominator(batch.mask, s.agg_mode, s.norm_len)).clamp(min=1e-12)
+    denom = backend.all_reduce_sum(agg_denominator(batch.mask, a.loss_agg_mode, a.norm_len)).clamp(min=1e-12)
     vdenom = backend.all_reduce_sum(batch.mask.sum()).clamp(min=1)           # value term: token-mean
     scale = backend.dp_loss_scale            # undoes the backend's averaging of gradients
     sums: Dict[str, torch.Tensor] = {}       # token-weighted metric sums
@@ -144,7 +121,7 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
                             share_prompts=prompts.rows(rows) if s.share_prompts else False)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
         loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mask,
-                                          s.clip_low, s.clip_high, s.clip_ratio_c)   # [n, T]
+                                          a.clip_eps, s.clip_high, a.clip_ratio_c)   # [n, T]
         if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
             ratio = torch.exp((f.logp.detach() - old).clamp(-20, 20))                  # [n, T]
             metrics["policy/ratio_std"] = Moments.of(ratio[None], mask, population_std)
@@ -153,25 +130,25 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
                 if "policy/ratio_max" in exact else mb_max
         if corr is not None:                 # x pi_old / pi_engine (rlctl.core.rollout_correction)
             loss_mat = loss_mat * correction_weight(mb, corr).to(loss_mat.dtype)
-        pg_loss = aggregate_sum(loss_mat, mask, s.agg_mode, s.norm_len) / denom
+        pg_loss = aggregate_sum(loss_mat, mask, a.loss_agg_mode, a.norm_len) / denom
         terms_loss = 0.0                     # extra terms (an entropy bonus), like the policy loss
         for _, coef, fn in s.terms:
             terms_loss = terms_loss + coef * aggregate_sum(fn(f.logp, f.entropy, mask), mask,
-                                                           s.agg_mode, s.norm_len) / denom
+                                                           a.loss_agg_mode, a.norm_len) / denom
         kl_loss = 0.0
         if mb.ref_logprobs is not None:      # one estimate: the loss (in_loss) and policy/kl_ref
             in_loss = st.kl_coef > 0 and s.kl_in_loss and not st.policy_frozen   # warm-up: critic only
             kl_mat = kl_estimate(f.logp if in_loss else f.logp.detach(), mb.ref_logprobs,
                                  s.kl_estimator)                                           # [n, T]
             if in_loss:
-                kl_loss = st.kl_coef * aggregate_sum(kl_mat, mask, s.agg_mode, s.norm_len) / denom
+                kl_loss = st.kl_coef * aggregate_sum(kl_mat, mask, a.loss_agg_mode, a.norm_len) / denom
             metrics["policy/kl_ref"] = masked_mean(kl_mat.detach(), mask)
             for k in ("k1", "k3"):       # whatever the estimator, so runs stay comparable
                 metrics[f"kl/{k}"] = masked_mean(kl_estimate(f.logp.detach(), mb.ref_logprobs, k), mask)
         v_loss = 0.0
         if mb.returns is not None and f.values is not None:    # token-mean over the minibatch
             v_mat, v_metrics = value_loss_per_token(f.values, mb.old_values, mb.returns, mask,
-                                                    s.value_clip)                          # [n, T]
+                                                    a.value_clip)                          # [n, T]
             v_loss = (v_mat * mask).sum() / vdenom
             exact["value/loss"] = exact.get("value/loss", 0.0) + v_loss.detach()
             r = mb.returns.detach().double()                   # moments of (R, R - V): 1 - Var ratio
@@ -183,7 +160,7 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
             pg_term, terms_loss = pg_loss.new_zeros(()), 0.0
         else:
             pg_term = pg_loss
-        loss = pg_term + terms_loss + kl_loss + s.vf_coef * v_loss     # the loss, term by term
+        loss = pg_term + terms_loss + kl_loss + a.vf_coef * v_loss     # the loss, term by term
         backend.backward(loss * scale)
         exact["policy/loss"] = exact.get("policy/loss", 0.0) + pg_loss.detach()
         metrics["policy/entropy"] = masked_mean(f.entropy, mask)
@@ -207,22 +184,23 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     """The optimizer steps for one rollout (``model``: what ``backend.prepare`` returned) ->
     detached metrics, means over the steps and `Moments` pooled over every token."""
     model.train()
-    if s.mask_truncated:     # DAPO's overlong filtering; the advantages were computed before
+    a = s.algo
+    if a.mask_truncated:     # DAPO's overlong filtering; the advantages were computed before
         batch = batch.replace(mask=batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype))
     records: Dict[str, List[torch.Tensor]] = {}
-    shuffle = s.epochs * s.minibatches > 1
+    shuffle = a.epochs * a.minibatches > 1
     # [N]; host syncs once per rollout. Last counted column + 1 (= mask.sum(-1) for a
     # single-turn row, whose counted tokens start at column 0 with no gap)
     row_width = counted_width(batch.mask).cpu()
     if prompts is None and s.share_prompts:
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
-    for _ in range(s.epochs):
+    for _ in range(a.epochs):
         order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
-        # exactly s.minibatches pieces (chunk gives fewer when N / minibatches is not whole:
+        # exactly a.minibatches pieces (chunk gives fewer when N / minibatches is not whole:
         # ranks keeping different numbers of groups would step a different number of times)
-        for rows in torch.tensor_split(order, s.minibatches):
+        for rows in torch.tensor_split(order, a.minibatches):
             backend.zero_grad()
-            mb = batch if not shuffle and s.minibatches == 1 else \
+            mb = batch if not shuffle and a.minibatches == 1 else \
                 batch.select(rows.to(batch.mask.device), text=False)
             metrics = accumulate_gradients(model, backend, mb, s, st, critic, row_width[rows],
                                            None if prompts is None else prompts.rows(rows))
@@ -232,7 +210,7 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
             bad = (~torch.isfinite(metrics["policy/loss"] + metrics.get("value/loss", 0.0))).float()
             has_tokens = (mb.mask.sum() > 0).to(bad.dtype)
             bad_any, tokens_any = backend.all_reduce(torch.stack([bad, has_tokens]), "max").tolist()
-            if s.mask_truncated and not tokens_any:
+            if a.mask_truncated and not tokens_any:
                 backend.zero_grad()                  # every row truncated: no step (Adam would move)
                 metrics["optim/grad_norm"] = torch.zeros(())
             elif bad_any:
@@ -245,7 +223,7 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
                 records.setdefault(k, []).append(v)
     out: Dict[str, Metric] = {}
     for k, v in records.items():
-        out[k] = pool(v) if isinstance(v[0], Moments) else torch.stack(v).mean()
+        out[k] = reduce(Moments.combine, v) if isinstance(v[0], Moments) else torch.stack(v).mean()
     out["fault/skipped_steps"] = torch.stack(records["fault/skipped_steps"]).sum()
     if "policy/ratio_max" in records:
         out["policy/ratio_max"] = torch.stack(records["policy/ratio_max"]).max()

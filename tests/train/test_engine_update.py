@@ -174,7 +174,7 @@ def test_kl_estimator_and_norm_len_defaults_resolve_once(make_trainer, placement
                        "algo.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_new_tokens=6"])
     assert compose(["algo=rloo"]).cfg.algo.kl.estimator is None        # null in the config
     assert tr.update_settings.kl_estimator == kind
-    assert tr.update_settings.norm_len == 6
+    assert tr.update_settings.algo.norm_len == 6
     assert compose(["algo=ppo"]).cfg.algo.kl.estimator is None          # PPO: k1 in the reward
     assert compose(["algo=ppo"]).cfg.algo.kl.placement == "in_reward"
 
@@ -196,7 +196,7 @@ def test_norm_len_default_makes_the_loss_independent_of_the_step_width(tiny):
     losses = {}
     for name, b in (("narrow", batch), ("wide", wide)):
         s = _settings("seq-mean-token-sum-norm", 0)
-        s.norm_len, s.trim_padding = norm_len, False
+        s.algo.norm_len, s.trim_padding = norm_len, False
         losses[name] = accumulate_gradients(copy.deepcopy(model), TorchBackend(), b, s, UpdateState())["policy/loss"].item()
     assert losses["wide"] == pytest.approx(losses["narrow"], rel=1e-5)
     assert abs(losses["narrow"]) > 1e-4

@@ -125,7 +125,7 @@ def test_spreads_are_statistics_of_the_whole_batch(setup, split):
     kw = dict(SPLITS[split])
     minibatches = kw.pop("minibatches", 1)
     s = _settings(**kw)
-    s.minibatches = minibatches
+    s.algo.minibatches = minibatches
     got = _logged(copy.deepcopy(model), copy.deepcopy(critic), Backend("cpu"), b, s)
     assert 0.05 < ref["policy/ratio_std"] and abs(ref["value/explained_var"]) > 0.05
     for k in SPREADS:
