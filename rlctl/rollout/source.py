@@ -24,6 +24,7 @@ class SyncSource:
     examples: List[Example]
     prompt_rng: random.Random
     scorer: object
+    player = None       # a source playing episodes: its EpisodePlayer (eval, sample tables)
 
     def draw(self, num_groups: int) -> List[int]:
         return [self.prompt_rng.randrange(len(self.examples)) for _ in range(num_groups)]

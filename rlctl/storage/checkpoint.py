@@ -8,13 +8,11 @@
         rng-rank<k>.pt        torch RNG and the prompt RNG's state of every rank
         trainer_state.json    step, KL controller, fault counters, eval at step 0
 
-Built in `step-N.tmp` and renamed when complete; the oldest beyond
-`trainer.keep_checkpoints` are removed. DeepSpeed saves through its engine."""
+Built in `step-N.tmp` and renamed when complete; only `trainer.keep_checkpoints` are kept."""
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -47,8 +45,8 @@ REQUIRED = {"step": int, "kl": dict}
 
 
 def read_state(path: Path) -> Dict[str, Any]:
-    """``path``/trainer_state.json, checked: a JSON object with an integer ``step`` and
-    the KL controller's ``kl`` state; anything else is one CheckpointError naming the file."""
+    """``path``/trainer_state.json, checked (an integer ``step``, a ``kl`` dict), else one
+    CheckpointError naming the file."""
     file = Path(path) / "trainer_state.json"
     try:
         state = json.loads(file.read_text(encoding="utf-8"))
@@ -63,13 +61,6 @@ def read_state(path: Path) -> Dict[str, Any]:
     return state
 
 
-def _rng_state(sampler: random.Random) -> Dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": sampler.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
 def save(trainer, run_dir: Path, step: int, extra: Dict[str, Any], keep: int) -> Path:
     """Write the checkpoint of ``step`` (every rank calls this)."""
     b = trainer.backend
@@ -81,7 +72,10 @@ def save(trainer, run_dir: Path, step: int, extra: Dict[str, Any], keep: int) ->
     b.barrier()
     try:
         b.save_state(tmp, trainer.critic)
-        torch.save(_rng_state(trainer.sampler), tmp / f"rng-rank{b.rank}.pt")
+        rng = {"torch": torch.get_rng_state(), "python": trainer.prompt_rng.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / f"rng-rank{b.rank}.pt")
         b.barrier()
         if b.is_main:
             state = {"step": step, "kl": trainer.kl_ctl.state_dict(), **extra}
@@ -111,7 +105,7 @@ def load(trainer, path: Path) -> Dict[str, Any]:
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    trainer.sampler.setstate(_as_tuple(rng["python"]))
+    trainer.prompt_rng.setstate(_as_tuple(rng["python"]))
     try:
         trainer.kl_ctl.load_state_dict(state["kl"])
     except (KeyError, TypeError, ValueError) as exc:

@@ -2,11 +2,9 @@
 
     config.yaml, config_unresolved.yaml   the resolved config, and with interpolations kept
     overrides.yaml    the command-line overrides and recipe (`resumes`: each resume's)
-    recipe.yaml       `rlctl train --recipe <run>/recipe.yaml` replays it (a resume rewrites
-                      it and config.yaml)
+    recipe.yaml       `rlctl train --recipe <run>/recipe.yaml` replays it (a resume rewrites it)
     metrics.jsonl, samples.jsonl, wandb/, tensorboard/   the sinks' files (rlctl.sinks)
-    model/            final weights and tokenizer (HF format); LoRA runs: the adapter, and
-                      with model.lora.save_merged base + adapter in model/merged/
+    model/            final weights and tokenizer (HF format), or the LoRA adapter (+ merged/)
     summary.json      final eval and timing (rank 0 writes it, the metrics and the model)
     .lock             while a run writes: the writer's pid (RunLock)
 """
@@ -33,8 +31,7 @@ _HELD: Dict[str, int] = {}         # run directory -> the descriptor holding its
 
 
 def _close_held_in_child() -> None:
-    """A forked child (the reward worker) must not keep a run locked after its parent
-    dies: it closes its copies (closing a copy leaves the parent's lock as it is)."""
+    """A forked child (the reward worker) closes its copies of the held locks."""
     for fd in _HELD.values():
         try:
             os.close(fd)
@@ -48,10 +45,8 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 class RunLock:
     """One writer per run directory: ``<run>/.lock`` holds the writer's pid under an
-    exclusive ``flock`` for the whole run; before launching ranks the owner shares it with
-    them (``share_lock``), so the run stays locked until every one has exited. The kernel
-    drops the flock with its last holder: a stale lock file is taken over, a live holder
-    refused by pid."""
+    exclusive ``flock`` (shared with launched ranks by ``share_lock``); a stale lock file
+    is taken over, a live holder refused by pid."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
@@ -94,10 +89,8 @@ class RunLock:
 
 
 def share_lock(run_dir: Path) -> None:
-    """The owner (it holds the lock): make it shared, before it launches ranks (one flock
-    call: no other process can lock in between). A launched rank: take the shared lock for
-    this rank's life (closed in its forks) and add its pid to the file (named when another
-    process is refused). Another process's exclusive lock stays refused while any holds it."""
+    """The owner turns its lock shared before launching ranks (one flock call); a launched
+    rank takes the shared lock for its life and adds its pid to the file."""
     path = Path(run_dir) / LOCK_FILE
     fd = _HELD.get(str(path.parent))
     if fd is not None:
@@ -123,24 +116,21 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _holder_pid(fd: int) -> str:
-    """A live pid in a held lock file (the holder writes it just after locking; launched
-    ranks add theirs): the first one alive, else the first."""
+    """The first live pid in a held lock file, else the first."""
     for _ in range(20):
         pids = os.pread(fd, 4096, 0).decode("ascii", "replace").split()
         if pids:
-            return next((p for p in pids if _alive(p)), pids[0])
+            for p in pids:
+                try:
+                    os.kill(int(p), 0)
+                except (ValueError, ProcessLookupError):
+                    continue
+                except PermissionError:
+                    pass
+                return p
+            return pids[0]
         time.sleep(0.05)
     return "unknown"
-
-
-def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _probe(path: Path) -> None:
@@ -172,10 +162,8 @@ def create_run_dir(output_dir: str, name: str) -> Path:
 
 
 def new_run_dir(run_cfg) -> Tuple[Path, Optional[FrozenSet[str]]]:
-    """``run.dir`` when set (created; it must not already hold a run), else a fresh
-    ``run.output_dir/<time>-<name>``. Also returns what to keep if the run fails before
-    its first step (see ``discard_new``): None when rlctl created the directory, else the
-    names of the entries the user's directory already held."""
+    """``run.dir`` when set (it must not hold a run), else ``run.output_dir/<time>-<name>``;
+    and what ``discard_new`` keeps: None (rlctl made it) or the entries it already held."""
     if not run_cfg.get("dir"):
         return create_run_dir(run_cfg.output_dir, run_cfg.name), None
     path = Path(run_cfg.dir)
@@ -193,8 +181,7 @@ def new_run_dir(run_cfg) -> Tuple[Path, Optional[FrozenSet[str]]]:
 
 
 def discard_new(path: Path, kept: Optional[FrozenSet[str]]) -> None:
-    """Undo a new run that failed before its first step: remove the directory if rlctl
-    created it (``kept`` None), else only the entries rlctl added to the user's directory."""
+    """Undo a new run that failed before its first step (``kept``: see ``new_run_dir``)."""
     if kept is None:
         shutil.rmtree(path, ignore_errors=True)
         return
@@ -227,9 +214,8 @@ def write_config(run_dir: Path, composed: Composed) -> None:
 
 
 def record_resume(run_dir: Path, composed: Composed) -> None:
-    """A resume's config becomes the run's: config.yaml and recipe.yaml are rewritten (so
-    the next `rlctl train --resume` keeps e.g. a raised trainer.steps or a new trainer.lr)
-    and overrides.yaml lists each resume's overrides after the original ones."""
+    """A resume's config becomes the run's (config.yaml, recipe.yaml rewritten); overrides.yaml
+    lists each resume's overrides after the original ones."""
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(composed.cfg, resolve=True))
     write_text_atomic(run_dir / "recipe.yaml", recipe_text(composed))
     path = run_dir / "overrides.yaml"
@@ -253,8 +239,7 @@ def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
 
 
 def save_model(run_dir: Path, model, tokenizer, lora: bool = False, merged: bool = False) -> Path:
-    """``<run_dir>/model``: the full model, or for ``lora`` the adapter (and with ``merged``
-    also the merged full model in ``model/merged``). A PolicyValueModel adds its value head."""
+    """``<run_dir>/model``: the full model, or the LoRA adapter (``merged``: also model/merged)."""
     out = run_dir / "model"
     if lora:
         return save_lora(model, out, tokenizer, merged=merged)

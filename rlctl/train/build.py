@@ -1,8 +1,7 @@
 """Build what a run needs from its config: the task with its reward models
 (``task_from_config``, once per process), the task prepared for the loaded model
-(``prepare_task``: prompts and scorers), the policy (+LoRA, +critic, +the LoRA
-reference). Used by `rlctl train` (every rank), the dry run, the local engine processes and
-`rlctl eval`/`rollout`, so all of them see the same objects for the same config."""
+(``prepare_task``), the policy (+LoRA, +critic, +the LoRA reference). Every consumer
+(train ranks, dry run, engine processes, `rlctl eval`) builds through here."""
 from __future__ import annotations
 
 import inspect
@@ -35,8 +34,8 @@ def _takes(name: str, option: str) -> bool:
 
 
 def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
-    """The reward models of ``task.reward_model`` / ``{model: ...}`` entries of
-    ``task.rewards`` (None without); ``opts`` is left with what the task itself takes."""
+    """The reward models of ``task.reward_model`` and ``{model: ...}`` rewards (or None);
+    ``opts`` is left with what the task itself takes."""
     rm, norm, clip = (opts.pop(k, None) for k in LEARNED_KEYS)
     rm = _resolve_reward_model(rm, cfg)
     rewards = opts.get("rewards")
@@ -45,50 +44,36 @@ def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
     if rm and _takes(cfg.task.name, "reward_model"):
         opts["reward_model"] = rm   # a data task then needs no reward function of its own
     learned = build_learned_rewards(rm, rewards, norm, clip, cfg.hardware.device)
-    if learned is not None and norm == "running":
-        _check_running_norm(cfg)
-    _check_critic_init(cfg, learned)
-    return learned
-
-
-def _check_running_norm(cfg: DictConfig) -> None:
-    """task.reward_norm=running: every rank's scorer merges its statistics in one collective
-    per sampling round, so every rank samples the same rounds, in the learner's processes."""
-    if cfg.trainer.async_rollout.enabled:
+    hw = cfg.hardware      # running: statistics merged once per sampling round, in the learner
+    world = max(hw.num_processes * hw.nnodes, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    if learned is not None and norm == "running" and cfg.trainer.async_rollout.enabled:
         raise ValueError("task.reward_norm=running keeps its statistics in the learner, and "
                          "rollout actors score apart from it; set "
                          "trainer.async_rollout.enabled=false")
-    hw = cfg.hardware
-    world = max(hw.num_processes * hw.nnodes, int(os.environ.get("WORLD_SIZE", "1") or 1))
-    if world > 1 and cfg.algo.dynamic_sampling:
+    if learned is not None and norm == "running" and world > 1 and cfg.algo.dynamic_sampling:
         raise ValueError("task.reward_norm=running merges every rank's statistics once per "
                          "sampling round, and with algo.dynamic_sampling the ranks sample "
                          "different numbers of rounds; set algo.dynamic_sampling=false (or "
                          "run one process)")
+    init = cfg.algo.critic_init or "policy"
+    if init not in ("policy", "reward_model"):
+        raise ValueError(f"invalid algo.critic_init '{init}'; valid: policy, reward_model")
+    if init == "reward_model" and cfg.algo.critic != "separate":
+        raise ValueError(f"algo.critic_init={init} needs algo.critic=separate (got {cfg.algo.critic})")
+    if init == "reward_model" and (learned is None or len(learned.models) != 1):
+        raise ValueError("algo.critic_init=reward_model needs exactly one reward model "
+                         "(task.reward_model=PATH)")
+    return learned
 
 
 def _resolve_reward_model(path, cfg: DictConfig):
-    """``task.reward_model=tiny``: the embedded sorting reward model (built and cached on
-    first use) for the task it was fitted on; any other value is a directory."""
+    """``tiny``: the embedded sorting reward model (built on first use); else a directory."""
     if path != "tiny":
         return path
     problem = task_mismatch(cfg.task.name, cfg.task.get("num_digits", None))
     if problem:
         raise ValueError(problem)
     return str(tiny_reward_model_dir())   # builds ~10 s on first use, then cached
-
-
-def _check_critic_init(cfg: DictConfig, learned) -> None:
-    if (cfg.algo.critic_init or "policy") == "policy":
-        return
-    if cfg.algo.critic_init != "reward_model":
-        raise ValueError(f"invalid algo.critic_init '{cfg.algo.critic_init}'; valid: policy, reward_model")
-    if cfg.algo.critic != "separate":
-        raise ValueError(f"algo.critic_init={cfg.algo.critic_init} needs algo.critic=separate "
-                         f"(got {cfg.algo.critic})")
-    if learned is None or len(learned.models) != 1:
-        raise ValueError("algo.critic_init=reward_model needs exactly one reward model "
-                         "(task.reward_model=PATH)")
 
 
 @dataclass(frozen=True)
@@ -99,8 +84,8 @@ class BuiltTask:
 
 
 def task_from_config(cfg: DictConfig) -> BuiltTask:
-    """The task ``cfg.task.name`` with the rest of ``cfg.task`` as its options, and its reward
-    models; built once per process. UserError, one line, on a bad option."""
+    """The task ``cfg.task.name`` built from the rest of ``cfg.task``, and its reward models;
+    UserError, one line, on a bad option."""
     opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
     try:
         learned = _learned_rewards(cfg, opts)
@@ -114,9 +99,8 @@ def task_from_config(cfg: DictConfig) -> BuiltTask:
 
 def prepare_task(cfg: DictConfig, tokenizer, model, built: Optional[BuiltTask] = None,
                  quiet: bool = False) -> Prepared:
-    """``built`` (default: built here from ``cfg``) prepared for the loaded model: chat
-    prompts through its template, prompts within ``rollout``'s budget, the scorers given
-    the reward models and the chat markers (``rlctl.tasks.prompt_budget.prepare``)."""
+    """``built`` (default: built from ``cfg``) prepared for the loaded model
+    (``rlctl.tasks.prompt_budget.prepare``: chat template, prompt budget, scorers)."""
     built = built or task_from_config(cfg)
     return prepare(built.task, tokenizer, cfg.rollout, model, built.learned,
                    quiet=quiet)
@@ -161,8 +145,7 @@ def model_from_config(cfg: DictConfig):
 
 
 def _critic_from_reward_model(cfg: DictConfig, tokenizer) -> SeparateCritic:
-    """algo.critic_init=reward_model: the one reward model's backbone, its score head as the
-    value head (the critic reads the policy's ids: the vocabularies must agree)."""
+    """The one reward model as the critic, its score head as the value head (same vocabulary)."""
     try:
         task = OmegaConf.to_container(cfg.task)
         (entry,) = model_entries(task.get("rewards"), _resolve_reward_model(task.get("reward_model"), cfg))

@@ -1,7 +1,5 @@
 """`rlctl train ... --dry-run`: the resident models and an estimate of the memory per rank
-(weights, gradients, AdamW state with ZeRO's partitioning, the reference and reward models,
-activations of the largest micro-batch, the KV cache and logits), by the rules of
-docs/memory.md. Nothing is trained and no run directory is written."""
+by the rules of docs/memory.md. Nothing is trained and no run directory is written."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +26,7 @@ HALF = ("bfloat16", "float16")
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """What the estimate reads of five config sections, by key, and what it derives from
-    them (``rank_rows``)."""
+    """What the estimate reads of five config sections and derives (``rank_rows``)."""
     max_new_tokens: int             # rollout.max_new_tokens
     prompts_per_step: int           # trainer.prompts_per_step
     group_size: int                 # algo.group_size
@@ -103,9 +100,8 @@ def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, 
 
 
 def reward_model_sizes(learned) -> List[Tuple[str, int, float]]:
-    """(name, parameters, bytes of its weights) of each reward model of ``learned`` (a
-    ``LearnedRewards`` or None), from its config on the meta device (nothing is loaded),
-    in its saved dtype (float32 if none)."""
+    """(name, parameters, bytes) of each reward model of ``learned`` (or None), from its
+    config on the meta device, in its saved dtype (float32 if none)."""
     out = []
     for m in (learned.models if learned is not None else []):
         with torch.device("meta"):
@@ -121,9 +117,7 @@ def reward_model_sizes(learned) -> List[Tuple[str, int, float]]:
 
 
 def _fused(model) -> bool:
-    """Whether the learner will compute log-probs with the fused head for ``model``:
-    ``fused_head``'s structural checks and its run-time check of the head (one probe row
-    of two tokens, as the first training batch would be checked)."""
+    """Whether the learner will use the fused head for ``model`` (``fused_head``, a probe row)."""
     device = next(model.parameters()).device
     inputs = {"input_ids": torch.tensor([[0, 1]], device=device),              # [1, 2]
               "attention_mask": torch.ones((1, 2), dtype=torch.long, device=device)}

@@ -1,8 +1,6 @@
 """Held-out evaluation, the one evaluator of the Trainer's ``eval/*`` and of ``rlctl eval``:
-completions on the eval split, greedy (``rlctl.rollout.generate.generate``) or sampled,
-scored by a ``RewardScorer``, or episodes for a task played as episodes. ``evaluate`` gives
-sums, ``means`` divides them by ``count`` after the ranks' reduction; both sides run the
-same code and batches, so ``rlctl eval RUN`` reproduces a one-rank run's last ``eval/*``."""
+completions (greedy or sampled) scored by a ``RewardScorer``, or episodes. ``evaluate``
+gives sums, ``means`` divides them by ``count`` after the ranks' reduction."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,20 +38,12 @@ def evaluate(model, tokenizer, examples: Sequence[Example], *, scorer=None, play
              batch_size: Optional[int] = None, keep: int = 0, step: int = 0,
              extra: Optional[Extra] = None, on_chunk: Optional[Callable[[int], None]] = None,
              **backend_kwargs) -> Evaluation:
-    """``samples`` completions (or with ``player``, an ``EpisodePlayer``: episodes) of each
-    example, greedy or sampled at ``temperature`` / ``top_k``; the sample table of the
-    first ``keep`` at ``step``. ``batch_size``: sequences per call (default ``BATCH``,
-    episodes ``EPISODE_BATCH``). Episodes' environments are seeded ``seed`` + the row's
-    index. ``on_chunk(n)``: n more examples done. ``backend_kwargs``: e.g. ``synced_gpus``
-    under multi-rank ZeRO-3 (greedy).
-
-    Completion sums (``means`` makes them ``eval/<key>``): exact_match (no gold reward,
-    ``scorer.has_gold`` False: none), reward (the training reward: reward models' scores
-    normalised with the training statistics, never updated here, and clipped),
-    reward_raw (from the raw scores, when normalisation or clipping applies), length_mean
-    (tokens, the first stop id included), truncated_frac (no stop id within
-    ``max_new_tokens``). Episode sums: ``EPISODE_KEYS`` (success_rate: the environment's
-    info["success"] where it reports one, else total reward > 0; exact_match = it)."""
+    """``samples`` completions (with ``player``: episodes, environments seeded ``seed`` + row)
+    of each example, greedy or sampled; the sample table of the first ``keep`` at ``step``.
+    ``on_chunk(n)``: n more examples done; ``backend_kwargs``: e.g. ``synced_gpus``.
+    Sums: exact_match (only with a gold reward), reward (as trained: normalised, clipped),
+    reward_raw (when that shaping applies), length_mean, truncated_frac; episodes:
+    ``EPISODE_KEYS`` (success: the environment's info["success"], else reward > 0)."""
     was_training = model.training
     model.eval()
     try:
@@ -68,8 +58,7 @@ def evaluate(model, tokenizer, examples: Sequence[Example], *, scorer=None, play
 
 
 def means(sums: Dict[str, float], all_reduce_sum=None) -> Dict[str, float]:
-    """{key: sum / count} over every rank (``all_reduce_sum``: the backend's; the sums
-    travel as one float32 tensor, on one rank too, as ``eval/*`` always did)."""
+    """{key: sum / count} over every rank (``all_reduce_sum``: the backend's), in float32."""
     keys = sorted(sums)
     totals = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float32)
     totals = (all_reduce_sum(totals) if all_reduce_sum is not None else totals).tolist()
@@ -125,8 +114,7 @@ def episode_success(episode: Episode, reward: float) -> bool:
 
 def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, step,
               on_chunk) -> Evaluation:
-    """``EPISODE_KEYS`` sums; the table's rows: the transcript as the completion, the
-    episode's status as its finish_reason, then ``episode_columns``."""
+    """``EPISODE_KEYS`` sums; table rows: the transcript, status as finish_reason, columns."""
     ev = Evaluation(dict.fromkeys(EPISODE_KEYS, 0.0))
     sums, per_chunk = ev.sums, max(1, batch_size // samples)
     tool_task = offers_tools(player.task) if keep > 0 else False
@@ -136,13 +124,9 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
         rewards = batch.rewards.tolist()
         ok = [episode_success(e, r) for e, r in zip(batch.episodes, rewards)]
         for e, r, good in zip(batch.episodes, rewards, ok):
-            sums["success_rate"] += good
-            sums["exact_match"] += good
-            sums["reward"] += r
-            sums["turns_mean"] += e.turns
-            sums["tool_calls_mean"] += e.tool_calls
-            sums["tool_errors_mean"] += e.tool_errors
-            sums["env_errors_mean"] += e.env_errors
+            for k, v in zip(EPISODE_KEYS, (good, good, r, e.turns, e.tool_calls, e.tool_errors,
+                                           e.env_errors)):
+                sums[k] += v
         sums["truncated_frac"] += float(batch.truncated.sum())
         sums["length_mean"] += float(batch.mask.sum())
         ev.correct += [sum(ok[i * samples:(i + 1) * samples]) for i in range(len(chunk))]

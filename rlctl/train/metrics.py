@@ -1,13 +1,7 @@
-"""The metric schema every algorithm shares (docs/metrics.md's table), its reduction over
-data-parallel ranks, and the sample tables handed to the sinks.
-
-Values are detached tensors until one host sync at log time. Token means are exact over
-micro-batches (weighted by their tokens) and averaged over optimizer steps and ranks;
-spreads travel as `Moments` pooled over micro-batches, steps and ranks and are finished
-once, so no split of the batch changes them. Sample tables (docs/metrics.md, "Sample
-tables"): a few whole groups drawn with their own RNG (``random.Random`` seeded with
-(seed, step)), so metrics are the same with samples on or off; a row of an episode task
-gets the transcript, the episode's status as finish_reason and ``episode_columns``."""
+"""The metric schema every algorithm shares (docs/metrics.md), its reduction over ranks,
+and the sample tables handed to the sinks. Values stay detached tensors until one host
+sync at log time; spreads travel as `Moments` pooled over micro-batches, steps and ranks,
+so no split of the batch changes them. Sample tables draw whole groups with their own RNG."""
 from __future__ import annotations
 
 import math
@@ -27,10 +21,9 @@ Row = Dict[str, Any]
 
 @dataclass
 class Moments:
-    """Pooled statistics of k variables over the same n entries, in float64: the count
-    ``n`` [], the means ``mean`` [k], the sums of squared deviations ``m2`` [k].
-    ``combine`` pools two sets exactly (Chan, Golub & LeVeque, 1983); ``finish`` turns the
-    pooled set into the metric."""
+    """Pooled float64 statistics of k variables over n entries: ``n`` [], ``mean`` [k], ``m2``
+    [k] (sums of squared deviations); ``combine`` pools exactly (Chan, Golub & LeVeque,
+    1983); ``finish`` turns the pooled set into the metric."""
     n: torch.Tensor
     mean: torch.Tensor
     m2: torch.Tensor
@@ -53,13 +46,6 @@ class Moments:
         d = other.mean - self.mean                                          # [k]
         w = other.n / n.clamp(min=1)
         return Moments(n, self.mean + d * w, self.m2 + other.m2 + d.square() * self.n * w, self.finish)
-
-
-def pool(parts: List[Moments]) -> Moments:
-    out = parts[0]
-    for p in parts[1:]:
-        out = out.combine(p)
-    return out
 
 
 def population_std(m: Moments) -> torch.Tensor:
@@ -85,8 +71,7 @@ Metric = Union[torch.Tensor, Moments]
 
 
 def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[str, Metric]:
-    """reward/, advantage/, length/, rollout/kept_groups_frac, value/return_mean, kl/seq_k1
-    (per-sequence KL to the reference) and the counts throughput needs (perf/step_*)."""
+    """reward/, advantage/, length/, rollout/, value/return_mean, kl/seq_k1 and perf/step_*."""
     r = batch.rewards                                          # [N]
     groups = r.view(-1, batch.group_size)                      # [B, G]
     lengths = batch.mask.sum(-1)                               # [N]
@@ -115,8 +100,7 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
 
 
 def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
-    """episode/* of a batch of episodes: per-episode means, the two sums, and the success
-    rate as `Moments` over the episodes that report one."""
+    """episode/*: per-episode means, two sums, the success rate over episodes reporting one."""
     eps = batch.episodes
     P = batch.prompt_len
 
@@ -140,9 +124,8 @@ def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
 
 
 def named_reward_metrics(sums: Dict[str, float], count: int, backend) -> Dict[str, Moments]:
-    """reward/<name>: each named reward's mean over every rank's samples since the last
-    step, as `Moments`; the names are the union over the ranks (one gather), a rank
-    without a name counting 0 for it, as a failed sample counts 0."""
+    """reward/<name>: each named reward's mean over every rank's samples since the last step;
+    the names are the union over the ranks (one gather), a missing name counting 0."""
     names = sorted(sums)
     if backend.world_size > 1:
         blob = torch.tensor(list("".join(f"{k}\n" for k in names).encode() + b"\n"),
@@ -170,9 +153,8 @@ PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_fra
 
 
 def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
-    """Floats averaged over data-parallel ranks (min/max/sum where the name says so;
-    `Moments` pooled over every rank's entries, then finished); one host sync, and one
-    collective per reduction kind, for the whole dict."""
+    """Floats averaged over ranks (min/max/sum where the name says so; `Moments` pooled,
+    then finished); one host sync and one collective per reduction kind."""
     keys: List[str] = []
     pooled: List[str] = []
     for k in sorted(metrics):
@@ -213,21 +195,9 @@ def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
 
 
 # ---- sample tables ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SampleSettings:
-    """``logger.samples`` as the loop reads it, and the run's seed for the draw."""
-    every: int        # logger.samples.every: steps between tables (0: none)
-    n: int            # logger.samples.n: rows per table
-    seed: int         # seed: the draw's RNG is seeded with (seed, step)
-
-    @property
-    def on(self) -> bool:
-        return self.every > 0 and self.n > 0
-
-
 def draw_rows(num_rows: int, group_size: int, n: int, seed: int, step: int) -> List[int]:
-    """Row indices of a step's table: ceil(n / G) whole groups chosen by ``random.Random``
-    seeded with (seed, step), in group order, then the first n of their rows."""
+    """A step's table rows: ceil(n / G) whole groups drawn by an RNG seeded with (seed, step),
+    in group order, then the first n rows."""
     groups = num_rows // group_size
     k = min(math.ceil(n / group_size), groups)
     chosen = sorted(random.Random(f"rlctl-samples:{seed}:{step}").sample(range(groups), k))
@@ -236,8 +206,7 @@ def draw_rows(num_rows: int, group_size: int, n: int, seed: int, step: int) -> L
 
 def endings(completion_ids: torch.Tensor, mask: torch.Tensor, truncated: Sequence[bool],
             tokenizer) -> List[Row]:
-    """finish_reason, stop_id and stop_token of each row (``completion_ids`` [n, T], ``mask``
-    [n, T], ``truncated`` [n]); the stop id is at the row's width - 1."""
+    """finish_reason, stop_id, stop_token of each row (``completion_ids``, ``mask``: [n, T])."""
     widths = counted_width(mask).tolist()
     ids = completion_ids.tolist()
     out = []
@@ -249,8 +218,7 @@ def endings(completion_ids: torch.Tensor, mask: torch.Tensor, truncated: Sequenc
 
 
 def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> List[float]:
-    """Each row's advantage (``advantages`` [n, T] or [n, 1], ``mask`` [n, T]): the mean
-    over its counted tokens, in float64 (exact for a row holding one value)."""
+    """Each row's mean advantage over its counted tokens, in float64 ([n, T] or [n, 1])."""
     m = mask.double()
     total = (advantages.double().expand_as(m) * m).sum(-1)
     return (total / m.sum(-1).clamp(min=1)).tolist()
@@ -258,8 +226,7 @@ def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> List[fl
 
 def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.Tensor,
                tokenizer, stops: Sequence[int], tool_task: bool = False) -> List[Row]:
-    """The table of ``rows`` of ``batch`` (after advantages); ``rewards`` [N]: the totals the
-    advantage estimator received. Reads back and decodes only those rows."""
+    """The table of ``rows`` of ``batch``; ``rewards`` [N]: what the advantages received."""
     idx = torch.tensor(rows, dtype=torch.long, device=batch.mask.device)
     mask, ids = batch.mask[idx], batch.completion_ids[idx]                   # [n, T] each
     ends = endings(ids, mask, batch.truncated[idx].tolist(), tokenizer)
@@ -289,8 +256,7 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
 
 
 def offers_tools(task) -> bool:
-    """Whether a task played as episodes gives its model tools (a fresh environment's non-empty
-    ``tools`` and ``use_tools`` not False). False for other tasks."""
+    """Whether an episodic task's fresh environment offers tools (False for other tasks)."""
     make_env = getattr(task, "make_env", None)
     if not callable(make_env):
         return False
@@ -302,9 +268,8 @@ def offers_tools(task) -> bool:
 
 
 def episode_columns(episode: Episode, tool_task: bool) -> Row:
-    """An episode's columns of a sample row: num_turns, status, success (null if never
-    set), tool_calls, tool_errors, env_errors, obs_truncated, tool_task (``offers_tools``)
-    and turns, a list of {role ("model" | "observation"), text, reward, truncated}."""
+    """An episode's columns of a sample row (docs/metrics.md): counts, status, success and
+    its turns as {role, text, reward, truncated}."""
     return {"num_turns": episode.turns, "status": episode.status, "success": episode.success,
             "tool_calls": int(episode.tool_calls), "tool_errors": int(episode.tool_errors),
             "env_errors": int(episode.env_errors),

@@ -1,8 +1,6 @@
 """The checks of a training config that need the registries or the built task, run before a
-run directory is made (``rlctl.config.checks.validate`` checked the rest at compose time). Failures
-are one line (``ConfigError``, exit 2); warnings are one line on stderr: a group-relative
-advantage with ``algo.group_size=1`` (every advantage 0), and a KL estimator whose gradient
-follows no KL divergence where it is placed (the table in rlctl/core/losses.py)."""
+run directory is made (``rlctl.config.checks.validate`` checks the rest at compose time).
+Failures are one ``ConfigError`` line (exit 2); warnings one line on stderr."""
 from __future__ import annotations
 
 import sys
@@ -17,9 +15,8 @@ from rlctl.tasks import TASKS
 
 
 def check_entries(algo, task_name, backend) -> None:
-    """Every registry name of ``algo``, ``task_name`` and ``backend`` resolves (a user entry
-    by import path is imported once, here), and the advantage estimator's level agrees with
-    ``algo.critic``. ConfigError naming the key."""
+    """Every registry name of ``algo``, ``task_name`` and ``backend`` resolves (user entries
+    are imported here) and the advantage's level agrees with ``algo.critic``."""
     lookups = (("algo.advantage", algo.advantage, ADVANTAGE_ESTIMATORS.entry),
                ("algo.policy_loss", algo.policy_loss, POLICY_LOSSES.entry),
                ("algo.loss_agg_mode", algo.loss_agg_mode, resolve_agg_mode),
@@ -41,8 +38,7 @@ def check_entries(algo, task_name, backend) -> None:
 
 
 def check_episodes(rollout, task) -> None:
-    """A task played as episodes (``rlctl.envs.environment.is_episodic``) is sampled by the
-    learner's own sampler in the model's precision; ``rollout``: the config's section."""
+    """A task played as episodes is sampled by the learner's own sampler, in full precision."""
     if not is_episodic(task):
         return
     if rollout.engine == "server":
@@ -55,7 +51,7 @@ def check_episodes(rollout, task) -> None:
 
 
 def kl_placement_warning(algo) -> Optional[str]:
-    """The warning for ``algo.kl``, or None (the pair follows a KL divergence, or coef 0)."""
+    """The warning for a KL estimator whose gradient follows no divergence where placed."""
     kl = algo.kl
     if not kl.coef > 0:
         return None
@@ -67,7 +63,7 @@ def kl_placement_warning(algo) -> Optional[str]:
 
 
 def group_size_warning(algo) -> Optional[str]:
-    """The warning for a group-relative estimator with ``algo.group_size=1``, or None."""
+    """The warning for a group-relative advantage with ``algo.group_size=1`` (all 0)."""
     if algo.group_size != 1:
         return None
     try:

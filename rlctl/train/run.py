@@ -1,7 +1,6 @@
 """`rlctl train`: check the config -> own the run directory (``owned_run``) -> build the
-rank (``built_rank``) -> ``Trainer.train`` -> save and summarize (``finish``).
-Several ranks: launched locally or on nodes (each runs ``train_rank``, the same build and
-train), or joined into the group a launcher started. Resuming and ``summary.json`` too."""
+rank (``built_rank``) -> ``Trainer.train`` -> save and summarize (``finish``); launched
+ranks and a launcher's group run ``train_rank``. Resuming and ``summary.json`` too."""
 from __future__ import annotations
 
 import copy
@@ -47,10 +46,9 @@ _KINDS = (("reward", "training", "the policy was trained on all-zero rewards"),
 
 def run_training(overrides: List[str], recipe: Optional[str] = None,
                  resume: Optional[str] = None, composed: Optional[Composed] = None) -> dict:
-    """Train a new run, or continue ``resume`` (a run directory) from its newest checkpoint
-    with its own recipe (``overrides`` may raise trainer.steps); ``composed``: the caller's
-    ``compose(overrides, recipe)``. Checked before anything is written; SIGINT/SIGTERM stop
-    every rank after the same step, saved. The summary (rank 0; others {})."""
+    """Train a new run, or continue ``resume`` (a run directory) with its own recipe;
+    ``composed``: the caller's ``compose(overrides, recipe)``. Checked before anything is
+    written. The summary (rank 0; others {})."""
     cfg, composed, built = _checked(overrides, recipe, resume, composed)
     hw = cfg.hardware
     group = launch.from_environment(hw.master_port)
@@ -114,9 +112,8 @@ class _Run:
 def owned_run(composed: Composed, resume: Optional[str], overrides: List[str], world: int,
               on_error=None, resume_args: Sequence[str] = ()):
     """The run directory (new, or ``resume``'s checked for ``world`` ranks), locked, its config
-    written; yields a ``_Run``. A new run failing before its first step is removed; a second
-    Ctrl-C is ``Interrupted(aborted=True)``. ``on_error(exc)``: called if set-up fails;
-    ``resume_args``: what this node adds to the resume command."""
+    written; yields a ``_Run``. A new run failing before its first step is removed.
+    ``on_error(exc)``: called if set-up fails; ``resume_args``: this node's resume args."""
     try:
         run_dir, kept = (Path(resume), None) if resume is not None else rundir.new_run_dir(composed.cfg.run)
         lock = rundir.RunLock(run_dir).acquire()
@@ -168,11 +165,9 @@ def _launched(run: _Run, n: int, threads: int, resume: bool, stop) -> dict:
 
 @contextmanager
 def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None):
-    """This rank's task (``built``: already built), models, backend, sinks, rollout source and
-    Trainer from the whole config; yields (trainer, checkpoint to resume from or None,
-    ``finish``), then closes them (the backend last). ``finish(result)`` (every rank: it
-    holds collectives) closes the trainer and sinks; rank 0 saves the model and
-    ``summary.json`` and returns the summary (others: None)."""
+    """This rank's models, backend, sinks, source and Trainer; yields (trainer, checkpoint
+    or None, ``finish``), then closes them. ``finish(result)`` (every rank: collectives)
+    saves the model and ``summary.json`` and returns the summary (rank 0; others None)."""
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     started = time.perf_counter()
     if cfg.hardware.device == "cuda" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
@@ -190,7 +185,11 @@ def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None):
         params = count_parameters(model, critic)
         torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
         resume_from = resume_point(run_dir, backend) if resume else None
-        sink = _sink(run_dir, backend, cfg.logger, OmegaConf.to_container(cfg), cfg.trainer.steps)
+        log = cfg.logger                     # rank 0's sinks (the config as a dict for wandb)
+        sink = NullSink() if not backend.is_main else build_sinks(
+            run_dir=run_dir, jsonl=log.jsonl, wandb=log.wandb, wandb_mode=log.wandb_mode,
+            project=log.project, name=run_dir.name, run_config=OmegaConf.to_container(cfg),
+            console=log.console, total_steps=cfg.trainer.steps, tensorboard=log.tensorboard)
         closing.callback(sink.close)
         source = build_source(cfg, model, tokenizer, prepared, backend, stop)
         try:
@@ -227,20 +226,9 @@ def train_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, on_step=None,
         return finish(trainer.train(run_dir=run_dir, resume_from=resume_from, on_step=on_step, stop=stop))
 
 
-def _sink(run_dir: Path, backend, logger, resolved: dict, total_steps: int):
-    """Rank 0's metric sinks (``resolved``: the config as a dict, for wandb); others log nothing."""
-    if not backend.is_main:
-        return NullSink()
-    return build_sinks(run_dir=run_dir, jsonl=logger.jsonl, wandb=logger.wandb,
-                       wandb_mode=logger.wandb_mode, project=logger.project, name=run_dir.name,
-                       run_config=resolved, console=logger.console, total_steps=total_steps,
-                       tensorboard=logger.tensorboard)
-
-
 def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
                 merged: bool) -> Optional[Path]:
-    """Rank 0 writes the policy (``lora``: the adapter, ``merged``: also merged) and a
-    separate critic; the policy's directory (other ranks: None)."""
+    """Rank 0 writes the policy and a separate critic; the policy's directory (else None)."""
     model_dir = None
     with backend.gathered(policy):
         if backend.is_main:
@@ -256,7 +244,7 @@ def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
 def train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], overrides: List[str],
                    stop, built) -> Optional[dict]:
     """Join the group (configs compared); rank 0 owns the run directory and shares its path
-    (or its set-up error); every rank trains."""
+    (or its error); every rank trains."""
     hw = cfg.hardware
     _check_group(group, hw.num_processes, hw.nnodes, cfg.trainer.prompts_per_step)
     launch.leave_with_launcher()
@@ -289,8 +277,7 @@ def _check_group(group, num_processes: int, nnodes: int, prompts_per_step: int) 
 
 @contextmanager
 def _lost_rank_is_one_line(group, run_dir: Path, node_args: Sequence[str]):
-    """A collective failing mid-run (a rank or node died) is one line naming the newest
-    checkpoint; an interrupted rank resumes as its node."""
+    """A collective failing mid-run (a rank died) is one line naming the newest checkpoint."""
     try:
         yield
     except Interrupted as exc:
@@ -340,7 +327,11 @@ def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str
                         f"was written by {saved}; resume with the same number of ranks")
     q, steps = shlex.quote(str(run_dir)), settings.steps
     if steps <= step:
-        done = "finished" if _summary_steps(run_dir) == step else "trained"
+        try:
+            finished = int(json.loads((run_dir / "summary.json").read_text())["steps"]) == step
+        except (OSError, ValueError, KeyError, TypeError):
+            finished = False
+        done = "finished" if finished else "trained"
         raise UserError(f"run '{run_dir}' is already {done} at step {step} (trainer.steps="
                         f"{steps}); nothing to resume. To extend it, raise trainer.steps: "
                         f"rlctl train --resume {q} trainer.steps={max(2 * step, step + 1)}")
@@ -356,13 +347,6 @@ def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str
                         f"the model's shape or the checkpoint's layout ({'; '.join(changed[:3])}), so it "
                         f"cannot apply to a resume; start a new run from the recipe instead: rlctl train "
                         f"--recipe {shlex.quote(str(run_dir / 'recipe.yaml'))} {' '.join(overrides)}")
-
-
-def _summary_steps(run_dir: Path) -> Optional[int]:
-    try:
-        return int(json.loads((run_dir / "summary.json").read_text())["steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def truncate_after(path: Path, step: int) -> None:
@@ -403,8 +387,8 @@ def newest(run_dir: Path) -> str:
 
 # ---- summary.json --------------------------------------------------------------------------
 def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0)) -> Dict[str, Any]:
-    """summary.json's fields of the (calls, errors, timeouts) of the training and eval
-    rewards; ``warnings`` names failures, plainly when every call failed."""
+    """summary.json's reward fields from the (calls, errors, timeouts) of training and eval;
+    ``warnings`` names failures."""
     out: Dict[str, Any] = {}
     warnings: List[str] = []
     for (prefix, what, meaning), (calls, errors, timeouts) in zip(_KINDS, (train, evaluation)):
@@ -424,8 +408,8 @@ def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0
 
 def run_summary(run_dir: Path, result, backend, seconds: float, lora: bool, params: Sequence[int],
                 model_dir: Optional[Path], scorers: Sequence[Any]) -> Dict[str, Any]:
-    """``summary.json`` of the trainer's ``result`` (``params``: trainable, total;
-    ``scorers``: training and eval, counts summed over ranks). A collective."""
+    """``summary.json`` of ``result`` (``params``: trainable, total; ``scorers``: training
+    and eval). A collective."""
     trainable, total = params
     summary = {"run_dir": str(run_dir), "steps": result.steps, "train_seconds": result.seconds,
                "setup_seconds": seconds - result.seconds, "tokens_per_s": result.tokens_per_s,

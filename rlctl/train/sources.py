@@ -1,15 +1,11 @@
-"""A run's rollout, set up from the composed config: ``build_source`` (the source the
-learner samples from) and the processes a run starts for itself: local engine processes
-(``engine_main``, over a pipe) and `rlctl serve` servers on 127.0.0.1 (``LocalServers``,
-``rollout.engine=server`` without ``rollout.server.urls``). Each child builds the learner's
-base model (the learner pushes its weights before the first request), sits in its own
-process group (a terminal's Ctrl-C reaches the learner, which stops at a step and closes
-them) and gets SIGTERM if the learner dies. Below this, rlctl/rollout/ takes settings. The
-modules of episodes, engines and servers are imported (``importlib.import_module``) where a
-run chooses them: a default run imports none of them.
-"""
+"""A run's rollout source from the composed config (``build_source``) and the processes a
+run starts for it: local engine processes (``engine_main``, over a pipe) and `rlctl serve`
+servers on 127.0.0.1 (``LocalServers``). Each child builds the learner's base model, sits in
+its own process group and gets SIGTERM if the learner dies. Episodes, engines and servers
+are imported only where a run chooses them."""
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import socket
@@ -45,11 +41,10 @@ def _engine_source():
 
 
 def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
-    """The rollout source on ``prepared``'s prompts and scorer: ``LocalSource`` sampling with
-    ``policy`` (``EpisodeSource`` for a task played as episodes), or an ``EngineSource`` on
-    ``trainer.async_rollout.num_actors`` local engine processes (built from the whole config,
-    as the learner was) or on servers (``rollout.engine=server``). ``backend`` None: one
-    process on ``hardware.device``; ``stop``: a signal ends a wait for engines starting."""
+    """The rollout source on ``prepared``'s prompts and scorer: ``LocalSource`` (or
+    ``EpisodeSource``) sampling with ``policy``, or an ``EngineSource`` on local engine
+    processes or on servers. ``backend`` None: one process on ``hardware.device``;
+    ``stop``: a signal ends a wait for engines starting."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     device = backend.device if backend is not None else torch.device(cfg.hardware.device)
     if is_episodic(prepared.task):
@@ -123,10 +118,8 @@ def server_source(rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, s
 
 
 def engine_main(cfg_yaml: str, conn, index: int) -> None:
-    """One local engine process: the learner's model (its base, without LoRA or a value
-    head: the learner pushes its weights before the first request) in a ``TorchEngine``,
-    and for an episodic task the task's player; says ("ready", None), then serves
-    (``serve_engine``) until the learner says stop."""
+    """One local engine process: the learner's base model (no LoRA, no value head) in a
+    ``TorchEngine`` (and an episodic task's player); says ("ready", None), then serves."""
     os.setpgrp()   # a terminal's Ctrl-C or `timeout` signals the learner, which stops at a step
     die_with_parent(mp.parent_process().pid)   # SIGTERM when the process that started it dies
     cfg = OmegaConf.create(cfg_yaml)
@@ -158,8 +151,7 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
 
 @dataclass(frozen=True)
 class ServeSpec:
-    """What a local server loads (pickled to it): the learner's base model (``model`` less
-    ``lora``) on ``device`` with ``num_threads``, and the run's extra stop ids."""
+    """What a local server loads (pickled to it): the learner's base model and stop ids."""
     model_name: str
     model_opts: Dict = field(default_factory=dict)
     device: str = "cpu"
@@ -175,11 +167,9 @@ class ServeSpec:
 
 
 class LocalProcesses:
-    """``n`` children ``target(arg, conn, i)`` (spawned; ``conn`` their end of a duplex
-    pipe), each of which first sends ("ready", value) or ("error", one line); ``values``
-    once all are ready (a ``stop`` flag raised meanwhile ends the wait); ``close()``
-    stops them. ``what``: how an error names the i-th child ("rollout server 0"), counted
-    from ``first``."""
+    """``n`` spawned children ``target(arg, conn, i)`` that first send ("ready", value) or
+    ("error", one line); ``values`` once all are ready (``stop`` ends the wait). ``what``:
+    how an error names child i (counted from ``first``)."""
 
     def __init__(self, target, arg, n: int, stop=None, what: str = "rollout server", first: int = 0):
         ctx = mp.get_context("spawn")
@@ -230,19 +220,16 @@ class LocalProcesses:
 
 
 class LocalServers(LocalProcesses):
-    """``n`` servers of ``spec``; ``urls`` once started; ``close()`` stops them."""
+    """``n`` servers of ``spec``; ``urls`` once started; ``close()`` stops them at once."""
 
     def __init__(self, spec: ServeSpec, n: int, stop=None):
         super().__init__(serve_child, spec, n, stop)
         self.urls = [f"http://127.0.0.1:{port}" for port in self.values]
-
-    def close(self, wait_s: float = 0.0) -> None:
-        super().close(wait_s)
+        self.close = functools.partial(super().close, 0.0)
 
 
 def serve_child(spec: ServeSpec, conn, index: int = 0) -> None:
-    """One server: build the model and app, bind 127.0.0.1 on a port the system picks, send
-    ("ready", port) (or ("error", one line)), then serve until terminated."""
+    """One server on a free 127.0.0.1 port: sends ("ready", port), serves until terminated."""
     os.setpgrp()
     die_with_parent(mp.parent_process().pid)
     import uvicorn   # heavy, and only a server needs it

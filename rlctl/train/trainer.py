@@ -1,13 +1,8 @@
 """The training loop: rollout -> prepare (old and reference log-probs, advantages) ->
-minibatch updates -> log; it asks registries for the advantage estimator and the policy
-loss, never an algorithm's name. Forward passes only where needed (`needs_old_forward`);
-pi_ref (the frozen start weights) only with a non-zero KL coefficient.
-
-Advantages: outcome estimators map one return per completion [B, G] to one advantage
-per token; token-level ones (``gae``) map per-token rewards and values. ``in_reward`` KL
-puts -beta * k on each counted token and the reward on the last (Ziegler et al., 2019);
-DAPO's overlong penalty is added to the task reward (an episode's transcript is measured
-against ``rollout.episode.max_tokens``)."""
+minibatch updates -> log; registries give the advantage estimator and the policy loss.
+Outcome estimators map one return per completion [B, G] to every token, token-level ones
+(``gae``) per-token rewards and values; ``in_reward`` KL puts -beta * k on each counted
+token and the reward on the last (Ziegler et al., 2019)."""
 from __future__ import annotations
 
 import copy
@@ -19,70 +14,39 @@ import torch
 
 from rlctl.dist.backends import TorchBackend
 from rlctl.core import (ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController,
-                        broadcast_to_tokens, kl_shaped_rewards, masked_whiten, overlong_penalty,
-                        resolve_kl_estimator)
+                        broadcast_to_tokens, kl_shaped_rewards, masked_whiten, overlong_penalty)
 from rlctl.errors import Interrupted, TrainingFault
 from rlctl.train.evaluate import evaluate, means
 from rlctl.models.forward import PromptGroups, learner_forward, prompt_sharing
-from rlctl.train.metrics import (SampleSettings, draw_rows, named_reward_metrics, offers_tools,
+from rlctl.train.metrics import (draw_rows, named_reward_metrics, offers_tools,
                                    reduce_metrics, rollout_metrics, train_rows)
 from rlctl.train.update import UpdateSettings, UpdateState, old_policy_inputs, update_policy
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import check_training_sampling
-from rlctl.rollout.source import collect
-from rlctl.config.schema import AlgoConfig, TrainerConfig
+from rlctl.models.value import PolicyValueModel
+from rlctl.rollout.source import SyncSource, collect
+from rlctl.config.schema import AlgoConfig, SamplesConfig, TrainerConfig
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint
 from rlctl.tasks.prompt_budget import Prepared
 from rlctl.types import RolloutBatch
 
 
-@dataclass
-class AdvantageSettings:
-    """The advantage step's arguments, from the ``algo`` and ``rollout`` sections
-    (``from_config``): the KL estimator resolved for its placement, whether KL is shaped
-    into the reward, and the overlong limits."""
-    estimator: str
-    std_eps: float
-    baseline: str
-    gamma: float
-    lam: float
-    whiten: bool
-    kl_in_reward: bool
-    kl_estimator: str
-    overlong_buffer: int
-    overlong_penalty: float
-    max_new_tokens: int
-    episode_max_tokens: int = 0        # rollout.episode.max_tokens: an episode's overlong limit
-
-    @classmethod
-    def from_config(cls, cfg) -> "AdvantageSettings":
-        algo = cfg.algo
-        return cls(estimator=algo.advantage, std_eps=algo.std_eps, baseline=algo.baseline,
-                   gamma=algo.gamma, lam=algo.lam, whiten=algo.whiten_advantages,
-                   kl_in_reward=algo.kl.placement == "in_reward",
-                   kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
-                   overlong_buffer=algo.overlong_buffer, overlong_penalty=algo.overlong_penalty,
-                   max_new_tokens=cfg.rollout.max_new_tokens,
-                   episode_max_tokens=cfg.rollout.episode.max_tokens)
-
-
-def shaped_task_rewards(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tensor:
+def shaped_task_rewards(batch: RolloutBatch, s: UpdateSettings) -> torch.Tensor:
     """Task (or episode) reward plus the DAPO overlong penalty when configured. -> [N]"""
-    return batch.rewards + overlong(batch, s) if s.overlong_buffer > 0 else batch.rewards
+    return batch.rewards + overlong(batch, s) if s.algo.overlong_buffer > 0 else batch.rewards
 
 
-def overlong(batch: RolloutBatch, s: AdvantageSettings) -> torch.Tensor:
-    """The DAPO overlong penalty of each row [N] (0 when not configured): counted tokens
-    against ``rollout.max_new_tokens``; an episode's transcript against
-    ``rollout.episode.max_tokens``."""
-    if s.overlong_buffer <= 0:
+def overlong(batch: RolloutBatch, s: UpdateSettings) -> torch.Tensor:
+    """DAPO's overlong penalty [N] (0 when off) of the counted tokens against
+    ``max_new_tokens``, or of an episode's transcript against ``episode_max_tokens``."""
+    buffer, penalty = s.algo.overlong_buffer, s.algo.overlong_penalty
+    if buffer <= 0:
         return torch.zeros_like(batch.rewards)
     if batch.token_rewards is None:
-        return overlong_penalty(batch.mask.sum(-1), s.max_new_tokens, s.overlong_buffer,
-                                s.overlong_penalty)
+        return overlong_penalty(batch.mask.sum(-1), s.max_new_tokens, buffer, penalty)
     lengths = batch.attention_mask[:, batch.prompt_len:].sum(-1)          # [N]
-    return overlong_penalty(lengths, s.episode_max_tokens, s.overlong_buffer, s.overlong_penalty)
+    return overlong_penalty(lengths, s.episode_max_tokens, buffer, penalty)
 
 
 def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, backend, eps: float = 1e-8) -> torch.Tensor:
@@ -98,7 +62,7 @@ def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, backend, eps: float =
     return (centred * torch.rsqrt(var + eps)).to(x.dtype)
 
 
-def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float,
+def compute_advantages(batch: RolloutBatch, s: UpdateSettings, kl_coef: float,
                        values: Optional[torch.Tensor], backend=None
                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(advantages [N, T], returns [N, T] or None); ``values`` [N, T] for GAE. With several
@@ -110,16 +74,16 @@ def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float
         kl = (zero, zero, batch.mask, 0.0)
     seq_return = None
     if batch.token_rewards is None:      # the reward on the last counted token, KL shaping
-        rewards = batch.rewards + overlong(batch, s) if s.overlong_buffer > 0 else batch.rewards
-        per_token = kl_shaped_rewards(rewards, *kl)                                   # [N, T]
+        per_token = kl_shaped_rewards(shaped_task_rewards(batch, s), *kl)            # [N, T]
     else:       # episodes: the placed turn rewards, plus the shaping (KL, overlong penalty)
         shaping = kl_shaped_rewards(overlong(batch, s), *kl)                         # [N, T]
         per_token = batch.token_rewards.to(shaping.dtype) + shaping                 # [N, T]
         seq_return = batch.rewards.to(shaping.dtype) + (shaping * batch.mask).sum(-1)   # [N]
     returns = None
-    entry = ADVANTAGE_ESTIMATORS.entry(s.estimator)
+    a = s.algo
+    entry = ADVANTAGE_ESTIMATORS.entry(a.advantage)
     if entry.level == "token":
-        adv, returns = entry.fn(per_token, values, batch.mask, s.gamma, s.lam)   # [N, T] each
+        adv, returns = entry.fn(per_token, values, batch.mask, a.gamma, a.lam)   # [N, T] each
     else:
         if seq_return is None:
             seq_return = (per_token * batch.mask).sum(-1)                         # [N]
@@ -127,10 +91,10 @@ def compute_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float
         first = 0
         if backend is not None and backend.world_size > 1:
             seq_return, first = backend.all_gather_rows(seq_return)              # [B_all, G]
-        adv = entry.fn(seq_return, s.std_eps, baseline=s.baseline)               # [B_all, G]
+        adv = entry.fn(seq_return, a.std_eps, baseline=a.baseline)               # [B_all, G]
         adv = adv[first: first + batch.num_sequences // batch.group_size]         # [B, G]
         adv = broadcast_to_tokens(adv, batch.mask)                                # [N, T]
-    if s.whiten:
+    if a.whiten_advantages:
         adv = whiten_over_ranks(adv, batch.mask, backend)
     return adv, returns
 
@@ -146,10 +110,8 @@ class TrainResult:
 
 
 def needs_old_forward(algo) -> bool:
-    """Whether a step needs pi_old's forward before the update: several passes over the
-    rollout, a critic's values, KL shaped into the reward, an adaptive KL coefficient, or
-    the rollout correction without bypass (its weight is pi_old / pi_engine).
-    ``algo``: the config's ``algo`` section."""
+    """Whether a step needs pi_old's forward (``algo``: the config's section): several
+    passes, a critic, KL in the reward, adaptive KL, or the correction without bypass."""
     rc = algo.rollout_correction
     return (algo.epochs * algo.minibatches > 1 or algo.critic != "none"
             or (algo.kl.placement == "in_reward" and algo.kl.coef > 0) or algo.kl.target is not None
@@ -157,57 +119,49 @@ def needs_old_forward(algo) -> bool:
 
 
 class Trainer:
-    """``algo``, ``trainer``: the config's sections (DictConfig nodes or the dataclasses);
-    ``update``/``advantage``/``samples``: the settings of the update, the advantages and the
-    sample tables; ``lr``: model.lora.lr when LoRA sets one, else trainer.lr (``from_config``
-    builds these); ``model``: the policy, or a PolicyValueModel (shared critic);
-    ``prepared``: the task prepared for the model (eval prompts and eval scorer);
-    ``source``: where rollouts come from (it samples with this ``model``, owns the prompt
-    sampler and the training reward scorer); ``critic``: a separate value model or None;
-    ``backend``: how to step and how ranks communicate (each rank samples its own share of
-    the step's prompts, whole groups only)."""
+    """The loop over one rank's steps. ``algo``, ``trainer``, ``samples`` (logger.samples): the
+    config's sections; ``model``: the policy or a PolicyValueModel; ``prepared``: eval prompts
+    and scorer; ``source``: the rollouts (it samples with ``model``, owns the prompt RNG and
+    the training scorer); ``critic``: a separate value model or None."""
 
     def __init__(self, algo: AlgoConfig, trainer: TrainerConfig, update: UpdateSettings,
-                 advantage: AdvantageSettings, samples: SampleSettings, model, tokenizer, prepared: Prepared,
-                 sink, *, source, backend, lr: float, eval_max_new_tokens: int, critic=None,
-                 ref_model=None):
-        self.algo, self.trainer_cfg, self.sample_settings = algo, trainer, samples
-        self.old_forward, self.eval_max_new_tokens = needs_old_forward(algo), eval_max_new_tokens
+                 samples: SamplesConfig, model, tokenizer, prepared: Prepared, sink, *,
+                 source: SyncSource, backend, lr: float, seed: int, eval_max_new_tokens: int,
+                 critic=None, ref_model=None):
+        self.algo, self.trainer_cfg, self.update_settings, self.samples = algo, trainer, update, samples
+        self.seed, self.eval_max_new_tokens = seed, eval_max_new_tokens
+        self.old_forward = needs_old_forward(algo)
         self.tokenizer, self.task, self.sink, self.source = tokenizer, prepared.task, sink, source
         self.critic, self.backend = critic, backend
-        self.update_settings, self.adv_settings = update, advantage
         kl = algo.kl
         self.kl_ctl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
                        if kl.target is not None else FixedKLController(kl.coef))
+        self.shared_critic = isinstance(model, PolicyValueModel)
         if ref_model is None and kl.coef > 0:      # pi_ref: the policy's start, frozen
-            ref_model = copy.deepcopy(getattr(model, "policy", model)).eval().requires_grad_(False)
+            ref_model = copy.deepcopy(model.policy if self.shared_critic else model)
+            ref_model.eval().requires_grad_(False)
         self.ref_model = ref_model
-        self.model = self.backend.prepare(model, critic, lr, tuple(trainer.betas), trainer.weight_decay,
-                                          trainer.warmup_steps, trainer.max_grad_norm)
+        self.model = backend.prepare(model, critic, lr, tuple(trainer.betas), trainer.weight_decay,
+                                     trainer.warmup_steps, trainer.max_grad_norm)
         if trainer.compile:      # learner forwards only; generation keeps the eager module
             self.model = torch.compile(self.model, dynamic=True)
         self.scorer = source.scorer              # training rewards (time limit, error policy)
         self.eval_scorer = prepared.scorer()    # kept apart so eval never mixes into reward/*
         self.eval_examples = list(prepared.eval)
-        self.local_prompts = trainer.prompts_per_step // self.backend.world_size   # compose() checks
-        self.detaches_backbone = hasattr(self.policy, "detach_backbone")    # a shared critic
+        self.local_prompts = trainer.prompts_per_step // backend.world_size   # compose() checks
 
     @classmethod
     def from_config(cls, cfg, model, tokenizer, prepared: Prepared, sink, *, source, critic=None,
                     ref_model=None, backend=None) -> "Trainer":
-        """The Trainer for the composed config ``cfg`` (read here, once): its sampling
-        checked (``rollout.top_k``), ``backend`` by default the torch one on
-        ``hardware.device``; the learner's prompt sharing goes by its own backend (off
-        under multi-rank ZeRO-3), whatever the source was built with."""
+        """The Trainer for the composed config ``cfg``: sampling checked, ``backend`` by default
+        torch on ``hardware.device``; prompt sharing goes by the learner's own backend."""
         check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
         backend = backend or TorchBackend(cfg.hardware.device)
-        share = prompt_sharing(cfg.trainer.share_prompts, backend)
         lora, tr = cfg.model.lora, cfg.trainer
-        return cls(cfg.algo, tr,
-                   UpdateSettings.from_config(cfg, share), AdvantageSettings.from_config(cfg),
-                   SampleSettings(cfg.logger.samples.every, cfg.logger.samples.n, cfg.seed),
-                   model, tokenizer, prepared, sink, source=source, backend=backend, critic=critic,
-                   ref_model=ref_model, eval_max_new_tokens=cfg.rollout.max_new_tokens,
+        update = UpdateSettings.from_config(cfg, prompt_sharing(tr.share_prompts, backend))
+        return cls(cfg.algo, tr, update, cfg.logger.samples, model, tokenizer, prepared, sink,
+                   source=source, backend=backend, critic=critic, ref_model=ref_model,
+                   seed=cfg.seed, eval_max_new_tokens=cfg.rollout.max_new_tokens,
                    lr=lora.lr if lora.enabled and lora.lr is not None else tr.lr)
 
     def close(self) -> None:
@@ -221,17 +175,15 @@ class Trainer:
         return self.backend.unwrap()
 
     @property
-    def sampler(self):
-        """The prompt sampler (a ``random.Random``; its state is checkpointed)."""
+    def prompt_rng(self):
+        """The source's prompt RNG (a ``random.Random``; its state is checkpointed)."""
         return self.source.prompt_rng
 
-    # ---- rollout side -------------------------------------------------------------
     @torch.no_grad()
     def _prepare(self, batch: RolloutBatch, prompts: Optional[PromptGroups]) -> RolloutBatch:
         """The batch with old/reference log-probs and values where needed, advantages and
-        returns. ``prompts``: which rows share a prompt (None: no prompt sharing). Async: a
-        stale rollout keeps the behaviour policy's log-probs; the forward then runs only for
-        a critic's values, or for pi_old of the on-policy rows (``behaviour_rows``)."""
+        returns (``prompts``: rows sharing a prompt, or None). Stale async rows keep the
+        behaviour log-probs; on-policy ones (``behaviour_rows``) get pi_old's."""
         args = (batch.input_ids, batch.attention_mask, batch.prompt_len,
                 self.update_settings.temperature)
         share = prompts if prompts is not None else False
@@ -250,25 +202,23 @@ class Trainer:
         ref = learner_forward(self.ref_model, *args, share_prompts=share).logp \
             if self.ref_model is not None else None
         out = batch.replace(old_logprobs=old, old_values=values, ref_logprobs=ref, behaviour_rows=None)
-        advantages, returns = compute_advantages(out, self.adv_settings, self.kl_ctl.coef, values,
+        advantages, returns = compute_advantages(out, self.update_settings, self.kl_ctl.coef, values,
                                                  self.backend)
         return out.replace(advantages=advantages, returns=returns)
 
     def _evaluate(self, step: int) -> Dict[str, float]:
-        """Greedy eval after ``step`` (greedy episodes when the source plays them); each rank
-        takes every world_size-th example, sums are reduced. With samples on, rank 0's first
-        logger.samples.n rows go to the sink."""
-        b, samples = self.backend, self.sample_settings
+        """Greedy eval after ``step``: each rank takes every world_size-th example, the sums
+        are reduced; with samples on, rank 0's first logger.samples.n rows go to the sink."""
+        b, samples = self.backend, self.samples
         ev = evaluate(self.policy, self.tokenizer, self.eval_examples[b.rank::b.world_size],
-                      scorer=self.eval_scorer, player=getattr(self.source, "player", None),
+                      scorer=self.eval_scorer, player=self.source.player,
                       max_new_tokens=self.eval_max_new_tokens,
-                      keep=samples.n if samples.on and b.is_main else 0, step=step,
+                      keep=samples.n if samples.every > 0 and b.is_main else 0, step=step,
                       **b.generate_kwargs())
         if ev.rows:
             self.sink.samples(ev.rows, step, "eval")
         return {f"eval/{k}": v for k, v in means(ev.sums, b.all_reduce_sum).items()}
 
-    # ---- the loop -------------------------------------------------------------------
     def step(self, step: int) -> Dict[str, float]:
         a = self.algo
         t0, score0 = time.perf_counter(), self.scorer.seconds
@@ -281,7 +231,7 @@ class Trainer:
         batch = self._prepare(batch, prompts)
         t1 = time.perf_counter()
         frozen = step <= a.critic_warmup_steps
-        if self.detaches_backbone:
+        if self.shared_critic:
             self.policy.detach_backbone = frozen
         state = UpdateState(kl_coef=self.kl_ctl.coef, policy_frozen=frozen)
         metrics = update_policy(self.model, self.backend, batch, self.update_settings, state,
@@ -303,31 +253,27 @@ class Trainer:
         values.update(self.source.metrics())      # async: staleness, waits
         if "kl/seq_k1" in values:
             self.kl_ctl.update(values["kl/seq_k1"], sequences)   # horizon counts sequences (Ziegler et al.)
-        samples = self.sample_settings
-        if samples.every > 0 and samples.n > 0 and self.backend.is_main \
+        samples = self.samples
+        if samples.every > 0 and self.backend.is_main \
                 and (step % samples.every == 0 or step == self.trainer_cfg.steps):   # and at the last step
             self._log_samples(batch, step)
         return values
 
     def _log_samples(self, batch: RolloutBatch, step: int) -> None:
-        """The step's sample table (rlctl/train/metrics.py): a few whole groups, drawn
-        with an RNG of their own, read back and decoded alone."""
-        n, seed = self.sample_settings.n, self.sample_settings.seed
-        rows = draw_rows(batch.num_sequences, batch.group_size, n, seed, step)
-        rewards = shaped_task_rewards(batch, self.adv_settings)                  # [N]
-        player = getattr(self.source, "player", None)     # a source that plays episodes
+        """The step's sample table: a few whole groups drawn with their own RNG."""
+        rows = draw_rows(batch.num_sequences, batch.group_size, self.samples.n, self.seed, step)
+        rewards = shaped_task_rewards(batch, self.update_settings)               # [N]
+        player = self.source.player
         tool_task = batch.episodes is not None and player is not None and offers_tools(player.task)
         self.sink.samples(train_rows(batch, rows, step, rewards, self.tokenizer,
                                      stop_ids(self.policy, self.tokenizer), tool_task),
                           step, "train")
 
     def train(self, run_dir=None, resume_from=None, on_step=None, stop=None) -> TrainResult:
-        """The loop. With ``run_dir``, checkpoints every ``trainer.checkpoint_every`` steps
-        and at the end; ``resume_from`` (a checkpoint dir) continues after its step.
-        SIGINT/SIGTERM (``stop``: a StopFlag, else one is installed here) finish the step,
-        save a checkpoint and raise ``Interrupted``; ``trainer.max_bad_steps``
-        consecutive steps whose updates were all skipped (non-finite) raise
-        ``TrainingFault`` (the newest checkpoint predates them)."""
+        """The loop, checkpointing into ``run_dir`` (if set) every ``trainer.checkpoint_every``
+        steps and at the end; ``resume_from``: a checkpoint to continue after. A signal
+        (``stop``) saves and raises ``Interrupted``; ``trainer.max_bad_steps`` skipped steps
+        in a row raise ``TrainingFault``."""
         tr = self.trainer_cfg
         t_start, tokens, bad_streak = time.perf_counter(), 0.0, 0
         result = TrainResult(steps=tr.steps, seconds=0.0, tokens_per_s=0.0)
@@ -337,7 +283,7 @@ class Trainer:
             for step in range(first, tr.steps + 1):
                 values = self.step(step)
                 tokens += values["perf/tokens_per_s"] * (values["time/rollout_s"] + values["time/update_s"])
-                updates = self.update_settings.epochs * self.update_settings.minibatches
+                updates = self.algo.epochs * self.algo.minibatches
                 bad_streak = bad_streak + 1 if values.get("fault/skipped_steps", 0) >= updates else 0
                 if tr.eval_every > 0 and (step % tr.eval_every == 0 or step == tr.steps):
                     values.update(self._evaluate(step))

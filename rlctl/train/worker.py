@@ -1,9 +1,6 @@
-"""One data-parallel rank: `python -m rlctl.train.worker RUN_DIR` (started by launch.py
-through torchrun's agent). Rank k > 0 writes its output to ``RUN_DIR/rank<k>.log``.
-
-Exit codes: 0 done; 128 + signal after a SIGINT/SIGTERM stop with the checkpoint saved
-(130 also after an abort); 3 (``EXIT_SETUP``) failed before the first step; 1 failed.
-"""
+"""One data-parallel rank: `python -m rlctl.train.worker RUN_DIR` (started through torchrun's
+agent); rank k > 0 writes to ``RUN_DIR/rank<k>.log``. Exit codes: 0 done; 128 + signal
+after a stop (checkpoint saved); 3 (``EXIT_SETUP``) failed before the first step; 1 failed."""
 from __future__ import annotations
 
 import signal

@@ -15,10 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlctl.dist.backends import TorchBackend
+from learner_kit import settings
 from rlctl.core import (KL_DEFAULT_ESTIMATOR, KL_PLACEMENT_NOTES, get_policy_loss,
                         kl_estimate, resolve_kl_estimator)
-from rlctl.train.trainer import AdvantageSettings, compute_advantages
-from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
+from rlctl.train.trainer import compute_advantages
+from rlctl.train.update import UpdateState, accumulate_gradients
 from rlctl.types import RolloutBatch
 
 V, BETA = 5, 0.3
@@ -51,18 +53,17 @@ def _engine_grad(action: int, kind: str, placement: str) -> torch.Tensor:
     model, batch = Bandit(), _batch(action)
     logp = torch.log_softmax(model.theta, 0)[action].reshape(1, 1)          # [1, 1], has grad
     batch.old_logprobs = logp          # with grad: the shaping must not differentiate it
-    adv = AdvantageSettings(estimator="reinforce", std_eps=0.0, baseline="none", gamma=1.0,
+    adv = settings(estimator="reinforce", std_eps=0.0, baseline="none", gamma=1.0,
                             lam=1.0, whiten=False, kl_in_reward=placement == "in_reward",
                             kl_estimator=kind, overlong_buffer=0, overlong_penalty=0.0,
                             max_new_tokens=1)
     batch.advantages, _ = compute_advantages(batch, adv, BETA, None)
     assert not batch.advantages.requires_grad
     batch.old_logprobs = None          # single pass: ratio 1, old = current (detached)
-    s = UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+    s = settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                        agg_mode="token-mean", norm_len=None, epochs=1, minibatches=1,
-                       kl_estimator=kind, kl_in_loss=placement == "in_loss", max_grad_norm=1e9,
-                       temperature=1.0, share_prompts=False)
-    accumulate_gradients(model, batch, s, UpdateState(kl_coef=BETA))
+                       kl_estimator=kind, kl_in_loss=placement == "in_loss", temperature=1.0, share_prompts=False)
+    accumulate_gradients(model, TorchBackend(), batch, s, UpdateState(kl_coef=BETA))
     return model.theta.grad.detach()
 
 
@@ -139,7 +140,7 @@ def test_engine_in_reward_shaping_is_a_constant_reward():
     model, batch = Bandit(), _batch(2)
     logp = torch.log_softmax(model.theta, 0)[2].reshape(1, 1)
     batch.old_logprobs = logp
-    adv = AdvantageSettings(estimator="reinforce", std_eps=0.0, baseline="none", gamma=1.0, lam=1.0,
+    adv = settings(estimator="reinforce", std_eps=0.0, baseline="none", gamma=1.0, lam=1.0,
                             whiten=False, kl_in_reward=True, kl_estimator="k1", overlong_buffer=0,
                             overlong_penalty=0.0, max_new_tokens=1)
     a, _ = compute_advantages(batch, adv, BETA, None)
@@ -149,11 +150,10 @@ def test_engine_in_reward_shaping_is_a_constant_reward():
     for coef in (0.0, 5.0):          # same advantages, different kl_coef in the update
         m, b = Bandit(), _batch(2)
         b.advantages = a
-        s = UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+        s = settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                            agg_mode="token-mean", norm_len=None, epochs=1, minibatches=1,
-                           kl_estimator="k1", kl_in_loss=False, max_grad_norm=1e9,
-                           temperature=1.0, share_prompts=False)
-        accumulate_gradients(m, b, s, UpdateState(kl_coef=coef))
+                           kl_estimator="k1", kl_in_loss=False, temperature=1.0, share_prompts=False)
+        accumulate_gradients(m, TorchBackend(), b, s, UpdateState(kl_coef=coef))
         grads.append(m.theta.grad)
     for g in grads[1:]:
         torch.testing.assert_close(g, grads[0], rtol=0, atol=1e-15)

@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from rlctl.dist.backends import TorchBackend
+from learner_kit import settings
 from rlctl.core import aggregate, entropy_from_logits
 from rlctl.core.losses import LOSS_TERMS, active_terms, entropy_bonus
 from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
@@ -47,9 +49,9 @@ class Logits(torch.nn.Module):
 
 def _settings(coef, agg="token-mean"):
     zero_loss = lambda logp, old, adv, mask, *a: (logp * 0.0, {})  # noqa: E731  only the term
-    return UpdateSettings(policy_loss=zero_loss, clip_low=0.2, clip_high=0.2, agg_mode=agg,
+    return settings(policy_loss=zero_loss, clip_low=0.2, clip_high=0.2, agg_mode=agg,
                           norm_len=None, epochs=1, minibatches=1, kl_estimator="k3",
-                          kl_in_loss=True, max_grad_norm=0.0, temperature=1.0,
+                          kl_in_loss=True, temperature=1.0,
                           share_prompts=False, trim_padding=False,
                           terms=tuple(active_terms({"entropy": coef})))
 
@@ -86,7 +88,7 @@ def test_entropy_bonus_gradient_matches_hand_derivation_float64():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.float64)   # 4 counted tokens
     coef = 0.3
     model = Logits(z).double()
-    accumulate_gradients(model, _batch(mask), _settings(coef), UpdateState())
+    accumulate_gradients(model, TorchBackend(), _batch(mask), _settings(coef), UpdateState())
     expected = _hand_gradient(z, mask, coef)
     assert torch.allclose(model.z.grad, expected, atol=1e-12, rtol=0), (model.z.grad - expected).abs().max()
     assert expected.abs().max() > 1e-3                 # not a vacuous zero
@@ -104,7 +106,7 @@ def test_entropy_bonus_gradient_matches_hand_derivation_float64():
 def test_entropy_bonus_off_leaves_no_gradient():
     z = torch.randn(1, P + T, V, dtype=torch.float64)
     model = Logits(z).double()
-    accumulate_gradients(model, _batch(torch.ones(N, T, dtype=torch.float64)), _settings(0.0), UpdateState())
+    accumulate_gradients(model, TorchBackend(), _batch(torch.ones(N, T, dtype=torch.float64)), _settings(0.0), UpdateState())
     assert model.z.grad is None or torch.count_nonzero(model.z.grad) == 0
 
 

@@ -23,10 +23,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
+
+from learner_kit import settings  # noqa: E402
 
 from rlctl.dist.backends import build_backend# noqa: E402
-from rlctl.core import get_policy_loss  # noqa: E402
-from rlctl.train.update import UpdateSettings, UpdateState, update_policy# noqa: E402
+from rlctl.train.update import UpdateState, update_policy  # noqa: E402
 from rlctl.models.loading import load_model_and_tokenizer  # noqa: E402
 from rlctl.types import RolloutBatch  # noqa: E402
 
@@ -97,13 +99,11 @@ def _train_case(case: dict, rank: int, world: int, out_dir: str, dtype: str) -> 
     per = B // world
     rows = torch.arange(rank * per * G, (rank + 1) * per * G)
     batch = full.select(rows)
-    s = UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
-                       agg_mode=case["agg"], norm_len=None, epochs=1, minibatches=1,
-                       kl_estimator="k3", kl_in_loss=False, max_grad_norm=clip, temperature=1.0,
-                       # prompt sharing sums the group's prompt gradients in another
-                       # order on 1 and 2 ranks (float32 rounding, 1e-7), which Adam's
-                       # first steps amplify past 1e-5; it has its own exactness tests
-                       share_prompts=False)
+    s = settings(agg_mode=case["agg"],
+                 # prompt sharing sums the group's prompt gradients in another
+                 # order on 1 and 2 ranks (float32 rounding, 1e-7), which Adam's
+                 # first steps amplify past 1e-5; it has its own exactness tests
+                 share_prompts=False)
     adamw = torch.optim.AdamW      # (patched only now: deepspeed's import subclasses it)
     if case.get("optim", "adamw") == "sgd":
         torch.optim.AdamW = _sgd

@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 def run_two_ranks(module: str, call: str, tmp_path, timeout: float, paths=()) -> None:
     """``import <module> as t; t.<call>`` in ranks 0 and 1 (``paths`` put first on sys.path
     beside this folder); asserts both exit 0 within ``timeout`` s."""
-    path = [str(HERE), *map(str, paths)]
+    path = [str(HERE), str(HERE.parent), *map(str, paths)]   # tests/: learner_kit
     code = f"import sys; sys.path[:0] = {path!r}; import {module} as t; t.{call}"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,12 +12,13 @@ import os
 import pytest
 import torch
 
+from learner_kit import settings
 from rlctl.config.compose import compose
 from rlctl.core import get_policy_loss
 from rlctl.errors import ConfigError
 from rlctl.models.forward import learner_forward
 from rlctl.train.metrics import reduce_metrics
-from rlctl.train.update import UpdateSettings, UpdateState, update_policy
+from rlctl.train.update import UpdateState, update_policy
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.types import RolloutBatch
 
@@ -72,9 +73,9 @@ def test_every_rank_takes_minibatches_steps(groups):
     model, tok = load_model_and_tokenizer("tiny", cache_dir=os.environ.get("RLCTL_CACHE"),
                                           hidden_size=32, num_layers=1, num_heads=2)
     backend = CountingBackend(model)
-    s = UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+    s = settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                        agg_mode="token-mean", norm_len=None, epochs=2, minibatches=3, kl_estimator="k3",
-                       kl_in_loss=False, max_grad_norm=1.0, temperature=1.0, share_prompts=False)
+                       kl_in_loss=False, temperature=1.0, share_prompts=False)
     batch = _batch(tok, groups)
     with torch.no_grad():
         batch.old_logprobs = learner_forward(model, batch.input_ids, batch.attention_mask,

@@ -4,11 +4,13 @@ import copy
 import pytest
 import torch
 
+from rlctl.dist.backends import TorchBackend
+from learner_kit import settings
 from rlctl.config.compose import compose
 from rlctl.core import get_policy_loss
 from rlctl.models.forward import learner_forward
 from rlctl.train.metrics import Moments
-from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
+from rlctl.train.update import UpdateState, accumulate_gradients
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.types import RolloutBatch
 
@@ -58,11 +60,11 @@ def test_trimmed_micro_batches_give_the_same_gradient(tiny, mode, micro):
         seen = []
         m.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape[1]),
                                     with_kwargs=True)
-        s = UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+        s = settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                            agg_mode=mode, norm_len=None, epochs=1, minibatches=1, kl_estimator="k3",
-                           kl_in_loss=True, max_grad_norm=1.0, temperature=1.0,
+                           kl_in_loss=True, temperature=1.0,
                            micro_batch_size=micro, trim_padding=trim, share_prompts=False)
-        metrics[trim] = accumulate_gradients(m, batch, s, UpdateState(kl_coef=0.1))
+        metrics[trim] = accumulate_gradients(m, TorchBackend(), batch, s, UpdateState(kl_coef=0.1))
         grads[trim] = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
         widths[trim] = seen
     P = batch.prompt_len
@@ -84,11 +86,11 @@ def test_ratio_max_is_the_maximum_over_micro_batches(tiny):
 
     model, tok = tiny
     batch = _batch(tok, [2, 1, 0, 3, 5, 1])
-    s = UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+    s = settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                        agg_mode="token-mean", norm_len=None, epochs=1, minibatches=1,
-                       kl_estimator="k3", kl_in_loss=False, max_grad_norm=1.0, temperature=1.0,
+                       kl_estimator="k3", kl_in_loss=False, temperature=1.0,
                        micro_batch_size=2)
-    got = accumulate_gradients(copy.deepcopy(model).train(), batch, s, UpdateState())["policy/ratio_max"]
+    got = accumulate_gradients(copy.deepcopy(model).train(), TorchBackend(), batch, s, UpdateState())["policy/ratio_max"]
     with torch.no_grad():
         logp = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
     ratio = torch.exp(logp - batch.old_logprobs)[batch.mask > 0]

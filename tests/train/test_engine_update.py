@@ -5,11 +5,13 @@ import pytest
 import torch
 from gloo_ranks import run_two_ranks
 
+from rlctl.dist.backends import TorchBackend
+from learner_kit import settings
 from rlctl.config.compose import compose
 from rlctl.core import get_policy_loss
-from rlctl.train.trainer import AdvantageSettings, compute_advantages
+from rlctl.train.trainer import compute_advantages
 from rlctl.models.forward import learner_forward
-from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
+from rlctl.train.update import UpdateState, accumulate_gradients
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.rollout.source import keep_informative_groups
 from rlctl.types import RolloutBatch
@@ -43,9 +45,9 @@ def _batch(tokenizer, n=6, t=5, seed=0) -> RolloutBatch:
 
 
 def _settings(mode, micro):
-    return UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+    return settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                           agg_mode=mode, norm_len=7, epochs=1, minibatches=1, kl_estimator="k3",
-                          kl_in_loss=True, max_grad_norm=1.0, temperature=1.0, micro_batch_size=micro)
+                          kl_in_loss=True, temperature=1.0, micro_batch_size=micro)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -65,7 +67,7 @@ def test_micro_batch_accumulation_matches_one_batch(tiny, mode):
     grads = []
     for micro in (0, 1, 4):
         model.zero_grad(set_to_none=True)
-        accumulate_gradients(model, batch, _settings(mode, micro), UpdateState(kl_coef=0.1))
+        accumulate_gradients(model, TorchBackend(), batch, _settings(mode, micro), UpdateState(kl_coef=0.1))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert grads[0].abs().sum() > 0
     for other in grads[1:]:
@@ -83,7 +85,7 @@ def test_in_reward_shaping_then_gae_gives_the_hand_worked_example():
                      completions=["c"])
     b.old_logprobs = torch.tensor([[-1.0, -0.5, -0.2, 0.0]])
     b.ref_logprobs = torch.tensor([[-1.2, -0.5, -0.4, 0.0]])
-    s = AdvantageSettings(estimator="gae", std_eps=1e-6, baseline="none", gamma=1.0, lam=0.95,
+    s = settings(estimator="gae", std_eps=1e-6, baseline="none", gamma=1.0, lam=0.95,
                           whiten=False, kl_in_reward=True, kl_estimator="k1", overlong_buffer=0,
                           overlong_penalty=1.0, max_new_tokens=4)
     adv, ret = compute_advantages(b, s, kl_coef=0.05, values=torch.tensor([[0.5, 0.6, 0.8, 0.0]]))
@@ -101,7 +103,7 @@ def test_outcome_estimator_gets_the_shaped_return():
                      completions=["c"] * 2)
     b.old_logprobs = torch.tensor([[-1.0, -1.0], [-2.0, 0.0]])
     b.ref_logprobs = torch.tensor([[-2.0, -1.0], [-1.0, 0.0]])   # k1 sums: 1.0 and -1.0
-    s = AdvantageSettings(estimator="reinforce", std_eps=0.0, baseline="none", gamma=1.0, lam=1.0,
+    s = settings(estimator="reinforce", std_eps=0.0, baseline="none", gamma=1.0, lam=1.0,
                           whiten=False, kl_in_reward=True, kl_estimator="k1", overlong_buffer=0,
                           overlong_penalty=1.0, max_new_tokens=2)
     adv, ret = compute_advantages(b, s, kl_coef=0.5, values=None)
@@ -143,7 +145,7 @@ def test_kl_side_by_side_metrics_are_token_means_of_k1_and_k3(tiny):
         logp = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
     s = _settings("token-mean", 0)
     s.kl_estimator, s.kl_in_loss = "k2", True
-    metrics = accumulate_gradients(copy.deepcopy(model), batch, s, UpdateState(kl_coef=0.1))
+    metrics = accumulate_gradients(copy.deepcopy(model), TorchBackend(), batch, s, UpdateState(kl_coef=0.1))
     m = batch.mask.double()
     d = (batch.ref_logprobs - logp).double()                          # [N, T]
     k1 = float((-d * m).sum() / m.sum())
@@ -171,8 +173,8 @@ def test_kl_estimator_and_norm_len_defaults_resolve_once(make_trainer, placement
     tr = make_trainer(["algo=rloo", f"algo.kl.placement={placement}", "algo.kl.coef=0.05",
                        "algo.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_new_tokens=6"])
     assert compose(["algo=rloo"]).cfg.algo.kl.estimator is None        # null in the config
-    assert tr.update_settings.kl_estimator == tr.adv_settings.kl_estimator == kind
-    assert tr.update_settings.norm_len == 6
+    assert tr.update_settings.kl_estimator == kind
+    assert tr.update_settings.algo.norm_len == 6
     assert compose(["algo=ppo"]).cfg.algo.kl.estimator is None          # PPO: k1 in the reward
     assert compose(["algo=ppo"]).cfg.algo.kl.placement == "in_reward"
 
@@ -194,8 +196,8 @@ def test_norm_len_default_makes_the_loss_independent_of_the_step_width(tiny):
     losses = {}
     for name, b in (("narrow", batch), ("wide", wide)):
         s = _settings("seq-mean-token-sum-norm", 0)
-        s.norm_len, s.trim_padding = norm_len, False
-        losses[name] = accumulate_gradients(copy.deepcopy(model), b, s, UpdateState())["policy/loss"].item()
+        s.algo.norm_len, s.trim_padding = norm_len, False
+        losses[name] = accumulate_gradients(copy.deepcopy(model), TorchBackend(), b, s, UpdateState())["policy/loss"].item()
     assert losses["wide"] == pytest.approx(losses["narrow"], rel=1e-5)
     assert abs(losses["narrow"]) > 1e-4
 

@@ -18,9 +18,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlctl.dist.backends import TorchBackend
+import learner_kit
 from rlctl.core import gae, get_policy_loss, group_advantages, place_turn_rewards
 from rlctl.core.losses import active_terms
-from rlctl.train.trainer import AdvantageSettings, compute_advantages
+from rlctl.train.trainer import compute_advantages
 from rlctl.models.forward import learner_forward
 from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.types import MODEL, OBSERVATION, Episode, RolloutBatch, Span
@@ -91,9 +93,9 @@ def with_policy_inputs(model, b: RolloutBatch, seed=1) -> RolloutBatch:
 def settings(**kw) -> UpdateSettings:
     base = dict(policy_loss=get_policy_loss("ppo_clip"), clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
                 agg_mode="token-mean", norm_len=None, epochs=1, minibatches=1, kl_estimator="k3",
-                kl_in_loss=True, max_grad_norm=1.0, temperature=TEMPERATURE, share_prompts=False,
+                kl_in_loss=True, temperature=TEMPERATURE, share_prompts=False,
                 terms=tuple(active_terms({"entropy": ENT_COEF})))
-    return UpdateSettings(**{**base, **kw})
+    return learner_kit.settings(**{**base, **kw})
 
 
 def slow_loss(model, b: RolloutBatch):
@@ -138,7 +140,7 @@ def test_observation_positions_get_zero_gradient_and_the_loss_is_the_slow_loops(
             finals.append(out)
 
     model.model.norm.register_forward_hook(keep)
-    got = accumulate_gradients(model, b, settings(), UpdateState(kl_coef=KL_COEF))
+    got = accumulate_gradients(model, TorchBackend(), b, settings(), UpdateState(kl_coef=KL_COEF))
     (final,) = finals                                                    # one forward: [N, P + w - 1, H]
     width = final.shape[1] - P + 1                                       # trimmed to 12 (row 3)
     assert width == T
@@ -172,17 +174,17 @@ def test_trimmed_micro_batches_keep_model_turns_past_the_mask_sum(micro):
     out = {}
     for trim in (True, False):
         model = copy.deepcopy(base)
-        m = accumulate_gradients(model, b, settings(trim_padding=trim, **micro), UpdateState(kl_coef=KL_COEF))
+        m = accumulate_gradients(model, TorchBackend(), b, settings(trim_padding=trim, **micro), UpdateState(kl_coef=KL_COEF))
         out[trim] = (m["policy/loss"], grads(model))
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-10, atol=1e-13)
     torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-10, atol=1e-13)
 
 
-def adv_settings(estimator, **kw) -> AdvantageSettings:
+def adv_settings(estimator, **kw) -> UpdateSettings:
     base = dict(estimator=estimator, std_eps=1e-6, baseline="none", gamma=0.9, lam=0.8, whiten=False,
                 kl_in_reward=False, kl_estimator="k1", overlong_buffer=0, overlong_penalty=1.0,
                 max_new_tokens=T, episode_max_tokens=T)
-    return AdvantageSettings(**{**base, **kw})
+    return learner_kit.settings(**{**base, **kw})
 
 
 def with_turn_rewards(b: RolloutBatch, turn_rewards, rule, discount=1.0) -> RolloutBatch:

@@ -43,7 +43,7 @@ class RecordingBackend:
 def _grads(model, batch, mask_truncated):
     backend = RecordingBackend(model)
     s = _settings("token-mean", 0)
-    s.mask_truncated, s.share_prompts = mask_truncated, False
+    s.algo.mask_truncated, s.share_prompts = mask_truncated, False
     metrics = update_policy(model, backend, batch, s, UpdateState())
     return backend.grads, metrics
 
@@ -72,7 +72,7 @@ def test_all_rows_truncated_is_a_no_op_step_without_nan(tiny):  # noqa: F811
     engine = backend.prepare(model, None, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1,
                              warmup_steps=0, max_grad_norm=1.0)
     s = _settings("token-mean", 0)
-    s.mask_truncated, s.share_prompts = True, False
+    s.algo.mask_truncated, s.share_prompts = True, False
     batch = _batch(tok)
     update_policy(engine, backend, batch, s, UpdateState())      # Adam now has momentum
     before = copy.deepcopy(backend.unwrap().state_dict())
@@ -83,7 +83,7 @@ def test_all_rows_truncated_is_a_no_op_step_without_nan(tiny):  # noqa: F811
     assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
     assert float(metrics["policy/loss"]) == 0.0 and float(metrics["optim/grad_norm"]) == 0.0
     # without mask_truncated the same step moves the weights (the test can fail)
-    s.mask_truncated = False
+    s.algo.mask_truncated = False
     update_policy(engine, backend, everything, s, UpdateState())
     assert not all(torch.equal(before[k], backend.unwrap().state_dict()[k]) for k in before)
     backend.close()
@@ -95,4 +95,4 @@ def test_config_reaches_update_settings(value):
     from rlctl.train.update import UpdateSettings
 
     cfg = compose([f"algo.mask_truncated={str(value).lower()}"]).cfg
-    assert UpdateSettings.from_config(cfg, share_prompts=True).mask_truncated is value
+    assert UpdateSettings.from_config(cfg, share_prompts=True).algo.mask_truncated is value

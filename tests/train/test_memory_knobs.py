@@ -55,7 +55,7 @@ def test_token_budget_update_equals_one_micro_batch(tiny, mode):  # noqa: F811
         s = _settings(mode, 0)
         s.micro_batch_tokens = tokens
         model.zero_grad(set_to_none=True)
-        accumulate_gradients(model, batch, s, UpdateState())
+        accumulate_gradients(model, TorchBackend(), batch, s, UpdateState())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
@@ -103,7 +103,7 @@ def test_bf16_autocast_keeps_fp32_weights_and_adam_state(tiny):  # noqa: F811
     hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     batch = _batch(tiny[1])
     batch.advantages = batch.advantages.float()
-    accumulate_gradients(module, batch, _settings("token-mean", 0), UpdateState(), backend=backend)
+    accumulate_gradients(module, backend, batch, _settings("token-mean", 0), UpdateState())
     hook.remove()
     assert seen and all(d == torch.bfloat16 for d in seen)            # the forward ran in bf16
     norm = backend.step()

@@ -8,12 +8,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlctl.dist.backends import TorchBackend
+from learner_kit import settings
 from rlctl.config.compose import compose
 from rlctl.core import get_policy_loss
 from rlctl.train.update import old_policy_inputs
 from rlctl.models.forward import learner_forward
 from rlctl.train.trainer import needs_old_forward
-from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
+from rlctl.train.update import UpdateState, accumulate_gradients
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.config.schema import RolloutCorrectionConfig
 from rlctl.types import RolloutBatch
@@ -54,15 +56,15 @@ def _corr(**fields):
 
 
 def _settings(corr=None, agg="token-mean", micro=0):
-    return UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+    return settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                           agg_mode=agg, norm_len=5, epochs=1, minibatches=1, kl_estimator="k3",
-                          kl_in_loss=True, max_grad_norm=1.0, temperature=1.0,
+                          kl_in_loss=True, temperature=1.0,
                           micro_batch_size=micro, rollout_correction=corr)
 
 
 def _grads(model, batch, s):
     model.zero_grad(set_to_none=True)
-    metrics = accumulate_gradients(model, batch, s, UpdateState())
+    metrics = accumulate_gradients(model, TorchBackend(), batch, s, UpdateState())
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), metrics
 
 

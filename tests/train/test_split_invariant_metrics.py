@@ -29,6 +29,7 @@ import pytest
 from gloo_ranks import run_two_ranks
 import torch
 
+from learner_kit import settings
 from rlctl.dist.backends import Backend, build_backend
 from rlctl.config.compose import compose
 from rlctl.core import get_policy_loss
@@ -84,9 +85,9 @@ def _reference(model, critic, b: RolloutBatch) -> dict:
 
 
 def _settings(**kw) -> UpdateSettings:
-    return UpdateSettings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
+    return settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                           agg_mode="token-mean", norm_len=None, epochs=1, minibatches=1,
-                          kl_estimator="k3", kl_in_loss=False, max_grad_norm=1.0, temperature=1.0,
+                          kl_estimator="k3", kl_in_loss=False, temperature=1.0,
                           share_prompts=False, vf_coef=0.5, **kw)
 
 
@@ -124,7 +125,7 @@ def test_spreads_are_statistics_of_the_whole_batch(setup, split):
     kw = dict(SPLITS[split])
     minibatches = kw.pop("minibatches", 1)
     s = _settings(**kw)
-    s.minibatches = minibatches
+    s.algo.minibatches = minibatches
     got = _logged(copy.deepcopy(model), copy.deepcopy(critic), Backend("cpu"), b, s)
     assert 0.05 < ref["policy/ratio_std"] and abs(ref["value/explained_var"]) > 0.05
     for k in SPREADS:
