@@ -16,6 +16,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlctl.config.schema import LoraConfig
+
 pytest.importorskip("peft")
 
 from real_arch import FAMILIES  # noqa: E402
@@ -84,7 +86,9 @@ def test_default_lora_targets_every_linear_but_the_head(real_arch, family):
     kinds = (torch.nn.Linear, Conv1D)                       # GPT-2 uses Conv1D
     linears = {n for n, m in model.named_modules() if n and isinstance(m, kinds)}
     head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
-    default = OmegaConf.load(HF_YAML).lora.target_modules
+    # the group file's value where it sets one, else the schema's default
+    default = (OmegaConf.load(HF_YAML).get("lora") or {}).get("target_modules") \
+        or LoraConfig().target_modules
     peft_model = apply_lora(model, r=2, alpha=4, dropout=0.0, target_modules=list(default))
     adapted = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules()
                if hasattr(m, "lora_A") and not n.endswith(("lora_A", "lora_B"))}
