@@ -24,9 +24,8 @@ register_backend = BACKENDS.register
 
 @register_backend("torch")
 class TorchBackend:
-    """Plain torch, the base of the other backends: one process, or several all-reducing
-    gradients over gloo (CPU) or nccl (GPU). ``precision``: fp32, or bf16 (``BF16Autocast``);
-    ``zero_stage`` and ``deepspeed_config`` are DeepSpeed's."""
+    """Plain torch, the base of the others: ranks all-reduce gradients over gloo (CPU) or
+    nccl (GPU); ``precision`` fp32 or bf16 (``BF16Autocast``); the ZeRO arguments unused."""
 
     name = "torch"
 
@@ -198,6 +197,7 @@ class DeepSpeedBackend(TorchBackend):
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
         import deepspeed  # heavy optional dependency (1.7 s): only when this backend runs
 
+        self._ds = deepspeed
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         super().__init__(device, zero_stage, precision)
         self._join_group()
@@ -214,17 +214,16 @@ class DeepSpeedBackend(TorchBackend):
         must = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                 "managed_gradient_accumulation": False,
                 "gradient_clipping": max_grad_norm if max_grad_norm > 0 else 0.0,
-                "zero_allow_untested_optimizer": True, "bf16": {"enabled": self.precision == "bf16"},
+                "zero_allow_untested_optimizer": True,
+                "bf16": {"enabled": self.precision == "bf16"},
                 "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
         return merge(merge({"zero_optimization": zero}, self.user_config), must)
 
     def prepare(self, model, critic, lr, betas, weight_decay, warmup_steps, max_grad_norm):
-        import deepspeed  # heavy optional dependency: only when this backend runs
-
         if critic is not None:   # a separate critic trains inside the same engine
             model = _Joint(model, critic)
         super().prepare(model, None, lr, betas, weight_decay, warmup_steps, max_grad_norm)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+        self.engine, self.optimizer, _, self.scheduler = self._ds.initialize(
             model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
             config=self.ds_config(max_grad_norm))
         self.module = self.engine
@@ -262,11 +261,9 @@ class DeepSpeedBackend(TorchBackend):
 
     def gathered(self, module):
         """Context in which ZeRO-3 partitioned weights are whole on every rank."""
-        import deepspeed  # heavy optional dependency: only when this backend runs
-
         if self.zero_stage != 3:
             return contextlib.nullcontext()
-        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        return self._ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
 
 class _Joint(torch.nn.Module):

@@ -89,7 +89,7 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
                           f"{hw.nnodes} (nodes are numbered 0 .. nnodes-1)", True, 2)
     n, timeout, where = hw.num_processes, hw.dist_timeout_s, f"{hw.master_addr}:{hw.master_port}"
     world = hw.nnodes * n
-    who = f"rank {spans(range(hw.node_rank * n, hw.node_rank * n + n))} of {world} (rlctl)"
+    who = f"rank {_span(hw.node_rank * n, hw.node_rank * n + n)} of {world} (rlctl)"
     if hw.node_rank:
         wait_reachable(hw.master_addr, hw.master_port, timeout, stop, who, _OWN_HINT)
     layout = dict(min_nodes=hw.nnodes, max_nodes=hw.nnodes, nproc_per_node=n, rdzv_backend="static",
@@ -100,7 +100,7 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
         text = one_line(exc)[:160]
         if "clients joined" in text:
             joined = int(text.split("clients joined")[0].split()[-1].split("/")[0])
-            missing = (f"rank(s) {spans(range(n, world))}" if joined == 1
+            missing = (f"rank(s) {_span(n, world)}" if joined == 1
                        else f"{hw.nnodes - joined} node(s)")
             raise UserError(f"rank 0 of {world} (rlctl): the other ranks did not all join at {where} "
                             f"within hardware.dist_timeout_s={timeout:g}: {missing} never connected; "
@@ -112,8 +112,7 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
 
 
 def _failed(codes: Dict[int, int], stop) -> Optional[int]:
-    """The first failed rank; None when all finished or the launch was a stop (exits 128 +
-    signal, or killed by the signal before its handler)."""
+    """The first failed rank; None when all finished or on a stop (128 + signal, or killed)."""
     stopping = stop is not None and stop.requested
     if stopping and any(c in KILLED for c in codes.values()):
         return None
@@ -122,8 +121,7 @@ def _failed(codes: Dict[int, int], stop) -> Optional[int]:
 
 def _run_agent(layout: dict, threads: int, args: List[str], stop, poll_s: float,
                run_id: Optional[str] = None) -> Dict[int, int]:
-    """torchrun's agent (``elastic_launch``) in a thread, running ``args`` in each rank with
-    OMP_NUM_THREADS=``threads`` and RLCTL_LAUNCHER_PID set, signals forwarded to the ranks;
+    """torchrun's agent in a thread running ``args`` in each rank, signals forwarded ->
     {rank: exit code} of the failed ranks, first failure first ({}: all finished)."""
     logs = tempfile.mkdtemp(prefix="rlctl-launch-")
     launch_config = LaunchConfig(run_id=run_id or uuid.uuid4().hex, max_restarts=0, monitor_interval=0.1,
@@ -236,15 +234,9 @@ def wait_reachable(host: str, port: int, timeout: float, stop, who: str, hint: s
             time.sleep(0.2)
 
 
-def spans(xs) -> str:
-    """[1, 2, 3, 5] -> '1-3, 5'."""
-    out: List[List[int]] = []
-    for x in sorted(xs):
-        if out and x == out[-1][1] + 1:
-            out[-1][1] = x
-        else:
-            out.append([x, x])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+def _span(lo: int, hi: int) -> str:
+    """Ranks lo .. hi - 1 as '2-3' (or '2')."""
+    return str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}"
 
 
 # ---- a launcher's group --------------------------------------------------------------------
@@ -355,8 +347,7 @@ def join(group: Group, device: str, timeout_s: float,
     label = f"node {group.node}" if group.node is not None else f"rank {group.rank}"
     payloads: List[Optional[str]] = [None] * group.world_size
     dist.all_gather_object(payloads, payload(flatten(run_config or {}), label))
-    ref = json.loads(payloads[0])
-    line = mismatch(ref["label"], ref["config"], payloads[1:])
+    line = mismatch(payloads)
     if line is not None:
         dist.destroy_process_group()
         raise UserError(line)
@@ -418,12 +409,13 @@ def show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
-def mismatch(own_label: str, own: Dict[str, Any], others: List[str]) -> Optional[str]:
-    """The one line naming the keys where another rank's config (``others``: their
-    payloads) differs from rank 0's, or None when every digest equals rank 0's."""
-    mine, seen, parts = _digest(own), set(), []
-    for got in map(json.loads, others):
-        if got["digest"] == mine:
+def mismatch(payloads: List[str]) -> Optional[str]:
+    """The one line naming the keys where a rank's config differs from rank 0's (``payloads``:
+    every rank's, rank 0's first), or None when every digest equals rank 0's."""
+    ref, *others = map(json.loads, payloads)
+    own, own_label, seen, parts = ref["config"], ref["label"], set(), []
+    for got in others:
+        if got["digest"] == ref["digest"]:
             continue
         theirs = got["config"]
         for key in sorted(set(own) | set(theirs)):
