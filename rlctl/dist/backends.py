@@ -1,14 +1,7 @@
-"""How the learner steps and ranks talk: the ``Backend`` hierarchy and its registry.
-
-A ``Backend`` gives the module to call for forward passes, ``backward``, ``step`` and
-reductions over data-parallel ranks; only this package touches ``torch.distributed``.
-Data parallelism is exact: every rank holds whole prompt groups, each rank's loss
-numerator is divided by the global normaliser, and gradients averaged over ranks are
-scaled back by ``dp_loss_scale`` (= world size), so the update is the same for any N.
-``BACKENDS`` (``hardware.backend``): ``torch`` and ``deepspeed`` (ZeRO 0-3; deepspeed is
-imported only when it runs), each called ``cls(device, zero_stage, precision,
-deepspeed_config)``.
-"""
+"""The backends (``BACKENDS``, ``hardware.backend``: torch, deepspeed): forward module,
+``backward``, ``step`` and reductions over data-parallel ranks. Exact data parallelism: ranks
+hold whole prompt groups, losses are divided by the global normaliser and averaged gradients
+scaled back by ``dp_loss_scale`` (= world size), so the update is the same for any N."""
 from __future__ import annotations
 
 import contextlib
@@ -29,36 +22,37 @@ BACKENDS = Registry("backend")
 register_backend = BACKENDS.register
 
 
-def dist_env() -> Tuple[int, int]:
-    """(rank, world size) from the launcher's environment (one process if unset)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def init_process_group(backend: str = "gloo") -> None:
-    """Join, once, the process group the launcher's environment describes (env://)."""
-    if not dist.is_initialized():
-        rank, world_size = dist_env()
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-
-
-class Backend:
-    """Single-process plain torch; the base of the other backends."""
+@register_backend("torch")
+class TorchBackend:
+    """Plain torch, the base of the others: ranks all-reduce gradients over gloo (CPU) or
+    nccl (GPU); ``precision`` fp32 or bf16 (``BF16Autocast``); the ZeRO arguments unused."""
 
     name = "torch"
 
-    def __init__(self, device: str = "cpu"):
-        self.rank, self.world_size = dist_env()
+    def __init__(self, device: str = "cpu", zero_stage: int = 0, precision: str = "fp32",
+                 deepspeed_config: Optional[str] = None):
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.is_main, self.dp_loss_scale = self.rank == 0, float(self.world_size)
         self.device = torch.device(device)
-        self.module = None
-        self.optimizer = None
-        self.scheduler = None
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"hardware.precision must be fp32 or bf16; got {precision!r}")
+        self.precision = precision
+        self.module = self.optimizer = self.scheduler = None
         self._params: List[torch.nn.Parameter] = []
+        if self.world_size > 1:
+            self._join_group()
+
+    def _join_group(self) -> None:
+        """Join, once, the process group the launcher's environment describes (env://)."""
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    rank=self.rank, world_size=self.world_size)
 
     def prepare(self, model, critic, lr: float, betas, weight_decay: float, warmup_steps: int,
                 max_grad_norm: float):
         """Build the optimizer (AdamW) and LR schedule for ``model`` (+ a separate critic);
-        returns the module to call for training forward passes."""
+        returns the module to call for training forward passes (autocast under bf16)."""
         self.max_grad_norm = max_grad_norm
         extra = list(critic.parameters()) if critic is not None else []
         self._params = [p for p in list(model.parameters()) + extra if p.requires_grad]
@@ -69,7 +63,7 @@ class Backend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
         self.module = model
-        return model
+        return BF16Autocast(model, self.device.type) if self.precision == "bf16" else model
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -89,11 +83,11 @@ class Backend:
                 p.grad.copy_(g)
         limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(grads, limit)
-        if not torch.isfinite(norm):       # skip the update; the caller counts it
+        if torch.isfinite(norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        else:                              # skip the update; the caller counts it
             self.zero_grad()
-            return norm.detach()
-        self.optimizer.step()
-        self.scheduler.step()
         return norm.detach()
 
     def lr(self) -> float:
@@ -106,11 +100,8 @@ class Backend:
             return t
         dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
         out = t.detach().to(self.device, dtype, copy=True)
-        dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
-                                 "max": dist.ReduceOp.MAX}[op])
+        dist.all_reduce(out, op=getattr(dist.ReduceOp, op.upper()))
         return out.to(t.device)
-
-    all_reduce_sum = all_reduce        # the sum, the default op
 
     def all_gather_rows(self, t: torch.Tensor) -> Tuple[torch.Tensor, int]:
         """Every rank's rows (counts may differ) -> (all rows, this rank's first row index)."""
@@ -140,18 +131,17 @@ class Backend:
 
     def save_state(self, path: Path, critic=None) -> None:
         """Weights, optimizer and schedule into ``path`` (ranks are identical: rank 0 writes)."""
-        if not self.is_main:
-            return
-        save_model(self.module, str(path / "model.safetensors"))
-        if critic is not None:
-            save_model(critic, str(path / "critic.safetensors"))
-        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+        if self.is_main:
+            for name, module in (("model", self.module), ("critic", critic)):
+                if module is not None:
+                    save_model(module, str(path / f"{name}.safetensors"))
+            torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
 
     def load_state(self, path: Path, critic=None) -> None:
-        load_model(self.module, str(path / "model.safetensors"), device=str(self.device))
-        if critic is not None:
-            load_model(critic, str(path / "critic.safetensors"), device=str(self.device))
+        for name, module in (("model", self.module), ("critic", critic)):
+            if module is not None:
+                load_model(module, str(path / f"{name}.safetensors"), device=str(self.device))
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
 
@@ -165,10 +155,8 @@ class Backend:
 
 
 class BF16Autocast(torch.nn.Module):
-    """``hardware.precision=bf16`` on the torch backend: the forward in ``torch.autocast(
-    bfloat16)``, weights, gradients and AdamW state in the model's own dtype (the fp32 master
-    weights of mixed precision, Micikevicius et al., 2018; bf16 needs no loss scaling).
-    Other attributes pass through to the wrapped model."""
+    """bf16 on the torch backend: the forward under autocast, weights, gradients and AdamW
+    state in the model's dtype (Micikevicius et al., 2018); other attributes pass through."""
 
     def __init__(self, module: torch.nn.Module, device_type: str):
         super().__init__()
@@ -185,26 +173,6 @@ class BF16Autocast(torch.nn.Module):
             return getattr(self._modules["module"], name)
 
 
-@register_backend("torch")
-class TorchBackend(Backend):
-    """Plain torch; several processes all-reduce gradients over gloo (CPU) or nccl (GPU).
-    ``precision``: fp32 or bf16 (``BF16Autocast``); ``zero_stage``, ``deepspeed_config``: ignored."""
-
-    def __init__(self, device: str = "cpu", zero_stage: int = 0, precision: str = "fp32",
-                 deepspeed_config: Optional[str] = None):
-        super().__init__(device)
-        if precision not in ("fp32", "bf16"):
-            raise ValueError(f"hardware.precision must be fp32 or bf16; got {precision!r}")
-        self.precision = precision
-        if self.world_size > 1:
-            init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-
-    def prepare(self, model, critic, *args, **kwargs):
-        """As ``Backend.prepare``; under bf16 the returned module autocasts its forward."""
-        module = super().prepare(model, critic, *args, **kwargs)
-        return BF16Autocast(module, self.device.type) if self.precision == "bf16" else module
-
-
 def merge(base: Dict, override: Dict) -> Dict:
     """``override`` laid over ``base``, nested dicts merged key by key."""
     out = dict(base)
@@ -214,32 +182,28 @@ def merge(base: Dict, override: Dict) -> Dict:
 
 
 @register_backend("deepspeed")
-class DeepSpeedBackend(Backend):
-    """DeepSpeed ZeRO 0-3. Set up for CPU too (``DS_ACCELERATOR=cpu``, a gloo group from the
-    environment, no shared-memory comm op, a client torch AdamW, tiny models really
-    partitioned); ZeRO-3 ``generate`` with ``synced_gpus``. Gradient accumulation is the
-    caller's: ``backward`` accumulates, ``step`` averages over ranks and updates."""
+class DeepSpeedBackend(TorchBackend):
+    """DeepSpeed ZeRO 0-3, on CPU too (gloo, no shared-memory comm op, the client AdamW);
+    ZeRO-3 ``generate`` with ``synced_gpus``. ``backward`` accumulates, ``step`` updates."""
     name = "deepspeed"
 
     def __init__(self, device: str, zero_stage: int, precision: str,
                  user_config: Optional[str] = None):
         if device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
         if "MASTER_ADDR" not in os.environ:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
-        super().__init__(device)
         import deepspeed  # heavy optional dependency (1.7 s): only when this backend runs
 
+        self._ds = deepspeed
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        super().__init__(device, zero_stage, precision)
+        self._join_group()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        self.zero_stage, self.precision = zero_stage, precision
-        self.user_config = {}
-        if user_config:
-            self.user_config = read_deepspeed_config(user_config)   # ConfigError naming the file
+        self.zero_stage = zero_stage
+        self.user_config = read_deepspeed_config(user_config) if user_config else {}
         self.engine = None
 
     def ds_config(self, max_grad_norm: float) -> Dict:
@@ -247,26 +211,19 @@ class DeepSpeedBackend(Backend):
         zero = {"stage": self.zero_stage, "overlap_comm": False}
         if self.zero_stage == 3:
             zero["stage3_param_persistence_threshold"] = 0
-        must = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "managed_gradient_accumulation": False,
-            "gradient_clipping": max_grad_norm if max_grad_norm > 0 else 0.0,
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": self.precision == "bf16"},
-            "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False,
-        }
-        base = merge({"zero_optimization": zero}, self.user_config)
-        return merge(base, must)
+        must = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                "managed_gradient_accumulation": False,
+                "gradient_clipping": max_grad_norm if max_grad_norm > 0 else 0.0,
+                "zero_allow_untested_optimizer": True,
+                "bf16": {"enabled": self.precision == "bf16"},
+                "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+        return merge(merge({"zero_optimization": zero}, self.user_config), must)
 
     def prepare(self, model, critic, lr, betas, weight_decay, warmup_steps, max_grad_norm):
-        import deepspeed  # heavy optional dependency: only when this backend runs
-
         if critic is not None:   # a separate critic trains inside the same engine
             model = _Joint(model, critic)
         super().prepare(model, None, lr, betas, weight_decay, warmup_steps, max_grad_norm)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+        self.engine, self.optimizer, _, self.scheduler = self._ds.initialize(
             model=model, optimizer=self.optimizer, lr_scheduler=self.scheduler,
             config=self.ds_config(max_grad_norm))
         self.module = self.engine
@@ -304,11 +261,9 @@ class DeepSpeedBackend(Backend):
 
     def gathered(self, module):
         """Context in which ZeRO-3 partitioned weights are whole on every rank."""
-        import deepspeed  # heavy optional dependency: only when this backend runs
-
         if self.zero_stage != 3:
             return contextlib.nullcontext()
-        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        return self._ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
 
 class _Joint(torch.nn.Module):
@@ -329,6 +284,6 @@ def _free_port() -> int:
 
 
 def build_backend(name: str, device: str, zero_stage: int = 0, precision: str = "fp32",
-                  deepspeed_config: Optional[str] = None) -> Backend:
+                  deepspeed_config: Optional[str] = None) -> TorchBackend:
     """The backend registered as ``name`` (``hardware.backend``); ValueError if unknown."""
     return BACKENDS.get(name)(device, zero_stage, precision, deepspeed_config)

@@ -1,13 +1,12 @@
-"""Ranks started through torchrun's own launcher (``elastic_launch``), and the group a
-launcher made. ``launch``: N local ranks of ``python -m rlctl.train.worker RUN_DIR`` (standalone
-c10d); ``launch_node``: one node's ranks of the same `rlctl train` under a static rendezvous
-at ``hardware.master_addr:master_port``. The agent runs in a thread; SIGINT/SIGTERM are
-forwarded to every rank. ``from_environment``/``join``/``share``: the group torchrun, the
-deepspeed launcher or srun describe, formed within ``hardware.dist_timeout_s``, every
-rank's config compared with rank 0's in one ``all_gather_object``; each failure (master
-unreachable, peers missing, a rank started twice, configs that differ) is one line."""
+"""Ranks started through torchrun's launcher (``launch``: local ranks of
+``rlctl.train.worker``; ``launch_node``: one node's ranks of `rlctl train`), signals forwarded,
+and the group a launcher made (``from_environment``, ``join``, ``share``), formed within
+``hardware.dist_timeout_s``, each rank's config compared with rank 0's in one
+``all_gather_object``. Each failure (no master, peers missing, a rank started twice,
+configs that differ) is one line."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -38,6 +37,8 @@ from rlctl.errors import LaunchError, UserError, one_line
 EXIT_SETUP = 3          # a rank failed before its first training step (set-up)
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 KILLED = (-signal.SIGINT, -signal.SIGTERM)   # a rank the signal reached before its handler
+_OWN_HINT = "hardware.master_addr/master_port"            # what to check, by who started the ranks
+_ENV_HINT = f"MASTER_ADDR/MASTER_PORT (or {_OWN_HINT})"
 for _name in ("torch.distributed.elastic", "torch.distributed.launcher"):   # rlctl says what failed
     logging.getLogger(_name).addHandler(logging.NullHandler())
     logging.getLogger(_name).propagate = False
@@ -69,13 +70,6 @@ def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False
     return stop.signum if codes else 0
 
 
-def check_node_rank(hw) -> None:
-    """``hardware.node_rank`` names one of the ``hardware.nnodes`` nodes (exit code 2)."""
-    if hw.node_rank >= hw.nnodes:
-        raise LaunchError(f"hardware.node_rank={hw.node_rank} must be below hardware.nnodes="
-                          f"{hw.nnodes} (nodes are numbered 0 .. nnodes-1)", True, 2)
-
-
 def node_argv(overrides: List[str], recipe, resume) -> List[str]:
     """The `rlctl train` command line each rank of a node runs."""
     head = [sys.executable, "-m", "rlctl.cli", "train"]
@@ -90,16 +84,14 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
     """Node ``hw.node_rank`` of ``hw.nnodes``: its ``hw.num_processes`` ranks each run ``argv``.
     The first failed rank's exit code (it printed its line), 128 + signal after a forwarded
     stop, else 0; a rendezvous not formed within ``hw.dist_timeout_s`` is a UserError."""
-    check_node_rank(hw)
-    n, where = hw.num_processes, f"{hw.master_addr}:{hw.master_port}"
+    if hw.node_rank >= hw.nnodes:
+        raise LaunchError(f"hardware.node_rank={hw.node_rank} must be below hardware.nnodes="
+                          f"{hw.nnodes} (nodes are numbered 0 .. nnodes-1)", True, 2)
+    n, timeout, where = hw.num_processes, hw.dist_timeout_s, f"{hw.master_addr}:{hw.master_port}"
     world = hw.nnodes * n
-    ranks = spans(range(hw.node_rank * n, hw.node_rank * n + n))
-    timeout = getattr(hw, "dist_timeout_s", 300.0)
+    who = f"rank {_span(hw.node_rank * n, hw.node_rank * n + n)} of {world} (rlctl)"
     if hw.node_rank:
-        wait_reachable(hw.master_addr, hw.master_port, time.monotonic() + timeout, stop, (
-            f"rank {ranks} of {world} (rlctl): it cannot reach the master at {where} within "
-            f"hardware.dist_timeout_s={timeout:g}; check hardware.master_addr/master_port and that "
-            "node 0 was started"))
+        wait_reachable(hw.master_addr, hw.master_port, timeout, stop, who, _OWN_HINT)
     layout = dict(min_nodes=hw.nnodes, max_nodes=hw.nnodes, nproc_per_node=n, rdzv_backend="static",
                   rdzv_endpoint=where, rdzv_configs={"rank": hw.node_rank, "timeout": max(1, round(timeout))})
     try:
@@ -108,21 +100,19 @@ def launch_node(argv: List[str], hw, stop=None, poll_s: float = 0.2) -> int:
         text = one_line(exc)[:160]
         if "clients joined" in text:
             joined = int(text.split("clients joined")[0].split()[-1].split("/")[0])
-            missing = (f"rank(s) {spans(range(n, world))}" if joined == 1
+            missing = (f"rank(s) {_span(n, world)}" if joined == 1
                        else f"{hw.nnodes - joined} node(s)")
             raise UserError(f"rank 0 of {world} (rlctl): the other ranks did not all join at {where} "
                             f"within hardware.dist_timeout_s={timeout:g}: {missing} never connected; "
-                            "check hardware.master_addr/master_port and that every node was started"
-                            ) from None
-        raise UserError(f"rank {ranks} of {world} (rlctl): the rendezvous at {where} failed ({text}); "
+                            f"check {_OWN_HINT} and that every node was started") from None
+        raise UserError(f"{who}: the rendezvous at {where} failed ({text}); "
                         "choose a free hardware.master_port") from None
     rank = _failed(codes, stop)
     return codes[rank] if rank is not None else (128 + stop.signum if codes else 0)
 
 
 def _failed(codes: Dict[int, int], stop) -> Optional[int]:
-    """The first failed rank; None when all finished or the launch was a stop (exits 128 +
-    signal, or killed by the signal before its handler)."""
+    """The first failed rank; None when all finished or on a stop (128 + signal, or killed)."""
     stopping = stop is not None and stop.requested
     if stopping and any(c in KILLED for c in codes.values()):
         return None
@@ -131,8 +121,7 @@ def _failed(codes: Dict[int, int], stop) -> Optional[int]:
 
 def _run_agent(layout: dict, threads: int, args: List[str], stop, poll_s: float,
                run_id: Optional[str] = None) -> Dict[int, int]:
-    """torchrun's agent (``elastic_launch``) in a thread, running ``args`` in each rank with
-    OMP_NUM_THREADS=``threads`` and RLCTL_LAUNCHER_PID set, signals forwarded to the ranks;
+    """torchrun's agent in a thread running ``args`` in each rank, signals forwarded ->
     {rank: exit code} of the failed ranks, first failure first ({}: all finished)."""
     logs = tempfile.mkdtemp(prefix="rlctl-launch-")
     launch_config = LaunchConfig(run_id=run_id or uuid.uuid4().hex, max_restarts=0, monitor_interval=0.1,
@@ -186,10 +175,8 @@ def _ranks(thread: threading.Thread) -> List[int]:
 def _signal(pids: List[int], signum: int, sent: set) -> None:
     for pid in pids:
         sent.add(pid)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
 
 
 def _failure(run_dir: Path, rank: int, code: int) -> LaunchError:
@@ -201,12 +188,11 @@ def _failure(run_dir: Path, rank: int, code: int) -> LaunchError:
             return LaunchError(str(err["message"]), setup, int(err["code"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    where = "see the output above" if rank == 0 else f"see {run_dir / f'rank{rank}.log'}"
-    last = ""
-    log = run_dir / f"rank{rank}.log"
+    log, last = run_dir / f"rank{rank}.log", ""
     if rank and log.is_file():
         lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
         last = f": {lines[-1][:200]}" if lines else ""
+    where = f"see {log}" if rank else "see the output above"
     return LaunchError(f"rank {rank} exited with code {code}{last} ({where})", setup)
 
 
@@ -228,9 +214,10 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def wait_reachable(host: str, port: int, deadline: float, stop, message: str) -> None:
-    """Return once ``host:port`` accepts a connection; UserError(``message``) at ``deadline``;
-    LaunchError (exit 128 + signal) once ``stop`` holds a signal."""
+def wait_reachable(host: str, port: int, timeout: float, stop, who: str, hint: str) -> None:
+    """Return once ``host:port`` accepts a connection; UserError naming ``who`` and ``hint``
+    after ``timeout`` s; LaunchError (exit 128 + signal) once ``stop`` holds a signal."""
+    deadline = time.monotonic() + timeout
     while True:
         if stop is not None and stop.requested:
             raise LaunchError(f"interrupted by {signal.Signals(stop.signum).name} while waiting for "
@@ -241,19 +228,15 @@ def wait_reachable(host: str, port: int, deadline: float, stop, message: str) ->
             return
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise UserError(f"{message} ({one_line(exc)[:160]})") from None
+                raise UserError(f"{who}: it cannot reach the master at {host}:{port} within "
+                                f"hardware.dist_timeout_s={timeout:g}; check {hint} and that node 0 "
+                                f"was started ({one_line(exc)[:160]})") from None
             time.sleep(0.2)
 
 
-def spans(xs) -> str:
-    """[1, 2, 3, 5] -> '1-3, 5'."""
-    out: List[List[int]] = []
-    for x in sorted(xs):
-        if out and x == out[-1][1] + 1:
-            out[-1][1] = x
-        else:
-            out.append([x, x])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+def _span(lo: int, hi: int) -> str:
+    """Ranks lo .. hi - 1 as '2-3' (or '2')."""
+    return str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}"
 
 
 # ---- a launcher's group --------------------------------------------------------------------
@@ -270,7 +253,7 @@ class Group:
     master_addr: str
     master_port: int
     source: str                # "torchrun/deepspeed" | "SLURM" | "rlctl" (launch_node, via torchrun's agent)
-    node: Optional[int] = None  # this rank's node, where the launcher says (``_node``)
+    node: Optional[int] = None  # this rank's node, where the launcher says
 
 
 def expand_nodelist(nodelist: str) -> List[str]:
@@ -308,33 +291,29 @@ def from_environment(default_port: int, env: Optional[Dict[str, str]] = None) ->
             raise UserError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: a launcher "
                             "(torchrun, deepspeed) sets all of RANK, WORLD_SIZE, LOCAL_RANK, "
                             "MASTER_ADDR, MASTER_PORT")
+        keys, addr = ("RANK", "WORLD_SIZE", "LOCAL_RANK"), env["MASTER_ADDR"]
         source = "rlctl" if "RLCTL_LAUNCHER_PID" in env else "torchrun/deepspeed"
-        return _checked(Group(_int(env, "RANK"), _int(env, "WORLD_SIZE"),
-                              _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-                              env["MASTER_ADDR"], _int(env, "MASTER_PORT"), source, _node(env)))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        keys, source = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"), "SLURM"
         addr = env.get("MASTER_ADDR") or expand_nodelist(env.get("SLURM_JOB_NODELIST", "") or
                                                          env.get("SLURM_NODELIST", ""))[0]
-        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else default_port
-        return _checked(Group(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
-                              _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-                              addr, port, "SLURM", _node(env)))
-    return None
-
-
-def _checked(group: Group) -> Group:
-    if group.world_size < 1 or not 0 <= group.rank < group.world_size:
-        raise UserError(f"the launcher's rank {group.rank} is not in [0, {group.world_size}) "
-                        f"(world size {group.world_size}, from {group.source})")
-    return group
+    else:
+        return None
+    rank, size, local = (_int(env, k) if k in env else 0 for k in keys)
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else default_port
+    if size < 1 or not 0 <= rank < size:
+        raise UserError(f"the launcher's rank {rank} is not in [0, {size}) "
+                        f"(world size {size}, from {source})")
+    node = next((int(env[k]) for k in ("GROUP_RANK", "SLURM_NODEID") if env.get(k, "").isdigit()),
+                None)    # the node number the launcher exports (torchrun; srun)
+    return Group(rank, size, local, addr, port, source, node)
 
 
 def join(group: Group, device: str, timeout_s: float,
          run_config: Optional[Dict[str, Any]] = None, stop=None) -> None:
-    """Export ``group`` to the environment and join it (gloo; nccl on CUDA) within
-    ``timeout_s``, then compare every rank's ``run_config`` (the resolved config as nested
-    dicts) with rank 0's in one ``all_gather_object``; each failure is one line on every rank.
-    ``stop``: a StopFlag whose signal ends the wait for the master (exit 128 + signal)."""
+    """Export ``group`` to the environment, join it (gloo; nccl on CUDA) within ``timeout_s``
+    (a ``stop`` signal ends the wait for the master), then compare every rank's ``run_config``
+    (nested dicts) with rank 0's in one ``all_gather_object``: one line on every rank."""
     os.environ.update({"RANK": str(group.rank), "WORLD_SIZE": str(group.world_size),
                        "LOCAL_RANK": str(group.local_rank), "MASTER_ADDR": group.master_addr,
                        "MASTER_PORT": str(group.master_port)})
@@ -345,18 +324,15 @@ def join(group: Group, device: str, timeout_s: float,
     who = f"rank {group.rank} of {group.world_size} ({group.source})"
     where = f"{group.master_addr}:{group.master_port}"
     if group.rank:
-        wait_reachable(group.master_addr, group.master_port, time.monotonic() + timeout_s, stop,
-                       f"{who}: it cannot reach the master at {where} within hardware.dist_timeout_s="
-                       f"{timeout_s:g}; check MASTER_ADDR/MASTER_PORT (or hardware.master_addr/"
-                       "master_port) and that node 0 was started")
+        wait_reachable(group.master_addr, group.master_port, timeout_s, stop, who, _ENV_HINT)
     try:
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
     except Exception as exc:  # noqa: BLE001 - DistStoreError (peers missing), DistNetworkError (port)
         text = one_line(exc)[:160]
         if "clients joined" in text:
             raise UserError(f"{who}: the other ranks did not all join at {where} within hardware."
-                            f"dist_timeout_s={timeout_s:g} ({text}); check MASTER_ADDR/MASTER_PORT (or "
-                            "hardware.master_addr/master_port) and that every node was started") from None
+                            f"dist_timeout_s={timeout_s:g} ({text}); check {_ENV_HINT} and that "
+                            "every node was started") from None
         raise UserError(f"{who} cannot serve or reach the rendezvous at {where} ({text}); choose a free "
                         "MASTER_PORT (or hardware.master_port)") from None
     store = dist.PrefixStore(f"rlctl/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
@@ -369,22 +345,12 @@ def join(group: Group, device: str, timeout_s: float,
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore("pg", store),
                             rank=group.rank, world_size=group.world_size, timeout=timedelta(seconds=timeout_s))
     label = f"node {group.node}" if group.node is not None else f"rank {group.rank}"
-    flat = flatten(run_config or {})
     payloads: List[Optional[str]] = [None] * group.world_size
-    dist.all_gather_object(payloads, payload(flat, label))
-    ref = json.loads(payloads[0])
-    line = mismatch(ref["label"], ref["config"], payloads[1:])
+    dist.all_gather_object(payloads, payload(flatten(run_config or {}), label))
+    line = mismatch(payloads)
     if line is not None:
         dist.destroy_process_group()
         raise UserError(line)
-
-
-def _node(env: Dict[str, str]) -> Optional[int]:
-    """The node number the launcher exports (GROUP_RANK: torchrun; SLURM_NODEID: srun)."""
-    for name in ("GROUP_RANK", "SLURM_NODEID"):
-        if env.get(name, "").isdigit():
-            return int(env[name])
-    return None
 
 
 def share(group: Group, value: Optional[str], error: Optional[str] = None) -> str:
@@ -427,40 +393,35 @@ def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return flat
 
 
-def digest(flat: Dict[str, Any]) -> str:
+def _digest(flat: Dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def payload(flat: Dict[str, Any], label: str) -> str:
     """What a rank hands to the others: where it runs, its config and the config's digest."""
-    return json.dumps({"label": label, "digest": digest(flat), "config": flat}, default=str)
+    return json.dumps({"label": label, "digest": _digest(flat), "config": flat}, default=str)
 
 
 def show(value: Any) -> str:
-    """A value as an override would spell it (true, null, 0.0001, [a, b])."""
+    """A value as an override would spell it (true, null, 0.0001, [a, b]), or unset."""
     if value is _UNSET:
         return "unset"
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, default=str)
+    return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
-def mismatch(own_label: str, own: Dict[str, Any], others: List[str]) -> Optional[str]:
-    """The one line naming the keys where another rank's config (``others``: their
-    payloads) differs from rank 0's, or None when every digest equals rank 0's."""
-    mine = digest(own)
-    seen, parts = set(), []
-    for text in others:
-        got = json.loads(text)
-        if got["digest"] == mine:
+def mismatch(payloads: List[str]) -> Optional[str]:
+    """The one line naming the keys where a rank's config differs from rank 0's (``payloads``:
+    every rank's, rank 0's first), or None when every digest equals rank 0's."""
+    ref, *others = map(json.loads, payloads)
+    own, own_label, seen, parts = ref["config"], ref["label"], set(), []
+    for got in others:
+        if got["digest"] == ref["digest"]:
             continue
         theirs = got["config"]
         for key in sorted(set(own) | set(theirs)):
             a, b = own.get(key, _UNSET), theirs.get(key, _UNSET)
-            if a == b:
-                continue
             entry = (key, show(b), got["label"])
-            if entry not in seen:                 # several ranks of one node: named once
+            if a != b and entry not in seen:      # several ranks of one node: named once
                 seen.add(entry)
                 parts.append(f"{key} is {show(a)} on {own_label} and {show(b)} on {got['label']}")
     if not parts:

@@ -56,9 +56,9 @@ def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, backend, eps: float =
         return masked_whiten(x, mask, eps=eps) * mask
     m = mask.double()                                                   # [N, T]
     xd = torch.where(mask != 0, x.double(), 0.0)     # [N, T]; a NaN/inf not counted cannot leak
-    n, s1 = backend.all_reduce_sum(torch.stack([m.sum(), (xd * m).sum()]))
+    n, s1 = backend.all_reduce(torch.stack([m.sum(), (xd * m).sum()]))
     centred = (xd - s1 / n.clamp(min=1)) * m                            # [N, T]
-    var = backend.all_reduce_sum(centred.square().sum()) / (n - 1).clamp(min=1)
+    var = backend.all_reduce(centred.square().sum()) / (n - 1).clamp(min=1)
     return (centred * torch.rsqrt(var + eps)).to(x.dtype)
 
 
@@ -217,7 +217,7 @@ class Trainer:
                       **b.generate_kwargs())
         if ev.rows:
             self.sink.samples(ev.rows, step, "eval")
-        return {f"eval/{k}": v for k, v in means(ev.sums, b.all_reduce_sum).items()}
+        return {f"eval/{k}": v for k, v in means(ev.sums, b.all_reduce).items()}
 
     def step(self, step: int) -> Dict[str, float]:
         a = self.algo

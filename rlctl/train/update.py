@@ -102,8 +102,8 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
         row_width = counted_width(batch.mask).cpu()                          # [N]
     if prompts is None and s.share_prompts:
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
-    denom = backend.all_reduce_sum(agg_denominator(batch.mask, a.loss_agg_mode, a.norm_len)).clamp(min=1e-12)
-    vdenom = backend.all_reduce_sum(batch.mask.sum()).clamp(min=1)           # value term: token-mean
+    denom = backend.all_reduce(agg_denominator(batch.mask, a.loss_agg_mode, a.norm_len)).clamp(min=1e-12)
+    vdenom = backend.all_reduce(batch.mask.sum()).clamp(min=1)           # value term: token-mean
     scale = backend.dp_loss_scale            # undoes the backend's averaging of gradients
     sums: Dict[str, torch.Tensor] = {}       # token-weighted metric sums
     exact: Dict[str, torch.Tensor] = {}      # loss terms: micro-batch shares add up exactly

@@ -244,7 +244,8 @@ def _two_nodes_here(overrides) -> list:
     argv = node_argv([*overrides, "hardware.nnodes=2", "hardware.master_addr=127.0.0.1",
                       f"hardware.master_port={port}"], None, None)
     hws = [SimpleNamespace(nnodes=2, node_rank=r, num_processes=1, master_addr="127.0.0.1",
-                           master_port=port, num_threads=1) for r in (0, 1)]
+                           master_port=port, num_threads=1, dist_timeout_s=300.0)
+           for r in (0, 1)]
     with ThreadPoolExecutor(2) as pool:
         return list(pool.map(lambda hw: launch_node(argv + [f"hardware.node_rank={hw.node_rank}"], hw), hws))
 

@@ -55,9 +55,10 @@ def test_per_node_keys_are_not_compared_and_the_rest_are():
                 "hardware.master_addr=10.0.0.1", "hardware.master_port=29999", "hardware.num_threads=7",
                 "hardware.dist_timeout_s=9", "model.cache_dir=/scratch/node1", "run.dir=/elsewhere",
                 "run.output_dir=/other", "run.name=x", "logger.console=false", "logger.wandb=false")
-    assert launch.mismatch("node 0", base, [launch.payload(own, "node 1")]) is None
+    assert launch.mismatch([launch.payload(base, "node 0"), launch.payload(own, "node 1")]) is None
     other = _flat("hardware.nnodes=2", "trainer.lr=0.05", "run.save_model=false", "hardware.node_rank=1")
-    got = launch.mismatch("node 0", base, [launch.payload(other, "node 1")] * 2)   # one node, 2 ranks
+    # one node with 2 ranks: named once
+    got = launch.mismatch([launch.payload(base, "node 0")] + [launch.payload(other, "node 1")] * 2)
     assert got == ("config differs between nodes: run.save_model is true on node 0 and false on node 1, "
                    "trainer.lr is 0.0001 on node 0 and 0.05 on node 1" + MISMATCH_TAIL)
 

@@ -46,9 +46,6 @@ class CountingBackend:
     def all_reduce(self, t, op="sum"):
         return t
 
-    def all_reduce_sum(self, t):
-        return t
-
 
 def _batch(tok, groups: int) -> RolloutBatch:
     g = torch.Generator().manual_seed(0)

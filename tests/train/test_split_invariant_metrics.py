@@ -30,7 +30,7 @@ from gloo_ranks import run_two_ranks
 import torch
 
 from learner_kit import settings
-from rlctl.dist.backends import Backend, build_backend
+from rlctl.dist.backends import TorchBackend, build_backend
 from rlctl.config.compose import compose
 from rlctl.core import get_policy_loss
 from rlctl.train.metrics import reduce_metrics, rollout_metrics
@@ -126,7 +126,7 @@ def test_spreads_are_statistics_of_the_whole_batch(setup, split):
     minibatches = kw.pop("minibatches", 1)
     s = _settings(**kw)
     s.algo.minibatches = minibatches
-    got = _logged(copy.deepcopy(model), copy.deepcopy(critic), Backend("cpu"), b, s)
+    got = _logged(copy.deepcopy(model), copy.deepcopy(critic), TorchBackend("cpu"), b, s)
     assert 0.05 < ref["policy/ratio_std"] and abs(ref["value/explained_var"]) > 0.05
     for k in SPREADS:
         assert got[k] == pytest.approx(ref[k], rel=REL), k
@@ -153,7 +153,7 @@ def test_two_ranks_log_the_spreads_of_one_process(setup, tmp_path):
     process runs here (the same models and batch: same seeds), the 2 ranks as gloo
     subprocesses, each with 2 of the 4 groups."""
     model, critic, b, ref = setup
-    one = _logged(copy.deepcopy(model), copy.deepcopy(critic), Backend("cpu"), b,
+    one = _logged(copy.deepcopy(model), copy.deepcopy(critic), TorchBackend("cpu"), b,
                   _settings(micro_batch_size=2))
     run_two_ranks("test_split_invariant_metrics", f"_rank_worker({str(tmp_path)!r})", tmp_path, 300,
                   paths=[HERE.parent / "dist"])
@@ -174,7 +174,7 @@ def test_values_at_positions_not_counted_do_not_leak(setup):
     assert out.any()
     bad = b.replace(old_logprobs=torch.where(out, float("nan"), b.old_logprobs),
                     returns=torch.where(out, float("inf"), b.returns))
-    got = _logged(copy.deepcopy(model), copy.deepcopy(critic), Backend("cpu"), bad,
+    got = _logged(copy.deepcopy(model), copy.deepcopy(critic), TorchBackend("cpu"), bad,
                   _settings(micro_batch_size=2))
     for k in SPREADS:
         assert got[k] == pytest.approx(ref[k], rel=REL), k
