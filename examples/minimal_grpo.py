@@ -22,7 +22,8 @@ import time
 import torch
 import transformers
 
-from rlctl.core import completion_mask, group_advantages, ppo_clip_loss, token_logprobs
+from rlctl.core import (aggregate, completion_mask, group_advantages, ppo_clip_per_token,
+                        token_logprobs)
 from rlctl.train.evaluate import evaluate, means
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.kv_share import position_ids_from_mask
@@ -126,8 +127,8 @@ def main() -> None:
         # 5. update: PPO clipped surrogate, mean over each sequence's tokens, then over rows
         for _ in range(args.epochs):
             logp = completion_logprobs(model, seqs, attn, P)          # [N, T]
-            loss, m = ppo_clip_loss(logp, old_logp, A, mask, clip_low=args.clip_eps,
-                                    clip_high=args.clip_eps, agg_mode="seq-mean-token-mean")
+            loss_mat, m = ppo_clip_per_token(logp, old_logp, A, mask, args.clip_eps, args.clip_eps)
+            loss = aggregate(loss_mat, mask, "seq-mean-token-mean")       # per-token [N, T] -> scalar
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

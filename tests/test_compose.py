@@ -5,7 +5,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlctl.config.compose import compose
-from rlctl.train.run import _sink
+from rlctl.sinks import build_sinks
 
 from rlctl.errors import ConfigError
 from rlctl.train.preflight import check_entries
@@ -100,7 +100,10 @@ def test_logger_options_and_lists_of_them_turn_on_their_sinks(choice, on, name, 
     assert c.cfg.logger.wandb_mode == "disabled" and c.cfg.logger.project == "rlctl"
     expected = choice.strip("[]").split(",") if choice.startswith("[") else choice
     assert c.choices["logger"] == expected
-    sink = _sink(tmp_path, SimpleNamespace(is_main=True), c.cfg.logger, {}, total_steps=1)
+    log = c.cfg.logger          # as rlctl/train/run.py builds rank 0's sinks
+    sink = build_sinks(run_dir=tmp_path, jsonl=log.jsonl, wandb=log.wandb, wandb_mode=log.wandb_mode,
+                       project=log.project, name=tmp_path.name, run_config={}, console=log.console,
+                       total_steps=1, tensorboard=log.tensorboard)
     names = [s.name for s in sink.sinks]
     sink.close()
     assert names == [n for flag, n in [("jsonl", "jsonl"), ("jsonl", "samples.jsonl"),

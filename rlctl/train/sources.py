@@ -5,7 +5,6 @@ its own process group and gets SIGTERM if the learner dies. Episodes, engines an
 are imported only where a run chooses them."""
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import socket
@@ -225,7 +224,9 @@ class LocalServers(LocalProcesses):
     def __init__(self, spec: ServeSpec, n: int, stop=None):
         super().__init__(serve_child, spec, n, stop)
         self.urls = [f"http://127.0.0.1:{port}" for port in self.values]
-        self.close = functools.partial(super().close, 0.0)
+
+    def close(self, wait_s: float = 0.0) -> None:
+        super().close(wait_s)
 
 
 def serve_child(spec: ServeSpec, conn, index: int = 0) -> None:
