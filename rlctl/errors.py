@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import shlex
 import signal
-from typing import Callable, Tuple
+from typing import Tuple
 
 
 class UserError(ValueError):
@@ -110,9 +110,3 @@ def handled(debug: bool = False):
         message, code = user_message(exc)
         typer.echo(f"error: {message}", err=True)
         raise typer.Exit(code)
-
-
-def run_command(fn: Callable[[], object], debug: bool) -> None:
-    """``fn()`` inside ``handled(debug)``."""
-    with handled(debug):
-        fn()
