@@ -10,8 +10,6 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,7 +55,7 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
                                        int(cfg.algo.group_size), seed=cfg.seed * 1000 + rank)
     elif cfg.rollout.engine == "server":
         return server_source(cfg.rollout, int(cfg.algo.group_size), cfg.trainer.async_rollout,
-                             ServeSpec.from_config(cfg), policy, tokenizer, prepared, device,
+                             OmegaConf.to_yaml(cfg, resolve=True), policy, tokenizer, prepared, device,
                              cfg.seed * 1000, stop)
     else:
         local = LocalSource(policy, tokenizer, list(prepared.train), prepared.scorer(),
@@ -91,13 +89,14 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
         raise
 
 
-def server_source(rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, spec: "ServeSpec",
+def server_source(rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, cfg_yaml: str,
                   policy, tokenizer, prepared, device, seed: int, stop=None):
     """``rollout.engine=server``: an ``EngineSource`` on the servers at
-    ``rollout.server.urls``, or on ``rollout.server.num_local`` `rlctl serve` processes of
-    ``spec`` started here (and stopped when the source closes)."""
+    ``rollout.server.urls``, or on ``rollout.server.num_local`` `rlctl serve` processes of the
+    run's base model (``cfg_yaml``: its resolved config) started here (and stopped when the
+    source closes)."""
     servers = rollout.server
-    local = None if servers.urls else LocalServers(spec, servers.num_local, stop)
+    local = None if servers.urls else LocalServers(cfg_yaml, servers.num_local, stop)
     server_engine = importlib.import_module("rlctl.rollout.engines.server")
     engine_source = _engine_source()
     try:
@@ -146,23 +145,6 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
     os.nice(5)
     conn.send(("ready", None))
     engine_source.serve_engine(engine, conn, player, examples)
-
-
-@dataclass(frozen=True)
-class ServeSpec:
-    """What a local server loads (pickled to it): the learner's base model and stop ids."""
-    model_name: str
-    model_opts: Dict = field(default_factory=dict)
-    device: str = "cpu"
-    num_threads: Optional[int] = None
-    stop_token_ids: Tuple = ()
-
-    @classmethod
-    def from_config(cls, cfg) -> "ServeSpec":
-        opts = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()
-                if k not in ("name", "lora")}
-        return cls(str(cfg.model.name), opts, str(cfg.hardware.device), cfg.hardware.num_threads,
-                   tuple(cfg.rollout.get("stop_token_ids", None) or ()))
 
 
 class LocalProcesses:
@@ -219,30 +201,33 @@ class LocalProcesses:
 
 
 class LocalServers(LocalProcesses):
-    """``n`` servers of ``spec``; ``urls`` once started; ``close()`` stops them at once."""
+    """``n`` servers of the run's base model; ``urls`` once started; ``close()`` stops them at once."""
 
-    def __init__(self, spec: ServeSpec, n: int, stop=None):
-        super().__init__(serve_child, spec, n, stop)
+    def __init__(self, cfg_yaml: str, n: int, stop=None):
+        super().__init__(serve_child, cfg_yaml, n, stop)
         self.urls = [f"http://127.0.0.1:{port}" for port in self.values]
 
     def close(self, wait_s: float = 0.0) -> None:
         super().close(wait_s)
 
 
-def serve_child(spec: ServeSpec, conn, index: int = 0) -> None:
-    """One server on a free 127.0.0.1 port: sends ("ready", port), serves until terminated."""
+def serve_child(cfg_yaml: str, conn, index: int = 0) -> None:
+    """One server of the learner's base model and stop ids on a free 127.0.0.1 port: sends
+    ("ready", port), serves until terminated."""
     os.setpgrp()
     die_with_parent(mp.parent_process().pid)
     import uvicorn   # heavy, and only a server needs it
     serve_app = importlib.import_module("rlctl.rollout.engines.serve_app")
+    cfg = OmegaConf.create(cfg_yaml)
+    name, hw = str(cfg.model.name), cfg.hardware
     try:
-        quiet_libraries(spec.device, spec.num_threads)
-        model, tok = load_model_and_tokenizer(spec.model_name, device=spec.device, **spec.model_opts)
+        quiet_libraries(hw.device, hw.num_threads)
+        opts = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k not in ("name", "lora")}
+        model, tok = load_model_and_tokenizer(name, device=str(hw.device), **opts)
         model.eval()
-        stops = resolve_stop_ids(model, tok, list(spec.stop_token_ids))
+        stops = resolve_stop_ids(model, tok, list(cfg.rollout.get("stop_token_ids", None) or ()))
         engine = _engine_source().TorchEngine(model, tok.pad_token_id)
-        app = serve_app.build_app(engine, f"model={spec.model_name}",
-                        default_stops=stops, tokenizer=tok)
+        app = serve_app.build_app(engine, f"model={name}", default_stops=stops, tokenizer=tok)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
