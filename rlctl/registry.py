@@ -110,7 +110,8 @@ class Registry:
         self._loaded: Dict[str, Entry] = {}
 
     def register(self, name: str, **attrs: Any) -> Callable[[Callable], Callable]:
-        """Decorator: register ``fn`` as ``name`` with ``attrs``; returns ``fn`` unchanged."""
+        """Decorator: register ``fn`` as ``name`` with ``attrs``; returns ``fn`` unchanged. ``fn``
+        may be a ``module:attr`` string: imported when the entry is first looked up."""
         def deco(fn: Callable) -> Callable:
             self._entries[name] = Entry(name, fn, self._attrs(name, attrs))
             return fn
@@ -141,17 +142,17 @@ class Registry:
 
     def entry(self, name: str) -> Entry:
         """The entry for a registered name, alias or user import path; ValueError if none."""
-        found = self._entries.get(name)
-        if found is not None:
-            return found
-        if is_import_path(name):
+        if is_import_path(name) and name not in self._entries:
             return self._user_entry(name)
-        found = self._entries.get(self.canonical(name))
-        if found is not None:
-            return found
-        alias = f" (aliases: {', '.join(sorted(self.aliases))})" if self.aliases else ""
-        raise ValueError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}"
-                         f"{alias}, or package.module:function for your own")
+        key = name if name in self._entries else self.canonical(name)
+        found = self._entries.get(key)
+        if found is None:
+            alias = f" (aliases: {', '.join(sorted(self.aliases))})" if self.aliases else ""
+            raise ValueError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}"
+                             f"{alias}, or package.module:function for your own")
+        if isinstance(found.fn, str):           # registered by import path: imported once
+            found = self._entries[key] = Entry(key, load_object(found.fn, self.kind), found.attrs)
+        return found
 
     def _user_entry(self, spec: str) -> Entry:
         if spec not in self._loaded:
@@ -162,8 +163,7 @@ class Registry:
 
     def get(self, name: str) -> Callable:
         """The callable registered as ``name`` (or named by a user import path)."""
-        found = self._entries.get(name)
-        return found.fn if found is not None else self.entry(name).fn
+        return self.entry(name).fn
 
     def names(self) -> List[str]:
         """Registered names, sorted (aliases and user entries not included)."""

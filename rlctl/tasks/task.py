@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from rlctl.registry import Registry, load_object
+from rlctl.registry import Registry
 from rlctl.types import Example
 
 
@@ -37,21 +37,9 @@ register_task = TASKS.register
 ENV_TASKS = ("calculator", "guess_number", "running_sum")   # rlctl.envs.builtin
 
 
-class _Deferred:
-    """A built-in ``module:factory`` imported when first built; its options via ``__wrapped__``."""
-
-    def __init__(self, spec: str):
-        self.spec = spec
-
-    __wrapped__ = property(lambda self: load_object(self.spec, "task"))
-
-    def __call__(self, **options):
-        return self.__wrapped__(**options)
-
-
-register_task("jsonl")(_Deferred("rlctl.tasks.data:DataTask"))
+register_task("jsonl")("rlctl.tasks.data:DataTask")      # imported when first looked up
 for _name in ENV_TASKS:
-    register_task(_name)(_Deferred(f"rlctl.envs.builtin:{_name}"))
+    register_task(_name)(f"rlctl.envs.builtin:{_name}")
 
 
 PROMPT_FORMATS = ("raw", "chat")
