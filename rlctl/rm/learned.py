@@ -79,9 +79,6 @@ class RunningNorm:
     mean: float = 0.0
     m2: float = 0.0
 
-    def update(self, xs: Sequence[float]) -> None:
-        self.merge(*batch_stats(xs))
-
     def merge(self, m: int, b_mean: float, b_m2: float) -> None:
         """Merge the statistics (count, mean, M2) of another set of values."""
         self.count, self.mean, self.m2 = merged((self.count, self.mean, self.m2),
@@ -247,11 +244,9 @@ class LearnedRewards:
             self.owner = scorer
         return self.owner is scorer
 
-    def shaped(self, name: str, raw: Sequence[float], update: bool) -> List[float]:
+    def shaped(self, name: str, raw: Sequence[float]) -> List[float]:
         values = list(raw)
         if self.norm == "running":
-            if update:
-                self.norms[name].update(values)
             values = [self.norms[name].normalize(v) for v in values]
         if self.clip is not None:
             values = [min(max(v, -self.clip), self.clip) for v in values]
@@ -266,7 +261,7 @@ class LearnedRewards:
             for m, stats in zip(self.models, global_batch_stats([raw[m.name] for m in self.models])):
                 self.norms[m.name].merge(*stats)
         for m in self.models:
-            for i, v in enumerate(self.shaped(m.name, raw[m.name], update=False)):
+            for i, v in enumerate(self.shaped(m.name, raw[m.name])):
                 total[i] += m.weight * v
         return total, raw
 

@@ -20,7 +20,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassif
 
 from rlctl.demo import tiny
 from rlctl.models.value import SeparateCritic
-from rlctl.rm.learned import (LearnedRewards, RewardModel, RunningNorm,
+from rlctl.rm.learned import (LearnedRewards, RewardModel, RunningNorm, batch_stats,
                                       build_learned_rewards)
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.tasks.sorting import SortingTask
@@ -109,7 +109,7 @@ def test_running_norm_matches_numpy():
     batches = [rng.normal(3.0, 2.0, size=n) * 10 ** rng.uniform(-1, 1) for n in (1, 7, 64, 3, 20)]
     norm, seen = RunningNorm(), []
     for b in batches:
-        norm.update(b.tolist())
+        norm.merge(*batch_stats(b.tolist()))
         seen.extend(b.tolist())
         assert norm.count == len(seen)
         assert abs(norm.mean - np.mean(seen)) < 1e-12 * max(1, abs(np.mean(seen)))
@@ -123,14 +123,15 @@ def test_shaping_normalises_the_batch_then_clips():
     learned = LearnedRewards([], replace_task=True, norm="running", clip=1.5)
     learned.norms["r"] = RunningNorm()
     first = [0.0, 1.0, 2.0, 10.0]
-    out = learned.shaped("r", first, update=True)
+    learned.norms["r"].merge(*batch_stats(first))               # as score() does first
+    out = learned.shaped("r", first)
     z = (np.array(first) - np.mean(first)) / np.std(first)     # stats include this batch
     np.testing.assert_allclose(out, np.clip(z, -1.5, 1.5), rtol=0, atol=1e-12)
     assert max(out) == 1.5 and z.max() > 1.5
-    frozen = learned.shaped("r", [100.0], update=False)          # eval reads, never updates
+    frozen = learned.shaped("r", [100.0])          # eval reads, never updates
     assert learned.norms["r"].count == 4 and frozen == [1.5]
     plain = LearnedRewards([], replace_task=True, norm="none", clip=None)
-    assert plain.shaped("r", [-7.0, 3.0], update=True) == [-7.0, 3.0]
+    assert plain.shaped("r", [-7.0, 3.0]) == [-7.0, 3.0]
 
 
 def _scored_task(rm_dir, norm="running", clip=None):
