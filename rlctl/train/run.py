@@ -114,42 +114,38 @@ def owned_run(composed: Composed, resume: Optional[str], overrides: List[str], w
     """The run directory (new, or ``resume``'s checked for ``world`` ranks), locked, its config
     written; yields a ``_Run``. A new run failing before its first step is removed.
     ``on_error(exc)``: called if set-up fails; ``resume_args``: this node's resume args."""
+    ready = False
     try:
         run_dir, kept = (Path(resume), None) if resume is not None else rundir.new_run_dir(composed.cfg.run)
-        lock = rundir.RunLock(run_dir).acquire()
-    except Exception as exc:
-        if on_error is not None:
-            on_error(exc)
-        raise
-    run = _Run(run_dir)
-    with lock:
-        try:
+        with rundir.RunLock(run_dir).acquire():
+            run = _Run(run_dir)
             try:
                 if resume is None:
                     rundir.write_config(run_dir, composed)
                 else:
                     check_resumable(run_dir, ResumeSettings.from_config(composed.cfg), overrides, world)
                     rundir.record_resume(run_dir, composed)
-            except Exception as exc:
-                if on_error is not None:
-                    on_error(exc)
+                ready = True
+                try:
+                    yield run
+                except KeyboardInterrupt as exc:          # a second Ctrl-C: abandoned mid-step
+                    if isinstance(exc, Interrupted):
+                        raise
+                    last = checkpoint.latest_checkpoint(run_dir)
+                    run.done = run.done or int(last is not None)
+                    raise Interrupted(run_dir, checkpoint.step_of(last) if last else 0, aborted=True) from None
+            except BaseException as exc:
+                if isinstance(exc, Interrupted):
+                    exc.resume_args = tuple(resume_args)
+                if resume is None and not run.done and getattr(exc, "before_training", True):
+                    rundir.discard_new(run_dir, kept)   # launched: before_training set by LaunchError
+                if isinstance(exc, ActorFailed):       # a local rollout engine was lost
+                    raise ActorFailed(f"{exc}; {newest(run_dir)}") from None
                 raise
-            try:
-                yield run
-            except Interrupted:
-                raise
-            except KeyboardInterrupt:              # a second Ctrl-C: abandoned mid-step
-                last = checkpoint.latest_checkpoint(run_dir)
-                run.done = run.done or int(last is not None)
-                raise Interrupted(run_dir, checkpoint.step_of(last) if last else 0, aborted=True) from None
-        except BaseException as exc:
-            if isinstance(exc, Interrupted):
-                exc.resume_args = tuple(resume_args)
-            if resume is None and not run.done and getattr(exc, "before_training", True):
-                rundir.discard_new(run_dir, kept)   # launched: before_training set by LaunchError
-            if isinstance(exc, ActorFailed):       # a local rollout engine was lost
-                raise ActorFailed(f"{exc}; {newest(run_dir)}") from None
-            raise
+    except Exception as exc:
+        if not ready and on_error is not None:         # set-up failed
+            on_error(exc)
+        raise
 
 
 def _launched(run: _Run, n: int, threads: int, resume: bool, stop) -> dict:
