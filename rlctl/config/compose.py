@@ -7,7 +7,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import yaml
 from hydra import compose as hydra_compose
@@ -89,6 +89,20 @@ def check_override_syntax(overrides: Sequence[str]) -> None:
 
 
 RECIPE_DIRS = (Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes")
+
+
+def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    """A config tree's leaves by dotted key: {"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    if not isinstance(tree, Mapping):
+        return {prefix: tree} if prefix else {}
+    out: Dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out
 
 
 def recipe_files() -> Dict[str, Path]:

@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from rlctl.config.compose import flatten
 from rlctl.errors import LaunchError, UserError, one_line
 
 EXIT_SETUP = 3          # a rank failed before its first training step (set-up)
@@ -346,7 +347,7 @@ def join(group: Group, device: str, timeout_s: float,
                             rank=group.rank, world_size=group.world_size, timeout=timedelta(seconds=timeout_s))
     label = f"node {group.node}" if group.node is not None else f"rank {group.rank}"
     payloads: List[Optional[str]] = [None] * group.world_size
-    dist.all_gather_object(payloads, payload(flatten(run_config or {}), label))
+    dist.all_gather_object(payloads, payload(compared(run_config or {}), label))
     line = mismatch(payloads)
     if line is not None:
         dist.destroy_process_group()
@@ -381,16 +382,10 @@ _SHOWN = 3                     # differing keys named in the line; the rest are 
 _UNSET = object()
 
 
-def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1} (lists stay values), per-node keys left out."""
-    flat: Dict[str, Any] = {}
-    for k, v in tree.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            flat.update(flatten(v, name + "."))
-        elif name not in PER_NODE and not name.startswith(PER_NODE_PREFIXES):
-            flat[name] = v
-    return flat
+def compared(tree: Dict[str, Any]) -> Dict[str, Any]:
+    """``tree``'s leaves by dotted key, per-node keys left out."""
+    return {k: v for k, v in flatten(tree).items()
+            if k not in PER_NODE and not k.startswith(PER_NODE_PREFIXES)}
 
 
 def _digest(flat: Dict[str, Any]) -> str:

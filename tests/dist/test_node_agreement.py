@@ -42,7 +42,7 @@ def _cleanup(procs) -> None:
 def _flat(*overrides):
     cfg = compose(list(overrides), None).cfg
     OmegaConf.resolve(cfg)
-    return launch.flatten(OmegaConf.to_container(cfg))
+    return launch.compared(OmegaConf.to_container(cfg))
 
 
 def test_per_node_keys_are_not_compared_and_the_rest_are():

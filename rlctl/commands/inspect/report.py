@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 from omegaconf import OmegaConf
@@ -16,7 +16,7 @@ from rlctl.commands.audit.cmd import audit_rollout, print_audit, show
 from rlctl.commands.files import is_run_dir, write_json
 from rlctl.commands.inspect.samples import print_samples, samples_report
 from rlctl.commands.inspect.plots import PLOTS, REWARD_MODEL_PLOTS, plot_curves, plot_proxy_gold, series
-from rlctl.config.compose import compose
+from rlctl.config.compose import compose, flatten
 from rlctl.errors import UserError
 from rlctl.rm.settings import default_config as reward_model_defaults
 from rlctl.sinks.jsonl import read_jsonl
@@ -27,20 +27,6 @@ class _Missing(str):
 
 
 MISSING = _Missing("(absent)")
-
-
-def flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
-    if not isinstance(tree, Mapping):
-        return {prefix: tree} if prefix else {}
-    out: Dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, Mapping) and value:
-            out.update(flatten(value, name))
-        else:
-            out[name] = value
-    return out
 
 
 @dataclass
