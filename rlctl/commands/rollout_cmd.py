@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -23,24 +22,6 @@ from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.episodes.loop import EpisodePlayer
 from rlctl.rollout.generate import rollout
 from rlctl.types import DONE, MODEL
-
-
-@dataclass
-class _Plan:
-    """What to sample: the prompts and the rollout settings of the composed config."""
-    split: str
-    examples: list          # the first N prompts of the split
-    group: int              # G completions per prompt
-    per_chunk: int          # prompts per generate call
-    temperature: float
-    top_k: int
-    max_new: int
-    reward_name: str
-    eos: int
-    stops: tuple            # every stop id (rlctl.models.stop_ids)
-    seed: int
-    player: Optional[EpisodePlayer] = None      # a task played as episodes
-    tool_task: bool = False
 
 
 def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Optional[str],
@@ -63,17 +44,11 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     if n_prompts > len(examples):
         raise UserError(f"--prompts {n_prompts} exceeds the {len(examples)} prompts of the "
                         f"{split} split")
-    ro = cfg.rollout
-    plan = _Plan(split=split, examples=examples[:n_prompts], group=group,
-                 per_chunk=max(1, batch_size // group), temperature=float(ro.temperature),
-                 top_k=int(ro.get("top_k", 0) or 0), max_new=int(ro.max_new_tokens),
-                 reward_name=str(cfg.task.get("reward", None) or "reward"),
-                 eos=int(tokenizer.eos_token_id), stops=tuple(stop_ids(model, tokenizer)),
-                 seed=int(cfg.seed))
-    if is_episodic(task):
-        plan.player = EpisodePlayer(tokenizer, task, cfg.rollout, int(cfg.algo.group_size),
-                                    plan.stops)
-        plan.tool_task = offers_tools(task)
+    ro, stops, per_chunk = cfg.rollout, tuple(stop_ids(model, tokenizer)), max(1, batch_size // group)
+    player = EpisodePlayer(tokenizer, task, ro, int(cfg.algo.group_size), stops) \
+        if is_episodic(task) else None
+    tool_task = player is not None and offers_tools(task)
+    reward_name = str(cfg.task.get("reward", None) or "reward")
     path = Path(out).expanduser()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +56,8 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     except OSError as exc:
         raise UserError(f"cannot write '{out}': {exc.strerror or exc}") from None
     err = Console(stderr=True, quiet=quiet)
-    err.print(f"rollout: {what}, {n_prompts} {split} prompts x {plan.group} samples "
-              f"(temperature {plan.temperature:g}, max_new_tokens {plan.max_new}) -> {path}",
+    err.print(f"rollout: {what}, {n_prompts} {split} prompts x {group} samples "
+              f"(temperature {float(ro.temperature):g}, max_new_tokens {ro.max_new_tokens}) -> {path}",
               soft_wrap=True)
     torch.manual_seed(cfg.seed)
     rows = truncated = 0
@@ -94,10 +69,11 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                               MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
                               console=err, transient=True) as bar:
         job = bar.add_task("prompts", total=n_prompts)
-        for start in range(0, n_prompts, plan.per_chunk):
-            chunk = plan.examples[start:start + plan.per_chunk]
-            lines = _episode_rows(plan, model, start, chunk) if plan.player is not None else \
-                _chunk_rows(plan, model, tokenizer, task, scorer, start, chunk)
+        for start in range(0, n_prompts, per_chunk):
+            chunk = examples[start:min(start + per_chunk, n_prompts)]
+            lines = _episode_rows(player, tool_task, model, split, group, int(cfg.seed), start, chunk) \
+                if player is not None else \
+                _chunk_rows(model, tokenizer, task, scorer, ro, split, group, reward_name, start, chunk)
             for row in lines:
                 rows += 1
                 truncated += row["truncated"]
@@ -105,35 +81,35 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
             fh.write("\n".join(json.dumps(row, allow_nan=False) for row in lines) + "\n")
             fh.flush()
             bar.advance(job, len(chunk))
-    summary = {"path": str(path), "rows": rows, "prompts": n_prompts, "samples": plan.group,
+    summary = {"path": str(path), "rows": rows, "prompts": n_prompts, "samples": group,
                "split": split, "truncated_frac": truncated / max(rows, 1),
                "reward_mean": reward_sum / max(rows, 1),
                "seconds": round(time.perf_counter() - t0, 3)}
     if not quiet:
-        what = "episodes" if plan.player is not None else "completions"
-        print(f"wrote {rows} {what} ({n_prompts} prompts x {plan.group}) to {path}; "
+        what = "episodes" if player is not None else "completions"
+        print(f"wrote {rows} {what} ({n_prompts} prompts x {group}) to {path}; "
               f"reward/mean {summary['reward_mean']:.4f}, truncated "
               f"{summary['truncated_frac']:.3f}, {summary['seconds']:.1f}s")
     return summary
 
 
-def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) -> List[dict]:
-    """Sample G completions of each prompt in ``chunk``, score them, and return one row
-    per completion (group ids count from ``start``)."""
+def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_name: str,
+                start: int, chunk) -> List[dict]:
+    """Sample ``g`` completions of each prompt in ``chunk`` as ``ro`` (rollout.*) says, score
+    them, and return one row per completion (group ids count from ``start``)."""
     totals: list = []
 
     def score(rows, texts):        # keep the exact totals (the batch holds float32)
         totals[:] = scorer.score_batch(rows, texts)
         return totals
-    models = learned_names(scorer)
-    g = plan.group
-    batch = rollout(model, tokenizer, chunk, g, plan.max_new, plan.temperature, plan.top_k,
-                    score, stops=plan.stops)
+    models, stops, max_new = learned_names(scorer), tuple(stop_ids(model, tokenizer)), int(ro.max_new_tokens)
+    batch = rollout(model, tokenizer, chunk, g, max_new, float(ro.temperature), int(ro.get("top_k", 0) or 0),
+                    score, stops=stops)
     per_row = [chunk[i // g] for i in range(len(totals))]
     oks = scorer.correct_batch(per_row, batch.completions, totals)
     with torch.no_grad():
         logp = learner_forward(model, batch.input_ids, batch.attention_mask,
-                               batch.prompt_len, plan.temperature,
+                               batch.prompt_len, float(ro.temperature),
                                share_prompts=True).logp.float()  # [N, T]
     ids, logp_rows = batch.completion_ids.tolist(), logp.tolist()    # [N, T] lists
     lengths = batch.mask.sum(-1).long().tolist()                     # [N]
@@ -142,14 +118,14 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
     for i, text in enumerate(batch.completions):
         ex, n, trunc = chunk[i // g], lengths[i], bool(truncated[i])
         tok, lps = ids[i][:n], logp_rows[i][:n]
-        row = {"group": start + i // g, "sample": i % g, "split": plan.split,
+        row = {"group": start + i // g, "sample": i % g, "split": split,
                "prompt_index": start + i // g, "prompt": ex.prompt, "completion": text,
                "token_ids": tok, "logprobs": [round(v, 6) for v in lps],
                "logprob_sum": round(sum(lps), 6), "length": len(tok),
-               "ended_with_eos": bool(tok and tok[-1] in plan.stops and not trunc),
-               "truncated": trunc, "max_new_tokens": plan.max_new, "eos_token_id": plan.eos,
-               "stop_token_ids": list(plan.stops), "reward": float(totals[i]),  # exact, not float32
-               "rewards": task_scores(task, ex, text, plan.reward_name, totals[i]),
+               "ended_with_eos": bool(tok and tok[-1] in stops and not trunc),
+               "truncated": trunc, "max_new_tokens": max_new, "eos_token_id": int(tokenizer.eos_token_id),
+               "stop_token_ids": list(stops), "reward": float(totals[i]),  # exact, not float32
+               "rewards": task_scores(task, ex, text, reward_name, totals[i]),
                "correct": bool(oks[i])}
         if scorer.shapes:
             row["reward_raw"] = float(scorer.last_raw_totals[i])
@@ -160,11 +136,12 @@ def _chunk_rows(plan: _Plan, model, tokenizer, task, scorer, start: int, chunk) 
     return rows
 
 
-def _episode_rows(plan: _Plan, model, start: int, chunk) -> List[dict]:
-    """G episodes of each prompt in ``chunk`` (the G of a prompt share its environment seed,
-    ``seed`` + the prompt's index in the file), one row each."""
-    g, ro, s = plan.group, plan.player.rollout, plan.player.episode
-    batch = plan.player.play(model, chunk, plan.seed + start, group_size=g)
+def _episode_rows(player: EpisodePlayer, tool_task: bool, model, split: str, g: int, seed: int,
+                  start: int, chunk) -> List[dict]:
+    """``g`` episodes of each prompt in ``chunk`` (the ``g`` of a prompt share its environment
+    seed, ``seed`` + the prompt's index in the file), one row each."""
+    ro, s = player.rollout, player.episode
+    batch = player.play(model, chunk, seed + start, group_size=g)
     widths = batch.attention_mask[:, batch.prompt_len:].sum(-1).tolist()  # [N] transcripts
     ids, masks = batch.completion_ids.tolist(), batch.mask.long().tolist()
     logps, rewards = batch.old_logprobs.double().tolist(), batch.rewards.double().tolist()
@@ -173,16 +150,17 @@ def _episode_rows(plan: _Plan, model, start: int, chunk) -> List[dict]:
         n = int(widths[i])
         mask = masks[i][:n]
         lps = [round(v, 6) if m else 0.0 for v, m in zip(logps[i][:n], mask)]
-        row = {"group": start + i // g, "sample": i % g, "split": plan.split,
+        row = {"group": start + i // g, "sample": i % g, "split": split,
                "prompt_index": start + i // g, "prompt": chunk[i // g].prompt,
                "completion": batch.completions[i], "token_ids": ids[i][:n], "mask": mask,
                "logprobs": lps, "logprob_sum": round(sum(lps), 6), "length": sum(mask),
                "transcript_length": len(ids[i][:n]), "max_new_tokens": ro.max_new_tokens,
-               "max_turns": s.max_turns, "max_tokens": s.max_tokens, "eos_token_id": plan.eos,
-               "stop_token_ids": list(plan.stops), "truncated": e.status != DONE,
+               "max_turns": s.max_turns, "max_tokens": s.max_tokens,
+               "eos_token_id": int(player.tokenizer.eos_token_id),
+               "stop_token_ids": list(player.stops), "truncated": e.status != DONE,
                "reward": rewards[i], "turn_rewards": list(e.turn_rewards),
                "turn_reward": s.turn_reward, "correct": episode_success(e, rewards[i]),
-               **episode_columns(e, plan.tool_task)}       # the sample tables' columns
+               **episode_columns(e, tool_task)}       # the sample tables' columns
         row["turns"] = [
             {**turn, "start": x.start, "end": x.end, "token_ids": ids[i][x.start:x.end],
              "logprobs": [round(v, 6) for v in logps[i][x.start:x.end]] if x.role == MODEL
