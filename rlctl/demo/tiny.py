@@ -147,9 +147,10 @@ def build_params(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4
     return params
 
 
-def cache_key(params: Dict[str, object]) -> str:
+def cache_key(params: Dict[str, object], kind: str = "tiny") -> str:
+    """The cache directory's name of a built ``kind`` ("tiny", "tiny-rm") with ``params``."""
     blob = json.dumps(params, sort_keys=True).encode()
-    return "tiny-" + hashlib.sha256(blob).hexdigest()[:16]
+    return f"{kind}-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _warmup_data(params: Dict[str, object]):

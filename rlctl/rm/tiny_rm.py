@@ -4,7 +4,6 @@ first use and cached in ``tiny-rm-<hash of every input>``: the tiny policy's bac
 (ties skipped), an imperfect proxy on purpose (docs/rlhf.md, "The tiny reward model")."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -16,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import transformers
 
-from rlctl.demo.tiny import build_cached, build_tiny, build_tokenizer
+from rlctl.demo.tiny import build_cached, build_tiny, build_tokenizer, cache_key
 from rlctl.rm.settings import RMConfig
 from rlctl.rm.fit import (Pair, classifier_from_lm, fit, pairwise_accuracy, prepare_for_scoring,
                           score_pairs)
@@ -110,15 +109,11 @@ def _build_into(directory: Path, params: Dict[str, object], cache_dir: Optional[
     return meta
 
 
-def cache_key(params: Dict[str, object]) -> str:
-    return "tiny-rm-" + hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def tiny_reward_model_dir(seed: int = 0, cache_dir: Optional[os.PathLike] = None) -> Path:
     """The tiny sorting reward model's directory (classifier + tokenizer), built atomically once."""
     params = build_params(seed)
     policy_cache = Path(cache_dir).expanduser() if cache_dir else None
-    final, meta = build_cached(cache_dir, cache_key(params),
+    final, meta = build_cached(cache_dir, cache_key(params, "tiny-rm"),
                                lambda tmp: _build_into(tmp, params, policy_cache))
     if meta is not None:
         log.info("built tiny reward model in %.1f s (held-out pairwise accuracy %.3f): %s",
