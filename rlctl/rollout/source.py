@@ -56,8 +56,7 @@ class LocalSource(SyncSource):
 
     def sample(self, num_groups: int) -> RolloutBatch:
         ro = self.rollout
-        examples = [self.examples[self.prompt_rng.randrange(len(self.examples))]   # as ``draw``
-                    for _ in range(num_groups)]
+        examples = [self.examples[i] for i in self.draw(num_groups)]
         batch = rollout(self.policy, self.tokenizer, examples, self.group_size, ro.max_new_tokens,
                         ro.temperature, ro.top_k, self.scorer.score_batch,
                         share_prompts=self.share_prompts, stops=self.stops,
