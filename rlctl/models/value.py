@@ -8,9 +8,8 @@ import os
 from typing import NamedTuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoModel
 
 from rlctl.models.kv_share import cache_of
 
@@ -36,10 +35,6 @@ class ValueHead(nn.Module):
         os.makedirs(directory, exist_ok=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
                   os.path.join(directory, VALUE_HEAD_FILE))
-
-    def load(self, directory) -> None:
-        self.load_state_dict(load_file(os.path.join(directory, VALUE_HEAD_FILE),
-                                       device=str(self.summary.weight.device)))
 
 
 def _hidden_size(model) -> int:
@@ -150,11 +145,4 @@ class SeparateCritic(nn.Module):
             critic.value_head.summary.weight.copy_(head.weight.float())
             if head.bias is not None:
                 critic.value_head.summary.bias.copy_(head.bias.float())
-        return critic
-
-    @classmethod
-    def from_pretrained(cls, directory, **kwargs) -> "SeparateCritic":
-        """Reload a ``save_pretrained`` directory (backbone via ``AutoModel``)."""
-        critic = cls(backbone=AutoModel.from_pretrained(directory, **kwargs))
-        critic.value_head.load(directory)
         return critic

@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlctl.models.kv_share import position_ids_from_mask
 from rlctl.models.value import VALUE_HEAD_FILE, PolicyValueModel, SeparateCritic
@@ -129,8 +130,13 @@ def test_separate_critic_is_a_detached_copy(policy, batch):
     assert _grad_norm(critic.backbone.parameters()) > 0
 
 
+def _load_head(head, directory):
+    """A saved ``value_head.safetensors`` into ``head``."""
+    head.load_state_dict(load_file(directory / VALUE_HEAD_FILE))
+
+
 def test_save_load_round_trip(policy, batch, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     seqs, mask, _ = batch
     pv = PolicyValueModel(policy, init_std=0.1).eval()
@@ -139,14 +145,15 @@ def test_save_load_round_trip(policy, batch, tmp_path):
     pv2 = PolicyValueModel(AutoModelForCausalLM.from_pretrained(tmp_path / "pv")).eval()
     with torch.no_grad():
         assert torch.count_nonzero(pv2(**_inputs(seqs, mask)).values) == 0  # before loading
-        pv2.value_head.load(tmp_path / "pv")
+        _load_head(pv2.value_head, tmp_path / "pv")
         a, b = pv(**_inputs(seqs, mask)), pv2(**_inputs(seqs, mask))
     torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
     torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
 
     critic = SeparateCritic(policy, init_std=0.1).eval()
     critic.save_pretrained(tmp_path / "critic")
-    critic2 = SeparateCritic.from_pretrained(tmp_path / "critic").eval()
+    critic2 = SeparateCritic(backbone=AutoModel.from_pretrained(tmp_path / "critic")).eval()
+    _load_head(critic2.value_head, tmp_path / "critic")
     with torch.no_grad():
         torch.testing.assert_close(critic(**_inputs(seqs, mask)), critic2(**_inputs(seqs, mask)),
                                    rtol=0, atol=0)
