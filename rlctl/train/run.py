@@ -10,7 +10,6 @@ import resource
 import shlex
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -123,7 +122,7 @@ def owned_run(composed: Composed, resume: Optional[str], overrides: List[str], w
                 if resume is None:
                     rundir.write_config(run_dir, composed)
                 else:
-                    check_resumable(run_dir, ResumeSettings.from_config(composed.cfg), overrides, world)
+                    check_resumable(run_dir, composed.cfg, overrides, world)
                     rundir.record_resume(run_dir, composed)
                 ready = True
                 try:
@@ -287,22 +286,15 @@ def _lost_rank_is_one_line(group, run_dir: Path, node_args: Sequence[str]):
 
 
 # ---- resuming ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ResumeSettings:
-    """What a resume is checked against: the steps to train to and the shape keys set."""
-    steps: Optional[int]         # trainer.steps
-    shape: Dict[str, Any]        # the SHAPE_KEYS (and DEEPSPEED_KEYS under deepspeed) set
-
-    @classmethod
-    def from_config(cls, cfg) -> "ResumeSettings":
-        """From a composed config, or an older run's config.yaml (keys it lacks left out)."""
-        deepspeed = OmegaConf.select(cfg, "hardware.backend") == "deepspeed"
-        missing = object()
-        found = {k: OmegaConf.select(cfg, k, default=missing)
-                 for k in SHAPE_KEYS + (DEEPSPEED_KEYS if deepspeed else ())}
-        return cls(steps=OmegaConf.select(cfg, "trainer.steps"),
-                   shape={k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)
-                          for k, v in found.items() if v is not missing})
+def shape_of(cfg) -> Dict[str, Any]:
+    """The SHAPE_KEYS (and DEEPSPEED_KEYS under deepspeed) that a composed config, or an older
+    run's config.yaml, sets (keys it lacks left out)."""
+    deepspeed = OmegaConf.select(cfg, "hardware.backend") == "deepspeed"
+    missing = object()
+    found = {k: OmegaConf.select(cfg, k, default=missing)
+             for k in SHAPE_KEYS + (DEEPSPEED_KEYS if deepspeed else ())}
+    return {k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)
+            for k, v in found.items() if v is not missing}
 
 
 def _no_checkpoint(run_dir: Path) -> UserError:
@@ -310,9 +302,9 @@ def _no_checkpoint(run_dir: Path) -> UserError:
                      "(trainer.checkpoint_every writes them)")
 
 
-def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str], world: int) -> None:
-    """Refuse (one line) a resume with nothing to do, written by other than ``world`` ranks,
-    or whose overrides change a shape key."""
+def check_resumable(run_dir: Path, cfg, overrides: List[str], world: int) -> None:
+    """Refuse (one line) a resume of the composed ``cfg`` with nothing to do, written by other
+    than ``world`` ranks, or whose overrides change a shape key."""
     last = checkpoint.latest_checkpoint(run_dir)
     if last is None:
         raise _no_checkpoint(run_dir)
@@ -321,7 +313,7 @@ def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str
     if saved and saved != world:
         raise UserError(f"cannot resume '{run_dir}' with {world} rank(s): its checkpoint {last.name} "
                         f"was written by {saved}; resume with the same number of ranks")
-    q, steps = shlex.quote(str(run_dir)), settings.steps
+    q, steps = shlex.quote(str(run_dir)), cfg.trainer.steps
     if steps <= step:
         try:
             finished = int(json.loads((run_dir / "summary.json").read_text())["steps"]) == step
@@ -332,10 +324,10 @@ def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str
                         f"{steps}); nothing to resume. To extend it, raise trainer.steps: "
                         f"rlctl train --resume {q} trainer.steps={max(2 * step, step + 1)}")
     try:
-        before = ResumeSettings.from_config(OmegaConf.load(run_dir / "config.yaml")).shape
+        before = shape_of(OmegaConf.load(run_dir / "config.yaml"))
     except Exception:  # noqa: BLE001 - an unreadable config.yaml: the recipe still rules
         return
-    after = settings.shape
+    after = shape_of(cfg)
     changed = [f"{k}: {before[k]} -> {after.get(k)}" for k in sorted(before)   # keys both know
                if k in after and before[k] != after[k]]
     if changed:
