@@ -10,6 +10,7 @@ import resource
 import shlex
 import time
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -122,7 +123,7 @@ def owned_run(composed: Composed, resume: Optional[str], overrides: List[str], w
                 if resume is None:
                     rundir.write_config(run_dir, composed)
                 else:
-                    check_resumable(run_dir, composed.cfg, overrides, world)
+                    check_resumable(run_dir, ResumeSettings.from_config(composed.cfg), overrides, world)
                     rundir.record_resume(run_dir, composed)
                 ready = True
                 try:
@@ -286,15 +287,22 @@ def _lost_rank_is_one_line(group, run_dir: Path, node_args: Sequence[str]):
 
 
 # ---- resuming ------------------------------------------------------------------------------
-def shape_of(cfg) -> Dict[str, Any]:
-    """The SHAPE_KEYS (and DEEPSPEED_KEYS under deepspeed) that a composed config, or an older
-    run's config.yaml, sets (keys it lacks left out)."""
-    deepspeed = OmegaConf.select(cfg, "hardware.backend") == "deepspeed"
-    missing = object()
-    found = {k: OmegaConf.select(cfg, k, default=missing)
-             for k in SHAPE_KEYS + (DEEPSPEED_KEYS if deepspeed else ())}
-    return {k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)
-            for k, v in found.items() if v is not missing}
+@dataclass(frozen=True)
+class ResumeSettings:
+    """What a resume is checked against: the steps to train to and the shape keys set."""
+    steps: Optional[int]         # trainer.steps
+    shape: Dict[str, Any]        # the SHAPE_KEYS (and DEEPSPEED_KEYS under deepspeed) set
+
+    @classmethod
+    def from_config(cls, cfg) -> "ResumeSettings":
+        """From a composed config, or an older run's config.yaml (keys it lacks left out)."""
+        deepspeed = OmegaConf.select(cfg, "hardware.backend") == "deepspeed"
+        missing = object()
+        found = {k: OmegaConf.select(cfg, k, default=missing)
+                 for k in SHAPE_KEYS + (DEEPSPEED_KEYS if deepspeed else ())}
+        return cls(steps=OmegaConf.select(cfg, "trainer.steps"),
+                   shape={k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)
+                          for k, v in found.items() if v is not missing})
 
 
 def _no_checkpoint(run_dir: Path) -> UserError:
@@ -302,9 +310,9 @@ def _no_checkpoint(run_dir: Path) -> UserError:
                      "(trainer.checkpoint_every writes them)")
 
 
-def check_resumable(run_dir: Path, cfg, overrides: List[str], world: int) -> None:
-    """Refuse (one line) a resume of the composed ``cfg`` with nothing to do, written by other
-    than ``world`` ranks, or whose overrides change a shape key."""
+def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str], world: int) -> None:
+    """Refuse (one line) a resume with nothing to do, written by other than ``world`` ranks,
+    or whose overrides change a shape key."""
     last = checkpoint.latest_checkpoint(run_dir)
     if last is None:
         raise _no_checkpoint(run_dir)
@@ -313,7 +321,7 @@ def check_resumable(run_dir: Path, cfg, overrides: List[str], world: int) -> Non
     if saved and saved != world:
         raise UserError(f"cannot resume '{run_dir}' with {world} rank(s): its checkpoint {last.name} "
                         f"was written by {saved}; resume with the same number of ranks")
-    q, steps = shlex.quote(str(run_dir)), cfg.trainer.steps
+    q, steps = shlex.quote(str(run_dir)), settings.steps
     if steps <= step:
         try:
             finished = int(json.loads((run_dir / "summary.json").read_text())["steps"]) == step
@@ -324,10 +332,10 @@ def check_resumable(run_dir: Path, cfg, overrides: List[str], world: int) -> Non
                         f"{steps}); nothing to resume. To extend it, raise trainer.steps: "
                         f"rlctl train --resume {q} trainer.steps={max(2 * step, step + 1)}")
     try:
-        before = shape_of(OmegaConf.load(run_dir / "config.yaml"))
+        before = ResumeSettings.from_config(OmegaConf.load(run_dir / "config.yaml")).shape
     except Exception:  # noqa: BLE001 - an unreadable config.yaml: the recipe still rules
         return
-    after = shape_of(cfg)
+    after = settings.shape
     changed = [f"{k}: {before[k]} -> {after.get(k)}" for k in sorted(before)   # keys both know
                if k in after and before[k] != after[k]]
     if changed:

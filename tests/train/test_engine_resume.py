@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlctl.config.compose import compose
-from rlctl.train.run import SHAPE_KEYS, shape_of
+from rlctl.train.run import SHAPE_KEYS, ResumeSettings
 
 RLCTL = shutil.which("rlctl") or str(Path(sys.executable).parent / "rlctl")
 # 8 steps (was 12): a kill after step 5 or 6 still finds one checkpoint (4) and leaves 4
@@ -119,12 +119,14 @@ def test_resume_settings_compare_the_shape_keys_a_config_sets():
     lacks most keys (left out, so a resume is not refused for a key that run never had)."""
     cfg = compose(["model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[q_proj]",
                    "trainer.steps=7"]).cfg
-    new = shape_of(cfg)
-    assert set(new) == set(SHAPE_KEYS)
-    assert new["model.lora.r"] == 4 and new["model.lora.enabled"] is True
-    assert new["model.lora.target_modules"] == ["q_proj"]
-    assert "hardware.zero_stage" not in new
-    ds = shape_of(OmegaConf.merge(cfg, {"hardware": {"backend": "deepspeed", "zero_stage": 2}}))
-    assert ds["hardware.zero_stage"] == 2 and ds["hardware.backend"] == "deepspeed"
-    assert "hardware.num_processes" in ds
-    assert shape_of(OmegaConf.create({"model": {"name": "tiny"}, "trainer": {"steps": 3}})) == {"model.name": "tiny"}
+    new = ResumeSettings.from_config(cfg)
+    assert new.steps == 7 and set(new.shape) == set(SHAPE_KEYS)
+    assert new.shape["model.lora.r"] == 4 and new.shape["model.lora.enabled"] is True
+    assert new.shape["model.lora.target_modules"] == ["q_proj"]
+    assert "hardware.zero_stage" not in new.shape
+    ds = ResumeSettings.from_config(OmegaConf.merge(cfg, {"hardware": {"backend": "deepspeed",
+                                                                        "zero_stage": 2}}))
+    assert ds.shape["hardware.zero_stage"] == 2 and ds.shape["hardware.backend"] == "deepspeed"
+    assert "hardware.num_processes" in ds.shape
+    old = ResumeSettings.from_config(OmegaConf.create({"model": {"name": "tiny"}, "trainer": {"steps": 3}}))
+    assert old.shape == {"model.name": "tiny"} and old.steps == 3
