@@ -169,10 +169,6 @@ class Registry:
         """Registered names, sorted (aliases and user entries not included)."""
         return sorted(self._entries)
 
-    def entries(self) -> List[Entry]:
-        """Registered entries, sorted by name."""
-        return [self._entries[n] for n in self.names()]
-
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.canonical(name) in self._entries
 

@@ -31,7 +31,7 @@ def test_group_advantages_vs_slow_loop():
 
 def test_constant_groups_and_single_sample_give_exact_zeros():
     r = torch.tensor([[0.1, 0.1, 0.1], [1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
-    for e in ADVANTAGE_ESTIMATORS.entries():
+    for e in map(ADVANTAGE_ESTIMATORS.entry, ADVANTAGE_ESTIMATORS):
         if e.level == "outcome":
             assert torch.isfinite(e.fn(r, 1e-6)).all()
     for name in ("grpo", "dr_grpo", "rloo"):
@@ -66,7 +66,7 @@ def test_reinforce_estimators_and_registry():
     r = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
     assert set(ADVANTAGE_ESTIMATORS) == {"reinforce", "reinforce_baseline", "rloo", "grpo",
                                          "dr_grpo", "gae"}
-    levels = {e.name: e.level for e in ADVANTAGE_ESTIMATORS.entries()}
+    levels = {e.name: e.level for e in map(ADVANTAGE_ESTIMATORS.entry, ADVANTAGE_ESTIMATORS)}
     assert levels.pop("gae") == "token" and set(levels.values()) == {"outcome"}
     torch.testing.assert_close(get_advantage_estimator("reinforce")(r, 0.0), r)
     torch.testing.assert_close(get_advantage_estimator("reinforce_baseline")(r, 0.0),
