@@ -10,10 +10,10 @@ namespaces, only the system, Python and the tool's files visible (read-only), a 
 tmpfs work directory, every process ended with the call."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import math
-import importlib.util
 import os
 import shutil
 import signal
@@ -81,8 +81,7 @@ def _bwrap_problem() -> Optional[str]:
 
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
-                "/etc/localtime")
+SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
 
 
 def _tool_files(source: Optional[str]) -> list:
@@ -131,7 +130,8 @@ def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
     memory_bytes = int(limits.memory_mb) * 2 ** 20
     payload = json.dumps({"source": tool.source, "kwargs": kwargs,
                           "path": [os.path.abspath(p or ".") for p in sys.path],
-                          "memory_bytes": memory_bytes, "cpu_s": limits.cpu()})
+                          "memory_bytes": memory_bytes, "cpu_s": limits.cpu(),
+                          "own_pid_namespace": sandbox == "bwrap"})
     with tempfile.TemporaryDirectory(prefix="rlctl-tool-") as cwd:   # bwrap: a tmpfs over it
         env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

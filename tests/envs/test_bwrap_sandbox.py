@@ -179,6 +179,23 @@ def test_bwrap_hides_the_hosts_files_and_writes_only_its_work_dir(tools, tmp_pat
 
 
 @needs_bwrap
+def test_a_tool_by_module_path_sees_its_package_only(tmp_path, monkeypatch):
+    (tmp_path / "sbx_pkg").mkdir()
+    (tmp_path / "sbx_pkg" / "__init__.py").write_text("")
+    (tmp_path / "sbx_pkg" / "helper.py").write_text("WORD = 'from the package'\n")
+    (tmp_path / "sbx_pkg" / "tool.py").write_text(
+        "from sbx_pkg.helper import WORD\n\n\ndef read(path: str):\n"
+        "    try:\n        return WORD, open(path).read()\n"
+        "    except OSError as exc:\n        return WORD, type(exc).__name__\n")
+    (tmp_path / "secret.txt").write_text("hunter2")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tool = make_tool("sbx_pkg.tool:read")
+    path = str(tmp_path / "secret.txt")
+    assert run(tool, "subprocess", path=path) == ["from the package", "hunter2"]
+    assert run(tool, "bwrap", path=path) == ["from the package", "FileNotFoundError"]
+
+
+@needs_bwrap
 def test_bwrap_keeps_the_limits(tools):
     err = run(tools("spin"), "bwrap", Limits(timeout_s=0.5, cpu_s=30))
     assert isinstance(err, ToolFailed) and "timed out after 0.5 s" in str(err), err
