@@ -57,10 +57,8 @@ def check_sandbox(sandbox: str, tools=()) -> str:
         if tool.source is None:
             raise ValueError(f"tool '{tool.name}' cannot run in the {sandbox} sandbox: "
                              "define it at the top level of a module (module:function)")
-    if sandbox == "bwrap":
-        bwrap_problem = _bwrap_problem()
-        if bwrap_problem:
-            raise ValueError(f"task.sandbox=bwrap: {bwrap_problem}")
+    if sandbox == "bwrap" and _bwrap_problem():
+        raise ValueError(f"task.sandbox=bwrap: {_bwrap_problem()}")
     return sandbox
 
 
@@ -100,7 +98,7 @@ def _bwrap_argv(source: Optional[str], cwd: str, size_bytes: int) -> list:
     """bwrap's arguments: fresh namespaces, the system, this Python (its prefixes), the rlctl
     package and the tool's files read-only, a tmpfs of ``size_bytes`` at ``cwd`` (the only
     writable place), the rest of the host absent."""
-    argv = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--proc", "/proc", "--dev", "/dev"]
     for path in SYSTEM_DIRS:

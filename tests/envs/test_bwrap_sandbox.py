@@ -27,11 +27,12 @@ import _socket, os, subprocess, time
 
 
 def _count(marker):
+    """Running `sleep marker`s (exec'd: past their setsid)."""
     found = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                found += marker.encode() in f.read().split(b"\\0")
+                found += f.read().split(b"\\0")[:2] == [b"sleep", marker.encode()]
         except OSError:
             pass
     return found
@@ -241,13 +242,23 @@ def test_a_short_train_run_with_the_bwrap_sandbox(rlctl_app, tmp_path):
     assert "episode/tool_calls_mean" in step, sorted(step)
 
 
-def test_bwrap_missing_is_one_line(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))                       # no bwrap there
+def _refusal(monkeypatch, path):
+    monkeypatch.setenv("PATH", str(path))
     tools_module._bwrap_problem.cache_clear()
     try:
         with pytest.raises(ValueError) as exc:
             check_sandbox("bwrap")
-        assert str(exc.value) == ("task.sandbox=bwrap: the bwrap binary is not on PATH; install it "
-                                  "(Debian/Ubuntu: apt-get install bubblewrap)")
+        return str(exc.value)
     finally:
         tools_module._bwrap_problem.cache_clear()
+
+
+def test_bwrap_missing_or_unusable_is_one_line(monkeypatch, tmp_path):
+    assert _refusal(monkeypatch, tmp_path) == (                     # no bwrap there
+        "task.sandbox=bwrap: the bwrap binary is not on PATH; install it "
+        "(Debian/Ubuntu: apt-get install bubblewrap)")
+    fake = tmp_path / "bwrap"                                       # one that cannot unshare
+    fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    assert _refusal(monkeypatch, tmp_path) == ("task.sandbox=bwrap: bwrap cannot make its sandbox "
+                                              "here: bwrap: setting up uid map: Permission denied")
