@@ -68,7 +68,7 @@ def main() -> None:
         text = json.dumps({"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"})
     if len(text) > MAX_RESULT_CHARS:
         text = json.dumps({"ok": False, "error": f"result over {MAX_RESULT_CHARS} characters"})
-    if payload.get("own_pid_namespace"):
+    if payload.get("own_pid_namespace") and os.getppid() == 1:   # below bwrap's init only
         _end_the_namespace()
     with os.fdopen(reply_fd, "w") as out:
         out.write(text)
