@@ -159,7 +159,8 @@ class TaskConfig:
     # tag: <call> calc ... </call> | json: <tool_call>{"name": ..., "arguments": ...}</tool_call>
     # | package.module:Class
     tool_parser: Optional[str] = None
-    sandbox: Optional[str] = None          # none (in-process) | subprocess (best-effort isolation)
+    # none (in-process) | subprocess (best effort) | bwrap (bubblewrap namespaces); docs/agents.md
+    sandbox: Optional[str] = None
     # per episode; a call past it is taken as the answer
     max_tool_calls: Optional[int] = knob(None, range=AT_LEAST_1)
     # subprocess sandbox: wall limit per call (CPU limit: ceil)

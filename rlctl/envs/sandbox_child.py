@@ -1,13 +1,14 @@
-"""The subprocess sandbox's child (``python -I sandbox_child.py``; see tools.py): reads a
-JSON payload from stdin, limits itself, disables sockets, calls the tool, writes
-``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` and kills its process
-group. Standard library only until the limits are set."""
+"""The child of the subprocess and bwrap sandboxes (``python -I sandbox_child.py``; see
+tools.py): reads a JSON payload from stdin, limits itself, disables sockets, calls the
+tool, writes ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` and kills
+its process group. Standard library only until the limits are set."""
 import json
 import os
 import resource
 import signal
 import socket
 import sys
+import time
 
 # sys.path[0] is rlctl/envs/ (a script): the folder holding rlctl (registry: stdlib only)
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,6 +32,27 @@ class _NoSocket(socket.socket):
         _refuse()
 
 
+def _end_the_namespace() -> None:
+    """Kill every process of this PID namespace but its init and this one (bwrap: the tool's
+    processes, whatever session they made) and wait, up to 2 s, until none runs."""
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and any(_running(pid) for pid in os.listdir("/proc")
+                                              if pid.isdigit() and int(pid) not in (1, os.getpid())):
+        time.sleep(0.005)
+
+
+def _running(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def main() -> None:
     reply_fd = os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # the tool's prints go nowhere
@@ -46,6 +68,8 @@ def main() -> None:
         text = json.dumps({"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"})
     if len(text) > MAX_RESULT_CHARS:
         text = json.dumps({"ok": False, "error": f"result over {MAX_RESULT_CHARS} characters"})
+    if payload.get("own_pid_namespace") and os.getppid() == 1:   # below bwrap's init only
+        _end_the_namespace()
     with os.fdopen(reply_fd, "w") as out:
         out.write(text)
     if os.getpgrp() == os.getpid():           # our own group (the parent's new session):

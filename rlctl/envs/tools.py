@@ -4,19 +4,25 @@ has ``parse(text)`` (the first call, None, or ``ToolCallError``), ``format(call)
 ``stop``; a call is answered ``<result> R </result>`` (a failure: ``error``), a turn
 without one is the answer, scored by ``check``. ``sandbox=subprocess`` runs each call in
 a fresh ``python -I sandbox_child.py`` under rlimits, without sockets or the trainer's
-environment, its process group killed after ``timeout_s`` (best effort, not a boundary)."""
+environment, its process group killed after ``timeout_s`` (best effort, not a boundary);
+``sandbox=bwrap`` runs that child under bubblewrap: new user, PID, network, IPC and UTS
+namespaces, only the system, Python and the tool's files visible (read-only), a private
+tmpfs work directory, every process ended with the call."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import typing
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -26,7 +32,7 @@ from rlctl.types import Example, Step, Turn
 PARSERS = Registry("tool-call parser")
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 ERROR = "error"
-SANDBOXES = ("none", "subprocess")
+SANDBOXES = ("none", "subprocess", "bwrap")
 CHILD = Path(__file__).with_name("sandbox_child.py")
 
 
@@ -47,12 +53,66 @@ class Limits:
 def check_sandbox(sandbox: str, tools=()) -> str:
     if sandbox not in SANDBOXES:
         raise ValueError(f"invalid task.sandbox {sandbox!r}; valid: {', '.join(SANDBOXES)}")
-    if sandbox == "subprocess":
-        for tool in tools:
-            if tool.source is None:
-                raise ValueError(f"tool '{tool.name}' cannot run in the subprocess sandbox: "
-                                 "define it at the top level of a module (module:function)")
+    for tool in tools if sandbox != "none" else ():
+        if tool.source is None:
+            raise ValueError(f"tool '{tool.name}' cannot run in the {sandbox} sandbox: "
+                             "define it at the top level of a module (module:function)")
+    if sandbox == "bwrap" and _bwrap_problem():
+        raise ValueError(f"task.sandbox=bwrap: {_bwrap_problem()}")
     return sandbox
+
+
+@lru_cache(maxsize=None)
+def _bwrap_problem() -> Optional[str]:
+    """Why bubblewrap cannot run a sandboxed interpreter here (None: it can); probed once."""
+    if shutil.which("bwrap") is None:
+        return "the bwrap binary is not on PATH; install it (Debian/Ubuntu: apt-get install bubblewrap)"
+    with tempfile.TemporaryDirectory(prefix="rlctl-tool-") as cwd:
+        try:
+            out = subprocess.run([*_bwrap_argv(None, cwd, 2 ** 20), sys.executable, "-I", "-c", ""],
+                                 capture_output=True, text=True, timeout=30, cwd=cwd)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"bwrap cannot start: {exc}"
+    lines = out.stderr.strip().splitlines()
+    return None if out.returncode == 0 else \
+        f"bwrap cannot make its sandbox here: {lines[-1] if lines else f'exit code {out.returncode}'}"
+
+
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
+
+
+def _tool_files(source: Optional[str]) -> list:
+    """The files a tool's import path needs: the file itself, or its top-level package."""
+    module = (source or "").rpartition(":")[0]
+    if not module or module.endswith(".py") or "/" in module:
+        return [module] if module else []
+    spec = importlib.util.find_spec(module.split(".")[0])
+    if spec is None:
+        return []
+    return list(spec.submodule_search_locations or ()) or \
+        ([spec.origin] if spec.origin and os.path.isabs(spec.origin) else [])
+
+
+def _bwrap_argv(source: Optional[str], cwd: str, size_bytes: int) -> list:
+    """bwrap's arguments: fresh namespaces, the system, this Python (its prefixes), the rlctl
+    package and the tool's files read-only, a tmpfs of ``size_bytes`` at ``cwd`` (the only
+    writable place), the rest of the host absent."""
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+            "--proc", "/proc", "--dev", "/dev"]
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    for path in SYSTEM_FILES:
+        argv += ["--ro-bind-try", path, path]
+    visible = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+               str(CHILD.parent.parent), *_tool_files(source)}
+    for path in sorted(os.path.abspath(p) for p in visible):    # a folder before its contents
+        argv += ["--ro-bind", path, path]
+    return argv + ["--size", str(size_bytes), "--tmpfs", cwd, "--chdir", cwd, "--remount-ro", "/"]
 
 
 def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
@@ -64,14 +124,17 @@ def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
         except Exception as exc:  # noqa: BLE001 - a tool's failure is an observation
             raise ToolFailed(f"{tool.name}: {type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:200]}") from None
-    check_sandbox("subprocess", [tool])
+    check_sandbox(sandbox, [tool])
+    memory_bytes = int(limits.memory_mb) * 2 ** 20
     payload = json.dumps({"source": tool.source, "kwargs": kwargs,
                           "path": [os.path.abspath(p or ".") for p in sys.path],
-                          "memory_bytes": int(limits.memory_mb) * 2 ** 20, "cpu_s": limits.cpu()})
-    with tempfile.TemporaryDirectory(prefix="rlctl-tool-") as cwd:
+                          "memory_bytes": memory_bytes, "cpu_s": limits.cpu(),
+                          "own_pid_namespace": sandbox == "bwrap"})
+    with tempfile.TemporaryDirectory(prefix="rlctl-tool-") as cwd:   # bwrap: a tmpfs over it
         env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE,
+        jail = _bwrap_argv(tool.source, cwd, memory_bytes) if sandbox == "bwrap" else []
+        proc = subprocess.Popen([*jail, sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=cwd,
                                 env=env, start_new_session=True, close_fds=True)
         try:
@@ -80,7 +143,8 @@ def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
             raise ToolFailed(f"{tool.name}: timed out after {limits.timeout_s:g} s") from None
         finally:
             _kill(proc)
-    return _result(tool, proc.returncode, out)
+    rc = proc.returncode   # bwrap exits 128 + N for a child killed by signal N
+    return _result(tool, 128 - rc if jail and rc > 128 else rc, out)
 
 
 def _kill(proc: subprocess.Popen) -> None:
