@@ -60,7 +60,7 @@ def run_serve(target_arg: Optional[str], overrides: Sequence[str], host: str, po
     app, what = _app(target, cfg)
     addr, bound = sock.getsockname()[:2]
     url = f"http://{f'[{addr}]' if ':' in addr else addr}:{bound}"
-    print(f"serving {what} as model '{app.state.model_id}' on {url} (OpenAI: GET /v1/models, "
+    print(f"serving {what} as model '{model_id(target, cfg)}' on {url} (OpenAI: GET /v1/models, "
           "POST /v1/completions, POST /v1/chat/completions; GET /health, POST /update_weights)",
           flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

@@ -42,7 +42,6 @@ def build_app(engine: TorchEngine, model_name: str, default_stops=(), tokenizer=
     ``stop_token_ids`` unless it sets ``ignore_eos`` (as vLLM stops at EOS). ``tokenizer``:
     encodes text prompts and chat messages, decodes each choice's ``text``."""
     app = FastAPI(title="rlctl serve", docs_url=None, redoc_url=None)
-    app.state.model_id = model_name
     stops = tuple(default_stops)
 
     @app.exception_handler(UserError)
@@ -150,7 +149,8 @@ def prompt_ids(prompt, tokenizer) -> List[List[int]]:
     for p in items:
         if isinstance(p, str):
             if tokenizer is None:
-                raise UserError("prompt must be token ids: this server has no tokenizer")
+                raise UserError("prompt must be token ids: a server without a tokenizer does "
+                                "not tokenize text")
             out.append(list(tokenizer(p)["input_ids"]))
         elif isinstance(p, list) and p and all(_is_id(t) for t in p):
             out.append(p)
