@@ -72,16 +72,19 @@ def served(chat_run, tmp_path_factory):
         proc = subprocess.Popen([sys.executable, "-m", "rlctl.cli", "serve", str(chat_run),
                                  "--port", "0"], stdout=subprocess.PIPE, stderr=err, text=True,
                                 env=env)
-        lines: "queue.Queue" = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+        lines: "queue.Queue" = queue.Queue()      # stdout's lines, then "" at its end
+        threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put("")],
+                         daemon=True).start()
         try:
-            line = lines.get(timeout=START_S)
+            try:
+                line = lines.get(timeout=START_S)
+            except queue.Empty:
+                line = ""
             found = re.search(r" on (http://\S+) ", line)
-            assert found, line
+            if not found:
+                err.seek(0)
+                pytest.fail(f"rlctl serve printed no URL ({line!r}) in {START_S} s: {err.read()}")
             yield line, found.group(1)
-        except queue.Empty:
-            err.seek(0)
-            pytest.fail(f"rlctl serve printed nothing in {START_S} s: {err.read()}")
         finally:
             proc.terminate()
             try:
@@ -113,6 +116,9 @@ def test_openai_client_completes_text_and_chat_as_the_torch_engine(served, chat_
                                   temperature=0, logprobs=1).choices
     assert (got.token_ids, got.logprobs.token_logprobs, got.text) == (ids, logprobs, text)
     assert got.finish_reason == want.finish_reason
+    many = c.completions.create(model=chat_run.name, prompt=["3 1 2 :", "9 7 :"], n=2,
+                                max_tokens=4, temperature=0).choices
+    assert [x.index for x in many] == [0, 1, 2, 3] and many[0].token_ids == many[1].token_ids == ids
     reply = c.chat.completions.create(model=chat_run.name, max_tokens=4, temperature=0,
                                       logprobs=True, messages=[{"role": "user", "content": "3 1 2"}])
     (choice,) = reply.choices
