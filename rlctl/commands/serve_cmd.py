@@ -1,7 +1,8 @@
 """`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible server
 (rollout/engines/serve_app.py; docs/engines.md) for a TARGET as `rlctl eval` takes it; the model's
 stop set is added to each request's stop_token_ids. The socket is bound before the model loads
-(a port in use is one line, exit 2); the URL printed is the bound one (--port 0: the real port)."""
+(a port in use is one line, exit 2) and listens once it is loaded; the URL printed then is the
+bound one (--port 0: the port the system chose)."""
 from __future__ import annotations
 
 import socket
@@ -38,17 +39,21 @@ def model_id(target: Target, cfg) -> str:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port; any failure is one line naming both."""
+    """A TCP socket bound to host:port, not yet listening (connections are refused until the
+    model is loaded); a failure is one line naming both."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: not a live port
         sock.bind((host, port))
-        sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another "
-                        "--port, or --port 0 for a free one)") from None
+        raise _cannot_listen(host, port, exc) from None
     return sock
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> UserError:
+    return UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another "
+                     "--port, or --port 0 for a free one)")
 
 
 def run_serve(target_arg: Optional[str], overrides: Sequence[str], host: str, port: int) -> None:
@@ -56,11 +61,15 @@ def run_serve(target_arg: Optional[str], overrides: Sequence[str], host: str, po
         raise UserError(f"--port must be in [0, 65535], got {port}")
     target = resolve_target(target_arg)
     cfg = load_config(target, overrides)
-    sock = bind(host, port)
-    app, what = _app(target, cfg)
-    addr, bound = sock.getsockname()[:2]
-    url = f"http://{f'[{addr}]' if ':' in addr else addr}:{bound}"
-    print(f"serving {what} as model '{model_id(target, cfg)}' on {url} (OpenAI: GET /v1/models, "
-          "POST /v1/completions, POST /v1/chat/completions; GET /health, POST /update_weights)",
-          flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    with bind(host, port) as sock:
+        app, what = _app(target, cfg)
+        try:
+            sock.listen(2048)
+        except OSError as exc:      # another socket bound the same port and listened first
+            raise _cannot_listen(host, port, exc) from None
+        addr, bound = sock.getsockname()[:2]
+        url = f"http://{f'[{addr}]' if ':' in addr else addr}:{bound}"
+        print(f"serving {what} as model '{model_id(target, cfg)}' on {url} (OpenAI: GET /v1/models, "
+              "POST /v1/completions, POST /v1/chat/completions; GET /health, POST /update_weights)",
+              flush=True)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
