@@ -65,21 +65,19 @@ def build_app(engine: TorchEngine, model_name: str, default_stops=(), tokenizer=
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "rlctl"}]}
 
-    async def generate(prompts, sampling, n, seed):
+    async def answer(request: Request, parse, chat: bool) -> Dict[str, Any]:
+        prompts, sampling, n, seed, logprobs = parse(await _json(request), stops, tokenizer)
         rows = [p for p in prompts for _ in range(n)]
-        return await run_in_threadpool(engine.generate, rows, sampling, seed)
+        outs = await run_in_threadpool(engine.generate, rows, sampling, seed)
+        return completion_response(outs, model_name, logprobs, prompts, tokenizer, chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Dict[str, Any]:
-        prompts, sampling, n, seed, logprobs = parse_completion(await _json(request), stops, tokenizer)
-        outs = await generate(prompts, sampling, n, seed)
-        return completion_response(outs, model_name, logprobs, prompts, tokenizer)
+        return await answer(request, parse_completion, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Dict[str, Any]:
-        prompts, sampling, n, seed, logprobs = parse_chat(await _json(request), stops, tokenizer)
-        outs = await generate(prompts, sampling, n, seed)
-        return completion_response(outs, model_name, logprobs, prompts, tokenizer, chat=True)
+        return await answer(request, parse_chat, True)
 
     @app.post("/update_weights")
     async def update_weights(request: Request, version: Optional[str] = None) -> Dict[str, Any]:
