@@ -81,16 +81,17 @@ INSPECT_HELP = """Summarise run directories or audit a rollout file.
 """
 
 
-SERVE_HELP = """Serve a model over HTTP: an OpenAI-compatible completions server on token ids.
+SERVE_HELP = """Serve a model over HTTP: an OpenAI-compatible server that returns token ids and log-probs.
 
 \b
     rlctl serve [TARGET] [OVERRIDES...] [--host 127.0.0.1] [--port 8000]
 
-TARGET as for `rlctl eval` (a run directory serves its model/). Routes: POST
-/v1/completions (prompt as token ids; returns token_ids, per-token log-probs and
-finish_reason), GET /health, GET /version (the weights' version), POST /update_weights
-(safetensors body, ?version=V) and POST /update_weights_from_disk ({"path", "version"}).
-See docs/engines.md.
+TARGET as for `rlctl eval` (a run directory serves its model/). Prints the URL it bound
+(--port 0: any free port). Routes: GET /v1/models, POST /v1/completions (text or token-id
+prompts; returns token_ids, per-token log-probs and finish_reason), POST
+/v1/chat/completions (messages through the chat template), GET /health, GET /version (the
+weights' version), POST /update_weights (safetensors body, ?version=V) and POST
+/update_weights_from_disk ({"path", "version"}). See docs/engines.md.
 """
 
 
