@@ -18,7 +18,7 @@ from rlctl.envs.environment import is_episodic
 from rlctl.errors import UserError
 from rlctl.train.evaluate import episode_success
 from rlctl.models.forward import learner_forward
-from rlctl.train.metrics import episode_columns, offers_tools
+from rlctl.train.metrics import episode_columns
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.episodes.loop import EpisodePlayer
 from rlctl.rollout.generate import rollout
@@ -73,7 +73,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     if is_episodic(task):
         plan.player = EpisodePlayer(tokenizer, task, cfg.rollout, int(cfg.algo.group_size),
                                     plan.stops)
-        plan.tool_task = offers_tools(task)
+        plan.tool_task = plan.player.tool_task
     path = Path(out).expanduser()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
