@@ -91,7 +91,7 @@ class EpisodePlayer:
                     steps, failed = steps + n, failed + bad
         finally:
             _close(runs, ep.step_timeout_s)
-        if failed * 2 > steps:
+        if failed * 2 > steps and not greedy:          # a training batch (eval is greedy)
             log.warning("%d of %d environment steps of this batch failed (episode/env_errors; "
                         "each kind of failure is said once, when first seen)", failed, steps)
         return episode_batch(runs, self.tokenizer, ep.turn_reward, ep.turn_discount, G, self.stops,
