@@ -105,11 +105,7 @@ class EpisodeText:
 
 def valid_text(text: str) -> str:
     """``text`` as valid UTF-8: what cannot be encoded (a lone surrogate) becomes '?'."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "replace").decode("utf-8")
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def stop_string_cut(tokenizer, ids: Sequence[int], strings: Sequence[str]) -> Optional[int]:
