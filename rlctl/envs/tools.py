@@ -87,7 +87,8 @@ def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
         try:
             out, _ = proc.communicate(payload.encode(), timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
-            raise ToolFailed(f"{tool.name}: timed out after {limits.timeout_s:g} s", "timeout") from None
+            raise ToolFailed(f"{tool.name}: timed out after {limits.timeout_s:g} s",
+                             "timeout") from None
         finally:
             _kill(proc)
         return _result(tool, proc.returncode, out, _last_line(err))

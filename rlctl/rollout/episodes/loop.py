@@ -6,8 +6,9 @@ context)`` tokens, ending at a stop id or a step's ``info["stop"]`` string, and 
 the environments concurrently (``run_calls``: every environment call, ``close`` included, has
 the step time limit; a raise, a timeout or a malformed ``Step`` is counted, its kind said once,
 and a failed step is the observation ``error``). An episode ends at ``done``, ``max_turns``,
-its token budget or the context. The batch: first observation left-padded to P, transcript right-padded to T, ``mask`` 1 on model
-tokens, rewards placed by ``rollout.episode.turn_reward`` (``core.turns``).
+its token budget or the context. The batch: first observation left-padded to P, transcript
+right-padded to T, ``mask`` 1 on model tokens, rewards placed by ``rollout.episode.turn_reward``
+(``core.turns``).
 """
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ class EpisodePlayer:
         out = run_calls([self.task.make_env], self.episode.step_timeout_s, 1)[0]
         if not out.ok:
             return False
-        tools = getattr(out.value, "tools", None) and getattr(out.value, "use_tools", True) is not False
-        _close([EpisodeRun(out.value, "", [], [])], self.episode.step_timeout_s)
+        env = out.value
+        tools = getattr(env, "tools", None) and getattr(env, "use_tools", True) is not False
+        _close([EpisodeRun(env, "", [], [])], self.episode.step_timeout_s)
         return bool(tools)
 
     def play(self, model, examples: Sequence[Example], seed: int, greedy: bool = False,
@@ -135,7 +137,8 @@ def _reset(make_env, rows: Sequence[Example], seeds: Sequence[int], ep: EpisodeC
     """A fresh environment per row, made and reset under the step time limit; a failure
     stops the run in one line naming the episode, the environment and the call."""
     envs: List[List[Any]] = [[] for _ in rows]      # each filled by its call once made
-    calls = [functools.partial(_start, make_env, env, ex, s) for env, ex, s in zip(envs, rows, seeds)]
+    calls = [functools.partial(_start, make_env, slot, ex, s)
+             for slot, ex, s in zip(envs, rows, seeds)]
     outs = run_calls(calls, ep.step_timeout_s, ep.concurrency)
     for i, out in enumerate(outs):
         if not out.ok or not isinstance(out.value, str):
@@ -288,7 +291,8 @@ def _apply(r: EpisodeRun, step: Step, ep: EpisodeConfig, text: EpisodeText,
 
 
 def _is_count(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 and float(x).is_integer()
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 \
+        and float(x).is_integer()
 
 
 def _is_stop(x) -> bool:

@@ -49,7 +49,9 @@ class EpisodeText:
         kept). In chat, ``messages`` gets the assistant's turn and the new message appended."""
         limit = self.max_obs * CHARS_PER_TOKEN
         clipped = len(text) > limit
-        text = valid_text(text if not clipped else text[:limit] if self.side == "right" else text[-limit:])
+        if clipped:
+            text = text[:limit] if self.side == "right" else text[-limit:]
+        text = valid_text(text)
         content, cut = self._cut(self._encode(text))
         cut = cut or clipped
         if cut:
