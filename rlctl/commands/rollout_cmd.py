@@ -17,7 +17,7 @@ from rlctl.envs.environment import is_episodic
 from rlctl.errors import UserError
 from rlctl.train.evaluate import episode_success
 from rlctl.models.forward import learner_forward
-from rlctl.train.metrics import episode_columns, offers_tools
+from rlctl.train.metrics import episode_columns
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.episodes.loop import EpisodePlayer
 from rlctl.rollout.generate import rollout
@@ -47,7 +47,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     ro, stops, per_chunk = cfg.rollout, tuple(stop_ids(model, tokenizer)), max(1, batch_size // group)
     player = EpisodePlayer(tokenizer, task, ro, int(cfg.algo.group_size), stops) \
         if is_episodic(task) else None
-    tool_task = player is not None and offers_tools(task)
+    tool_task = player is not None and player.tool_task
     reward_name = str(cfg.task.get("reward", None) or "reward")
     path = Path(out).expanduser()
     try:

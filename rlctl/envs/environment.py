@@ -4,16 +4,13 @@ gives the first observation, ``step(turn)`` a ``rlctl.types.Step``; one environm
 episode. The episode loop (``rlctl.rollout.episodes.loop``) owns tokens and time limits."""
 from __future__ import annotations
 
-import logging
 import math
-from typing import Callable, List, Optional, Protocol, Sequence, Set
+from typing import Callable, List, Protocol, Sequence
 
 from rlctl.registry import Registry
 from rlctl.tasks import register_task
 from rlctl.types import Example, Step, Turn
 
-log = logging.getLogger(__name__)
-_CLOSE_FAILED: Set[str] = set()     # environment classes whose close() raised (said once)
 ENVS = Registry("environment")
 
 
@@ -52,21 +49,6 @@ class EnvTask:
 def is_episodic(task) -> bool:
     """True for a task whose rows are played as multi-turn episodes."""
     return callable(getattr(task, "make_env", None))
-
-
-def close_env(env: Optional[Environment]) -> None:
-    """``env.close()`` when it has one; a raise is logged (once per class) and ignored."""
-    close = getattr(env, "close", None)
-    if not callable(close):
-        return
-    try:
-        close()
-    except Exception as exc:  # noqa: BLE001 - user code; the episode is already recorded
-        name = type(env).__name__
-        if name not in _CLOSE_FAILED:
-            _CLOSE_FAILED.add(name)
-            log.warning("environment %s: close() raised %s: %s (ignored; said once)", name,
-                        type(exc).__name__, " ".join(str(exc).split())[:200])
 
 
 def register_env(name: str) -> Callable[[Callable], Callable]:

@@ -7,12 +7,15 @@ a fresh ``python -I sandbox_child.py`` under rlimits, without sockets or the tra
 environment, its process group killed after ``timeout_s`` (best effort, not a boundary);
 ``sandbox=bwrap`` runs that child under bubblewrap: new user, PID, network, IPC and UTS
 namespaces, only the system, Python and the tool's files visible (read-only), a private
-tmpfs work directory, every process ended with the call."""
+tmpfs work directory, every process ended with the call.
+The first failure of each tool and kind is said in one line (with the child's last stderr
+line when it died without a reply)."""
 from __future__ import annotations
 
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
 import shutil
@@ -24,7 +27,7 @@ import typing
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple, Union
 
 from rlctl.registry import Registry, load_object
 from rlctl.types import Example, Step, Turn
@@ -34,10 +37,17 @@ RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 ERROR = "error"
 SANDBOXES = ("none", "subprocess", "bwrap")
 CHILD = Path(__file__).with_name("sandbox_child.py")
+log = logging.getLogger(__name__)
+_SAID: Set[Tuple[str, str]] = set()      # (tool, kind of failure) already said
 
 
 class ToolFailed(Exception):
-    """A tool call that raised, timed out or was killed; the message is one line."""
+    """A tool call that raised, timed out or was killed; the message is one line, ``kind``
+    what happened (the exception's type, ``timeout``, the signal, ``exit N``)."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -123,28 +133,37 @@ def call_tool(tool, kwargs: Dict[str, Any], sandbox: str = "none",
             return tool.fn(**kwargs)
         except Exception as exc:  # noqa: BLE001 - a tool's failure is an observation
             raise ToolFailed(f"{tool.name}: {type(exc).__name__}: "
-                             f"{' '.join(str(exc).split())[:200]}") from None
+                             f"{' '.join(str(exc).split())[:200]}", type(exc).__name__) from None
     check_sandbox(sandbox, [tool])
     memory_bytes = int(limits.memory_mb) * 2 ** 20
     payload = json.dumps({"source": tool.source, "kwargs": kwargs,
                           "path": [os.path.abspath(p or ".") for p in sys.path],
                           "memory_bytes": memory_bytes, "cpu_s": limits.cpu(),
                           "own_pid_namespace": sandbox == "bwrap"})
-    with tempfile.TemporaryDirectory(prefix="rlctl-tool-") as cwd:   # bwrap: a tmpfs over it
+    # bwrap: a tmpfs over cwd
+    with tempfile.TemporaryDirectory(prefix="rlctl-tool-") as cwd, tempfile.TemporaryFile() as err:
         env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         jail = _bwrap_argv(tool.source, cwd, memory_bytes) if sandbox == "bwrap" else []
         proc = subprocess.Popen([*jail, sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=cwd,
+                                stdout=subprocess.PIPE, stderr=err, cwd=cwd,
                                 env=env, start_new_session=True, close_fds=True)
         try:
             out, _ = proc.communicate(payload.encode(), timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
-            raise ToolFailed(f"{tool.name}: timed out after {limits.timeout_s:g} s") from None
+            raise ToolFailed(f"{tool.name}: timed out after {limits.timeout_s:g} s",
+                             "timeout") from None
         finally:
             _kill(proc)
-    rc = proc.returncode   # bwrap exits 128 + N for a child killed by signal N
-    return _result(tool, 128 - rc if jail and rc > 128 else rc, out)
+        rc = proc.returncode   # bwrap exits 128 + N for a child killed by signal N
+        return _result(tool, 128 - rc if jail and rc > 128 else rc, out, _last_line(err))
+
+
+def _last_line(err) -> str:
+    """The last non-empty line of the child's stderr file (its last 4 KB read)."""
+    err.seek(max(0, err.seek(0, os.SEEK_END) - 4096))
+    lines = err.read().decode("utf-8", "replace").strip().splitlines()
+    return " ".join(lines[-1].split())[:200] if lines else ""
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -157,7 +176,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.communicate()
 
 
-def _result(tool, rc: int, out: bytes) -> Any:
+def _result(tool, rc: int, out: bytes, stderr: str = "") -> Any:
     try:
         reply = json.loads(out.decode("utf-8", "replace") or "null")
     except json.JSONDecodeError:
@@ -165,12 +184,14 @@ def _result(tool, rc: int, out: bytes) -> Any:
     if isinstance(reply, dict) and reply.get("ok") is True:
         return reply.get("result")
     if isinstance(reply, dict) and "error" in reply:
-        raise ToolFailed(f"{tool.name}: {reply['error']}")
+        raise ToolFailed(f"{tool.name}: {reply['error']}", str(reply["error"]).split(":")[0])
+    last = f"; its last stderr line: {stderr}" if stderr else "; it wrote nothing on stderr"
     if rc < 0:
         name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
         why = " (CPU limit)" if name == "SIGXCPU" else ""
-        raise ToolFailed(f"{tool.name}: killed by {name}{why}")
-    raise ToolFailed(f"{tool.name}: the sandboxed interpreter exited with code {rc} and no result")
+        raise ToolFailed(f"{tool.name}: killed by {name}{why}{last}", name)
+    raise ToolFailed(f"{tool.name}: the sandboxed interpreter exited with code {rc} and no "
+                     f"result{last}", f"exit {rc}")
 
 
 class ToolArgumentError(ValueError):
@@ -398,7 +419,14 @@ class ToolEnv:
             return self._failed(f"unknown tool '{call.name}'; tools: {', '.join(self.tools)}")
         try:
             value = call_tool(tool, tool.bind(call.arguments), self.sandbox, self.limits)
-        except (ToolArgumentError, ToolFailed) as exc:
+        except ToolArgumentError as exc:
+            return self._failed(str(exc))
+        except ToolFailed as exc:       # the tool itself failed: said once per tool and kind
+            if (tool.name, exc.kind) not in _SAID:
+                _SAID.add((tool.name, exc.kind))
+                log.warning("tool %s failed (sandbox=%s): %s (its calls are answered 'error' and "
+                            "counted in tool_errors; said once per tool and kind)", tool.name,
+                            self.sandbox, str(exc).removeprefix(f"{tool.name}: "))
             return self._failed(str(exc))
         self.calls += 1
         return Step(f"{RESULT_OPEN} {self.format_result(value)} {RESULT_CLOSE}", 0.0, False,

@@ -108,10 +108,18 @@ def build_task(name: str, **options) -> Task:
             valid = ", ".join(sorted(list(params) + list(COMMON_OPTIONS)))
             raise ValueError(f"task.{key} does not apply to task '{name}'; its options: {valid}")
     task = factory(**kwargs)
+    needs = ("train_examples", "eval_examples")
+    if not all(callable(getattr(task, m, None)) for m in needs) or not any(
+            callable(getattr(task, m, None)) for m in ("reward", "make_env")):
+        raise ValueError(f"its factory returned {type(task).__name__}, not a task: "
+                         "an object with train_examples(), eval_examples() and reward() "
+                         "(docs/extending.md), or an EnvTask (docs/agents.md)")
     try:
         task.rlctl_options = opts
     except AttributeError:  # a slotted class: the defaults apply
         pass
+    if not task.train_examples():
+        raise ValueError("it has no training rows: its train_examples() returned none")
     return task
 
 

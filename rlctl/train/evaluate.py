@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from rlctl.core.logprobs import completion_mask
-from rlctl.train.metrics import Row, endings, episode_columns, eval_rows, offers_tools
+from rlctl.train.metrics import Row, endings, episode_columns, eval_rows
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
 from rlctl.types import Episode, Example
@@ -117,7 +117,7 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
     """``EPISODE_KEYS`` sums; table rows: the transcript, status as finish_reason, columns."""
     ev = Evaluation(dict.fromkeys(EPISODE_KEYS, 0.0))
     sums, per_chunk = ev.sums, max(1, batch_size // samples)
-    tool_task = offers_tools(player.task) if keep > 0 else False
+    tool_task = player.tool_task if keep > 0 else False
     for start in range(0, len(examples), per_chunk):
         chunk = examples[start:start + per_chunk]
         batch = player.play(model, chunk, seed + start, greedy=greedy, group_size=samples)

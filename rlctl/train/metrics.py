@@ -12,7 +12,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from rlctl.core import counted_width, masked_mean
-from rlctl.envs.environment import close_env
 from rlctl.models.stop_ids import decode_completions
 from rlctl.types import TOKEN_LIMIT, TURN_LIMIT, Episode, RolloutBatch
 
@@ -253,18 +252,6 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
             row.update(episode_columns(batch.episodes[i], tool_task))
         out.append(row)
     return out
-
-
-def offers_tools(task) -> bool:
-    """Whether an episodic task's fresh environment offers tools (False for other tasks)."""
-    make_env = getattr(task, "make_env", None)
-    if not callable(make_env):
-        return False
-    env = make_env()
-    try:
-        return bool(getattr(env, "tools", None)) and getattr(env, "use_tools", True) is not False
-    finally:
-        close_env(env)            # a close() that raises is logged, not fatal (as in the loop)
 
 
 def episode_columns(episode: Episode, tool_task: bool) -> Row:

@@ -18,7 +18,7 @@ from rlctl.core import (ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLContr
 from rlctl.errors import Interrupted, TrainingFault
 from rlctl.train.evaluate import evaluate, means
 from rlctl.models.forward import PromptGroups, learner_forward, prompt_sharing
-from rlctl.train.metrics import (draw_rows, named_reward_metrics, offers_tools,
+from rlctl.train.metrics import (draw_rows, named_reward_metrics,
                                    reduce_metrics, rollout_metrics, train_rows)
 from rlctl.train.update import UpdateSettings, UpdateState, old_policy_inputs, update_policy
 from rlctl.models.stop_ids import stop_ids
@@ -264,7 +264,7 @@ class Trainer:
         rows = draw_rows(batch.num_sequences, batch.group_size, self.samples.n, self.seed, step)
         rewards = shaped_task_rewards(batch, self.update_settings)               # [N]
         player = self.source.player
-        tool_task = batch.episodes is not None and player is not None and offers_tools(player.task)
+        tool_task = batch.episodes is not None and player is not None and player.tool_task
         self.sink.samples(train_rows(batch, rows, step, rewards, self.tokenizer,
                                      stop_ids(self.policy, self.tokenizer), tool_task),
                           step, "train")

@@ -106,12 +106,12 @@ def test_an_observation_after_a_turn_is_the_templates_text_beyond_it(name):
     _, ids, messages = text.first("sort 3 1 2")
     end, want = AFTER_A_TURN[name]
     turn = tok("1 2 3" + end, add_special_tokens=False)["input_ids"]          # as sampled
-    obs, cut = text.observation("ok 3", ids + turn, messages, "1 2 3")
+    obs, cut, _ = text.observation("ok 3", ids + turn, messages, "1 2 3")
     assert tok.decode(obs) == want and not cut
     if name == "qwen2":         # a turn cut before its end token: the observation closes it
         _, ids, messages = text.first("sort 3 1 2")
         cut_turn = tok("1 2", add_special_tokens=False)["input_ids"]
-        obs, _ = text.observation("ok 3", ids + cut_turn, messages, "1 2")
+        obs, _, _ = text.observation("ok 3", ids + cut_turn, messages, "1 2")
         assert tok.decode(obs) == "<|im_end|>" + want
 
 

@@ -31,10 +31,10 @@ def test_an_observation_is_the_templates_text_beyond_the_sampled_tokens(qwen):
     text = EpisodeText(tok, chat=True, system_prompt=None, max_obs_tokens=64, obs_truncation="right")
     prompt, context, messages = _after_a_turn(tok, text)
     assert prompt == "<|im_start|>user\nsort 3 1 2<|im_end|>\n<|im_start|>assistant\n"
-    ids, cut = text.observation("ok", context, messages, "1 2 3")
+    ids, cut, kept = text.observation("ok", context, messages, "1 2 3")
     # the template writes "\n" after the assistant's <|im_end|>: the model did not sample it
     assert tok.decode(ids) == "\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n"
-    assert not cut and [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert not cut and kept == "ok" and [m["role"] for m in messages] == ["user", "assistant", "tool"]
 
 
 # hides every assistant turn but the last (as templates that drop earlier reasoning do)
@@ -50,8 +50,8 @@ def test_a_template_that_rewrites_earlier_text_is_said_once_and_falls_back(qwen,
     text = EpisodeText(tok, chat=True, system_prompt=None, max_obs_tokens=64, obs_truncation="right")
     _, context, messages = _after_a_turn(tok, text)
     with caplog.at_level(logging.WARNING):
-        ids, _ = text.observation("ok", context, messages, "1 2 3")
-        again, _ = text.observation("ok", context, messages, "1 2 3")
+        ids, _, _ = text.observation("ok", context, messages, "1 2 3")
+        again, _, _ = text.observation("ok", context, messages, "1 2 3")
     # fallback: the user message as written after [user, assistant] (no tool role here)
     assert tok.decode(ids) == "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n" == tok.decode(again)
     said = [r for r in caplog.records if "changes earlier text" in r.getMessage()]
@@ -69,5 +69,5 @@ def test_a_template_that_names_tools_but_refuses_the_role_gets_user_observations
     text = EpisodeText(tok, chat=True, system_prompt=None, max_obs_tokens=64, obs_truncation="right")
     assert text.role == "user"
     _, context, messages = _after_a_turn(tok, text)
-    ids, _ = text.observation("ok", context, messages, "1 2 3")
+    ids, _, _ = text.observation("ok", context, messages, "1 2 3")
     assert tok.decode(ids) == "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"

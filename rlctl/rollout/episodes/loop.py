@@ -3,28 +3,30 @@
 Each episode gets a fresh environment, reset with its row and its group's seed; turn by turn
 the active episodes are sampled (``episodes.kv``) up to ``min(max_new_tokens, budget left,
 context)`` tokens, ending at a stop id or a step's ``info["stop"]`` string, and the turns step
-the environments concurrently (``run_calls``: a raise or a timeout is the observation
-``error``). An episode ends at ``done``, ``max_turns``, its token budget or the context. The
-batch: first observation left-padded to P, transcript right-padded to T, ``mask`` 1 on model
-tokens, rewards placed by ``rollout.episode.turn_reward`` (``core.turns``).
+the environments concurrently (``run_calls``: every environment call, ``close`` included, has
+the step time limit; a raise, a timeout or a malformed ``Step`` is counted, its kind said once,
+and a failed step is the observation ``error``). An episode ends at ``done``, ``max_turns``,
+its token budget or the context. The batch: first observation left-padded to P, transcript
+right-padded to T, ``mask`` 1 on model tokens, rewards placed by ``rollout.episode.turn_reward``
+(``core.turns``).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import queue
 import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from rlctl.config.schema import EpisodeConfig, RolloutConfig
 from rlctl.core.turns import place_turn_rewards
-from rlctl.envs.environment import close_env
 from rlctl.errors import TrainingFault, one_line
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.models.value import PolicyValueModel
@@ -36,6 +38,9 @@ from rlctl.tasks.task import RAW_PROMPT, task_options
 from rlctl.tasks.prompt_budget import context_length
 from rlctl.types import (DONE, LENGTH_LIMIT, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode,
                          Example, RolloutBatch, Span, Step, Turn)
+
+log = logging.getLogger(__name__)
+_SAID: Set[Tuple[str, str, str]] = set()     # (environment, call, kind) already said
 
 
 class EpisodePlayer:
@@ -51,6 +56,18 @@ class EpisodePlayer:
         self.text = EpisodeText(tokenizer, uses_chat(tokenizer, opts.prompt_format),
                                 opts.system_prompt, ep.max_obs_tokens, ep.obs_truncation)
 
+    @functools.cached_property
+    def tool_task(self) -> bool:
+        """Whether the task's environment offers tools (a fresh one asked once, then closed;
+        both calls under the step time limit, a failure: False)."""
+        out = run_calls([self.task.make_env], self.episode.step_timeout_s, 1)[0]
+        if not out.ok:
+            return False
+        env = out.value
+        tools = getattr(env, "tools", None) and getattr(env, "use_tools", True) is not False
+        _close([EpisodeRun(env, "", [], [])], self.episode.step_timeout_s)
+        return bool(tools)
+
     def play(self, model, examples: Sequence[Example], seed: int, greedy: bool = False,
              group_size: Optional[int] = None) -> RolloutBatch:
         """G episodes of each example (``group_size``, default the player's), played with
@@ -59,8 +76,9 @@ class EpisodePlayer:
             model = model.policy
         ep, G = self.episode, group_size or self.group_size
         rows = [_as_written(ex) for ex in examples for _ in range(G)]
-        runs = _reset([self.task.make_env() for _ in rows], rows,
-                      [seed + i // G for i in range(len(rows))], ep, self.text)
+        runs = _reset(self.task.make_env, rows, [seed + i // G for i in range(len(rows))], ep,
+                      self.text)
+        steps = failed = 0
         budget, weight = _Budget(ep.max_tokens, context_length(model)), next(model.parameters())
         # greedy draws (top-k 1) leave the training's RNG streams as they were
         rng = torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []) \
@@ -71,11 +89,13 @@ class EpisodePlayer:
                 while active := [r for r in runs if not r.ended and not budget.exhausted(r)]:
                     stepping = _model_turns(sampler, self.tokenizer, active, self.rollout,
                                             self.stops, greedy, budget, self.text)
-                    _step(stepping, ep, self.text, budget)
+                    n, bad = _step(stepping, ep, self.text, budget)
+                    steps, failed = steps + n, failed + bad
         finally:
-            for r in runs:
-                if r.last is None or not r.last.busy():   # never close one a thread still runs in
-                    close_env(r.env)
+            _close(runs, ep.step_timeout_s)
+        if failed * 2 > steps and not greedy:          # a training batch (eval is greedy)
+            log.warning("%d of %d environment steps of this batch failed (episode/env_errors; "
+                        "each kind of failure is said once, when first seen)", failed, steps)
         return episode_batch(runs, self.tokenizer, ep.turn_reward, ep.turn_discount, G, self.stops,
                              weight.device,
                              torch.float64 if weight.dtype == torch.float64 else torch.float32)
@@ -112,21 +132,61 @@ class _Budget:
         return r.ended
 
 
-def _reset(envs, rows: Sequence[Example], seeds: Sequence[int], ep: EpisodeConfig,
+def _reset(make_env, rows: Sequence[Example], seeds: Sequence[int], ep: EpisodeConfig,
            text: EpisodeText) -> List[EpisodeRun]:
-    calls = [functools.partial(env.reset, ex, s) for env, ex, s in zip(envs, rows, seeds)]
+    """A fresh environment per row, made and reset under the step time limit; a failure
+    stops the run in one line naming the episode, the environment and the call."""
+    envs: List[List[Any]] = [[] for _ in rows]      # each filled by its call once made
+    calls = [functools.partial(_start, make_env, slot, ex, s)
+             for slot, ex, s in zip(envs, rows, seeds)]
     outs = run_calls(calls, ep.step_timeout_s, ep.concurrency)
     for i, out in enumerate(outs):
         if not out.ok or not isinstance(out.value, str):
-            why = one_line(out.error) if not out.ok else \
+            why = _why(out, ep.step_timeout_s) if not out.ok else \
                 f"returned {type(out.value).__name__}, not the first observation's text"
-            raise TrainingFault(f"environment reset of episode {i} ({type(envs[i]).__name__}) "
-                                f"failed: {why}")
+            call = f"reset() of {type(envs[i][0]).__name__}" if envs[i] else "task.make_env()"
+            raise TrainingFault(f"environment {call} failed for episode {i}: {why}")
+    envs = [e[0] for e in envs]
     runs = []
     for env, out in zip(envs, outs):
         prompt, ids, messages = text.first(out.value)
         runs.append(EpisodeRun(env=env, prompt=prompt, prompt_ids=ids, messages=messages))
     return runs
+
+
+def _start(make_env, slot: List[Any], example: Example, seed: int) -> Any:
+    slot.append(make_env())
+    return slot[0].reset(example, seed)
+
+
+def _close(runs: List[EpisodeRun], timeout_s: float) -> None:
+    """``close()`` of each environment that has one and no call still running, all at once,
+    each within ``timeout_s``: a raise or a timeout is an env error of its episode."""
+    todo = [r for r in runs if callable(getattr(r.env, "close", None))
+            and (r.last is None or not r.last.busy())]    # never close one a thread still runs in
+    for r, out in zip(todo, run_calls([r.env.close for r in todo], timeout_s, len(todo))):
+        if not out.ok:
+            _fail(r, "close()", _kind(out), _why(out, timeout_s))
+
+
+def _fail(r: EpisodeRun, call: str, kind: str, why: str) -> None:
+    """Count an env error of ``r``; its first of (environment, call, kind) is said in one line."""
+    r.episode.env_errors += 1
+    key = (type(r.env).__name__, call, kind)
+    if key not in _SAID:
+        _SAID.add(key)
+        log.warning("environment %s: %s %s (counted in episode/env_errors; said once)",
+                    key[0], call, why)
+
+
+def _kind(out: Outcome) -> str:
+    return "timeout" if out.timed_out else type(out.error).__name__
+
+
+def _why(out: Outcome, timeout_s: float) -> str:
+    if out.timed_out:
+        return f"gave no answer within {timeout_s:g} s (rollout.episode.step_timeout_s); abandoned"
+    return f"raised {type(out.error).__name__}: {one_line(out.error)[:200]}"
 
 
 def _model_turns(sampler, tokenizer, active: List[EpisodeRun], ro: RolloutConfig,
@@ -156,30 +216,49 @@ def _model_turns(sampler, tokenizer, active: List[EpisodeRun], ro: RolloutConfig
     return stepping
 
 
-def _step(runs: List[EpisodeRun], ep: EpisodeConfig, text: EpisodeText, budget: _Budget) -> None:
-    """Step the environments of ``runs`` with their last turns, concurrently."""
+def _step(runs: List[EpisodeRun], ep: EpisodeConfig, text: EpisodeText, budget: _Budget
+          ) -> Tuple[int, int]:
+    """Step the environments of ``runs`` with their last turns, concurrently -> (steps, failed)."""
     todo = [r for r in runs if r.last is None or not r.last.busy()]
     calls = [functools.partial(r.env.step, Turn(r.episode.spans[-1].text,
                                                 r.ids[r.episode.spans[-1].start:]))
              for r in todo]
     outs = dict(zip(map(id, todo), run_calls(calls, ep.step_timeout_s, ep.concurrency)))
+    failed = 0
     for r in runs:
-        out = outs.get(id(r))
+        out, errors = outs.get(id(r)), r.episode.env_errors
         if out is not None:
             r.last = out
-        step = out.value if out is not None and out.ok and isinstance(out.value, Step) else None
-        if step is None:        # raised, timed out, returned no Step, or still busy
-            r.episode.env_errors += 1
-            step = Step(observation=ERROR_OBSERVATION)
-        _apply(r, step, ep, text, budget)
+        _apply(r, _stepped(r, out, ep.step_timeout_s), ep, text, budget)
+        failed += r.episode.env_errors > errors
+    return len(runs), failed
+
+
+def _stepped(r: EpisodeRun, out: Optional[Outcome], timeout_s: float) -> Step:
+    """The Step a call returned, else the error observation (the failure counted and said)."""
+    if out is not None and out.ok and isinstance(out.value, Step):
+        return out.value
+    if out is None:
+        _fail(r, "step()", "busy", "not called: its previous step is still running past the "
+              "time limit")
+    elif not out.ok:
+        _fail(r, "step()", _kind(out), _why(out, timeout_s))
+    elif isinstance(out.value, tuple) and len(out.value) in (4, 5):
+        _fail(r, "step()", "tuple", f"returned a {len(out.value)}-tuple (gym's API); a step "
+              "must return rlctl.types.Step(observation, reward, done, info) (docs/agents.md)")
+    else:
+        _fail(r, "step()", "type", f"returned {type(out.value).__name__}; a step must return "
+              "rlctl.types.Step(observation, reward, done, info) (docs/agents.md)")
+    return Step(observation=ERROR_OBSERVATION)
 
 
 def _apply(r: EpisodeRun, step: Step, ep: EpisodeConfig, text: EpisodeText,
            budget: _Budget) -> None:
-    info = step.info if isinstance(step.info, dict) else {}
+    info = _info(r, step.info)
     reward = _finite(step.reward)
     if reward is None:              # None, text, NaN: the step is an error, its reward 0
-        r.episode.env_errors += 1
+        _fail(r, "step()", "reward", f"returned reward {step.reward!r}, not a finite number "
+              "(scored 0)")
         reward = 0.0
     r.episode.spans[-1].reward = reward
     r.episode.turn_rewards.append(reward)
@@ -195,19 +274,48 @@ def _apply(r: EpisodeRun, step: Step, ep: EpisodeConfig, text: EpisodeText,
     if step.observation is None:
         return None                                   # the model writes again
     if not isinstance(step.observation, str):         # not text: an error, like a bad Step
-        r.episode.env_errors += 1
+        _fail(r, "step()", "observation", f"returned observation "
+              f"{type(step.observation).__name__}, not text or None")
         step = Step(observation=ERROR_OBSERVATION)
     turn = r.episode.spans[-1]
-    ids, cut = text.observation(step.observation, r.prompt_ids + r.ids, r.messages, turn.text)
+    ids, cut, kept = text.observation(step.observation, r.prompt_ids + r.ids, r.messages, turn.text)
     left = max(budget.left(r)[0], 0)
     if left == 0:                                     # no room: the episode ends, no empty span
         return r.end(budget.left(r)[1])
     if len(ids) > left:                               # the episode's budget cuts it too
         ids, cut = (ids[:left] if ep.obs_truncation == "right" else ids[len(ids) - left:]), True
-    r.episode.spans.append(Span(OBSERVATION, len(r.ids), len(r.ids) + len(ids), step.observation,
+    r.episode.spans.append(Span(OBSERVATION, len(r.ids), len(r.ids) + len(ids), kept,
                                 truncated=cut))
     r.ids += ids
     r.logps += [0.0] * len(ids)
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 \
+        and float(x).is_integer()
+
+
+def _is_stop(x) -> bool:
+    return isinstance(x, str) or isinstance(x, (list, tuple)) and all(isinstance(s, str) for s in x)
+
+
+_INFO_FIELDS = (("tool_calls", _is_count, "a count (an integer >= 0)"),
+                ("tool_errors", _is_count, "a count (an integer >= 0)"),
+                ("stop", _is_stop, "a string or a list of strings"))
+
+
+def _info(r: EpisodeRun, info) -> Dict[str, Any]:
+    """``info`` without the fields of a wrong type, each an env error naming the field."""
+    if not isinstance(info, dict):
+        if info is not None:
+            _fail(r, "step()", "info", f"returned info {type(info).__name__}, not a dict (ignored)")
+        return {}
+    info = dict(info)
+    for key, fits, what in _INFO_FIELDS:
+        if info.get(key) is not None and not fits(info[key]):
+            _fail(r, "step()", f"info.{key}", f"returned info['{key}'] = "
+                  f"{one_line(repr(info.pop(key)))[:80]}, not {what} (ignored)")
+    return info
 
 
 def _finite(x) -> Optional[float]:

@@ -3,7 +3,9 @@
 Model turns stay the sampled ids; each observation is tokenized once (no special tokens) and
 appended. Chat: the first observation is the rendered user message, a later one a ``tool``
 message if the template renders one, else ``user``: the template's text beyond the context's
-(else the message rendered alone, said once). Observations past ``max_obs_tokens`` are cut.
+(else the message rendered alone, said once). Observations past ``max_obs_tokens`` are cut,
+first by characters (``CHARS_PER_TOKEN`` per token, so a huge one is never tokenized whole),
+then by tokens; text that is not valid UTF-8 (a lone surrogate) is repaired on the way in.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from rlctl.models.kv_share import say_once
 from rlctl.tasks.task import render_chat
 
 ERROR_OBSERVATION = "error"     # what the model sees after a step that raised or timed out
+CHARS_PER_TOKEN = 64            # more than any vocabulary's tokens hold: the cut before tokenizing
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
@@ -32,6 +35,7 @@ class EpisodeText:
 
     def first(self, text: str) -> Tuple[str, List[int], List[Dict[str, str]]]:
         """(prompt text, its ids with the tokenizer's special tokens, chat messages)."""
+        text = valid_text(text)
         if not self.chat:
             return text, self.tok(text)["input_ids"], []
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
@@ -40,24 +44,30 @@ class EpisodeText:
         return prompt, self.tok(prompt)["input_ids"], messages
 
     def observation(self, text: str, context: Sequence[int], messages: List[Dict[str, str]],
-                    turn_text: str) -> Tuple[List[int], bool]:
-        """(ids of observation ``text`` after ``context``, cut to max_obs_tokens?). In
-        chat, ``messages`` gets the assistant's turn and the new message appended."""
-        if not self.chat:
-            return self._cut(self._encode(text))
+                    turn_text: str) -> Tuple[List[int], bool, str]:
+        """(ids of observation ``text`` after ``context``, cut to max_obs_tokens?, the text
+        kept). In chat, ``messages`` gets the assistant's turn and the new message appended."""
+        limit = self.max_obs * CHARS_PER_TOKEN
+        clipped = len(text) > limit
+        if clipped:
+            text = text[:limit] if self.side == "right" else text[-limit:]
+        text = valid_text(text)
         content, cut = self._cut(self._encode(text))
+        cut = cut or clipped
         if cut:
             text = self.tok.decode(content)
+        if not self.chat:
+            return content, cut, text
         messages += [{"role": "assistant", "content": turn_text}, {"role": self.role, "content": text}]
         full = self._render(messages, generation=True)
         so_far = self.tok.decode(list(context), skip_special_tokens=False)
         if full.startswith(so_far):
-            return self._encode(full[len(so_far):]), cut
+            return self._encode(full[len(so_far):]), cut, text
         say_once("the chat template changes earlier text when a turn is added (its rendering "
                  "of the conversation does not start with the tokens already sampled); each "
                  "observation is rendered alone as a message after an assistant turn, and "
                  "earlier tokens are kept as sampled")
-        return self._encode(self._alone(messages[-1])), cut
+        return self._encode(self._alone(messages[-1])), cut, text
 
     def _observation_role(self) -> str:
         """``tool`` when the template mentions tools and renders a tool message's content,
@@ -93,6 +103,11 @@ class EpisodeText:
         """A model turn's text: its ids without the closing stop id, specials dropped."""
         ids = list(ids[:-1]) if ids and ids[-1] in stops else list(ids)
         return self.tok.decode(ids, skip_special_tokens=True).strip()
+
+
+def valid_text(text: str) -> str:
+    """``text`` as valid UTF-8: what cannot be encoded (a lone surrogate) becomes '?'."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def stop_string_cut(tokenizer, ids: Sequence[int], strings: Sequence[str]) -> Optional[int]:
