@@ -14,9 +14,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedC
                            TimeRemainingColumn)
 
 from rlctl.commands.targets import held_out_scorer, learned_names, open_target, task_scores
-from rlctl.envs.environment import is_episodic
+from rlctl.envs.environment import episode_success, is_episodic
 from rlctl.errors import UserError
-from rlctl.train.evaluate import episode_success
 from rlctl.models.forward import learner_forward
 from rlctl.train.metrics import episode_columns, offers_tools
 from rlctl.models.stop_ids import stop_ids
@@ -181,7 +180,7 @@ def _episode_rows(plan: _Plan, model, start: int, chunk) -> List[dict]:
                "max_turns": s.max_turns, "max_tokens": s.max_tokens, "eos_token_id": plan.eos,
                "stop_token_ids": list(plan.stops), "truncated": e.status != DONE,
                "reward": rewards[i], "turn_rewards": list(e.turn_rewards),
-               "turn_reward": s.turn_reward, "correct": episode_success(e, rewards[i]),
+               "turn_reward": s.turn_reward, "correct": episode_success(e),
                **episode_columns(e, plan.tool_task)}       # the sample tables' columns
         row["turns"] = [
             {**turn, "start": x.start, "end": x.end, "token_ids": ids[i][x.start:x.end],

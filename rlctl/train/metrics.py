@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from rlctl.core import counted_width, masked_mean
-from rlctl.envs.environment import close_env
+from rlctl.envs.environment import close_env, episode_success
 from rlctl.models.stop_ids import decode_completions
 from rlctl.types import TOKEN_LIMIT, TURN_LIMIT, Episode, RolloutBatch
 
@@ -100,7 +100,7 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
 
 
 def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
-    """episode/*: per-episode means, two sums, the success rate over episodes reporting one."""
+    """episode/*: per-episode means (success: ``episode_success``) and two sums."""
     eps = batch.episodes
     P = batch.prompt_len
 
@@ -108,8 +108,6 @@ def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
         return torch.tensor([float(v) for v in values], dtype=torch.float64).mean()
 
     obs = batch.attention_mask[:, P:].sum(-1).double() - batch.mask.sum(-1).double()   # [N]
-    known = torch.tensor([float(e.success) for e in eps if e.success is not None],
-                         dtype=torch.float64)                                          # [n known]
     return {
         "episode/turns_mean": mean(e.turns for e in eps),
         "episode/obs_tokens_mean": obs.mean(),
@@ -119,7 +117,7 @@ def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
         "episode/obs_truncated": torch.tensor(float(sum(sp.truncated for e in eps for sp in e.spans))),
         "episode/turn_limit_frac": mean(e.status == TURN_LIMIT for e in eps),
         "episode/token_limit_frac": mean(e.status == TOKEN_LIMIT for e in eps),
-        "episode/success_rate": Moments.of(known[None], torch.ones_like(known), mean_of),
+        "episode/success_rate": mean(episode_success(e) for e in eps),
     }
 
 
@@ -149,7 +147,8 @@ REDUCE_OP = {"length/min": "min", "length/max": "max", "policy/ratio_max": "max"
 # ranks with different counts, where a plain average over ranks is biased).
 PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_frac",
                 "episode/turns_mean", "episode/obs_tokens_mean", "episode/tool_calls_mean",
-                "episode/tool_errors_mean", "episode/turn_limit_frac", "episode/token_limit_frac"}
+                "episode/tool_errors_mean", "episode/turn_limit_frac", "episode/token_limit_frac",
+                "episode/success_rate"}
 
 
 def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
@@ -270,7 +269,7 @@ def offers_tools(task) -> bool:
 def episode_columns(episode: Episode, tool_task: bool) -> Row:
     """An episode's columns of a sample row (docs/metrics.md): counts, status, success and
     its turns as {role, text, reward, truncated}."""
-    return {"num_turns": episode.turns, "status": episode.status, "success": episode.success,
+    return {"num_turns": episode.turns, "status": episode.status, "success": episode_success(episode),
             "tool_calls": int(episode.tool_calls), "tool_errors": int(episode.tool_errors),
             "env_errors": int(episode.env_errors),
             "obs_truncated": sum(bool(s.truncated) for s in episode.spans),

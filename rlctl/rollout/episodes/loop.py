@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
+import logging
 import queue
 import random
 import threading
@@ -24,7 +24,7 @@ import torch
 
 from rlctl.config.schema import EpisodeConfig, RolloutConfig
 from rlctl.core.turns import place_turn_rewards
-from rlctl.envs.environment import close_env
+from rlctl.envs.environment import close_env, step_flag, step_reward
 from rlctl.errors import TrainingFault, one_line
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.models.value import PolicyValueModel
@@ -36,6 +36,9 @@ from rlctl.tasks.task import RAW_PROMPT, task_options
 from rlctl.tasks.prompt_budget import context_length
 from rlctl.types import (DONE, LENGTH_LIMIT, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode,
                          Example, RolloutBatch, Span, Step, Turn)
+
+log = logging.getLogger(__name__)
+_SAID = set()         # step fields whose bad value was logged (once each)
 
 
 class EpisodePlayer:
@@ -177,18 +180,16 @@ def _step(runs: List[EpisodeRun], ep: EpisodeConfig, text: EpisodeText, budget: 
 def _apply(r: EpisodeRun, step: Step, ep: EpisodeConfig, text: EpisodeText,
            budget: _Budget) -> None:
     info = step.info if isinstance(step.info, dict) else {}
-    reward = _finite(step.reward)
-    if reward is None:              # None, text, NaN: the step is an error, its reward 0
-        r.episode.env_errors += 1
-        reward = 0.0
+    reward = _checked(r, step_reward, step.reward, 0.0)   # None, text, NaN, inf in float32: 0
     r.episode.spans[-1].reward = reward
     r.episode.turn_rewards.append(reward)
     r.episode.tool_calls += int(info.get("tool_calls", 0) or 0)
     r.episode.tool_errors += int(info.get("tool_errors", 0) or 0)
     if "success" in info:
-        r.episode.success = bool(info["success"])
+        r.episode.success = _checked(r, functools.partial(step_flag, 'info["success"]'),
+                                     info["success"], r.episode.success)
     r.stop_strings = stop_strings(info)
-    if step.done:
+    if _checked(r, functools.partial(step_flag, "done"), step.done, False):
         return r.end(DONE)
     if r.episode.turns >= ep.max_turns:
         return r.end(TURN_LIMIT)
@@ -210,13 +211,18 @@ def _apply(r: EpisodeRun, step: Step, ep: EpisodeConfig, text: EpisodeText,
     r.logps += [0.0] * len(ids)
 
 
-def _finite(x) -> Optional[float]:
-    """``x`` as a finite float, or None."""
+def _checked(r: EpisodeRun, check: Callable[[Any], Any], value, default):
+    """``check(value)``; a ValueError is a counted env error (said once per field), ``default``."""
     try:
-        value = float(x)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
+        return check(value)
+    except ValueError as exc:
+        r.episode.env_errors += 1
+        field = str(exc).split(" must ")[0]
+        if field not in _SAID:
+            _SAID.add(field)
+            log.warning("environment %s: %s (counted in episode/env_errors; said once)",
+                        type(r.env).__name__, exc)
+        return default
 
 
 class EpisodeSource(SyncSource):

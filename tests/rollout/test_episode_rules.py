@@ -1,0 +1,86 @@
+"""The rules an episode's numbers follow (rlctl.envs.environment, the episode loop): one
+success for training and eval, ``done``/``success`` as real bools."""
+import numpy as np
+import pytest
+import torch
+from test_episodes import ROWS, Scripted, play, tiny  # noqa: F401  (tiny: a fixture)
+
+from rlctl.envs.environment import EnvTask, step_flag
+from rlctl.rollout.episodes.loop import EpisodePlayer
+from rlctl.train.evaluate import evaluate, means
+from rlctl.train.metrics import episode_metrics, reduce_metrics
+from rlctl.types import DONE, TURN_LIMIT, Step
+from episode_runs import player_settings
+
+
+class _OneRank:
+    world_size, rank, dp_loss_scale = 1, 0, 1.0
+
+    def __init__(self, model=None):
+        self.model = model
+
+    def all_reduce(self, t, op="sum"):
+        return t
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):      # the gradient norm; the weights stay
+        return torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None]).norm()
+
+
+def every_token(tok):
+    return tuple(range(len(tok)))
+
+
+@pytest.mark.parametrize("rewards, info, expected", [
+    ([1.0], {}, 1.0),                    # no info["success"]: total reward 1 > 0
+    ([0.0], {}, 0.0),
+    ([0.0], {"success": True}, 1.0),     # the environment's word wins
+    ([1.0], {"success": False}, 0.0),
+])
+def test_success_is_one_rule_in_training_metrics_and_eval(tiny, rewards, info, expected):
+    """episode/success_rate of a played batch and eval's success_rate of the same episodes
+    (one turn, done) are the same number, derived from the rule."""
+    model, tok = tiny
+    make = lambda: Scripted(["1"], rewards=rewards, done_after=1, info=info)   # noqa: E731
+    batch = play(tiny, make, max_new_tokens=2)
+    trained = reduce_metrics(episode_metrics(batch), _OneRank())["episode/success_rate"]
+    s = player_settings(group_size=1, max_new_tokens=2, temperature=1.0)
+    player = EpisodePlayer(tok, EnvTask("scripted", make, ROWS, ROWS), *s, (tok.eos_token_id,))
+    evaluated = means(evaluate(model, tok, ROWS, player=player).sums)["success_rate"]
+    assert trained == expected and evaluated == expected
+
+
+class Flags(Scripted):
+    """Never done by itself (the observation '1'); ``done`` and ``info`` as given."""
+
+    def __init__(self, done, info):
+        super().__init__(["1"])
+        self.done_value, self.info_value = done, info
+
+    def step(self, turn):
+        return Step(observation="1", reward=1.0, done=self.done_value, info=dict(self.info_value))
+
+
+@pytest.mark.parametrize("done, info, errors, status, success", [
+    ("false", {}, 3, TURN_LIMIT, True),         # text: an error each step, never done
+    (1, {}, 3, TURN_LIMIT, True),               # an int is no bool either
+    (np.bool_(True), {}, 0, DONE, True),        # numpy's bool is a bool
+    (False, {"success": "False"}, 3, TURN_LIMIT, True),   # ignored: the reward rule decides
+    (False, {"success": np.bool_(False)}, 0, TURN_LIMIT, False),
+])
+def test_done_and_success_must_be_bools(tiny, done, info, errors, status, success):
+    """Each bad field is one counted env error per step (3 turns); truthiness never reads it."""
+    batch = play(tiny, lambda: Flags(done, info), max_new_tokens=2, max_turns=3, max_tokens=100)
+    for e in batch.episodes:
+        assert (e.env_errors, e.status) == (errors, status)
+    assert reduce_metrics(episode_metrics(batch), _OneRank())["episode/success_rate"] == float(success)
+
+
+def test_a_bad_flag_error_names_its_field():
+    with pytest.raises(ValueError, match=r'step info\["success"\] must be a bool, got str'):
+        step_flag('info["success"]', "False")
