@@ -10,7 +10,8 @@ import torch
 
 from rlctl.core.logprobs import completion_mask
 from rlctl.envs.environment import episode_success
-from rlctl.train.metrics import Row, endings, episode_columns, eval_rows, offers_tools
+from rlctl.train.metrics import (Row, endings, episode_columns, episode_endings, eval_rows,
+                                 offers_tools)
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
 from rlctl.types import Example
@@ -128,8 +129,8 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
         ev.correct += [sum(ok[i * samples:(i + 1) * samples]) for i in range(len(chunk))]
         if len(ev.rows) < keep:
             k = min(keep - len(ev.rows), batch.num_sequences)
-            ends = [{"finish_reason": e.status, "stop_id": None, "stop_token": None}
-                    for e in batch.episodes[:k]]
+            ends = episode_endings(batch.episodes[:k], batch.completion_ids[:k], player.tokenizer,
+                                   player.stops)
             rows = eval_rows(step, batch.prompts[:k], batch.completions[:k],
                              batch.rewards[:k].tolist(), ok[:k], batch.mask[:k], ends)
             for row, e in zip(rows, batch.episodes[:k]):

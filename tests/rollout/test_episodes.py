@@ -76,7 +76,8 @@ def test_layout_of_a_scripted_episode_is_derived_by_hand(tiny):
     expected_rewards = torch.zeros(T)
     expected_rewards[[1, 6, 9]] = torch.tensor([0.5, 0.0, 1.0])
     assert torch.equal(batch.token_rewards, expected_rewards.expand(4, T))
-    assert batch.rewards.tolist() == [1.5] * 4 and not batch.truncated.any()
+    # done, but the last turn was cut by max_new_tokens (no stop id): truncated
+    assert batch.rewards.tolist() == [1.5] * 4 and batch.truncated.all()
     e = batch.episodes[0]
     assert [(s.role, s.start, s.end) for s in e.spans] == [
         (MODEL, 0, 2), (OBSERVATION, 2, 5), (MODEL, 5, 7), (OBSERVATION, 7, 8), (MODEL, 8, 10)]

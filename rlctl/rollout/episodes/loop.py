@@ -150,7 +150,8 @@ def _model_turns(sampler, tokenizer, active: List[EpisodeRun], ro: RolloutConfig
         r.episode.spans.append(Span(MODEL, len(r.ids), len(r.ids) + k, text.turn_text(turn, stop_set)))
         r.ids += turn
         r.logps += lp[:k]
-        finished = by_string is not None or turn[-1] in stop_set or k == ro.max_new_tokens
+        r.cut = by_string is None and turn[-1] not in stop_set    # a length limit ended it
+        finished = not r.cut or k == ro.max_new_tokens
         if finished:
             stepping.append(r)
         else:                               # cut by the episode's budget: not stepped
@@ -259,6 +260,7 @@ class EpisodeRun:
     episode: Episode = field(default_factory=Episode)
     stop_strings: Tuple[str, ...] = ()
     ended: bool = False
+    cut: bool = False            # its last model turn ended at a length limit, not a stop
     last: Optional[Outcome] = None                      # the last env call (busy if abandoned)
 
     def end(self, status: str) -> None:
@@ -291,7 +293,7 @@ def episode_batch(runs: List[EpisodeRun], tokenizer, turn_reward: str, turn_disc
                                                 turn_reward, turn_discount)
     return RolloutBatch(
         input_ids=input_ids.to(device), attention_mask=attention.to(device), mask=mask.to(device),
-        truncated=torch.tensor([r.episode.status != DONE for r in runs], device=device),
+        truncated=torch.tensor([r.cut for r in runs], device=device),
         rewards=rewards.to(device), group_ids=torch.arange(N, device=device) // G,
         prompt_len=P, group_size=G, prompts=[r.prompt for r in runs],
         completions=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in runs],
