@@ -23,6 +23,7 @@ from rlctl.train.metrics import (draw_rows, named_reward_metrics, offers_tools,
                                    reduce_metrics, rollout_metrics, train_rows)
 from rlctl.train.update import (UpdateSettings, UpdateState, nothing_trained, old_policy_inputs,
                                 update_mask, update_policy)
+from rlctl.envs.environment import is_episodic
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import check_training_sampling
 from rlctl.models.value import PolicyValueModel
@@ -161,7 +162,8 @@ class Trainer:
         check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
         backend = backend or TorchBackend(cfg.hardware.device)
         lora, tr = cfg.model.lora, cfg.trainer
-        update = UpdateSettings.from_config(cfg, prompt_sharing(tr.share_prompts, backend))
+        update = UpdateSettings.from_config(cfg, prompt_sharing(tr.share_prompts, backend),
+                                            is_episodic(prepared.task))
         return cls(cfg.algo, tr, update, cfg.logger.samples, model, tokenizer, prepared, sink,
                    source=source, backend=backend, critic=critic, ref_model=ref_model,
                    seed=cfg.seed, eval_max_new_tokens=cfg.rollout.max_new_tokens,

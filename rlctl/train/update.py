@@ -48,9 +48,15 @@ class UpdateSettings:
     trim_padding: bool = True      # cut each micro-batch to its longest completion
 
     @classmethod
-    def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
-        """``share_prompts``: ``trainer.share_prompts`` as it applies on the backend."""
+    def from_config(cls, cfg, share_prompts: bool, episodic: bool = False) -> "UpdateSettings":
+        """``share_prompts``: ``trainer.share_prompts`` as it applies on the backend;
+        ``episodic``: rows are episodes (``algo.norm_len`` null: their model-token budget)."""
         algo, tr, ro, rc = cfg.algo, cfg.trainer, cfg.rollout, cfg.algo.rollout_correction
+        if algo.norm_len is None:
+            ep = ro.episode
+            budget = min(ep.max_turns * ro.max_new_tokens, ep.max_tokens) if episodic \
+                else ro.max_new_tokens
+            algo = OmegaConf.merge(algo, {"norm_len": budget})
         return cls(algo=algo, policy_loss=get_policy_loss(algo.policy_loss),
                    clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
                    kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
