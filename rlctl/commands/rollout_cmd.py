@@ -13,9 +13,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedC
                            TimeRemainingColumn)
 
 from rlctl.commands.targets import held_out_scorer, learned_names, open_target, task_scores
-from rlctl.envs.environment import is_episodic
+from rlctl.envs.environment import episode_success, is_episodic
 from rlctl.errors import UserError
-from rlctl.train.evaluate import episode_success
 from rlctl.models.forward import learner_forward
 from rlctl.train.metrics import episode_columns
 from rlctl.models.stop_ids import stop_ids
@@ -159,7 +158,7 @@ def _episode_rows(player: EpisodePlayer, tool_task: bool, model, split: str, g: 
                "eos_token_id": int(player.tokenizer.eos_token_id),
                "stop_token_ids": list(player.stops), "truncated": e.status != DONE,
                "reward": rewards[i], "turn_rewards": list(e.turn_rewards),
-               "turn_reward": s.turn_reward, "correct": episode_success(e, rewards[i]),
+               "turn_reward": s.turn_reward, "correct": episode_success(e),
                **episode_columns(e, tool_task)}       # the sample tables' columns
         row["turns"] = [
             {**turn, "start": x.start, "end": x.end, "token_ids": ids[i][x.start:x.end],

@@ -81,8 +81,9 @@ class AlgoConfig:
     policy_loss: str = MISSING     # registry key in rlctl.core.losses
     group_size: int = knob(range=AT_LEAST_1)  # G completions per prompt
     loss_agg_mode: str = MISSING   # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    # seq-mean-token-sum-norm's constant divisor (Dr. GRPO): the generation limit
-    # (conf: rollout.max_new_tokens), never a step's own length (varies by step and rank)
+    # seq-mean-token-sum-norm's constant divisor (Dr. GRPO); null: a row's model-token budget
+    # (rollout.max_new_tokens; episodes: max_turns x that, at most episode.max_tokens), never
+    # a step's own length (varies by step and rank)
     norm_len: Optional[int] = knob(None, range=AT_LEAST_1)
     clip_eps: float = knob(range=NON_NEGATIVE)
     clip_eps_high: Optional[float] = knob(None, range=NON_NEGATIVE)  # None: same as clip_eps

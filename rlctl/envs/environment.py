@@ -5,11 +5,12 @@ episode. The episode loop (``rlctl.rollout.episodes.loop``) owns tokens and time
 from __future__ import annotations
 
 import math
+import struct
 from typing import Callable, List, Protocol, Sequence
 
 from rlctl.registry import Registry
 from rlctl.tasks import register_task
-from rlctl.types import Example, Step, Turn
+from rlctl.types import Episode, Example, Step, Turn
 
 ENVS = Registry("environment")
 
@@ -25,8 +26,8 @@ class Environment(Protocol):
 
 
 class EnvTask:
-    """A task played as episodes, ``make_env()`` a fresh environment for each; eval reads
-    ``success`` from the last info (else total reward > 0)."""
+    """A task played as episodes, ``make_env()`` a fresh environment for each; success is
+    ``episode_success``."""
 
     def __init__(self, name: str, make_env: Callable[[], Environment],
                  train: Sequence[Example], eval: Sequence[Example]):
@@ -49,6 +50,33 @@ class EnvTask:
 def is_episodic(task) -> bool:
     """True for a task whose rows are played as multi-turn episodes."""
     return callable(getattr(task, "make_env", None))
+
+
+def episode_success(episode: Episode) -> bool:
+    """The one success of an episode (training's ``episode/success_rate``, eval, tables):
+    the last ``info["success"]`` the environment set, else the sum of its turn rewards > 0."""
+    return episode.success if episode.success is not None else sum(episode.turn_rewards) > 0
+
+
+def step_flag(name: str, value) -> bool:
+    """A step's ``done`` or ``info["success"]`` (``name``) as a bool: a Python or numpy bool,
+    nothing else (the text "False" would be true); else a ValueError naming the field."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy"
+                                   and type(value).__name__ in ("bool_", "bool")):
+        return bool(value)
+    raise ValueError(f"step {name} must be a bool, got {type(value).__name__} {value!r:.40}")
+
+
+def step_reward(value) -> float:
+    """A step's reward as a float finite in float32 (the rewards' dtype: 1e300 would be inf);
+    else a ValueError naming the field."""
+    try:
+        x = float(value)
+        if math.isfinite(struct.unpack("f", struct.pack("f", x))[0]):    # rounded to float32
+            return x
+    except (TypeError, ValueError, OverflowError):
+        pass
+    raise ValueError(f"step reward must be a number finite in float32, got {value!r:.40}")
 
 
 def register_env(name: str) -> Callable[[Callable], Callable]:

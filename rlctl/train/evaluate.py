@@ -9,10 +9,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from rlctl.core.logprobs import completion_mask
-from rlctl.train.metrics import Row, endings, episode_columns, eval_rows
+from rlctl.envs.environment import episode_success
+from rlctl.train.metrics import Row, endings, episode_columns, episode_endings, eval_rows
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
-from rlctl.types import Episode, Example
+from rlctl.types import Example
 
 BATCH = 256            # completions per generate call
 EPISODE_BATCH = 64     # episodes played together
@@ -43,7 +44,7 @@ def evaluate(model, tokenizer, examples: Sequence[Example], *, scorer=None, play
     ``on_chunk(n)``: n more examples done; ``backend_kwargs``: e.g. ``synced_gpus``.
     Sums: exact_match (only with a gold reward), reward (as trained: normalised, clipped),
     reward_raw (when that shaping applies), length_mean, truncated_frac; episodes:
-    ``EPISODE_KEYS`` (success: the environment's info["success"], else reward > 0)."""
+    ``EPISODE_KEYS`` (success: ``rlctl.envs.environment.episode_success``)."""
     was_training = model.training
     model.eval()
     try:
@@ -107,11 +108,6 @@ def _completions(model, tokenizer, scorer, examples, max_new_tokens, greedy, sam
     return ev
 
 
-def episode_success(episode: Episode, reward: float) -> bool:
-    """The environment's ``success`` (the last step's info that set it), else reward > 0."""
-    return bool(episode.success) if episode.success is not None else reward > 0
-
-
 def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, step,
               on_chunk) -> Evaluation:
     """``EPISODE_KEYS`` sums; table rows: the transcript, status as finish_reason, columns."""
@@ -122,7 +118,7 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
         chunk = examples[start:start + per_chunk]
         batch = player.play(model, chunk, seed + start, greedy=greedy, group_size=samples)
         rewards = batch.rewards.tolist()
-        ok = [episode_success(e, r) for e, r in zip(batch.episodes, rewards)]
+        ok = [episode_success(e) for e in batch.episodes]
         for e, r, good in zip(batch.episodes, rewards, ok):
             for k, v in zip(EPISODE_KEYS, (good, good, r, e.turns, e.tool_calls, e.tool_errors,
                                            e.env_errors)):
@@ -132,8 +128,8 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
         ev.correct += [sum(ok[i * samples:(i + 1) * samples]) for i in range(len(chunk))]
         if len(ev.rows) < keep:
             k = min(keep - len(ev.rows), batch.num_sequences)
-            ends = [{"finish_reason": e.status, "stop_id": None, "stop_token": None}
-                    for e in batch.episodes[:k]]
+            ends = episode_endings(batch.episodes[:k], batch.completion_ids[:k], player.tokenizer,
+                                   player.stops)
             rows = eval_rows(step, batch.prompts[:k], batch.completions[:k],
                              batch.rewards[:k].tolist(), ok[:k], batch.mask[:k], ends)
             for row, e in zip(rows, batch.episodes[:k]):

@@ -12,8 +12,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from rlctl.core import counted_width, masked_mean
+from rlctl.envs.environment import episode_success
 from rlctl.models.stop_ids import decode_completions
-from rlctl.types import TOKEN_LIMIT, TURN_LIMIT, Episode, RolloutBatch
+from rlctl.types import MODEL, TOKEN_LIMIT, TURN_LIMIT, Episode, RolloutBatch
 
 Row = Dict[str, Any]
 
@@ -99,7 +100,7 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
 
 
 def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
-    """episode/*: per-episode means, two sums, the success rate over episodes reporting one."""
+    """episode/*: per-episode means (success: ``episode_success``) and two sums."""
     eps = batch.episodes
     P = batch.prompt_len
 
@@ -107,8 +108,6 @@ def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
         return torch.tensor([float(v) for v in values], dtype=torch.float64).mean()
 
     obs = batch.attention_mask[:, P:].sum(-1).double() - batch.mask.sum(-1).double()   # [N]
-    known = torch.tensor([float(e.success) for e in eps if e.success is not None],
-                         dtype=torch.float64)                                          # [n known]
     return {
         "episode/turns_mean": mean(e.turns for e in eps),
         "episode/obs_tokens_mean": obs.mean(),
@@ -118,7 +117,7 @@ def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
         "episode/obs_truncated": torch.tensor(float(sum(sp.truncated for e in eps for sp in e.spans))),
         "episode/turn_limit_frac": mean(e.status == TURN_LIMIT for e in eps),
         "episode/token_limit_frac": mean(e.status == TOKEN_LIMIT for e in eps),
-        "episode/success_rate": Moments.of(known[None], torch.ones_like(known), mean_of),
+        "episode/success_rate": mean(episode_success(e) for e in eps),
     }
 
 
@@ -148,7 +147,8 @@ REDUCE_OP = {"length/min": "min", "length/max": "max", "policy/ratio_max": "max"
 # ranks with different counts, where a plain average over ranks is biased).
 PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_frac",
                 "episode/turns_mean", "episode/obs_tokens_mean", "episode/tool_calls_mean",
-                "episode/tool_errors_mean", "episode/turn_limit_frac", "episode/token_limit_frac"}
+                "episode/tool_errors_mean", "episode/turn_limit_frac", "episode/token_limit_frac",
+                "episode/success_rate", "rollout/masked_frac"}
 
 
 def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
@@ -216,6 +216,20 @@ def endings(completion_ids: torch.Tensor, mask: torch.Tensor, truncated: Sequenc
     return out
 
 
+def episode_endings(episodes: Sequence[Episode], completion_ids: torch.Tensor, tokenizer,
+                    stops: Sequence[int]) -> List[Row]:
+    """finish_reason (the status), stop_id, stop_token of each episode (``completion_ids``
+    [n, T]): the stop id that ended its last model turn, None when a length limit or a stop
+    string did."""
+    stop_set, out = {int(s) for s in stops}, []
+    for e, row in zip(episodes, completion_ids.tolist()):
+        last = [s.end - 1 for s in e.spans if s.role == MODEL and s.end > s.start][-1:]
+        stop = int(row[last[0]]) if last and int(row[last[0]]) in stop_set else None
+        out.append({"finish_reason": e.status, "stop_id": stop,
+                    "stop_token": None if stop is None else tokenizer.convert_ids_to_tokens(stop)})
+    return out
+
+
 def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> List[float]:
     """Each row's mean advantage over its counted tokens, in float64 ([n, T] or [n, 1])."""
     m = mask.double()
@@ -224,18 +238,20 @@ def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> List[fl
 
 
 def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.Tensor,
-               tokenizer, stops: Sequence[int], tool_task: bool = False) -> List[Row]:
-    """The table of ``rows`` of ``batch``; ``rewards`` [N]: what the advantages received."""
+               tokenizer, stops: Sequence[int], tool_task: bool = False,
+               counted: Optional[torch.Tensor] = None) -> List[Row]:
+    """The table of ``rows`` of ``batch``; ``rewards`` [N]: what the advantages received;
+    ``counted`` [N, T]: the update's mask (None: ``batch.mask``), a row it left out shows 0."""
     idx = torch.tensor(rows, dtype=torch.long, device=batch.mask.device)
     mask, ids = batch.mask[idx], batch.completion_ids[idx]                   # [n, T] each
-    ends = endings(ids, mask, batch.truncated[idx].tolist(), tokenizer)
     if batch.episodes is None:
+        ends = endings(ids, mask, batch.truncated[idx].tolist(), tokenizer)
         texts = decode_completions(tokenizer, ids, mask, stops)
     else:                  # the transcript: a multi-turn row's mask has gaps
+        ends = episode_endings([batch.episodes[i] for i in rows], ids, tokenizer, stops)
         texts = [batch.completions[i] for i in rows]
-        for end, i in zip(ends, rows):
-            end["finish_reason"] = batch.episodes[i].status
-    advantages = sequence_advantages(batch.advantages[idx], mask) \
+    used = mask if counted is None else counted[idx]                         # [n, T]
+    advantages = sequence_advantages(batch.advantages[idx], used) \
         if batch.advantages is not None else [None] * len(rows)
     stale = batch.staleness[idx].tolist() if batch.staleness is not None else [0] * len(rows)
     parts = batch.reward_parts or {}
@@ -257,7 +273,7 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
 def episode_columns(episode: Episode, tool_task: bool) -> Row:
     """An episode's columns of a sample row (docs/metrics.md): counts, status, success and
     its turns as {role, text, reward, truncated}."""
-    return {"num_turns": episode.turns, "status": episode.status, "success": episode.success,
+    return {"num_turns": episode.turns, "status": episode.status, "success": episode_success(episode),
             "tool_calls": int(episode.tool_calls), "tool_errors": int(episode.tool_errors),
             "env_errors": int(episode.env_errors),
             "obs_truncated": sum(bool(s.truncated) for s in episode.spans),

@@ -6,6 +6,7 @@ token and the reward on the last (Ziegler et al., 2019)."""
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
@@ -20,7 +21,9 @@ from rlctl.train.evaluate import evaluate, means
 from rlctl.models.forward import PromptGroups, learner_forward, prompt_sharing
 from rlctl.train.metrics import (draw_rows, named_reward_metrics,
                                    reduce_metrics, rollout_metrics, train_rows)
-from rlctl.train.update import UpdateSettings, UpdateState, old_policy_inputs, update_policy
+from rlctl.train.update import (UpdateSettings, UpdateState, nothing_trained, old_policy_inputs,
+                                update_mask, update_policy)
+from rlctl.envs.environment import is_episodic
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import check_training_sampling
 from rlctl.models.value import PolicyValueModel
@@ -148,6 +151,7 @@ class Trainer:
         self.scorer = source.scorer              # training rewards (time limit, error policy)
         self.eval_scorer = prepared.scorer()    # kept apart so eval never mixes into reward/*
         self.eval_examples = list(prepared.eval)
+        self.warned = set()                      # nothing_trained causes said (once per run)
         self.local_prompts = trainer.prompts_per_step // backend.world_size   # compose() checks
 
     @classmethod
@@ -158,7 +162,8 @@ class Trainer:
         check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
         backend = backend or TorchBackend(cfg.hardware.device)
         lora, tr = cfg.model.lora, cfg.trainer
-        update = UpdateSettings.from_config(cfg, prompt_sharing(tr.share_prompts, backend))
+        update = UpdateSettings.from_config(cfg, prompt_sharing(tr.share_prompts, backend),
+                                            is_episodic(prepared.task))
         return cls(cfg.algo, tr, update, cfg.logger.samples, model, tokenizer, prepared, sink,
                    source=source, backend=backend, critic=critic, ref_model=ref_model,
                    seed=cfg.seed, eval_max_new_tokens=cfg.rollout.max_new_tokens,
@@ -251,6 +256,10 @@ class Trainer:
                        "time/logprob_s": t1 - t_gen,     # old/reference forwards + advantages
                        "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9)})
         values.update(self.source.metrics())      # async: staleness, waits
+        cause = nothing_trained(values)
+        if cause is not None and cause not in self.warned and self.backend.is_main:
+            self.warned.add(cause)
+            print(f"rlctl: warning: step {step}: {cause} (said once)", file=sys.stderr, flush=True)
         if "kl/seq_k1" in values:
             self.kl_ctl.update(values["kl/seq_k1"], sequences)   # horizon counts sequences (Ziegler et al.)
         samples = self.samples
@@ -266,7 +275,8 @@ class Trainer:
         player = self.source.player
         tool_task = batch.episodes is not None and player is not None and player.tool_task
         self.sink.samples(train_rows(batch, rows, step, rewards, self.tokenizer,
-                                     stop_ids(self.policy, self.tokenizer), tool_task),
+                                     stop_ids(self.policy, self.tokenizer), tool_task,
+                                     update_mask(batch, self.update_settings.algo)),
                           step, "train")
 
     def train(self, run_dir=None, resume_from=None, on_step=None, stop=None) -> TrainResult:

@@ -48,9 +48,15 @@ class UpdateSettings:
     trim_padding: bool = True      # cut each micro-batch to its longest completion
 
     @classmethod
-    def from_config(cls, cfg, share_prompts: bool) -> "UpdateSettings":
-        """``share_prompts``: ``trainer.share_prompts`` as it applies on the backend."""
+    def from_config(cls, cfg, share_prompts: bool, episodic: bool = False) -> "UpdateSettings":
+        """``share_prompts``: ``trainer.share_prompts`` as it applies on the backend;
+        ``episodic``: rows are episodes (``algo.norm_len`` null: their model-token budget)."""
         algo, tr, ro, rc = cfg.algo, cfg.trainer, cfg.rollout, cfg.algo.rollout_correction
+        if algo.norm_len is None:
+            ep = ro.episode
+            budget = min(ep.max_turns * ro.max_new_tokens, ep.max_tokens) if episodic \
+                else ro.max_new_tokens
+            algo = OmegaConf.merge(algo, {"norm_len": budget})
         return cls(algo=algo, policy_loss=get_policy_loss(algo.policy_loss),
                    clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
                    kl_estimator=resolve_kl_estimator(algo.kl.estimator, algo.kl.placement),
@@ -186,7 +192,7 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     model.train()
     a = s.algo
     if a.mask_truncated:     # DAPO's overlong filtering; the advantages were computed before
-        batch = batch.replace(mask=batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype))
+        batch = batch.replace(mask=update_mask(batch, a))
     records: Dict[str, List[torch.Tensor]] = {}
     shuffle = a.epochs * a.minibatches > 1
     # [N]; host syncs once per rollout. Last counted column + 1 (= mask.sum(-1) for a
@@ -225,6 +231,8 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     for k, v in records.items():
         out[k] = reduce(Moments.combine, v) if isinstance(v[0], Moments) else torch.stack(v).mean()
     out["fault/skipped_steps"] = torch.stack(records["fault/skipped_steps"]).sum()
+    if a.mask_truncated:
+        out["rollout/masked_frac"] = batch.truncated.float().mean()
     if "policy/ratio_max" in records:
         out["policy/ratio_max"] = torch.stack(records["policy/ratio_max"]).max()
     corr = s.rollout_correction
@@ -234,6 +242,27 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
                              corr.mode, corr.upper, corr.lower)
         out.update({f"rollout_corr/{k}": v for k, v in m.items()})
     return out
+
+
+def update_mask(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
+    """The mask [N, T] the loss counts: ``batch.mask``, with ``algo.mask_truncated`` 0 on
+    the truncated rows (a single-turn row with no stop id, an episode whose last model turn
+    a length limit cut)."""
+    if not algo.mask_truncated:
+        return batch.mask
+    return batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype)
+
+
+def nothing_trained(values: Dict[str, float]) -> Optional[str]:
+    """Why the step's reduced metrics ``values`` show an update that counted no token (its
+    loss 0 on every row), naming the knob; None when something trained."""
+    if values.get("rollout/masked_frac", 0.0) >= 1.0:
+        return ("every row was truncated and algo.mask_truncated=true left it out of the loss: "
+                "nothing trained (raise rollout.max_new_tokens or set algo.mask_truncated=false)")
+    if values.get("rollout_corr/masked_frac", 0.0) >= 1.0:
+        return ("algo.rollout_correction (mode mask) masked every unit, its weight outside "
+                "[algo.rollout_correction.lower, upper]: nothing trained (widen the band)")
+    return None
 
 
 def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrectionConfig]) -> RolloutBatch:

@@ -19,7 +19,8 @@ LORA = ["model.lora.enabled=true", "model.lora.r=4", "algo.kl.coef=0.05", "train
 def test_a_lora_run_on_episodes_trains_the_adapter_against_the_disabled_base(tmp_path):
     spec = env_file(tmp_path)
     tr = build_trainer(run_args(spec) + LORA)
-    try:
+    try:   # the episodes' model-token budget: 3 turns x 3 tokens (under max_tokens=20)
+        assert tr.update_settings.algo.norm_len == 3 * 3
         named = dict(tr.policy.named_parameters())
         base = {k: p.detach().clone() for k, p in named.items() if "lora_" not in k}
         adapter = {k: p.detach().clone() for k, p in named.items() if "lora_" in k}

@@ -76,7 +76,8 @@ def test_layout_of_a_scripted_episode_is_derived_by_hand(tiny):
     expected_rewards = torch.zeros(T)
     expected_rewards[[1, 6, 9]] = torch.tensor([0.5, 0.0, 1.0])
     assert torch.equal(batch.token_rewards, expected_rewards.expand(4, T))
-    assert batch.rewards.tolist() == [1.5] * 4 and not batch.truncated.any()
+    # done, but the last turn was cut by max_new_tokens (no stop id): truncated
+    assert batch.rewards.tolist() == [1.5] * 4 and batch.truncated.all()
     e = batch.episodes[0]
     assert [(s.role, s.start, s.end) for s in e.spans] == [
         (MODEL, 0, 2), (OBSERVATION, 2, 5), (MODEL, 5, 7), (OBSERVATION, 7, 8), (MODEL, 8, 10)]
@@ -178,9 +179,10 @@ def test_an_abandoned_step_does_not_block_the_interpreter_exit():
     assert done.returncode == 0 and time.time() - float(done.stdout.split()[-1]) < 60   # not 600
 
 
-@pytest.mark.parametrize("reward", [None, "one", float("nan")])
+@pytest.mark.parametrize("reward", [None, "one", float("nan"), float("inf"), 1e300, -1e39])
 def test_a_reward_that_is_not_a_number_is_an_env_error_not_a_crash(tiny, reward):
-    """A step's reward that float() refuses or that is NaN: counted in env_errors, reward 0."""
+    """A step's reward that float() refuses, or that is not finite in float32 (the rewards'
+    dtype: 1e300 and -1e39 would be infinite): counted in env_errors, reward 0."""
     batch = play(tiny, lambda: Scripted(["4"], rewards=[reward], done_after=1), stops=(),
                  max_new_tokens=2, max_tokens=40)
     assert [e.env_errors for e in batch.episodes] == [1] * 4

@@ -11,7 +11,7 @@ from rlctl.config.compose import compose
 from rlctl.core import get_policy_loss
 from rlctl.train.trainer import compute_advantages
 from rlctl.models.forward import learner_forward
-from rlctl.train.update import UpdateState, accumulate_gradients
+from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.rollout.source import keep_informative_groups
 from rlctl.types import RolloutBatch
@@ -179,12 +179,24 @@ def test_kl_estimator_and_norm_len_defaults_resolve_once(make_trainer, placement
     assert compose(["algo=ppo"]).cfg.algo.kl.placement == "in_reward"
 
 
+@pytest.mark.parametrize("turns, tokens, expected", [(4, 200, 4 * 9), (4, 20, 20), (1, 200, 9)])
+def test_norm_len_default_of_episodes_is_their_model_token_budget(turns, tokens, expected):
+    """Episodes: max_turns x max_new_tokens model tokens at most, and at most the episode's
+    max_tokens (turns and observations); a given norm_len is kept."""
+    over = ["rollout.max_new_tokens=9", f"rollout.episode.max_turns={turns}",
+            f"rollout.episode.max_tokens={tokens}", "algo=dr_grpo"]
+    assert UpdateSettings.from_config(compose(over).cfg, True, episodic=True).algo.norm_len == expected
+    assert UpdateSettings.from_config(compose(over).cfg, True).algo.norm_len == 9
+    assert UpdateSettings.from_config(compose(over + ["algo.norm_len=5"]).cfg, True,
+                                      episodic=True).algo.norm_len == 5
+
+
 def test_norm_len_default_makes_the_loss_independent_of_the_step_width(tiny):
     """seq-mean-token-sum-norm with the configured norm_len: padding the batch to a wider
     T (a step whose longest completion is longer) leaves the loss unchanged; with
     norm_len None (T) it would change by the width ratio."""
     model, tok = tiny
-    norm_len = compose(["rollout.max_new_tokens=9"]).cfg.algo.norm_len
+    norm_len = UpdateSettings.from_config(compose(["rollout.max_new_tokens=9"]).cfg, True).algo.norm_len
     assert norm_len == 9
     batch = _batch(tok)
     wide = copy.copy(batch)

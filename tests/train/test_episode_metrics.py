@@ -20,7 +20,7 @@ def _batch() -> RolloutBatch:
     row 0  m m o o o m . .   2 turns, 3 observation tokens, done, success, 1 tool call
     row 1  m o o m o o m m   3 turns, 4 observation tokens (one cut), turn limit, no success,
                              2 tool calls, 1 tool error, 1 env error
-    row 2  m m m m . . . .   1 turn, token limit, success unknown"""
+    row 2  m m m m . . . .   1 turn, token limit, success unknown (turn reward 0.5 > 0)"""
     layout = ["mmooom..", "moomoomm", "mmmm...."]
     mask = torch.tensor([[float(c == "m") for c in row] for row in layout])                 # [3, T]
     real = torch.tensor([[int(c != ".") for c in row] for row in layout])                   # [3, T]
@@ -30,7 +30,7 @@ def _batch() -> RolloutBatch:
              [Span(MODEL, 0, 4, "")]]
     episodes = [Episode(spans[0], DONE, True, tool_calls=1),
                 Episode(spans[1], TURN_LIMIT, False, tool_calls=2, tool_errors=1, env_errors=1),
-                Episode(spans[2], TOKEN_LIMIT, None)]
+                Episode(spans[2], TOKEN_LIMIT, None, turn_rewards=[0.5])]
     ids = torch.arange(3 * (P + T)).view(3, P + T) + 5
     return RolloutBatch(input_ids=ids, attention_mask=torch.cat([torch.ones(3, P, dtype=torch.long), real], 1),
                         mask=mask, truncated=torch.tensor([False, True, True]),
@@ -50,7 +50,7 @@ def test_episode_metrics_by_hand():
         "episode/obs_truncated": 1.0,
         "episode/turn_limit_frac": 1 / 3,
         "episode/token_limit_frac": 1 / 3,
-        "episode/success_rate": 1 / 2,                    # row 2's success is unknown: 1 of 2
+        "episode/success_rate": 2 / 3,                    # row 2: unknown, its reward 0.5 > 0
         "length/mean": (3 + 4 + 4) / 3,                   # counted (model) tokens only
         "length/min": 3.0, "length/max": 4.0,
     }
@@ -58,12 +58,13 @@ def test_episode_metrics_by_hand():
         assert abs(got[k] - v) < 1e-6, (k, got[k], v)
 
 
-def test_no_episodes_no_episode_metrics_and_unknown_success_is_zero():
+def test_no_episodes_no_episode_metrics_and_unknown_success_is_reward_above_zero():
+    """No environment sets success: each episode's turn rewards summed > 0 (as eval reads it)."""
     b = _batch()
     assert not [k for k in rollout_metrics(b.replace(episodes=None)) if k.startswith("episode/")]
-    for e in b.episodes:
-        e.success = None
-    assert reduce_metrics(rollout_metrics(b), _OneRank())["episode/success_rate"] == 0.0
+    for e, rewards in zip(b.episodes, ([0.0, 1.0], [0.0, 0.0, 0.0], [-1.0])):
+        e.success, e.turn_rewards = None, rewards
+    assert reduce_metrics(rollout_metrics(b), _OneRank())["episode/success_rate"] == 1 / 3
 
 
 class _Tokens:

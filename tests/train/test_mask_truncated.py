@@ -94,3 +94,23 @@ def test_config_reaches_update_settings(value):
 
     cfg = compose([f"algo.mask_truncated={str(value).lower()}"]).cfg
     assert UpdateSettings.from_config(cfg, share_prompts=True).algo.mask_truncated is value
+
+
+@pytest.mark.parametrize("overrides, knob", [
+    (["algo.rollout_correction.enabled=true", "algo.rollout_correction.mode=mask",
+      "algo.rollout_correction.lower=1.5", "algo.rollout_correction.upper=2"],
+     "algo.rollout_correction"),             # w = pi_old / pi_engine ~ 1: outside the band
+    (["algo.mask_truncated=true", "rollout.max_new_tokens=1"], "algo.mask_truncated"),
+])
+def test_a_step_that_trains_nothing_says_so_once(make_trainer, capsys, overrides, knob):
+    """Every row masked (the correction's band, or all rows truncated): grad norm 0 and one
+    warning line naming the knob, not repeated at the next step."""
+    tr = make_trainer(overrides + ["trainer.prompts_per_step=2", "algo.group_size=2",
+                                   "trainer.eval_every=0", "logger.samples.every=0"])
+    values = tr.step(1)
+    assert values.get("rollout_corr/masked_frac", values.get("rollout/masked_frac")) == 1.0
+    assert values["optim/grad_norm"] == 0.0
+    err = capsys.readouterr().err
+    assert err.count("rlctl: warning:") == 1 and knob in err and "nothing trained" in err
+    tr.step(2)
+    assert "warning" not in capsys.readouterr().err

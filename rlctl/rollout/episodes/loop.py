@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import queue
 import random
 import threading
@@ -27,6 +26,7 @@ import torch
 
 from rlctl.config.schema import EpisodeConfig, RolloutConfig
 from rlctl.core.turns import place_turn_rewards
+from rlctl.envs.environment import step_flag, step_reward
 from rlctl.errors import TrainingFault, one_line
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.models.value import PolicyValueModel
@@ -207,7 +207,8 @@ def _model_turns(sampler, tokenizer, active: List[EpisodeRun], ro: RolloutConfig
         r.episode.spans.append(Span(MODEL, len(r.ids), len(r.ids) + k, text.turn_text(turn, stop_set)))
         r.ids += turn
         r.logps += lp[:k]
-        finished = by_string is not None or turn[-1] in stop_set or k == ro.max_new_tokens
+        r.cut = by_string is None and turn[-1] not in stop_set    # a length limit ended it
+        finished = not r.cut or k == ro.max_new_tokens
         if finished:
             stepping.append(r)
         else:                               # cut by the episode's budget: not stepped
@@ -255,19 +256,16 @@ def _stepped(r: EpisodeRun, out: Optional[Outcome], timeout_s: float) -> Step:
 def _apply(r: EpisodeRun, step: Step, ep: EpisodeConfig, text: EpisodeText,
            budget: _Budget) -> None:
     info = _info(r, step.info)
-    reward = _finite(step.reward)
-    if reward is None:              # None, text, NaN: the step is an error, its reward 0
-        _fail(r, "step()", "reward", f"returned reward {step.reward!r}, not a finite number "
-              "(scored 0)")
-        reward = 0.0
+    reward = _checked(r, step_reward, step.reward, 0.0)   # None, text, NaN, inf in float32: 0
     r.episode.spans[-1].reward = reward
     r.episode.turn_rewards.append(reward)
     r.episode.tool_calls += int(info.get("tool_calls", 0) or 0)
     r.episode.tool_errors += int(info.get("tool_errors", 0) or 0)
     if "success" in info:
-        r.episode.success = bool(info["success"])
+        r.episode.success = _checked(r, functools.partial(step_flag, 'info["success"]'),
+                                     info["success"], r.episode.success)
     r.stop_strings = stop_strings(info)
-    if step.done:
+    if _checked(r, functools.partial(step_flag, "done"), step.done, False):
         return r.end(DONE)
     if r.episode.turns >= ep.max_turns:
         return r.end(TURN_LIMIT)
@@ -318,13 +316,13 @@ def _info(r: EpisodeRun, info) -> Dict[str, Any]:
     return info
 
 
-def _finite(x) -> Optional[float]:
-    """``x`` as a finite float, or None."""
+def _checked(r: EpisodeRun, check: Callable[[Any], Any], value, default):
+    """``check(value)``; a ValueError is a counted env error naming the field, ``default``."""
     try:
-        value = float(x)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
+        return check(value)
+    except ValueError as exc:
+        _fail(r, "step()", str(exc).split(" must ")[0], f"returned {exc} (ignored)")
+        return default
 
 
 class EpisodeSource(SyncSource):
@@ -361,6 +359,7 @@ class EpisodeRun:
     episode: Episode = field(default_factory=Episode)
     stop_strings: Tuple[str, ...] = ()
     ended: bool = False
+    cut: bool = False            # its last model turn ended at a length limit, not a stop
     last: Optional[Outcome] = None                      # the last env call (busy if abandoned)
 
     def end(self, status: str) -> None:
@@ -393,7 +392,7 @@ def episode_batch(runs: List[EpisodeRun], tokenizer, turn_reward: str, turn_disc
                                                 turn_reward, turn_discount)
     return RolloutBatch(
         input_ids=input_ids.to(device), attention_mask=attention.to(device), mask=mask.to(device),
-        truncated=torch.tensor([r.episode.status != DONE for r in runs], device=device),
+        truncated=torch.tensor([r.cut for r in runs], device=device),
         rewards=rewards.to(device), group_ids=torch.arange(N, device=device) // G,
         prompt_len=P, group_size=G, prompts=[r.prompt for r in runs],
         completions=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in runs],
