@@ -230,3 +230,21 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> 
         raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")
     _check_hardware(cfg)
     _check_critic_keys(cfg, overrides, algo)
+    _check_weight_dir(cfg.rollout.server)
+
+
+def _check_weight_dir(server) -> None:
+    """``rollout.server.weight_dir`` is a directory (made at the first push) or nothing yet."""
+    if server.weight_dir and Path(str(server.weight_dir)).exists() and not Path(str(server.weight_dir)).is_dir():
+        raise ConfigError(f"rollout.server.weight_dir={server.weight_dir} is a file; it must be a "
+                          "directory every server reads (one that does not exist yet is made)")
+
+
+def check_overlong(algo, rollout, episodic: bool) -> None:
+    """DAPO's overlong ramp lies inside the length budget: ``rollout.max_new_tokens``, or
+    ``rollout.episode.max_tokens`` for a task played as episodes (known once the task is built)."""
+    key, budget = (("rollout.episode.max_tokens", rollout.episode.max_tokens) if episodic
+                   else ("rollout.max_new_tokens", rollout.max_new_tokens))
+    if algo.overlong_buffer > budget:
+        raise ConfigError(f"algo.overlong_buffer={algo.overlong_buffer} must be <= {key}={budget} (the "
+                          "penalty ramps over the last overlong_buffer tokens of that length budget)")

@@ -197,8 +197,18 @@ def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Comp
     with open_dict(cfg):
         for key in ("hydra", "defaults"):
             cfg.pop(key, None)
+    _check_chosen(cfg)
     validate(cfg, given, choices["algo"])
     return Composed(cfg=cfg, choices=choices, overrides=given, recipe=recipe)
+
+
+def _check_chosen(cfg) -> None:
+    """Every group has an option (``logger=[]`` chooses none): ConfigError naming the valid ones."""
+    for group in GROUPS:
+        if OmegaConf.is_missing(cfg[group], "name"):
+            many = "one or more" if group == "logger" else "one"
+            raise ConfigError(f"no {group} chosen ({group}=[]); choose {many} of: "
+                              f"{', '.join(group_options(group))}")
 
 
 def _list_choice(group: str, overrides: Sequence[str], recipe: Optional[Dict]) -> List[str]:

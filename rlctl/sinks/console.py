@@ -16,7 +16,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 from rich.text import Text
 
-from .sink import cell_text
+from .sink import cell_text, table_columns
 
 DEFAULT_KEYS = ("reward/mean", "eval/exact_match", "policy/kl_ref", "policy/clip_frac",
                 "length/mean", "perf/tokens_per_s")
@@ -177,7 +177,7 @@ def header_lines(key: str, width: int) -> str:
 
 def sample_table(rows: Sequence[Mapping[str, Any]], step: int, table: str, width: int) -> Table:
     """The rows as a rich Table at most `width` wide; Text cells, so never read as markup."""
-    columns = [str(k) for k in rows[0]]
+    columns = table_columns(rows)
     if "step" in columns and all(row.get("step") == step for row in rows):
         columns.remove("step")
     cells = {key: [_one_line(row.get(key)) for row in rows] for key in columns}

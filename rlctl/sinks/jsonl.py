@@ -1,7 +1,8 @@
 """`metrics.jsonl` and `samples.jsonl`: strict JSON lines, each flushed when written.
 metrics: {"step": <int>, "<metric>": <float or null (NaN, +-inf)>, ...} per log(), then
 {"summary": {...}}; samples: {"table", "step", <the row's columns in order>} per row. The
-readers skip a torn last line; a file that is not UTF-8 is one ValueError naming it."""
+readers skip a line that is not a row (torn, damaged), read_samples naming it to its caller;
+a file that is not UTF-8 is one ValueError naming it."""
 from __future__ import annotations
 
 import json
@@ -85,31 +86,37 @@ class SamplesFile:
             self._file.close()
 
 
-def _json_lines(path: str | Path, what: str) -> list[dict[str, Any]]:
+def _json_lines(path: str | Path, what: str) -> list[tuple[int, Any]]:
+    """(line number, decoded JSON or None where the line is not JSON) of each non-blank line."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:   # not a file these sinks wrote
         raise ValueError(f"cannot read {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
                          f"offset {exc.start}); {what} holds one JSON object per line") from None
-    objs = []
-    for line in text.splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the last line of a run killed mid-write
-        if isinstance(obj, dict):
-            objs.append(obj)
-    return objs
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append((number, json.loads(line)))
+            except json.JSONDecodeError:
+                out.append((number, None))  # torn (the last line of a run killed mid-write) or damaged
+    return out
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The metric rows of a metrics.jsonl file (a torn last line is skipped)."""
-    return [obj for obj in _json_lines(path, "metrics.jsonl") if "step" in obj]
+    return [obj for _, obj in _json_lines(path, "metrics.jsonl") if isinstance(obj, dict) and "step" in obj]
 
 
-def read_samples(path: str | Path, table: str | None = None,
-                 step: int | None = None) -> list[dict[str, Any]]:
-    """The rows of a samples.jsonl file in order, only `table`'s and/or `step`'s if given."""
-    return [obj for obj in _json_lines(path, "samples.jsonl")
-            if "table" in obj and "step" in obj
-            and (table is None or obj["table"] == table) and (step is None or obj["step"] == step)]
+def read_samples(path: str | Path, table: str | None = None, step: int | None = None,
+                 skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """The rows of a samples.jsonl file in order, only `table`'s and/or `step`'s if given;
+    ``skipped`` gets the numbers of the lines that are not sample rows (torn, damaged)."""
+    rows = []
+    for number, obj in _json_lines(path, "samples.jsonl"):
+        if not (isinstance(obj, dict) and "table" in obj and "step" in obj):
+            if skipped is not None:
+                skipped.append(number)
+        elif (table is None or obj["table"] == table) and (step is None or obj["step"] == step):
+            rows.append(obj)
+    return rows

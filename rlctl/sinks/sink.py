@@ -23,6 +23,11 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
+def table_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every column of a sample table: the union of the rows' keys, in first-seen order."""
+    return list(dict.fromkeys(str(k) for row in rows for k in row))
+
+
 def cell_text(value: Any) -> str:
     """One sample value as table text (floats to 4 digits, turns as `role: text | ...`)."""
     if value is None:

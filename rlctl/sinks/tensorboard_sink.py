@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .sink import cell_text
+from .sink import cell_text, table_columns
 
 TENSORBOARD_DIR = "tensorboard"
 # Characters TensorBoard's Markdown would read as markup: each is escaped with a backslash.
@@ -59,7 +59,7 @@ class TensorboardSink:
         if writer is None or not rows:
             return
         self._last_step = max(self._last_step, int(step))
-        columns = [str(k) for k in rows[0]]
+        columns = table_columns(rows)
         text = markdown_table(columns, [[row.get(c) for c in columns] for row in rows])
         writer.add_text(f"samples/{table}", text, global_step=int(step))
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .sink import cell_text
+from .sink import cell_text, table_columns
 
 MODES = ("online", "offline", "disabled")
 
@@ -169,7 +169,7 @@ class WandbSink:
             return
         import wandb   # already imported by _start (the run exists)
 
-        columns = [str(k) for k in rows[0]]
+        columns = table_columns(rows)
         data = [[cell_text(v) if isinstance(v, list) else _plain(v)    # turns: one text
                  for v in map(row.get, columns)] for row in rows]
         key = sample_key(table, int(step))

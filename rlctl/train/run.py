@@ -20,7 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rlctl.dist import build_backend, launch
+from rlctl.config.checks import check_overlong
 from rlctl.config.compose import Composed, compose
+from rlctl.envs.environment import is_episodic
 from rlctl.errors import (ActorFailed, Interrupted, LaunchError, TrainingFault, UserError, one_line,
                           user_message)
 from rlctl.train.trainer import Trainer
@@ -95,6 +97,7 @@ def _checked(overrides: List[str], recipe: Optional[str], resume: Optional[str],
     check_training_sampling(cfg.rollout.top_k)
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
     check_episodes(cfg.rollout, built.task)
+    check_overlong(cfg.algo, cfg.rollout, is_episodic(built.task))
     return cfg, composed, built
 
 

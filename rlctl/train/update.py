@@ -8,6 +8,7 @@ micro-batch adds ``aggregate_sum(...) / agg_denominator(minibatch mask)``. ``mas
 (DAPO's overlong filtering, Yu et al., 2025) zeroes the mask of rows with no stop id."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import reduce
 from typing import Callable, Dict, List, Optional, Tuple
@@ -99,10 +100,12 @@ def micro_batches(row_width: torch.Tensor, prompt_len: int, size: int = 0, token
 
 def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                          critic=None, row_width: Optional[torch.Tensor] = None,
-                         prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
+                         prompts: Optional[PromptGroups] = None,
+                         logp_out: Optional[torch.Tensor] = None) -> Dict[str, Metric]:
     """Backward of one minibatch's loss, micro-batch by micro-batch, each rank's exact share of
     the global loss (normalisers summed over ``backend``'s ranks) -> detached metrics.
-    ``row_width`` ([N], CPU) and ``prompts``: found here when None."""
+    ``row_width`` ([N], CPU) and ``prompts``: found here when None; ``logp_out`` [N, T]: filled
+    with the forward's log-probs (0 past each micro-batch's width)."""
     a = s.algo
     if row_width is None:
         row_width = counted_width(batch.mask).cpu()                          # [N]
@@ -125,6 +128,8 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
         f = learner_forward(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
                             s.temperature, with_entropy=True, critic=critic, entropy_grad=bool(s.terms),
                             share_prompts=prompts.rows(rows) if s.share_prompts else False)
+        if logp_out is not None:
+            logp_out[rows.to(logp_out.device), :f.logp.shape[1]] = f.logp.detach().to(logp_out.dtype)
         old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
         loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mask,
                                           a.clip_eps, s.clip_high, a.clip_ratio_c)   # [n, T]
@@ -188,7 +193,8 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
 def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: UpdateState,
                   critic=None, prompts: Optional[PromptGroups] = None) -> Dict[str, Metric]:
     """The optimizer steps for one rollout (``model``: what ``backend.prepare`` returned) ->
-    detached metrics, means over the steps and `Moments` pooled over every token."""
+    detached metrics, means over the steps and `Moments` pooled over every token; with the
+    sampler's log-probs, ``rollout_corr/*`` (correction off: measured, the first step's rows)."""
     model.train()
     a = s.algo
     if a.mask_truncated:     # DAPO's overlong filtering; the advantages were computed before
@@ -200,6 +206,10 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     row_width = counted_width(batch.mask).cpu()
     if prompts is None and s.share_prompts:
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
+    corr = s.rollout_correction
+    # correction off: the sampler's mismatch measured against the first step's forward (pi_old)
+    measure = corr is None and batch.engine_logprobs is not None
+    measured: Dict[str, Metric] = {}
     for _ in range(a.epochs):
         order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
         # exactly a.minibatches pieces (chunk gives fewer when N / minibatches is not whole:
@@ -208,8 +218,11 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
             backend.zero_grad()
             mb = batch if not shuffle and a.minibatches == 1 else \
                 batch.select(rows.to(batch.mask.device), text=False)
+            logp = torch.zeros_like(mb.engine_logprobs) if measure and not measured else None   # [n, T]
             metrics = accumulate_gradients(model, backend, mb, s, st, critic, row_width[rows],
-                                           None if prompts is None else prompts.rows(rows))
+                                           None if prompts is None else prompts.rows(rows), logp)
+            if logp is not None:
+                measured = mismatch_metrics(logp, mb.engine_logprobs, mb.mask, "token", "measure", math.inf)
             # A non-finite loss (on any rank) skips this optimizer step on every rank, and so
             # does a minibatch with no counted token on any rank (mask_truncated): one
             # collective and one host sync per optimizer step, the only ones in the update.
@@ -235,12 +248,11 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
         out["rollout/masked_frac"] = batch.truncated.float().mean()
     if "policy/ratio_max" in records:
         out["policy/ratio_max"] = torch.stack(records["policy/ratio_max"]).max()
-    corr = s.rollout_correction
     if corr is not None and not corr.bypass and batch.engine_logprobs is not None \
             and batch.old_logprobs is not None:     # rollout_corr/*: once per rollout
-        m = mismatch_metrics(batch.old_logprobs, batch.engine_logprobs, batch.mask, corr.level,
-                             corr.mode, corr.upper, corr.lower)
-        out.update({f"rollout_corr/{k}": v for k, v in m.items()})
+        measured = mismatch_metrics(batch.old_logprobs, batch.engine_logprobs, batch.mask, corr.level,
+                                    corr.mode, corr.upper, corr.lower)
+    out.update({f"rollout_corr/{k}": v for k, v in measured.items()})
     return out
 
 

@@ -223,7 +223,7 @@ def test_sglang_full_pushes_keep_the_newest_two_copies_on_the_shared_disk(tiny, 
     (tmp_path / "mine").mkdir()                                     # not the adapter's: kept
     for version in range(1, 5):
         kind.push(version, params, "full")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "rlctl-v3", "rlctl-v4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".rlctl-written.json", "mine", "rlctl-v3", "rlctl-v4"]
     with safe_open(str(tmp_path / "rlctl-v4" / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == set(params)
 

@@ -2,6 +2,7 @@
 train step) and the audit of the train rows (of step N, else of every step)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -30,10 +31,16 @@ def samples_report(path: Path, step: Optional[int] = None) -> dict:
     if not file.is_file():
         raise UserError(f"{path} has no samples.jsonl (a run writes one with logger.jsonl=true "
                         "and logger.samples.every > 0, from its first sample table)")
+    skipped: List[int] = []
     try:
-        rows = read_samples(file)
+        rows = read_samples(file, skipped=skipped)
     except ValueError as exc:       # not UTF-8: one line naming the file
         raise UserError(str(exc)) from None
+    if skipped:
+        shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        print(f"rlctl: warning: {file}: {len(skipped)} of {len(skipped) + len(rows)} lines skipped, not "
+              f"sample rows (line{'s' if len(skipped) > 1 else ''} {shown}); the other {len(rows)} rows "
+              "are shown", file=sys.stderr, flush=True)
     if not rows:
         raise UserError(f"{file} holds no sample rows")
     for i, row in enumerate(rows, 1):
@@ -62,7 +69,7 @@ def samples_report(path: Path, step: Optional[int] = None) -> dict:
               for t in steps}
     train = [c for r, c in zip(rows, columns)
              if r["table"] == "train" and (step is None or r["step"] == step)]
-    return {"kind": "samples", "run_dir": str(path), "steps": steps, "step": shown,
+    return {"kind": "samples", "run_dir": str(path), "steps": steps, "step": shown, "skipped_lines": skipped,
             "tables": {t: v for t, v in tables.items() if v},
             "audit": audit_samples(train) if train else None,
             "audit_scope": f"train rows of step {step}" if step is not None else

@@ -33,7 +33,7 @@ from rlctl.errors import ActorFailed, UserError
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.models.value import PolicyValueModel
 from rlctl.rollout.engines.protocol import (Completion, Engine, Sampling, TorchEngine, from_bytes,
-                                  prune_versions, to_bytes)
+                                  claim_version, prune_versions, to_bytes)
 from rlctl.rollout.generate import left_padded, scored
 from rlctl.rollout.source import SEED_RANGE, SyncSource
 from rlctl.types import Example, RolloutBatch
@@ -242,9 +242,9 @@ def _in_thread(job: Callable[[], tuple]) -> Future:
 
 
 def _write(root: str, version: int, tensors: Dict[str, torch.Tensor], kind: str) -> str:
-    """``root``/v<version>/weights.safetensors, renamed into place; older ones pruned."""
+    """``root``/v<version>/weights.safetensors, renamed into place; rlctl's older ones pruned."""
     base = Path(root)
-    final, tmp = base / f"v{version}", base / f".v{version}.tmp"
+    final, tmp = claim_version(base, f"v{version}"), base / f".v{version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / "weights.safetensors").write_bytes(to_bytes(tensors, kind))

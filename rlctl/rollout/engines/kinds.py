@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from rlctl.errors import UserError
-from rlctl.rollout.engines.protocol import (LENGTH, STOP, Completion, Sampling, chunk_seed, prune_versions,
-                                  read_dir, to_bytes)
+from rlctl.rollout.engines.protocol import (LENGTH, STOP, Completion, Sampling, chunk_seed, claim_version,
+                                  prune_versions, read_dir, to_bytes)
 
 JSON = "application/json"
 
@@ -327,8 +327,8 @@ class SGLangKind(ServerKind):
             return self.lora.push(version, tensors, self._dir())
         if kind != "full":
             raise UserError(f"unknown weights kind '{kind}'; valid: full, adapter")
-        directory = self._dir() / f"rlctl-v{int(version)}"
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = claim_version(self._dir(), f"rlctl-v{int(version)}")
+        directory.mkdir(exist_ok=True)
         (directory / "model.safetensors").write_bytes(to_bytes(tensors, "full"))
         prune_versions(self._dir(), "rlctl-v", int(version))        # a model per push: keep two
         return self.push_from_disk(version, str(directory))

@@ -236,13 +236,40 @@ def read_dir(path: str) -> Tuple[Dict[str, torch.Tensor], str]:
     return tensors, _checked_kind(kinds.pop())
 
 
-def prune_versions(root: Path, prefix: str, version: int) -> None:
-    """Removes the ``root``/<prefix><n> directories of pushes older than the one before
-    ``version`` (every server has loaded a newer one; the one before may still be read)."""
-    for old in Path(root).glob(prefix + "*"):
-        n = old.name[len(prefix):]
-        if old.is_dir() and n.isdigit() and int(n) < version - 1:
-            shutil.rmtree(old, ignore_errors=True)
+MANIFEST = ".rlctl-written.json"      # the directories rlctl wrote in a shared weight directory
+
+
+def _written(root: Path) -> List[str]:
+    try:
+        return list(json.loads((root / MANIFEST).read_text()))
+    except (OSError, ValueError):
+        return []
+
+
+def claim_version(root, name: str) -> Path:
+    """``root``/``name``, recorded in root's manifest before it is written. A directory of
+    that name rlctl did not write is never overwritten: UserError."""
+    root, written = Path(root), _written(Path(root))
+    if (root / name).exists() and name not in written:
+        raise UserError(f"{root / name} exists and was not written by rlctl; rlctl never overwrites "
+                        "it: move it, or choose another rollout.server.weight_dir")
+    if name not in written:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / MANIFEST).write_text(json.dumps(written + [name]))
+    return root / name
+
+
+def prune_versions(root, prefix: str, version: int) -> None:
+    """Removes the ``root``/<prefix><n> directories rlctl wrote (the manifest's) of pushes
+    older than the one before ``version`` (every server has loaded a newer one; the one
+    before may still be read). Nothing else in ``root`` is touched."""
+    root, written = Path(root), _written(Path(root))
+    old = [n for n in written if n.startswith(prefix) and n[len(prefix):].isdigit()
+           and int(n[len(prefix):]) < version - 1]
+    for n in old:
+        shutil.rmtree(root / n, ignore_errors=True)
+    if old:
+        (root / MANIFEST).write_text(json.dumps([n for n in written if n not in old]))
 
 
 def _checked_kind(kind: str) -> str:

@@ -1,0 +1,96 @@
+"""The engine/learner mismatch is measured whenever a rollout carries the sampler's
+log-probs, with the correction off: rollout_corr/* logged, the update unchanged bit for bit."""
+import copy
+
+import pytest
+import torch
+
+from learner_kit import settings
+from omegaconf import OmegaConf
+from rlctl.config.compose import compose
+from rlctl.core.rollout_correction import mismatch_metrics
+from rlctl.dist.backends import TorchBackend
+from rlctl.models.forward import learner_forward
+from rlctl.models.loading import load_model_and_tokenizer
+from rlctl.rollout.engines.engine_source import EngineSource
+from rlctl.rollout.engines.protocol import TorchEngine
+from rlctl.sinks import NullSink
+from rlctl.train.build import prepare_task
+from rlctl.train.trainer import Trainer
+from rlctl.train.update import UpdateState, update_policy
+from rlctl.types import RolloutBatch
+
+F64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(compose([]).cfg.model).items()
+                                                     if k != "name"})
+    return copy.deepcopy(model).double(), tok
+
+
+def _batch(model, tok, n=4, t=5) -> RolloutBatch:
+    """Ragged completions; engine log-probs = the learner's + noise 0.3 on the counted tokens."""
+    g = torch.Generator().manual_seed(0)
+    enc = tok(["3 1 4 1 5 ="] * n, return_tensors="pt")
+    digits = torch.tensor(tok.convert_tokens_to_ids([str(d) for d in range(10)]))
+    comp = digits[torch.randint(0, 10, (n, t), generator=g)]                     # [N, T]
+    mask = (torch.arange(t)[None, :] < torch.tensor([5, 3, 1, 4])[:, None]).double()
+    ids = torch.cat([enc["input_ids"], comp], 1)
+    attn = torch.cat([enc["attention_mask"], mask.long()], 1)
+    with torch.no_grad():
+        learner = learner_forward(model, ids, attn, enc["input_ids"].shape[1]).logp * mask
+    engine = (learner + 0.3 * torch.randn(n, t, generator=g, dtype=F64)) * mask
+    return RolloutBatch(input_ids=ids, attention_mask=attn, mask=mask, truncated=mask[:, -1] > 0,
+                        rewards=torch.zeros(n), group_ids=torch.arange(n) // 2,
+                        prompt_len=enc["input_ids"].shape[1], group_size=2, prompts=["p"] * n,
+                        completions=["c"] * n, engine_logprobs=engine,
+                        advantages=torch.tensor([[1.0], [-0.5], [2.0], [-1.5]], dtype=F64) * mask), learner
+
+
+def _step(model, batch):
+    """One optimizer step (two micro-batches) on a copy -> (its parameters, the metrics)."""
+    model = copy.deepcopy(model)
+    backend = TorchBackend()
+    engine = backend.prepare(model, None, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0,
+                             warmup_steps=0, max_grad_norm=1.0)
+    m = update_policy(engine, backend, batch, settings(micro_batch_size=2), UpdateState())
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), m
+
+
+def test_the_mismatch_is_measured_without_changing_the_step(tiny64):
+    model, tok = tiny64
+    b, learner = _batch(model, tok)
+    with_lp, m1 = _step(model, b)
+    without, m0 = _step(model, b.replace(engine_logprobs=None))
+    assert torch.equal(with_lp, without) and torch.equal(m1["policy/loss"], m0["policy/loss"])
+    assert not any(k.startswith("rollout_corr/") for k in m0)
+    want = mismatch_metrics(learner, b.engine_logprobs, b.mask, "token", "measure", float("inf"))
+    assert set(want) == {"k3", "ppl_gap", "ess", "log_w_abs_mean", "weight_mean"}
+    for k, v in want.items():        # pi_old here: the update's own first forward, float64
+        torch.testing.assert_close(m1[f"rollout_corr/{k}"], v, atol=1e-10, rtol=1e-10)
+    assert m1["rollout_corr/k3"] > 1e-3 and 0 < m1["rollout_corr/ess"] < 1
+
+
+def test_an_engine_source_logs_the_mismatch_with_the_correction_off():
+    """An engine (here the torch one, in this process: a server's or a local engine
+    process's rollouts reach the learner the same way) samples; nothing is corrected."""
+    cfg = compose(["trainer.prompts_per_step=2", "algo.group_size=2", "trainer.eval_every=0"]).cfg
+    OmegaConf.resolve(cfg)
+    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
+    task = prepare_task(cfg, tok, model, quiet=True)
+    source = EngineSource(TorchEngine(copy.deepcopy(model), tok.pad_token_id), model, tok, list(task.train),
+                          task.scorer(), cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0)
+    tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=source)
+    try:
+        values = tr.step(1)
+    finally:
+        tr.close()
+    assert values["rollout_corr/k3"] >= 0 and abs(values["rollout_corr/ess"] - 1) < 1e-6   # float32 rounding
+    assert values["rollout_corr/weight_mean"] == 1.0              # measured only: weight 1
+
+
+def test_the_learners_own_sampler_has_nothing_to_measure(make_trainer):
+    tr = make_trainer(["trainer.prompts_per_step=2", "algo.group_size=2", "trainer.eval_every=0"])
+    assert not any(k.startswith("rollout_corr/") for k in tr.step(1))
