@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
 import torch
+import transformers.modeling_gguf_pytorch_utils as hf_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.gguf import GGUF_ARCHS
-from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+from transformers.utils import logging as hf_logging
 
 EXTRA = "pip install 'rlctl[gguf]' (or pip install gguf==0.19.0)"
+hf_gguf.tqdm = hf_logging.tqdm        # its dequantising bar obeys quiet_libraries' switch
+
 
 
 def gguf_file(name_or_path: str) -> Optional[Path]:
@@ -39,7 +40,7 @@ def gguf_file(name_or_path: str) -> Optional[Path]:
 def _supported() -> Tuple[set, set]:
     """(architectures, tensor types) transformers' GGUF loader reads with this gguf."""
     quants = importlib.import_module("gguf.quants")   # the optional extra: only for a GGUF file
-    archs = set(GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_ARCHS) | {"qwen2moe", "qwen3moe",
+    archs = set(hf_gguf.GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_ARCHS) | {"qwen2moe", "qwen3moe",
                                                                    "gpt-oss", "minimax-m2"}
     archs -= {"general", "tokenizer"}                  # metadata groups, not architectures
     return archs, {"F32", "F16"} | {t.name for t in quants._type_traits}
@@ -84,16 +85,9 @@ def load_gguf(file: Path, dtype: torch.dtype = torch.float32) -> Tuple[Any, Any]
 
 
 def convert_gguf(file: os.PathLike, out_dir: os.PathLike) -> Path:
-    """Write ``file`` as a float32 Hugging Face directory ``out_dir`` (safetensors weights,
-    config, tokenizer with its chat template), renamed into place when complete."""
+    """Write GGUF ``file`` into ``out_dir`` as a float32 Hugging Face directory (safetensors
+    weights, config, tokenizer with its chat template); returns ``out_dir``."""
     model, tokenizer = load_gguf(Path(file), torch.float32)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return Path(out_dir)

@@ -105,7 +105,7 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
     """(model, tokenizer) for "tiny" (``build_tiny``'s kwargs; others ignored) or "hf"
     (``name_or_path``: a directory, hub id or GGUF file). ValueError (one line) for a bad
     name, dtype or path."""
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype, file = resolve_dtype(dtype), None
     if name == "tiny":
         accepted = inspect.signature(build_tiny).parameters   # the agent models take fewer
         path = str(build_tiny_model(**{k: v for k, v in tiny_kwargs.items()

@@ -151,16 +151,18 @@ def test_gguf_file_trains_one_step_and_saves_safetensors(float_llama, tmp_path, 
     assert trained.config.vocab_size == len(tok)
 
 
-@pytest.mark.parametrize("case, want", [
-    ("no_extra", "needs the gguf package: pip install 'rlctl[gguf]'"),
-    ("truncated", "is corrupt or truncated, not a readable GGUF file"),
-    ("garbage", "is corrupt or truncated, not a readable GGUF file"),
-    ("arch", "has GGUF architecture 'mamba2x', which transformers cannot load; supported: "),
-    ("qtype", "holds tensors of type I8, which cannot be dequantised; supported: "),
-    ("two", "holds 2 .gguf files and no config.json; name one"),
-], ids=lambda v: v if " " not in v else "")
-def test_bad_gguf_is_one_line(float_llama, tmp_path, monkeypatch, rlctl_app, case, want):
+BAD = {"no_extra": "needs the gguf package: pip install 'rlctl[gguf]'",
+       "truncated": "is corrupt or truncated, not a readable GGUF file",
+       "garbage": "is corrupt or truncated, not a readable GGUF file",
+       "arch": "has GGUF architecture 'mamba2x', which transformers cannot load; supported: ",
+       "qtype": "holds tensors of type I8, which cannot be dequantised; supported: ",
+       "two": "holds 2 .gguf files and no config.json; name one"}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_gguf_is_one_line(float_llama, tmp_path, monkeypatch, rlctl_app, case):
     model, tok = float_llama
+    want = BAD[case]
     file = write_gguf(model, tok, tmp_path / "m.gguf", Q.F32)
     target = file
     if case == "no_extra":
