@@ -12,13 +12,12 @@ from typing import Any, Optional, Tuple
 
 import torch
 import transformers.modeling_gguf_pytorch_utils as hf_gguf
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.integrations.gguf import GGUF_ARCHS
 from transformers.utils import logging as hf_logging
 
 EXTRA = "pip install 'rlctl[gguf]' (or pip install gguf==0.19.0)"
 hf_gguf.tqdm = hf_logging.tqdm        # its dequantising bar obeys quiet_libraries' switch
-
 
 
 def gguf_file(name_or_path: str) -> Optional[Path]:
@@ -77,11 +76,10 @@ def load_gguf(file: Path, dtype: torch.dtype = torch.float32) -> Tuple[Any, Any]
     problem = gguf_problem(file)
     if problem:
         raise ValueError(problem)
-    kwargs = dict(gguf_file=file.name)
-    model = AutoModelForCausalLM.from_pretrained(str(file.parent), dtype=dtype, **kwargs)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)   # weights already dense
-    return model, AutoTokenizer.from_pretrained(str(file.parent), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=dtype,
+        quantization_config=GgufConfig(dequantize=True))   # dense, and no quantizer kept
+    return model, AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
 
 
 def convert_gguf(file: os.PathLike, out_dir: os.PathLike) -> Path:
