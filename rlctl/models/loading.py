@@ -1,5 +1,5 @@
-"""Load a causal LM and its tokenizer (left padding, a pad token): the tiny model or any HF
-checkpoint; ``disable_dropout`` for ``model.disable_dropout``."""
+"""Load a causal LM and its tokenizer (left padding, a pad token): the tiny model, any HF
+checkpoint or a GGUF file (``models.gguf``); ``disable_dropout`` for ``model.disable_dropout``."""
 from __future__ import annotations
 
 import importlib
@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlctl.models.gguf import gguf_file, gguf_problem, load_gguf
 from rlctl.models.hf_files import adapter_problem, corrupt_safetensors, vocab_problem
 from rlctl.demo.tiny import AGENT_TASKS, build_tiny
 
@@ -73,8 +74,15 @@ def prepare_tokenizer(tokenizer, model):
 
 
 def check_source(name: str, name_or_path: Optional[str]) -> None:
-    """ValueError, before a run directory exists, for a missing, adapter or corrupt model path."""
+    """ValueError, before a run directory exists, for a missing, adapter or corrupt model path
+    or a GGUF file that cannot be loaded."""
     if name != "hf" or not name_or_path:
+        return
+    file = gguf_file(name_or_path)
+    if file is not None:
+        problem = gguf_problem(file)
+        if problem:
+            raise ValueError(problem)
         return
     path = _local_dir(name_or_path)
     if path is not None:
@@ -95,22 +103,28 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
                              dtype: Any = "float32", device: Any = "cpu",
                              **tiny_kwargs) -> Tuple[Any, Any]:
     """(model, tokenizer) for "tiny" (``build_tiny``'s kwargs; others ignored) or "hf"
-    (``name_or_path``). ValueError (one line) for a bad name, dtype or path."""
-    torch_dtype = resolve_dtype(dtype)
+    (``name_or_path``: a directory, hub id or GGUF file). ValueError (one line) for a bad
+    name, dtype or path."""
+    torch_dtype, file = resolve_dtype(dtype), None
     if name == "tiny":
         accepted = inspect.signature(build_tiny).parameters   # the agent models take fewer
         path = str(build_tiny_model(**{k: v for k, v in tiny_kwargs.items()
                                        if k in accepted and v is not None}))
     elif name == "hf":
         if not name_or_path:
-            raise ValueError("model=hf needs model.name_or_path (a local directory or hub id)")
-        path = str(_local_dir(name_or_path) or name_or_path)   # or a hub id such as "org/name"
+            raise ValueError("model=hf needs model.name_or_path (a local directory, hub id or "
+                             ".gguf file)")
+        file = gguf_file(name_or_path)
+        path = str(file or _local_dir(name_or_path) or name_or_path)  # or a hub id: "org/name"
     else:
         raise ValueError(f"unknown model '{name}'; valid: {', '.join(MODELS)}")
     try:
         # safetensors only: a pickled .bin checkpoint can run code when loaded
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        if file is not None:
+            model, tokenizer = load_gguf(file, torch_dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True)
+            tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, SafetensorError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, SafetensorError):   # e.g. a truncated or overwritten file
