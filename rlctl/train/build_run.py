@@ -11,7 +11,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -32,18 +32,14 @@ from rlctl.train.trainer import Trainer
 
 @dataclass(frozen=True)
 class Rank:
-    """What one rank trains and saves; ``closing`` ends the sinks and the source."""
-    backend: Any
+    """What one rank trains (its ``trainer`` holds the backend, sink, critic and tokenizer)."""
     trainer: Trainer
-    critic: Any                     # a separate critic, or None
-    tokenizer: Any
-    sink: Any
     params: Tuple[int, int]         # (trainable, total)
     lora: bool
     merged: bool                    # model.lora.save_merged (with LoRA)
     save: bool                      # run.save_model
     resume_from: Optional[Path]     # the checkpoint a resume continues from
-    closing: ExitStack
+    closing: ExitStack              # ends the sinks and the source
     started: float                  # time.perf_counter() when the build began
 
 
@@ -82,9 +78,8 @@ def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None) -
             source.close()                   # async: the engines end now, not at Python's exit
             raise
         closing.callback(trainer.close)      # async mode: stop the engine processes
-        yield Rank(backend, trainer, critic, tokenizer, sink, params, lora,
-                   lora and bool(cfg.model.lora.save_merged), bool(cfg.run.save_model),
-                   resume_from, closing, started)
+        yield Rank(trainer, params, lora, lora and bool(cfg.model.lora.save_merged),
+                   bool(cfg.run.save_model), resume_from, closing, started)
     finally:
         closing.close()
         backend.close()

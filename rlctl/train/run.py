@@ -165,14 +165,15 @@ def _launched(run: _Run, n: int, threads: int, resume: bool, stop) -> dict:
 def finish(rank: Rank, run_dir: Path, result) -> Optional[dict]:
     """After ``rank`` trained (``result``): close its sinks and source, save the model and
     ``summary.json`` (every rank: collectives); the summary (rank 0; others None)."""
-    rank.sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
+    tr = rank.trainer
+    tr.sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
     rank.closing.close()
     seconds = time.perf_counter() - rank.started
-    model_dir = (_save_model(rank.backend, run_dir, rank.trainer.policy, rank.critic, rank.tokenizer,
-                             rank.lora, rank.merged) if rank.save else None)
-    summary = run_summary(run_dir, result, rank.backend, seconds, rank.lora, rank.params, model_dir,
-                          (rank.trainer.scorer, rank.trainer.eval_scorer))
-    if not rank.backend.is_main:
+    model_dir = (_save_model(tr.backend, run_dir, tr.policy, tr.critic, tr.tokenizer, rank.lora, rank.merged)
+                 if rank.save else None)
+    summary = run_summary(run_dir, result, tr.backend, seconds, rank.lora, rank.params, model_dir,
+                          (tr.scorer, tr.eval_scorer))
+    if not tr.backend.is_main:
         return None
     rundir.write_json_atomic(run_dir / "summary.json", summary)
     return summary
