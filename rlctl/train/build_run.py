@@ -5,6 +5,7 @@ rollout source, the ``Trainer``; a resume's newest checkpoint) and the dry run's
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import time
@@ -24,7 +25,6 @@ from rlctl.rollout.generate import check_training_sampling
 from rlctl.sinks import SAMPLES_FILE, NullSink, build_sinks
 from rlctl.storage import checkpoint
 from rlctl.train.build import model_from_config, prepare_task, task_from_config
-from rlctl.train.dryrun import MemorySettings, plan
 from rlctl.train.preflight import check_entries
 from rlctl.train.sources import build_source
 from rlctl.train.trainer import Trainer
@@ -125,4 +125,5 @@ def dry_run(cfg: DictConfig) -> List[str]:
     check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
     learned = task_from_config(cfg).learned
     check_training_sampling(cfg.rollout.top_k)
-    return plan(MemorySettings.from_config(cfg), cfg.algo, model_from_config(cfg), learned)
+    dryrun = importlib.import_module("rlctl.train.dryrun")     # a train run does not need it
+    return dryrun.plan(dryrun.MemorySettings.from_config(cfg), cfg.algo, model_from_config(cfg), learned)
