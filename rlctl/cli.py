@@ -190,7 +190,7 @@ def train(ctx: typer.Context,
         from rlctl.config.compose import compose
         composed = None if resume else compose(overrides, recipe)   # a bad override: before torch
         if dry_run:
-            from rlctl.train.dryrun import dry_run as plan
+            from rlctl.train.build_run import dry_run as plan
             plan(composed.cfg)
         else:
             from rlctl.train.run import run_training

@@ -221,16 +221,8 @@ def test_function_level_import_rule_can_fail(tmp_path):
 # until this table says why.
 BOUNDARY = ("rlctl/cli.py", "rlctl/config/", "rlctl/rm/settings.py")  # compose, checks, the rm config
 TAKES_THE_CONFIG = {
-    "rlctl/train/run.py:built_rank": "the body of one rank: builds the task, models, "
-        "sinks, rollout source and Trainer from the config each rank was handed",
-    "rlctl/train/run.py:train_rank": "a launched rank or a rank of a launcher's group: "
-        "built_rank with the config it was handed, then trains",
-    "rlctl/train/run.py:train_in_group": "a rank of a multi-node group: hands the whole "
-        "resolved config to the group's join, which compares it with rank 0's",
     "rlctl/train/sources.py:build_source": "the rollout source: an asynchronous one "
         "ships the whole resolved config to its local engine processes, which build from it",
-    "rlctl/train/dryrun.py:dry_run": "builds the run's model and task from the config and "
-        "prints the estimate of every setting it resolves",
 }
 
 

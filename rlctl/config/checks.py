@@ -7,12 +7,13 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
 from rlctl.errors import ConfigError, one_line
-from rlctl.config.schema import FieldSpec, Range, schema_fields
+from rlctl.config.schema import (AlgoConfig, FieldSpec, HardwareConfig, Range, RolloutConfig, ServerConfig,
+                                 TrainerConfig, schema_fields)
 
 # Ranges and choices are written once, in the schema (``knob``); every float is also finite.
 # A new numeric key needs a range or a place in FREE_NUMBERS (a test checks).
@@ -50,40 +51,28 @@ def range_problem(spec: FieldSpec, value: Any) -> Optional[str]:
     return f"must be {what}{tail}{why}"
 
 
-def check_choices(cfg: DictConfig) -> None:
-    """Every key with fixed choices holds one of them."""
-    for key, valid in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in valid:
-            raise ConfigError(f"invalid {key} '{value}'; valid: {', '.join(map(str, valid))}")
-
-
-def _check_resolved(cfg: DictConfig) -> None:
-    try:
-        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except Exception as exc:  # noqa: BLE001
-        msg = one_line(exc)
-        key = re.search(r"full_key: ([\w.]+)", msg)
-        if "Missing mandatory value" in msg and key:
-            raise ConfigError(f"missing value for '{key.group(1)}'; set it with {key.group(1)}=...") from None
-        raise ConfigError(msg) from None
-
-
-def check_ranges(cfg: DictConfig) -> None:
-    """Every numeric key against RANGES (and finite, for floats); no torch."""
-    def interpolated(key: str) -> bool:   # checked last: a bad source is named, not its copy
-        parent, _, leaf = key.rpartition(".")
-        return OmegaConf.is_interpolation(OmegaConf.select(cfg, parent) if parent else cfg, leaf)
-
-    numeric = [s for s in schema_fields() if s.kind in ("float", "int", "list")]
-    for spec in sorted(numeric, key=lambda s: interpolated(s.key)):
-        value = OmegaConf.select(cfg, spec.key)
+def value_problems(section, prefix: str) -> List[Tuple[int, str]]:
+    """(rank, one line) of each key under ``prefix`` ("algo.", or "" for the top-level values),
+    ``section`` holding them: outside its range (rank 0; 1 for a key that copies another by
+    interpolation, so a bad source is named before its copy) or not one of its choices (2)."""
+    out = []
+    for spec in schema_fields():
+        rel = spec.key[len(prefix):]
+        if not spec.key.startswith(prefix) or (not prefix and "." in rel):
+            continue
+        value = OmegaConf.select(section, rel)
+        if spec.key in CHOICES and value not in CHOICES[spec.key]:
+            out.append((2, f"invalid {spec.key} '{value}'; valid: {', '.join(map(str, CHOICES[spec.key]))}"))
+        if spec.kind not in ("float", "int", "list"):
+            continue
+        parent, _, leaf = rel.rpartition(".")
+        copied = OmegaConf.is_interpolation(OmegaConf.select(section, parent) if parent else section, leaf)
         items = list(value) if spec.kind == "list" and value is not None else [value]
-        for item in items:
-            problem = range_problem(spec, item)
-            if problem:
-                shown = list(value) if spec.kind == "list" else value
-                raise ConfigError(f"invalid {spec.key} '{shown}'; {problem}")
+        problem = next(filter(None, (range_problem(spec, item) for item in items)), None)
+        if problem:
+            shown = list(value) if spec.kind == "list" else value
+            out.append((int(copied), f"invalid {spec.key} '{shown}'; {problem}"))
+    return out
 
 
 def read_deepspeed_config(path: str) -> Dict:
@@ -106,7 +95,7 @@ def read_deepspeed_config(path: str) -> Dict:
     return data
 
 
-def _check_cuda(hw: DictConfig) -> None:
+def _check_cuda(hw: HardwareConfig) -> None:
     if hw.device != "cuda":
         return
     import torch  # only to ask for a GPU: validation of a CPU config imports no torch
@@ -117,38 +106,35 @@ def _check_cuda(hw: DictConfig) -> None:
                           "use hardware=cpu (or hardware.device=cpu)")
 
 
-def _check_hardware(cfg: DictConfig) -> None:
-    hw = cfg.hardware
-    if cfg.trainer.prompts_per_step % hw.num_processes:
+def _check_hardware(hw: HardwareConfig, tr: TrainerConfig, engine: str) -> None:
+    if tr.prompts_per_step % hw.num_processes:
         raise ConfigError(f"hardware.num_processes={hw.num_processes} must be >= 1 and divide "
-                          f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} (each rank "
+                          f"trainer.prompts_per_step={tr.prompts_per_step} (each rank "
                           "samples whole prompt groups)")
     if hw.deepspeed_config is not None:
         read_deepspeed_config(hw.deepspeed_config)
     _check_cuda(hw)
-    if cfg.trainer.compile and hw.backend != "torch":
+    if tr.compile and hw.backend != "torch":
         raise ConfigError("trainer.compile=true needs hardware.backend=torch (DeepSpeed wraps the "
                           f"model in its own engine; got hardware.backend={hw.backend})")
-    if cfg.trainer.async_rollout.enabled and hw.nnodes > 1 and cfg.rollout.engine == "torch":
+    if tr.async_rollout.enabled and hw.nnodes > 1 and engine == "torch":
         raise ConfigError("trainer.async_rollout runs its actors beside the learner, on one machine "
                           f"(got hardware.nnodes={hw.nnodes}); rollout on other machines is "
                           "rollout.engine=server rollout.server.urls=[http://NODE:PORT,...] with "
                           "`rlctl serve` on those machines (docs/engines.md)")
-    if cfg.trainer.async_rollout.enabled and hw.num_processes > 1:
+    if tr.async_rollout.enabled and hw.num_processes > 1:
         raise ConfigError("trainer.async_rollout.enabled=true runs one learner process; it needs "
                           f"hardware.num_processes=1 (got {hw.num_processes})")
 
 
-def _check_algo(cfg: DictConfig) -> None:
-    _check_engine(cfg)
-    a = cfg.algo
+def _check_algo(a: AlgoConfig, prompts_per_step: int) -> None:
     rc = a.rollout_correction
     if rc.mode == "mask" and rc.lower > rc.upper:
         raise ConfigError(f"algo.rollout_correction.lower={rc.lower} must be <= "
                           f"algo.rollout_correction.upper={rc.upper} (mask keeps weights in [lower, upper])")
     if a.kl.target is not None and a.kl.coef <= 0:
         raise ConfigError("an adaptive KL (algo.kl.target) needs algo.kl.coef > 0 and a target > 0")
-    n = cfg.trainer.prompts_per_step * a.group_size
+    n = prompts_per_step * a.group_size
     if n % a.minibatches and not a.dynamic_sampling:
         raise ConfigError(f"algo.minibatches={a.minibatches} must divide the "
                           f"{n} sequences per step (trainer.prompts_per_step * algo.group_size)")
@@ -157,15 +143,15 @@ def _check_algo(cfg: DictConfig) -> None:
                           f"<= algo.group_size={a.group_size} (a step may keep a single group)")
 
 
-def _check_engine(cfg: DictConfig) -> None:
+def _check_engine(rollout: RolloutConfig, hw: HardwareConfig, lora: bool) -> None:
     """rollout.engine=server: one learner process, the server keys agree."""
-    sv = cfg.rollout.server
-    if cfg.rollout.engine != "server":
+    sv = rollout.server
+    if rollout.engine != "server":
         return
-    if cfg.hardware.num_processes > 1 or cfg.hardware.nnodes > 1:
+    if hw.num_processes > 1 or hw.nnodes > 1:
         raise ConfigError("rollout.engine=server runs one learner process (hardware.num_processes=1, "
                           "hardware.nnodes=1); the servers are the other machines")
-    if cfg.rollout.sample_dtype != "float32":
+    if rollout.sample_dtype != "float32":
         raise ConfigError("rollout.sample_dtype applies to rollout.engine=torch; a server samples "
                           "in its own precision (start it with model.dtype=bfloat16)")
     if sv.weight_sync == "disk" and not sv.weight_dir:
@@ -178,12 +164,11 @@ def _check_engine(cfg: DictConfig) -> None:
     bad = next((u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))), None)
     if bad is not None:
         raise ConfigError(f"rollout.server.urls holds {bad!r}; each is http://HOST:PORT")
-    _check_kind_dirs(cfg)
+    _check_kind_dirs(sv, lora)
 
 
-def _check_kind_dirs(cfg: DictConfig) -> None:
+def _check_kind_dirs(sv: ServerConfig, lora: bool) -> None:
     """vllm/sglang servers read each push from files at a shared path: it must be named."""
-    sv, lora = cfg.rollout.server, bool(cfg.model.lora.enabled)
     if sv.kind == "rlctl":
         return
     if sv.weight_sync == "disk":
@@ -203,33 +188,39 @@ def _check_kind_dirs(cfg: DictConfig) -> None:
                           + ("the LoRA adapter" if lora else "weights"))
 
 
-def _check_eval(cfg: DictConfig) -> None:
-    if cfg.task.get("num_eval") == 0 and cfg.trainer.eval_every > 0:
+def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> None:
+    """Every check above, each given the sections it reads (the shell's ``overrides`` may not
+    set a critic key without a critic); those needing registries or the built task:
+    ``rlctl.train.preflight``."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except Exception as exc:  # noqa: BLE001
+        msg = one_line(exc)
+        key = re.search(r"full_key: ([\w.]+)", msg)
+        if "Missing mandatory value" in msg and key:
+            raise ConfigError(f"missing value for '{key.group(1)}'; set it with {key.group(1)}=...") from None
+        raise ConfigError(msg) from None
+    top = [s for s in schema_fields() if "." not in s.key]
+    sections = [(s.key + ".", cfg[s.key]) for s in top if s.kind == "group"]
+    sections.append(("", OmegaConf.masked_copy(cfg, [s.key for s in top if s.kind != "group"])))
+    problems = [p for prefix, section in sections for p in value_problems(section, prefix)]
+    if problems:
+        raise ConfigError(min(problems, key=lambda p: p[0])[1])
+    tr, hw = cfg.trainer, cfg.hardware
+    _check_engine(cfg.rollout, hw, bool(cfg.model.lora.enabled))
+    _check_algo(cfg.algo, tr.prompts_per_step)
+    if cfg.task.get("num_eval") == 0 and tr.eval_every > 0:
         raise ConfigError("task.num_eval=0 leaves no held-out set to evaluate every "
-                          f"trainer.eval_every={cfg.trainer.eval_every} steps; set "
+                          f"trainer.eval_every={tr.eval_every} steps; set "
                           "trainer.eval_every=0 (no evaluation) or task.num_eval >= 1")
-
-
-def _check_critic_keys(cfg: DictConfig, overrides: Sequence[str], algo: str) -> None:
+    if cfg.model.name == "hf" and not cfg.model.name_or_path:
+        raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")
+    _check_hardware(hw, tr, cfg.rollout.engine)
     given = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in CRITIC_KEYS]
     if given and cfg.algo.critic == "none":
         raise ConfigError(f"{given[0]} is a critic setting, and algo={algo} has no "
                           "critic; use an algorithm with one (algo=ppo) or set algo.critic=shared "
                           "with algo.advantage=gae")
-
-
-def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> None:
-    """Every check above (the shell's ``overrides`` may not set a critic key without a critic);
-    those needing registries or the built task: ``rlctl.train.preflight``."""
-    _check_resolved(cfg)
-    check_ranges(cfg)
-    check_choices(cfg)
-    _check_algo(cfg)
-    _check_eval(cfg)
-    if cfg.model.name == "hf" and not cfg.model.name_or_path:
-        raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")
-    _check_hardware(cfg)
-    _check_critic_keys(cfg, overrides, algo)
     _check_weight_dir(cfg.rollout.server)
 
 

@@ -83,12 +83,7 @@ def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], List[str]]:
     return base, rm
 
 
-def resolved_sections(cfg) -> Dict[str, Any]:
-    """The composed sections of a reward-model run's config.yaml, resolved."""
-    return {k: OmegaConf.to_container(cfg[k], resolve=True) if k != "seed" else cfg.seed
-            for k in SECTIONS}
-
-
 def default_config() -> Dict[str, Any]:
     """A reward-model run's config.yaml with no overrides (less ``data``)."""
-    return dict(resolved_sections(compose([]).cfg), rm=asdict(rm_config([])))
+    resolved = OmegaConf.to_container(compose([]).cfg, resolve=True)
+    return dict({k: resolved[k] for k in SECTIONS}, rm=asdict(rm_config([])))

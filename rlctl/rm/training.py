@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import yaml
+from omegaconf import OmegaConf
 from safetensors import SafetensorError
 from transformers import AutoTokenizer
 
@@ -24,7 +25,7 @@ from rlctl.errors import ConfigError, DataError, Interrupted, UserError
 from rlctl.models.loading import (adapter_problem, check_vocab, corrupt_safetensors,
                                   disable_dropout, quiet_libraries, resolve_dtype)
 from rlctl.demo.tiny import build_tiny
-from rlctl.rm.settings import RMConfig, resolved_sections, rm_config, split_overrides
+from rlctl.rm.settings import SECTIONS, RMConfig, rm_config, split_overrides
 from rlctl.rm.fit import (Pair, classifier_from_lm, fit, pair_counts, pairwise_accuracy,
                           prepare_for_scoring, score_pairs)
 from rlctl.rm.learned import RewardModel
@@ -239,7 +240,8 @@ def _train(composed, rm: RMConfig, train, held, prefs, eval_prefs, stop) -> Path
     if stop.requested:
         raise FitStopped(None, 0, rm.steps, stop.signum)
     run_dir = create_run_dir(cfg.run.output_dir, "rm")
-    resolved = dict(resolved_sections(cfg), rm=asdict(rm), data={
+    full = OmegaConf.to_container(cfg, resolve=True)
+    resolved = dict({k: full[k] for k in SECTIONS}, rm=asdict(rm), data={
         "prefs": str(prefs), "eval": None if eval_prefs is None else str(eval_prefs)})
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     (run_dir / "overrides.yaml").write_text(yaml.safe_dump(

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForSequenceClassification
@@ -15,10 +14,7 @@ from rlctl.core.logprobs import CHUNK_ELEMENTS
 from rlctl.models.forward import fused_head
 from rlctl.train.trainer import needs_old_forward
 from rlctl.models.lora import count_parameters
-from rlctl.models.loading import quiet_libraries
-from rlctl.rollout.generate import check_training_sampling
-from rlctl.train.build import model_from_config, task_from_config
-from rlctl.train.preflight import check_entries
+from rlctl.config.schema import AlgoConfig
 
 PROMPT_TOKENS = 16        # the rough prompt length of the estimate
 HALF = ("bfloat16", "float16")
@@ -125,23 +121,20 @@ def _fused(model) -> bool:
         return fused_head(model, inputs) is not None
 
 
-def dry_run(cfg: DictConfig) -> List[str]:
-    """Build the models as `train` would, print the plan; returns the printed lines."""
-    OmegaConf.resolve(cfg)
-    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
-    check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
-    rms = reward_model_sizes(task_from_config(cfg).learned)
-    check_training_sampling(cfg.rollout.top_k)
-    model, critic, _, ref = model_from_config(cfg)
+def plan(settings: MemorySettings, algo: AlgoConfig, models, learned) -> List[str]:
+    """Print the resident ``models`` (``model_from_config``'s four) and the memory estimate
+    of ``settings`` (``learned``: the task's reward models, or None); returns the printed lines."""
+    rms = reward_model_sizes(learned)
+    model, critic, _, ref = models
     policy = getattr(model, "policy", model)
     pt, ptotal = count_parameters(model)
     ct, ctotal = count_parameters(critic)
     conf = getattr(policy, "config", None)
     hidden = getattr(conf, "hidden_size", 0) or 0
     layers = getattr(conf, "num_hidden_layers", 0) or 0
-    kl = cfg.algo.kl.coef > 0
-    resident = [("policy" + (" + value head" if cfg.algo.critic == "shared" else "")
-                 + (" (LoRA adapter)" if cfg.model.lora.enabled else ""), f"{ptotal:,}", f"{pt:,}")]
+    kl = algo.kl.coef > 0
+    resident = [("policy" + (" + value head" if algo.critic == "shared" else "")
+                 + (" (LoRA adapter)" if settings.lora else ""), f"{ptotal:,}", f"{pt:,}")]
     if critic is not None:
         resident.append(("separate critic", f"{ctotal:,}", f"{ct:,}"))
     if kl:
@@ -149,9 +142,8 @@ def dry_run(cfg: DictConfig) -> List[str]:
         resident.append((f"reference ({what})", "0" if ref is not None else f"{ptotal:,}", "0"))
     for name, params, _ in rms:
         resident.append((f"reward model '{name}' (frozen)", f"{params:,}", "0"))
-    passes = cfg.algo.epochs * cfg.algo.minibatches
-    needs_old = needs_old_forward(cfg.algo)
-    settings = MemorySettings.from_config(cfg)
+    passes = algo.epochs * algo.minibatches
+    needs_old = needs_old_forward(algo)
     est = memory_estimate(settings, pt + ct, ptotal + ctotal, hidden, layers,
                           getattr(conf, "vocab_size", 0) or 0, _fused(model),
                           sum(size for _, _, size in rms))

@@ -1,38 +1,34 @@
-"""`rlctl train`: check the config -> own the run directory (``owned_run``) -> build the
-rank (``built_rank``) -> ``Trainer.train`` -> save and summarize (``finish``); launched
-ranks and a launcher's group run ``train_rank``. Resuming and ``summary.json`` too."""
+"""`rlctl train`: check the config -> own the run directory (``owned_run``, or ``group_run``
+in a launcher's group) -> build the rank (``rlctl.train.build_run.built_rank``) -> train,
+save and summarize (``finish``; launched ranks do the same). Resuming and ``summary.json`` too."""
 from __future__ import annotations
 
-import copy
 import json
-import os
 import resource
 import shlex
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from rlctl.dist import build_backend, launch
+from rlctl.dist import launch
 from rlctl.config.checks import check_overlong
 from rlctl.config.compose import Composed, compose
+from rlctl.config.schema import HardwareConfig
 from rlctl.envs.environment import is_episodic
 from rlctl.errors import (ActorFailed, Interrupted, LaunchError, TrainingFault, UserError, one_line,
                           user_message)
-from rlctl.train.trainer import Trainer
-from rlctl.models.loading import check_source, quiet_libraries
-from rlctl.models.lora import count_parameters
+from rlctl.models.loading import check_source
 from rlctl.rollout.generate import check_training_sampling
-from rlctl.train.build import model_from_config, prepare_task, task_from_config
+from rlctl.train.build import task_from_config
+from rlctl.train.build_run import Rank, built_rank, no_checkpoint
 from rlctl.train.preflight import check_entries, check_episodes, warn_config
-from rlctl.train.sources import build_source
-from rlctl.sinks import SAMPLES_FILE, NullSink, build_sinks
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint, rundir
 
@@ -57,7 +53,11 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
     stop = StopFlag()
     with stop.installed():
         if group is not None and group.world_size > 1:
-            summary = train_in_group(group, cfg, composed, resume, overrides, stop, built)
+            with group_run(group, hw, cfg.trainer.prompts_per_step, OmegaConf.to_container(cfg), composed,
+                           resume, overrides, stop) as (run_dir, on_step), \
+                    built_rank(cfg, run_dir, resume is not None, stop, built) as rank:
+                summary = finish(rank, run_dir, rank.trainer.train(
+                    run_dir=run_dir, resume_from=rank.resume_from, on_step=on_step, stop=stop))
         elif hw.nnodes > 1:
             code = launch.launch_node(launch.node_argv(overrides, recipe, resume), hw, stop)
             if code:
@@ -69,9 +69,8 @@ def run_training(overrides: List[str], recipe: Optional[str] = None,
         else:
             with owned_run(composed, resume, overrides, 1) as run, \
                     built_rank(cfg, run.dir, resume is not None, stop, built) as rank:
-                trainer, resume_from, finish = rank
-                summary = finish(trainer.train(run_dir=run.dir, resume_from=resume_from,
-                                               on_step=run.step_done, stop=stop))
+                summary = finish(rank, run.dir, rank.trainer.train(
+                    run_dir=run.dir, resume_from=rank.resume_from, on_step=run.step_done, stop=stop))
     if summary is None:                       # not rank 0: it prints the summary
         return {}
     print_summary(summary)
@@ -162,67 +161,21 @@ def _launched(run: _Run, n: int, threads: int, resume: bool, stop) -> dict:
     return json.loads((run.dir / "summary.json").read_text())
 
 
-@contextmanager
-def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None):
-    """This rank's models, backend, sinks, source and Trainer; yields (trainer, checkpoint
-    or None, ``finish``), then closes them. ``finish(result)`` (every rank: collectives)
-    saves the model and ``summary.json`` and returns the summary (rank 0; others None)."""
-    quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
-    started = time.perf_counter()
-    if cfg.hardware.device == "cuda" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        local = int(os.environ.get("LOCAL_RANK", 0))     # each rank its launcher's local GPU
-        torch.cuda.set_device(local)
-        cfg = copy.deepcopy(cfg)
-        cfg.hardware.device = f"cuda:{local}"             # the builders read it from the config
-    hw, lora = cfg.hardware, bool(cfg.model.lora.enabled)
-    backend = build_backend(hw.backend, hw.device, hw.zero_stage, hw.precision, hw.deepspeed_config)
-    closing = ExitStack()
-    try:
-        built = built or task_from_config(cfg)
-        model, critic, tokenizer, ref_model = model_from_config(cfg)
-        prepared = prepare_task(cfg, tokenizer, model, built)   # chat template; prompts within the context
-        params = count_parameters(model, critic)
-        torch.manual_seed(cfg.seed * 1000 + backend.rank)   # each rank samples differently
-        resume_from = resume_point(run_dir, backend) if resume else None
-        log = cfg.logger                     # rank 0's sinks (the config as a dict for wandb)
-        sink = NullSink() if not backend.is_main else build_sinks(
-            run_dir=run_dir, jsonl=log.jsonl, wandb=log.wandb, wandb_mode=log.wandb_mode,
-            project=log.project, name=run_dir.name, run_config=OmegaConf.to_container(cfg),
-            console=log.console, total_steps=cfg.trainer.steps, tensorboard=log.tensorboard)
-        closing.callback(sink.close)
-        source = build_source(cfg, model, tokenizer, prepared, backend, stop)
-        try:
-            trainer = Trainer.from_config(cfg, model, tokenizer, prepared, sink, source=source,
-                                          critic=critic, ref_model=ref_model, backend=backend)
-        except BaseException:
-            source.close()                   # async: the engines end now, not at Python's exit
-            raise
-        closing.callback(trainer.close)      # async mode: stop the engine processes
-        merged, save = lora and bool(cfg.model.lora.save_merged), bool(cfg.run.save_model)
-
-        def finish(result) -> Optional[dict]:
-            sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
-            closing.close()
-            seconds = time.perf_counter() - started
-            model_dir = (_save_model(backend, run_dir, trainer.policy, critic, tokenizer, lora, merged)
-                         if save else None)
-            summary = run_summary(run_dir, result, backend, seconds, lora, params, model_dir,
-                                  (trainer.scorer, trainer.eval_scorer))
-            if not backend.is_main:
-                return None
-            rundir.write_json_atomic(run_dir / "summary.json", summary)
-            return summary
-        yield trainer, resume_from, finish
-    finally:
-        closing.close()
-        backend.close()
-
-
-def train_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, on_step=None,
-               built=None) -> Optional[dict]:
-    """A launched rank or one of a launcher's group, as ``run_training`` trains one process."""
-    with built_rank(cfg, run_dir, resume, stop, built) as (trainer, resume_from, finish):
-        return finish(trainer.train(run_dir=run_dir, resume_from=resume_from, on_step=on_step, stop=stop))
+def finish(rank: Rank, run_dir: Path, result) -> Optional[dict]:
+    """After ``rank`` trained (``result``): close its sinks and source, save the model and
+    ``summary.json`` (every rank: collectives); the summary (rank 0; others None)."""
+    tr = rank.trainer
+    tr.sink.summary({f"final/{k}": v for k, v in result.eval_end.items()})
+    rank.closing.close()
+    seconds = time.perf_counter() - rank.started
+    model_dir = (_save_model(tr.backend, run_dir, tr.policy, tr.critic, tr.tokenizer, rank.lora, rank.merged)
+                 if rank.save else None)
+    summary = run_summary(run_dir, result, tr.backend, seconds, rank.lora, rank.params, model_dir,
+                          (tr.scorer, tr.eval_scorer))
+    if not tr.backend.is_main:
+        return None
+    rundir.write_json_atomic(run_dir / "summary.json", summary)
+    return summary
 
 
 def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
@@ -240,26 +193,27 @@ def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
 
 
 # ---- a rank of a group a launcher started (torchrun, srun, rlctl's own on several nodes) ----
-def train_in_group(group, cfg: DictConfig, composed, resume: Optional[str], overrides: List[str],
-                   stop, built) -> Optional[dict]:
-    """Join the group (configs compared); rank 0 owns the run directory and shares its path
-    (or its error); every rank trains."""
-    hw = cfg.hardware
-    _check_group(group, hw.num_processes, hw.nnodes, cfg.trainer.prompts_per_step)
+@contextmanager
+def group_run(group, hw: HardwareConfig, prompts_per_step: int, resolved: dict, composed: Composed,
+              resume: Optional[str], overrides: List[str], stop):
+    """Join the group (``resolved``, the config, compared with rank 0's); rank 0 owns the run
+    directory and shares its path (or its error); yields (run directory, on_step) on every rank."""
+    _check_group(group, hw.num_processes, hw.nnodes, prompts_per_step)
     launch.leave_with_launcher()
-    launch.join(group, hw.device, hw.dist_timeout_s, OmegaConf.to_container(cfg), stop)
+    launch.join(group, hw.device, hw.dist_timeout_s, resolved, stop)
     node_args = (f"hardware.node_rank={group.node}",) if group.source == "rlctl" else ()
     if group.rank != 0:
         run_dir = Path(launch.share(group, None))
         with _lost_rank_is_one_line(group, run_dir, node_args):
-            return train_rank(cfg, run_dir, resume is not None, stop, built=built)
+            yield run_dir, None
+        return
 
     def share_error(exc):
         launch.share(group, None, error=user_message(exc)[0])
     with owned_run(composed, resume, overrides, group.world_size, share_error, node_args) as run:
         launch.share(group, str(run.dir))
         with _lost_rank_is_one_line(group, run.dir, node_args):
-            return train_rank(cfg, run.dir, resume is not None, stop, run.step_done, built)
+            yield run.dir, run.step_done
 
 
 def _check_group(group, num_processes: int, nnodes: int, prompts_per_step: int) -> None:
@@ -308,17 +262,12 @@ class ResumeSettings:
                           for k, v in found.items() if v is not missing})
 
 
-def _no_checkpoint(run_dir: Path) -> UserError:
-    return UserError(f"cannot resume '{run_dir}': it has no complete checkpoint "
-                     "(trainer.checkpoint_every writes them)")
-
-
 def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str], world: int) -> None:
     """Refuse (one line) a resume with nothing to do, written by other than ``world`` ranks,
     or whose overrides change a shape key."""
     last = checkpoint.latest_checkpoint(run_dir)
     if last is None:
-        raise _no_checkpoint(run_dir)
+        raise no_checkpoint(run_dir)
     step = checkpoint.read_state(last)["step"]
     saved = len(list(last.glob("rng-rank*.pt")))       # one per rank that wrote it
     if saved and saved != world:
@@ -346,33 +295,6 @@ def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str
                         f"the model's shape or the checkpoint's layout ({'; '.join(changed[:3])}), so it "
                         f"cannot apply to a resume; start a new run from the recipe instead: rlctl train "
                         f"--recipe {shlex.quote(str(run_dir / 'recipe.yaml'))} {' '.join(overrides)}")
-
-
-def truncate_after(path: Path, step: int) -> None:
-    """Drop the lines of a JSONL run file logged after ``step`` (they will be redone)."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue                     # a line torn by the kill
-        if row.get("step", step + 1) <= step:
-            keep.append(line)
-    path.write_text("".join(x + "\n" for x in keep))
-
-
-def resume_point(run_dir: Path, backend) -> Path:
-    """The newest checkpoint; rank 0 drops the metric and sample lines logged after it."""
-    resume_from = checkpoint.latest_checkpoint(run_dir)
-    if resume_from is None:
-        raise _no_checkpoint(run_dir)
-    if backend.is_main:
-        for name in ("metrics.jsonl", SAMPLES_FILE):
-            truncate_after(run_dir / name, checkpoint.step_of(resume_from))
-    backend.barrier()
-    return resume_from
 
 
 def newest(run_dir: Path) -> str:

@@ -27,7 +27,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from rlctl.dist.launch import EXIT_SETUP, leave_with_launcher, write_error# noqa: E402
 from rlctl.errors import Interrupted, user_message  # noqa: E402
-from rlctl.train.run import train_rank# noqa: E402
+from rlctl.train.build_run import built_rank  # noqa: E402
+from rlctl.train.run import finish  # noqa: E402
 from rlctl.stopping import StopFlag  # noqa: E402
 from rlctl.storage import rundir  # noqa: E402
 
@@ -52,7 +53,9 @@ def _train(run_dir: Path, resume: bool, stop) -> int:
         for signum in _EARLY:                 # came before the StopFlag was installed
             stop.handle(signum)
         cfg = OmegaConf.load(run_dir / "config.yaml")
-        train_rank(cfg, run_dir, resume, stop, on_step=lambda step, values: steps.__setitem__(0, step))
+        with built_rank(cfg, run_dir, resume, stop) as rank:
+            finish(rank, run_dir, rank.trainer.train(run_dir=run_dir, resume_from=rank.resume_from, stop=stop,
+                                                     on_step=lambda step, values: steps.__setitem__(0, step)))
     except Interrupted as exc:
         return 128 + exc.signum
     except KeyboardInterrupt:                # a second Ctrl-C: abandon at once
