@@ -50,6 +50,15 @@ def check_episodes(rollout, task) -> None:
                           "model's own precision (use rollout.sample_dtype=float32)")
 
 
+def check_held_out(eval_every: int, task) -> None:
+    """Evaluation needs held-out rows (else every ``eval/*`` would read a measured-looking 0)."""
+    if eval_every > 0 and not task.eval_examples():
+        raise ConfigError(f"task '{getattr(task, 'name', type(task).__name__)}' has no held-out "
+                          f"rows (its eval_examples() returned none) to evaluate every "
+                          f"trainer.eval_every={eval_every} steps; set trainer.eval_every=0 "
+                          "or give the task held-out rows")
+
+
 def kl_placement_warning(algo) -> Optional[str]:
     """The warning for a KL estimator whose gradient follows no divergence where placed."""
     kl = algo.kl

@@ -28,7 +28,7 @@ from rlctl.models.loading import check_source
 from rlctl.rollout.generate import check_training_sampling
 from rlctl.train.build import task_from_config
 from rlctl.train.build_run import Rank, built_rank, no_checkpoint
-from rlctl.train.preflight import check_entries, check_episodes, warn_config
+from rlctl.train.preflight import check_entries, check_episodes, check_held_out, warn_config
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint, rundir
 
@@ -96,6 +96,7 @@ def _checked(overrides: List[str], recipe: Optional[str], resume: Optional[str],
     check_training_sampling(cfg.rollout.top_k)
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
     check_episodes(cfg.rollout, built.task)
+    check_held_out(cfg.trainer.eval_every, built.task)
     check_overlong(cfg.algo, cfg.rollout, is_episodic(built.task))
     return cfg, composed, built
 

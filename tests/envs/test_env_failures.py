@@ -92,6 +92,10 @@ def as_list(**options):
 
 def no_train(**options):
     return EnvTask("empty", object, [], [Example("1 +")])
+
+
+def no_eval(**options):
+    return EnvTask("empty", object, [Example("1 +")], [])
 '''
 
 
@@ -108,3 +112,17 @@ def test_a_factory_that_returns_no_usable_task_is_refused_in_one_line(tmp_path, 
                      f"run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert done.returncode == 2 and why in done.stderr and len(done.stderr.splitlines()) == 1, \
         done.stderr
+
+
+def test_a_task_with_no_held_out_rows_is_refused_when_evaluation_is_on(tmp_path, rlctl_app):
+    """Without held-out rows every eval/* would be a measured-looking 0.000: refused in one
+    line while trainer.eval_every > 0, accepted (dry run) with trainer.eval_every=0."""
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    common = ("train", "task=guess_number", f"task.name={tmp_path / 'factories.py'}:no_eval",
+              "task.max_number=null", f"run.dir={tmp_path / 'run'}")
+    done = rlctl_app(*common, "trainer.eval_every=2", cwd=tmp_path)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "no held-out rows" in done.stderr and "trainer.eval_every=0" in done.stderr
+    assert not (tmp_path / "run").exists()
+    done = rlctl_app(*common, "trainer.eval_every=0", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
