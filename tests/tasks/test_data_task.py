@@ -250,9 +250,8 @@ def test_irrelevant_null_keys_are_ignored(tmp_path, user_mod):
 
 def test_chat_messages_need_chat_format(tmp_path, user_mod):
     rows = [{"prompt": [{"role": "user", "content": "2 + 2 ="}], "answer": "4"}] * 3
-    task = _task(tmp_path, user_mod, train_path=_jsonl(tmp_path / "c.jsonl", rows))
     with pytest.raises(ValueError, match="holds chat messages; set task.prompt_format=chat"):
-        task.train_examples()
+        _task(tmp_path, user_mod, train_path=_jsonl(tmp_path / "c.jsonl", rows))   # read at build
 
 
 def test_parse_rewards_names_default_to_function_names(user_mod):
