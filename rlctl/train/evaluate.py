@@ -122,8 +122,9 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
         chunk = examples[start:start + per_chunk]
         batch = player.play(model, chunk, seed + start, greedy=greedy, group_size=samples)
         rewards = batch.rewards.tolist()
-        ok = [episode_success(e, r) for e, r in zip(batch.episodes, rewards)]
-        for e, r, good in zip(batch.episodes, rewards, ok):
+        eps = batch.episodes.records
+        ok = [episode_success(e, r) for e, r in zip(eps, rewards)]
+        for e, r, good in zip(eps, rewards, ok):
             for k, v in zip(EPISODE_KEYS, (good, good, r, e.turns, e.tool_calls, e.tool_errors,
                                            e.env_errors)):
                 sums[k] += v
@@ -133,10 +134,10 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
         if len(ev.rows) < keep:
             k = min(keep - len(ev.rows), batch.num_sequences)
             ends = [{"finish_reason": e.status, "stop_id": None, "stop_token": None}
-                    for e in batch.episodes[:k]]
+                    for e in eps[:k]]
             rows = eval_rows(step, batch.prompts[:k], batch.completions[:k],
                              batch.rewards[:k].tolist(), ok[:k], batch.mask[:k], ends)
-            for row, e in zip(rows, batch.episodes[:k]):
+            for row, e in zip(rows, eps[:k]):
                 row.update(episode_columns(e, tool_task))
             ev.rows += rows
         if on_chunk is not None:

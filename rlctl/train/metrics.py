@@ -94,14 +94,15 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
     })
     if batch.returns is not None:
         out["value/return_mean"] = masked_mean(batch.returns, batch.mask)
-    if batch.ref_logprobs is not None and batch.old_logprobs is not None:
-        out["kl/seq_k1"] = ((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean()
+    lp = batch.logprobs
+    if lp.ref is not None and lp.old is not None:
+        out["kl/seq_k1"] = ((lp.old - lp.ref) * batch.mask).sum(-1).mean()
     return out
 
 
 def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
     """episode/*: per-episode means, two sums, the success rate over episodes reporting one."""
-    eps = batch.episodes
+    eps = batch.episodes.records
     P = batch.prompt_len
 
     def mean(values) -> torch.Tensor:
@@ -235,10 +236,11 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
     else:                  # the transcript: a multi-turn row's mask has gaps
         texts = [batch.completions[i] for i in rows]
         for end, i in zip(ends, rows):
-            end["finish_reason"] = batch.episodes[i].status
+            end["finish_reason"] = batch.episodes.records[i].status
     advantages = sequence_advantages(batch.advantages[idx], mask) \
         if batch.advantages is not None else [None] * len(rows)
-    stale = batch.staleness[idx].tolist() if batch.staleness is not None else [0] * len(rows)
+    staleness = batch.logprobs.staleness
+    stale = staleness[idx].tolist() if staleness is not None else [0] * len(rows)
     parts = batch.reward_parts or {}
     out = []
     for j, (i, groups, reward, length) in enumerate(zip(
@@ -250,7 +252,7 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
         row.update({"reward": reward, "advantage": advantages[j], "length": length, **ends[j],
                     "policy_version": step - 1 - int(stale[j])})
         if batch.episodes is not None:
-            row.update(episode_columns(batch.episodes[i], tool_task))
+            row.update(episode_columns(batch.episodes.records[i], tool_task))
         out.append(row)
     return out
 

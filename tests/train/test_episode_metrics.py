@@ -5,8 +5,8 @@ import torch
 
 from rlctl.train.metrics import endings
 from rlctl.train.metrics import reduce_metrics, rollout_metrics
-from rlctl.types import (DONE, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode, RolloutBatch,
-                         Span)
+from rlctl.types import (DONE, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode, EpisodePart,
+                         RolloutBatch, Span)
 
 P, T = 2, 8
 
@@ -36,7 +36,7 @@ def _batch() -> RolloutBatch:
                         mask=mask, truncated=torch.tensor([False, True, True]),
                         rewards=torch.tensor([1.0, 0.0, 0.5]), group_ids=torch.arange(3), prompt_len=P,
                         group_size=1, prompts=[""] * 3, completions=[""] * 3,
-                        advantages=torch.zeros(3, T), episodes=episodes)
+                        advantages=torch.zeros(3, T), episodes=EpisodePart(episodes, torch.zeros(3, T)))
 
 
 def test_episode_metrics_by_hand():
@@ -61,7 +61,7 @@ def test_episode_metrics_by_hand():
 def test_no_episodes_no_episode_metrics_and_unknown_success_is_zero():
     b = _batch()
     assert not [k for k in rollout_metrics(b.replace(episodes=None)) if k.startswith("episode/")]
-    for e in b.episodes:
+    for e in b.episodes.records:
         e.success = None
     assert reduce_metrics(rollout_metrics(b), _OneRank())["episode/success_rate"] == 0.0
 
