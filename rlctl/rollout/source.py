@@ -1,5 +1,5 @@
 """Where a step's rollouts come from: ``Source`` says what the trainer asks of one;
-``SyncSource`` is every source's base. ``collect``: one step's batch with DAPO's dynamic
+``SyncSource``, every source's base, declares it. ``collect``: one step's batch with DAPO's dynamic
 sampling (groups of equal rewards dropped, more prompts sampled, up to ``max_rounds`` rollouts).
 """
 from __future__ import annotations
@@ -38,12 +38,10 @@ class Source(Protocol):
         """Stops what the source started (engines, reward workers)."""
 
 
-class SyncSource:
+class SyncSource(Source):
     """Rows drawn with replacement by ``prompt_rng``; no metrics; the scorer closed at the end."""
     examples: List[Example]
-    prompt_rng: random.Random
-    scorer: RewardScorer
-    player = None       # a source playing episodes: its EpisodePlayer
+    player = None
 
     def draw(self, num_groups: int) -> List[int]:
         return [self.prompt_rng.randrange(len(self.examples)) for _ in range(num_groups)]
