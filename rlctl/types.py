@@ -53,8 +53,8 @@ class LogProbs:
 class EpisodePart:
     """What multi-turn rows add: each row's episode and its placed turn rewards."""
     records: List["Episode"] = _axis(TEXT)
-    token_rewards: torch.Tensor = _axis(COMPLETION)   # each turn's weighted reward on its last
-    # token, each row summing to ``rewards`` (rollout.episode.turn_reward)
+    # each turn's weighted reward on its last token, a row summing to ``rewards`` (turn_reward)
+    token_rewards: torch.Tensor = _axis(COMPLETION)
 
 
 @dataclass
