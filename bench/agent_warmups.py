@@ -58,7 +58,7 @@ def step0(task_name: str, cache: str, rows: int) -> dict:
     task = build_task(task_name)
     player = EpisodePlayer(tok, task, settings_of(RECIPES[task_name]), 1,
                            resolve_stop_ids(model, tok))
-    eps = player.play(model, task.eval_examples()[:rows], 0, greedy=True).episodes
+    eps = player.play(model, task.eval_examples()[:rows], 0, greedy=True).episodes.records
     turns = [s for e in eps for s in e.spans if s.role == MODEL]
     called = [e for e in eps if e.tool_calls]
     n = len(eps)

@@ -59,7 +59,7 @@ def play(model, tok, rows, args, concurrency: int) -> float:
     t0 = time.perf_counter()
     batch = EpisodePlayer(tok, task, s, args.episodes // len(rows), ()).play(model, rows, seed=0)
     seconds = time.perf_counter() - t0
-    assert all(e.turns == args.turns and e.env_errors == 0 for e in batch.episodes)
+    assert all(e.turns == args.turns and e.env_errors == 0 for e in batch.episodes.records)
     return seconds
 
 
@@ -89,7 +89,7 @@ def play_kv(model, tok, args, kv_reuse: bool):
     t0 = time.perf_counter()
     batch = EpisodePlayer(tok, task, s, args.episodes // len(rows), ()).play(model, rows, seed=0)
     seconds = time.perf_counter() - t0
-    assert all(e.turns == args.kv_turns for e in batch.episodes)
+    assert all(e.turns == args.kv_turns for e in batch.episodes.records)
     return seconds, batch
 
 

@@ -25,18 +25,45 @@ ROW = "row"                    # [N]
 TEXT = "text"                  # a list of N items (strings, or Episode records)
 COLUMNS = "columns"            # a dict: name -> a list of N floats
 SCALAR = "scalar"              # one value for the whole batch
+PART = "part"                  # a record of such fields (LogProbs, EpisodePart)
 
 
 def _axis(kind: str, optional: bool = False):
     return field(default=None, metadata={"axis": kind}) if optional else field(metadata={"axis": kind})
 
 
+@dataclass(frozen=True)
+class LogProbs:
+    """Log-probs of the sampled tokens ([N, T]) and their provenance; None: not recorded."""
+    old: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    """log pi_old: the sampler's (stale rows, episodes), else the learner's before the update
+    (Trainer._prepare); None: the learner's own forward stands in (one pass, ratio 1)."""
+    engine: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    """log pi_engine as the sampler drew each token, 0 off the mask (rollout correction)."""
+    ref: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    """log pi_ref: the reference model's forward (Trainer._prepare); None: no KL term."""
+    behaviour_rows: Optional[torch.Tensor] = _axis(ROW, optional=True)
+    """[N] bool, from ``concat``: the rows whose ``old`` is real (the rest placeholders for
+    the learner's pi_old); None: every row's."""
+    staleness: Optional[torch.Tensor] = _axis(ROW, optional=True)
+    """[N] long, from engines: learner updates since the weights that sampled each row."""
+
+
+@dataclass(frozen=True)
+class EpisodePart:
+    """What multi-turn rows add: each row's episode and its placed turn rewards."""
+    records: List["Episode"] = _axis(TEXT)
+    # each turn's weighted reward on its last token, a row summing to ``rewards`` (turn_reward)
+    token_rewards: torch.Tensor = _axis(COMPLETION)
+
+
 @dataclass
 class RolloutBatch:
     """N = B*G sampled completions and everything the learner needs; each field's layout is its
-    axis (TOKENS [N, P+T], COMPLETION [N, T], ROW [N], ...); optional ones may be None. Multi-turn
-    rows: the completion holds every turn after the prompt; ``attention_mask`` is 1 on model
-    turns and observations, ``mask`` on the model's own tokens only."""
+    axis (TOKENS [N, P+T], COMPLETION [N, T], ROW [N], ...; PART: a record of such fields);
+    optional ones may be None. Multi-turn rows: the completion holds every turn after the
+    prompt; ``attention_mask`` is 1 on model turns and observations, ``mask`` on the model's
+    own tokens only."""
     input_ids: torch.Tensor = _axis(TOKENS)           # long
     attention_mask: torch.Tensor = _axis(TOKENS)      # long; 1 on real prompt and completion tokens
     mask: torch.Tensor = _axis(COMPLETION)            # float; 1 on tokens that count (EOS included)
@@ -47,23 +74,14 @@ class RolloutBatch:
     group_size: int = _axis(SCALAR)
     prompts: List[str] = _axis(TEXT)
     completions: List[str] = _axis(TEXT)
-    # log pi_old at rollout time (None: the learner's own); log pi_ref (None: no KL term)
-    old_logprobs: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
-    ref_logprobs: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
+    # {name: [N floats]}: each named reward (0 where missing)
+    reward_parts: Optional[Dict[str, List[float]]] = _axis(COLUMNS, optional=True)
+    logprobs: LogProbs = field(default_factory=LogProbs, metadata={"axis": PART})
+    episodes: Optional[EpisodePart] = _axis(PART, optional=True)       # None: single-turn
+    # the learner's, from the rest (Trainer._prepare)
     advantages: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)  # the estimator's
     old_values: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)  # critic V(s_t)
     returns: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)  # value targets, detached
-    # bool: the rows whose old_logprobs are real (the rest placeholders for pi_old); None: all
-    behaviour_rows: Optional[torch.Tensor] = _axis(ROW, optional=True)
-    # long: learner updates since the weights that sampled each row (async engines)
-    staleness: Optional[torch.Tensor] = _axis(ROW, optional=True)
-    # {name: [N floats]}: each named reward (0 where missing)
-    reward_parts: Optional[Dict[str, List[float]]] = _axis(COLUMNS, optional=True)
-    # episodes: each turn's weighted reward on its last token, each row summing to ``rewards``
-    token_rewards: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
-    episodes: Optional[List["Episode"]] = _axis(TEXT, optional=True)  # None: single-turn
-    # log pi_engine as the sampler drew each token (0 off the mask): rlctl.core.rollout_correction
-    engine_logprobs: Optional[torch.Tensor] = _axis(COMPLETION, optional=True)
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -74,69 +92,86 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
     def replace(self, **changes) -> "RolloutBatch":
-        """A new batch with some fields changed (the others shared, not copied)."""
+        """A new batch with some fields changed (the others shared, not copied); a part given
+        as a dict changes only those of its fields."""
+        for name, value in changes.items():
+            if name in _PARTS and isinstance(value, dict):
+                changes[name] = dataclasses.replace(getattr(self, name), **value)
         return dataclasses.replace(self, **changes)
 
     def select(self, rows: torch.Tensor, text: bool = True) -> "RolloutBatch":
         """Some rows, every per-row field indexed (``text=False``: no text lists, no host sync)."""
         idx = rows.tolist() if text else []
-        picked: Dict[str, Any] = {}
-        for name, kind in _AXES:
-            value = getattr(self, name)
-            if value is None or kind == SCALAR:
-                continue
+
+        def pick(kind: str, value):
             if kind == TEXT:
-                picked[name] = list(map(value.__getitem__, idx))
-            elif kind == COLUMNS:
-                picked[name] = {}
-                for key, column in value.items():
-                    picked[name][key] = list(map(column.__getitem__, idx))
-            else:
-                picked[name] = value[rows]
-        return dataclasses.replace(self, **picked)
+                return list(map(value.__getitem__, idx))
+            if kind == COLUMNS:
+                return {key: list(map(column.__getitem__, idx)) for key, column in value.items()}
+            return value[rows]
+        return _mapped(self, pick)
 
     def cut(self, width: int) -> "RolloutBatch":
         """The first ``width`` completion columns (prompt kept); exact if the rest is padding."""
-        cut: Dict[str, Any] = {}
-        for name, kind in _AXES:
-            value = getattr(self, name)
-            if value is not None and kind == TOKENS:
-                cut[name] = value[:, :self.prompt_len + width]               # [N, P+w]
-            elif value is not None and kind == COMPLETION:
-                cut[name] = value[:, :width]                                 # [N, w]
-        return dataclasses.replace(self, **cut)
+        def cut(kind: str, value):
+            if kind == TOKENS:
+                return value[:, :self.prompt_len + width]                    # [N, P+w]
+            return value[:, :width] if kind == COMPLETION else value         # [N, w]
+        return _mapped(self, cut)
+
+    def to(self, device) -> "RolloutBatch":
+        """Every tensor on ``device``."""
+        return _mapped(self, lambda kind, v: v.to(device) if isinstance(v, torch.Tensor) else v)
 
     @staticmethod
     def concat(batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBatch":
         """Batches stacked: prompts left-padded to the longest P, completions right-padded to the
         longest T (``pad_id`` in input_ids, 0 elsewhere); group ids renumbered. An optional field
-        missing in some batches is None, except old_logprobs (``_cat_behaviour``)."""
+        or part missing in some batches is None, except the old log-probs (``_cat_behaviour``)."""
         P = max(b.prompt_len for b in batches)
         T = max(b.mask.shape[1] for b in batches)
         offsets = torch.tensor([0] + [int(b.group_ids.max()) + 1 for b in batches[:-1]]).cumsum(0)
         parts = [b.replace(group_ids=b.group_ids + int(o)) for b, o in zip(batches, offsets)]
-        out: Dict[str, Any] = {"prompt_len": P}
-        for f in fields(RolloutBatch):
-            kind, values = f.metadata["axis"], [getattr(b, f.name) for b in parts]
-            if kind == SCALAR or f.name in _PAIRED or any(v is None for v in values):
-                continue
+
+        def stack(kind: str, name: str, values: list):
+            if name in _PAIRED:
+                return None                                                  # below
             if kind == TEXT:
-                out[f.name] = [x for v in values for x in v]
-                continue
+                return [x for v in values for x in v]
             if kind == COLUMNS:
-                out[f.name] = _cat_columns(values, [b.num_sequences for b in parts])
-                continue
-            pad = pad_id if f.name == "input_ids" else 0
-            out[f.name] = torch.cat([_pad(v, kind, P - b.prompt_len, b.mask.shape[1], T, pad)
-                                     for b, v in zip(parts, values)])
-        out["old_logprobs"], out["behaviour_rows"] = _cat_behaviour(parts, T)
-        out.update({f.name: None for f in fields(RolloutBatch)
-                    if f.name not in out and f.default is None})
-        return parts[0].replace(**out)
+                return _cat_columns(values, [b.num_sequences for b in parts])
+            pad = pad_id if name == "input_ids" else 0
+            return torch.cat([_pad(v, kind, P - b.prompt_len, b.mask.shape[1], T, pad)
+                              for b, v in zip(parts, values)])
+        old, behaviour = _cat_behaviour(parts, T)
+        return _stacked(parts, stack).replace(prompt_len=P, logprobs=dict(old=old, behaviour_rows=behaviour))
 
 
-_AXES = tuple((f.name, f.metadata["axis"]) for f in fields(RolloutBatch))   # (name, layout)
-_PAIRED = ("old_logprobs", "behaviour_rows")    # stacked together by _cat_behaviour
+_PARTS = tuple(f.name for f in fields(RolloutBatch) if f.metadata["axis"] == PART)
+_PAIRED = ("old", "behaviour_rows")    # LogProbs fields stacked together by _cat_behaviour
+
+
+def _mapped(record, fn):
+    """``record`` with ``fn(kind, value)`` for each field set (parts entered; scalars kept)."""
+    changes = {}
+    for f in fields(record):
+        kind, value = f.metadata["axis"], getattr(record, f.name)
+        if value is not None and kind != SCALAR:
+            changes[f.name] = _mapped(value, fn) if kind == PART else fn(kind, value)
+    return dataclasses.replace(record, **changes)
+
+
+def _stacked(records: Sequence, stack):
+    """One record from several, ``stack(kind, name, values)`` per field (parts entered; scalars
+    the first's); a field or part that any of them lacks is None."""
+    changes: Dict[str, Any] = {}
+    for f in fields(records[0]):
+        kind, values = f.metadata["axis"], [getattr(r, f.name) for r in records]
+        if kind == SCALAR:
+            continue
+        changes[f.name] = None if any(v is None for v in values) else \
+            _stacked(values, stack) if kind == PART else stack(kind, f.name, values)
+    return dataclasses.replace(records[0], **changes)
 
 
 def _cat_columns(values: Sequence[Dict[str, List[float]]], rows: Sequence[int]) -> Dict[str, List[float]]:
@@ -146,17 +181,18 @@ def _cat_columns(values: Sequence[Dict[str, List[float]]], rows: Sequence[int]) 
 
 
 def _cat_behaviour(batches: Sequence[RolloutBatch], T: int):
-    """(old_logprobs [N, T], behaviour_rows [N] bool) stacked, each None when not needed: rows
-    without old log-probs get 0-filled placeholders, marked False in behaviour_rows."""
-    if all(b.old_logprobs is None for b in batches):
+    """(old [N, T], behaviour_rows [N] bool) stacked, each None when not needed: rows without
+    old log-probs get 0-filled placeholders, marked False in behaviour_rows."""
+    if all(b.logprobs.old is None for b in batches):
         return None, None
     olds, rows = [], []
     for b in batches:
         n, t = b.mask.shape
-        has = b.old_logprobs is not None
-        old = b.old_logprobs if has else b.mask.new_zeros(n, t)                          # [n, t]
+        lp = b.logprobs
+        has = lp.old is not None
+        old = lp.old if has else b.mask.new_zeros(n, t)                                  # [n, t]
         olds.append(F.pad(old, (0, T - t)))                                              # [n, T]
-        rows.append(b.behaviour_rows if b.behaviour_rows is not None and has else
+        rows.append(lp.behaviour_rows if lp.behaviour_rows is not None and has else
                     torch.full((n,), has, dtype=torch.bool, device=b.mask.device))       # [n]
     behaviour = torch.cat(rows)                                                          # [N]
     return torch.cat(olds), (None if bool(behaviour.all()) else behaviour)

@@ -143,9 +143,9 @@ def _episode_rows(player: EpisodePlayer, tool_task: bool, model, split: str, g: 
     batch = player.play(model, chunk, seed + start, group_size=g)
     widths = batch.attention_mask[:, batch.prompt_len:].sum(-1).tolist()  # [N] transcripts
     ids, masks = batch.completion_ids.tolist(), batch.mask.long().tolist()
-    logps, rewards = batch.old_logprobs.double().tolist(), batch.rewards.double().tolist()
+    logps, rewards = batch.logprobs.old.double().tolist(), batch.rewards.double().tolist()
     out = []
-    for i, e in enumerate(batch.episodes):
+    for i, e in enumerate(batch.episodes.records):
         n = int(widths[i])
         mask = masks[i][:n]
         lps = [round(v, 6) if m else 0.0 for v, m in zip(logps[i][:n], mask)]

@@ -18,7 +18,7 @@ from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermo
                                    state_in_modules, unpadded_notice)
 from rlctl.models.stop_ids import decode_completions, stop_ids
 from rlctl.models.value import PolicyValueModel
-from rlctl.types import Example, RolloutBatch
+from rlctl.types import Example, LogProbs, RolloutBatch
 
 SAMPLE_DTYPES = ("float32", "bfloat16")
 
@@ -186,7 +186,7 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
             stops: Optional[Sequence[int]] = None, engine_logprobs: bool = False,
             sample_dtype: str = "float32", **backend_kwargs) -> RolloutBatch:
     """G completions for each of the B examples, scored in one batch; the sampled tokens'
-    log-probs kept as ``old_logprobs`` (``behaviour_logprobs``) and ``engine_logprobs``."""
+    log-probs kept as ``logprobs.old`` (``behaviour_logprobs``) and ``logprobs.engine``."""
     stops = tuple(stops) if stops is not None else stop_ids(model, tokenizer)
     prompts = [ex.prompt for ex in examples for _ in range(group_size)]   # N = B*G, grouped
     with sampling_precision(model, sample_dtype):
@@ -197,15 +197,15 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
     logp = logp[0] if logp else None                                         # [N, T]
     mask, truncated = completion_mask(seqs[:, plen:], stops, tokenizer.pad_token_id)
     return scored(tokenizer, examples, group_size, seqs, prompt_mask, mask, truncated, stops,
-                  score_batch, old_logprobs=logp if behaviour_logprobs else None,
-                  engine_logprobs=None if logp is None else logp * mask.to(logp.dtype))
+                  score_batch, LogProbs(old=logp if behaviour_logprobs else None,
+                                        engine=None if logp is None else logp * mask.to(logp.dtype)))
 
 
 def scored(tokenizer, examples: Sequence[Example], group_size: int, seqs: torch.Tensor,
            prompt_mask: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor,
-           stops: Sequence[int], score_batch, **fields) -> RolloutBatch:
+           stops: Sequence[int], score_batch, logprobs: LogProbs) -> RolloutBatch:
     """Sequences [N, P+T] of B examples x G (completions masked by ``mask`` [N, T]) decoded
-    and scored in one batch -> a RolloutBatch with ``fields`` (log-probs, staleness)."""
+    and scored in one batch -> a RolloutBatch with ``logprobs``."""
     plen = prompt_mask.shape[1]
     completions = decode_completions(tokenizer, seqs[:, plen:], mask, stops)
     per_row = [examples[i // group_size] for i in range(len(completions))]
@@ -216,7 +216,7 @@ def scored(tokenizer, examples: Sequence[Example], group_size: int, seqs: torch.
         input_ids=seqs, attention_mask=torch.cat([prompt_mask, mask.long()], 1), mask=mask,
         truncated=truncated, rewards=rewards, group_ids=group_ids, prompt_len=plen,
         group_size=group_size, prompts=[ex.prompt for ex in examples for _ in range(group_size)],
-        completions=completions, **fields)
+        completions=completions, logprobs=logprobs)
 
 
 def left_padded(prompts, pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor]:

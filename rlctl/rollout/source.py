@@ -1,12 +1,11 @@
-"""Where a step's rollouts come from: a source has ``sample(num_groups) -> RolloutBatch``,
-``after_update()``, ``metrics()``, ``close()``, a ``prompt_rng`` (saved by the checkpoint)
-and the ``scorer``. ``collect``: one step's batch with DAPO's dynamic sampling (groups of
-equal rewards dropped, more prompts sampled, up to ``max_rounds`` rollouts).
+"""Where a step's rollouts come from: ``Source`` says what the trainer asks of one;
+``SyncSource``, every source's base, declares it. ``collect``: one step's batch with DAPO's dynamic
+sampling (groups of equal rewards dropped, more prompts sampled, up to ``max_rounds`` rollouts).
 """
 from __future__ import annotations
 
 import random
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -14,17 +13,35 @@ from rlctl.config.schema import AlgoConfig, RolloutConfig
 from rlctl.core import zero_std_groups
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.generate import rollout
+from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import Example, RolloutBatch
 
 SEED_RANGE = 2 ** 31     # the environments' seeds of an episodic task
 
 
-class SyncSource:
+class Source(Protocol):
+    """What the trainer asks of a rollout source."""
+    prompt_rng: random.Random      # draws the rows; its state is checkpointed
+    scorer: RewardScorer           # the training rewards and their counters
+    player: Optional[Any]          # an episodic task's EpisodePlayer (eval, sample tables), else None
+
+    def sample(self, num_groups: int) -> RolloutBatch:
+        """``num_groups`` prompts x G completions (or episodes)."""
+
+    def after_update(self) -> None:
+        """The learner's weights moved on (one optimizer step per rollout)."""
+
+    def metrics(self) -> Dict[str, float]:
+        """The source's own metrics since the last call (async/*, time/*, engine/*)."""
+
+    def close(self) -> None:
+        """Stops what the source started (engines, reward workers)."""
+
+
+class SyncSource(Source):
     """Rows drawn with replacement by ``prompt_rng``; no metrics; the scorer closed at the end."""
     examples: List[Example]
-    prompt_rng: random.Random
-    scorer: object
-    player = None       # a source playing episodes: its EpisodePlayer (eval, sample tables)
+    player = None
 
     def draw(self, num_groups: int) -> List[int]:
         return [self.prompt_rng.randrange(len(self.examples)) for _ in range(num_groups)]

@@ -118,8 +118,9 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
         chunk = examples[start:start + per_chunk]
         batch = player.play(model, chunk, seed + start, greedy=greedy, group_size=samples)
         rewards = batch.rewards.tolist()
-        ok = [episode_success(e) for e in batch.episodes]
-        for e, r, good in zip(batch.episodes, rewards, ok):
+        eps = batch.episodes.records
+        ok = [episode_success(e) for e in eps]
+        for e, r, good in zip(eps, rewards, ok):
             for k, v in zip(EPISODE_KEYS, (good, good, r, e.turns, e.tool_calls, e.tool_errors,
                                            e.env_errors)):
                 sums[k] += v
@@ -128,11 +129,11 @@ def _episodes(model, player, examples, greedy, samples, seed, batch_size, keep, 
         ev.correct += [sum(ok[i * samples:(i + 1) * samples]) for i in range(len(chunk))]
         if len(ev.rows) < keep:
             k = min(keep - len(ev.rows), batch.num_sequences)
-            ends = episode_endings(batch.episodes[:k], batch.completion_ids[:k], player.tokenizer,
+            ends = episode_endings(eps[:k], batch.completion_ids[:k], player.tokenizer,
                                    player.stops)
             rows = eval_rows(step, batch.prompts[:k], batch.completions[:k],
                              batch.rewards[:k].tolist(), ok[:k], batch.mask[:k], ends)
-            for row, e in zip(rows, batch.episodes[:k]):
+            for row, e in zip(rows, eps[:k]):
                 row.update(episode_columns(e, tool_task))
             ev.rows += rows
         if on_chunk is not None:

@@ -94,14 +94,15 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
     })
     if batch.returns is not None:
         out["value/return_mean"] = masked_mean(batch.returns, batch.mask)
-    if batch.ref_logprobs is not None and batch.old_logprobs is not None:
-        out["kl/seq_k1"] = ((batch.old_logprobs - batch.ref_logprobs) * batch.mask).sum(-1).mean()
+    lp = batch.logprobs
+    if lp.ref is not None and lp.old is not None:
+        out["kl/seq_k1"] = ((lp.old - lp.ref) * batch.mask).sum(-1).mean()
     return out
 
 
 def episode_metrics(batch: RolloutBatch) -> Dict[str, Metric]:
     """episode/*: per-episode means (success: ``episode_success``) and two sums."""
-    eps = batch.episodes
+    eps = batch.episodes.records
     P = batch.prompt_len
 
     def mean(values) -> torch.Tensor:
@@ -248,12 +249,13 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
         ends = endings(ids, mask, batch.truncated[idx].tolist(), tokenizer)
         texts = decode_completions(tokenizer, ids, mask, stops)
     else:                  # the transcript: a multi-turn row's mask has gaps
-        ends = episode_endings([batch.episodes[i] for i in rows], ids, tokenizer, stops)
+        ends = episode_endings([batch.episodes.records[i] for i in rows], ids, tokenizer, stops)
         texts = [batch.completions[i] for i in rows]
     used = mask if counted is None else counted[idx]                         # [n, T]
     advantages = sequence_advantages(batch.advantages[idx], used) \
         if batch.advantages is not None else [None] * len(rows)
-    stale = batch.staleness[idx].tolist() if batch.staleness is not None else [0] * len(rows)
+    staleness = batch.logprobs.staleness
+    stale = staleness[idx].tolist() if staleness is not None else [0] * len(rows)
     parts = batch.reward_parts or {}
     out = []
     for j, (i, groups, reward, length) in enumerate(zip(
@@ -265,7 +267,7 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
         row.update({"reward": reward, "advantage": advantages[j], "length": length, **ends[j],
                     "policy_version": step - 1 - int(stale[j])})
         if batch.episodes is not None:
-            row.update(episode_columns(batch.episodes[i], tool_task))
+            row.update(episode_columns(batch.episodes.records[i], tool_task))
         out.append(row)
     return out
 

@@ -74,7 +74,7 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
     try:
         clients = [engine_source.LocalEngine(p, c, f"rollout engine process {i + 1}")
                    for i, (p, c) in enumerate(zip(engines.procs, engines.conns))]
-        player = getattr(local, "player", None)
+        player = local.player
 
         def close():
             for engine in clients:

@@ -27,7 +27,7 @@ from rlctl.envs.environment import is_episodic
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import check_training_sampling
 from rlctl.models.value import PolicyValueModel
-from rlctl.rollout.source import SyncSource, collect
+from rlctl.rollout.source import Source, collect
 from rlctl.config.schema import AlgoConfig, SamplesConfig, TrainerConfig
 from rlctl.stopping import StopFlag
 from rlctl.storage import checkpoint
@@ -46,7 +46,7 @@ def overlong(batch: RolloutBatch, s: UpdateSettings) -> torch.Tensor:
     buffer, penalty = s.algo.overlong_buffer, s.algo.overlong_penalty
     if buffer <= 0:
         return torch.zeros_like(batch.rewards)
-    if batch.token_rewards is None:
+    if batch.episodes is None:
         return overlong_penalty(batch.mask.sum(-1), s.max_new_tokens, buffer, penalty)
     lengths = batch.attention_mask[:, batch.prompt_len:].sum(-1)          # [N]
     return overlong_penalty(lengths, s.episode_max_tokens, buffer, penalty)
@@ -71,16 +71,16 @@ def compute_advantages(batch: RolloutBatch, s: UpdateSettings, kl_coef: float,
     """(advantages [N, T], returns [N, T] or None); ``values`` [N, T] for GAE. With several
     ranks, outcome estimators see every rank's groups and whitening is global."""
     if s.kl_in_reward and kl_coef > 0:   # the trainer computes old log-probs for this case
-        kl = (batch.old_logprobs, batch.ref_logprobs, batch.mask, kl_coef, s.kl_estimator)
+        kl = (batch.logprobs.old, batch.logprobs.ref, batch.mask, kl_coef, s.kl_estimator)
     else:
         zero = torch.zeros_like(batch.mask)
         kl = (zero, zero, batch.mask, 0.0)
     seq_return = None
-    if batch.token_rewards is None:      # the reward on the last counted token, KL shaping
+    if batch.episodes is None:      # the reward on the last counted token, KL shaping
         per_token = kl_shaped_rewards(shaped_task_rewards(batch, s), *kl)            # [N, T]
     else:       # episodes: the placed turn rewards, plus the shaping (KL, overlong penalty)
         shaping = kl_shaped_rewards(overlong(batch, s), *kl)                         # [N, T]
-        per_token = batch.token_rewards.to(shaping.dtype) + shaping                 # [N, T]
+        per_token = batch.episodes.token_rewards.to(shaping.dtype) + shaping        # [N, T]
         seq_return = batch.rewards.to(shaping.dtype) + (shaping * batch.mask).sum(-1)   # [N]
     returns = None
     a = s.algo
@@ -129,7 +129,7 @@ class Trainer:
 
     def __init__(self, algo: AlgoConfig, trainer: TrainerConfig, update: UpdateSettings,
                  samples: SamplesConfig, model, tokenizer, prepared: Prepared, sink, *,
-                 source: SyncSource, backend, lr: float, seed: int, eval_max_new_tokens: int,
+                 source: Source, backend, lr: float, seed: int, eval_max_new_tokens: int,
                  critic=None, ref_model=None):
         self.algo, self.trainer_cfg, self.update_settings, self.samples = algo, trainer, update, samples
         self.seed, self.eval_max_new_tokens = seed, eval_max_new_tokens
@@ -188,14 +188,15 @@ class Trainer:
     def _prepare(self, batch: RolloutBatch, prompts: Optional[PromptGroups]) -> RolloutBatch:
         """The batch with old/reference log-probs and values where needed, advantages and
         returns (``prompts``: rows sharing a prompt, or None). Stale async rows keep the
-        behaviour log-probs; on-policy ones (``behaviour_rows``) get pi_old's."""
+        behaviour log-probs; on-policy ones (``logprobs.behaviour_rows``) get pi_old's."""
         args = (batch.input_ids, batch.attention_mask, batch.prompt_len,
                 self.update_settings.temperature)
         share = prompts if prompts is not None else False
         corr = self.update_settings.rollout_correction
         if corr is not None:
             batch = old_policy_inputs(batch, corr)
-        old, values, mixed = batch.old_logprobs, batch.old_values, batch.behaviour_rows is not None
+        lp = batch.logprobs
+        old, values, mixed = lp.old, batch.old_values, lp.behaviour_rows is not None
         if mixed or self.old_forward and (old is None or self.algo.critic != "none"):
             self.model.eval()
             f = learner_forward(self.model, *args, critic=self.critic, share_prompts=share)
@@ -203,10 +204,10 @@ class Trainer:
             if old is None:
                 old = f.logp
             elif mixed:          # stale rows keep the behaviour log-probs exactly
-                old = torch.where(batch.behaviour_rows[:, None], old, f.logp)
+                old = torch.where(lp.behaviour_rows[:, None], old, f.logp)
         ref = learner_forward(self.ref_model, *args, share_prompts=share).logp \
             if self.ref_model is not None else None
-        out = batch.replace(old_logprobs=old, old_values=values, ref_logprobs=ref, behaviour_rows=None)
+        out = batch.replace(logprobs=dict(old=old, ref=ref, behaviour_rows=None), old_values=values)
         advantages, returns = compute_advantages(out, self.update_settings, self.kl_ctl.coef, values,
                                                  self.backend)
         return out.replace(advantages=advantages, returns=returns)

@@ -130,10 +130,10 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
                             share_prompts=prompts.rows(rows) if s.share_prompts else False)
         if logp_out is not None:
             logp_out[rows.to(logp_out.device), :f.logp.shape[1]] = f.logp.detach().to(logp_out.dtype)
-        old = mb.old_logprobs if mb.old_logprobs is not None else f.logp.detach()
+        old = mb.logprobs.old if mb.logprobs.old is not None else f.logp.detach()
         loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mask,
                                           a.clip_eps, s.clip_high, a.clip_ratio_c)   # [n, T]
-        if mb.old_logprobs is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
+        if mb.logprobs.old is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
             ratio = torch.exp((f.logp.detach() - old).clamp(-20, 20))                  # [n, T]
             metrics["policy/ratio_std"] = Moments.of(ratio[None], mask, population_std)
             mb_max = torch.where(mask > 0, ratio, 0.0).max()
@@ -147,15 +147,15 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
             terms_loss = terms_loss + coef * aggregate_sum(fn(f.logp, f.entropy, mask), mask,
                                                            a.loss_agg_mode, a.norm_len) / denom
         kl_loss = 0.0
-        if mb.ref_logprobs is not None:      # one estimate: the loss (in_loss) and policy/kl_ref
+        if mb.logprobs.ref is not None:      # one estimate: the loss (in_loss) and policy/kl_ref
             in_loss = st.kl_coef > 0 and s.kl_in_loss and not st.policy_frozen   # warm-up: critic only
-            kl_mat = kl_estimate(f.logp if in_loss else f.logp.detach(), mb.ref_logprobs,
+            kl_mat = kl_estimate(f.logp if in_loss else f.logp.detach(), mb.logprobs.ref,
                                  s.kl_estimator)                                           # [n, T]
             if in_loss:
                 kl_loss = st.kl_coef * aggregate_sum(kl_mat, mask, a.loss_agg_mode, a.norm_len) / denom
             metrics["policy/kl_ref"] = masked_mean(kl_mat.detach(), mask)
             for k in ("k1", "k3"):       # whatever the estimator, so runs stay comparable
-                metrics[f"kl/{k}"] = masked_mean(kl_estimate(f.logp.detach(), mb.ref_logprobs, k), mask)
+                metrics[f"kl/{k}"] = masked_mean(kl_estimate(f.logp.detach(), mb.logprobs.ref, k), mask)
         v_loss = 0.0
         if mb.returns is not None and f.values is not None:    # token-mean over the minibatch
             v_mat, v_metrics = value_loss_per_token(f.values, mb.old_values, mb.returns, mask,
@@ -208,7 +208,7 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
     corr = s.rollout_correction
     # correction off: the sampler's mismatch measured against the first step's forward (pi_old)
-    measure = corr is None and batch.engine_logprobs is not None
+    measure = corr is None and batch.logprobs.engine is not None
     measured: Dict[str, Metric] = {}
     for _ in range(a.epochs):
         order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
@@ -218,11 +218,11 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
             backend.zero_grad()
             mb = batch if not shuffle and a.minibatches == 1 else \
                 batch.select(rows.to(batch.mask.device), text=False)
-            logp = torch.zeros_like(mb.engine_logprobs) if measure and not measured else None   # [n, T]
+            logp = torch.zeros_like(mb.logprobs.engine) if measure and not measured else None   # [n, T]
             metrics = accumulate_gradients(model, backend, mb, s, st, critic, row_width[rows],
                                            None if prompts is None else prompts.rows(rows), logp)
             if logp is not None:
-                measured = mismatch_metrics(logp, mb.engine_logprobs, mb.mask, "token", "measure", math.inf)
+                measured = mismatch_metrics(logp, mb.logprobs.engine, mb.mask, "token", "measure", math.inf)
             # A non-finite loss (on any rank) skips this optimizer step on every rank, and so
             # does a minibatch with no counted token on any rank (mask_truncated): one
             # collective and one host sync per optimizer step, the only ones in the update.
@@ -248,9 +248,10 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
         out["rollout/masked_frac"] = batch.truncated.float().mean()
     if "policy/ratio_max" in records:
         out["policy/ratio_max"] = torch.stack(records["policy/ratio_max"]).max()
-    if corr is not None and not corr.bypass and batch.engine_logprobs is not None \
-            and batch.old_logprobs is not None:     # rollout_corr/*: once per rollout
-        measured = mismatch_metrics(batch.old_logprobs, batch.engine_logprobs, batch.mask, corr.level,
+    lp = batch.logprobs
+    if corr is not None and not corr.bypass and lp.engine is not None \
+            and lp.old is not None:     # rollout_corr/*: once per rollout
+        measured = mismatch_metrics(lp.old, lp.engine, batch.mask, corr.level,
                                     corr.mode, corr.upper, corr.lower)
     out.update({f"rollout_corr/{k}": v for k, v in measured.items()})
     return out
@@ -282,17 +283,18 @@ def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrectionConfi
     no old log-probs, so the learner computes pi_old for every row."""
     if corr is None:
         return batch
-    if batch.engine_logprobs is None:
+    if batch.logprobs.engine is None:
         raise UserError("algo.rollout_correction.enabled=true needs the sampler's log-probs, "
-                        "and this rollout source recorded none (engine_logprobs)")
-    old = batch.engine_logprobs if corr.bypass else None
-    return batch.replace(old_logprobs=old, behaviour_rows=None)
+                        "and this rollout source recorded none (logprobs.engine)")
+    old = batch.logprobs.engine if corr.bypass else None
+    return batch.replace(logprobs=dict(old=old, behaviour_rows=None))
 
 
 def correction_weight(mb: RolloutBatch, corr: RolloutCorrectionConfig) -> torch.Tensor:
     """The weight [n, T] multiplying each token's policy loss (correction on, no bypass)."""
-    if mb.engine_logprobs is None or mb.old_logprobs is None:
+    lp = mb.logprobs
+    if lp.engine is None or lp.old is None:
         raise UserError("algo.rollout_correction needs both the sampler's log-probs and the "
-                        "learner's old ones in the batch (engine_logprobs, old_logprobs)")
-    return correction_weights(mb.old_logprobs, mb.engine_logprobs, mb.mask, corr.level, corr.mode,
+                        "learner's old ones in the batch (logprobs.engine, logprobs.old)")
+    return correction_weights(lp.old, lp.engine, mb.mask, corr.level, corr.mode,
                               corr.upper, corr.lower)

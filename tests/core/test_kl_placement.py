@@ -21,7 +21,7 @@ from rlctl.core import (KL_DEFAULT_ESTIMATOR, KL_PLACEMENT_NOTES, get_policy_los
                         kl_estimate, resolve_kl_estimator)
 from rlctl.train.trainer import compute_advantages
 from rlctl.train.update import UpdateState, accumulate_gradients
-from rlctl.types import RolloutBatch
+from rlctl.types import LogProbs, RolloutBatch
 
 V, BETA = 5, 0.3
 THETA = torch.tensor([0.4, -1.1, 0.9, 0.05, -0.3], dtype=torch.float64)
@@ -45,21 +45,21 @@ def _batch(action: int) -> RolloutBatch:
                         mask=torch.ones(1, 1, dtype=torch.float64), truncated=torch.tensor([False]),
                         rewards=torch.zeros(1, dtype=torch.float64), group_ids=torch.zeros(1, dtype=torch.long),
                         prompt_len=1, group_size=1, prompts=[""], completions=[""],
-                        ref_logprobs=REF[action].reshape(1, 1))
+                        logprobs=LogProbs(ref=REF[action].reshape(1, 1)))
 
 
 def _engine_grad(action: int, kind: str, placement: str) -> torch.Tensor:
     """The gradient the engine's update applies for one sampled action. [V]"""
     model, batch = Bandit(), _batch(action)
     logp = torch.log_softmax(model.theta, 0)[action].reshape(1, 1)          # [1, 1], has grad
-    batch.old_logprobs = logp          # with grad: the shaping must not differentiate it
+    batch = batch.replace(logprobs=dict(old=logp))   # with grad: the shaping must not differentiate it
     adv = settings(estimator="reinforce", std_eps=0.0, baseline="none", gamma=1.0,
                             lam=1.0, whiten=False, kl_in_reward=placement == "in_reward",
                             kl_estimator=kind, overlong_buffer=0, overlong_penalty=0.0,
                             max_new_tokens=1)
     batch.advantages, _ = compute_advantages(batch, adv, BETA, None)
     assert not batch.advantages.requires_grad
-    batch.old_logprobs = None          # single pass: ratio 1, old = current (detached)
+    batch = batch.replace(logprobs=dict(old=None))   # single pass: ratio 1, old = current (detached)
     s = settings(policy_loss=get_policy_loss("ppo_clip"), clip_low=0.2, clip_high=0.2,
                        agg_mode="token-mean", norm_len=None, epochs=1, minibatches=1,
                        kl_estimator=kind, kl_in_loss=placement == "in_loss", temperature=1.0, share_prompts=False)
@@ -139,7 +139,7 @@ def test_engine_in_reward_shaping_is_a_constant_reward():
     term to the loss: raising the coefficient changes nothing once advantages are fixed."""
     model, batch = Bandit(), _batch(2)
     logp = torch.log_softmax(model.theta, 0)[2].reshape(1, 1)
-    batch.old_logprobs = logp
+    batch = batch.replace(logprobs=dict(old=logp))
     adv = settings(estimator="reinforce", std_eps=0.0, baseline="none", gamma=1.0, lam=1.0,
                             whiten=False, kl_in_reward=True, kl_estimator="k1", overlong_buffer=0,
                             overlong_penalty=0.0, max_new_tokens=1)

@@ -256,7 +256,7 @@ def test_rollout_behaviour_logprobs_equal_the_learners(hybrid, name):
     f = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len,
                         temperature=0.8, share_prompts=groups, fused=False)
     keep = batch.mask > 0
-    assert (f.logp[keep] - batch.old_logprobs[keep].double()).abs().max() < _tol(name) + 1e-5
+    assert (f.logp[keep] - batch.logprobs.old[keep].double()).abs().max() < _tol(name) + 1e-5
 
 
 def test_recurrent_gemma_fallback_is_said_once_and_zero3_is_refused(hybrid, monkeypatch, caplog):

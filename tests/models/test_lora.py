@@ -254,8 +254,8 @@ def test_ppo_trainer_with_lora_reference(tiny):
     for i, b in enumerate(seen):                 # the reference is the base at every step
         m = b.mask.bool()
         base = learner_forward(tiny[0], b.input_ids, b.attention_mask, b.prompt_len).logp
-        torch.testing.assert_close(b.ref_logprobs[m], base.detach()[m], rtol=0, atol=1e-5)
-        gap = (b.old_logprobs[m] - b.ref_logprobs[m]).abs().max()
+        torch.testing.assert_close(b.logprobs.ref[m], base.detach()[m], rtol=0, atol=1e-5)
+        gap = (b.logprobs.old[m] - b.logprobs.ref[m]).abs().max()
         assert gap < 1e-6 if i == 0 else gap > 1e-3   # B = 0 before the first update
     moved = {n for n, p in pv.named_parameters() if not torch.equal(p, before[n])}
     assert "value_head.summary.weight" in moved and any("lora_B" in n for n in moved)

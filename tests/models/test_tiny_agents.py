@@ -161,7 +161,7 @@ def _turns(ep):
 
 def _number_share(batch):
     """Share of model turns that are digit words (the warm-ups' answer format)."""
-    turns = [t for e in batch.episodes for t in _turns(e)]
+    turns = [t for e in batch.episodes.records for t in _turns(e)]
     return sum(bool(t.split()) and all(w.isdigit() for w in t.split()) for t in turns) / len(turns)
 
 
@@ -192,7 +192,7 @@ def test_small_warmups_answer_in_numbers_through_the_episode_loop(small_agents):
         assert _number_share(batch) >= 0.8, name     # measured 1.0, 1.0, 0.96; untrained 0.0
         ids = batch.completion_ids[batch.completion_ids != tok.pad_token_id]
         assert tok.unk_token_id not in ids.tolist()
-        assert all(e.turns >= 1 and e.status in ("done", "turn_limit") for e in batch.episodes)
+        assert all(e.turns >= 1 and e.status in ("done", "turn_limit") for e in batch.episodes.records)
 
 
 def test_without_the_warmup_turns_are_not_numbers(build_once):

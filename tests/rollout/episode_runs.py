@@ -80,10 +80,10 @@ def model_turn_gaps(batch, learner):
     """(row, span, max |learner - behaviour| log-prob) of every model turn of a played
     batch, each episode checked to have at least two turns (so later turns are compared)."""
     out = []
-    for i, e in enumerate(batch.episodes):
+    for i, e in enumerate(batch.episodes.records):
         assert e.turns >= 2
         for s in e.spans:
             if s.role == MODEL:
-                gap = (learner[i, s.start:s.end] - batch.old_logprobs[i, s.start:s.end]).abs().max()
+                gap = (learner[i, s.start:s.end] - batch.logprobs.old[i, s.start:s.end]).abs().max()
                 out.append((i, s, float(gap)))
     return out

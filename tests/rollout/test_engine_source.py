@@ -290,7 +290,7 @@ def test_the_run_starts_its_own_servers_survives_one_killed_and_stops_them(capfd
         procs[0].kill()
         procs[0].join(10)
         batch = source.sample(2)
-        assert batch.input_ids.shape[0] == 8 and bool((batch.staleness == 0).all())
+        assert batch.input_ids.shape[0] == 8 and bool((batch.logprobs.staleness == 0).all())
         said = [ln for ln in capfd.readouterr().err.splitlines() if "rollout server" in ln]
         assert len(said) == 1 and dead in said[0] and "lost" in said[0]
     finally:

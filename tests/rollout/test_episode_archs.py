@@ -137,11 +137,11 @@ def test_learner_logprobs_equal_behaviour_turn_by_turn_on_real_architectures(arc
                                max_tokens=80)
     torch.manual_seed(0)
     batch = EpisodePlayer(tok, task, *settings, stops).play(model, rows, seed=0)
-    assert batch.old_logprobs.dtype == torch.float64
+    assert batch.logprobs.old.dtype == torch.float64
     learner = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
     for i, s, gap in model_turn_gaps(batch, learner):
         assert gap < 1e-5, (name, i, s, gap)
-    for i, e in enumerate(batch.episodes):
+    for i, e in enumerate(batch.episodes.records):
         for s in e.spans:
             if s.role != MODEL:
                 assert s.role == OBSERVATION and (batch.mask[i, s.start:s.end] == 0).all()

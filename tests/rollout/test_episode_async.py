@@ -51,16 +51,16 @@ def test_stale_async_episodes_keep_their_records_and_behaviour_logprobs(trainers
     assert all(1 <= s["episode/turns_mean"] <= 3 for s in steps)
     assert all(s["episode/tool_calls_mean"] == s["episode/turns_mean"] for s in steps)  # 1 per step
     batch = tr.source.sample(2)                              # one more, as the learner gets it
-    assert batch.num_sequences == 4 and len(batch.episodes) == 4
-    for i, e in enumerate(batch.episodes):
+    assert batch.num_sequences == 4 and len(batch.episodes.records) == 4
+    for i, e in enumerate(batch.episodes.records):
         model_cols = [c for s in e.spans if s.role == MODEL for c in range(s.start, s.end)]
         obs_cols = [c for s in e.spans if s.role == OBSERVATION for c in range(s.start, s.end)]
         assert batch.mask[i].nonzero().flatten().tolist() == model_cols
-        assert (batch.old_logprobs[i, model_cols] < 0).all()
-        assert (batch.old_logprobs[i, obs_cols] == 0).all()
+        assert (batch.logprobs.old[i, model_cols] < 0).all()
+        assert (batch.logprobs.old[i, obs_cols] == 0).all()
         ends = [s.end - 1 for s in e.spans if s.role == MODEL]
-        assert batch.token_rewards[i].nonzero().flatten().tolist() == \
+        assert batch.episodes.token_rewards[i].nonzero().flatten().tolist() == \
             [c for c, r in zip(ends, e.turn_rewards) if r != 0]
-        assert float(batch.token_rewards[i].sum()) == pytest.approx(sum(e.turn_rewards))  # rule: sum
+        assert float(batch.episodes.token_rewards[i].sum()) == pytest.approx(sum(e.turn_rewards))  # rule: sum
         assert float(batch.rewards[i]) == pytest.approx(sum(e.turn_rewards))
         assert batch.prompts[i].endswith(" +") and batch.completions[i]

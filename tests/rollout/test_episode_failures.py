@@ -79,7 +79,7 @@ def test_a_huge_observation_is_cut_before_it_is_tokenized(tiny):
     batch = play(tiny, Huge, tok=tok, max_obs_tokens=3, max_turns=2)
     assert time.perf_counter() - t0 < 5.0
     assert tok.longest < 10_000, tok.longest
-    for e in batch.episodes:
+    for e in batch.episodes.records:
         obs = [s for s in e.spans if s.role == OBSERVATION]
         assert len(obs) == 1 and obs[0].truncated and obs[0].text == "1 2 3"
 
@@ -107,7 +107,7 @@ def test_a_close_that_blocks_or_raises_is_bounded_counted_and_said_once(tiny, ca
         worker.start()
         worker.join(timeout=30)
     assert not worker.is_alive(), "play() hangs on close()"
-    assert [e.env_errors for e in out["batch"].episodes] == [1, 1]
+    assert [e.env_errors for e in out["batch"].episodes.records] == [1, 1]
     lines = said(caplog, env.__name__, "close()")
     assert len(lines) == 1 and why in lines[0], caplog.text
 
@@ -122,7 +122,7 @@ class Surrogates(Huge):
 
 def test_text_that_is_not_valid_unicode_is_repaired_not_a_crash(tiny):
     batch = play(tiny, Surrogates)
-    for e in batch.episodes:
+    for e in batch.episodes.records:
         assert [s.text for s in e.spans if s.role == OBSERVATION] == ["4 ? 5"]
         assert e.env_errors == 0
     assert all(p.endswith("?") for p in batch.prompts)
@@ -142,7 +142,7 @@ class BadInfo(Huge):
 def test_a_bad_info_field_is_an_env_error_naming_it(tiny, caplog, info, field):
     with caplog.at_level(logging.WARNING, logger=LOOP_LOG):
         batch = play(tiny, lambda: BadInfo(info))
-    for e in batch.episodes:          # 2 turns, each step's field ignored and counted
+    for e in batch.episodes.records:          # 2 turns, each step's field ignored and counted
         assert e.env_errors == 2 and e.status == TURN_LIMIT and e.turn_rewards == [1.0, 1.0]
         assert e.tool_calls == 0
     assert len(said(caplog, "BadInfo", f"info['{field}']")) == 1, caplog.text
@@ -163,7 +163,7 @@ class Raises(Huge):
 def test_failing_steps_are_said_once_and_a_failing_batch_is_said(tiny, caplog, env, words):
     with caplog.at_level(logging.WARNING, logger=LOOP_LOG):
         batch = play(tiny, env, group_size=3)
-    assert [e.env_errors for e in batch.episodes] == [2] * 3
+    assert [e.env_errors for e in batch.episodes.records] == [2] * 3
     assert len(said(caplog, *words)) == 1, caplog.text
     assert len(said(caplog, "6 of 6 environment steps", "failed")) == 1, caplog.text
 

@@ -104,22 +104,22 @@ def test_cached_turns_equal_recomputed_turns(models, tok, name):
     assert isinstance(turn_sampler(model, tok.pad_token_id), CachedTurns)
     cached, recomputed = _play(model, tok, True), _play(model, tok, False)
     # the episodes made gaps: turns of different lengths side by side, early EOS stops
-    turn_lens = {tuple(s.end - s.start for s in e.spans if s.role == "model") for e in cached.episodes}
+    turn_lens = {tuple(s.end - s.start for s in e.spans if s.role == "model") for e in cached.episodes.records}
     assert len(turn_lens) > 1 and any(min(t) < 5 for t in turn_lens)
-    assert sum(e.turns for e in cached.episodes) >= 18 and len({e.turns for e in cached.episodes}) > 1
+    assert sum(e.turns for e in cached.episodes.records) >= 18 and len({e.turns for e in cached.episodes.records}) > 1
     assert torch.equal(cached.input_ids, recomputed.input_ids)
     assert torch.equal(cached.attention_mask, recomputed.attention_mask)
     assert torch.equal(cached.mask, recomputed.mask)
-    assert [[(s.role, s.start, s.end) for s in e.spans] for e in cached.episodes] == \
-        [[(s.role, s.start, s.end) for s in e.spans] for e in recomputed.episodes]
-    assert cached.old_logprobs.dtype == torch.float64
-    diff = (cached.old_logprobs - recomputed.old_logprobs).abs().max().item()
+    assert [[(s.role, s.start, s.end) for s in e.spans] for e in cached.episodes.records] == \
+        [[(s.role, s.start, s.end) for s in e.spans] for e in recomputed.episodes.records]
+    assert cached.logprobs.old.dtype == torch.float64
+    diff = (cached.logprobs.old - recomputed.logprobs.old).abs().max().item()
     assert diff <= TOL, diff
     # and both are the learner's log-probs of the stored ids (one forward, no cache)
     with torch.no_grad():
         learner = learner_forward(model, cached.input_ids, cached.attention_mask,
                                   cached.prompt_len).logp * cached.mask
-    assert (learner.double() - cached.old_logprobs).abs().max().item() <= TOL
+    assert (learner.double() - cached.logprobs.old).abs().max().item() <= TOL
 
 
 def test_greedy_episodes_agree_too(models, tok):
@@ -133,7 +133,7 @@ def test_greedy_episodes_agree_too(models, tok):
         batches.append(EpisodePlayer(tok, task, *player_settings(**s, kv_reuse=reuse),
                                      (tok.eos_token_id,)).play(model, ROWS, seed=0, greedy=True))
     assert torch.equal(batches[0].input_ids, batches[1].input_ids)
-    assert (batches[0].old_logprobs - batches[1].old_logprobs).abs().max().item() <= TOL
+    assert (batches[0].logprobs.old - batches[1].logprobs.old).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("name, reason", [
@@ -153,8 +153,8 @@ def test_models_whose_cache_sees_gaps_recompute(tok, name, reason, caplog, monke
     assert len(lines) == 1 and reason in lines[0], lines
     if name == "recurrent_gemma":       # and it still plays: exactly the recompute path
         a, b = _play(model, tok, True, max_turns=3), _play(model, tok, False, max_turns=3)
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.old_logprobs, b.old_logprobs)
-        assert all(e.turns >= 1 for e in a.episodes)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logprobs.old, b.logprobs.old)
+        assert all(e.turns >= 1 for e in a.episodes.records)
 
 
 def test_kv_reuse_false_is_the_recompute_path(models, tok):
@@ -189,11 +189,11 @@ def test_episodes_reaching_the_context_at_different_turns(models, tok):
         batches.append(EpisodePlayer(tok, task, *player_settings(**s, kv_reuse=reuse),
                                      (tok.eos_token_id,)).play(model, rows, seed=0))
     cached, recomputed = batches
-    assert [e.status for e in cached.episodes] == ["length_limit"] * len(rows)
+    assert [e.status for e in cached.episodes.records] == ["length_limit"] * len(rows)
     assert int(cached.attention_mask.sum(-1).max()) <= context
     assert torch.equal(cached.input_ids, recomputed.input_ids)
-    assert (cached.old_logprobs - recomputed.old_logprobs).abs().max().item() <= TOL
+    assert (cached.logprobs.old - recomputed.logprobs.old).abs().max().item() <= TOL
     with torch.no_grad():
         learner = learner_forward(model, cached.input_ids, cached.attention_mask,
                                   cached.prompt_len).logp * cached.mask
-    assert (learner.double() - cached.old_logprobs).abs().max().item() <= TOL
+    assert (learner.double() - cached.logprobs.old).abs().max().item() <= TOL

@@ -37,7 +37,7 @@ def _rank_worker(out_dir: str, spec: str) -> None:
         episodes = [[{"turns": e.turns, "success": e.success, "reward": float(r),
                       "turn_limit": e.status == TURN_LIMIT, "token_limit": e.status == TOKEN_LIMIT,
                       "obs_tokens": sum(s.end - s.start for s in e.spans if s.role == "observation")}
-                     for e, r in zip(b.episodes, b.rewards)] for b in batches]
+                     for e, r in zip(b.episodes.records, b.rewards)] for b in batches]
         weights = float(sum(p.double().sum() for p in tr.policy.parameters()))
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(
             {"logged": logged, "episodes": episodes, "weights": weights,

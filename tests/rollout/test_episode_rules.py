@@ -83,7 +83,7 @@ class Flags(Scripted):
 def test_done_and_success_must_be_bools(tiny, done, info, errors, status, success):
     """Each bad field is one counted env error per step (3 turns); truthiness never reads it."""
     batch = play(tiny, lambda: Flags(done, info), max_new_tokens=2, max_turns=3, max_tokens=100)
-    for e in batch.episodes:
+    for e in batch.episodes.records:
         assert (e.env_errors, e.status) == (errors, status)
     assert reduce_metrics(episode_metrics(batch), _OneRank())["episode/success_rate"] == float(success)
 
@@ -99,7 +99,7 @@ def test_stop_id_is_the_one_that_ended_the_last_turn(tiny):
     _, tok = tiny
     cut = play(tiny, lambda: Scripted(["1"], done_after=2), stops=(), max_new_tokens=2)
     rows = train_rows(cut, [0, 1, 2, 3], 1, cut.rewards, tok, ())
-    assert all(e.status == DONE for e in cut.episodes)
+    assert all(e.status == DONE for e in cut.episodes.records)
     assert [(r["stop_id"], r["stop_token"], r["finish_reason"]) for r in rows] == [(None, None, DONE)] * 4
     stops = every_token(tok)
     ended = play(tiny, lambda: Scripted(["1"]), stops=stops, max_new_tokens=2, max_turns=2,
@@ -127,7 +127,7 @@ def test_mask_truncated_keeps_episodes_ended_by_max_turns_with_complete_turns(ti
     model, tok = tiny
     whole = play(tiny, lambda: Scripted(["1"]), stops=every_token(tok), max_new_tokens=2,
                  max_turns=3, max_tokens=100)
-    assert [e.status for e in whole.episodes] == [TURN_LIMIT] * 4 and not whole.truncated.any()
+    assert [e.status for e in whole.episodes.records] == [TURN_LIMIT] * 4 and not whole.truncated.any()
     m = _update(model, whole)
     assert float(m["rollout/masked_frac"]) == 0.0 and float(m["optim/grad_norm"]) > 0
     cut = play(tiny, lambda: Scripted(["1"]), stops=(), max_new_tokens=2, max_turns=3, max_tokens=100)

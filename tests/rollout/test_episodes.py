@@ -72,13 +72,13 @@ def test_layout_of_a_scripted_episode_is_derived_by_hand(tiny):
     assert all(batch.completion_ids[i, 2:5].tolist() == obs1 for i in range(4))
     assert all(batch.completion_ids[i, 7:8].tolist() == obs2 for i in range(4))
     # behaviour log-probs on model tokens only; turn rewards on each turn's last column
-    assert (batch.old_logprobs[:, [2, 3, 4, 7]] == 0).all() and (batch.old_logprobs[:, model_cols] < 0).all()
+    assert (batch.logprobs.old[:, [2, 3, 4, 7]] == 0).all() and (batch.logprobs.old[:, model_cols] < 0).all()
     expected_rewards = torch.zeros(T)
     expected_rewards[[1, 6, 9]] = torch.tensor([0.5, 0.0, 1.0])
-    assert torch.equal(batch.token_rewards, expected_rewards.expand(4, T))
+    assert torch.equal(batch.episodes.token_rewards, expected_rewards.expand(4, T))
     # done, but the last turn was cut by max_new_tokens (no stop id): truncated
     assert batch.rewards.tolist() == [1.5] * 4 and batch.truncated.all()
-    e = batch.episodes[0]
+    e = batch.episodes.records[0]
     assert [(s.role, s.start, s.end) for s in e.spans] == [
         (MODEL, 0, 2), (OBSERVATION, 2, 5), (MODEL, 5, 7), (OBSERVATION, 7, 8), (MODEL, 8, 10)]
     assert e.status == DONE and e.turn_rewards == [0.5, 0.0, 1.0]
@@ -95,7 +95,7 @@ def test_learner_logprobs_equal_the_behaviour_logprobs_turn_by_turn(tiny):
     model, _ = tiny
     batch = play(tiny, lambda: Scripted(["+ 1 =", "7 7 7 7", "2"], done_after=4),
                  max_new_tokens=4, max_tokens=60)
-    assert batch.old_logprobs.dtype == torch.float64
+    assert batch.logprobs.old.dtype == torch.float64
     learner = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
     for i, s, gap in model_turn_gaps(batch, learner):
         assert gap < 1e-12, (i, s, gap)
@@ -104,20 +104,20 @@ def test_learner_logprobs_equal_the_behaviour_logprobs_turn_by_turn(tiny):
 def test_an_episode_that_never_ends_stops_at_max_turns_truncated(tiny):
     batch = play(tiny, lambda: Scripted(["1"]), max_turns=3, max_tokens=200, max_new_tokens=2)
     assert batch.num_sequences == 4                         # nothing dropped
-    assert [e.status for e in batch.episodes] == [TURN_LIMIT] * 4
-    assert [e.turns for e in batch.episodes] == [3] * 4
+    assert [e.status for e in batch.episodes.records] == [TURN_LIMIT] * 4
+    assert [e.turns for e in batch.episodes.records] == [3] * 4
     assert batch.truncated.all()
     # the last turn is stepped (its reward kept) but no observation follows it
-    assert all(e.spans[-1].role == MODEL for e in batch.episodes)
+    assert all(e.spans[-1].role == MODEL for e in batch.episodes.records)
 
 
 def test_the_token_budget_ends_an_episode_and_is_never_exceeded(tiny):
     batch = play(tiny, lambda: Scripted(["5 5 5"]), stops=(), max_turns=50, max_tokens=10,
                  max_new_tokens=3)
     # turn 3 | obs 3 | turn 3 | obs cut to the 1 token left: the budget is spent
-    assert [e.status for e in batch.episodes] == [TOKEN_LIMIT] * 4 and batch.truncated.all()
+    assert [e.status for e in batch.episodes.records] == [TOKEN_LIMIT] * 4 and batch.truncated.all()
     assert (batch.attention_mask[:, batch.prompt_len:].sum(-1) == 10).all()
-    e = batch.episodes[0]
+    e = batch.episodes.records[0]
     assert [(s.role, s.end - s.start, s.truncated) for s in e.spans] == [
         (MODEL, 3, False), (OBSERVATION, 3, False), (MODEL, 3, False), (OBSERVATION, 1, True)]
 
@@ -127,7 +127,7 @@ def test_long_observations_are_cut_on_the_configured_side(tiny, side, kept):
     _, tok = tiny
     batch = play(tiny, lambda: Scripted(["1 2 3 4 5 6 7 8 9"], done_after=2), stops=(),
                  max_new_tokens=2, max_obs_tokens=3, obs_truncation=side)
-    for i, e in enumerate(batch.episodes):
+    for i, e in enumerate(batch.episodes.records):
         obs = [s for s in e.spans if s.role == OBSERVATION]
         assert len(obs) == 1 and obs[0].truncated
         assert batch.completion_ids[i, obs[0].start:obs[0].end].tolist() == \
@@ -150,7 +150,7 @@ def test_a_step_that_raises_or_times_out_becomes_an_error_observation(tiny, env)
     t0 = time.perf_counter()
     batch = play(tiny, lambda: env(["1"]), max_turns=2, max_new_tokens=2, step_timeout_s=0.2)
     assert time.perf_counter() - t0 < 1.5           # not 2 s per sleeping step
-    for e in batch.episodes:
+    for e in batch.episodes.records:
         # turn 1: the error; turn 2: raises again, or its env is still busy (never re-entered)
         assert e.env_errors == 2 and e.status == TURN_LIMIT
         assert [s.text for s in e.spans if s.role == OBSERVATION] == ["error"]
@@ -164,7 +164,7 @@ def test_stop_strings_of_the_previous_step_end_the_next_turn(tiny):
     batch = play(tiny, lambda: Scripted(["1"], done_after=6, info={"stop": ["+"]}), stops=(),
                  max_new_tokens=6, max_tokens=200, max_turns=6, seed=3)
     turns = [batch.completion_ids[i, s.start:s.end].tolist()
-             for i, e in enumerate(batch.episodes) for s in e.spans[2::2]]   # turns 2..
+             for i, e in enumerate(batch.episodes.records) for s in e.spans[2::2]]   # turns 2..
     assert turns and all(t[-1] == plus and plus not in t[:-1] or len(t) == 6 and plus not in t
                          for t in turns)
     assert any(t[-1] == plus for t in turns)
@@ -185,9 +185,9 @@ def test_a_reward_that_is_not_a_number_is_an_env_error_not_a_crash(tiny, reward)
     dtype: 1e300 and -1e39 would be infinite): counted in env_errors, reward 0."""
     batch = play(tiny, lambda: Scripted(["4"], rewards=[reward], done_after=1), stops=(),
                  max_new_tokens=2, max_tokens=40)
-    assert [e.env_errors for e in batch.episodes] == [1] * 4
-    assert [e.turn_rewards for e in batch.episodes] == [[0.0]] * 4
-    assert batch.rewards.tolist() == [0.0] * 4 and torch.isfinite(batch.token_rewards).all()
+    assert [e.env_errors for e in batch.episodes.records] == [1] * 4
+    assert [e.turn_rewards for e in batch.episodes.records] == [[0.0]] * 4
+    assert batch.rewards.tolist() == [0.0] * 4 and torch.isfinite(batch.episodes.token_rewards).all()
 
 
 def test_a_turn_that_uses_the_last_budget_token_leaves_no_empty_observation(tiny):
@@ -195,7 +195,7 @@ def test_a_turn_that_uses_the_last_budget_token_leaves_no_empty_observation(tiny
     so the observation has no room: the episode ends at the token limit with one model span
     and no (empty, 'truncated') observation span."""
     batch = play(tiny, lambda: Scripted(["+ 1 ="]), stops=(), max_new_tokens=2, max_tokens=2)
-    for e in batch.episodes:
+    for e in batch.episodes.records:
         assert [(s.role, s.start, s.end) for s in e.spans] == [(MODEL, 0, 2)]
         assert e.status == TOKEN_LIMIT and not any(s.truncated for s in e.spans)
     assert batch.truncated.all() and batch.mask.shape[1] == 2
@@ -205,6 +205,6 @@ def test_an_observation_that_is_not_text_is_an_env_error(tiny):
     """Step(observation=123): counted in env_errors, the model sees the error observation."""
     batch = play(tiny, lambda: Scripted([123]), stops=(), max_new_tokens=2, max_tokens=40,
                  max_turns=2)
-    for e in batch.episodes:
+    for e in batch.episodes.records:
         assert e.env_errors == 1 and e.status == TURN_LIMIT
         assert [s.text for s in e.spans if s.role == OBSERVATION] == ["error"]

@@ -20,7 +20,7 @@ from rlctl.models.forward import learner_forward
 from rlctl.train.metrics import reduce_metrics
 from rlctl.train.update import UpdateState, update_policy
 from rlctl.models.loading import load_model_and_tokenizer
-from rlctl.types import RolloutBatch
+from rlctl.types import LogProbs, RolloutBatch
 
 G = 4
 
@@ -75,8 +75,8 @@ def test_every_rank_takes_minibatches_steps(groups):
                        kl_in_loss=False, temperature=1.0, share_prompts=False)
     batch = _batch(tok, groups)
     with torch.no_grad():
-        batch.old_logprobs = learner_forward(model, batch.input_ids, batch.attention_mask,
-                                             batch.prompt_len, 1.0).logp
+        batch.logprobs = LogProbs(old=learner_forward(model, batch.input_ids, batch.attention_mask,
+                                                      batch.prompt_len, 1.0).logp)
     update_policy(model, backend, batch, s, UpdateState())
     assert backend.steps == 2 * 3
 

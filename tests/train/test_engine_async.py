@@ -129,7 +129,7 @@ def _count_rounds(tr):
 
     def spy(n):
         b = sample(n)
-        per_step[-1].append(_rows(b, b.old_logprobs))
+        per_step[-1].append(_rows(b, b.logprobs.old))
         return b
     tr.source.sample = spy
     return per_step
@@ -197,7 +197,7 @@ def _check_mixed_steps(tr):
         batch = prepare(batch, prompts)
         with torch.no_grad():              # pi_old: the weights before this step's update
             logp = learner_forward(tr.model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
-        seen.append((_rows(batch, batch.old_logprobs), _rows(batch, logp)))
+        seen.append((_rows(batch, batch.logprobs.old), _rows(batch, logp)))
         return batch
     tr._prepare = spy
     for i in (1, 2, 3):

@@ -34,8 +34,8 @@ def test_old_and_reference_policies_are_distinct(make_trainer):
         want_ref = learner_forward(initial.eval(), *args).logp
     m = b.mask.bool()
     assert (want_old[m] - want_ref[m]).abs().max() > 1e-3          # the policy did move
-    torch.testing.assert_close(b.old_logprobs[m], want_old[m], atol=1e-5, rtol=0)
-    torch.testing.assert_close(b.ref_logprobs[m], want_ref[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(b.logprobs.old[m], want_old[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(b.logprobs.ref[m], want_ref[m], atol=1e-5, rtol=0)
 
 
 def test_single_pass_makes_no_old_or_reference_forward(make_trainer):
@@ -45,7 +45,7 @@ def test_single_pass_makes_no_old_or_reference_forward(make_trainer):
     prepare = tr._prepare
     tr._prepare = lambda b, prompts: seen.setdefault("b", prepare(b, prompts))
     tr.step(1)
-    assert seen["b"].old_logprobs is None and seen["b"].ref_logprobs is None
+    assert seen["b"].logprobs.old is None and seen["b"].logprobs.ref is None
 
 
 @pytest.mark.parametrize("kl", [[], ["algo.kl.coef=0.5", "algo.kl.placement=in_loss", "algo.kl.estimator=k1"]])

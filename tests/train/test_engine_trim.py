@@ -12,7 +12,7 @@ from rlctl.models.forward import learner_forward
 from rlctl.train.metrics import Moments
 from rlctl.train.update import UpdateState, accumulate_gradients
 from rlctl.models.loading import load_model_and_tokenizer
-from rlctl.types import RolloutBatch
+from rlctl.types import LogProbs, RolloutBatch
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,8 @@ def _batch(tokenizer, lengths, t=8, seed=0) -> RolloutBatch:
                      group_ids=torch.arange(n) // 2, prompt_len=enc["input_ids"].shape[1],
                      group_size=2, prompts=["p"] * n, completions=["c"] * n)
     b.advantages = torch.randn(n, 1, generator=g) * mask                          # [N, T]
-    b.old_logprobs = b.advantages.new_zeros(n, t) - 2.0                            # ratio != 1
-    b.ref_logprobs = b.advantages.new_zeros(n, t) - 2.5
+    b.logprobs = LogProbs(old=b.advantages.new_zeros(n, t) - 2.0,                  # ratio != 1
+                          ref=b.advantages.new_zeros(n, t) - 2.5)
     return b
 
 
@@ -93,6 +93,6 @@ def test_ratio_max_is_the_maximum_over_micro_batches(tiny):
     got = accumulate_gradients(copy.deepcopy(model).train(), TorchBackend(), batch, s, UpdateState())["policy/ratio_max"]
     with torch.no_grad():
         logp = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
-    ratio = torch.exp(logp - batch.old_logprobs)[batch.mask > 0]
+    ratio = torch.exp(logp - batch.logprobs.old)[batch.mask > 0]
     assert ratio.max() > 1.05 * ratio.mean()         # a max and a mean differ here
     torch.testing.assert_close(got, ratio.max(), atol=1e-4, rtol=1e-4)

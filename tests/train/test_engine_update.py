@@ -14,7 +14,7 @@ from rlctl.models.forward import learner_forward
 from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.rollout.source import keep_informative_groups
-from rlctl.types import RolloutBatch
+from rlctl.types import LogProbs, RolloutBatch
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -40,7 +40,6 @@ def _batch(tokenizer, n=6, t=5, seed=0) -> RolloutBatch:
                      prompt_len=enc["input_ids"].shape[1], group_size=3,
                      prompts=["p"] * n, completions=["c"] * n)
     b.advantages = torch.randn(n, 1, generator=g).double() * mask.double()
-    b.old_logprobs = None
     return b
 
 
@@ -62,8 +61,8 @@ def test_micro_batch_accumulation_matches_one_batch(tiny, mode):
             p.add_(0.01 * torch.randn_like(p))
     batch = _batch(tok)
     with torch.no_grad():
-        batch.ref_logprobs = learner_forward(ref, batch.input_ids, batch.attention_mask,
-                                             batch.prompt_len).logp
+        batch.logprobs = LogProbs(ref=learner_forward(ref, batch.input_ids, batch.attention_mask,
+                                                      batch.prompt_len).logp)
     grads = []
     for micro in (0, 1, 4):
         model.zero_grad(set_to_none=True)
@@ -83,8 +82,8 @@ def test_in_reward_shaping_then_gae_gives_the_hand_worked_example():
                      mask=mask, truncated=torch.tensor([False]), rewards=torch.tensor([1.0]),
                      group_ids=torch.tensor([0]), prompt_len=1, group_size=1, prompts=["p"],
                      completions=["c"])
-    b.old_logprobs = torch.tensor([[-1.0, -0.5, -0.2, 0.0]])
-    b.ref_logprobs = torch.tensor([[-1.2, -0.5, -0.4, 0.0]])
+    b.logprobs = LogProbs(old=torch.tensor([[-1.0, -0.5, -0.2, 0.0]]),
+                          ref=torch.tensor([[-1.2, -0.5, -0.4, 0.0]]))
     s = settings(estimator="gae", std_eps=1e-6, baseline="none", gamma=1.0, lam=0.95,
                           whiten=False, kl_in_reward=True, kl_estimator="k1", overlong_buffer=0,
                           overlong_penalty=1.0, max_new_tokens=4)
@@ -101,8 +100,8 @@ def test_outcome_estimator_gets_the_shaped_return():
                      mask=mask, truncated=torch.tensor([False, False]), rewards=torch.tensor([1.0, 0.0]),
                      group_ids=torch.tensor([0, 0]), prompt_len=1, group_size=2, prompts=["p"] * 2,
                      completions=["c"] * 2)
-    b.old_logprobs = torch.tensor([[-1.0, -1.0], [-2.0, 0.0]])
-    b.ref_logprobs = torch.tensor([[-2.0, -1.0], [-1.0, 0.0]])   # k1 sums: 1.0 and -1.0
+    b.logprobs = LogProbs(old=torch.tensor([[-1.0, -1.0], [-2.0, 0.0]]),
+                          ref=torch.tensor([[-2.0, -1.0], [-1.0, 0.0]]))   # k1 sums: 1.0 and -1.0
     s = settings(estimator="reinforce", std_eps=0.0, baseline="none", gamma=1.0, lam=1.0,
                           whiten=False, kl_in_reward=True, kl_estimator="k1", overlong_buffer=0,
                           overlong_penalty=1.0, max_new_tokens=2)
@@ -140,14 +139,14 @@ def test_kl_side_by_side_metrics_are_token_means_of_k1_and_k3(tiny):
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))
-        batch.ref_logprobs = learner_forward(ref, batch.input_ids, batch.attention_mask,
-                                             batch.prompt_len).logp
+        batch.logprobs = LogProbs(ref=learner_forward(ref, batch.input_ids, batch.attention_mask,
+                                                      batch.prompt_len).logp)
         logp = learner_forward(model, batch.input_ids, batch.attention_mask, batch.prompt_len).logp
     s = _settings("token-mean", 0)
     s.kl_estimator, s.kl_in_loss = "k2", True
     metrics = accumulate_gradients(copy.deepcopy(model), TorchBackend(), batch, s, UpdateState(kl_coef=0.1))
     m = batch.mask.double()
-    d = (batch.ref_logprobs - logp).double()                          # [N, T]
+    d = (batch.logprobs.ref - logp).double()                          # [N, T]
     k1 = float((-d * m).sum() / m.sum())
     k3 = float(((d.exp() - d - 1) * m).sum() / m.sum())
     assert metrics["kl/k1"].item() == pytest.approx(k1, rel=1e-4, abs=1e-7)

@@ -25,7 +25,7 @@ from rlctl.core.losses import active_terms
 from rlctl.train.trainer import compute_advantages
 from rlctl.models.forward import learner_forward
 from rlctl.train.update import UpdateSettings, UpdateState, accumulate_gradients
-from rlctl.types import MODEL, OBSERVATION, Episode, RolloutBatch, Span
+from rlctl.types import MODEL, OBSERVATION, Episode, EpisodePart, LogProbs, RolloutBatch, Span
 
 F64 = torch.float64
 V, P, T = 24, 4, 12
@@ -71,7 +71,7 @@ def episode_batch(layouts=LAYOUTS, seed=0, group_size=2) -> RolloutBatch:
                         truncated=torch.zeros(n, dtype=torch.bool), rewards=torch.zeros(n, dtype=F64),
                         group_ids=torch.arange(n) // group_size, prompt_len=P,
                         group_size=group_size, prompts=[""] * n, completions=[""] * n,
-                        episodes=episodes)
+                        episodes=EpisodePart(episodes, torch.zeros(n, T, dtype=F64)))
 
 
 def with_policy_inputs(model, b: RolloutBatch, seed=1) -> RolloutBatch:
@@ -85,8 +85,8 @@ def with_policy_inputs(model, b: RolloutBatch, seed=1) -> RolloutBatch:
     def noisy(x):
         return torch.where(m.bool(), x, torch.full_like(x, 3.0))
 
-    return b.replace(old_logprobs=noisy(logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=F64)),
-                     ref_logprobs=noisy(logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=F64)),
+    return b.replace(logprobs=LogProbs(old=noisy(logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=F64)),
+                                       ref=noisy(logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=F64))),
                      advantages=noisy(torch.randn(logp.shape, generator=g, dtype=F64)))
 
 
@@ -114,10 +114,10 @@ def slow_loss(model, b: RolloutBatch):
                 continue
             pos = n_prompt + t - 1
             lp = logq[pos, seq[n_prompt + t]]
-            adv, ratio = b.advantages[i, t], torch.exp(lp - b.old_logprobs[i, t])
+            adv, ratio = b.advantages[i, t], torch.exp(lp - b.logprobs.old[i, t])
             pg = pg + torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
             clipped += bool(adv < 0 and ratio < 1 - CLIP_LOW or adv > 0 and ratio > 1 + CLIP_HIGH)
-            log_r = b.ref_logprobs[i, t] - lp
+            log_r = b.logprobs.ref[i, t] - lp
             kl = kl + torch.exp(log_r) - 1 - log_r                       # k3
             neg_ent = neg_ent + (logq[pos].exp() * logq[pos]).sum()      # -H
             count += 1
@@ -188,9 +188,9 @@ def adv_settings(estimator, **kw) -> UpdateSettings:
 
 
 def with_turn_rewards(b: RolloutBatch, turn_rewards, rule, discount=1.0) -> RolloutBatch:
-    ends = [[s.end - 1 for s in ep.spans if s.role == MODEL] for ep in b.episodes]
+    ends = [[s.end - 1 for s in ep.spans if s.role == MODEL] for ep in b.episodes.records]
     rewards, token = place_turn_rewards(turn_rewards, ends, T, rule, discount, dtype=F64)
-    return b.replace(rewards=rewards, token_rewards=token)
+    return b.replace(rewards=rewards, episodes=dict(token_rewards=token))
 
 
 TURN_REWARDS = [[0.5, 2.0], [1.0, -1.0], [3.0], [0.25, 0.5, 1.0]]   # one per model turn of LAYOUTS
@@ -210,18 +210,18 @@ def test_gae_over_an_episode_equals_gae_with_the_observations_removed(kl_coef):
     b = with_turn_rewards(episode_batch(), TURN_REWARDS, "discounted", 0.9)
     g = torch.Generator().manual_seed(3)
     values = torch.randn(b.mask.shape, generator=g, dtype=F64)
-    b = b.replace(old_logprobs=-torch.rand(b.mask.shape, generator=g, dtype=F64),
-                  ref_logprobs=-torch.rand(b.mask.shape, generator=g, dtype=F64))
+    b = b.replace(logprobs=LogProbs(old=-torch.rand(b.mask.shape, generator=g, dtype=F64),
+                                    ref=-torch.rand(b.mask.shape, generator=g, dtype=F64)))
     s = adv_settings("gae", kl_in_reward=True)
     adv, ret = compute_advantages(b, s, kl_coef, values)
     m = b.mask
-    short = b.replace(mask=compressed(m, m), token_rewards=compressed(b.token_rewards, m),
-                      old_logprobs=compressed(b.old_logprobs, m), ref_logprobs=compressed(b.ref_logprobs, m))
+    short = b.replace(mask=compressed(m, m), episodes=dict(token_rewards=compressed(b.episodes.token_rewards, m)),
+                      logprobs=LogProbs(old=compressed(b.logprobs.old, m), ref=compressed(b.logprobs.ref, m)))
     want_adv, want_ret = compute_advantages(short, s, kl_coef, compressed(values, m))
     assert torch.equal(compressed(adv, m), want_adv) and torch.equal(compressed(ret * m, m), want_ret)
     assert (adv[m == 0] == 0).all()
     if kl_coef == 0:        # and with no shaping: plain GAE of the placed turn rewards
-        plain, _ = gae(short.token_rewards, compressed(values, m), short.mask, 0.9, 0.8)
+        plain, _ = gae(short.episodes.token_rewards, compressed(values, m), short.mask, 0.9, 0.8)
         assert torch.equal(want_adv, plain)
 
 
@@ -249,7 +249,7 @@ def test_episode_shaping_kl_on_counted_tokens_and_overlong_on_the_transcript():
     b = with_turn_rewards(episode_batch(), TURN_REWARDS, "sum")
     old = torch.full(b.mask.shape, -1.0, dtype=F64)
     ref = torch.where(b.mask.bool(), -1.5, 7.0).to(F64)         # garbage on observations
-    b = b.replace(old_logprobs=old, ref_logprobs=ref)
+    b = b.replace(logprobs=LogProbs(old=old, ref=ref))
     s = adv_settings("reinforce", kl_in_reward=True, overlong_buffer=4, episode_max_tokens=10)
     adv, _ = compute_advantages(b, s, 0.1, None)
     kl = -0.1 * 0.5 * b.mask.sum(-1)                            # k1 = old - ref = 0.5 per counted token
@@ -262,11 +262,11 @@ def test_episode_shaping_kl_on_counted_tokens_and_overlong_on_the_transcript():
 @pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo"])
 def test_a_single_turn_row_with_token_rewards_matches_the_plain_path(estimator):
     """token_rewards holding the reward on the last counted token give what rewards alone
-    give (the single-turn path, token_rewards None)."""
+    give (the single-turn path, episodes None)."""
     b = episode_batch([(4, [("m", 3)]), (3, [("m", 5)]), (2, [("m", 1)]), (4, [("m", 12)])])
     b = with_turn_rewards(b, [[1.0], [0.0], [2.5], [-1.0]], "sum")
     values = torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
     s = adv_settings(estimator)
     episode, _ = compute_advantages(b, s, 0.0, values)
-    plain, _ = compute_advantages(b.replace(token_rewards=None), s, 0.0, values)
+    plain, _ = compute_advantages(b.replace(episodes=None), s, 0.0, values)
     assert torch.equal(episode, plain)

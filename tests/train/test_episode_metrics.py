@@ -5,8 +5,8 @@ import torch
 
 from rlctl.train.metrics import endings
 from rlctl.train.metrics import reduce_metrics, rollout_metrics
-from rlctl.types import (DONE, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode, RolloutBatch,
-                         Span)
+from rlctl.types import (DONE, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode, EpisodePart,
+                         RolloutBatch, Span)
 
 P, T = 2, 8
 
@@ -36,7 +36,7 @@ def _batch() -> RolloutBatch:
                         mask=mask, truncated=torch.tensor([False, True, True]),
                         rewards=torch.tensor([1.0, 0.0, 0.5]), group_ids=torch.arange(3), prompt_len=P,
                         group_size=1, prompts=[""] * 3, completions=[""] * 3,
-                        advantages=torch.zeros(3, T), episodes=episodes)
+                        advantages=torch.zeros(3, T), episodes=EpisodePart(episodes, torch.zeros(3, T)))
 
 
 def test_episode_metrics_by_hand():
@@ -62,7 +62,7 @@ def test_no_episodes_no_episode_metrics_and_unknown_success_is_reward_above_zero
     """No environment sets success: each episode's turn rewards summed > 0 (as eval reads it)."""
     b = _batch()
     assert not [k for k in rollout_metrics(b.replace(episodes=None)) if k.startswith("episode/")]
-    for e, rewards in zip(b.episodes, ([0.0, 1.0], [0.0, 0.0, 0.0], [-1.0])):
+    for e, rewards in zip(b.episodes.records, ([0.0, 1.0], [0.0, 0.0, 0.0], [-1.0])):
         e.success, e.turn_rewards = None, rewards
     assert reduce_metrics(rollout_metrics(b), _OneRank())["episode/success_rate"] == 1 / 3
 

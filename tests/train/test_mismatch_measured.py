@@ -18,7 +18,7 @@ from rlctl.sinks import NullSink
 from rlctl.train.build import prepare_task
 from rlctl.train.trainer import Trainer
 from rlctl.train.update import UpdateState, update_policy
-from rlctl.types import RolloutBatch
+from rlctl.types import LogProbs, RolloutBatch
 
 F64 = torch.float64
 
@@ -45,7 +45,7 @@ def _batch(model, tok, n=4, t=5) -> RolloutBatch:
     return RolloutBatch(input_ids=ids, attention_mask=attn, mask=mask, truncated=mask[:, -1] > 0,
                         rewards=torch.zeros(n), group_ids=torch.arange(n) // 2,
                         prompt_len=enc["input_ids"].shape[1], group_size=2, prompts=["p"] * n,
-                        completions=["c"] * n, engine_logprobs=engine,
+                        completions=["c"] * n, logprobs=LogProbs(engine=engine),
                         advantages=torch.tensor([[1.0], [-0.5], [2.0], [-1.5]], dtype=F64) * mask), learner
 
 
@@ -63,10 +63,10 @@ def test_the_mismatch_is_measured_without_changing_the_step(tiny64):
     model, tok = tiny64
     b, learner = _batch(model, tok)
     with_lp, m1 = _step(model, b)
-    without, m0 = _step(model, b.replace(engine_logprobs=None))
+    without, m0 = _step(model, b.replace(logprobs=dict(engine=None)))
     assert torch.equal(with_lp, without) and torch.equal(m1["policy/loss"], m0["policy/loss"])
     assert not any(k.startswith("rollout_corr/") for k in m0)
-    want = mismatch_metrics(learner, b.engine_logprobs, b.mask, "token", "measure", float("inf"))
+    want = mismatch_metrics(learner, b.logprobs.engine, b.mask, "token", "measure", float("inf"))
     assert set(want) == {"k3", "ppl_gap", "ess", "log_w_abs_mean", "weight_mean"}
     for k, v in want.items():        # pi_old here: the update's own first forward, float64
         torch.testing.assert_close(m1[f"rollout_corr/{k}"], v, atol=1e-10, rtol=1e-10)

@@ -18,7 +18,7 @@ from rlctl.train.trainer import needs_old_forward
 from rlctl.train.update import UpdateState, accumulate_gradients
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.config.schema import RolloutCorrectionConfig
-from rlctl.types import RolloutBatch
+from rlctl.types import LogProbs, RolloutBatch
 
 F64 = torch.float64
 
@@ -46,7 +46,7 @@ def _batch(model, tokenizer, n=4, t=5, seed=0) -> RolloutBatch:
     return RolloutBatch(input_ids=ids, attention_mask=attn, mask=mask, truncated=mask[:, -1] > 0,
                         rewards=torch.zeros(n), group_ids=torch.arange(n) // 2,
                         prompt_len=enc["input_ids"].shape[1], group_size=2, prompts=["p"] * n,
-                        completions=["c"] * n, old_logprobs=old, engine_logprobs=engine,
+                        completions=["c"] * n, logprobs=LogProbs(old=old, engine=engine),
                         advantages=torch.tensor([[1.0], [-0.5], [2.0], [-1.5]], dtype=F64) * mask)
 
 
@@ -73,7 +73,7 @@ def test_off_ignores_the_engine_logprobs_bit_for_bit(tiny64):
     loss (the same batch without them); ``measure`` mode (weight 1) too."""
     model, tok = tiny64
     b = _batch(model, tok)
-    today, m0 = _grads(model, b.replace(engine_logprobs=None), _settings())
+    today, m0 = _grads(model, b.replace(logprobs=dict(engine=None)), _settings())
     off, m1 = _grads(model, b, _settings())
     measure, _ = _grads(model, b, _settings(_corr(mode="measure")))
     assert today.abs().sum() > 0
@@ -92,7 +92,7 @@ def test_the_weight_multiplies_each_tokens_policy_loss(tiny64, level, mode, uppe
     micro-batches; the thresholds are chosen so that some tokens (rows) are changed."""
     model, tok = tiny64
     b = _batch(model, tok)
-    d = (b.old_logprobs - b.engine_logprobs) * b.mask                              # log w per token
+    d = (b.logprobs.old - b.logprobs.engine) * b.mask                              # log w per token
     lw = d if level == "token" else d.sum(-1, keepdim=True).expand_as(d)
     w = lw.exp()
     w = torch.minimum(w, torch.tensor(upper, dtype=F64)) if mode == "truncate" else \
@@ -114,10 +114,10 @@ def test_bypass_equals_the_correction_with_old_set_to_the_engine(tiny64):
     model, tok = tiny64
     b = _batch(model, tok)
     corr = _corr(mode="truncate", upper=1.2)
-    bypass = old_policy_inputs(b.replace(old_logprobs=None), _corr(upper=1.2, bypass=True))
-    assert torch.equal(bypass.old_logprobs, b.engine_logprobs)
+    bypass = old_policy_inputs(b.replace(logprobs=dict(old=None)), _corr(upper=1.2, bypass=True))
+    assert torch.equal(bypass.logprobs.old, b.logprobs.engine)
     g_bypass, _ = _grads(model, bypass, _settings(_corr(upper=1.2, bypass=True)))
-    g_corr, _ = _grads(model, b.replace(old_logprobs=b.engine_logprobs), _settings(corr))
+    g_corr, _ = _grads(model, b.replace(logprobs=dict(old=b.logprobs.engine)), _settings(corr))
     assert torch.equal(g_bypass, g_corr)
     g_learner_old, _ = _grads(model, b, _settings(corr))          # pi_old from the learner
     assert (g_bypass - g_learner_old).abs().max() > 1e-4
@@ -125,15 +125,15 @@ def test_bypass_equals_the_correction_with_old_set_to_the_engine(tiny64):
 
 def test_without_bypass_the_learner_computes_pi_old_for_every_row(tiny64):
     """The batch the old forward sees: no old log-probs (stale async rows' behaviour ones
-    included, they stay in engine_logprobs); off: unchanged; no engine log-probs: one line."""
+    included, they stay in logprobs.engine); off: unchanged; no engine log-probs: one line."""
     model, tok = tiny64
-    b = _batch(model, tok).replace(behaviour_rows=torch.tensor([True, False, True, False]))
+    b = _batch(model, tok).replace(logprobs=dict(behaviour_rows=torch.tensor([True, False, True, False])))
     out = old_policy_inputs(b, _corr())
-    assert out.old_logprobs is None and out.behaviour_rows is None
-    assert out.engine_logprobs is b.engine_logprobs
+    assert out.logprobs.old is None and out.logprobs.behaviour_rows is None
+    assert out.logprobs.engine is b.logprobs.engine
     assert old_policy_inputs(b, None) is b
     with pytest.raises(Exception, match="needs the sampler's log-probs"):
-        old_policy_inputs(b.replace(engine_logprobs=None), _corr())
+        old_policy_inputs(b.replace(logprobs=dict(engine=None)), _corr())
 
 
 @pytest.mark.parametrize("overrides,needs", [([], False),

@@ -188,22 +188,22 @@ def test_async_rows_carry_the_policy_version_and_named_rewards(make_trainer):
 
 
 def test_batches_carry_named_rewards_and_staleness_through_select_and_concat():
-    from rlctl.types import RolloutBatch
+    from rlctl.types import LogProbs, RolloutBatch
 
     def batch(n, parts, stale):
         return RolloutBatch(input_ids=torch.zeros(n, 3, dtype=torch.long), attention_mask=torch.ones(n, 3),
                             mask=torch.ones(n, 1), truncated=torch.zeros(n, dtype=torch.bool),
                             rewards=torch.zeros(n), group_ids=torch.arange(n) // 2, prompt_len=2,
                             group_size=2, prompts=["p"] * n, completions=["c"] * n,
-                            staleness=torch.full((n,), stale), reward_parts=parts)
+                            logprobs=LogProbs(staleness=torch.full((n,), stale)), reward_parts=parts)
     a = batch(2, {"x": [1.0, 2.0]}, 0)
     b = batch(4, {"x": [3.0, 4.0, 5.0, 6.0], "y": [7.0, 8.0, 9.0, 10.0]}, 1)
     out = RolloutBatch.concat([a, b], pad_id=0)
     assert out.reward_parts == {"x": [1, 2, 3, 4, 5, 6], "y": [0, 0, 7, 8, 9, 10]}   # a lacks y: 0
-    assert out.staleness.tolist() == [0, 0, 1, 1, 1, 1]
+    assert out.logprobs.staleness.tolist() == [0, 0, 1, 1, 1, 1]
     picked = out.select(torch.tensor([5, 0]))
-    assert picked.reward_parts == {"x": [6, 1], "y": [10, 0]} and picked.staleness.tolist() == [1, 0]
+    assert picked.reward_parts == {"x": [6, 1], "y": [10, 0]} and picked.logprobs.staleness.tolist() == [1, 0]
     assert out.select(torch.tensor([0]), text=False).reward_parts == {"x": [], "y": []}
-    none = RolloutBatch.concat([a.replace(reward_parts=None, staleness=None), b], pad_id=0)
-    assert none.reward_parts is None and none.staleness is None      # set in some batches only
+    none = RolloutBatch.concat([a.replace(reward_parts=None, logprobs=dict(staleness=None)), b], pad_id=0)
+    assert none.reward_parts is None and none.logprobs.staleness is None      # set in some batches only
     assert a.replace(reward_parts=None).select(torch.tensor([1])).reward_parts is None

@@ -35,7 +35,7 @@ def test_behaviour_logprobs_equal_the_learners_recomputation(tiny, temperature):
         f = learner_forward(model, b.input_ids, b.attention_mask, b.prompt_len, temperature)
     m = b.mask > 0
     assert m.sum() > 20
-    assert torch.allclose(b.old_logprobs[m], f.logp[m], atol=1e-4, rtol=0)
+    assert torch.allclose(b.logprobs.old[m], f.logp[m], atol=1e-4, rtol=0)
     with torch.no_grad():            # the other temperature gives other log-probs: the check can fail
         g = learner_forward(model, b.input_ids, b.attention_mask, b.prompt_len, 1.0)
     assert (g.logp[m] - f.logp[m]).abs().max() > 1e-2

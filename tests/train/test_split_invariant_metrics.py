@@ -37,7 +37,7 @@ from rlctl.train.metrics import reduce_metrics, rollout_metrics
 from rlctl.train.update import UpdateSettings, UpdateState, update_policy
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.value import SeparateCritic
-from rlctl.types import RolloutBatch
+from rlctl.types import LogProbs, RolloutBatch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "dist"))
@@ -61,7 +61,7 @@ def _float64_models(seed=0):
 def _with_targets(b: RolloutBatch, seed=7) -> RolloutBatch:
     """old log-probs (behaviour far enough from pi for a spread) and value targets."""
     g = torch.Generator().manual_seed(seed)
-    b.old_logprobs = (-2.0 + 0.5 * torch.randn(b.mask.shape, generator=g, dtype=torch.float64)) * b.mask
+    b.logprobs = LogProbs(old=(-2.0 + 0.5 * torch.randn(b.mask.shape, generator=g, dtype=torch.float64)) * b.mask)
     b.returns = (torch.randn(b.mask.shape, generator=g, dtype=torch.float64) + 0.5) * b.mask
     return b
 
@@ -75,7 +75,7 @@ def _reference(model, critic, b: RolloutBatch) -> dict:
     logp = torch.log_softmax(logits, -1).gather(-1, b.input_ids[:, P:, None]).squeeze(-1)
     values = critic(input_ids=ids, attention_mask=attn)[:, P - 1:].float().double()    # [N, T]
     keep = b.mask.numpy() > 0
-    ratio = np.exp(np.clip((logp - b.old_logprobs).numpy(), -20, 20))[keep]
+    ratio = np.exp(np.clip((logp - b.logprobs.old).numpy(), -20, 20))[keep]
     r, v = b.returns.numpy()[keep], values.numpy()[keep]
     seq_adv = (b.advantages.sum(-1) / b.mask.sum(-1).clamp(min=1)).double().numpy()
     return {"policy/ratio_std": float(np.std(ratio)),
@@ -172,7 +172,7 @@ def test_values_at_positions_not_counted_do_not_leak(setup):
     model, critic, b, ref = setup
     out = ~(b.mask > 0)                                                      # [N, T]
     assert out.any()
-    bad = b.replace(old_logprobs=torch.where(out, float("nan"), b.old_logprobs),
+    bad = b.replace(logprobs=dict(old=torch.where(out, float("nan"), b.logprobs.old)),
                     returns=torch.where(out, float("inf"), b.returns))
     got = _logged(copy.deepcopy(model), copy.deepcopy(critic), TorchBackend("cpu"), bad,
                   _settings(micro_batch_size=2))

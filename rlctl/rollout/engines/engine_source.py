@@ -5,7 +5,7 @@ Each request draws its rows and one seed from ``prompt_rng``; local engines at m
 take the learner's torch RNG state and hand it back advanced (the synchronous loop bit for
 bit). Versions count learner updates: a rollout is requested ahead (one per idle engine) only
 while it will be at most ``max_staleness`` old when consumed (a stale one's log-probs are its
-``old_logprobs``); an engine gets the weights with its first request, then every ``sync_every``
+``logprobs.old``); an engine gets the weights with its first request, then every ``sync_every``
 updates or when the bound needs them (a LoRA policy: its adapter).
 ``LocalEngine``/``serve_engine``: a pipe of pickled tuples ("generate" | "weights", unanswered |
 "play" | "health" | "stop", args...) answered ("ok", value, rng state or None), ("error",
@@ -14,7 +14,6 @@ UserError) or ("failed", line); a child that exits or is silent for ``timeout_s`
 from __future__ import annotations
 
 import collections
-import dataclasses
 import pickle
 import random
 import shutil
@@ -36,7 +35,7 @@ from rlctl.rollout.engines.protocol import (Completion, Engine, Sampling, TorchE
                                   claim_version, prune_versions, to_bytes)
 from rlctl.rollout.generate import left_padded, scored
 from rlctl.rollout.source import SEED_RANGE, SyncSource
-from rlctl.types import Example, RolloutBatch
+from rlctl.types import Example, LogProbs, RolloutBatch
 
 TIMEOUT_S = 300.0
 
@@ -171,11 +170,12 @@ class EngineSource(SyncSource):
         self.took = False
 
     def _episodes(self, batch: RolloutBatch) -> RolloutBatch:
-        """An engine's episodes; ``staleness`` arrives as the weights version."""
-        batch = moved(batch, self.device)
-        stale = self.version - batch.staleness                                         # [N]
+        """An engine's episodes; ``logprobs.staleness`` arrives as the weights version."""
+        batch = batch.to(self.device)
+        lp = batch.logprobs
+        stale = self.version - lp.staleness                                            # [N]
         self._log("async/staleness", float(stale.max()))
-        return batch.replace(staleness=stale, engine_logprobs=batch.old_logprobs * batch.mask)
+        return batch.replace(logprobs=dict(staleness=stale, engine=lp.old * batch.mask))
 
     def _batch(self, examples: List[Example], rows, outs: List[Completion]) -> RolloutBatch:
         """The completions laid out as ``rollout.generate.rollout`` lays out its own."""
@@ -190,8 +190,8 @@ class EngineSource(SyncSource):
         engine_lp = logp * mask                                                       # [N, T]
         batch = scored(self.tokenizer, examples, G, torch.cat([prompt_ids, comp], 1), prompt_mask,
                        mask, truncated, self.stops, self.scorer.score_batch,
-                       old_logprobs=engine_lp if bool((stale > 0).any()) else None,
-                       staleness=stale, engine_logprobs=engine_lp)
+                       LogProbs(old=engine_lp if bool((stale > 0).any()) else None,
+                                engine=engine_lp, staleness=stale))
         self._log("async/staleness", float(stale.max()))
         return batch.replace(reward_parts=self.scorer.last_components)
 
@@ -301,7 +301,7 @@ class LocalEngine(Engine):
 
     def play(self, rows: List[int], env_seed: int, rng: Optional[torch.Tensor]) -> RolloutBatch:
         """Training rows played as episodes (``rng`` None: the child's own stream); the
-        weights version rides in ``staleness``."""
+        weights version rides in ``logprobs.staleness``."""
         batch, self.rng_state = self._call("play", rows, env_seed, rng)
         return batch
 
@@ -356,13 +356,8 @@ def _answer(engine: TorchEngine, player, examples, op: str, args):
             torch.set_rng_state(rng)
         batch = player.play(engine.model, [examples[i] for i in rows], env_seed)
         version = torch.full((batch.num_sequences,), engine.version, dtype=torch.long)
-        return moved(batch.replace(staleness=version), "cpu"), torch.get_rng_state() if rng is not None else None
+        return batch.replace(logprobs=dict(staleness=version)).to("cpu"), \
+            torch.get_rng_state() if rng is not None else None
     if op == "health":
         return engine.health(), None
     raise ValueError(f"unknown request '{op}'")
-
-
-def moved(batch: RolloutBatch, device) -> RolloutBatch:
-    """``batch`` with every tensor field on ``device``."""
-    return batch.replace(**{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-                            if isinstance(getattr(batch, f.name), torch.Tensor)})

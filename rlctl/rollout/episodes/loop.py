@@ -37,7 +37,7 @@ from rlctl.rollout.source import SEED_RANGE, SyncSource
 from rlctl.tasks.task import RAW_PROMPT, task_options
 from rlctl.tasks.prompt_budget import context_length
 from rlctl.types import (DONE, LENGTH_LIMIT, MODEL, OBSERVATION, TOKEN_LIMIT, TURN_LIMIT, Episode,
-                         Example, RolloutBatch, Span, Step, Turn)
+                         EpisodePart, Example, LogProbs, RolloutBatch, Span, Step, Turn)
 
 log = logging.getLogger(__name__)
 _SAID: Set[Tuple[str, str, str]] = set()     # (environment, call, kind) already said
@@ -396,8 +396,8 @@ def episode_batch(runs: List[EpisodeRun], tokenizer, turn_reward: str, turn_disc
         rewards=rewards.to(device), group_ids=torch.arange(N, device=device) // G,
         prompt_len=P, group_size=G, prompts=[r.prompt for r in runs],
         completions=[tokenizer.decode(r.ids, skip_special_tokens=False) for r in runs],
-        old_logprobs=behaviour, engine_logprobs=behaviour,
-        token_rewards=token_rewards.to(device), episodes=[r.episode for r in runs])
+        logprobs=LogProbs(old=behaviour, engine=behaviour),
+        episodes=EpisodePart([r.episode for r in runs], token_rewards.to(device)))
 
 
 @dataclass
