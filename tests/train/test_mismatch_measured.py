@@ -2,15 +2,14 @@
 log-probs, with the correction off: rollout_corr/* logged, the update unchanged bit for bit."""
 import copy
 
-import pytest
 import torch
 
 from learner_kit import settings
+from test_rollout_correction_update import _batch as correction_batch, tiny64  # noqa: F401 (fixture)
 from omegaconf import OmegaConf
 from rlctl.config.compose import compose
 from rlctl.core.rollout_correction import mismatch_metrics
 from rlctl.dist.backends import TorchBackend
-from rlctl.models.forward import learner_forward
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.rollout.engines.engine_source import EngineSource
 from rlctl.rollout.engines.protocol import TorchEngine
@@ -18,35 +17,14 @@ from rlctl.sinks import NullSink
 from rlctl.train.build import prepare_task
 from rlctl.train.trainer import Trainer
 from rlctl.train.update import UpdateState, update_policy
-from rlctl.types import LogProbs, RolloutBatch
-
-F64 = torch.float64
 
 
-@pytest.fixture(scope="module")
-def tiny64():
-    model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(compose([]).cfg.model).items()
-                                                     if k != "name"})
-    return copy.deepcopy(model).double(), tok
 
-
-def _batch(model, tok, n=4, t=5) -> RolloutBatch:
-    """Ragged completions; engine log-probs = the learner's + noise 0.3 on the counted tokens."""
-    g = torch.Generator().manual_seed(0)
-    enc = tok(["3 1 4 1 5 ="] * n, return_tensors="pt")
-    digits = torch.tensor(tok.convert_tokens_to_ids([str(d) for d in range(10)]))
-    comp = digits[torch.randint(0, 10, (n, t), generator=g)]                     # [N, T]
-    mask = (torch.arange(t)[None, :] < torch.tensor([5, 3, 1, 4])[:, None]).double()
-    ids = torch.cat([enc["input_ids"], comp], 1)
-    attn = torch.cat([enc["attention_mask"], mask.long()], 1)
-    with torch.no_grad():
-        learner = learner_forward(model, ids, attn, enc["input_ids"].shape[1]).logp * mask
-    engine = (learner + 0.3 * torch.randn(n, t, generator=g, dtype=F64)) * mask
-    return RolloutBatch(input_ids=ids, attention_mask=attn, mask=mask, truncated=mask[:, -1] > 0,
-                        rewards=torch.zeros(n), group_ids=torch.arange(n) // 2,
-                        prompt_len=enc["input_ids"].shape[1], group_size=2, prompts=["p"] * n,
-                        completions=["c"] * n, logprobs=LogProbs(engine=engine),
-                        advantages=torch.tensor([[1.0], [-0.5], [2.0], [-1.5]], dtype=F64) * mask), learner
+def _batch(model, tok):
+    """The correction tests' batch (ragged completions, engine = learner + noise 0.3) with no
+    pi_old: the learner's own forward is pi_old -> (batch, the learner's log-probs [N, T])."""
+    b = correction_batch(model, tok)
+    return b.replace(logprobs=dict(old=None)), b.logprobs.old
 
 
 def _step(model, batch):
