@@ -1,6 +1,5 @@
-"""The calculator tool, ``read_number`` (digit words to an integer) and the words beyond
-digits and ``= + - * :`` that the built-in environments use (``TINY_AGENT_WORDS``).
-Standard library only: the subprocess sandbox loads ``calc`` from this file."""
+"""The calculator tool, ``read_number`` and ``TINY_AGENT_WORDS`` (the built-in environments'
+words). Standard library only: the subprocess sandbox loads ``calc`` from this file."""
 from __future__ import annotations
 
 import ast
@@ -45,8 +44,7 @@ def _value(node: ast.AST) -> int:
 
 
 def calc(expression: str) -> int:
-    """Evaluate integer arithmetic with + - * and parentheses. Digits may be separate words:
-    "1 2 3 * 4 5" is 123 * 45."""
+    """Integer arithmetic with + - * and parentheses; "1 2 3 * 4 5" is 123 * 45."""
     text = "".join(str(expression).split())
     if not text or len(text) > MAX_CHARS:
         raise ValueError(f"an expression of 1 to {MAX_CHARS} characters is needed")

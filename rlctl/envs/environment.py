@@ -1,7 +1,6 @@
-"""The environment interface of multi-turn episodes (docs/agents.md), ``EnvTask`` (a task
-whose rows are played as episodes) and the registry ``ENVS``: ``reset(example, seed)``
-gives the first observation, ``step(turn)`` a ``rlctl.types.Step``; one environment per
-episode. The episode loop (``rlctl.rollout.episodes.loop``) owns tokens and time limits."""
+"""The ``Environment`` interface of multi-turn episodes (docs/agents.md), ``EnvTask`` and the
+registry ``ENVS``: ``reset(example, seed)`` -> first observation, ``step(turn)`` -> ``Step``;
+one environment per episode."""
 from __future__ import annotations
 
 import math
@@ -26,8 +25,7 @@ class Environment(Protocol):
 
 
 class EnvTask:
-    """A task played as episodes, ``make_env()`` a fresh environment for each; success is
-    ``episode_success``."""
+    """A task played as episodes, ``make_env()`` a fresh environment for each."""
 
     def __init__(self, name: str, make_env: Callable[[], Environment],
                  train: Sequence[Example], eval: Sequence[Example]):

@@ -1,7 +1,6 @@
-"""The child of the subprocess and bwrap sandboxes (``python -I sandbox_child.py``; see
-tools.py): reads a JSON payload from stdin, limits itself, disables sockets, calls the
-tool, writes ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` and kills
-its process group. Standard library only until the limits are set."""
+"""The child of the subprocess and bwrap sandboxes (``python -I sandbox_child.py``): a JSON
+payload on stdin -> ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` on
+stdout, under limits and without sockets. Standard library only until the limits are set."""
 import json
 import os
 import resource

@@ -1,15 +1,6 @@
-"""Tools, their call parsers and ``ToolEnv``, where the model may call tools before it
-answers (docs/agents.md). A parser (``PARSERS``: ``tag``, ``json`` or ``module:Class``)
-has ``parse(text)`` (the first call, None, or ``ToolCallError``), ``format(call)`` and
-``stop``; a call is answered ``<result> R </result>`` (a failure: ``error``), a turn
-without one is the answer, scored by ``check``. ``sandbox=subprocess`` runs each call in
-a fresh ``python -I sandbox_child.py`` under rlimits, without sockets or the trainer's
-environment, its process group killed after ``timeout_s`` (best effort, not a boundary);
-``sandbox=bwrap`` runs that child under bubblewrap: new user, PID, network, IPC and UTS
-namespaces, only the system, Python and the tool's files visible (read-only), a private
-tmpfs work directory, every process ended with the call.
-The first failure of each tool and kind is said in one line (with the child's last stderr
-line when it died without a reply)."""
+"""Tools, their call parsers (``PARSERS``: ``tag``, ``json`` or ``module:Class``) and ``ToolEnv``,
+where the model may call tools before it answers; ``task.sandbox`` none, subprocess or bwrap
+(docs/agents.md). A tool's first failure of each kind is said in one line."""
 from __future__ import annotations
 
 import importlib.util
@@ -105,9 +96,8 @@ def _tool_files(source: Optional[str]) -> list:
 
 
 def _bwrap_argv(source: Optional[str], cwd: str, size_bytes: int) -> list:
-    """bwrap's arguments: fresh namespaces, the system, this Python (its prefixes), the rlctl
-    package and the tool's files read-only, a tmpfs of ``size_bytes`` at ``cwd`` (the only
-    writable place), the rest of the host absent."""
+    """bwrap's arguments: fresh namespaces, the system, Python, rlctl and the tool's files
+    read-only, a tmpfs of ``size_bytes`` at ``cwd`` the only writable place."""
     argv = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--proc", "/proc", "--dev", "/dev"]
@@ -167,8 +157,7 @@ def _last_line(err) -> str:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """Kill the child's process group even when the child has exited (the tool's processes
-    would outlive the call, or hold the reply pipe)."""
+    """Kill the child's process group, even when the child has exited."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

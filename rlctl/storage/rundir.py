@@ -1,13 +1,5 @@
-"""Run directories: ``<output_dir>/<time>-<name>/`` with everything needed to replay.
-
-    config.yaml, config_unresolved.yaml   the resolved config, and with interpolations kept
-    overrides.yaml    the command-line overrides and recipe (`resumes`: each resume's)
-    recipe.yaml       `rlctl train --recipe <run>/recipe.yaml` replays it (a resume rewrites it)
-    metrics.jsonl, samples.jsonl, wandb/, tensorboard/   the sinks' files (rlctl.sinks)
-    model/            final weights and tokenizer (HF format), or the LoRA adapter (+ merged/)
-    summary.json      final eval and timing (rank 0 writes it, the metrics and the model)
-    .lock             while a run writes: the writer's pid (RunLock)
-"""
+"""Run directories, ``<output_dir>/<time>-<name>/``, with everything needed to replay
+(docs/runs.md lists the files), and ``RunLock``."""
 from __future__ import annotations
 
 import fcntl
