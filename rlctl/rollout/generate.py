@@ -1,9 +1,5 @@
-"""Generation: B prompts x G sampled completions -> a scored ``RolloutBatch``.
-
-Tokens come from softmax(logits / temperature) (top-k for eval and rollout only), the learner's
-distribution: through ``sample``, the lean loop (Hugging Face's tokens for the same seed), else
-(greedy, backend kwargs, no KV cache) the model's ``generate`` with the library's defaults.
-"""
+"""Generation: B prompts x G sampled completions -> a scored ``RolloutBatch``, from
+softmax(logits / temperature) through ``sample`` (the lean loop), else the model's ``generate``."""
 from __future__ import annotations
 
 import contextlib

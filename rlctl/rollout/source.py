@@ -1,7 +1,5 @@
-"""Where a step's rollouts come from: ``Source`` says what the trainer asks of one;
-``SyncSource``, every source's base, declares it. ``collect``: one step's batch with DAPO's dynamic
-sampling (groups of equal rewards dropped, more prompts sampled, up to ``max_rounds`` rollouts).
-"""
+"""Where a step's rollouts come from: the ``Source`` protocol, ``SyncSource`` (every source's
+base) and ``collect`` (DAPO's dynamic sampling, up to ``max_rounds`` rollouts)."""
 from __future__ import annotations
 
 import random

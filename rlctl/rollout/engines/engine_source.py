@@ -1,16 +1,8 @@
 """Rollouts from engines (servers, or local engine processes), laid out and scored as the
-learner's batch, and the staleness controller.
-
-Each request draws its rows and one seed from ``prompt_rng``; local engines at max_staleness=0
-take the learner's torch RNG state and hand it back advanced (the synchronous loop bit for
-bit). Versions count learner updates: a rollout is requested ahead (one per idle engine) only
-while it will be at most ``max_staleness`` old when consumed (a stale one's log-probs are its
-``logprobs.old``); an engine gets the weights with its first request, then every ``sync_every``
-updates or when the bound needs them (a LoRA policy: its adapter).
-``LocalEngine``/``serve_engine``: a pipe of pickled tuples ("generate" | "weights", unanswered |
-"play" | "health" | "stop", args...) answered ("ok", value, rng state or None), ("error",
-UserError) or ("failed", line); a child that exits or is silent for ``timeout_s``: ``ActorFailed``.
-"""
+learner's batch, and the staleness controller (docs/engines.md). ``LocalEngine``/``serve_engine``:
+a pipe of pickled tuples ("generate" | "weights" | "play" | "health" | "stop", args...) answered
+("ok", value, rng state or None), ("error", UserError) or ("failed", line); a child that exits
+or is silent for ``timeout_s``: ``ActorFailed``."""
 from __future__ import annotations
 
 import collections
@@ -117,8 +109,7 @@ class EngineSource(SyncSource):
             self._request(self.idle.popleft(), num_groups, latest)
 
     def _request(self, e: int, num_groups: int, consumed_at: int) -> None:
-        """Draw the rows and seed here, in order, snapshot the weights if engine ``e`` needs
-        them, and start the request in a worker thread."""
+        """Draw the rows and seed, snapshot the weights if engine ``e`` needs them, start the request."""
         engine, rows = self.engines[e], self.draw(num_groups)
         env_seed = self.prompt_rng.randrange(SEED_RANGE) if self.player is not None else None
         if self.learner_rng:

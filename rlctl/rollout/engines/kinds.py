@@ -1,8 +1,6 @@
 """Server kinds: what differs between the completions servers ``ServerEngine`` talks to
-(``rlctl serve``, vLLM, SGLang; docs/server-kinds.md): the request and its reply, the probe,
-how weights are pushed. A kind whose replies carry no weights version (vLLM, SGLang) is at
-the version last pushed to it, 0 when first seen or back after being lost.
-"""
+(``rlctl serve``, vLLM, SGLang; docs/server-kinds.md): the request, its reply, the probe and
+the weights push. A kind whose replies carry no weights version is at the version last pushed."""
 from __future__ import annotations
 
 import itertools

@@ -1,11 +1,6 @@
-"""The engine protocol (docs/engines.md), the ``torch`` engine, and the weights format.
-
+"""The engine protocol, the ``torch`` engine and the weights format (docs/engines.md).
 ``generate(prompts [[int]], Sampling, seed) -> [Completion]``: token ids up to and including
-the first stop id, each one's log softmax(logits / temperature) before top-k; temperature 0
-is greedy. Weights are safetensors, their kind in the metadata (``rlctl.kind``): ``full``
-(every named parameter) or ``adapter`` (``M.lora_A`` [r, in], ``M.lora_B`` [out, r], alpha / r
-in B: the weight becomes W0 + B @ A, W0 the weight before the first adapter).
-"""
+the first stop id, each one's log softmax(logits / temperature) before top-k."""
 from __future__ import annotations
 
 import contextlib
@@ -299,8 +294,7 @@ def load_full(model, tensors: Dict[str, torch.Tensor]) -> None:
 
 @torch.no_grad()
 def load_adapter(model, tensors: Dict[str, torch.Tensor], base: Dict[str, torch.Tensor]) -> None:
-    """Merge an adapter (module docstring) onto the weights in ``base`` (filled here with
-    a copy of each adapted weight on its first adapter)."""
+    """Merge an adapter onto the weights in ``base`` (W0 + B @ A, W0 kept in ``base``)."""
     modules = dict(model.named_modules())
     pairs = {}
     for key in tensors:

@@ -1,9 +1,5 @@
 """An engine behind an OpenAI-compatible server (FastAPI; ``rlctl serve``; docs/engines.md
-has the routes and fields): completions of text or token-id prompts, chat completions through
-the tokenizer's chat template, every choice with its token ids and log-probs. Bad input is a
-400 (409: a weights version older than the served one; unknown routes 404) with OpenAI's error
-body; requests are served one at a time.
-"""
+has the routes, fields and error codes); requests are served one at a time."""
 from __future__ import annotations
 
 import time

@@ -1,11 +1,6 @@
-"""The ``server`` engine: a client of completions servers of one kind (kinds.py), over
-standard library HTTP. Requests of ``chunk_size`` prompts (request j seeded ``chunk_seed(seed,
-j)``) are taken by one thread per usable server, so the tokens do not depend on the servers;
-a lost server (no connection, timeout, 5xx) is named in one line, its requests go to the
-others, and it is probed again every ``recheck_s``; a 4xx is a UserError. Weights go to every
-server that is up (the last push again to one that comes back); a server serves only while at
-most ``max_staleness`` versions behind, one whose version went back gets the newest push first.
-"""
+"""The ``server`` engine: a client of completions servers of one kind (kinds.py) over standard
+library HTTP (docs/engines.md): requests of ``chunk_size`` prompts, request j seeded
+``chunk_seed(seed, j)``, so the tokens do not depend on the servers; lost servers rechecked."""
 from __future__ import annotations
 
 import json

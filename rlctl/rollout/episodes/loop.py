@@ -1,15 +1,6 @@
-"""The episode loop: B examples x G episodes played with the policy, as one RolloutBatch.
-
-Each episode gets a fresh environment, reset with its row and its group's seed; turn by turn
-the active episodes are sampled (``episodes.kv``) up to ``min(max_new_tokens, budget left,
-context)`` tokens, ending at a stop id or a step's ``info["stop"]`` string, and the turns step
-the environments concurrently (``run_calls``: every environment call, ``close`` included, has
-the step time limit; a raise, a timeout or a malformed ``Step`` is counted, its kind said once,
-and a failed step is the observation ``error``). An episode ends at ``done``, ``max_turns``,
-its token budget or the context. The batch: first observation left-padded to P, transcript
-right-padded to T, ``mask`` 1 on model tokens, rewards placed by ``rollout.episode.turn_reward``
-(``core.turns``).
-"""
+"""The episode loop (docs/agents.md): B examples x G episodes played with the policy, as one
+RolloutBatch: first observation left-padded to P, transcript right-padded to T, ``mask`` 1 on
+model tokens, rewards placed by ``rollout.episode.turn_reward`` (``core.turns``)."""
 from __future__ import annotations
 
 import contextlib

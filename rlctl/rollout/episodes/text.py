@@ -1,12 +1,5 @@
-"""The text side of an episode: observations to tokens, and where a turn stops.
-
-Model turns stay the sampled ids; each observation is tokenized once (no special tokens) and
-appended. Chat: the first observation is the rendered user message, a later one a ``tool``
-message if the template renders one, else ``user``: the template's text beyond the context's
-(else the message rendered alone, said once). Observations past ``max_obs_tokens`` are cut,
-first by characters (``CHARS_PER_TOKEN`` per token, so a huge one is never tokenized whole),
-then by tokens; text that is not valid UTF-8 (a lone surrogate) is repaired on the way in.
-"""
+"""The text side of an episode: observations to tokens (each tokenized once, no special
+tokens; chat: a ``tool`` or ``user`` message), cut to ``max_obs_tokens``, and where a turn stops."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
