@@ -1,8 +1,6 @@
-"""`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible server
-(rollout/engines/serve_app.py; docs/engines.md) for a TARGET as `rlctl eval` takes it; the model's
-stop set is added to each request's stop_token_ids. The socket is bound before the model loads
-(a port in use is one line, exit 2) and listens once it is loaded; the URL printed then is the
-bound one (--port 0: the port the system chose)."""
+"""`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible server (docs/engines.md)
+for a TARGET as `rlctl eval` takes it, the model's stop set added to each request's stop ids.
+The socket is bound before the model loads; the URL printed is the bound one."""
 from __future__ import annotations
 
 import socket

@@ -1,9 +1,6 @@
-"""Ranks started through torchrun's launcher (``launch``: local ranks of
-``rlctl.train.worker``; ``launch_node``: one node's ranks of `rlctl train`), signals forwarded,
-and the group a launcher made (``from_environment``, ``join``, ``share``), formed within
-``hardware.dist_timeout_s``, each rank's config compared with rank 0's in one
-``all_gather_object``. Each failure (no master, peers missing, a rank started twice,
-configs that differ) is one line."""
+"""Ranks started through torchrun's launcher (``launch``: local ranks of ``rlctl.train.worker``;
+``launch_node``: one node's ranks of `rlctl train`), signals forwarded, and the group a
+launcher made (``from_environment``, ``join``, ``share``); each failure is one line."""
 from __future__ import annotations
 
 import contextlib

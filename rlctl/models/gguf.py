@@ -1,8 +1,6 @@
-"""GGUF checkpoints (llama.cpp's one-file format) as models: finding the file, checking it
-(one line per problem), loading it through transformers' GGUF loader dequantised (the
-tokenizer and chat template come from the file) as a plain model that saves as safetensors,
-and ``convert_gguf`` to a Hugging Face directory. The ``gguf`` package (the ``gguf`` extra)
-is imported only here, when a file is loaded."""
+"""GGUF checkpoints (llama.cpp's one-file format) as models: found, checked (one line per
+problem), loaded dequantised through transformers' GGUF loader, and ``convert_gguf`` to a
+Hugging Face directory. The ``gguf`` extra is imported only here, when a file is loaded."""
 from __future__ import annotations
 
 import importlib
@@ -21,9 +19,8 @@ hf_gguf.tqdm = hf_logging.tqdm        # its dequantising bar obeys quiet_librari
 
 
 def gguf_file(name_or_path: str) -> Optional[Path]:
-    """The .gguf file ``name_or_path`` names: the file itself, or a directory holding
-    exactly one .gguf file and no config.json; None otherwise. ValueError (one line) for a
-    directory of several and no config.json."""
+    """The .gguf file ``name_or_path`` names (the file, or a directory's only .gguf and no
+    config.json), else None; ValueError (one line) for a directory of several."""
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return path

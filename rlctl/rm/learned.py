@@ -1,8 +1,6 @@
-"""Learned reward models: a Hugging Face sequence classifier's score (one label,
-safetensors, its own tokenizer; Ouyang et al., 2022) as a reward beside or instead of a task's,
-scored through ``rlctl.rm.score`` as the fit scores. ``task.reward_norm=running`` whitens with
-the running count, mean and M2 over ranks (Chan et al., 1979), updated before the batch is
-normalised (OpenRLHF, TRL); ``task.reward_clip=c`` then clips to [-c, c]."""
+"""Learned reward models (docs/rlhf.md): a Hugging Face sequence classifier's score (Ouyang et
+al., 2022) as a reward beside or instead of a task's, normalised with running statistics over
+ranks (Chan et al., 1979) under ``task.reward_norm=running``, clipped by ``task.reward_clip``."""
 from __future__ import annotations
 
 import logging

@@ -1,7 +1,5 @@
 """The embedded tiny reward model for 5-digit sorting (``task.reward_model=tiny``), built on
-first use and cached in ``tiny-rm-<hash of every input>``: the tiny policy's backbone with a
-1-output head, fitted on ``NUM_PAIRS`` training-split pairs ranked by the positional reward
-(ties skipped), an imperfect proxy on purpose (docs/rlhf.md, "The tiny reward model")."""
+first use and cached; an imperfect proxy on purpose (docs/rlhf.md, "The tiny reward model")."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,5 @@
 """`rlctl reward-model train|eval`: fit a Bradley-Terry reward model on preference pairs
-(``prompt``, ``chosen``, ``rejected``; docs/rlhf.md) into ``<run.output_dir>/<time>-rm/``
-(``model/``, metrics, config, summary), and measure one. Everything is checked before the run
-directory is made; SIGINT/SIGTERM stop after a step with the model saved (``FitStopped``)."""
+into ``<run.output_dir>/<time>-rm/`` (docs/rlhf.md), and measure one."""
 from __future__ import annotations
 
 import inspect

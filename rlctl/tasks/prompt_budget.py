@@ -1,7 +1,5 @@
-"""A task prepared for one model (``prepare``; the task is not changed): chat prompts
-through the template (``fields[RAW_PROMPT]`` keeps them as written) and prompts kept
-within ``rollout.max_prompt_tokens`` (default: the context minus ``max_new_tokens``) under
-``task.long_prompts``: ``skip``, ``truncate_left`` (as verl's) or ``error``."""
+"""A task prepared for one model (``prepare``): chat prompts through the template and prompts
+kept within ``rollout.max_prompt_tokens`` under ``task.long_prompts``."""
 from __future__ import annotations
 
 import os

@@ -1,8 +1,5 @@
-"""Scoring completions with a task's reward(s): batches under ``task.reward_timeout_s``
-in one persistent worker forked from the trainer (a thread cannot be stopped), killed at
-the deadline and forked again; 0 or null scores in-process. The error policy is
-``task.on_reward_error``; named rewards are logged as ``reward/<name>``.
-"""
+"""Scoring completions with a task's reward(s), in a worker forked from the trainer under
+``task.reward_timeout_s``, errors handled as ``task.on_reward_error`` says."""
 from __future__ import annotations
 
 import logging

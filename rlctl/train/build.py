@@ -1,7 +1,5 @@
-"""Build what a run needs from its config: the task with its reward models
-(``task_from_config``, once per process), the task prepared for the loaded model
-(``prepare_task``), the policy (+LoRA, +critic, +the LoRA reference). Every consumer
-(train ranks, dry run, engine processes, `rlctl eval`) builds through here."""
+"""Build what a run needs from its config: the task with its reward models, the task
+prepared for the model, the policy; every consumer builds through here."""
 from __future__ import annotations
 
 import inspect

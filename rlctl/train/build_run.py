@@ -1,7 +1,5 @@
-"""What `rlctl train` builds from the composed config on top of the task and models
-(``rlctl.train.build``): one rank (``built_rank``: backend, models, rank 0's sinks, the
-rollout source, the ``Trainer``; a resume's newest checkpoint) and the dry run's models
-(``dry_run``). ``rlctl.train.run`` trains what it builds."""
+"""What `rlctl train` builds on top of ``rlctl.train.build``: one rank (``built_rank``) and
+the dry run's models (``dry_run``)."""
 from __future__ import annotations
 
 import copy

@@ -1,7 +1,5 @@
-"""The metric schema every algorithm shares (docs/metrics.md), its reduction over ranks,
-and the sample tables handed to the sinks. Values stay detached tensors until one host
-sync at log time; spreads travel as `Moments` pooled over micro-batches, steps and ranks,
-so no split of the batch changes them. Sample tables draw whole groups with their own RNG."""
+"""The metric schema every algorithm shares (docs/metrics.md), its reduction over ranks (one
+host sync at log time; `Moments` pooled exactly), and the sample tables handed to the sinks."""
 from __future__ import annotations
 
 import math

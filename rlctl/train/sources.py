@@ -1,8 +1,5 @@
-"""A run's rollout source from the composed config (``build_source``) and the processes a
-run starts for it: local engine processes (``engine_main``, over a pipe) and `rlctl serve`
-servers on 127.0.0.1 (``LocalServers``). Each child builds the learner's base model, sits in
-its own process group and gets SIGTERM if the learner dies. Episodes, engines and servers
-are imported only where a run chooses them."""
+"""A run's rollout source from the composed config (``build_source``) and the processes it
+starts: local engine processes (``engine_main``) and `rlctl serve` servers (``LocalServers``)."""
 from __future__ import annotations
 
 import importlib

@@ -1,8 +1,5 @@
 """The training loop: rollout -> prepare (old and reference log-probs, advantages) ->
-minibatch updates -> log; registries give the advantage estimator and the policy loss.
-Outcome estimators map one return per completion [B, G] to every token, token-level ones
-(``gae``) per-token rewards and values; ``in_reward`` KL puts -beta * k on each counted
-token and the reward on the last (Ziegler et al., 2019)."""
+minibatch updates -> log; ``in_reward`` KL shapes the rewards (Ziegler et al., 2019)."""
 from __future__ import annotations
 
 import copy

@@ -1,11 +1,6 @@
-"""The learner's update (epochs x minibatches of optimizer steps on one rollout) and the
-rollout correction's hooks (``algo.rollout_correction``; math: rlctl.core.rollout_correction).
-
-The policy loss comes from ``POLICY_LOSSES``, the KL term from ``kl_estimate``, the value
-loss from ``value_loss_per_token``, extra terms from ``LOSS_TERMS``; `accumulate_gradients`
-sums them in one line. Gradient accumulation is exact for every aggregation mode: each
-micro-batch adds ``aggregate_sum(...) / agg_denominator(minibatch mask)``. ``mask_truncated``
-(DAPO's overlong filtering, Yu et al., 2025) zeroes the mask of rows with no stop id."""
+"""The learner's update (epochs x minibatches of optimizer steps on one rollout), its loss
+terms summed in `accumulate_gradients`, exact over micro-batches for every aggregation mode;
+``mask_truncated``: DAPO's overlong filtering (Yu et al., 2025)."""
 from __future__ import annotations
 
 import math

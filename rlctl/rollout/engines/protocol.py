@@ -126,7 +126,7 @@ class TorchEngine(Engine):
 
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
                        kind: str = "full") -> None:
-        """Full weights or a LoRA adapter's tensors (module docstring)."""
+        """Full weights or a LoRA adapter's tensors (docs/engines.md)."""
         with _GENERATION:
             if kind == "full":
                 load_full(self.model, tensors)
