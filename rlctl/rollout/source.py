@@ -55,8 +55,7 @@ class SyncSource(Source):
 
 
 class LocalSource(SyncSource):
-    """The synchronous loop: B prompts x ``algo.group_size`` completions sampled from ``policy``
-    as ``rollout`` says; ``generate_kwargs``: the backend's (e.g. ``synced_gpus``)."""
+    """The synchronous loop: B prompts x ``algo.group_size`` completions sampled from ``policy``."""
 
     def __init__(self, policy, tokenizer, examples: Sequence[Example], scorer,
                  rollout: RolloutConfig, algo: AlgoConfig, share_prompts: bool, seed: int,

@@ -151,8 +151,7 @@ PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_fra
 
 
 def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
-    """Floats averaged over ranks (min/max/sum where the name says so; `Moments` pooled,
-    then finished); one host sync and one collective per reduction kind."""
+    """Floats averaged (min/max/sum by name, `Moments` pooled) over ranks; one sync per kind."""
     keys: List[str] = []
     pooled: List[str] = []
     for k in sorted(metrics):
@@ -271,8 +270,7 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
 
 
 def episode_columns(episode: Episode, tool_task: bool) -> Row:
-    """An episode's columns of a sample row (docs/metrics.md): counts, status, success and
-    its turns as {role, text, reward, truncated}."""
+    """An episode's columns of a sample row (docs/metrics.md)."""
     return {"num_turns": episode.turns, "status": episode.status, "success": episode_success(episode),
             "tool_calls": int(episode.tool_calls), "tool_errors": int(episode.tool_errors),
             "env_errors": int(episode.env_errors),

@@ -264,8 +264,7 @@ class ResumeSettings:
 
 
 def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str], world: int) -> None:
-    """Refuse (one line) a resume with nothing to do, written by other than ``world`` ranks,
-    or whose overrides change a shape key."""
+    """Refuse (one line) a resume with nothing to do, of another world size or changing a shape."""
     last = checkpoint.latest_checkpoint(run_dir)
     if last is None:
         raise no_checkpoint(run_dir)
@@ -309,8 +308,7 @@ def newest(run_dir: Path) -> str:
 
 # ---- summary.json --------------------------------------------------------------------------
 def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0)) -> Dict[str, Any]:
-    """summary.json's reward fields from the (calls, errors, timeouts) of training and eval;
-    ``warnings`` names failures."""
+    """summary.json's reward fields from training's and eval's (calls, errors, timeouts)."""
     out: Dict[str, Any] = {}
     warnings: List[str] = []
     for (prefix, what, meaning), (calls, errors, timeouts) in zip(_KINDS, (train, evaluation)):
@@ -330,8 +328,7 @@ def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0
 
 def run_summary(run_dir: Path, result, backend, seconds: float, lora: bool, params: Sequence[int],
                 model_dir: Optional[Path], scorers: Sequence[Any]) -> Dict[str, Any]:
-    """``summary.json`` of ``result`` (``params``: trainable, total; ``scorers``: training
-    and eval). A collective."""
+    """``summary.json`` of ``result``. A collective."""
     trainable, total = params
     summary = {"run_dir": str(run_dir), "steps": result.steps, "train_seconds": result.seconds,
                "setup_seconds": seconds - result.seconds, "tokens_per_s": result.tokens_per_s,

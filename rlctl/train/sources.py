@@ -209,8 +209,7 @@ class LocalServers(LocalProcesses):
 
 
 def serve_child(cfg_yaml: str, conn, index: int = 0) -> None:
-    """One server of the learner's base model and stop ids on a free 127.0.0.1 port: sends
-    ("ready", port), serves until terminated."""
+    """One `rlctl serve` of the learner's base model on a free port; sends ("ready", port)."""
     os.setpgrp()
     die_with_parent(mp.parent_process().pid)
     import uvicorn   # heavy, and only a server needs it

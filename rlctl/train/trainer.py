@@ -154,8 +154,7 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg, model, tokenizer, prepared: Prepared, sink, *, source, critic=None,
                     ref_model=None, backend=None) -> "Trainer":
-        """The Trainer for the composed config ``cfg``: sampling checked, ``backend`` by default
-        torch on ``hardware.device``; prompt sharing goes by the learner's own backend."""
+        """The Trainer for the composed config ``cfg`` (``backend``: default torch)."""
         check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
         backend = backend or TorchBackend(cfg.hardware.device)
         lora, tr = cfg.model.lora, cfg.trainer

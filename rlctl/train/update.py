@@ -274,8 +274,7 @@ def nothing_trained(values: Dict[str, float]) -> Optional[str]:
 
 
 def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrectionConfig]) -> RolloutBatch:
-    """The batch as the old-policy forward sees it: bypass: pi_old := pi_engine; otherwise
-    no old log-probs, so the learner computes pi_old for every row."""
+    """The batch as the old-policy forward sees it (bypass: pi_old := pi_engine)."""
     if corr is None:
         return batch
     if batch.logprobs.engine is None:

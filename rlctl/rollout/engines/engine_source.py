@@ -38,8 +38,7 @@ def staleness_bounds(ahead: AsyncConfig) -> Tuple[int, int]:
 
 
 def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
-    """(tensors, kind) to serve ``policy``: a peft LoRA policy's adapter, else every parameter
-    of the language model; detached CPU copies."""
+    """(tensors, kind) to serve ``policy``: a LoRA adapter or every parameter, as CPU copies."""
     model = policy.policy if isinstance(policy, PolicyValueModel) else policy
     if hasattr(model, "peft_config"):
         base = model.get_base_model()

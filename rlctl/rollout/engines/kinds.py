@@ -61,8 +61,7 @@ class ServerKind:
 # -- rlctl: our own server (rollout/engines/serve_app.py) ----------------------------------------
 
 def parse_openai(reply: dict, version: int) -> List[Completion]:
-    """An OpenAI completion object with per-choice ``token_ids`` (rlctl serve, vLLM with
-    ``return_token_ids``) -> completions in choice order."""
+    """An OpenAI completion object with per-choice ``token_ids`` -> completions in choice order."""
     choices = sorted(reply["choices"], key=lambda c: c["index"])
     out = []
     for c in choices:
@@ -85,8 +84,7 @@ def _finish(reason) -> str:
 
 
 class RlctlKind(ServerKind):
-    """``rlctl serve``: replies carry ``weights_version``; weights go as safetensors bytes or
-    by path on a shared directory."""
+    """``rlctl serve``: replies carry ``weights_version``; weights go as bytes or by path."""
     name = "rlctl"
     parallel_push = True
 

@@ -179,8 +179,7 @@ def completions(new: torch.Tensor, logp: torch.Tensor, stops: Sequence[int],
 
 @contextlib.contextmanager
 def _seeded(seed: Optional[int], device: torch.device):
-    """Within: the global RNG seeded with ``seed``, an int or a CPU RNG state (nothing
-    changed for None); the state before is restored after."""
+    """Within: the global RNG seeded with ``seed`` (an int or a CPU RNG state), restored after."""
     if seed is None:
         yield
         return
@@ -212,8 +211,7 @@ def from_bytes(data: bytes) -> Tuple[Dict[str, torch.Tensor], str]:
 
 
 def read_dir(path: str) -> Tuple[Dict[str, torch.Tensor], str]:
-    """A ``.safetensors`` file or a directory of them -> (tensors, kind); all files of a
-    directory must be of one kind."""
+    """A ``.safetensors`` file or a directory of them (all of one kind) -> (tensors, kind)."""
     p = Path(path)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     if not p.exists() or not files:
@@ -275,8 +273,7 @@ def _checked_kind(kind: str) -> str:
 
 @torch.no_grad()
 def load_full(model, tensors: Dict[str, torch.Tensor]) -> None:
-    """Copy every parameter from ``tensors``; nothing is changed when any name is
-    missing, unknown or of the wrong shape."""
+    """Copy every parameter from ``tensors``; nothing changes when any name or shape is off."""
     params = dict(model.named_parameters())
     unknown = sorted(set(tensors) - set(params))
     missing = sorted(set(params) - set(tensors))

@@ -1,5 +1,4 @@
-"""An engine behind an OpenAI-compatible server (FastAPI; ``rlctl serve``; docs/engines.md
-has the routes, fields and error codes); requests are served one at a time."""
+"""An engine behind an OpenAI-compatible server (FastAPI; ``rlctl serve``; docs/engines.md)."""
 from __future__ import annotations
 
 import time
@@ -232,8 +231,7 @@ def _sampling(body: Dict[str, Any], default_stops):
 
 def completion_response(outs, model_name: str, want_logprobs: bool, prompts,
                         tokenizer=None, chat: bool = False) -> Dict[str, Any]:
-    """The OpenAI completion (``chat``: chat completion) object with vLLM's token-id fields;
-    text is decoded without special tokens, as vLLM decodes it."""
+    """The OpenAI (chat) completion object with vLLM's token-id fields and text decoding."""
     choices: List[Dict[str, Any]] = []
     for i, c in enumerate(outs):
         text = tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer is not None else ""

@@ -128,8 +128,7 @@ class ServerEngine(Engine):
         self.say(f"rollout server {s.url} lost ({exc}); its requests go to the other {others}")
 
     def _recheck(self, force: bool = False) -> None:
-        """Probe lost servers (every ``recheck_s``); send the newest weights to each one back
-        and to any whose weights are too old to be used."""
+        """Probe lost servers (every ``recheck_s``); push the newest weights to those back or stale."""
         now = time.monotonic()
         for s in self.servers:
             if self._usable(s) or (not s.up and not force and now - s.lost_at < self.recheck_s):

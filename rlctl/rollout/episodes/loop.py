@@ -61,8 +61,7 @@ class EpisodePlayer:
 
     def play(self, model, examples: Sequence[Example], seed: int, greedy: bool = False,
              group_size: Optional[int] = None) -> RolloutBatch:
-        """G episodes of each example (``group_size``, default the player's), played with
-        ``model``; ``greedy``: the most likely token each time (eval)."""
+        """G episodes of each example played with ``model``; ``greedy`` for eval."""
         if isinstance(model, PolicyValueModel):     # sample from the LM alone
             model = model.policy
         ep, G = self.episode, group_size or self.group_size
@@ -317,8 +316,7 @@ def _checked(r: EpisodeRun, check: Callable[[Any], Any], value, default):
 
 
 class EpisodeSource(SyncSource):
-    """LocalSource's multi-turn twin: B rows x G episodes per ``sample``, played with ``policy``;
-    the environments' seed drawn after the rows. Rewards are the environments'."""
+    """LocalSource's multi-turn twin: B rows x G episodes per ``sample``, played with ``policy``."""
 
     def __init__(self, policy, tokenizer, prepared, rollout: RolloutConfig, group_size: int,
                  seed: int):
