@@ -94,8 +94,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
 
 def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_name: str,
                 start: int, chunk) -> List[dict]:
-    """Sample ``g`` completions of each prompt in ``chunk`` as ``ro`` (rollout.*) says, score
-    them, and return one row per completion (group ids count from ``start``)."""
+    """One row per completion of ``g`` sampled for each prompt in ``chunk``, scored."""
     totals: list = []
 
     def score(rows, texts):        # keep the exact totals (the batch holds float32)

@@ -29,16 +29,14 @@ def _app(target: Target, cfg):
 
 
 def model_id(target: Target, cfg) -> str:
-    """The served model's id (GET /v1/models): a run's directory name, a model directory as
-    named, else the configured model."""
+    """The served model's id: a run's directory name, a model directory, else the configured model."""
     if target.kind == "run":
         return target.path.resolve().name
     return str(target.path) if target.path is not None else cfg.model.name_or_path or cfg.model.name
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port, not yet listening (connections are refused until the
-    model is loaded); a failure is one line naming both."""
+    """A TCP socket bound to host:port, not yet listening; a failure is one line naming both."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: not a live port

@@ -48,8 +48,7 @@ def _pick(job: Sequence[str], keys: Sequence[str], skip_seed: bool) -> List[str]
 
 
 def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optional[str] = None) -> Dict:
-    """Run every job; raise UserError (every failure was bad input: exit 2) or
-    TrainingFault (exit 1) at the end if any job failed, after the table and files."""
+    """Run every job; at the end raise UserError (all failures bad input) or TrainingFault."""
     jobs = expand(overrides)
     for job in jobs:                     # validate every cell before the first one runs
         cfg = compose(job, recipe).cfg
@@ -194,8 +193,7 @@ def _table(title: str, first: Dict[str, str], rows: List[List[str]]):
 
 def print_table(table: List[Dict], sweep_dir: Path, keys: Sequence[str] = (),
                 results: Sequence[Dict] = ()) -> None:
-    """One column per swept key (its shortest unique suffix) when that fits the terminal,
-    else numbered cells with a legend line each; no value is cut."""
+    """One column per swept key when that fits the terminal, else numbered cells with a legend."""
 
     console = Console()
     title = "sweep: final held-out eval/* metrics, mean±std over seeds"

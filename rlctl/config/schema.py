@@ -274,8 +274,7 @@ class EpisodeConfig:
 
 @dataclass
 class ServerConfig:
-    """rollout.engine=server: where the servers are and how weights reach them
-    (docs/engines.md, docs/server-kinds.md)."""
+    """rollout.engine=server: the servers and how weights reach them (docs/engines.md)."""
     # running servers (rlctl serve, vLLM, SGLang); []: the learner starts num_local of its own
     urls: List[str] = field(default_factory=list)
     # urls=[]: `rlctl serve` processes the learner starts (and stops) on 127.0.0.1

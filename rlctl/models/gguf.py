@@ -80,8 +80,7 @@ def load_gguf(file: Path, dtype: torch.dtype = torch.float32) -> Tuple[Any, Any]
 
 
 def convert_gguf(file: os.PathLike, out_dir: os.PathLike) -> Path:
-    """Write GGUF ``file`` into ``out_dir`` as a float32 Hugging Face directory (safetensors
-    weights, config, tokenizer with its chat template); returns ``out_dir``."""
+    """Write GGUF ``file`` as a float32 Hugging Face directory ``out_dir``; returns ``out_dir``."""
     model, tokenizer = load_gguf(Path(file), torch.float32)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

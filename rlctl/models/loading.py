@@ -74,8 +74,7 @@ def prepare_tokenizer(tokenizer, model):
 
 
 def check_source(name: str, name_or_path: Optional[str]) -> None:
-    """ValueError, before a run directory exists, for a missing, adapter or corrupt model path
-    or a GGUF file that cannot be loaded."""
+    """ValueError for a missing, adapter or corrupt model path or an unloadable GGUF file."""
     if name != "hf" or not name_or_path:
         return
     file = gguf_file(name_or_path)

@@ -49,8 +49,7 @@ def scores(model, tokenizer, prompts: Sequence[Any], completions: Sequence[str],
 
 
 def pair_counts(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> Tuple[int, int]:
-    """(pairs with a text over ``limit`` tokens, pairs whose chosen and rejected read as the
-    same tokens once rendered and cut to ``limit``)."""
+    """(pairs with a text over ``limit`` tokens, pairs whose sides read the same once cut)."""
     rows = token_rows(tokenizer, [render(tokenizer, p.prompt, x)
                                   for p in pairs for x in (p.chosen, p.rejected)]) if pairs else []
     cut = [keep_end(r, limit, tokenizer.bos_token_id) for r in rows]

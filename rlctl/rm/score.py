@@ -116,8 +116,7 @@ UNSET_LENGTH = 10 ** 12  # a model_max_length this large is unset (transformers 
 
 
 def render(tokenizer, prompt: Union[str, List[Dict[str, str]]], completion: str) -> str:
-    """The model's chat template over [prompt, assistant: completion], else ``prompt +
-    completion`` (one space at a bare join)."""
+    """The chat template over [prompt, assistant: completion], else ``prompt + completion``."""
     if getattr(tokenizer, "chat_template", None):
         msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         return tokenizer.apply_chat_template(

@@ -1,5 +1,4 @@
-"""Console progress: a live rich bar on a TTY, else one plain line per `print_every` steps;
-samples(): a table cut to the terminal width."""
+"""Console progress: a live rich bar on a TTY, else a plain line per `print_every` steps."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,4 @@
-"""`metrics.jsonl` and `samples.jsonl`: strict JSON lines (NaN and +-inf as null), each
-flushed when written; the readers skip a line that is not a row."""
+"""`metrics.jsonl` and `samples.jsonl` (docs/metrics.md), each line flushed when written."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,4 @@
-"""Generated math (``task=arithmetic``): ``a OP b`` as ``symbolic`` (``"1 2 + 3 4 ="``) or
-``words`` prompts, checked by ``answers_equivalent``; rewards ``exact`` or ``partial``."""
+"""Generated math (``task=arithmetic``): ``a OP b`` as ``symbolic`` or ``words`` prompts."""
 from __future__ import annotations
 
 import random

@@ -268,8 +268,7 @@ class DataTask:
         return out
 
     def reward(self, example: Example, completion: str) -> float:
-        """The weighted total through ``RewardScorer`` under ``task.on_reward_error``, with
-        no time limit."""
+        """The weighted total through ``RewardScorer`` (``task.on_reward_error``), no time limit."""
         with RewardScorer(self, timeout_s=0) as scorer:
             return scorer.score_batch([example], [completion])[0]
 

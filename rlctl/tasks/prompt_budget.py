@@ -1,5 +1,4 @@
-"""A task prepared for one model (``prepare``): chat prompts through the template and prompts
-kept within ``rollout.max_prompt_tokens`` under ``task.long_prompts``."""
+"""A task prepared for one model (``prepare``): chat template, ``task.long_prompts`` budget."""
 from __future__ import annotations
 
 import os

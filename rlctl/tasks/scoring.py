@@ -1,5 +1,4 @@
-"""Scoring completions with a task's reward(s), in a worker forked from the trainer under
-``task.reward_timeout_s``, errors handled as ``task.on_reward_error`` says."""
+"""Scoring completions with a task's reward(s), in a forked worker under a time limit."""
 from __future__ import annotations
 
 import logging
@@ -251,8 +250,7 @@ class RewardScorer:
 
     @property
     def has_gold(self) -> bool:
-        """False for a data task scored by reward models alone (``rewards == []``): then no
-        reward/<task> component and no correctness are reported."""
+        """False for a data task scored by reward models alone: no reward/<task>, no correctness."""
         rewards = getattr(self.task, "rewards", None)
         return not (self.learned is not None and isinstance(rewards, list) and not rewards)
 
@@ -301,8 +299,7 @@ class RewardScorer:
         return out
 
     def named_sums(self) -> Tuple[Dict[str, float], int]:
-        """(each named reward's sum since the previous call, how many samples); resets
-        both. The trainer pools them over ranks."""
+        """(each named reward's sum since the previous call, how many samples); resets both."""
         out = (self._sums, self._count)
         self._sums, self._count = {}, 0
         return out

@@ -1,5 +1,4 @@
-"""Sort n digits: prompt ``"3 1 4 1 5 ="``, correct completion ``"1 1 3 4 5"``; rewards
-``exact``, ``positional`` and ``inclusion_order`` (docs/math.md, section 10)."""
+"""Sort n digits (``"3 1 4 1 5 ="`` -> ``"1 1 3 4 5"``); rewards: docs/math.md, section 10."""
 from __future__ import annotations
 
 import random

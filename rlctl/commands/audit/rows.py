@@ -107,8 +107,7 @@ class Checker:
                                                for v in lps), lineno)
 
     def finish(self, cap_default: int) -> Dict[str, dict]:
-        """Every check's counts; the episode checks only when some row was an episode, and
-        then only the checks some row was checked by."""
+        """Every check's counts (the episode checks only those some row was checked by)."""
         for lineno, length, is_trunc in self.deferred:
             self._cap(lineno, length, is_trunc, cap_default)
         mixed = self.checks["turns_cover_tokens"]["applicable"] > 0     # some rows are episodes

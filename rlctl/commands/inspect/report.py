@@ -265,8 +265,7 @@ def print_compare(report: dict) -> None:
 
 
 def classify(paths: Sequence[str]) -> tuple:
-    """("runs", [Path]), ("rollout", Path) or ("samples", [Path]) for a run's
-    samples.jsonl; one-line errors for anything else."""
+    """("runs", [Path]), ("rollout", Path) or ("samples", [Path]); one-line errors else."""
     if not paths:
         raise UserError("inspect needs a PATH: a run directory, several run directories, or a "
                         "rollout .jsonl file")

@@ -1,5 +1,4 @@
-"""`rlctl inspect RUN --samples [--step N]`: the sample tables of step N (default: the newest
-train step) and the audit of the train rows (of step N, else of every step)."""
+"""`rlctl inspect RUN --samples [--step N]`: step N's sample tables and the train rows' audit."""
 from __future__ import annotations
 
 import sys
