@@ -92,8 +92,7 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
     def replace(self, **changes) -> "RolloutBatch":
-        """A new batch with some fields changed (the others shared, not copied); a part given
-        as a dict changes only those of its fields."""
+        """A new batch with some fields changed (a part given as a dict: only those fields)."""
         for name, value in changes.items():
             if name in _PARTS and isinstance(value, dict):
                 changes[name] = dataclasses.replace(getattr(self, name), **value)

@@ -1,5 +1,4 @@
-"""The tiny models of the multi-turn environments, warmed up on transcripts a scripted policy
-plays (turn format, not skill; calibration of ``AGENT_WARMUPS``: docs/benchmarks.md)."""
+"""The tiny models of the multi-turn environments (calibration: docs/benchmarks.md)."""
 from __future__ import annotations
 
 import hashlib

@@ -202,8 +202,7 @@ def leave_with_launcher() -> None:
 
 
 def die_with_parent(parent: int) -> None:
-    """SIGTERM to this process when ``parent`` dies, even by SIGKILL (PR_SET_PDEATHSIG); at
-    once if it is already gone."""
+    """SIGTERM to this process when ``parent`` dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):       # not Linux: the parent's own kill still applies

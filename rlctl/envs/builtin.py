@@ -1,5 +1,4 @@
-"""The built-in environments, registered as tasks (docs/agents.md): ``calculator``,
-``guess_number`` and ``running_sum``; ``num_eval`` rows held out with ``random.Random(seed)``."""
+"""The built-in environments, registered as tasks (docs/agents.md)."""
 from __future__ import annotations
 
 import random

@@ -1,5 +1,4 @@
-"""The calculator tool, ``read_number`` and ``TINY_AGENT_WORDS`` (the built-in environments'
-words). Standard library only: the subprocess sandbox loads ``calc`` from this file."""
+"""The calculator tool and the built-in environments' words; standard library only (sandbox)."""
 from __future__ import annotations
 
 import ast
@@ -19,8 +18,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def read_number(text: str) -> Optional[int]:
-    """The integer that digit words spell ("1 2" -> 12, "- 4" -> -4, "12" -> 12), or None
-    when the text is anything else (another word, an empty turn)."""
+    """The integer that digit words spell ("1 2" -> 12, "- 4" -> -4), else None."""
     words = text.split() if isinstance(text, str) else []
     sign = -1 if words[:1] == ["-"] else 1
     digits = "".join(words[1:] if sign < 0 else words)

@@ -66,8 +66,7 @@ def step_flag(name: str, value) -> bool:
 
 
 def step_reward(value) -> float:
-    """A step's reward as a float finite in float32 (the rewards' dtype: 1e300 would be inf);
-    else a ValueError naming the field."""
+    """A step's reward as a float finite in float32; else a ValueError naming the field."""
     try:
         x = float(value)
         if math.isfinite(struct.unpack("f", struct.pack("f", x))[0]):    # rounded to float32

@@ -252,8 +252,7 @@ def _absolute(spec: str) -> str:
 
 def make_tool(fn: Union[Callable, str, "Tool"], name: Optional[str] = None,
               source: Optional[str] = None) -> Tool:
-    """A ``Tool`` from a function, an import path to one, or a Tool (returned as is).
-    ``source``: the import path the subprocess sandbox loads it by, when not the default."""
+    """A ``Tool`` from a function, an import path to one, or a Tool; ``source``: the sandbox's path."""
     if isinstance(fn, Tool):
         return fn
     source = _absolute(source or fn) if isinstance(source or fn, str) else None

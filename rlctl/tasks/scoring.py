@@ -143,13 +143,9 @@ class ProcessRunner(InlineRunner):
 
 
 class RewardScorer:
-    """Scores batches with the task's reward(s). ``on_reward_error=zero``: a sample whose
-    reward raised, is not finite or timed out scores 0 and counts in ``errors`` or
-    ``timeouts``; ``raise``: ``RewardError`` naming the sample. ``markers`` (chat): the
-    task sees the assistant's reply only. ``learned`` (``rlctl.rm.learned``): reward
-    models scored after the task, their raw scores among the components, their shaped
-    scores in (or, with ``task.reward_model``, as) the total; the first such scorer owns
-    the running statistics (``state()``)."""
+    """Scores batches with the task's reward(s), ``on_reward_error`` zero (counted in ``errors``
+    or ``timeouts``) or raise (``RewardError``); ``markers`` (chat): the task sees the reply only;
+    ``learned``: reward models scored after the task (the first scorer owns their statistics)."""
 
     def __init__(self, task, learned=None, markers: Optional[Sequence[str]] = None, timeout_s: Any = FROM_TASK,
                  on_error: Optional[str] = None, norm_owner: Optional[bool] = None):

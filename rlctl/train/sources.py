@@ -88,10 +88,8 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
 
 def server_source(rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, cfg_yaml: str,
                   policy, tokenizer, prepared, device, seed: int, stop=None):
-    """``rollout.engine=server``: an ``EngineSource`` on the servers at
-    ``rollout.server.urls``, or on ``rollout.server.num_local`` `rlctl serve` processes of the
-    run's base model (``cfg_yaml``: its resolved config) started here (and stopped when the
-    source closes)."""
+    """``rollout.engine=server``: an ``EngineSource`` on ``rollout.server.urls``, or on
+    ``rollout.server.num_local`` `rlctl serve` processes started here (``cfg_yaml``: their config)."""
     servers = rollout.server
     local = None if servers.urls else LocalServers(cfg_yaml, servers.num_local, stop)
     server_engine = importlib.import_module("rlctl.rollout.engines.server")

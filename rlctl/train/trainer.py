@@ -119,10 +119,8 @@ def needs_old_forward(algo) -> bool:
 
 
 class Trainer:
-    """The loop over one rank's steps. ``algo``, ``trainer``, ``samples`` (logger.samples): the
-    config's sections; ``model``: the policy or a PolicyValueModel; ``prepared``: eval prompts
-    and scorer; ``source``: the rollouts (it samples with ``model``, owns the prompt RNG and
-    the training scorer); ``critic``: a separate value model or None."""
+    """The loop over one rank's steps: ``algo``, ``trainer``, ``samples``: the config's sections;
+    ``model``: the policy or a PolicyValueModel; ``source``: the rollouts; ``critic`` or None."""
 
     def __init__(self, algo: AlgoConfig, trainer: TrainerConfig, update: UpdateSettings,
                  samples: SamplesConfig, model, tokenizer, prepared: Prepared, sink, *,
@@ -277,10 +275,8 @@ class Trainer:
                           step, "train")
 
     def train(self, run_dir=None, resume_from=None, on_step=None, stop=None) -> TrainResult:
-        """The loop, checkpointing into ``run_dir`` (if set) every ``trainer.checkpoint_every``
-        steps and at the end; ``resume_from``: a checkpoint to continue after. A signal
-        (``stop``) saves and raises ``Interrupted``; ``trainer.max_bad_steps`` skipped steps
-        in a row raise ``TrainingFault``."""
+        """The loop, checkpointing into ``run_dir`` every ``trainer.checkpoint_every`` steps and at
+        the end; a signal saves and raises ``Interrupted``, ``max_bad_steps`` bad steps ``TrainingFault``."""
         tr = self.trainer_cfg
         t_start, tokens, bad_streak = time.perf_counter(), 0.0, 0
         result = TrainResult(steps=tr.steps, seconds=0.0, tokens_per_s=0.0)
