@@ -50,9 +50,8 @@ class LaunchError(RuntimeError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT/SIGTERM at a step boundary, its checkpoint saved (``aborted``:
-    a second Ctrl-C stopped it mid-step; ``step``: the newest checkpoint's, 0 if none).
-    Exit code 128 + the signal's number."""
+    """A run stopped by SIGINT/SIGTERM at a step boundary, its checkpoint saved (``aborted``: a
+    second Ctrl-C stopped it mid-step). Exit code 128 + the signal's number."""
 
     resume_args: Tuple[str, ...] = ()     # what this process adds to resume (its node's node_rank)
 

@@ -1,6 +1,5 @@
-"""`rlctl eval`: greedy and sampled held-out metrics from the trainer's evaluator
-(``rlctl.train.evaluate``), every reward design and pass@j; the JSON's ``eval`` is the
-greedy ``eval/*`` that `rlctl train` logs for the same model and config."""
+"""`rlctl eval`: greedy and sampled held-out metrics from ``rlctl.train.evaluate``, every reward
+design and pass@j; its ``eval`` is the greedy ``eval/*`` that `rlctl train` logs."""
 from __future__ import annotations
 
 import re

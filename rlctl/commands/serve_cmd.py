@@ -1,6 +1,5 @@
-"""`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible server (docs/engines.md)
-for a TARGET as `rlctl eval` takes it, the model's stop set added to each request's stop ids.
-The socket is bound before the model loads; the URL printed is the bound one."""
+"""`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible server (docs/engines.md),
+its socket bound before the model loads; the URL printed is the bound one."""
 from __future__ import annotations
 
 import socket

@@ -1,6 +1,5 @@
 """`rlctl train -m key=a,b seed=0,1,2`: a Hydra grid run job by job in <output_dir>/sweep-<time>/,
-then each cell's final metrics (mean, std over seeds) printed, in sweep.json / sweep.md and
-sweep.png. A failed job is one line; the rest run, then the sweep exits non-zero."""
+each cell's final metrics (mean, std over seeds) in sweep.json / sweep.md / sweep.png."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,5 @@
-"""What a composed config may hold beyond its types, checked with no torch (unless it asks for a
-GPU): ranges, choices, keys that must agree, the DeepSpeed JSON; each failure a one-line
-``ConfigError``."""
+"""What a composed config may hold beyond its types, checked with no torch: ranges, choices,
+keys that must agree, the DeepSpeed JSON; each failure a one-line ``ConfigError``."""
 from __future__ import annotations
 
 import json

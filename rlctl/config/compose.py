@@ -1,6 +1,5 @@
-"""Compose the run config from ``rlctl/config/conf`` + a recipe (a YAML mapping of keys, by path
-or name) + shell overrides with Hydra, then ``rlctl.config.checks.validate`` it; every failure is
-a one-line ``ConfigError`` naming the key and what is valid."""
+"""Compose the run config from ``rlctl/config/conf`` + a recipe + shell overrides with Hydra,
+then validate it; every failure is a one-line ``ConfigError`` naming the key and what is valid."""
 from __future__ import annotations
 
 import re

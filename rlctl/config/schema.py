@@ -61,8 +61,7 @@ class KLConfig:
 @dataclass
 class RolloutCorrectionConfig:
     """The off-policy correction for sampler/learner mismatch (rlctl.core.rollout_correction,
-    docs/math.md section 14): w = pi_old / pi_engine per token (or its product over a
-    sequence), detached."""
+    docs/math.md section 14)."""
     enabled: bool = False          # weight the policy loss by w = pi_old / pi_engine
     # token | sequence (w = the product over the sequence's tokens)
     level: str = knob("token", choices=("token", "sequence"))
@@ -118,9 +117,8 @@ class AlgoConfig:
 
 @dataclass
 class TaskConfig:
-    """One schema for every task; each config/conf/task/*.yaml sets the keys its task takes. A key
-    left None does not apply to the chosen task; a task rejects a non-None key it does not
-    take (rlctl.tasks.task.build_task)."""
+    """One schema for every task; a key left None does not apply, a task rejects a non-None key it
+    does not take (rlctl.tasks.task.build_task)."""
     name: str = MISSING
     prompt_format: str = "raw"     # raw | chat (prompts through the tokenizer's chat template)
     system_prompt: Optional[str] = None  # chat only: a system message before each prompt

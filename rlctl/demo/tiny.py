@@ -1,6 +1,5 @@
-"""The embedded tiny model: a seeded small Llama and a word-level tokenizer, built locally and
-cached atomically in ``tiny-<hash of every input>``; a brief warm-up teaches the answer format,
-not the skill (calibration: docs/benchmarks.md)."""
+"""The embedded tiny model: a seeded small Llama and a word-level tokenizer, built locally,
+cached atomically and warmed up on the answer format (calibration: docs/benchmarks.md)."""
 from __future__ import annotations
 
 import hashlib

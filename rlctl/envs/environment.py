@@ -1,6 +1,5 @@
-"""The ``Environment`` interface of multi-turn episodes (docs/agents.md), ``EnvTask`` and the
-registry ``ENVS``: ``reset(example, seed)`` -> first observation, ``step(turn)`` -> ``Step``;
-one environment per episode."""
+"""The ``Environment`` interface (docs/agents.md), ``EnvTask`` and ``ENVS``: ``reset(example,
+seed)`` -> first observation, ``step(turn)`` -> ``Step``; one environment per episode."""
 from __future__ import annotations
 
 import math

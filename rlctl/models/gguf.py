@@ -67,9 +67,8 @@ def gguf_problem(file: Path) -> Optional[str]:
 
 
 def load_gguf(file: Path, dtype: torch.dtype = torch.float32) -> Tuple[Any, Any]:
-    """(model, tokenizer) from a GGUF ``file``, every tensor dequantised, then cast to
-    ``dtype``; the model is a plain one (no quantizer attached), so ``save_pretrained``
-    writes safetensors. ValueError (one line) for a file ``gguf_problem`` names."""
+    """(model, tokenizer) from a GGUF ``file``, dequantised, then cast to ``dtype``, a plain model
+    that saves as safetensors. ValueError (one line) for a file ``gguf_problem`` names."""
     problem = gguf_problem(file)
     if problem:
         raise ValueError(problem)

@@ -101,9 +101,8 @@ def check_vocab(tokenizer, model, path: Any) -> None:
 def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
                              dtype: Any = "float32", device: Any = "cpu",
                              **tiny_kwargs) -> Tuple[Any, Any]:
-    """(model, tokenizer) for "tiny" (``build_tiny``'s kwargs; others ignored) or "hf"
-    (``name_or_path``: a directory, hub id or GGUF file). ValueError (one line) for a bad
-    name, dtype or path."""
+    """(model, tokenizer) for "tiny" (``build_tiny``'s kwargs) or "hf" (``name_or_path``: a
+    directory, hub id or GGUF file). ValueError (one line) for a bad name, dtype or path."""
     torch_dtype, file = resolve_dtype(dtype), None
     if name == "tiny":
         accepted = inspect.signature(build_tiny).parameters   # the agent models take fewer

@@ -1,6 +1,5 @@
-"""The PPO critic: a float32 value head (zero at start unless ``init_std > 0``) on the final
-hidden state the LM head reads, on the policy's backbone (``PolicyValueModel``) or a copy
-(``SeparateCritic``)."""
+"""The PPO critic: a float32 value head on the final hidden state, on the policy's backbone
+(``PolicyValueModel``) or a copy (``SeparateCritic``)."""
 from __future__ import annotations
 
 import copy

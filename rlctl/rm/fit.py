@@ -1,6 +1,5 @@
-"""A reward model (a sequence classifier, ``num_labels=1``) built from a causal LM and fitted
-on preference pairs with the Bradley-Terry loss (rlctl.core.preference), scored through
-``rlctl.rm.score`` as a run's scorer scores it."""
+"""A reward model (a sequence classifier, ``num_labels=1``) built from a causal LM and fitted on
+preference pairs with the Bradley-Terry loss, scored through ``rlctl.rm.score``."""
 from __future__ import annotations
 
 import random

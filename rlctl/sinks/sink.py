@@ -1,6 +1,5 @@
-"""The metric sink protocol, a null sink and a fan-out that survives broken sinks. Metric
-keys: docs/metrics.md. Sample rows: dicts of JSON values with the same keys in the same
-order (an episode's `turns`: a list of {role, text, ...}); `table` is "train" or "eval"."""
+"""The metric sink protocol, a null sink and a fan-out that survives broken sinks. Sample rows:
+dicts of JSON values, the same keys in the same order; `table` is "train" or "eval"."""
 from __future__ import annotations
 
 import contextlib

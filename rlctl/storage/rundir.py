@@ -36,9 +36,8 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunLock:
-    """One writer per run directory: ``<run>/.lock`` holds the writer's pid under an
-    exclusive ``flock`` (shared with launched ranks by ``share_lock``); a stale lock file
-    is taken over, a live holder refused by pid."""
+    """One writer per run directory: ``<run>/.lock`` holds the writer's pid under an exclusive
+    ``flock``; a stale lock file is taken over, a live holder refused by pid."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE

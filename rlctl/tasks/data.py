@@ -1,6 +1,5 @@
-"""Data-driven tasks (``task=jsonl``, docs/extending.md): prompts from JSON Lines, JSON,
-CSV/TSV, Parquet/Arrow files or a ``datasets`` directory (``FORMATS``), scored by the
-user's reward functions (``rlctl.tasks.rewards``) with the row's other columns."""
+"""Data-driven tasks (``task=jsonl``, docs/extending.md): prompts from data files (``FORMATS``)
+or a ``datasets`` directory, scored by the user's reward functions with the row's columns."""
 from __future__ import annotations
 
 import csv

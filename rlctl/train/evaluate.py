@@ -1,6 +1,5 @@
 """Held-out evaluation, the one evaluator of the Trainer's ``eval/*`` and of ``rlctl eval``:
-completions (greedy or sampled) scored by a ``RewardScorer``, or episodes. ``evaluate``
-gives sums, ``means`` divides them by ``count`` after the ranks' reduction."""
+``evaluate`` gives sums, ``means`` divides them by ``count`` after the ranks' reduction."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

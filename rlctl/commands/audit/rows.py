@@ -1,6 +1,5 @@
-"""A rollout JSONL file read for the audit in one streaming pass: compact per-row columns,
-the EOS / mask alignment checks and the episodes' tallies applied on the way (unreadable
-lines counted). docs/runs.md lists the checks and signs."""
+"""A rollout JSONL file read for the audit in one streaming pass: per-row columns, the EOS /
+mask alignment checks and the episodes' tallies (docs/runs.md); unreadable lines counted."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,5 @@
-"""`rlctl inspect PATH...`: the PATHs pick the report (runs here, a rollout file: the audit,
---samples: the sample tables), printed and written as --json. One run: config vs defaults,
-metric summary and curves; several: differing keys (key x run), summaries, overlaid curves."""
+"""`rlctl inspect PATH...`: a run's report (config vs defaults, summary, curves), several runs
+compared, a rollout file's audit or the sample tables; printed and written as --json."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

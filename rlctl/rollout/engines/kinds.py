@@ -1,6 +1,5 @@
 """Server kinds: what differs between the completions servers ``ServerEngine`` talks to
-(``rlctl serve``, vLLM, SGLang; docs/server-kinds.md): the request, its reply, the probe and
-the weights push. A kind whose replies carry no weights version is at the version last pushed."""
+(``rlctl serve``, vLLM, SGLang; docs/server-kinds.md)."""
 from __future__ import annotations
 
 import itertools
@@ -297,9 +296,8 @@ def parse_sglang(reply, version: int) -> List[Completion]:
 
 
 class SGLangKind(ServerKind):
-    """An SGLang server: one ``sampling_params`` per row. Full weights:
-    ``<weights_dir>/rlctl-v<V>/model.safetensors`` (the two newest kept), loaded from disk;
-    LoRA: a PEFT adapter under ``weights_dir``, ``lora_path`` per request."""
+    """An SGLang server: one ``sampling_params`` per row; full weights loaded from
+    ``<weights_dir>/rlctl-v<V>/`` (two newest kept), LoRA a PEFT adapter under ``weights_dir``."""
     name = "sglang"
 
     def __init__(self, weights_dir: Optional[str] = None):

@@ -33,9 +33,8 @@ def _error(code: int, message: str) -> JSONResponse:
 
 
 def build_app(engine: TorchEngine, model_name: str, default_stops=(), tokenizer=None) -> FastAPI:
-    """``model_name``: the one model id served. ``default_stops``: added to a request's
-    ``stop_token_ids`` unless it sets ``ignore_eos`` (as vLLM stops at EOS). ``tokenizer``:
-    encodes text prompts and chat messages, decodes each choice's ``text``."""
+    """``model_name``: the one model id served; ``default_stops``: added to a request's
+    ``stop_token_ids`` unless it sets ``ignore_eos``; ``tokenizer``: encodes prompts, decodes text."""
     app = FastAPI(title="rlctl serve", docs_url=None, redoc_url=None)
     stops = tuple(default_stops)
 
