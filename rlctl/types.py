@@ -219,9 +219,8 @@ class Turn:
 
 @dataclass
 class Step:
-    """An environment's answer to a turn (``observation`` None: nothing appended; then ``done``
-    or the model writes again). ``info`` may hold ``stop`` (strings ending the next turn),
-    ``success``, ``tool_calls``, ``tool_errors``."""
+    """An environment's answer to a turn (``observation`` None: nothing appended). ``info`` may hold
+    ``stop`` (strings ending the next turn), ``success``, ``tool_calls``, ``tool_errors``."""
     observation: Optional[str] = None
     reward: float = 0.0
     done: bool = False

@@ -1,6 +1,5 @@
 """The backends (``BACKENDS``: torch, deepspeed): forward module, ``backward``, ``step`` and
-reductions over data-parallel ranks; exact data parallelism (ranks hold whole prompt groups,
-losses over the global normaliser, gradients scaled back by ``dp_loss_scale``)."""
+reductions over data-parallel ranks, the update the same for any number of ranks."""
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,5 @@
-"""Ranks started through torchrun's launcher (``launch``: local ranks of ``rlctl.train.worker``;
-``launch_node``: one node's ranks of `rlctl train`), signals forwarded, and the group a
-launcher made (``from_environment``, ``join``, ``share``); each failure is one line."""
+"""Ranks started through torchrun's launcher (``launch``, ``launch_node``), signals forwarded,
+and the group a launcher made (``from_environment``, ``join``, ``share``)."""
 from __future__ import annotations
 
 import contextlib

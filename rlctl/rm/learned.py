@@ -1,6 +1,5 @@
-"""Learned reward models (docs/rlhf.md): a Hugging Face sequence classifier's score (Ouyang et
-al., 2022) as a reward beside or instead of a task's, normalised with running statistics over
-ranks (Chan et al., 1979) under ``task.reward_norm=running``, clipped by ``task.reward_clip``."""
+"""Learned reward models (docs/rlhf.md): a sequence classifier's score (Ouyang et al., 2022) as
+a reward, normalised over ranks (``task.reward_norm``; Chan et al., 1979) and clipped."""
 from __future__ import annotations
 
 import logging

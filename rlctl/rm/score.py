@@ -1,6 +1,5 @@
-"""The one path a reward model scores by, for the run's scorer and the fit: ``render`` (text),
-``encode`` (tokens, the end kept within ``length_limit``), ``last_token_scores`` (the head where
-``score_read`` says); and what a checkpoint's headers say before its weights load."""
+"""The one path a reward model scores by, for the run's scorer and the fit (``render``,
+``encode``, ``last_token_scores``), and what a checkpoint's headers say before it loads."""
 from __future__ import annotations
 
 import json

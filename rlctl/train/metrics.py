@@ -216,9 +216,8 @@ def endings(completion_ids: torch.Tensor, mask: torch.Tensor, truncated: Sequenc
 
 def episode_endings(episodes: Sequence[Episode], completion_ids: torch.Tensor, tokenizer,
                     stops: Sequence[int]) -> List[Row]:
-    """finish_reason (the status), stop_id, stop_token of each episode (``completion_ids``
-    [n, T]): the stop id that ended its last model turn, None when a length limit or a stop
-    string did."""
+    """finish_reason, stop_id, stop_token of each episode (``completion_ids`` [n, T]): the stop id
+    that ended its last model turn, None when a length limit or a stop string did."""
     stop_set, out = {int(s) for s in stops}, []
     for e, row in zip(episodes, completion_ids.tolist()):
         last = [s.end - 1 for s in e.spans if s.role == MODEL and s.end > s.start][-1:]

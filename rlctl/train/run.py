@@ -1,6 +1,5 @@
-"""`rlctl train`: check the config -> own the run directory (``owned_run``, or ``group_run``
-in a launcher's group) -> build the rank (``rlctl.train.build_run.built_rank``) -> train,
-save and summarize (``finish``; launched ranks do the same). Resuming and ``summary.json`` too."""
+"""`rlctl train`: check the config -> own the run directory (``owned_run``, or ``group_run`` in a
+launcher's group) -> build the rank -> train, save and summarize (``finish``); resuming."""
 from __future__ import annotations
 
 import json
@@ -44,9 +43,8 @@ _KINDS = (("reward", "training", "the policy was trained on all-zero rewards"),
 
 def run_training(overrides: List[str], recipe: Optional[str] = None,
                  resume: Optional[str] = None, composed: Optional[Composed] = None) -> dict:
-    """Train a new run, or continue ``resume`` (a run directory) with its own recipe;
-    ``composed``: the caller's ``compose(overrides, recipe)``. Checked before anything is
-    written. The summary (rank 0; others {})."""
+    """Train a new run, or continue ``resume`` (a run directory) with its own recipe, checked
+    before anything is written; the summary (rank 0; others {})."""
     cfg, composed, built = _checked(overrides, recipe, resume, composed)
     hw = cfg.hardware
     group = launch.from_environment(hw.master_port)

@@ -144,8 +144,7 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
 
 class LocalProcesses:
     """``n`` spawned children ``target(arg, conn, i)`` that first send ("ready", value) or
-    ("error", one line); ``values`` once all are ready (``stop`` ends the wait). ``what``:
-    how an error names child i (counted from ``first``)."""
+    ("error", one line); ``values`` once all are ready (``stop`` ends the wait)."""
 
     def __init__(self, target, arg, n: int, stop=None, what: str = "rollout server", first: int = 0):
         ctx = mp.get_context("spawn")

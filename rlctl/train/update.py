@@ -24,9 +24,8 @@ from rlctl.types import RolloutBatch
 
 @dataclass
 class UpdateSettings:
-    """What the update and the advantages take: ``algo`` (the config's section) and what they
-    derive from it, ``trainer`` and ``rollout``: the policy loss and extra terms looked up,
-    the KL estimator resolved for its placement, the rollout correction (None: off)."""
+    """What the update and the advantages take: the config's ``algo``, ``trainer`` and ``rollout``
+    sections and what they derive (losses looked up, the KL estimator, the rollout correction)."""
     algo: AlgoConfig
     policy_loss: Callable
     clip_high: float               # algo.clip_eps_high, else algo.clip_eps
@@ -253,9 +252,8 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
 
 
 def update_mask(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
-    """The mask [N, T] the loss counts: ``batch.mask``, with ``algo.mask_truncated`` 0 on
-    the truncated rows (a single-turn row with no stop id, an episode whose last model turn
-    a length limit cut)."""
+    """The mask [N, T] the loss counts: ``batch.mask``, with ``algo.mask_truncated`` 0 on the
+    truncated rows."""
     if not algo.mask_truncated:
         return batch.mask
     return batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype)

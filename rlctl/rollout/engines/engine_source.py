@@ -53,9 +53,8 @@ def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
 
 
 class EngineSource(SyncSource):
-    """B prompts from ``examples``, G completions each from ``engine`` (or a list of engines,
-    one request each at a time), scored by ``scorer``; ``policy``'s weights are pushed.
-    ``player``: the engines play an episodic task's rows; ``on_close``: called last by ``close``."""
+    """B prompts from ``examples``, G completions each from ``engine`` (or a list of engines),
+    scored by ``scorer``; ``player``: the engines play an episodic task's rows."""
 
     def __init__(self, engine, policy, tokenizer, examples: Sequence[Example], scorer,
                  rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, seed: int,

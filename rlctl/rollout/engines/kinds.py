@@ -207,9 +207,8 @@ def vllm_requests(rows, sampling: Sampling, seed: Optional[int], model: Optional
 
 
 class VLLMKind(ServerKind):
-    """A vLLM OpenAI-compatible server (``vllm serve``). Full weights: ``model.safetensors``
-    rewritten in ``model_dir``, then reloaded; LoRA: a PEFT adapter under ``lora_dir``, named
-    as ``model`` by later requests. ``model``: the served name (default: the first served)."""
+    """A vLLM OpenAI-compatible server (``vllm serve``): full weights rewritten in ``model_dir`` and
+    reloaded, LoRA a PEFT adapter under ``lora_dir``; ``model``: the served name."""
     name = "vllm"
 
     def __init__(self, model_dir: Optional[str] = None, lora_dir: Optional[str] = None,

@@ -1,6 +1,5 @@
-"""The engine protocol, the ``torch`` engine and the weights format (docs/engines.md).
-``generate(prompts [[int]], Sampling, seed) -> [Completion]``: token ids up to and including
-the first stop id, each one's log softmax(logits / temperature) before top-k."""
+"""The engine protocol (``generate(prompts [[int]], Sampling, seed) -> [Completion]``), the
+``torch`` engine and the weights format (docs/engines.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -92,9 +91,8 @@ def check_prompts(prompts, vocab_size: int) -> None:
 
 
 def chunk_seed(seed: Optional[int], index: int) -> Optional[int]:
-    """The seed of the ``index``-th request a batch is split into: ``seed`` itself for the
-    first (a batch sent whole samples as the torch engine does with ``seed``), a hash of
-    (seed, index) for the others, so the result does not depend on which server ran it."""
+    """The seed of a batch's ``index``-th request: ``seed`` for the first, a hash of (seed, index)
+    for the others, so the result does not depend on which server ran it."""
     if seed is None or index == 0:
         return seed
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
@@ -253,9 +251,8 @@ def claim_version(root, name: str) -> Path:
 
 
 def prune_versions(root, prefix: str, version: int) -> None:
-    """Removes the ``root``/<prefix><n> directories rlctl wrote (the manifest's) of pushes
-    older than the one before ``version`` (every server has loaded a newer one; the one
-    before may still be read). Nothing else in ``root`` is touched."""
+    """Removes the ``root``/<prefix><n> directories rlctl wrote of pushes older than the one before
+    ``version``; nothing else in ``root`` is touched."""
     root, written = Path(root), _written(Path(root))
     old = [n for n in written if n.startswith(prefix) and n[len(prefix):].isdigit()
            and int(n[len(prefix):]) < version - 1]

@@ -1,6 +1,5 @@
 """The ``server`` engine: a client of completions servers of one kind (kinds.py) over standard
-library HTTP (docs/engines.md): requests of ``chunk_size`` prompts, request j seeded
-``chunk_seed(seed, j)``, so the tokens do not depend on the servers; lost servers rechecked."""
+library HTTP (docs/engines.md); the tokens do not depend on the servers (``chunk_seed``)."""
 from __future__ import annotations
 
 import json

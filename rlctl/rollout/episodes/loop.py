@@ -35,9 +35,8 @@ _SAID: Set[Tuple[str, str, str]] = set()     # (environment, call, kind) already
 
 
 class EpisodePlayer:
-    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch,
-    turns sampled as ``rollout`` says, ``rollout.episode`` the rules; ``stops``: the resolved
-    stop ids. ``reset`` gets the row with its prompt as the task wrote it."""
+    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch, turns
+    sampled as ``rollout`` says, ``rollout.episode`` the rules; ``stops``: the resolved stop ids."""
 
     def __init__(self, tokenizer, task, rollout: RolloutConfig, group_size: int,
                  stops: Sequence[int]):
