@@ -383,13 +383,10 @@ def compared(tree: Dict[str, Any]) -> Dict[str, Any]:
             if k not in PER_NODE and not k.startswith(PER_NODE_PREFIXES)}
 
 
-def _digest(flat: Dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def payload(flat: Dict[str, Any], label: str) -> str:
     """What a rank hands to the others: where it runs, its config and the config's digest."""
-    return json.dumps({"label": label, "digest": _digest(flat), "config": flat}, default=str)
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+    return json.dumps({"label": label, "digest": digest, "config": flat}, default=str)
 
 
 def show(value: Any) -> str:

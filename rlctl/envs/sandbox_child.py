@@ -16,12 +16,6 @@ from rlctl.registry import load_object  # noqa: E402
 MAX_RESULT_CHARS = 65536
 
 
-def _limit(memory_bytes: int, cpu_s: int) -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-
-
 def _refuse(*args, **kwargs):
     raise PermissionError("the network is disabled in the rlctl tool sandbox")
 
@@ -57,7 +51,10 @@ def main() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # the tool's prints go nowhere
     payload = json.loads(sys.stdin.read())
     sys.path[:] = payload["path"]             # the parent's, made absolute
-    _limit(payload["memory_bytes"], payload["cpu_s"])
+    memory_bytes, cpu_s = payload["memory_bytes"], payload["cpu_s"]
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
     socket.socket = _NoSocket                 # no network
     socket.socketpair = socket.fromfd = socket.create_connection = _refuse
     try:

@@ -92,11 +92,6 @@ class EngineSource(SyncSource):
             engine.update_weights_from_disk(version, path)
         return time.perf_counter() - t0
 
-    def _needs_push(self, e: int, consumed_at: int) -> bool:
-        pushed = self.pushed[e]
-        return (pushed is None or self.version - pushed >= self.sync_every
-                or pushed < consumed_at - self.max_staleness)
-
     def _fill(self, num_groups: int) -> None:
         """Request ahead while an engine is idle and the next would be at most ``max_staleness``
         old when consumed (k pending: at version + k, +1 once one was taken)."""
@@ -115,7 +110,9 @@ class EngineSource(SyncSource):
         else:
             seed = self.prompt_rng.getrandbits(62)
         snap = None
-        if self._needs_push(e, consumed_at):
+        pushed = self.pushed[e]
+        if (pushed is None or self.version - pushed >= self.sync_every
+                or pushed < consumed_at - self.max_staleness):
             tensors, kind = policy_weights(self.policy)
             snap, self.pushed[e] = (self.version, tensors, kind), self.version   # booked now
         examples = [self.examples[i] for i in rows]

@@ -326,13 +326,9 @@ class EpisodeSource(SyncSource):
         self.player = EpisodePlayer(tokenizer, prepared.task, rollout, group_size, self.stops)
         self.scorer = prepared.scorer(timeout_s=0)     # counters only: rewards are the env's
 
-    def draw_seed(self) -> int:
-        """The environments' seed of the next batch (drawn after its rows)."""
-        return self.prompt_rng.randrange(SEED_RANGE)
-
     def sample(self, num_groups: int) -> RolloutBatch:
         examples = [self.examples[i] for i in self.draw(num_groups)]
-        return self.player.play(self.policy, examples, self.draw_seed())
+        return self.player.play(self.policy, examples, self.prompt_rng.randrange(SEED_RANGE))
 
 
 @dataclass
