@@ -1,5 +1,4 @@
-"""The ``rlctl`` command line: parse, compose the config, call the engine. Each command imports
-its work inside its body, so that ``rlctl --help`` loads no torch."""
+"""The ``rlctl`` command line; each command imports its work in its body (``--help``: no torch)."""
 from __future__ import annotations
 
 import json

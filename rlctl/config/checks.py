@@ -1,5 +1,4 @@
-"""What a composed config may hold beyond its types, checked with no torch: ranges, choices,
-keys that must agree, the DeepSpeed JSON; each failure a one-line ``ConfigError``."""
+"""What a composed config may hold beyond its types, checked with no torch; one-line errors."""
 from __future__ import annotations
 
 import json

@@ -60,8 +60,7 @@ class KLConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """The off-policy correction for sampler/learner mismatch (rlctl.core.rollout_correction,
-    docs/math.md section 14)."""
+    """The sampler/learner mismatch correction (rlctl.core.rollout_correction; docs/math.md, 14)."""
     enabled: bool = False          # weight the policy loss by w = pi_old / pi_engine
     # token | sequence (w = the product over the sequence's tokens)
     level: str = knob("token", choices=("token", "sequence"))
@@ -180,8 +179,7 @@ class TaskConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters via peft (rlctl.models.lora): low-rank adapters trained, the base frozen;
-    with algo.kl.coef > 0 the reference is the same model with the adapter disabled."""
+    """LoRA adapters via peft (rlctl.models.lora); the KL reference is the model, adapter disabled."""
     enabled: bool = False
     r: int = knob(8, range=AT_LEAST_1)  # adapter rank (> 0)
     alpha: int = knob(16, range=POSITIVE)  # scaling: alpha / r
@@ -256,8 +254,7 @@ class LoggerConfig:
 
 @dataclass
 class EpisodeConfig:
-    """Budgets and rules of multi-turn episodes (tasks played in an environment);
-    rollout.max_new_tokens is then per model turn. Runs past a limit are counted."""
+    """Budgets and rules of multi-turn episodes; rollout.max_new_tokens is then per model turn."""
     max_turns: int = knob(4, range=AT_LEAST_1)  # model turns per episode; more: ends as turn_limit
     max_tokens: int = knob(48, range=AT_LEAST_1)  # completion tokens per episode, turns and observations
     max_obs_tokens: int = knob(16, range=AT_LEAST_1)  # one observation's tokens; longer ones are cut

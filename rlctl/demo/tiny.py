@@ -1,5 +1,4 @@
-"""The embedded tiny model: a seeded small Llama and a word-level tokenizer, built locally,
-cached atomically and warmed up on the answer format (calibration: docs/benchmarks.md)."""
+"""The embedded tiny model: a seeded small Llama and a word-level tokenizer, built and cached here."""
 from __future__ import annotations
 
 import hashlib

@@ -1,5 +1,4 @@
-"""The learner's forward pass: token log-probs, entropy and (with a critic) values, through the
-fused head (``chunked_token_logprobs``) when it allows, each distinct prompt run once."""
+"""The learner's forward pass: token log-probs, entropy and (with a critic) values."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,4 @@
-"""The one path a reward model scores by, for the run's scorer and the fit (``render``,
-``encode``, ``last_token_scores``), and what a checkpoint's headers say before it loads."""
+"""The one path a reward model scores by (``render``, ``encode``, ``last_token_scores``)."""
 from __future__ import annotations
 
 import json

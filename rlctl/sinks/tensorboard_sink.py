@@ -1,5 +1,4 @@
-"""TensorBoard event files under `<run_dir>/tensorboard/`: a scalar per metric, a markdown table
-per sample table and for the summary; a failure to make the writer disables only this sink."""
+"""TensorBoard event files under `<run_dir>/tensorboard/`; a failure disables only this sink."""
 from __future__ import annotations
 
 import json

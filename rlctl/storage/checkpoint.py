@@ -1,5 +1,4 @@
-"""Checkpoints of the full training state (docs/runs.md lists the files), built in
-`step-N.tmp` and renamed when complete; resume picks the last, `trainer.keep_checkpoints` kept."""
+"""Checkpoints of the full training state, written atomically (docs/runs.md lists the files)."""
 from __future__ import annotations
 
 import json

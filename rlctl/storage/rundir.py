@@ -1,5 +1,4 @@
-"""Run directories, ``<output_dir>/<time>-<name>/``, with everything needed to replay
-(docs/runs.md lists the files), and ``RunLock``."""
+"""Run directories, ``<output_dir>/<time>-<name>/`` (docs/runs.md lists the files), ``RunLock``."""
 from __future__ import annotations
 
 import fcntl
@@ -36,8 +35,7 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunLock:
-    """One writer per run directory: ``<run>/.lock`` holds the writer's pid under an exclusive
-    ``flock``; a stale lock file is taken over, a live holder refused by pid."""
+    """One writer per run directory: ``<run>/.lock`` holds its pid under ``flock``; stale ones taken over."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
@@ -205,8 +203,7 @@ def write_config(run_dir: Path, composed: Composed) -> None:
 
 
 def record_resume(run_dir: Path, composed: Composed) -> None:
-    """A resume's config becomes the run's (config.yaml, recipe.yaml rewritten); overrides.yaml
-    lists each resume's overrides after the original ones."""
+    """A resume's config becomes the run's; overrides.yaml lists each resume's overrides."""
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(composed.cfg, resolve=True))
     write_text_atomic(run_dir / "recipe.yaml", recipe_text(composed))
     path = run_dir / "overrides.yaml"
