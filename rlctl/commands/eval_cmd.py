@@ -1,5 +1,4 @@
-"""`rlctl eval`: greedy and sampled held-out metrics from ``rlctl.train.evaluate``, every reward
-design and pass@j; its ``eval`` is the greedy ``eval/*`` that `rlctl train` logs."""
+"""`rlctl eval`: greedy and sampled held-out metrics, every reward design and pass@j."""
 from __future__ import annotations
 
 import re

@@ -1,5 +1,4 @@
-"""`rlctl rollout`: G scored completions (or episodes) of N prompts, one JSON line each
-(docs/runs.md), flushed per chunk; log-probs from the learner's forward at rollout.temperature."""
+"""`rlctl rollout`: G scored completions (or episodes) of N prompts, a JSON line each (docs/runs.md)."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,4 @@
-"""`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible server (docs/engines.md),
-its socket bound before the model loads; the URL printed is the bound one."""
+"""`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible server (docs/engines.md)."""
 from __future__ import annotations
 
 import socket

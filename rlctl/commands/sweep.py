@@ -1,5 +1,4 @@
-"""`rlctl train -m key=a,b seed=0,1,2`: a Hydra grid run job by job in <output_dir>/sweep-<time>/,
-each cell's final metrics (mean, std over seeds) in sweep.json / sweep.md / sweep.png."""
+"""`rlctl train -m key=a,b seed=0,1,2`: a Hydra grid run job by job, summarized per cell."""
 from __future__ import annotations
 
 import json
@@ -160,8 +159,7 @@ def markdown(table: List[Dict], results: Sequence[Dict] = ()) -> str:
 
 
 def short_names(keys: Sequence[str]) -> Dict[str, str]:
-    """Each key's shortest dotted suffix that no other key ends with
-    (``algo.kl.coef``, ``trainer.lr`` -> ``coef``, ``lr``)."""
+    """Each key's shortest unique dotted suffix (``algo.kl.coef``, ``trainer.lr`` -> ``coef``, ``lr``)."""
     out = {}
     for k in keys:
         parts = k.split(".")

@@ -1,5 +1,4 @@
-"""TARGET of `rlctl eval`, `rollout` and `serve` (a run, model or LoRA adapter dir, or the
-configured model; a dir inside a run takes that run's settings) and their held-out scorer."""
+"""TARGET of `rlctl eval`, `rollout` and `serve` (a run, model or adapter dir) and its scorer."""
 from __future__ import annotations
 
 import json

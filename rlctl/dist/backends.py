@@ -1,5 +1,4 @@
-"""The backends (``BACKENDS``: torch, deepspeed): forward module, ``backward``, ``step`` and
-reductions over data-parallel ranks, the update the same for any number of ranks."""
+"""The backends (``BACKENDS``: torch, deepspeed): exact data-parallel forward, backward, step."""
 from __future__ import annotations
 
 import contextlib

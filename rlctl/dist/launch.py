@@ -1,5 +1,4 @@
-"""Ranks started through torchrun's launcher (``launch``, ``launch_node``), signals forwarded,
-and the group a launcher made (``from_environment``, ``join``, ``share``)."""
+"""Ranks started through torchrun's launcher, signals forwarded, and the group a launcher made."""
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,4 @@
-"""The ``Environment`` interface (docs/agents.md), ``EnvTask`` and ``ENVS``: ``reset(example,
-seed)`` -> first observation, ``step(turn)`` -> ``Step``; one environment per episode."""
+"""The ``Environment`` interface of episodes (docs/agents.md), ``EnvTask`` and the ``ENVS`` registry."""
 from __future__ import annotations
 
 import math

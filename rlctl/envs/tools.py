@@ -96,8 +96,7 @@ def _tool_files(source: Optional[str]) -> list:
 
 
 def _bwrap_argv(source: Optional[str], cwd: str, size_bytes: int) -> list:
-    """bwrap's arguments: fresh namespaces, the system, Python, rlctl and the tool's files
-    read-only, a tmpfs of ``size_bytes`` at ``cwd`` the only writable place."""
+    """bwrap's arguments: the system, Python, rlctl and the tool's files read-only, a tmpfs at ``cwd``."""
     argv = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--proc", "/proc", "--dev", "/dev"]

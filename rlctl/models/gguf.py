@@ -43,8 +43,7 @@ def _supported() -> Tuple[set, set]:
 
 
 def gguf_problem(file: Path) -> Optional[str]:
-    """One line when ``file`` cannot be loaded: the gguf package missing, a corrupt or
-    truncated file, an architecture or tensor type transformers does not read."""
+    """One line when ``file`` cannot be loaded (no gguf package, damaged, unsupported), else None."""
     try:
         gguf = importlib.import_module("gguf")      # the optional extra: only for a GGUF file
     except ImportError:

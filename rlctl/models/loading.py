@@ -1,5 +1,4 @@
-"""Load a causal LM and its tokenizer (left padding, a pad token): the tiny model, any HF
-checkpoint or a GGUF file (``models.gguf``); ``disable_dropout`` for ``model.disable_dropout``."""
+"""Load a causal LM and its tokenizer (left padding, a pad token): tiny, any HF checkpoint, GGUF."""
 from __future__ import annotations
 
 import importlib

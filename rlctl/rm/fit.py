@@ -1,5 +1,4 @@
-"""A reward model (a sequence classifier, ``num_labels=1``) built from a causal LM and fitted on
-preference pairs with the Bradley-Terry loss, scored through ``rlctl.rm.score``."""
+"""A reward model built from a causal LM and fitted on preference pairs with the Bradley-Terry loss."""
 from __future__ import annotations
 
 import random

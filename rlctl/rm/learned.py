@@ -1,5 +1,4 @@
-"""Learned reward models (docs/rlhf.md): a sequence classifier's score (Ouyang et al., 2022) as
-a reward, normalised over ranks (``task.reward_norm``; Chan et al., 1979) and clipped."""
+"""Learned reward models as rewards (docs/rlhf.md; Ouyang et al., 2022), normalised, clipped."""
 from __future__ import annotations
 
 import logging
@@ -284,8 +283,7 @@ def check_names(models: List[RewardModel], taken: Sequence[str]) -> None:
 def build_learned_rewards(reward_model: Optional[str], rewards: Optional[Sequence[Any]],
                           norm: Optional[str], clip: Optional[float], device: str,
                           taken: Sequence[str] = ()) -> Optional[LearnedRewards]:
-    """The run's ``LearnedRewards`` from ``task.reward_model`` or the ``{model: ...}``
-    entries of ``task.rewards`` (None without a reward model); ValueError, one line."""
+    """The run's ``LearnedRewards`` (None without a reward model); ValueError, one line."""
     norm = norm or "none"
     if norm not in NORMS:
         raise ValueError(f"invalid task.reward_norm '{norm}'; valid: {', '.join(NORMS)}")

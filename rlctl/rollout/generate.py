@@ -1,5 +1,4 @@
-"""Generation: B prompts x G sampled completions -> a scored ``RolloutBatch``, from
-softmax(logits / temperature) through ``sample`` (the lean loop), else the model's ``generate``."""
+"""Generation: B prompts x G sampled completions -> a scored ``RolloutBatch``."""
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,4 @@
-"""Where a step's rollouts come from: the ``Source`` protocol, ``SyncSource`` (every source's
-base) and ``collect`` (DAPO's dynamic sampling, up to ``max_rounds`` rollouts)."""
+"""Where a step's rollouts come from: ``Source``, ``SyncSource``, ``collect`` (DAPO's dynamic sampling)."""
 from __future__ import annotations
 
 import random

@@ -1,5 +1,4 @@
-"""Data-driven tasks (``task=jsonl``, docs/extending.md): prompts from data files (``FORMATS``)
-or a ``datasets`` directory, scored by the user's reward functions with the row's columns."""
+"""Data-driven tasks (``task=jsonl``, docs/extending.md): prompts from data files, user rewards."""
 from __future__ import annotations
 
 import csv

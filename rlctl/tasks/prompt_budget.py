@@ -108,8 +108,7 @@ def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int
 
 @dataclass(frozen=True)
 class Prepared:
-    """The task, its train and eval prompts as the model reads them, the chat end-of-turn
-    markers (None: raw prompts) and the learned reward models; ``scorer`` is given them."""
+    """A task with its prompts as the model reads them, chat markers, learned reward models, scorer."""
     task: Any
     train: Tuple[Example, ...]
     eval: Tuple[Example, ...]

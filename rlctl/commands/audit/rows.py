@@ -1,5 +1,4 @@
-"""A rollout JSONL file read for the audit in one streaming pass: per-row columns, the EOS /
-mask alignment checks and the episodes' tallies (docs/runs.md); unreadable lines counted."""
+"""A rollout JSONL file read for the audit in one streaming pass, checks applied on the way."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,4 @@
-"""`rlctl inspect PATH...`: a run's report (config vs defaults, summary, curves), several runs
-compared, a rollout file's audit or the sample tables; printed and written as --json."""
+"""`rlctl inspect PATH...`: a run's report, runs compared, a rollout's audit or sample tables."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

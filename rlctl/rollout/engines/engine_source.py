@@ -53,8 +53,7 @@ def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
 
 
 class EngineSource(SyncSource):
-    """B prompts from ``examples``, G completions each from ``engine`` (or a list of engines),
-    scored by ``scorer``; ``player``: the engines play an episodic task's rows."""
+    """B prompts from ``examples``, G completions each from the engine(s), scored by ``scorer``."""
 
     def __init__(self, engine, policy, tokenizer, examples: Sequence[Example], scorer,
                  rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, seed: int,

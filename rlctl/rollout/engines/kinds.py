@@ -1,5 +1,4 @@
-"""Server kinds: what differs between the completions servers ``ServerEngine`` talks to
-(``rlctl serve``, vLLM, SGLang; docs/server-kinds.md)."""
+"""Server kinds: what differs between the servers ``ServerEngine`` talks to (docs/server-kinds.md)."""
 from __future__ import annotations
 
 import itertools
@@ -207,8 +206,7 @@ def vllm_requests(rows, sampling: Sampling, seed: Optional[int], model: Optional
 
 
 class VLLMKind(ServerKind):
-    """A vLLM OpenAI-compatible server (``vllm serve``): full weights rewritten in ``model_dir`` and
-    reloaded, LoRA a PEFT adapter under ``lora_dir``; ``model``: the served name."""
+    """A vLLM server (``vllm serve``): full weights reloaded from ``model_dir``, LoRA under ``lora_dir``."""
     name = "vllm"
 
     def __init__(self, model_dir: Optional[str] = None, lora_dir: Optional[str] = None,

@@ -1,5 +1,4 @@
-"""The engine protocol (``generate(prompts [[int]], Sampling, seed) -> [Completion]``), the
-``torch`` engine and the weights format (docs/engines.md)."""
+"""The engine protocol, the ``torch`` engine and the weights format (docs/engines.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -251,8 +250,7 @@ def claim_version(root, name: str) -> Path:
 
 
 def prune_versions(root, prefix: str, version: int) -> None:
-    """Removes the ``root``/<prefix><n> directories rlctl wrote of pushes older than the one before
-    ``version``; nothing else in ``root`` is touched."""
+    """Removes the directories rlctl wrote of pushes older than the one before ``version``."""
     root, written = Path(root), _written(Path(root))
     old = [n for n in written if n.startswith(prefix) and n[len(prefix):].isdigit()
            and int(n[len(prefix):]) < version - 1]

@@ -1,5 +1,4 @@
-"""The ``server`` engine: a client of completions servers of one kind (kinds.py) over standard
-library HTTP (docs/engines.md); the tokens do not depend on the servers (``chunk_seed``)."""
+"""The ``server`` engine: a client of completions servers of one kind (docs/engines.md)."""
 from __future__ import annotations
 
 import json

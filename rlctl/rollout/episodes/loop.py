@@ -35,8 +35,7 @@ _SAID: Set[Tuple[str, str, str]] = set()     # (environment, call, kind) already
 
 
 class EpisodePlayer:
-    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch, turns
-    sampled as ``rollout`` says, ``rollout.episode`` the rules; ``stops``: the resolved stop ids."""
+    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch."""
 
     def __init__(self, tokenizer, task, rollout: RolloutConfig, group_size: int,
                  stops: Sequence[int]):

@@ -1,5 +1,4 @@
-"""The text side of an episode: observations to tokens (each tokenized once, no special
-tokens; chat: a ``tool`` or ``user`` message), cut to ``max_obs_tokens``, and where a turn stops."""
+"""The text side of an episode: observations to tokens, and where a turn stops."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
