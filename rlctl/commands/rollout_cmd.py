@@ -135,8 +135,7 @@ def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_n
 
 def _episode_rows(player: EpisodePlayer, tool_task: bool, model, split: str, g: int, seed: int,
                   start: int, chunk) -> List[dict]:
-    """``g`` episodes of each prompt in ``chunk`` (the ``g`` of a prompt share its environment
-    seed, ``seed`` + the prompt's index in the file), one row each."""
+    """``g`` episodes of each prompt in ``chunk`` (environment seed ``seed`` + its index), a row each."""
     ro, s = player.rollout, player.episode
     batch = player.play(model, chunk, seed + start, group_size=g)
     widths = batch.attention_mask[:, batch.prompt_len:].sum(-1).tolist()  # [N] transcripts

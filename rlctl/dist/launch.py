@@ -52,8 +52,7 @@ def write_error(run_dir: Path, message: str, code: int) -> None:
 
 def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False, stop=None,
            poll_s: float = 0.2) -> int:
-    """Run the ranks to the end: 0, or the signal number after a forwarded SIGINT/SIGTERM
-    made every rank save and stop; LaunchError if one failed (the others are stopped)."""
+    """Run the ranks to the end: 0, or the forwarded signal's number; LaunchError if one failed."""
     for rank in range(num_processes):
         _error_file(run_dir, rank).unlink(missing_ok=True)
     layout = dict(min_nodes=1, max_nodes=1, nproc_per_node=num_processes, rdzv_backend="c10d",
@@ -349,8 +348,7 @@ def join(group: Group, device: str, timeout_s: float,
 
 
 def share(group: Group, value: Optional[str], error: Optional[str] = None) -> str:
-    """Rank 0 passes ``value`` (or its ``error`` line) to every rank; the others wait for it
-    within the group's timeout and raise that error as theirs."""
+    """Rank 0 passes ``value`` (or its ``error`` line) to every rank; the others raise that error."""
     store = dist.distributed_c10d._get_default_store()
     if group.rank == 0:
         store.set(_KEY, _FAILED + error if error is not None else value)

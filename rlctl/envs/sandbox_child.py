@@ -26,8 +26,7 @@ class _NoSocket(socket.socket):
 
 
 def _end_the_namespace() -> None:
-    """Kill every process of this PID namespace but its init and this one (bwrap: the tool's
-    processes, whatever session they made) and wait, up to 2 s, until none runs."""
+    """Kill every other process of this PID namespace but init, and wait up to 2 s for them."""
     try:
         os.kill(-1, signal.SIGKILL)
     except ProcessLookupError:

@@ -86,8 +86,7 @@ def pairwise_accuracy(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> float
 
 def fit(model, tokenizer, pairs: Sequence[Pair], s: RMConfig, seed: int = 0,
         on_step: Optional[Callable[[int, Dict[str, float]], Any]] = None) -> List[float]:
-    """``s.steps`` AdamW steps of the Bradley-Terry loss on batches of ``pairs`` reshuffled each
-    epoch under ``seed``; ``on_step(step, metrics)`` after each (true: stop). Returns the losses."""
+    """``s.steps`` AdamW steps of the Bradley-Terry loss on ``pairs``; ``on_step`` true stops. The losses."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     model.train()

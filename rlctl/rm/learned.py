@@ -222,8 +222,7 @@ class RewardModel:
 
 @dataclass
 class LearnedRewards:
-    """A run's reward models: ``clip(norm(raw))`` per model, weighted and summed. ``replace_task``:
-    the task's own rewards weigh 0 in training but are still scored and logged."""
+    """A run's reward models: ``clip(norm(raw))`` per model, weighted and summed."""
     models: List[RewardModel]
     replace_task: bool
     norm: str = "none"

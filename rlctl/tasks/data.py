@@ -113,8 +113,7 @@ def _read_hf_dir(path: Path, key: str) -> Located:
 
 def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
                  located: bool = False) -> List[Any]:
-    """Rows of a data file or directory as dicts (``located``: (where, row) pairs, where
-    names the file and line or row); ValueError naming ``key`` on failure."""
+    """Rows of a data file or directory as dicts (``located``: (where, row)); ValueError naming ``key``."""
     if fmt not in FORMATS:
         raise DataError(f"invalid task.format '{fmt}'; valid: {', '.join(FORMATS)}")
     p = Path(str(path)).expanduser()

@@ -83,8 +83,7 @@ def truncate_left(tokenizer, prompt: str, max_tokens: int) -> str:
 
 def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int, limits: str,
                   split: str) -> Tuple[List[Example], int]:
-    """(the examples kept under ``mode`` = ``task.long_prompts``, how many were over
-    ``max_tokens``) for one split; ValueError, one line: mode error, or no prompt left."""
+    """(the examples of a split kept under ``mode``, how many were over ``max_tokens``); ValueError."""
     lengths = token_lengths(tokenizer, [ex.prompt for ex in examples], max_tokens)
     kept, over = [], 0
     for i, (ex, n) in enumerate(zip(examples, lengths)):

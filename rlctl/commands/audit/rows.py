@@ -36,8 +36,7 @@ def is_episode(row: dict) -> bool:
 
 
 class Checker:
-    """The alignment checks, applied row by row while streaming; rows without
-    max_new_tokens keep (line, length, truncated), checked against the longest length."""
+    """The alignment checks, applied row by row while streaming."""
 
     def __init__(self):
         self.checks = {c: {"applicable": 0, "violations": 0, "lines": []}

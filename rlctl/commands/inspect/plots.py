@@ -69,8 +69,7 @@ def _band(ax, rows, key, color):
 
 def plot_curves(runs: Dict[str, Sequence[dict]], out_dir: Path, plots=PLOTS,
                 compare: bool = False) -> Tuple[List[Path], List[str]]:
-    """(written, skipped): ``inspect_<stem>.png`` with every series of the one run, or with
-    ``compare`` ``inspect_compare_<stem>.png``, each run's first logged series overlaid."""
+    """(written, skipped) ``inspect_<stem>.png`` files of one run, or ``inspect_compare_<stem>.png``."""
     plt = pyplot()
     written, skipped = [], []
     for stem, title, keys in plots:

@@ -149,8 +149,7 @@ def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
 
 
 def proxy_keys(config: Dict[str, Any]) -> List[str]:
-    """The metrics of a run's reward-model scores: ``reward/<name>`` (default name
-    ``reward_model``), and ``eval/reward`` when ``task.reward_model`` alone trains."""
+    """The metrics of a run's reward-model scores (``reward/<name>``, or ``eval/reward`` alone)."""
     if config.get("task.reward_model"):
         return ["reward/reward_model", "eval/reward"]
     entries = [e for e in config.get("task.rewards") or [] if isinstance(e, dict) and "model" in e]

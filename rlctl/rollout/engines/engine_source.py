@@ -285,8 +285,7 @@ class LocalEngine(Engine):
         self.version = int(version)
 
     def play(self, rows: List[int], env_seed: int, rng: Optional[torch.Tensor]) -> RolloutBatch:
-        """Training rows played as episodes (``rng`` None: the child's own stream); the
-        weights version rides in ``logprobs.staleness``."""
+        """Training rows played as episodes; the weights version rides in ``logprobs.staleness``."""
         batch, self.rng_state = self._call("play", rows, env_seed, rng)
         return batch
 

@@ -293,8 +293,7 @@ def parse_sglang(reply, version: int) -> List[Completion]:
 
 
 class SGLangKind(ServerKind):
-    """An SGLang server: one ``sampling_params`` per row; full weights loaded from
-    ``<weights_dir>/rlctl-v<V>/`` (two newest kept), LoRA a PEFT adapter under ``weights_dir``."""
+    """An SGLang server: one ``sampling_params`` per row; weights pushed through ``weights_dir``."""
     name = "sglang"
 
     def __init__(self, weights_dir: Optional[str] = None):
@@ -347,8 +346,7 @@ def server_kind(kind) -> ServerKind:
 
 
 def configured_kind(name: str, weight_dir=None, model_dir=None) -> ServerKind:
-    """The adapter of ``rollout.server.kind`` with the run's directories: ``weight_dir``
-    (vllm: LoRA adapters; sglang: every push), ``model_dir`` (vllm: full weights)."""
+    """The adapter of ``rollout.server.kind`` with the run's ``weight_dir`` and ``model_dir``."""
     if name == "vllm":
         return VLLMKind(model_dir=model_dir, lora_dir=weight_dir)
     if name == "sglang":

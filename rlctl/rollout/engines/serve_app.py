@@ -131,8 +131,7 @@ def _known(body: Dict[str, Any], fields) -> None:
 
 
 def prompt_ids(prompt, tokenizer) -> List[List[int]]:
-    """A completion ``prompt`` (text, token ids, or a list of either) -> token-id prompts;
-    text is encoded as the learner encodes prompts (the tokenizer's special tokens added)."""
+    """A completion ``prompt`` (text, ids, or a list of either) -> token-id prompts, as the learner's."""
     one = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and _is_id(prompt[0]))
     items = [prompt] if one else prompt
     if not isinstance(items, list) or not items:
@@ -152,8 +151,7 @@ def prompt_ids(prompt, tokenizer) -> List[List[int]]:
 
 
 def chat_ids(messages, tokenizer) -> List[int]:
-    """OpenAI chat ``messages`` -> one prompt's token ids: the chat template with the assistant
-    header (add_generation_prompt), encoded as the learner encodes chat prompts."""
+    """OpenAI chat ``messages`` -> token ids through the chat template, as the learner encodes them."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise UserError("POST /v1/chat/completions needs a tokenizer with a chat template; this "
                         "model's tokenizer has none (use POST /v1/completions with a text prompt)")

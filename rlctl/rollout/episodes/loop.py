@@ -47,8 +47,7 @@ class EpisodePlayer:
 
     @functools.cached_property
     def tool_task(self) -> bool:
-        """Whether the task's environment offers tools (a fresh one asked once, then closed;
-        both calls under the step time limit, a failure: False)."""
+        """Whether the task's environment offers tools (a fresh one asked once; a failure: False)."""
         out = run_calls([self.task.make_env], self.episode.step_timeout_s, 1)[0]
         if not out.ok:
             return False
