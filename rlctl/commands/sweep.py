@@ -117,8 +117,7 @@ def _write(results: List[Dict], table: List[Dict], sweep_dir: Path, interrupted:
 
 
 def summarize(results: List[Dict]) -> List[Dict]:
-    """Per cell: ``runs`` that finished, ``failed`` jobs, and for each metric the mean and
-    sample std over the finished runs (mean None when none has the metric)."""
+    """Per cell: finished ``runs``, ``failed`` jobs, each metric's mean and sample std (None: absent)."""
     cells: Dict[str, List[Dict]] = {}
     for r in results:
         cells.setdefault(r["cell"], []).append(r)

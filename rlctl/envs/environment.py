@@ -55,8 +55,7 @@ def episode_success(episode: Episode) -> bool:
 
 
 def step_flag(name: str, value) -> bool:
-    """A step's ``done`` or ``info["success"]`` (``name``) as a bool: a Python or numpy bool,
-    nothing else (the text "False" would be true); else a ValueError naming the field."""
+    """A step's ``done`` or ``info["success"]`` as a Python or numpy bool; else a ValueError naming it."""
     if isinstance(value, bool) or (type(value).__module__ == "numpy"
                                    and type(value).__name__ in ("bool_", "bool")):
         return bool(value)

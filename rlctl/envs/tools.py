@@ -33,8 +33,7 @@ _SAID: Set[Tuple[str, str]] = set()      # (tool, kind of failure) already said
 
 
 class ToolFailed(Exception):
-    """A tool call that raised, timed out or was killed; the message is one line, ``kind``
-    what happened (the exception's type, ``timeout``, the signal, ``exit N``)."""
+    """A tool call that raised, timed out or was killed; a one-line message, ``kind`` what happened."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)

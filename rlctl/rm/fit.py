@@ -31,8 +31,7 @@ def classifier_from_lm(path: str, dtype: torch.dtype = torch.float32, seed: int 
 
 
 def prepare_for_scoring(model, tokenizer) -> None:
-    """A pad token on the tokenizer (EOS if none), the same id on the model's config, and
-    ``READ_KEY`` in config.json: read at the last non-pad token, as transformers and TRL."""
+    """A pad token (EOS if none) on tokenizer and config, and ``READ_KEY``: read at the last non-pad."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id

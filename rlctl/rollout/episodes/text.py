@@ -62,8 +62,7 @@ class EpisodeText:
         return self._encode(self._alone(messages[-1])), cut, text
 
     def _observation_role(self) -> str:
-        """``tool`` when the template mentions tools and renders a tool message's content,
-        else ``user`` (Gemma's prints any role name; others refuse or drop it)."""
+        """``tool`` when the template renders a tool message's content, else ``user``."""
         if "tool" not in str(getattr(self.tok, "chat_template", "") or ""):
             return "user"
         marker = "rlctl-observation-probe"
