@@ -1,6 +1,4 @@
-"""The ``rlctl`` command line: parse, compose the config, call the engine; no math here.
-Each command imports its work (torch, transformers, hydra: seconds) inside its body, so
-that ``rlctl --help`` stays instant."""
+"""The ``rlctl`` command line; each command imports its work in its body (``--help``: no torch)."""
 from __future__ import annotations
 
 import json

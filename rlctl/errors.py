@@ -1,5 +1,5 @@
-"""Every exception rlctl raises on purpose, and how the CLI shows it: one line and an exit
-code (2 bad input, 1 a run that cannot go on, 128 + signal a stopped run)."""
+"""Every exception rlctl raises on purpose, shown by the CLI as one line and an exit code (2 bad
+input, 1 a run that cannot go on, 128 + signal a stopped run)."""
 from __future__ import annotations
 
 import contextlib
@@ -50,9 +50,7 @@ class LaunchError(RuntimeError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT/SIGTERM at a step boundary, its checkpoint saved (``aborted``:
-    a second Ctrl-C stopped it mid-step; ``step``: the newest checkpoint's, 0 if none).
-    Exit code 128 + the signal's number."""
+    """A run stopped by SIGINT/SIGTERM at a step boundary, checkpoint saved; exit 128 + the signal."""
 
     resume_args: Tuple[str, ...] = ()     # what this process adds to resume (its node's node_rank)
 

@@ -1,5 +1,4 @@
-"""Stopping on SIGINT/SIGTERM at a step boundary, after the same step on every rank (an
-all-reduce max of the flag); a second SIGINT aborts at once, further SIGTERMs are ignored."""
+"""Stopping on SIGINT/SIGTERM at a step boundary, after the same step on every rank."""
 from __future__ import annotations
 
 import contextlib

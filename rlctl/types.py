@@ -92,8 +92,7 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
     def replace(self, **changes) -> "RolloutBatch":
-        """A new batch with some fields changed (the others shared, not copied); a part given
-        as a dict changes only those of its fields."""
+        """A new batch with some fields changed (a part given as a dict: only those fields)."""
         for name, value in changes.items():
             if name in _PARTS and isinstance(value, dict):
                 changes[name] = dataclasses.replace(getattr(self, name), **value)
@@ -220,9 +219,8 @@ class Turn:
 
 @dataclass
 class Step:
-    """An environment's answer to a turn (``observation`` None: nothing appended; then ``done``
-    or the model writes again). ``info`` may hold ``stop`` (strings ending the next turn),
-    ``success``, ``tool_calls``, ``tool_errors``."""
+    """An environment's answer to a turn (``observation`` None: nothing appended). ``info`` may hold
+    ``stop`` (strings ending the next turn), ``success``, ``tool_calls``, ``tool_errors``."""
     observation: Optional[str] = None
     reward: float = 0.0
     done: bool = False

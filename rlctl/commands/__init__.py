@@ -1,2 +1,1 @@
-"""The commands around `rlctl train` (the Typer app is rlctl/cli.py): `eval`, `rollout`, `serve`,
-sweeps, `inspect/` (run reports, sample tables, plots) and `audit/` (rollout files)."""
+"""The commands around `rlctl train`: `eval`, `rollout`, `serve`, sweeps, `inspect/`, `audit/`."""

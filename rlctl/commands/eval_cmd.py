@@ -1,6 +1,4 @@
-"""`rlctl eval`: greedy and sampled held-out metrics from the trainer's evaluator
-(``rlctl.train.evaluate``), every reward design and pass@j; the JSON's ``eval`` is the
-greedy ``eval/*`` that `rlctl train` logs for the same model and config."""
+"""`rlctl eval`: greedy and sampled held-out metrics, every reward design and pass@j."""
 from __future__ import annotations
 
 import re
@@ -59,8 +57,7 @@ def report_ks(n: int) -> List[int]:
 
 
 def _extras(task, scorer, cfg):
-    """The chunk's sums of every reward design (a task without ``score_all``: its reward
-    under the configured name), each reward model's raw score and well_formed."""
+    """The chunk's sums of every reward design, each reward model's raw score and well_formed."""
     name, well_formed = str(cfg.task.get("reward", None) or "reward"), getattr(task, "is_well_formed", None)
 
     def extra(rows, texts, rewards):

@@ -13,8 +13,7 @@ def is_run_dir(path: Path) -> bool:
 
 
 def write_json(path: Path, data) -> Path:
-    """``data`` as indented JSON, written to a temporary file and renamed over ``path``;
-    an OS error is one line naming the file."""
+    """``data`` as indented JSON, written atomically to ``path``; an OS error is one line."""
     path = Path(path).expanduser()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,4 @@
-"""`rlctl rollout`: G scored completions (or episodes) of N prompts, one JSON line each
-(docs/runs.md), flushed per chunk; log-probs from the learner's forward at rollout.temperature."""
+"""`rlctl rollout`: G scored completions (or episodes) of N prompts, a JSON line each (docs/runs.md)."""
 from __future__ import annotations
 
 import json
@@ -94,8 +93,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
 
 def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_name: str,
                 start: int, chunk) -> List[dict]:
-    """Sample ``g`` completions of each prompt in ``chunk`` as ``ro`` (rollout.*) says, score
-    them, and return one row per completion (group ids count from ``start``)."""
+    """One row per completion of ``g`` sampled for each prompt in ``chunk``, scored."""
     totals: list = []
 
     def score(rows, texts):        # keep the exact totals (the batch holds float32)
@@ -137,8 +135,7 @@ def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_n
 
 def _episode_rows(player: EpisodePlayer, tool_task: bool, model, split: str, g: int, seed: int,
                   start: int, chunk) -> List[dict]:
-    """``g`` episodes of each prompt in ``chunk`` (the ``g`` of a prompt share its environment
-    seed, ``seed`` + the prompt's index in the file), one row each."""
+    """``g`` episodes of each prompt in ``chunk`` (environment seed ``seed`` + its index), a row each."""
     ro, s = player.rollout, player.episode
     batch = player.play(model, chunk, seed + start, group_size=g)
     widths = batch.attention_mask[:, batch.prompt_len:].sum(-1).tolist()  # [N] transcripts

@@ -1,8 +1,4 @@
-"""`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible server
-(rollout/engines/serve_app.py; docs/engines.md) for a TARGET as `rlctl eval` takes it; the model's
-stop set is added to each request's stop_token_ids. The socket is bound before the model loads
-(a port in use is one line, exit 2) and listens once it is loaded; the URL printed then is the
-bound one (--port 0: the port the system chose)."""
+"""`rlctl serve TARGET`: the torch engine behind an OpenAI-compatible server (docs/engines.md)."""
 from __future__ import annotations
 
 import socket
@@ -31,16 +27,14 @@ def _app(target: Target, cfg):
 
 
 def model_id(target: Target, cfg) -> str:
-    """The served model's id (GET /v1/models): a run's directory name, a model directory as
-    named, else the configured model."""
+    """The served model's id: a run's directory name, a model directory, else the configured model."""
     if target.kind == "run":
         return target.path.resolve().name
     return str(target.path) if target.path is not None else cfg.model.name_or_path or cfg.model.name
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port, not yet listening (connections are refused until the
-    model is loaded); a failure is one line naming both."""
+    """A TCP socket bound to host:port, not yet listening; a failure is one line naming both."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: not a live port

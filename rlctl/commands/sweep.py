@@ -1,6 +1,4 @@
-"""`rlctl train -m key=a,b seed=0,1,2`: a Hydra grid run job by job in <output_dir>/sweep-<time>/,
-then each cell's final metrics (mean, std over seeds) printed, in sweep.json / sweep.md and
-sweep.png. A failed job is one line; the rest run, then the sweep exits non-zero."""
+"""`rlctl train -m key=a,b seed=0,1,2`: a Hydra grid run job by job, summarized per cell."""
 from __future__ import annotations
 
 import json
@@ -48,8 +46,7 @@ def _pick(job: Sequence[str], keys: Sequence[str], skip_seed: bool) -> List[str]
 
 
 def run_sweep(overrides: Sequence[str], recipe: Optional[str], output_dir: Optional[str] = None) -> Dict:
-    """Run every job; raise UserError (every failure was bad input: exit 2) or
-    TrainingFault (exit 1) at the end if any job failed, after the table and files."""
+    """Run every job; at the end raise UserError (all failures bad input) or TrainingFault."""
     jobs = expand(overrides)
     for job in jobs:                     # validate every cell before the first one runs
         cfg = compose(job, recipe).cfg
@@ -120,8 +117,7 @@ def _write(results: List[Dict], table: List[Dict], sweep_dir: Path, interrupted:
 
 
 def summarize(results: List[Dict]) -> List[Dict]:
-    """Per cell: ``runs`` that finished, ``failed`` jobs, and for each metric the mean and
-    sample std over the finished runs (mean None when none has the metric)."""
+    """Per cell: finished ``runs``, ``failed`` jobs, each metric's mean and sample std (None: absent)."""
     cells: Dict[str, List[Dict]] = {}
     for r in results:
         cells.setdefault(r["cell"], []).append(r)
@@ -162,8 +158,7 @@ def markdown(table: List[Dict], results: Sequence[Dict] = ()) -> str:
 
 
 def short_names(keys: Sequence[str]) -> Dict[str, str]:
-    """Each key's shortest dotted suffix that no other key ends with
-    (``algo.kl.coef``, ``trainer.lr`` -> ``coef``, ``lr``)."""
+    """Each key's shortest unique dotted suffix (``algo.kl.coef``, ``trainer.lr`` -> ``coef``, ``lr``)."""
     out = {}
     for k in keys:
         parts = k.split(".")
@@ -194,8 +189,7 @@ def _table(title: str, first: Dict[str, str], rows: List[List[str]]):
 
 def print_table(table: List[Dict], sweep_dir: Path, keys: Sequence[str] = (),
                 results: Sequence[Dict] = ()) -> None:
-    """One column per swept key (its shortest unique suffix) when that fits the terminal,
-    else numbered cells with a legend line each; no value is cut."""
+    """One column per swept key when that fits the terminal, else numbered cells with a legend."""
 
     console = Console()
     title = "sweep: final held-out eval/* metrics, mean±std over seeds"

@@ -1,5 +1,4 @@
-"""TARGET of `rlctl eval`, `rollout` and `serve` (a run, model or LoRA adapter dir, or the
-configured model; a dir inside a run takes that run's settings) and their held-out scorer."""
+"""TARGET of `rlctl eval`, `rollout` and `serve` (a run, model or adapter dir) and its scorer."""
 from __future__ import annotations
 
 import json
@@ -50,8 +49,7 @@ def resolve_target(target: Optional[str]) -> Target:
 
 
 def load_config(target: Target, overrides: Sequence[str]):
-    """The resolved config: the run's recipe (when there is a run) + overrides; an older
-    run without recipe.yaml: its resolved config.yaml + dotted overrides."""
+    """The resolved config: the run's recipe + overrides (a run without recipe.yaml: config.yaml)."""
     if target.run_dir is None:
         cfg = compose(overrides).cfg
     elif (target.run_dir / "recipe.yaml").is_file():
@@ -185,8 +183,7 @@ def held_out_scorer(prepared, target) -> Tuple[RewardScorer, Optional[SavedNorm]
 
 
 def reward_label(scorer: RewardScorer, reward_name: str, saved: Optional[SavedNorm]) -> str:
-    """What the 'reward' row holds: the configured reward design, or the reward models'
-    score (normalised with the saved statistics, clipped) as training used it."""
+    """What the 'reward' row holds: the reward design, or the reward models' score as trained."""
     learned = scorer.learned
     if learned is None:
         return reward_name

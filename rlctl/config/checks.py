@@ -1,6 +1,4 @@
-"""What a composed config may hold beyond its types, checked with no torch (unless it asks for a
-GPU): ranges, choices, keys that must agree, the DeepSpeed JSON; each failure a one-line
-``ConfigError``."""
+"""What a composed config may hold beyond its types, checked with no torch; one-line errors."""
 from __future__ import annotations
 
 import json
@@ -221,13 +219,9 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> 
         raise ConfigError(f"{given[0]} is a critic setting, and algo={algo} has no "
                           "critic; use an algorithm with one (algo=ppo) or set algo.critic=shared "
                           "with algo.advantage=gae")
-    _check_weight_dir(cfg.rollout.server)
-
-
-def _check_weight_dir(server) -> None:
-    """``rollout.server.weight_dir`` is a directory (made at the first push) or nothing yet."""
-    if server.weight_dir and Path(str(server.weight_dir)).exists() and not Path(str(server.weight_dir)).is_dir():
-        raise ConfigError(f"rollout.server.weight_dir={server.weight_dir} is a file; it must be a "
+    weight_dir = cfg.rollout.server.weight_dir   # a directory (made at the first push) or nothing yet
+    if weight_dir and Path(str(weight_dir)).exists() and not Path(str(weight_dir)).is_dir():
+        raise ConfigError(f"rollout.server.weight_dir={weight_dir} is a file; it must be a "
                           "directory every server reads (one that does not exist yet is made)")
 
 

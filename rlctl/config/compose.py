@@ -1,6 +1,4 @@
-"""Compose the run config from ``rlctl/config/conf`` + a recipe (a YAML mapping of keys, by path
-or name) + shell overrides with Hydra, then ``rlctl.config.checks.validate`` it; every failure is
-a one-line ``ConfigError`` naming the key and what is valid."""
+"""Compose the run config (conf + a recipe + overrides) with Hydra and validate it; one-line errors."""
 from __future__ import annotations
 
 import re

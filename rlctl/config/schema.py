@@ -60,9 +60,7 @@ class KLConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """The off-policy correction for sampler/learner mismatch (rlctl.core.rollout_correction,
-    docs/math.md section 14): w = pi_old / pi_engine per token (or its product over a
-    sequence), detached."""
+    """The sampler/learner mismatch correction (rlctl.core.rollout_correction; docs/math.md, 14)."""
     enabled: bool = False          # weight the policy loss by w = pi_old / pi_engine
     # token | sequence (w = the product over the sequence's tokens)
     level: str = knob("token", choices=("token", "sequence"))
@@ -118,9 +116,8 @@ class AlgoConfig:
 
 @dataclass
 class TaskConfig:
-    """One schema for every task; each config/conf/task/*.yaml sets the keys its task takes. A key
-    left None does not apply to the chosen task; a task rejects a non-None key it does not
-    take (rlctl.tasks.task.build_task)."""
+    """One schema for every task; a key left None does not apply, a task rejects a non-None key it
+    does not take (rlctl.tasks.task.build_task)."""
     name: str = MISSING
     prompt_format: str = "raw"     # raw | chat (prompts through the tokenizer's chat template)
     system_prompt: Optional[str] = None  # chat only: a system message before each prompt
@@ -182,8 +179,7 @@ class TaskConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters via peft (rlctl.models.lora): low-rank adapters trained, the base frozen;
-    with algo.kl.coef > 0 the reference is the same model with the adapter disabled."""
+    """LoRA adapters via peft (rlctl.models.lora); the KL reference is the model, adapter disabled."""
     enabled: bool = False
     r: int = knob(8, range=AT_LEAST_1)  # adapter rank (> 0)
     alpha: int = knob(16, range=POSITIVE)  # scaling: alpha / r
@@ -258,8 +254,7 @@ class LoggerConfig:
 
 @dataclass
 class EpisodeConfig:
-    """Budgets and rules of multi-turn episodes (tasks played in an environment);
-    rollout.max_new_tokens is then per model turn. Runs past a limit are counted."""
+    """Budgets and rules of multi-turn episodes; rollout.max_new_tokens is then per model turn."""
     max_turns: int = knob(4, range=AT_LEAST_1)  # model turns per episode; more: ends as turn_limit
     max_tokens: int = knob(48, range=AT_LEAST_1)  # completion tokens per episode, turns and observations
     max_obs_tokens: int = knob(16, range=AT_LEAST_1)  # one observation's tokens; longer ones are cut
@@ -274,8 +269,7 @@ class EpisodeConfig:
 
 @dataclass
 class ServerConfig:
-    """rollout.engine=server: where the servers are and how weights reach them
-    (docs/engines.md, docs/server-kinds.md)."""
+    """rollout.engine=server: the servers and how weights reach them (docs/engines.md)."""
     # running servers (rlctl serve, vLLM, SGLang); []: the learner starts num_local of its own
     urls: List[str] = field(default_factory=list)
     # urls=[]: `rlctl serve` processes the learner starts (and stops) on 127.0.0.1

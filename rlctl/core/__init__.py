@@ -1,13 +1,8 @@
-"""rlctl.core: the pure math of RL fine-tuning (stable public API).
-
-Pure torch functions: no I/O, no config objects, no distributed code. Shape letters:
-B prompts, G samples per prompt, N = B*G sequences, T completion tokens, V vocabulary.
-`mask` is 1.0 on completion tokens that count (EOS included; prompt and padding
-excluded). Every function accepts float32 and bfloat16, computes reductions in float32
-(float64 kept), and returns 0, never NaN, for an all-masked row or all-zero mask.
-Losses return `(loss, metrics)` with detached metric tensors. Registries
-(``rlctl.registry.Registry``): ``ADVANTAGE_ESTIMATORS``, ``POLICY_LOSSES``, ``KL_ESTIMATORS``
-and ``LOSS_TERMS``; their ``get`` also takes "package.module:function"."""
+"""rlctl.core: the pure math of RL fine-tuning (stable public API): pure torch functions, no
+I/O, config or distributed code. Shape letters: B prompts, G samples per prompt, N = B*G, T
+completion tokens, V vocabulary; `mask` 1.0 on the completion tokens that count. Float32 and
+bfloat16 in, reductions in float32 (float64 kept), 0 (never NaN) for an all-masked row; losses
+return `(loss, detached metrics)`; registries take "package.module:function" too."""
 from .advantages import (ADVANTAGE_ESTIMATORS, REINFORCE_BASELINES, broadcast_to_tokens,
                          dr_grpo_advantages, gae, get_advantage_estimator, group_advantages,
                          grpo_advantages, overlong_penalty, register_advantage,

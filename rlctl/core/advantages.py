@@ -1,12 +1,7 @@
-"""Advantage estimators (docs/math.md, sections 3, 6 and 9): REINFORCE (Williams, 1992;
-baseline "none" or "batch_mean"), RLOO (Kool et al., 2019: r_i minus the mean of the
-other G-1), GRPO (Shao et al., 2024: (r - group mean) / (std + eps)), Dr. GRPO (Liu et al.,
-2025: no std), DAPO's overlong penalty (Yu et al., 2025), GAE (Schulman et al., 2015).
-Departures: a group of equal rewards gets exactly 0; G == 1 gives zeros. GAE skips masked
-positions (padding, tool output) instead of ending the episode there, runs under no_grad
-and does not whiten. float32 (float64 kept). ``ADVANTAGE_ESTIMATORS`` entries have a
-``level``: outcome fn(rewards [B, G], eps, **options) -> [B, G]; token-level fn(rewards,
-values, mask [N, T], gamma, lam) -> (advantages, returns)."""
+"""Advantage estimators (docs/math.md, sections 3, 6 and 9): REINFORCE (Williams, 1992), RLOO
+(Kool et al., 2019), GRPO (Shao et al., 2024), Dr. GRPO (Liu et al., 2025), DAPO's overlong
+penalty (Yu et al., 2025), GAE (Schulman et al., 2015). A group of equal rewards gets 0.
+``ADVANTAGE_ESTIMATORS`` signatures by ``level``: rlctl.registry's module docstring."""
 from __future__ import annotations
 
 import torch

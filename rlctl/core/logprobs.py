@@ -1,9 +1,7 @@
-"""Token log-probs, entropy, masked statistics and completion masks (docs/math.md, section 1).
-Reductions run in float32 (float64 kept); masked statistics clamp denominators at 1 (empty
-gives 0, never NaN). `chunked_token_logprobs` fuses the LM head into the log-softmax a chunk
-of tokens at a time (fused linear cross-entropy: Hsu et al. 2024, arXiv:2410.10989; Wijmans
-et al. 2024, arXiv:2411.09009): never all [N, T, V] logits (or their gradient) at once,
-exact, not twice differentiable."""
+"""Token log-probs, entropy, masked statistics and completion masks (docs/math.md, section 1);
+empty masks give 0, never NaN. `chunked_token_logprobs`: the LM head fused into the
+log-softmax a chunk at a time (Hsu et al. 2024, arXiv:2410.10989; Wijmans et al. 2024,
+arXiv:2411.09009), exact, never all [N, T, V] logits at once."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple

@@ -1,17 +1,8 @@
-"""Policy, value and KL loss terms, their aggregation and the KL-coefficient controllers
-(formulas: docs/math.md, sections 4 to 8). Per-token losses return ([N, T], metrics).
-
-- PPO clip (Schulman et al., 2017) with DAPO's asymmetric clips and the dual clip (Ye et
-  al., 2020: c > 1 caps A < 0 at -A c); vanilla PG (Williams, 1992); GSPO-token (Zheng et
-  al., 2025); CISPO (MiniMax-M1, 2025); value loss with PPO2's optional clipping.
-- Every policy loss emits policy/clip_frac_low, _high, clip_frac, clip_frac_dual, approx_kl.
-- KL estimators k1, k2, k3 (Schulman, 2020); ``KL_DEFAULT_ESTIMATOR`` per placement.
-- aggregate = aggregate_sum / agg_denominator (verl's `loss_agg_mode`): micro-batch sums
-  over the full denominator equal the whole.
-- ``LOSS_TERMS``: fn(logp, entropy, mask) -> [N, T], times ``algo.<name>_coef``.
-
-Departures: the log-ratio is 0 off the mask and clamped to +-20 before exp; advantages, old
-log-probs, old values and returns are detached here."""
+"""Policy, value and KL loss terms, their aggregation and the KL controllers (docs/math.md,
+sections 4 to 8): PPO clip (Schulman et al., 2017) with DAPO's asymmetric and the dual clip
+(Ye et al., 2020), vanilla PG (Williams, 1992), GSPO-token (Zheng et al., 2025), CISPO
+(MiniMax-M1, 2025), PPO2's value clip; KL estimators k1, k2, k3 (Schulman, 2020). Per-token
+losses return ([N, T], metrics); the log-ratio is 0 off the mask, clamped to +-20 before exp."""
 from __future__ import annotations
 
 import math
@@ -75,7 +66,8 @@ def agg_denominator(mask: torch.Tensor, mode: str, norm_len: int | None = None
 
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
               norm_len: int | None = None) -> torch.Tensor:
-    """A per-token loss [N, T] with `mask` [N, T] as one scalar (module doc)."""
+    """A per-token loss [N, T] with `mask` [N, T] as one scalar: aggregate_sum / agg_denominator
+    (verl's `loss_agg_mode`; docs/math.md, section 8), so micro-batch sums equal the whole."""
     return aggregate_sum(loss_mat, mask, mode, norm_len) / agg_denominator(mask, mode,
                                                                            norm_len)
 
@@ -166,9 +158,8 @@ def vanilla_pg_per_token(logp: torch.Tensor, old_logp: Optional[torch.Tensor],
 def gspo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                    mask: torch.Tensor, clip_low: float = 3e-4, clip_high: float = 4e-4,
                    clip_ratio_c: Optional[float] = None) -> Tuple[torch.Tensor, Metrics]:
-    """GSPO-token loss per token (module doc; the paper's clips are the defaults).
-    logp, old_logp, mask [N, T]; advantages [N] or [N, T] -> (loss_mat [N, T], metrics);
-    clip fractions count every token of a clipped sequence."""
+    """GSPO-token loss per token. logp, old_logp, mask [N, T]; advantages [N] or [N, T] ->
+    (loss_mat [N, T], metrics); clip fractions count every token of a clipped sequence."""
     dtype = acc_dtype(logp, old_logp, advantages)
     m = mask != 0
     lp = torch.where(m, upcast(logp, dtype), 0.0)  # [N, T]
@@ -276,8 +267,7 @@ KL_PLACEMENT_NOTES = {
 
 
 def resolve_kl_estimator(kind: Optional[str], placement: str) -> str:
-    """Canonical estimator name (None: the placement's ``KL_DEFAULT_ESTIMATOR``); ValueError
-    if unknown."""
+    """Canonical estimator name (None: the placement's default); ValueError if unknown."""
     if placement not in KL_PLACEMENTS:
         raise ValueError(f"unknown KL placement {placement!r}; valid: {', '.join(KL_PLACEMENTS)}")
     if kind is None:
@@ -287,7 +277,7 @@ def resolve_kl_estimator(kind: Optional[str], placement: str) -> str:
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate. logp, ref_logp [N, T] -> [N, T] float32 (float64 kept);
-    differentiable in both (which gradient: module doc)."""
+    differentiable in both (which gradient: docs/math.md, section 7)."""
     if kind is None:
         raise ValueError("KL estimator None: resolve it with resolve_kl_estimator(kind, placement)")
     fn = KL_ESTIMATORS.get(kind)
@@ -337,8 +327,8 @@ class FixedKLController:
 
 
 class AdaptiveKLController(FixedKLController):
-    """Ziegler et al.'s proportional controller (module doc); a non-finite KL keeps beta,
-    the multiplier is floored at 0. Pure Python floats."""
+    """Ziegler et al.'s (2019) proportional controller; a non-finite KL keeps beta, the
+    multiplier is floored at 0. Pure Python floats."""
 
     def __init__(self, init_coef: float, target: float, horizon: float):
         if not target > 0 or not horizon > 0 or not init_coef >= 0:

@@ -1,8 +1,6 @@
-"""The Bradley-Terry preference loss for reward models (Bradley and Terry, 1952; RLHF's
-reward-model step, Ouyang et al., 2022; docs/math.md, section 12). Per pair:
-    loss_i = -log sigmoid(r_chosen_i - r_rejected_i - m_i) + c * (r_chosen_i + r_rejected_i)^2
-m_i: a margin (Llama 2, Touvron et al., 2023); c: centring the scores near 0 (Eisenstein
-et al., 2023, use 0.01). -log sigmoid(x) is softplus(-x), finite for any finite x."""
+"""The Bradley-Terry preference loss for reward models (Bradley and Terry, 1952; Ouyang et al.,
+2022; docs/math.md, section 12): -log sigmoid(r_c - r_r - m) + c (r_c + r_r)^2, margin m
+(Llama 2, Touvron et al., 2023), centring c (Eisenstein et al., 2023)."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Union

@@ -1,9 +1,6 @@
-"""The off-policy correction for a sampler (an inference engine) whose probabilities differ
-from the learner's (docs/math.md, section 14). Detached weights, in log space:
-    token level:     w_t = exp(log pi_old(y_t) - log pi_engine(y_t))
-    sequence level:  w_i = exp(sum_t m_t (log pi_old - log pi_engine)), on each counted token
-``truncate`` multiplies the per-token policy loss by min(w, upper); ``mask`` by w where
-lower <= w <= upper, else 0; ``measure`` by 1 (metrics only). [N, T], 0 off the mask."""
+"""The off-policy correction for a sampler whose probabilities differ from the learner's
+(docs/math.md, section 14): detached weights w = pi_old / pi_engine per token or per sequence,
+applied as ``truncate``, ``mask`` or ``measure``. [N, T], 0 off the mask."""
 from __future__ import annotations
 
 import math

@@ -1,10 +1,6 @@
-"""Turn rewards of multi-turn episodes: the rule that weighs them and where they go
-(docs/math.md, section 13). Episode turn k's reward r_k is weighted by the rule:
-    last: w = (0, ..., 0, 1);  sum: w = (1, ..., 1);  discounted: w_k = discount ** (k - 1)
-The episode reward is R = sum_k w_k r_k; the token rewards put w_k r_k on the last token
-of turn k, so each row sums to R. ``turn_ends[i]``: row i's completion columns of each
-turn's last token, strictly increasing and < T. A row with no turn gets R = 0. Sums in
-float64, cast once to ``dtype``."""
+"""Turn rewards of multi-turn episodes (docs/math.md, section 13): turn k's reward r_k weighted
+by the rule (last, sum, discounted: w_k = discount ** (k - 1)); R = sum_k w_k r_k, w_k r_k on
+the last token of turn k (``turn_ends[i]``, strictly increasing, < T). Sums in float64."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple

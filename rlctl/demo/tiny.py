@@ -1,8 +1,4 @@
-"""The embedded tiny model: a seeded small Llama and a word-level tokenizer, built locally
-and cached atomically in ``tiny-<hash>`` (the hash of every input that affects the weights).
-A brief warm-up on the default task's training split teaches the answer format, not the
-skill: sorting answers are sorted for a share ``WARMUP_SORTED_FRAC``, else permuted;
-arithmetic is 2-digit addition, SFT stopped early (calibration: docs/benchmarks.md)."""
+"""The embedded tiny model: a seeded small Llama and a word-level tokenizer, built and cached here."""
 from __future__ import annotations
 
 import hashlib

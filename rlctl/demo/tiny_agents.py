@@ -1,7 +1,4 @@
-"""The tiny models of the multi-turn environments: a warm-up on transcripts a scripted policy
-plays against the environment (training rows, loss on model turns) teaches the turns' format,
-not the skill; the cache key covers the parameters, ``AGENT_CODE_VERSION`` and the
-transcripts (calibration of ``AGENT_WARMUPS``: docs/benchmarks.md)."""
+"""The tiny models of the multi-turn environments (calibration: docs/benchmarks.md)."""
 from __future__ import annotations
 
 import hashlib

@@ -1,7 +1,4 @@
-"""The backends (``BACKENDS``, ``hardware.backend``: torch, deepspeed): forward module,
-``backward``, ``step`` and reductions over data-parallel ranks. Exact data parallelism: ranks
-hold whole prompt groups, losses are divided by the global normaliser and averaged gradients
-scaled back by ``dp_loss_scale`` (= world size), so the update is the same for any N."""
+"""The backends (``BACKENDS``: torch, deepspeed): exact data-parallel forward, backward, step."""
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +48,7 @@ class TorchBackend:
 
     def prepare(self, model, critic, lr: float, betas, weight_decay: float, warmup_steps: int,
                 max_grad_norm: float):
-        """Build the optimizer (AdamW) and LR schedule for ``model`` (+ a separate critic);
-        returns the module to call for training forward passes (autocast under bf16)."""
+        """Build AdamW and the LR schedule for ``model`` (+ a critic) -> the module to call forward."""
         self.max_grad_norm = max_grad_norm
         extra = list(critic.parameters()) if critic is not None else []
         self._params = [p for p in list(model.parameters()) + extra if p.requires_grad]

@@ -1,9 +1,4 @@
-"""Ranks started through torchrun's launcher (``launch``: local ranks of
-``rlctl.train.worker``; ``launch_node``: one node's ranks of `rlctl train`), signals forwarded,
-and the group a launcher made (``from_environment``, ``join``, ``share``), formed within
-``hardware.dist_timeout_s``, each rank's config compared with rank 0's in one
-``all_gather_object``. Each failure (no master, peers missing, a rank started twice,
-configs that differ) is one line."""
+"""Ranks started through torchrun's launcher, signals forwarded, and the group a launcher made."""
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +52,7 @@ def write_error(run_dir: Path, message: str, code: int) -> None:
 
 def launch(num_processes: int, run_dir: Path, threads: int, resume: bool = False, stop=None,
            poll_s: float = 0.2) -> int:
-    """Run the ranks to the end: 0, or the signal number after a forwarded SIGINT/SIGTERM
-    made every rank save and stop; LaunchError if one failed (the others are stopped)."""
+    """Run the ranks to the end: 0, or the forwarded signal's number; LaunchError if one failed."""
     for rank in range(num_processes):
         _error_file(run_dir, rank).unlink(missing_ok=True)
     layout = dict(min_nodes=1, max_nodes=1, nproc_per_node=num_processes, rdzv_backend="c10d",
@@ -205,8 +199,7 @@ def leave_with_launcher() -> None:
 
 
 def die_with_parent(parent: int) -> None:
-    """SIGTERM to this process when ``parent`` dies, even by SIGKILL (PR_SET_PDEATHSIG); at
-    once if it is already gone."""
+    """SIGTERM to this process when ``parent`` dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):       # not Linux: the parent's own kill still applies
@@ -355,8 +348,7 @@ def join(group: Group, device: str, timeout_s: float,
 
 
 def share(group: Group, value: Optional[str], error: Optional[str] = None) -> str:
-    """Rank 0 passes ``value`` (or its ``error`` line) to every rank; the others wait for it
-    within the group's timeout and raise that error as theirs."""
+    """Rank 0 passes ``value`` (or its ``error`` line) to every rank; the others raise that error."""
     store = dist.distributed_c10d._get_default_store()
     if group.rank == 0:
         store.set(_KEY, _FAILED + error if error is not None else value)
@@ -388,13 +380,10 @@ def compared(tree: Dict[str, Any]) -> Dict[str, Any]:
             if k not in PER_NODE and not k.startswith(PER_NODE_PREFIXES)}
 
 
-def _digest(flat: Dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def payload(flat: Dict[str, Any], label: str) -> str:
     """What a rank hands to the others: where it runs, its config and the config's digest."""
-    return json.dumps({"label": label, "digest": _digest(flat), "config": flat}, default=str)
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+    return json.dumps({"label": label, "digest": digest, "config": flat}, default=str)
 
 
 def show(value: Any) -> str:

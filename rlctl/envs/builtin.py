@@ -1,9 +1,4 @@
-"""The built-in environments, registered as tasks (docs/agents.md), ``num_eval`` rows held
-out with ``random.Random(seed)``: ``calculator`` (3-digit by 2-digit products with a calc
-tool, reward 1 for the product; ``use_tools=false`` parses no calls), ``guess_number``
-(1..N from higher/lower, reward 1 on the guess; eval replays the shuffled secrets: the
-prompt is the same for all) and ``running_sum`` (each turn the new total, reward 1 if
-right; info success and correct)."""
+"""The built-in environments, registered as tasks (docs/agents.md)."""
 from __future__ import annotations
 
 import random

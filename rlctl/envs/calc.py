@@ -1,6 +1,4 @@
-"""The calculator tool, ``read_number`` (digit words to an integer) and the words beyond
-digits and ``= + - * :`` that the built-in environments use (``TINY_AGENT_WORDS``).
-Standard library only: the subprocess sandbox loads ``calc`` from this file."""
+"""The calculator tool and the built-in environments' words; standard library only (sandbox)."""
 from __future__ import annotations
 
 import ast
@@ -20,8 +18,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def read_number(text: str) -> Optional[int]:
-    """The integer that digit words spell ("1 2" -> 12, "- 4" -> -4, "12" -> 12), or None
-    when the text is anything else (another word, an empty turn)."""
+    """The integer that digit words spell ("1 2" -> 12, "- 4" -> -4), else None."""
     words = text.split() if isinstance(text, str) else []
     sign = -1 if words[:1] == ["-"] else 1
     digits = "".join(words[1:] if sign < 0 else words)
@@ -45,8 +42,7 @@ def _value(node: ast.AST) -> int:
 
 
 def calc(expression: str) -> int:
-    """Evaluate integer arithmetic with + - * and parentheses. Digits may be separate words:
-    "1 2 3 * 4 5" is 123 * 45."""
+    """Integer arithmetic with + - * and parentheses; "1 2 3 * 4 5" is 123 * 45."""
     text = "".join(str(expression).split())
     if not text or len(text) > MAX_CHARS:
         raise ValueError(f"an expression of 1 to {MAX_CHARS} characters is needed")

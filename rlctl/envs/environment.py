@@ -1,7 +1,4 @@
-"""The environment interface of multi-turn episodes (docs/agents.md), ``EnvTask`` (a task
-whose rows are played as episodes) and the registry ``ENVS``: ``reset(example, seed)``
-gives the first observation, ``step(turn)`` a ``rlctl.types.Step``; one environment per
-episode. The episode loop (``rlctl.rollout.episodes.loop``) owns tokens and time limits."""
+"""The ``Environment`` interface of episodes (docs/agents.md), ``EnvTask`` and the ``ENVS`` registry."""
 from __future__ import annotations
 
 import math
@@ -26,8 +23,7 @@ class Environment(Protocol):
 
 
 class EnvTask:
-    """A task played as episodes, ``make_env()`` a fresh environment for each; success is
-    ``episode_success``."""
+    """A task played as episodes, ``make_env()`` a fresh environment for each."""
 
     def __init__(self, name: str, make_env: Callable[[], Environment],
                  train: Sequence[Example], eval: Sequence[Example]):
@@ -59,8 +55,7 @@ def episode_success(episode: Episode) -> bool:
 
 
 def step_flag(name: str, value) -> bool:
-    """A step's ``done`` or ``info["success"]`` (``name``) as a bool: a Python or numpy bool,
-    nothing else (the text "False" would be true); else a ValueError naming the field."""
+    """A step's ``done`` or ``info["success"]`` as a Python or numpy bool; else a ValueError naming it."""
     if isinstance(value, bool) or (type(value).__module__ == "numpy"
                                    and type(value).__name__ in ("bool_", "bool")):
         return bool(value)
@@ -68,8 +63,7 @@ def step_flag(name: str, value) -> bool:
 
 
 def step_reward(value) -> float:
-    """A step's reward as a float finite in float32 (the rewards' dtype: 1e300 would be inf);
-    else a ValueError naming the field."""
+    """A step's reward as a float finite in float32; else a ValueError naming the field."""
     try:
         x = float(value)
         if math.isfinite(struct.unpack("f", struct.pack("f", x))[0]):    # rounded to float32

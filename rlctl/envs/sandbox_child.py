@@ -1,7 +1,6 @@
-"""The child of the subprocess and bwrap sandboxes (``python -I sandbox_child.py``; see
-tools.py): reads a JSON payload from stdin, limits itself, disables sockets, calls the
-tool, writes ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` and kills
-its process group. Standard library only until the limits are set."""
+"""The child of the subprocess and bwrap sandboxes (``python -I sandbox_child.py``): a JSON
+payload on stdin -> ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}`` on
+stdout, under limits and without sockets. Standard library only until the limits are set."""
 import json
 import os
 import resource
@@ -17,12 +16,6 @@ from rlctl.registry import load_object  # noqa: E402
 MAX_RESULT_CHARS = 65536
 
 
-def _limit(memory_bytes: int, cpu_s: int) -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-
-
 def _refuse(*args, **kwargs):
     raise PermissionError("the network is disabled in the rlctl tool sandbox")
 
@@ -33,8 +26,7 @@ class _NoSocket(socket.socket):
 
 
 def _end_the_namespace() -> None:
-    """Kill every process of this PID namespace but its init and this one (bwrap: the tool's
-    processes, whatever session they made) and wait, up to 2 s, until none runs."""
+    """Kill every other process of this PID namespace but init, and wait up to 2 s for them."""
     try:
         os.kill(-1, signal.SIGKILL)
     except ProcessLookupError:
@@ -58,7 +50,10 @@ def main() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)   # the tool's prints go nowhere
     payload = json.loads(sys.stdin.read())
     sys.path[:] = payload["path"]             # the parent's, made absolute
-    _limit(payload["memory_bytes"], payload["cpu_s"])
+    memory_bytes, cpu_s = payload["memory_bytes"], payload["cpu_s"]
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
     socket.socket = _NoSocket                 # no network
     socket.socketpair = socket.fromfd = socket.create_connection = _refuse
     try:

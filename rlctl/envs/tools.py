@@ -1,15 +1,6 @@
-"""Tools, their call parsers and ``ToolEnv``, where the model may call tools before it
-answers (docs/agents.md). A parser (``PARSERS``: ``tag``, ``json`` or ``module:Class``)
-has ``parse(text)`` (the first call, None, or ``ToolCallError``), ``format(call)`` and
-``stop``; a call is answered ``<result> R </result>`` (a failure: ``error``), a turn
-without one is the answer, scored by ``check``. ``sandbox=subprocess`` runs each call in
-a fresh ``python -I sandbox_child.py`` under rlimits, without sockets or the trainer's
-environment, its process group killed after ``timeout_s`` (best effort, not a boundary);
-``sandbox=bwrap`` runs that child under bubblewrap: new user, PID, network, IPC and UTS
-namespaces, only the system, Python and the tool's files visible (read-only), a private
-tmpfs work directory, every process ended with the call.
-The first failure of each tool and kind is said in one line (with the child's last stderr
-line when it died without a reply)."""
+"""Tools, their call parsers (``PARSERS``: ``tag``, ``json`` or ``module:Class``) and ``ToolEnv``,
+where the model may call tools before it answers; ``task.sandbox`` none, subprocess or bwrap
+(docs/agents.md). A tool's first failure of each kind is said in one line."""
 from __future__ import annotations
 
 import importlib.util
@@ -42,8 +33,7 @@ _SAID: Set[Tuple[str, str]] = set()      # (tool, kind of failure) already said
 
 
 class ToolFailed(Exception):
-    """A tool call that raised, timed out or was killed; the message is one line, ``kind``
-    what happened (the exception's type, ``timeout``, the signal, ``exit N``)."""
+    """A tool call that raised, timed out or was killed; a one-line message, ``kind`` what happened."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)
@@ -105,9 +95,7 @@ def _tool_files(source: Optional[str]) -> list:
 
 
 def _bwrap_argv(source: Optional[str], cwd: str, size_bytes: int) -> list:
-    """bwrap's arguments: fresh namespaces, the system, this Python (its prefixes), the rlctl
-    package and the tool's files read-only, a tmpfs of ``size_bytes`` at ``cwd`` (the only
-    writable place), the rest of the host absent."""
+    """bwrap's arguments: the system, Python, rlctl and the tool's files read-only, a tmpfs at ``cwd``."""
     argv = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--proc", "/proc", "--dev", "/dev"]
@@ -167,8 +155,7 @@ def _last_line(err) -> str:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """Kill the child's process group even when the child has exited (the tool's processes
-    would outlive the call, or hold the reply pipe)."""
+    """Kill the child's process group, even when the child has exited."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -263,8 +250,7 @@ def _absolute(spec: str) -> str:
 
 def make_tool(fn: Union[Callable, str, "Tool"], name: Optional[str] = None,
               source: Optional[str] = None) -> Tool:
-    """A ``Tool`` from a function, an import path to one, or a Tool (returned as is).
-    ``source``: the import path the subprocess sandbox loads it by, when not the default."""
+    """A ``Tool`` from a function, an import path to one, or a Tool; ``source``: the sandbox's path."""
     if isinstance(fn, Tool):
         return fn
     source = _absolute(source or fn) if isinstance(source or fn, str) else None

@@ -1,6 +1,4 @@
-"""The learner's forward pass: token log-probs, entropy and (with a critic) values, from the
-final hidden states through `rlctl.core.logprobs.chunked_token_logprobs` when the head allows
-(``fused_head``), each distinct prompt run once (rlctl/models/kv_share.py)."""
+"""The learner's forward pass: token log-probs, entropy and (with a critic) values."""
 from __future__ import annotations
 
 from dataclasses import dataclass

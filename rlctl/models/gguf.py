@@ -1,8 +1,6 @@
-"""GGUF checkpoints (llama.cpp's one-file format) as models: finding the file, checking it
-(one line per problem), loading it through transformers' GGUF loader dequantised (the
-tokenizer and chat template come from the file) as a plain model that saves as safetensors,
-and ``convert_gguf`` to a Hugging Face directory. The ``gguf`` package (the ``gguf`` extra)
-is imported only here, when a file is loaded."""
+"""GGUF checkpoints (llama.cpp's one-file format) as models: found, checked (one line per
+problem), loaded dequantised through transformers' GGUF loader, and ``convert_gguf`` to a
+Hugging Face directory. The ``gguf`` extra is imported only here, when a file is loaded."""
 from __future__ import annotations
 
 import importlib
@@ -21,9 +19,8 @@ hf_gguf.tqdm = hf_logging.tqdm        # its dequantising bar obeys quiet_librari
 
 
 def gguf_file(name_or_path: str) -> Optional[Path]:
-    """The .gguf file ``name_or_path`` names: the file itself, or a directory holding
-    exactly one .gguf file and no config.json; None otherwise. ValueError (one line) for a
-    directory of several and no config.json."""
+    """The .gguf file ``name_or_path`` names (the file, or a directory's only .gguf and no
+    config.json), else None; ValueError (one line) for a directory of several."""
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return path
@@ -46,8 +43,7 @@ def _supported() -> Tuple[set, set]:
 
 
 def gguf_problem(file: Path) -> Optional[str]:
-    """One line when ``file`` cannot be loaded: the gguf package missing, a corrupt or
-    truncated file, an architecture or tensor type transformers does not read."""
+    """One line when ``file`` cannot be loaded (no gguf package, damaged, unsupported), else None."""
     try:
         gguf = importlib.import_module("gguf")      # the optional extra: only for a GGUF file
     except ImportError:
@@ -70,9 +66,8 @@ def gguf_problem(file: Path) -> Optional[str]:
 
 
 def load_gguf(file: Path, dtype: torch.dtype = torch.float32) -> Tuple[Any, Any]:
-    """(model, tokenizer) from a GGUF ``file``, every tensor dequantised, then cast to
-    ``dtype``; the model is a plain one (no quantizer attached), so ``save_pretrained``
-    writes safetensors. ValueError (one line) for a file ``gguf_problem`` names."""
+    """(model, tokenizer) from a GGUF ``file``, dequantised, then cast to ``dtype``, a plain model
+    that saves as safetensors. ValueError (one line) for a file ``gguf_problem`` names."""
     problem = gguf_problem(file)
     if problem:
         raise ValueError(problem)
@@ -83,8 +78,7 @@ def load_gguf(file: Path, dtype: torch.dtype = torch.float32) -> Tuple[Any, Any]
 
 
 def convert_gguf(file: os.PathLike, out_dir: os.PathLike) -> Path:
-    """Write GGUF ``file`` into ``out_dir`` as a float32 Hugging Face directory (safetensors
-    weights, config, tokenizer with its chat template); returns ``out_dir``."""
+    """Write GGUF ``file`` as a float32 Hugging Face directory ``out_dir``; returns ``out_dir``."""
     model, tokenizer = load_gguf(Path(file), torch.float32)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -1,5 +1,4 @@
-"""Checks of a model directory's files that load nothing (no torch), each problem one line
-for the caller to raise."""
+"""Checks of a model directory's files that load nothing (no torch), each problem one line."""
 from __future__ import annotations
 
 import json

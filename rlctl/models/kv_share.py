@@ -158,8 +158,7 @@ def index_rows(cache, rows: torch.Tensor, grad: bool = False):
 
 @torch.no_grad()
 def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """A cache [N rows] of every prompt but its last token, once per distinct prompt; None
-    when nothing repeats or the model cannot share a cache."""
+    """A cache [N rows] of every prompt but its last token, once per distinct prompt, or None."""
     if cache_keyword(model) is None or input_ids.shape[1] < 2 or state_in_modules(model):
         return None
     first, inv = distinct_rows(input_ids, attention_mask)

@@ -1,5 +1,4 @@
-"""Load a causal LM and its tokenizer (left padding, a pad token): the tiny model, any HF
-checkpoint or a GGUF file (``models.gguf``); ``disable_dropout`` for ``model.disable_dropout``."""
+"""Load a causal LM and its tokenizer (left padding, a pad token): tiny, any HF checkpoint, GGUF."""
 from __future__ import annotations
 
 import importlib
@@ -74,8 +73,7 @@ def prepare_tokenizer(tokenizer, model):
 
 
 def check_source(name: str, name_or_path: Optional[str]) -> None:
-    """ValueError, before a run directory exists, for a missing, adapter or corrupt model path
-    or a GGUF file that cannot be loaded."""
+    """ValueError for a missing, adapter or corrupt model path or an unloadable GGUF file."""
     if name != "hf" or not name_or_path:
         return
     file = gguf_file(name_or_path)
@@ -102,9 +100,8 @@ def check_vocab(tokenizer, model, path: Any) -> None:
 def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
                              dtype: Any = "float32", device: Any = "cpu",
                              **tiny_kwargs) -> Tuple[Any, Any]:
-    """(model, tokenizer) for "tiny" (``build_tiny``'s kwargs; others ignored) or "hf"
-    (``name_or_path``: a directory, hub id or GGUF file). ValueError (one line) for a bad
-    name, dtype or path."""
+    """(model, tokenizer) for "tiny" (``build_tiny``'s kwargs) or "hf" (``name_or_path``: a
+    directory, hub id or GGUF file). ValueError (one line) for a bad name, dtype or path."""
     torch_dtype, file = resolve_dtype(dtype), None
     if name == "tiny":
         accepted = inspect.signature(build_tiny).parameters   # the agent models take fewer

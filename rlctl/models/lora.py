@@ -1,6 +1,4 @@
-"""LoRA adapters (peft): base frozen and B at zero, so the policy is the base at step 0
-(``[all-linear]``: QLoRA, Dettmers et al., 2023); the KL reference is the same model inside
-``disable_adapter()``."""
+"""LoRA adapters (peft; QLoRA, Dettmers et al., 2023): base frozen, B at zero at step 0."""
 from __future__ import annotations
 
 import copy

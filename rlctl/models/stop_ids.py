@@ -1,5 +1,4 @@
-"""The stop ids, computed here only: {tokenizer EOS} | generation_config.eos_token_id |
-rollout.stop_token_ids, written into the generation config (``resolve_stop_ids``)."""
+"""The stop ids, computed here only (``resolve_stop_ids``): EOS, generation config, the config's."""
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence, Tuple

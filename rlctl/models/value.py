@@ -1,6 +1,4 @@
-"""The PPO critic: a float32 value head (zero at start unless ``init_std > 0``) on the final
-hidden state the LM head reads, on the policy's backbone (``PolicyValueModel``) or a copy
-(``SeparateCritic``)."""
+"""The PPO critic: a float32 value head on the policy's backbone or on a copy of it."""
 from __future__ import annotations
 
 import copy
@@ -56,8 +54,7 @@ class PolicyValueOutput(NamedTuple):
 
 
 class PolicyValueModel(nn.Module):
-    """A causal LM (``self.policy``, plain or peft) plus a value head on its backbone: a
-    drop-in for the policy (logits, ``generate``, ``save_pretrained``, ``config``)."""
+    """A causal LM (``self.policy``) plus a value head on its backbone: a drop-in for the policy."""
 
     def __init__(self, policy, init_std: float = 0.0):
         super().__init__()

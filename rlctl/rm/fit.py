@@ -1,6 +1,4 @@
-"""A reward model (a sequence classifier, ``num_labels=1``) built from a causal LM and fitted
-on preference pairs with the Bradley-Terry loss (rlctl.core.preference), scored through
-``rlctl.rm.score`` as a run's scorer scores it."""
+"""A reward model built from a causal LM and fitted on preference pairs with the Bradley-Terry loss."""
 from __future__ import annotations
 
 import random
@@ -33,8 +31,7 @@ def classifier_from_lm(path: str, dtype: torch.dtype = torch.float32, seed: int 
 
 
 def prepare_for_scoring(model, tokenizer) -> None:
-    """A pad token on the tokenizer (EOS if none), the same id on the model's config, and
-    ``READ_KEY`` in config.json: read at the last non-pad token, as transformers and TRL."""
+    """A pad token (EOS if none) on tokenizer and config, and ``READ_KEY``: read at the last non-pad."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -49,8 +46,7 @@ def scores(model, tokenizer, prompts: Sequence[Any], completions: Sequence[str],
 
 
 def pair_counts(tokenizer, pairs: Sequence[Pair], limit: Optional[int]) -> Tuple[int, int]:
-    """(pairs with a text over ``limit`` tokens, pairs whose chosen and rejected read as the
-    same tokens once rendered and cut to ``limit``)."""
+    """(pairs with a text over ``limit`` tokens, pairs whose sides read the same once cut)."""
     rows = token_rows(tokenizer, [render(tokenizer, p.prompt, x)
                                   for p in pairs for x in (p.chosen, p.rejected)]) if pairs else []
     cut = [keep_end(r, limit, tokenizer.bos_token_id) for r in rows]
@@ -89,8 +85,7 @@ def pairwise_accuracy(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> float
 
 def fit(model, tokenizer, pairs: Sequence[Pair], s: RMConfig, seed: int = 0,
         on_step: Optional[Callable[[int, Dict[str, float]], Any]] = None) -> List[float]:
-    """``s.steps`` AdamW steps of the Bradley-Terry loss on batches of ``pairs`` reshuffled each
-    epoch under ``seed``; ``on_step(step, metrics)`` after each (true: stop). Returns the losses."""
+    """``s.steps`` AdamW steps of the Bradley-Terry loss on ``pairs``; ``on_step`` true stops. The losses."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     model.train()

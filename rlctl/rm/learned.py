@@ -1,8 +1,4 @@
-"""Learned reward models: a Hugging Face sequence classifier's score (one label,
-safetensors, its own tokenizer; Ouyang et al., 2022) as a reward beside or instead of a task's,
-scored through ``rlctl.rm.score`` as the fit scores. ``task.reward_norm=running`` whitens with
-the running count, mean and M2 over ranks (Chan et al., 1979), updated before the batch is
-normalised (OpenRLHF, TRL); ``task.reward_clip=c`` then clips to [-c, c]."""
+"""Learned reward models as rewards (docs/rlhf.md; Ouyang et al., 2022), normalised, clipped."""
 from __future__ import annotations
 
 import logging
@@ -226,8 +222,7 @@ class RewardModel:
 
 @dataclass
 class LearnedRewards:
-    """A run's reward models: ``clip(norm(raw))`` per model, weighted and summed. ``replace_task``:
-    the task's own rewards weigh 0 in training but are still scored and logged."""
+    """A run's reward models: ``clip(norm(raw))`` per model, weighted and summed."""
     models: List[RewardModel]
     replace_task: bool
     norm: str = "none"
@@ -287,8 +282,7 @@ def check_names(models: List[RewardModel], taken: Sequence[str]) -> None:
 def build_learned_rewards(reward_model: Optional[str], rewards: Optional[Sequence[Any]],
                           norm: Optional[str], clip: Optional[float], device: str,
                           taken: Sequence[str] = ()) -> Optional[LearnedRewards]:
-    """The run's ``LearnedRewards`` from ``task.reward_model`` or the ``{model: ...}``
-    entries of ``task.rewards`` (None without a reward model); ValueError, one line."""
+    """The run's ``LearnedRewards`` (None without a reward model); ValueError, one line."""
     norm = norm or "none"
     if norm not in NORMS:
         raise ValueError(f"invalid task.reward_norm '{norm}'; valid: {', '.join(NORMS)}")

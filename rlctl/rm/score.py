@@ -1,6 +1,4 @@
-"""The one path a reward model scores by, for the run's scorer and the fit: ``render`` (text),
-``encode`` (tokens, the end kept within ``length_limit``), ``last_token_scores`` (the head where
-``score_read`` says); and what a checkpoint's headers say before its weights load."""
+"""The one path a reward model scores by (``render``, ``encode``, ``last_token_scores``)."""
 from __future__ import annotations
 
 import json
@@ -116,8 +114,7 @@ UNSET_LENGTH = 10 ** 12  # a model_max_length this large is unset (transformers 
 
 
 def render(tokenizer, prompt: Union[str, List[Dict[str, str]]], completion: str) -> str:
-    """The model's chat template over [prompt, assistant: completion], else ``prompt +
-    completion`` (one space at a bare join)."""
+    """The chat template over [prompt, assistant: completion], else ``prompt + completion``."""
     if getattr(tokenizer, "chat_template", None):
         msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         return tokenizer.apply_chat_template(

@@ -1,7 +1,4 @@
-"""The embedded tiny reward model for 5-digit sorting (``task.reward_model=tiny``), built on
-first use and cached in ``tiny-rm-<hash of every input>``: the tiny policy's backbone with a
-1-output head, fitted on ``NUM_PAIRS`` training-split pairs ranked by the positional reward
-(ties skipped), an imperfect proxy on purpose (docs/rlhf.md, "The tiny reward model")."""
+"""The embedded tiny reward model for 5-digit sorting (``task.reward_model=tiny``; docs/rlhf.md)."""
 from __future__ import annotations
 
 import json
@@ -37,8 +34,7 @@ FITTED_FOR = {"task": "sorting", "num_digits": NUM_DIGITS}   # the prompts it wa
 
 
 def task_mismatch(task_name: str, num_digits) -> Optional[str]:
-    """Why the tiny reward model does not fit a run of ``task_name`` (``num_digits`` for
-    sorting), or None: it knows only 5-digit sorting prompts."""
+    """Why the tiny reward model (5-digit sorting only) does not fit ``task_name``, or None."""
     if task_name == FITTED_FOR["task"] and num_digits == FITTED_FOR["num_digits"]:
         return None
     got = f"task={task_name}" + (f" task.num_digits={num_digits}" if task_name == "sorting" else "")

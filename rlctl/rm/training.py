@@ -1,7 +1,4 @@
-"""`rlctl reward-model train|eval`: fit a Bradley-Terry reward model on preference pairs
-(``prompt``, ``chosen``, ``rejected``; docs/rlhf.md) into ``<run.output_dir>/<time>-rm/``
-(``model/``, metrics, config, summary), and measure one. Everything is checked before the run
-directory is made; SIGINT/SIGTERM stop after a step with the model saved (``FitStopped``)."""
+"""`rlctl reward-model train|eval`: fit a Bradley-Terry reward model (docs/rlhf.md), measure one."""
 from __future__ import annotations
 
 import inspect
@@ -105,8 +102,7 @@ def note_truncation(limit: Optional[int], what: str, counts: Dict[str, Tuple[int
 
 def check_identical(n_train: int, n_held: int, train: Sequence[Pair], held: Sequence[Pair],
                     held_key: str, stream=None) -> Dict[str, int]:
-    """DataError when all ``n_train`` training pairs have chosen == rejected; one line on stderr
-    when some (``pair_counts``)."""
+    """DataError when every training pair has chosen == rejected; one stderr line when some do."""
     if n_train == len(train):
         raise DataError(f"PREFS: all {len(train)} training pairs have chosen and rejected "
                         "reading as the same tokens (once rendered and cut to the length "

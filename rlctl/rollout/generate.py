@@ -1,9 +1,4 @@
-"""Generation: B prompts x G sampled completions -> a scored ``RolloutBatch``.
-
-Tokens come from softmax(logits / temperature) (top-k for eval and rollout only), the learner's
-distribution: through ``sample``, the lean loop (Hugging Face's tokens for the same seed), else
-(greedy, backend kwargs, no KV cache) the model's ``generate`` with the library's defaults.
-"""
+"""Generation: B prompts x G sampled completions -> a scored ``RolloutBatch``."""
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +19,7 @@ SAMPLE_DTYPES = ("float32", "bfloat16")
 
 
 def check_training_sampling(top_k: int) -> None:
-    """Top-k is refused for ``rlctl train``: a sampled token could have probability 0 under
-    the learner's softmax(logits / temperature). UserError (one line, exit 2)."""
+    """UserError (one line) for top-k in ``rlctl train``: the learner's softmax has no top-k."""
     if top_k:
         raise UserError(f"rollout.top_k={top_k} is for rlctl eval and rollout only: training "
                         "samples from the full softmax(logits / rollout.temperature) that its "
@@ -204,8 +198,7 @@ def rollout(model, tokenizer, examples: Sequence[Example], group_size: int,
 def scored(tokenizer, examples: Sequence[Example], group_size: int, seqs: torch.Tensor,
            prompt_mask: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor,
            stops: Sequence[int], score_batch, logprobs: LogProbs) -> RolloutBatch:
-    """Sequences [N, P+T] of B examples x G (completions masked by ``mask`` [N, T]) decoded
-    and scored in one batch -> a RolloutBatch with ``logprobs``."""
+    """Sequences [N, P+T] of B examples x G (``mask`` [N, T]) decoded, scored -> a RolloutBatch."""
     plen = prompt_mask.shape[1]
     completions = decode_completions(tokenizer, seqs[:, plen:], mask, stops)
     per_row = [examples[i // group_size] for i in range(len(completions))]

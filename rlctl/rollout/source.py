@@ -1,7 +1,4 @@
-"""Where a step's rollouts come from: ``Source`` says what the trainer asks of one;
-``SyncSource``, every source's base, declares it. ``collect``: one step's batch with DAPO's dynamic
-sampling (groups of equal rewards dropped, more prompts sampled, up to ``max_rounds`` rollouts).
-"""
+"""Where a step's rollouts come from: ``Source``, ``SyncSource``, ``collect`` (DAPO's dynamic sampling)."""
 from __future__ import annotations
 
 import random
@@ -57,8 +54,7 @@ class SyncSource(Source):
 
 
 class LocalSource(SyncSource):
-    """The synchronous loop: B prompts x ``algo.group_size`` completions sampled from ``policy``
-    as ``rollout`` says; ``generate_kwargs``: the backend's (e.g. ``synced_gpus``)."""
+    """The synchronous loop: B prompts x ``algo.group_size`` completions sampled from ``policy``."""
 
     def __init__(self, policy, tokenizer, examples: Sequence[Example], scorer,
                  rollout: RolloutConfig, algo: AlgoConfig, share_prompts: bool, seed: int,

@@ -1,5 +1,4 @@
-"""Metric sinks: console (rich), JSONL, W&B (offline by default), TensorBoard, a null sink;
-the trainer holds the one `MultiSink` that `build_sinks` returns."""
+"""Metric sinks: console, JSONL, W&B, TensorBoard, null; ``build_sinks`` returns one `MultiSink`."""
 from __future__ import annotations
 
 import importlib
@@ -18,8 +17,7 @@ def build_sinks(run_dir: Path | str | None, jsonl: bool, wandb: bool, wandb_mode
                 project: str, name: str, run_config: Mapping[str, Any], console: bool,
                 total_steps: int, console_keys: Sequence[str] = DEFAULT_KEYS,
                 tensorboard: bool = False) -> MultiSink:
-    """The sinks a run asked for in one MultiSink; jsonl, wandb and tensorboard write inside
-    `run_dir` (skipped when None); only an unknown wandb_mode raises."""
+    """The sinks a run asked for in one MultiSink (file sinks skipped without ``run_dir``)."""
     sinks: list[Sink] = []
     if console:
         sinks.append(ConsoleSink(total_steps, console_keys))

@@ -1,6 +1,4 @@
-"""Console progress: on a TTY a live rich bar with the key figures below it; elsewhere one
-plain line per `print_every` steps (`step 20/100 | reward/mean 0.5125 | 4.1s<16.4s`), each
-key's latest value. samples(): a table cut to the terminal width (`sample_table`)."""
+"""Console progress: a live rich bar on a TTY, else a plain line per `print_every` steps."""
 from __future__ import annotations
 
 import math

@@ -1,8 +1,4 @@
-"""`metrics.jsonl` and `samples.jsonl`: strict JSON lines, each flushed when written.
-metrics: {"step": <int>, "<metric>": <float or null (NaN, +-inf)>, ...} per log(), then
-{"summary": {...}}; samples: {"table", "step", <the row's columns in order>} per row. The
-readers skip a line that is not a row (torn, damaged), read_samples naming it to its caller;
-a file that is not UTF-8 is one ValueError naming it."""
+"""`metrics.jsonl` and `samples.jsonl` (docs/metrics.md), each line flushed when written."""
 from __future__ import annotations
 
 import json

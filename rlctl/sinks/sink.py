@@ -1,6 +1,4 @@
-"""The metric sink protocol, a null sink and a fan-out that survives broken sinks. Metric
-keys: docs/metrics.md. Sample rows: dicts of JSON values with the same keys in the same
-order (an episode's `turns`: a list of {role, text, ...}); `table` is "train" or "eval"."""
+"""The metric sink protocol, a null sink and a fan-out that survives broken sinks."""
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +41,7 @@ def cell_text(value: Any) -> str:
 
 
 class MultiSink:
-    """Fans every call out to `sinks`, in order; a sink that raises is reported in one stderr
-    line and disabled for the rest of the run, the others and training carry on."""
+    """Fans every call out to `sinks`; a sink that raises is said once and disabled for the run."""
 
     def __init__(self, sinks: Iterable[Sink]):
         self.sinks: list[Sink] = list(sinks)

@@ -1,6 +1,4 @@
-"""TensorBoard event files under `<run_dir>/tensorboard/`: a scalar per metric (tag = key),
-a markdown table per sample table (`samples/<table>`) and for the summary (`summary`). The
-writer is made at the first call, so a failure to make it disables only this sink."""
+"""TensorBoard event files under `<run_dir>/tensorboard/`; a failure disables only this sink."""
 from __future__ import annotations
 
 import json

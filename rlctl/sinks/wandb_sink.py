@@ -1,9 +1,6 @@
-"""Weights & Biases sink that never hangs or crashes training. Offline by default (`wandb
-sync` uploads `run_dir/wandb/offline-run-*`); online without an API key, or when init fails,
-falls back to offline with one warning line; a failing offline init leaves a no-op.
-One history row per step, committed when a higher step comes and before summary() and
-close(); a lower step is left out with one warning; close() tears wandb down and restores
-the environment; console="off" (wrapping stdout fights the live view)."""
+"""Weights & Biases sink that never hangs or crashes training: offline by default, falling
+back to offline (one warning) when online fails, a no-op when offline fails; one history row
+per step, a lower step left out with one warning."""
 from __future__ import annotations
 
 import contextlib
@@ -58,7 +55,8 @@ def has_wandb_credentials(base_url: str | None = None) -> bool:
 
 
 class WandbSink:
-    """Log to wandb (module doc); `mode` in use, `run_file` (None when disabled)."""
+    """Log to wandb; `mode` in use, `run_file` (None when disabled). close() tears wandb down and
+    restores the environment; console="off" (wrapping stdout fights the live view)."""
 
     name = "wandb"
     ENV_DIRS = {"WANDB_DIR": "", "WANDB_CACHE_DIR": "wandb-cache",   # WANDB_DIR gets `wandb/`
@@ -176,7 +174,8 @@ class WandbSink:
         self._add({key: wandb.Table(columns=columns, data=data, allow_mixed_types=True)}, int(step))
 
     def _add(self, row: dict[str, Any], step: int) -> None:
-        """Buffer `row` into the history row of `step` (see the module docstring)."""
+        """Buffer `row` into the history row of `step`, committed when a higher step comes and
+        before summary() and close()."""
         if self._pending is not None and step == self._pending[0]:
             self._pending[1].update(row)
             return

@@ -1,14 +1,4 @@
-"""Checkpoints of the full training state, written atomically; resume picks the last one.
-
-    <run>/checkpoints/step-00000040/
-        model.safetensors     the trained module (value head / adapter included)
-        critic.safetensors    a separate critic, if any
-        optimizer.pt          AdamW state (torch.load(weights_only=True))
-        scheduler.pt          LR schedule state
-        rng-rank<k>.pt        torch RNG and the prompt RNG's state of every rank
-        trainer_state.json    step, KL controller, fault counters, eval at step 0
-
-Built in `step-N.tmp` and renamed when complete; only `trainer.keep_checkpoints` are kept."""
+"""Checkpoints of the full training state, written atomically (docs/runs.md lists the files)."""
 from __future__ import annotations
 
 import json
@@ -45,8 +35,7 @@ REQUIRED = {"step": int, "kl": dict}
 
 
 def read_state(path: Path) -> Dict[str, Any]:
-    """``path``/trainer_state.json, checked (an integer ``step``, a ``kl`` dict), else one
-    CheckpointError naming the file."""
+    """``path``/trainer_state.json checked, else one CheckpointError naming the file."""
     file = Path(path) / "trainer_state.json"
     try:
         state = json.loads(file.read_text(encoding="utf-8"))

@@ -1,13 +1,4 @@
-"""Run directories: ``<output_dir>/<time>-<name>/`` with everything needed to replay.
-
-    config.yaml, config_unresolved.yaml   the resolved config, and with interpolations kept
-    overrides.yaml    the command-line overrides and recipe (`resumes`: each resume's)
-    recipe.yaml       `rlctl train --recipe <run>/recipe.yaml` replays it (a resume rewrites it)
-    metrics.jsonl, samples.jsonl, wandb/, tensorboard/   the sinks' files (rlctl.sinks)
-    model/            final weights and tokenizer (HF format), or the LoRA adapter (+ merged/)
-    summary.json      final eval and timing (rank 0 writes it, the metrics and the model)
-    .lock             while a run writes: the writer's pid (RunLock)
-"""
+"""Run directories, ``<output_dir>/<time>-<name>/`` (docs/runs.md lists the files), ``RunLock``."""
 from __future__ import annotations
 
 import fcntl
@@ -44,9 +35,7 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunLock:
-    """One writer per run directory: ``<run>/.lock`` holds the writer's pid under an
-    exclusive ``flock`` (shared with launched ranks by ``share_lock``); a stale lock file
-    is taken over, a live holder refused by pid."""
+    """One writer per run directory: ``<run>/.lock`` holds its pid under ``flock``; stale ones taken over."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
@@ -214,8 +203,7 @@ def write_config(run_dir: Path, composed: Composed) -> None:
 
 
 def record_resume(run_dir: Path, composed: Composed) -> None:
-    """A resume's config becomes the run's (config.yaml, recipe.yaml rewritten); overrides.yaml
-    lists each resume's overrides after the original ones."""
+    """A resume's config becomes the run's; overrides.yaml lists each resume's overrides."""
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(composed.cfg, resolve=True))
     write_text_atomic(run_dir / "recipe.yaml", recipe_text(composed))
     path = run_dir / "overrides.yaml"

@@ -1,5 +1,4 @@
-"""Tasks: prompts and rewards by name (``build_task``): ``sorting``, ``arithmetic``,
-``jsonl`` (the user's data and reward functions) and the environments of ``rlctl.envs``."""
+"""Tasks by name (``build_task``): ``sorting``, ``arithmetic``, ``jsonl`` and the environments."""
 from rlctl.tasks.task import TASKS, Task, build_task, register_task
 from rlctl.tasks.scoring import RewardScorer  # noqa: F401
 from rlctl.tasks import sorting  # noqa: F401  (registers "sorting")

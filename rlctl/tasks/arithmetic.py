@@ -1,8 +1,4 @@
-"""Generated math (``task=arithmetic``): ``a OP b``, operands of up to ``num_digits``
-digits, OP from ``ops``; prompts ``symbolic`` (``"1 2 + 3 4 ="`` -> ``"4 6"``, the tiny
-vocabulary) or ``words`` (word problems). Checked by ``answers_equivalent``; rewards
-``exact`` or ``partial`` (1 if right, else 0.5 * ``digit_credit``). Splits:
-``disjoint_splits`` with ``random.Random(seed)``."""
+"""Generated math (``task=arithmetic``): ``a OP b`` as ``symbolic`` or ``words`` prompts."""
 from __future__ import annotations
 
 import random

@@ -1,6 +1,4 @@
-"""Data-driven tasks (``task=jsonl``, docs/extending.md): prompts from JSON Lines, JSON,
-CSV/TSV, Parquet/Arrow files or a ``datasets`` directory (``FORMATS``), scored by the
-user's reward functions (``rlctl.tasks.rewards``) with the row's other columns."""
+"""Data-driven tasks (``task=jsonl``, docs/extending.md): prompts from data files, user rewards."""
 from __future__ import annotations
 
 import csv
@@ -115,8 +113,7 @@ def _read_hf_dir(path: Path, key: str) -> Located:
 
 def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
                  located: bool = False) -> List[Any]:
-    """Rows of a data file or directory as dicts (``located``: (where, row) pairs, where
-    names the file and line or row); ValueError naming ``key`` on failure."""
+    """Rows of a data file or directory as dicts (``located``: (where, row)); ValueError naming ``key``."""
     if fmt not in FORMATS:
         raise DataError(f"invalid task.format '{fmt}'; valid: {', '.join(FORMATS)}")
     p = Path(str(path)).expanduser()
@@ -268,8 +265,7 @@ class DataTask:
         return out
 
     def reward(self, example: Example, completion: str) -> float:
-        """The weighted total through ``RewardScorer`` under ``task.on_reward_error``, with
-        no time limit."""
+        """The weighted total through ``RewardScorer`` (``task.on_reward_error``), no time limit."""
         with RewardScorer(self, timeout_s=0) as scorer:
             return scorer.score_batch([example], [completion])[0]
 

@@ -1,7 +1,4 @@
-"""A task prepared for one model (``prepare``; the task is not changed): chat prompts
-through the template (``fields[RAW_PROMPT]`` keeps them as written) and prompts kept
-within ``rollout.max_prompt_tokens`` (default: the context minus ``max_new_tokens``) under
-``task.long_prompts``: ``skip``, ``truncate_left`` (as verl's) or ``error``."""
+"""A task prepared for one model (``prepare``): chat template, ``task.long_prompts`` budget."""
 from __future__ import annotations
 
 import os
@@ -86,8 +83,7 @@ def truncate_left(tokenizer, prompt: str, max_tokens: int) -> str:
 
 def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int, limits: str,
                   split: str) -> Tuple[List[Example], int]:
-    """(the examples kept under ``mode`` = ``task.long_prompts``, how many were over
-    ``max_tokens``) for one split; ValueError, one line: mode error, or no prompt left."""
+    """(the examples of a split kept under ``mode``, how many were over ``max_tokens``); ValueError."""
     lengths = token_lengths(tokenizer, [ex.prompt for ex in examples], max_tokens)
     kept, over = [], 0
     for i, (ex, n) in enumerate(zip(examples, lengths)):
@@ -111,8 +107,7 @@ def limit_prompts(mode: str, tokenizer, examples: List[Example], max_tokens: int
 
 @dataclass(frozen=True)
 class Prepared:
-    """The task, its train and eval prompts as the model reads them, the chat end-of-turn
-    markers (None: raw prompts) and the learned reward models; ``scorer`` is given them."""
+    """A task with its prompts as the model reads them, chat markers, learned reward models, scorer."""
     task: Any
     train: Tuple[Example, ...]
     eval: Tuple[Example, ...]

@@ -1,11 +1,7 @@
-"""Rule rewards (docs/extending.md): the user's functions by import path, weighted, and
-the verifier behind the built-in ``math`` and ``exact``. A reward is ``fn(prompt,
-completion, **fields) -> float`` or, batched (``prompts, completions`` first, or ``batched:
-true``), ``fn(prompts, completions, **fields) -> list[float]``; a function without
-``**fields`` gets the fields it names. ``answers_equivalent``: the final answer (last
-``\\boxed{}``, else after the last "####" / "answer is" / "answer:", else the text) equals
-``answer`` as a rational ("4.6e1", "92/2", "1,234", "4 6") or by math-verify.
-"""
+"""Rule rewards (docs/extending.md): the user's functions by import path, weighted, and the
+verifier behind the built-in ``math`` and ``exact`` (``answers_equivalent``). A reward is
+``fn(prompt, completion, **fields) -> float`` or, batched, ``fn(prompts, completions, **fields)
+-> list[float]``; a function without ``**fields`` gets the fields it names."""
 from __future__ import annotations
 
 import inspect
@@ -52,7 +48,8 @@ def normalize_spacing(text: str) -> str:
 
 
 def final_answer_text(text: str) -> str:
-    """The part of a completion that holds the final answer (see the module doc)."""
+    """The part of a completion that holds the final answer: the last ``\\boxed{}``, else after the
+    last "####" / "answer is" / "answer:", else the text."""
     if not isinstance(text, str):
         return ""
     boxed = _last_boxed(text)
@@ -117,7 +114,8 @@ def plain_number(answer: Any) -> Optional[Fraction]:
 
 
 def answers_equivalent(completion: Any, answer: Any) -> bool:
-    """Is the completion's final answer equal to ``answer`` (a number or math text)?"""
+    """Is the completion's final answer equal to ``answer``, as a rational ("4.6e1", "92/2",
+    "1,234", "4 6") or by math-verify?"""
     if not isinstance(completion, str) or not completion.strip():
         return False
     target = plain_number(answer)
@@ -199,7 +197,7 @@ def model_entries(rewards: Optional[Sequence[Any]], reward_model: Optional[str] 
 
 
 def load_function(spec: Any, key: str) -> Callable:
-    """The callable named by ``spec`` (see the module doc); ValueError naming ``key``."""
+    """The callable named by ``spec`` (an import path); ValueError naming ``key``."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"{key} must be 'package.module:function', 'path/file.py:function' "
                          f"or one of {', '.join(BUILTIN_REWARDS)}; got {spec!r}")

@@ -1,8 +1,4 @@
-"""Scoring completions with a task's reward(s): batches under ``task.reward_timeout_s``
-in one persistent worker forked from the trainer (a thread cannot be stopped), killed at
-the deadline and forked again; 0 or null scores in-process. The error policy is
-``task.on_reward_error``; named rewards are logged as ``reward/<name>``.
-"""
+"""Scoring completions with a task's reward(s), in a forked worker under a time limit."""
 from __future__ import annotations
 
 import logging
@@ -147,13 +143,9 @@ class ProcessRunner(InlineRunner):
 
 
 class RewardScorer:
-    """Scores batches with the task's reward(s). ``on_reward_error=zero``: a sample whose
-    reward raised, is not finite or timed out scores 0 and counts in ``errors`` or
-    ``timeouts``; ``raise``: ``RewardError`` naming the sample. ``markers`` (chat): the
-    task sees the assistant's reply only. ``learned`` (``rlctl.rm.learned``): reward
-    models scored after the task, their raw scores among the components, their shaped
-    scores in (or, with ``task.reward_model``, as) the total; the first such scorer owns
-    the running statistics (``state()``)."""
+    """Scores batches with the task's reward(s), ``on_reward_error`` zero (counted in ``errors``
+    or ``timeouts``) or raise (``RewardError``); ``markers`` (chat): the task sees the reply only;
+    ``learned``: reward models scored after the task (the first scorer owns their statistics)."""
 
     def __init__(self, task, learned=None, markers: Optional[Sequence[str]] = None, timeout_s: Any = FROM_TASK,
                  on_error: Optional[str] = None, norm_owner: Optional[bool] = None):
@@ -254,8 +246,7 @@ class RewardScorer:
 
     @property
     def has_gold(self) -> bool:
-        """False for a data task scored by reward models alone (``rewards == []``): then no
-        reward/<task> component and no correctness are reported."""
+        """False for a data task scored by reward models alone: no reward/<task>, no correctness."""
         rewards = getattr(self.task, "rewards", None)
         return not (self.learned is not None and isinstance(rewards, list) and not rewards)
 
@@ -304,8 +295,7 @@ class RewardScorer:
         return out
 
     def named_sums(self) -> Tuple[Dict[str, float], int]:
-        """(each named reward's sum since the previous call, how many samples); resets
-        both. The trainer pools them over ranks."""
+        """(each named reward's sum since the previous call, how many samples); resets both."""
         out = (self._sums, self._count)
         self._sums, self._count = {}, 0
         return out

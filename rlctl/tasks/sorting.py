@@ -1,9 +1,4 @@
-"""Sort n digits: prompt ``"3 1 4 1 5 ="``, correct completion ``"1 1 3 4 5"``. Rewards
-on the whitespace tokens (one that is not a digit: 0 under every design): ``exact``;
-``positional`` (out[i] == target[i], over max(n, len(out))); ``inclusion_order`` (naive
-on purpose: +1 per output digit found in the prompt, +1 per non-decreasing pair, over
-2n-1, unclipped: the reward-hacking recipe). All are logged as components; the weights
-make the total the training design's."""
+"""Sort n digits (``"3 1 4 1 5 ="`` -> ``"1 1 3 4 5"``); rewards: docs/math.md, section 10."""
 from __future__ import annotations
 
 import random

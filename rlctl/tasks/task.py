@@ -1,6 +1,5 @@
-"""The Task protocol, the task registry and what every task shares: the common options,
-chat prompts, the disjoint splits of generated tasks. A task is never changed once built.
-"""
+"""The Task protocol, the task registry and what every task shares: the common options, chat
+prompts, the disjoint splits of generated tasks. A task is never changed once built."""
 from __future__ import annotations
 
 import inspect

@@ -1,7 +1,4 @@
-"""Build what a run needs from its config: the task with its reward models
-(``task_from_config``, once per process), the task prepared for the loaded model
-(``prepare_task``), the policy (+LoRA, +critic, +the LoRA reference). Every consumer
-(train ranks, dry run, engine processes, `rlctl eval`) builds through here."""
+"""Build a run's task (with its reward models), the task prepared for the model, the policy."""
 from __future__ import annotations
 
 import inspect
@@ -34,8 +31,7 @@ def _takes(name: str, option: str) -> bool:
 
 
 def _learned_rewards(cfg: DictConfig, opts: dict) -> LearnedRewards:
-    """The reward models of ``task.reward_model`` and ``{model: ...}`` rewards (or None);
-    ``opts`` is left with what the task itself takes."""
+    """The task's reward models (or None); ``opts`` is left with what the task itself takes."""
     rm, norm, clip = (opts.pop(k, None) for k in LEARNED_KEYS)
     rm = _resolve_reward_model(rm, cfg)
     rewards = opts.get("rewards")
@@ -84,8 +80,7 @@ class BuiltTask:
 
 
 def task_from_config(cfg: DictConfig) -> BuiltTask:
-    """The task ``cfg.task.name`` built from the rest of ``cfg.task``, and its reward models;
-    UserError, one line, on a bad option."""
+    """The task ``cfg.task.name`` with its reward models; UserError, one line, on a bad option."""
     opts = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k != "name"}
     try:
         learned = _learned_rewards(cfg, opts)
@@ -99,8 +94,7 @@ def task_from_config(cfg: DictConfig) -> BuiltTask:
 
 def prepare_task(cfg: DictConfig, tokenizer, model, built: Optional[BuiltTask] = None,
                  quiet: bool = False) -> Prepared:
-    """``built`` (default: built from ``cfg``) prepared for the loaded model
-    (``rlctl.tasks.prompt_budget.prepare``: chat template, prompt budget, scorers)."""
+    """``built`` (default: built from ``cfg``) prepared for the loaded model."""
     built = built or task_from_config(cfg)
     return prepare(built.task, tokenizer, cfg.rollout, model, built.learned,
                    quiet=quiet)

@@ -1,7 +1,4 @@
-"""What `rlctl train` builds from the composed config on top of the task and models
-(``rlctl.train.build``): one rank (``built_rank``: backend, models, rank 0's sinks, the
-rollout source, the ``Trainer``; a resume's newest checkpoint) and the dry run's models
-(``dry_run``). ``rlctl.train.run`` trains what it builds."""
+"""What `rlctl train` builds: one rank (``built_rank``) and the dry run's models (``dry_run``)."""
 from __future__ import annotations
 
 import copy
@@ -45,8 +42,7 @@ class Rank:
 
 @contextmanager
 def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None) -> Iterator[Rank]:
-    """This rank's backend, models, sinks, source and Trainer (``built``: the task, if built
-    already); yields the ``Rank``, then closes them."""
+    """Yields this rank's ``Rank`` (backend, models, sinks, source, Trainer), then closes it."""
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     started = time.perf_counter()
     if cfg.hardware.device == "cuda" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
@@ -118,8 +114,7 @@ def resume_point(run_dir: Path, backend) -> Path:
 
 
 def dry_run(cfg: DictConfig) -> List[str]:
-    """`rlctl train --dry-run`: the models built as `train` builds them, the plan printed
-    (``rlctl.train.dryrun.plan``); returns the printed lines."""
+    """`rlctl train --dry-run`: the models built as `train` builds them; returns the plan's lines."""
     OmegaConf.resolve(cfg)
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)

@@ -96,8 +96,7 @@ def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, 
 
 
 def reward_model_sizes(learned) -> List[Tuple[str, int, float]]:
-    """(name, parameters, bytes) of each reward model of ``learned`` (or None), from its
-    config on the meta device, in its saved dtype (float32 if none)."""
+    """(name, parameters, bytes) of each reward model of ``learned``, built on the meta device."""
     out = []
     for m in (learned.models if learned is not None else []):
         with torch.device("meta"):
@@ -122,8 +121,7 @@ def _fused(model) -> bool:
 
 
 def plan(settings: MemorySettings, algo: AlgoConfig, models, learned) -> List[str]:
-    """Print the resident ``models`` (``model_from_config``'s four) and the memory estimate
-    of ``settings`` (``learned``: the task's reward models, or None); returns the printed lines."""
+    """Print the resident ``models`` and the memory estimate of ``settings``; returns the lines."""
     rms = reward_model_sizes(learned)
     model, critic, _, ref = models
     policy = getattr(model, "policy", model)

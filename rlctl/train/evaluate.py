@@ -1,6 +1,5 @@
 """Held-out evaluation, the one evaluator of the Trainer's ``eval/*`` and of ``rlctl eval``:
-completions (greedy or sampled) scored by a ``RewardScorer``, or episodes. ``evaluate``
-gives sums, ``means`` divides them by ``count`` after the ranks' reduction."""
+``evaluate`` gives sums, ``means`` divides them by ``count`` after the ranks' reduction."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,12 +38,9 @@ def evaluate(model, tokenizer, examples: Sequence[Example], *, scorer=None, play
              batch_size: Optional[int] = None, keep: int = 0, step: int = 0,
              extra: Optional[Extra] = None, on_chunk: Optional[Callable[[int], None]] = None,
              **backend_kwargs) -> Evaluation:
-    """``samples`` completions (with ``player``: episodes, environments seeded ``seed`` + row)
-    of each example, greedy or sampled; the sample table of the first ``keep`` at ``step``.
-    ``on_chunk(n)``: n more examples done; ``backend_kwargs``: e.g. ``synced_gpus``.
-    Sums: exact_match (only with a gold reward), reward (as trained: normalised, clipped),
-    reward_raw (when that shaping applies), length_mean, truncated_frac; episodes:
-    ``EPISODE_KEYS`` (success: ``rlctl.envs.environment.episode_success``)."""
+    """Sums over ``samples`` completions (with ``player``: episodes) of each example, greedy or
+    sampled: exact_match, reward (as trained), reward_raw, length_mean, truncated_frac (episodes:
+    ``EPISODE_KEYS``); the sample table of the first ``keep`` at ``step``."""
     was_training = model.training
     model.eval()
     try:

@@ -1,7 +1,5 @@
-"""The metric schema every algorithm shares (docs/metrics.md), its reduction over ranks,
-and the sample tables handed to the sinks. Values stay detached tensors until one host
-sync at log time; spreads travel as `Moments` pooled over micro-batches, steps and ranks,
-so no split of the batch changes them. Sample tables draw whole groups with their own RNG."""
+"""The metric schema every algorithm shares (docs/metrics.md), its reduction over ranks (one
+host sync at log time; `Moments` pooled exactly), and the sample tables handed to the sinks."""
 from __future__ import annotations
 
 import math
@@ -153,8 +151,7 @@ PER_SEQUENCE = {"kl/seq_k1", "reward/mean", "length/mean", "length/truncated_fra
 
 
 def reduce_metrics(metrics: Dict[str, Metric], backend) -> Dict[str, float]:
-    """Floats averaged over ranks (min/max/sum where the name says so; `Moments` pooled,
-    then finished); one host sync and one collective per reduction kind."""
+    """Floats averaged (min/max/sum by name, `Moments` pooled) over ranks; one sync per kind."""
     keys: List[str] = []
     pooled: List[str] = []
     for k in sorted(metrics):
@@ -219,9 +216,8 @@ def endings(completion_ids: torch.Tensor, mask: torch.Tensor, truncated: Sequenc
 
 def episode_endings(episodes: Sequence[Episode], completion_ids: torch.Tensor, tokenizer,
                     stops: Sequence[int]) -> List[Row]:
-    """finish_reason (the status), stop_id, stop_token of each episode (``completion_ids``
-    [n, T]): the stop id that ended its last model turn, None when a length limit or a stop
-    string did."""
+    """finish_reason, stop_id, stop_token of each episode (``completion_ids`` [n, T]): the stop id
+    that ended its last model turn, None when a length limit or a stop string did."""
     stop_set, out = {int(s) for s in stops}, []
     for e, row in zip(episodes, completion_ids.tolist()):
         last = [s.end - 1 for s in e.spans if s.role == MODEL and s.end > s.start][-1:]
@@ -273,8 +269,7 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
 
 
 def episode_columns(episode: Episode, tool_task: bool) -> Row:
-    """An episode's columns of a sample row (docs/metrics.md): counts, status, success and
-    its turns as {role, text, reward, truncated}."""
+    """An episode's columns of a sample row (docs/metrics.md)."""
     return {"num_turns": episode.turns, "status": episode.status, "success": episode_success(episode),
             "tool_calls": int(episode.tool_calls), "tool_errors": int(episode.tool_errors),
             "env_errors": int(episode.env_errors),

@@ -1,6 +1,5 @@
 """The checks of a training config that need the registries or the built task, run before a
-run directory is made (``rlctl.config.checks.validate`` checks the rest at compose time).
-Failures are one ``ConfigError`` line (exit 2); warnings one line on stderr."""
+run directory is made; failures are one ``ConfigError`` line (exit 2)."""
 from __future__ import annotations
 
 import sys

@@ -1,6 +1,5 @@
-"""`rlctl train`: check the config -> own the run directory (``owned_run``, or ``group_run``
-in a launcher's group) -> build the rank (``rlctl.train.build_run.built_rank``) -> train,
-save and summarize (``finish``; launched ranks do the same). Resuming and ``summary.json`` too."""
+"""`rlctl train`: check the config -> own the run directory (``owned_run``, or ``group_run`` in a
+launcher's group) -> build the rank -> train, save and summarize (``finish``); resuming."""
 from __future__ import annotations
 
 import json
@@ -44,9 +43,8 @@ _KINDS = (("reward", "training", "the policy was trained on all-zero rewards"),
 
 def run_training(overrides: List[str], recipe: Optional[str] = None,
                  resume: Optional[str] = None, composed: Optional[Composed] = None) -> dict:
-    """Train a new run, or continue ``resume`` (a run directory) with its own recipe;
-    ``composed``: the caller's ``compose(overrides, recipe)``. Checked before anything is
-    written. The summary (rank 0; others {})."""
+    """Train a new run, or continue ``resume`` (a run directory) with its own recipe, checked
+    before anything is written; the summary (rank 0; others {})."""
     cfg, composed, built = _checked(overrides, recipe, resume, composed)
     hw = cfg.hardware
     group = launch.from_environment(hw.master_port)
@@ -264,8 +262,7 @@ class ResumeSettings:
 
 
 def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str], world: int) -> None:
-    """Refuse (one line) a resume with nothing to do, written by other than ``world`` ranks,
-    or whose overrides change a shape key."""
+    """Refuse (one line) a resume with nothing to do, of another world size or changing a shape."""
     last = checkpoint.latest_checkpoint(run_dir)
     if last is None:
         raise no_checkpoint(run_dir)
@@ -309,8 +306,7 @@ def newest(run_dir: Path) -> str:
 
 # ---- summary.json --------------------------------------------------------------------------
 def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0)) -> Dict[str, Any]:
-    """summary.json's reward fields from the (calls, errors, timeouts) of training and eval;
-    ``warnings`` names failures."""
+    """summary.json's reward fields from training's and eval's (calls, errors, timeouts)."""
     out: Dict[str, Any] = {}
     warnings: List[str] = []
     for (prefix, what, meaning), (calls, errors, timeouts) in zip(_KINDS, (train, evaluation)):
@@ -330,8 +326,7 @@ def reward_report(train: Sequence[float], evaluation: Sequence[float] = (0, 0, 0
 
 def run_summary(run_dir: Path, result, backend, seconds: float, lora: bool, params: Sequence[int],
                 model_dir: Optional[Path], scorers: Sequence[Any]) -> Dict[str, Any]:
-    """``summary.json`` of ``result`` (``params``: trainable, total; ``scorers``: training
-    and eval). A collective."""
+    """``summary.json`` of ``result``. A collective."""
     trainable, total = params
     summary = {"run_dir": str(run_dir), "steps": result.steps, "train_seconds": result.seconds,
                "setup_seconds": seconds - result.seconds, "tokens_per_s": result.tokens_per_s,

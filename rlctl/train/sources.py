@@ -1,8 +1,5 @@
-"""A run's rollout source from the composed config (``build_source``) and the processes a
-run starts for it: local engine processes (``engine_main``, over a pipe) and `rlctl serve`
-servers on 127.0.0.1 (``LocalServers``). Each child builds the learner's base model, sits in
-its own process group and gets SIGTERM if the learner dies. Episodes, engines and servers
-are imported only where a run chooses them."""
+"""A run's rollout source from the composed config (``build_source``) and the processes it
+starts: local engine processes (``engine_main``) and `rlctl serve` servers (``LocalServers``)."""
 from __future__ import annotations
 
 import importlib
@@ -91,10 +88,8 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
 
 def server_source(rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, cfg_yaml: str,
                   policy, tokenizer, prepared, device, seed: int, stop=None):
-    """``rollout.engine=server``: an ``EngineSource`` on the servers at
-    ``rollout.server.urls``, or on ``rollout.server.num_local`` `rlctl serve` processes of the
-    run's base model (``cfg_yaml``: its resolved config) started here (and stopped when the
-    source closes)."""
+    """``rollout.engine=server``: an ``EngineSource`` on ``rollout.server.urls``, or on
+    ``rollout.server.num_local`` `rlctl serve` processes started here (``cfg_yaml``: their config)."""
     servers = rollout.server
     local = None if servers.urls else LocalServers(cfg_yaml, servers.num_local, stop)
     server_engine = importlib.import_module("rlctl.rollout.engines.server")
@@ -149,8 +144,7 @@ def engine_main(cfg_yaml: str, conn, index: int) -> None:
 
 class LocalProcesses:
     """``n`` spawned children ``target(arg, conn, i)`` that first send ("ready", value) or
-    ("error", one line); ``values`` once all are ready (``stop`` ends the wait). ``what``:
-    how an error names child i (counted from ``first``)."""
+    ("error", one line); ``values`` once all are ready (``stop`` ends the wait)."""
 
     def __init__(self, target, arg, n: int, stop=None, what: str = "rollout server", first: int = 0):
         ctx = mp.get_context("spawn")
@@ -212,8 +206,7 @@ class LocalServers(LocalProcesses):
 
 
 def serve_child(cfg_yaml: str, conn, index: int = 0) -> None:
-    """One server of the learner's base model and stop ids on a free 127.0.0.1 port: sends
-    ("ready", port), serves until terminated."""
+    """One `rlctl serve` of the learner's base model on a free port; sends ("ready", port)."""
     os.setpgrp()
     die_with_parent(mp.parent_process().pid)
     import uvicorn   # heavy, and only a server needs it

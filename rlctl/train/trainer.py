@@ -1,8 +1,5 @@
 """The training loop: rollout -> prepare (old and reference log-probs, advantages) ->
-minibatch updates -> log; registries give the advantage estimator and the policy loss.
-Outcome estimators map one return per completion [B, G] to every token, token-level ones
-(``gae``) per-token rewards and values; ``in_reward`` KL puts -beta * k on each counted
-token and the reward on the last (Ziegler et al., 2019)."""
+minibatch updates -> log; ``in_reward`` KL shapes the rewards (Ziegler et al., 2019)."""
 from __future__ import annotations
 
 import copy
@@ -122,10 +119,8 @@ def needs_old_forward(algo) -> bool:
 
 
 class Trainer:
-    """The loop over one rank's steps. ``algo``, ``trainer``, ``samples`` (logger.samples): the
-    config's sections; ``model``: the policy or a PolicyValueModel; ``prepared``: eval prompts
-    and scorer; ``source``: the rollouts (it samples with ``model``, owns the prompt RNG and
-    the training scorer); ``critic``: a separate value model or None."""
+    """The loop over one rank's steps: ``algo``, ``trainer``, ``samples``: the config's sections;
+    ``model``: the policy or a PolicyValueModel; ``source``: the rollouts; ``critic`` or None."""
 
     def __init__(self, algo: AlgoConfig, trainer: TrainerConfig, update: UpdateSettings,
                  samples: SamplesConfig, model, tokenizer, prepared: Prepared, sink, *,
@@ -157,8 +152,7 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg, model, tokenizer, prepared: Prepared, sink, *, source, critic=None,
                     ref_model=None, backend=None) -> "Trainer":
-        """The Trainer for the composed config ``cfg``: sampling checked, ``backend`` by default
-        torch on ``hardware.device``; prompt sharing goes by the learner's own backend."""
+        """The Trainer for the composed config ``cfg`` (``backend``: default torch)."""
         check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
         backend = backend or TorchBackend(cfg.hardware.device)
         lora, tr = cfg.model.lora, cfg.trainer
@@ -281,10 +275,8 @@ class Trainer:
                           step, "train")
 
     def train(self, run_dir=None, resume_from=None, on_step=None, stop=None) -> TrainResult:
-        """The loop, checkpointing into ``run_dir`` (if set) every ``trainer.checkpoint_every``
-        steps and at the end; ``resume_from``: a checkpoint to continue after. A signal
-        (``stop``) saves and raises ``Interrupted``; ``trainer.max_bad_steps`` skipped steps
-        in a row raise ``TrainingFault``."""
+        """The loop, checkpointing into ``run_dir`` every ``trainer.checkpoint_every`` steps and at
+        the end; a signal saves and raises ``Interrupted``, ``max_bad_steps`` bad steps ``TrainingFault``."""
         tr = self.trainer_cfg
         t_start, tokens, bad_streak = time.perf_counter(), 0.0, 0
         result = TrainResult(steps=tr.steps, seconds=0.0, tokens_per_s=0.0)

@@ -1,11 +1,6 @@
-"""The learner's update (epochs x minibatches of optimizer steps on one rollout) and the
-rollout correction's hooks (``algo.rollout_correction``; math: rlctl.core.rollout_correction).
-
-The policy loss comes from ``POLICY_LOSSES``, the KL term from ``kl_estimate``, the value
-loss from ``value_loss_per_token``, extra terms from ``LOSS_TERMS``; `accumulate_gradients`
-sums them in one line. Gradient accumulation is exact for every aggregation mode: each
-micro-batch adds ``aggregate_sum(...) / agg_denominator(minibatch mask)``. ``mask_truncated``
-(DAPO's overlong filtering, Yu et al., 2025) zeroes the mask of rows with no stop id."""
+"""The learner's update (epochs x minibatches of optimizer steps on one rollout), its loss
+terms summed in `accumulate_gradients`, exact over micro-batches for every aggregation mode;
+``mask_truncated``: DAPO's overlong filtering (Yu et al., 2025)."""
 from __future__ import annotations
 
 import math
@@ -29,9 +24,8 @@ from rlctl.types import RolloutBatch
 
 @dataclass
 class UpdateSettings:
-    """What the update and the advantages take: ``algo`` (the config's section) and what they
-    derive from it, ``trainer`` and ``rollout``: the policy loss and extra terms looked up,
-    the KL estimator resolved for its placement, the rollout correction (None: off)."""
+    """What the update and the advantages take: the config's ``algo``, ``trainer`` and ``rollout``
+    sections and what they derive (losses looked up, the KL estimator, the rollout correction)."""
     algo: AlgoConfig
     policy_loss: Callable
     clip_high: float               # algo.clip_eps_high, else algo.clip_eps
@@ -258,9 +252,8 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
 
 
 def update_mask(batch: RolloutBatch, algo: AlgoConfig) -> torch.Tensor:
-    """The mask [N, T] the loss counts: ``batch.mask``, with ``algo.mask_truncated`` 0 on
-    the truncated rows (a single-turn row with no stop id, an episode whose last model turn
-    a length limit cut)."""
+    """The mask [N, T] the loss counts: ``batch.mask``, with ``algo.mask_truncated`` 0 on the
+    truncated rows."""
     if not algo.mask_truncated:
         return batch.mask
     return batch.mask * (~batch.truncated.bool())[:, None].to(batch.mask.dtype)
@@ -279,8 +272,7 @@ def nothing_trained(values: Dict[str, float]) -> Optional[str]:
 
 
 def old_policy_inputs(batch: RolloutBatch, corr: Optional[RolloutCorrectionConfig]) -> RolloutBatch:
-    """The batch as the old-policy forward sees it: bypass: pi_old := pi_engine; otherwise
-    no old log-probs, so the learner computes pi_old for every row."""
+    """The batch as the old-policy forward sees it (bypass: pi_old := pi_engine)."""
     if corr is None:
         return batch
     if batch.logprobs.engine is None:

@@ -1,5 +1,4 @@
-"""Audit a rollout JSONL file or a run's sample rows: statistics, reward-hacking signs
-(docs/runs.md lists them) and sample completions, as a dict and printed."""
+"""Audit a rollout file or a run's sample rows: statistics, reward-hacking signs (docs/runs.md)."""
 from __future__ import annotations
 
 import json
@@ -77,8 +76,7 @@ def audit_rollout(path: Path, examples: int = 3) -> dict:
 
 
 def audit_samples(samples: List[dict]) -> dict:
-    """The statistics and reward-hacking signs of sample-table rows (train rows: reward,
-    length, finish_reason, group, step, prompt, completion, reward/<name>)."""
+    """The statistics and reward-hacking signs of sample-table rows."""
     rows = Rows()
     for i, r in enumerate(samples):
         designs = {k[len("reward/"):]: v for k, v in r.items() if k.startswith("reward/")}
@@ -101,8 +99,7 @@ def _add_episodes(report: dict, rows: Rows, trunc: List[bool]) -> None:
 
 
 def _statistics(rows: Rows, trunc: List[bool]) -> dict:
-    """The report's statistics, in its key order (groups ... mean_reward_finished); a
-    group is the rows sharing ``group`` (size >= 2)."""
+    """The report's statistics, in its key order; a group: the rows sharing ``group`` (>= 2)."""
     by_group: Dict[object, List[int]] = defaultdict(list)
     for i, g in enumerate(rows.group):
         if g is not None:

@@ -1,6 +1,4 @@
-"""A rollout JSONL file read for the audit in one streaming pass: compact per-row columns,
-the EOS / mask alignment checks and the episodes' tallies applied on the way (unreadable
-lines counted). docs/runs.md lists the checks and signs."""
+"""A rollout JSONL file read for the audit in one streaming pass, checks applied on the way."""
 from __future__ import annotations
 
 import json
@@ -38,8 +36,7 @@ def is_episode(row: dict) -> bool:
 
 
 class Checker:
-    """The alignment checks, applied row by row while streaming; rows without
-    max_new_tokens keep (line, length, truncated), checked against the longest length."""
+    """The alignment checks, applied row by row while streaming."""
 
     def __init__(self):
         self.checks = {c: {"applicable": 0, "violations": 0, "lines": []}
@@ -107,8 +104,7 @@ class Checker:
                                                for v in lps), lineno)
 
     def finish(self, cap_default: int) -> Dict[str, dict]:
-        """Every check's counts; the episode checks only when some row was an episode, and
-        then only the checks some row was checked by."""
+        """Every check's counts (the episode checks only those some row was checked by)."""
         for lineno, length, is_trunc in self.deferred:
             self._cap(lineno, length, is_trunc, cap_default)
         mixed = self.checks["turns_cover_tokens"]["applicable"] > 0     # some rows are episodes

@@ -1,5 +1,4 @@
-"""Training curves as PNG files (matplotlib, Agg backend). A plot is a named set of metric
-series over `step`: series a run did not log are left out, a plot with none is skipped."""
+"""Training curves as PNG files (matplotlib, Agg); series a run did not log are left out."""
 from __future__ import annotations
 
 import math
@@ -70,8 +69,7 @@ def _band(ax, rows, key, color):
 
 def plot_curves(runs: Dict[str, Sequence[dict]], out_dir: Path, plots=PLOTS,
                 compare: bool = False) -> Tuple[List[Path], List[str]]:
-    """(written, skipped): ``inspect_<stem>.png`` with every series of the one run, or with
-    ``compare`` ``inspect_compare_<stem>.png``, each run's first logged series overlaid."""
+    """(written, skipped) ``inspect_<stem>.png`` files of one run, or ``inspect_compare_<stem>.png``."""
     plt = pyplot()
     written, skipped = [], []
     for stem, title, keys in plots:
@@ -126,8 +124,7 @@ KL_KEYS = ("kl/k1", "policy/kl_ref")
 
 
 def plot_proxy_gold(rows: Sequence[dict], proxy_keys: Sequence[str], path: Path):
-    """Proxy (reward-model) and gold reward over steps and against KL(pi||ref): reward
-    over-optimisation. None without a proxy and a gold series."""
+    """Proxy and gold reward over steps and against KL(pi||ref), or None without both."""
     proxies = [k for k in proxy_keys if series(rows, k)[0]]
     golds = [k for k in GOLD_KEYS if series(rows, k)[0]]
     if not proxies or not golds:
@@ -146,8 +143,7 @@ def plot_proxy_gold(rows: Sequence[dict], proxy_keys: Sequence[str], path: Path)
 
 
 def _proxy_gold_axes(ax, rows, proxies, golds, xlabel, x_of, lines: bool) -> None:
-    """Proxy series on the left axis, gold on the right; points only (no lines) when x is
-    a noisy per-step quantity such as the KL."""
+    """Proxy series on the left axis, gold on the right; points only when x is the noisy KL."""
     twin = ax.twinx()
     for i, (axis, keys) in enumerate(((ax, proxies), (twin, golds))):
         for j, key in enumerate(keys):

@@ -1,6 +1,4 @@
-"""`rlctl inspect PATH...`: the PATHs pick the report (runs here, a rollout file: the audit,
---samples: the sample tables), printed and written as --json. One run: config vs defaults,
-metric summary and curves; several: differing keys (key x run), summaries, overlaid curves."""
+"""`rlctl inspect PATH...`: a run's report, runs compared, a rollout's audit or sample tables."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -151,8 +149,7 @@ def inspect_run(path: Path, out_dir: Optional[Path], plots: bool) -> dict:
 
 
 def proxy_keys(config: Dict[str, Any]) -> List[str]:
-    """The metrics of a run's reward-model scores: ``reward/<name>`` (default name
-    ``reward_model``), and ``eval/reward`` when ``task.reward_model`` alone trains."""
+    """The metrics of a run's reward-model scores (``reward/<name>``, or ``eval/reward`` alone)."""
     if config.get("task.reward_model"):
         return ["reward/reward_model", "eval/reward"]
     entries = [e for e in config.get("task.rewards") or [] if isinstance(e, dict) and "model" in e]
@@ -265,8 +262,7 @@ def print_compare(report: dict) -> None:
 
 
 def classify(paths: Sequence[str]) -> tuple:
-    """("runs", [Path]), ("rollout", Path) or ("samples", [Path]) for a run's
-    samples.jsonl; one-line errors for anything else."""
+    """("runs", [Path]), ("rollout", Path) or ("samples", [Path]); one-line errors else."""
     if not paths:
         raise UserError("inspect needs a PATH: a run directory, several run directories, or a "
                         "rollout .jsonl file")

@@ -1,5 +1,4 @@
-"""`rlctl inspect RUN --samples [--step N]`: the sample tables of step N (default: the newest
-train step) and the audit of the train rows (of step N, else of every step)."""
+"""`rlctl inspect RUN --samples [--step N]`: step N's sample tables and the train rows' audit."""
 from __future__ import annotations
 
 import sys
@@ -25,8 +24,7 @@ def _listing(steps: Dict[str, List[int]]) -> str:
 
 
 def samples_report(path: Path, step: Optional[int] = None) -> dict:
-    """The tables of ``path``/samples.jsonl at one step and the audit of its train rows;
-    one-line errors when the run has none, a row lacks its numbers or the step none."""
+    """The tables of ``path``/samples.jsonl at one step and the audit of its train rows."""
     file = path / "samples.jsonl"
     if not file.is_file():
         raise UserError(f"{path} has no samples.jsonl (a run writes one with logger.jsonl=true "

@@ -1,16 +1,8 @@
 """Rollouts from engines (servers, or local engine processes), laid out and scored as the
-learner's batch, and the staleness controller.
-
-Each request draws its rows and one seed from ``prompt_rng``; local engines at max_staleness=0
-take the learner's torch RNG state and hand it back advanced (the synchronous loop bit for
-bit). Versions count learner updates: a rollout is requested ahead (one per idle engine) only
-while it will be at most ``max_staleness`` old when consumed (a stale one's log-probs are its
-``logprobs.old``); an engine gets the weights with its first request, then every ``sync_every``
-updates or when the bound needs them (a LoRA policy: its adapter).
-``LocalEngine``/``serve_engine``: a pipe of pickled tuples ("generate" | "weights", unanswered |
-"play" | "health" | "stop", args...) answered ("ok", value, rng state or None), ("error",
-UserError) or ("failed", line); a child that exits or is silent for ``timeout_s``: ``ActorFailed``.
-"""
+learner's batch, and the staleness controller (docs/engines.md). ``LocalEngine``/``serve_engine``:
+a pipe of pickled tuples ("generate" | "weights" | "play" | "health" | "stop", args...) answered
+("ok", value, rng state or None), ("error", UserError) or ("failed", line); a child that exits
+or is silent for ``timeout_s``: ``ActorFailed``."""
 from __future__ import annotations
 
 import collections
@@ -46,8 +38,7 @@ def staleness_bounds(ahead: AsyncConfig) -> Tuple[int, int]:
 
 
 def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
-    """(tensors, kind) to serve ``policy``: a peft LoRA policy's adapter, else every parameter
-    of the language model; detached CPU copies."""
+    """(tensors, kind) to serve ``policy``: a LoRA adapter or every parameter, as CPU copies."""
     model = policy.policy if isinstance(policy, PolicyValueModel) else policy
     if hasattr(model, "peft_config"):
         base = model.get_base_model()
@@ -62,9 +53,7 @@ def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
 
 
 class EngineSource(SyncSource):
-    """B prompts from ``examples``, G completions each from ``engine`` (or a list of engines,
-    one request each at a time), scored by ``scorer``; ``policy``'s weights are pushed.
-    ``player``: the engines play an episodic task's rows; ``on_close``: called last by ``close``."""
+    """B prompts from ``examples``, G completions each from the engine(s), scored by ``scorer``."""
 
     def __init__(self, engine, policy, tokenizer, examples: Sequence[Example], scorer,
                  rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, seed: int,
@@ -102,11 +91,6 @@ class EngineSource(SyncSource):
             engine.update_weights_from_disk(version, path)
         return time.perf_counter() - t0
 
-    def _needs_push(self, e: int, consumed_at: int) -> bool:
-        pushed = self.pushed[e]
-        return (pushed is None or self.version - pushed >= self.sync_every
-                or pushed < consumed_at - self.max_staleness)
-
     def _fill(self, num_groups: int) -> None:
         """Request ahead while an engine is idle and the next would be at most ``max_staleness``
         old when consumed (k pending: at version + k, +1 once one was taken)."""
@@ -117,8 +101,7 @@ class EngineSource(SyncSource):
             self._request(self.idle.popleft(), num_groups, latest)
 
     def _request(self, e: int, num_groups: int, consumed_at: int) -> None:
-        """Draw the rows and seed here, in order, snapshot the weights if engine ``e`` needs
-        them, and start the request in a worker thread."""
+        """Draw the rows and seed, snapshot the weights if engine ``e`` needs them, start the request."""
         engine, rows = self.engines[e], self.draw(num_groups)
         env_seed = self.prompt_rng.randrange(SEED_RANGE) if self.player is not None else None
         if self.learner_rng:
@@ -126,7 +109,9 @@ class EngineSource(SyncSource):
         else:
             seed = self.prompt_rng.getrandbits(62)
         snap = None
-        if self._needs_push(e, consumed_at):
+        pushed = self.pushed[e]
+        if (pushed is None or self.version - pushed >= self.sync_every
+                or pushed < consumed_at - self.max_staleness):
             tensors, kind = policy_weights(self.policy)
             snap, self.pushed[e] = (self.version, tensors, kind), self.version   # booked now
         examples = [self.examples[i] for i in rows]
@@ -300,8 +285,7 @@ class LocalEngine(Engine):
         self.version = int(version)
 
     def play(self, rows: List[int], env_seed: int, rng: Optional[torch.Tensor]) -> RolloutBatch:
-        """Training rows played as episodes (``rng`` None: the child's own stream); the
-        weights version rides in ``logprobs.staleness``."""
+        """Training rows played as episodes; the weights version rides in ``logprobs.staleness``."""
         batch, self.rng_state = self._call("play", rows, env_seed, rng)
         return batch
 

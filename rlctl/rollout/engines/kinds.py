@@ -1,8 +1,4 @@
-"""Server kinds: what differs between the completions servers ``ServerEngine`` talks to
-(``rlctl serve``, vLLM, SGLang; docs/server-kinds.md): the request and its reply, the probe,
-how weights are pushed. A kind whose replies carry no weights version (vLLM, SGLang) is at
-the version last pushed to it, 0 when first seen or back after being lost.
-"""
+"""Server kinds: what differs between the servers ``ServerEngine`` talks to (docs/server-kinds.md)."""
 from __future__ import annotations
 
 import itertools
@@ -63,8 +59,7 @@ class ServerKind:
 # -- rlctl: our own server (rollout/engines/serve_app.py) ----------------------------------------
 
 def parse_openai(reply: dict, version: int) -> List[Completion]:
-    """An OpenAI completion object with per-choice ``token_ids`` (rlctl serve, vLLM with
-    ``return_token_ids``) -> completions in choice order."""
+    """An OpenAI completion object with per-choice ``token_ids`` -> completions in choice order."""
     choices = sorted(reply["choices"], key=lambda c: c["index"])
     out = []
     for c in choices:
@@ -87,8 +82,7 @@ def _finish(reason) -> str:
 
 
 class RlctlKind(ServerKind):
-    """``rlctl serve``: replies carry ``weights_version``; weights go as safetensors bytes or
-    by path on a shared directory."""
+    """``rlctl serve``: replies carry ``weights_version``; weights go as bytes or by path."""
     name = "rlctl"
     parallel_push = True
 
@@ -212,9 +206,7 @@ def vllm_requests(rows, sampling: Sampling, seed: Optional[int], model: Optional
 
 
 class VLLMKind(ServerKind):
-    """A vLLM OpenAI-compatible server (``vllm serve``). Full weights: ``model.safetensors``
-    rewritten in ``model_dir``, then reloaded; LoRA: a PEFT adapter under ``lora_dir``, named
-    as ``model`` by later requests. ``model``: the served name (default: the first served)."""
+    """A vLLM server (``vllm serve``): full weights reloaded from ``model_dir``, LoRA under ``lora_dir``."""
     name = "vllm"
 
     def __init__(self, model_dir: Optional[str] = None, lora_dir: Optional[str] = None,
@@ -301,9 +293,7 @@ def parse_sglang(reply, version: int) -> List[Completion]:
 
 
 class SGLangKind(ServerKind):
-    """An SGLang server: one ``sampling_params`` per row. Full weights:
-    ``<weights_dir>/rlctl-v<V>/model.safetensors`` (the two newest kept), loaded from disk;
-    LoRA: a PEFT adapter under ``weights_dir``, ``lora_path`` per request."""
+    """An SGLang server: one ``sampling_params`` per row; weights pushed through ``weights_dir``."""
     name = "sglang"
 
     def __init__(self, weights_dir: Optional[str] = None):
@@ -356,8 +346,7 @@ def server_kind(kind) -> ServerKind:
 
 
 def configured_kind(name: str, weight_dir=None, model_dir=None) -> ServerKind:
-    """The adapter of ``rollout.server.kind`` with the run's directories: ``weight_dir``
-    (vllm: LoRA adapters; sglang: every push), ``model_dir`` (vllm: full weights)."""
+    """The adapter of ``rollout.server.kind`` with the run's ``weight_dir`` and ``model_dir``."""
     if name == "vllm":
         return VLLMKind(model_dir=model_dir, lora_dir=weight_dir)
     if name == "sglang":

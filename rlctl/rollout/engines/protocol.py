@@ -1,11 +1,4 @@
-"""The engine protocol (docs/engines.md), the ``torch`` engine, and the weights format.
-
-``generate(prompts [[int]], Sampling, seed) -> [Completion]``: token ids up to and including
-the first stop id, each one's log softmax(logits / temperature) before top-k; temperature 0
-is greedy. Weights are safetensors, their kind in the metadata (``rlctl.kind``): ``full``
-(every named parameter) or ``adapter`` (``M.lora_A`` [r, in], ``M.lora_B`` [out, r], alpha / r
-in B: the weight becomes W0 + B @ A, W0 the weight before the first adapter).
-"""
+"""The engine protocol, the ``torch`` engine and the weights format (docs/engines.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -97,9 +90,8 @@ def check_prompts(prompts, vocab_size: int) -> None:
 
 
 def chunk_seed(seed: Optional[int], index: int) -> Optional[int]:
-    """The seed of the ``index``-th request a batch is split into: ``seed`` itself for the
-    first (a batch sent whole samples as the torch engine does with ``seed``), a hash of
-    (seed, index) for the others, so the result does not depend on which server ran it."""
+    """The seed of a batch's ``index``-th request: ``seed`` for the first, a hash of (seed, index)
+    for the others, so the result does not depend on which server ran it."""
     if seed is None or index == 0:
         return seed
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
@@ -131,7 +123,7 @@ class TorchEngine(Engine):
 
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
                        kind: str = "full") -> None:
-        """Full weights or a LoRA adapter's tensors (module docstring)."""
+        """Full weights or a LoRA adapter's tensors (docs/engines.md)."""
         with _GENERATION:
             if kind == "full":
                 load_full(self.model, tensors)
@@ -184,8 +176,7 @@ def completions(new: torch.Tensor, logp: torch.Tensor, stops: Sequence[int],
 
 @contextlib.contextmanager
 def _seeded(seed: Optional[int], device: torch.device):
-    """Within: the global RNG seeded with ``seed``, an int or a CPU RNG state (nothing
-    changed for None); the state before is restored after."""
+    """Within: the global RNG seeded with ``seed`` (an int or a CPU RNG state), restored after."""
     if seed is None:
         yield
         return
@@ -217,8 +208,7 @@ def from_bytes(data: bytes) -> Tuple[Dict[str, torch.Tensor], str]:
 
 
 def read_dir(path: str) -> Tuple[Dict[str, torch.Tensor], str]:
-    """A ``.safetensors`` file or a directory of them -> (tensors, kind); all files of a
-    directory must be of one kind."""
+    """A ``.safetensors`` file or a directory of them (all of one kind) -> (tensors, kind)."""
     p = Path(path)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     if not p.exists() or not files:
@@ -260,9 +250,7 @@ def claim_version(root, name: str) -> Path:
 
 
 def prune_versions(root, prefix: str, version: int) -> None:
-    """Removes the ``root``/<prefix><n> directories rlctl wrote (the manifest's) of pushes
-    older than the one before ``version`` (every server has loaded a newer one; the one
-    before may still be read). Nothing else in ``root`` is touched."""
+    """Removes the directories rlctl wrote of pushes older than the one before ``version``."""
     root, written = Path(root), _written(Path(root))
     old = [n for n in written if n.startswith(prefix) and n[len(prefix):].isdigit()
            and int(n[len(prefix):]) < version - 1]
@@ -280,8 +268,7 @@ def _checked_kind(kind: str) -> str:
 
 @torch.no_grad()
 def load_full(model, tensors: Dict[str, torch.Tensor]) -> None:
-    """Copy every parameter from ``tensors``; nothing is changed when any name is
-    missing, unknown or of the wrong shape."""
+    """Copy every parameter from ``tensors``; nothing changes when any name or shape is off."""
     params = dict(model.named_parameters())
     unknown = sorted(set(tensors) - set(params))
     missing = sorted(set(params) - set(tensors))
@@ -299,8 +286,7 @@ def load_full(model, tensors: Dict[str, torch.Tensor]) -> None:
 
 @torch.no_grad()
 def load_adapter(model, tensors: Dict[str, torch.Tensor], base: Dict[str, torch.Tensor]) -> None:
-    """Merge an adapter (module docstring) onto the weights in ``base`` (filled here with
-    a copy of each adapted weight on its first adapter)."""
+    """Merge an adapter onto the weights in ``base`` (W0 + B @ A, W0 kept in ``base``)."""
     modules = dict(model.named_modules())
     pairs = {}
     for key in tensors:

@@ -1,9 +1,4 @@
-"""An engine behind an OpenAI-compatible server (FastAPI; ``rlctl serve``; docs/engines.md
-has the routes and fields): completions of text or token-id prompts, chat completions through
-the tokenizer's chat template, every choice with its token ids and log-probs. Bad input is a
-400 (409: a weights version older than the served one; unknown routes 404) with OpenAI's error
-body; requests are served one at a time.
-"""
+"""An engine behind an OpenAI-compatible server (FastAPI; ``rlctl serve``; docs/engines.md)."""
 from __future__ import annotations
 
 import time
@@ -38,9 +33,8 @@ def _error(code: int, message: str) -> JSONResponse:
 
 
 def build_app(engine: TorchEngine, model_name: str, default_stops=(), tokenizer=None) -> FastAPI:
-    """``model_name``: the one model id served. ``default_stops``: added to a request's
-    ``stop_token_ids`` unless it sets ``ignore_eos`` (as vLLM stops at EOS). ``tokenizer``:
-    encodes text prompts and chat messages, decodes each choice's ``text``."""
+    """``model_name``: the one model id served; ``default_stops``: added to a request's
+    ``stop_token_ids`` unless it sets ``ignore_eos``; ``tokenizer``: encodes prompts, decodes text."""
     app = FastAPI(title="rlctl serve", docs_url=None, redoc_url=None)
     stops = tuple(default_stops)
 
@@ -137,8 +131,7 @@ def _known(body: Dict[str, Any], fields) -> None:
 
 
 def prompt_ids(prompt, tokenizer) -> List[List[int]]:
-    """A completion ``prompt`` (text, token ids, or a list of either) -> token-id prompts;
-    text is encoded as the learner encodes prompts (the tokenizer's special tokens added)."""
+    """A completion ``prompt`` (text, ids, or a list of either) -> token-id prompts, as the learner's."""
     one = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and _is_id(prompt[0]))
     items = [prompt] if one else prompt
     if not isinstance(items, list) or not items:
@@ -158,8 +151,7 @@ def prompt_ids(prompt, tokenizer) -> List[List[int]]:
 
 
 def chat_ids(messages, tokenizer) -> List[int]:
-    """OpenAI chat ``messages`` -> one prompt's token ids: the chat template with the assistant
-    header (add_generation_prompt), encoded as the learner encodes chat prompts."""
+    """OpenAI chat ``messages`` -> token ids through the chat template, as the learner encodes them."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise UserError("POST /v1/chat/completions needs a tokenizer with a chat template; this "
                         "model's tokenizer has none (use POST /v1/completions with a text prompt)")
@@ -236,8 +228,7 @@ def _sampling(body: Dict[str, Any], default_stops):
 
 def completion_response(outs, model_name: str, want_logprobs: bool, prompts,
                         tokenizer=None, chat: bool = False) -> Dict[str, Any]:
-    """The OpenAI completion (``chat``: chat completion) object with vLLM's token-id fields;
-    text is decoded without special tokens, as vLLM decodes it."""
+    """The OpenAI (chat) completion object with vLLM's token-id fields and text decoding."""
     choices: List[Dict[str, Any]] = []
     for i, c in enumerate(outs):
         text = tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer is not None else ""

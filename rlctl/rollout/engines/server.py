@@ -1,11 +1,4 @@
-"""The ``server`` engine: a client of completions servers of one kind (kinds.py), over
-standard library HTTP. Requests of ``chunk_size`` prompts (request j seeded ``chunk_seed(seed,
-j)``) are taken by one thread per usable server, so the tokens do not depend on the servers;
-a lost server (no connection, timeout, 5xx) is named in one line, its requests go to the
-others, and it is probed again every ``recheck_s``; a 4xx is a UserError. Weights go to every
-server that is up (the last push again to one that comes back); a server serves only while at
-most ``max_staleness`` versions behind, one whose version went back gets the newest push first.
-"""
+"""The ``server`` engine: a client of completions servers of one kind (docs/engines.md)."""
 from __future__ import annotations
 
 import json
@@ -133,8 +126,7 @@ class ServerEngine(Engine):
         self.say(f"rollout server {s.url} lost ({exc}); its requests go to the other {others}")
 
     def _recheck(self, force: bool = False) -> None:
-        """Probe lost servers (every ``recheck_s``); send the newest weights to each one back
-        and to any whose weights are too old to be used."""
+        """Probe lost servers (every ``recheck_s``); push the newest weights to those back or stale."""
         now = time.monotonic()
         for s in self.servers:
             if self._usable(s) or (not s.up and not force and now - s.lost_at < self.recheck_s):

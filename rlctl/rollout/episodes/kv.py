@@ -1,10 +1,6 @@
 """An episode's next model turn: ``turn_sampler(model, pad, kv_reuse)`` -> ``(keys, contexts,
-max_new, temperature, top_k, stops) -> (ids, behaviour log-probs)``. ``Recompute`` runs each
-whole context every turn. ``CachedTurns`` keeps each episode's (``keys``) cache rows and runs
-only the tokens they lack: the longest shared prefix is reused, other columns become gaps (mask
-0, positions the mask's cumsum), the same logits up to rounding; a model whose cache would see
-the gaps (``gaps_unsupported``) recomputes.
-"""
+max_new, temperature, top_k, stops) -> (ids, behaviour log-probs)``; ``Recompute`` or
+``CachedTurns`` (each episode's cache rows kept, gaps masked; docs/agents.md)."""
 from __future__ import annotations
 
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple

@@ -1,15 +1,6 @@
-"""The episode loop: B examples x G episodes played with the policy, as one RolloutBatch.
-
-Each episode gets a fresh environment, reset with its row and its group's seed; turn by turn
-the active episodes are sampled (``episodes.kv``) up to ``min(max_new_tokens, budget left,
-context)`` tokens, ending at a stop id or a step's ``info["stop"]`` string, and the turns step
-the environments concurrently (``run_calls``: every environment call, ``close`` included, has
-the step time limit; a raise, a timeout or a malformed ``Step`` is counted, its kind said once,
-and a failed step is the observation ``error``). An episode ends at ``done``, ``max_turns``,
-its token budget or the context. The batch: first observation left-padded to P, transcript
-right-padded to T, ``mask`` 1 on model tokens, rewards placed by ``rollout.episode.turn_reward``
-(``core.turns``).
-"""
+"""The episode loop (docs/agents.md): B examples x G episodes played with the policy, as one
+RolloutBatch: first observation left-padded to P, transcript right-padded to T, ``mask`` 1 on
+model tokens, rewards placed by ``rollout.episode.turn_reward`` (``core.turns``)."""
 from __future__ import annotations
 
 import contextlib
@@ -44,9 +35,7 @@ _SAID: Set[Tuple[str, str, str]] = set()     # (environment, call, kind) already
 
 
 class EpisodePlayer:
-    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch,
-    turns sampled as ``rollout`` says, ``rollout.episode`` the rules; ``stops``: the resolved
-    stop ids. ``reset`` gets the row with its prompt as the task wrote it."""
+    """Plays a task's rows as episodes: ``play(model, examples, seed)`` -> RolloutBatch."""
 
     def __init__(self, tokenizer, task, rollout: RolloutConfig, group_size: int,
                  stops: Sequence[int]):
@@ -58,8 +47,7 @@ class EpisodePlayer:
 
     @functools.cached_property
     def tool_task(self) -> bool:
-        """Whether the task's environment offers tools (a fresh one asked once, then closed;
-        both calls under the step time limit, a failure: False)."""
+        """Whether the task's environment offers tools (a fresh one asked once; a failure: False)."""
         out = run_calls([self.task.make_env], self.episode.step_timeout_s, 1)[0]
         if not out.ok:
             return False
@@ -70,8 +58,7 @@ class EpisodePlayer:
 
     def play(self, model, examples: Sequence[Example], seed: int, greedy: bool = False,
              group_size: Optional[int] = None) -> RolloutBatch:
-        """G episodes of each example (``group_size``, default the player's), played with
-        ``model``; ``greedy``: the most likely token each time (eval)."""
+        """G episodes of each example played with ``model``; ``greedy`` for eval."""
         if isinstance(model, PolicyValueModel):     # sample from the LM alone
             model = model.policy
         ep, G = self.episode, group_size or self.group_size
@@ -326,8 +313,7 @@ def _checked(r: EpisodeRun, check: Callable[[Any], Any], value, default):
 
 
 class EpisodeSource(SyncSource):
-    """LocalSource's multi-turn twin: B rows x G episodes per ``sample``, played with ``policy``;
-    the environments' seed drawn after the rows. Rewards are the environments'."""
+    """LocalSource's multi-turn twin: B rows x G episodes per ``sample``, played with ``policy``."""
 
     def __init__(self, policy, tokenizer, prepared, rollout: RolloutConfig, group_size: int,
                  seed: int):
@@ -338,13 +324,9 @@ class EpisodeSource(SyncSource):
         self.player = EpisodePlayer(tokenizer, prepared.task, rollout, group_size, self.stops)
         self.scorer = prepared.scorer(timeout_s=0)     # counters only: rewards are the env's
 
-    def draw_seed(self) -> int:
-        """The environments' seed of the next batch (drawn after its rows)."""
-        return self.prompt_rng.randrange(SEED_RANGE)
-
     def sample(self, num_groups: int) -> RolloutBatch:
         examples = [self.examples[i] for i in self.draw(num_groups)]
-        return self.player.play(self.policy, examples, self.draw_seed())
+        return self.player.play(self.policy, examples, self.prompt_rng.randrange(SEED_RANGE))
 
 
 @dataclass

@@ -1,12 +1,4 @@
-"""The text side of an episode: observations to tokens, and where a turn stops.
-
-Model turns stay the sampled ids; each observation is tokenized once (no special tokens) and
-appended. Chat: the first observation is the rendered user message, a later one a ``tool``
-message if the template renders one, else ``user``: the template's text beyond the context's
-(else the message rendered alone, said once). Observations past ``max_obs_tokens`` are cut,
-first by characters (``CHARS_PER_TOKEN`` per token, so a huge one is never tokenized whole),
-then by tokens; text that is not valid UTF-8 (a lone surrogate) is repaired on the way in.
-"""
+"""The text side of an episode: observations to tokens, and where a turn stops."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -70,8 +62,7 @@ class EpisodeText:
         return self._encode(self._alone(messages[-1])), cut, text
 
     def _observation_role(self) -> str:
-        """``tool`` when the template mentions tools and renders a tool message's content,
-        else ``user`` (Gemma's prints any role name; others refuse or drop it)."""
+        """``tool`` when the template renders a tool message's content, else ``user``."""
         if "tool" not in str(getattr(self.tok, "chat_template", "") or ""):
             return "user"
         marker = "rlctl-observation-probe"
