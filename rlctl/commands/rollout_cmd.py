@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from rlctl.commands.targets import held_out_scorer, learned_names, open_target, task_scores
+from rlctl.commands.targets import held_out_scorer, open_target, reward_parts
 from rlctl.envs.environment import episode_success, is_episodic
 from rlctl.errors import UserError
 from rlctl.models.forward import learner_forward
@@ -101,7 +101,7 @@ def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_n
     def score(rows, texts):        # keep the exact totals (the batch holds float32)
         totals[:] = scorer.score_batch(rows, texts)
         return totals
-    models, stops, max_new = learned_names(scorer), tuple(stop_ids(model, tokenizer)), int(ro.max_new_tokens)
+    stops, max_new = tuple(stop_ids(model, tokenizer)), int(ro.max_new_tokens)
     batch = rollout(model, tokenizer, chunk, g, max_new, float(ro.temperature), int(ro.get("top_k", 0) or 0),
                     score, stops=stops)
     per_row = [chunk[i // g] for i in range(len(totals))]
@@ -124,13 +124,12 @@ def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_n
                "ended_with_eos": bool(tok and tok[-1] in stops and not trunc),
                "truncated": trunc, "max_new_tokens": max_new, "eos_token_id": int(tokenizer.eos_token_id),
                "stop_token_ids": list(stops), "reward": float(totals[i]),  # exact, not float32
-               "rewards": task_scores(task, ex, text, reward_name, totals[i]),
+               "rewards": reward_parts(task, scorer, i, ex, text, reward_name, float(totals[i])),
                "correct": bool(oks[i])}
         if scorer.shapes:
             row["reward_raw"] = float(scorer.last_raw_totals[i])
         if not scorer.has_gold:          # reward models alone: no gold, no correctness
-            row["correct"], row["rewards"] = None, {}
-        row["rewards"].update({k: float(scorer.last_components[k][i]) for k in models})
+            row["correct"] = None
         rows.append(row)
     return rows
 
