@@ -65,21 +65,18 @@ def reward_specs(overrides: List[str]) -> List[str]:
     rejects unquoted (``~/r.py:fn``) quoted, a lone ``task.rewards=r.py:fn`` a list."""
     parser, out = OverridesParser.create(), []
     for o in overrides:
-        key, eq, value = o.partition("=")
-        if not eq or key.lstrip("+~") not in REWARD_KEYS or "{" in value:
-            out.append(o)
-            continue
-        listed = value.startswith("[") and value.endswith("]")
-        items = [v.strip() for v in (value[1:-1].split(",") if listed else [value])]
-        for text in (o, f"{key}=[{','.join(map(_quoted, items))}]" if listed else
-                     f"{key}={_quoted(value)}"):
-            try:
-                parsed = parser.parse_override(text).value()
-            except Exception:  # noqa: BLE001 - Hydra's grammar errors: explain() names them
-                continue
-            o = f"{key}=[{_quoted(parsed)}]" if key.lstrip("+~") == "task.rewards" \
-                and isinstance(parsed, str) else text
-            break
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") in REWARD_KEYS and "{" not in value:
+            quoted = f"[{','.join(_quoted(v.strip()) for v in value[1:-1].split(','))}]" \
+                if value[:1] + value[-1:] == "[]" else _quoted(value)
+            for text in (o, f"{key}={quoted}"):
+                try:
+                    parsed = parser.parse_override(text).value()
+                except Exception:  # noqa: BLE001 - Hydra's grammar errors: explain() names them
+                    continue
+                o = f"{key}=[{_quoted(parsed)}]" if key.lstrip("+~") == "task.rewards" \
+                    and isinstance(parsed, str) else text
+                break
         out.append(o)
     return out
 
@@ -209,7 +206,8 @@ class Composed:
 
 def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Composed:
     """The composed (unresolved) config, validated. Raises ConfigError."""
-    given, loaded = rename_deprecated(reward_specs(list(overrides)), load_recipe(recipe) if recipe is not None else None)
+    given, loaded = rename_deprecated(reward_specs(list(overrides)),
+                                      load_recipe(recipe) if recipe is not None else None)
     overrides = given
     register_schemas()
     if recipe is not None:
