@@ -60,7 +60,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
               soft_wrap=True)
     torch.manual_seed(cfg.seed)
     rows = truncated = 0
-    reward_sum = 0.0
+    reward_sum, part_sums = 0.0, {}
     scorer, saved = held_out_scorer(prepared, target)
     if saved is not None:
         err.print(saved.note, soft_wrap=True)
@@ -77,17 +77,21 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                 rows += 1
                 truncated += row["truncated"]
                 reward_sum += row["reward"]
+                for k, v in row.get("rewards", {}).items():
+                    part_sums[f"reward/{k}"] = part_sums.get(f"reward/{k}", 0.0) + v
             fh.write("\n".join(json.dumps(row, allow_nan=False) for row in lines) + "\n")
             fh.flush()
             bar.advance(job, len(chunk))
     summary = {"path": str(path), "rows": rows, "prompts": n_prompts, "samples": group,
                "split": split, "truncated_frac": truncated / max(rows, 1),
                "reward_mean": reward_sum / max(rows, 1),
+               "rewards": {k: v / max(rows, 1) for k, v in sorted(part_sums.items())},
                "seconds": round(time.perf_counter() - t0, 3)}
     if not quiet:
         what = "episodes" if player is not None else "completions"
         print(f"wrote {rows} {what} ({n_prompts} prompts x {group}) to {path}; "
-              f"reward/mean {summary['reward_mean']:.4f}, truncated "
+              f"reward/mean {summary['reward_mean']:.4f}, "
+              + "".join(f"{k} {v:.4f}, " for k, v in summary["rewards"].items()) + "truncated "
               f"{summary['truncated_frac']:.3f}, {summary['seconds']:.1f}s")
     return summary
 

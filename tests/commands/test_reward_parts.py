@@ -37,3 +37,4 @@ def test_rollout_rows_hold_each_reward_function(cli, tmp_path, two_rewards):
     for r in rows:
         assert set(r["rewards"]) == {"right", "fmt"} and r["rewards"]["fmt"] == 0.25
         assert r["reward"] == r["rewards"]["right"]
+    assert "reward/fmt 0.2500" in res.stdout and "reward/right" in res.stdout   # the summary
