@@ -15,7 +15,7 @@ from rich.table import Table
 
 from rlctl.commands.files import write_json
 from rlctl.commands.targets import (held_out_scorer, learned_names, open_target, reward_label,
-                                   task_scores)
+                                   reward_parts)
 from rlctl.envs.environment import is_episodic
 from rlctl.errors import UserError
 from rlctl.train.evaluate import EPISODE_KEYS, evaluate, means
@@ -57,17 +57,14 @@ def report_ks(n: int) -> List[int]:
 
 
 def _extras(task, scorer, cfg):
-    """The chunk's sums of every reward design, each reward model's raw score and well_formed."""
+    """The chunk's sums of every named reward (``reward_parts``) and well_formed."""
     name, well_formed = str(cfg.task.get("reward", None) or "reward"), getattr(task, "is_well_formed", None)
 
     def extra(rows, texts, rewards):
         sums = defaultdict(float)
         for i, (ex, text) in enumerate(zip(rows, texts)):
-            for model in learned_names(scorer):                # each model's raw score
-                sums[f"reward/{model}"] += scorer.last_components[model][i]
-            designs = task_scores(task, ex, text, name, rewards[i]) if scorer.has_gold else {}
-            for design, value in designs.items():
-                sums[f"reward/{design}"] += value
+            for k, value in reward_parts(task, scorer, i, ex, text, name, rewards[i]).items():
+                sums[f"reward/{k}"] += value
             if callable(well_formed):
                 sums["well_formed"] += bool(well_formed(ex, text))
         return sums

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from rlctl.commands.targets import held_out_scorer, learned_names, open_target, task_scores
+from rlctl.commands.targets import held_out_scorer, open_target, reward_parts
 from rlctl.envs.environment import episode_success, is_episodic
 from rlctl.errors import UserError
 from rlctl.models.forward import learner_forward
@@ -59,7 +59,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
               soft_wrap=True)
     torch.manual_seed(cfg.seed)
     rows = truncated = 0
-    reward_sum = 0.0
+    reward_sum, part_sums = 0.0, {}
     scorer, saved = held_out_scorer(prepared, target)
     if saved is not None:
         err.print(saved.note, soft_wrap=True)
@@ -76,17 +76,21 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
                 rows += 1
                 truncated += row["truncated"]
                 reward_sum += row["reward"]
+                for k, v in row.get("rewards", {}).items():
+                    part_sums[f"reward/{k}"] = part_sums.get(f"reward/{k}", 0.0) + v
             fh.write("\n".join(json.dumps(row, allow_nan=False) for row in lines) + "\n")
             fh.flush()
             bar.advance(job, len(chunk))
     summary = {"path": str(path), "rows": rows, "prompts": n_prompts, "samples": group,
                "split": split, "truncated_frac": truncated / max(rows, 1),
                "reward_mean": reward_sum / max(rows, 1),
+               "rewards": {k: v / max(rows, 1) for k, v in sorted(part_sums.items())},
                "seconds": round(time.perf_counter() - t0, 3)}
     if not quiet:
         what = "episodes" if player is not None else "completions"
         print(f"wrote {rows} {what} ({n_prompts} prompts x {group}) to {path}; "
-              f"reward/mean {summary['reward_mean']:.4f}, truncated "
+              f"reward/mean {summary['reward_mean']:.4f}, "
+              + "".join(f"{k} {v:.4f}, " for k, v in summary["rewards"].items()) + "truncated "
               f"{summary['truncated_frac']:.3f}, {summary['seconds']:.1f}s")
     return summary
 
@@ -99,7 +103,7 @@ def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_n
     def score(rows, texts):        # keep the exact totals (the batch holds float32)
         totals[:] = scorer.score_batch(rows, texts)
         return totals
-    models, stops, max_new = learned_names(scorer), tuple(stop_ids(model, tokenizer)), int(ro.max_new_tokens)
+    stops, max_new = tuple(stop_ids(model, tokenizer)), int(ro.max_new_tokens)
     batch = rollout(model, tokenizer, chunk, g, max_new, float(ro.temperature), int(ro.get("top_k", 0) or 0),
                     score, stops=stops)
     per_row = [chunk[i // g] for i in range(len(totals))]
@@ -122,13 +126,12 @@ def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_n
                "ended_with_eos": bool(tok and tok[-1] in stops and not trunc),
                "truncated": trunc, "max_new_tokens": max_new, "eos_token_id": int(tokenizer.eos_token_id),
                "stop_token_ids": list(stops), "reward": float(totals[i]),  # exact, not float32
-               "rewards": task_scores(task, ex, text, reward_name, totals[i]),
+               "rewards": reward_parts(task, scorer, i, ex, text, reward_name, float(totals[i])),
                "correct": bool(oks[i])}
         if scorer.shapes:
             row["reward_raw"] = float(scorer.last_raw_totals[i])
         if not scorer.has_gold:          # reward models alone: no gold, no correctness
-            row["correct"], row["rewards"] = None, {}
-        row["rewards"].update({k: float(scorer.last_components[k][i]) for k in models})
+            row["correct"] = None
         rows.append(row)
     return rows
 

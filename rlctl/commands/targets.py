@@ -133,13 +133,18 @@ def _load_adapter(adapter_dir: Path, dtype: str, device: str):
     return model, tok, f"{adapter_dir} (LoRA on {base_name}, merged)"
 
 
-def task_scores(task, example, completion: str, reward_name: str, reward: float) -> dict:
-    """Every reward design of the task ({design: value}); a generic task: its ``reward``
-    (the scorer's total: user code is not run again outside the scorer's time limit)."""
+def reward_parts(task, scorer, i: int, example, completion: str, reward_name: str,
+                 total: float) -> dict:
+    """Sample ``i`` of the scorer's last batch: each named reward as training logs it
+    (reward/<name>: each reward function, design, reward model's raw score), with every
+    design of a task's ``score_all``; a task without names: its total under ``reward_name``."""
+    parts = {k: float(v[i]) for k, v in scorer.last_components.items()}
+    if not scorer.has_gold:               # reward models alone
+        return parts
     score_all = getattr(task, "score_all", None)
-    if callable(score_all):
-        return {k: float(v) for k, v in score_all(example, completion).items()}
-    return {reward_name: float(reward)}
+    designs = score_all(example, completion) if callable(score_all) else \
+        {} if parts else {reward_name: total}
+    return {**{k: float(v) for k, v in designs.items()}, **parts}
 
 
 def learned_names(scorer) -> List[str]:

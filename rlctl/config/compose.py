@@ -51,6 +51,34 @@ def rename_deprecated(overrides: List[str], recipe: Optional[Dict] = None, strea
     return out, recipe
 
 
+REWARD_KEYS = ("task.rewards", "task.reward_fn")   # values are path/file.py:fn specs
+
+
+def _quoted(text: str) -> str:
+    return f'"{text}"' if '"' not in text else f"'{text}'"
+
+
+def reward_specs(overrides: List[str]) -> List[str]:
+    """The reward overrides as Hydra and the schema take them: a spec Hydra's grammar
+    rejects unquoted (``~/r.py:fn``) quoted, a lone ``task.rewards=r.py:fn`` a list."""
+    parser, out = OverridesParser.create(), []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") in REWARD_KEYS and "{" not in value:
+            quoted = f"[{','.join(_quoted(v.strip()) for v in value[1:-1].split(','))}]" \
+                if value[:1] + value[-1:] == "[]" else _quoted(value)
+            for text in (o, f"{key}={quoted}"):
+                try:
+                    parsed = parser.parse_override(text).value()
+                except Exception:  # noqa: BLE001 - Hydra's grammar errors: explain() names them
+                    continue
+                o = f"{key}=[{_quoted(parsed)}]" if key.lstrip("+~") == "task.rewards" \
+                    and isinstance(parsed, str) else text
+                break
+        out.append(o)
+    return out
+
+
 # the phrases of Hydra's override grammar errors (from its ANTLR parser)
 GRAMMAR_ERRORS = ("mismatched input", "no viable alternative", "extraneous input", "missing EQUAL",
                   "token recognition error")
@@ -176,7 +204,8 @@ class Composed:
 
 def compose(overrides: Sequence[str] = (), recipe: Optional[str] = None) -> Composed:
     """The composed (unresolved) config, validated. Raises ConfigError."""
-    given, loaded = rename_deprecated(list(overrides), load_recipe(recipe) if recipe is not None else None)
+    given, loaded = rename_deprecated(reward_specs(list(overrides)),
+                                      load_recipe(recipe) if recipe is not None else None)
     overrides = given
     register_schemas()
     if recipe is not None:

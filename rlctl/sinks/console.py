@@ -178,7 +178,10 @@ def sample_table(rows: Sequence[Mapping[str, Any]], step: int, table: str, width
     columns = table_columns(rows)
     if "step" in columns and all(row.get("step") == step for row in rows):
         columns.remove("step")
-    cells = {key: [_one_line(row.get(key)) for row in rows] for key in columns}
+    if "user_prompt" in columns:       # the user's text, not the chat template's header
+        columns.remove("user_prompt")
+    cells = {key: [_one_line(row.get("user_prompt", row.get(key)) if key == "prompt"
+                             else row.get(key)) for row in rows] for key in columns}
     widths = {key: max(max(len(c) for c in cells[key]),
                        min(max(len(p) for p in HEADER_PARTS.findall(key) or [key]), SHORT), 1)
               for key in columns}

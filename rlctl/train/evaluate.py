@@ -9,7 +9,8 @@ import torch
 
 from rlctl.core.logprobs import completion_mask
 from rlctl.envs.environment import episode_success
-from rlctl.train.metrics import Row, endings, episode_columns, episode_endings, eval_rows
+from rlctl.train.metrics import (Row, endings, episode_columns, episode_endings, eval_rows,
+                                 user_prompts)
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import decode_completions, generate
 from rlctl.types import Example
@@ -87,7 +88,8 @@ def _completions(model, tokenizer, scorer, examples, max_new_tokens, greedy, sam
             k = min(keep - len(ev.rows), len(chunk))
             ev.rows += eval_rows(step, [e.prompt for e in chunk[:k]], texts[:k], rewards[:k],
                                  correct[:k] if scorer.has_gold else None, mask[:k],
-                                 endings(seqs[:k, plen:], mask[:k], trunc[:k].tolist(), tokenizer))
+                                 endings(seqs[:k, plen:], mask[:k], trunc[:k].tolist(), tokenizer),
+                                 user_prompts(chunk[:k]))
         s["reward"] += float(sum(rewards))
         s["reward_raw"] += float(sum(scorer.last_raw_totals))
         s["length_mean"] += mask.sum().item()

@@ -12,6 +12,7 @@ import torch
 from rlctl.core import counted_width, masked_mean
 from rlctl.envs.environment import episode_success
 from rlctl.models.stop_ids import decode_completions
+from rlctl.tasks.task import RAW_PROMPT
 from rlctl.types import MODEL, TOKEN_LIMIT, TURN_LIMIT, Episode, RolloutBatch
 
 Row = Dict[str, Any]
@@ -234,9 +235,24 @@ def sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> List[fl
     return (total / m.sum(-1).clamp(min=1)).tolist()
 
 
+def user_prompts(examples) -> Dict[str, str]:
+    """{rendered prompt: the user's text} of the examples the chat template (or truncation)
+    changed: the prompt as written, of a message list its last user message."""
+    out = {}
+    for ex in examples:
+        raw = ex.fields.get(RAW_PROMPT, ex.prompt)
+        if isinstance(raw, list):
+            raw = next((m.get("content") for m in reversed(raw) if m.get("role") == "user"),
+                       " ".join(str(m.get("content", "")) for m in raw))
+        if raw != ex.prompt:
+            out[ex.prompt] = str(raw)
+    return out
+
+
 def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.Tensor,
                tokenizer, stops: Sequence[int], tool_task: bool = False,
-               counted: Optional[torch.Tensor] = None) -> List[Row]:
+               counted: Optional[torch.Tensor] = None, users: Optional[Dict[str, str]] = None
+               ) -> List[Row]:
     """The table of ``rows`` of ``batch``; ``rewards`` [N]: what the advantages received;
     ``counted`` [N, T]: the update's mask (None: ``batch.mask``), a row it left out shows 0."""
     idx = torch.tensor(rows, dtype=torch.long, device=batch.mask.device)
@@ -258,7 +274,7 @@ def train_rows(batch: RolloutBatch, rows: List[int], step: int, rewards: torch.T
             rows, batch.group_ids[idx].tolist(), rewards[idx].tolist(),
             mask.sum(-1).long().tolist())):
         row: Row = {"step": step, "group": groups, "prompt": batch.prompts[i],
-                    "completion": texts[j]}
+                    **_user(batch.prompts[i], users), "completion": texts[j]}
         row.update({f"reward/{k}": float(parts[k][i]) for k in sorted(parts)})
         row.update({"reward": reward, "advantage": advantages[j], "length": length, **ends[j],
                     "policy_version": step - 1 - int(stale[j])})
@@ -279,13 +295,19 @@ def episode_columns(episode: Episode, tool_task: bool) -> Row:
                        "truncated": bool(s.truncated)} for s in episode.spans]}
 
 
+def _user(prompt: str, users: Optional[Dict[str, str]]) -> Row:
+    """The user_prompt column (the console shows it in the prompt column), when it differs."""
+    return {"user_prompt": users[prompt]} if users and prompt in users else {}
+
+
 def eval_rows(step: int, prompts: Sequence[str], texts: Sequence[str], rewards: Sequence[float],
-              correct: Optional[Sequence[bool]], mask: torch.Tensor, ends: Sequence[Row]) -> List[Row]:
+              correct: Optional[Sequence[bool]], mask: torch.Tensor, ends: Sequence[Row],
+              users: Optional[Dict[str, str]] = None) -> List[Row]:
     """The eval table's rows (``correct`` None: no exact_match column); ``mask`` [n, T]."""
     out = []
     for j, length in enumerate(mask.sum(-1).long().tolist()):
-        row: Row = {"step": step, "prompt": prompts[j], "completion": texts[j],
-                    "reward": float(rewards[j])}
+        row: Row = {"step": step, "prompt": prompts[j], **_user(prompts[j], users),
+                    "completion": texts[j], "reward": float(rewards[j])}
         if correct is not None:
             row["exact_match"] = float(correct[j])
         row.update({"length": length, **ends[j], "policy_version": step})

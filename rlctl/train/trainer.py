@@ -17,7 +17,7 @@ from rlctl.errors import Interrupted, TrainingFault
 from rlctl.train.evaluate import evaluate, means
 from rlctl.models.forward import PromptGroups, learner_forward, prompt_sharing
 from rlctl.train.metrics import (draw_rows, named_reward_metrics,
-                                   reduce_metrics, rollout_metrics, train_rows)
+                                   reduce_metrics, rollout_metrics, train_rows, user_prompts)
 from rlctl.train.update import (UpdateSettings, UpdateState, nothing_trained, old_policy_inputs,
                                 update_mask, update_policy)
 from rlctl.envs.environment import is_episodic
@@ -146,6 +146,7 @@ class Trainer:
         self.scorer = source.scorer              # training rewards (time limit, error policy)
         self.eval_scorer = prepared.scorer()    # kept apart so eval never mixes into reward/*
         self.eval_examples = list(prepared.eval)
+        self.user_prompts = user_prompts([*prepared.train, *prepared.eval])   # the sample tables
         self.warned = set()                      # nothing_trained causes said (once per run)
         self.local_prompts = trainer.prompts_per_step // backend.world_size   # compose() checks
 
@@ -271,7 +272,8 @@ class Trainer:
         tool_task = batch.episodes is not None and player is not None and player.tool_task
         self.sink.samples(train_rows(batch, rows, step, rewards, self.tokenizer,
                                      stop_ids(self.policy, self.tokenizer), tool_task,
-                                     update_mask(batch, self.update_settings.algo)),
+                                     update_mask(batch, self.update_settings.algo),
+                                     self.user_prompts),
                           step, "train")
 
     def train(self, run_dir=None, resume_from=None, on_step=None, stop=None) -> TrainResult:

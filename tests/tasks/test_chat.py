@@ -2,6 +2,7 @@
 prompts go through apply_chat_template(..., add_generation_prompt=True) (optional system
 prompt, no doubled BOS) and rewards see the assistant text only. ``prepare`` builds them
 apart: the task itself is never changed."""
+import io
 import json
 
 import pytest
@@ -165,3 +166,34 @@ def test_rollout_with_a_chat_model(data, tmp_path):
         assert fixed == [1.0, 1.0] and scorer.errors == 0
     finally:
         scorer.close()
+
+
+def test_sample_tables_show_the_users_text(data):
+    """The console's prompt column shows the user's text, not the chat template's header;
+    the rows (samples.jsonl) keep the rendered prompt beside it as user_prompt."""
+    from rich.console import Console
+
+    from rlctl.demo.tiny import build_model
+    from rlctl.rollout.generate import rollout
+    from rlctl.sinks.console import sample_table
+    from rlctl.train.evaluate import evaluate
+    from rlctl.train.metrics import train_rows, user_prompts
+
+    tok = chat_tokenizer()
+    prepared = prepare(_task(data, system_prompt="be brief"), tok)
+    exs, model = list(prepared.train), build_model(tok, 32, 1, 2, seed=0)
+    users = ["2 + 2 =", "3 + 3 ="]
+    with prepared.scorer() as scorer:
+        ev = evaluate(model, tok, list(prepared.eval), scorer=scorer, max_new_tokens=2, keep=2)
+        torch.manual_seed(0)
+        batch = rollout(model, tok, exs, 2, 2, 1.0, 0, scorer.score_batch)
+    train = train_rows(batch, [0, 2], 1, batch.rewards, tok, [tok.eos_token_id],
+                       users=user_prompts(exs))
+    for rows in (ev.rows, train):
+        assert [r["prompt"] for r in rows] == [ex.prompt for ex in exs]    # as rendered
+        assert [r["user_prompt"] for r in rows] == users
+        console = Console(width=120, record=True, file=io.StringIO())
+        console.print(sample_table(rows, 1, "t", 120))
+        text = console.export_text()
+        assert all(u in text for u in users) and "<|system|>" not in text, text
+        assert "user_prompt" not in text
