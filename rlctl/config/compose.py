@@ -60,7 +60,7 @@ def _quoted(text: str) -> str:
 
 def reward_specs(overrides: List[str]) -> List[str]:
     """The reward overrides as Hydra and the schema take them: a spec Hydra's grammar
-    rejects unquoted (``~/r.py:fn``) quoted, a lone ``task.rewards=r.py:fn`` a list."""
+    rejects unquoted (``~/r.py:fn``) quoted, a lone ``task.rewards=my.py:fn`` a list."""
     parser, out = OverridesParser.create(), []
     for o in overrides:
         key, _, value = o.partition("=")
