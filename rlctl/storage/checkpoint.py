@@ -1,7 +1,7 @@
 """Checkpoints of the full training state, written atomically; resume picks the last one.
 
     <run>/checkpoints/step-00000040/
-        model.safetensors     the trained module (value head / adapter included)
+        model.safetensors     the trained weights (under LoRA only the adapters and value head)
         critic.safetensors    a separate critic, if any
         optimizer.pt          AdamW state (torch.load(weights_only=True))
         scheduler.pt          LR schedule state
