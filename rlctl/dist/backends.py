@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from rlctl.config.checks import read_deepspeed_config
@@ -130,14 +130,14 @@ class TorchBackend:
         if self.is_main:
             for name, module in (("model", self.module), ("critic", critic)):
                 if module is not None:
-                    save_model(module, str(path / f"{name}.safetensors"))
+                    _save_trained(module, path / f"{name}.safetensors")
             torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
 
     def load_state(self, path: Path, critic=None) -> None:
         for name, module in (("model", self.module), ("critic", critic)):
             if module is not None:
-                load_model(module, str(path / f"{name}.safetensors"), device=str(self.device))
+                _load_trained(module, path / f"{name}.safetensors", str(self.device))
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
 
@@ -248,10 +248,12 @@ class DeepSpeedBackend(TorchBackend):
 
     def save_state(self, path, critic=None) -> None:
         """Every rank writes its partition through the engine (critic included)."""
-        self.engine.save_checkpoint(str(path), tag="deepspeed")
+        self.engine.save_checkpoint(str(path), tag="deepspeed",
+                                    exclude_frozen_parameters=_has_frozen(self.engine.module))
 
     def load_state(self, path, critic=None) -> None:
-        loaded, _ = self.engine.load_checkpoint(str(path), tag="deepspeed")
+        loaded, _ = self.engine.load_checkpoint(str(path), tag="deepspeed",
+                                                load_module_strict=not _has_frozen(self.engine.module))
         if loaded is None:
             raise ValueError(f"no DeepSpeed checkpoint in {path}")
 
@@ -260,6 +262,30 @@ class DeepSpeedBackend(TorchBackend):
         if self.zero_stage != 3:
             return contextlib.nullcontext()
         return self._ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+
+def _has_frozen(module) -> bool:
+    return not all(p.requires_grad for p in module.parameters())
+
+
+def _save_trained(module, file: Path) -> None:
+    """The module's weights; only its trainable ones when some are frozen (a LoRA run: the
+    adapters and value head; the frozen base is reloaded from the run's config on resume)."""
+    if not _has_frozen(module):
+        return save_model(module, str(file))
+    save_file({n: p.detach().contiguous() for n, p in module.named_parameters() if p.requires_grad},
+              str(file))
+
+
+def _load_trained(module, file: Path, device: str) -> None:
+    """Load what ``_save_trained`` wrote; ValueError if a trainable weight is not in the file."""
+    if not _has_frozen(module):
+        return load_model(module, str(file), device=device)
+    missing, unexpected = module.load_state_dict(load_file(str(file), device=device), strict=False)
+    lost = sorted({n for n, p in module.named_parameters() if p.requires_grad} & set(missing))
+    if lost or unexpected:
+        raise ValueError(f"{file.name} does not match the model: missing {lost[:3]}, "
+                         f"unexpected {unexpected[:3]}")
 
 
 class _Joint(torch.nn.Module):

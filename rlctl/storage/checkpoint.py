@@ -1,4 +1,5 @@
-"""Checkpoints of the full training state, written atomically (docs/runs.md lists the files)."""
+"""Checkpoints of the training state (under LoRA only what trains), written atomically
+(docs/runs.md lists the files)."""
 from __future__ import annotations
 
 import json

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rlctl.tasks.task import disjoint_splits, register_task
+from rlctl.tasks.task import disjoint_splits, register_task, task_options
 from rlctl.tasks.rewards import answers_equivalent, parse_number
 from rlctl.types import Example
 
@@ -95,7 +95,9 @@ class ArithmeticTask:
 
     def _example(self, problem: Tuple[int, str, int]) -> Example:
         a, op, b = problem
-        if self.style == "symbolic":
+        if self.style == "symbolic" and self._chat():      # a chat model is told the task
+            prompt = f"Compute {a} {op} {b}. Answer with just the number."
+        elif self.style == "symbolic":
             prompt = f"{spaced(a)} {op} {spaced(b)} ="
         else:
             rng = random.Random(f"{a}{op}{b}/{self.seed}")  # the same in every process
@@ -124,7 +126,10 @@ class ArithmeticTask:
     def answer(self, example: Example) -> str:
         """The correct completion text (without EOS); used by the supervised warm-up."""
         n = example.fields["answer"]
-        return spaced(n) if self.style == "symbolic" else str(n)
+        return spaced(n) if self.style == "symbolic" and not self._chat() else str(n)
+
+    def _chat(self) -> bool:
+        return task_options(self).prompt_format == "chat"
 
     def score_all(self, example: Example, completion: str) -> Dict[str, float]:
         return {name: score(name, example.fields["answer"], completion) for name in REWARDS}

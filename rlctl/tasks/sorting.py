@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rlctl.tasks.task import disjoint_splits, register_task
+from rlctl.tasks.task import disjoint_splits, register_task, task_options
 from rlctl.types import Example
 
 _DIGITS = {str(d): d for d in range(10)}
@@ -52,8 +52,12 @@ def score_all(digits: Sequence[int], completion: str) -> Dict[str, float]:
     return {name: fn(digits, out) for name, fn in REWARDS.items()}
 
 
-def format_prompt(digits: Sequence[int]) -> str:
-    return " ".join(map(str, digits)) + " ="
+INSTRUCTION = ("Sort these digits in ascending order. Answer with just the sorted digits "
+               "separated by spaces: ")   # under task.prompt_format=chat
+
+
+def format_prompt(digits: Sequence[int], chat: bool = False) -> str:
+    return INSTRUCTION + " ".join(map(str, digits)) if chat else " ".join(map(str, digits)) + " ="
 
 
 def format_answer(digits: Sequence[int]) -> str:
@@ -87,16 +91,19 @@ class SortingTask:
         return tuple(rng.randrange(10) for _ in range(self.num_digits))
 
     @staticmethod
-    def _example(digits: Sequence[int]) -> Example:
+    def _example(digits: Sequence[int], chat: bool = False) -> Example:
         digits = list(digits)
-        return Example(prompt=format_prompt(digits),
+        return Example(prompt=format_prompt(digits, chat),
                        fields={"digits": digits, "target": sorted(digits)})
 
     def train_examples(self) -> List[Example]:
-        return [self._example(t) for t in self._train]
+        return [self._example(t, self._chat()) for t in self._train]
 
     def eval_examples(self) -> List[Example]:
-        return [self._example(t) for t in self._eval]
+        return [self._example(t, self._chat()) for t in self._eval]
+
+    def _chat(self) -> bool:
+        return task_options(self).prompt_format == "chat"
 
     def reward(self, example: Example, completion: str) -> float:
         return REWARDS[self.reward_name](example.fields["digits"], parse_digits(completion))

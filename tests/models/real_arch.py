@@ -83,14 +83,16 @@ SPECS: Dict[str, dict] = {
 
 
 def _corpus(n: int = 400, seed: int = 0) -> List[str]:
-    """Sorting prompts and answers as the sorting task writes them, plus chat words."""
+    """Sorting prompts (raw and chat) and answers as the sorting task writes them, plus
+    chat words."""
     from rlctl.tasks.sorting import format_answer, format_prompt
 
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         digits = [rng.randrange(10) for _ in range(rng.randint(2, 6))]
-        rows.append(format_prompt(digits) + " " + format_answer(sorted(digits)))
+        chat = bool(len(rows) % 2)
+        rows.append(format_prompt(digits, chat) + " " + format_answer(sorted(digits)))
     words = ("user assistant system model User Assistant: sort the digits in ascending order "
              "You are a helpful assistant. answer")
     return rows + [words] * 20
@@ -158,13 +160,15 @@ def build_model(name: str, tok, seed: int = 0):
 
 
 def warmup(model, tok, name: str, seed: int = 0) -> List[float]:
-    """AdamW on chat-rendered sorting prompts -> sorted digits + the family's end-of-turn
-    token, loss on the answer tokens only (as rlctl.demo.tiny's warm-up, but ending with
-    a token that need not be the tokenizer's EOS). Returns the losses."""
+    """AdamW on chat-rendered sorting prompts (task.prompt_format=chat) -> sorted digits +
+    the family's end-of-turn token, loss on the answer tokens only (as rlctl.demo.tiny's
+    warm-up, but ending with a token that need not be the tokenizer's EOS). Returns the
+    losses."""
     from rlctl.tasks.task import render_chat
-    from rlctl.tasks.sorting import SortingTask, format_answer
+    from rlctl.tasks import build_task
+    from rlctl.tasks.sorting import format_answer
 
-    examples = SortingTask(num_digits=3).train_examples()[:512]
+    examples = build_task("sorting", num_digits=3, prompt_format="chat").train_examples()[:512]
     rows = []
     for ex in examples:
         p = tok(render_chat(tok, ex.prompt))["input_ids"]

@@ -181,7 +181,7 @@ def test_eval_stops_where_hf_generate_stops(real_arch, family, tmp_path):
     prompt at a time (no padding)."""
     from rlctl.commands.eval_cmd import run_eval
     from rlctl.tasks.task import render_chat
-    from rlctl.tasks.sorting import SortingTask
+    from rlctl.tasks import build_task
 
     model_dir = real_arch(family)
     result = run_eval(str(model_dir), COMMON, out=str(tmp_path / "eval.json"), quiet=True)
@@ -189,7 +189,7 @@ def test_eval_stops_where_hf_generate_stops(real_arch, family, tmp_path):
     assert result["num_prompts"] == 8 and 0.0 <= greedy["exact_match"] <= 1.0
     model, tok = load_model_and_tokenizer("hf", name_or_path=str(model_dir))
     stops, lengths, truncated = _stop_ids(model_dir), [], []
-    for ex in SortingTask(num_digits=3, num_eval=8).eval_examples():
+    for ex in build_task("sorting", num_digits=3, num_eval=8, prompt_format="chat").eval_examples():
         ids = tok(render_chat(tok, ex.prompt), return_tensors="pt")
         new = model.generate(**ids, max_new_tokens=8, do_sample=False)[0, ids.input_ids.shape[1]:]
         first = next((i for i, t in enumerate(new.tolist()) if t in stops), None)

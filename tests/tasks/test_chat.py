@@ -10,7 +10,8 @@ import torch
 
 from rlctl.errors import UserError
 from rlctl.tasks import build_task
-from rlctl.tasks.task import RAW_PROMPT, assistant_text, end_of_turn_markers, render_chat
+from rlctl.tasks.task import (RAW_PROMPT, assistant_text, chat_messages, end_of_turn_markers,
+                              render_chat)
 from rlctl.tasks.prompt_budget import prepare
 
 ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -197,3 +198,43 @@ def test_sample_tables_show_the_users_text(data):
         text = console.export_text()
         assert all(u in text for u in users) and "<|system|>" not in text, text
         assert "user_prompt" not in text
+
+
+RAW = [  # (task, options, sha256[:16] of every train + eval prompt, the first two) before chat instructions
+    ("sorting", dict(num_digits=3, num_eval=4), "0b55e4b69f4afb78", ["6 2 2 =", "9 4 5 ="]),
+    ("arithmetic", dict(num_eval=4, ops=["+", "-", "*"]), "450eef234934b77e", ["4 5 + 2 =", "3 + 4 4 ="]),
+    ("arithmetic", dict(num_eval=4, style="words", ops=["-"]), "7a8f906e2f83baff",
+     ["A box held 89 coins; 80 were taken out. How many coins are in the box now? Give the final "
+      "answer as a number.", "Dev has 85 coins and gives away 70. How many coins does Dev have "
+      "left? Give the final answer as a number."]),
+]
+
+
+@pytest.mark.parametrize("name,kw,digest,first", RAW, ids=["sorting", "symbolic", "words"])
+def test_builtin_chat_prompts_state_the_task_and_raw_prompts_are_unchanged(name, kw, digest, first):
+    import hashlib
+
+    raw = build_task(name, **kw)
+    prompts = [e.prompt for e in raw.train_examples() + raw.eval_examples()]
+    assert prompts[:2] == first
+    assert hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:16] == digest
+    chat = build_task(name, prompt_format="chat", **kw)
+    rows = chat.train_examples()[:50] + chat.eval_examples()
+    expect = {"sorting": "Sort these digits in ascending order. Answer with just the sorted digits "
+                         "separated by spaces: ",
+              "arithmetic": "Compute "}[name]
+    for ex, plain in zip(rows, raw.train_examples()[:50] + raw.eval_examples()):
+        assert ex.fields == plain.fields
+        if kw.get("style") == "words":               # a word problem already asks for a number
+            assert ex.prompt == plain.prompt
+            continue
+        assert ex.prompt.startswith(expect) and "=" not in ex.prompt, ex.prompt
+        if name == "sorting":
+            assert ex.prompt.endswith(": " + " ".join(map(str, ex.fields["digits"])))
+        else:
+            f = ex.fields
+            assert ex.prompt == f"Compute {f['a']} {f['op']} {f['b']}. Answer with just the number."
+        # the answer the instruction asks for is what the reward scores full marks
+        good = chat.answer(ex)
+        assert chat.reward(ex, good) == 1.0 and chat.is_correct(ex, good), (ex.prompt, good)
+    assert chat_messages(rows[0].prompt, None)[0]["content"] == rows[0].prompt
