@@ -83,16 +83,14 @@ SPECS: Dict[str, dict] = {
 
 
 def _corpus(n: int = 400, seed: int = 0) -> List[str]:
-    """Sorting prompts (raw and chat) and answers as the sorting task writes them, plus
-    chat words."""
+    """Sorting prompts and answers as the sorting task writes them, plus chat words."""
     from rlctl.tasks.sorting import format_answer, format_prompt
 
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         digits = [rng.randrange(10) for _ in range(rng.randint(2, 6))]
-        chat = bool(len(rows) % 2)
-        rows.append(format_prompt(digits, chat) + " " + format_answer(sorted(digits)))
+        rows.append(format_prompt(digits) + " " + format_answer(sorted(digits)))
     words = ("user assistant system model User Assistant: sort the digits in ascending order "
              "You are a helpful assistant. answer")
     return rows + [words] * 20
