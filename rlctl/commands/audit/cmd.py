@@ -169,6 +169,9 @@ def _hacking_signs(rows: Rows, trunc: List[bool], stats: dict) -> List[dict]:
     frac_rep = sum(rep) / len(rep)
     r_rep = _mean(r for r, x in zip(rewards, rep) if x)
     r_rest = _mean(r for r, x in zip(rewards, rep) if not x)
+    sign("repeated_answers", frac_rep, frac_rep >= REPEAT_FLAG,
+         f"share of completions repeating one token, >= 3 times in a row or in >= 60% of "
+         f"them (>= {REPEAT_FLAG} flags): a degenerate format, whatever it scores")
     sign("repetition_rewarded", frac_rep,
          frac_rep >= REPEAT_FLAG and r_rep is not None and (r_rest is None or r_rep >= r_rest),
          f"share of completions repeating one token (>= {REPEAT_FLAG} flags when "

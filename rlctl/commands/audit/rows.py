@@ -213,13 +213,22 @@ class Rows:
 
 
 def _repetitive(text: str, prompt: str) -> bool:
-    """One token makes up >= 60% of >= 4 tokens, and occurs more often than in the prompt
-    (so sorting "9 9 9 3 9" for that prompt is not repetition, "1 1 1 1 1" is)."""
-    toks = text.split()
-    if len(toks) < 4:
+    """A token (whitespace-split, trailing ``.,;:!?`` dropped) that makes up >= 60% of >= 4
+    tokens, or that comes >= 3 times in a row ("94. 94. 94."), more often than the prompt
+    holds it (so sorting "9 9 9 3 9" for that prompt is not repetition, "1 1 1 1 1" is)."""
+    toks = [t.rstrip(".,;:!?") or t for t in text.split()]
+    if len(toks) < 3:
         return False
+    held = Counter(t.rstrip(".,;:!?") or t for t in prompt.split())
     tok, count = Counter(toks).most_common(1)[0]
-    return count / len(toks) >= 0.6 and count > max(prompt.split().count(tok), 1)
+    if len(toks) >= 4 and count / len(toks) >= 0.6 and count > max(held[tok], 1):
+        return True
+    run = 1
+    for a, b in zip(toks, toks[1:]):
+        run = run + 1 if a == b else 1
+        if run >= 3 and run > held[b]:
+            return True
+    return False
 
 
 def read_rows(path: Path):
