@@ -118,7 +118,10 @@ def dry_run(cfg: DictConfig) -> List[str]:
     OmegaConf.resolve(cfg)
     quiet_libraries(cfg.hardware.device, cfg.hardware.num_threads)
     check_entries(cfg.algo, cfg.task.name, cfg.hardware.backend)
-    learned = task_from_config(cfg).learned
+    built = task_from_config(cfg)
     check_training_sampling(cfg.rollout.top_k)
     dryrun = importlib.import_module("rlctl.train.dryrun")     # a train run does not need it
-    return dryrun.plan(dryrun.MemorySettings.from_config(cfg), cfg.algo, model_from_config(cfg), learned)
+    models = model_from_config(cfg)
+    prepared = prepare_task(cfg, models[2], models[0], built)   # the prompts `train` samples
+    settings = dryrun.MemorySettings.from_config(cfg, dryrun.prompt_tokens(prepared, models[2]))
+    return dryrun.plan(settings, cfg.algo, models, built.learned)

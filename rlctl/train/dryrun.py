@@ -16,13 +16,14 @@ from rlctl.train.trainer import needs_old_forward
 from rlctl.models.lora import count_parameters
 from rlctl.config.schema import AlgoConfig
 
-PROMPT_TOKENS = 16        # the rough prompt length of the estimate
+SAMPLE_PROMPTS = 256      # training prompts tokenized for the estimate's prompt length
 HALF = ("bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """What the estimate reads of five config sections and derives (``rank_rows``)."""
+    """What the estimate reads of five config sections and the prepared task, and derives
+    (``rank_rows``)."""
     max_new_tokens: int             # rollout.max_new_tokens
     prompts_per_step: int           # trainer.prompts_per_step
     group_size: int                 # algo.group_size
@@ -37,9 +38,10 @@ class MemorySettings:
     gradient_checkpointing: bool    # model.gradient_checkpointing
     lora: bool                      # model.lora.enabled
     kl_coef: float                  # algo.kl.coef
+    prompt_tokens: int              # prompt_tokens(): the longest sampled training prompt
 
     @classmethod
-    def from_config(cls, cfg) -> "MemorySettings":
+    def from_config(cls, cfg, prompt_tokens: int) -> "MemorySettings":
         algo, tr, hw, model = cfg.algo, cfg.trainer, cfg.hardware, cfg.model
         return cls(max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_step=tr.prompts_per_step,
                    group_size=algo.group_size, minibatches=algo.minibatches,
@@ -47,7 +49,7 @@ class MemorySettings:
                    num_processes=hw.num_processes, backend=hw.backend, precision=hw.precision,
                    zero_stage=hw.zero_stage, dtype=model.dtype,
                    gradient_checkpointing=model.gradient_checkpointing, lora=model.lora.enabled,
-                   kl_coef=algo.kl.coef)
+                   kl_coef=algo.kl.coef, prompt_tokens=prompt_tokens)
 
     @property
     def rank_rows(self) -> int:
@@ -55,9 +57,18 @@ class MemorySettings:
         return self.prompts_per_step * self.group_size // self.num_processes
 
 
+def prompt_tokens(prepared, tokenizer) -> int:
+    """Tokens of the longest of the first ``SAMPLE_PROMPTS`` prepared training prompts (after
+    the chat template and the prompt budget), encoded as the sampler encodes them. The
+    longest, not a percentile: a micro-batch pads every row to its longest, so one long
+    prompt drawn into a step sets the whole micro-batch's length."""
+    prompts = [ex.prompt for ex in prepared.train[:SAMPLE_PROMPTS]]
+    return max((len(ids) for ids in tokenizer(prompts)["input_ids"]), default=0)
+
+
 def micro_batch(s: MemorySettings, n: int) -> Tuple[int, int]:
     """(rows, padded tokens) of the largest micro-batch of a rank's ``n`` rows."""
-    seq = PROMPT_TOKENS + s.max_new_tokens
+    seq = s.prompt_tokens + s.max_new_tokens
     rows = max(1, n // s.minibatches)                        # a minibatch's rows
     if s.micro_batch_size:
         rows = min(rows, s.micro_batch_size)
@@ -90,7 +101,7 @@ def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, 
     a = 2 if b == 2 or s.precision == "bf16" else 4                  # stored activations
     kept = hidden * (layers + 16) if s.gradient_checkpointing else 16 * hidden * layers
     out["activations (rough)"] = float(kept) * tokens * a
-    out["generation KV cache"] = 2.0 * layers * n * (PROMPT_TOKENS + s.max_new_tokens) * hidden * b
+    out["generation KV cache"] = 2.0 * layers * n * (s.prompt_tokens + s.max_new_tokens) * hidden * b
     out["logits"] = (2.0 * CHUNK_ELEMENTS * 4 + n * vocab * 4) if fused else 4.0 * tokens * vocab * 4
     return out
 
@@ -171,7 +182,9 @@ def _print(s: MemorySettings, resident, est: Dict[str, float], line: str) -> Non
     mem.add_row("total", f"{sum(est.values()) / 2**20:.1f}")
     console.print(mem)
     console.print(f"estimated with {s.dtype} weights, hardware.precision={s.precision}; "
-                  f"activations of a micro-batch of {rows} row(s) x {tokens // rows} tokens"
+                  f"activations of a micro-batch of {rows} row(s) x {tokens // rows} tokens "
+                  f"(prompts of {s.prompt_tokens} tokens, the longest of the first {SAMPLE_PROMPTS} "
+                  f"training prompts as prepared, + {s.max_new_tokens} new)"
                   + (", gradient checkpointing" if s.gradient_checkpointing else ""),
                   soft_wrap=True)
     console.print(line, soft_wrap=True)

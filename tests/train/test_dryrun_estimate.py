@@ -3,6 +3,8 @@ memory estimate follows the knobs docs/memory.md lists beside it
 (model.gradient_checkpointing, trainer.micro_batch_tokens, bf16). Expected values are
 worked by hand from the rules in docs/memory.md and the config."""
 import re
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -49,12 +51,36 @@ def test_the_reward_model_is_listed_and_counted(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def longest_prompt(tok, *overrides) -> int:
+    """The tokens of the longest of the config task's first 256 training prompts, rendered by
+    the tokenizer's chat template under task.prompt_format=chat, as the sampler reads them."""
+    from rlctl.config.compose import compose
+    from rlctl.train.build import task_from_config
+
+    task_cfg = compose(list(overrides)).cfg.task
+    system = task_cfg.get("system_prompt")
+    lengths = []
+    for ex in task_from_config(compose(list(overrides)).cfg).task.train_examples()[:256]:
+        if task_cfg.prompt_format == "chat":
+            msgs = [{"role": "system", "content": system}] if system else []
+            lengths.append(len(tok.apply_chat_template(msgs + [{"role": "user", "content": ex.prompt}],
+                                                       tokenize=True, add_generation_prompt=True,
+                                                       return_dict=False)))
+        else:
+            lengths.append(len(tok(ex.prompt)["input_ids"]))
+    return max(lengths)
+
+
 def test_the_estimate_follows_checkpointing_token_budget_and_bf16(cfg, tmp_path):
+    from rlctl.demo.tiny import build_tokenizer
+
     out_dir = f"run.output_dir={tmp_path}"
     h, layers = cfg.model.hidden_size, cfg.model.num_layers
-    seq = 16 + cfg.rollout.max_new_tokens                 # the estimate's prompt + completion
+    prompt = longest_prompt(build_tokenizer())
+    seq = prompt + cfg.rollout.max_new_tokens             # the estimate's prompt + completion
     rows = cfg.trainer.prompts_per_step * cfg.algo.group_size // cfg.algo.minibatches
     base = dry_run(out_dir)
+    assert f"prompts of {prompt} tokens," in " ".join(base.split())
     # 16 values per hidden unit, layer and token, fp32
     assert row(base, "activations (rough)") == round(16 * h * layers * rows * seq * 4 / MIB, 1)
     ckpt = dry_run("model.gradient_checkpointing=true", out_dir)
@@ -81,3 +107,32 @@ def test_deepspeed_bf16_keeps_fp32_moments_and_a_master_copy(tmp_path):
                              re.findall(r"│ policy\s*│\s*([\d,]+) │\s*([\d,]+) │", out)[0])
     assert row(out, "weights") == round(total * 2 / MIB, 1)             # bf16 weights
     assert row(out, "optimizer state") == round(trainable * 12 / MIB, 1)  # 2 fp32 moments + master
+
+
+def test_the_estimate_reads_the_chat_rendered_prompts(cfg, tmp_path):
+    """A chat template and a long system prompt lengthen every prompt the sampler reads: the
+    dry run assumes the longest rendered training prompt, so the activation term grows."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tasks"))
+    from test_chat import chat_tokenizer
+
+    from rlctl.demo.tiny import build_model
+
+    tok = chat_tokenizer()
+    h, layers, new = 32, 1, cfg.rollout.max_new_tokens
+    build_model(tok, h, layers, 2, seed=0).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    few = "+task.max_train=64"                          # fewer prompts to render: faster
+    common = ["model=hf", few, f"model.name_or_path={tmp_path / 'm'}", f"run.output_dir={tmp_path / 'r'}"]
+    system = " ".join(["be brief"] * 10)
+    chat_opts = ["task.prompt_format=chat", f"task.system_prompt='{system}'"]
+    raw, chat = longest_prompt(tok, few), longest_prompt(tok, few, *chat_opts)
+    assert chat > raw + 20                            # the template and system prompt add tokens
+    rows = cfg.trainer.prompts_per_step * cfg.algo.group_size // cfg.algo.minibatches
+    outs = {}
+    for n, extra in ((raw, []), (chat, chat_opts)):
+        out = dry_run(*common, *extra)
+        assert f"prompts of {n} tokens, the longest" in " ".join(out.split()), out
+        assert row(out, "activations (rough)") == round(16 * h * layers * rows * (n + new) * 4 / MIB, 1)
+        outs[n] = row(out, "activations (rough)")
+    assert outs[chat] > outs[raw]
+    assert not (tmp_path / "r").exists()
