@@ -5,25 +5,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlctl.models.forward import learner_forward
 from rlctl.models.kv_share import position_ids_from_mask
 from rlctl.models.value import VALUE_HEAD_FILE, PolicyValueModel, SeparateCritic
 from rlctl.rollout.generate import generate
 
 PROMPTS = ["3 1 2 =", "9 =", "5 4 8 7 ="]
-
-
-def completion_values(values_full: torch.Tensor, prompt_len: int,
-                      num_tokens: int | None = None) -> torch.Tensor:
-    """[N, L] -> [N, T]: column t is V(s_t), at ``prompt_len - 1 + t`` (``num_tokens=T`` for
-    a forward on the whole sequence)."""
-    if prompt_len < 1:
-        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
-    start = prompt_len - 1
-    end = values_full.shape[1] if num_tokens is None else start + num_tokens
-    if end > values_full.shape[1]:
-        raise ValueError(f"num_tokens {num_tokens} needs {end} positions, have "
-                         f"{values_full.shape[1]}")
-    return values_full[:, start:end]
 
 
 @pytest.fixture()
@@ -90,7 +77,7 @@ def test_zero_init_values_and_interface(policy, batch):
 
 def _value_loss(values, seqs, mask, plen):
     target = torch.linspace(-1, 1, values.shape[0])[:, None]
-    v = completion_values(values, plen)
+    v = values[:, plen - 1:]                      # [N, T]: V(s_t), s_t = prompt + t tokens
     return ((v - target) ** 2 * mask[:, plen:]).sum() / mask[:, plen:].sum()
 
 
@@ -159,25 +146,20 @@ def test_save_load_round_trip(policy, batch, tmp_path):
                                    rtol=0, atol=0)
 
 
-def test_completion_values_is_value_of_prompt_plus_first_t_tokens(policy, batch):
+def test_learner_values_are_the_value_of_prompt_plus_first_t_tokens(policy, batch):
+    """learner_forward's values[:, t] equal the head on the hidden state of prompt + the
+    first t completion tokens, each prefix run on its own."""
     seqs, mask, plen = batch
     T = seqs.shape[1] - plen
     pv = PolicyValueModel(policy, init_std=0.1).eval()
     with torch.no_grad():
-        v = completion_values(pv(**_inputs(seqs, mask)).values, plen)
+        v = learner_forward(pv, seqs, mask, plen).values
         assert v.shape == (seqs.shape[0], T)
         for t in range(T):  # s_t = prompt + first t completion tokens, run on its own
             ids, am = seqs[:, :plen + t], mask[:, :plen + t]
             hidden = policy.model(input_ids=ids, attention_mask=am, use_cache=False,
                                   position_ids=position_ids_from_mask(am)).last_hidden_state
             torch.testing.assert_close(v[:, t], pv.value_head(hidden[:, -1]), rtol=0, atol=1e-5)
-        full_mask = mask
-        full = pv(input_ids=seqs, attention_mask=full_mask,
-                  position_ids=position_ids_from_mask(full_mask)).values
-    assert completion_values(full, plen).shape[1] == T + 1  # includes the terminal state
-    torch.testing.assert_close(completion_values(full, plen, T), v, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError):
-        completion_values(full, plen, T + 2)
 
 
 def test_generate_through_wrapper(policy, tiny):
