@@ -71,7 +71,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
             chunk = examples[start:min(start + per_chunk, n_prompts)]
             lines = _episode_rows(player, tool_task, model, split, group, int(cfg.seed), start, chunk) \
                 if player is not None else \
-                _chunk_rows(model, tokenizer, task, scorer, ro, split, group, reward_name, start, chunk)
+                _chunk_rows(model, tokenizer, task, scorer, ro, stops, split, group, reward_name, start, chunk)
             for row in lines:
                 rows += 1
                 truncated += row["truncated"]
@@ -95,7 +95,7 @@ def run_rollout(target_arg: Optional[str], overrides: Sequence[str], out: Option
     return summary
 
 
-def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_name: str,
+def _chunk_rows(model, tokenizer, task, scorer, ro, stops, split: str, g: int, reward_name: str,
                 start: int, chunk) -> List[dict]:
     """One row per completion of ``g`` sampled for each prompt in ``chunk``, scored."""
     totals: list = []
@@ -103,7 +103,7 @@ def _chunk_rows(model, tokenizer, task, scorer, ro, split: str, g: int, reward_n
     def score(rows, texts):        # keep the exact totals (the batch holds float32)
         totals[:] = scorer.score_batch(rows, texts)
         return totals
-    stops, max_new = tuple(stop_ids(model, tokenizer)), int(ro.max_new_tokens)
+    max_new = int(ro.max_new_tokens)
     batch = rollout(model, tokenizer, chunk, g, max_new, float(ro.temperature), int(ro.get("top_k", 0) or 0),
                     score, stops=stops)
     per_row = [chunk[i // g] for i in range(len(totals))]

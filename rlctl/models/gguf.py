@@ -15,7 +15,6 @@ from transformers.integrations.gguf import GGUF_ARCHS
 from transformers.utils import logging as hf_logging
 
 EXTRA = "pip install 'rlctl[gguf]' (or pip install gguf==0.19.0)"
-hf_gguf.tqdm = hf_logging.tqdm        # its dequantising bar obeys quiet_libraries' switch
 
 
 def gguf_file(name_or_path: str) -> Optional[Path]:
@@ -71,6 +70,7 @@ def load_gguf(file: Path, dtype: torch.dtype = torch.float32) -> Tuple[Any, Any]
     problem = gguf_problem(file)
     if problem:
         raise ValueError(problem)
+    hf_gguf.tqdm = hf_logging.tqdm     # the dequantising bar obeys quiet_libraries' switch
     model = AutoModelForCausalLM.from_pretrained(
         str(file.parent), gguf_file=file.name, dtype=dtype,
         quantization_config=GgufConfig(dequantize=True))   # dense, and no quantizer kept

@@ -65,7 +65,9 @@ def test_an_engine_source_logs_the_mismatch_with_the_correction_off():
         values = tr.step(1)
     finally:
         tr.close()
-    assert values["rollout_corr/k3"] >= 0 and abs(values["rollout_corr/ess"] - 1) < 1e-6   # float32 rounding
+    # the torch engine runs the learner's own float32 forward on the same weights: per-token
+    # log-prob gaps are rounding (~1e-6), so k3 ~ gap^2 / 2 and ess within 1e-6 of 1
+    assert values["rollout_corr/k3"] < 1e-9 and abs(values["rollout_corr/ess"] - 1) < 1e-6
     assert values["rollout_corr/weight_mean"] == 1.0              # measured only: weight 1
 
 
