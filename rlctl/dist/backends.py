@@ -252,8 +252,11 @@ class DeepSpeedBackend(TorchBackend):
                                     exclude_frozen_parameters=_has_frozen(self.engine.module))
 
     def load_state(self, path, critic=None) -> None:
-        loaded, _ = self.engine.load_checkpoint(str(path), tag="deepspeed",
-                                                load_module_strict=not _has_frozen(self.engine.module))
+        partial = _has_frozen(self.engine.module)    # frozen weights left out: trainable ones checked
+        loaded, _ = self.engine.load_checkpoint(
+            str(path), tag="deepspeed", load_module_strict=not partial,
+            custom_load_fn=(lambda src, dst: _load_partial(dst, src, "the DeepSpeed checkpoint"))
+            if partial else None)
         if loaded is None:
             raise ValueError(f"no DeepSpeed checkpoint in {path}")
 
@@ -281,10 +284,15 @@ def _load_trained(module, file: Path, device: str) -> None:
     """Load what ``_save_trained`` wrote; ValueError if a trainable weight is not in the file."""
     if not _has_frozen(module):
         return load_model(module, str(file), device=device)
-    missing, unexpected = module.load_state_dict(load_file(str(file), device=device), strict=False)
+    _load_partial(module, load_file(str(file), device=device), file.name)
+
+
+def _load_partial(module, state: dict, what: str) -> None:
+    """``state`` into ``module``, which may leave out frozen weights only; else ValueError."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
     lost = sorted({n for n, p in module.named_parameters() if p.requires_grad} & set(missing))
     if lost or unexpected:
-        raise ValueError(f"{file.name} does not match the model: missing {lost[:3]}, "
+        raise ValueError(f"{what} does not match the model: missing {lost[:3]}, "
                          f"unexpected {unexpected[:3]}")
 
 
