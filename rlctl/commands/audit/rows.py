@@ -187,6 +187,8 @@ class Rows:
         self.correct: List[Optional[bool]] = []
         self.text_hash: List[int] = []
         self.repetitive: List[bool] = []
+        self.step: List[Optional[float]] = []     # a sample row's step (None: a rollout row)
+        self.shape: List[str] = []
         self.designs: Dict[str, List[Optional[float]]] = defaultdict(list)
         self.episodes = EpisodeTally()        # rows that are episodes (a turns list)
 
@@ -205,11 +207,25 @@ class Rows:
         text = str(row.get("completion", ""))
         self.text_hash.append(hash(text))
         self.repetitive.append(_repetitive(text, str(row.get("prompt", ""))))
+        self.step.append(row["step"] if is_number(row.get("step")) else None)
+        self.shape.append(shape(text))
         for name, value in (row.get("rewards") or {}).items():
             if is_number(value):
                 self.designs[name].append(float(value))
         if is_episode(row):
             self.episodes.add(lineno, row)
+
+
+def shape(text: str) -> str:
+    """A completion's format: digits -> 9, letters -> a, whitespace -> one space, other
+    characters kept, then runs of one character collapsed ("The answer is 94." -> "a a a 9.",
+    "94. 94. 94." -> "9. 9. 9.")."""
+    out: List[str] = []
+    for ch in text.strip():
+        c = "9" if ch.isdigit() else "a" if ch.isalpha() else " " if ch.isspace() else ch
+        if not out or out[-1] != c:
+            out.append(c)
+    return "".join(out)
 
 
 def _repetitive(text: str, prompt: str) -> bool:
