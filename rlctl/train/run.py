@@ -181,13 +181,14 @@ def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
                 merged: bool) -> Optional[Path]:
     """Rank 0 writes the policy and a separate critic; the policy's directory (else None)."""
     model_dir = None
-    with backend.gathered(policy):
+    with backend.gathered(policy) as state:
         if backend.is_main:
-            model_dir = rundir.save_model(run_dir, policy, tokenizer, lora=lora, merged=merged)
+            model_dir = rundir.save_model(run_dir, policy, tokenizer, lora=lora, merged=merged,
+                                          state_dict=state)
     if critic is not None:
-        with backend.gathered(critic):
+        with backend.gathered(critic) as state:
             if backend.is_main:
-                critic.save_pretrained(run_dir / "critic")
+                critic.save_pretrained(run_dir / "critic", state_dict=state)
     return model_dir
 
 
