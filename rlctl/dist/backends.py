@@ -413,6 +413,10 @@ class FSDP2Backend(TorchBackend):
                        optim_state_dict=state["optim"], options=opts)
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
 
+    def close(self) -> None:
+        if dist.is_initialized():          # one process too: fully_shard needs a group
+            dist.destroy_process_group()
+
 
 def _group_env() -> None:
     """A one-process group's environment where no launcher set one (a free loopback port)."""

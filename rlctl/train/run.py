@@ -269,7 +269,8 @@ def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str
         raise no_checkpoint(run_dir)
     step = checkpoint.read_state(last)["step"]
     saved = len(list(last.glob("rng-rank*.pt")))       # one per rank that wrote it
-    if saved and saved != world:
+    reshards = settings.shape.get("hardware.backend") == "fsdp2"   # DCP reshards its checkpoint
+    if saved and saved != world and not reshards:
         raise UserError(f"cannot resume '{run_dir}' with {world} rank(s): its checkpoint {last.name} "
                         f"was written by {saved}; resume with the same number of ranks")
     q, steps = shlex.quote(str(run_dir)), settings.steps

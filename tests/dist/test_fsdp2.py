@@ -1,0 +1,128 @@
+"""hardware=fsdp2 (PyTorch FSDP2, weights sharded as DTensors) on CPU with gloo: 2 ranks
+give one process's gradient; ranks that run different numbers of forwards while
+generating do not hang; its torch.distributed.checkpoint reshards from 2 ranks to 1;
+`rlctl train` runs it on 2 ranks (LoRA, separate and shared critics) and a SIGKILLed
+2-rank run resumes to the uninterrupted run's metrics exactly."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_data_parallel import GRAD, TINY, _case, _grad, _load, _run, reference
+
+RLCTL = [sys.executable, "-c", "from rlctl.cli import main; main()"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+AGG = "token-mean"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, build_once):
+    """2 ranks: one float64 SGD step (after uneven forwards in ``sampling``), saved with
+    DCP; then 1 process loading that checkpoint and taking no step."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    for f in reference(build_once).glob("ref64-*.pt"):
+        (out / f.name).symlink_to(f)
+    two = _case(f"fsdp2g64-{AGG}", "fsdp2", AGG, dtype="float64", uneven=True, save=True, **GRAD)
+    _run(out, 2, [two], timeout=240)     # a rank left waiting in a collective would hang here
+    one = _case("fsdp2-load", "fsdp2", AGG, dtype="float64", load=str(out / f"{two['name']}-ckpt"),
+                **dict(GRAD, steps=0))
+    _run(out, 1, [one], timeout=240)
+    return out
+
+
+def test_two_ranks_give_one_process_gradient_in_float64(results):
+    """FSDP2 on 2 ranks vs plain torch in 1 process, one SGD step's gradient in float64.
+    As for plain torch (test_data_parallel: each entry a sum of <= 10^4 products of terms
+    <= 10, so float64 summation order moves it by < 10^4 * 1.1e-16 * 10 = 1.1e-11), only
+    the order of sums differs: FSDP2's reduce-scatter adds the two ranks' gradients where
+    one process sums all rows at once. 1e-10 is that bound with a margin of 10; a lost
+    rank's share or a wrong normaliser moves entries by their own size (> 1e-2)."""
+    ref, got = _grad(results, f"ref64-{AGG}"), _grad(results, f"fsdp2g64-{AGG}")
+    assert set(got) >= set(ref)
+    assert {v.dtype for v in _load(results, f"fsdp2g64-{AGG}").values()} == {torch.float64}
+    assert max(v.abs().max().item() for v in ref.values()) > 1e-2
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-10, rtol=0, msg=k)
+
+
+def test_a_two_rank_checkpoint_loads_on_one_rank_exactly(results):
+    """DCP reshards: the 2-rank run's weights after its step, loaded by 1 process, are the
+    same numbers (a copy, no arithmetic: exact)."""
+    two, one = _load(results, f"fsdp2g64-{AGG}"), _load(results, "fsdp2-load")
+    init = _load(results, f"fsdp2g64-{AGG}-init")
+    assert any(not torch.equal(two[k], init[k]) for k in two)       # the step moved weights
+    for k in two:
+        assert torch.equal(one[k], two[k]), k
+
+
+def _train(*args, timeout=300):
+    out = subprocess.run([*RLCTL, "train", "hardware=fsdp2", "hardware.num_processes=2",
+                          "logger=jsonl", "logger.console=false", "task.num_eval=16",
+                          "trainer.prompts_per_step=4", *args], env=ENV, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+def _rows(run: Path):
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "step" in r}
+
+
+@pytest.mark.parametrize("extra", [["model.lora.enabled=true", "algo.kl.coef=0.05"],
+                                   ["algo=ppo", "algo.critic=separate",
+                                    "model.gradient_checkpointing=true"]],
+                         ids=["lora-kl", "separate-critic-checkpointing"])
+def test_two_rank_runs_lora_and_critic(tmp_path, extra):
+    """`rlctl train hardware=fsdp2 hardware.num_processes=2`: LoRA with the adapter-off
+    reference, and PPO with a separate critic under gradient checkpointing; one writer,
+    the model exported as a plain safetensors directory."""
+    _train(*extra, "trainer.steps=2", "trainer.eval_every=2", f"run.dir={tmp_path / 'r'}")
+    run = tmp_path / "r"
+    rows = _rows(run)
+    assert sorted(rows) == [0, 1, 2] and rows[2]["optim/grad_norm"] > 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["backend"] == "fsdp2"
+    weights = run / "model" / ("adapter_model.safetensors" if "lora" in extra[0] else "model.safetensors")
+    assert all(isinstance(v, torch.Tensor) and v.numel() for v in load_file(weights).values())
+    if "algo.critic=separate" in extra:
+        assert (run / "critic" / "value_head.safetensors").exists()
+
+
+STEPS = 4
+RESUME = ["trainer.checkpoint_every=2", "trainer.eval_every=2", "logger.samples.every=2",
+          "run.save_model=false", "algo=ppo"]
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+    """A 2-rank PPO run (shared critic) SIGKILLed after step 3 resumes from its step-2 DCP
+    checkpoint and logs exactly the uninterrupted run's metrics (the same seed)."""
+    _train(*RESUME, f"trainer.steps={STEPS}", f"run.dir={tmp_path / 'full'}")
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([*RLCTL, "train", "hardware=fsdp2", "hardware.num_processes=2",
+                             "logger=jsonl", "logger.console=false", "task.num_eval=16",
+                             "trainer.prompts_per_step=4", *RESUME, f"trainer.steps={STEPS}",
+                             f"run.dir={run}"], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if '"step": 3,' in ((run / "metrics.jsonl").read_text() if (run / "metrics.jsonl").exists() else ""):
+            os.killpg(proc.pid, signal.SIGKILL)          # the launcher and both ranks
+            break
+        time.sleep(0.05)
+    proc.wait(timeout=60)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]
+    out = subprocess.run([*RLCTL, "train", "--resume", str(run)], env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    full, resumed = _rows(tmp_path / "full"), _rows(run)
+    assert sorted(resumed) == list(range(STEPS + 1))
+    for step in range(STEPS + 1):
+        assert resumed[step] == full[step], step
