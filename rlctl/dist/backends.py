@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 from torch.distributed.tensor import DTensor
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -335,8 +336,6 @@ class FSDP2Backend(TorchBackend):
         self._roots: List[torch.nn.Module] = []
 
     def prepare(self, model, critic, lr, betas, weight_decay, warmup_steps, max_grad_norm):
-        from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
-                                            OffloadPolicy, fully_shard)
         mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if self.precision == "bf16" \
             else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload \
@@ -372,6 +371,8 @@ class FSDP2Backend(TorchBackend):
         """Within: ``module``'s weights whole on every rank (all-gathered once, kept through
         forwards), so ranks may run different forwards; sharded again after."""
         units = self._units(module)
+        for root in self._roots:        # as a forward through it would: the roots known first
+            fully_shard.state(root)._lazy_init()     # (generation may call a submodule)
         for m in units:
             m.set_reshard_after_forward(False, recurse=False)
             m.unshard()

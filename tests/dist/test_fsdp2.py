@@ -62,11 +62,12 @@ def test_a_two_rank_checkpoint_loads_on_one_rank_exactly(results):
         assert torch.equal(one[k], two[k]), k
 
 
+TRAIN = [*RLCTL, "train", "hardware=fsdp2", "hardware.num_processes=2", "logger=jsonl",
+         "logger.console=false", "task.num_eval=16", "trainer.prompts_per_step=4"]
+
+
 def _train(*args, timeout=300):
-    out = subprocess.run([*RLCTL, "train", "hardware=fsdp2", "hardware.num_processes=2",
-                          "logger=jsonl", "logger.console=false", "task.num_eval=16",
-                          "trainer.prompts_per_step=4", *args], env=ENV, capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run([*TRAIN, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 
@@ -76,45 +77,74 @@ def _rows(run: Path):
             for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "step" in r}
 
 
-@pytest.mark.parametrize("extra", [["model.lora.enabled=true", "algo.kl.coef=0.05"],
-                                   ["algo=ppo", "algo.critic=separate",
-                                    "model.gradient_checkpointing=true"]],
-                         ids=["lora-kl", "separate-critic-checkpointing"])
-def test_two_rank_runs_lora_and_critic(tmp_path, extra):
-    """`rlctl train hardware=fsdp2 hardware.num_processes=2`: LoRA with the adapter-off
-    reference, and PPO with a separate critic under gradient checkpointing; one writer,
-    the model exported as a plain safetensors directory."""
-    _train(*extra, "trainer.steps=2", "trainer.eval_every=2", f"run.dir={tmp_path / 'r'}")
-    run = tmp_path / "r"
-    rows = _rows(run)
-    assert sorted(rows) == [0, 1, 2] and rows[2]["optim/grad_norm"] > 0
+def _exported(run: Path, weights: str):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["backend"] == "fsdp2"
-    weights = run / "model" / ("adapter_model.safetensors" if "lora" in extra[0] else "model.safetensors")
-    assert all(isinstance(v, torch.Tensor) and v.numel() for v in load_file(weights).values())
-    if "algo.critic=separate" in extra:
-        assert (run / "critic" / "value_head.safetensors").exists()
+    state = load_file(run / "model" / weights)           # plain tensors, whole
+    assert state and all(type(v) is torch.Tensor and v.numel() for v in state.values())
+
+
+def test_two_rank_lora_run(tmp_path):
+    """`rlctl train hardware=fsdp2 hardware.num_processes=2 model.lora.enabled=true`: the
+    adapters train, the reference is the sharded policy with its adapter off; one writer."""
+    run = tmp_path / "r"
+    _train("model.lora.enabled=true", "algo.kl.coef=0.05", "trainer.steps=2",
+           "trainer.eval_every=2", f"run.dir={run}")
+    rows = _rows(run)
+    assert sorted(rows) == [0, 1, 2] and rows[2]["optim/grad_norm"] > 0
+    _exported(run, "adapter_model.safetensors")
 
 
 STEPS = 4
-RESUME = ["trainer.checkpoint_every=2", "trainer.eval_every=2", "logger.samples.every=2",
-          "run.save_model=false", "algo=ppo"]
+PPO = ["algo=ppo", "algo.critic=separate", "model.gradient_checkpointing=true",
+       "trainer.checkpoint_every=2", "trainer.eval_every=2", "logger.samples.every=2",
+       f"trainer.steps={STEPS}"]
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
-    """A 2-rank PPO run (shared critic) SIGKILLed after step 3 resumes from its step-2 DCP
-    checkpoint and logs exactly the uninterrupted run's metrics (the same seed)."""
-    _train(*RESUME, f"trainer.steps={STEPS}", f"run.dir={tmp_path / 'full'}")
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ppo") / "full"
+    _train(*PPO, f"run.dir={run}")
+    return run
+
+
+def test_two_rank_ppo_run_with_a_separate_critic(ppo_run):
+    """PPO with a separate critic (its own FSDP2 root) under gradient checkpointing on 2
+    ranks: every step logged once, the policy and the critic exported whole."""
+    rows = _rows(ppo_run)
+    assert sorted(rows) == list(range(STEPS + 1)) and rows[STEPS]["optim/grad_norm"] > 0
+    _exported(ppo_run, "model.safetensors")
+    assert (ppo_run / "critic" / "value_head.safetensors").exists()
+
+
+def _tree(pid: int):
+    """``pid`` and its descendants (the launcher's ranks run in sessions of their own)."""
+    kids = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            kids.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += kids.get(out[-1], [])
+    return out
+
+
+@pytest.mark.slow   # two 2-rank runs beside ppo_run's: killed, resumed (~25 s each here)
+def test_sigkill_then_resume_matches_uninterrupted(ppo_run, tmp_path):
+    """The 2-rank PPO run SIGKILLed after step 3 resumes from its step-2 DCP checkpoint
+    (policy, critic, AdamW shards) and logs exactly the uninterrupted run's metrics."""
     run = tmp_path / "killed"
-    proc = subprocess.Popen([*RLCTL, "train", "hardware=fsdp2", "hardware.num_processes=2",
-                             "logger=jsonl", "logger.console=false", "task.num_eval=16",
-                             "trainer.prompts_per_step=4", *RESUME, f"trainer.steps={STEPS}",
-                             f"run.dir={run}"], env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([*TRAIN, *PPO, f"run.dir={run}"], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        if '"step": 3,' in ((run / "metrics.jsonl").read_text() if (run / "metrics.jsonl").exists() else ""):
-            os.killpg(proc.pid, signal.SIGKILL)          # the launcher and both ranks
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and '"step": 3,' in metrics.read_text():
+            for pid in _tree(proc.pid):                   # the launcher and both ranks
+                os.kill(pid, signal.SIGKILL)
             break
         time.sleep(0.05)
     proc.wait(timeout=60)
@@ -122,7 +152,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     out = subprocess.run([*RLCTL, "train", "--resume", str(run)], env=ENV, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    full, resumed = _rows(tmp_path / "full"), _rows(run)
+    full, resumed = _rows(ppo_run), _rows(run)
     assert sorted(resumed) == list(range(STEPS + 1))
     for step in range(STEPS + 1):
         assert resumed[step] == full[step], step
