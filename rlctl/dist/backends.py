@@ -75,8 +75,8 @@ class TorchBackend:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self) -> torch.Tensor:
-        """Average gradients over ranks, clip, step the optimizer and schedule; grad norm."""
+    def _averaged(self) -> List[torch.nn.Parameter]:
+        """Average the gradients over ranks; the parameters to clip."""
         grads = self._params           # clip_grad_norm_ skips parameters without a gradient
         if self.world_size > 1:
             grads = [p for p in self._params if p.grad is not None]
@@ -85,8 +85,14 @@ class TorchBackend:
             flat.div_(self.world_size)
             for p, g in zip(grads, _unflatten_dense_tensors(flat, [p.grad for p in grads])):
                 p.grad.copy_(g)
+        return grads
+
+    def step(self) -> torch.Tensor:
+        """Average gradients over ranks, clip, step the optimizer and schedule; the grad norm
+        (a plain tensor, the same on every rank)."""
         limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(grads, limit)
+        norm = torch.nn.utils.clip_grad_norm_(self._averaged(), limit)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm    # FSDP2: over all shards
         if torch.isfinite(norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -350,18 +356,8 @@ class FSDP2Backend(TorchBackend):
         super().prepare(model, critic, lr, betas, weight_decay, warmup_steps, max_grad_norm)
         return model                        # (no autocast wrapper: the policy casts)
 
-    def step(self) -> torch.Tensor:
-        """Clip over the sharded gradients (FSDP2 averaged them over ranks), step; the total
-        norm, the same float on every rank."""
-        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self._params, limit)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        if torch.isfinite(norm):
-            self.optimizer.step()
-            self.scheduler.step()
-        else:
-            self.zero_grad()
-        return norm.detach()
+    def _averaged(self) -> List[torch.nn.Parameter]:
+        return self._params                 # reduce-scattered (averaged) in the backward
 
     def _units(self, module) -> List[torch.nn.Module]:
         return [m for m in module.modules() if isinstance(m, FSDPModule)] if module is not None else []
