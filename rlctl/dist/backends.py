@@ -1,4 +1,4 @@
-"""The backends (``BACKENDS``: torch, deepspeed): exact data-parallel forward, backward, step."""
+"""The backends (``BACKENDS``: torch, deepspeed, fsdp2): exact data-parallel forward, backward, step."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +11,13 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
+from torch.distributed.tensor import DTensor
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -28,9 +35,10 @@ class TorchBackend:
     nccl (GPU); ``precision`` fp32 or bf16 (``BF16Autocast``); the ZeRO arguments unused."""
 
     name = "torch"
+    lockstep = False           # True: a forward is a collective, every rank runs the same ones
 
     def __init__(self, device: str = "cpu", zero_stage: int = 0, precision: str = "fp32",
-                 deepspeed_config: Optional[str] = None):
+                 deepspeed_config: Optional[str] = None, cpu_offload: bool = False):
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.is_main, self.dp_loss_scale = self.rank == 0, float(self.world_size)
@@ -145,7 +153,13 @@ class TorchBackend:
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
 
     def gathered(self, module):
-        """Context in which the module's weights are whole (ZeRO-3 needs it to save)."""
+        """Context in which the module's weights are whole, to save (ZeRO-3 needs it); it
+        yields None (save the module's own ``state_dict``) or, on rank 0, a full state dict."""
+        return contextlib.nullcontext()
+
+    def sampling(self, module):
+        """Context in which ``module`` generates, each rank on its own (ZeRO-3 generates in
+        step instead: ``generate_kwargs``)."""
         return contextlib.nullcontext()
 
     def close(self) -> None:
@@ -230,13 +244,10 @@ class DeepSpeedBackend(TorchBackend):
     name = "deepspeed"
 
     def __init__(self, device: str, zero_stage: int, precision: str,
-                 user_config: Optional[str] = None):
+                 user_config: Optional[str] = None, cpu_offload: bool = False):
         if device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ.setdefault(key, value)
-        if "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+        _group_env()
         import deepspeed  # heavy optional dependency (1.7 s): only when this backend runs
 
         self._ds = deepspeed
@@ -244,7 +255,7 @@ class DeepSpeedBackend(TorchBackend):
         super().__init__(device, zero_stage, precision)
         self._join_group()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        self.zero_stage = zero_stage
+        self.zero_stage, self.lockstep = zero_stage, zero_stage == 3 and self.world_size > 1
         self.user_config = read_deepspeed_config(user_config) if user_config else {}
         self.engine = None
 
@@ -354,6 +365,115 @@ class _Joint(torch.nn.Module):
         return self.model(*args, **kwargs)
 
 
+@register_backend("fsdp2")
+class FSDP2Backend(TorchBackend):
+    """PyTorch FSDP2: ``fully_shard`` on each decoder layer (the classes the models name in
+    ``_no_split_modules``) and on the root, weights as DTensors sharded over the ranks (the
+    policy, a separate critic each its own root); ``precision`` bf16 through
+    ``MixedPrecisionPolicy`` (float32 reduction), ``cpu_offload`` through ``CPUOffloadPolicy``.
+    A sharded forward is a collective: ranks generate in ``sampling`` (weights whole)."""
+    name = "fsdp2"
+
+    def __init__(self, device: str, zero_stage: int = 0, precision: str = "fp32",
+                 deepspeed_config: Optional[str] = None, cpu_offload: bool = False):
+        _group_env()
+        super().__init__(device, zero_stage, precision)
+        self._join_group()
+        self.lockstep, self.cpu_offload = self.world_size > 1, cpu_offload
+        self._roots: List[torch.nn.Module] = []
+
+    def prepare(self, model, critic, lr, betas, weight_decay, warmup_steps, max_grad_norm):
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if self.precision == "bf16" \
+            else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload \
+            else OffloadPolicy()
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self._roots = [m for m in (model, critic) if m is not None]
+        for root in self._roots:
+            names = {n for m in root.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+            layers = [m for m in root.modules() if type(m).__name__ in names and m is not root]
+            for m in layers[::-1] + [root]:          # inner units first
+                fully_shard(m, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        super().prepare(model, critic, lr, betas, weight_decay, warmup_steps, max_grad_norm)
+        return model                        # (no autocast wrapper: the policy casts)
+
+    def step(self) -> torch.Tensor:
+        """Clip over the sharded gradients (FSDP2 averaged them over ranks), step; the total
+        norm, the same float on every rank."""
+        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self._params, limit)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if torch.isfinite(norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self.zero_grad()
+        return norm.detach()
+
+    def _units(self, module) -> List[torch.nn.Module]:
+        return [m for m in module.modules() if isinstance(m, FSDPModule)] if module is not None else []
+
+    @contextlib.contextmanager
+    def sampling(self, module):
+        """Within: ``module``'s weights whole on every rank (all-gathered once, kept through
+        forwards), so ranks may run different forwards; sharded again after."""
+        units = self._units(module)
+        for root in self._roots:        # as a forward through it would: the roots known first
+            fully_shard.state(root)._lazy_init()     # (generation may call a submodule)
+        for m in units:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in units:
+                m.reshard()
+                m.set_reshard_after_forward(m not in self._roots, recurse=False)
+
+    @contextlib.contextmanager
+    def gathered(self, module):
+        """Yields ``module``'s full state dict on rank 0 (on the CPU, gathered once; {} on
+        the others; None for a module that is not sharded)."""
+        if not self._units(module):
+            yield None
+            return
+        yield get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+
+    def _state(self, critic) -> Tuple[torch.nn.Module, StateDictOptions]:
+        return _Joint(self.module, critic), StateDictOptions(ignore_frozen_params=True)
+
+    def save_state(self, path: Path, critic=None) -> None:
+        """Every rank writes its shards (model, critic, AdamW) with torch.distributed.checkpoint."""
+        joint, opts = self._state(critic)
+        model, optim = get_state_dict(joint, self.optimizer, options=opts)
+        dcp.save({"model": model, "optim": optim}, checkpoint_id=str(path / "fsdp2"))
+        if self.is_main:
+            torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+
+    def load_state(self, path: Path, critic=None) -> None:
+        """What ``save_state`` wrote, resharded to this world size by DCP."""
+        joint, opts = self._state(critic)
+        model, optim = get_state_dict(joint, self.optimizer, options=opts)
+        state = {"model": model, "optim": optim}
+        dcp.load(state, checkpoint_id=str(path / "fsdp2"))
+        set_state_dict(joint, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=opts)
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+
+    def close(self) -> None:
+        if dist.is_initialized():          # one process too: fully_shard needs a group
+            dist.destroy_process_group()
+
+
+def _group_env() -> None:
+    """A one-process group's environment where no launcher set one (a free loopback port)."""
+    for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -361,6 +481,6 @@ def _free_port() -> int:
 
 
 def build_backend(name: str, device: str, zero_stage: int = 0, precision: str = "fp32",
-                  deepspeed_config: Optional[str] = None) -> TorchBackend:
+                  deepspeed_config: Optional[str] = None, cpu_offload: bool = False) -> TorchBackend:
     """The backend registered as ``name`` (``hardware.backend``); ValueError if unknown."""
-    return BACKENDS.get(name)(device, zero_stage, precision, deepspeed_config)
+    return BACKENDS.get(name)(device, zero_stage, precision, deepspeed_config, cpu_offload)

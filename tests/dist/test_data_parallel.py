@@ -32,7 +32,11 @@ def _run(out_dir: Path, world: int, cases: list, timeout=600) -> None:
                    DS_ACCELERATOR="cpu")
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out_dir), json.dumps(cases)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:           # a rank left waiting (a hang) does not outlive the test
+            p.kill()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
 
