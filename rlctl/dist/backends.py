@@ -440,6 +440,12 @@ class FSDP2Backend(TorchBackend):
         yield get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
 
+    def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
+        """Each parameter's shards all-gathered (``full_tensor``: every rank, the same order)."""
+        self._all_here(timeout_s)
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+                for n, p in bucket}
+
     def _state(self, critic) -> Tuple[torch.nn.Module, StateDictOptions]:
         return _Joint(self.module, critic), StateDictOptions(ignore_frozen_params=True)
 
