@@ -114,9 +114,6 @@ def _check_fsdp2(hw: HardwareConfig, tr: TrainerConfig, engine: str, merged: boo
         raise ConfigError("model.lora.save_merged=true with hardware=fsdp2: the adapter is saved "
                           "from the gathered weights, the merge needs the module whole; set "
                           "model.lora.save_merged=false and merge the saved adapter afterwards")
-    if engine == "server":
-        raise ConfigError("rollout.engine=server with hardware=fsdp2: pushing sharded weights to "
-                          "servers is not supported; use hardware=cpu/gpu or hardware=deepspeed")
 
 
 def _check_hardware(hw: HardwareConfig, tr: TrainerConfig, engine: str, merged: bool) -> None:

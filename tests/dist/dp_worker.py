@@ -37,6 +37,7 @@ from rlctl.models.loading import load_model_and_tokenizer  # noqa: E402
 from rlctl.types import RolloutBatch  # noqa: E402
 
 B, G, T, STEPS = 4, 3, 6, 3
+PART_MB = 0.1        # the weights pushed to engines: buckets of 0.1 MiB (test_data_parallel)
 
 
 def synthetic_batch(tok) -> RolloutBatch:
@@ -132,8 +133,10 @@ def _train_case(case: dict, rank: int, world: int, out_dir: str, dtype: str) -> 
         (Path(out_dir) / f"{case['name']}-ckpt").mkdir(exist_ok=True)
         backend.save_state(Path(out_dir) / f"{case['name']}-ckpt")
     state = _state(backend, backend.unwrap())
+    parts = list(backend.weight_buckets(backend.unwrap(), bucket_mb=PART_MB))   # every rank gathers
     if rank == 0:
         torch.save(state, os.path.join(out_dir, f"{case['name']}.pt"))
+        torch.save(parts, os.path.join(out_dir, f"{case['name']}-parts.pt"))
     backend.barrier()
 
 

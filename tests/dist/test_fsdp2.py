@@ -52,6 +52,21 @@ def test_two_ranks_give_one_process_gradient_in_float64(results):
         torch.testing.assert_close(got[k], ref[k], atol=1e-10, rtol=0, msg=k)
 
 
+def test_two_ranks_gather_the_weights_for_the_engines_in_bounded_buckets(results):
+    """``weight_buckets`` on 2 FSDP2 ranks (each parameter's shards all-gathered, bucket by
+    bucket): every parameter once, bitwise the full state rank 0 gathers in one piece; a
+    bucket holds at most PART_MB MiB unless it is one tensor bigger than that."""
+    import dp_worker
+
+    state, parts = _load(results, f"fsdp2g64-{AGG}"), _load(results, f"fsdp2g64-{AGG}-parts")
+    names = [k for part in parts for k in part]
+    assert len(names) == len(set(names)) and set(state) - set(names) <= {"lm_head.weight"}
+    assert all(torch.equal(part[k], state[k]) for part in parts for k in part)
+    sizes = [sum(t.numel() * t.element_size() for t in part.values()) for part in parts]
+    limit = dp_worker.PART_MB * 2**20
+    assert all(s <= limit or len(p) == 1 for s, p in zip(sizes, parts)) and len(parts) > 3
+
+
 def test_a_two_rank_checkpoint_loads_on_one_rank_exactly(results):
     """DCP reshards: the 2-rank run's weights after its step, loaded by 1 process, are the
     same numbers (a copy, no arithmetic: exact)."""
