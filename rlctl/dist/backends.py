@@ -442,6 +442,12 @@ class FSDP2Backend(TorchBackend):
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
                 for n, p in bucket}
 
+    def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
+        """One bucket's parameters whole: each DTensor's shards all-gathered (on every rank)."""
+        self._all_here(timeout_s)
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+                for n, p in bucket}
+
     def _state(self, critic) -> Tuple[torch.nn.Module, StateDictOptions]:
         return _Joint(self.module, critic), StateDictOptions(ignore_frozen_params=True)
 
