@@ -10,7 +10,7 @@ default attributes unless it sets its own); every failure is a one-line ValueErr
 - preference loss: ``fn(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len,
   *, beta, label_smoothing, gamma) -> (loss, reward_chosen, reward_rejected)``, all [P].
 - task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage, precision,
-  deepspeed_config)``.
+  deepspeed_config, cpu_offload)``.
 """
 from __future__ import annotations
 

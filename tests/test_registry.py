@@ -123,7 +123,7 @@ def test_every_registry_has_its_built_ins():
     assert get_policy_loss("ppo-clip") is ppo_clip_per_token
     assert KL_ESTIMATORS.names() == ["k1", "k2", "k3"] and KL_ESTIMATORS.get("mse") is kl_k2
     assert {"sorting", "arithmetic", "jsonl"} <= set(TASKS)
-    assert BACKENDS.names() == ["deepspeed", "torch"]
+    assert BACKENDS.names() == ["deepspeed", "fsdp2", "torch"]
 
 
 def test_user_task_by_import_path(user_module, tmp_path):
@@ -144,7 +144,7 @@ def test_user_task_by_import_path(user_module, tmp_path):
     (["task.name=nope"], "invalid task.name: unknown task 'nope'; valid: arithmetic, calculator, "
                          "guess_number, jsonl, running_sum, sorting"),
     (["hardware.backend=tpu"], "invalid hardware.backend: unknown backend 'tpu'; valid: "
-                               "deepspeed, torch"),
+                               "deepspeed, fsdp2, torch"),
     (["algo=ppo", "algo.critic=none"], "algo.advantage=gae needs a critic"),
     (["algo.critic=shared"], "trains a value model that algo.advantage=grpo does not use"),
 ])

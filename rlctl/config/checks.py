@@ -104,7 +104,19 @@ def _check_cuda(hw: HardwareConfig) -> None:
                           "use hardware=cpu (or hardware.device=cpu)")
 
 
-def _check_hardware(hw: HardwareConfig, tr: TrainerConfig, engine: str) -> None:
+def _check_fsdp2(hw: HardwareConfig, tr: TrainerConfig, merged: bool) -> None:
+    """What FSDP2 (sharded weights) cannot do here, each one line."""
+    if tr.micro_batch_tokens > 0 and hw.num_processes > 1:
+        raise ConfigError("trainer.micro_batch_tokens with hardware=fsdp2 on several ranks: each "
+                          "rank would run its own number of sharded forwards (collectives) and "
+                          "hang; use trainer.micro_batch_size, or hardware=deepspeed")
+    if merged:
+        raise ConfigError("model.lora.save_merged=true with hardware=fsdp2: the adapter is saved "
+                          "from the gathered weights, the merge needs the module whole; set "
+                          "model.lora.save_merged=false and merge the saved adapter afterwards")
+
+
+def _check_hardware(hw: HardwareConfig, tr: TrainerConfig, engine: str, merged: bool) -> None:
     if tr.prompts_per_step % hw.num_processes:
         raise ConfigError(f"hardware.num_processes={hw.num_processes} must be >= 1 and divide "
                           f"trainer.prompts_per_step={tr.prompts_per_step} (each rank "
@@ -113,8 +125,13 @@ def _check_hardware(hw: HardwareConfig, tr: TrainerConfig, engine: str) -> None:
         read_deepspeed_config(hw.deepspeed_config)
     _check_cuda(hw)
     if tr.compile and hw.backend != "torch":
-        raise ConfigError("trainer.compile=true needs hardware.backend=torch (DeepSpeed wraps the "
-                          f"model in its own engine; got hardware.backend={hw.backend})")
+        raise ConfigError("trainer.compile=true needs hardware.backend=torch (DeepSpeed and FSDP2 "
+                          f"wrap the model; got hardware.backend={hw.backend})")
+    if hw.cpu_offload and hw.backend != "fsdp2":
+        raise ConfigError(f"hardware.cpu_offload=true needs hardware=fsdp2 (got hardware.backend="
+                          f"{hw.backend}; DeepSpeed offload goes in hardware.deepspeed_config)")
+    if hw.backend == "fsdp2":
+        _check_fsdp2(hw, tr, merged)
     if tr.async_rollout.enabled and hw.nnodes > 1 and engine == "torch":
         raise ConfigError("trainer.async_rollout runs its actors beside the learner, on one machine "
                           f"(got hardware.nnodes={hw.nnodes}); rollout on other machines is "
@@ -213,7 +230,8 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> 
                           "trainer.eval_every=0 (no evaluation) or task.num_eval >= 1")
     if cfg.model.name == "hf" and not cfg.model.name_or_path:
         raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")
-    _check_hardware(hw, tr, cfg.rollout.engine)
+    _check_hardware(hw, tr, cfg.rollout.engine,
+                    bool(cfg.model.lora.enabled and cfg.model.lora.save_merged))
     given = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in CRITIC_KEYS]
     if given and cfg.algo.critic == "none":
         raise ConfigError(f"{given[0]} is a critic setting, and algo={algo} has no "

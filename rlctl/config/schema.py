@@ -215,7 +215,7 @@ class ModelConfig:
 @dataclass
 class HardwareConfig:
     name: str = MISSING
-    backend: str = MISSING         # torch | deepspeed
+    backend: str = MISSING         # torch | deepspeed | fsdp2
     device: str = knob(choices=("cpu", "cuda"))
     num_threads: int = knob(range=AT_LEAST_1)  # torch intra-op threads per process (1 on small shared CPUs)
     num_processes: int = knob(1, range=AT_LEAST_1)  # data-parallel ranks that `rlctl train` launches itself
@@ -223,8 +223,11 @@ class HardwareConfig:
     # bf16, torch backend: autocast, fp32 weights and AdamW state
     precision: str = knob("fp32", choices=("fp32", "bf16"))
     deepspeed_config: Optional[str] = None  # deepspeed: a user JSON merged under rlctl's keys
+    cpu_offload: bool = False  # fsdp2: weight shards, gradients and AdamW state in CPU memory
     # seconds a rank waits for the others to join (or answer)
     dist_timeout_s: float = knob(300.0, range=POSITIVE)
+    # MiB of weights gathered at once to push to the rollout engines (a bigger tensor goes alone)
+    gather_bucket_mb: float = knob(512.0, range=POSITIVE)
     nnodes: int = knob(1, range=AT_LEAST_1)  # rlctl's own launcher across nodes: machines in the job
     # this machine's index, 0 .. nnodes-1 (node 0 hosts the master)
     node_rank: int = knob(0, range=NON_NEGATIVE)

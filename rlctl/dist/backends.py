@@ -1,18 +1,28 @@
-"""The backends (``BACKENDS``: torch, deepspeed): exact data-parallel forward, backward, step."""
+"""The backends (``BACKENDS``: torch, deepspeed, fsdp2): exact data-parallel forward, backward, step."""
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
+from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
+from torch.distributed.tensor import DTensor
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from rlctl.config.checks import read_deepspeed_config
+from rlctl.errors import TrainingFault
 from rlctl.registry import Registry
 
 BACKENDS = Registry("backend")
@@ -25,9 +35,10 @@ class TorchBackend:
     nccl (GPU); ``precision`` fp32 or bf16 (``BF16Autocast``); the ZeRO arguments unused."""
 
     name = "torch"
+    lockstep = False           # True: a forward is a collective, every rank runs the same ones
 
     def __init__(self, device: str = "cpu", zero_stage: int = 0, precision: str = "fp32",
-                 deepspeed_config: Optional[str] = None):
+                 deepspeed_config: Optional[str] = None, cpu_offload: bool = False):
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.is_main, self.dp_loss_scale = self.rank == 0, float(self.world_size)
@@ -67,8 +78,8 @@ class TorchBackend:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self) -> torch.Tensor:
-        """Average gradients over ranks, clip, step the optimizer and schedule; grad norm."""
+    def _averaged(self) -> List[torch.nn.Parameter]:
+        """Average the gradients over ranks; the parameters to clip."""
         grads = self._params           # clip_grad_norm_ skips parameters without a gradient
         if self.world_size > 1:
             grads = [p for p in self._params if p.grad is not None]
@@ -77,8 +88,14 @@ class TorchBackend:
             flat.div_(self.world_size)
             for p, g in zip(grads, _unflatten_dense_tensors(flat, [p.grad for p in grads])):
                 p.grad.copy_(g)
+        return grads
+
+    def step(self) -> torch.Tensor:
+        """Average gradients over ranks, clip, step the optimizer and schedule; the grad norm
+        (a plain tensor, the same on every rank)."""
         limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(grads, limit)
+        norm = torch.nn.utils.clip_grad_norm_(self._averaged(), limit)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm    # FSDP2: over all shards
         if torch.isfinite(norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -142,12 +159,61 @@ class TorchBackend:
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
 
     def gathered(self, module):
-        """Context in which the module's weights are whole (ZeRO-3 needs it to save)."""
+        """Context in which the module's weights are whole, to save (ZeRO-3 needs it); it
+        yields None (save the module's own ``state_dict``) or, on rank 0, a full state dict."""
+        return contextlib.nullcontext()
+
+    def sampling(self, module):
+        """Context in which ``module`` generates, each rank on its own (ZeRO-3 generates in
+        step instead: ``generate_kwargs``)."""
         return contextlib.nullcontext()
 
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+    # -- weights to the rollout engines, a bucket at a time (docs/engines.md) --
+    def weight_buckets(self, module, bucket_mb: float, names: Optional[Sequence[str]] = None,
+                       timeout_s: float = 300.0) -> Iterator[Dict[str, torch.Tensor]]:
+        """``module``'s parameters (those in ``names``; all: None), whole, as CPU copies in dicts
+        of at most ``bucket_mb`` MiB (a bigger tensor alone in its own), in the module's order.
+        Every rank calls it and reads every bucket (ZeRO-3 gathers each bucket's parameters on all
+        ranks); a rank not at a bucket within ``timeout_s``: TrainingFault naming it."""
+        keep = None if names is None else set(names)
+        bucket: List[Tuple[str, torch.nn.Parameter]] = []
+        size, limit = 0, bucket_mb * 2**20
+        for n, p in module.named_parameters():
+            if keep is not None and n not in keep:
+                continue
+            nbytes = getattr(p, "ds_numel", p.numel()) * p.element_size()   # ZeRO-3: the whole count
+            if bucket and size + nbytes > limit:
+                yield self._gather_bucket(bucket, timeout_s)
+                bucket, size = [], 0
+            bucket.append((n, p))
+            size += nbytes
+        if bucket:
+            yield self._gather_bucket(bucket, timeout_s)
+
+    def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
+        """One bucket's (name, parameter) pairs -> {name: whole CPU copy}, once every rank is here."""
+        self._all_here(timeout_s)
+        with self.gathered([p for _, p in bucket]):
+            return {n: p.detach().to("cpu", copy=True) for n, p in bucket}
+
+    def _all_here(self, timeout_s: float) -> None:
+        """Wait for every rank (gloo's monitored barrier); a missing one: TrainingFault naming it."""
+        if self.world_size == 1:
+            return
+        if getattr(self, "_gloo", None) is None:      # the monitored barrier is gloo's alone
+            self._gloo = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        try:
+            dist.monitored_barrier(self._gloo, timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            found = re.search(r"[Rr]anks? ([\d, ]+) failed|from rank (\d+)", str(exc))
+            who = (found.group(1) or found.group(2)).strip(", ") if found else "?"
+            raise TrainingFault(f"rank {who} did not answer within {timeout_s:g} s (hardware."
+                                f"dist_timeout_s) while the weights were gathered for the rollout "
+                                f"engines (rank {self.rank} waited)") from None
 
 
 class BF16Autocast(torch.nn.Module):
@@ -184,13 +250,10 @@ class DeepSpeedBackend(TorchBackend):
     name = "deepspeed"
 
     def __init__(self, device: str, zero_stage: int, precision: str,
-                 user_config: Optional[str] = None):
+                 user_config: Optional[str] = None, cpu_offload: bool = False):
         if device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ.setdefault(key, value)
-        if "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+        _group_env()
         import deepspeed  # heavy optional dependency (1.7 s): only when this backend runs
 
         self._ds = deepspeed
@@ -198,7 +261,7 @@ class DeepSpeedBackend(TorchBackend):
         super().__init__(device, zero_stage, precision)
         self._join_group()
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        self.zero_stage = zero_stage
+        self.zero_stage, self.lockstep = zero_stage, zero_stage == 3 and self.world_size > 1
         self.user_config = read_deepspeed_config(user_config) if user_config else {}
         self.engine = None
 
@@ -261,10 +324,11 @@ class DeepSpeedBackend(TorchBackend):
             raise ValueError(f"no DeepSpeed checkpoint in {path}")
 
     def gathered(self, module):
-        """Context in which ZeRO-3 partitioned weights are whole on every rank."""
+        """Context in which ZeRO-3 partitioned weights (a module's, or a list) are whole on every rank."""
         if self.zero_stage != 3:
             return contextlib.nullcontext()
-        return self._ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        params = list(module.parameters()) if isinstance(module, torch.nn.Module) else list(module)
+        return self._ds.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def _has_frozen(module) -> bool:
@@ -307,6 +371,117 @@ class _Joint(torch.nn.Module):
         return self.model(*args, **kwargs)
 
 
+@register_backend("fsdp2")
+class FSDP2Backend(TorchBackend):
+    """PyTorch FSDP2: ``fully_shard`` on each decoder layer (the classes the models name in
+    ``_no_split_modules``) and on the root, weights as DTensors sharded over the ranks (the
+    policy, a separate critic each its own root); ``precision`` bf16 through
+    ``MixedPrecisionPolicy`` (float32 reduction), ``cpu_offload`` through ``CPUOffloadPolicy``.
+    A sharded forward is a collective: ranks generate in ``sampling`` (weights whole)."""
+    name = "fsdp2"
+
+    def __init__(self, device: str, zero_stage: int = 0, precision: str = "fp32",
+                 deepspeed_config: Optional[str] = None, cpu_offload: bool = False):
+        _group_env()
+        super().__init__(device, zero_stage, precision)
+        self._join_group()
+        self.lockstep, self.cpu_offload = self.world_size > 1, cpu_offload
+        self._roots: List[torch.nn.Module] = []
+
+    def prepare(self, model, critic, lr, betas, weight_decay, warmup_steps, max_grad_norm):
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if self.precision == "bf16" \
+            else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload \
+            else OffloadPolicy()
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self._roots = [m for m in (model, critic) if m is not None]
+        for root in self._roots:
+            names = {n for m in root.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+            layers = [m for m in root.modules() if type(m).__name__ in names and m is not root]
+            for m in layers[::-1] + [root]:          # inner units first
+                fully_shard(m, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        super().prepare(model, critic, lr, betas, weight_decay, warmup_steps, max_grad_norm)
+        return model                        # (no autocast wrapper: the policy casts)
+
+    def _averaged(self) -> List[torch.nn.Parameter]:
+        return self._params                 # reduce-scattered (averaged) in the backward
+
+    def _units(self, module) -> List[torch.nn.Module]:
+        return [m for m in module.modules() if isinstance(m, FSDPModule)] if module is not None else []
+
+    @contextlib.contextmanager
+    def sampling(self, module):
+        """Within: ``module``'s weights whole on every rank (all-gathered once, kept through
+        forwards), so ranks may run different forwards; sharded again after."""
+        units = self._units(module)
+        for root in self._roots:        # as a forward through it would: the roots known first
+            fully_shard.state(root)._lazy_init()     # (generation may call a submodule)
+        for m in units:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in units:
+                m.reshard()
+                m.set_reshard_after_forward(m not in self._roots, recurse=False)
+
+    @contextlib.contextmanager
+    def gathered(self, module):
+        """Yields ``module``'s full state dict on rank 0 (on the CPU, gathered once; {} on
+        the others; None for a module that is not sharded)."""
+        if not self._units(module):
+            yield None
+            return
+        yield get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+
+    def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
+        """Each parameter's shards all-gathered (``full_tensor``: every rank, the same order)."""
+        self._all_here(timeout_s)
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+                for n, p in bucket}
+
+    def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
+        """One bucket's parameters whole: each DTensor's shards all-gathered (on every rank)."""
+        self._all_here(timeout_s)
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+                for n, p in bucket}
+
+    def _state(self, critic) -> Tuple[torch.nn.Module, StateDictOptions]:
+        return _Joint(self.module, critic), StateDictOptions(ignore_frozen_params=True)
+
+    def save_state(self, path: Path, critic=None) -> None:
+        """Every rank writes its shards (model, critic, AdamW) with torch.distributed.checkpoint."""
+        joint, opts = self._state(critic)
+        model, optim = get_state_dict(joint, self.optimizer, options=opts)
+        dcp.save({"model": model, "optim": optim}, checkpoint_id=str(path / "fsdp2"))
+        if self.is_main:
+            torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+
+    def load_state(self, path: Path, critic=None) -> None:
+        """What ``save_state`` wrote, resharded to this world size by DCP."""
+        joint, opts = self._state(critic)
+        model, optim = get_state_dict(joint, self.optimizer, options=opts)
+        state = {"model": model, "optim": optim}
+        dcp.load(state, checkpoint_id=str(path / "fsdp2"))
+        set_state_dict(joint, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=opts)
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+
+    def close(self) -> None:
+        if dist.is_initialized():          # one process too: fully_shard needs a group
+            dist.destroy_process_group()
+
+
+def _group_env() -> None:
+    """A one-process group's environment where no launcher set one (a free loopback port)."""
+    for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -314,6 +489,6 @@ def _free_port() -> int:
 
 
 def build_backend(name: str, device: str, zero_stage: int = 0, precision: str = "fp32",
-                  deepspeed_config: Optional[str] = None) -> TorchBackend:
+                  deepspeed_config: Optional[str] = None, cpu_offload: bool = False) -> TorchBackend:
     """The backend registered as ``name`` (``hardware.backend``); ValueError if unknown."""
-    return BACKENDS.get(name)(device, zero_stage, precision, deepspeed_config)
+    return BACKENDS.get(name)(device, zero_stage, precision, deepspeed_config, cpu_offload)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlctl.core.logprobs import chunked_token_logprobs, entropy_from_logits, token_logprobs
 from rlctl.models.head_check import VERDICTS as HEAD_VERDICTS, head_matches
@@ -29,9 +30,9 @@ class PromptGroups:
 
 
 def prompt_sharing(enabled: bool, backend) -> bool:
-    """``trainer.share_prompts`` on this backend: off under multi-rank ZeRO-3."""
-    zero3 = getattr(backend, "zero_stage", 0) == 3 and getattr(backend, "world_size", 1) > 1
-    return bool(enabled) and not zero3
+    """``trainer.share_prompts`` on this backend: off where forwards are collectives
+    (multi-rank ZeRO-3 or FSDP2: every rank must run the same forwards)."""
+    return bool(enabled) and not getattr(backend, "lockstep", False)
 
 
 def fused_head(model, inputs: Optional[dict] = None) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
@@ -44,8 +45,9 @@ def fused_head(model, inputs: Optional[dict] = None) -> Optional[Tuple[torch.Ten
         return None
     get = getattr(inner, "get_output_embeddings", None)
     lm_head = get() if callable(get) else None
-    if type(lm_head) is not torch.nn.Linear or lm_head.weight.dim() != 2 or lm_head.weight.numel() == 0:
-        return None     # a LoRA-wrapped head, or a ZeRO-3 partitioned weight
+    if type(lm_head) is not torch.nn.Linear or lm_head.weight.dim() != 2 or \
+            lm_head.weight.numel() == 0 or isinstance(lm_head.weight, DTensor):
+        return None     # a LoRA-wrapped head, or a ZeRO-3 partitioned or FSDP2 sharded weight
     exact = HEAD_VERDICTS.get(inner)           # checked once per model, on its first inputs
     if exact is None and inputs is not None:
         exact = head_matches(model, inner, lm_head.weight, lm_head.bias, inputs)

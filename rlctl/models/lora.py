@@ -115,12 +115,13 @@ def count_parameters(model: nn.Module, *more: Optional[nn.Module]) -> Tuple[int,
             sum(p.numel() for p in params.values()))
 
 
-def save_lora(model, out_dir, tokenizer=None, merged: bool = False) -> Path:
-    """``out_dir`` with the adapter (value head), tokenizer and if ``merged`` a merged copy."""
+def save_lora(model, out_dir, tokenizer=None, merged: bool = False, state_dict=None) -> Path:
+    """``out_dir`` with the adapter (value head), tokenizer and if ``merged`` a merged copy
+    (of the module's weights: not with a gathered ``state_dict``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     peft_model = _as_peft(model)
-    model.save_pretrained(out)
+    model.save_pretrained(out, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     if merged:

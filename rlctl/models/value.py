@@ -29,10 +29,17 @@ class ValueHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
 
-    def save(self, directory) -> None:
+    def save(self, directory, state_dict=None) -> None:
         os.makedirs(directory, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
+        state = self.state_dict() if state_dict is None else state_dict
+        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()},
                   os.path.join(directory, VALUE_HEAD_FILE))
+
+
+def _part(state_dict, prefix: str):
+    """The entries of ``state_dict`` under ``prefix``, the prefix cut (None stays None)."""
+    return None if state_dict is None else \
+        {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
 
 
 def _hidden_size(model) -> int:
@@ -93,10 +100,11 @@ class PolicyValueModel(nn.Module):
     def device(self) -> torch.device:
         return _device(self.policy)
 
-    def save_pretrained(self, directory, **kwargs) -> None:
-        """The policy in HF format (an adapter for peft) plus ``value_head.safetensors``."""
-        self.policy.save_pretrained(directory, **kwargs)
-        self.value_head.save(directory)
+    def save_pretrained(self, directory, state_dict=None, **kwargs) -> None:
+        """The policy in HF format (an adapter for peft) plus ``value_head.safetensors``
+        (``state_dict``: the weights to write, else the modules' own)."""
+        self.policy.save_pretrained(directory, state_dict=_part(state_dict, "policy."), **kwargs)
+        self.value_head.save(directory, _part(state_dict, "value_head."))
 
 
 def _backbone_copy(policy):
@@ -127,9 +135,9 @@ class SeparateCritic(nn.Module):
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return self.value_head(hidden)
 
-    def save_pretrained(self, directory, **kwargs) -> None:
-        self.backbone.save_pretrained(directory, **kwargs)
-        self.value_head.save(directory)
+    def save_pretrained(self, directory, state_dict=None, **kwargs) -> None:
+        self.backbone.save_pretrained(directory, state_dict=_part(state_dict, "backbone."), **kwargs)
+        self.value_head.save(directory, _part(state_dict, "value_head."))
 
     @classmethod
     def from_sequence_classifier(cls, classifier) -> "SeparateCritic":

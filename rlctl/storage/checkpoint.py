@@ -88,14 +88,16 @@ def load(trainer, path: Path) -> Dict[str, Any]:
     state = read_state(path)
     try:
         b.load_state(path, trainer.critic)
-        rng = torch.load(path / f"rng-rank{b.rank}.pt", weights_only=True)
+        file = path / f"rng-rank{b.rank}.pt"   # absent: a resharded resume's new rank (fresh seeds)
+        rng = torch.load(file, weights_only=True) if file.exists() or b.rank == 0 else None
     except Exception as exc:  # noqa: BLE001 - unpickling, safetensors, shape and key errors alike
         raise CheckpointError(f"checkpoint {path} is unreadable or incomplete: "
                               f"{' '.join(str(exc).split())[:200]}") from None
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    trainer.prompt_rng.setstate(_as_tuple(rng["python"]))
+    if rng is not None:
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        trainer.prompt_rng.setstate(_as_tuple(rng["python"]))
     try:
         trainer.kl_ctl.load_state_dict(state["kl"])
     except (KeyError, TypeError, ValueError) as exc:

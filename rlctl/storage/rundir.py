@@ -226,12 +226,14 @@ def write_json_atomic(path: Path, data: Dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
-def save_model(run_dir: Path, model, tokenizer, lora: bool = False, merged: bool = False) -> Path:
-    """``<run_dir>/model``: the full model, or the LoRA adapter (``merged``: also model/merged)."""
+def save_model(run_dir: Path, model, tokenizer, lora: bool = False, merged: bool = False,
+               state_dict: Optional[dict] = None) -> Path:
+    """``<run_dir>/model``: the full model, or the LoRA adapter (``merged``: also model/merged);
+    ``state_dict``: the weights to write (a sharded model's, gathered), else the model's own."""
     out = run_dir / "model"
     if lora:
-        return save_lora(model, out, tokenizer, merged=merged)
-    model.save_pretrained(out)
+        return save_lora(model, out, tokenizer, merged=merged, state_dict=state_dict)
+    model.save_pretrained(out, state_dict=state_dict)
     tokenizer.save_pretrained(out)
     return out
 

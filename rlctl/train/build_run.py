@@ -51,7 +51,8 @@ def built_rank(cfg: DictConfig, run_dir: Path, resume: bool, stop, built=None) -
         cfg = copy.deepcopy(cfg)
         cfg.hardware.device = f"cuda:{local}"             # the builders read it from the config
     hw, lora = cfg.hardware, bool(cfg.model.lora.enabled)
-    backend = build_backend(hw.backend, hw.device, hw.zero_stage, hw.precision, hw.deepspeed_config)
+    backend = build_backend(hw.backend, hw.device, hw.zero_stage, hw.precision, hw.deepspeed_config,
+                            hw.cpu_offload)
     closing = ExitStack()
     try:
         built = built or task_from_config(cfg)

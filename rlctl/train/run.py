@@ -181,13 +181,14 @@ def _save_model(backend, run_dir: Path, policy, critic, tokenizer, lora: bool,
                 merged: bool) -> Optional[Path]:
     """Rank 0 writes the policy and a separate critic; the policy's directory (else None)."""
     model_dir = None
-    with backend.gathered(policy):
+    with backend.gathered(policy) as state:
         if backend.is_main:
-            model_dir = rundir.save_model(run_dir, policy, tokenizer, lora=lora, merged=merged)
+            model_dir = rundir.save_model(run_dir, policy, tokenizer, lora=lora, merged=merged,
+                                          state_dict=state)
     if critic is not None:
-        with backend.gathered(critic):
+        with backend.gathered(critic) as state:
             if backend.is_main:
-                critic.save_pretrained(run_dir / "critic")
+                critic.save_pretrained(run_dir / "critic", state_dict=state)
     return model_dir
 
 
@@ -268,7 +269,8 @@ def check_resumable(run_dir: Path, settings: ResumeSettings, overrides: List[str
         raise no_checkpoint(run_dir)
     step = checkpoint.read_state(last)["step"]
     saved = len(list(last.glob("rng-rank*.pt")))       # one per rank that wrote it
-    if saved and saved != world:
+    reshards = settings.shape.get("hardware.backend") == "fsdp2"   # DCP reshards its checkpoint
+    if saved and saved != world and not reshards:
         raise UserError(f"cannot resume '{run_dir}' with {world} rank(s): its checkpoint {last.name} "
                         f"was written by {saved}; resume with the same number of ranks")
     q, steps = shlex.quote(str(run_dir)), settings.steps

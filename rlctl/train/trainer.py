@@ -211,11 +211,12 @@ class Trainer:
         """Greedy eval after ``step``: each rank takes every world_size-th example, the sums
         are reduced; with samples on, rank 0's first logger.samples.n rows go to the sink."""
         b, samples = self.backend, self.samples
-        ev = evaluate(self.policy, self.tokenizer, self.eval_examples[b.rank::b.world_size],
-                      scorer=self.eval_scorer, player=self.source.player,
-                      max_new_tokens=self.eval_max_new_tokens,
-                      keep=samples.n if samples.every > 0 and b.is_main else 0, step=step,
-                      **b.generate_kwargs())
+        with b.sampling(self.policy):
+            ev = evaluate(self.policy, self.tokenizer, self.eval_examples[b.rank::b.world_size],
+                          scorer=self.eval_scorer, player=self.source.player,
+                          max_new_tokens=self.eval_max_new_tokens,
+                          keep=samples.n if samples.every > 0 and b.is_main else 0, step=step,
+                          **b.generate_kwargs())
         if ev.rows:
             self.sink.samples(ev.rows, step, "eval")
         return {f"eval/{k}": v for k, v in means(ev.sums, b.all_reduce).items()}
@@ -224,8 +225,9 @@ class Trainer:
         a = self.algo
         t0, score0 = time.perf_counter(), self.scorer.seconds
         self.model.eval()
-        batch, kept = collect(self.source.sample, self.local_prompts, a.dynamic_sampling,
-                              a.max_sampling_rounds, self.tokenizer.pad_token_id)
+        with self.backend.sampling(self.policy):        # FSDP2: the weights whole
+            batch, kept = collect(self.source.sample, self.local_prompts, a.dynamic_sampling,
+                                  a.max_sampling_rounds, self.tokenizer.pad_token_id)
         t_gen, score_s = time.perf_counter(), self.scorer.seconds - score0
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len) \
             if self.update_settings.share_prompts else None                  # found on the CPU
