@@ -437,12 +437,6 @@ class FSDP2Backend(TorchBackend):
                                                                     cpu_offload=True))
 
     def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
-        """Each parameter's shards all-gathered (``full_tensor``: every rank, the same order)."""
-        self._all_here(timeout_s)
-        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
-                for n, p in bucket}
-
-    def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
         """One bucket's parameters whole: each DTensor's shards all-gathered (on every rank)."""
         self._all_here(timeout_s)
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
