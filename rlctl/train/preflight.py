@@ -8,6 +8,7 @@ from typing import Optional
 from rlctl.dist import BACKENDS
 from rlctl.core import (ADVANTAGE_ESTIMATORS, KL_PLACEMENT_NOTES, POLICY_LOSSES, resolve_agg_mode,
                         resolve_kl_estimator)
+from rlctl.core._preference_tmp import PREFERENCE_LOSSES
 from rlctl.envs.environment import is_episodic
 from rlctl.errors import ConfigError
 from rlctl.tasks import TASKS
@@ -22,6 +23,8 @@ def check_entries(algo, task_name, backend) -> None:
                ("algo.kl.estimator", algo.kl.estimator,
                 lambda kind: resolve_kl_estimator(kind, algo.kl.placement)),
                ("task.name", task_name, TASKS.entry), ("hardware.backend", backend, BACKENDS.entry))
+    if algo.get("loss_type") is not None:
+        lookups += (("algo.loss_type", algo.loss_type, PREFERENCE_LOSSES.entry),)
     for key, name, lookup in lookups:
         try:
             lookup(name)
