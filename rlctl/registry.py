@@ -7,6 +7,8 @@ default attributes unless it sets its own); every failure is a one-line ValueErr
 - policy loss: ``fn(logp, old_logp, advantages, mask, clip_low, clip_high,
   clip_ratio_c=None) -> (loss [N, T], metrics dict of detached scalar tensors)``.
 - KL estimator: ``fn(logp [N, T], ref_logp [N, T]) -> [N, T]``.
+- preference loss: ``fn(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len,
+  *, beta, label_smoothing, gamma) -> (loss, reward_chosen, reward_rejected)``, all [P].
 - task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage, precision,
   deepspeed_config)``.
 """

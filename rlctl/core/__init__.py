@@ -2,7 +2,8 @@
 I/O, config or distributed code. Shape letters: B prompts, G samples per prompt, N = B*G, T
 completion tokens, V vocabulary; `mask` 1.0 on the completion tokens that count. Float32 and
 bfloat16 in, reductions in float32 (float64 kept), 0 (never NaN) for an all-masked row; losses
-return `(loss, detached metrics)`; registries take "package.module:function" too."""
+return `(loss, detached metrics)` (preference losses: per-pair loss and rewards); registries
+take "package.module:function" too."""
 from .advantages import (ADVANTAGE_ESTIMATORS, REINFORCE_BASELINES, broadcast_to_tokens,
                          dr_grpo_advantages, gae, get_advantage_estimator, group_advantages,
                          grpo_advantages, overlong_penalty, register_advantage,
@@ -16,4 +17,6 @@ from .losses import (AGG_ALIASES, AGG_MODES, KL_ALIASES, KL_DEFAULT_ESTIMATOR, K
                      get_policy_loss, gspo_per_token, kl_estimate, kl_shaped_rewards,
                      ppo_clip_per_token, register_kl, register_policy_loss, resolve_agg_mode,
                      resolve_kl_estimator, vanilla_pg_per_token, value_loss_per_token)
+from .preference import (PREFERENCE_LOSSES, bradley_terry_loss, dpo_sigmoid_loss, ipo_loss,
+                         register_preference_loss, simpo_loss)
 from .turns import TURN_REWARD_RULES, place_turn_rewards, turn_weights
