@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from rlctl.core import (agg_denominator, aggregate_sum, counted_width, get_policy_loss, kl_estimate,
                         masked_mean, resolve_kl_estimator)
 from rlctl.core.losses import active_terms, value_loss_per_token
-from rlctl.core._preference_tmp import PREFERENCE_LOSSES
+from rlctl.core import PREFERENCE_LOSSES
 from rlctl.core.rollout_correction import correction_weights, mismatch_metrics
 from rlctl.errors import UserError
 from rlctl.models.forward import PromptGroups, learner_forward
@@ -91,10 +91,10 @@ def pair_sums(loss_fn: Callable, logp: torch.Tensor, mb: RolloutBatch, mask: tor
     """(the loss summed over the pairs of ``mb`` (rows 2i chosen, 2i+1 rejected), detached sums
     of ``PAIR_METRICS``) from the summed completion log-probs; ``logp`` [2P, T]."""
     seq = (logp * mask).sum(-1)                                                   # [2P]
-    ref = (mb.logprobs.ref * mask).sum(-1) if mb.logprobs.ref is not None else torch.zeros_like(seq)
-    n = mask.sum(-1)                                                              # [2P]
-    loss, r_c, r_r = loss_fn(seq[0::2], seq[1::2], ref[0::2].to(seq), ref[1::2].to(seq),
-                             n[0::2], n[1::2])                                    # [P] each
+    ref = (mb.logprobs.ref * mask).sum(-1).to(seq) if mb.logprobs.ref is not None else None  # [2P]
+    n = mask.sum(-1).to(seq)                                                      # [2P]
+    loss, r_c, r_r = loss_fn(seq[0::2], seq[1::2], None if ref is None else ref[0::2],
+                             None if ref is None else ref[1::2], n[0::2], n[1::2])   # [P] each
     lp = seq.detach()
     return loss.sum(), dict(zip(PAIR_METRICS, (
         r_c.sum(), r_r.sum(), (r_c - r_r).sum(), (r_c > r_r).to(lp.dtype).sum(),
