@@ -110,7 +110,7 @@ class AlgoConfig:
     # entropy bonus: loss -= coef * aggregated entropy (rlctl.core.losses)
     entropy_coef: float = knob(0.0, range=Range(0, why="an entropy bonus; 0: off"))
     mask_truncated: bool = False   # completions with no stop id left out of the loss (DAPO)
-    # preference optimisation on pairs (algo=dpo, task=preferences; docs/dpo.md): a loss of
+    # preference optimisation on pairs (algo=dpo, task=preferences; docs/rlhf.md): a loss of
     # rlctl.core.preference (sigmoid | ipo | simpo) or package.module:function; null: RL
     loss_type: Optional[str] = None
     beta: float = knob(0.1, range=POSITIVE)  # the implicit reward's scale (DPO's beta)

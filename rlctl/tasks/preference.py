@@ -1,5 +1,5 @@
 """Preference pairs (prompt, chosen, rejected): the one reader of pairs files, shared by
-`rlctl reward-model train` and ``task=preferences`` (preference optimisation, docs/dpo.md)."""
+`rlctl reward-model train` and ``task=preferences`` (preference optimisation, docs/rlhf.md)."""
 from __future__ import annotations
 
 import math
