@@ -45,6 +45,9 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
         if not all({"chosen", "rejected"} <= set(ex.fields) for ex in prepared.train[:1]):
             raise ConfigError(f"algo.loss_type={cfg.algo.loss_type} trains on preference pairs; "
                               f"task '{cfg.task.name}' has none (use task=preferences)")
+        if cfg.trainer.async_rollout.enabled or cfg.rollout.engine != "torch":
+            raise ConfigError(f"algo.loss_type={cfg.algo.loss_type} reads its pairs, it samples "
+                              "nothing: set trainer.async_rollout.enabled=false, rollout.engine=torch")
         stops = resolve_stop_ids(policy, tokenizer, tuple(cfg.rollout.stop_token_ids or ()))
         return PairSource(tokenizer, prepared.train, prepared.eval, prepared.scorer(), stops,
                           cfg.rollout.max_new_tokens, cfg.seed * 1000 + rank, device)

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_two_ranks
 import torch.nn.functional as F
 
 from learner_kit import settings
 from rlctl.config.compose import compose
 from rlctl.core import PREFERENCE_LOSSES
-from rlctl.dist.backends import TorchBackend
+from rlctl.dist.backends import TorchBackend, build_backend
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.rollout.source import PairSource
 from rlctl.tasks.sorting import SortingTask
@@ -35,33 +36,37 @@ from dp_worker import _rms_norm_in_input_dtype  # noqa: E402
 BETA = 0.5
 
 
+def _model_and_pairs():
+    """The float64 tiny Llama and 6 sorting pairs of ragged lengths with a synthetic reference."""
+    from transformers.models.llama import modeling_llama
+    modeling_llama.LlamaRMSNorm.forward = _rms_norm_in_input_dtype
+    opts = {k: v for k, v in dict(compose([]).cfg.model).items() if k != "name"}
+    model, tok = load_model_and_tokenizer("tiny", **opts)
+    task = SortingTask()
+    examples = task.preference_pairs(task.train_examples(), 6, seed=3)
+    b = PairSource(tok, examples, [], None, [tok.eos_token_id], 8, 0, "cpu").batch("train", range(6))
+    g = torch.Generator().manual_seed(5)
+    ref = (-2.0 + torch.randn(b.mask.shape, generator=g, dtype=torch.float64)) * b.mask
+    return model.double(), b.replace(mask=b.mask.double(), logprobs=LogProbs(ref=ref))
+
+
 @pytest.fixture(scope="module")
 def pairs_setup():
     from transformers.models.llama import modeling_llama
     norm = modeling_llama.LlamaRMSNorm.forward
-    modeling_llama.LlamaRMSNorm.forward = _rms_norm_in_input_dtype
     try:
-        opts = {k: v for k, v in dict(compose([]).cfg.model).items() if k != "name"}
-        model, tok = load_model_and_tokenizer("tiny", **opts)
-        model = model.double()
-        task = SortingTask()
-        examples = task.preference_pairs(task.train_examples(), 6, seed=3)
-        source = PairSource(tok, examples, [], None, [tok.eos_token_id], 8, 0, "cpu")
-        b = source.batch("train", range(6))
-        g = torch.Generator().manual_seed(5)
-        ref = (-2.0 + torch.randn(b.mask.shape, generator=g, dtype=torch.float64)) * b.mask
-        b = b.replace(mask=b.mask.double(), logprobs=LogProbs(ref=ref))
-        yield model, b
+        yield _model_and_pairs()
     finally:
         modeling_llama.LlamaRMSNorm.forward = norm
 
 
-def _grads(model, b, **kw):
+def _grads(model, b, backend=None, **kw):
+    """The gradient of ``b``'s share of the loss (over every rank's pairs) and the metrics."""
     model = copy.deepcopy(model)
     s = settings(share_prompts=False, **kw,
                  preference=partial(PREFERENCE_LOSSES.get("sigmoid"), beta=BETA,
                                     label_smoothing=0.0, gamma=0.0))
-    m = accumulate_gradients(model, TorchBackend("cpu"), b, s, UpdateState())
+    m = accumulate_gradients(model, backend or TorchBackend("cpu"), b, s, UpdateState())
     return [p.grad.clone() for p in model.parameters()], m
 
 
@@ -163,3 +168,29 @@ def test_a_bad_pairs_file_gets_the_reward_model_s_error_line(rlctl_app, tmp_path
     # the reader's words, its key renamed, after the task's name as every task error has it
     assert dpo.stderr.strip().splitlines()[-1] == line.replace(
         "error: PREFS", "error: task 'preferences': task.train_path")
+
+
+def _rank_worker(out_dir: str) -> None:
+    """One of 2 ranks (a subprocess of the test below): pairs 3r..3r+2, micro-batches of 2 rows;
+    the gradients summed over ranks as the backend's step averages them (x world / world)."""
+    backend = build_backend("torch", "cpu")
+    model, b = _model_and_pairs()
+    rank = backend.rank
+    grads, m = _grads(model, b.select(torch.arange(6 * rank, 6 * rank + 6)), backend,
+                      micro_batch_size=2)
+    summed = [backend.all_reduce(g) / backend.world_size for g in grads]
+    loss = backend.all_reduce(m["policy/loss"].detach())
+    if rank == 0:
+        torch.save({"grads": summed, "loss": loss}, Path(out_dir) / "two.pt")
+    backend.close()
+
+
+def test_two_ranks_give_the_one_batch_gradient(pairs_setup, tmp_path):
+    model, b = pairs_setup
+    whole, m = _grads(model, b)
+    run_two_ranks("test_dpo", f"_rank_worker({str(tmp_path)!r})", tmp_path, 300,
+                  paths=[Path(__file__).resolve().parent.parent / "dist"])
+    two = torch.load(tmp_path / "two.pt")
+    assert float(two["loss"]) == pytest.approx(float(m["policy/loss"]), rel=1e-12, abs=0)
+    for g, h in zip(two["grads"], whole):
+        torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
