@@ -231,10 +231,11 @@ class Trainer:
         accuracy and margin of the implicit rewards and of the preference loss."""
         b, source, s = self.backend, self.source, self.update_settings
         index = list(range(len(source.eval_examples)))[b.rank::b.world_size]
+        k = -(-len(source.eval_examples) // b.world_size // chunk) or 1   # equal on every rank
         out = dict.fromkeys(("pairwise_accuracy", "margin", "preference_loss"), 0.0)
         self.model.eval()
-        for start in range(0, len(index), chunk):
-            batch = source.batch("eval", index[start:start + chunk])
+        for part in (index[i::k] for i in range(k)):
+            batch = source.batch("eval", part)
             args = (batch.input_ids, batch.attention_mask, batch.prompt_len, s.temperature)
             if batch.logprobs.ref is None and self.ref_model is not None:
                 batch = batch.replace(logprobs=dict(ref=learner_forward(self.ref_model, *args).logp))

@@ -11,10 +11,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from omegaconf import OmegaConf
 
-from rlctl.core import (agg_denominator, aggregate_sum, counted_width, get_policy_loss, kl_estimate,
-                        masked_mean, resolve_kl_estimator)
+from rlctl.core import (PREFERENCE_LOSSES, agg_denominator, aggregate_sum, counted_width,
+                        get_policy_loss, kl_estimate, masked_mean, resolve_kl_estimator)
 from rlctl.core.losses import active_terms, value_loss_per_token
-from rlctl.core import PREFERENCE_LOSSES
 from rlctl.core.rollout_correction import correction_weights, mismatch_metrics
 from rlctl.errors import UserError
 from rlctl.models.forward import PromptGroups, learner_forward
@@ -251,8 +250,8 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     # correction off: the sampler's mismatch measured against the first step's forward (pi_old)
     measure = corr is None and batch.logprobs.engine is not None
     measured: Dict[str, Metric] = {}
+    unit = 2 if s.preference is not None else 1      # a pair's rows stay together
     for _ in range(a.epochs):
-        unit = 2 if s.preference is not None else 1      # a pair's rows stay together
         n = batch.num_sequences // unit
         order = torch.randperm(n) if shuffle else torch.arange(n)
         # exactly a.minibatches pieces (chunk gives fewer when N / minibatches is not whole:
