@@ -149,6 +149,12 @@ def _check_algo(a: AlgoConfig, prompts_per_step: int) -> None:
                           f"algo.rollout_correction.upper={rc.upper} (mask keeps weights in [lower, upper])")
     if a.kl.target is not None and a.kl.coef <= 0:
         raise ConfigError("an adaptive KL (algo.kl.target) needs algo.kl.coef > 0 and a target > 0")
+    if a.loss_type is not None and (a.group_size != 2 or a.dynamic_sampling or a.critic != "none"):
+        raise ConfigError(f"algo.loss_type={a.loss_type} trains on pairs (chosen, rejected): it "
+                          "needs algo.group_size=2, algo.dynamic_sampling=false, algo.critic=none")
+    if a.precompute_ref_logps and a.loss_type is None:
+        raise ConfigError("algo.precompute_ref_logps=true caches a preference loss's reference "
+                          "log-probs; it needs algo.loss_type (algo=dpo)")
     n = prompts_per_step * a.group_size
     if n % a.minibatches and not a.dynamic_sampling:
         raise ConfigError(f"algo.minibatches={a.minibatches} must divide the "

@@ -110,6 +110,16 @@ class AlgoConfig:
     # entropy bonus: loss -= coef * aggregated entropy (rlctl.core.losses)
     entropy_coef: float = knob(0.0, range=Range(0, why="an entropy bonus; 0: off"))
     mask_truncated: bool = False   # completions with no stop id left out of the loss (DAPO)
+    # preference optimisation on pairs (algo=dpo, task=preferences; docs/rlhf.md): a loss of
+    # rlctl.core.preference (sigmoid | ipo | simpo) or package.module:function; null: RL
+    loss_type: Optional[str] = None
+    beta: float = knob(0.1, range=POSITIVE)  # the implicit reward's scale (DPO's beta)
+    # conservative DPO: the chosen answer is preferred with probability 1 - label_smoothing
+    label_smoothing: float = knob(0.0, range=Range(0, 0.5, hi_open=True))
+    simpo_gamma: float = knob(0.0, range=NON_NEGATIVE)  # SimPO's target reward margin
+    # the frozen reference's log-probs of every pair computed once at the start, and the
+    # reference model then dropped (LoRA: the adapter-off pass run once per pair)
+    precompute_ref_logps: bool = False
     kl: KLConfig = field(default_factory=KLConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
@@ -132,6 +142,11 @@ class TaskConfig:
     # sorting: exact | positional | inclusion_order; arithmetic: exact (1/0) | partial
     # (exact, else 0.5 * digits in place)
     reward: Optional[str] = None
+    # preferences: pairs made by this task (sorting) instead of read from task.train_path
+    pairs_from: Optional[str] = None
+    num_pairs: Optional[int] = knob(None, range=AT_LEAST_1)  # preferences with pairs_from: training pairs
+    # preferences: the seeded fraction of task.train_path held out when task.eval_path is null
+    eval_frac: Optional[float] = knob(None, range=Range(0, 1, lo_open=True, hi_open=True))
     # held-out prompts, disjoint from the training ones; jsonl: at most this many eval rows
     # (null: all of eval_path, or 10% of train_path held out)
     # guess_number: episodes cycling over every secret

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -10,15 +9,8 @@ from transformers import AutoModelForSequenceClassification
 
 from rlctl.core.preference import bradley_terry_loss
 from rlctl.rm.settings import RMConfig
+from rlctl.tasks.preference import Pair  # noqa: F401  (the pairs the fit reads)
 from rlctl.rm.score import LAST_NON_PAD, READ_KEY, keep_end, render, text_scores, token_rows
-
-
-@dataclass
-class Pair:
-    prompt: str
-    chosen: str
-    rejected: str
-    margin: Optional[float] = None     # per-pair margin (a `margin` column); None: the default
 
 
 def classifier_from_lm(path: str, dtype: torch.dtype = torch.float32, seed: int = 0):

@@ -7,7 +7,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 import transformers
@@ -16,7 +16,7 @@ from rlctl.demo.tiny import build_cached, build_tiny, build_tokenizer, cache_key
 from rlctl.rm.settings import RMConfig
 from rlctl.rm.fit import (Pair, classifier_from_lm, fit, pairwise_accuracy, prepare_for_scoring,
                           score_pairs)
-from rlctl.tasks.sorting import SortingTask, positional_reward
+from rlctl.tasks.sorting import SortingTask, noisy_answer, positional_reward
 
 log = logging.getLogger(__name__)
 
@@ -43,31 +43,13 @@ def task_mismatch(task_name: str, num_digits) -> Optional[str]:
             "reward-model train and pass its directory")
 
 
-def _candidate(digits: Sequence[int], rng: random.Random) -> List[int]:
-    """One answer: right, swapped or permuted, a digit dropped or repeated 35% of the time."""
-    out = sorted(digits)
-    kind = rng.random()
-    if kind < 0.2:                        # the right answer
-        pass
-    elif kind < 0.5:                      # one or two random swaps of the sorted answer
-        for _ in range(rng.choice((1, 2))):
-            i, j = rng.sample(range(len(out)), 2)
-            out[i], out[j] = out[j], out[i]
-    elif kind < 0.65:                     # a random permutation of the prompt's digits
-        rng.shuffle(out)
-    if rng.random() < 0.35:               # a digit dropped or repeated
-        i = rng.randrange(len(out))
-        out = out[:i] + out[i + 1:] if rng.random() < 0.5 else out[:i + 1] + out[i:]
-    return out
-
-
 def sorting_pairs(examples, n: int, seed: int) -> List[Pair]:
     """``n`` pairs ranked by the positional reward, cycling through ``examples``, ties skipped."""
     rng, pairs, i = random.Random(seed), [], 0
     while len(pairs) < n:
         ex, i = examples[i % len(examples)], i + 1
         digits = ex.fields["digits"]
-        a, b = _candidate(digits, rng), _candidate(digits, rng)
+        a, b = noisy_answer(digits, rng), noisy_answer(digits, rng)
         ra, rb = positional_reward(digits, a), positional_reward(digits, b)
         if ra == rb:
             continue

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import inspect
-import math
-import random
 import signal
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import yaml
@@ -31,49 +29,7 @@ from rlctl.sinks import build_sinks
 from rlctl.sinks.console import REWARD_MODEL_KEYS
 from rlctl.stopping import StopFlag
 from rlctl.storage.rundir import create_run_dir, write_json_atomic
-from rlctl.tasks.data import load_records
-
-
-COLUMNS = ("prompt", "chosen", "rejected")
-
-
-def read_pairs(path: str, key: str) -> List[Pair]:
-    """Preference rows (prompt, chosen, rejected text; an optional numeric margin)."""
-    rows = load_records(path, "auto", key, located=True)
-    pairs = []
-    for where, row in rows:
-        missing = [c for c in COLUMNS if c not in row]
-        if missing:
-            raise DataError(f"{key}: {where} has no '{missing[0]}' column; a preference row "
-                            f"needs {', '.join(COLUMNS)} (and optionally margin); it has "
-                            f"{', '.join(map(str, row)) or 'none'}")
-        bad = next((c for c in COLUMNS if not isinstance(row[c], str)), None)
-        if bad:
-            raise DataError(f"{key}: {where}: '{bad}' must be text, got "
-                            f"{type(row[bad]).__name__}")
-        margin = row.get("margin")
-        if margin is not None and margin != "":
-            try:
-                margin = float(margin)
-            except (TypeError, ValueError):
-                margin = float("nan")
-            if not math.isfinite(margin):
-                raise DataError(f"{key}: {where}: 'margin' must be a finite number, got "
-                                f"'{row.get('margin')}'")
-        pairs.append(Pair(row["prompt"], row["chosen"], row["rejected"],
-                          None if margin in (None, "") else margin))
-    return pairs
-
-
-def hold_out(pairs: List[Pair], frac: float, seed: int) -> Tuple[List[Pair], List[Pair]]:
-    """(train, held out): a seeded ``frac`` of the pairs held out (at least 1, never all)."""
-    if len(pairs) < 2:
-        raise DataError("PREFS has one pair: nothing to hold out; pass --eval PREFS_EVAL")
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    held = set(order[:min(len(pairs) - 1, max(1, round(frac * len(pairs))))])
-    return ([p for i, p in enumerate(pairs) if i not in held],
-            [p for i, p in enumerate(pairs) if i in held])
+from rlctl.tasks.preference import hold_out, read_pairs
 
 
 def fit_limit(rm: RMConfig, tokenizer, model_config) -> Optional[int]:

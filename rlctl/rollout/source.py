@@ -10,6 +10,7 @@ from rlctl.config.schema import AlgoConfig, RolloutConfig
 from rlctl.core import zero_std_groups
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.generate import rollout
+from rlctl.types import LogProbs
 from rlctl.tasks.scoring import RewardScorer
 from rlctl.types import Example, RolloutBatch
 
@@ -76,6 +77,63 @@ class LocalSource(SyncSource):
                         engine_logprobs=self.engine_logprobs, sample_dtype=ro.sample_dtype,
                         **self.generate_kwargs)
         return batch.replace(reward_parts=self.scorer.last_components)   # this batch's, per row
+
+
+class PairSource(SyncSource):
+    """Preference pairs (examples with fields chosen and rejected): B pairs drawn with
+    replacement as B groups of 2 rows, the chosen answer first (reward 1) then the rejected
+    (reward 0), each answer's tokens then the first stop id, cut at ``max_new_tokens``."""
+    group_size = 2
+
+    def __init__(self, tokenizer, examples: Sequence[Example], eval_examples: Sequence[Example],
+                 scorer, stops: Sequence[int], max_new_tokens: int, seed: int, device):
+        self.tokenizer, self.examples, self.eval_examples = tokenizer, list(examples), list(eval_examples)
+        self.scorer, self.stop, self.max_new_tokens = scorer, int(stops[0]), max_new_tokens
+        self.prompt_rng, self.device = random.Random(seed), device
+        self.ref_rows: Optional[Dict[str, List[torch.Tensor]]] = None   # per split, per row
+
+    def sample(self, num_groups: int) -> RolloutBatch:
+        return self.batch("train", self.draw(num_groups))
+
+    def batch(self, split: str, index: Sequence[int]) -> RolloutBatch:
+        """The pairs ``index`` of ``split`` (train | eval), with cached reference log-probs."""
+        examples = [(self.examples if split == "train" else self.eval_examples)[i] for i in index]
+        texts = [ex.fields[k] for ex in examples for k in ("chosen", "rejected")]   # N = 2B
+        enc = self.tokenizer([ex.prompt for ex in examples for _ in "cr"], return_tensors="pt",
+                             padding=True)
+        answers = [(ids + [self.stop])[:self.max_new_tokens] for ids in
+                   self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        T = max(map(len, answers))
+        ids = torch.full((len(answers), T), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(answers), T)                                       # [N, T]
+        for i, a in enumerate(answers):
+            ids[i, :len(a)], mask[i, :len(a)] = torch.tensor(a, dtype=torch.long), 1.0
+        ref = None
+        if self.ref_rows is not None:
+            rows = [self.ref_rows[split][2 * i + k] for i in index for k in (0, 1)]
+            ref = torch.stack([torch.nn.functional.pad(r, (0, T - len(r))) for r in rows])   # [N, T]
+        d = self.device
+        return RolloutBatch(
+            input_ids=torch.cat([enc["input_ids"], ids], 1).to(d),
+            attention_mask=torch.cat([enc["attention_mask"], mask.long()], 1).to(d),
+            mask=mask.to(d), truncated=torch.tensor([a[-1] != self.stop for a in answers], device=d),
+            rewards=torch.tensor([1.0, 0.0] * len(examples), device=d),
+            group_ids=torch.arange(len(examples), device=d).repeat_interleave(2),
+            prompt_len=enc["input_ids"].shape[1], group_size=2,
+            prompts=[ex.prompt for ex in examples for _ in "cr"], completions=texts,
+            logprobs=LogProbs(ref=None if ref is None else ref.to(d)))
+
+    def cache_reference(self, ref_logp: Callable[[RolloutBatch], torch.Tensor], chunk: int = 64) -> None:
+        """Every pair's reference log-probs (``ref_logp``: batch -> [N, T]) computed once and
+        kept on the CPU, each row cut to its answer; later batches carry them."""
+        rows: Dict[str, List[torch.Tensor]] = {}
+        for split, examples in (("train", self.examples), ("eval", self.eval_examples)):
+            rows[split] = []
+            for start in range(0, len(examples), chunk):
+                b = self.batch(split, range(start, min(start + chunk, len(examples))))
+                logp = ref_logp(b).float().cpu()                                   # [n, T]
+                rows[split] += [r[:int(m.sum())] for r, m in zip(logp, b.mask.cpu())]
+        self.ref_rows = rows
 
 
 def keep_informative_groups(batch: RolloutBatch) -> RolloutBatch:

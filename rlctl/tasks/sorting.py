@@ -64,6 +64,24 @@ def format_answer(digits: Sequence[int]) -> str:
     return " ".join(map(str, sorted(digits)))
 
 
+def noisy_answer(digits: Sequence[int], rng: random.Random) -> List[int]:
+    """One answer: right, swapped or permuted, a digit dropped or repeated 35% of the time."""
+    out = sorted(digits)
+    kind = rng.random()
+    if kind < 0.2:                        # the right answer
+        pass
+    elif kind < 0.5:                      # one or two random swaps of the sorted answer
+        for _ in range(rng.choice((1, 2))):
+            i, j = rng.sample(range(len(out)), 2)
+            out[i], out[j] = out[j], out[i]
+    elif kind < 0.65:                     # a random permutation of the prompt's digits
+        rng.shuffle(out)
+    if rng.random() < 0.35:               # a digit dropped or repeated
+        i = rng.randrange(len(out))
+        out = out[:i] + out[i + 1:] if rng.random() < 0.5 else out[:i + 1] + out[i:]
+    return out
+
+
 @register_task("sorting")
 class SortingTask:
     """Eval: ``num_eval`` tuples drawn with ``random.Random(seed)``, disjoint from training."""
@@ -120,6 +138,20 @@ class SortingTask:
         return score_all(example.fields["digits"], completion)
 
     reward_components = score_all
+
+    def preference_pairs(self, examples: Sequence[Example], n: int, seed: int) -> List[Example]:
+        """``n`` pairs cycling through ``examples``: fields chosen (the sorted digits) and
+        rejected (a ``noisy_answer`` that is not sorted) (``task.pairs_from=sorting``)."""
+        rng, out = random.Random(seed), []
+        while len(out) < n:
+            ex = examples[len(out) % len(examples)]
+            digits = ex.fields["digits"]
+            wrong = noisy_answer(digits, rng)
+            while wrong == sorted(digits):
+                wrong = noisy_answer(digits, rng)
+            out.append(Example(ex.prompt, {**ex.fields, "chosen": format_answer(digits),
+                                           "rejected": " ".join(map(str, wrong))}))
+        return out
 
     @staticmethod
     def answer(example: Example) -> str:

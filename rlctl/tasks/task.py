@@ -37,6 +37,7 @@ ENV_TASKS = ("calculator", "guess_number", "running_sum")   # rlctl.envs.builtin
 
 
 register_task("jsonl")("rlctl.tasks.data:DataTask")      # imported when first looked up
+register_task("preferences")("rlctl.tasks.preference:PreferenceTask")
 for _name in ENV_TASKS:
     register_task(_name)(f"rlctl.envs.builtin:{_name}")
 

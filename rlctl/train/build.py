@@ -19,6 +19,7 @@ from rlctl.rm.tiny_rm import task_mismatch, tiny_reward_model_dir
 from rlctl.tasks import TASKS, build_task as _task_from_registry
 from rlctl.tasks.prompt_budget import Prepared, prepare
 from rlctl.tasks.rewards import is_model_entry, model_entries
+from rlctl.train.update import needs_reference
 
 LEARNED_KEYS = ("reward_model", "reward_norm", "reward_clip")   # read here, not by the task
 
@@ -121,7 +122,7 @@ def model_from_config(cfg: DictConfig):
             model = apply_lora(model, lo.r, lo.alpha, lo.dropout, list(lo.target_modules))
         except (ValueError, ImportError) as exc:
             raise UserError(f"model.lora: {exc}") from None
-        if cfg.algo.kl.coef > 0:   # the base with the adapter disabled: no second copy
+        if needs_reference(cfg.algo):   # the base with the adapter disabled: no second copy
             ref_model = reference_for(model)
     if cfg.model.get("gradient_checkpointing", False):   # model.gradient_checkpointing
         try:

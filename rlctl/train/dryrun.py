@@ -13,11 +13,17 @@ from transformers import AutoModelForSequenceClassification
 from rlctl.core.logprobs import CHUNK_ELEMENTS
 from rlctl.models.forward import fused_head
 from rlctl.train.trainer import needs_old_forward
+from rlctl.train.update import needs_reference
 from rlctl.models.lora import count_parameters
 from rlctl.config.schema import AlgoConfig
 
 SAMPLE_PROMPTS = 256      # training prompts tokenized for the estimate's prompt length
 HALF = ("bfloat16", "float16")
+
+
+def reference_held(algo) -> bool:
+    """A reference model stays in memory while training (not with cached log-probs)."""
+    return needs_reference(algo) and not algo.get("precompute_ref_logps", False)
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ class MemorySettings:
     dtype: str                      # model.dtype
     gradient_checkpointing: bool    # model.gradient_checkpointing
     lora: bool                      # model.lora.enabled
-    kl_coef: float                  # algo.kl.coef
+    reference: bool                 # a reference model held while training (needs_reference)
     prompt_tokens: int              # prompt_tokens(): the longest sampled training prompt
 
     @classmethod
@@ -49,7 +55,7 @@ class MemorySettings:
                    num_processes=hw.num_processes, backend=hw.backend, precision=hw.precision,
                    zero_stage=hw.zero_stage, dtype=model.dtype,
                    gradient_checkpointing=model.gradient_checkpointing, lora=model.lora.enabled,
-                   kl_coef=algo.kl.coef, prompt_tokens=prompt_tokens)
+                   reference=reference_held(algo), prompt_tokens=prompt_tokens)
 
     @property
     def rank_rows(self) -> int:
@@ -92,7 +98,7 @@ def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, 
         "weights": total * b / (world if stage >= 3 else 1),
         "gradients": trainable * b / (world if stage >= 2 else 1),
         "optimizer state": adam / (world if stage >= 1 else 1),
-        "reference model": 0.0 if (s.kl_coef == 0 or s.lora) else total * b,
+        "reference model": total * b if s.reference and not s.lora else 0.0,
     }
     if s.backend == "fsdp2":              # generation runs on the weights whole, in the compute dtype
         out["weights gathered to generate"] = total * (2 if s.precision == "bf16" else b)
@@ -143,7 +149,7 @@ def plan(settings: MemorySettings, algo: AlgoConfig, models, learned) -> List[st
     conf = getattr(policy, "config", None)
     hidden = getattr(conf, "hidden_size", 0) or 0
     layers = getattr(conf, "num_hidden_layers", 0) or 0
-    kl = algo.kl.coef > 0
+    kl = reference_held(algo)
     resident = [("policy" + (" + value head" if algo.critic == "shared" else "")
                  + (" (LoRA adapter)" if settings.lora else ""), f"{ptotal:,}", f"{pt:,}")]
     if critic is not None:
@@ -158,7 +164,7 @@ def plan(settings: MemorySettings, algo: AlgoConfig, models, learned) -> List[st
     est = memory_estimate(settings, pt + ct, ptotal + ctotal, hidden, layers,
                           getattr(conf, "vocab_size", 0) or 0, _fused(model),
                           sum(size for _, _, size in rms))
-    line = (f"forward passes per step: rollout generate, "
+    line = (f"forward passes per step: {'pairs read' if algo.get('loss_type') else 'rollout generate'}, "
             f"{'old-policy forward, ' if needs_old else ''}{'reference forward, ' if kl else ''}"
             f"{'reward-model forward, ' if rms else ''}{passes} update pass(es)")
     _print(settings, resident, est, line)

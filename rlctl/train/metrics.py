@@ -140,8 +140,11 @@ def named_reward_metrics(sums: Dict[str, float], count: int, backend) -> Dict[st
 
 # Summed over ranks: counts, and the loss terms (each rank's value is its share of the
 # global batch's loss: its numerator over the normaliser summed over every rank).
+# a preference update's means over pairs (docs/metrics.md), each rank holding its share
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy",
+                "logps/chosen", "logps/rejected")
 SUMMED = {"perf/step_tokens", "perf/step_sequences", "policy/loss", "value/loss",
-          "episode/env_errors", "episode/obs_truncated"}
+          "episode/env_errors", "episode/obs_truncated", *PAIR_METRICS}
 REDUCE_OP = {"length/min": "min", "length/max": "max", "policy/ratio_max": "max"}
 # Per-sequence means, weighted by each rank's sequence count (dynamic sampling leaves
 # ranks with different counts, where a plain average over ranks is biased).

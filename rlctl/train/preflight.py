@@ -5,12 +5,16 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+import torch
+
 from rlctl.dist import BACKENDS
 from rlctl.core import (ADVANTAGE_ESTIMATORS, KL_PLACEMENT_NOTES, POLICY_LOSSES, resolve_agg_mode,
                         resolve_kl_estimator)
+from rlctl.core import PREFERENCE_LOSSES
 from rlctl.envs.environment import is_episodic
 from rlctl.errors import ConfigError
 from rlctl.tasks import TASKS
+from rlctl.train.update import preference_loss
 
 
 def check_entries(algo, task_name, backend) -> None:
@@ -22,11 +26,18 @@ def check_entries(algo, task_name, backend) -> None:
                ("algo.kl.estimator", algo.kl.estimator,
                 lambda kind: resolve_kl_estimator(kind, algo.kl.placement)),
                ("task.name", task_name, TASKS.entry), ("hardware.backend", backend, BACKENDS.entry))
+    if algo.get("loss_type") is not None:
+        lookups += (("algo.loss_type", algo.loss_type, PREFERENCE_LOSSES.entry),)
     for key, name, lookup in lookups:
         try:
             lookup(name)
         except ValueError as exc:
             raise ConfigError(f"invalid {key}: {' '.join(str(exc).split())}") from None
+    if algo.get("loss_type") is not None:     # the loss refuses options it does not use
+        try:
+            preference_loss(algo)(*torch.ones(6, 1))
+        except ValueError as exc:
+            raise ConfigError(f"invalid algo.loss_type={algo.loss_type} options: {exc}") from None
     advantage, critic = algo.advantage, algo.critic
     token_level = ADVANTAGE_ESTIMATORS.entry(advantage).level == "token"
     if token_level and critic == "none":

@@ -21,7 +21,7 @@ from rlctl.errors import ConfigError, UserError, user_message
 from rlctl.models.forward import prompt_sharing
 from rlctl.models.loading import load_model_and_tokenizer, quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
-from rlctl.rollout.source import LocalSource
+from rlctl.rollout.source import LocalSource, PairSource
 from rlctl.train.build import model_from_config, prepare_task
 from rlctl.config.schema import AsyncConfig, HardwareConfig, RolloutConfig
 
@@ -43,6 +43,16 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
     ``stop``: a signal ends a wait for engines starting."""
     rank, world = (backend.rank, backend.world_size) if backend is not None else (0, 1)
     device = backend.device if backend is not None else torch.device(cfg.hardware.device)
+    if cfg.algo.get("loss_type") is not None:       # a preference loss: pairs, not samples
+        if not all({"chosen", "rejected"} <= set(ex.fields) for ex in prepared.train[:1]):
+            raise ConfigError(f"algo.loss_type={cfg.algo.loss_type} trains on preference pairs; "
+                              f"task '{cfg.task.name}' has none (use task=preferences)")
+        if cfg.trainer.async_rollout.enabled or cfg.rollout.engine != "torch":
+            raise ConfigError(f"algo.loss_type={cfg.algo.loss_type} reads its pairs, it samples "
+                              "nothing: set trainer.async_rollout.enabled=false, rollout.engine=torch")
+        stops = resolve_stop_ids(policy, tokenizer, tuple(cfg.rollout.stop_token_ids or ()))
+        return PairSource(tokenizer, prepared.train, prepared.eval, prepared.scorer(), stops,
+                          cfg.rollout.max_new_tokens, cfg.seed * 1000 + rank, device)
     if is_episodic(prepared.task):
         if backend is not None and backend.generate_kwargs():    # ranks generating in step
             raise ConfigError(f"a task played as episodes cannot run on {backend.world_size} ranks "

@@ -18,8 +18,8 @@ from rlctl.train.evaluate import evaluate, means
 from rlctl.models.forward import PromptGroups, learner_forward, prompt_sharing
 from rlctl.train.metrics import (draw_rows, named_reward_metrics,
                                    reduce_metrics, rollout_metrics, train_rows, user_prompts)
-from rlctl.train.update import (UpdateSettings, UpdateState, nothing_trained, old_policy_inputs,
-                                update_mask, update_policy)
+from rlctl.train.update import (UpdateSettings, UpdateState, needs_reference, nothing_trained,
+                                old_policy_inputs, pair_sums, update_mask, update_policy)
 from rlctl.envs.environment import is_episodic
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import check_training_sampling
@@ -135,10 +135,14 @@ class Trainer:
         self.kl_ctl = (AdaptiveKLController(kl.coef, kl.target, kl.horizon)
                        if kl.target is not None else FixedKLController(kl.coef))
         self.shared_critic = isinstance(model, PolicyValueModel)
-        if ref_model is None and kl.coef > 0:      # pi_ref: the policy's start, frozen
+        if ref_model is None and needs_reference(algo):      # pi_ref: the policy's start, frozen
             ref_model = copy.deepcopy(model.policy if self.shared_critic else model)
             ref_model.eval().requires_grad_(False)
         self.ref_model = ref_model
+        if algo.get("precompute_ref_logps") and ref_model is not None:   # each pair's once
+            source.cache_reference(lambda b: learner_forward(
+                ref_model, b.input_ids, b.attention_mask, b.prompt_len, update.temperature).logp)
+            self.ref_model = None            # no reference model held while training
         self.model = backend.prepare(model, critic, lr, tuple(trainer.betas), trainer.weight_decay,
                                      trainer.warmup_steps, trainer.max_grad_norm)
         if trainer.compile:      # learner forwards only; generation keeps the eager module
@@ -200,8 +204,8 @@ class Trainer:
                 old = f.logp
             elif mixed:          # stale rows keep the behaviour log-probs exactly
                 old = torch.where(lp.behaviour_rows[:, None], old, f.logp)
-        ref = learner_forward(self.ref_model, *args, share_prompts=share).logp \
-            if self.ref_model is not None else None
+        ref = lp.ref if lp.ref is not None or self.ref_model is None else \
+            learner_forward(self.ref_model, *args, share_prompts=share).logp
         out = batch.replace(logprobs=dict(old=old, ref=ref, behaviour_rows=None), old_values=values)
         advantages, returns = compute_advantages(out, self.update_settings, self.kl_ctl.coef, values,
                                                  self.backend)
@@ -219,7 +223,29 @@ class Trainer:
                           **b.generate_kwargs())
         if ev.rows:
             self.sink.samples(ev.rows, step, "eval")
-        return {f"eval/{k}": v for k, v in means(ev.sums, b.all_reduce).items()}
+        sums = dict(ev.sums, **self._pair_sums() if self.update_settings.preference else {})
+        return {f"eval/{k}": v for k, v in means(sums, b.all_reduce).items()}
+
+    @torch.no_grad()
+    def _pair_sums(self, chunk: int = 64) -> Dict[str, float]:
+        """Held-out pairs (this rank's share; one per eval example): sums of the pairwise
+        accuracy and margin of the implicit rewards and of the preference loss."""
+        b, source, s = self.backend, self.source, self.update_settings
+        index = list(range(len(source.eval_examples)))[b.rank::b.world_size]
+        k = -(-len(source.eval_examples) // b.world_size // chunk) or 1   # equal on every rank
+        out = dict.fromkeys(("pairwise_accuracy", "margin", "preference_loss"), 0.0)
+        self.model.eval()
+        for part in (index[i::k] for i in range(k)):
+            batch = source.batch("eval", part)
+            args = (batch.input_ids, batch.attention_mask, batch.prompt_len, s.temperature)
+            if batch.logprobs.ref is None and self.ref_model is not None:
+                batch = batch.replace(logprobs=dict(ref=learner_forward(self.ref_model, *args).logp))
+            f = learner_forward(self.model, *args)
+            loss, m = pair_sums(s.preference, f.logp, batch, batch.mask)
+            for k, v in (("pairwise_accuracy", m["rewards/accuracy"]),
+                         ("margin", m["rewards/margins"]), ("preference_loss", loss)):
+                out[k] += float(v)
+        return out
 
     def step(self, step: int) -> Dict[str, float]:
         a = self.algo

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import reduce
+from functools import partial, reduce
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
 
-from rlctl.core import (agg_denominator, aggregate_sum, counted_width, get_policy_loss, kl_estimate,
-                        masked_mean, resolve_kl_estimator)
+from rlctl.core import (PREFERENCE_LOSSES, agg_denominator, aggregate_sum, counted_width,
+                        get_policy_loss, kl_estimate, masked_mean, resolve_kl_estimator)
 from rlctl.core.losses import active_terms, value_loss_per_token
 from rlctl.core.rollout_correction import correction_weights, mismatch_metrics
 from rlctl.errors import UserError
 from rlctl.models.forward import PromptGroups, learner_forward
-from rlctl.train.metrics import Metric, Moments, explained_variance_of, population_std
+from rlctl.train.metrics import PAIR_METRICS, Metric, Moments, explained_variance_of, population_std
 from rlctl.config.schema import AlgoConfig, RolloutCorrectionConfig
 from rlctl.types import RolloutBatch
 
@@ -41,6 +41,9 @@ class UpdateSettings:
     max_new_tokens: int            # the overlong limits: rollout.max_new_tokens and
     episode_max_tokens: int        # rollout.episode.max_tokens
     trim_padding: bool = True      # cut each micro-batch to its longest completion
+    # the preference loss (algo.loss_type, its options bound), in place of the policy loss:
+    # rows 2i and 2i+1 are a pair's chosen and rejected answers; None: RL
+    preference: Optional[Callable] = None
 
     @classmethod
     def from_config(cls, cfg, share_prompts: bool, episodic: bool = False) -> "UpdateSettings":
@@ -62,7 +65,39 @@ class UpdateSettings:
                                        if rc.enabled else None),
                    share_prompts=share_prompts, temperature=ro.temperature,
                    micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
-                   max_new_tokens=ro.max_new_tokens, episode_max_tokens=ro.episode.max_tokens)
+                   max_new_tokens=ro.max_new_tokens, episode_max_tokens=ro.episode.max_tokens,
+                   preference=preference_loss(algo))
+
+
+def preference_loss(algo) -> Optional[Callable]:
+    """``algo.loss_type``'s loss with beta, label smoothing and SimPO's gamma bound, or None."""
+    name = getattr(algo, "loss_type", None)
+    if name is None:
+        return None
+    return partial(PREFERENCE_LOSSES.get(name), beta=algo.beta, label_smoothing=algo.label_smoothing,
+                   gamma=algo.simpo_gamma)
+
+
+def needs_reference(algo) -> bool:
+    """Whether a run needs pi_ref (``algo``: the config's section): a KL term, or a
+    preference loss that reads it."""
+    name = getattr(algo, "loss_type", None)
+    return algo.kl.coef > 0 or (name is not None and PREFERENCE_LOSSES.entry(name).needs_reference)
+
+
+def pair_sums(loss_fn: Callable, logp: torch.Tensor, mb: RolloutBatch, mask: torch.Tensor
+              ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """(the loss summed over the pairs of ``mb`` (rows 2i chosen, 2i+1 rejected), detached sums
+    of ``PAIR_METRICS``) from the summed completion log-probs; ``logp`` [2P, T]."""
+    seq = (logp * mask).sum(-1)                                                   # [2P]
+    ref = (mb.logprobs.ref * mask).sum(-1).to(seq) if mb.logprobs.ref is not None else None  # [2P]
+    n = mask.sum(-1).to(seq)                                                      # [2P]
+    loss, r_c, r_r = loss_fn(seq[0::2], seq[1::2], None if ref is None else ref[0::2],
+                             None if ref is None else ref[1::2], n[0::2], n[1::2])   # [P] each
+    lp = seq.detach()
+    return loss.sum(), dict(zip(PAIR_METRICS, (
+        r_c.sum(), r_r.sum(), (r_c - r_r).sum(), (r_c > r_r).to(lp.dtype).sum(),
+        lp[0::2].sum(), lp[1::2].sum())))
 
 
 @dataclass
@@ -105,7 +140,10 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
         row_width = counted_width(batch.mask).cpu()                          # [N]
     if prompts is None and s.share_prompts:
         prompts = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.prompt_len)
-    denom = backend.all_reduce(agg_denominator(batch.mask, a.loss_agg_mode, a.norm_len)).clamp(min=1e-12)
+    pairs = s.preference is not None
+    unit = 2 if pairs else 1                 # rows kept in one micro-batch: a pair's two
+    denom = backend.all_reduce(batch.mask.new_tensor(batch.num_sequences / 2) if pairs else
+                               agg_denominator(batch.mask, a.loss_agg_mode, a.norm_len)).clamp(min=1e-12)
     vdenom = backend.all_reduce(batch.mask.sum()).clamp(min=1)           # value term: token-mean
     scale = backend.dp_loss_scale            # undoes the backend's averaging of gradients
     sums: Dict[str, torch.Tensor] = {}       # token-weighted metric sums
@@ -113,8 +151,10 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
     pooled: Dict[str, Moments] = {}          # spreads: moments pooled over micro-batches
     corr = s.rollout_correction if s.rollout_correction is not None and \
         not s.rollout_correction.bypass else None
-    for rows in micro_batches(row_width, batch.prompt_len, s.micro_batch_size, s.micro_batch_tokens,
-                              None if s.trim_padding else batch.mask.shape[1]):   # CPU rows
+    for units in micro_batches(row_width.view(-1, unit).amax(-1) * unit, batch.prompt_len * unit,
+                               -(-s.micro_batch_size // unit), s.micro_batch_tokens,
+                               None if s.trim_padding else batch.mask.shape[1] * unit):
+        rows = (units[:, None] * unit + torch.arange(unit)).flatten()        # CPU rows
         width = max(int(row_width[rows].max()), 1) if s.trim_padding else None
         mb = batch.select(rows.to(batch.mask.device), text=False)           # [n, P+T], no host sync
         mb = mb if width is None else mb.cut(width)                          # [n, P + width]
@@ -125,8 +165,14 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
         if logp_out is not None:
             logp_out[rows.to(logp_out.device), :f.logp.shape[1]] = f.logp.detach().to(logp_out.dtype)
         old = mb.logprobs.old if mb.logprobs.old is not None else f.logp.detach()
-        loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mask,
-                                          a.clip_eps, s.clip_high, a.clip_ratio_c)   # [n, T]
+        if pairs:                            # the preference loss over the global number of pairs
+            pg_loss, pair_metrics = pair_sums(s.preference, f.logp, mb, mask)
+            loss_mat, metrics = torch.zeros_like(f.logp), {}
+            for k, v in pair_metrics.items():
+                exact[k] = exact.get(k, 0.0) + v / denom
+        else:
+            loss_mat, metrics = s.policy_loss(f.logp, old, mb.advantages, mask,
+                                              a.clip_eps, s.clip_high, a.clip_ratio_c)   # [n, T]
         if mb.logprobs.old is not None:      # spread of pi/pi_old (async: pi_old = behaviour)
             ratio = torch.exp((f.logp.detach() - old).clamp(-20, 20))                  # [n, T]
             metrics["policy/ratio_std"] = Moments.of(ratio[None], mask, population_std)
@@ -135,7 +181,7 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
                 if "policy/ratio_max" in exact else mb_max
         if corr is not None:                 # x pi_old / pi_engine (rlctl.core.rollout_correction)
             loss_mat = loss_mat * correction_weight(mb, corr).to(loss_mat.dtype)
-        pg_loss = aggregate_sum(loss_mat, mask, a.loss_agg_mode, a.norm_len) / denom
+        pg_loss = (pg_loss if pairs else aggregate_sum(loss_mat, mask, a.loss_agg_mode, a.norm_len)) / denom
         terms_loss = 0.0                     # extra terms (an entropy bonus), like the policy loss
         for _, coef, fn in s.terms:
             terms_loss = terms_loss + coef * aggregate_sum(fn(f.logp, f.entropy, mask), mask,
@@ -204,11 +250,14 @@ def update_policy(model, backend, batch: RolloutBatch, s: UpdateSettings, st: Up
     # correction off: the sampler's mismatch measured against the first step's forward (pi_old)
     measure = corr is None and batch.logprobs.engine is not None
     measured: Dict[str, Metric] = {}
+    unit = 2 if s.preference is not None else 1      # a pair's rows stay together
     for _ in range(a.epochs):
-        order = torch.randperm(batch.num_sequences) if shuffle else torch.arange(batch.num_sequences)
+        n = batch.num_sequences // unit
+        order = torch.randperm(n) if shuffle else torch.arange(n)
         # exactly a.minibatches pieces (chunk gives fewer when N / minibatches is not whole:
         # ranks keeping different numbers of groups would step a different number of times)
-        for rows in torch.tensor_split(order, a.minibatches):
+        for units in torch.tensor_split(order, a.minibatches):
+            rows = (units[:, None] * unit + torch.arange(unit)).flatten()
             backend.zero_grad()
             mb = batch if not shuffle and a.minibatches == 1 else \
                 batch.select(rows.to(batch.mask.device), text=False)
