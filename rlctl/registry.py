@@ -8,7 +8,7 @@ default attributes unless it sets its own); every failure is a one-line ValueErr
   clip_ratio_c=None) -> (loss [N, T], metrics dict of detached scalar tensors)``.
 - KL estimator: ``fn(logp [N, T], ref_logp [N, T]) -> [N, T]``.
 - task: ``factory(**task options) -> Task``; backend: ``cls(device, zero_stage, precision,
-  deepspeed_config)``.
+  deepspeed_config, cpu_offload)``.
 """
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ def _check_cuda(hw: HardwareConfig) -> None:
                           "use hardware=cpu (or hardware.device=cpu)")
 
 
-def _check_fsdp2(hw: HardwareConfig, tr: TrainerConfig, engine: str, merged: bool) -> None:
+def _check_fsdp2(hw: HardwareConfig, tr: TrainerConfig, merged: bool) -> None:
     """What FSDP2 (sharded weights) cannot do here, each one line."""
     if tr.micro_batch_tokens > 0 and hw.num_processes > 1:
         raise ConfigError("trainer.micro_batch_tokens with hardware=fsdp2 on several ranks: each "
@@ -114,9 +114,6 @@ def _check_fsdp2(hw: HardwareConfig, tr: TrainerConfig, engine: str, merged: boo
         raise ConfigError("model.lora.save_merged=true with hardware=fsdp2: the adapter is saved "
                           "from the gathered weights, the merge needs the module whole; set "
                           "model.lora.save_merged=false and merge the saved adapter afterwards")
-    if engine == "server":
-        raise ConfigError("rollout.engine=server with hardware=fsdp2: pushing sharded weights to "
-                          "servers is not supported; use hardware=cpu/gpu or hardware=deepspeed")
 
 
 def _check_hardware(hw: HardwareConfig, tr: TrainerConfig, engine: str, merged: bool) -> None:
@@ -134,7 +131,7 @@ def _check_hardware(hw: HardwareConfig, tr: TrainerConfig, engine: str, merged: 
         raise ConfigError(f"hardware.cpu_offload=true needs hardware=fsdp2 (got hardware.backend="
                           f"{hw.backend}; DeepSpeed offload goes in hardware.deepspeed_config)")
     if hw.backend == "fsdp2":
-        _check_fsdp2(hw, tr, engine, merged)
+        _check_fsdp2(hw, tr, merged)
     if tr.async_rollout.enabled and hw.nnodes > 1 and engine == "torch":
         raise ConfigError("trainer.async_rollout runs its actors beside the learner, on one machine "
                           f"(got hardware.nnodes={hw.nnodes}); rollout on other machines is "

@@ -226,6 +226,8 @@ class HardwareConfig:
     cpu_offload: bool = False  # fsdp2: weight shards, gradients and AdamW state in CPU memory
     # seconds a rank waits for the others to join (or answer)
     dist_timeout_s: float = knob(300.0, range=POSITIVE)
+    # MiB of weights gathered at once to push to the rollout engines (a bigger tensor goes alone)
+    gather_bucket_mb: float = knob(512.0, range=POSITIVE)
     nnodes: int = knob(1, range=AT_LEAST_1)  # rlctl's own launcher across nodes: machines in the job
     # this machine's index, 0 .. nnodes-1 (node 0 hosts the master)
     node_rank: int = knob(0, range=NON_NEGATIVE)

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
+from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from rlctl.config.checks import read_deepspeed_config
+from rlctl.errors import TrainingFault
 from rlctl.registry import Registry
 
 BACKENDS = Registry("backend")
@@ -75,8 +78,8 @@ class TorchBackend:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self) -> torch.Tensor:
-        """Average gradients over ranks, clip, step the optimizer and schedule; grad norm."""
+    def _averaged(self) -> List[torch.nn.Parameter]:
+        """Average the gradients over ranks; the parameters to clip."""
         grads = self._params           # clip_grad_norm_ skips parameters without a gradient
         if self.world_size > 1:
             grads = [p for p in self._params if p.grad is not None]
@@ -85,8 +88,14 @@ class TorchBackend:
             flat.div_(self.world_size)
             for p, g in zip(grads, _unflatten_dense_tensors(flat, [p.grad for p in grads])):
                 p.grad.copy_(g)
+        return grads
+
+    def step(self) -> torch.Tensor:
+        """Average gradients over ranks, clip, step the optimizer and schedule; the grad norm
+        (a plain tensor, the same on every rank)."""
         limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(grads, limit)
+        norm = torch.nn.utils.clip_grad_norm_(self._averaged(), limit)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm    # FSDP2: over all shards
         if torch.isfinite(norm):
             self.optimizer.step()
             self.scheduler.step()
@@ -162,6 +171,49 @@ class TorchBackend:
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+    # -- weights to the rollout engines, a bucket at a time (docs/engines.md) --
+    def weight_buckets(self, module, bucket_mb: float, names: Optional[Sequence[str]] = None,
+                       timeout_s: float = 300.0) -> Iterator[Dict[str, torch.Tensor]]:
+        """``module``'s parameters (those in ``names``; all: None), whole, as CPU copies in dicts
+        of at most ``bucket_mb`` MiB (a bigger tensor alone in its own), in the module's order.
+        Every rank calls it and reads every bucket (ZeRO-3 gathers each bucket's parameters on all
+        ranks); a rank not at a bucket within ``timeout_s``: TrainingFault naming it."""
+        keep = None if names is None else set(names)
+        bucket: List[Tuple[str, torch.nn.Parameter]] = []
+        size, limit = 0, bucket_mb * 2**20
+        for n, p in module.named_parameters():
+            if keep is not None and n not in keep:
+                continue
+            nbytes = getattr(p, "ds_numel", p.numel()) * p.element_size()   # ZeRO-3: the whole count
+            if bucket and size + nbytes > limit:
+                yield self._gather_bucket(bucket, timeout_s)
+                bucket, size = [], 0
+            bucket.append((n, p))
+            size += nbytes
+        if bucket:
+            yield self._gather_bucket(bucket, timeout_s)
+
+    def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
+        """One bucket's (name, parameter) pairs -> {name: whole CPU copy}, once every rank is here."""
+        self._all_here(timeout_s)
+        with self.gathered([p for _, p in bucket]):
+            return {n: p.detach().to("cpu", copy=True) for n, p in bucket}
+
+    def _all_here(self, timeout_s: float) -> None:
+        """Wait for every rank (gloo's monitored barrier); a missing one: TrainingFault naming it."""
+        if self.world_size == 1:
+            return
+        if getattr(self, "_gloo", None) is None:      # the monitored barrier is gloo's alone
+            self._gloo = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        try:
+            dist.monitored_barrier(self._gloo, timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            found = re.search(r"[Rr]anks? ([\d, ]+) failed|from rank (\d+)", str(exc))
+            who = (found.group(1) or found.group(2)).strip(", ") if found else "?"
+            raise TrainingFault(f"rank {who} did not answer within {timeout_s:g} s (hardware."
+                                f"dist_timeout_s) while the weights were gathered for the rollout "
+                                f"engines (rank {self.rank} waited)") from None
 
 
 class BF16Autocast(torch.nn.Module):
@@ -272,10 +324,11 @@ class DeepSpeedBackend(TorchBackend):
             raise ValueError(f"no DeepSpeed checkpoint in {path}")
 
     def gathered(self, module):
-        """Context in which ZeRO-3 partitioned weights are whole on every rank."""
+        """Context in which ZeRO-3 partitioned weights (a module's, or a list) are whole on every rank."""
         if self.zero_stage != 3:
             return contextlib.nullcontext()
-        return self._ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        params = list(module.parameters()) if isinstance(module, torch.nn.Module) else list(module)
+        return self._ds.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def _has_frozen(module) -> bool:
@@ -350,18 +403,8 @@ class FSDP2Backend(TorchBackend):
         super().prepare(model, critic, lr, betas, weight_decay, warmup_steps, max_grad_norm)
         return model                        # (no autocast wrapper: the policy casts)
 
-    def step(self) -> torch.Tensor:
-        """Clip over the sharded gradients (FSDP2 averaged them over ranks), step; the total
-        norm, the same float on every rank."""
-        limit = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self._params, limit)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        if torch.isfinite(norm):
-            self.optimizer.step()
-            self.scheduler.step()
-        else:
-            self.zero_grad()
-        return norm.detach()
+    def _averaged(self) -> List[torch.nn.Parameter]:
+        return self._params                 # reduce-scattered (averaged) in the backward
 
     def _units(self, module) -> List[torch.nn.Module]:
         return [m for m in module.modules() if isinstance(m, FSDPModule)] if module is not None else []
@@ -392,6 +435,18 @@ class FSDP2Backend(TorchBackend):
             return
         yield get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
+
+    def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
+        """Each parameter's shards all-gathered (``full_tensor``: every rank, the same order)."""
+        self._all_here(timeout_s)
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+                for n, p in bucket}
+
+    def _gather_bucket(self, bucket, timeout_s: float) -> Dict[str, torch.Tensor]:
+        """One bucket's parameters whole: each DTensor's shards all-gathered (on every rank)."""
+        self._all_here(timeout_s)
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+                for n, p in bucket}
 
     def _state(self, critic) -> Tuple[torch.nn.Module, StateDictOptions]:
         return _Joint(self.module, critic), StateDictOptions(ignore_frozen_params=True)

@@ -84,7 +84,7 @@ def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, 
     world = s.num_processes
     deepspeed_bf16 = s.backend == "deepspeed" and s.precision == "bf16"
     b = 2 if deepspeed_bf16 or s.dtype in HALF else 4              # weights and gradients
-    stage = s.zero_stage if s.backend == "deepspeed" else 0
+    stage = {"deepspeed": s.zero_stage, "fsdp2": 3}.get(s.backend, 0)    # FSDP2 shards as ZeRO-3
     # AdamW's two moments: in the weights' dtype on the torch backend; DeepSpeed bf16 keeps
     # them and an fp32 master copy in fp32
     adam = trainable * (8 + 4 if deepspeed_bf16 else 2 * b)
@@ -94,6 +94,8 @@ def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, 
         "optimizer state": adam / (world if stage >= 1 else 1),
         "reference model": 0.0 if (s.kl_coef == 0 or s.lora) else total * b,
     }
+    if s.backend == "fsdp2":              # generation runs on the weights whole, in the compute dtype
+        out["weights gathered to generate"] = total * (2 if s.precision == "bf16" else b)
     if reward_model_bytes:
         out["reward model(s)"] = reward_model_bytes
     n = s.rank_rows

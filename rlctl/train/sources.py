@@ -2,6 +2,7 @@
 starts: local engine processes (``engine_main``) and `rlctl serve` servers (``LocalServers``)."""
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import socket
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from rlctl.dist import TorchBackend
 from rlctl.dist.launch import die_with_parent
 from rlctl.envs.environment import is_episodic
 from rlctl.errors import ConfigError, UserError, user_message
@@ -21,7 +23,7 @@ from rlctl.models.loading import load_model_and_tokenizer, quiet_libraries
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.source import LocalSource
 from rlctl.train.build import model_from_config, prepare_task
-from rlctl.config.schema import AsyncConfig, RolloutConfig
+from rlctl.config.schema import AsyncConfig, HardwareConfig, RolloutConfig
 
 START_S = 600.0          # a child that has not reported its port by then failed
 
@@ -53,7 +55,7 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
     elif cfg.rollout.engine == "server":
         return server_source(cfg.rollout, int(cfg.algo.group_size), cfg.trainer.async_rollout,
                              OmegaConf.to_yaml(cfg, resolve=True), policy, tokenizer, prepared, device,
-                             cfg.seed * 1000, stop)
+                             cfg.seed * 1000, weight_buckets(cfg.hardware, backend), stop)
     else:
         local = LocalSource(policy, tokenizer, list(prepared.train), prepared.scorer(),
                             cfg.rollout, cfg.algo,
@@ -80,16 +82,26 @@ def build_source(cfg, policy, tokenizer, prepared, backend=None, stop=None):
         return engine_source.EngineSource(
             clients, policy, tokenizer, local.examples, local.scorer, cfg.rollout,
             int(cfg.algo.group_size), cfg.trainer.async_rollout, seed=cfg.seed * 1000 + rank,
-            device=device, on_close=close, learner_rng=True, player=player)
+            gather=weight_buckets(cfg.hardware, backend), device=device, on_close=close,
+            learner_rng=True, player=player)
     except BaseException:
         engines.close()
         raise
 
 
+def weight_buckets(hw: HardwareConfig, backend=None):
+    """(module, names=) -> the weights the engines are pushed, in buckets of ``hw.gather_bucket_mb``
+    (``TorchBackend.weight_buckets``; ``backend`` None: one plain torch process)."""
+    backend = backend if backend is not None else TorchBackend(str(hw.device))
+    return functools.partial(backend.weight_buckets, bucket_mb=hw.gather_bucket_mb,
+                             timeout_s=hw.dist_timeout_s)
+
+
 def server_source(rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, cfg_yaml: str,
-                  policy, tokenizer, prepared, device, seed: int, stop=None):
+                  policy, tokenizer, prepared, device, seed: int, gather, stop=None):
     """``rollout.engine=server``: an ``EngineSource`` on ``rollout.server.urls``, or on
-    ``rollout.server.num_local`` `rlctl serve` processes started here (``cfg_yaml``: their config)."""
+    ``rollout.server.num_local`` `rlctl serve` processes started here (``cfg_yaml``: their config);
+    ``gather``: ``weight_buckets``'s."""
     servers = rollout.server
     local = None if servers.urls else LocalServers(cfg_yaml, servers.num_local, stop)
     server_engine = importlib.import_module("rlctl.rollout.engines.server")
@@ -102,7 +114,7 @@ def server_source(rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, c
             kind=server_engine.configured_kind(servers.kind, servers.weight_dir, servers.model_dir))
         return engine_source.EngineSource(engine, policy, tokenizer, list(prepared.train),
                                           prepared.scorer(), rollout, group_size, ahead,
-                                          seed=seed, device=device,
+                                          seed=seed, gather=gather, device=device,
                                           on_close=local.close if local is not None else None)
     except BaseException:
         if local is not None:

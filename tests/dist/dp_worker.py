@@ -10,7 +10,7 @@ case (``<name>-init.pt``, ``<name>.pt``).
 A case is a dict: name, backend, zero_stage, agg, tiny (model sizes), and optionally
 dtype ("float32" | "float64"), optim ("adamw" | "sgd"), steps, lr, max_grad_norm;
 uneven (rank r runs 1 + 4r forwards in ``backend.sampling`` first, as ranks generating
-different lengths do), save (``backend.save_state`` into OUT_DIR/<name>-ckpt after the
+different lengths do; the grad norm is then checked equal on every rank), save (``backend.save_state`` into OUT_DIR/<name>-ckpt after the
 steps) and load (a checkpoint directory ``backend.load_state`` reads before the steps).
 ``optim=sgd`` swaps the backend's AdamW for plain SGD (no momentum, no decay), so that
 with lr=1 and no clipping the weights after one step are ``w0 - g``: the test reads the
@@ -37,6 +37,7 @@ from rlctl.models.loading import load_model_and_tokenizer  # noqa: E402
 from rlctl.types import RolloutBatch  # noqa: E402
 
 B, G, T, STEPS = 4, 3, 6, 3
+PART_MB = 0.1        # the weights pushed to engines: buckets of 0.1 MiB (test_data_parallel)
 
 
 def synthetic_batch(tok) -> RolloutBatch:
@@ -124,13 +125,18 @@ def _train_case(case: dict, rank: int, world: int, out_dir: str, dtype: str) -> 
             for _ in range(1 + 4 * rank):
                 engine(input_ids=batch.input_ids[:1, :4])
     for _ in range(case.get("steps", STEPS)):
-        update_policy(engine, backend, batch, s, UpdateState())
+        norm = update_policy(engine, backend, batch, s, UpdateState())["optim/grad_norm"]
+        if case.get("uneven"):       # the clipping norm: a plain tensor, the same on every rank
+            assert type(norm) is torch.Tensor and norm > 0, norm
+            assert backend.all_reduce(norm, "min") == backend.all_reduce(norm, "max"), norm
     if case.get("save"):
         (Path(out_dir) / f"{case['name']}-ckpt").mkdir(exist_ok=True)
         backend.save_state(Path(out_dir) / f"{case['name']}-ckpt")
     state = _state(backend, backend.unwrap())
+    parts = list(backend.weight_buckets(backend.unwrap(), bucket_mb=PART_MB))   # every rank gathers
     if rank == 0:
         torch.save(state, os.path.join(out_dir, f"{case['name']}.pt"))
+        torch.save(parts, os.path.join(out_dir, f"{case['name']}-parts.pt"))
     backend.barrier()
 
 

@@ -155,6 +155,24 @@ def test_two_ranks_match_one_process(results, name, agg):
     assert far <= 1e-3 * total, f"{far} of {total} entries differ by more than 1e-6"
 
 
+@pytest.mark.parametrize("name", ["torch2"] + [f"z{z}" for z in STAGES])
+def test_two_ranks_gather_their_weights_for_the_engines_in_bounded_buckets(results, name):
+    """``weight_buckets`` on 2 ranks (ZeRO-3: each bucket's parameters gathered on both):
+    every parameter once, bitwise the rank's whole weights, in the module's order; a bucket
+    holds at most PART_MB MiB unless it is one tensor bigger than that."""
+    import dp_worker
+
+    state, parts = _load(results, f"{name}-{AGGS[0]}"), _load(results, f"{name}-{AGGS[0]}-parts")
+    names = [k for part in parts for k in part]
+    assert len(names) == len(set(names)) and names == [k for k in state if k in set(names)]
+    assert set(state) - set(names) <= {"lm_head.weight"}               # tied to the embedding
+    assert all(torch.equal(part[k], state[k]) for part in parts for k in part)
+    limit = dp_worker.PART_MB * 2**20
+    sizes = [sum(t.numel() * t.element_size() for t in part.values()) for part in parts]
+    assert all(s <= limit or len(p) == 1 for s, p in zip(sizes, parts))
+    assert any(s > limit for s in sizes) and len(parts) > 3        # both kinds of bucket occur
+
+
 _INIT = {}
 
 

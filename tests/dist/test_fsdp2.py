@@ -30,10 +30,10 @@ def results(tmp_path_factory, build_once):
     for f in reference(build_once).glob("ref64-*.pt"):
         (out / f.name).symlink_to(f)
     two = _case(f"fsdp2g64-{AGG}", "fsdp2", AGG, dtype="float64", uneven=True, save=True, **GRAD)
-    _run(out, 2, [two], timeout=240)     # a rank left waiting in a collective would hang here
+    _run(out, 2, [two], timeout=150)     # a rank left waiting in a collective would hang here
     one = _case("fsdp2-load", "fsdp2", AGG, dtype="float64", load=str(out / f"{two['name']}-ckpt"),
                 **dict(GRAD, steps=0))
-    _run(out, 1, [one], timeout=240)
+    _run(out, 1, [one], timeout=150)
     return out
 
 
@@ -50,6 +50,21 @@ def test_two_ranks_give_one_process_gradient_in_float64(results):
     assert max(v.abs().max().item() for v in ref.values()) > 1e-2
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-10, rtol=0, msg=k)
+
+
+def test_two_ranks_gather_the_weights_for_the_engines_in_bounded_buckets(results):
+    """``weight_buckets`` on 2 FSDP2 ranks (each parameter's shards all-gathered, bucket by
+    bucket): every parameter once, bitwise the full state rank 0 gathers in one piece; a
+    bucket holds at most PART_MB MiB unless it is one tensor bigger than that."""
+    import dp_worker
+
+    state, parts = _load(results, f"fsdp2g64-{AGG}"), _load(results, f"fsdp2g64-{AGG}-parts")
+    names = [k for part in parts for k in part]
+    assert len(names) == len(set(names)) and set(state) - set(names) <= {"lm_head.weight"}
+    assert all(torch.equal(part[k], state[k]) for part in parts for k in part)
+    sizes = [sum(t.numel() * t.element_size() for t in part.values()) for part in parts]
+    limit = dp_worker.PART_MB * 2**20
+    assert all(s <= limit or len(p) == 1 for s, p in zip(sizes, parts)) and len(parts) > 3
 
 
 def test_a_two_rank_checkpoint_loads_on_one_rank_exactly(results):
@@ -85,13 +100,14 @@ def _exported(run: Path, weights: str):
 
 
 def test_two_rank_lora_run(tmp_path):
-    """`rlctl train hardware=fsdp2 hardware.num_processes=2 model.lora.enabled=true`: the
-    adapters train, the reference is the sharded policy with its adapter off; one writer."""
+    """`rlctl train hardware=fsdp2 hardware.num_processes=2 model.lora.enabled=true`, in bf16
+    (MixedPrecisionPolicy) with CPU offload: the adapters train, the reference is the
+    sharded policy with its adapter off; one writer, the adapter exported."""
     run = tmp_path / "r"
-    _train("model.lora.enabled=true", "algo.kl.coef=0.05", "trainer.steps=2",
-           "trainer.eval_every=2", f"run.dir={run}")
+    _train("model.lora.enabled=true", "algo.kl.coef=0.05", "hardware.precision=bf16",
+           "hardware.cpu_offload=true", "trainer.steps=2", "trainer.eval_every=2", f"run.dir={run}")
     rows = _rows(run)
-    assert sorted(rows) == [0, 1, 2] and rows[2]["optim/grad_norm"] > 0
+    assert sorted(rows) == [0, 1, 2] and rows[2]["optim/grad_norm"] > 0 and rows[2]["kl/k3"] > 0
     _exported(run, "adapter_model.safetensors")
 
 

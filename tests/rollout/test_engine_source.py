@@ -28,7 +28,7 @@ from rlctl.rollout.engines.serve_app import build_app
 from rlctl.rollout.engines.server import ServerEngine
 from rlctl.train.build import prepare_task
 from rlctl.train.preflight import check_episodes
-from rlctl.train.sources import build_source
+from rlctl.train.sources import build_source, weight_buckets
 from rlctl.sinks import NullSink
 
 from serving import ChunkedEngine, ServeThread, tiny_app
@@ -70,7 +70,7 @@ def _train(cfg, engine_for, steps=3):
     else:
         source = EngineSource(engine_for(model, tok), model, tok, list(task.train), task.scorer(),
                               cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout,
-                              seed=cfg.seed * 1000)
+                              seed=cfg.seed * 1000, gather=weight_buckets(cfg.hardware))
     tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=source)
     try:
         metrics = [tr.step(i) for i in range(1, steps + 1)]
@@ -120,7 +120,8 @@ def test_one_server_lost_mid_run_the_run_finishes_on_the_other_and_it_comes_back
     model2, tok2 = _model(cfg)
     task = prepare_task(cfg, tok2, model2, quiet=True)
     source = EngineSource(engine_for(model2, tok2), model2, tok2, list(task.train), task.scorer(),
-                          cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0)
+                          cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0,
+                          gather=weight_buckets(cfg.hardware))
     tr = Trainer.from_config(cfg, model2, tok2, task, NullSink(), source=source)
     try:
         first = tr.step(1)
@@ -167,7 +168,8 @@ def test_a_server_restarted_unseen_before_its_first_use_is_not_taken_for_the_lea
     def source(urls):
         engine = ServerEngine(urls, chunk_size=4, recheck_s=0.0, timeout_s=20.0, say=lines.append)
         return EngineSource(engine, learner, tok, list(task.train), task.scorer(),
-                            cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0)
+                            cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0,
+                            gather=weight_buckets(cfg.hardware))
     ref, two = source([servers["ref"].url]), source([servers["a"].url, servers["b"].url])
     try:
         batches = {}
@@ -227,7 +229,8 @@ def test_closing_with_a_request_ahead_on_a_hung_server_does_not_wait_for_it(tiny
     try:
         source = EngineSource(ServerEngine([server.url], max_staleness=1, chunk_size=16, timeout_s=300.0),
                               model, tok, list(task.train), task.scorer(),
-                              cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0)
+                              cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0,
+                              gather=weight_buckets(cfg.hardware))
         source.sample(4)                              # answered; the next request is ahead, hung
         deadline = time.monotonic() + 10.0
         while engine.calls < 2 and time.monotonic() < deadline:
@@ -255,7 +258,7 @@ def test_a_lora_policy_pushes_its_adapter_and_the_engine_serves_the_adapted_mode
         for n, p in policy.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1)                               # B starts at zero: make it count
-    tensors, kind = policy_weights(policy)
+    [(tensors, kind)] = policy_weights(policy, weight_buckets(cfg.hardware))
     assert kind == "adapter" and tensors and all(k.endswith(("lora_A", "lora_B")) for k in tensors)
     served.update_weights(1, tensors, kind)
     prompt = tok("3 1 2 :")["input_ids"]
@@ -269,7 +272,7 @@ def test_a_lora_policy_pushes_its_adapter_and_the_engine_serves_the_adapted_mode
 
 def test_full_weights_are_the_language_model_alone(tiny):
     model, _, _ = tiny
-    tensors, kind = policy_weights(model)
+    [(tensors, kind)] = policy_weights(model, weight_buckets(_cfg([]).hardware))
     assert kind == "full" and set(tensors) == {n for n, _ in model.named_parameters()}
     name = next(iter(tensors))
     assert tensors[name].data_ptr() != dict(model.named_parameters())[name].data_ptr()   # a copy

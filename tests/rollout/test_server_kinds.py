@@ -34,7 +34,7 @@ from rlctl.rollout.engines.server import ServerEngine
 from rlctl.rollout.engines.kinds import (KINDS, Link, RlctlKind, SGLangKind, VLLMKind, parse_openai,
                                         parse_sglang, server_kind, sglang_body, vllm_requests,
                                         write_peft_adapter)
-from rlctl.rollout.engines.protocol import load_adapter
+from rlctl.rollout.engines.protocol import load_adapter, read_dir
 
 from serving import ServeThread, tiny_app
 
@@ -226,6 +226,38 @@ def test_sglang_full_pushes_keep_the_newest_two_copies_on_the_shared_disk(tiny, 
     assert sorted(p.name for p in tmp_path.iterdir()) == [".rlctl-written.json", "mine", "rlctl-v3", "rlctl-v4"]
     with safe_open(str(tmp_path / "rlctl-v4" / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == set(params)
+
+
+def test_vllm_and_sglang_write_a_push_in_parts_part_by_part_and_load_it_once_at_the_last(tiny, tmp_path):
+    """Full weights in parts: each part a file as it comes (the learner keeps none), one
+    reload at the last part; vLLM's files of an earlier push with more parts are removed.
+    An adapter's parts are assembled first (PEFT reads one file) and loaded once."""
+    _, other, _, _ = tiny
+    params = {k: v.detach() for k, v in other.named_parameters()}
+    names = list(params)
+    parts = lambda n: [{k: params[k] for k in names[i::n]} for i in range(n)]   # noqa: E731
+    sent = []
+    link = Link("http://x.test", lambda route, body, ctype, expect_json: sent.append(route) or {})
+    vllm, sglang = VLLMKind(model_dir=str(tmp_path / "m"), lora_dir=str(tmp_path / "l")), \
+        SGLangKind(weights_dir=str(tmp_path / "s"))
+    (tmp_path / "m").mkdir()
+    for kind, version, n, where in ((vllm, 1, 3, "m"), (vllm, 2, 2, "m"), (sglang, 1, 3, "s/rlctl-v1")):
+        pushes = [kind.push(version, part, "full", i, i == n - 1) for i, part in enumerate(parts(n))]
+        assert pushes[:-1] == [None] * (n - 1) and not sent
+        pushes[-1](link)
+        assert len(sent) == (2 if kind is vllm else 1) and sent.clear() is None   # one reload
+        got, _ = read_dir(str(tmp_path / where))
+        assert set(got) == set(names) and all(torch.equal(got[k], params[k]) for k in names)
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["model-part00001.safetensors",
+                                                                  "model.safetensors"]
+    adapter = {"model.layers.0.self_attn.q_proj.lora_A": torch.zeros(2, 32),
+               "model.layers.0.self_attn.q_proj.lora_B": torch.zeros(32, 2)}
+    first, last = ({k: v} for k, v in adapter.items())
+    assert vllm.push(3, first, "adapter", 0, False) is None
+    vllm.push(3, last, "adapter", 1, True)(link)
+    assert sent == ["/v1/load_lora_adapter"]
+    with safe_open(str(next((tmp_path / "l").iterdir()) / "adapter_model.safetensors"), framework="pt") as f:
+        assert len(f.keys()) == 2
 
 
 # -- LoRA pushes: PEFT's layout, checked by PEFT itself ------------------------------------

@@ -14,7 +14,7 @@ def test_disk_pushes_prune_only_the_versions_rlctl_wrote(tmp_path):
     (tmp_path / "v1").mkdir()
     (tmp_path / "v1" / "user_note.txt").write_text("mine")          # a user's, not rlctl's
     for version in range(2, 6):
-        _write(str(tmp_path), version, W, "full")
+        _write(str(tmp_path), version, [(W, "full")])
     names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
     assert names == ["v1", "v4", "v5"]                                # v2, v3: rlctl's, pruned
     assert (tmp_path / "v1" / "user_note.txt").read_text() == "mine"
@@ -24,10 +24,10 @@ def test_a_version_directory_rlctl_did_not_write_is_never_overwritten(tmp_path):
     (tmp_path / "v1").mkdir()
     (tmp_path / "v1" / "user_note.txt").write_text("mine")
     with pytest.raises(UserError, match=r"v1.*not written by rlctl.*weight_dir"):
-        _write(str(tmp_path), 1, W, "full")
+        _write(str(tmp_path), 1, [(W, "full")])
     assert (tmp_path / "v1" / "user_note.txt").read_text() == "mine"
-    _write(str(tmp_path), 2, W, "full")
-    _write(str(tmp_path), 2, W, "full")                               # its own: rewritten
+    _write(str(tmp_path), 2, [(W, "full")])
+    _write(str(tmp_path), 2, [(W, "full")])                               # its own: rewritten
 
 
 def test_sglang_full_pushes_keep_a_users_rlctl_named_directory(tmp_path):

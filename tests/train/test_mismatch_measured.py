@@ -15,6 +15,7 @@ from rlctl.rollout.engines.engine_source import EngineSource
 from rlctl.rollout.engines.protocol import TorchEngine
 from rlctl.sinks import NullSink
 from rlctl.train.build import prepare_task
+from rlctl.train.sources import weight_buckets
 from rlctl.train.trainer import Trainer
 from rlctl.train.update import UpdateState, update_policy
 
@@ -59,7 +60,8 @@ def test_an_engine_source_logs_the_mismatch_with_the_correction_off():
     model, tok = load_model_and_tokenizer("tiny", **{k: v for k, v in dict(cfg.model).items() if k != "name"})
     task = prepare_task(cfg, tok, model, quiet=True)
     source = EngineSource(TorchEngine(copy.deepcopy(model), tok.pad_token_id), model, tok, list(task.train),
-                          task.scorer(), cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0)
+                          task.scorer(), cfg.rollout, cfg.algo.group_size, cfg.trainer.async_rollout, seed=0,
+                          gather=weight_buckets(cfg.hardware))
     tr = Trainer.from_config(cfg, model, tok, task, NullSink(), source=source)
     try:
         values = tr.step(1)

@@ -6,6 +6,7 @@ or is silent for ``timeout_s``: ``ActorFailed``."""
 from __future__ import annotations
 
 import collections
+import itertools
 import pickle
 import random
 import shutil
@@ -13,7 +14,7 @@ import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -37,19 +38,24 @@ def staleness_bounds(ahead: AsyncConfig) -> Tuple[int, int]:
     return (int(ahead.max_staleness), int(ahead.sync_every)) if ahead.enabled else (0, 1)
 
 
-def policy_weights(policy) -> Tuple[Dict[str, torch.Tensor], str]:
-    """(tensors, kind) to serve ``policy``: a LoRA adapter or every parameter, as CPU copies."""
+Gather = Callable[..., Iterator[Dict[str, torch.Tensor]]]     # (module, names=) -> CPU buckets
+
+
+def policy_weights(policy, gather: Gather) -> Iterator[Tuple[Dict[str, torch.Tensor], str]]:
+    """(tensors, kind) parts to serve ``policy``: a LoRA adapter (A; B scaled) or every parameter,
+    as CPU tensors, a bucket of ``gather`` (the backend's ``weight_buckets``) at a time."""
     model = policy.policy if isinstance(policy, PolicyValueModel) else policy
-    if hasattr(model, "peft_config"):
-        base = model.get_base_model()
-        out = {}
-        for name, m in base.named_modules():
-            if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
-                out[f"{name}.lora_A"] = m.lora_A["default"].weight.detach().cpu().clone()
-                out[f"{name}.lora_B"] = (m.lora_B["default"].weight.detach()
-                                         * m.scaling["default"]).cpu()        # a new tensor
-        return out, "adapter"
-    return {k: v.detach().cpu().clone() for k, v in model.named_parameters()}, "full"
+    if not hasattr(model, "peft_config"):
+        yield from ((part, "full") for part in gather(model, names=None))
+        return
+    base, served = model.get_base_model(), {}          # parameter -> (served name, scale)
+    for name, m in base.named_modules():
+        if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
+            served[f"{name}.lora_A.default.weight"] = (f"{name}.lora_A", None)
+            served[f"{name}.lora_B.default.weight"] = (f"{name}.lora_B", m.scaling["default"])
+    for part in gather(base, names=list(served)):
+        yield {served[k][0]: t if served[k][1] is None else t * served[k][1]
+               for k, t in part.items()}, "adapter"
 
 
 class EngineSource(SyncSource):
@@ -57,12 +63,14 @@ class EngineSource(SyncSource):
 
     def __init__(self, engine, policy, tokenizer, examples: Sequence[Example], scorer,
                  rollout: RolloutConfig, group_size: int, ahead: AsyncConfig, seed: int,
-                 device=None, on_close: Optional[Callable[[], None]] = None,
+                 gather: Gather, device=None, on_close: Optional[Callable[[], None]] = None,
                  learner_rng: bool = False, player=None):
+        """``gather``: the learner's weights in buckets (``policy_weights``)."""
         self.engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
         self.engine, self.policy, self.tokenizer = self.engines[0], policy, tokenizer
         self.examples, self.scorer, self.rollout = list(examples), scorer, rollout
         self.group_size, self.learner_rng, self.player = group_size, learner_rng, player
+        self.gather = gather
         self.max_staleness, self.sync_every = staleness_bounds(ahead)
         server = rollout.server
         self.weight_dir = server.weight_dir if server.weight_sync == "disk" else None
@@ -80,15 +88,17 @@ class EngineSource(SyncSource):
         self.took = False                                  # this step consumed a rollout
         self.stats: Dict[str, List[float]] = {}
 
-    def _push(self, engine, snap) -> float:
-        """Send ``snap`` (version, tensors, kind) to ``engine`` -> the seconds it took."""
-        version, tensors, kind = snap
+    def _push(self, engine, version: int) -> float:
+        """The policy's weights to ``engine`` as ``version``, one bucket at a time -> seconds."""
         t0 = time.perf_counter()
+        parts = policy_weights(self.policy, self.gather)
         if self.weight_dir is None:
-            engine.update_weights(version, tensors, kind)
+            part = next(parts)
+            for following in itertools.chain(parts, [None]):     # the last one says so
+                engine.update_weights(version, *part, last=following is None)
+                part = following
         else:
-            path = _write(self.weight_dir, version, tensors, kind)
-            engine.update_weights_from_disk(version, path)
+            engine.update_weights_from_disk(version, _write(self.weight_dir, version, parts))
         return time.perf_counter() - t0
 
     def _fill(self, num_groups: int) -> None:
@@ -108,12 +118,11 @@ class EngineSource(SyncSource):
             seed = torch.get_rng_state() if self.max_staleness == 0 else None
         else:
             seed = self.prompt_rng.getrandbits(62)
-        snap = None
-        pushed = self.pushed[e]
+        push_s, pushed = 0.0, self.pushed[e]
         if (pushed is None or self.version - pushed >= self.sync_every
                 or pushed < consumed_at - self.max_staleness):
-            tensors, kind = policy_weights(self.policy)
-            snap, self.pushed[e] = (self.version, tensors, kind), self.version   # booked now
+            # here, on an idle engine: the learner changes its weights after this returns
+            push_s, self.pushed[e] = self._push(engine, self.version), self.version
         examples = [self.examples[i] for i in rows]
         G, ro = self.group_size, self.rollout
         prompts = [] if self.player is not None else \
@@ -121,7 +130,6 @@ class EngineSource(SyncSource):
         sampling = Sampling(ro.max_new_tokens, ro.temperature, ro.top_k, tuple(self.stops))
 
         def job():          # runs in the worker thread: it only calls the engine
-            push_s = self._push(engine, snap) if snap is not None else 0.0
             t0 = time.perf_counter()
             if self.player is not None:
                 outs = engine.play(rows, env_seed, seed)
@@ -226,13 +234,15 @@ def _in_thread(job: Callable[[], tuple]) -> Future:
     return future
 
 
-def _write(root: str, version: int, tensors: Dict[str, torch.Tensor], kind: str) -> str:
-    """``root``/v<version>/weights.safetensors, renamed into place; rlctl's older ones pruned."""
+def _write(root: str, version: int, parts) -> str:
+    """``root``/v<version>/part-<i>.safetensors, one file a part of ``parts`` ((tensors, kind)),
+    renamed into place; rlctl's older ones pruned."""
     base = Path(root)
     final, tmp = claim_version(base, f"v{version}"), base / f".v{version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "weights.safetensors").write_bytes(to_bytes(tensors, kind))
+    for i, (tensors, kind) in enumerate(parts):
+        (tmp / f"part-{i:05d}.safetensors").write_bytes(to_bytes(tensors, kind))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     prune_versions(base, "v", version)
@@ -277,9 +287,10 @@ class LocalEngine(Engine):
         outs, self.rng_state = self._call("generate", [list(p) for p in prompts], sampling, seed)
         return outs
 
-    def update_weights(self, version: int, tensors: Dict[str, torch.Tensor], kind: str = "full") -> None:
+    def update_weights(self, version: int, tensors: Dict[str, torch.Tensor], kind: str = "full",
+                       last: bool = True) -> None:
         try:
-            self._send(("weights", int(version), to_bytes(tensors, kind)))
+            self._send(("weights", int(version), to_bytes(tensors, kind), last))
         except OSError:
             self._call("health")          # names the lost process
         self.version = int(version)
@@ -314,7 +325,7 @@ def serve_engine(engine: TorchEngine, conn, player=None, examples=()) -> str:
         try:
             if op == "weights":
                 try:
-                    engine.update_weights(args[0], *from_bytes(args[1]))
+                    engine.update_weights(args[0], *from_bytes(args[1]), last=args[2])
                 except Exception as exc:  # noqa: BLE001 - answered with the next request
                     failed = exc
                 continue

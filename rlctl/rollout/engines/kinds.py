@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -38,6 +39,7 @@ class ServerKind:
     """The part of the server protocol that differs per kind (module docstring)."""
     name = ""
     parallel_push = False     # True: a push's sends hold no client state (servers pushed at once)
+    sends_parts = False       # True: each part of a push is sent (the server holds them until the last)
 
     def probe(self, link: Link) -> Optional[int]:
         """The server's weights version (None: not reported); raises when it does not answer."""
@@ -48,8 +50,10 @@ class ServerKind:
         """One request's completions, one per row in order, and the version it reports."""
         raise NotImplementedError
 
-    def push(self, version: int, tensors: Dict[str, torch.Tensor], kind: str) -> Push:
-        """Prepare a push of full weights or an adapter; the result sends it to one server."""
+    def push(self, version: int, tensors: Dict[str, torch.Tensor], kind: str, part: int = 0,
+             last: bool = True) -> Optional[Push]:
+        """Prepare a push of full weights or an adapter, or its ``part``-th part (``last``: the
+        final one); the result sends it to one server (None: nothing to send for this part)."""
         raise NotImplementedError
 
     def push_from_disk(self, version: int, path: str) -> Push:
@@ -84,7 +88,7 @@ def _finish(reason) -> str:
 class RlctlKind(ServerKind):
     """``rlctl serve``: replies carry ``weights_version``; weights go as bytes or by path."""
     name = "rlctl"
-    parallel_push = True
+    parallel_push = sends_parts = True
 
     def probe(self, link: Link) -> Optional[int]:
         return int(link("/version")["weights_version"])
@@ -97,9 +101,9 @@ class RlctlKind(ServerKind):
         version = int(reply.get("weights_version", 0))
         return parse_openai(reply, version), version
 
-    def push(self, version, tensors, kind):
+    def push(self, version, tensors, kind, part=0, last=True):
         data = to_bytes(tensors, kind)
-        route = f"/update_weights?version={int(version)}"
+        route = f"/update_weights?version={int(version)}" + ("" if last else "&last=false")
         return lambda link: int(link(route, data, "application/octet-stream")["weights_version"])
 
     def push_from_disk(self, version, path):
@@ -143,13 +147,20 @@ class _LoraNames:
 
     def __init__(self, prefix: str, routes: str, expect_json: bool):
         self.current: Optional[str] = None      # the name requests use; None: base weights
+        self.parts: Dict[str, torch.Tensor] = {}   # a push's parts so far: PEFT reads one file
         self.loaded: Dict[str, str] = {}
         self.routes, self.expect_json = routes, expect_json
         # a tag of this client's own: a server that outlives a run may hold the same name
         self.prefix = f"{prefix}-{os.urandom(3).hex()}-v"
 
-    def push(self, version: int, tensors: Dict[str, torch.Tensor], directory: Path) -> Push:
-        """Write the adapter under ``directory``; the push loads it and unloads the last one."""
+    def push(self, version: int, tensors: Dict[str, torch.Tensor], directory: Path, part: int = 0,
+             last: bool = True) -> Optional[Push]:
+        """Write the adapter (at its last part) under ``directory``; the push loads it and
+        unloads the last one."""
+        self.parts = {**(self.parts if part else {}), **tensors}
+        if not last:
+            return None
+        tensors, self.parts = self.parts, {}
         name = f"{self.prefix}{int(version)}"
         body = {"lora_name": name, "lora_path": str(write_peft_adapter(tensors, directory / name))}
 
@@ -227,22 +238,25 @@ class VLLMKind(ServerKind):
                 out[i] = c
         return out, None
 
-    def push(self, version, tensors, kind):
+    def push(self, version, tensors, kind, part=0, last=True):
         if kind == "adapter":
             lora_dir = _needs(self.lora_dir, "lora_dir (a directory the servers read at the same "
                               "path)", self.name)
-            return self.lora.push(version, tensors, Path(lora_dir))
+            return self.lora.push(version, tensors, Path(lora_dir), part, last)
         if kind != "full":
             raise UserError(f"unknown weights kind '{kind}'; valid: full, adapter")
         model_dir = Path(_needs(self.model_dir, "model_dir (the directory vllm serve loads, "
                                 "shared with this machine)", self.name))
-        others = [p.name for p in model_dir.glob("*.safetensors") if p.name != "model.safetensors"]
+        others = [p.name for p in model_dir.glob("*.safetensors") if not PART.fullmatch(p.name)]
         if others:
             raise UserError(f"{model_dir} holds other weight files ({others[0]}): vLLM would "
                             "reload them too; serve a directory with one model.safetensors")
-        tmp = model_dir / ".model.safetensors.tmp"
-        tmp.write_bytes(to_bytes(tensors, "full"))
-        os.replace(tmp, model_dir / "model.safetensors")
+        _write_part(model_dir, part, tensors)
+        if not last:
+            return None
+        for old in model_dir.glob("model-part*.safetensors"):     # an earlier push's, beyond this one's
+            if int(PART.fullmatch(old.name).group(1) or 0) > part:
+                old.unlink()
 
         def send(link: Link) -> None:
             link("/collective_rpc", {"method": "reload_weights"}, expect_json=False)
@@ -253,6 +267,18 @@ class VLLMKind(ServerKind):
     def push_from_disk(self, version, path):
         tensors, kind = read_dir(path)        # read here: vLLM reloads only its own directory
         return self.push(version, tensors, kind)
+
+
+PART = re.compile(r"model(?:-part(\d+))?\.safetensors")      # the files a full push writes
+
+
+def _write_part(directory: Path, part: int, tensors: Dict[str, torch.Tensor]) -> None:
+    """Part ``part`` of a full push: ``directory``/model.safetensors (the first) or
+    model-part<part>.safetensors, renamed into place."""
+    name = "model.safetensors" if part == 0 else f"model-part{part:05d}.safetensors"
+    tmp = directory / f".{name}.tmp"
+    tmp.write_bytes(to_bytes(tensors, "full"))
+    os.replace(tmp, directory / name)
 
 
 # -- SGLang ------------------------------------------------------------------------------
@@ -312,14 +338,16 @@ class SGLangKind(ServerKind):
         return Path(_needs(self.weights_dir, "weights_dir (a directory the servers read at "
                            "the same path)", self.name))
 
-    def push(self, version, tensors, kind):
+    def push(self, version, tensors, kind, part=0, last=True):
         if kind == "adapter":
-            return self.lora.push(version, tensors, self._dir())
+            return self.lora.push(version, tensors, self._dir(), part, last)
         if kind != "full":
             raise UserError(f"unknown weights kind '{kind}'; valid: full, adapter")
         directory = claim_version(self._dir(), f"rlctl-v{int(version)}")
         directory.mkdir(exist_ok=True)
-        (directory / "model.safetensors").write_bytes(to_bytes(tensors, "full"))
+        _write_part(directory, part, tensors)
+        if not last:
+            return None
         prune_versions(self._dir(), "rlctl-v", int(version))        # a model per push: keep two
         return self.push_from_disk(version, str(directory))
 

@@ -53,7 +53,7 @@ class Engine(Protocol):
                  seed: Optional[int] = None) -> List[Completion]: ...
 
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
-                       kind: str = "full") -> None: ...
+                       kind: str = "full", last: bool = True) -> None: ...
 
     def health(self) -> Dict[str, object]: ...
 
@@ -117,19 +117,27 @@ class TorchEngine(Engine):
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.context = context_length(self.model)        # None: not bounded here
         self._base: Dict[str, torch.Tensor] = {}        # weights an adapter is merged onto
+        self._parts: tuple = (None, None, {})            # (version, kind, tensors) of a push in parts
 
     def health(self) -> Dict[str, object]:
         return {"status": "ok", "weights_version": self.version}
 
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
-                       kind: str = "full") -> None:
-        """Full weights or a LoRA adapter's tensors (docs/engines.md)."""
+                       kind: str = "full", last: bool = True) -> None:
+        """Full weights or a LoRA adapter's tensors (docs/engines.md), whole or in parts: a
+        version's parts are held until its ``last`` one, then loaded at once (a generate
+        samples from the old weights or the new, never a mix)."""
+        held = self._parts[2] if self._parts[:2] == (int(version), kind) else {}
+        held.update(tensors)
+        self._parts = (int(version), kind, held) if not last else (None, None, {})
+        if not last:
+            return
         with _GENERATION:
             if kind == "full":
-                load_full(self.model, tensors)
+                load_full(self.model, held)
                 self._base = {}
             elif kind == "adapter":
-                load_adapter(self.model, tensors, self._base)
+                load_adapter(self.model, held, self._base)
             else:
                 raise UserError(f"unknown weights kind '{kind}'; valid: full, adapter")
             self.version = int(version)

@@ -74,10 +74,11 @@ def build_app(engine: TorchEngine, model_name: str, default_stops=(), tokenizer=
         return await answer(request, parse_chat, True)
 
     @app.post("/update_weights")
-    async def update_weights(request: Request, version: Optional[str] = None) -> Dict[str, Any]:
+    async def update_weights(request: Request, version: Optional[str] = None,
+                             last: bool = True) -> Dict[str, Any]:
         v = _version(version)
         tensors, kind = from_bytes(await request.body())
-        await run_in_threadpool(_update, engine, v, tensors, kind)
+        await run_in_threadpool(_update, engine, v, tensors, kind, last)
         return {"success": True, "weights_version": engine.version}
 
     @app.post("/update_weights_from_disk")
@@ -93,11 +94,11 @@ def build_app(engine: TorchEngine, model_name: str, default_stops=(), tokenizer=
     return app
 
 
-def _update(engine: TorchEngine, version: int, tensors, kind: str) -> None:
+def _update(engine: TorchEngine, version: int, tensors, kind: str, last: bool = True) -> None:
     if version < engine.version:
         raise StaleVersion(f"weights version {version} is older than the served version "
                            f"{engine.version}")
-    engine.update_weights(version, tensors, kind)
+    engine.update_weights(version, tensors, kind, last)
 
 
 async def _json(request: Request) -> Dict[str, Any]:

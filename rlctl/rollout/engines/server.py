@@ -54,6 +54,7 @@ class ServerEngine(Engine):
         self.max_staleness, self.chunk_size = int(max_staleness), int(chunk_size)
         self.timeout_s, self.recheck_s, self.say = timeout_s, recheck_s, say
         self._push: Optional[tuple] = None            # (version, push to one server)
+        self._part: tuple = (None, 0)                  # (version, index of its next part)
         self._lock = threading.Lock()
         for s in self.servers:
             try:
@@ -63,35 +64,42 @@ class ServerEngine(Engine):
         self.version = max(s.weights_version for s in self.servers)
 
     def update_weights(self, version: int, tensors: Dict[str, torch.Tensor],
-                       kind: str = "full") -> None:
-        """Push full weights or an adapter to every server that is up."""
-        self._broadcast(int(version), self.kind.push(int(version), tensors, kind))
+                       kind: str = "full", last: bool = True) -> None:
+        """Push full weights or an adapter, or a part of them (``last``: the final part), to
+        every server that is up."""
+        v = int(version)
+        part = self._part[1] if self._part[0] == v else 0        # this part's index in version v
+        self._part = (None, 0) if last else (v, part + 1)
+        push = self.kind.push(v, tensors, kind, part, last)
+        if push is not None:     # a kind that sends parts: only a one-part push can be sent again
+            self._broadcast(v, push, last, last and (part == 0 or not self.kind.sends_parts))
 
     def update_weights_from_disk(self, version: int, path: str) -> None:
         """Every server loads ``path`` (safetensors, on a directory they all see)."""
         self._broadcast(int(version), self.kind.push_from_disk(int(version), path))
 
-    def _broadcast(self, version: int, push) -> None:
-        self._push = (version, push)
-        self.version = version
+    def _broadcast(self, version: int, push, last: bool = True, whole: bool = True) -> None:
+        """``last``: the servers switch to ``version``; ``whole``: ``push`` alone brings a server
+        there (kept for servers that come back)."""
+        self._push = (version, push) if whole else None
+        self.version = version if last else self.version
         up = [s for s in self.servers if s.up]
         if not self.kind.parallel_push:        # a kind that keeps per-push state in the client
             for s in up:
-                self._send_weights(s)
+                self._send_weights(s, version, push)
             return
         errors: List[BaseException] = []
 
         def send(s: Server) -> None:
             try:
-                self._send_weights(s)
+                self._send_weights(s, version, push)
             except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 errors.append(exc)
         _all_at_once(send, up)        # a push costs one transfer, not n
         if errors:
             raise errors[0]
 
-    def _send_weights(self, s: Server) -> bool:
-        version, push = self._push
+    def _send_weights(self, s: Server, version: int, push) -> bool:
         try:
             reported = self._read(s, "weights", push, self._link(s, self.timeout_s))
             s.weights_version = version if reported is None else int(reported)
@@ -132,6 +140,8 @@ class ServerEngine(Engine):
             if self._usable(s) or (not s.up and not force and now - s.lost_at < self.recheck_s):
                 continue
             was_lost = not s.up
+            if not was_lost and self._push is None:     # nothing to send: the next push
+                continue
             if was_lost:
                 try:
                     s.weights_version = self._probe(s, 2.0)
@@ -140,7 +150,7 @@ class ServerEngine(Engine):
                     continue
                 s.up = True
             # back: the newest push even when within max_staleness (it missed that push)
-            if self._push is not None and (was_lost or not self._usable(s)) and not self._send_weights(s):
+            if self._push is not None and (was_lost or not self._usable(s)) and not self._send_weights(s, *self._push):
                 continue
             self.say(f"rollout server {s.url} is back (weights version {s.weights_version})"
                      if was_lost else
