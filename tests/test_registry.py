@@ -142,7 +142,7 @@ def test_user_task_by_import_path(user_module, tmp_path):
     (["algo.kl.estimator=k9"], "invalid algo.kl.estimator: unknown KL estimator 'k9'; valid: "
                                "k1, k2, k3 (aliases: kl, low_var_kl, mse)"),
     (["task.name=nope"], "invalid task.name: unknown task 'nope'; valid: arithmetic, calculator, "
-                         "guess_number, jsonl, running_sum, sorting"),
+                         "guess_number, jsonl, preferences, running_sum, sorting"),
     (["hardware.backend=tpu"], "invalid hardware.backend: unknown backend 'tpu'; valid: "
                                "deepspeed, fsdp2, torch"),
     (["algo=ppo", "algo.critic=none"], "algo.advantage=gae needs a critic"),
