@@ -1,7 +1,7 @@
 """rlctl against TRL's GRPOTrainer on a real pretrained chat model, one run, one thread each.
 
     OMP_NUM_THREADS=1 python bench/trl_real.py --model DIR --trl-python /path/to/trl-venv/bin/python \
-        [--steps 3] [--modes lora full] [--repeats 1] [--rlctl-args hardware.precision=bf16 ...]
+        [--steps 3] [--modes lora full] [--precision fp32] [--repeats 1] [--rlctl-args KEY=VALUE ...]
 
 Same model (a float32 HF directory, e.g. SmolLM2-135M-Instruct from scripts/get-smollm2), the
 same chat prompts ("Which number is larger, A or B? Answer with just the number.", drawn
@@ -11,7 +11,8 @@ sequence-mean of token means, clip 0.2, no KL term (TRL's beta default 0), one o
 step per rollout, AdamW at a constant learning rate, gradient clipping 1.0; LoRA r 8 on every
 Linear but the head (alpha 16, lr 5e-4) or full fine-tuning (lr 2e-5). Each side runs in
 its own process (peak RSS is that process's, from wait4); the first step is a warm-up and
-is not timed. Tokens/s counts completion tokens. Settings that differ are printed.
+is not timed. ``--precision bf16``: float32 weights, bfloat16 autocast on both sides (rlctl's
+learner and sampler; TRL's ``bf16=True``, its default). Tokens/s counts completion tokens. Settings that differ are printed.
 TRL is never a dependency of rlctl: it lives in the interpreter given by --trl-python.
 """
 from __future__ import annotations
@@ -82,6 +83,8 @@ def run_rlctl(mode: str, args, data: Path, work: Path) -> dict:
             "logger.console=false", f"run.output_dir={work}", f"run.name=rlctl-{mode}", "seed=0",
             f"model.lora.enabled={str(lora).lower()}", f"model.lora.lr={LR['lora']}",
             f"trainer.lr={LR['full']}", *args.rlctl_args]
+    if args.precision == "bf16":
+        over += ["hardware.precision=bf16", "rollout.sample_dtype=bfloat16"]
     rss = _wait([sys.executable, "-m", "rlctl.cli", "train", *over], work / f"rlctl-{mode}.log")
     run = sorted(work.glob(f"*rlctl-{mode}"))[-1]
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
@@ -97,12 +100,12 @@ def run_rlctl(mode: str, args, data: Path, work: Path) -> dict:
 def run_trl(mode: str, args, data: Path, work: Path) -> dict:
     out = work / f"trl-{mode}.json"
     cmd = [args.trl_python, str(HERE), "--trl-worker", mode, "--model", args.model,
-           "--steps", str(args.steps), "--data", str(data), "--out", str(out)]
+           "--steps", str(args.steps), "--precision", args.precision, "--data", str(data), "--out", str(out)]
     rss = _wait(cmd, work / f"trl-{mode}.log")
     return dict(json.loads(out.read_text()), rss_mib=rss)
 
 
-def trl_worker(mode: str, model_dir: str, steps: int, data: Path, out: Path) -> None:
+def trl_worker(mode: str, model_dir: str, steps: int, data: Path, out: Path, bf16: bool) -> None:
     """One TRL GRPOTrainer run in this process (imported only here)."""
     import torch
     from datasets import Dataset
@@ -138,7 +141,7 @@ def trl_worker(mode: str, model_dir: str, steps: int, data: Path, out: Path) -> 
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
                      beta=0.0, loss_type="grpo", scale_rewards="group", epsilon=0.2, num_iterations=1,
                      max_steps=steps + 1, logging_steps=1, save_strategy="no", report_to=[],
-                     bf16=False, use_cpu=True, disable_dropout=True, seed=0, dataloader_num_workers=0)
+                     bf16=bf16, use_cpu=True, disable_dropout=True, seed=0, dataloader_num_workers=0)
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
@@ -159,6 +162,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
     p.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     p.add_argument("--sides", nargs="+", default=["rlctl", "trl"], choices=["rlctl", "trl"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: bfloat16 autocast on both sides (float32 weights)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every side and mode")
     p.add_argument("--rlctl-args", nargs="*", default=[], help="extra rlctl overrides")
     p.add_argument("--out", help="write every figure as JSON here")
@@ -166,7 +171,7 @@ def main() -> None:
     p.add_argument("--data", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.trl_worker:
-        return trl_worker(a.trl_worker, a.model, a.steps, Path(a.data), Path(a.out))
+        return trl_worker(a.trl_worker, a.model, a.steps, Path(a.data), Path(a.out), a.precision == "bf16")
     if not a.model or not Path(a.model).is_dir():
         sys.exit("trl_real: --model must be a local HF directory (scripts/get-smollm2 prints one)")
     if "trl" in a.sides and not a.trl_python:
@@ -175,7 +180,7 @@ def main() -> None:
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in make_prompts(256)))
     print(f"{B} prompts x {G} samples, {T} new tokens, {a.steps} timed steps after 1 warm-up, "
-          f"1 thread; logs in {work}")
+          f"{a.precision}, 1 thread; logs in {work}")
     results = []
     for rep in range(a.repeats):
         for mode in a.modes:

@@ -28,15 +28,24 @@ def check_training_sampling(top_k: int) -> None:
 
 @contextlib.contextmanager
 def sampling_precision(model, dtype: str):
-    """Within: ``model``'s forwards in ``dtype``: float32 as is, bfloat16 under autocast."""
+    """Within (no grad): ``model``'s forwards in ``dtype``: float32 as is, bfloat16 under
+    autocast, each float32 weight cast once for the whole context: autocast caches the casts
+    of leaves that require grad, so frozen ones (a LoRA base) are marked so meanwhile."""
     if dtype not in SAMPLE_DTYPES:
         raise ValueError(f"rollout.sample_dtype must be one of {SAMPLE_DTYPES}; got {dtype!r}")
     if dtype == "float32":
         yield
         return
     device = next(model.parameters()).device.type
-    with torch.autocast(device, dtype=torch.bfloat16):
-        yield
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32]
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+            yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 def draw(probs: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:

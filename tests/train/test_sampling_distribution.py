@@ -2,6 +2,8 @@
 
 Training refuses rollout.top_k > 0 (rlctl/rollout/generate.py says why); eval and rollout
 may still use it."""
+import copy
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ from rlctl.config.compose import compose
 from rlctl.errors import UserError
 from rlctl.models.forward import learner_forward
 from rlctl.models.loading import load_model_and_tokenizer
-from rlctl.rollout.generate import draw, generate, rollout
+from rlctl.models.lora import apply_lora
+from rlctl.rollout.generate import draw, generate, rollout, sampling_precision
 from rlctl.types import Example
 
 @pytest.fixture(scope="module")
@@ -83,3 +86,20 @@ def test_draw_is_the_exact_inverse_cdf():
     u = torch.tensor([0.0, 0.0999, 0.1, 0.3999, 0.4, 0.99999999, 1 - 2 ** -53])
     got = [draw(probs[[0] * len(u)], u).tolist(), draw(probs[[1] * len(u)], u).tolist()]
     assert got == [[0, 0, 2, 2, 3, 3, 3], [1, 1, 1, 1, 1, 3, 3]]
+
+
+def test_bf16_sampling_casts_frozen_weights_once_with_the_same_numbers(tiny):
+    """bfloat16 sampling of a LoRA policy (frozen float32 base): the cached casts give the
+    very samples and log-probs of plain per-call autocast (a cast is deterministic), and
+    the base is frozen again afterwards."""
+    model = apply_lora(copy.deepcopy(tiny[0]), 4, 8, 0.0, ["all-linear"])
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    out = []
+    for ctx in (lambda: sampling_precision(model, "bfloat16"),
+                lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+        torch.manual_seed(3)
+        with ctx():
+            out.append(generate(model, tiny[1], [p.prompt for p in PROMPTS] * 2, 6, True,
+                                return_logprobs=True))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][3], out[1][3])
+    assert frozen and frozen == {n for n, p in model.named_parameters() if not p.requires_grad}
