@@ -9,8 +9,8 @@ from transformers import GenerationConfig
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.errors import UserError
-from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, shared_prefill,
-                                   state_in_modules, unpadded_notice)
+from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, last_logits,
+                                   shared_prefill, state_in_modules, unpadded_notice)
 from rlctl.models.stop_ids import decode_completions, stop_ids
 from rlctl.models.value import PolicyValueModel
 from rlctl.types import Example, LogProbs, RolloutBatch
@@ -79,7 +79,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
                     use_cache=True, **{key: cache})
     else:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                    **({key: kept} if kept is not None else {}))
+                    **({key: kept} if kept is not None else {}), **last_logits(model))
     pos = pos[:, -1:]                                                              # [N, 1]
     unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
     tokens, logps = [], []

@@ -103,3 +103,18 @@ def test_bf16_sampling_casts_frozen_weights_once_with_the_same_numbers(tiny):
                                 return_logprobs=True))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][3], out[1][3])
     assert frozen and frozen == {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_sampler_projects_only_last_positions_to_the_vocabulary(tiny, share):
+    """Prefills (the shared prompt cache, the first sampling forward) keep only the last
+    position's logits: every LM-head call of a rollout sees one position per row."""
+    model, tok = tiny
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: seen.append(tuple(args[0].shape[:-1])))
+    try:
+        generate(model, tok, [PROMPTS[2].prompt] * 3, 4, True, share_prompts=share)
+    finally:
+        hook.remove()
+    assert len(seen) >= 2 and all(s[1] == 1 for s in seen), seen
