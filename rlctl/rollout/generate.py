@@ -48,18 +48,6 @@ def sampling_precision(model, dtype: str):
             p.requires_grad_(False)
 
 
-def draw(probs: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One index per row of ``probs`` [N, V] by inverse CDF: the first v whose cumulative
-    probability (float64) exceeds u * total, u ~ U[0, 1) [N] from the global RNG unless
-    given. Zero-probability entries are never drawn; one uniform per row, not V exponentials
-    (``torch.multinomial``'s draw: the same distribution, other samples)."""
-    cdf = probs.double().cumsum(-1)                                                # [N, V]
-    if u is None:
-        u = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)   # [N]
-    idx = torch.searchsorted(cdf, u[:, None].double() * cdf[:, -1:], right=True)  # [N, 1]
-    return idx[:, 0].clamp(max=probs.shape[-1] - 1)
-
-
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            temperature: float, top_k: int, stop_ids: Sequence[int], pad_id: int, key: str,
@@ -90,7 +78,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         if top_k:
             kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
             drawn = scores.masked_fill(scores < kth, float("-inf"))
-        nxt = draw(torch.softmax(drawn, -1))                                       # [N]
+        nxt = torch.multinomial(torch.softmax(drawn, -1), 1).squeeze(1)            # [N]
         nxt = nxt * unfinished + pad_id * (1 - unfinished)
         tokens.append(nxt)
         if keep_logprobs:        # float32, or float64 for a float64 model (exact checks)

@@ -12,7 +12,7 @@ from rlctl.errors import UserError
 from rlctl.models.forward import learner_forward
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora
-from rlctl.rollout.generate import draw, generate, rollout, sampling_precision
+from rlctl.rollout.generate import generate, rollout, sampling_precision
 from rlctl.types import Example
 
 @pytest.fixture(scope="module")
@@ -76,16 +76,6 @@ def test_rlctl_train_with_top_k_is_one_line_and_exit_2(tmp_path, rlctl_app):
     assert len(lines) == 1 and "rollout.top_k=5" in lines[0] and "rollout.top_k=0" in lines[0]
     assert "Traceback" not in out.stderr
     assert not any(tmp_path.glob("*-grpo-*")), "refused before a run directory is made"
-
-
-def test_draw_is_the_exact_inverse_cdf():
-    """``draw`` with given uniforms returns the first index whose cumulative probability
-    exceeds u * total, and never a zero-probability entry, even at u = 0 and u -> 1.
-    Unnormalised rows are scaled by their total. Hand-worked: cumsum [0.1, 0.1, 0.4, 1.0]."""
-    probs = torch.tensor([[0.1, 0.0, 0.3, 0.6], [0.0, 2.0, 0.0, 2.0]])           # [2, 4]
-    u = torch.tensor([0.0, 0.0999, 0.1, 0.3999, 0.4, 0.99999999, 1 - 2 ** -53])
-    got = [draw(probs[[0] * len(u)], u).tolist(), draw(probs[[1] * len(u)], u).tolist()]
-    assert got == [[0, 0, 2, 2, 3, 3, 3], [1, 1, 1, 1, 1, 3, 3]]
 
 
 def test_bf16_sampling_casts_frozen_weights_once_with_the_same_numbers(tiny):
