@@ -11,7 +11,8 @@ sequence-mean of token means, clip 0.2, no KL term (TRL's beta default 0), one o
 step per rollout, AdamW at a constant learning rate, gradient clipping 1.0; LoRA r 8 on every
 Linear but the head (alpha 16, lr 5e-4) or full fine-tuning (lr 2e-5). Each side runs in
 its own process (peak RSS is that process's, from wait4); the first step is a warm-up and
-is not timed. ``--precision bf16``: float32 weights, bfloat16 autocast on both sides (rlctl's
+is not timed; each step is timed in wall and in CPU seconds (one thread: equal on a quiet
+machine, and the CPU figure holds on a shared one). ``--precision bf16``: float32 weights, bfloat16 autocast on both sides (rlctl's
 learner and sampler; TRL's ``bf16=True``, its default). Tokens/s counts completion tokens. Settings that differ are printed.
 TRL is never a dependency of rlctl: it lives in the interpreter given by --trl-python.
 """
@@ -85,16 +86,41 @@ def run_rlctl(mode: str, args, data: Path, work: Path) -> dict:
             f"trainer.lr={LR['full']}", *args.rlctl_args]
     if args.precision == "bf16":
         over += ["hardware.precision=bf16", "rollout.sample_dtype=bfloat16"]
-    rss = _wait([sys.executable, "-m", "rlctl.cli", "train", *over], work / f"rlctl-{mode}.log")
+    out = work / f"rlctl-{mode}.json"
+    rss = _wait([sys.executable, str(HERE), "--rlctl-worker", str(out), *over], work / f"rlctl-{mode}.log")
     run = sorted(work.glob(f"*rlctl-{mode}"))[-1]
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
             if "time/update_s" in r]
     timed = [r for r in rows if r["step"] > 1]
-    step_s = [r["time/rollout_s"] + r["time/update_s"] for r in timed]
+    times = json.loads(out.read_text())
     tokens = sum(r["length/mean"] * B * G for r in timed)
-    return dict(step_s=step_s, tokens_per_s=tokens / sum(step_s), rss_mib=rss,
+    return dict(times, tokens_per_s=tokens / sum(times["step_s"]), rss_mib=rss,
                 phases={k: statistics.median(r[k] for r in timed)
                         for k in ("time/generate_s", "time/logprob_s", "time/update_s")})
+
+
+def rlctl_worker(out: Path, overrides: list) -> None:
+    """``rlctl train`` in this process, each step's wall and CPU seconds (the warm-up dropped)."""
+    from rlctl.cli import main as cli
+    from rlctl.train.trainer import Trainer
+
+    wall, cpu, step = [], [], Trainer.step
+
+    def timed(self, *a, **k):
+        t, c = time.perf_counter(), time.process_time()
+        values = step(self, *a, **k)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+        return values
+
+    Trainer.step = timed
+    sys.argv = ["rlctl", "train", *overrides]
+    try:
+        cli()
+    except SystemExit as e:
+        if e.code:
+            raise
+    out.write_text(json.dumps(dict(step_s=wall[1:], cpu_s=cpu[1:])))
 
 
 def run_trl(mode: str, args, data: Path, work: Path) -> dict:
@@ -122,14 +148,15 @@ def trl_worker(mode: str, model_dir: str, steps: int, data: Path, out: Path, bf1
     def trl_reward(prompts, completions, answer, **_):
         return [reward(None, c[-1]["content"], a) for c, a in zip(completions, answer)]
 
-    times, lengths = [], []
+    times, cpu, lengths = [], [], []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
+            self.t, self.c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t)
+            cpu.append(time.process_time() - self.c)
 
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
@@ -150,8 +177,8 @@ def trl_worker(mode: str, model_dir: str, steps: int, data: Path, out: Path, bf1
                           processing_class=tok, peft_config=peft, callbacks=[Timer()])
     trainer.train()
     timed, lens = times[1:], lengths[1:]
-    out.write_text(json.dumps(dict(step_s=timed, tokens_per_s=sum(lens) * B * G / sum(timed),
-                                   phases={})))
+    out.write_text(json.dumps(dict(step_s=timed, cpu_s=cpu[1:],
+                                   tokens_per_s=sum(lens) * B * G / sum(timed), phases={})))
 
 
 def main() -> None:
@@ -168,8 +195,13 @@ def main() -> None:
     p.add_argument("--rlctl-args", nargs="*", default=[], help="extra rlctl overrides")
     p.add_argument("--out", help="write every figure as JSON here")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    p.add_argument("--rlctl-worker", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a, rest = p.parse_known_args()
+    if a.rlctl_worker:
+        return rlctl_worker(Path(a.rlctl_worker), rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.trl_worker:
         return trl_worker(a.trl_worker, a.model, a.steps, Path(a.data), Path(a.out), a.precision == "bf16")
     if not a.model or not Path(a.model).is_dir():
@@ -189,13 +221,16 @@ def main() -> None:
                 r[side] = (run_rlctl if side == "rlctl" else run_trl)(mode, a, data, work)
                 s = r[side]
                 print(f"[{rep}] {mode:4s} {side:5s} {statistics.median(s['step_s']):6.2f} s/step "
-                      f"(min {min(s['step_s']):.2f})  {s['tokens_per_s']:6.1f} tok/s  "
+                      f"(min {min(s['step_s']):.2f}, CPU {statistics.median(s['cpu_s']):.2f})  "
+                      f"{s['tokens_per_s']:6.1f} tok/s  "
                       f"{s['rss_mib']:5d} MiB peak  {s.get('phases') or ''}", flush=True)
             if len(a.sides) == 2:
-                speed = statistics.median(r["trl"]["step_s"]) / statistics.median(r["rlctl"]["step_s"])
-                mem = r["rlctl"]["rss_mib"] / r["trl"]["rss_mib"]
-                r["ratios"] = dict(speed=speed, rss=mem)
-                print(f"[{rep}] {mode:4s} rlctl/TRL: {speed:.2f}x steps/s, {mem:.2f}x peak RSS", flush=True)
+                ratio = {k: statistics.median(r["trl"][k]) / statistics.median(r["rlctl"][k])
+                         for k in ("step_s", "cpu_s")}
+                r["ratios"] = dict(speed=ratio["step_s"], speed_cpu=ratio["cpu_s"],
+                                   rss=r["rlctl"]["rss_mib"] / r["trl"]["rss_mib"])
+                print(f"[{rep}] {mode:4s} rlctl/TRL: {ratio['step_s']:.2f}x steps/s (CPU time: "
+                      f"{ratio['cpu_s']:.2f}x), {r['ratios']['rss']:.2f}x peak RSS", flush=True)
             results.append(r)
     print("not matched:\n  " + "\n  ".join(UNMATCHED + [f"rlctl extra: {' '.join(a.rlctl_args)}"]
                                            * bool(a.rlctl_args)))
