@@ -38,6 +38,9 @@ UNMATCHED = [
     "TRL: generation through transformers' generate (KV cache per sequence); rlctl: its own "
     "sampler (each group's prompt run once)",
     "TRL: the step also logs its own metrics (entropy, clip ratios); rlctl: its metric schema",
+    "set on TRL to match rlctl (its defaults differ): loss_type=grpo (dapo), a constant "
+    "learning rate (linear decay), bf16 per --precision (bf16=True), dropout off (kept); "
+    "equal defaults: beta 0, token-level importance ratio, one iteration, group std scaling",
 ]
 
 
