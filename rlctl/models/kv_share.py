@@ -73,6 +73,11 @@ def forward_takes(model, keyword: str) -> bool:
     return keyword in _forward_parameters(type(innermost(model)))
 
 
+def last_logits(model) -> dict:
+    """The forward keyword that keeps only the last position's logits, where it exists."""
+    return {"logits_to_keep": 1} if forward_takes(model, "logits_to_keep") else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_parameters(cls) -> frozenset:
     try:
@@ -165,6 +170,6 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     if len(first) == len(inv):
         return None
     mask = attention_mask[first, :-1]                                              # [U, P-1]
-    out = model(input_ids=input_ids[first, :-1], attention_mask=mask,
-                position_ids=position_ids_from_mask(mask), use_cache=True)
+    out = model(input_ids=input_ids[first, :-1], attention_mask=mask,                # the cache
+                position_ids=position_ids_from_mask(mask), use_cache=True, **last_logits(model))
     return index_rows(cache_of(out), inv)                                          # [N, ...]

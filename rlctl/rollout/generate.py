@@ -9,8 +9,8 @@ from transformers import GenerationConfig
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.errors import UserError
-from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, shared_prefill,
-                                   state_in_modules, unpadded_notice)
+from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, last_logits,
+                                   shared_prefill, state_in_modules, unpadded_notice)
 from rlctl.models.stop_ids import decode_completions, stop_ids
 from rlctl.models.value import PolicyValueModel
 from rlctl.types import Example, LogProbs, RolloutBatch
@@ -28,15 +28,24 @@ def check_training_sampling(top_k: int) -> None:
 
 @contextlib.contextmanager
 def sampling_precision(model, dtype: str):
-    """Within: ``model``'s forwards in ``dtype``: float32 as is, bfloat16 under autocast."""
+    """Within (no grad): ``model``'s forwards in ``dtype``: float32 as is, bfloat16 under
+    autocast, each float32 weight cast once for the whole context: autocast caches the casts
+    of leaves that require grad, so frozen ones (a LoRA base) are marked so meanwhile."""
     if dtype not in SAMPLE_DTYPES:
         raise ValueError(f"rollout.sample_dtype must be one of {SAMPLE_DTYPES}; got {dtype!r}")
     if dtype == "float32":
         yield
         return
     device = next(model.parameters()).device.type
-    with torch.autocast(device, dtype=torch.bfloat16):
-        yield
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32]
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+            yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 @torch.no_grad()
@@ -58,7 +67,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
                     use_cache=True, **{key: cache})
     else:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                    **({key: kept} if kept is not None else {}))
+                    **({key: kept} if kept is not None else {}), **last_logits(model))
     pos = pos[:, -1:]                                                              # [N, 1]
     unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
     tokens, logps = [], []

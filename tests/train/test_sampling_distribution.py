@@ -2,6 +2,8 @@
 
 Training refuses rollout.top_k > 0 (rlctl/rollout/generate.py says why); eval and rollout
 may still use it."""
+import copy
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ from rlctl.config.compose import compose
 from rlctl.errors import UserError
 from rlctl.models.forward import learner_forward
 from rlctl.models.loading import load_model_and_tokenizer
-from rlctl.rollout.generate import generate, rollout
+from rlctl.models.lora import apply_lora
+from rlctl.rollout.generate import generate, rollout, sampling_precision
 from rlctl.types import Example
 
 @pytest.fixture(scope="module")
@@ -73,3 +76,35 @@ def test_rlctl_train_with_top_k_is_one_line_and_exit_2(tmp_path, rlctl_app):
     assert len(lines) == 1 and "rollout.top_k=5" in lines[0] and "rollout.top_k=0" in lines[0]
     assert "Traceback" not in out.stderr
     assert not any(tmp_path.glob("*-grpo-*")), "refused before a run directory is made"
+
+
+def test_bf16_sampling_casts_frozen_weights_once_with_the_same_numbers(tiny):
+    """bfloat16 sampling of a LoRA policy (frozen float32 base): the cached casts give the
+    very samples and log-probs of plain per-call autocast (a cast is deterministic), and
+    the base is frozen again afterwards."""
+    model = apply_lora(copy.deepcopy(tiny[0]), 4, 8, 0.0, ["all-linear"])
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    out = []
+    for ctx in (lambda: sampling_precision(model, "bfloat16"),
+                lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+        torch.manual_seed(3)
+        with ctx():
+            out.append(generate(model, tiny[1], [p.prompt for p in PROMPTS] * 2, 6, True,
+                                return_logprobs=True))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][3], out[1][3])
+    assert frozen and frozen == {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_sampler_projects_only_last_positions_to_the_vocabulary(tiny, share):
+    """Prefills (the shared prompt cache, the first sampling forward) keep only the last
+    position's logits: every LM-head call of a rollout sees one position per row."""
+    model, tok = tiny
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: seen.append(tuple(args[0].shape[:-1])))
+    try:
+        generate(model, tok, [PROMPTS[2].prompt] * 3, 4, True, share_prompts=share)
+    finally:
+        hook.remove()
+    assert len(seen) >= 2 and all(s[1] == 1 for s in seen), seen
