@@ -238,6 +238,12 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> 
         raise ConfigError("model=hf needs model.name_or_path=PATH_OR_HUB_ID")
     _check_hardware(hw, tr, cfg.rollout.engine,
                     bool(cfg.model.lora.enabled and cfg.model.lora.save_merged))
+    sharded = hw.backend == "fsdp2" or (hw.backend == "deepspeed" and hw.zero_stage == 3)
+    if sharded and hw.num_processes > 1 and cfg.algo.dynamic_sampling and tr.micro_batch_size > 0:
+        raise ConfigError("algo.dynamic_sampling=true with trainer.micro_batch_size>0 on several "
+                          f"ranks of sharded weights (hardware.backend={hw.backend}): ranks keep "
+                          "different numbers of groups, so they would run different numbers of "
+                          "sharded forwards (collectives) and hang; set trainer.micro_batch_size=0")
     given = [o.split("=", 1)[0] for o in overrides if o.split("=", 1)[0] in CRITIC_KEYS]
     if given and cfg.algo.critic == "none":
         raise ConfigError(f"{given[0]} is a critic setting, and algo={algo} has no "

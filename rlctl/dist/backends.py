@@ -54,7 +54,8 @@ class TorchBackend:
     def _join_group(self) -> None:
         """Join, once, the process group the launcher's environment describes (env://)."""
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+            # on CUDA, gloo beside NCCL: CPU tensors (FSDP2's offloaded shards) reduce too
+            dist.init_process_group("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo",
                                     rank=self.rank, world_size=self.world_size)
 
     def prepare(self, model, critic, lr: float, betas, weight_decay: float, warmup_steps: int,

@@ -93,7 +93,10 @@ class EngineSource(SyncSource):
         t0 = time.perf_counter()
         parts = policy_weights(self.policy, self.gather)
         if self.weight_dir is None:
-            part = next(parts)
+            part = next(parts, None)
+            if part is None:
+                raise UserError("no weights to push to the engines: the policy has no parameters "
+                                "to serve (a LoRA model needs its 'default' adapter)")
             for following in itertools.chain(parts, [None]):     # the last one says so
                 engine.update_weights(version, *part, last=following is None)
                 part = following
