@@ -55,7 +55,7 @@ def global_batch_stats(batches: Sequence[Sequence[float]]) -> List[Stats]:
         return local
     world, rank = dist.get_world_size(), dist.get_rank()
     device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+              if "nccl" in str(dist.get_backend()) else torch.device("cpu"))
     table = torch.zeros(world, len(local), 3, dtype=torch.float64, device=device)  # [W, M, 3]
     table[rank] = torch.tensor(local, dtype=torch.float64, device=device)
     dist.all_reduce(table)                 # each row is one rank's: the sum is a gather
