@@ -139,8 +139,9 @@ class TaskConfig:
     long_prompts: str = "skip"
     # generated tasks: operand digits (arithmetic: operands in [0, 10^num_digits)), digits to sort
     num_digits: Optional[int] = knob(None, range=AT_LEAST_1)
-    # sorting: exact | positional | inclusion_order; arithmetic: exact (1/0) | partial
-    # (exact, else 0.5 * digits in place)
+    # sorting: exact | positional | inclusion_order; arithmetic: exact (the final number, 1/0) |
+    # strict (the whole answer is the number) | strict_shaped (strict, else 0.2 for a bare wrong
+    # number) | partial (exact, else 0.5 * digits in place)
     reward: Optional[str] = None
     # preferences: pairs made by this task (sorting) instead of read from task.train_path
     pairs_from: Optional[str] = None
@@ -153,7 +154,7 @@ class TaskConfig:
     num_eval: Optional[int] = knob(None, range=NON_NEGATIVE)
     # seed of the prompt generator (train/eval split); jsonl: shuffles the hold-out
     seed: Optional[int] = knob(None, range=NON_NEGATIVE)
-    ops: Optional[List[str]] = None  # arithmetic: any of + - *
+    ops: Optional[List[str]] = None  # arithmetic: any of + - * max (max: style=words only)
     style: Optional[str] = None    # arithmetic: symbolic (for the tiny model) | words
     # data tasks (jsonl): a file or a datasets directory (train_path required)
     train_path: Optional[str] = None

@@ -224,11 +224,16 @@ def build_tiny(hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
     return final
 
 
+def cache_root(cache_dir: Optional[os.PathLike] = None) -> Path:
+    """The rlctl cache: ``cache_dir``, else ``$RLCTL_CACHE``, else ``~/.cache/rlctl``."""
+    return Path(cache_dir).expanduser() if cache_dir else Path(
+        os.environ.get("RLCTL_CACHE") or Path.home() / ".cache" / "rlctl")
+
+
 def build_cached(cache_dir: Optional[os.PathLike], name: str, build):
     """(root / name, ``build(tmp_dir)``'s result or None if already built), root ``cache_dir``,
     ``$RLCTL_CACHE`` or ``~/.cache/rlctl``; the temporary directory is renamed into place."""
-    root = Path(cache_dir).expanduser() if cache_dir else Path(
-        os.environ.get("RLCTL_CACHE") or Path.home() / ".cache" / "rlctl")
+    root = cache_root(cache_dir)
     final = root / name
     if final.is_dir():
         return final, None

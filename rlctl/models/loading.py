@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 from pathlib import Path
 from typing import Any, Iterator, Optional, Tuple
@@ -15,10 +16,33 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlctl.models.gguf import gguf_file, gguf_problem, load_gguf
 from rlctl.models.hf_files import adapter_problem, corrupt_safetensors, vocab_problem
-from rlctl.demo.tiny import AGENT_TASKS, build_tiny
+from rlctl.demo.tiny import AGENT_TASKS, build_tiny, cache_root
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODELS = ("tiny", "hf")
+HUB_COPIES = "hub_copies.json"     # in the rlctl cache: {hub id: directory name in the cache}
+MAKERS = {"HuggingFaceTB/SmolLM2-135M-Instruct": "scripts/get-smollm2"}   # who writes a copy
+
+
+def record_hub_copy(hub_id: str, path: Path) -> None:
+    """Record ``path`` (a directory in the rlctl cache) as the local copy of ``hub_id``."""
+    index = cache_root() / HUB_COPIES
+    known = json.loads(index.read_text()) if index.is_file() else {}
+    known[hub_id] = Path(path).name
+    tmp = index.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+    os.replace(tmp, index)                  # atomic: a reader sees the old or the new index
+
+
+def hub_copy(hub_id: str) -> Optional[Path]:
+    """The rlctl cache's recorded copy of ``hub_id`` (a directory), or None."""
+    index = cache_root() / HUB_COPIES
+    try:
+        name = json.loads(index.read_text()).get(hub_id) if index.is_file() else None
+    except (OSError, ValueError):
+        return None
+    path = cache_root() / name if isinstance(name, str) else None
+    return path if path is not None and (path / "config.json").is_file() else None
 
 
 def resolve_dtype(dtype: Any) -> torch.dtype:
@@ -101,8 +125,9 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
                              dtype: Any = "float32", device: Any = "cpu",
                              **tiny_kwargs) -> Tuple[Any, Any]:
     """(model, tokenizer) for "tiny" (``build_tiny``'s kwargs) or "hf" (``name_or_path``: a
-    directory, hub id or GGUF file). ValueError (one line) for a bad name, dtype or path."""
-    torch_dtype, file = resolve_dtype(dtype), None
+    directory, GGUF file or hub id: the cache's recorded copy first, ``record_hub_copy``).
+    ValueError (one line) for a bad name, dtype or path."""
+    torch_dtype, file, local = resolve_dtype(dtype), None, True
     if name == "tiny":
         accepted = inspect.signature(build_tiny).parameters   # the agent models take fewer
         path = str(build_tiny_model(**{k: v for k, v in tiny_kwargs.items()
@@ -112,7 +137,8 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
             raise ValueError("model=hf needs model.name_or_path (a local directory, hub id or "
                              ".gguf file)")
         file = gguf_file(name_or_path)
-        path = str(file or _local_dir(name_or_path) or name_or_path)  # or a hub id: "org/name"
+        local = file or _local_dir(name_or_path) or hub_copy(name_or_path)
+        path = str(local or name_or_path)           # or a hub id: "org/name", from the Hub
     else:
         raise ValueError(f"unknown model '{name}'; valid: {', '.join(MODELS)}")
     try:
@@ -127,6 +153,10 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
         if isinstance(err, SafetensorError):   # e.g. a truncated or overwritten file
             named = corrupt_safetensors(Path(path)) if os.path.isdir(path) else None
             first = named or f"its .safetensors weights are corrupt or truncated ({first})"
+        elif name == "hf" and local is None and isinstance(err, OSError):   # a hub id
+            make = (f"run {MAKERS[path]}" if path in MAKERS else "give a local directory")
+            first = (f"not in the rlctl cache ({cache_root()}) and not loadable from the Hub "
+                     f"({first}); {make}, or allow the Hub (HF_HUB_OFFLINE unset, network)")
         raise ValueError(f"cannot load model '{path}': {first}") from err
     check_vocab(tokenizer, model, path)
     model.to(device)

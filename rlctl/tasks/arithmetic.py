@@ -1,16 +1,22 @@
-"""Generated math (``task=arithmetic``): ``a OP b`` as ``symbolic`` or ``words`` prompts."""
+"""Generated math (``task=arithmetic``): ``a OP b`` as ``symbolic`` or ``words`` prompts;
+OP is +, -, * or ``max`` (the larger of the two, a words-only question)."""
 from __future__ import annotations
 
 import random
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.task import disjoint_splits, register_task, task_options
-from rlctl.tasks.rewards import answers_equivalent, parse_number
+from rlctl.tasks.rewards import answers_equivalent, is_just_answer, parse_number
 from rlctl.types import Example
 
-OPS = ("+", "-", "*")
+OPS = ("+", "-", "*", "max")
 STYLES = ("symbolic", "words")
-REWARDS = ("exact", "partial")
+# exact: the final number is right (anywhere after prose); strict: the whole answer is that
+# number (a final period allowed); strict_shaped: strict, else 0.2 for an answer that is just
+# a (wrong) number, the first signal a chat model that writes sentences finds; partial: exact,
+# else 0.5 * the digits in place
+REWARDS = ("exact", "strict", "strict_shaped", "partial")
+FORMAT_CREDIT = 0.2
 
 _WORDS = {
     "+": ["{n} has {a} {item} and finds {b} more. How many {item} does {n} have now?",
@@ -23,13 +29,15 @@ _WORDS = {
     "*": ["{n} buys {a} bags with {b} {item} in each. How many {item} does {n} buy?",
           "What is {a} times {b}?",
           "There are {a} rows of {b} {item}. How many {item} are there?"],
+    "max": ["Which number is larger, {a} or {b}?",
+            "{n} has {a} {item} and a friend has {b}. What is the larger of the two counts?"],
 }
 _NAMES = ["Ana", "Ben", "Chloe", "Dev", "Eva", "Femi", "Gus", "Hana"]
 _ITEMS = ["marbles", "apples", "stamps", "coins", "shells", "cards"]
 
 
 def compute(a: int, op: str, b: int) -> int:
-    return a + b if op == "+" else a - b if op == "-" else a * b
+    return a + b if op == "+" else a - b if op == "-" else a * b if op == "*" else max(a, b)
 
 
 def spaced(n: int) -> str:
@@ -61,6 +69,8 @@ class ArithmeticTask:
             raise ValueError(f"invalid task.ops {ops}; each must be one of {', '.join(OPS)}")
         if style not in STYLES:
             raise ValueError(f"invalid task.style '{style}'; valid: {', '.join(STYLES)}")
+        if "max" in ops and style != "words":
+            raise ValueError("task.ops 'max' needs task.style=words (a question in words)")
         if reward not in REWARDS:
             raise ValueError(f"invalid task.reward '{reward}' for arithmetic; valid: "
                              f"{', '.join(REWARDS)}")
@@ -103,7 +113,8 @@ class ArithmeticTask:
             rng = random.Random(f"{a}{op}{b}/{self.seed}")  # the same in every process
             prompt = rng.choice(_WORDS[op]).format(a=a, b=b, n=rng.choice(_NAMES),
                                                    item=rng.choice(_ITEMS))
-            prompt += " Give the final answer as a number."
+            prompt += (" Answer with just the number." if self._chat()   # what strict scores
+                       else " Give the final answer as a number.")
         return Example(prompt=prompt, fields={"a": a, "op": op, "b": b,
                                               "answer": compute(a, op, b)})
 
@@ -114,7 +125,9 @@ class ArithmeticTask:
         return [self._example(p) for p in self._eval]
 
     def is_correct(self, example: Example, completion: str) -> bool:
-        return answers_equivalent(completion, example.fields["answer"])
+        """Right under the trained reward's rule: the whole answer for strict, else the final number."""
+        check = is_just_answer if self.reward_name.startswith("strict") else answers_equivalent
+        return check(completion, example.fields["answer"])
 
     def reward(self, example: Example, completion: str) -> float:
         return score(self.reward_name, example.fields["answer"], completion)
@@ -138,7 +151,13 @@ class ArithmeticTask:
 
 
 def score(reward: str, answer: int, completion: str) -> float:
-    """``exact`` or ``partial`` reward of a completion for the integer ``answer``."""
+    """``exact``, ``strict``, ``strict_shaped`` or ``partial`` reward of a completion for the integer ``answer``."""
+    if reward.startswith("strict"):
+        if is_just_answer(completion, answer):
+            return 1.0
+        just = completion.strip().removesuffix(".").strip() if isinstance(completion, str) else ""
+        number = just.lstrip("-").isdigit() and reward == "strict_shaped"
+        return FORMAT_CREDIT if number else 0.0
     if answers_equivalent(completion, answer):
         return 1.0
     if reward == "exact":

@@ -129,6 +129,16 @@ def answers_equivalent(completion: Any, answer: Any) -> bool:
     return _math_verify(normalize_spacing(completion), gold)
 
 
+def is_just_answer(completion: Any, answer: Any) -> bool:
+    """Is the whole completion ``answer`` as written, after stripping whitespace and one final
+    period ("46", " 46.\n"; not "46.0", "The answer is 46", "46. 46.")?"""
+    if not isinstance(completion, str):
+        return False
+    text = completion.strip()
+    text = text[:-1].rstrip() if text.endswith(".") else text
+    return text == str(answer).strip()
+
+
 def math_reward(prompt: Any, completion: str, answer: Any = None, **_fields) -> float:
     """``task.reward_fn=math``: 1.0 when the final answer equals the ``answer`` field."""
     if answer is None:

@@ -67,3 +67,27 @@ def test_a_training_run_imports_neither_the_agent_demos_nor_the_optional_sinks()
     code = f"import sys, rlctl.train.run; print([m for m in {mods!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_hub_id_loads_its_recorded_cache_copy_without_network(tiny_dir, tmp_path, monkeypatch):
+    """scripts/get-smollm2's path: a converted directory recorded in the rlctl cache under the
+    Hub id that recipes name is what that id loads, offline; without one, one line names the
+    script that makes it."""
+    from rlctl.models.loading import MAKERS, record_hub_copy
+
+    hub_id = next(iter(MAKERS))
+    monkeypatch.setenv("RLCTL_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read at import
+    with pytest.raises(ValueError, match=f"not in the rlctl cache.*run {MAKERS[hub_id]}, or "
+                                         "allow the Hub") as err:
+        load_model_and_tokenizer("hf", name_or_path=hub_id)
+    assert "\n" not in str(err.value)
+    copy = tmp_path / "converted"
+    shutil.copytree(tiny_dir, copy)
+    record_hub_copy(hub_id, copy)
+    record_hub_copy("org/other", copy)                  # a second record keeps the first
+    model, _ = load_model_and_tokenizer("hf", name_or_path=hub_id)
+    want = load_model_and_tokenizer("hf", name_or_path=str(tiny_dir))[0].state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="give a local directory"):   # no maker known
+        load_model_and_tokenizer("hf", name_or_path="org/unknown")

@@ -128,7 +128,7 @@ def test_word_problems_are_the_same_in_every_process():
 @pytest.mark.parametrize("kw, msg", [
     (dict(ops=["/"]), r"invalid task.ops \['/'\]; each must be one of \+, -, \*"),
     (dict(style="prose"), r"invalid task.style 'prose'; valid: symbolic, words"),
-    (dict(reward="positional"), r"invalid task.reward 'positional' for arithmetic; valid: exact, partial"),
+    (dict(reward="positional"), r"invalid task.reward 'positional' for arithmetic; valid: exact, strict, strict_shaped, partial"),
     (dict(num_digits=0), r"invalid task.num_digits '0'"),
     (dict(num_digits=1, num_eval=500), r"invalid task.num_eval '500'; must be in \[0, 99\]"),
     (dict(train_path="x.jsonl"), r"task.train_path does not apply to task 'arithmetic'"),
@@ -159,3 +159,31 @@ def test_compose_defaults_and_the_tiny_warmup_key():
     sort, arith = build_params(warmup_steps=80), build_params(warmup_steps=80, warmup_task="arithmetic")
     assert "warmup_task" not in sort                   # sorting models keep their cache keys
     assert cache_key(sort) != cache_key(arith) and arith["warmup_task"] == "arithmetic"
+
+
+def test_strict_rewards_score_the_whole_answer():
+    strict = ArithmeticTask(num_eval=4, style="words", reward="strict")
+    shaped = ArithmeticTask(num_eval=4, style="words", reward="strict_shaped")
+    ex = strict._example((58, "+", 67))                    # 125
+    for text in ("125", " 125.\n", "125 ."):
+        assert strict.reward(ex, text) == shaped.reward(ex, text) == 1.0
+        assert strict.is_correct(ex, text) and shaped.is_correct(ex, text)
+    for text in ("The answer is 125.", "58 + 67 = 125", "125. 125.", "125.0", "1 2 5", "", None):
+        assert strict.reward(ex, text) == shaped.reward(ex, text) == 0.0, text
+        assert not strict.is_correct(ex, text)
+    assert strict.reward(ex, "124") == 0.0 and shaped.reward(ex, "124.") == 0.2
+    assert shaped.reward(ex, "-3") == 0.2 and not shaped.is_correct(ex, "124")
+    assert ArithmeticTask(num_eval=4).is_correct(ex, "58 + 67 = 125")      # exact: lenient
+    assert strict.score_all(ex, "So 125") == {"exact": 1.0, "strict": 0.0, "strict_shaped": 0.0,
+                                              "partial": 1.0}
+
+
+def test_max_asks_which_number_is_larger_in_words():
+    task = build_task("arithmetic", style="words", ops=["max"], num_eval=8, prompt_format="chat")
+    for ex in task.eval_examples() + task.train_examples()[:50]:
+        f = ex.fields
+        assert f["answer"] == max(f["a"], f["b"]) and str(f["a"]) in ex.prompt
+        assert ex.prompt.endswith("Answer with just the number.") and "larger" in ex.prompt
+        assert task.reward(ex, task.answer(ex)) == 1.0
+    with pytest.raises(ValueError, match="'max' needs task.style=words"):
+        ArithmeticTask(ops=["max"], num_eval=4)

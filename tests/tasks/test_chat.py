@@ -225,8 +225,10 @@ def test_builtin_chat_prompts_state_the_task_and_raw_prompts_are_unchanged(name,
               "arithmetic": "Compute "}[name]
     for ex, plain in zip(rows, raw.train_examples()[:50] + raw.eval_examples()):
         assert ex.fields == plain.fields
-        if kw.get("style") == "words":               # a word problem already asks for a number
-            assert ex.prompt == plain.prompt
+        if kw.get("style") == "words":    # the same problem, asking for what strict scores
+            assert ex.prompt == plain.prompt.replace("Give the final answer as a number.",
+                                                     "Answer with just the number.")
+            assert ex.prompt != plain.prompt and chat.reward(ex, chat.answer(ex)) == 1.0
             continue
         assert ex.prompt.startswith(expect) and "=" not in ex.prompt, ex.prompt
         if name == "sorting":
