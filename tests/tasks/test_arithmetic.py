@@ -128,7 +128,7 @@ def test_word_problems_are_the_same_in_every_process():
 @pytest.mark.parametrize("kw, msg", [
     (dict(ops=["/"]), r"invalid task.ops \['/'\]; each must be one of \+, -, \*"),
     (dict(style="prose"), r"invalid task.style 'prose'; valid: symbolic, words"),
-    (dict(reward="positional"), r"invalid task.reward 'positional' for arithmetic; valid: exact, partial"),
+    (dict(reward="positional"), r"invalid task.reward 'positional' for arithmetic; valid: exact, strict, strict_shaped, partial"),
     (dict(num_digits=0), r"invalid task.num_digits '0'"),
     (dict(num_digits=1, num_eval=500), r"invalid task.num_eval '500'; must be in \[0, 99\]"),
     (dict(train_path="x.jsonl"), r"task.train_path does not apply to task 'arithmetic'"),
