@@ -12,11 +12,11 @@ from rlctl.types import Example
 OPS = ("+", "-", "*", "max")
 STYLES = ("symbolic", "words")
 # exact: the final number is right (anywhere after prose); strict: the whole answer is that
-# number (a final period allowed); strict_shaped: strict, else 0.2 for an answer that is just
-# a (wrong) number, the first signal a chat model that writes sentences finds; partial: exact,
-# else 0.5 * the digits in place
+# number (a final period allowed); strict_shaped: 1 for strict, 0.5 for the right final number
+# inside other text, 0.2 for a wrong bare number, else 0 (right beats bare, so the format is
+# learned without trading the answer for it); partial: exact, else 0.5 * the digits in place
 REWARDS = ("exact", "strict", "strict_shaped", "partial")
-FORMAT_CREDIT = 0.2
+RIGHT_CREDIT, FORMAT_CREDIT = 0.5, 0.2
 
 _WORDS = {
     "+": ["{n} has {a} {item} and finds {b} more. How many {item} does {n} have now?",
@@ -155,6 +155,8 @@ def score(reward: str, answer: int, completion: str) -> float:
     if reward.startswith("strict"):
         if is_just_answer(completion, answer):
             return 1.0
+        if reward == "strict_shaped" and answers_equivalent(completion, answer):
+            return RIGHT_CREDIT
         just = completion.strip().removesuffix(".").strip() if isinstance(completion, str) else ""
         number = just.lstrip("-").isdigit() and reward == "strict_shaped"
         return FORMAT_CREDIT if number else 0.0

@@ -168,13 +168,16 @@ def test_strict_rewards_score_the_whole_answer():
     for text in ("125", " 125.\n", "125 ."):
         assert strict.reward(ex, text) == shaped.reward(ex, text) == 1.0
         assert strict.is_correct(ex, text) and shaped.is_correct(ex, text)
-    for text in ("The answer is 125.", "58 + 67 = 125", "125. 125.", "125.0", "1 2 5", "", None):
+    for text in ("The answer is 125.", "58 + 67 = 125", "125. 125.", "1 2 5"):   # right, not alone
+        assert strict.reward(ex, text) == 0.0 and shaped.reward(ex, text) == 0.5, text
+        assert not strict.is_correct(ex, text) and not shaped.is_correct(ex, text)
+    for text in ("The answer is 124.", "", None):
         assert strict.reward(ex, text) == shaped.reward(ex, text) == 0.0, text
         assert not strict.is_correct(ex, text)
     assert strict.reward(ex, "124") == 0.0 and shaped.reward(ex, "124.") == 0.2
     assert shaped.reward(ex, "-3") == 0.2 and not shaped.is_correct(ex, "124")
     assert ArithmeticTask(num_eval=4).is_correct(ex, "58 + 67 = 125")      # exact: lenient
-    assert strict.score_all(ex, "So 125") == {"exact": 1.0, "strict": 0.0, "strict_shaped": 0.0,
+    assert strict.score_all(ex, "So 125") == {"exact": 1.0, "strict": 0.0, "strict_shaped": 0.5,
                                               "partial": 1.0}
 
 
