@@ -150,7 +150,6 @@ def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
     return rows if located else [r for _, r in rows]
 
 
-@register_task("jsonl")
 def prompt_example(prompt: Any, fields: Dict[str, Any], where: str, key: str) -> Example:
     """The Example of a row's prompt (text, or chat messages kept in ``RAW_PROMPT`` with the
     last user message as text); DataError, one line, for anything else or an oversized one."""
@@ -174,6 +173,7 @@ def check_messages(task, examples: Sequence[Example], field: str) -> None:
         raise DataError(f"the prompt field '{field}' holds chat messages; set task.prompt_format=chat")
 
 
+@register_task("jsonl")
 class DataTask:
     """Rows' ``prompt_field`` as prompts, other columns (or ``fields``) to the rewards; held
     out without ``eval_path``: ``num_eval`` rows (10%). Correct: reward >= the threshold."""
