@@ -142,7 +142,7 @@ def _check_hardware(hw: HardwareConfig, tr: TrainerConfig, engine: str, merged: 
                           f"hardware.num_processes=1 (got {hw.num_processes})")
 
 
-def _check_algo(a: AlgoConfig, prompts_per_step: int) -> None:
+def _check_algo(a: AlgoConfig, prompts_per_step: int, temperature: float) -> None:
     rc = a.rollout_correction
     if rc.mode == "mask" and rc.lower > rc.upper:
         raise ConfigError(f"algo.rollout_correction.lower={rc.lower} must be <= "
@@ -152,6 +152,15 @@ def _check_algo(a: AlgoConfig, prompts_per_step: int) -> None:
     if a.loss_type is not None and (a.group_size != 2 or a.dynamic_sampling or a.critic != "none"):
         raise ConfigError(f"algo.loss_type={a.loss_type} trains on pairs (chosen, rejected): it "
                           "needs algo.group_size=2, algo.dynamic_sampling=false, algo.critic=none")
+    if a.loss_type is not None:     # a preference loss: its own log-ratio, both answers whole
+        for key, bad, valid in (("algo.mask_truncated", a.mask_truncated, "false"),
+                                ("algo.kl.coef", a.kl.coef > 0, "0"),
+                                ("algo.entropy_coef", a.entropy_coef > 0, "0"),
+                                ("rollout.temperature", temperature != 1, "1.0")):
+            if bad:
+                raise ConfigError(f"algo.loss_type={a.loss_type} needs {key}={valid} (a "
+                                  "preference loss scores both answers whole, untempered, "
+                                  "beta its only KL scale)")
     if a.precompute_ref_logps and a.loss_type is None:
         raise ConfigError("algo.precompute_ref_logps=true caches a preference loss's reference "
                           "log-probs; it needs algo.loss_type (algo=dpo)")
@@ -229,7 +238,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = (), algo: str = "") -> 
         raise ConfigError(min(problems, key=lambda p: p[0])[1])
     tr, hw = cfg.trainer, cfg.hardware
     _check_engine(cfg.rollout, hw, bool(cfg.model.lora.enabled))
-    _check_algo(cfg.algo, tr.prompts_per_step)
+    _check_algo(cfg.algo, tr.prompts_per_step, cfg.rollout.temperature)
     if cfg.task.get("num_eval") == 0 and tr.eval_every > 0:
         raise ConfigError("task.num_eval=0 leaves no held-out set to evaluate every "
                           f"trainer.eval_every={tr.eval_every} steps; set "

@@ -8,6 +8,7 @@ import torch
 
 from rlctl.config.schema import AlgoConfig, RolloutConfig
 from rlctl.core import zero_std_groups
+from rlctl.errors import ConfigError
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.rollout.generate import rollout
 from rlctl.types import LogProbs
@@ -82,15 +83,22 @@ class LocalSource(SyncSource):
 class PairSource(SyncSource):
     """Preference pairs (examples with fields chosen and rejected): B pairs drawn with
     replacement as B groups of 2 rows, the chosen answer first (reward 1) then the rejected
-    (reward 0), each answer's tokens then the first stop id, cut at ``max_new_tokens``."""
+    (reward 0), each answer's tokens then the first stop id; an answer that does not fit
+    in ``max_new_tokens`` with its stop id is refused (ConfigError), never cut."""
     group_size = 2
 
     def __init__(self, tokenizer, examples: Sequence[Example], eval_examples: Sequence[Example],
                  scorer, stops: Sequence[int], max_new_tokens: int, seed: int, device):
         self.tokenizer, self.examples, self.eval_examples = tokenizer, list(examples), list(eval_examples)
-        self.scorer, self.stop, self.max_new_tokens = scorer, int(stops[0]), max_new_tokens
+        self.scorer, self.stop = scorer, int(stops[0])
         self.prompt_rng, self.device = random.Random(seed), device
         self.ref_rows: Optional[Dict[str, List[torch.Tensor]]] = None   # per split, per row
+        texts = [ex.fields[k] for ex in self.examples + self.eval_examples for k in ("chosen", "rejected")]
+        long = sum(len(ids) + 1 > max_new_tokens
+                   for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else 0
+        if long:
+            raise ConfigError(f"{long} of {len(texts)} answers exceed rollout.max_new_tokens="
+                              f"{max_new_tokens} (with the stop id); raise it")
 
     def sample(self, num_groups: int) -> RolloutBatch:
         return self.batch("train", self.draw(num_groups))
@@ -101,8 +109,7 @@ class PairSource(SyncSource):
         texts = [ex.fields[k] for ex in examples for k in ("chosen", "rejected")]   # N = 2B
         enc = self.tokenizer([ex.prompt for ex in examples for _ in "cr"], return_tensors="pt",
                              padding=True)
-        answers = [(ids + [self.stop])[:self.max_new_tokens] for ids in
-                   self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        answers = [ids + [self.stop] for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         T = max(map(len, answers))
         ids = torch.full((len(answers), T), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(answers), T)                                       # [N, T]
@@ -116,16 +123,17 @@ class PairSource(SyncSource):
         return RolloutBatch(
             input_ids=torch.cat([enc["input_ids"], ids], 1).to(d),
             attention_mask=torch.cat([enc["attention_mask"], mask.long()], 1).to(d),
-            mask=mask.to(d), truncated=torch.tensor([a[-1] != self.stop for a in answers], device=d),
+            mask=mask.to(d), truncated=torch.zeros(len(answers), dtype=torch.bool, device=d),
             rewards=torch.tensor([1.0, 0.0] * len(examples), device=d),
             group_ids=torch.arange(len(examples), device=d).repeat_interleave(2),
             prompt_len=enc["input_ids"].shape[1], group_size=2,
             prompts=[ex.prompt for ex in examples for _ in "cr"], completions=texts,
             logprobs=LogProbs(ref=None if ref is None else ref.to(d)))
 
-    def cache_reference(self, ref_logp: Callable[[RolloutBatch], torch.Tensor], chunk: int = 64) -> None:
-        """Every pair's reference log-probs (``ref_logp``: batch -> [N, T]) computed once and
-        kept on the CPU, each row cut to its answer; later batches carry them."""
+    def cache_reference(self, ref_logp: Callable[[RolloutBatch], torch.Tensor], chunk: int) -> None:
+        """Every pair's reference log-probs (``ref_logp``: batch -> [N, T]; ``chunk`` pairs a
+        forward) computed once and kept on the CPU, each row cut to its answer; later
+        batches carry them."""
         rows: Dict[str, List[torch.Tensor]] = {}
         for split, examples in (("train", self.examples), ("eval", self.eval_examples)):
             rows[split] = []

@@ -150,6 +150,29 @@ def load_records(path: Any, fmt: str = "auto", key: str = "task.train_path",
     return rows if located else [r for _, r in rows]
 
 
+def prompt_example(prompt: Any, fields: Dict[str, Any], where: str, key: str) -> Example:
+    """The Example of a row's prompt (text, or chat messages kept in ``RAW_PROMPT`` with the
+    last user message as text); DataError, one line, for anything else or an oversized one."""
+    size = len(prompt) if isinstance(prompt, str) else len(json.dumps(prompt, default=str))
+    if size > MAX_PROMPT_CHARS:
+        raise DataError(f"{key}: {where}: the prompt has {size} characters, more than the "
+                        f"{MAX_PROMPT_CHARS} any model here can take; shorten or drop that row")
+    if isinstance(prompt, str):
+        return Example(prompt=prompt, fields=fields)
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        # chat messages: rendered by the chat template (prompt_format=chat) at bind time
+        text = next((m.get("content", "") for m in reversed(prompt) if m.get("role") == "user"), "")
+        return Example(prompt=str(text), fields={**fields, RAW_PROMPT: prompt})
+    raise DataError(f"{key}: {where}: the prompt must be text (or chat messages), got "
+                    f"{type(prompt).__name__}")
+
+
+def check_messages(task, examples: Sequence[Example], field: str) -> None:
+    """Chat-message prompts need ``task.prompt_format=chat`` (DataError, one line)."""
+    if task_options(task).prompt_format != "chat" and any(RAW_PROMPT in ex.fields for ex in examples):
+        raise DataError(f"the prompt field '{field}' holds chat messages; set task.prompt_format=chat")
+
+
 @register_task("jsonl")
 class DataTask:
     """Rows' ``prompt_field`` as prompts, other columns (or ``fields``) to the rewards; held
@@ -214,21 +237,8 @@ class DataTask:
     def _example(self, row: Dict[str, Any], where: str, key: str) -> Example:
         if self.prompt_field not in row:
             raise DataError(f"{key}: {where} has no '{self.prompt_field}' (task.prompt_field)")
-        prompt = row[self.prompt_field]
         fields = {**{f: row.get(f) for f in self.field_names}, SOURCE: where}
-        size = len(prompt) if isinstance(prompt, str) else len(json.dumps(prompt, default=str))
-        if size > MAX_PROMPT_CHARS:
-            raise DataError(f"{key}: {where}: the prompt has {size} characters, more than the "
-                            f"{MAX_PROMPT_CHARS} any model here can take; shorten or drop that row")
-        if isinstance(prompt, str):
-            return Example(prompt=prompt, fields=fields)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            # chat messages: rendered by the chat template (prompt_format=chat) at bind time
-            text = next((m.get("content", "") for m in reversed(prompt)
-                         if m.get("role") == "user"), "")
-            return Example(prompt=str(text), fields={**fields, RAW_PROMPT: prompt})
-        raise DataError(f"{key}: {where}: the prompt must be text (or chat messages), got "
-                         f"{type(prompt).__name__}")
+        return prompt_example(row[self.prompt_field], fields, where, key)
 
     def train_examples(self) -> List[Example]:
         self._check_messages()
@@ -239,10 +249,7 @@ class DataTask:
         return list(self._eval)
 
     def _check_messages(self) -> None:
-        if task_options(self).prompt_format != "chat" and any(
-                RAW_PROMPT in ex.fields for ex in self._train[:1] + self._eval[:1]):
-            raise DataError(f"the prompt field '{self.prompt_field}' holds chat messages; "
-                             "set task.prompt_format=chat")
+        check_messages(self, self._train[:1] + self._eval[:1], self.prompt_field)
 
     @staticmethod
     def _args(example: Example):

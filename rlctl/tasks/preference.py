@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from rlctl.errors import DataError
-from rlctl.tasks.data import load_records
-from rlctl.tasks.task import RAW_PROMPT, SOURCE, build_task, register_task
+from rlctl.tasks.data import check_messages, load_records, prompt_example
+from rlctl.tasks.task import SOURCE, build_task, register_task
 from rlctl.types import Example
 
 COLUMNS = ("prompt", "chosen", "rejected")
@@ -109,23 +109,24 @@ class PreferenceTask:
                 train, held = hold_out(train, eval_frac, seed, "task.train_path",
                                        "set task.eval_path")
             held = held[:num_eval]
-        self._train, self._eval = [self._example(p) for p in train], [self._example(p) for p in held]
+        held_key = "task.eval_path" if eval_path else "task.train_path"
+        self._train = [self._example(p, "task.train_path") for p in train]
+        self._eval = [self._example(p, held_key) for p in held]
 
     @staticmethod
-    def _example(p) -> Example:
+    def _example(p, key: str) -> Example:
         """A pair as an Example (fields chosen, rejected); a task's own pairs come as Examples."""
         if isinstance(p, Example):
             return p
-        fields = {"chosen": p.chosen, "rejected": p.rejected, SOURCE: p.where}
-        if not isinstance(p.prompt, str):   # chat messages: rendered by the chat template
-            text = next((m.get("content", "") for m in reversed(p.prompt) if m.get("role") == "user"), "")
-            return Example(prompt=str(text), fields={**fields, RAW_PROMPT: p.prompt})
-        return Example(prompt=p.prompt, fields=fields)
+        return prompt_example(p.prompt, {"chosen": p.chosen, "rejected": p.rejected, SOURCE: p.where},
+                              p.where, key)
 
     def train_examples(self) -> List[Example]:
+        check_messages(self, self._train[:1] + self._eval[:1], "prompt")
         return list(self._train)
 
     def eval_examples(self) -> List[Example]:
+        check_messages(self, self._train[:1] + self._eval[:1], "prompt")
         return list(self._eval)
 
     def reward(self, example: Example, completion: str) -> float:

@@ -14,7 +14,7 @@ from rlctl.core import PREFERENCE_LOSSES
 from rlctl.envs.environment import is_episodic
 from rlctl.errors import ConfigError
 from rlctl.tasks import TASKS
-from rlctl.train.update import preference_loss
+from rlctl.train.update import needs_reference, preference_loss
 
 
 def check_entries(algo, task_name, backend) -> None:
@@ -33,11 +33,8 @@ def check_entries(algo, task_name, backend) -> None:
             lookup(name)
         except ValueError as exc:
             raise ConfigError(f"invalid {key}: {' '.join(str(exc).split())}") from None
-    if algo.get("loss_type") is not None:     # the loss refuses options it does not use
-        try:
-            preference_loss(algo)(*torch.ones(6, 1))
-        except ValueError as exc:
-            raise ConfigError(f"invalid algo.loss_type={algo.loss_type} options: {exc}") from None
+    if algo.get("loss_type") is not None:
+        _check_preference_loss(algo)
     advantage, critic = algo.advantage, algo.critic
     token_level = ADVANTAGE_ESTIMATORS.entry(advantage).level == "token"
     if token_level and critic == "none":
@@ -45,6 +42,29 @@ def check_entries(algo, task_name, backend) -> None:
     if not token_level and critic != "none":
         raise ConfigError(f"algo.critic={critic} trains a value model that algo.advantage="
                           f"{advantage} does not use; set algo.critic=none or algo.advantage=gae")
+
+
+def _check_preference_loss(algo) -> None:
+    """``algo.loss_type`` on P=2 distinct pairs (reference as a run passes it) returns a [2]
+    loss and two [2] rewards; a loss refuses the options it does not use (ValueError)."""
+    args = torch.tensor([[-3.0, -5.0], [-4.0, -6.5], [-3.5, -5.5], [-4.2, -5.8], [3.0, 4.0], [4.0, 5.0]])
+    ref = needs_reference(algo)                                        # [6, P=2]
+    try:
+        out = preference_loss(algo)(*(a if ref or i not in (2, 3) else None for i, a in enumerate(args)))
+    except ValueError as exc:
+        raise ConfigError(f"invalid algo.loss_type={algo.loss_type} options: {exc}") from None
+    if not (isinstance(out, (tuple, list)) and len(out) == 3
+            and all(isinstance(t, torch.Tensor) and t.shape == (2,) for t in out)):
+        raise ConfigError(f"algo.loss_type={algo.loss_type} must return (loss, reward_chosen, "
+                          "reward_rejected), each [P] for P pairs; on 2 pairs it returned "
+                          f"{_shapes(out)}")
+
+
+def _shapes(out) -> str:
+    """``out`` described by its tensors' shapes (else its type)."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return ", ".join(f"[{', '.join(map(str, t.shape))}]" if isinstance(t, torch.Tensor)
+                     else type(t).__name__ for t in items)
 
 
 def check_episodes(rollout, task) -> None:
@@ -60,13 +80,21 @@ def check_episodes(rollout, task) -> None:
                           "model's own precision (use rollout.sample_dtype=float32)")
 
 
-def check_held_out(eval_every: int, task) -> None:
-    """Evaluation needs held-out rows (else every ``eval/*`` would read a measured-looking 0)."""
-    if eval_every > 0 and not task.eval_examples():
-        raise ConfigError(f"task '{getattr(task, 'name', type(task).__name__)}' has no held-out "
+def check_held_out(eval_every: int, task, ranks: int = 1) -> None:
+    """Evaluation needs held-out rows (else every ``eval/*`` would read a measured-looking 0),
+    at least one per rank (a rank with none would leave the others waiting)."""
+    if eval_every <= 0:
+        return
+    name, n = getattr(task, 'name', type(task).__name__), len(task.eval_examples())
+    if not n:
+        raise ConfigError(f"task '{name}' has no held-out "
                           f"rows (its eval_examples() returned none) to evaluate every "
                           f"trainer.eval_every={eval_every} steps; set trainer.eval_every=0 "
                           "or give the task held-out rows")
+    if n < ranks:
+        raise ConfigError(f"task '{name}' has {n} held-out rows for hardware.num_processes={ranks} "
+                          "ranks (each evaluates at least one); set task.num_eval >= "
+                          f"{ranks} or trainer.eval_every=0")
 
 
 def kl_placement_warning(algo) -> Optional[str]:

@@ -94,7 +94,7 @@ def _checked(overrides: List[str], recipe: Optional[str], resume: Optional[str],
     check_training_sampling(cfg.rollout.top_k)
     warn_config(cfg.algo)                  # one line, e.g. a KL estimator biased where it is placed
     check_episodes(cfg.rollout, built.task)
-    check_held_out(cfg.trainer.eval_every, built.task)
+    check_held_out(cfg.trainer.eval_every, built.task, cfg.hardware.num_processes)
     check_overlong(cfg.algo, cfg.rollout, is_episodic(built.task))
     return cfg, composed, built
 

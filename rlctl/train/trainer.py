@@ -139,9 +139,13 @@ class Trainer:
             ref_model = copy.deepcopy(model.policy if self.shared_critic else model)
             ref_model.eval().requires_grad_(False)
         self.ref_model = ref_model
+        self.local_prompts = trainer.prompts_per_step // backend.world_size   # compose() checks
+        mb = update.micro_batch_size       # pairs per forward off the update: its micro-batch
+        self.pair_chunk = -(-mb // 2) if mb else max(1, self.local_prompts // algo.minibatches)
         if algo.get("precompute_ref_logps") and ref_model is not None:   # each pair's once
             source.cache_reference(lambda b: learner_forward(
-                ref_model, b.input_ids, b.attention_mask, b.prompt_len, update.temperature).logp)
+                ref_model, b.input_ids, b.attention_mask, b.prompt_len, update.temperature).logp,
+                self.pair_chunk)
             self.ref_model = None            # no reference model held while training
         self.model = backend.prepare(model, critic, lr, tuple(trainer.betas), trainer.weight_decay,
                                      trainer.warmup_steps, trainer.max_grad_norm)
@@ -152,7 +156,6 @@ class Trainer:
         self.eval_examples = list(prepared.eval)
         self.user_prompts = user_prompts([*prepared.train, *prepared.eval])   # the sample tables
         self.warned = set()                      # nothing_trained causes said (once per run)
-        self.local_prompts = trainer.prompts_per_step // backend.world_size   # compose() checks
 
     @classmethod
     def from_config(cls, cfg, model, tokenizer, prepared: Prepared, sink, *, source, critic=None,
@@ -227,15 +230,17 @@ class Trainer:
         return {f"eval/{k}": v for k, v in means(sums, b.all_reduce).items()}
 
     @torch.no_grad()
-    def _pair_sums(self, chunk: int = 64) -> Dict[str, float]:
-        """Held-out pairs (this rank's share; one per eval example): sums of the pairwise
-        accuracy and margin of the implicit rewards and of the preference loss."""
+    def _pair_sums(self) -> Dict[str, float]:
+        """Held-out pairs (this rank's share; one per eval example, about self.pair_chunk
+        per forward): sums of the pairwise accuracy and margin of the implicit rewards and of
+        the preference loss."""
         b, source, s = self.backend, self.source, self.update_settings
         index = list(range(len(source.eval_examples)))[b.rank::b.world_size]
-        k = -(-len(source.eval_examples) // b.world_size // chunk) or 1   # equal on every rank
+        # as many forwards on every rank, none empty (each rank has >= N // world pairs)
+        parts = max(1, -(-(len(source.eval_examples) // b.world_size) // self.pair_chunk))
         out = dict.fromkeys(("pairwise_accuracy", "margin", "preference_loss"), 0.0)
         self.model.eval()
-        for part in (index[i::k] for i in range(k)):
+        for part in (index[i::parts] for i in range(parts)):
             batch = source.batch("eval", part)
             args = (batch.input_ids, batch.attention_mask, batch.prompt_len, s.temperature)
             if batch.logprobs.ref is None and self.ref_model is not None:

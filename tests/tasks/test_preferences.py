@@ -6,7 +6,7 @@ import pytest
 
 from rlctl.errors import DataError
 from rlctl.tasks.preference import PreferenceTask, read_pairs
-from rlctl.tasks.task import RAW_PROMPT
+from rlctl.tasks.task import RAW_PROMPT, build_task
 
 
 def _write(path, rows):
@@ -23,7 +23,10 @@ def test_chat_pairs_keep_the_messages_and_take_the_answer_s_last_message(tmp_pat
     assert pair.prompt == prompt and pair.chosen == "1 2" and pair.rejected == "2 1"
     with pytest.raises(DataError, match="'prompt' must be text, got list"):
         read_pairs(path, "PREFS")                  # the reward model reads text only
-    task = PreferenceTask(train_path=path, eval_frac=0.25, seed=0)
+    with pytest.raises(DataError, match="the prompt field 'prompt' holds chat messages; set "
+                                        "task.prompt_format=chat"):
+        build_task("preferences", train_path=path, eval_frac=0.25, seed=0).train_examples()
+    task = build_task("preferences", train_path=path, eval_frac=0.25, seed=0, prompt_format="chat")
     train, held = task.train_examples(), task.eval_examples()
     assert (len(train), len(held)) == (3, 1)
     assert held[0].fields[RAW_PROMPT] == prompt and held[0].prompt == "2 1"

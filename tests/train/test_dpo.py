@@ -10,6 +10,7 @@ are 2-step `rlctl train` calls on pairs made from sorting."""
 import copy
 import json
 import math
+import re
 import shutil
 import sys
 from functools import partial
@@ -194,3 +195,43 @@ def test_two_ranks_give_the_one_batch_gradient(pairs_setup, tmp_path):
     assert float(two["loss"]) == pytest.approx(float(m["policy/loss"]), rel=1e-12, abs=0)
     for g, h in zip(two["grads"], whole):
         torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
+
+
+def test_held_out_pairs_go_in_micro_batch_chunks(rlctl_app, tmp_path, monkeypatch):
+    """65 held-out pairs, trainer.micro_batch_size=2 rows: the cached reference and the
+    held-out pair metrics take one pair a forward, and every pair once."""
+    sizes = {"train": [], "eval": []}
+    batch = PairSource.batch
+
+    def spy(self, split, index):
+        sizes[split].append(len(index))
+        return batch(self, split, index)
+    monkeypatch.setattr(PairSource, "batch", spy)
+    run = tmp_path / "run"
+    done = rlctl_app("train", *RUN, "task.num_eval=65", "trainer.steps=1", "trainer.eval_every=1",
+                     "trainer.checkpoint_every=0", "logger.samples.every=0",
+                     "trainer.micro_batch_size=2", "algo.precompute_ref_logps=true", f"run.dir={run}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert set(sizes["eval"]) == {1} and len(sizes["eval"]) % 65 == 0   # cached, then each eval
+    assert len(sizes["eval"]) >= 130
+    assert set(sizes["train"][:-1]) == {1} and len(sizes["train"]) == 64 + 1   # the step: 4
+    assert 0 <= _metrics(run)[1]["eval/pairwise_accuracy"] <= 1
+
+
+def test_a_preference_loss_must_return_per_pair_tensors(rlctl_app, tmp_path):
+    (tmp_path / "summed_loss.py").write_text(
+        "def loss(c, r, rc, rr, nc, nr, *, beta, label_smoothing, gamma):\n"
+        "    return -(beta * (c - rc - r + rr)).sigmoid().log().sum(), c - rc, r - rr\n")
+    done = rlctl_app("train", *RUN, "algo.loss_type=summed_loss:loss", f"run.dir={tmp_path / 'run'}",
+                     path=[tmp_path])
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: algo.loss_type=summed_loss:loss must return (loss, reward_chosen, reward_rejected), "
+        "each [P] for P pairs; on 2 pairs it returned [], [2], [2]")
+
+
+def test_answers_longer_than_the_budget_are_refused(rlctl_app, tmp_path):
+    done = rlctl_app("train", *RUN, "rollout.max_new_tokens=6", f"run.dir={tmp_path / 'run'}")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert re.fullmatch(r"error: \d+ of 160 answers exceed rollout.max_new_tokens=6 \(with the "
+                        r"stop id\); raise it", done.stderr.strip().splitlines()[-1])
