@@ -140,8 +140,8 @@ class TaskConfig:
     # generated tasks: operand digits (arithmetic: operands in [0, 10^num_digits)), digits to sort
     num_digits: Optional[int] = knob(None, range=AT_LEAST_1)
     # sorting: exact | positional | inclusion_order; arithmetic: exact (the final number, 1/0) |
-    # strict (the whole answer is the number) | strict_shaped (strict, else 0.2 for a bare wrong
-    # number) | partial (exact, else 0.5 * digits in place)
+    # strict (the whole answer is the number) | strict_shaped (strict 1, else 0.5 for the right
+    # number inside other text, 0.2 for a bare wrong number) | partial (exact, else 0.5 * digits in place)
     reward: Optional[str] = None
     # preferences: pairs made by this task (sorting) instead of read from task.train_path
     pairs_from: Optional[str] = None
