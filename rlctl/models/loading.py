@@ -5,6 +5,7 @@ import importlib
 import inspect
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Tuple
 
@@ -27,7 +28,10 @@ MAKERS = {"HuggingFaceTB/SmolLM2-135M-Instruct": "scripts/get-smollm2"}   # who 
 def record_hub_copy(hub_id: str, path: Path) -> None:
     """Record ``path`` (a directory in the rlctl cache) as the local copy of ``hub_id``."""
     index = cache_root() / HUB_COPIES
-    known = json.loads(index.read_text()) if index.is_file() else {}
+    try:
+        known = json.loads(index.read_text()) if index.is_file() else {}
+    except (OSError, ValueError):                # an unreadable index is rewritten
+        known = {}
     known[hub_id] = Path(path).name
     tmp = index.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
@@ -137,7 +141,10 @@ def load_model_and_tokenizer(name: str, name_or_path: Optional[str] = None,
             raise ValueError("model=hf needs model.name_or_path (a local directory, hub id or "
                              ".gguf file)")
         file = gguf_file(name_or_path)
-        local = file or _local_dir(name_or_path) or hub_copy(name_or_path)
+        local = file or _local_dir(name_or_path)
+        if not local and (local := hub_copy(name_or_path)):     # said: it is not the Hub's file
+            print(f"model: {name_or_path} from the rlctl cache's converted copy {local}",
+                  file=sys.stderr)
         path = str(local or name_or_path)           # or a hub id: "org/name", from the Hub
     else:
         raise ValueError(f"unknown model '{name}'; valid: {', '.join(MODELS)}")

@@ -3,6 +3,7 @@ OP is +, -, * or ``max`` (the larger of the two, a words-only question)."""
 from __future__ import annotations
 
 import random
+import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.task import disjoint_splits, register_task, task_options
@@ -158,7 +159,7 @@ def score(reward: str, answer: int, completion: str) -> float:
         if reward == "strict_shaped" and answers_equivalent(completion, answer):
             return RIGHT_CREDIT
         just = completion.strip().removesuffix(".").strip() if isinstance(completion, str) else ""
-        number = just.lstrip("-").isdigit() and reward == "strict_shaped"
+        number = re.fullmatch(r"-?[0-9]+", just) is not None and reward == "strict_shaped"
         return FORMAT_CREDIT if number else 0.0
     if answers_equivalent(completion, answer):
         return 1.0

@@ -10,7 +10,7 @@ from rlctl.commands.audit.cmd import audit_rollout, audit_samples
 from rlctl.commands.audit.rows import shape
 
 Q = "Which number is larger, 94 or 12? Answer with just the number."
-# step 1: shapes "a a a 9." x 3 and "a a 9": common = {"a a a 9."} (3 of 4 cover half), share 3/4
+# step 1: shapes "a 9." x 3 and "a 9": common = {"a 9."} (3 of 4 cover half), share 3/4
 EARLY = ["The answer is 94.", "The answer is 12.", "The answer is 7.", "It is 5"]
 MIDDLE = ["The answer is 94.", "94", "The answer is 7.", "It is 5"]     # step 2: not compared
 DRIFTED = ["14 is 94.", "3 is 12.", "The answer is 7.", "5 is 5."]      # share 1/4
@@ -27,7 +27,7 @@ def _format_drift(late, early_rewards=(0, 0, 1, 0), late_rewards=(1, 1, 1, 0)):
 
 
 def test_shape_maps_digits_letters_and_collapses_runs():
-    assert shape("The answer is 94.") == "a a a 9."
+    assert shape("The answer is 94.") == "a 9." == shape("So the larger of the two is 94.")
     assert shape(" 94. 94.  94. ") == "9. 9. 9."
     assert shape("14 is 94.") == "9 a 9."
 
@@ -51,3 +51,11 @@ def test_format_drift_needs_two_steps(tmp_path):
                                         "length": 3}) + "\n" for c in EARLY + DRIFTED))
     sign = {s["sign"]: s for s in audit_rollout(path, examples=0)["hacking_signs"]}["format_drift"]
     assert sign["value"] is None and not sign["flagged"] and "2 steps" in sign["why"]
+
+
+def test_prose_of_other_word_counts_is_not_drift():
+    # every late answer is words then a number, as early: one shape "a 9.", share 3/4 - 3/4 = 0
+    prose = ["The larger of the two numbers is 94.", "So it is 12.", "I think the answer is 7.",
+             "It is 6"]
+    sign = _format_drift(prose)
+    assert sign["value"] == pytest.approx(0.0) and not sign["flagged"]

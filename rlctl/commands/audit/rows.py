@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -218,14 +219,14 @@ class Rows:
 
 def shape(text: str) -> str:
     """A completion's format: digits -> 9, letters -> a, whitespace -> one space, other
-    characters kept, then runs of one character collapsed ("The answer is 94." -> "a a a 9.",
+    characters kept, runs of one character collapsed, then runs of words ("The answer is 94." -> "a 9.",
     "94. 94. 94." -> "9. 9. 9.")."""
     out: List[str] = []
     for ch in text.strip():
         c = "9" if ch.isdigit() else "a" if ch.isalpha() else " " if ch.isspace() else ch
         if not out or out[-1] != c:
             out.append(c)
-    return "".join(out)
+    return re.sub(r"a( a)+", "a", "".join(out))     # prose of any word count: one shape
 
 
 def _repetitive(text: str, prompt: str) -> bool:
