@@ -38,7 +38,7 @@ def test_help_lists_commands_and_groups():
 @pytest.mark.parametrize("args, fragment", [
     (["algo.foo=1"], "unknown config key 'algo.foo'"),
     (["algo.clip_eps=abc"], "expected a float"),
-    (["algo=nope"], "valid: cispo, dapo, dr_grpo, grpo, gspo, ppo, reinforce, rloo"),
+    (["algo=nope"], "valid: cispo, dapo, dpo, dr_grpo, grpo, gspo, ppo, reinforce, rloo"),
     (["task=nope"], "unknown task 'nope'; valid: "),
     (["algo.loss_agg_mode=mean"], "valid: token-mean"),
     (["--recipe", "/nonexistent/recipe.yaml"], "cannot read recipe"),

@@ -24,7 +24,7 @@ def test_multi_rank_zero3_backend_turns_learner_prompt_sharing_off():
     """Multi-rank ZeRO-3 needs every rank to run the same forwards, so sharing is off
     there even when the source (built without a backend, as tests and bench do) shares."""
     zero3 = TorchBackend("cpu")
-    zero3.zero_stage, zero3.world_size = 3, 2             # what a 2-rank ZeRO-3 backend reports
+    zero3.zero_stage, zero3.world_size, zero3.lockstep = 3, 2, True   # as a 2-rank ZeRO-3 backend reports
     tr = _trainer(zero3)
     try:
         assert tr.source.share_prompts is True and tr.update_settings.share_prompts is False
