@@ -149,6 +149,7 @@ class Trainer:
             self.ref_model = None            # no reference model held while training
         self.model = backend.prepare(model, critic, lr, tuple(trainer.betas), trainer.weight_decay,
                                      trainer.warmup_steps, trainer.max_grad_norm)
+        self.policy = backend.unwrap()      # the plain module (generation, saving), found once
         if trainer.compile:      # learner forwards only; generation keeps the eager module
             self.model = torch.compile(self.model, dynamic=True)
         self.scorer = source.scorer              # training rewards (time limit, error policy)
@@ -175,11 +176,6 @@ class Trainer:
         """Stop the rollout source (engine processes, reward workers) and the eval reward workers."""
         self.source.close()
         self.eval_scorer.close()
-
-    @property
-    def policy(self):
-        """The plain module (generation, saving): unwrapped from the backend's engine."""
-        return self.backend.unwrap()
 
     @property
     def prompt_rng(self):

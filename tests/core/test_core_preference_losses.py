@@ -162,13 +162,17 @@ def test_label_smoothing_moves_the_optimum():
     assert gc.item() == pytest.approx(-beta * eps, abs=1e-15)
 
 
+def _case(name, P, seed, beta, eps, gamma):
+    """(loss fn, P random pairs, its keywords): no label smoothing for ipo, gamma for simpo only."""
+    kw = dict(beta=beta, label_smoothing=eps if name != "ipo" else 0.0,
+              gamma=gamma if name == "simpo" else 0.0)
+    return PREFERENCE_LOSSES.get(name), random_pairs(P=P, seed=seed), kw
+
+
 @pytest.mark.parametrize("name", ["sigmoid", "ipo", "simpo"])
 def test_micro_batches_sum_to_the_one_batch_mean(name):
     # the caller's contract: sum of per-pair losses over chunks / P == the batch mean, gradients too
-    fn = PREFERENCE_LOSSES.get(name)
-    chosen, rejected, ref_c, ref_r, len_c, len_r = random_pairs(P=13, seed=4)
-    kw = dict(beta=0.3, label_smoothing=0.1 if name != "ipo" else 0.0,
-              gamma=0.5 if name == "simpo" else 0.0)
+    fn, (chosen, rejected, ref_c, ref_r, len_c, len_r), kw = _case(name, 13, 4, 0.3, 0.1, 0.5)
     c1, r1 = chosen.clone().requires_grad_(), rejected.clone().requires_grad_()
     whole = fn(c1, r1, ref_c, ref_r, len_c, len_r, **kw)[0].mean()
     whole.backward()
@@ -185,10 +189,7 @@ def test_micro_batches_sum_to_the_one_batch_mean(name):
 
 @pytest.mark.parametrize("name", ["sigmoid", "ipo", "simpo"])
 def test_gradcheck_all_inputs(name):
-    fn = PREFERENCE_LOSSES.get(name)
-    chosen, rejected, ref_c, ref_r, len_c, len_r = random_pairs(P=4, seed=5)
-    kw = dict(beta=0.4, label_smoothing=0.05 if name != "ipo" else 0.0,
-              gamma=0.3 if name == "simpo" else 0.0)
+    fn, (chosen, rejected, ref_c, ref_r, len_c, len_r), kw = _case(name, 4, 5, 0.4, 0.05, 0.3)
     inputs = tuple(x.clone().requires_grad_() for x in (chosen, rejected, ref_c, ref_r))
     assert torch.autograd.gradcheck(lambda c, r, a, b: fn(c, r, a, b, len_c, len_r, **kw)[0], inputs)
 
