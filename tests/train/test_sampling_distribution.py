@@ -14,6 +14,7 @@ from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora
 from rlctl.rollout.generate import generate, rollout, sampling_precision
 from rlctl.types import Example
+from torch.utils._python_dispatch import TorchDispatchMode
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -78,20 +79,38 @@ def test_rlctl_train_with_top_k_is_one_line_and_exit_2(tmp_path, rlctl_app):
     assert not any(tmp_path.glob("*-grpo-*")), "refused before a run directory is made"
 
 
+class _CastCount(TorchDispatchMode):
+    """Counts the dtype casts (aten._to_copy) of each tensor whose storage is in ``ptrs``."""
+
+    def __init__(self, ptrs):
+        super().__init__()
+        self.ptrs, self.per_weight = ptrs, {p: 0 for p in ptrs}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
+            self.per_weight[args[0].data_ptr()] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_bf16_sampling_casts_frozen_weights_once_with_the_same_numbers(tiny):
     """bfloat16 sampling of a LoRA policy (frozen float32 base): the cached casts give the
     very samples and log-probs of plain per-call autocast (a cast is deterministic), and
     the base is frozen again afterwards."""
     model = apply_lora(copy.deepcopy(tiny[0]), 4, 8, 0.0, ["all-linear"])
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    out = []
+    ptrs = {p.data_ptr() for n, p in model.named_parameters() if n in frozen and p.dim() == 2}
+    out, casts = [], []
     for ctx in (lambda: sampling_precision(model, "bfloat16"),
                 lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
         torch.manual_seed(3)
-        with ctx():
+        with ctx(), _CastCount(ptrs) as count:
             out.append(generate(model, tiny[1], [p.prompt for p in PROMPTS] * 2, 6, True,
                                 return_logprobs=True))
+        casts.append(max(count.per_weight.values()))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][3], out[1][3])
+    # 6 new tokens are several forwards: per-call autocast casts each frozen matrix in every
+    # one of them, the cached casts once for the whole generation
+    assert casts[0] == 1 and casts[1] > 1, casts
     assert frozen and frozen == {n for n, p in model.named_parameters() if not p.requires_grad}
 
 
