@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -14,6 +13,7 @@ from rlctl.commands.files import is_run_dir
 from rlctl.config.compose import compose
 from rlctl.errors import CheckpointError, ConfigError, UserError
 from rlctl.models.loading import load_model_and_tokenizer, prepare_tokenizer, quiet_libraries
+from rlctl.models.lora import quiet_peft
 from rlctl.models.stop_ids import resolve_stop_ids
 from rlctl.train.build import prepare_task, task_from_config
 from rlctl.storage.checkpoint import latest_checkpoint, read_state, step_of
@@ -126,8 +126,7 @@ def _load_adapter(adapter_dir: Path, dtype: str, device: str):
     base, tok = load_model_and_tokenizer("hf", name_or_path=base_name, dtype=dtype, device=device)
     if (adapter_dir / "tokenizer_config.json").is_file():  # saved with the adapter: prefer it
         tok = prepare_tokenizer(AutoTokenizer.from_pretrained(str(adapter_dir)), base)
-    with warnings.catch_warnings():  # peft calls deprecated transformers helpers
-        warnings.simplefilter("ignore", FutureWarning)
+    with quiet_peft():
         model = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     model.to(device)
     return model, tok, f"{adapter_dir} (LoRA on {base_name}, merged)"

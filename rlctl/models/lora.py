@@ -1,7 +1,9 @@
 """LoRA adapters (peft; QLoRA, Dettmers et al., 2023): base frozen, B at zero at step 0."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -40,6 +42,15 @@ def _check_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) 
     return targets
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft 0.21 reads transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning on
+    every wrap, not the user's to act on): silence that warning alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
                target_modules: Union[str, Sequence[str]]):
     """``model`` as a ``PeftModel`` with fresh LoRA adapters; ValueError for a bad setting."""
@@ -59,7 +70,8 @@ def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
     targets = _check_targets(model, target_modules)
     config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=int(r), lora_alpha=alpha,
                         lora_dropout=float(dropout), target_modules=targets, bias="none")
-    peft_model = get_peft_model(model, config)
+    with quiet_peft():
+        peft_model = get_peft_model(model, config)
     for name, p in peft_model.named_parameters():  # get_peft_model already does this
         p.requires_grad_("lora_" in name)
     return peft_model

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,15 @@ def test_apply_lora_freezes_the_base(tiny):
     assert trainable == layers * 8 * (4 * (h + h) + 3 * (h + i))
     assert total - trainable == base_total
     assert all(torch.count_nonzero(p) == 0 for n, p in policy.named_parameters() if "lora_B" in n)
+
+
+def test_apply_lora_says_nothing_of_transformers_deprecations(tiny):
+    # peft 0.21 reads PreTrainedModel.is_gradient_checkpointing, a FutureWarning a user cannot act on
+    assert hasattr(type(tiny[0]), "is_gradient_checkpointing"), "the property this guards is gone"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _lora(tiny)
+    assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
