@@ -16,12 +16,12 @@ from rich.text import Text
 
 from .sink import cell_text, table_columns
 
-DEFAULT_KEYS = ("reward/mean", "eval/exact_match", "policy/kl_ref", "policy/clip_frac",
+DEFAULT_KEYS = ("reward/mean", "rewards/accuracy", "eval/exact_match", "policy/kl_ref", "policy/clip_frac",
                 "length/mean", "perf/tokens_per_s")
 REWARD_MODEL_KEYS = ("train/loss", "train/accuracy", "eval/pairwise_accuracy", "eval/margin")
 # Short labels for the live row; REWARD_MODEL_KEYS: `rlctl reward-model train`'s figures
 SHORT_LABELS = {"train/loss": "loss", "train/accuracy": "acc", "eval/pairwise_accuracy": "eval_acc",
-                "eval/margin": "eval_margin", "reward/mean": "reward", "eval/exact_match": "exact",
+                "eval/margin": "eval_margin", "reward/mean": "reward", "rewards/accuracy": "pair_acc", "eval/exact_match": "exact",
                 "policy/kl_ref": "kl_ref", "policy/clip_frac": "clip", "length/mean": "len",
                 "perf/tokens_per_s": "tok/s"}
 

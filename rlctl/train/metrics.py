@@ -69,8 +69,10 @@ def mean_of(m: Moments) -> torch.Tensor:
 Metric = Union[torch.Tensor, Moments]
 
 
-def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[str, Metric]:
-    """reward/, advantage/, length/, rollout/, value/return_mean, kl/seq_k1 and perf/step_*."""
+def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0,
+                    pairs: bool = False) -> Dict[str, Metric]:
+    """reward/, advantage/, length/, rollout/, value/return_mean, kl/seq_k1 and perf/step_*;
+    ``pairs`` (a preference batch: labels, not rewards): no reward/ or advantage/."""
     r = batch.rewards                                          # [N]
     groups = r.view(-1, batch.group_size)                      # [B, G]
     lengths = batch.mask.sum(-1)                               # [N]
@@ -91,6 +93,8 @@ def rollout_metrics(batch: RolloutBatch, kept_groups_frac: float = 1.0) -> Dict[
         "perf/step_tokens": batch.mask.sum(),
         "perf/step_sequences": torch.tensor(float(batch.num_sequences)),
     })
+    if pairs:                          # chosen 1 / rejected 0 by construction: nothing to read
+        out = {k: v for k, v in out.items() if not k.startswith(("reward/", "advantage/"))}
     if batch.returns is not None:
         out["value/return_mean"] = masked_mean(batch.returns, batch.mask)
     lp = batch.logprobs

@@ -268,7 +268,7 @@ class Trainer:
                                 self.critic, prompts)
         self.source.after_update()
         t2 = time.perf_counter()
-        metrics.update(rollout_metrics(batch, kept))
+        metrics.update(rollout_metrics(batch, kept, self.update_settings.preference is not None))
         metrics.update(named_reward_metrics(*self.scorer.named_sums(), self.backend))
         values = reduce_metrics(metrics, self.backend)
         tokens = values.pop("perf/step_tokens")

@@ -143,6 +143,10 @@ def test_a_dpo_run_logs_the_pair_metrics_and_starts_at_the_reference(rlctl_app, 
     assert abs(last["rewards/chosen"]) > 1e-4 and 0 <= last["rewards/accuracy"] <= 1   # it moved
     for k in ("eval/pairwise_accuracy", "eval/margin", "eval/exact_match"):   # held out
         assert k in last
+    # labels, not rewards: chosen 1 / rejected 0 would log reward/mean 0.5 on every step
+    assert not {"reward/mean", "reward/std", "reward/frac_zero_std_groups", "advantage/mean",
+                "advantage/std"} & set(first)
+    assert "length/mean" in first
     samples = (run / "samples.jsonl").read_text()
     assert '"split": "eval"' in samples or "eval" in samples
 
