@@ -9,7 +9,7 @@ import torch
 
 from rlctl.dist.backends import TorchBackend
 from rlctl.models.forward import enable_gradient_checkpointing, learner_forward
-from rlctl.train.update import UpdateState, accumulate_gradients, micro_batches
+from rlctl.train.update import UpdateState, accumulate_gradients, even_split, micro_batches
 from test_engine_update import MODES, _batch, _settings, tiny  # noqa: F401  (fixture reused)
 
 
@@ -57,6 +57,38 @@ def test_token_budget_update_equals_one_micro_batch(tiny, mode):  # noqa: F811
         model.zero_grad(set_to_none=True)
         accumulate_gradients(model, TorchBackend(), batch, s, UpdateState())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
+
+
+def test_even_split_by_hand():
+    """32 rows: 11 fit -> 3 micro-batches of 11, 11, 10; a smaller micro_batch_size wins;
+    nothing fits -> rows alone; all fit -> one."""
+    assert even_split(32, 0, 11) == 11 and even_split(32, 8, 11) == 8
+    assert even_split(32, 0, 16) == 16 and even_split(32, 0, 17) == 16
+    assert even_split(32, 0, 0) == 1 and even_split(32, 0, 99) == 32
+
+
+def test_the_activation_budget_splits_evenly_with_the_same_update(tiny):  # noqa: F811
+    """trainer.activation_mb: a budget for 4 rows of the widest's width -> 6 rows in 2 even
+    micro-batches of 3 (not 4 + 2; a forward hook sees their rows), and the one-batch
+    gradient (float64, to 1e-6 as above)."""
+    model = copy.deepcopy(tiny[0]).double()
+    batch = _batch(tiny[1])
+    wide = batch.prompt_len + int(batch.mask.sum(-1).max())
+    assert batch.num_sequences == 6
+    grads, rows = [], []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    for tokens in (0, 4 * wide + 2):
+        s = _settings(MODES[0], 0)
+        s.activation_tokens, s.share_prompts = tokens, False
+        model.zero_grad(set_to_none=True)
+        rows.clear()
+        accumulate_gradients(model, TorchBackend(), batch, s, UpdateState())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    hook.remove()
+    assert rows == [3, 3]
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
 
