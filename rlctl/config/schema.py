@@ -349,9 +349,9 @@ class TrainerConfig:
     # padded tokens per forward/backward; 0: no token budget
     micro_batch_tokens: int = knob(0, range=Range(0, why="0: no token budget"))
     # the learner's stored activations per forward/backward, MiB, by the dry run's rule:
-    # the minibatch splits into as few even micro-batches as fit (one rank or DeepSpeed
-    # ZeRO <= 2; not where forwards are collectives); 0: no limit
-    activation_mb: int = knob(1024, range=Range(0, why="0: no limit"))
+    # the minibatch splits into as few even micro-batches as fit (not where forwards are
+    # collectives); 0: no limit; null: 1024 with hardware.device=cpu, else no limit
+    activation_mb: Optional[int] = knob(None, range=Range(0, why="0: no limit"))
     share_prompts: bool = True       # one prompt forward per group (rlctl/models/forward.py)
     compile: bool = False            # torch.compile the learner's forward (plain torch backend)
     eval_every: int = knob(range=Range(0, why="0: no held-out evaluation"))

@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification
 from rlctl.core.logprobs import CHUNK_ELEMENTS
 from rlctl.models.forward import fused_head
 from rlctl.train.trainer import needs_old_forward
-from rlctl.train.update import activation_bytes, even_split, needs_reference
+from rlctl.train.update import activation_bytes, activation_mb, even_split, needs_reference
 from rlctl.models.lora import count_parameters
 from rlctl.config.schema import AlgoConfig
 
@@ -36,7 +36,7 @@ class MemorySettings:
     minibatches: int                # algo.minibatches
     micro_batch_size: int           # trainer.micro_batch_size (0: the minibatch)
     micro_batch_tokens: int         # trainer.micro_batch_tokens (0: no budget)
-    activation_mb: int              # trainer.activation_mb (0: no limit)
+    activation_mb: int              # trainer.activation_mb as resolved (0: no limit)
     num_processes: int              # hardware.num_processes
     backend: str                    # hardware.backend
     precision: str                  # hardware.precision
@@ -53,7 +53,7 @@ class MemorySettings:
         return cls(max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_step=tr.prompts_per_step,
                    group_size=algo.group_size, minibatches=algo.minibatches,
                    micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
-                   activation_mb=tr.activation_mb, num_processes=hw.num_processes,
+                   activation_mb=activation_mb(tr.activation_mb, hw.device), num_processes=hw.num_processes,
                    backend=hw.backend, precision=hw.precision,
                    zero_stage=hw.zero_stage, dtype=model.dtype,
                    gradient_checkpointing=model.gradient_checkpointing, lora=model.lora.enabled,

@@ -70,7 +70,14 @@ class UpdateSettings:
                    micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
                    max_new_tokens=ro.max_new_tokens, episode_max_tokens=ro.episode.max_tokens,
                    preference=preference_loss(algo),
-                   activation_tokens=tr.activation_mb * 2**20 // token_bytes if token_bytes else 0)
+                   activation_tokens=activation_mb(tr.activation_mb, cfg.hardware.device) * 2**20
+                   // token_bytes if token_bytes else 0)
+
+
+def activation_mb(value: Optional[int], device: str) -> int:
+    """``trainer.activation_mb`` resolved: null is 1024 MiB on the CPU (memory, not batch
+    width, bounds a CPU step), no limit on an accelerator; 0: no limit."""
+    return value if value is not None else 1024 if device == "cpu" else 0
 
 
 def activation_bytes(hidden: int, layers: int, half: bool, checkpointing: bool) -> int:

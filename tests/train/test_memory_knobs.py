@@ -9,7 +9,8 @@ import torch
 
 from rlctl.dist.backends import TorchBackend
 from rlctl.models.forward import enable_gradient_checkpointing, learner_forward
-from rlctl.train.update import UpdateState, accumulate_gradients, even_split, micro_batches
+from rlctl.train.update import (UpdateState, accumulate_gradients, activation_mb, even_split,
+                                micro_batches)
 from test_engine_update import MODES, _batch, _settings, tiny  # noqa: F401  (fixture reused)
 
 
@@ -67,6 +68,8 @@ def test_even_split_by_hand():
     assert even_split(32, 0, 11) == 11 and even_split(32, 8, 11) == 8
     assert even_split(32, 0, 16) == 16 and even_split(32, 0, 17) == 16
     assert even_split(32, 0, 0) == 1 and even_split(32, 0, 99) == 32
+    assert activation_mb(None, "cpu") == 1024 and activation_mb(None, "cuda") == 0   # null: by device
+    assert activation_mb(0, "cpu") == 0 and activation_mb(300, "cuda") == 300
 
 
 def test_the_activation_budget_splits_evenly_with_the_same_update(tiny):  # noqa: F811
