@@ -75,9 +75,9 @@ class UpdateSettings:
 
 
 def activation_mb(value: Optional[int], device: str) -> int:
-    """``trainer.activation_mb`` resolved: null is 1024 MiB on the CPU (memory, not batch
+    """``trainer.activation_mb`` resolved: null is 768 MiB on the CPU (memory, not batch
     width, bounds a CPU step), no limit on an accelerator; 0: no limit."""
-    return value if value is not None else 1024 if device == "cpu" else 0
+    return value if value is not None else 768 if device == "cpu" else 0
 
 
 def activation_bytes(hidden: int, layers: int, half: bool, checkpointing: bool) -> int:

@@ -68,7 +68,7 @@ def test_even_split_by_hand():
     assert even_split(32, 0, 11) == 11 and even_split(32, 8, 11) == 8
     assert even_split(32, 0, 16) == 16 and even_split(32, 0, 17) == 16
     assert even_split(32, 0, 0) == 1 and even_split(32, 0, 99) == 32
-    assert activation_mb(None, "cpu") == 1024 and activation_mb(None, "cuda") == 0   # null: by device
+    assert activation_mb(None, "cpu") == 768 and activation_mb(None, "cuda") == 0   # null: by device
     assert activation_mb(0, "cpu") == 0 and activation_mb(300, "cuda") == 300
 
 
