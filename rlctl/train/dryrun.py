@@ -79,8 +79,7 @@ def micro_batch(s: MemorySettings, n: int, token_bytes: int = 0) -> Tuple[int, i
     stored activations per token, for ``trainer.activation_mb``; 0: not applied)."""
     seq = s.prompt_tokens + s.max_new_tokens
     rows = max(1, n // s.minibatches)                        # a minibatch's rows
-    if s.activation_mb and token_bytes and not (s.num_processes > 1 and (
-            s.backend == "fsdp2" or s.backend == "deepspeed" and s.zero_stage == 3)):
+    if s.activation_mb and token_bytes and s.num_processes == 1:
         rows = even_split(rows, s.micro_batch_size, s.activation_mb * 2**20 // (token_bytes * seq))
     elif s.micro_batch_size:
         rows = min(rows, s.micro_batch_size)

@@ -169,7 +169,7 @@ class Trainer:
         lora, tr = cfg.model.lora, cfg.trainer
         conf = getattr(innermost(model), "config", None)
         conf = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
-        token_bytes = 0 if backend.lockstep else activation_bytes(      # lockstep: ranks split alike
+        token_bytes = 0 if backend.world_size > 1 else activation_bytes(   # ranks would split unalike
             getattr(conf, "hidden_size", 0) or 0, getattr(conf, "num_hidden_layers", 0) or 0,
             cfg.hardware.precision == "bf16" or cfg.model.dtype in ("bfloat16", "float16"),
             cfg.model.gradient_checkpointing)
