@@ -169,3 +169,41 @@ def test_cli_bad_token_budget_is_one_line(train):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "trainer.micro_batch_tokens" in lines[0], proc.stderr
+
+
+def test_bf16_casts_a_frozen_lora_base_once_with_the_same_results(tiny):  # noqa: F811
+    """LoRA under the bf16 backend: each frozen base Linear runs as one bf16 copy, made once
+    (a second forward reuses it; the fp32 weight is back after each forward; a changed
+    weight is cast again), with bitwise autocast's per-call log-probs and adapter gradients."""
+    from rlctl.dist.backends import BF16Autocast
+    from rlctl.models.lora import apply_lora
+
+    model = apply_lora(copy.deepcopy(tiny[0]).float(), 4, 8, 0.0, "all-linear")
+    with torch.no_grad():                    # B = 0 at init: make the adapters act
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    batch = _batch(tiny[1])
+    runs, wrapped = {}, None
+    for cached in (False, True):
+        wrapped = BF16Autocast(model, "cpu")
+        if not cached:
+            wrapped._frozen = lambda: []      # autocast's own per-call casts
+        model.zero_grad(set_to_none=True)
+        f = learner_forward(wrapped, batch.input_ids, batch.attention_mask, batch.prompt_len,
+                            share_prompts=True)
+        (f.logp * batch.mask).sum().backward()
+        runs[cached] = f.logp.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    (l0, g0), (l1, g1) = runs[False], runs[True]
+    assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert any(g.abs().sum() > 0 for g in g1)
+    copies = {k: v[1] for k, v in wrapped._casts.items()}
+    assert len(copies) > 0 and all(c.dtype == torch.bfloat16 for c in copies.values())
+    assert all(p.dtype == torch.float32 for p in model.parameters())        # restored
+    wrapped(input_ids=batch.input_ids)                                       # reused
+    assert all(wrapped._casts[k][1] is c for k, c in copies.items())
+    w = next(p for n, p in model.named_parameters() if "base_layer.weight" in n)
+    with torch.no_grad():
+        w.add_(1.0)                                                          # changed: cast again
+    wrapped(input_ids=batch.input_ids)
+    assert torch.equal(wrapped._casts[id(w)][1], w.detach().to(torch.bfloat16))
