@@ -38,6 +38,10 @@ UNMATCHED = [
     "TRL: generation through transformers' generate (KV cache per sequence); rlctl: its own "
     "sampler (each group's prompt run once)",
     "TRL: the step also logs its own metrics (entropy, clip ratios); rlctl: its metric schema",
+    "update: TRL one micro-batch of 32 rows (gradient_accumulation_steps=1, as configured "
+    "here); rlctl its CPU default, even micro-batches within trainer.activation_mb (exact "
+    "accumulation, the same update)",
+    "allocator: rlctl keeps freed memory for reuse on the CPU (glibc mallopt); TRL glibc's defaults",
     "set on TRL to match rlctl (its defaults differ): loss_type=grpo (dapo), a constant "
     "learning rate (linear decay), bf16 per --precision (bf16=True), dropout off (kept); "
     "equal defaults: beta 0, token-level importance ratio, one iteration, group std scaling",

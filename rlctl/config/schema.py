@@ -348,6 +348,10 @@ class TrainerConfig:
     micro_batch_size: int = knob(0, range=Range(0, why="0: the whole minibatch"))
     # padded tokens per forward/backward; 0: no token budget
     micro_batch_tokens: int = knob(0, range=Range(0, why="0: no token budget"))
+    # the learner's stored activations per forward/backward, MiB, by the dry run's rule:
+    # the minibatch splits into as few even micro-batches as fit (one rank: ranks would
+    # split unalike); 0: no limit; null: 768 with hardware.device=cpu, else no limit
+    activation_mb: Optional[int] = knob(None, range=Range(0, why="0: no limit"))
     share_prompts: bool = True       # one prompt forward per group (rlctl/models/forward.py)
     compile: bool = False            # torch.compile the learner's forward (plain torch backend)
     eval_every: int = knob(range=Range(0, why="0: no held-out evaluation"))

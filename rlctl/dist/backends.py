@@ -219,15 +219,43 @@ class TorchBackend:
 
 class BF16Autocast(torch.nn.Module):
     """bf16 on the torch backend: the forward under autocast, weights, gradients and AdamW
-    state in the model's dtype (Micikevicius et al., 2018); other attributes pass through."""
+    state in the model's dtype (Micikevicius et al., 2018); other attributes pass through.
+    A frozen float32 ``nn.Linear`` weight (a LoRA base; not the LM head, which the fused
+    head reads in its own dtype) runs as one bf16 copy, made again only when the weight
+    changes: the values autocast would cast at every forward, one copy kept for backward."""
 
     def __init__(self, module: torch.nn.Module, device_type: str):
         super().__init__()
         self.module, self.device_type = module, device_type
+        self._casts: Dict[int, Tuple[int, torch.nn.Parameter]] = {}   # id(weight) -> (version, bf16)
+
+    def _frozen(self) -> List[Tuple[torch.nn.Module, torch.nn.Parameter]]:
+        """(module, its bf16 weight) of each frozen float32 Linear, cast when new or changed."""
+        modules = list(self.module.modules())
+        heads = {id(m.get_output_embeddings()) for m in modules            # Hugging Face models'
+                 if callable(getattr(type(m), "get_output_embeddings", None))}
+        out = []
+        for m in modules:
+            w = m._parameters.get("weight") if type(m) is torch.nn.Linear and id(m) not in heads else None
+            if w is None or w.requires_grad or w.dtype != torch.float32 or isinstance(w, DTensor):
+                continue
+            version, cast = self._casts.get(id(w), (None, None))
+            if version != w._version:
+                cast = torch.nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False)
+                self._casts[id(w)] = (w._version, cast)
+            out.append((m, cast))
+        return out
 
     def forward(self, *args, **kwargs):
-        with torch.autocast(self.device_type, dtype=torch.bfloat16):
-            return self.module(*args, **kwargs)
+        frozen = [(m, m._parameters["weight"], cast) for m, cast in self._frozen()]
+        try:
+            for m, _, cast in frozen:
+                m._parameters["weight"] = cast
+            with torch.autocast(self.device_type, dtype=torch.bfloat16):
+                return self.module(*args, **kwargs)
+        finally:
+            for m, w, _ in frozen:
+                m._parameters["weight"] = w
 
     def __getattr__(self, name):
         try:

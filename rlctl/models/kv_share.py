@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer
 
 log = logging.getLogger(__name__)
 _said = set()
@@ -144,6 +144,37 @@ class _ReplacingCache(DynamicCache):
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
         self.layers[layer_idx].recurrent_states[state_idx] = recurrent_states
         return recurrent_states
+
+
+class _InPlaceLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values [N, H, L, D] are views of buffers with room for more
+    positions: ``update`` writes the new ones in place (no copy of the whole cache per token)."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        L, q = self.keys.shape[-2], key_states.shape[-2]
+        if L + q > self.room_k.shape[-2]:                  # past the room: grow as DynamicLayer
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.room_k[..., L:L + q, :] = key_states
+        self.room_v[..., L:L + q, :] = value_states
+        self.keys, self.values = self.room_k[..., :L + q, :], self.room_v[..., :L + q, :]
+        return self.keys, self.values
+
+
+def preallocated(cache, room: int):
+    """``cache`` with each plain DynamicLayer given buffers for ``room`` more positions, written
+    in place by later forwards (the same values as concatenation); other layers (sliding,
+    linear attention, other cache types) as they are. The cache, changed in place."""
+    for layer in getattr(cache, "layers", ()) if type(cache) is DynamicCache else ():
+        if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.dim() != 4:
+            continue
+        N, H, L, D = layer.keys.shape
+        layer.room_k = layer.keys.new_empty(N, H, L + room, D)                    # [N, H, L+room, D]
+        layer.room_v = layer.values.new_empty(N, layer.values.shape[1], L + room, layer.values.shape[-1])
+        layer.room_k[..., :L, :] = layer.keys
+        layer.room_v[..., :L, :] = layer.values
+        layer.keys, layer.values = layer.room_k[..., :L, :], layer.room_v[..., :L, :]
+        layer.__class__ = _InPlaceLayer
+    return cache
 
 
 def index_rows(cache, rows: torch.Tensor, grad: bool = False):

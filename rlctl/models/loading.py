@@ -1,6 +1,7 @@
 """Load a causal LM and its tokenizer (left padding, a pad token): tiny, any HF checkpoint, GGUF."""
 from __future__ import annotations
 
+import ctypes
 import importlib
 import inspect
 import json
@@ -69,12 +70,25 @@ def _local_dir(name_or_path: str) -> Optional[Path]:
 
 
 def quiet_libraries(device: str, num_threads: int) -> None:
-    """Before loading: no transformers progress bars or info logs; ``num_threads`` threads."""
+    """Before loading: no transformers progress bars or info logs; ``num_threads`` threads;
+    on the CPU, freed memory kept for reuse (``keep_freed_memory``)."""
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers may import deepspeed
+        keep_freed_memory()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(num_threads)
+
+
+def keep_freed_memory() -> bool:
+    """glibc: freed blocks up to 1 GiB stay in the process (mmap and trim thresholds), so the
+    activations and gradients a CPU step allocates again at every micro-batch reuse pages
+    instead of faulting fresh zeroed ones in; the peak RSS is the same. False elsewhere."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):       # not glibc (macOS, musl without it)
+        return False
+    return bool(mallopt(-3, 1 << 30)) and bool(mallopt(-1, 1 << 30))   # M_MMAP_, M_TRIM_THRESHOLD
 
 
 def build_tiny_model(warmup_task: Optional[str] = "sorting", **kwargs) -> Path:

@@ -10,7 +10,8 @@ from transformers import GenerationConfig
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.errors import UserError
 from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, last_logits,
-                                   shared_prefill, state_in_modules, unpadded_notice)
+                                   preallocated, shared_prefill, state_in_modules,
+                                   unpadded_notice)
 from rlctl.models.stop_ids import decode_completions, stop_ids
 from rlctl.models.value import PolicyValueModel
 from rlctl.types import Example, LogProbs, RolloutBatch
@@ -69,11 +70,12 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True,
                     **({key: kept} if kept is not None else {}), **last_logits(model))
     pos = pos[:, -1:]                                                              # [N, 1]
+    cache = preallocated(cache_of(out), max_new_tokens - 1) if kept is None else kept
     unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
     tokens, logps = [], []
     for t in range(max_new_tokens):
         logits = out.logits[:, -1]                                                 # [N, V]
-        scores = logits.float() / temperature                                      # [N, V]
+        scores = logits.float() if temperature == 1.0 else logits.float() / temperature   # [N, V]
         drawn = scores
         if top_k:
             kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
@@ -90,7 +92,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         mask = torch.cat([mask, mask.new_ones(n, 1)], 1)                           # [N, P+t+1]
         pos = pos + 1 if max_position is None else (pos + 1).clamp(max=max_position - 1)
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                    use_cache=True, **{key: cache_of(out) if kept is None else kept})
+                    use_cache=True, **{key: cache})
     old = torch.stack(logps, 1) if keep_logprobs else None                         # [N, T]
     return torch.cat([input_ids, torch.stack(tokens, 1)], 1), old
 

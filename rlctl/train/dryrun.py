@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification
 from rlctl.core.logprobs import CHUNK_ELEMENTS
 from rlctl.models.forward import fused_head
 from rlctl.train.trainer import needs_old_forward
-from rlctl.train.update import needs_reference
+from rlctl.train.update import activation_bytes, activation_mb, even_split, needs_reference
 from rlctl.models.lora import count_parameters
 from rlctl.config.schema import AlgoConfig
 
@@ -36,6 +36,7 @@ class MemorySettings:
     minibatches: int                # algo.minibatches
     micro_batch_size: int           # trainer.micro_batch_size (0: the minibatch)
     micro_batch_tokens: int         # trainer.micro_batch_tokens (0: no budget)
+    activation_mb: int              # trainer.activation_mb as resolved (0: no limit)
     num_processes: int              # hardware.num_processes
     backend: str                    # hardware.backend
     precision: str                  # hardware.precision
@@ -52,7 +53,8 @@ class MemorySettings:
         return cls(max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_step=tr.prompts_per_step,
                    group_size=algo.group_size, minibatches=algo.minibatches,
                    micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
-                   num_processes=hw.num_processes, backend=hw.backend, precision=hw.precision,
+                   activation_mb=activation_mb(tr.activation_mb, hw.device), num_processes=hw.num_processes,
+                   backend=hw.backend, precision=hw.precision,
                    zero_stage=hw.zero_stage, dtype=model.dtype,
                    gradient_checkpointing=model.gradient_checkpointing, lora=model.lora.enabled,
                    reference=reference_held(algo), prompt_tokens=prompt_tokens)
@@ -72,15 +74,24 @@ def prompt_tokens(prepared, tokenizer) -> int:
     return max((len(ids) for ids in tokenizer(prompts)["input_ids"]), default=0)
 
 
-def micro_batch(s: MemorySettings, n: int) -> Tuple[int, int]:
-    """(rows, padded tokens) of the largest micro-batch of a rank's ``n`` rows."""
+def micro_batch(s: MemorySettings, n: int, token_bytes: int = 0) -> Tuple[int, int]:
+    """(rows, padded tokens) of the largest micro-batch of a rank's ``n`` rows (``token_bytes``:
+    stored activations per token, for ``trainer.activation_mb``; 0: not applied)."""
     seq = s.prompt_tokens + s.max_new_tokens
     rows = max(1, n // s.minibatches)                        # a minibatch's rows
-    if s.micro_batch_size:
+    if s.activation_mb and token_bytes and s.num_processes == 1:
+        rows = even_split(rows, s.micro_batch_size, s.activation_mb * 2**20 // (token_bytes * seq))
+    elif s.micro_batch_size:
         rows = min(rows, s.micro_batch_size)
     if s.micro_batch_tokens > 0:
         rows = max(1, min(rows, s.micro_batch_tokens // seq))
     return rows, rows * seq
+
+
+def token_bytes(s: MemorySettings, hidden: int, layers: int) -> int:
+    """Stored activations per token (2 bytes a value under bf16 or 16-bit weights, else 4)."""
+    return activation_bytes(hidden, layers, s.precision == "bf16" or s.dtype in HALF,
+                            s.gradient_checkpointing)
 
 
 def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, layers: int,
@@ -105,10 +116,8 @@ def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, 
     if reward_model_bytes:
         out["reward model(s)"] = reward_model_bytes
     n = s.rank_rows
-    _, tokens = micro_batch(s, n)
-    a = 2 if b == 2 or s.precision == "bf16" else 4                  # stored activations
-    kept = hidden * (layers + 16) if s.gradient_checkpointing else 16 * hidden * layers
-    out["activations (rough)"] = float(kept) * tokens * a
+    _, tokens = micro_batch(s, n, token_bytes(s, hidden, layers))
+    out["activations (rough)"] = float(token_bytes(s, hidden, layers)) * tokens
     out["generation KV cache"] = 2.0 * layers * n * (s.prompt_tokens + s.max_new_tokens) * hidden * b
     out["logits"] = (2.0 * CHUNK_ELEMENTS * 4 + n * vocab * 4) if fused else 4.0 * tokens * vocab * 4
     return out
@@ -167,11 +176,13 @@ def plan(settings: MemorySettings, algo: AlgoConfig, models, learned) -> List[st
     line = (f"forward passes per step: {'pairs read' if algo.get('loss_type') else 'rollout generate'}, "
             f"{'old-policy forward, ' if needs_old else ''}{'reference forward, ' if kl else ''}"
             f"{'reward-model forward, ' if rms else ''}{passes} update pass(es)")
-    _print(settings, resident, est, line)
+    _print(settings, resident, est, line, micro_batch(settings, settings.rank_rows,
+                                                      token_bytes(settings, hidden, layers)))
     return [line]
 
 
-def _print(s: MemorySettings, resident, est: Dict[str, float], line: str) -> None:
+def _print(s: MemorySettings, resident, est: Dict[str, float], line: str,
+           micro: Tuple[int, int]) -> None:
     console = Console()
     table = Table(title="rlctl dry run: resident models")
     for col in ("model", "parameters", "trainable"):
@@ -179,7 +190,7 @@ def _print(s: MemorySettings, resident, est: Dict[str, float], line: str) -> Non
     for row in resident:
         table.add_row(*row)
     console.print(table)
-    rows, tokens = micro_batch(s, s.rank_rows)
+    rows, tokens = micro
     mem = Table(title="memory per rank (estimate)",
                 caption=f"{s.num_processes} rank(s), backend {s.backend}"
                         + (f", ZeRO {s.zero_stage}" if s.backend == "deepspeed" else ""))

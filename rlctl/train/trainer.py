@@ -16,10 +16,12 @@ from rlctl.core import (ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLContr
 from rlctl.errors import Interrupted, TrainingFault
 from rlctl.train.evaluate import evaluate, means
 from rlctl.models.forward import PromptGroups, learner_forward, prompt_sharing
+from rlctl.models.kv_share import innermost
 from rlctl.train.metrics import (draw_rows, named_reward_metrics,
                                    reduce_metrics, rollout_metrics, train_rows, user_prompts)
-from rlctl.train.update import (UpdateSettings, UpdateState, needs_reference, nothing_trained,
-                                old_policy_inputs, pair_sums, update_mask, update_policy)
+from rlctl.train.update import (UpdateSettings, UpdateState, activation_bytes, needs_reference,
+                                nothing_trained, old_policy_inputs, pair_sums, update_mask,
+                                update_policy)
 from rlctl.envs.environment import is_episodic
 from rlctl.models.stop_ids import stop_ids
 from rlctl.rollout.generate import check_training_sampling
@@ -165,8 +167,14 @@ class Trainer:
         check_training_sampling(cfg.rollout.top_k)     # sampler = learner distribution
         backend = backend or TorchBackend(cfg.hardware.device)
         lora, tr = cfg.model.lora, cfg.trainer
+        conf = getattr(innermost(model), "config", None)
+        conf = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+        token_bytes = 0 if backend.world_size > 1 else activation_bytes(   # ranks would split unalike
+            getattr(conf, "hidden_size", 0) or 0, getattr(conf, "num_hidden_layers", 0) or 0,
+            cfg.hardware.precision == "bf16" or cfg.model.dtype in ("bfloat16", "float16"),
+            cfg.model.gradient_checkpointing)
         update = UpdateSettings.from_config(cfg, prompt_sharing(tr.share_prompts, backend),
-                                            is_episodic(prepared.task))
+                                            is_episodic(prepared.task), token_bytes)
         return cls(cfg.algo, tr, update, cfg.logger.samples, model, tokenizer, prepared, sink,
                    source=source, backend=backend, critic=critic, ref_model=ref_model,
                    seed=cfg.seed, eval_max_new_tokens=cfg.rollout.max_new_tokens,

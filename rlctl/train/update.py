@@ -44,11 +44,14 @@ class UpdateSettings:
     # the preference loss (algo.loss_type, its options bound), in place of the policy loss:
     # rows 2i and 2i+1 are a pair's chosen and rejected answers; None: RL
     preference: Optional[Callable] = None
+    activation_tokens: int = 0     # padded tokens per forward within trainer.activation_mb; 0: any
 
     @classmethod
-    def from_config(cls, cfg, share_prompts: bool, episodic: bool = False) -> "UpdateSettings":
+    def from_config(cls, cfg, share_prompts: bool, episodic: bool = False,
+                    token_bytes: int = 0) -> "UpdateSettings":
         """``share_prompts``: ``trainer.share_prompts`` as it applies on the backend;
-        ``episodic``: rows are episodes (``algo.norm_len`` null: their model-token budget)."""
+        ``episodic``: rows are episodes (``algo.norm_len`` null: their model-token budget);
+        ``token_bytes``: stored activations per token (``activation_bytes``; 0: no cap)."""
         algo, tr, ro, rc = cfg.algo, cfg.trainer, cfg.rollout, cfg.algo.rollout_correction
         if algo.norm_len is None:
             ep = ro.episode
@@ -66,7 +69,29 @@ class UpdateSettings:
                    share_prompts=share_prompts, temperature=ro.temperature,
                    micro_batch_size=tr.micro_batch_size, micro_batch_tokens=tr.micro_batch_tokens,
                    max_new_tokens=ro.max_new_tokens, episode_max_tokens=ro.episode.max_tokens,
-                   preference=preference_loss(algo))
+                   preference=preference_loss(algo),
+                   activation_tokens=activation_mb(tr.activation_mb, cfg.hardware.device) * 2**20
+                   // token_bytes if token_bytes else 0)
+
+
+def activation_mb(value: Optional[int], device: str) -> int:
+    """``trainer.activation_mb`` resolved: null is 768 MiB on the CPU (memory, not batch
+    width, bounds a CPU step), no limit on an accelerator; 0: no limit."""
+    return value if value is not None else 768 if device == "cpu" else 0
+
+
+def activation_bytes(hidden: int, layers: int, half: bool, checkpointing: bool) -> int:
+    """Stored activations per padded token, the rule of docs/memory.md: about 16 values per
+    hidden unit and layer (under checkpointing each layer's input, plus one layer's 16), 2
+    bytes each under bf16 autocast or 16-bit weights, else 4."""
+    return (hidden * (layers + 16) if checkpointing else 16 * hidden * layers) * (2 if half else 4)
+
+
+def even_split(n: int, size: int, fit: int) -> int:
+    """Micro-batch size for ``n`` rows: at most ``size`` (0: any) and ``fit``, the fewest
+    micro-batches, as even as can be."""
+    cap = max(1, min(size or n, fit, n))
+    return -(-n // -(-n // cap))
 
 
 def preference_loss(algo) -> Optional[Callable]:
@@ -151,8 +176,12 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
     pooled: Dict[str, Moments] = {}          # spreads: moments pooled over micro-batches
     corr = s.rollout_correction if s.rollout_correction is not None and \
         not s.rollout_correction.bypass else None
+    size = -(-s.micro_batch_size // unit)
+    if s.activation_tokens:                  # trainer.activation_mb: rows of the widest's width
+        wide = batch.prompt_len + (max(int(row_width.max()), 1) if s.trim_padding else batch.mask.shape[1])
+        size = even_split(row_width.numel() // unit, size, s.activation_tokens // (wide * unit))
     for units in micro_batches(row_width.view(-1, unit).amax(-1) * unit, batch.prompt_len * unit,
-                               -(-s.micro_batch_size // unit), s.micro_batch_tokens,
+                               size, s.micro_batch_tokens,
                                None if s.trim_padding else batch.mask.shape[1] * unit):
         rows = (units[:, None] * unit + torch.arange(unit)).flatten()        # CPU rows
         width = max(int(row_width[rows].max()), 1) if s.trim_padding else None

@@ -91,3 +91,22 @@ def test_a_hub_id_loads_its_recorded_cache_copy_without_network(tiny_dir, tmp_pa
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="give a local directory"):   # no maker known
         load_model_and_tokenizer("hf", name_or_path="org/unknown")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_memory_is_reused_without_page_faults():
+    """keep_freed_memory (set for CPU runs): a freed 64 MiB block is reused by the next one
+    of that size, so filling it faults in almost no pages (fresh pages: 16384 faults)."""
+    import resource
+
+    from rlctl.models.loading import keep_freed_memory
+
+    assert keep_freed_memory()
+    n = 64 << 20
+    block = b"\1" * n                                  # malloc + fill: every page touched
+    del block
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = b"\2" * n
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    del block
+    assert faults < n // 4096 // 8, faults

@@ -196,3 +196,30 @@ def test_the_lean_sampler_draws_what_hf_generate_draws(tiny, temperature, top_k,
     torch.testing.assert_close(logp.double(), want, atol=1e-5, rtol=1e-5)
     ended = (seqs[:, ids.shape[1]:] == tok.eos_token_id).any(-1)
     assert ended.any()                            # some rows stop before the limit
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_sampler_writes_its_kv_cache_in_place_with_the_same_samples(tiny, monkeypatch, shared):
+    """The lean loop's cache has room for every new token (rlctl.models.kv_share.preallocated):
+    the same tokens and bitwise the same log-probs as the growing (concatenated) cache, and
+    each layer's keys stay a view of one buffer filled to P + T - 1 positions."""
+    from rlctl.models.kv_share import shared_prefill
+    from rlctl.rollout import generate as gen
+
+    model, tok = tiny
+    enc = tok([p for p in PROMPTS for _ in range(G)], return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    kept, runs, real = [], {}, gen.preallocated
+    for inplace in (False, True):
+        monkeypatch.setattr(gen, "preallocated", (lambda c, n: kept.append(real(c, n)) or kept[-1])
+                            if inplace else (lambda c, n: c))
+        torch.manual_seed(5)
+        cache = shared_prefill(model, ids, mask) if shared else None
+        runs[inplace] = gen.sample(model, ids, mask, 7, 1.0, 0, [-1], tok.pad_token_id,
+                                   cache_keyword(model), cache, keep_logprobs=True)
+    (s0, l0), (s1, l1) = runs[False], runs[True]
+    assert torch.equal(s0, s1) and torch.equal(l0, l1)
+    assert s1.shape[1] == ids.shape[1] + 7                        # no stop id: every token drawn
+    layer = kept[0].layers[0]
+    assert layer.keys.shape[-2] == ids.shape[1] + 7 - 1 == layer.room_k.shape[-2]
+    assert layer.keys.data_ptr() == layer.room_k.data_ptr()       # written in place, not copied

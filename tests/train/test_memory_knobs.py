@@ -9,7 +9,8 @@ import torch
 
 from rlctl.dist.backends import TorchBackend
 from rlctl.models.forward import enable_gradient_checkpointing, learner_forward
-from rlctl.train.update import UpdateState, accumulate_gradients, micro_batches
+from rlctl.train.update import (UpdateState, accumulate_gradients, activation_mb, even_split,
+                                micro_batches)
 from test_engine_update import MODES, _batch, _settings, tiny  # noqa: F401  (fixture reused)
 
 
@@ -57,6 +58,40 @@ def test_token_budget_update_equals_one_micro_batch(tiny, mode):  # noqa: F811
         model.zero_grad(set_to_none=True)
         accumulate_gradients(model, TorchBackend(), batch, s, UpdateState())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
+
+
+def test_even_split_by_hand():
+    """32 rows: 11 fit -> 3 micro-batches of 11, 11, 10; a smaller micro_batch_size wins;
+    nothing fits -> rows alone; all fit -> one."""
+    assert even_split(32, 0, 11) == 11 and even_split(32, 8, 11) == 8
+    assert even_split(32, 0, 16) == 16 and even_split(32, 0, 17) == 16
+    assert even_split(32, 0, 0) == 1 and even_split(32, 0, 99) == 32
+    assert activation_mb(None, "cpu") == 768 and activation_mb(None, "cuda") == 0   # null: by device
+    assert activation_mb(0, "cpu") == 0 and activation_mb(300, "cuda") == 300
+
+
+def test_the_activation_budget_splits_evenly_with_the_same_update(tiny):  # noqa: F811
+    """trainer.activation_mb: a budget for 4 rows of the widest's width -> 6 rows in 2 even
+    micro-batches of 3 (not 4 + 2; a forward hook sees their rows), and the one-batch
+    gradient (float64, to 1e-6 as above)."""
+    model = copy.deepcopy(tiny[0]).double()
+    batch = _batch(tiny[1])
+    wide = batch.prompt_len + int(batch.mask.sum(-1).max())
+    assert batch.num_sequences == 6
+    grads, rows = [], []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    for tokens in (0, 4 * wide + 2):
+        s = _settings(MODES[0], 0)
+        s.activation_tokens, s.share_prompts = tokens, False
+        model.zero_grad(set_to_none=True)
+        rows.clear()
+        accumulate_gradients(model, TorchBackend(), batch, s, UpdateState())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    hook.remove()
+    assert rows == [3, 3]
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
 
@@ -134,3 +169,41 @@ def test_cli_bad_token_budget_is_one_line(train):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "trainer.micro_batch_tokens" in lines[0], proc.stderr
+
+
+def test_bf16_casts_a_frozen_lora_base_once_with_the_same_results(tiny):  # noqa: F811
+    """LoRA under the bf16 backend: each frozen base Linear runs as one bf16 copy, made once
+    (a second forward reuses it; the fp32 weight is back after each forward; a changed
+    weight is cast again), with bitwise autocast's per-call log-probs and adapter gradients."""
+    from rlctl.dist.backends import BF16Autocast
+    from rlctl.models.lora import apply_lora
+
+    model = apply_lora(copy.deepcopy(tiny[0]).float(), 4, 8, 0.0, "all-linear")
+    with torch.no_grad():                    # B = 0 at init: make the adapters act
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    batch = _batch(tiny[1])
+    runs, wrapped = {}, None
+    for cached in (False, True):
+        wrapped = BF16Autocast(model, "cpu")
+        if not cached:
+            wrapped._frozen = lambda: []      # autocast's own per-call casts
+        model.zero_grad(set_to_none=True)
+        f = learner_forward(wrapped, batch.input_ids, batch.attention_mask, batch.prompt_len,
+                            share_prompts=True)
+        (f.logp * batch.mask).sum().backward()
+        runs[cached] = f.logp.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    (l0, g0), (l1, g1) = runs[False], runs[True]
+    assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert any(g.abs().sum() > 0 for g in g1)
+    copies = {k: v[1] for k, v in wrapped._casts.items()}
+    assert len(copies) > 0 and all(c.dtype == torch.bfloat16 for c in copies.values())
+    assert all(p.dtype == torch.float32 for p in model.parameters())        # restored
+    wrapped(input_ids=batch.input_ids)                                       # reused
+    assert all(wrapped._casts[k][1] is c for k, c in copies.items())
+    w = next(p for n, p in model.named_parameters() if "base_layer.weight" in n)
+    with torch.no_grad():
+        w.add_(1.0)                                                          # changed: cast again
+    wrapped(input_ids=batch.input_ids)
+    assert torch.equal(wrapped._casts[id(w)][1], w.detach().to(torch.bfloat16))
