@@ -150,9 +150,12 @@ class ArithmeticTask:
         return parse_number(completion) is not None
 
     def answer(self, example: Example) -> str:
-        """The correct completion text (without EOS); used by the supervised warm-up."""
-        n = example.fields["answer"]
-        return spaced(n) if self.style == "symbolic" and not self._chat() else str(n)
+        """The correct completion text (without EOS) under the trained reward; used by the
+        supervised warm-up."""
+        f = example.fields
+        if self.reward_name.startswith("equation"):
+            return f"{f['a']} {f['op']} {f['b']} = {f['answer']}"
+        return spaced(f["answer"]) if self.style == "symbolic" and not self._chat() else str(f["answer"])
 
     def _chat(self) -> bool:
         return task_options(self).prompt_format == "chat"

@@ -201,6 +201,8 @@ def test_equation_rewards_score_the_whole_equation():
     for ex, text, want in cases:
         assert task.reward(ex, text) == 0.0 and shaped.reward(ex, text) == want, text
         assert not task.is_correct(ex, text)
+    for ex in (add, sub, mul):                            # the warm-up's answer scores 1
+        assert task.reward(ex, task.answer(ex)) == 1.0
     with pytest.raises(ValueError, match="no equation for op 'max'"):
         ArithmeticTask(num_eval=4, style="words", ops=["max"], reward="equation")
 
