@@ -22,7 +22,8 @@ STYLES = ("symbolic", "words")
 REWARDS = ("exact", "strict", "strict_shaped", "equation", "equation_shaped", "partial")
 INSTRUCTIONS = {"strict": " Answer with just the number.",
                 "equation": " Answer with one equation and its result, like 2 + 3 = 5."}
-_EQUATION = re.compile(r"(-?[0-9]+)\s*([-+*x×])\s*(-?[0-9]+)\s*=\s*(-?[0-9]+)")
+_NUMBER = r"(-?(?:0|[1-9][0-9]{0,30}))"     # as written: no leading zeros, at most 31 digits
+_EQUATION = re.compile(rf"{_NUMBER}[ \t]*([-+*x×])[ \t]*{_NUMBER}[ \t]*=[ \t]*{_NUMBER}")
 RIGHT_CREDIT, FORMAT_CREDIT = 0.5, 0.2
 
 _WORDS = {
@@ -114,7 +115,11 @@ class ArithmeticTask:
 
     def _example(self, problem: Tuple[int, str, int]) -> Example:
         a, op, b = problem
-        told = INSTRUCTIONS["equation" if self.reward_name.startswith("equation") else "strict"]
+        equation = self.reward_name.startswith("equation")
+        if equation and not self._chat():
+            raise ValueError(f"task.reward={self.reward_name} needs task.prompt_format=chat (raw "
+                             "prompts ask for the number alone)")
+        told = INSTRUCTIONS["equation" if equation else "strict"]
         if self.style == "symbolic" and self._chat():      # a chat model is told the task
             prompt = f"Compute {a} {op} {b}.{told}"
         elif self.style == "symbolic":
@@ -161,11 +166,11 @@ class ArithmeticTask:
         return task_options(self).prompt_format == "chat"
 
     def score_all(self, example: Example, completion: str) -> Dict[str, float]:
-        names = REWARDS if example.fields["op"] != "max" else \
-            [r for r in REWARDS if not r.startswith("equation")]
-        return {name: score(name, example.fields, completion) for name in names}
+        return {name: score(name, example.fields, completion) for name in self.reward_names()}
 
-    reward_names = staticmethod(lambda: REWARDS)
+    def reward_names(self) -> Tuple[str, ...]:
+        """Every reward this task scores each row with (no equation* when 'max' is an op)."""
+        return tuple(r for r in REWARDS if "max" not in self.ops or not r.startswith("equation"))
 
 
 def is_equation(completion, a: int, op: str, b: int, any_result: bool = False) -> bool:

@@ -201,6 +201,14 @@ def test_equation_rewards_score_the_whole_equation():
     for ex, text, want in cases:
         assert task.reward(ex, text) == 0.0 and shaped.reward(ex, text) == want, text
         assert not task.is_correct(ex, text)
+    # as written: no leading zeros, one line, at most 31 digits (never int() of 5000 digits)
+    for text in ("058 + 67 = 125", "58 + 67 = 0125", "58\n+\n67\n=\n125", "58 + 67 = " + "9" * 5000):
+        assert task.reward(add, text) == 0.0 and not task.is_correct(add, text)
+    mixed = build_task("arithmetic", style="words", ops=["+", "max"], num_eval=8, prompt_format="chat")
+    keys = {frozenset(mixed.score_all(ex, "12")) for ex in mixed.eval_examples()}
+    assert keys == {frozenset(mixed.reward_names())} and "equation" not in mixed.reward_names()
+    with pytest.raises(ValueError, match="needs task.prompt_format=chat"):
+        build_task("arithmetic", style="words", num_eval=4, reward="equation").eval_examples()
     for ex in (add, sub, mul):                            # the warm-up's answer scores 1
         assert task.reward(ex, task.answer(ex)) == 1.0
     with pytest.raises(ValueError, match="no equation for op 'max'"):
