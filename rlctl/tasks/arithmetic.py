@@ -15,8 +15,15 @@ STYLES = ("symbolic", "words")
 # exact: the final number is right (anywhere after prose); strict: the whole answer is that
 # number (a final period allowed); strict_shaped: 1 for strict, 0.5 for the right final number
 # inside other text, 0.2 for a wrong bare number, else 0 (right beats bare, so the format is
-# learned without trading the answer for it); partial: exact, else 0.5 * the digits in place
-REWARDS = ("exact", "strict", "strict_shaped", "partial")
+# learned without trading the answer for it); partial: exact, else 0.5 * the digits in place;
+# equation: the whole answer is the problem's equation and its result ("12 + 7 = 19", operands
+# either way round for + and *; * also as x or ×), equation_shaped: 1 for that, 0.5 for the right
+# number inside other text, 0.2 for the problem's equation with a wrong result, else 0
+REWARDS = ("exact", "strict", "strict_shaped", "equation", "equation_shaped", "partial")
+INSTRUCTIONS = {"strict": " Answer with just the number.",
+                "equation": " Answer with one equation and its result, like 2 + 3 = 5."}
+_NUMBER = r"(-?(?:0|[1-9][0-9]{0,30}))"     # as written: no leading zeros, at most 31 digits
+_EQUATION = re.compile(rf"{_NUMBER}[ \t]*([-+*x×])[ \t]*{_NUMBER}[ \t]*=[ \t]*{_NUMBER}")
 RIGHT_CREDIT, FORMAT_CREDIT = 0.5, 0.2
 
 _WORDS = {
@@ -72,6 +79,8 @@ class ArithmeticTask:
             raise ValueError(f"invalid task.style '{style}'; valid: {', '.join(STYLES)}")
         if "max" in ops and style != "words":
             raise ValueError("task.ops 'max' needs task.style=words (a question in words)")
+        if reward.startswith("equation") and "max" in ops:
+            raise ValueError("task.reward equation* has no equation for op 'max'; use ops +, - or *")
         if reward not in REWARDS:
             raise ValueError(f"invalid task.reward '{reward}' for arithmetic; valid: "
                              f"{', '.join(REWARDS)}")
@@ -106,16 +115,20 @@ class ArithmeticTask:
 
     def _example(self, problem: Tuple[int, str, int]) -> Example:
         a, op, b = problem
+        equation = self.reward_name.startswith("equation")
+        if equation and not self._chat():
+            raise ValueError(f"task.reward={self.reward_name} needs task.prompt_format=chat (raw "
+                             "prompts ask for the number alone)")
+        told = INSTRUCTIONS["equation" if equation else "strict"]
         if self.style == "symbolic" and self._chat():      # a chat model is told the task
-            prompt = f"Compute {a} {op} {b}. Answer with just the number."
+            prompt = f"Compute {a} {op} {b}.{told}"
         elif self.style == "symbolic":
             prompt = f"{spaced(a)} {op} {spaced(b)} ="
         else:
             rng = random.Random(f"{a}{op}{b}/{self.seed}")  # the same in every process
             prompt = rng.choice(_WORDS[op]).format(a=a, b=b, n=rng.choice(_NAMES),
                                                    item=rng.choice(_ITEMS))
-            prompt += (" Answer with just the number." if self._chat()   # what strict scores
-                       else " Give the final answer as a number.")
+            prompt += told if self._chat() else " Give the final answer as a number."
         return Example(prompt=prompt, fields={"a": a, "op": op, "b": b,
                                               "answer": compute(a, op, b)})
 
@@ -126,41 +139,67 @@ class ArithmeticTask:
         return [self._example(p) for p in self._eval]
 
     def is_correct(self, example: Example, completion: str) -> bool:
-        """Right under the trained reward's rule: the whole answer for strict, else the final number."""
+        """Right under the trained reward's rule: the whole answer for strict and equation,
+        else the final number."""
+        f = example.fields
+        if self.reward_name.startswith("equation"):
+            return is_equation(completion, f["a"], f["op"], f["b"])
         check = is_just_answer if self.reward_name.startswith("strict") else answers_equivalent
-        return check(completion, example.fields["answer"])
+        return check(completion, f["answer"])
 
     def reward(self, example: Example, completion: str) -> float:
-        return score(self.reward_name, example.fields["answer"], completion)
+        return score(self.reward_name, example.fields, completion)
 
     def is_well_formed(self, example: Example, completion: str) -> bool:
         """The output holds a number (right or wrong)."""
         return parse_number(completion) is not None
 
     def answer(self, example: Example) -> str:
-        """The correct completion text (without EOS); used by the supervised warm-up."""
-        n = example.fields["answer"]
-        return spaced(n) if self.style == "symbolic" and not self._chat() else str(n)
+        """The correct completion text (without EOS) under the trained reward; used by the
+        supervised warm-up."""
+        f = example.fields
+        if self.reward_name.startswith("equation"):
+            return f"{f['a']} {f['op']} {f['b']} = {f['answer']}"
+        return spaced(f["answer"]) if self.style == "symbolic" and not self._chat() else str(f["answer"])
 
     def _chat(self) -> bool:
         return task_options(self).prompt_format == "chat"
 
     def score_all(self, example: Example, completion: str) -> Dict[str, float]:
-        return {name: score(name, example.fields["answer"], completion) for name in REWARDS}
+        return {name: score(name, example.fields, completion) for name in self.reward_names()}
 
-    reward_names = staticmethod(lambda: REWARDS)
+    def reward_names(self) -> Tuple[str, ...]:
+        """Every reward this task scores each row with (no equation* when 'max' is an op)."""
+        return tuple(r for r in REWARDS if "max" not in self.ops or not r.startswith("equation"))
 
 
-def score(reward: str, answer: int, completion: str) -> float:
-    """``exact``, ``strict``, ``strict_shaped`` or ``partial`` reward of a completion for the integer ``answer``."""
-    if reward.startswith("strict"):
-        if is_just_answer(completion, answer):
+def is_equation(completion, a: int, op: str, b: int, any_result: bool = False) -> bool:
+    """Is the whole completion (stripped, one final period allowed) the equation ``a op b = r``
+    with r its value (``any_result``: any r), operands either way round for + and *, * also
+    written x or ×?"""
+    text = completion.strip().removesuffix(".").strip() if isinstance(completion, str) else ""
+    m = _EQUATION.fullmatch(text)
+    if m is None:
+        return False
+    x, sign, y, out = int(m[1]), "*" if m[2] in "x×" else m[2], int(m[3]), int(m[4])
+    pairs = {(a, b), (b, a)} if op in "+*" else {(a, b)}
+    return sign == op and (x, y) in pairs and (any_result or out == compute(a, op, b))
+
+
+def score(reward: str, fields: Dict, completion: str) -> float:
+    """The ``reward`` (one of REWARDS) of a completion for the problem ``fields`` (a, op, b, answer)."""
+    answer = fields["answer"]
+    if reward.startswith(("strict", "equation")):
+        shaped = reward.endswith("_shaped")
+        if is_just_answer(completion, answer) if reward.startswith("strict") else \
+                is_equation(completion, fields["a"], fields["op"], fields["b"]):
             return 1.0
-        if reward == "strict_shaped" and answers_equivalent(completion, answer):
+        if shaped and answers_equivalent(completion, answer):
             return RIGHT_CREDIT
         just = completion.strip().removesuffix(".").strip() if isinstance(completion, str) else ""
-        number = re.fullmatch(r"-?[0-9]+", just) is not None and reward == "strict_shaped"
-        return FORMAT_CREDIT if number else 0.0
+        formed = re.fullmatch(r"-?[0-9]+", just) is not None if reward.startswith("strict") else \
+            is_equation(completion, fields["a"], fields["op"], fields["b"], any_result=True)
+        return FORMAT_CREDIT if formed and shaped else 0.0
     if answers_equivalent(completion, answer):
         return 1.0
     if reward == "exact":

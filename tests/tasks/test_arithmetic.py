@@ -128,7 +128,7 @@ def test_word_problems_are_the_same_in_every_process():
 @pytest.mark.parametrize("kw, msg", [
     (dict(ops=["/"]), r"invalid task.ops \['/'\]; each must be one of \+, -, \*"),
     (dict(style="prose"), r"invalid task.style 'prose'; valid: symbolic, words"),
-    (dict(reward="positional"), r"invalid task.reward 'positional' for arithmetic; valid: exact, strict, strict_shaped, partial"),
+    (dict(reward="positional"), r"invalid task.reward 'positional' for arithmetic; valid: exact, strict, strict_shaped, equation, equation_shaped, partial"),
     (dict(num_digits=0), r"invalid task.num_digits '0'"),
     (dict(num_digits=1, num_eval=500), r"invalid task.num_eval '500'; must be in \[0, 99\]"),
     (dict(train_path="x.jsonl"), r"task.train_path does not apply to task 'arithmetic'"),
@@ -178,7 +178,41 @@ def test_strict_rewards_score_the_whole_answer():
     assert shaped.reward(ex, "-3") == 0.2 and not shaped.is_correct(ex, "124")
     assert ArithmeticTask(num_eval=4).is_correct(ex, "58 + 67 = 125")      # exact: lenient
     assert strict.score_all(ex, "So 125") == {"exact": 1.0, "strict": 0.0, "strict_shaped": 0.5,
+                                              "equation": 0.0, "equation_shaped": 0.5,
                                               "partial": 1.0}
+
+
+def test_equation_rewards_score_the_whole_equation():
+    task = build_task("arithmetic", style="words", ops=["+", "-", "*"], num_eval=4,
+                      reward="equation", prompt_format="chat")
+    shaped = ArithmeticTask(num_eval=4, style="words", ops=["+", "-", "*"], reward="equation_shaped")
+    add, sub, mul = (task._example(p) for p in ((58, "+", 67), (9, "-", 4), (3, "*", 4)))
+    assert add.prompt.endswith("Answer with one equation and its result, like 2 + 3 = 5.")
+    right = [(add, "58 + 67 = 125"), (add, " 67+58=125.\n"), (sub, "9 - 4 = 5"),
+             (mul, "3 * 4 = 12"), (mul, "4 x 3 = 12"), (mul, "3 × 4 = 12")]
+    for ex, text in right:                                 # + and * either way round
+        assert task.reward(ex, text) == shaped.reward(ex, text) == 1.0, text
+        assert task.is_correct(ex, text)
+    # the right number in other text 0.5; the problem's equation, wrong result 0.2; else 0
+    cases = [(add, "125", 0.5), (add, "So 58 + 67 = 125 coins", 0.5), (add, "58 + 67 = 124", 0.2),
+             (add, "67 + 58 = 15", 0.2), (sub, "4 - 9 = -5", 0.0), (sub, "9 + 4 = 13", 0.0),
+             (add, "2 + 3 = 5", 0.0), (add, "58 + 66 = 124", 0.0), (add, "", 0.0), (add, None, 0.0),
+             (sub, "4 - 9 = 5", 0.5)]      # not the problem's equation (order), the right number
+    for ex, text, want in cases:
+        assert task.reward(ex, text) == 0.0 and shaped.reward(ex, text) == want, text
+        assert not task.is_correct(ex, text)
+    # as written: no leading zeros, one line, at most 31 digits (never int() of 5000 digits)
+    for text in ("058 + 67 = 125", "58 + 67 = 0125", "58\n+\n67\n=\n125", "58 + 67 = " + "9" * 5000):
+        assert task.reward(add, text) == 0.0 and not task.is_correct(add, text)
+    mixed = build_task("arithmetic", style="words", ops=["+", "max"], num_eval=8, prompt_format="chat")
+    keys = {frozenset(mixed.score_all(ex, "12")) for ex in mixed.eval_examples()}
+    assert keys == {frozenset(mixed.reward_names())} and "equation" not in mixed.reward_names()
+    with pytest.raises(ValueError, match="needs task.prompt_format=chat"):
+        build_task("arithmetic", style="words", num_eval=4, reward="equation").eval_examples()
+    for ex in (add, sub, mul):                            # the warm-up's answer scores 1
+        assert task.reward(ex, task.answer(ex)) == 1.0
+    with pytest.raises(ValueError, match="no equation for op 'max'"):
+        ArithmeticTask(num_eval=4, style="words", ops=["max"], reward="equation")
 
 
 def test_max_asks_which_number_is_larger_in_words():

@@ -147,6 +147,12 @@ def test_a_dpo_run_logs_the_pair_metrics_and_starts_at_the_reference(rlctl_app, 
     assert not {"reward/mean", "reward/std", "reward/frac_zero_std_groups", "advantage/mean",
                 "advantage/std"} & set(first)
     assert "length/mean" in first
+    if not extra:                    # inspect reads the pairs' figures in their place
+        report = tmp_path / "report.json"
+        done = rlctl_app("inspect", str(run), "--json", str(report))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert json.loads(report.read_text())["metrics"]["rewards/accuracy"]["n"] == len(m) - 1
+        assert (run / "inspect_pairs.png").read_bytes()[:4] == b"\x89PNG"
     samples = (run / "samples.jsonl").read_text()
     assert '"split": "eval"' in samples or "eval" in samples
 

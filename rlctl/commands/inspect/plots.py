@@ -8,6 +8,8 @@ from typing import Dict, List, Sequence, Tuple
 # (file stem, title, series; the first present series is the one overlaid across runs)
 PLOTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ("reward", "Reward (train rollouts; eval = greedy, held-out)", ("reward/mean", "eval/reward")),
+    ("pairs", "Preference pairs: chosen-beats-rejected accuracy, implicit reward margin",
+     ("rewards/accuracy", "rewards/margins")),
     ("eval_exact_match", "Held-out exact match (greedy)", ("eval/exact_match",)),
     ("kl", "KL: policy vs reference (kl_ref), vs rollout policy (approx_kl)",
      ("policy/kl_ref", "policy/approx_kl")),

@@ -65,12 +65,13 @@ def load_run(path: Path) -> Run:
 
 SUMMARY_KEYS = ("reward/mean", "eval/exact_match", "eval/reward", "policy/kl_ref",
                 "policy/approx_kl", "policy/clip_frac", "policy/entropy", "length/mean",
-                "length/truncated_frac", "reward/frac_zero_std_groups")
+                "length/truncated_frac", "reward/frac_zero_std_groups", "rewards/accuracy",
+                "rewards/margins")          # the last two: a preference loss's pairs
 # a run of `rlctl reward-model train` (its config has rm.* keys)
 REWARD_MODEL_SUMMARY_KEYS = ("train/loss", "train/accuracy", "eval/pairwise_accuracy",
                              "eval/margin", "eval/chosen_mean", "eval/rejected_mean",
                              "optim/grad_norm")
-HIGHER_IS_BETTER = ("reward/mean", "eval/exact_match", "eval/reward", "train/accuracy",
+HIGHER_IS_BETTER = ("reward/mean", "rewards/accuracy", "eval/exact_match", "eval/reward", "train/accuracy",
                     "eval/pairwise_accuracy", "eval/margin")
 
 
