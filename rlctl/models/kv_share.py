@@ -152,29 +152,56 @@ class _InPlaceLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         L, q = self.keys.shape[-2], key_states.shape[-2]
-        if L + q > self.room_k.shape[-2]:                  # past the room: grow as DynamicLayer
-            return super().update(key_states, value_states, *args, **kwargs)
+        if not self._in_room():                            # a DynamicLayer from here on
+            settle(self)
+            return self.update(key_states, value_states, *args, **kwargs)
+        if L + q > self.room_k.shape[-2]:                  # full: twice the room (amortised O(1))
+            _make_room(self, max(2 * self.room_k.shape[-2], L + q) - L)
         self.room_k[..., L:L + q, :] = key_states
         self.room_v[..., L:L + q, :] = value_states
         self.keys, self.values = self.room_k[..., :L + q, :], self.room_v[..., :L + q, :]
         return self.keys, self.values
 
+    def _in_room(self) -> bool:
+        """Are keys/values still the rooms' leading views (not replaced by a row gather or a
+        compaction since the last write)?"""
+        return all(t.data_ptr() == room.data_ptr() and t.shape[:2] == room.shape[:2]
+                   and t.stride() == room.stride() for t, room in
+                   ((self.keys, self.room_k), (self.values, self.room_v)))
+
+
+def settle(cache_or_layer):
+    """Every in-place layer back to a plain DynamicLayer (its room dropped: the next update
+    concatenates), so a cache handed on (multi-turn episodes gather and compact its rows)
+    is never written through a stale room."""
+    layers = getattr(cache_or_layer, "layers", None)
+    for layer in layers if layers is not None else (cache_or_layer,):
+        if type(layer) is _InPlaceLayer:
+            del layer.room_k, layer.room_v
+            layer.__class__ = DynamicLayer
+
 
 def preallocated(cache, room: int):
-    """``cache`` with each plain DynamicLayer given buffers for ``room`` more positions, written
+    """``cache`` with each plain DynamicLayer given buffers for ``room`` more positions (doubled
+    when full), written
     in place by later forwards (the same values as concatenation); other layers (sliding,
     linear attention, other cache types) as they are. The cache, changed in place."""
     for layer in getattr(cache, "layers", ()) if type(cache) is DynamicCache else ():
         if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.dim() != 4:
             continue
-        N, H, L, D = layer.keys.shape
-        layer.room_k = layer.keys.new_empty(N, H, L + room, D)                    # [N, H, L+room, D]
-        layer.room_v = layer.values.new_empty(N, layer.values.shape[1], L + room, layer.values.shape[-1])
-        layer.room_k[..., :L, :] = layer.keys
-        layer.room_v[..., :L, :] = layer.values
-        layer.keys, layer.values = layer.room_k[..., :L, :], layer.room_v[..., :L, :]
+        _make_room(layer, room)
         layer.__class__ = _InPlaceLayer
     return cache
+
+
+def _make_room(layer, room: int) -> None:
+    """The layer's keys/values [N, H, L, D] copied into new buffers of L + room positions."""
+    N, H, L, D = layer.keys.shape
+    layer.room_k = layer.keys.new_empty(N, H, L + room, D)                        # [N, H, L+room, D]
+    layer.room_v = layer.values.new_empty(N, layer.values.shape[1], L + room, layer.values.shape[-1])
+    layer.room_k[..., :L, :] = layer.keys
+    layer.room_v[..., :L, :] = layer.values
+    layer.keys, layer.values = layer.room_k[..., :L, :], layer.room_v[..., :L, :]
 
 
 def index_rows(cache, rows: torch.Tensor, grad: bool = False):

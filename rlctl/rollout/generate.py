@@ -10,10 +10,12 @@ from transformers import GenerationConfig
 from rlctl.core.logprobs import completion_mask, token_logprobs
 from rlctl.errors import UserError
 from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, last_logits,
-                                   preallocated, shared_prefill, state_in_modules,
+                                   preallocated, settle, shared_prefill, state_in_modules,
                                    unpadded_notice)
 from rlctl.models.stop_ids import decode_completions, stop_ids
 from rlctl.models.value import PolicyValueModel
+
+ROOM = 256     # the sampler's first KV room, in new positions
 from rlctl.types import Example, LogProbs, RolloutBatch
 
 SAMPLE_DTYPES = ("float32", "bfloat16")
@@ -70,7 +72,8 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True,
                     **({key: kept} if kept is not None else {}), **last_logits(model))
     pos = pos[:, -1:]                                                              # [N, 1]
-    cache = preallocated(cache_of(out), max_new_tokens - 1) if kept is None else kept
+    room = min(max_new_tokens - 1, ROOM)           # a long budget's room grows as it is used
+    cache = preallocated(cache_of(out), room) if kept is None else kept
     unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
     tokens, logps = [], []
     for t in range(max_new_tokens):
@@ -93,6 +96,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         pos = pos + 1 if max_position is None else (pos + 1).clamp(max=max_position - 1)
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                     use_cache=True, **{key: cache})
+    settle(cache)                      # a caller's cache (multi-turn) leaves as it came
     old = torch.stack(logps, 1) if keep_logprobs else None                         # [N, T]
     return torch.cat([input_ids, torch.stack(tokens, 1)], 1), old
 

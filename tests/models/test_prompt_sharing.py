@@ -198,11 +198,15 @@ def test_the_lean_sampler_draws_what_hf_generate_draws(tiny, temperature, top_k,
     assert ended.any()                            # some rows stop before the limit
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_the_sampler_writes_its_kv_cache_in_place_with_the_same_samples(tiny, monkeypatch, shared):
-    """The lean loop's cache has room for every new token (rlctl.models.kv_share.preallocated):
-    the same tokens and bitwise the same log-probs as the growing (concatenated) cache, and
-    each layer's keys stay a view of one buffer filled to P + T - 1 positions."""
+@pytest.mark.parametrize("shared, room", [(True, 256), (False, 256), (True, 2)])
+def test_the_sampler_writes_its_kv_cache_in_place_with_the_same_samples(tiny, monkeypatch, shared,
+                                                                        room):
+    """The lean loop's cache has room for new tokens (rlctl.models.kv_share.preallocated; room
+    2 < 6: doubled as it fills): the same tokens and bitwise the same log-probs as the growing
+    (concatenated) cache; with room for all, the keys end as a view of the first buffer; and
+    the cache leaves as plain DynamicLayers (a caller's next forward concatenates)."""
+    from transformers.cache_utils import DynamicLayer
+
     from rlctl.models.kv_share import shared_prefill
     from rlctl.rollout import generate as gen
 
@@ -210,9 +214,14 @@ def test_the_sampler_writes_its_kv_cache_in_place_with_the_same_samples(tiny, mo
     enc = tok([p for p in PROMPTS for _ in range(G)], return_tensors="pt", padding=True)
     ids, mask = enc["input_ids"], enc["attention_mask"]
     kept, runs, real = [], {}, gen.preallocated
+    monkeypatch.setattr(gen, "ROOM", room)
+
+    def spy(cache, n):
+        real(cache, n)
+        kept.append((cache, cache.layers[0].room_k.data_ptr()))
+        return cache
     for inplace in (False, True):
-        monkeypatch.setattr(gen, "preallocated", (lambda c, n: kept.append(real(c, n)) or kept[-1])
-                            if inplace else (lambda c, n: c))
+        monkeypatch.setattr(gen, "preallocated", spy if inplace else (lambda c, n: c))
         torch.manual_seed(5)
         cache = shared_prefill(model, ids, mask) if shared else None
         runs[inplace] = gen.sample(model, ids, mask, 7, 1.0, 0, [-1], tok.pad_token_id,
@@ -220,6 +229,8 @@ def test_the_sampler_writes_its_kv_cache_in_place_with_the_same_samples(tiny, mo
     (s0, l0), (s1, l1) = runs[False], runs[True]
     assert torch.equal(s0, s1) and torch.equal(l0, l1)
     assert s1.shape[1] == ids.shape[1] + 7                        # no stop id: every token drawn
-    layer = kept[0].layers[0]
-    assert layer.keys.shape[-2] == ids.shape[1] + 7 - 1 == layer.room_k.shape[-2]
-    assert layer.keys.data_ptr() == layer.room_k.data_ptr()       # written in place, not copied
+    cache, first_room = kept[0]
+    layer = cache.layers[0]
+    assert type(layer) is DynamicLayer and not hasattr(layer, "room_k")       # settled
+    assert layer.keys.shape[-2] == ids.shape[1] + 7 - 1
+    assert (layer.keys.data_ptr() == first_room) == (room >= 6)  # in place; grown: a new buffer
