@@ -2,6 +2,7 @@
 import json
 import shutil
 import subprocess
+import platform
 import sys
 
 import pytest
@@ -93,16 +94,20 @@ def test_a_hub_id_loads_its_recorded_cache_copy_without_network(tiny_dir, tmp_pa
         load_model_and_tokenizer("hf", name_or_path="org/unknown")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_freed_memory_is_reused_without_page_faults():
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="glibc's mallopt")
+def test_freed_memory_is_reused_without_page_faults(monkeypatch):
     """keep_freed_memory (set for CPU runs): a freed 64 MiB block is reused by the next one
     of that size, so filling it faults in almost no pages (fresh pages: 16384 faults)."""
     import resource
 
     from rlctl.models.loading import keep_freed_memory
 
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert not keep_freed_memory()                     # a user's setting wins
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     assert keep_freed_memory()
-    n = 64 << 20
+    n = 16 << 20                                       # under the 32 MiB an older glibc allows
     block = b"\1" * n                                  # malloc + fill: every page touched
     del block
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
