@@ -71,7 +71,8 @@ class TorchBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda i: min(1.0, (i + 1) / warm) if warm else 1.0)
         self.module = model
-        return BF16Autocast(model, self.device.type) if self.precision == "bf16" else model
+        self._autocast = BF16Autocast(model, self.device.type) if self.precision == "bf16" else None
+        return self._autocast or model
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -166,7 +167,10 @@ class TorchBackend:
 
     def sampling(self, module):
         """Context in which ``module`` generates, each rank on its own (ZeRO-3 generates in
-        step instead: ``generate_kwargs``)."""
+        step instead: ``generate_kwargs``); the learner's bf16 copies are dropped first (the
+        sampler makes its own; they are made again at the next update)."""
+        if getattr(self, "_autocast", None) is not None:
+            self._autocast.release()
         return contextlib.nullcontext()
 
     def close(self) -> None:
@@ -227,23 +231,30 @@ class BF16Autocast(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, device_type: str):
         super().__init__()
         self.module, self.device_type = module, device_type
-        self._casts: Dict[int, Tuple[int, torch.nn.Parameter]] = {}   # id(weight) -> (version, bf16)
+        # id(weight) -> (the weight, its (version, data_ptr, device) when cast, its bf16 copy)
+        self._casts: Dict[int, Tuple[torch.nn.Parameter, tuple, torch.nn.Parameter]] = {}
+
+    def release(self) -> None:
+        """Drop the bf16 copies (made again at the next forward)."""
+        self._casts = {}
 
     def _frozen(self) -> List[Tuple[torch.nn.Module, torch.nn.Parameter]]:
         """(module, its bf16 weight) of each frozen float32 Linear, cast when new or changed."""
         modules = list(self.module.modules())
         heads = {id(m.get_output_embeddings()) for m in modules            # Hugging Face models'
                  if callable(getattr(type(m), "get_output_embeddings", None))}
-        out = []
+        out, casts = [], {}
         for m in modules:
             w = m._parameters.get("weight") if type(m) is torch.nn.Linear and id(m) not in heads else None
             if w is None or w.requires_grad or w.dtype != torch.float32 or isinstance(w, DTensor):
                 continue
-            version, cast = self._casts.get(id(w), (None, None))
-            if version != w._version:
+            stamp = (w._version, w.data_ptr(), w.device)     # an in-place .data write: unseen
+            held, when, cast = self._casts.get(id(w), (None, None, None))
+            if held is not w or when != stamp:
                 cast = torch.nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False)
-                self._casts[id(w)] = (w._version, cast)
+            casts[id(w)] = (w, stamp, cast)
             out.append((m, cast))
+        self._casts = casts                  # only the weights there now (replaced ones freed)
         return out
 
     def forward(self, *args, **kwargs):

@@ -197,13 +197,20 @@ def test_bf16_casts_a_frozen_lora_base_once_with_the_same_results(tiny):  # noqa
     (l0, g0), (l1, g1) = runs[False], runs[True]
     assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
     assert any(g.abs().sum() > 0 for g in g1)
-    copies = {k: v[1] for k, v in wrapped._casts.items()}
+    copies = {k: v[2] for k, v in wrapped._casts.items()}
     assert len(copies) > 0 and all(c.dtype == torch.bfloat16 for c in copies.values())
     assert all(p.dtype == torch.float32 for p in model.parameters())        # restored
     wrapped(input_ids=batch.input_ids)                                       # reused
-    assert all(wrapped._casts[k][1] is c for k, c in copies.items())
+    assert all(wrapped._casts[k][2] is c for k, c in copies.items())
     w = next(p for n, p in model.named_parameters() if "base_layer.weight" in n)
     with torch.no_grad():
         w.add_(1.0)                                                          # changed: cast again
     wrapped(input_ids=batch.input_ids)
-    assert torch.equal(wrapped._casts[id(w)][1], w.detach().to(torch.bfloat16))
+    assert torch.equal(wrapped._casts[id(w)][2], w.detach().to(torch.bfloat16))
+    version = w._version
+    w.data = w.data + 1.0            # a new storage through .data (moves no version counter)
+    assert w._version == version
+    wrapped(input_ids=batch.input_ids)
+    assert torch.equal(wrapped._casts[id(w)][2], w.detach().to(torch.bfloat16))
+    wrapped.release()
+    assert wrapped._casts == {}
