@@ -151,12 +151,12 @@ class _InPlaceLayer(DynamicLayer):
     positions: ``update`` writes the new ones in place (no copy of the whole cache per token)."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        L, q = self.keys.shape[-2], key_states.shape[-2]
-        if not self._in_room():                            # a DynamicLayer from here on
-            settle(self)
+        if not self.is_initialized or self.keys is None or not self._in_room():
+            settle(self)                                   # a DynamicLayer from here on
             return self.update(key_states, value_states, *args, **kwargs)
-        if L + q > self.room_k.shape[-2]:                  # full: twice the room (amortised O(1))
-            _make_room(self, max(2 * self.room_k.shape[-2], L + q) - L)
+        L, q = self.keys.shape[-2], key_states.shape[-2]
+        if L + q > self.room_k.shape[-2]:      # full: twice the room (amortised O(1)), at most cap
+            _make_room(self, min(max(2 * self.room_k.shape[-2], L + q), max(self.cap, L + q)) - L)
         self.room_k[..., L:L + q, :] = key_states
         self.room_v[..., L:L + q, :] = value_states
         self.keys, self.values = self.room_k[..., :L + q, :], self.room_v[..., :L + q, :]
@@ -177,18 +177,19 @@ def settle(cache_or_layer):
     layers = getattr(cache_or_layer, "layers", None)
     for layer in layers if layers is not None else (cache_or_layer,):
         if type(layer) is _InPlaceLayer:
-            del layer.room_k, layer.room_v
+            del layer.room_k, layer.room_v, layer.cap
             layer.__class__ = DynamicLayer
 
 
-def preallocated(cache, room: int):
+def preallocated(cache, room: int, most: Optional[int] = None):
     """``cache`` with each plain DynamicLayer given buffers for ``room`` more positions (doubled
-    when full), written
+    when full, up to ``most`` more in all), written
     in place by later forwards (the same values as concatenation); other layers (sliding,
     linear attention, other cache types) as they are. The cache, changed in place."""
     for layer in getattr(cache, "layers", ()) if type(cache) is DynamicCache else ():
         if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.dim() != 4:
             continue
+        layer.cap = layer.keys.shape[-2] + max(room, most or 0)   # positions growth stops at
         _make_room(layer, room)
         layer.__class__ = _InPlaceLayer
     return cache

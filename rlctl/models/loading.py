@@ -85,10 +85,11 @@ def keep_freed_memory() -> bool:
     """glibc on Linux: freed blocks up to 1 GiB (32 MiB where an older glibc caps the mmap
     threshold) stay in the process, so the activations and gradients a CPU step allocates
     again at every micro-batch reuse pages instead of faulting fresh zeroed ones in (the
-    RSS stays near its peak between steps). A user's MALLOC_*_ settings win; False when
-    nothing was set (another libc or platform)."""
+    RSS stays near its peak between steps). A user's MALLOC_*_ or GLIBC_TUNABLES malloc
+    settings win; False when nothing was set (another libc or platform)."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc" or \
-            any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+            any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) or \
+            "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

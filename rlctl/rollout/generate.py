@@ -60,7 +60,6 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     temperature) of each sampled token [N, T] (before top-k; float64 for a float64 model) or
     None). ``cache``: of every prompt token but the last (``shared_prefill``); T <=
     max_new_tokens, rows padded after their stop id; positions clamped below ``max_position``."""
-    n = input_ids.shape[0]
     mask = attention_mask.long()
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=input_ids.device)  # [S]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)                                     # [N, P]
@@ -73,7 +72,18 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
                     **({key: kept} if kept is not None else {}), **last_logits(model))
     pos = pos[:, -1:]                                                              # [N, 1]
     room = min(max_new_tokens - 1, ROOM)           # a long budget's room grows as it is used
-    cache = preallocated(cache_of(out), room) if kept is None else kept
+    cache = preallocated(cache_of(out), room, max_new_tokens - 1) if kept is None else kept
+    try:
+        return _decode(model, out, cache, pos, mask, input_ids, max_new_tokens, temperature,
+                       top_k, stops, pad_id, key, keep_logprobs, max_position)
+    finally:
+        settle(cache)                  # a caller's cache (multi-turn) leaves as it came
+
+
+def _decode(model, out, cache, pos, mask, input_ids, max_new_tokens, temperature, top_k, stops,
+            pad_id, key, keep_logprobs, max_position):
+    """``sample``'s token loop from the prefill's output ``out`` (same arguments)."""
+    n = input_ids.shape[0]
     unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
     tokens, logps = [], []
     for t in range(max_new_tokens):
@@ -96,7 +106,6 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         pos = pos + 1 if max_position is None else (pos + 1).clamp(max=max_position - 1)
         out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                     use_cache=True, **{key: cache})
-    settle(cache)                      # a caller's cache (multi-turn) leaves as it came
     old = torch.stack(logps, 1) if keep_logprobs else None                         # [N, T]
     return torch.cat([input_ids, torch.stack(tokens, 1)], 1), old
 

@@ -173,7 +173,7 @@ class Trainer:
             getattr(conf, "hidden_size", 0) or 0, getattr(conf, "num_hidden_layers", 0) or 0,
             cfg.hardware.precision == "bf16" or cfg.model.dtype in ("bfloat16", "float16"),
             cfg.model.gradient_checkpointing)
-        if tr.activation_mb is not None and not token_bytes and backend.is_main:
+        if tr.activation_mb and not token_bytes and backend.is_main:    # 0: no limit asked
             why = f"{backend.world_size} ranks (their widest rows differ)" if backend.world_size > 1 \
                 else "a model config without hidden_size / num_hidden_layers"
             print(f"rlctl: warning: trainer.activation_mb={tr.activation_mb} does not apply with {why}; "

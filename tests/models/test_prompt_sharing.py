@@ -216,12 +216,12 @@ def test_the_sampler_writes_its_kv_cache_in_place_with_the_same_samples(tiny, mo
     kept, runs, real = [], {}, gen.preallocated
     monkeypatch.setattr(gen, "ROOM", room)
 
-    def spy(cache, n):
-        real(cache, n)
+    def spy(cache, n, most=None):
+        real(cache, n, most)
         kept.append((cache, cache.layers[0].room_k.data_ptr()))
         return cache
     for inplace in (False, True):
-        monkeypatch.setattr(gen, "preallocated", spy if inplace else (lambda c, n: c))
+        monkeypatch.setattr(gen, "preallocated", spy if inplace else (lambda c, n, m=None: c))
         torch.manual_seed(5)
         cache = shared_prefill(model, ids, mask) if shared else None
         runs[inplace] = gen.sample(model, ids, mask, 7, 1.0, 0, [-1], tok.pad_token_id,
@@ -234,3 +234,37 @@ def test_the_sampler_writes_its_kv_cache_in_place_with_the_same_samples(tiny, mo
     assert type(layer) is DynamicLayer and not hasattr(layer, "room_k")       # settled
     assert layer.keys.shape[-2] == ids.shape[1] + 7 - 1
     assert (layer.keys.data_ptr() == first_room) == (room >= 6)  # in place; grown: a new buffer
+
+
+def test_a_layer_whose_keys_were_replaced_stops_writing_through_its_room(tiny):
+    """A row gather between forwards (multi-turn turns do one) replaces the keys: the next
+    forward must extend the gathered keys, not the old room; growth stops at ``most``."""
+    from transformers.cache_utils import DynamicLayer
+
+    from rlctl.models.kv_share import index_rows, preallocated
+
+    model, tok = tiny
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    runs = []
+    for room in (None, 4):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            cache = out.past_key_values
+            if room:
+                preallocated(cache, room, most=6)
+            cache = index_rows(cache, torch.tensor([1, 0]))                  # rows swapped
+            step = model(input_ids=ids[[1, 0], -1:], attention_mask=torch.cat(
+                [mask[[1, 0]], mask.new_ones(2, 1)], 1), past_key_values=cache, use_cache=True)
+        runs.append((step.logits, cache.layers[0].keys.clone()))
+        if room:
+            assert type(cache.layers[0]) is DynamicLayer                         # settled
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    with torch.no_grad():                # room 2, at most 3 more: never a buffer past L + 3
+        cache = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        L = cache.layers[0].keys.shape[-2]
+        preallocated(cache, 2, most=3)
+        for t in range(3):
+            model(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask.new_ones(2, t + 1)], 1),
+                  past_key_values=cache, use_cache=True)
+        assert cache.layers[0].room_k.shape[-2] == L + 3 == cache.layers[0].keys.shape[-2]
