@@ -214,3 +214,9 @@ def test_bf16_casts_a_frozen_lora_base_once_with_the_same_results(tiny):  # noqa
     assert torch.equal(wrapped._casts[id(w)][2], w.detach().to(torch.bfloat16))
     wrapped.release()
     assert wrapped._casts == {}
+    backend = TorchBackend("cpu", precision="bf16")      # the backend drops them for generation
+    module = backend.prepare(model, None, 1e-3, (0.9, 0.999), 0.0, 0, 1.0)
+    module(input_ids=batch.input_ids)
+    assert backend._autocast is module and len(module._casts) == len(copies)
+    with backend.sampling(model):
+        assert module._casts == {}
