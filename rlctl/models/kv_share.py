@@ -151,7 +151,10 @@ class _InPlaceLayer(DynamicLayer):
     positions: ``update`` writes the new ones in place (no copy of the whole cache per token)."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized or self.keys is None or not self._in_room():
+        moved = not self.is_initialized or self.keys is None or any(   # replaced since (a gather)
+            t.data_ptr() != room.data_ptr() or t.shape[:2] != room.shape[:2] or t.stride() != room.stride()
+            for t, room in ((self.keys, self.room_k), (self.values, self.room_v)))
+        if moved:
             settle(self)                                   # a DynamicLayer from here on
             return self.update(key_states, value_states, *args, **kwargs)
         L, q = self.keys.shape[-2], key_states.shape[-2]
@@ -161,13 +164,6 @@ class _InPlaceLayer(DynamicLayer):
         self.room_v[..., L:L + q, :] = value_states
         self.keys, self.values = self.room_k[..., :L + q, :], self.room_v[..., :L + q, :]
         return self.keys, self.values
-
-    def _in_room(self) -> bool:
-        """Are keys/values still the rooms' leading views (not replaced by a row gather or a
-        compaction since the last write)?"""
-        return all(t.data_ptr() == room.data_ptr() and t.shape[:2] == room.shape[:2]
-                   and t.stride() == room.stride() for t, room in
-                   ((self.keys, self.room_k), (self.values, self.room_v)))
 
 
 def settle(cache_or_layer):

@@ -73,41 +73,34 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     pos = pos[:, -1:]                                                              # [N, 1]
     room = min(max_new_tokens - 1, ROOM)           # a long budget's room grows as it is used
     cache = preallocated(cache_of(out), room, max_new_tokens - 1) if kept is None else kept
+    n = input_ids.shape[0]
     try:
-        return _decode(model, out, cache, pos, mask, input_ids, max_new_tokens, temperature,
-                       top_k, stops, pad_id, key, keep_logprobs, max_position)
+        unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
+        tokens, logps = [], []
+        for t in range(max_new_tokens):
+            logits = out.logits[:, -1]                                                 # [N, V]
+            scores = logits.float() if temperature == 1.0 else logits.float() / temperature   # [N, V]
+            drawn = scores
+            if top_k:
+                kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
+                drawn = scores.masked_fill(scores < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(drawn, -1), 1).squeeze(1)            # [N]
+            nxt = nxt * unfinished + pad_id * (1 - unfinished)
+            tokens.append(nxt)
+            if keep_logprobs:        # float32, or float64 for a float64 model (exact checks)
+                exact = scores if logits.dtype != torch.float64 else logits / temperature
+                logps.append(exact.gather(-1, nxt[:, None])[:, 0] - torch.logsumexp(exact, -1))
+            unfinished = unfinished & (~torch.isin(nxt, stops)).long()
+            if t == max_new_tokens - 1 or not bool(unfinished.any()):
+                break
+            mask = torch.cat([mask, mask.new_ones(n, 1)], 1)                           # [N, P+t+1]
+            pos = pos + 1 if max_position is None else (pos + 1).clamp(max=max_position - 1)
+            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                        use_cache=True, **{key: cache})
+        old = torch.stack(logps, 1) if keep_logprobs else None                         # [N, T]
+        return torch.cat([input_ids, torch.stack(tokens, 1)], 1), old
     finally:
         settle(cache)                  # a caller's cache (multi-turn) leaves as it came
-
-
-def _decode(model, out, cache, pos, mask, input_ids, max_new_tokens, temperature, top_k, stops,
-            pad_id, key, keep_logprobs, max_position):
-    """``sample``'s token loop from the prefill's output ``out`` (same arguments)."""
-    n = input_ids.shape[0]
-    unfinished = torch.ones(n, dtype=torch.long, device=input_ids.device)          # [N]
-    tokens, logps = [], []
-    for t in range(max_new_tokens):
-        logits = out.logits[:, -1]                                                 # [N, V]
-        scores = logits.float() if temperature == 1.0 else logits.float() / temperature   # [N, V]
-        drawn = scores
-        if top_k:
-            kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
-            drawn = scores.masked_fill(scores < kth, float("-inf"))
-        nxt = torch.multinomial(torch.softmax(drawn, -1), 1).squeeze(1)            # [N]
-        nxt = nxt * unfinished + pad_id * (1 - unfinished)
-        tokens.append(nxt)
-        if keep_logprobs:        # float32, or float64 for a float64 model (exact checks)
-            exact = scores if logits.dtype != torch.float64 else logits / temperature
-            logps.append(exact.gather(-1, nxt[:, None])[:, 0] - torch.logsumexp(exact, -1))
-        unfinished = unfinished & (~torch.isin(nxt, stops)).long()
-        if t == max_new_tokens - 1 or not bool(unfinished.any()):
-            break
-        mask = torch.cat([mask, mask.new_ones(n, 1)], 1)                           # [N, P+t+1]
-        pos = pos + 1 if max_position is None else (pos + 1).clamp(max=max_position - 1)
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                    use_cache=True, **{key: cache})
-    old = torch.stack(logps, 1) if keep_logprobs else None                         # [N, T]
-    return torch.cat([input_ids, torch.stack(tokens, 1)], 1), old
 
 
 @torch.no_grad()
