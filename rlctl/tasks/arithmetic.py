@@ -14,7 +14,8 @@ OPS = ("+", "-", "*", "max")
 STYLES = ("symbolic", "words")
 # exact: the final number is right (anywhere after prose); strict: the whole answer is that
 # number (a final period allowed); strict_shaped: 1 for strict, 0.5 for the right final number
-# inside other text, 0.2 for a wrong bare number, else 0 (right beats bare, so the format is
+# inside other text (for max: text that never names the smaller number, so "25 is larger than
+# 67" earns nothing), 0.2 for a wrong bare number, else 0 (right beats bare, so the format is
 # learned without trading the answer for it); partial: exact, else 0.5 * the digits in place;
 # equation: the whole answer is the problem's equation and its result ("12 + 7 = 19", operands
 # either way round for + and *; * also as x or ×), equation_shaped: 1 for that, 0.5 for the right
@@ -186,6 +187,14 @@ def is_equation(completion, a: int, op: str, b: int, any_result: bool = False) -
     return sign == op and (x, y) in pairs and (any_result or out == compute(a, op, b))
 
 
+def names_loser(fields: Dict, completion: str) -> bool:
+    """For ``max`` with a != b: does the completion name the smaller number anywhere?"""
+    if fields["op"] != "max" or fields["a"] == fields["b"]:
+        return False
+    loser = str(min(fields["a"], fields["b"]))
+    return loser in re.findall(r"[0-9]+", completion)
+
+
 def score(reward: str, fields: Dict, completion: str) -> float:
     """The ``reward`` (one of REWARDS) of a completion for the problem ``fields`` (a, op, b, answer)."""
     answer = fields["answer"]
@@ -194,7 +203,7 @@ def score(reward: str, fields: Dict, completion: str) -> float:
         if is_just_answer(completion, answer) if reward.startswith("strict") else \
                 is_equation(completion, fields["a"], fields["op"], fields["b"]):
             return 1.0
-        if shaped and answers_equivalent(completion, answer):
+        if shaped and answers_equivalent(completion, answer) and not names_loser(fields, completion):
             return RIGHT_CREDIT
         just = completion.strip().removesuffix(".").strip() if isinstance(completion, str) else ""
         formed = re.fullmatch(r"-?[0-9]+", just) is not None if reward.startswith("strict") else \

@@ -182,6 +182,20 @@ def test_strict_rewards_score_the_whole_answer():
                                               "partial": 1.0}
 
 
+def test_shaped_max_pays_no_partial_credit_for_naming_the_smaller_number():
+    # a learned hack: "25 is larger than 67." ends in the right number; restating both numbers
+    # must not earn the 0.5 for the right number in other text
+    shaped = ArithmeticTask(num_eval=4, style="words", ops=["max"], reward="strict_shaped")
+    ex, tie = shaped._example((25, "max", 67)), shaped._example((7, "max", 7))
+    cases = [("67", 1.0), ("67.", 1.0), ("The larger number is 67.", 0.5),
+             ("25 is larger than 67.", 0.0), ("67 is larger than 25.", 0.0), ("25", 0.2),
+             ("Not 125 but 67", 0.5),                 # 125 is no operand; the final 67 is right
+             ("It is 67, not 250.", 0.0)]             # the final number is wrong
+    for text, want in cases:
+        assert shaped.reward(ex, text) == want, text
+    assert shaped.reward(tie, "7 is as large as 7.") == 0.5      # a tie names no smaller number
+
+
 def test_equation_rewards_score_the_whole_equation():
     task = build_task("arithmetic", style="words", ops=["+", "-", "*"], num_eval=4,
                       reward="equation", prompt_format="chat")
