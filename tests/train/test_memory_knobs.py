@@ -220,3 +220,22 @@ def test_bf16_casts_a_frozen_lora_base_once_with_the_same_results(tiny):  # noqa
     assert backend._autocast is module and len(module._casts) == len(copies)
     with backend.sampling(model):
         assert module._casts == {}
+
+
+def _sizeless(model):
+    """The model with a config that gives no layer count (the budget cannot be turned into rows)."""
+    model.config.num_hidden_layers = 0
+    return model
+
+
+def test_an_activation_budget_that_cannot_apply_is_said(make_trainer, capsys):
+    """An explicit trainer.activation_mb with no model sizes: one warning line on stderr naming
+    the knob and why; null (the default) and 0 (no limit) say nothing."""
+    for overrides, said in ((["trainer.activation_mb=300"], True), ([], False),
+                            (["trainer.activation_mb=0"], False)):
+        make_trainer(overrides, wrap=_sizeless)
+        err = capsys.readouterr().err
+        assert (("trainer.activation_mb=300 does not apply with a model config without "
+                 "hidden_size / num_hidden_layers") in err) == said, (overrides, err)
+    make_trainer(["trainer.activation_mb=300"])                 # sizes known: it applies, silently
+    assert "activation_mb" not in capsys.readouterr().err
