@@ -141,7 +141,7 @@ class TaskConfig:
     num_digits: Optional[int] = knob(None, range=AT_LEAST_1)
     # sorting: exact | positional | inclusion_order; arithmetic: exact (the final number, 1/0) |
     # strict (the whole answer is the number) | strict_shaped (strict 1, else 0.5 for the right
-    # number inside other text, 0.2 for a bare wrong number) | equation, equation_shaped (the same,
+    # number inside other text, for max not naming the smaller, 0.2 a bare wrong number) | equation, equation_shaped (the same,
     # the whole answer the problem's equation "a + b = c": 0.2 for it with a wrong c) | partial
     # (exact, else 0.5 * digits in place)
     reward: Optional[str] = None
