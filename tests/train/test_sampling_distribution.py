@@ -151,8 +151,8 @@ def test_bf16_sampling_casts_frozen_weights_once_with_the_same_numbers(tiny):
 
 @pytest.mark.parametrize("share", [True, False])
 def test_the_sampler_projects_only_last_positions_to_the_vocabulary(tiny, share):
-    """Prefills (the shared prompt cache, the first sampling forward) keep only the last
-    position's logits: every LM-head call of a rollout sees one position per row."""
+    """The shared prompt cache's prefill projects no position to the vocabulary, the first
+    sampling forward (the prefill without a shared cache) and each decode step one per row."""
     model, tok = tiny
     seen = []
     hook = model.get_output_embeddings().register_forward_hook(
@@ -161,4 +161,5 @@ def test_the_sampler_projects_only_last_positions_to_the_vocabulary(tiny, share)
         generate(model, tok, [PROMPTS[2].prompt] * 3, 4, True, share_prompts=share)
     finally:
         hook.remove()
-    assert len(seen) >= 2 and all(s[1] == 1 for s in seen), seen
+    assert len(seen) >= 3 and seen[0][1] == (0 if share else 1), seen
+    assert all(s[1] == 1 for s in seen[1:]), seen
