@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -75,47 +76,42 @@ def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
         peft_model = get_peft_model(model, config)
     for name, p in peft_model.named_parameters():  # get_peft_model already does this
         p.requires_grad_("lora_" in name)
+    lean_adapters(peft_model)
     return peft_model
 
 
-@contextlib.contextmanager
-def lean_adapters(model: nn.Module):
-    """Within: each plain LoRA Linear of ``model`` (one active adapter, no variant, not merged,
-    no live dropout) run, when called without grad or autocast, as base(x) + (x A^T)(s B^T):
-    the scale folded into B once, the add into the product (one ``addmm_``), peft's dispatch
-    skipped. The same function up to rounding; peft's forward otherwise and after."""
+def lean_adapters(model: nn.Module) -> int:
+    """Each LoRA Linear of ``model`` made a ``_LeanLinear`` (in place); how many. Outside
+    autocast, with one active adapter, no variant and not merged, it computes base(x) +
+    dropout(x) A^T (s B^T) with one ``addmm`` (in place without grad) instead of peft's
+    product, scale and add: the same function and gradients up to rounding; else peft's."""
     layer = sys.modules.get("peft.tuners.lora.layer")       # never imported: no adapters
-    swapped = []
-    try:
-        for m in model.modules() if layer is not None else ():
-            if type(m) is not layer.Linear or "forward" in vars(m) or m.merged or \
-                    m.disable_adapters or len(m.active_adapters) != 1 or \
-                    type(m.base_layer) is not nn.Linear:          # (an outer context has it)
-                continue
-            name = m.active_adapters[0]
-            if name not in m.lora_A or name in m.lora_variant or \
-                    (m.lora_dropout[name].training and type(m.lora_dropout[name]) is not nn.Identity):
-                continue
-            with torch.no_grad():
-                bs = (m.lora_B[name].weight * m.scaling[name]).t()          # [r, out]
-            m.forward = _lean_forward(m, m.lora_A[name].weight, bs, m.forward)
-            swapped.append(m)
-        yield
-    finally:
-        for m in swapped:
-            del m.forward
+    done = 0
+    for m in model.modules() if layer is not None else ():
+        if type(m) is layer.Linear and type(m.base_layer) is nn.Linear:
+            m.__class__ = _lean_class(layer.Linear)
+            done += 1
+    return done
 
 
-def _lean_forward(m, a, bs, peft_forward):
-    def forward(x, *args, **kwargs):
-        if args or kwargs or torch.is_grad_enabled() or x.dtype != a.dtype or \
-                torch.is_autocast_enabled(x.device.type):
-            return peft_forward(x, *args, **kwargs)
-        y = m.base_layer(x)                                                 # [..., out]
-        flat = x.reshape(-1, x.shape[-1])                                   # [M, in]
-        y.view(-1, y.shape[-1]).addmm_(flat @ a.t(), bs)                    # + (x A^T) (s B^T)
-        return y
-    return forward
+@functools.lru_cache(maxsize=None)
+def _lean_class(peft_linear: type) -> type:
+    class _LeanLinear(peft_linear):
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            names = self.active_adapters
+            if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or \
+                    names[0] not in self.lora_A or names[0] in self.lora_variant or \
+                    x.dtype != self.lora_A[names[0]].weight.dtype or \
+                    torch.is_autocast_enabled(x.device.type):
+                return super().forward(x, *args, **kwargs)
+            name = names[0]
+            y = self.base_layer(x)                                          # [..., out]
+            xa = self.lora_dropout[name](x).reshape(-1, x.shape[-1]) @ self.lora_A[name].weight.t()
+            bs = (self.lora_B[name].weight * self.scaling[name]).t()        # [r, out]
+            if not torch.is_grad_enabled():
+                return y.view(-1, y.shape[-1]).addmm_(xa, bs).view(y.shape)
+            return torch.addmm(y.view(-1, y.shape[-1]), xa, bs).view(y.shape)
+    return _LeanLinear
 
 
 def _as_peft(model):

@@ -12,7 +12,6 @@ from rlctl.errors import UserError
 from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, last_logits,
                                    preallocated, settle, shared_prefill, state_in_modules,
                                    unpadded_notice)
-from rlctl.models.lora import lean_adapters
 from rlctl.models.stop_ids import decode_completions, stop_ids
 from rlctl.models.value import PolicyValueModel
 
@@ -32,15 +31,13 @@ def check_training_sampling(top_k: int) -> None:
 
 @contextlib.contextmanager
 def sampling_precision(model, dtype: str):
-    """Within (no grad): ``model``'s forwards in ``dtype``: float32 as is (LoRA layers lean:
-    ``lean_adapters``), bfloat16 under autocast, each float32 weight cast once for the whole
-    context: autocast caches the casts of leaves that require grad, so frozen ones (a LoRA
-    base) are marked so meanwhile."""
+    """Within (no grad): ``model``'s forwards in ``dtype``: float32 as is, bfloat16 under
+    autocast, each float32 weight cast once for the whole context: autocast caches the casts
+    of leaves that require grad, so frozen ones (a LoRA base) are marked so meanwhile."""
     if dtype not in SAMPLE_DTYPES:
         raise ValueError(f"rollout.sample_dtype must be one of {SAMPLE_DTYPES}; got {dtype!r}")
     if dtype == "float32":
-        with lean_adapters(model):
-            yield
+        yield
         return
     device = next(model.parameters()).device.type
     frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32]
