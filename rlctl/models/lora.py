@@ -80,23 +80,20 @@ def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
     return peft_model
 
 
-def lean_adapters(model: nn.Module) -> int:
-    """Each LoRA Linear of ``model`` made a ``_LeanLinear`` (in place); how many. Outside
+def lean_adapters(model: nn.Module) -> None:
+    """Each LoRA Linear of ``model`` made a ``_LeanLinear`` (in place). Outside
     autocast, with one active adapter, no variant and not merged, it computes base(x) +
     dropout(x) A^T (s B^T) with one ``addmm`` (in place without grad) instead of peft's
     product, scale and add: the same function and gradients up to rounding; else peft's."""
     layer = sys.modules.get("peft.tuners.lora.layer")       # never imported: no adapters
-    done = 0
     for m in model.modules() if layer is not None else ():
         if type(m) is layer.Linear and type(m.base_layer) is nn.Linear:
             m.__class__ = _lean_class(layer.Linear)
-            done += 1
-    return done
 
 
 @functools.lru_cache(maxsize=None)
 def _lean_class(peft_linear: type) -> type:
-    class _LeanLinear(peft_linear):
+    class _LeanLinear(peft_linear):          # a subclass: peft's isinstance checks still hold
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             names = self.active_adapters
             if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or \
