@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from rlctl.core.logprobs import chunked_token_logprobs, entropy_from_logits, token_logprobs
 from rlctl.models.head_check import VERDICTS as HEAD_VERDICTS, head_matches
 from rlctl.models.kv_share import (cache_keyword, cache_of, detach_module_state,
-                                   distinct_rows, forward_takes, index_rows, innermost,
+                                   distinct_rows, forward_takes, index_rows, innermost, last_logits,
                                    position_ids_from_mask, regroup, state_in_modules,
                                    unpadded_notice)
 
@@ -85,7 +85,7 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                   position_ids=position_ids_from_mask(attention_mask[:, :-1]))
     head = fused_head(model, inputs) if fused else None
-    extra = {} if head is None else {"output_hidden_states": True, "logits_to_keep": 1}
+    extra = {} if head is None else {"output_hidden_states": True, **last_logits(model, none=True)}
     padded = state_in_modules(model)       # no cache to share, and left pads leak (RecurrentGemma)
     inner = innermost(model)
     ckpt = getattr(inner, "is_activation_checkpointing", None)     # transformers >= 5.x name

@@ -73,9 +73,12 @@ def forward_takes(model, keyword: str) -> bool:
     return keyword in _forward_parameters(type(innermost(model)))
 
 
-def last_logits(model) -> dict:
-    """The forward keyword that keeps only the last position's logits, where it exists."""
-    return {"logits_to_keep": 1} if forward_takes(model, "logits_to_keep") else {}
+def last_logits(model, none: bool = False) -> dict:
+    """The forward keyword that keeps only the last position's logits (``none``: no position's,
+    an empty index: the LM head projects nothing), where it exists."""
+    if not forward_takes(model, "logits_to_keep"):
+        return {}
+    return {"logits_to_keep": torch.empty(0, dtype=torch.long) if none else 1}
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,5 +229,6 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
         return None
     mask = attention_mask[first, :-1]                                              # [U, P-1]
     out = model(input_ids=input_ids[first, :-1], attention_mask=mask,                # the cache
-                position_ids=position_ids_from_mask(mask), use_cache=True, **last_logits(model))
+                position_ids=position_ids_from_mask(mask), use_cache=True,
+                **last_logits(model, none=True))
     return index_rows(cache_of(out), inv)                                          # [N, ...]

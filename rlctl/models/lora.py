@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
@@ -74,7 +76,39 @@ def apply_lora(model: nn.Module, r: int, alpha: int, dropout: float,
         peft_model = get_peft_model(model, config)
     for name, p in peft_model.named_parameters():  # get_peft_model already does this
         p.requires_grad_("lora_" in name)
+    lean_adapters(peft_model)
     return peft_model
+
+
+def lean_adapters(model: nn.Module) -> None:
+    """Each LoRA Linear of ``model`` made a ``_LeanLinear`` (in place). Outside
+    autocast, with one active adapter, no variant and not merged, it computes base(x) +
+    dropout(x) A^T (s B^T) with one ``addmm`` (in place without grad) instead of peft's
+    product, scale and add: the same function and gradients up to rounding; else peft's."""
+    layer = sys.modules.get("peft.tuners.lora.layer")       # never imported: no adapters
+    for m in model.modules() if layer is not None else ():
+        if type(m) is layer.Linear and type(m.base_layer) is nn.Linear:
+            m.__class__ = _lean_class(layer.Linear)
+
+
+@functools.lru_cache(maxsize=None)
+def _lean_class(peft_linear: type) -> type:
+    class _LeanLinear(peft_linear):          # a subclass: peft's isinstance checks still hold
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            names = self.active_adapters
+            if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or \
+                    names[0] not in self.lora_A or names[0] in self.lora_variant or \
+                    x.dtype != self.lora_A[names[0]].weight.dtype or \
+                    torch.is_autocast_enabled(x.device.type):
+                return super().forward(x, *args, **kwargs)
+            name = names[0]
+            y = self.base_layer(x)                                          # [..., out]
+            xa = self.lora_dropout[name](x).reshape(-1, x.shape[-1]) @ self.lora_A[name].weight.t()
+            bs = (self.lora_B[name].weight * self.scaling[name]).t()        # [r, out]
+            if not torch.is_grad_enabled():
+                return y.view(-1, y.shape[-1]).addmm_(xa, bs).view(y.shape)
+            return torch.addmm(y.view(-1, y.shape[-1]), xa, bs).view(y.shape)
+    return _LeanLinear
 
 
 def _as_peft(model):

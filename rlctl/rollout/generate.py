@@ -51,6 +51,19 @@ def sampling_precision(model, dtype: str):
             p.requires_grad_(False)
 
 
+def draw(scores: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One index per row drawn from softmax(scores) [N, V] (a -inf score: never) -> [N], by the
+    inverse CDF: the first index whose cumulative weight passes u * total, for uniforms u
+    [N, 1] in [0, 1) (float64; drawn from the global generator when None)."""
+    top = scores.max(-1, keepdim=True).values                                     # [N, 1]
+    c = torch.exp(scores - top).double().cumsum(-1)                               # [N, V]
+    if u is None:
+        u = torch.rand(c.shape[0], 1, dtype=c.dtype, device=c.device)             # [N, 1]
+    # u * total < total (u < 1, rounding to nearest), and a zero weight leaves c flat: the
+    # first index with c > u * total exists and never has zero weight (its left one's c is equal)
+    return torch.searchsorted(c, u * c[:, -1:], right=True)[:, 0]                 # [N]
+
+
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            temperature: float, top_k: int, stop_ids: Sequence[int], pad_id: int, key: str,
@@ -84,7 +97,7 @@ def sample(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
             if top_k:
                 kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
                 drawn = scores.masked_fill(scores < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(drawn, -1), 1).squeeze(1)            # [N]
+            nxt = draw(drawn)                                                          # [N]
             nxt = nxt * unfinished + pad_id * (1 - unfinished)
             tokens.append(nxt)
             if keep_logprobs:        # float32, or float64 for a float64 model (exact checks)

@@ -167,22 +167,27 @@ def test_the_shared_prefill_runs_once_per_distinct_prompt(tiny):
     assert single is None and cache.get_seq_length() == P - 1
 
 
-@pytest.mark.parametrize("temperature,top_k,shared", [(1.0, 0, True), (0.7, 3, False), (1.3, 0, False)])
-def test_the_lean_sampler_draws_what_hf_generate_draws(tiny, temperature, top_k, shared):
+@pytest.mark.parametrize("temperature,top_k,shared", [(1.0, 0, True), (0.7, 3, False), (1.3, 0, False),
+                                                     (1.0, 1, True)])
+def test_the_lean_sampler_draws_what_hf_generate_draws(tiny, monkeypatch, temperature, top_k, shared):
     """rollout/generate.py:sample against ``model.generate`` with rlctl's settings, same seed:
     the same tokens (left-padded prompts of different lengths, rows ending early), and
-    the same behaviour log-probs (HF's raw logits, log-softmaxed at the temperature)."""
+    the same behaviour log-probs (HF's raw logits, log-softmaxed at the temperature). HF's
+    token choice goes through rlctl's ``draw`` (the same uniforms: a token differs only if a
+    uniform falls within rounding of an interval's end); top_k=1 against HF's own greedy."""
     from rlctl.models.kv_share import shared_prefill
-    from rlctl.rollout.generate import sample
+    from rlctl.rollout.generate import draw, sample
 
     model, tok = tiny
     enc = tok([p for p in PROMPTS for _ in range(G)], return_tensors="pt", padding=True)
     ids, mask = enc["input_ids"], enc["attention_mask"]
     key = cache_keyword(model)
+    greedy = top_k == 1
+    monkeypatch.setattr(torch, "multinomial", lambda probs, num_samples: draw(probs.log())[:, None])
     torch.manual_seed(5)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=True,
-                         temperature=temperature, top_k=top_k or None, top_p=1.0,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7,
+                         do_sample=not greedy, temperature=temperature, top_k=top_k or None,
+                         top_p=1.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                          output_logits=True, return_dict_in_generate=True)
     torch.manual_seed(5)
     cache = shared_prefill(model, ids, mask) if shared else None
@@ -196,6 +201,7 @@ def test_the_lean_sampler_draws_what_hf_generate_draws(tiny, temperature, top_k,
     torch.testing.assert_close(logp.double(), want, atol=1e-5, rtol=1e-5)
     ended = (seqs[:, ids.shape[1]:] == tok.eos_token_id).any(-1)
     assert ended.any()                            # some rows stop before the limit
+    assert greedy or len({tuple(r) for r in new.tolist()}) > len(PROMPTS)     # sampled, not all alike
 
 
 @pytest.mark.parametrize("shared, room", [(True, 256), (False, 256), (True, 2)])

@@ -102,7 +102,9 @@ def test_learner_logprobs_equal_the_behaviour_logprobs_turn_by_turn(tiny):
 
 
 def test_an_episode_that_never_ends_stops_at_max_turns_truncated(tiny):
-    batch = play(tiny, lambda: Scripted(["1"]), max_turns=3, max_tokens=200, max_new_tokens=2)
+    # no stop id (stops=()): every turn, the last included, ends at max_new_tokens, whatever is drawn
+    batch = play(tiny, lambda: Scripted(["1"]), stops=(), max_turns=3, max_tokens=200,
+                 max_new_tokens=2)
     assert batch.num_sequences == 4                         # nothing dropped
     assert [e.status for e in batch.episodes.records] == [TURN_LIMIT] * 4
     assert [e.turns for e in batch.episodes.records] == [3] * 4

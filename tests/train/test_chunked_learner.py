@@ -115,6 +115,23 @@ def test_lora(tiny64):
     torch.testing.assert_close(ref.logp, base, **TOL)               # adapter really off
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_the_fused_forward_projects_no_position_through_the_head_module(tiny64, share):
+    """With the chunked head the model's own LM head is given no position (an empty
+    ``logits_to_keep``): its logits would be thrown away. (The first forward checks the head
+    once, on one position: run before the hook.)"""
+    model, batch = tiny64, _batch(tiny64.config.vocab_size)
+    _run(model, batch, True, share)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: seen.append(tuple(args[0].shape[:-1])))
+    try:
+        _run(model, batch, True, share)
+    finally:
+        hook.remove()
+    assert seen and all(s[-1] == 0 for s in seen), seen
+
+
 def test_full_logits_kept_where_the_head_is_not_linear(tiny64):
     """A LoRA on the head itself: no fused path (structural); and the fallback still gives
     log-probs. (Logit transforms after the head: tests/train/test_fused_head_check.py.)"""

@@ -12,7 +12,7 @@ from rlctl.errors import UserError
 from rlctl.models.forward import learner_forward
 from rlctl.models.loading import load_model_and_tokenizer
 from rlctl.models.lora import apply_lora
-from rlctl.rollout.generate import generate, rollout, sampling_precision
+from rlctl.rollout.generate import draw, generate, rollout, sampling_precision
 from rlctl.types import Example
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -61,6 +61,41 @@ def test_first_tokens_are_drawn_from_the_learners_distribution(tiny):
     p = torch.softmax(logits / T, -1)
     assert (freq[:p.numel()] - p).abs().max() < 0.03
     assert (torch.softmax(logits, -1) - p).abs().max() > 0.03
+
+
+def test_draw_returns_the_index_whose_cumulative_interval_holds_u():
+    """By hand: weights [1, 0, 1, 1] (scores 5, -inf, 5, 5) have cumulative ends [1, 1, 2, 3]
+    and total 3, so u * 3 in [0, 1) -> 0, [1, 2) -> 2, [2, 3) -> 3: an end belongs to the
+    interval on its right, and the zero-weight index 1 is never drawn, not even at u * 3 = 1.
+    Weights [0, 1, 1, 0]: ends [0, 1, 2, 2]; u = 0 -> 1, not the zero-weight 0; u -> 1 gives
+    2, not the zero-weight 3."""
+    below_one = 1 - 2.0 ** -53                            # torch.rand's largest float64
+    third, two_thirds = 1 / 3, 2 / 3
+    assert third * 3 == 1.0 and two_thirds * 3 == 2.0    # these uniforms hit the ends exactly
+    cases = [([5.0, float("-inf"), 5.0, 5.0], [0.0, 0.3333, third, 0.5, two_thirds, 0.9, below_one],
+              [0, 0, 2, 2, 3, 3, 3]),
+             ([float("-inf"), 0.0, 0.0, float("-inf")], [0.0, 0.25, 0.5, below_one], [1, 1, 2, 2])]
+    for scores, us, want in cases:
+        got = draw(torch.tensor([scores] * len(us)), torch.tensor(us, dtype=torch.float64)[:, None])
+        assert got.tolist() == want, (scores, got.tolist())
+
+
+def test_draw_frequencies_are_the_softmax():
+    """p = [0.5, 0.3, 0.15, 0.05, 0] as scores log p. A grid of 1000 uniforms (k + 0.5) / 1000,
+    each 5e-4 from any interval's end (float32 rounding moves an end by ~1e-7), lands exactly
+    1000 p per index. 20000 draws from the seeded generator: each frequency within 5 binomial
+    standard deviations sqrt(p (1 - p) / 20000) of p (a false failure for a random seed: under
+    4 x 5.7e-7), the zero-weight index never."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    scores = p.log()
+    grid = (torch.arange(1000, dtype=torch.float64)[:, None] + 0.5) / 1000              # [M, 1]
+    counts = torch.bincount(draw(scores.expand(1000, -1), grid), minlength=5)
+    assert counts.tolist() == [500, 300, 150, 50, 0]
+    torch.manual_seed(0)
+    n = 20000
+    freq = torch.bincount(draw(scores.expand(n, -1)), minlength=5).double() / n        # [5]
+    sd = (p.double() * (1 - p.double()) / n).sqrt()
+    assert ((freq - p.double()).abs() <= 5 * sd).all() and freq[4] == 0, freq
 
 
 def test_training_refuses_top_k(make_trainer):
@@ -116,8 +151,8 @@ def test_bf16_sampling_casts_frozen_weights_once_with_the_same_numbers(tiny):
 
 @pytest.mark.parametrize("share", [True, False])
 def test_the_sampler_projects_only_last_positions_to_the_vocabulary(tiny, share):
-    """Prefills (the shared prompt cache, the first sampling forward) keep only the last
-    position's logits: every LM-head call of a rollout sees one position per row."""
+    """The shared prompt cache's prefill projects no position to the vocabulary, the first
+    sampling forward (the prefill without a shared cache) and each decode step one per row."""
     model, tok = tiny
     seen = []
     hook = model.get_output_embeddings().register_forward_hook(
@@ -126,4 +161,5 @@ def test_the_sampler_projects_only_last_positions_to_the_vocabulary(tiny, share)
         generate(model, tok, [PROMPTS[2].prompt] * 3, 4, True, share_prompts=share)
     finally:
         hook.remove()
-    assert len(seen) >= 2 and all(s[1] == 1 for s in seen), seen
+    assert len(seen) >= 3 and seen[0][1] == (0 if share else 1), seen
+    assert all(s[1] == 1 for s in seen[1:]), seen
