@@ -91,6 +91,14 @@ def lean_adapters(model: nn.Module) -> None:
             m.__class__ = _lean_class(layer.Linear)
 
 
+def _not_plain(layer, name: str) -> bool:
+    """Does the adapter need peft's own forward: a bias on B, or weights held elsewhere (ZeRO-3
+    partitions them and gathers each only when its own module runs)?"""
+    a, b = layer.lora_A[name], layer.lora_B[name]
+    return b.bias is not None or any(hasattr(w, "ds_id") or w.numel() == 0
+                                     for w in (a.weight, b.weight))
+
+
 @functools.lru_cache(maxsize=None)
 def _lean_class(peft_linear: type) -> type:
     class _LeanLinear(peft_linear):          # a subclass: peft's isinstance checks still hold
@@ -99,7 +107,7 @@ def _lean_class(peft_linear: type) -> type:
             if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or \
                     names[0] not in self.lora_A or names[0] in self.lora_variant or \
                     x.dtype != self.lora_A[names[0]].weight.dtype or \
-                    torch.is_autocast_enabled(x.device.type):
+                    torch.is_autocast_enabled(x.device.type) or _not_plain(self, names[0]):
                 return super().forward(x, *args, **kwargs)
             name = names[0]
             y = self.base_layer(x)                                          # [..., out]

@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from rlctl.core.logprobs import completion_mask, token_logprobs
-from rlctl.errors import UserError
+from rlctl.errors import TrainingFault, UserError
 from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermost, last_logits,
                                    preallocated, settle, shared_prefill, state_in_modules,
                                    unpadded_notice)
@@ -57,6 +57,10 @@ def draw(scores: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor
     [N, 1] in [0, 1) (float64; drawn from the global generator when None)."""
     top = scores.max(-1, keepdim=True).values                                     # [N, 1]
     c = torch.exp(scores - top).double().cumsum(-1)                               # [N, V]
+    if not bool(torch.isfinite(c[:, -1]).all()):
+        raise TrainingFault("the sampler got non-finite logits (NaN or inf) from the model: the "
+                            "weights or their precision have diverged; lower the learning rate or "
+                            "use hardware.precision=fp32, and resume from the last checkpoint")
     if u is None:
         u = torch.rand(c.shape[0], 1, dtype=c.dtype, device=c.device)             # [N, 1]
     # u * total < total (u < 1, rounding to nearest), and a zero weight leaves c flat: the

@@ -188,6 +188,31 @@ def test_lean_adapters_are_the_peft_forward_in_float64(trained, batch):
     assert len(ga) == 2 * len(layers) and (a2 - a0).abs().max() > 1e-3
 
 
+def test_lean_adapters_leave_a_biased_or_partitioned_adapter_to_peft(trained, batch):
+    """A bias on B (peft's lora_bias) and weights held elsewhere (ZeRO-3's partitioned, empty
+    ones) take peft's own forward: with a bias on B the lean product would drop it (the
+    logits differ by the bias, O(1)), so the same logits as peft's forward mean peft's path."""
+    from rlctl.models.lora import _not_plain
+    model = copy.deepcopy(trained[0]).double()
+    layers = [m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.Linear)]
+    name = layers[0].active_adapters[0]
+    assert not any(_not_plain(m, name) for m in layers)
+    seqs, mask, _ = batch
+    for m in layers:                             # a bias on every B, as lora_bias=True adds
+        b = m.lora_B[name]
+        b.bias = torch.nn.Parameter(torch.full((b.out_features,), 0.5, dtype=torch.float64))
+    assert all(_not_plain(m, name) for m in layers)
+    with torch.no_grad():
+        lean = model(input_ids=seqs, attention_mask=mask).logits
+        for m in layers:
+            m.__class__ = peft.tuners.lora.layer.Linear
+        ref = model(input_ids=seqs, attention_mask=mask).logits
+    torch.testing.assert_close(lean, ref, atol=1e-12, rtol=1e-12)
+    empty = layers[0].lora_A[name]
+    empty.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.float64))    # ZeRO-3's shape
+    assert _not_plain(layers[0], name)
+
+
 def test_reference_adds_no_parameters(tiny):
     policy = _lora(tiny)
     n_params = len(list(policy.parameters()))

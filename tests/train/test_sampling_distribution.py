@@ -163,3 +163,12 @@ def test_the_sampler_projects_only_last_positions_to_the_vocabulary(tiny, share)
         hook.remove()
     assert len(seen) >= 3 and seen[0][1] == (0 if share else 1), seen
     assert all(s[1] == 1 for s in seen[1:]), seen
+
+
+def test_draw_refuses_non_finite_logits():
+    """A NaN (or +inf) score makes the cumulative weights non-finite: one clear TrainingFault,
+    never an index past the vocabulary."""
+    from rlctl.errors import TrainingFault
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(TrainingFault, match="non-finite logits"):
+            draw(torch.tensor([[0.0, 1.0, 2.0], [0.0, bad, 1.0]]))
