@@ -85,7 +85,8 @@ def learner_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                   position_ids=position_ids_from_mask(attention_mask[:, :-1]))
     head = fused_head(model, inputs) if fused else None
-    extra = {} if head is None else {"output_hidden_states": True, **last_logits(model, none=True)}
+    extra = {} if head is None else {"output_hidden_states": True,
+                                     **last_logits(model, none=True, device=input_ids.device)}
     padded = state_in_modules(model)       # no cache to share, and left pads leak (RecurrentGemma)
     inner = innermost(model)
     ckpt = getattr(inner, "is_activation_checkpointing", None)     # transformers >= 5.x name

@@ -73,12 +73,12 @@ def forward_takes(model, keyword: str) -> bool:
     return keyword in _forward_parameters(type(innermost(model)))
 
 
-def last_logits(model, none: bool = False) -> dict:
+def last_logits(model, none: bool = False, device=None) -> dict:
     """The forward keyword that keeps only the last position's logits (``none``: no position's,
-    an empty index: the LM head projects nothing), where it exists."""
+    an empty index on ``device``: the LM head projects nothing), where it exists."""
     if not forward_takes(model, "logits_to_keep"):
         return {}
-    return {"logits_to_keep": torch.empty(0, dtype=torch.long) if none else 1}
+    return {"logits_to_keep": torch.empty(0, dtype=torch.long, device=device) if none else 1}
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,5 +230,5 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     mask = attention_mask[first, :-1]                                              # [U, P-1]
     out = model(input_ids=input_ids[first, :-1], attention_mask=mask,                # the cache
                 position_ids=position_ids_from_mask(mask), use_cache=True,
-                **last_logits(model, none=True))
+                **last_logits(model, none=True, device=input_ids.device))
     return index_rows(cache_of(out), inv)                                          # [N, ...]

@@ -92,11 +92,13 @@ def lean_adapters(model: nn.Module) -> None:
 
 
 def _not_plain(layer, name: str) -> bool:
-    """Does the adapter need peft's own forward: a bias on B, or weights held elsewhere (ZeRO-3
-    partitions them and gathers each only when its own module runs)?"""
-    a, b = layer.lora_A[name], layer.lora_B[name]
-    return b.bias is not None or any(hasattr(w, "ds_id") or w.numel() == 0
-                                     for w in (a.weight, b.weight))
+    """Does the adapter need peft's own forward: a bias on B, or hooks on its modules or global
+    ones (they would see outputs changed in place or miss the direct weight reads; ZeRO-3
+    gathers each module's weights by such hooks)?"""
+    mods = (layer, layer.base_layer, layer.lora_A[name], layer.lora_B[name])
+    return layer.lora_B[name].bias is not None or any(
+        m._forward_hooks or m._forward_pre_hooks for m in mods) or \
+        bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +118,16 @@ def _lean_class(peft_linear: type) -> type:
             if not torch.is_grad_enabled():
                 return y.view(-1, y.shape[-1]).addmm_(xa, bs).view(y.shape)
             return torch.addmm(y.view(-1, y.shape[-1]), xa, bs).view(y.shape)
+    _LeanLinear.__module__, _LeanLinear.__qualname__ = __name__, "_LeanLinear"  # pickled by name
     return _LeanLinear
+
+
+def __getattr__(name: str):
+    """``_LeanLinear`` by name (unpickling a LoRA model in another process), made on first use."""
+    if name == "_LeanLinear":
+        from peft.tuners.lora.layer import Linear
+        return _lean_class(Linear)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _as_peft(model):

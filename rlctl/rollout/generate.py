@@ -56,16 +56,19 @@ def draw(scores: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor
     inverse CDF: the first index whose cumulative weight passes u * total, for uniforms u
     [N, 1] in [0, 1) (float64; drawn from the global generator when None)."""
     top = scores.max(-1, keepdim=True).values                                     # [N, 1]
-    c = torch.exp(scores - top).double().cumsum(-1)                               # [N, V]
+    w = torch.exp(scores - top)                                                   # [N, V]
+    c = torch.cumsum(w, -1, dtype=torch.float64)                                  # [N, V]
     if not bool(torch.isfinite(c[:, -1]).all()):
-        raise TrainingFault("the sampler got non-finite logits (NaN or inf) from the model: the "
-                            "weights or their precision have diverged; lower the learning rate or "
-                            "use hardware.precision=fp32, and resume from the last checkpoint")
+        raise TrainingFault("the sampler got non-finite logits (NaN or inf) from the model: its "
+                            "weights or the sampling precision overflowed (rollout.sample_dtype="
+                            "float32 and hardware.precision=fp32 sample in full precision)")
     if u is None:
         u = torch.rand(c.shape[0], 1, dtype=c.dtype, device=c.device)             # [N, 1]
-    # u * total < total (u < 1, rounding to nearest), and a zero weight leaves c flat: the
-    # first index with c > u * total exists and never has zero weight (its left one's c is equal)
-    return torch.searchsorted(c, u * c[:, -1:], right=True)[:, 0]                 # [N]
+    # u * total < total (u < 1, rounding to nearest), and a zero weight leaves a sequential sum
+    # flat: the first index with c > u * total exists and has weight. A parallel scan (CUDA) may
+    # round a flat step up; such a draw takes the row's most likely token instead.
+    idx = torch.searchsorted(c, u * c[:, -1:], right=True)                        # [N, 1]
+    return torch.where(w.gather(-1, idx) > 0, idx, w.argmax(-1, keepdim=True))[:, 0]   # [N]
 
 
 @torch.no_grad()

@@ -188,16 +188,26 @@ def test_lean_adapters_are_the_peft_forward_in_float64(trained, batch):
     assert len(ga) == 2 * len(layers) and (a2 - a0).abs().max() > 1e-3
 
 
-def test_lean_adapters_leave_a_biased_or_partitioned_adapter_to_peft(trained, batch):
-    """A bias on B (peft's lora_bias) and weights held elsewhere (ZeRO-3's partitioned, empty
-    ones) take peft's own forward: with a bias on B the lean product would drop it (the
-    logits differ by the bias, O(1)), so the same logits as peft's forward mean peft's path."""
+def test_lean_adapters_leave_a_biased_or_hooked_adapter_to_peft(trained, batch):
+    """A bias on B (peft's lora_bias) and forward hooks (user code, ZeRO-3's weight gathering)
+    take peft's own forward: with a bias on B the lean product would drop it (the logits
+    differ by O(1)), and a hook keeping base_layer's output would see the adapter added into
+    it in place."""
     from rlctl.models.lora import _not_plain
     model = copy.deepcopy(trained[0]).double()
     layers = [m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.Linear)]
     name = layers[0].active_adapters[0]
     assert not any(_not_plain(m, name) for m in layers)
     seqs, mask, _ = batch
+    with torch.no_grad():
+        before = model(input_ids=seqs, attention_mask=mask).logits
+    kept = []
+    hook = layers[0].base_layer.register_forward_hook(lambda m, a, out: kept.append((out, out.clone())))
+    assert _not_plain(layers[0], name) and not _not_plain(layers[1], name)
+    with torch.no_grad():
+        model(input_ids=seqs, attention_mask=mask)
+    assert kept and all(torch.equal(out, copy_) for out, copy_ in kept)    # untouched after the hook
+    hook.remove()
     for m in layers:                             # a bias on every B, as lora_bias=True adds
         b = m.lora_B[name]
         b.bias = torch.nn.Parameter(torch.full((b.out_features,), 0.5, dtype=torch.float64))
@@ -208,9 +218,23 @@ def test_lean_adapters_leave_a_biased_or_partitioned_adapter_to_peft(trained, ba
             m.__class__ = peft.tuners.lora.layer.Linear
         ref = model(input_ids=seqs, attention_mask=mask).logits
     torch.testing.assert_close(lean, ref, atol=1e-12, rtol=1e-12)
-    empty = layers[0].lora_A[name]
-    empty.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.float64))    # ZeRO-3's shape
-    assert _not_plain(layers[0], name)
+    assert (lean - before).abs().max() > 1e-3
+
+
+def test_a_lean_lora_model_pickles_by_name():
+    """The swapped layers' class is found by name when unpickled (another process, torch.save):
+    the same class and the same logits after a round trip (a model fresh from loading: after a
+    forward, transformers' own output-capturing hooks are local functions that do not pickle)."""
+    import pickle
+    from rlctl.models.loading import load_model_and_tokenizer
+    model = apply_lora(load_model_and_tokenizer("tiny")[0], r=4, alpha=8, dropout=0.0,
+                       target_modules="all-linear")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    back = pickle.loads(pickle.dumps(model))
+    assert {type(m).__name__ for m in back.modules()} >= {"_LeanLinear"}
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   atol=0, rtol=0)
 
 
 def test_reference_adds_no_parameters(tiny):
