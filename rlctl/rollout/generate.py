@@ -14,11 +14,10 @@ from rlctl.models.kv_share import (cache_keyword, cache_of, fresh_cache, innermo
                                    unpadded_notice)
 from rlctl.models.stop_ids import decode_completions, stop_ids
 from rlctl.models.value import PolicyValueModel
-
-ROOM = 256     # the sampler's first KV room, in new positions
 from rlctl.types import Example, LogProbs, RolloutBatch
 
 SAMPLE_DTYPES = ("float32", "bfloat16")
+ROOM = 256     # the sampler's first KV room, in new positions
 
 
 def check_training_sampling(top_k: int) -> None:
@@ -65,10 +64,12 @@ def draw(scores: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor
     if u is None:
         u = torch.rand(c.shape[0], 1, dtype=c.dtype, device=c.device)             # [N, 1]
     # u * total < total (u < 1, rounding to nearest), and a zero weight leaves a sequential sum
-    # flat: the first index with c > u * total exists and has weight. A parallel scan (CUDA) may
-    # round a flat step up; such a draw takes the row's most likely token instead.
+    # (the CPU's) flat: the first index with c > u * total exists and has weight. A parallel
+    # scan (CUDA) may round a flat step up; such a draw takes the row's most likely token.
     idx = torch.searchsorted(c, u * c[:, -1:], right=True)                        # [N, 1]
-    return torch.where(w.gather(-1, idx) > 0, idx, w.argmax(-1, keepdim=True))[:, 0]   # [N]
+    if c.device.type != "cpu":
+        idx = torch.where(w.gather(-1, idx) > 0, idx, w.argmax(-1, keepdim=True))
+    return idx[:, 0]                                                              # [N]
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.task import disjoint_splits, register_task, task_options
-from rlctl.tasks.rewards import answers_equivalent, is_just_answer, parse_number
+from rlctl.tasks.rewards import answers_equivalent, is_just_answer, parse_number, whole_answer
 from rlctl.types import Example
 
 OPS = ("+", "-", "*", "max")
@@ -178,8 +178,7 @@ def is_equation(completion, a: int, op: str, b: int, any_result: bool = False) -
     """Is the whole completion (stripped, one final period allowed) the equation ``a op b = r``
     with r its value (``any_result``: any r), operands either way round for + and *, * also
     written x or ×?"""
-    text = completion.strip().removesuffix(".").strip() if isinstance(completion, str) else ""
-    m = _EQUATION.fullmatch(text)
+    m = _EQUATION.fullmatch(whole_answer(completion))
     if m is None:
         return False
     x, sign, y, out = int(m[1]), "*" if m[2] in "x×" else m[2], int(m[3]), int(m[4])
@@ -205,8 +204,8 @@ def score(reward: str, fields: Dict, completion: str) -> float:
             return 1.0
         if shaped and answers_equivalent(completion, answer) and not names_loser(fields, completion):
             return RIGHT_CREDIT
-        just = completion.strip().removesuffix(".").strip() if isinstance(completion, str) else ""
-        formed = re.fullmatch(r"-?[0-9]+", just) is not None if reward.startswith("strict") else \
+        formed = re.fullmatch(r"-?[0-9]+", whole_answer(completion)) is not None \
+            if reward.startswith("strict") else \
             is_equation(completion, fields["a"], fields["op"], fields["b"], any_result=True)
         return FORMAT_CREDIT if formed and shaped else 0.0
     if answers_equivalent(completion, answer):

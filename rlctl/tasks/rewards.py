@@ -129,14 +129,18 @@ def answers_equivalent(completion: Any, answer: Any) -> bool:
     return _math_verify(normalize_spacing(completion), gold)
 
 
+def whole_answer(completion: Any) -> str:
+    """The completion stripped of whitespace and one final period ("" for a non-string)."""
+    if not isinstance(completion, str):
+        return ""
+    text = completion.strip()
+    return text[:-1].rstrip() if text.endswith(".") else text
+
+
 def is_just_answer(completion: Any, answer: Any) -> bool:
     """Is the whole completion ``answer`` as written, after stripping whitespace and one final
     period ("46", " 46.\n"; not "46.0", "The answer is 46", "46. 46.")?"""
-    if not isinstance(completion, str):
-        return False
-    text = completion.strip()
-    text = text[:-1].rstrip() if text.endswith(".") else text
-    return text == str(answer).strip()
+    return isinstance(completion, str) and whole_answer(completion) == str(answer).strip()
 
 
 def math_reward(prompt: Any, completion: str, answer: Any = None, **_fields) -> float:
