@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
@@ -85,10 +84,11 @@ def lean_adapters(model: nn.Module) -> None:
     autocast, with one active adapter, no variant and not merged, it computes base(x) +
     dropout(x) A^T (s B^T) with one ``addmm`` (in place without grad) instead of peft's
     product, scale and add: the same function and gradients up to rounding; else peft's."""
-    layer = sys.modules.get("peft.tuners.lora.layer")       # never imported: no adapters
-    for m in model.modules() if layer is not None else ():
-        if type(m) is layer.Linear and type(m.base_layer) is nn.Linear:
-            m.__class__ = _lean_class(layer.Linear)
+    from peft.tuners.lora.layer import Linear
+
+    for m in model.modules():
+        if type(m) is Linear and type(m.base_layer) is nn.Linear:
+            m.__class__ = _lean_class(Linear)
 
 
 def _not_plain(layer, name: str) -> bool:
