@@ -1,7 +1,8 @@
 """Token log-probs, entropy, masked statistics and completion masks (docs/math.md, section 1);
 empty masks give 0, never NaN. `chunked_token_logprobs`: the LM head fused into the
 log-softmax a chunk at a time (Hsu et al. 2024, arXiv:2410.10989; Wijmans et al. 2024,
-arXiv:2411.09009), exact, never all [N, T, V] logits at once."""
+arXiv:2411.09009), exact, never more than ``KEEP_ELEMENTS`` logits kept for the backward
+(the rest recomputed there), never all [N, T, V] at once beyond that."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 CHUNK_ELEMENTS = 1 << 22   # rows per chunk: as many as fit in 4M elements (at least one)
+KEEP_ELEMENTS = 1 << 24    # logits kept from forward to backward (64 MiB in float32)
 
 
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -118,6 +120,13 @@ def default_chunk_tokens(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(int(vocab_size), 1))
 
 
+def kept_rows(m: int, vocab: int, chunk: int, keep: int) -> int:
+    """Rows of the first chunks whose logits [rows, V] fit in ``keep`` elements: all m rows, or
+    whole chunks of ``chunk`` rows."""
+    rows = keep // max(vocab, 1)
+    return m if rows >= m else rows // chunk * chunk
+
+
 def _chunk_logits(h_c, weight, bias, temperature, out):
     """(h_c [C, H] @ W^T + b) / temperature written into `out` ([C, V], accumulation dtype);
     bf16 inputs are multiplied in bf16, then upcast."""
@@ -137,7 +146,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
     and gE (entropy): dL/dz = gL * (onehot(y) - p) - gE * p * (log p + H), / temperature."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, tokens, temperature, chunk, want_entropy):
+    def forward(ctx, h, weight, bias, tokens, temperature, chunk, want_entropy, keep):
         acc = acc_dtype(h, weight)
         m = h.shape[0]
         logp = h.new_empty(m, dtype=acc)  # [M]
@@ -146,17 +155,21 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         rows = min(chunk, m)
         z_buf = h.new_empty((rows, weight.shape[0]), dtype=acc)  # [C, V]
         p_buf = torch.empty_like(z_buf) if want_entropy else None
+        # the first K rows' logits stay for the backward instead of a second head matmul
+        kept = h.new_empty((kept_rows(m, weight.shape[0], chunk, keep), weight.shape[0]),
+                           dtype=acc)  # [K, V]
         for s in range(0, m, chunk):
             e = min(s + chunk, m)
-            z = _chunk_logits(h[s:e], weight, bias, temperature, z_buf[:e - s])  # [C, V]
+            out = kept[s:e] if e <= kept.shape[0] else z_buf[:e - s]
+            z = _chunk_logits(h[s:e], weight, bias, temperature, out)  # [C, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [C]
             lse[s:e] = lse_c
             logp[s:e] = z.gather(1, tokens[s:e, None]).squeeze(1) - lse_c
             if want_entropy:
-                logq = z.sub_(lse_c[:, None])  # [C, V] log p, in place
+                logq = torch.sub(z, lse_c[:, None], out=z_buf[:e - s])  # [C, V] log p
                 p = torch.exp(logq, out=p_buf[:e - s])  # [C, V]
                 ent[s:e] = -p.mul_(logq).sum(-1)  # [C]  (p = 0 gives 0, not NaN)
-        ctx.save_for_backward(h, weight, bias, tokens, lse, ent)
+        ctx.save_for_backward(h, weight, bias, tokens, lse, ent, kept)
         ctx.temperature, ctx.chunk, ctx.want_entropy = temperature, chunk, want_entropy
         ctx.set_materialize_grads(False)
         return logp, ent
@@ -164,10 +177,10 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp, g_ent):
-        h, weight, bias, tokens, lse, ent = ctx.saved_tensors
+        h, weight, bias, tokens, lse, ent, kept = ctx.saved_tensors
         g_ent = g_ent if ctx.want_entropy else None
         if g_logp is None and g_ent is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc, m = lse.dtype, h.shape[0]
         grad_h = torch.zeros_like(h) if need_h else None  # [M, H]
@@ -179,7 +192,8 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             e = min(s + ctx.chunk, m)
             gl = None if g_logp is None else g_logp[s:e].to(acc)    # [C]
             ge = None if g_ent is None else g_ent[s:e].to(acc)      # [C]
-            logq = _chunk_logits(h[s:e], weight, bias, ctx.temperature, z_buf[:e - s])
+            logq = z_buf[:e - s].copy_(kept[s:e]) if e <= kept.shape[0] else \
+                _chunk_logits(h[s:e], weight, bias, ctx.temperature, z_buf[:e - s])
             logq.sub_(lse[s:e, None])  # [C, V] log p
             p = torch.exp(logq, out=p_buf[:e - s])  # [C, V]
             if ge is not None:
@@ -200,7 +214,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
                 grad_b += dz.sum(0)  # [V]
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _matmul_into(out, a, b, accumulate=False):
@@ -213,11 +227,14 @@ def _matmul_into(out, a, b, accumulate=False):
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
                            bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
-                           chunk_tokens: Optional[int] = None, with_entropy: bool = False
+                           chunk_tokens: Optional[int] = None, with_entropy: bool = False,
+                           keep_elements: int = KEEP_ELEMENTS
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log softmax((hidden @ weight^T + bias) / temperature) at `tokens`, `chunk_tokens` rows
     of logits at a time (default `default_chunk_tokens(V)`). hidden [N, T, H], weight [V, H],
-    bias [V] or None, tokens [N, T] -> (logp [N, T], entropy [N, T] or None), float32."""
+    bias [V] or None, tokens [N, T] -> (logp [N, T], entropy [N, T] or None), float32. The
+    logits of the first whole chunks within ``keep_elements`` are kept for the backward (the
+    same values as recomputing them); 0 recomputes every chunk."""
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"chunked_token_logprobs: hidden [..., H] and weight [V, H] must "
                          f"share H; got hidden {tuple(hidden.shape)}, weight "
@@ -232,6 +249,8 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
         raise ValueError(f"chunked_token_logprobs: temperature must be > 0; got {temperature}")
     if chunk_tokens is not None and int(chunk_tokens) < 1:
         raise ValueError(f"chunked_token_logprobs: chunk_tokens must be >= 1; got {chunk_tokens}")
+    if int(keep_elements) < 0:
+        raise ValueError(f"chunked_token_logprobs: keep_elements must be >= 0; got {keep_elements}")
     # the id range is read on the CPU only (on an accelerator: a host sync per forward)
     if tokens.numel() and tokens.device.type == "cpu":
         lo, hi = torch.aminmax(tokens)
@@ -244,5 +263,5 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
     h = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
     tok = tokens.reshape(-1).long()  # [M]
     logp, ent = _ChunkedLinearLogprobs.apply(h, weight, bias, tok, float(temperature), chunk,
-                                             bool(with_entropy))
+                                             bool(with_entropy), int(keep_elements))
     return logp.view(lead), (ent.view(lead) if with_entropy else None)

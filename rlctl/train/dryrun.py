@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForSequenceClassification
 
-from rlctl.core.logprobs import CHUNK_ELEMENTS
+from rlctl.core.logprobs import CHUNK_ELEMENTS, KEEP_ELEMENTS, default_chunk_tokens, kept_rows
 from rlctl.models.forward import fused_head
 from rlctl.train.trainer import needs_old_forward
 from rlctl.train.update import activation_bytes, activation_mb, even_split, needs_reference
@@ -116,10 +116,13 @@ def memory_estimate(s: MemorySettings, trainable: int, total: int, hidden: int, 
     if reward_model_bytes:
         out["reward model(s)"] = reward_model_bytes
     n = s.rank_rows
-    _, tokens = micro_batch(s, n, token_bytes(s, hidden, layers))
+    rows, tokens = micro_batch(s, n, token_bytes(s, hidden, layers))
     out["activations (rough)"] = float(token_bytes(s, hidden, layers)) * tokens
     out["generation KV cache"] = 2.0 * layers * n * (s.prompt_tokens + s.max_new_tokens) * hidden * b
-    out["logits"] = (2.0 * CHUNK_ELEMENTS * 4 + n * vocab * 4) if fused else 4.0 * tokens * vocab * 4
+    # fused: two chunk buffers, the sampler's last logits, the first chunks kept for backward
+    kept = kept_rows(rows * s.max_new_tokens, vocab, default_chunk_tokens(vocab), KEEP_ELEMENTS)
+    out["logits"] = (2.0 * CHUNK_ELEMENTS + n * vocab + kept * vocab) * 4 if fused else \
+        4.0 * tokens * vocab * 4
     return out
 
 

@@ -1,5 +1,5 @@
 """chunked_token_logprobs: exact to the unchunked LM head + log-softmax, in values, gradients
-and memory (no [N*T, V] tensor is ever created or kept)."""
+and memory (no [N*T, V] tensor is ever created; at most keep_elements logits are kept)."""
 import weakref
 
 import pytest
@@ -148,6 +148,7 @@ def test_empty_and_default_chunk():
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(temperature=0.0), "temperature must be > 0"),
     (dict(chunk_tokens=0), "chunk_tokens must be >= 1"),
+    (dict(keep_elements=-1), "keep_elements must be >= 0"),
     (dict(tokens=torch.full((3, 5), 11)), r"token ids must be in \[0, 11\)"),
     (dict(tokens=torch.zeros(3, 4, dtype=torch.long)), r"tokens must have shape \(3, 5\)"),
     (dict(bias=torch.zeros(10)), r"bias must have shape \(11,\)"),
@@ -196,12 +197,14 @@ def test_memory_no_full_logits_saved_or_created():
     h, w, b, y = _case(n, t, hdim, v, dtype=torch.float32, seed=9)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
-        logp, ent = chunked_token_logprobs(h, w, y, b, 1.0, chunk, with_entropy=True)
+        logp, ent = chunked_token_logprobs(h, w, y, b, 1.0, chunk, with_entropy=True,
+                                           keep_elements=0)
     # saved: the inputs themselves (no copies) and [M] vectors (tokens, lse, entropy)
     inputs = {x.data_ptr() for x in (h, w, b)}
     assert all(x.data_ptr() in inputs or x.numel() <= m for x in saved), [x.shape for x in saved]
     with _LiveBytes() as fwd:
-        logp, ent = chunked_token_logprobs(h, w, y, b, 1.0, chunk, with_entropy=True)
+        logp, ent = chunked_token_logprobs(h, w, y, b, 1.0, chunk, with_entropy=True,
+                                           keep_elements=0)
     with _LiveBytes() as bwd:
         (logp.sum() + ent.sum()).backward()
     assert bwd.mm_calls >= 3 * (m // chunk)  # the hook saw the backward: 3 matmuls a chunk
@@ -215,3 +218,36 @@ def test_memory_no_full_logits_saved_or_created():
         ref_logp, ref_ent = _reference(h, w, b, y, 1.0)
         (ref_logp.sum() + ref_ent.sum()).backward()
     assert full.largest >= m * v and full.peak >= 4 * m * v > bound
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kept_logits_give_the_recomputed_gradients_with_fewer_head_matmuls(with_entropy, temperature):
+    """keep_elements = 2 chunks of logits (rounded down to whole chunks): those two chunks'
+    logits stay from forward to backward, so the backward runs the head matmul for the other
+    chunks only, and every value and gradient is the recomputing path's, bitwise (the same
+    products of the same inputs, then the same operations)."""
+    n, t, hdim, v, chunk = 3, 5, 4, 11, 4              # M = 15 rows: chunks of 4, 4, 4, 3
+    m, keep = n * t, 2 * chunk * v + v - 1             # 2 whole chunks (+ less than a row)
+    runs = {}
+    for k in (0, keep, m * v):                          # none, two chunks, every chunk
+        h, w, b, y = _case(n, t, hdim, v, seed=10)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+            logp, ent = chunked_token_logprobs(h, w, y, b, temperature, chunk,
+                                               with_entropy=with_entropy, keep_elements=k)
+        out = logp.sum() + (ent.sum() if with_entropy else 0)
+        with _LiveBytes() as bwd:
+            out.backward()
+        kept = max((x.shape[0] for x in saved if x.dim() == 2 and x.shape[1] == v
+                    and x.data_ptr() != w.data_ptr()), default=0)
+        runs[k] = (logp, ent, h.grad, w.grad, b.grad, bwd.mm_calls, kept)
+    chunks = -(-m // chunk)                            # 4
+    # backward matmuls: grad_h and grad_W per chunk, plus the head again per recomputed chunk
+    assert [runs[k][5] for k in (0, keep, m * v)] == [3 * chunks, 3 * chunks - 2, 2 * chunks]
+    assert [runs[k][6] for k in (0, keep, m * v)] == [0, 2 * chunk, m]     # rows of kept logits
+    for k in (keep, m * v):
+        for a, e in zip(runs[k][:5], runs[0][:5]):
+            assert (a is None and e is None) or torch.equal(a, e)
+    ref_logp, _ = _reference(*_case(n, t, hdim, v, seed=10), temperature)
+    torch.testing.assert_close(runs[keep][0], ref_logp, atol=1e-12, rtol=0)
