@@ -234,7 +234,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
     of logits at a time (default `default_chunk_tokens(V)`). hidden [N, T, H], weight [V, H],
     bias [V] or None, tokens [N, T] -> (logp [N, T], entropy [N, T] or None), float32. The
     logits of the first whole chunks within ``keep_elements`` are kept for the backward (the
-    same values as recomputing them); 0 recomputes every chunk."""
+    same values as recomputing them; none without a graph); 0 recomputes every chunk."""
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"chunked_token_logprobs: hidden [..., H] and weight [V, H] must "
                          f"share H; got hidden {tuple(hidden.shape)}, weight "
@@ -262,6 +262,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
     lead = tuple(hidden.shape[:-1])
     h = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
     tok = tokens.reshape(-1).long()  # [M]
+    graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
     logp, ent = _ChunkedLinearLogprobs.apply(h, weight, bias, tok, float(temperature), chunk,
-                                             bool(with_entropy), int(keep_elements))
+                                             bool(with_entropy), int(keep_elements) if graph else 0)
     return logp.view(lead), (ent.view(lead) if with_entropy else None)

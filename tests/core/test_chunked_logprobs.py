@@ -214,6 +214,12 @@ def test_memory_no_full_logits_saved_or_created():
     # most). A fresh [C, V] or [V, H] per chunk would break it (measured 38,920 <= 40,960).
     bound = 4 * (m * hdim + v * hdim + v + 2 * chunk * v + 16 * m)
     assert max(fwd.peak, bwd.peak) <= bound < 4 * m * v
+    with torch.no_grad(), _LiveBytes() as nograd:   # the default keep: nothing kept without a graph
+        chunked_token_logprobs(h, w, y, b, 1.0, chunk, with_entropy=True)
+    assert nograd.largest <= chunk * v and nograd.peak <= bound
+    with _LiveBytes() as kept:                       # ... and the whole [M, V] with one
+        chunked_token_logprobs(h, w, y, b, 1.0, chunk, with_entropy=True)
+    assert kept.largest == m * v
     with _LiveBytes() as full:  # the control: the unchunked path does create [M, V]
         ref_logp, ref_ent = _reference(h, w, b, y, 1.0)
         (ref_logp.sum() + ref_ent.sum()).backward()
