@@ -142,8 +142,8 @@ def _chunk_logits(h_c, weight, bias, temperature, out):
 
 class _ChunkedLinearLogprobs(torch.autograd.Function):
     """h [M, H], W [V, H], b [V] | None, tokens [M] -> (logp [M], entropy [M] | [0]). The
-    backward recomputes each chunk's logits z; with p = softmax(z), upstream gL (log-prob)
-    and gE (entropy): dL/dz = gL * (onehot(y) - p) - gE * p * (log p + H), / temperature."""
+    backward takes each chunk's logits z as the forward kept them or recomputes them; with
+    p = softmax(z), upstream gL (log-prob) and gE (entropy): dL/dz = gL * (onehot(y) - p) - gE * p * (log p + H), / temperature."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, tokens, temperature, chunk, want_entropy, keep):
@@ -152,12 +152,12 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         logp = h.new_empty(m, dtype=acc)  # [M]
         lse = h.new_empty(m, dtype=acc)  # [M]
         ent = h.new_empty(m if want_entropy else 0, dtype=acc)  # [M] or [0]
-        rows = min(chunk, m)
-        z_buf = h.new_empty((rows, weight.shape[0]), dtype=acc)  # [C, V]
-        p_buf = torch.empty_like(z_buf) if want_entropy else None
         # the first K rows' logits stay for the backward instead of a second head matmul
         kept = h.new_empty((kept_rows(m, weight.shape[0], chunk, keep), weight.shape[0]),
                            dtype=acc)  # [K, V]
+        rows = min(chunk, m) if want_entropy or kept.shape[0] < m else 0
+        z_buf = h.new_empty((rows, weight.shape[0]), dtype=acc)  # [C, V]
+        p_buf = torch.empty_like(z_buf) if want_entropy else None
         for s in range(0, m, chunk):
             e = min(s + chunk, m)
             out = kept[s:e] if e <= kept.shape[0] else z_buf[:e - s]
@@ -192,9 +192,11 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             e = min(s + ctx.chunk, m)
             gl = None if g_logp is None else g_logp[s:e].to(acc)    # [C]
             ge = None if g_ent is None else g_ent[s:e].to(acc)      # [C]
-            logq = z_buf[:e - s].copy_(kept[s:e]) if e <= kept.shape[0] else \
-                _chunk_logits(h[s:e], weight, bias, ctx.temperature, z_buf[:e - s])
-            logq.sub_(lse[s:e, None])  # [C, V] log p
+            if e <= kept.shape[0]:
+                logq = torch.sub(kept[s:e], lse[s:e, None], out=z_buf[:e - s])  # [C, V] log p
+            else:
+                logq = _chunk_logits(h[s:e], weight, bias, ctx.temperature, z_buf[:e - s])
+                logq.sub_(lse[s:e, None])  # [C, V] log p
             p = torch.exp(logq, out=p_buf[:e - s])  # [C, V]
             if ge is not None:
                 dz = logq.add_(ent[s:e, None]).mul_(p).mul_(-ge[:, None])  # [C, V] entropy part

@@ -250,6 +250,9 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
                 pooled[k] = pooled[k].combine(v) if k in pooled else v
             else:
                 sums[k] = sums.get(k, 0.0) + v.detach().float() * weight
+        # a graph left without a backward (the policy's, in critic warm-up) ends here, not
+        # while the next micro-batch's forward runs beside it
+        del f, loss_mat, pg_loss, pg_term, loss
     total = batch.mask.sum().clamp(min=1)
     out: Dict[str, Metric] = {}
     for k, v in sums.items():

@@ -136,3 +136,25 @@ def test_the_estimate_reads_the_chat_rendered_prompts(cfg, tmp_path):
         outs[n] = row(out, "activations (rough)")
     assert outs[chat] > outs[raw]
     assert not (tmp_path / "r").exists()
+
+
+def test_logits_term_counts_the_kept_head_logits():
+    """The fused head's logits, by hand for SmolLM2's vocabulary (49152) and 4 x 8 rows of 49
+    prompt + 32 new tokens: two chunk buffers of 2^22 floats, the sampler's [32, V] logits,
+    and the learner's kept logits: a micro-batch's completion tokens x V floats while they fit
+    2^24 (8 rows x 32 = 256 tokens: all kept), else whole chunks of 2^22 // V = 85 rows."""
+    from rlctl.train.dryrun import MemorySettings, memory_estimate
+
+    v = 49152
+
+    def logits(mb_rows: int) -> float:
+        s = MemorySettings(max_new_tokens=32, prompts_per_step=4, group_size=8, minibatches=1,
+                           micro_batch_size=mb_rows, micro_batch_tokens=0, activation_mb=0,
+                           num_processes=1, backend="torch", precision="fp32", zero_stage=0,
+                           dtype="float32", gradient_checkpointing=False, lora=True,
+                           reference=False, prompt_tokens=49)
+        return memory_estimate(s, 1, 1, 576, 30, vocab=v, fused=True)["logits"]
+
+    assert logits(8) == (2 * 2 ** 22 + 32 * v + 8 * 32 * v) * 4
+    # 32 rows x 32 = 1024 tokens x V > 2^24: 341 rows fit, kept as 4 whole chunks of 85 rows
+    assert logits(32) == (2 * 2 ** 22 + 32 * v + 4 * 85 * v) * 4
