@@ -7,7 +7,7 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rlctl.tasks.task import disjoint_splits, register_task, task_options
-from rlctl.tasks.rewards import answers_equivalent, is_just_answer, parse_number, whole_answer
+from rlctl.tasks.rewards import answers_equivalent, is_just_answer, numbers_in, parse_number, whole_answer
 from rlctl.types import Example
 
 OPS = ("+", "-", "*", "max")
@@ -187,11 +187,12 @@ def is_equation(completion, a: int, op: str, b: int, any_result: bool = False) -
 
 
 def names_loser(fields: Dict, completion: str) -> bool:
-    """For ``max`` with a != b: does the completion name the smaller number anywhere?"""
+    """For ``max`` with a != b: does the completion name the smaller number anywhere (as a
+    number, "1,000" and "60.0" whole, either sign)?"""
     if fields["op"] != "max" or fields["a"] == fields["b"]:
         return False
-    loser = str(min(fields["a"], fields["b"]))
-    return loser in re.findall(r"[0-9]+", completion)
+    loser = abs(min(fields["a"], fields["b"]))
+    return any(abs(x) == loser for x in numbers_in(completion))
 
 
 def score(reward: str, fields: Dict, completion: str) -> float:

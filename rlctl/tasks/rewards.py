@@ -71,6 +71,12 @@ def _to_fraction(token: str) -> Optional[Fraction]:
         return None
 
 
+def numbers_in(text: str) -> List[Fraction]:
+    """Every number written in ``text``, read as ``parse_number`` reads one ("1,000", "60.0",
+    "4.6e1", "92/2"), as exact rationals."""
+    return [f for f in map(_to_fraction, _NUMBER.findall(text)) if f is not None]
+
+
 def parse_number(text: Any) -> Optional[Fraction]:
     """The final answer as an exact rational number, or None."""
     if not isinstance(text, str):

@@ -243,7 +243,7 @@ def accumulate_gradients(model, backend, batch: RolloutBatch, s: UpdateSettings,
         loss = pg_term + terms_loss + kl_loss + a.vf_coef * v_loss     # the loss, term by term
         backend.backward(loss * scale)
         exact["policy/loss"] = exact.get("policy/loss", 0.0) + pg_loss.detach()
-        metrics["policy/entropy"] = masked_mean(f.entropy, mask)
+        metrics["policy/entropy"] = masked_mean(f.entropy.detach(), mask)     # a metric: no graph
         weight = mask.sum()
         for k, v in metrics.items():
             if isinstance(v, Moments):

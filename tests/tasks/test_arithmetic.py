@@ -194,6 +194,13 @@ def test_shaped_max_pays_no_partial_credit_for_naming_the_smaller_number():
     for text, want in cases:
         assert shaped.reward(ex, text) == want, text
     assert shaped.reward(tie, "7 is as large as 7.") == 0.5      # a tie names no smaller number
+    # numbers are read whole, as the answer is: the right number written "60.0" or "1,000"
+    # does not name a smaller 0 or 1, and "-25" or "25.0" still names 25
+    zero, one = shaped._example((60, "max", 0)), shaped._example((1000, "max", 1))
+    assert shaped.reward(zero, "The larger is 60.0") == 0.5
+    assert shaped.reward(one, "The larger is 1,000.") == 0.5
+    assert shaped.reward(one, "1,000 beats 1.") == 0.0
+    assert shaped.reward(ex, "67, not -25.0") == 0.0
 
 
 def test_equation_rewards_score_the_whole_equation():

@@ -82,3 +82,39 @@ def test_every_algorithm_runs_through_the_cli(algo, tmp_path, rlctl_app):
                     "value/return_mean"} <= set(r)
         if algo == "dapo":
             assert 0 < r["rollout/kept_groups_frac"] <= 1
+
+
+def test_critic_warmup_ends_each_micro_batch_graph_with_it(make_trainer, monkeypatch):
+    """In warm-up nothing backpropagates through the policy's log-probs, nor through its
+    entropy (which an entropy bonus puts in the graph): each micro-batch's graph, with the
+    fused head's kept logits, must be gone before the next micro-batch's forward starts.
+    Counted by weak references to the fused head's autograd contexts."""
+    import weakref
+
+    import rlctl.train.update as update
+    from rlctl.core import logprobs
+    from rlctl.models.value import PolicyValueModel
+
+    contexts, alive = [], []
+    head_forward = logprobs._ChunkedLinearLogprobs.forward
+
+    def recorded(ctx, *args):
+        contexts.append(weakref.ref(ctx))
+        return head_forward(ctx, *args)
+
+    forward = update.learner_forward
+
+    def counted(*args, **kwargs):
+        alive.append(sum(ref() is not None for ref in contexts))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(logprobs._ChunkedLinearLogprobs, "forward", staticmethod(recorded))
+    monkeypatch.setattr(update, "learner_forward", counted)
+    tr = make_trainer(["algo=ppo", "algo.critic_warmup_steps=1", "algo.entropy_coef=0.01",
+                       "trainer.prompts_per_step=2", "algo.group_size=2",
+                       "trainer.micro_batch_size=1", "trainer.eval_every=0"],
+                      wrap=lambda model: PolicyValueModel(model, init_std=0.05))
+    tr.step(1)
+    # 4 rows, a micro-batch each, in each of PPO's epochs; the fused head ran
+    assert len(alive) >= 4 and len(alive) % 4 == 0 and contexts, (alive, len(contexts))
+    assert alive == [0] * len(alive)
