@@ -143,7 +143,8 @@ def _chunk_logits(h_c, weight, bias, temperature, out):
 class _ChunkedLinearLogprobs(torch.autograd.Function):
     """h [M, H], W [V, H], b [V] | None, tokens [M] -> (logp [M], entropy [M] | [0]). The
     backward takes each chunk's logits z as the forward kept them or recomputes them; with
-    p = softmax(z), upstream gL (log-prob) and gE (entropy): dL/dz = gL * (onehot(y) - p) - gE * p * (log p + H), / temperature."""
+    p = softmax(z), upstream gL (log-prob) and gE (entropy):
+    dL/dz = gL * (onehot(y) - p) - gE * p * (log p + H), / temperature."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, tokens, temperature, chunk, want_entropy, keep):
@@ -259,12 +260,12 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
         if int(lo) < 0 or int(hi) >= weight.shape[0]:
             raise ValueError(f"chunked_token_logprobs: token ids must be in [0, {weight.shape[0]}); "
                              f"got min {int(lo)}, max {int(hi)}")
-    chunk = int(chunk_tokens) if chunk_tokens is not None else \
-        max(1, CHUNK_ELEMENTS // max(int(weight.shape[0]), 1))
+    chunk = int(chunk_tokens) if chunk_tokens is not None else default_chunk_tokens(weight.shape[0])
     lead = tuple(hidden.shape[:-1])
     h = hidden.reshape(-1, hidden.shape[-1])  # [M, H]
     tok = tokens.reshape(-1).long()  # [M]
-    graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
+    graph = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad or
+                                         (bias is not None and bias.requires_grad))
     logp, ent = _ChunkedLinearLogprobs.apply(h, weight, bias, tok, float(temperature), chunk,
                                              bool(with_entropy), int(keep_elements) if graph else 0)
     return logp.view(lead), (ent.view(lead) if with_entropy else None)
